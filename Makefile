@@ -1,0 +1,29 @@
+# Two entry points for a newcomer: `make demo` (the main job) and `make test` (the suite CI runs).
+# Each creates its own virtual environment in .venv and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first (a local file here); an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[operator,workers,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	# Until `kvguard demo` lands: the planner's verdict on every shipped example (exit 3 = blocked, expected for the incident).
+	for f in examples/*.yaml; do echo "== $$f"; $(VENV)/bin/kvguard plan -f $$f || [ $$? -eq 3 ] || exit 1; done
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

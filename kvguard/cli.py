@@ -1,0 +1,51 @@
+"""The `kvguard` command line.
+
+Each subcommand lives in `kvguard.commands.<name>` and exposes `add_parser(subparsers)`, which
+registers its flags and sets `func`. Command modules import heavy dependencies (torch, kopf) only
+inside the function that runs the command, so `kvguard plan` works in the operator image without
+torch and `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Module names under kvguard.commands, in the order `--help` lists them. A module that is not
+# present yet is skipped, so the command list grows as the parts land.
+COMMANDS: tuple[str, ...] = (
+    "plan",
+    "model",
+    "serve",
+    "worker",
+    "canary",
+    "crds",
+    "operator",
+    "apply",
+    "demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvguard", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"kvguard.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"kvguard.commands.{name}":
+                continue
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

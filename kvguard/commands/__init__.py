@@ -1,0 +1,1 @@
+"""One module per `kvguard` subcommand; see kvguard.cli."""

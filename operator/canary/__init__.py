@@ -1,0 +1,1 @@
+"""kvguard.operator.canary: the canary coherence suite."""

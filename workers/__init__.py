@@ -1,0 +1,1 @@
+"""kvguard.workers: the tagged disaggregated inference engine. Never imports kvguard.operator."""
