@@ -1,0 +1,460 @@
+"""Pydantic models of kvguard's Kubernetes resources (API group `kvguard.io`, version `v1alpha1`).
+
+These models are the single source of truth for the `InferenceModel` CRD: the CRD YAML in `crds/`
+is generated from them, so every field docstring below becomes user-facing documentation. Field
+names are snake_case in Python and camelCase on the wire (`contextLength`, `kvCacheDtype`);
+both spellings are accepted on input. Unknown fields are rejected, so a typo in a manifest gives a
+field-level error instead of being silently ignored.
+
+This module is pure: it imports neither kopf, kubernetes nor torch. Cross-field consistency that
+needs the whole spec (does TP divide the heads, does the pool fit the context...) lives in
+`kvguard.operator.planner`, which raises errors naming the offending field path.
+
+The planner's output models (`KVPlan`, `RolePlan`, `PlanSuggestion`) live here too, because the
+plan is recorded in `InferenceModel.status` (safety invariant S7: the operator never promotes a
+revision whose planned KV pool is below `minKVRatio` x `contextLength` on any role).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+)
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "kvguard.io"
+API_VERSION = "v1alpha1"
+GROUP_VERSION = f"{API_GROUP}/{API_VERSION}"
+
+GiB = 1024**3
+
+
+def _wire_name(field_name: str) -> str:
+    """camelCase, with the acronym KV capitalised inside a name (`minKVRatio`, `numKVHeads`).
+
+    A leading `kv` stays lower case as Kubernetes does with leading acronyms (`kvCacheDtype`).
+    """
+    return re.sub(r"(?<=[a-z0-9])Kv(?=[A-Z]|$)", "KV", to_camel(field_name))
+
+
+class ApiModel(BaseModel):
+    """Base of every kvguard API shape: camelCase on the wire, typos rejected, docstrings documented."""
+
+    model_config = ConfigDict(
+        alias_generator=_wire_name,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-ready camelCase dict Kubernetes stores (unset optional fields omitted)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# --- Quantities ----------------------------------------------------------------------------------
+
+_QUANTITY_SUFFIXES: dict[str, int] = {
+    "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5, "Ei": 1024**6,
+    "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+_QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([KMGTPE]i|[kKMGTPE])?\s*$")
+
+
+def parse_byte_quantity(value: Any) -> int:
+    """A Kubernetes-style memory quantity (`80Gi`, `79.18Gi`, `16G`, `1e9`, or a plain number of
+    bytes) as an integer number of bytes. Raises ValueError on anything else or a negative value."""
+    if isinstance(value, bool):
+        raise ValueError("expected a byte quantity such as 80Gi, not a boolean")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("must not be negative")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a byte quantity such as 80Gi, got {type(value).__name__}")
+    match = _QUANTITY_RE.match(value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a byte quantity (examples: 80Gi, 79.18Gi, 16G, 1048576)")
+    number, suffix = match.groups()
+    return int(float(number) * _QUANTITY_SUFFIXES.get(suffix or "", 1))
+
+
+ByteQuantity = Annotated[
+    int,
+    BeforeValidator(parse_byte_quantity),
+    PlainSerializer(int, return_type=int),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "description": "Bytes, as an integer or a Kubernetes quantity such as 80Gi.",
+        }
+    ),
+]
+"""Bytes. Accepts an integer or a Kubernetes quantity string; always stored as integer bytes."""
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+# --- Enumerations --------------------------------------------------------------------------------
+
+
+class EngineKind(StrEnum):
+    """Which inference engine serves the model. Each has its own KV pool sizing rule."""
+
+    KVGUARD = "kvguard"
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
+class ModelDtype(StrEnum):
+    """Unquantized weight / activation dtype of the checkpoint (config.json `torch_dtype`)."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class Quantization(StrEnum):
+    """Weight format. `bf16`/`fp16`/`fp32` mean unquantized; the others store quantized linear
+    layers with their scales (AWQ/GPTQ: 4-bit with one fp16 scale and 4-bit zero per group;
+    mxfp4: 4-bit with one 8-bit scale per 32 weights; nvfp4: one fp8 scale per 16)."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"
+    AWQ = "awq"
+    GPTQ = "gptq"
+    MXFP4 = "mxfp4"
+    NVFP4 = "nvfp4"
+
+
+class QuantizedLayers(StrEnum):
+    """Which parameters a quantization applies to. Embeddings, norms and the LM head stay in the
+    model dtype either way."""
+
+    ALL_LINEAR = "allLinear"
+    EXPERTS_ONLY = "expertsOnly"
+
+
+class KVCacheDtype(StrEnum):
+    """Element type of the KV cache. `auto` follows the model dtype (SGLang/vLLM default)."""
+
+    AUTO = "auto"
+    BF16 = "bf16"
+    BFLOAT16 = "bfloat16"
+    FP16 = "fp16"
+    FLOAT16 = "float16"
+    FP32 = "fp32"
+    FLOAT32 = "float32"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    FP4_E2M1 = "fp4_e2m1"
+
+
+class DeviceKind(StrEnum):
+    """Where the engine keeps weights and KV. On `cpu` the device memory is the configured budget."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+# --- Model ---------------------------------------------------------------------------------------
+
+
+class MLAConfig(ApiModel):
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-5 family): the KV cache stores one
+    compressed latent plus a shared RoPE key per token and layer, identical on every GPU."""
+
+    kv_lora_rank: PositiveInt
+    """Width of the compressed KV latent (config.json `kv_lora_rank`, 512 for DeepSeek-V3)."""
+    qk_rope_head_dim: NonNegativeInt
+    """Width of the decoupled RoPE key stored next to the latent (`qk_rope_head_dim`, 64)."""
+    indexer_head_dim: NonNegativeInt = 0
+    """Sparse-attention indexer key width cached per token and layer (DeepSeek-V3.2 / GLM-5
+    `index_head_dim`); 0 when the model has no indexer."""
+
+
+class ModelArchitecture(ApiModel):
+    """The shape of the transformer, as far as KV cache and weight memory depend on it. Fill it by
+    hand or from a Hugging Face config.json (`kvguard plan --hf-config`)."""
+
+    num_layers: PositiveInt
+    """Transformer layers that own a KV cache (config.json `num_hidden_layers`)."""
+    num_attention_heads: PositiveInt
+    """Query heads per layer (`num_attention_heads`)."""
+    num_kv_heads: PositiveInt
+    """Key/value heads per layer (`num_key_value_heads`; equals the query heads for MHA)."""
+    head_dim: PositiveInt | None = None
+    """Per-head width. Some models set it explicitly (Qwen3, Mistral-Small, gpt-oss); when absent it
+    is hiddenSize / numAttentionHeads."""
+    hidden_size: PositiveInt
+    """Model width (`hidden_size`)."""
+    vocab_size: PositiveInt | None = None
+    """Vocabulary size (`vocab_size`); informational."""
+    dtype: ModelDtype = ModelDtype.BF16
+    """Dtype of unquantized weights and of the KV cache when kvCacheDtype is `auto`."""
+    total_parameters: PositiveInt
+    """All parameters of the checkpoint, including embeddings, the LM head and every expert."""
+    embedding_parameters: NonNegativeInt = 0
+    """Parameters of the input embedding and LM head (never quantized)."""
+    expert_parameters: NonNegativeInt = 0
+    """Parameters of routed MoE experts (sharded by expert/tensor parallelism); 0 for dense models."""
+    num_experts: NonNegativeInt = 0
+    """Routed experts per MoE layer; 0 for dense models. Informational."""
+    mla: MLAConfig | None = None
+    """Present for multi-head latent attention models; replaces the per-head K/V cache."""
+
+    @property
+    def effective_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class ModelSpec(ApiModel):
+    """Which model is served and what it looks like."""
+
+    name: str = Field(min_length=1)
+    """Model name clients send (usually the Hugging Face id, e.g. meta-llama/Llama-3.1-8B-Instruct)."""
+    architecture: ModelArchitecture | None = None
+    """Shape of the model. Required for planning; `kvguard plan --hf-config` can supply it."""
+    extra_draft_layers: NonNegativeInt = 0
+    """Speculative-decoding draft layers (EAGLE, MTP) that share the target model's KV pool."""
+
+
+class WeightsSpec(ApiModel):
+    """Weight format, or measured weight memory when it is known from a log."""
+
+    quantization: Quantization | None = None
+    """Weight format; omitted means unquantized in the model dtype."""
+    quantized_layers: QuantizedLayers | None = None
+    """Which parameters the quantization covers; default: `expertsOnly` for mxfp4 (gpt-oss),
+    `allLinear` otherwise."""
+    group_size: PositiveInt = 128
+    """Weights per scale group for AWQ/GPTQ/int4."""
+    measured_bytes_per_device: ByteQuantity | None = None
+    """Weight memory per GPU as measured (e.g. SGLang's `Load weight end ... mem usage`). Overrides
+    the estimate from parameters and quantization."""
+
+
+# --- Deployment ----------------------------------------------------------------------------------
+
+
+class EngineSpec(ApiModel):
+    """The inference engine and how it is launched."""
+
+    kind: EngineKind = EngineKind.KVGUARD
+    """`kvguard` (our tagged engine), `sglang` or `vllm`."""
+    image: str | None = None
+    """Container image; defaults to the kvguard worker image for `kvguard`."""
+    version: str | None = None
+    """Engine version, recorded in status and used to pick version-specific defaults."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed to every worker of the engine, verbatim."""
+
+
+class HardwareSpec(ApiModel):
+    """The device each worker process runs on."""
+
+    device: DeviceKind = DeviceKind.CUDA
+    """`cuda` for GPUs; `cpu` runs the kvguard engine on host memory."""
+    memory_per_device: ByteQuantity = Field(gt=0)
+    """Memory of one device as the driver reports it (torch `mem_get_info` total: 79.18Gi for an
+    H100 80GB). On CPU: the memory budget for weights and KV of one worker."""
+    device_overhead: ByteQuantity = 0
+    """Memory already in use before the engine loads weights (CUDA context, other processes)."""
+    gpu_product: str | None = None
+    """GPU product name (e.g. NVIDIA-H100-80GB-HBM3); informational."""
+
+
+class WorkerRole(ApiModel):
+    """One disaggregated role (prefill or decode): how many engine instances, how each is split."""
+
+    replicas: NonNegativeInt = 1
+    """Engine instances of this role. Each has its own KV pool."""
+    tensor_parallel: PositiveInt = 1
+    """GPUs that shard every layer of one instance (SGLang `--tp-size`, vLLM `-tp`)."""
+    pipeline_parallel: PositiveInt = 1
+    """Pipeline stages; each GPU holds layers / stages of the KV cache."""
+    data_parallel: PositiveInt = 1
+    """Data-parallel ranks (SGLang `--dp-size`, vLLM `-dp`). Each rank has its own KV pool."""
+    data_parallel_attention: bool = False
+    """SGLang `--enable-dp-attention`: the DP ranks split the tensor-parallel group for attention
+    (attention TP = tensorParallel / dataParallel) and each keeps the full KV heads."""
+    expert_parallel: PositiveInt = 1
+    """Expert-parallel size: MoE experts are sharded over max(tensorParallel, expertParallel) GPUs."""
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    """Overrides spec.memoryFraction for this role."""
+    kv_pool_tokens: PositiveInt | None = None
+    """Overrides spec.kvPoolTokens for this role."""
+
+
+class RouterRole(ApiModel):
+    """The request router in front of prefill and decode."""
+
+    replicas: PositiveInt = 1
+    """Router instances."""
+
+
+class RolesSpec(ApiModel):
+    """Per-role deployment shape."""
+
+    prefill: WorkerRole = Field(default_factory=WorkerRole)
+    """Prefill workers: compute the prompt's KV and send it to decode."""
+    decode: WorkerRole = Field(default_factory=WorkerRole)
+    """Decode workers: receive KV into pre-allocated pages and generate tokens."""
+    router: RouterRole = Field(default_factory=RouterRole)
+    """The router that admits requests (S2) and pairs prefill with decode."""
+
+    def worker_roles(self) -> dict[str, WorkerRole]:
+        """The roles that own a KV pool, by name."""
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+class InferenceModelSpec(ApiModel):
+    """Desired state of an InferenceModel: what to serve, on what, and how safely."""
+
+    model: ModelSpec
+    """The served model."""
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    """Weight format or measured weight memory."""
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    """KV cache element type (SGLang/vLLM `--kv-cache-dtype`)."""
+    page_size: PositiveInt = 1
+    """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`). Pools are whole pages."""
+    context_length: PositiveInt
+    """Longest request (prompt + completion) the service accepts, in tokens."""
+    min_kv_ratio: float = Field(default=2.0, ge=1.0)
+    """Every role's KV pool must hold at least this many times contextLength tokens (S7)."""
+    kv_pool_tokens: PositiveInt | None = None
+    """Explicit cap on the KV pool per engine instance (kvguard `--kv-pool-tokens`, SGLang
+    `--max-total-tokens`). The pool is the smaller of this and what memory allows."""
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    """Share of device memory for weights plus KV pool (SGLang `--mem-fraction-static`, vLLM
+    `--gpu-memory-utilization`). Default: the engine's (0.88 SGLang, 0.9 vLLM, 0.9 kvguard)."""
+    reserve: ByteQuantity = 0
+    """Memory per device kept out of the KV pool besides weights: vLLM's profiled activation peak
+    plus non-torch memory, or any headroom you want. SGLang and kvguard carve activations and CUDA
+    graphs out of (1 - memoryFraction) instead, so 0 is usual for them."""
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """The inference engine."""
+    hardware: HardwareSpec
+    """The device each worker runs on."""
+    roles: RolesSpec = Field(default_factory=RolesSpec)
+    """Prefill, decode and router shapes."""
+
+
+# --- Plan (recorded in status) -------------------------------------------------------------------
+
+
+class RolePlan(ApiModel):
+    """The planned KV pool of one role (per engine instance, i.e. per DP rank)."""
+
+    gpus_per_instance: PositiveInt
+    """Devices behind one KV pool: tensorParallel x pipelineParallel, divided by dataParallel with
+    DP attention (each DP rank owns a pool on its share of the TP group)."""
+    instances: NonNegativeInt
+    """KV pools of this role: replicas x dataParallel (one per DP rank)."""
+    bytes_per_token: PositiveInt
+    """KV bytes one token occupies on one device of this role."""
+    weights_bytes_per_gpu: NonNegativeInt
+    """Weight memory per device."""
+    kv_bytes_per_gpu: NonNegativeInt
+    """KV pool memory per device (poolTokens x bytesPerToken)."""
+    memory_fraction: float
+    """Memory fraction the plan used."""
+    memory_pool_tokens: NonNegativeInt
+    """Tokens the memory allows, in whole pages, before any explicit cap."""
+    pool_tokens: NonNegativeInt
+    """KV pool in tokens per engine instance (whole pages, after the explicit cap)."""
+    capped_by: Literal["memory", "kvPoolTokens"]
+    """What limited the pool."""
+    ratio: float
+    """poolTokens / contextLength."""
+    sufficient: bool
+    """ratio >= minKVRatio."""
+
+
+class PlanSuggestion(ApiModel):
+    """One smallest change (holding everything else fixed) that would make a blocked plan pass."""
+
+    field: str
+    """Spec field to change, e.g. spec.memoryFraction or spec.roles.decode.tensorParallel."""
+    value: Any
+    """The value that passes (for contextLength: the longest safe context)."""
+    role: str | None = None
+    """The role the change applies to, when it is per role."""
+    message: str
+    """Human-readable explanation."""
+
+
+class KVPlan(ApiModel):
+    """The planner's verdict on an InferenceModelSpec (S7)."""
+
+    verdict: Literal["pass", "blocked"]
+    """`pass` when every role's pool holds minRatio x contextLength tokens."""
+    engine: EngineKind
+    """Engine whose pool rule was applied."""
+    context_length: PositiveInt
+    """Context length planned for."""
+    min_ratio: float
+    """Required pool/context ratio."""
+    page_size: PositiveInt
+    """Tokens per page."""
+    kv_cache_dtype: str
+    """Resolved KV element type (auto replaced by the model dtype)."""
+    roles: dict[str, RolePlan]
+    """Per role (prefill, decode)."""
+    suggestions: list[PlanSuggestion] = Field(default_factory=list)
+    """When blocked: the smallest single changes that would pass."""
+    warnings: list[str] = Field(default_factory=list)
+    """Assumptions the plan had to make (e.g. vLLM activation memory not given)."""
+
+
+# --- Top-level resource --------------------------------------------------------------------------
+
+
+class ObjectMeta(BaseModel):
+    """Kubernetes object metadata. Only the fields kvguard reads are typed; the API server's own
+    fields (uid, resourceVersion, managedFields...) pass through."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    generation: int | None = None
+
+
+class InferenceModelStatus(ApiModel):
+    """Observed state of an InferenceModel, written by the operator."""
+
+    observed_generation: int | None = None
+    """metadata.generation this status describes."""
+    plan: KVPlan | None = None
+    """The last KV pool plan of the spec (S7)."""
+
+
+class InferenceModel(ApiModel):
+    """An LLM served behind kvguard's safety gates (namespaced, kind InferenceModel)."""
+
+    api_version: Literal["kvguard.io/v1alpha1"] = Field(default=GROUP_VERSION, alias="apiVersion")
+    kind: Literal["InferenceModel"] = "InferenceModel"
+    metadata: ObjectMeta
+    spec: InferenceModelSpec
+    status: InferenceModelStatus | None = None
