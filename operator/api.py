@@ -203,16 +203,20 @@ class ModelArchitecture(ApiModel):
     head_dim: PositiveInt | None = None
     """Per-head width. Some models set it explicitly (Qwen3, Mistral-Small, gpt-oss); when absent it
     is hiddenSize / numAttentionHeads."""
-    hidden_size: PositiveInt
-    """Model width (`hidden_size`)."""
+    hidden_size: PositiveInt | None = None
+    """Model width (`hidden_size`); needed when headDim is not given."""
     vocab_size: PositiveInt | None = None
     """Vocabulary size (`vocab_size`); informational."""
     dtype: ModelDtype = ModelDtype.BF16
     """Dtype of unquantized weights and of the KV cache when kvCacheDtype is `auto`."""
-    total_parameters: PositiveInt
-    """All parameters of the checkpoint, including embeddings, the LM head and every expert."""
+    total_parameters: PositiveInt | None = None
+    """All parameters of the checkpoint, including embeddings, the LM head and every expert.
+    Needed unless spec.weights.measuredBytesPerDevice is given."""
     embedding_parameters: NonNegativeInt = 0
-    """Parameters of the input embedding and LM head (never quantized)."""
+    """Parameters of the input embedding and LM head (never quantized; vocab-parallel over TP)."""
+    attention_parameters: NonNegativeInt = 0
+    """Parameters of the attention projections of all layers (sharded over the attention TP group,
+    i.e. replicated per rank with data-parallel attention); 0 when unknown."""
     expert_parameters: NonNegativeInt = 0
     """Parameters of routed MoE experts (sharded by expert/tensor parallelism); 0 for dense models."""
     num_experts: NonNegativeInt = 0
@@ -221,8 +225,11 @@ class ModelArchitecture(ApiModel):
     """Present for multi-head latent attention models; replaces the per-head K/V cache."""
 
     @property
-    def effective_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+    def effective_head_dim(self) -> int | None:
+        """headDim, or hiddenSize / numAttentionHeads when not given (None if neither is known)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.hidden_size // self.num_attention_heads if self.hidden_size else None
 
 
 class ModelSpec(ApiModel):
