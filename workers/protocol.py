@@ -1,0 +1,124 @@
+"""Messages between the router and the prefill/decode workers (HTTP + JSON on the cluster network).
+
+One request through the disaggregated engine, as the router drives it (DESIGN.md, Data flow):
+
+1. router -> decode   ``POST /internal/decode`` with a :class:`GenerateRequest`. Decode runs its own
+   intake check (S2), allocates the destination pages (PREALLOCATED) and answers with a stream of
+   newline-delimited JSON events: first a :class:`BootstrapEvent` saying where prefill must write,
+   then, once every page was received and verified (S3), :class:`TokenEvent` s and one
+   :class:`FinishEvent` -- or an :class:`ErrorEvent` at any point.
+2. router -> prefill  ``POST /internal/prefill`` with a :class:`PrefillRequest` (the same request plus
+   the bootstrap). Prefill runs its own intake check, computes the KV, sends it over the checked
+   transfer channel and answers with a :class:`PrefillResult`.
+3. router -> both     ``POST /internal/abort`` with an :class:`AbortRequest` whenever either leg
+   fails or the client goes away (S4). Aborting an unknown or finished id is a no-op.
+
+Every worker also serves ``GET /internal/info`` (:class:`WorkerInfo`), ``GET /health`` and
+``GET /metrics``. The router uses the info to reject at intake what no worker on the path can hold.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+class SamplingParams(_Message):
+    """What the engine needs to pick tokens; validated again by each worker."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Message):
+    request_id: str = Field(min_length=1, max_length=200)
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    sampling: SamplingParams
+    # An over-length request that the router let through only because the unsafe_reject_path fault
+    # is on; healthy workers reject it like any other over-length request.
+    over_length: bool = False
+
+
+class Bootstrap(_Message):
+    """Where prefill must write: decode's transfer endpoint and the pages it granted (S3, S5)."""
+
+    transfer_host: str
+    transfer_port: int = Field(gt=0, lt=65536)
+    page_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    num_tokens: int = Field(ge=0, description="tokens of KV decode expects to receive")
+
+
+class PrefillRequest(GenerateRequest):
+    bootstrap: Bootstrap
+
+
+class PrefillResult(_Message):
+    request_id: str
+    chunks: int
+    bytes: int
+
+
+class AbortRequest(_Message):
+    request_id: str
+    cause: str = "client_disconnect"
+
+
+class BootstrapEvent(_Message):
+    event: Literal["bootstrap"] = "bootstrap"
+    bootstrap: Bootstrap
+
+
+class TokenEvent(_Message):
+    event: Literal["token"] = "token"
+    token_id: int
+    text: str
+
+
+class FinishEvent(_Message):
+    event: Literal["finish"] = "finish"
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ErrorEvent(_Message):
+    """A request-scoped failure. `status` is the HTTP status the client should see."""
+
+    event: Literal["error"] = "error"
+    status: int = 500
+    code: str
+    message: str
+
+
+DecodeEvent = Annotated[
+    BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent, Field(discriminator="event")
+]
+DECODE_EVENT = TypeAdapter(DecodeEvent)
+
+
+class WorkerInfo(_Message):
+    role: Role
+    model: str
+    context_length: int
+    kv_pool_tokens: int
+    page_size: int
+    transfer_host: str | None = None
+    transfer_port: int | None = None
