@@ -1,0 +1,15 @@
+"""Shared fixtures. The tiny random model is written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `kvguard model tiny` folder (seed 0): config.json, model.safetensors, tokenizer."""
+    from kvguard.workers.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)

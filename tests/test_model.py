@@ -1,0 +1,169 @@
+"""The decoder against dense attention and against Hugging Face transformers (same weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvguard.workers.kv_pool import KVPool
+from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, load_model, paged_decode_attention
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_paged_attention_equals_dense_attention() -> None:
+    torch.manual_seed(0)
+    pages, page_size, kv_heads, heads, dim = 12, 4, 2, 4, 8
+    kv_layer = torch.randn(2, pages, page_size, kv_heads, dim)
+    seq_lens = torch.tensor([9, 3, 16])
+    # Scattered, non-contiguous pages per request, padded with page 0 beyond each length.
+    page_table = torch.tensor([[7, 2, 11, 0], [5, 0, 0, 0], [1, 9, 3, 6]])
+    q = torch.randn(3, heads, dim)
+    out = paged_decode_attention(q, kv_layer, page_table, seq_lens, scale=dim**-0.5)
+    for b in range(3):
+        n = int(seq_lens[b])
+        k = kv_layer[0][page_table[b]].reshape(-1, kv_heads, dim)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        v = kv_layer[1][page_table[b]].reshape(-1, kv_heads, dim)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[b], k) * dim**-0.5
+        dense = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[b], dense, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ parity
+
+
+def _pool_for(model: CausalLM, pages: int = 16, page_size: int = 4) -> KVPool:
+    a = model.args
+    return KVPool(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, page_size=page_size,
+                  num_pages=pages, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _prefill_logits(model: CausalLM, pool: KVPool, tokens: list[int], lease) -> torch.Tensor:
+    n = len(tokens)
+    batch = AttentionBatch(pool.slots(lease, 0, n), is_prefill=True, cu_seqlens=[0, n])
+    hidden = model(torch.tensor(tokens), torch.arange(n), batch, pool.kv)
+    return model.logits(hidden)
+
+
+def _decode_logits(model: CausalLM, pool: KVPool, token: int, position: int, lease) -> torch.Tensor:
+    pages = position // pool.page_size + 1
+    batch = AttentionBatch(pool.slots(lease, position, position + 1), is_prefill=False,
+                           page_table=lease.page_ids_t[None, :pages], seq_lens=torch.tensor([position + 1]))
+    hidden = model(torch.tensor([token]), torch.tensor([position]), batch, pool.kv)
+    return model.logits(hidden)[0]
+
+
+def _save_hf(model_cls, config, path: Path, **save_kwargs) -> torch.nn.Module:
+    torch.manual_seed(1)
+    hf = model_cls(config).eval()
+    with torch.no_grad():  # HF's init is tiny (std 0.02); bigger weights make the comparison meaningful
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    hf.save_pretrained(path, **save_kwargs)
+    return hf
+
+
+def _assert_parity(hf: torch.nn.Module, model_dir: Path, prompt_len: int = 13, decode_steps: int = 27) -> None:
+    model = load_model(model_dir, torch.device("cpu"), torch.float32)
+    model.init_rope(256, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, model.args.vocab_size, (prompt_len + decode_steps,), generator=generator).tolist()
+    with torch.no_grad():
+        reference = hf(torch.tensor([tokens])).logits[0].float()
+    pool = _pool_for(model)
+    lease = pool.allocate("parity", len(tokens))
+    ours = _prefill_logits(model, pool, tokens[:prompt_len], lease)
+    torch.testing.assert_close(ours, reference[:prompt_len], atol=1e-4, rtol=1e-4)
+    for position in range(prompt_len, len(tokens)):  # step-by-step decode reads K/V from the pages
+        step = _decode_logits(model, pool, tokens[position], position, lease)
+        torch.testing.assert_close(step, reference[position], atol=1e-4, rtol=1e-4)
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=101, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("rope", [
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+])
+def test_llama_logits_match_transformers(tmp_path: Path, rope: dict | None) -> None:
+    rope_parameters = {"rope_type": "default", "rope_theta": 500.0} if rope is None else {**rope, "rope_theta": 500.0}
+    config = transformers.LlamaConfig(**SMALL, rope_parameters=rope_parameters, attn_implementation="eager")
+    hf = _save_hf(transformers.LlamaForCausalLM, config, tmp_path)
+    _assert_parity(hf, tmp_path)
+
+
+def test_qwen2_bias_and_tied_embeddings_match_transformers(tmp_path: Path) -> None:
+    config = transformers.Qwen2Config(**SMALL, tie_word_embeddings=True, attn_implementation="eager")
+    hf = _save_hf(transformers.Qwen2ForCausalLM, config, tmp_path)
+    args = ModelArgs.from_dir(tmp_path)
+    assert args.qkv_bias and not args.o_bias and args.tie_word_embeddings
+    _assert_parity(hf, tmp_path)
+
+
+def test_sharded_safetensors_load_like_single_file(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(**SMALL, attn_implementation="eager")
+    _save_hf(transformers.LlamaForCausalLM, config, tmp_path / "single")
+    hf = _save_hf(transformers.LlamaForCausalLM, config, tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    single = load_model(tmp_path / "single", torch.device("cpu"), torch.float32).state_dict()
+    sharded = load_model(tmp_path / "sharded", torch.device("cpu"), torch.float32).state_dict()
+    assert single.keys() == sharded.keys()
+    for name, tensor in single.items():
+        torch.testing.assert_close(sharded[name], tensor)
+    _assert_parity(hf, tmp_path / "sharded", prompt_len=5, decode_steps=3)
+
+
+def test_missing_weight_is_a_clear_error(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LlamaConfig(**SMALL)
+    _save_hf(transformers.LlamaForCausalLM, config, tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj"):
+        load_model(tmp_path, torch.device("cpu"), torch.float32)
+
+
+# -------------------------------------------------------------------------------- tiny model
+
+
+def test_tiny_model_is_deterministic_per_seed(tmp_path: Path) -> None:
+    from kvguard.cli import main
+
+    assert main(["model", "tiny", str(tmp_path / "a"), "--seed", "7"]) == 0
+    assert main(["model", "tiny", str(tmp_path / "b"), "--seed", "7"]) == 0
+    assert main(["model", "tiny", str(tmp_path / "c"), "--seed", "8"]) == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["intermediate_size"],
+            config["vocab_size"], config["max_position_embeddings"]) == (64, 2, 4, 2, 16, 128, 320, 4096)
+
+
+def test_tiny_model_loads_in_transformers_with_same_logits(tiny_model_dir: Path) -> None:
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    _assert_parity(hf, tiny_model_dir, prompt_len=9, decode_steps=4)
+
+
+def test_tiny_tokenizer_round_trips_and_renders_chat(tiny_model_dir: Path) -> None:
+    from kvguard.workers.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    assert tok is not None
+    ids = tok.encode("héllo, wörld")
+    assert ids[0] == 256 and tok.decode(ids) == "héllo, wörld"
+    chat = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert chat == "<|bos|><|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[:2] == [256, 260]

@@ -1,0 +1,383 @@
+"""The engine: model + tagged KV pool + scheduler, stepped by one thread.
+
+Three ways to run a request (see `request.py` for the lifecycle):
+- colocated: `add_request` -> `step()` until FINISHED;
+- prefill worker: `add_prefill_request` -> after its prefill step the request is TRANSFERRING
+  with its first token sampled and its pages kept; export them with `pool.export_pages(lease)`,
+  then `release()`;
+- decode worker: `add_decode_request` -> a step allocates pages for prompt + max_tokens
+  (PREALLOCATED, `request.lease` tells prefill where to write) -> `pool.import_pages(...)`
+  -> `start_decode(request_id, first_token)` checks that every page it will read was written in
+  its current generation (S3) -> DECODING.
+
+Every step verifies the leases of the whole batch in one gather-and-compare before attention
+reads (S1): a request whose lease is stale has its writes redirected to the scratch page, its
+output discarded, and fails alone with `TagViolation`; the rest of the batch continues.
+Not thread-safe: drive it from one thread (see `async_engine.py`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvguard.workers import device as dev
+from kvguard.workers.config import EngineConfig
+from kvguard.workers.kv_pool import KVPool
+from kvguard.workers.metrics import EngineMetrics
+from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, load_model
+from kvguard.workers.request import (
+    ContextLengthExceeded, DuplicateRequestId, EngineError, InvalidRequest, KVNotWritten, Request,
+    RequestAborted, RequestMode, RequestOutput, RequestState, SamplingParams, TagViolation,
+)
+from kvguard.workers.sampling import sample
+from kvguard.workers.scheduler import Scheduler
+from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
+
+S = RequestState
+
+
+def plan_pool_pages(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device, weight_bytes: int) -> int:
+    """KV pool pages: `kv_pool_tokens` if given, else SGLang's rule
+    `(free_after_weights - total * (1 - fraction)) / bytes_per_token`, rounded down to pages.
+    On CUDA the weights are already loaded (free is measured after them); on CPU they are
+    subtracted from the configured budget."""
+    if config.kv_pool_tokens is not None:
+        return config.kv_pool_tokens // config.page_size
+    free, total = dev.memory_info(device, config.cpu_memory_bytes)
+    if device.type == "cpu":
+        free -= weight_bytes
+    budget = free - total * (1 - config.kv_memory_fraction)
+    pages = int(budget // (args.kv_bytes_per_token(dtype) * config.page_size))
+    if pages < 1:
+        raise ValueError(f"no memory left for a KV pool: budget {budget:.0f} bytes after weights")
+    return pages
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.device = dev.resolve_device(config.device)
+        self.args = ModelArgs.from_dir(config.model_dir)
+        self.dtype = (dev.default_dtype(self.device, self.args.torch_dtype)
+                      if config.dtype == "auto" else dev.resolve_dtype(config.dtype))
+        max_len = self.args.max_position_embeddings
+        if config.context_length is not None and config.context_length > max_len:
+            raise ValueError(f"context_length {config.context_length} exceeds the model's maximum {max_len}")
+        self.context_length = config.context_length or max_len
+        dev.seed_everything(config.seed)
+        self.model: CausalLM = load_model(config.model_dir, self.device, self.dtype)
+        self.model.init_rope(self.context_length, self.device)
+        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        pages = plan_pool_pages(config, self.args, self.dtype, self.device, weight_bytes)
+        self.pool = KVPool(
+            num_layers=self.args.num_layers, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim,
+            page_size=config.page_size, num_pages=pages, dtype=self.dtype, device=self.device, tags=config.tags,
+        )
+        self.scheduler = Scheduler(self.pool, config.max_running_requests, config.max_prefill_tokens)
+        self.metrics = EngineMetrics(registry)
+        self.metrics.pool_capacity_tokens.set(self.pool.capacity_tokens)
+        self.metrics.context_length_tokens.set(self.context_length)
+        self.metrics.pool_used_tokens.set_function(lambda: self.pool.used_tokens)
+        eos = set(self.args.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}  # every request not yet in a terminal state
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, int] = {}
+        self._pending: list[RequestOutput] = []
+        self._seeds = random.Random(config.seed)
+
+    # ----------------------------------------------------------------------------- intake (S2)
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Colocated request: prefill then decode here. Raises `EngineError` (nothing allocated)."""
+        return self._intake(request_id, prompt_ids, params, RequestMode.COLOCATED)
+
+    def add_prefill_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Prefill-only request: ends TRANSFERRING with its first token and pages kept; `release()` it."""
+        return self._intake(request_id, prompt_ids, params, RequestMode.PREFILL_ONLY)
+
+    def add_decode_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Decode-only request: a later step allocates its destination pages (PREALLOCATED output)."""
+        return self._intake(request_id, prompt_ids, params, RequestMode.DECODE_ONLY)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int, mode: RequestMode = RequestMode.COLOCATED) -> None:
+        """S2: raise `ContextLengthExceeded` if such a request can never run here."""
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthExceeded(prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                                        limit=self.context_length, limit_kind="context_length")
+        stored = prompt_tokens if mode == RequestMode.PREFILL_ONLY else prompt_tokens + max_tokens
+        if self.pool.pages_for(stored) > self.pool.num_pages:
+            raise ContextLengthExceeded(prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                                        limit=self.pool.capacity_tokens, limit_kind="kv_pool")
+
+    def _intake(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, mode: RequestMode) -> Request:
+        request = Request(request_id, list(prompt_ids), params, mode)
+        try:
+            if request_id in self.requests:
+                raise DuplicateRequestId(f"request id {request_id!r} is already in use")
+            if not request.prompt_ids:
+                raise InvalidRequest("prompt: must contain at least one token")
+            if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.args.vocab_size:
+                raise InvalidRequest(f"prompt: token ids must be in [0, {self.args.vocab_size})")
+            self.check_fits(len(request.prompt_ids), params.max_tokens, mode)
+        except EngineError as error:
+            request.move_to(S.REJECTED)
+            self.metrics.rejected.labels(reason=error.code).inc()
+            self.metrics.requests.labels(outcome="rejected").inc()
+            raise
+        request.move_to(S.ADMITTED)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request.generator = dev.make_generator(self.device, seed)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._emitted[request_id] = 0
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    # ------------------------------------------------------------------------ lifecycle control
+
+    def abort(self, request_id: str, cause: str = "client") -> bool:
+        """End a request in any state, freeing everything it holds (S4). False if unknown/ended."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._fail_now(request, RequestAborted(cause), outcome="aborted")
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Prefill worker: the KV has been exported; TRANSFERRING -> DONE, pages freed."""
+        request = self._get(request_id, S.TRANSFERRING)
+        request.move_to(S.DONE)
+        self._retire(request, outcome="finished")
+
+    def mark_receiving(self, request_id: str) -> None:
+        """Decode worker: the first KV chunk arrived (PREALLOCATED -> RECEIVING)."""
+        self._get(request_id, S.PREALLOCATED).move_to(S.RECEIVING)
+
+    def start_decode(self, request_id: str, first_token: int, *, require_written: bool = True) -> None:
+        """Decode worker: all KV is in. S3: unless `require_written` is False (only the
+        `unsafe_reject_path` fault passes False), every page holding the prompt must have been
+        written in its current generation, else the request fails with `KVNotWritten` (raised).
+        The first token is emitted by the next `step()`; decoding continues from it."""
+        request = self._get(request_id, S.PREALLOCATED, S.RECEIVING)
+        assert request.lease is not None
+        if not 0 <= first_token < self.args.vocab_size:
+            error: EngineError = InvalidRequest(f"first token {first_token} is out of range")
+            self._fail_now(request, error, outcome="failed")
+            raise error
+        if require_written and self.pool.tags and not self.pool.lease_written(request.lease, len(request.prompt_ids)):
+            error = KVNotWritten(f"request {request_id}: not every prompt page was written by this transfer")
+            self._fail_now(request, error, outcome="failed")
+            raise error
+        request.move_to(S.VERIFIED)
+        self._pending.append(self._on_token(request, first_token))
+
+    def _get(self, request_id: str, *states: RequestState) -> Request:
+        request = self.requests.get(request_id)
+        if request is None or request.state not in states:
+            have = "unknown" if request is None else request.state.name
+            raise InvalidRequest(f"request {request_id!r} is {have}, expected {'/'.join(s.name for s in states)}")
+        return request
+
+    # ------------------------------------------------------------------------------- stepping
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, then run one prefill batch or one decode step. Returns what happened."""
+        outputs, self._pending = self._pending, []
+        prefill, preallocated = self.scheduler.admit()
+        outputs += [RequestOutput(r.request_id, r.state, lease=r.lease) for r in preallocated]
+        if prefill:
+            outputs += self._run_prefill(prefill)
+        elif self.scheduler.running:
+            outputs += self._run_decode(list(self.scheduler.running))
+        self.metrics.running_requests.set(len(self.scheduler.holding))
+        self.metrics.waiting_requests.set(len(self.scheduler.waiting))
+        return outputs
+
+    def _lease_tables(self, requests: list[Request], pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, P] page ids and granted generations, padded with page 0 (masked by `pages`)."""
+        width = max(pages)
+        ids, gens = [], []
+        for request, n in zip(requests, pages):
+            lease = request.lease
+            assert lease is not None
+            ids.append(list(lease.page_ids[:n]) + [0] * (width - n))
+            gens.append(list(lease.generations[:n]) + [0] * (width - n))
+        return (torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(gens, dtype=torch.int64, device=self.device))
+
+    def _run_prefill(self, requests: list[Request]) -> list[RequestOutput]:
+        ps, device = self.pool.page_size, self.device
+        lengths = [len(r.prompt_ids) for r in requests]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        input_ids = torch.tensor([t for r in requests for t in r.prompt_ids], dtype=torch.int64, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        slots = torch.cat([self.pool.slots(r.lease, 0, n) for r, n in zip(requests, lengths)])  # type: ignore[arg-type]
+        ok = None
+        if self.pool.tags:
+            pages = [self.pool.pages_for(n) for n in lengths]
+            table, granted = self._lease_tables(requests, pages)
+            pages_t = torch.tensor(pages, device=device)
+            ok = self.pool.verify_reads(table, granted, pages_t, torch.zeros_like(pages_t))  # S1/S5: writes only
+            token_ok = ok.repeat_interleave(torch.tensor(lengths, device=device))
+            slots = torch.where(token_ok, slots, self.pool.scratch_page * ps + positions % ps)
+        batch = AttentionBatch(slots, is_prefill=True, cu_seqlens=cu)
+        hidden = self.model(input_ids, positions, batch, self.pool.kv)
+        last = torch.tensor(cu[1:], device=device) - 1
+        tokens = sample(self.model.logits(hidden[last]), requests)
+        if ok is not None:
+            index = torch.arange(table.shape[1], device=device)[None, :]
+            start = torch.zeros_like(table)
+            end = (torch.tensor(lengths, device=device)[:, None] - index * ps).clamp(0, ps)
+            in_lease = index < pages_t[:, None]
+            self.pool.stamp_written(table[in_lease], granted[in_lease], start[in_lease], end[in_lease],
+                                    ok[:, None].expand_as(table)[in_lease])
+        self.metrics.prompt_tokens.inc(sum(lengths))
+        return self._collect(requests, tokens, ok)
+
+    def _run_decode(self, requests: list[Request]) -> list[RequestOutput]:
+        ps, device = self.pool.page_size, self.device
+        positions_l = [r.num_tokens - 1 for r in requests]  # the last sampled token's position
+        pages = [p // ps + 1 for p in positions_l]
+        table, granted = self._lease_tables(requests, pages)
+        input_ids = torch.tensor([r.output_ids[-1] for r in requests], dtype=torch.int64, device=device)
+        positions = torch.tensor(positions_l, dtype=torch.int64, device=device)
+        rows = torch.arange(len(requests), device=device)
+        write_page = positions // ps
+        slots = table[rows, write_page] * ps + positions % ps
+        ok = None
+        if self.pool.tags:
+            ok = self.pool.verify_reads(table, granted, torch.tensor(pages, device=device), positions)  # S1
+            slots = torch.where(ok, slots, self.pool.scratch_page * ps + positions % ps)
+        batch = AttentionBatch(slots, is_prefill=False, page_table=table, seq_lens=positions + 1)
+        hidden = self.model(input_ids, positions, batch, self.pool.kv)
+        tokens = sample(self.model.logits(hidden), requests)
+        if ok is not None:
+            offset = positions % ps
+            self.pool.stamp_written(table[rows, write_page], granted[rows, write_page], offset, offset + 1, ok)
+        return self._collect(requests, tokens, ok)
+
+    def _collect(self, requests: list[Request], tokens: torch.Tensor, ok: torch.Tensor | None) -> list[RequestOutput]:
+        """The step's single host sync: sampled tokens and verification results."""
+        token_list = tokens.tolist()
+        ok_list = ok.tolist() if ok is not None else [True] * len(requests)
+        outputs = []
+        for request, token, fine in zip(requests, token_list, ok_list):
+            if not fine:
+                self.metrics.tag_violations.inc()
+                error = TagViolation(f"request {request.request_id}: KV page lease is stale (S1); request failed")
+                outputs.append(self._end_with_error(request, error, outcome="failed"))
+                continue
+            if request.state == S.PREFILLING and request.mode == RequestMode.PREFILL_ONLY:
+                request.move_to(S.TRANSFERRING)
+                request.output_ids.append(token)
+                request.first_token_time = time.monotonic()
+                outputs.append(RequestOutput(request.request_id, request.state, [token], lease=request.lease))
+                continue
+            outputs.append(self._on_token(request, token))
+        return outputs
+
+    # ------------------------------------------------------------------- tokens and finishing
+
+    def _on_token(self, request: Request, token: int) -> RequestOutput:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - request.arrival_time)
+        elif request.last_token_time is not None:
+            self.metrics.inter_token_latency.observe(now - request.last_token_time)
+        request.last_token_time = now
+        request.output_ids.append(token)
+        self.metrics.generation_tokens.inc()
+        reason = self._finish_reason(request, token)
+        text, stopped = self._text_delta(request, token, final=reason is not None)
+        reason = "stop" if stopped else reason
+        if reason is None:
+            if request.state != S.DECODING:
+                request.move_to(S.DECODING)
+                self.scheduler.start_running(request)
+            return RequestOutput(request.request_id, request.state, [token], text)
+        request.finish_reason = reason
+        request.move_to(S.FINISHED)
+        self._retire(request, outcome="finished")
+        return RequestOutput(request.request_id, request.state, [token], text, finish_reason=reason)
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(request.output_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _text_delta(self, request: Request, token: int, final: bool) -> tuple[str, bool]:
+        """New text to emit and whether a stop string ended the request. Text that could be the
+        start of a stop string is held back until it is known not to be one."""
+        detok = self._detok.get(request.request_id)
+        if detok is None:
+            return "", False
+        request.output_text += detok.push(token)
+        text, stops = request.output_text, request.params.stop
+        emitted = self._emitted[request.request_id]
+        cut = min((i for i in (text.find(s, max(0, emitted - len(s) + 1)) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            request.output_text = text[:cut]
+            self._emitted[request.request_id] = cut
+            return text[emitted:cut], True
+        end = len(text)
+        if not final:
+            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            end -= hold
+        self._emitted[request.request_id] = max(emitted, end)
+        return text[emitted:end], False
+
+    def _end_with_error(self, request: Request, error: EngineError, outcome: str) -> RequestOutput:
+        request.error = error
+        request.finish_reason = None
+        request.move_to(S.ABORTED)
+        self._retire(request, outcome=outcome)
+        return RequestOutput(request.request_id, S.ABORTED, error=error)
+
+    def _fail_now(self, request: Request, error: EngineError, outcome: str) -> None:
+        """End a request outside a step; its ABORTED output goes out with the next step."""
+        self._pending.append(self._end_with_error(request, error, outcome))
+
+    def _retire(self, request: Request, outcome: str) -> None:
+        """Terminal state reached: free pages, forget per-request state, count the outcome."""
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        self._detok.pop(request.request_id, None)
+        self._emitted.pop(request.request_id, None)
+        self.metrics.requests.labels(outcome=outcome).inc()
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
+        """Run prompts to completion (tests, benchmarks). Returns the finished requests in order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        base = f"gen-{time.monotonic_ns()}"
+        requests = [self.add_request(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while self.has_work():
+            self.step()
+        return requests
+
+    def check_integrity(self) -> None:
+        """Pool integrity plus: every page-holding request is known and non-terminal."""
+        self.pool.check_integrity()
+        for request_id, request in self.scheduler.holding.items():
+            assert self.requests.get(request_id) is request, f"{request_id} holds pages but is not live"
+        assert len(self.pool.live_leases()) == len(self.scheduler.holding), "a lease has no live request"

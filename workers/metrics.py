@@ -1,0 +1,48 @@
+"""Prometheus metrics of one engine, in its own registry (several engines can share a process).
+
+The metric names are a contract: the canary suite and the operator read them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    """`kvguard_*` engine metrics. Servers register their own metrics in `self.registry` too."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.pool_capacity_tokens = Gauge(
+            "kvguard_kv_pool_capacity_tokens", "Tokens the KV pool can hold.", registry=r)
+        self.pool_used_tokens = Gauge(
+            "kvguard_kv_pool_used_tokens", "Tokens of KV pool pages currently allocated.", registry=r)
+        self.context_length_tokens = Gauge(
+            "kvguard_context_length_tokens", "Maximum prompt + completion tokens per request.", registry=r)
+        self.tag_violations = Counter(
+            "kvguard_tag_violations_total", "Reads of KV pages not written for the reader (S1).", registry=r)
+        self.rejected = Counter(
+            "kvguard_rejected_requests_total", "Requests rejected at intake, by reason.", ["reason"], registry=r)
+        self.requests = Counter(
+            "kvguard_requests_total", "Requests that ended, by outcome.", ["outcome"], registry=r)
+        self.prompt_tokens = Counter(
+            "kvguard_prompt_tokens_total", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(
+            "kvguard_generation_tokens_total", "Tokens generated.", registry=r)
+        self.time_to_first_token = Histogram(
+            "kvguard_time_to_first_token_seconds", "Arrival to first generated token.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "kvguard_inter_token_latency_seconds", "Time between consecutive generated tokens.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.running_requests = Gauge(
+            "kvguard_running_requests", "Requests holding KV pages.", registry=r)
+        self.waiting_requests = Gauge(
+            "kvguard_waiting_requests", "Admitted requests waiting for KV pages.", registry=r)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of this registry."""
+        return generate_latest(self.registry)

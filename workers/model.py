@@ -1,0 +1,380 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) that reads and writes its K/V in the paged pool.
+
+Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads as is.
+Attention never keeps K/V of its own: every layer writes the new tokens' K/V into the pool at
+`slot_mapping` and, when decoding, reads the history back through the request's page table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The architecture read from a Hugging Face `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        heads = int(cfg["num_attention_heads"])
+        # transformers >= 5 nests theta and scaling under rope_parameters; older configs use
+        # rope_theta + rope_scaling at top level.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelArgs:
+        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale (yarn's attention factor), as transformers does."""
+    dim = args.head_dim
+    base = args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling, args.max_position_embeddings), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(args, scaling)
+    raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any], max_pos: int) -> torch.Tensor:
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_len = float(s.get("original_max_position_embeddings", max_pos))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(args: ModelArgs, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    dim, base = args.head_dim, args.rope_theta
+    original = float(s.get("original_max_position_embeddings") or args.max_position_embeddings)
+    factor = float(s.get("factor") or args.max_position_embeddings / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(args: ModelArgs, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[max_positions, head_dim]` in float32."""
+    inv_freq, scale = rope_inv_freq(args)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------- attention
+
+
+@dataclass
+class AttentionBatch:
+    """Where one forward pass writes and reads K/V.
+
+    `slot_mapping[t]` is the flat pool slot (`page * page_size + offset`) that token t's K/V goes
+    to. Prefill: `cu_seqlens` delimits each request's tokens in the flat batch (python ints), and
+    attention is causal within each request. Decode: one token per request, `page_table[b]` lists
+    the request's pages (padded), `seq_lens[b]` the tokens to attend to including the new one.
+    """
+
+    slot_mapping: torch.Tensor
+    is_prefill: bool
+    cu_seqlens: list[int] | None = None
+    page_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per request against its paged K/V history.
+
+    q: [B, heads, head_dim]; kv_layer: [2, pages, page_size, kv_heads, head_dim];
+    page_table: [B, P] page ids; seq_lens: [B]. Returns [B, heads, head_dim].
+    """
+    batch, pages = page_table.shape
+    page_size, kv_heads, head_dim = kv_layer.shape[2:]
+    k = kv_layer[0][page_table].view(batch, pages * page_size, kv_heads, head_dim).transpose(1, 2)
+    v = kv_layer[1][page_table].view(batch, pages * page_size, kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(pages * page_size, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one request over its own fresh K/V. q: [T, heads, d]; k, v: [T, kv_heads, d]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+# -------------------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        hidden = args.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=args.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
+        flat[0].index_copy_(0, batch.slot_mapping, k)
+        flat[1].index_copy_(0, batch.slot_mapping, v)
+        if batch.is_prefill:
+            assert batch.cu_seqlens is not None
+            bounds = batch.cu_seqlens
+            out = torch.cat([
+                dense_causal_attention(q[a:b], k[a:b], v[a:b], self.scale)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ])
+        else:
+            assert batch.page_table is not None and batch.seq_lens is not None
+            out = paged_decode_attention(q, kv_layer, batch.page_table, batch.seq_lens, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder. `forward` runs one batch (prefill or decode) against the paged pool `kv`
+    (`[layers, 2, pages, page_size, kv_heads, head_dim]`) and returns final hidden states."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        self.rope_cos, self.rope_sin = rope_cos_sin(self.args, max_positions, device)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor
+    ) -> torch.Tensor:
+        assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope() first"
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv[i], batch)
+        return self.model.norm(x).to(dtype)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows of hidden states."""
+        return self.lm_head(hidden).float()
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def _read_state_dict(model_dir: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(model_dir / name), device=str(device)))
+    return state
+
+
+def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build the decoder for `model_dir/config.json` and load its safetensors weights (single
+    file or sharded with `model.safetensors.index.json`). Fails on missing or unknown tensors."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_dir(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(args)
+    state = {k: v for k, v in _read_state_dict(model_dir, device).items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = {k: v.to(dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match config.json: missing={missing} unexpected={unexpected}")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,212 @@
+"""A request's life in the engine, its sampling parameters, and the typed errors it can end with.
+
+Lifecycle (DESIGN.md). Intake: RECEIVED -> ADMITTED | REJECTED (S2: rejected before any page is
+allocated). Then, depending on where the request runs:
+- colocated (one engine):  ADMITTED -> PREFILLING -> DECODING -> FINISHED
+- prefill worker:          ADMITTED -> PREFILLING -> TRANSFERRING -> DONE
+- decode worker:           ADMITTED -> PREALLOCATED -> RECEIVING -> VERIFIED -> DECODING -> FINISHED
+ABORTED is reachable from every non-terminal state and always releases the request's pages.
+ADMITTED requests wait in the queue until their pages are allocated (PREFILLING / PREALLOCATED).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvguard.workers.kv_pool import Lease
+
+
+class RequestState(enum.Enum):
+    RECEIVED = "received"
+    ADMITTED = "admitted"
+    REJECTED = "rejected"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    PREALLOCATED = "preallocated"
+    RECEIVING = "receiving"
+    VERIFIED = "verified"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+S = RequestState
+TERMINAL = frozenset({S.REJECTED, S.DONE, S.FINISHED, S.ABORTED})
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.RECEIVED: frozenset({S.ADMITTED, S.REJECTED}),
+    S.ADMITTED: frozenset({S.PREFILLING, S.PREALLOCATED}),
+    S.PREFILLING: frozenset({S.DECODING, S.TRANSFERRING, S.FINISHED}),
+    S.TRANSFERRING: frozenset({S.DONE}),
+    S.PREALLOCATED: frozenset({S.RECEIVING, S.VERIFIED}),
+    S.RECEIVING: frozenset({S.VERIFIED}),
+    S.VERIFIED: frozenset({S.DECODING, S.FINISHED}),
+    S.DECODING: frozenset({S.FINISHED}),
+}
+
+
+class RequestMode(enum.Enum):
+    """Which part of the lifecycle this engine runs for the request."""
+
+    COLOCATED = "colocated"
+    PREFILL_ONLY = "prefill_only"
+    DECODE_ONLY = "decode_only"
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+class EngineError(Exception):
+    """An error that ends one request. `code` is the OpenAI error code; `status` the HTTP status."""
+
+    code = "internal_error"
+    status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(EngineError):
+    code = "invalid_request"
+    status = 400
+
+
+class DuplicateRequestId(InvalidRequest):
+    code = "duplicate_request_id"
+
+
+class ContextLengthExceeded(EngineError):
+    """S2: the request can never fit. `limit_kind` is `context_length` or `kv_pool`."""
+
+    code = "context_length_exceeded"
+    status = 400
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, limit: int, limit_kind: str) -> None:
+        self.prompt_tokens, self.max_tokens, self.limit, self.limit_kind = prompt_tokens, max_tokens, limit, limit_kind
+        what = "context length" if limit_kind == "context_length" else "KV pool capacity"
+        super().__init__(
+            f"This model's maximum {what} is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion."
+        )
+
+
+class TagViolation(EngineError):
+    """S1: the request would read a KV page not written for it in the page's current generation."""
+
+    code = "kv_tag_violation"
+    status = 500
+
+
+class KVNotWritten(EngineError):
+    """S3: decode was asked to start although not every page it will read was written."""
+
+    code = "kv_transfer_incomplete"
+    status = 500
+
+
+class RequestAborted(EngineError):
+    code = "aborted"
+    status = 499
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+        super().__init__(f"request aborted: {cause}")
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options. temperature 0 is greedy; top_k 0 disables top-k; a seed
+    makes sampling reproducible for the request whatever else shares its batch."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k: must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            problems.append("stop: empty stop strings are not allowed")
+        if problems:
+            raise InvalidRequest("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ----------------------------------------------------------------------------------- request
+
+
+@dataclass
+class RequestOutput:
+    """What happened to one request in one engine step: new tokens/text, a state change, the end."""
+
+    request_id: str
+    state: RequestState
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" on FINISHED
+    error: EngineError | None = None  # set on ABORTED
+    lease: Lease | None = None  # set on PREALLOCATED (where prefill must write) and TRANSFERRING (what to export)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL or self.state == S.TRANSFERRING
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: RequestMode = RequestMode.COLOCATED
+    state: RequestState = RequestState.RECEIVED
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    lease: Lease | None = None
+    finish_reason: str | None = None
+    error: EngineError | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def move_to(self, state: RequestState) -> None:
+        """Transition; ABORTED from any non-terminal state, others only as TRANSITIONS allows."""
+        allowed = state == S.ABORTED and self.state not in TERMINAL
+        if not allowed and state not in TRANSITIONS.get(self.state, ()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.state.name} -> {state.name}")
+        self.state = state
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose K/V exist or are being computed: prompt + generated."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
