@@ -1,0 +1,204 @@
+"""`kvguard plan`: does every role's KV pool hold minKVRatio x contextLength tokens? (S7)
+
+Reads an InferenceModel manifest, applies "what if" flags on top of it, and prints the planner's
+verdict as a table or JSON. Exit status: 0 pass, 3 blocked, 2 bad input (message on stderr naming
+the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+EXIT_PASS = 0
+EXIT_BAD_INPUT = 2
+EXIT_BLOCKED = 3
+
+# flag dest -> path of the manifest field it overrides (wire names, under `spec`).
+_SPEC_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "context_length": ("contextLength",),
+    "mem_fraction": ("memoryFraction",),
+    "kv_cache_dtype": ("kvCacheDtype",),
+    "page_size": ("pageSize",),
+    "min_ratio": ("minKVRatio",),
+    "kv_pool_tokens": ("kvPoolTokens",),
+    "reserve": ("reserve",),
+    "engine": ("engine", "kind"),
+    "quantization": ("weights", "quantization"),
+    "gpu_memory": ("hardware", "memoryPerDevice"),
+}
+_ROLE_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
+    "tp": (("prefill", "decode"), "tensorParallel"),
+    "prefill_tp": (("prefill",), "tensorParallel"),
+    "decode_tp": (("decode",), "tensorParallel"),
+    "dp": (("prefill", "decode"), "dataParallel"),
+    "pp": (("prefill", "decode"), "pipelineParallel"),
+}
+
+
+class BadInput(Exception):
+    """Input `kvguard plan` cannot use; the message names the file, flag or field."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "plan",
+        help="check that every role's KV pool holds minKVRatio x contextLength (exit 0 pass, 3 blocked, 2 bad input)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-f", "--file", required=True, help="InferenceModel manifest (YAML)")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    parser.add_argument("--hf-config", metavar="PATH", help="fill spec.model.architecture from a HF config.json (file or model dir)")
+    what_if = parser.add_argument_group("what if (override manifest fields)")
+    what_if.add_argument("--context-length", type=int, metavar="N")
+    what_if.add_argument("--mem-fraction", type=float, metavar="F", help="SGLang mem_fraction_static / vLLM gpu_memory_utilization")
+    what_if.add_argument("--tp", type=int, metavar="N", help="tensor parallelism of prefill and decode")
+    what_if.add_argument("--prefill-tp", type=int, metavar="N")
+    what_if.add_argument("--decode-tp", type=int, metavar="N")
+    what_if.add_argument("--dp", type=int, metavar="N", help="data parallelism of prefill and decode")
+    what_if.add_argument("--pp", type=int, metavar="N", help="pipeline parallelism of prefill and decode")
+    what_if.add_argument("--kv-cache-dtype", metavar="D", help="auto, bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2, fp4_e2m1")
+    what_if.add_argument("--page-size", type=int, metavar="N")
+    what_if.add_argument("--min-ratio", type=float, metavar="R")
+    what_if.add_argument("--kv-pool-tokens", type=int, metavar="N", help="explicit pool cap (SGLang --max-total-tokens)")
+    what_if.add_argument("--reserve", metavar="BYTES", help="e.g. 4Gi")
+    what_if.add_argument("--engine", metavar="KIND", help="kvguard, sglang or vllm")
+    what_if.add_argument("--quantization", metavar="Q", help="bf16, fp16, fp8, int8, int4, awq, gptq, mxfp4, nvfp4")
+    what_if.add_argument("--gpu-memory", metavar="BYTES", help="memory per device, e.g. 80Gi")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvguard.operator.api import InferenceModel
+    from kvguard.operator.planner import PlanInputError, plan
+
+    try:
+        manifest = _apply_overrides(_read_manifest(Path(args.file)), args)
+        model = InferenceModel.model_validate(manifest)
+        result = plan(model.spec)
+    except BadInput as exc:
+        return _bad_input(str(exc))
+    except ValidationError as exc:
+        return _bad_input(*(_describe_error(e) for e in exc.errors()))
+    except PlanInputError as exc:
+        return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
+    if args.output == "json":
+        print(json.dumps(result.to_wire(), indent=2))
+    else:
+        print(render_table(model.metadata.name, result))
+    return EXIT_PASS if result.verdict == "pass" else EXIT_BLOCKED
+
+
+def _bad_input(*lines: str) -> int:
+    for line in lines:
+        print(f"kvguard plan: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _describe_error(error: Any) -> str:
+    location = ".".join(str(part) for part in error["loc"]) or "(manifest)"
+    return f"{location}: {error['msg']}"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The single InferenceModel document of a YAML file."""
+    try:
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as exc:
+        raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{path} is not valid YAML: {exc}") from exc
+    models = [d for d in documents if isinstance(d, dict) and d.get("kind") == "InferenceModel"]
+    if len(models) == 1:
+        return models[0]
+    if not models and len(documents) == 1 and isinstance(documents[0], dict):
+        return documents[0]  # let validation name what is wrong with it (kind, apiVersion...)
+    raise BadInput(f"{path} must hold exactly one InferenceModel document, found {len(models)}")
+
+
+def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The manifest with flag values written into its spec (validated later with the rest)."""
+    spec = manifest.setdefault("spec", {})
+    if not isinstance(spec, dict):
+        return manifest  # validation reports it
+    for dest, path in _SPEC_OVERRIDES.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            _set_path(spec, path, value)
+    for dest, (roles, field) in _ROLE_OVERRIDES.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            for role in roles:
+                _set_path(spec, ("roles", role, field), value)
+    if getattr(args, "hf_config", None):
+        _fill_from_hf_config(spec, Path(args.hf_config))
+    return manifest
+
+
+def _set_path(root: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = root
+    for key in path[:-1]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+        node = child
+    node[path[-1]] = value
+
+
+def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
+    from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config, load_hf_config
+    from kvguard.operator.hf_config import quantization_from_hf_config
+
+    try:
+        config = load_hf_config(path)
+        architecture = architecture_from_hf_config(config)
+    except (HFConfigError, ValidationError) as exc:
+        raise BadInput(f"--hf-config {path}: {exc}") from exc
+    _set_path(spec, ("model", "architecture"), architecture.to_wire())
+    quantization = quantization_from_hf_config(config)
+    weights = spec.get("weights") if isinstance(spec.get("weights"), dict) else {}
+    if quantization and not weights.get("quantization"):
+        _set_path(spec, ("weights", "quantization"), quantization)
+
+
+# --- Table ---------------------------------------------------------------------------------------
+
+
+def _gib(value: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (tiny CPU models show KiB)."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value} B"
+
+
+def render_table(name: str, result: Any) -> str:
+    """A readable report of a KVPlan."""
+    header = (
+        f"InferenceModel {name}: engine {result.engine.value}, context {result.context_length:,} tokens, "
+        f"min ratio {result.min_ratio:g}, page {result.page_size}, KV {result.kv_cache_dtype}"
+    )
+    columns = ("role", "pools", "gpus/pool", "weights/gpu", "kv/gpu", "bytes/token", "pool tokens", "ratio", "ok")
+    rows = [columns]
+    for role, r in result.roles.items():
+        pool = f"{r.pool_tokens:,}" + (" (cap)" if r.capped_by == "kvPoolTokens" else "")
+        rows.append((
+            role, str(r.instances), str(r.gpus_per_instance), _gib(r.weights_bytes_per_gpu), _gib(r.kv_bytes_per_gpu),
+            f"{r.bytes_per_token:,}", pool, f"{r.ratio:.2f}", "yes" if r.sufficient else "NO",
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = [header, ""]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines += ["", f"verdict: {result.verdict.upper()}"]
+    if result.suggestions:
+        lines.append("smallest changes that pass (any one):")
+        lines += [f"  - {s.field} = {s.value}: {s.message}" for s in result.suggestions]
+    lines += [f"note: {w}" for w in result.warnings]
+    return "\n".join(lines)

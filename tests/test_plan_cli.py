@@ -1,0 +1,121 @@
+"""`kvguard plan`: table and JSON output, exit codes 0/3/2, what-if flags, --hf-config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvguard.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+CONFIGS = REPO / "tests" / "data" / "hf_configs"
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    status = main(["plan", *args, "-o", "json"])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def test_s7_llama_example_passes_with_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    status, body = plan_json(capsys, "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml"))
+    assert status == 0
+    assert body["verdict"] == "pass" and body["contextLength"] == 131072 and body["minRatio"] == 2.0
+    for role in ("prefill", "decode"):
+        assert {"poolTokens", "bytesPerToken", "ratio", "sufficient"} <= set(body["roles"][role])
+    assert abs(body["roles"]["decode"]["poolTokens"] - 444_500) / 444_500 < 0.01
+
+
+@pytest.mark.parametrize(
+    ("example", "status", "verdict"),
+    [("incident.yaml", 3, "blocked"), ("incident-fixed.yaml", 0, "pass"), ("sglang-30233.yaml", 3, "blocked"),
+     ("tiny-cpu.yaml", 0, "pass")],
+)  # fmt: skip
+def test_s7_examples_exit_with_their_verdict(capsys: pytest.CaptureFixture[str], example: str, status: int, verdict: str) -> None:
+    got_status, body = plan_json(capsys, "-f", str(EXAMPLES / example))
+    assert (got_status, body["verdict"]) == (status, verdict)
+
+
+def test_table_output_shows_roles_verdict_and_suggestions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "-f", str(EXAMPLES / "incident.yaml")]) == 3
+    out = capsys.readouterr().out
+    assert "prefill" in out and "decode" in out and "681,280 (cap)" in out
+    assert "verdict: BLOCKED" in out and "spec.kvCacheDtype = fp8_e4m3" in out
+
+
+def test_what_if_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml")
+    status, body = plan_json(capsys, "-f", llama, "--context-length", "262144")
+    assert status == 3 and body["contextLength"] == 262144
+    status, body = plan_json(capsys, "-f", llama, "--context-length", "262144", "--kv-cache-dtype", "fp8_e4m3")
+    assert status == 0 and body["roles"]["decode"]["bytesPerToken"] == 65536
+    status, body = plan_json(capsys, "-f", llama, "--context-length", "262144", "--tp", "2")
+    assert status == 0 and body["roles"]["prefill"]["bytesPerToken"] == 65536
+    status, body = plan_json(capsys, "-f", llama, "--mem-fraction", "0.5")
+    assert body["roles"]["decode"]["memoryFraction"] == 0.5
+    assert body["roles"]["decode"]["poolTokens"] < 444_500
+
+
+def test_incident_fix_by_flags_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    status, body = plan_json(
+        capsys, "-f", str(EXAMPLES / "incident.yaml"), "--kv-cache-dtype", "fp8_e4m3", "--prefill-tp", "4",
+        "--kv-pool-tokens", "2139136",
+    )  # fmt: skip
+    # The per-role cap in the file (681,280) still wins over the spec-wide flag: blocked, honestly.
+    assert status == 3 and body["roles"]["prefill"]["poolTokens"] == 681_280
+
+
+def test_hf_config_fills_the_architecture(capsys: pytest.CaptureFixture[str]) -> None:
+    status, body = plan_json(
+        capsys, "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml"), "--hf-config", str(CONFIGS / "qwen3-8b.json"),
+    )  # fmt: skip
+    assert status == 0 and body["roles"]["decode"]["bytesPerToken"] == 36 * 2 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--context-length", "-5"], "spec.contextLength"),
+        (["--tp", "3"], "spec.roles.prefill.tensorParallel"),
+        (["--kv-cache-dtype", "fp7"], "spec.kvCacheDtype"),
+        (["--mem-fraction", "1.2"], "spec.memoryFraction"),
+        (["--gpu-memory", "eighty"], "spec.hardware.memoryPerDevice"),
+        (["--engine", "tgi"], "spec.engine.kind"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str], args: list[str], field: str) -> None:
+    assert main(["plan", "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml"), *args]) == 2
+    captured = capsys.readouterr()
+    assert field in captured.err and captured.out == ""
+
+
+def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["plan", "-f", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed")
+    assert main(["plan", "-f", str(broken)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((EXAMPLES / "tiny-cpu.yaml").read_text().replace("contextLength:", "contextLenght:"))
+    assert main(["plan", "-f", str(typo)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.contextLenght" in err and "spec.contextLength" in err  # unknown field and missing one
+    bad_config = tmp_path / "config.json"
+    bad_config.write_text('{"hidden_size": 64}')
+    assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--hf-config", str(bad_config)]) == 2
+    assert "--hf-config" in (err := capsys.readouterr().err) and "num_attention_heads" in err
+
+
+def test_console_script_exit_status_is_real() -> None:
+    """The installed `kvguard` entry point, as a user runs it (one process, ~1 s)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvguard", "plan", "-f", str(EXAMPLES / "incident.yaml"), "-o", "json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    assert json.loads(result.stdout)["verdict"] == "blocked"

@@ -1,0 +1,317 @@
+"""KV pool planner (S7): public numbers, per-GPU rules, suggestions and field-level input errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvguard.operator import api
+from kvguard.operator.planner import (
+    PlanInputError,
+    kv_bytes_per_token,
+    plan,
+    plan_role,
+    quantized_weight_bytes,
+    weights_bytes_per_gpu,
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+GiB = 1024**3
+
+
+def example_spec(name: str) -> api.InferenceModelSpec:
+    return api.InferenceModel.model_validate(yaml.safe_load((EXAMPLES / name).read_text())).spec
+
+
+def llama_arch(**changes: object) -> api.ModelArchitecture:
+    fields: dict[str, object] = dict(
+        num_layers=32, num_attention_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+        total_parameters=8_030_261_248, embedding_parameters=1_050_673_152, attention_parameters=1_342_177_280,
+    )  # fmt: skip
+    fields.update(changes)
+    return api.ModelArchitecture(**fields)
+
+
+def make_spec(role: api.WorkerRole | None = None, **changes: object) -> api.InferenceModelSpec:
+    role = role or api.WorkerRole()
+    fields: dict[str, object] = dict(
+        model=api.ModelSpec(name="m", architecture=llama_arch()),
+        context_length=131072,
+        memory_fraction=0.88,
+        engine=api.EngineSpec(kind="sglang"),
+        hardware=api.HardwareSpec(memory_per_device="79.18Gi", device_overhead="0.37Gi"),
+        roles=api.RolesSpec(prefill=role, decode=role),
+    )
+    fields.update(changes)
+    return api.InferenceModelSpec(**fields)
+
+
+def deepseek_v3_arch() -> api.ModelArchitecture:
+    return api.ModelArchitecture(
+        num_layers=61, num_attention_heads=128, num_kv_heads=128, hidden_size=7168,
+        total_parameters=671_026_419_200, embedding_parameters=1_853_358_080,
+        attention_parameters=11_413_547_008, expert_parameters=653_908_770_816, num_experts=256,
+        mla=api.MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64),
+    )  # fmt: skip
+
+
+# --- Must-show public numbers (S7) ---------------------------------------------------------------
+
+
+def test_s7_llama_8b_sglang_h100_matches_logged_444500_within_1_percent() -> None:
+    result = plan(example_spec("llama-3.1-8b-sglang-h100.yaml"))
+    pool = result.roles["decode"].pool_tokens
+    assert abs(pool - 444_500) / 444_500 < 0.01
+    assert result.roles["decode"].bytes_per_token == 131_072
+    assert result.verdict == "pass"
+
+
+def test_s7_incident_is_blocked_with_prefill_pool_681280() -> None:
+    result = plan(example_spec("incident.yaml"))
+    assert result.context_length == 1_048_576
+    assert result.roles["prefill"].pool_tokens == 681_280
+    assert not result.roles["prefill"].sufficient
+    assert result.verdict == "blocked"
+
+
+def test_s7_incident_fix_passes_with_pool_about_2_04_mi_tokens() -> None:
+    result = plan(example_spec("incident-fixed.yaml"))
+    prefill = result.roles["prefill"]
+    assert prefill.pool_tokens == 2_139_136 and round(prefill.ratio, 2) == 2.04
+    assert result.verdict == "pass"
+    assert all(role.ratio >= 2.0 for role in result.roles.values())
+
+
+def test_s7_sglang_issue_30233_glm_5_2_fp8_is_blocked_with_pool_284928() -> None:
+    spec = example_spec("sglang-30233.yaml")
+    assert spec.kv_cache_dtype is api.KVCacheDtype.FP8_E4M3 and spec.page_size == 64
+    assert spec.memory_fraction == 0.75 and spec.context_length == 1_048_576
+    result = plan(spec)
+    assert result.roles["decode"].pool_tokens == 284_928
+    assert result.roles["decode"].bytes_per_token == 78 * (576 + 132)
+    assert result.verdict == "blocked"
+
+
+def test_tiny_cpu_example_passes_with_its_explicit_pool() -> None:
+    result = plan(example_spec("tiny-cpu.yaml"))
+    assert result.verdict == "pass"
+    for role in result.roles.values():
+        assert role.pool_tokens == 4096 and role.capped_by == "kvPoolTokens"
+        assert role.bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x K,V x heads x dim x fp32
+        assert role.memory_pool_tokens > 4096  # the budget really holds the capped pool
+
+
+# --- Bytes per token per GPU ---------------------------------------------------------------------
+
+
+def test_gqa_kv_heads_split_over_tp_then_replicated_beyond_kv_heads() -> None:
+    per_tp = {tp: kv_bytes_per_token(make_spec(), api.WorkerRole(tensor_parallel=tp)) for tp in (1, 2, 8, 16, 32)}
+    assert per_tp[1] == 32 * 2 * 8 * 128 * 2
+    assert per_tp[2] == per_tp[1] // 2
+    assert per_tp[8] == per_tp[16] == per_tp[32] == 32 * 2 * 1 * 128 * 2  # one head each, replicated
+
+
+def test_mla_keeps_full_latent_on_every_gpu() -> None:
+    spec = make_spec(model=api.ModelSpec(name="dsv3", architecture=deepseek_v3_arch()))
+    assert {kv_bytes_per_token(spec, api.WorkerRole(tensor_parallel=tp)) for tp in (1, 8, 16)} == {61 * 576 * 2}
+
+
+def test_dp_attention_keeps_full_kv_heads_per_rank() -> None:
+    spec = make_spec()
+    plain = kv_bytes_per_token(spec, api.WorkerRole(tensor_parallel=8))
+    dp_attention = api.WorkerRole(tensor_parallel=8, data_parallel=8, data_parallel_attention=True)
+    assert kv_bytes_per_token(spec, dp_attention) == 8 * plain  # attention TP 1: all 8 KV heads
+    assert plan_role(spec, dp_attention).instances == 8
+
+
+def test_draft_layers_share_the_pool_and_pipeline_splits_layers() -> None:
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(), extra_draft_layers=1))
+    assert kv_bytes_per_token(spec, api.WorkerRole()) == 33 * 2 * 8 * 128 * 2  # reference row V04
+    assert kv_bytes_per_token(make_spec(), api.WorkerRole(pipeline_parallel=2)) == 16 * 2 * 8 * 128 * 2
+
+
+def test_head_dim_defaults_to_hidden_over_heads_but_explicit_head_dim_wins() -> None:
+    implicit = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(head_dim=None)))
+    explicit = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(hidden_size=5120)))
+    assert kv_bytes_per_token(implicit, api.WorkerRole()) == kv_bytes_per_token(explicit, api.WorkerRole())
+
+
+# --- Weights -------------------------------------------------------------------------------------
+
+
+def test_quantization_scale_overheads() -> None:
+    assert float(quantized_weight_bytes(api.Quantization.AWQ, 128)) == pytest.approx(0.5 + 2.5 / 128)
+    assert float(quantized_weight_bytes(api.Quantization.GPTQ, 64)) == pytest.approx(0.5 + 2.5 / 64)
+    assert float(quantized_weight_bytes(api.Quantization.MXFP4, 128)) == pytest.approx(0.53125)
+    assert float(quantized_weight_bytes(api.Quantization.FP8, 128)) == pytest.approx(1 + 4 / 16384)
+
+
+def test_awq_quantizes_linear_layers_but_not_embeddings() -> None:
+    spec = make_spec(weights=api.WeightsSpec(quantization="awq"))
+    arch = spec.model.architecture
+    assert arch is not None and arch.total_parameters is not None
+    linear = arch.total_parameters - arch.embedding_parameters
+    expected = arch.embedding_parameters * 2 + linear * (0.5 + 2.5 / 128)
+    assert weights_bytes_per_gpu(spec, api.WorkerRole()) == pytest.approx(expected, rel=1e-9)
+
+
+def test_mxfp4_quantizes_experts_only_by_default() -> None:
+    arch = api.ModelArchitecture(
+        num_layers=24, num_attention_heads=64, num_kv_heads=8, head_dim=64, hidden_size=2880,
+        total_parameters=20_914_686_528, embedding_parameters=1_158_266_880,
+        attention_parameters=637_132_800, expert_parameters=19_116_933_120,
+    )  # fmt: skip
+    spec = make_spec(model=api.ModelSpec(name="gpt-oss-20b", architecture=arch), weights=api.WeightsSpec(quantization="mxfp4"))
+    rest = arch.total_parameters - arch.expert_parameters  # type: ignore[operator]
+    expected = rest * 2 + arch.expert_parameters * 0.53125
+    got = weights_bytes_per_gpu(spec, api.WorkerRole())
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert 12 * GiB < got < 14 * GiB  # vLLM logged 13.47 GiB for gpt-oss-20b (reference row V17)
+
+
+def test_experts_shard_over_expert_parallel_and_attention_replicates_with_dp_attention() -> None:
+    spec = make_spec(model=api.ModelSpec(name="dsv3", architecture=deepseek_v3_arch()), weights=api.WeightsSpec(quantization="fp8"))
+    tp8 = weights_bytes_per_gpu(spec, api.WorkerRole(tensor_parallel=8))
+    dp_attention = weights_bytes_per_gpu(spec, api.WorkerRole(tensor_parallel=8, data_parallel=8, data_parallel_attention=True))
+    assert 75 * GiB < tp8 < 82 * GiB  # ~671 GB fp8 over 8 GPUs
+    assert dp_attention - tp8 == pytest.approx(11_413_547_008 * (1 - 1 / 8), rel=1e-3)  # attention unsharded
+
+
+def test_measured_weights_override_the_estimate() -> None:
+    spec = make_spec(weights=api.WeightsSpec(measured_bytes_per_device="15Gi"))
+    assert weights_bytes_per_gpu(spec, api.WorkerRole(tensor_parallel=2)) == 15 * GiB
+
+
+# --- Pool rules ----------------------------------------------------------------------------------
+
+
+def test_sglang_rule_applies_fraction_to_memory_free_before_load() -> None:
+    # Reference row S02: free 21.63 GiB before load, 6.09 after, fraction 0.85, TP4 -> 46,611 logged.
+    spec = make_spec(
+        model=api.ModelSpec(name="qwq", architecture=llama_arch(num_layers=64, num_attention_heads=40, head_dim=128)),
+        weights=api.WeightsSpec(measured_bytes_per_device=int((21.63 - 6.09) * GiB)),
+        memory_fraction=0.85,
+        hardware=api.HardwareSpec(memory_per_device=int(21.63 * GiB)),
+    )
+    assert abs(plan_role(spec, api.WorkerRole(tensor_parallel=4)).pool_tokens - 46_611) <= 10
+
+
+def test_vllm_rule_subtracts_weights_activation_and_non_torch_from_utilization() -> None:
+    # Reference row V01: 23.58 GiB x 0.9 - 14.9888 - 2.0712 (activation) - 0.35 (non-torch) -> 1952 blocks.
+    spec = make_spec(
+        weights=api.WeightsSpec(measured_bytes_per_device=int(14.9888 * GiB)),
+        memory_fraction=0.9,
+        reserve=int(2.0712 * GiB),
+        engine=api.EngineSpec(kind="vllm"),
+        hardware=api.HardwareSpec(memory_per_device=int(23.58 * GiB), device_overhead=int(0.35 * GiB)),
+        page_size=16,
+    )
+    assert abs(plan_role(spec, api.WorkerRole()).pool_tokens - 31_232) <= 16
+
+
+def test_pool_is_whole_pages_and_explicit_cap_applies() -> None:
+    for page in (1, 16, 64):
+        assert plan_role(make_spec(page_size=page), api.WorkerRole()).pool_tokens % page == 0
+    capped = plan_role(make_spec(kv_pool_tokens=300_001, page_size=16), api.WorkerRole())
+    assert capped.pool_tokens == 300_000 and capped.capped_by == "kvPoolTokens"
+    per_role = plan_role(make_spec(kv_pool_tokens=300_000), api.WorkerRole(kv_pool_tokens=270_000))
+    assert per_role.pool_tokens == 270_000
+
+
+def test_weights_larger_than_memory_give_an_empty_pool_not_an_error() -> None:
+    spec = make_spec(weights=api.WeightsSpec(measured_bytes_per_device="200Gi"))
+    result = plan(spec)
+    assert result.roles["decode"].pool_tokens == 0 and result.verdict == "blocked"
+
+
+def test_kvguard_cpu_budget_is_its_device_memory() -> None:
+    spec = example_spec("tiny-cpu.yaml").model_copy(update={"kv_pool_tokens": None})
+    budget_tokens = plan_role(spec, api.WorkerRole()).pool_tokens
+    smaller = spec.model_copy(update={"hardware": api.HardwareSpec(device="cpu", memory_per_device="128Mi")})
+    assert plan_role(smaller, api.WorkerRole()).pool_tokens < budget_tokens
+
+
+# --- Suggestions when blocked --------------------------------------------------------------------
+
+
+def apply_suggestion(spec: api.InferenceModelSpec, suggestion: api.PlanSuggestion) -> api.InferenceModelSpec:
+    data = spec.model_dump(by_alias=True)
+    *parents, leaf = suggestion.field.removeprefix("spec.").split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[leaf] = suggestion.value
+    if "raise kvPoolTokens" in suggestion.message:  # the message says the cap must go up too
+        for role in ("prefill", "decode"):
+            data["roles"][role]["kvPoolTokens"] = None
+        data["kvPoolTokens"] = None
+    return api.InferenceModelSpec.model_validate(data)
+
+
+@pytest.mark.parametrize("example", ["incident.yaml", "sglang-30233.yaml"])
+def test_s7_every_suggestion_passes_when_applied(example: str) -> None:
+    spec = example_spec(example)
+    result = plan(spec)
+    assert result.suggestions
+    for suggestion in result.suggestions:
+        fixed = plan(apply_suggestion(spec, suggestion))
+        if suggestion.role is None:
+            assert fixed.verdict == "pass", suggestion
+        else:
+            assert fixed.roles[suggestion.role].sufficient, suggestion
+
+
+def test_suggestions_are_the_smallest_changes() -> None:
+    spec = make_spec(context_length=240_000)  # 445,606 tokens: ratio 1.86 at fraction 0.88
+    result = plan(spec)
+    by_field = {s.field: s for s in result.suggestions}
+    fraction = by_field["spec.roles.decode.memoryFraction"].value
+    below = spec.model_copy(update={"memory_fraction": round(fraction - 0.01, 2)})
+    assert not plan(below).roles["decode"].sufficient
+    assert by_field["spec.roles.decode.tensorParallel"].value == 2
+    assert by_field["spec.kvCacheDtype"].value == "fp8_e4m3"
+    longest = by_field["spec.contextLength"].value
+    assert plan(spec.model_copy(update={"context_length": longest})).verdict == "pass"
+    assert plan(spec.model_copy(update={"context_length": longest + 1})).verdict == "blocked"
+
+
+def test_capped_role_with_room_suggests_raising_the_cap() -> None:
+    result = plan(make_spec(kv_pool_tokens=100_000))
+    assert result.suggestions[0].field == "spec.roles.prefill.kvPoolTokens"
+    assert result.suggestions[0].value == 262_144
+
+
+# --- Bad input names the field -------------------------------------------------------------------
+
+
+def errors_of(spec: api.InferenceModelSpec) -> dict[str, str]:
+    with pytest.raises(PlanInputError) as caught:
+        plan(spec)
+    return dict(caught.value.problems)
+
+
+def test_tp_that_does_not_divide_heads_names_the_role_field() -> None:
+    problems = errors_of(make_spec(api.WorkerRole(tensor_parallel=3)))
+    assert "spec.roles.prefill.tensorParallel" in problems and "spec.roles.decode.tensorParallel" in problems
+
+
+def test_inconsistent_architecture_and_hardware_name_their_fields() -> None:
+    assert "spec.model.architecture.numKVHeads" in errors_of(
+        make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(num_kv_heads=12)))
+    )
+    assert "spec.hardware.deviceOverhead" in errors_of(
+        make_spec(hardware=api.HardwareSpec(memory_per_device="1Gi", device_overhead="2Gi"))
+    )
+    assert "spec.engine.kind" in errors_of(make_spec(hardware=api.HardwareSpec(device="cpu", memory_per_device="8Gi")))
+    assert "spec.model.architecture" in errors_of(make_spec(model=api.ModelSpec(name="m")))
+    assert "spec.roles.decode.expertParallel" in errors_of(make_spec(api.WorkerRole(expert_parallel=2)))
+    assert "spec.roles.decode.dataParallel" in errors_of(
+        make_spec(api.WorkerRole(tensor_parallel=4, data_parallel=3, data_parallel_attention=True))
+    )
+
+
+def test_missing_parameter_count_without_measured_weights_is_an_error() -> None:
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(total_parameters=None)))
+    assert "spec.model.architecture.totalParameters" in errors_of(spec)
