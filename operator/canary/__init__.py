@@ -1,1 +1,32 @@
-"""kvguard.operator.canary: the canary coherence suite."""
+"""kvguard.operator.canary: the canary coherence suite.
+
+Judges the *content* of a deployment's outputs, against any OpenAI-compatible base URL (ours,
+SGLang, vLLM), optionally a baseline URL (the stable revision) and the workers' `/metrics`.
+Probes (one module each): golden, determinism, isolation, over_length, abort, capacity,
+safety_counters. `run_suite` runs them and returns a `CanaryReport`; `CanarySpec` configures them.
+How each engine's capacity and counters are read is documented in `kvguard.operator.canary.metrics`.
+Pure and HTTP only: no torch, kopf or kubernetes imports.
+"""
+
+from kvguard.operator.canary.report import (
+    CanaryReport,
+    ProbeResult,
+    ProbeStatus,
+    TargetInfo,
+    Verdict,
+)
+from kvguard.operator.canary.spec import CanarySpec, ProbeName
+from kvguard.operator.canary.suite import ProgressCallback, ProgressEvent, run_suite
+
+__all__ = [
+    "CanaryReport",
+    "CanarySpec",
+    "ProbeName",
+    "ProbeResult",
+    "ProbeStatus",
+    "ProgressCallback",
+    "ProgressEvent",
+    "TargetInfo",
+    "Verdict",
+    "run_suite",
+]

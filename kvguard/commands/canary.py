@@ -1,0 +1,169 @@
+"""`kvguard canary`: run the canary coherence suite against an OpenAI-compatible deployment.
+
+Exit status: 0 every enabled probe passed (or was skipped with a reason), 1 a probe failed,
+2 the suite cannot run (unreachable target or baseline, bad spec file, unknown probe, or every probe
+skipped) - with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "canary",
+        help="prove a deployment's outputs are coherent and isolated",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--url", required=True, help="API base URL of the deployment under test")
+    parser.add_argument("--baseline-url", help="API base URL of the stable revision (golden equality)")
+    parser.add_argument(
+        "--metrics-url", action="extend", nargs="+", default=[], metavar="URL",
+        help="a worker's Prometheus /metrics URL (repeatable); enables capacity, pool and counter checks",
+    )
+    parser.add_argument(
+        "--spec", type=Path, metavar="FILE.yaml",
+        help="CanarySpec as YAML (or an InferenceModel manifest: its spec.canary is used)",
+    )
+    parser.add_argument("--probes", help="comma-separated probes to run (default: all enabled in the spec)")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    parser.add_argument("--timeout", type=float, metavar="S", help="overall time limit for the suite, seconds")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvguard.operator.canary import Verdict, run_suite
+
+    try:
+        spec = _load_spec(args.spec, args.probes)
+    except ValueError as exc:
+        print(f"kvguard canary: cannot run: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    if args.timeout is not None and args.timeout <= 0:
+        print("kvguard canary: cannot run: --timeout must be positive", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    table = args.output == "table"
+    progress_stream = sys.stdout if table else (sys.stderr if sys.stderr.isatty() else None)
+    printer = _ProgressPrinter(progress_stream) if progress_stream else None
+    if printer:
+        printer.header(args.url)
+    report = asyncio.run(
+        run_suite(
+            args.url, spec, baseline_url=args.baseline_url, metrics_urls=args.metrics_url,
+            progress=printer.on_event if printer else None, timeout_seconds=args.timeout,
+        )
+    )
+    if table:
+        _print_verdict(report, sys.stdout)
+    else:
+        print(report.to_json())
+    if report.verdict == Verdict.CANNOT_RUN:
+        print(f"kvguard canary: cannot run: {report.reason}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    return EXIT_PASS if report.verdict == Verdict.PASS else EXIT_FAIL
+
+
+def _load_spec(path: Path | None, probes: str | None) -> Any:
+    """The spec from YAML (field-level messages on error) with --probes applied."""
+    import yaml
+    from pydantic import ValidationError
+
+    from kvguard.operator.canary import CanarySpec, ProbeName
+
+    data: Any = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if isinstance(data, dict) and data.get("kind") == "InferenceModel":
+            data = (data.get("spec") or {}).get("canary") or {}
+    try:
+        spec = CanarySpec.model_validate(data)
+        if probes:
+            spec = spec.only([ProbeName.parse(p) for p in probes.split(",") if p.strip()])
+    except ValidationError as exc:
+        where = f"{path}: " if path else ""
+        raise ValueError(where + _field_errors(exc)) from None
+    return spec
+
+
+def _field_errors(exc: Any) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "spec"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+class _ProgressPrinter:
+    """Rows of the result table, printed as each probe finishes."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.live = out.isatty()
+
+    def header(self, url: str) -> None:
+        print(f"kvguard canary {url}", file=self.out)
+        print(f"{'PROBE':<16} {'STATUS':<8} {'TIME':>7}  REASON", file=self.out, flush=True)
+
+    def on_event(self, event: Any) -> None:
+        if event.kind == "started":
+            if self.live:
+                print(f"{event.probe.value:<16} {'running':<8}", end="\r", file=self.out, flush=True)
+            return
+        result = event.result
+        line = f"{result.name.value:<16} {result.status.value:<8} {result.duration_seconds:>6.1f}s  {result.reason}"
+        print(line + (" " * 8 if self.live else ""), file=self.out, flush=True)
+        if result.status.value == "fail":
+            for evidence in result.evidence:
+                for text in describe_evidence(evidence):
+                    print(f"{'':<16} {text}", file=self.out)
+
+
+def describe_evidence(evidence: Any) -> list[str]:
+    """One or two short lines per piece of evidence, for the table."""
+    kind = evidence.kind
+    if kind == "output_mismatch":
+        return [
+            f"- {evidence.request}: expected ({evidence.expected_from}) {_short(evidence.expected)}",
+            f"  {'':<{len(evidence.request)}}  got {_short(evidence.actual)}",
+        ]
+    if kind == "http":
+        status = evidence.status if evidence.status is not None else "no response"
+        detail = evidence.error or _short(evidence.body)
+        return [f"- {evidence.request}: HTTP {status}, {evidence.tokens_received} chunk(s): {detail}"]
+    if kind == "nonce_leak":
+        return [f"- nonce of {evidence.owner} found in {evidence.found_in}: {_short(evidence.output)}"]
+    if kind == "counters":
+        changed = {k: v for k, v in evidence.deltas.items() if v}
+        return [f"- counter deltas: {changed or evidence.deltas}"]
+    if kind == "pool_usage":
+        return [f"- pool used {evidence.final_tokens:g} tokens after {evidence.waited_seconds:g} s (baseline {evidence.baseline_tokens:g})"]
+    if kind == "capacity":
+        return [f"- {evidence.worker}: {evidence.capacity_tokens} tokens, ratio {evidence.ratio} (needs {evidence.required_ratio:g})"]
+    return [f"- {getattr(evidence, 'message', evidence)}"]
+
+
+def _short(text: str, limit: int = 100) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _print_verdict(report: Any, out: TextIO) -> None:
+    target = report.target
+    facts = f"model={target.model} context={target.context_length} min_pool={target.min_pool_tokens}"
+    print(f"target: {facts} engines={','.join(target.engines) or '-'}", file=out)
+    print(
+        f"verdict: {report.verdict.value.upper()} ({report.reason}) in {report.duration_seconds:.1f} s; "
+        f"time to verdict {report.time_to_verdict_seconds:.1f} s",
+        file=out,
+    )

@@ -1,0 +1,91 @@
+"""What every probe shares: the run context (clients, target facts, metrics) and the probe shape."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import aiohttp
+
+from kvguard.operator.canary.client import Completion, EngineClient
+from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
+from kvguard.operator.canary.prompts import TokenEstimate, admissible_prompt_tokens
+from kvguard.operator.canary.report import Evidence, ProbeStatus, TargetInfo
+from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
+
+
+class ProbeSkipped(Exception):
+    """Raised by a probe that cannot judge this target (e.g. no metrics); the message is the reason."""
+
+
+@dataclass
+class Outcome:
+    status: ProbeStatus
+    reason: str
+    evidence: list[Evidence] = field(default_factory=list)
+
+
+def passed(reason: str, evidence: list[Evidence] | None = None) -> Outcome:
+    return Outcome(ProbeStatus.PASS, reason, evidence or [])
+
+
+def failed(reason: str, evidence: list[Evidence] | None = None) -> Outcome:
+    return Outcome(ProbeStatus.FAIL, reason, evidence or [])
+
+
+@dataclass
+class RunContext:
+    """State shared by the probes of one suite run."""
+
+    spec: CanarySpec
+    session: aiohttp.ClientSession
+    target: EngineClient
+    baseline: EngineClient | None
+    metrics_urls: list[str]
+    info: TargetInfo
+    estimate: TokenEstimate = field(default_factory=TokenEstimate)
+    start_snapshots: list[WorkerSnapshot] = field(default_factory=list)
+    # Counter totals just before and after the abort probe (see SafetyCountersSpec).
+    abort_window: tuple[dict[str, float], dict[str, float]] | None = None
+    _solo: dict[tuple[str, str, int], Completion] = field(default_factory=dict)
+
+    @property
+    def metrics_reachable(self) -> bool:
+        return any(s.reachable for s in self.start_snapshots)
+
+    async def snapshots(self, *, server_info: bool = False) -> list[WorkerSnapshot]:
+        return await fetch_all(
+            self.session, self.metrics_urls, self.spec.request_timeout_seconds, server_info=server_info
+        )
+
+    def admissible_tokens(self, reserve_tokens: int) -> int:
+        return admissible_prompt_tokens(self.info.context_length, self.info.min_pool_tokens, reserve_tokens)
+
+    async def solo(self, prompt: str, *, api: ApiKind | None = None, max_tokens: int | None = None) -> Completion:
+        """The reference output of `prompt` run alone (cached: first successful answer wins)."""
+        api = api or self.spec.api
+        max_tokens = max_tokens or self.spec.max_tokens
+        key = (prompt, api, max_tokens)
+        if key not in self._solo:
+            result = await self.target.complete(
+                prompt, api=api, max_tokens=max_tokens, label=f"{api}: reference (alone)"
+            )
+            if not result.ok:
+                return result
+            self._solo[key] = result
+        return self._solo[key]
+
+    def remember_solo(self, prompt: str, api: ApiKind, max_tokens: int, result: Completion) -> None:
+        if result.ok:
+            self._solo.setdefault((prompt, api, max_tokens), result)
+
+
+class Probe(abc.ABC):
+    """One check. `run` returns an Outcome or raises ProbeSkipped; it never raises for a server's
+    misbehaviour (that is a failure with evidence)."""
+
+    name: ClassVar[ProbeName]
+
+    @abc.abstractmethod
+    async def run(self, ctx: RunContext) -> Outcome: ...

@@ -1,0 +1,241 @@
+"""The suite's HTTP client for one OpenAI-compatible base URL (aiohttp, async).
+
+Every call returns a `Completion` and never raises for a server's misbehaviour: timeouts, refused
+connections, malformed bodies and error frames all become `Completion.error`, so that a probe can
+put the exchange into its evidence. Streams are read line by line so a probe can disconnect after a
+given number of chunks, or before the first one (mid-prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvguard.operator.canary.report import HttpExchange, clip
+from kvguard.operator.canary.responses import ModelList, parse_body, parse_json_text, sse_data
+from kvguard.operator.canary.spec import ApiKind
+
+_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class Completion:
+    """One request's outcome as the client saw it."""
+
+    label: str
+    status: int | None = None
+    text: str = ""
+    body: str = ""
+    error: str | None = None
+    chunks: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    disconnected: bool = False
+    seconds: float = 0.0
+    frames: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+    def describe_failure(self) -> str:
+        status = f"HTTP {self.status}" if self.status is not None else "no response"
+        return f"{self.label}: {status}: {self.error or 'unexpected status'}"
+
+    def evidence(self) -> HttpExchange:
+        return HttpExchange(
+            request=self.label,
+            status=self.status,
+            body=clip(self.body),
+            error=self.error,
+            tokens_received=self.chunks,
+        )
+
+
+class EngineClient:
+    """Requests against one base URL; greedy decoding and a fixed seed on every generation."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        model: str | None = None,
+        seed: int = 1234,
+        timeout_seconds: float = 20.0,
+    ) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.seed = seed
+        self.timeout_seconds = timeout_seconds
+
+    def request_body(self, api: ApiKind, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "seed": self.seed,
+            "stream": stream,
+        }
+        if api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+    async def list_models(self) -> tuple[ModelList | None, str | None, bool]:
+        """GET /v1/models: (model list, error text, whether the server answered at all)."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
+        try:
+            async with self.session.get(f"{self.base_url}/v1/models", timeout=timeout) as resp:
+                raw = await resp.text()
+                if resp.status != 200:
+                    return None, f"GET /v1/models: HTTP {resp.status}: {clip(raw, 300)}", True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return None, f"GET /v1/models: {_transport_error(exc, self.timeout_seconds)}", False
+        payload, error = parse_json_text(raw)
+        if error:
+            return None, f"GET /v1/models: {error}", True
+        try:
+            return ModelList.model_validate(payload), None, True
+        except ValueError as exc:
+            return None, f"GET /v1/models: unexpected shape: {clip(str(exc), 300)}", True
+
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        api: ApiKind = "completions",
+        max_tokens: int = 8,
+        stream: bool = False,
+        label: str = "",
+        disconnect_after_chunks: int | None = None,
+    ) -> Completion:
+        """One generation; streamed when `stream`, and then optionally cut after N chunks."""
+        result = Completion(label=label or f"{api} stream={stream}")
+        body = self.request_body(api, prompt, max_tokens, stream)
+        started = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
+        try:
+            async with self.session.post(
+                f"{self.base_url}{_PATHS[api]}", json=body, timeout=timeout
+            ) as resp:
+                result.status = resp.status
+                if stream and resp.status == 200 and _is_event_stream(resp):
+                    await _read_stream(resp, result, disconnect_after_chunks)
+                else:
+                    _read_json(await resp.text(), result)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            result.error = _transport_error(exc, self.timeout_seconds)
+        finally:
+            result.seconds = time.monotonic() - started
+        if result.error is None and result.status != 200:
+            result.error = f"HTTP {result.status}"
+        return result
+
+    async def disconnect_during_prefill(
+        self, prompt: str, *, api: ApiKind, max_tokens: int, after_seconds: float, label: str
+    ) -> Completion:
+        """Send a streaming request and drop the connection after `after_seconds`, whatever came.
+
+        A private session guarantees the socket really closes (a pooled keep-alive connection
+        could otherwise survive the cancelled request).
+        """
+        result = Completion(label=label, disconnected=True)
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as private:
+            solo = EngineClient(
+                private, self.base_url, model=self.model, seed=self.seed,
+                timeout_seconds=self.timeout_seconds,
+            )
+            task = asyncio.create_task(solo.complete(prompt, api=api, max_tokens=max_tokens, stream=True))
+            done, _ = await asyncio.wait({task}, timeout=after_seconds)
+            if done:
+                finished = task.result()
+                finished.label, finished.disconnected = label, False
+                return finished
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        return result
+
+
+def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "text/event-stream"
+
+
+async def _read_stream(
+    resp: aiohttp.ClientResponse, result: Completion, disconnect_after: int | None
+) -> None:
+    """Accumulate SSE frames; an error frame, a malformed frame or a missing [DONE] is an error."""
+    pieces: list[str] = []
+    lines: list[str] = []
+    saw_done = False
+    async for raw_line in resp.content:
+        line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
+        lines.append(line)
+        data = sse_data(line)
+        if data is None or data == "":
+            continue
+        if data == "[DONE]":
+            saw_done = True
+            break
+        payload, error = parse_json_text(data)
+        parsed = parse_body(payload) if error is None else None
+        result.frames.append(data)
+        if error is not None or (parsed is not None and parsed.error is not None):
+            result.error = f"stream frame: {error or parsed.error}"  # type: ignore[union-attr]
+            break
+        assert parsed is not None
+        if parsed.text:
+            pieces.append(parsed.text)
+            result.chunks += 1
+        result.finish_reason = parsed.finish_reason or result.finish_reason
+        if disconnect_after is not None and result.chunks >= disconnect_after:
+            result.disconnected = True
+            resp.close()
+            break
+    result.text = "".join(pieces)
+    result.body = "\n".join(lines)
+    if result.error is None and not saw_done and not result.disconnected:
+        result.error = "stream ended without data: [DONE] (server closed the stream early)"
+
+
+def _read_json(raw: str, result: Completion) -> None:
+    result.body = raw
+    payload, error = parse_json_text(raw)
+    if error is not None:
+        result.error = error
+        return
+    parsed = parse_body(payload)
+    result.text = parsed.text
+    result.chunks = 1 if parsed.text else 0
+    result.error = parsed.error
+    result.finish_reason = parsed.finish_reason
+    result.prompt_tokens = parsed.prompt_tokens
+
+
+def _transport_error(exc: BaseException, timeout_seconds: float) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"timed out after {timeout_seconds:g} s"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+async def get_text(
+    session: aiohttp.ClientSession, url: str, timeout_seconds: float
+) -> tuple[int | None, str, str | None]:
+    """GET any URL: (status, body, transport error)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
+            return resp.status, await resp.text(), None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        return None, "", _transport_error(exc, timeout_seconds)
+

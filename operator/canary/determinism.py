@@ -1,0 +1,46 @@
+"""Determinism probe: the same greedy request gives the same text every time, streamed or not.
+
+A request that reads KV it does not own (S1), a corrupted transfer (S3) or a late write into a
+reused page (S5) typically makes the output depend on what ran before, so repeats differ.
+"""
+
+from __future__ import annotations
+
+from kvguard.operator.canary.base import Outcome, Probe, RunContext, failed, passed
+from kvguard.operator.canary.report import Evidence, OutputMismatch
+from kvguard.operator.canary.spec import ProbeName
+
+
+class DeterminismProbe(Probe):
+    name = ProbeName.DETERMINISM
+
+    async def run(self, ctx: RunContext) -> Outcome:
+        spec = ctx.spec.determinism
+        api, max_tokens = ctx.spec.api, ctx.spec.max_tokens
+        runs = []
+        for i in range(spec.repetitions):
+            out = await ctx.target.complete(spec.prompt, api=api, max_tokens=max_tokens, label=f"run {i + 1}")
+            if not out.ok:
+                return failed(out.describe_failure(), [out.evidence()])
+            runs.append(out)
+        ctx.remember_solo(spec.prompt, api, max_tokens, runs[0])
+        evidence: list[Evidence] = [
+            OutputMismatch(request=r.label, expected_from="run 1", expected=runs[0].text, actual=r.text)
+            for r in runs[1:]
+            if r.text != runs[0].text
+        ]
+        if evidence:
+            return failed(f"{len(evidence)} of {len(runs) - 1} repeat(s) differ from run 1", evidence)
+        if spec.compare_streaming:
+            streamed = await ctx.target.complete(
+                spec.prompt, api=api, max_tokens=max_tokens, stream=True, label="streamed run"
+            )
+            if not streamed.ok:
+                return failed(streamed.describe_failure(), [streamed.evidence()])
+            if streamed.text != runs[0].text:
+                return failed(
+                    "streamed output differs from the non-streamed output",
+                    [OutputMismatch(request="streamed run", expected_from="run 1", expected=runs[0].text, actual=streamed.text)],
+                )
+        extra = " plus a streamed run" if spec.compare_streaming else ""
+        return passed(f"{len(runs)} identical runs{extra}")

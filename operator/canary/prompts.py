@@ -1,0 +1,74 @@
+"""Prompt text for the probes, and sizing it in tokens without knowing the tokenizer (pure).
+
+Prompts are space-separated pseudo-random words. With a byte-level tokenizer a word costs its bytes
+(the worst case); BPE tokenizers spend at least one token per space-separated word. A calibration
+request (its `usage.prompt_tokens`) narrows the estimate when the server reports usage; without it
+the bounds below stay safe in both directions: "at most N tokens" assumes one token per byte,
+"at least N tokens" assumes one token per word.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import secrets
+from dataclasses import dataclass
+
+WORD_LETTERS = "bcdfghjklmnpqrstvwxz"  # no hex letters a-f: filler can never spell part of a nonce
+WORD_LENGTH = 4
+BYTES_PER_WORD = WORD_LENGTH + 1  # the leading space
+CALIBRATION_WORDS = 64
+
+
+def make_nonce(length: int) -> str:
+    """A secret that no model output contains by chance: hex digits, from the OS's CSPRNG."""
+    return secrets.token_hex((length + 1) // 2)[:length]
+
+
+def filler_words(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choices(WORD_LETTERS, k=WORD_LENGTH)) for _ in range(count)]
+
+
+def filler_text(words: int, seed: int, nonce: str | None = None, nonce_every: int = 48) -> str:
+    """`words` filler words; with a nonce, it opens the text and recurs every `nonce_every` words
+    so that every KV page written for this prompt holds a copy of it."""
+    parts = filler_words(max(words, 1), seed)
+    if nonce is not None:
+        parts = [nonce if i % nonce_every == 0 else w for i, w in enumerate(parts)]
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class TokenEstimate:
+    """Tokens per filler word: measured (calibrated) or unknown (then bounds are worst-case)."""
+
+    tokens_per_word: float | None = None
+
+    @classmethod
+    def from_usage(cls, prompt_tokens: int | None, words: int = CALIBRATION_WORDS) -> TokenEstimate:
+        if not prompt_tokens or prompt_tokens <= 0:
+            return cls(None)
+        return cls(prompt_tokens / words)
+
+    def words_at_most(self, tokens: int) -> int:
+        """Words whose prompt stays at or under `tokens` tokens."""
+        per_word = self.tokens_per_word * 1.15 if self.tokens_per_word else float(BYTES_PER_WORD)
+        return max(1, math.floor(tokens / per_word))
+
+    def words_at_least(self, tokens: int) -> int:
+        """Words whose prompt has more than `tokens` tokens."""
+        per_word = self.tokens_per_word * 0.85 if self.tokens_per_word else 1.0
+        return math.ceil(tokens / per_word) + 8
+
+
+def admissible_prompt_tokens(
+    context_length: int | None, min_pool_tokens: float | None, reserve_tokens: int
+) -> int:
+    """The longest prompt every node should accept, leaving `reserve_tokens` for generation.
+
+    Without any known limit, 1024 tokens: long enough to span many pages of any page size in use.
+    """
+    limits = [int(x) for x in (context_length, min_pool_tokens) if x]
+    limit = min(limits) if limits else 1024
+    return max(16, limit - reserve_tokens - 16)

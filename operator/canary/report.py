@@ -1,0 +1,144 @@
+"""The canary report: per probe a status, a reason and evidence an engineer can act on.
+
+Evidence is a discriminated union (`kind`), so that JSON consumers (the operator's status, a
+dashboard) can render each piece without guessing: two differing outputs, one HTTP exchange, a
+leaked nonce, counter deltas, pool usage over time, one worker's capacity, or a plain note.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from kvguard.operator.canary.spec import ProbeName
+
+# Long bodies and outputs are cut so a report stays readable and fits in a CRD status.
+EVIDENCE_TEXT_LIMIT = 2000
+
+
+def clip(text: str, limit: int = EVIDENCE_TEXT_LIMIT) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
+
+
+class _ReportModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+
+class ProbeStatus(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIPPED = "skipped"
+
+
+class Verdict(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    CANNOT_RUN = "cannot_run"
+
+
+class OutputMismatch(_ReportModel):
+    kind: Literal["output_mismatch"] = "output_mismatch"
+    request: str = Field(description="Which request, e.g. 'B after A (0.7 of admissible)'.")
+    expected_from: str = Field(description="Where the expected output came from.")
+    expected: str
+    actual: str
+
+
+class HttpExchange(_ReportModel):
+    kind: Literal["http"] = "http"
+    request: str = Field(description="What was sent (endpoint, stream, size).")
+    status: int | None = Field(None, description="HTTP status; null when none was received.")
+    body: str = Field("", description="Response body or stream text (clipped).")
+    error: str | None = Field(None, description="Transport, timeout or protocol error.")
+    tokens_received: int = Field(0, description="Content chunks/characters of generated text seen.")
+
+
+class NonceLeak(_ReportModel):
+    kind: Literal["nonce_leak"] = "nonce_leak"
+    nonce: str
+    owner: str = Field(description="The request the nonce belongs to.")
+    found_in: str = Field(description="The request whose output contained it.")
+    output: str
+
+
+class CounterDeltas(_ReportModel):
+    kind: Literal["counters"] = "counters"
+    deltas: dict[str, float]
+    before: dict[str, float]
+    after: dict[str, float]
+    note: str = ""
+
+
+class PoolUsage(_ReportModel):
+    kind: Literal["pool_usage"] = "pool_usage"
+    baseline_tokens: float
+    final_tokens: float
+    waited_seconds: float
+    samples: list[tuple[float, float]] = Field(
+        default_factory=list, description="(seconds since the aborts, used tokens) pairs."
+    )
+
+
+class CapacityReading(_ReportModel):
+    kind: Literal["capacity"] = "capacity"
+    worker: str
+    source: str = Field(description="Metric or endpoint the capacity was read from.")
+    capacity_tokens: float | None
+    context_length: int | None
+    ratio: float | None
+    required_ratio: float
+
+
+class Note(_ReportModel):
+    kind: Literal["note"] = "note"
+    message: str
+
+
+Evidence = Annotated[
+    OutputMismatch | HttpExchange | NonceLeak | CounterDeltas | PoolUsage | CapacityReading | Note,
+    Field(discriminator="kind"),
+]
+
+
+class ProbeResult(_ReportModel):
+    name: ProbeName
+    status: ProbeStatus
+    reason: str = Field("", description="One line: why it failed or was skipped, or what passed.")
+    duration_seconds: float = 0.0
+    evidence: list[Evidence] = Field(default_factory=list)
+
+
+class TargetInfo(_ReportModel):
+    url: str
+    baseline_url: str | None = None
+    metrics_urls: list[str] = Field(default_factory=list)
+    model: str | None = None
+    context_length: int | None = Field(None, description="From /v1/models max_model_len or metrics.")
+    min_pool_tokens: float | None = Field(None, description="Smallest KV pool reported by a worker.")
+    engines: list[str] = Field(default_factory=list, description="Engines recognised from metrics.")
+
+
+class CanaryReport(_ReportModel):
+    verdict: Verdict
+    reason: str = ""
+    target: TargetInfo
+    started_at: str = Field(description="UTC ISO-8601 time the suite started.")
+    duration_seconds: float = 0.0
+    time_to_verdict_seconds: float = Field(
+        0.0, description="Seconds until the verdict was known: the first failure, else the end."
+    )
+    probes: list[ProbeResult] = Field(default_factory=list)
+
+    def probe(self, name: ProbeName) -> ProbeResult | None:
+        return next((p for p in self.probes if p.name == name), None)
+
+    def failed_probes(self) -> list[ProbeName]:
+        return [p.name for p in self.probes if p.status == ProbeStatus.FAIL]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, indent=2)

@@ -1,0 +1,278 @@
+"""`CanarySpec`: the canary suite's configuration, one pydantic model.
+
+It becomes part of the InferenceModel CRD, so every field has a camelCase alias, a description and
+a default that makes a bare `kvguard canary --url URL` useful, and unknown keys are rejected (a typo
+in a manifest must not silently disable a probe). Defaults are lean on purpose: a few tokens per
+request and small repetition counts keep the whole suite within ~30 s on a tiny CPU model.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+
+class ProbeName(str, enum.Enum):
+    """The probes, in the order the suite runs them (cheap ones first)."""
+
+    CAPACITY = "capacity"
+    GOLDEN = "golden"
+    DETERMINISM = "determinism"
+    OVER_LENGTH = "over_length"
+    ISOLATION = "isolation"
+    ABORT = "abort"
+    SAFETY_COUNTERS = "safety_counters"
+
+    @classmethod
+    def parse(cls, text: str) -> ProbeName:
+        """Accept `over_length`, `over-length` and `overLength` alike."""
+        key = re.sub(r"(?<!^)(?=[A-Z])", "_", text.strip()).replace("-", "_").lower()
+        try:
+            return cls(key)
+        except ValueError:
+            known = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown probe {text!r} (known: {known})") from None
+
+
+ApiKind = Literal["completions", "chat"]
+
+
+class _SpecModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class GoldenPrompt(_SpecModel):
+    prompt: str = Field(min_length=1, description="Prompt text (the user message for chat).")
+    expect_substring: str | None = Field(
+        None, description="The output must contain this text (greedy decoding)."
+    )
+    expect_regex: str | None = Field(None, description="The output must match this regex (search).")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens to generate; defaults to the suite's maxTokens."
+    )
+
+    @field_validator("expect_regex")
+    @classmethod
+    def _regex_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+def _default_golden_prompts() -> list[GoldenPrompt]:
+    return [
+        GoldenPrompt(prompt="The capital of France is"),
+        GoldenPrompt(prompt="1, 2, 3, 4, 5,"),
+    ]
+
+
+class GoldenSpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the golden-output probe.")
+    prompts: list[GoldenPrompt] = Field(
+        default_factory=_default_golden_prompts,
+        description="Prompts with expected text; without expectations they are only compared "
+        "with the baseline.",
+    )
+    compare_baseline: bool = Field(
+        True, description="When a baseline URL is given, outputs must equal the baseline's."
+    )
+
+
+class DeterminismSpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the determinism probe.")
+    prompt: str = Field(
+        "Once upon a time, in a small village by the sea,",
+        min_length=1,
+        description="The prompt sent repeatedly.",
+    )
+    repetitions: int = Field(2, ge=2, le=100, description="How many times the request is sent.")
+    compare_streaming: bool = Field(
+        True, description="A streamed run must give the same text as the non-streamed runs."
+    )
+
+
+class IsolationSpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the isolation probe.")
+    probe_prompt: str = Field(
+        "Tell me about the weather today.",
+        min_length=1,
+        description="Request B: run alone, then after each long request A; outputs must be identical.",
+    )
+    long_request_fractions: list[float] = Field(
+        default_factory=lambda: [0.3, 0.7],
+        min_length=1,
+        description="Sizes of the long requests A, as fractions of the admissible prompt length "
+        "(context length, or the KV pool when smaller); varied to force page reuse.",
+    )
+    long_request_max_tokens: int = Field(
+        2, ge=1, description="Tokens generated for each long request A."
+    )
+    nonce_length: int = Field(
+        16, ge=8, le=128, description="Length (hex characters) of the secret nonce in each A."
+    )
+    nonce_every_words: int = Field(
+        48, ge=1, description="Repeat the nonce every N filler words, so every page of A holds it."
+    )
+    tenants: int = Field(
+        3, ge=0, le=64, description="Concurrent tenants with distinct nonces (0 disables this part)."
+    )
+    tenant_prompt_words: int = Field(64, ge=1, description="Filler words in each tenant's prompt.")
+
+
+class OverLengthSpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the over-length probe.")
+    context_factor: float = Field(
+        1.25,
+        gt=1.0,
+        le=8.0,
+        description="The over-length prompt has at least this many times the context length in tokens.",
+    )
+    check_pool: bool = Field(
+        True, description="Also send a prompt longer than the smallest reported KV pool."
+    )
+    check_max_tokens: bool = Field(
+        True, description="Also send a short prompt with max_tokens above the context length."
+    )
+    apis: list[ApiKind] = Field(
+        default_factory=lambda: ["completions", "chat"],
+        min_length=1,
+        description="Endpoints to test (/v1/completions, /v1/chat/completions).",
+    )
+    streaming: list[bool] = Field(
+        default_factory=lambda: [False, True], min_length=1, description="Test with stream=false/true."
+    )
+    max_prompt_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="Cases whose prompt would be larger than this are skipped (with a note).",
+    )
+
+
+class AbortSpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the abort probe.")
+    stream_disconnect_after_tokens: list[int] = Field(
+        default_factory=lambda: [2],
+        description="Disconnect a streaming request after this many content chunks (one run each).",
+    )
+    prefill_disconnect_after_seconds: list[float] = Field(
+        default_factory=lambda: [0.05],
+        description="Disconnect a long-prompt request this long after sending it, i.e. during prefill.",
+    )
+    prefill_prompt_fraction: float = Field(
+        0.8, gt=0.0, le=1.0, description="Size of the mid-prefill prompt (fraction of admissible)."
+    )
+    pool_recovery_timeout_seconds: float = Field(
+        5.0, gt=0.0, description="KV pool usage must return to its baseline within this time (S4)."
+    )
+    pool_usage_tolerance_tokens: int = Field(
+        0, ge=0, description="Used tokens above the baseline still counted as recovered."
+    )
+    check_isolation_after: bool = Field(
+        True, description="After the aborts, request B must still give its solo output."
+    )
+
+
+class CapacitySpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the capacity probe (needs metrics).")
+    min_ratio: float = Field(
+        2.0, gt=0.0, description="Every worker's reported KV pool must be >= this x context length (S7)."
+    )
+
+
+DEFAULT_SAFETY_COUNTERS: tuple[str, ...] = (
+    "kvguard_tag_violations_total",
+    "kvguard_checksum_failures_total",
+    "kvguard_hmac_failures_total",
+    "kvguard_stale_writes_dropped_total",
+    "sglang:num_transfer_failed_reqs_total",
+    "sglang:num_bootstrap_failed_reqs_total",
+    "vllm:nixl_num_failed_transfers",
+    "vllm:nixl_num_failed_notifications",
+)
+
+# A client disconnect during prefill can legitimately leave a late chunk in flight: dropping it is
+# S5 working, so increases of these inside the abort probe's window are reported, not failed.
+DEFAULT_ABORT_TOLERANT_COUNTERS: tuple[str, ...] = (
+    "kvguard_stale_writes_dropped_total",
+    "sglang:num_transfer_failed_reqs_total",
+    "sglang:num_bootstrap_failed_reqs_total",
+    "vllm:nixl_num_failed_transfers",
+    "vllm:nixl_num_failed_notifications",
+)
+
+
+class SafetyCountersSpec(_SpecModel):
+    enabled: bool = Field(True, description="Run the safety-counter probe (needs metrics).")
+    counters: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_SAFETY_COUNTERS),
+        description="Prometheus sample names that must not increase during the run (summed over "
+        "labels and workers); names a worker does not expose are ignored.",
+    )
+    abort_tolerant_counters: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_ABORT_TOLERANT_COUNTERS),
+        description="Counters whose increase during the abort probe is expected and not a failure.",
+    )
+
+
+class CanarySpec(_SpecModel):
+    """Configuration of the canary coherence suite (part of the InferenceModel CRD)."""
+
+    model: str | None = Field(
+        None, description="Model name sent in requests; default: the first of /v1/models."
+    )
+    api: ApiKind = Field(
+        "completions", description="Endpoint the generation probes use (over-length tests its own list)."
+    )
+    max_tokens: int = Field(8, ge=1, le=4096, description="Tokens generated per probe request.")
+    seed: int = Field(1234, description="Sampling seed sent with every request (decoding is greedy).")
+    request_timeout_seconds: float = Field(
+        20.0, gt=0.0, description="A request that takes longer fails (hangs are failures)."
+    )
+    suite_timeout_seconds: float | None = Field(
+        300.0, gt=0.0, description="Time limit for the whole suite; probes not finished by then fail."
+    )
+    stop_on_failure: bool = Field(
+        False, description="Stop at the first failing probe (faster verdict, less evidence)."
+    )
+    golden: GoldenSpec = Field(default_factory=GoldenSpec, description="Golden-output probe.")
+    determinism: DeterminismSpec = Field(
+        default_factory=DeterminismSpec, description="Determinism probe."
+    )
+    isolation: IsolationSpec = Field(default_factory=IsolationSpec, description="Isolation probe.")
+    over_length: OverLengthSpec = Field(
+        default_factory=OverLengthSpec, description="Over-length rejection probe (S2)."
+    )
+    abort: AbortSpec = Field(default_factory=AbortSpec, description="Abort/disconnect probe (S4).")
+    capacity: CapacitySpec = Field(default_factory=CapacitySpec, description="KV capacity probe (S7).")
+    safety_counters: SafetyCountersSpec = Field(
+        default_factory=SafetyCountersSpec, description="Safety-counter probe (S1, S3, S5)."
+    )
+
+    @model_validator(mode="after")
+    def _something_enabled(self) -> CanarySpec:
+        if not self.enabled_probes():
+            raise ValueError("every probe is disabled; enable at least one")
+        return self
+
+    def probe_enabled(self, name: ProbeName) -> bool:
+        section: _SpecModel = getattr(self, name.value)
+        return bool(getattr(section, "enabled"))
+
+    def enabled_probes(self) -> list[ProbeName]:
+        return [name for name in ProbeName if self.probe_enabled(name)]
+
+    def only(self, names: list[ProbeName]) -> CanarySpec:
+        """A copy with exactly `names` enabled (the CLI's --probes)."""
+        data = self.model_dump()
+        for name in ProbeName:
+            data[name.value]["enabled"] = name in names
+        return CanarySpec.model_validate(data)

@@ -1,0 +1,224 @@
+"""The suite runner: preflight, then the enabled probes in order, then the verdict.
+
+Order: capacity (metrics only), golden, determinism (short prompts), over-length (rejections are
+cheap), isolation, abort, and the safety counters last, so their before/after window spans every
+other probe. A preflight that cannot reach the target (or the baseline) yields `cannot_run`, as
+does a run in which every probe was skipped: nothing was proven.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvguard.operator.canary.abort import AbortProbe
+from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext
+from kvguard.operator.canary.capacity import CapacityProbe
+from kvguard.operator.canary.client import EngineClient
+from kvguard.operator.canary.determinism import DeterminismProbe
+from kvguard.operator.canary.golden import GoldenProbe
+from kvguard.operator.canary.isolation import IsolationProbe
+from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
+from kvguard.operator.canary.over_length import OverLengthProbe
+from kvguard.operator.canary.prompts import CALIBRATION_WORDS, TokenEstimate, filler_text
+from kvguard.operator.canary.report import (
+    CanaryReport,
+    ProbeResult,
+    ProbeStatus,
+    TargetInfo,
+    Verdict,
+)
+from kvguard.operator.canary.safety_counters import SafetyCountersProbe
+from kvguard.operator.canary.spec import CanarySpec, ProbeName
+
+PROBES: dict[ProbeName, type[Probe]] = {
+    ProbeName.CAPACITY: CapacityProbe,
+    ProbeName.GOLDEN: GoldenProbe,
+    ProbeName.DETERMINISM: DeterminismProbe,
+    ProbeName.OVER_LENGTH: OverLengthProbe,
+    ProbeName.ISOLATION: IsolationProbe,
+    ProbeName.ABORT: AbortProbe,
+    ProbeName.SAFETY_COUNTERS: SafetyCountersProbe,
+}
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """`started` (result is None) or `finished` for one probe; `elapsed` since the suite began."""
+
+    kind: str
+    probe: ProbeName
+    elapsed: float
+    result: ProbeResult | None = None
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+class CannotRun(Exception):
+    """The suite cannot judge this target at all (unreachable, no model); the message says why."""
+
+
+async def run_suite(
+    url: str,
+    spec: CanarySpec | None = None,
+    *,
+    baseline_url: str | None = None,
+    metrics_urls: Sequence[str] = (),
+    progress: ProgressCallback | None = None,
+    timeout_seconds: float | None = None,
+) -> CanaryReport:
+    """Run every enabled probe against `url`; never raises for the target's misbehaviour.
+
+    `timeout_seconds` overrides `spec.suiteTimeoutSeconds`; `progress` is called as each probe
+    starts and finishes.
+    """
+    spec = spec or CanarySpec()
+    started = time.monotonic()
+    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    info = TargetInfo(url=url, baseline_url=baseline_url, metrics_urls=list(metrics_urls))
+    async with aiohttp.ClientSession() as session:
+        try:
+            ctx = await _prepare(session, spec, info, baseline_url)
+        except CannotRun as exc:
+            return CanaryReport(
+                verdict=Verdict.CANNOT_RUN, reason=str(exc), target=info, started_at=started_at,
+                duration_seconds=round(time.monotonic() - started, 3),
+            )
+        limit = timeout_seconds or spec.suite_timeout_seconds
+        deadline = started + limit if limit else None
+        results, first_failure = await _run_probes(ctx, started, deadline, progress)
+    duration = time.monotonic() - started
+    verdict, reason = _verdict(results)
+    return CanaryReport(
+        verdict=verdict, reason=reason, target=ctx.info, started_at=started_at,
+        duration_seconds=round(duration, 3),
+        time_to_verdict_seconds=round(first_failure if first_failure is not None else duration, 3),
+        probes=results,
+    )
+
+
+async def _prepare(
+    session: aiohttp.ClientSession, spec: CanarySpec, info: TargetInfo, baseline_url: str | None
+) -> RunContext:
+    """Preflight: model and context length, the baseline, start-of-run metrics, token calibration."""
+    timeout = spec.request_timeout_seconds
+    target = EngineClient(session, info.url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
+    info.model, info.context_length = await _identify(target, spec.model, "target")
+    target.model = info.model
+    baseline = None
+    if baseline_url:
+        baseline = EngineClient(session, baseline_url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
+        baseline.model, _ = await _identify(baseline, spec.model, "baseline")
+    snapshots = await fetch_all(session, info.metrics_urls, timeout, server_info=True)
+    _absorb_metrics(info, snapshots)
+    ctx = RunContext(
+        spec=spec, session=session, target=target, baseline=baseline,
+        metrics_urls=info.metrics_urls, info=info, start_snapshots=snapshots,
+    )
+    ctx.estimate = await _calibrate(target)
+    return ctx
+
+
+async def _identify(client: EngineClient, model: str | None, role: str) -> tuple[str, int | None]:
+    models, error, answered = await client.list_models()
+    if models is None:
+        # A server without a usable /v1/models can still be judged when the model name is given;
+        # one that does not answer at all cannot.
+        if model is None or not answered:
+            raise CannotRun(f"{role} {client.base_url}: {error}")
+        return model, None
+    if not models.data and model is None:
+        raise CannotRun(f"{role} {client.base_url}: /v1/models lists no model")
+    card = next((m for m in models.data if m.id == model), None) if model else models.data[0]
+    if card is None:
+        listed = ", ".join(m.id for m in models.data)
+        raise CannotRun(f"{role} {client.base_url}: model {model!r} not served (serves: {listed})")
+    return card.id, card.max_model_len
+
+
+def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot]) -> None:
+    reachable = [s for s in snapshots if s.reachable]
+    info.engines = sorted({s.engine for s in reachable})
+    capacities = [p.capacity_tokens for s in reachable for p in s.pools]
+    info.min_pool_tokens = min(capacities) if capacities else None
+    if info.context_length is None:
+        contexts = [s.context_length for s in reachable if s.context_length]
+        info.context_length = min(contexts) if contexts else None
+
+
+async def _calibrate(target: EngineClient) -> TokenEstimate:
+    """Tokens per filler word from usage.prompt_tokens, when the server reports usage."""
+    probe = await target.complete(
+        filler_text(CALIBRATION_WORDS, seed=7), max_tokens=1, label="calibration"
+    )
+    return TokenEstimate.from_usage(probe.prompt_tokens if probe.ok else None)
+
+
+async def _run_probes(
+    ctx: RunContext, started: float, deadline: float | None, progress: ProgressCallback | None
+) -> tuple[list[ProbeResult], float | None]:
+    results: list[ProbeResult] = []
+    first_failure: float | None = None
+    stop_reason: str | None = None
+    for name in ctx.spec.enabled_probes():
+        if stop_reason is not None:
+            results.append(ProbeResult(name=name, status=ProbeStatus.SKIPPED, reason=stop_reason))
+            continue
+        _notify(progress, ProgressEvent("started", name, time.monotonic() - started))
+        result = await _run_one(PROBES[name](), ctx, deadline)
+        results.append(result)
+        _notify(progress, ProgressEvent("finished", name, time.monotonic() - started, result))
+        if result.status == ProbeStatus.FAIL:
+            if first_failure is None:
+                first_failure = time.monotonic() - started
+            if ctx.spec.stop_on_failure:
+                stop_reason = f"not run: {name.value} failed and stopOnFailure is set"
+        if deadline is not None and time.monotonic() >= deadline and stop_reason is None:
+            stop_reason = "not run: suite timeout reached"
+    return results, first_failure
+
+
+async def _run_one(probe: Probe, ctx: RunContext, deadline: float | None) -> ProbeResult:
+    began = time.monotonic()
+    try:
+        if deadline is None:
+            outcome = await probe.run(ctx)
+        else:
+            outcome = await asyncio.wait_for(probe.run(ctx), timeout=max(0.0, deadline - began))
+    except ProbeSkipped as exc:
+        outcome = Outcome(ProbeStatus.SKIPPED, str(exc))
+    except asyncio.TimeoutError:
+        outcome = Outcome(ProbeStatus.FAIL, "suite timeout reached while this probe was running (a hang?)")
+    except Exception as exc:  # noqa: BLE001 - a bug in a probe must not crash the whole suite
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        outcome = Outcome(
+            ProbeStatus.FAIL, f"probe error {type(exc).__name__}: {exc} ({where.filename}:{where.lineno})"
+        )
+    return ProbeResult(
+        name=probe.name, status=outcome.status, reason=outcome.reason,
+        duration_seconds=round(time.monotonic() - began, 3), evidence=outcome.evidence,
+    )
+
+
+def _notify(progress: ProgressCallback | None, event: ProgressEvent) -> None:
+    if progress is not None:
+        progress(event)
+
+
+def _verdict(results: list[ProbeResult]) -> tuple[Verdict, str]:
+    failed = [r.name.value for r in results if r.status == ProbeStatus.FAIL]
+    if failed:
+        return Verdict.FAIL, f"failed: {', '.join(failed)}"
+    if not any(r.status == ProbeStatus.PASS for r in results):
+        return Verdict.CANNOT_RUN, "every probe was skipped: " + "; ".join(
+            f"{r.name.value}: {r.reason}" for r in results
+        )
+    passed_count = sum(r.status == ProbeStatus.PASS for r in results)
+    return Verdict.PASS, f"{passed_count} probe(s) passed"

@@ -1,0 +1,310 @@
+"""Support for the canary tests (holds no tests): a minimal OpenAI-compatible HTTP server (no engine, no torch).
+
+It generates deterministic "echo-ish" text (the prompt's first word, then words derived from a
+hash of the prompt), counts a prompt's tokens as its words, keeps a KV-pool usage figure, and
+exposes `/metrics` in kvguard, SGLang or vLLM style. Switches make it misbehave the ways a broken
+engine does: leak the previous request's content, accept over-length prompts, hang, send
+malformed bodies, send a 200 that carries an error, die mid-stream, hold pages after a disconnect,
+bump safety counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+@dataclass
+class Behaviour:
+    context_length: int = 512
+    pool_tokens: int = 2048
+    metrics_style: str = "kvguard"  # kvguard | sglang | sglang_server_info | vllm | none
+    weights_seed: str = "w1"  # a different value = a different model (baseline mismatch)
+    token_delay: float = 0.004  # per streamed token
+    prefill_delay_per_token: float = 0.0005
+    leak_previous: bool = False  # a later request's output carries the previous prompt's first word
+    accept_over_length: bool = False
+    flat_errors: bool = False  # SGLang-style flat error body
+    stream_error_frame_over_length: bool = False  # old SGLang: 200 then an SSE error frame
+    hang_completions: bool = False
+    malformed_completions: bool = False
+    error_in_200: bool = False
+    stream_dies_after: int | None = None
+    nondeterministic: bool = False
+    hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
+    bump_tag_violations: bool = False
+    fail_models: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class FakeEngine:
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.b = behaviour
+        self.used_tokens = 0
+        self.previous_first_word: str | None = None
+        self.calls = 0
+        self.tag_violations = 0
+        self.registry = CollectorRegistry()
+        self._capacity = Gauge("kvguard_kv_pool_capacity_tokens", "pool", ["role"], registry=self.registry)
+        self._used = Gauge("kvguard_kv_pool_used_tokens", "used", ["role"], registry=self.registry)
+        self._context = Gauge("kvguard_context_length_tokens", "ctx", registry=self.registry)
+        self._violations = Counter("kvguard_tag_violations_total", "tags", registry=self.registry)
+        self._checksum = Counter("kvguard_checksum_failures_total", "crc", registry=self.registry)
+        self._stale = Counter("kvguard_stale_writes_dropped_total", "stale", registry=self.registry)
+
+    # --- app -------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/health", lambda _r: web.Response(text="ok"))
+        return app
+
+    async def models(self, _request: web.Request) -> web.Response:
+        if self.b.fail_models:
+            return web.Response(status=500, text="internal error")
+        return web.json_response(
+            {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": self.b.context_length}]}
+        )
+
+    def generate(self, prompt: str, max_tokens: int) -> list[str]:
+        words = prompt.split() or [""]
+        self.calls += 1
+        salt = f"{self.calls}" if self.b.nondeterministic else ""
+        out = [words[0]] + [
+            hashlib.sha256(f"{self.b.weights_seed}|{prompt}|{i}|{salt}".encode()).hexdigest()[:5]
+            for i in range(1, max_tokens)
+        ]
+        if self.b.leak_previous and self.previous_first_word is not None and len(out) > 1:
+            out[-1] = self.previous_first_word
+        self.previous_first_word = words[0]
+        return out[:max_tokens]
+
+    def error_response(self, status: int, message: str, code: str) -> web.Response:
+        if self.b.flat_errors:
+            body = {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status}
+        else:
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        return web.json_response(body, status=status)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chat = "messages" in body
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        max_tokens = int(body.get("max_tokens") or 16)
+        stream = bool(body.get("stream"))
+        prompt_tokens = len(prompt.split())
+        if self.b.hang_completions:
+            await asyncio.sleep(3600)
+        if self.b.malformed_completions:
+            return web.Response(text="{not json", content_type="application/json")
+        if self.b.error_in_200:
+            return web.json_response({"error": {"message": "engine exploded", "type": "server_error"}})
+        if prompt_tokens + max_tokens > self.b.context_length and not self.b.accept_over_length:
+            message = f"The input ({prompt_tokens} tokens) is longer than the model's context length ({self.b.context_length} tokens)."
+            if stream and self.b.stream_error_frame_over_length:
+                return await self._stream_error_frame(request, message)
+            return self.error_response(400, message, "context_length_exceeded")
+        if self.b.bump_tag_violations:
+            self._violations.inc()
+        return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
+
+    async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat) -> web.StreamResponse:
+        reserved = prompt_tokens + max_tokens
+        self.used_tokens += reserved
+        disconnected = False
+        try:
+            await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
+            tokens = self.generate(prompt, max_tokens)
+            if not stream:
+                return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens)))
+            return await self._stream(request, tokens, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            disconnected = True
+            raise
+        finally:
+            if disconnected and self.b.hold_pages_after_disconnect:
+                asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved)
+            else:
+                self._release(reserved)
+
+    def _release(self, tokens: int) -> None:
+        self.used_tokens -= tokens
+
+    def _body(self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        choice = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
+
+    async def _stream(self, request: web.Request, tokens: list[str], chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, token in enumerate(tokens):
+            if self.b.stream_dies_after is not None and i >= self.b.stream_dies_after:
+                request.transport.close()  # type: ignore[union-attr]
+                return resp
+            piece = token if i == 0 else " " + token
+            delta = {"delta": {"content": piece}} if chat else {"text": piece}
+            frame = {"choices": [{"index": 0, **delta, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
+            await asyncio.sleep(self.b.token_delay)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _stream_error_frame(self, request: web.Request, message: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(f"data: {json.dumps({'error': {'message': message, 'code': 400}})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    # --- metrics ---------------------------------------------------------------------------
+    async def metrics(self, _request: web.Request) -> web.Response:
+        style = self.b.metrics_style
+        if style == "none":
+            return web.Response(status=404, text="not found")
+        if style == "kvguard":
+            self._capacity.labels(role="decode").set(self.b.pool_tokens)
+            self._used.labels(role="decode").set(self.used_tokens)
+            self._context.set(self.b.context_length)
+            text = generate_latest(self.registry).decode()
+        elif style in ("sglang", "sglang_server_info"):
+            text = sglang_metrics(self.b.pool_tokens, self.used_tokens, with_capacity=style == "sglang")
+        else:
+            text = vllm_metrics(self.b.pool_tokens, self.used_tokens)
+        return web.Response(text=text, content_type="text/plain")
+
+    async def server_info(self, _request: web.Request) -> web.Response:
+        return web.json_response(sglang_server_info(self.b.pool_tokens, self.b.context_length))
+
+
+def sglang_metrics(pool: int, used: int, *, with_capacity: bool = True) -> str:
+    """Exposition as SGLang 0.5.x writes it with --enable-metrics (TP0, one DP rank)."""
+    labels = 'model_name="Qwen/Qwen3-8B",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+    lines = []
+    if with_capacity:
+        lines += [
+            "# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.",
+            "# TYPE sglang:max_total_num_tokens gauge",
+            f"sglang:max_total_num_tokens{{{labels}}} {float(pool)}",
+        ]
+    lines += [
+        "# HELP sglang:num_used_tokens The number of used tokens.",
+        "# TYPE sglang:num_used_tokens gauge",
+        f"sglang:num_used_tokens{{{labels}}} {float(used)}",
+        "# HELP sglang:token_usage The token usage.",
+        "# TYPE sglang:token_usage gauge",
+        f"sglang:token_usage{{{labels}}} {used / pool:.4f}",
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        f"sglang:num_running_reqs{{{labels}}} 0.0",
+        "# HELP sglang:cache_hit_rate The prefix cache hit rate.",
+        "# TYPE sglang:cache_hit_rate gauge",
+        f"sglang:cache_hit_rate{{{labels}}} 0.0",
+        "# HELP sglang:num_transfer_failed_reqs_total The number of transfer failed requests.",
+        "# TYPE sglang:num_transfer_failed_reqs_total counter",
+        f"sglang:num_transfer_failed_reqs_total{{{labels}}} 0.0",
+        "# HELP sglang:num_bootstrap_failed_reqs_total The number of bootstrap failed requests.",
+        "# TYPE sglang:num_bootstrap_failed_reqs_total counter",
+        f"sglang:num_bootstrap_failed_reqs_total{{{labels}}} 0.0",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def sglang_server_info(pool: int, context: int) -> dict:
+    return {
+        "model_path": "Qwen/Qwen3-8B",
+        "context_length": context,
+        "page_size": 1,
+        "status": "ready",
+        "max_total_num_tokens": pool,
+        "max_req_input_len": context - 1,
+        "internal_states": [
+            {
+                "memory_usage": {"weight": 15.3, "kvcache": 0.28, "token_capacity": pool, "graph": 0.5},
+                "effective_max_running_requests_per_dp": 48,
+                "last_gen_throughput": 0.0,
+            }
+        ],
+        "version": "0.5.6",
+    }
+
+
+def vllm_metrics(pool: int, used: int, block_size: int = 16, engines: int = 1) -> str:
+    """Exposition as vLLM v1 writes it: cache_config_info carries CacheConfig as labels."""
+    lines = [
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+    ]
+    for engine in range(engines):
+        lines.append(
+            f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",calculate_kv_scales="False",'
+            f'enable_prefix_caching="True",engine="{engine}",gpu_memory_utilization="0.9",'
+            f'num_cpu_blocks="None",num_gpu_blocks="{pool // block_size}",prefix_caching_hash_algo="sha256",'
+            f'sliding_window="None",swap_space="4"}} 1.0'
+        )
+    lines += ["# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.", "# TYPE vllm:kv_cache_usage_perc gauge"]
+    for engine in range(engines):
+        lines.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="meta-llama/Llama-3.1-8B"}} {used / pool / engines:.6f}')
+    lines += [
+        "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+        "# TYPE vllm:num_preemptions_total counter",
+        'vllm:num_preemptions_total{engine="0",model_name="meta-llama/Llama-3.1-8B"} 0.0',
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B"} 0.0',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class RunningServer:
+    """The fake engine on a loopback port, in its own thread and event loop."""
+
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.engine = FakeEngine(behaviour)
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self.port = 0
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        runner = web.AppRunner(self.engine.app(), handler_cancellation=True)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    def __enter__(self) -> RunningServer:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
