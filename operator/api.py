@@ -31,6 +31,9 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from kvguard.operator.canary.spec import CanarySpec
+from kvguard.operator.conditions import Condition
+
 API_GROUP = "kvguard.io"
 API_VERSION = "v1alpha1"
 GROUP_VERSION = f"{API_GROUP}/{API_VERSION}"
@@ -232,6 +235,46 @@ class ModelArchitecture(ApiModel):
         return self.hidden_size // self.num_attention_heads if self.hidden_size else None
 
 
+class PVCSource(ApiModel):
+    """Weights on a PersistentVolumeClaim in the model's namespace, mounted read-only."""
+
+    claim_name: str = Field(min_length=1, max_length=253)
+    """Name of the PersistentVolumeClaim."""
+    path: str = Field(default="", max_length=4096, pattern=r"^[^.][^\n]*$|^$")
+    """Directory of the model inside the volume (config.json, tokenizer, safetensors)."""
+
+
+class ModelSource(ApiModel):
+    """Exactly one of huggingFace or pvc."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.huggingFace) != has(self.pvc)",
+                 "message": "set exactly one of huggingFace or pvc"},
+            ]
+        }
+    )
+
+    hugging_face: str | None = Field(default=None, min_length=1, max_length=256)
+    """Hugging Face repository id, e.g. meta-llama/Llama-3.1-8B-Instruct (sglang and vllm only:
+    the kvguard engine loads from a directory)."""
+    pvc: PVCSource | None = None
+    """A directory on a PersistentVolumeClaim."""
+    revision: str | None = Field(default=None, max_length=256)
+    """Weights revision: a Hugging Face commit or tag, or any label naming the volume's contents.
+    A new value makes a new rollout revision."""
+
+
+class ConfigMapKeySelector(ApiModel):
+    """A key of a ConfigMap in the model's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """ConfigMap name."""
+    key: str = Field(default="config.json", min_length=1, max_length=253)
+    """Key holding the Hugging Face config.json."""
+
+
 class ModelSpec(ApiModel):
     """Which model is served and what it looks like."""
 
@@ -241,6 +284,12 @@ class ModelSpec(ApiModel):
     """Shape of the model. Required for planning; `kvguard plan --hf-config` can supply it."""
     extra_draft_layers: NonNegativeInt = 0
     """Speculative-decoding draft layers (EAGLE, MTP) that share the target model's KV pool."""
+    source: ModelSource | None = None
+    """Where the weights come from: a Hugging Face id or a path on a PersistentVolumeClaim, plus the
+    weights revision. Required to deploy; `kvguard plan` does not need it."""
+    architecture_config_map: ConfigMapKeySelector | None = None
+    """A ConfigMap holding the model's config.json; the operator fills `architecture` from it when
+    `architecture` is not given."""
 
 
 class WeightsSpec(ApiModel):
@@ -288,7 +337,50 @@ class HardwareSpec(ApiModel):
     """GPU product name (e.g. NVIDIA-H100-80GB-HBM3); informational."""
 
 
-class WorkerRole(ApiModel):
+class Toleration(ApiModel):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str | None = None
+    """Taint key; empty with operator Exists matches every taint."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """`Equal` matches key and value; `Exists` matches the key alone."""
+    value: str | None = None
+    """Taint value to match with operator Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches every effect."""
+    toleration_seconds: NonNegativeInt | None = None
+    """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class ResourceRequirements(ApiModel):
+    """Extra container resources (core/v1 ResourceRequirements). GPUs come from gpuCount, not here."""
+
+    requests: dict[str, str] = Field(default_factory=dict)
+    """Requested quantities, e.g. {cpu: "8", memory: 64Gi}."""
+    limits: dict[str, str] = Field(default_factory=dict)
+    """Limits, e.g. {memory: 96Gi}."""
+
+
+class PodPlacement(ApiModel):
+    """Where and with what the pods of one role run. Only gpuType and gpuCount change the plan's
+    revision; the rest is applied to the running revision in place."""
+
+    gpu_type: str | None = None
+    """GPU product the pods must land on (node label nvidia.com/gpu.product), e.g.
+    NVIDIA-H100-80GB-HBM3. Default: spec.hardware.gpuProduct."""
+    gpu_count: NonNegativeInt | None = None
+    """GPUs per pod (nvidia.com/gpu). Default: tensorParallel x pipelineParallel (x dataParallel
+    without DP attention) for workers, 0 for the router."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """CPU, memory and other resources of the engine container."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the pods require."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints the pods tolerate (GPU nodes are often tainted)."""
+
+
+
+class WorkerRole(PodPlacement):
     """One disaggregated role (prefill or decode): how many engine instances, how each is split."""
 
     replicas: NonNegativeInt = 1
@@ -310,7 +402,7 @@ class WorkerRole(ApiModel):
     """Overrides spec.kvPoolTokens for this role."""
 
 
-class RouterRole(ApiModel):
+class RouterRole(PodPlacement):
     """The request router in front of prefill and decode."""
 
     replicas: PositiveInt = 1
@@ -330,6 +422,25 @@ class RolesSpec(ApiModel):
     def worker_roles(self) -> dict[str, WorkerRole]:
         """The roles that own a KV pool, by name."""
         return {"prefill": self.prefill, "decode": self.decode}
+
+
+class KVTransferSpec(ApiModel):
+    """How prefill sends KV to decode. Rendered as worker flags (kvguard), environment (SGLang's
+    PD and Mooncake variables) or the KV-transfer config (vLLM)."""
+
+    max_batch: ByteQuantity = Field(default=64 * 1024**2, gt=0)
+    """Bytes in flight per prefill->decode pair before back-pressure (S6; kvguard
+    `--max-transfer-batch`)."""
+    timeout_seconds: PositiveInt = 30
+    """A transfer that makes no progress for this long aborts its request on both sides (S4;
+    Mooncake `MC_TRANSFER_TIMEOUT`, SGLang `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`)."""
+    bootstrap_timeout_seconds: PositiveInt = 300
+    """How long prefill waits for decode's destination pages (SGLang
+    `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`)."""
+    port: int = Field(default=9000, ge=1024, le=65535)
+    """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it."""
+    backend: Literal["mooncake", "nixl"] = "mooncake"
+    """Transfer backend for SGLang (`--disaggregation-transfer-backend`); vLLM always uses NIXL."""
 
 
 class InferenceModelSpec(ApiModel):
@@ -363,6 +474,10 @@ class InferenceModelSpec(ApiModel):
     """The device each worker runs on."""
     roles: RolesSpec = Field(default_factory=RolesSpec)
     """Prefill, decode and router shapes."""
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    """Prefill-to-decode KV transfer settings (S3, S4, S6)."""
+    canary: CanarySpec = Field(default_factory=CanarySpec)
+    """The canary coherence suite a new revision must pass before promotion (S7)."""
 
 
 # --- Plan (recorded in status) -------------------------------------------------------------------
@@ -448,6 +563,34 @@ class ObjectMeta(BaseModel):
     generation: int | None = None
 
 
+class Phase(StrEnum):
+    """Lifecycle summary of an InferenceModel (status.phase)."""
+
+    PENDING = "Pending"
+    BLOCKED = "Blocked"
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+
+
+class RevisionRecord(ApiModel):
+    """One revision the operator has seen (status.history)."""
+
+    revision: str
+    """Hash of the KV-relevant spec."""
+    state: Literal["Blocked", "Candidate", "Stable", "Superseded", "Failed"]
+    """Blocked by the planner; Candidate rolling out; Stable serving; Superseded by a newer
+    stable; Failed (rollout abandoned)."""
+    since: str
+    """RFC 3339 time the revision entered this state."""
+    generation: int | None = None
+    """metadata.generation that produced it."""
+    kv_ratio: float | None = None
+    """Smallest planned pool/context ratio over the roles."""
+    message: str | None = None
+    """Why it is in this state."""
+
+
 class InferenceModelStatus(ApiModel):
     """Observed state of an InferenceModel, written by the operator."""
 
@@ -455,6 +598,22 @@ class InferenceModelStatus(ApiModel):
     """metadata.generation this status describes."""
     plan: KVPlan | None = None
     """The last KV pool plan of the spec (S7)."""
+    phase: Phase | None = None
+    """Pending, Blocked, Progressing, Ready or Degraded."""
+    revision: str | None = None
+    """The stable revision: the one the model's Service routes to."""
+    target_revision: str | None = None
+    """The revision of the current spec (the hash of its KV-relevant fields)."""
+    kv_ratio: float | None = None
+    """The smallest planned poolTokens / contextLength over the roles of the target revision."""
+    canary: str | None = None
+    """Canary summary of the target revision (Pending, Passed, Failed, NotRun)."""
+    message: str | None = None
+    """One line on what the operator is doing or waiting for."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """KVPoolSufficient, PolicyCompliant, CanaryPassed, Progressing, Ready, Degraded."""
+    history: list[RevisionRecord] = Field(default_factory=list)
+    """Recent revisions, newest first (bounded)."""
 
 
 class InferenceModel(ApiModel):
@@ -465,3 +624,71 @@ class InferenceModel(ApiModel):
     metadata: ObjectMeta
     spec: InferenceModelSpec
     status: InferenceModelStatus | None = None
+
+
+# --- InferencePolicy (cluster-scoped; enforced by the rollout/admission layer) -------------------
+
+
+class LabelSelectorRequirement(ApiModel):
+    """metav1.LabelSelectorRequirement."""
+
+    key: str
+    """Label key."""
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    """How the key's value is matched."""
+    values: list[str] = Field(default_factory=list)
+    """Values for In and NotIn."""
+
+
+class LabelSelector(ApiModel):
+    """metav1.LabelSelector; empty selects everything."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    """Labels that must all be present with these values."""
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+    """Requirements that must all hold."""
+
+
+class EngineFlagRequirement(ApiModel):
+    """Flags an engine's workers must be started with."""
+
+    engine: EngineKind
+    """The engine the rule applies to."""
+    flags: list[str] = Field(min_length=1)
+    """Flags that must appear on the rendered command line, e.g. --enable-metrics."""
+
+
+class InferencePolicySpec(ApiModel):
+    """Cluster-wide rules every InferenceModel in the selected namespaces must satisfy."""
+
+    namespace_selector: LabelSelector = Field(default_factory=LabelSelector)
+    """Namespaces the policy applies to; empty means all."""
+    min_kv_ratio: float = Field(default=2.0, ge=1.0)
+    """Floor for spec.minKVRatio: every role's KV pool must hold this many contexts (S7)."""
+    min_engine_versions: dict[str, str] = Field(default_factory=dict)
+    """Oldest allowed engine version per engine kind, e.g. {sglang: 0.5.4, vllm: 0.11.0}."""
+    required_engine_flags: list[EngineFlagRequirement] = Field(default_factory=list)
+    """Flags that must be on the command line, per engine."""
+    required_canary_probes: list[str] = Field(default_factory=list)
+    """Canary probes that must be enabled (e.g. isolation, over_length)."""
+    max_context_length: PositiveInt | None = None
+    """Longest contextLength an InferenceModel may declare."""
+
+
+class InferencePolicyStatus(ApiModel):
+    """Observed state of an InferencePolicy."""
+
+    observed_generation: int | None = None
+    """metadata.generation this status describes."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready when the policy is loaded by the operator."""
+
+
+class InferencePolicy(ApiModel):
+    """Cluster-scoped rules for InferenceModels (kind InferencePolicy)."""
+
+    api_version: Literal["kvguard.io/v1alpha1"] = Field(default=GROUP_VERSION, alias="apiVersion")
+    kind: Literal["InferencePolicy"] = "InferencePolicy"
+    metadata: ObjectMeta
+    spec: InferencePolicySpec = Field(default_factory=InferencePolicySpec)
+    status: InferencePolicyStatus | None = None
