@@ -225,6 +225,24 @@ class KVPool:
 
     # ------------------------------------------------------------ disaggregated transfer hooks
 
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page in the export/import layout (all layers, K and V)."""
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def pages_from_bytes(self, payload: bytes | bytearray | memoryview) -> torch.Tensor:
+        """Bytes as produced by `export_pages(...).cpu()` back into `[pages, layers, 2, page_size,
+        kv_heads, head_dim]` (a copy; the buffer is not kept)."""
+        if len(payload) % self.page_nbytes:
+            raise ValueError(f"payload of {len(payload)} bytes is not a whole number of {self.page_nbytes}-byte pages")
+        flat = torch.frombuffer(bytearray(payload), dtype=self.dtype)
+        return flat.view(-1, self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def valid_tokens(self, lease: Lease, page_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """How many leading slots of each of `page_ids` hold positions < `num_tokens` in `lease`."""
+        index = {page: i for i, page in enumerate(lease.page_ids)}
+        return [max(0, min(self.page_size, num_tokens - index[p] * self.page_size)) for p in page_ids]
+
     def export_pages(self, lease: Lease, page_ids: Sequence[int] | None = None) -> torch.Tensor:
         """K/V bytes of (some of) the lease's pages as one contiguous tensor
         `[pages, layers, 2, page_size, kv_heads, head_dim]` on the pool's device. Refuses a stale

@@ -1,0 +1,255 @@
+"""The engine end to end: batching, sampling, stop rules, aborts, S1 tags, the disaggregated path,
+the asyncio loop and the metrics contract."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvguard.workers.async_engine import AsyncEngine
+from kvguard.workers.config import EngineConfig
+from kvguard.workers.engine import Engine
+from kvguard.workers.request import (
+    ContextLengthExceeded, KVNotWritten, RequestAborted, RequestState, SamplingParams, TagViolation,
+)
+
+PROMPTS = ["The quick brown fox", "Hello", "A much longer prompt that spans a few pages of the pool",
+           "abc", "secret nonce 12345"]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def engine(model_dir: Path, **kw) -> Engine:
+    return Engine(EngineConfig(model_dir, device="cpu", **{"kv_pool_tokens": 1024, "page_size": 8,
+                                                           "context_length": 256, **kw}))
+
+
+@pytest.fixture
+def eng(tiny_model_dir: Path) -> Engine:
+    return engine(tiny_model_dir)
+
+
+def ids(e: Engine, text: str) -> list[int]:
+    assert e.tokenizer is not None
+    return e.tokenizer.encode(text)
+
+
+def run(e: Engine) -> None:
+    while e.has_work():
+        e.step()
+
+
+def test_batch_invariant_greedy(eng: Engine) -> None:
+    solo = [eng.generate([ids(eng, p)], GREEDY)[0].output_ids for p in PROMPTS]
+    batched = [r.output_ids for r in eng.generate([ids(eng, p) for p in PROMPTS], GREEDY)]
+    assert batched == solo
+    assert len({tuple(s) for s in solo}) == len(solo)  # outputs depend on the prompt
+    # Joining a batch that is already decoding does not change anything either.
+    first = eng.add_request("late-0", ids(eng, PROMPTS[0]), GREEDY)
+    eng.step(), eng.step(), eng.step()
+    second = eng.add_request("late-1", ids(eng, PROMPTS[1]), GREEDY)
+    run(eng)
+    assert [first.output_ids, second.output_ids] == solo[:2]
+
+
+def test_seeded_sampling_is_reproducible_per_request(eng: Engine) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
+    solo = eng.generate([ids(eng, "sample me")], params)[0].output_ids
+    mixed = eng.generate([ids(eng, "other"), ids(eng, "sample me")],
+                         [SamplingParams(max_tokens=20, temperature=1.0, seed=3), params])
+    assert mixed[1].output_ids == solo
+    other_seed = eng.generate([ids(eng, "sample me")], SamplingParams(
+        max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=12, ignore_eos=True))[0].output_ids
+    assert other_seed != solo
+    top1 = eng.generate([ids(eng, "sample me")], SamplingParams(max_tokens=20, temperature=1.0, top_k=1, seed=5,
+                                                                 ignore_eos=True))[0].output_ids
+    assert top1 == eng.generate([ids(eng, "sample me")], GREEDY)[0].output_ids[:20]
+
+
+def test_stop_string_and_stop_token_and_length(eng: Engine) -> None:
+    full = eng.generate([ids(eng, PROMPTS[0])], GREEDY)[0]
+    text = full.output_text
+    stop = text[5:8]
+    cut = text.find(stop)
+    stopped = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))[0]
+    assert stopped.finish_reason == "stop" and stopped.output_text == text[:cut]
+    token = full.output_ids[3]
+    by_token = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, stop_token_ids=(token,)))[0]
+    assert by_token.finish_reason == "stop" and by_token.output_ids == full.output_ids[: full.output_ids.index(token) + 1]
+    assert full.finish_reason == "length" and len(full.output_ids) == 24
+
+
+def test_streamed_text_never_contains_the_stop_string(eng: Engine) -> None:
+    full = eng.generate([ids(eng, PROMPTS[2])], GREEDY)[0].output_text
+    stop = full[10:14]
+    request = eng.add_request("s", ids(eng, PROMPTS[2]), SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))
+    streamed = ""
+    while eng.has_work():
+        streamed += "".join(o.text for o in eng.step() if o.request_id == "s")
+    assert streamed == full[: full.find(stop)] == request.output_text
+
+
+def test_abort_in_every_state_frees_everything(eng: Engine) -> None:
+    small = engine(eng.config.model_dir, kv_pool_tokens=64, page_size=8)
+    running = small.add_request("running", ids(small, "hello"), GREEDY)
+    waiting = small.add_request("waiting", ids(small, "hello there"), GREEDY)  # does not fit yet
+    small.step(), small.step()
+    assert running.state == RequestState.DECODING and waiting.state == RequestState.ADMITTED
+    assert small.abort("waiting", "client") and small.abort("running", "client")
+    assert not small.abort("running")
+    outputs = small.step()
+    assert {o.request_id for o in outputs} == {"running", "waiting"}
+    assert all(isinstance(o.error, RequestAborted) and o.state == RequestState.ABORTED for o in outputs)
+    assert small.pool.used_pages == 0 and not small.requests
+    small.check_integrity()
+
+
+def test_s1_stale_lease_fails_only_its_request(tiny_model_dir: Path) -> None:
+    """A page freed and reallocated to another request while its first owner still runs (the
+    2026 bug class): caught at read time, that request fails, the others finish unchanged."""
+    e = engine(tiny_model_dir, kv_pool_tokens=128, page_size=8)
+    prompts = [ids(e, p) for p in PROMPTS[:3]]
+    victim_prompt = ids(e, PROMPTS[4])
+    solo = [e.generate([p], GREEDY)[0].output_ids for p in prompts + [victim_prompt]]
+    reqs = [e.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    e.step(), e.step(), e.step()
+    e.pool.free(reqs[1].lease)  # the bug: r1's pages go back while r1 still decodes
+    intruder = e.add_request("intruder", victim_prompt, GREEDY)  # and are handed to a new request
+    e.step()  # the intruder is admitted and prefilled into r1's pages
+    assert set(intruder.lease.page_ids) & set(reqs[1].lease.page_ids)
+    run(e)
+    assert reqs[1].state == RequestState.ABORTED and isinstance(reqs[1].error, TagViolation)
+    assert [reqs[0].output_ids, reqs[2].output_ids, intruder.output_ids] == [solo[0], solo[2], solo[3]]
+    assert e.metrics.tag_violations._value.get() == 1
+    assert e.pool.used_pages == 0
+    e.check_integrity()
+
+
+def test_without_tags_the_same_bug_reads_another_requests_kv(tiny_model_dir: Path) -> None:
+    """The control for the test above: with tags off the stale request silently reads the
+    intruder's KV and keeps going with corrupted output (what the tags exist to prevent)."""
+    e = engine(tiny_model_dir, kv_pool_tokens=128, page_size=8, tags=False)
+    prompt = ids(e, PROMPTS[1])
+    solo = e.generate([prompt], GREEDY)[0].output_ids
+    victim = e.add_request("victim", prompt, GREEDY)
+    e.step(), e.step()
+    e.pool.free(victim.lease)
+    e.add_request("intruder", ids(e, PROMPTS[4] * 3), GREEDY)
+    run(e)
+    assert victim.state == RequestState.FINISHED and victim.output_ids != solo
+
+
+def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: list[int], params: SamplingParams,
+                   import_pages: bool = True) -> None:
+    d_req = decode.add_decode_request(rid, prompt, params)
+    [pre] = decode.step()
+    assert pre.state == RequestState.PREALLOCATED and pre.lease is d_req.lease
+    prefill.add_prefill_request(rid, prompt, params)
+    [out] = prefill.step()
+    assert out.state == RequestState.TRANSFERRING and len(out.token_ids) == 1
+    if import_pages:
+        decode.mark_receiving(rid)
+        payload = prefill.pool.export_pages(out.lease).cpu().numpy().tobytes()  # what crosses the wire
+        dl = pre.lease
+        result = decode.pool.import_pages(dl, dl.page_ids[: len(out.lease.page_ids)],
+                                          dl.generations[: len(out.lease.page_ids)],
+                                          decode.pool.pages_from_bytes(payload),
+                                          decode.pool.valid_tokens(dl, dl.page_ids[: len(out.lease.page_ids)], len(prompt)))
+        assert result.applied
+    prefill.release(rid)
+    assert prefill.pool.used_pages == 0
+    decode.start_decode(rid, out.token_ids[0])
+
+
+def test_disaggregated_prefill_decode_equals_colocated(tiny_model_dir: Path) -> None:
+    colocated = engine(tiny_model_dir)
+    # Different page sizes and pools on each side: only token positions must line up.
+    prefill = engine(tiny_model_dir, page_size=8, kv_pool_tokens=256)
+    decode = engine(tiny_model_dir, page_size=8, kv_pool_tokens=512)
+    decode.generate([ids(decode, "dirty the pool first")], GREEDY)  # stale KV left in freed pages
+    for i, text in enumerate(PROMPTS):
+        prompt = ids(colocated, text)
+        expected = colocated.generate([prompt], GREEDY)[0]
+        _disaggregated(prefill, decode, f"d{i}", prompt, GREEDY)
+        outputs = []
+        while decode.has_work():
+            outputs += [o for o in decode.step() if o.request_id == f"d{i}"]
+        assert [t for o in outputs for t in o.token_ids] == expected.output_ids
+        assert "".join(o.text for o in outputs) == expected.output_text
+        assert outputs[-1].state == RequestState.FINISHED and decode.pool.used_pages == 0
+
+
+def test_s3_decode_refuses_to_start_on_unwritten_pages(tiny_model_dir: Path) -> None:
+    prefill, decode = engine(tiny_model_dir), engine(tiny_model_dir)
+    decode.generate([ids(decode, PROMPTS[2])], GREEDY)  # pages hold an earlier request's KV
+    with pytest.raises(KVNotWritten):
+        _disaggregated(prefill, decode, "x", ids(decode, PROMPTS[2]), GREEDY, import_pages=False)
+    [out] = decode.step()
+    assert out.state == RequestState.ABORTED and isinstance(out.error, KVNotWritten)
+    assert decode.pool.used_pages == 0 and prefill.pool.used_pages == 0
+
+
+def test_s1_unsafe_start_is_still_caught_at_read_time(tiny_model_dir: Path) -> None:
+    """The incident's engine (`unsafe_reject_path`): decode skips the S3 check and starts on
+    pages nobody wrote. The read-time tag check still fails that request, and only it."""
+    prefill, decode = engine(tiny_model_dir), engine(tiny_model_dir)
+    decode.generate([ids(decode, PROMPTS[2])], GREEDY)
+    other = decode.add_request("other", ids(decode, PROMPTS[0]), GREEDY)
+    decode.step()
+    d_req = decode.add_decode_request("unsafe", ids(decode, PROMPTS[2]), GREEDY)
+    decode.step()
+    decode.start_decode("unsafe", 65, require_written=False)
+    run(decode)
+    assert isinstance(d_req.error, TagViolation) and other.state == RequestState.FINISHED
+    assert decode.pool.used_pages == 0
+
+
+async def test_async_engine_streams_aborts_and_rejects(tiny_model_dir: Path) -> None:
+    e = engine(tiny_model_dir)
+    expected = [e.generate([ids(e, p)], GREEDY)[0].output_ids for p in PROMPTS[:3]]
+    loop = AsyncEngine(e)
+    try:
+        streams = [await loop.generate(f"a{i}", ids(e, p), GREEDY) for i, p in enumerate(PROMPTS[:3])]
+        endless = await loop.generate("endless", ids(e, "x"), SamplingParams(max_tokens=200, ignore_eos=True))
+
+        async def collect(stream) -> list[int]:
+            return [t async for o in stream for t in o.token_ids]
+
+        got = await asyncio.gather(*(collect(s) for s in streams))
+        assert got == expected
+        first = await endless.next_output()
+        assert first.token_ids
+        assert await loop.abort("endless")
+        last = [o async for o in endless][-1]
+        assert last.state == RequestState.ABORTED
+        with pytest.raises(ContextLengthExceeded):
+            await loop.generate("too-long", ids(e, "y" * 300), GREEDY)
+        lease, stream = await loop.preallocate("dec", ids(e, "hi"), GREEDY)
+        assert lease is not None and await loop.call(lambda: e.pool.is_current(lease))
+        await loop.abort("dec", "prefill_error")
+        assert [o.state async for o in stream] == [RequestState.ABORTED]
+        assert await loop.call(lambda: e.pool.used_pages) == 0
+    finally:
+        await loop.stop()
+    assert loop.integrity_error is None
+
+
+def test_metrics_contract(eng: Engine) -> None:
+    eng.generate([ids(eng, "hello")], SamplingParams(max_tokens=5, ignore_eos=True))
+    with pytest.raises(ContextLengthExceeded):
+        eng.add_request("long", list(range(300)), GREEDY)
+    families = {f.name: f for f in text_string_to_metric_families(eng.metrics.exposition().decode())}
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert value[("kvguard_kv_pool_capacity_tokens", ())] == 1024
+    assert value[("kvguard_kv_pool_used_tokens", ())] == 0
+    assert value[("kvguard_context_length_tokens", ())] == 256
+    assert value[("kvguard_tag_violations_total", ())] == 0
+    assert value[("kvguard_rejected_requests_total", (("reason", "context_length_exceeded"),))] == 1
+    assert value[("kvguard_requests_total", (("outcome", "finished"),))] == 1
+    assert value[("kvguard_requests_total", (("outcome", "rejected"),))] == 1
+    assert value[("kvguard_prompt_tokens_total", ())] == len(ids(eng, "hello"))
+    assert value[("kvguard_generation_tokens_total", ())] == 5
+    assert value[("kvguard_time_to_first_token_seconds_count", ())] == 1
+    assert value[("kvguard_inter_token_latency_seconds_count", ())] == 4
