@@ -109,12 +109,13 @@ def test_abort_in_every_state_frees_everything(eng: Engine) -> None:
 def test_s1_stale_lease_fails_only_its_request(tiny_model_dir: Path) -> None:
     """A page freed and reallocated to another request while its first owner still runs (the
     2026 bug class): caught at read time, that request fails, the others finish unchanged."""
-    e = engine(tiny_model_dir, kv_pool_tokens=128, page_size=8)
+    e = engine(tiny_model_dir, kv_pool_tokens=256, page_size=8)
     prompts = [ids(e, p) for p in PROMPTS[:3]]
     victim_prompt = ids(e, PROMPTS[4])
     solo = [e.generate([p], GREEDY)[0].output_ids for p in prompts + [victim_prompt]]
     reqs = [e.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
     e.step(), e.step(), e.step()
+    assert all(r.state == RequestState.DECODING for r in reqs)
     e.pool.free(reqs[1].lease)  # the bug: r1's pages go back while r1 still decodes
     intruder = e.add_request("intruder", victim_prompt, GREEDY)  # and are handed to a new request
     e.step()  # the intruder is admitted and prefilled into r1's pages
