@@ -466,3 +466,19 @@ async def test_metrics_are_exposed_in_prometheus_text() -> None:
     aborts = families["kvguard_aborts"].samples
     assert [(s.labels["cause"], s.value) for s in aborts if s.name == "kvguard_aborts_total"] == [
         ("transfer_timeout", 1.0)]
+
+
+async def test_standalone_abort_releases_decode_before_any_chunk_s4() -> None:
+    async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
+        handle = p.receiver.expect("r", [0], [1])
+        await p.sender.abort("r", p.dest, "prefill rejected the request")
+        outcome = await asyncio.wait_for(handle.wait(), 2)
+    assert outcome.reason is FailureReason.PEER_ABORT and "rejected" in outcome.detail
+
+
+async def test_unreachable_decode_is_a_failed_outcome_not_a_hang() -> None:
+    async with make_pair() as p:
+        port = p.dest[1]
+    sender = KVSender(KEY, TransferMetrics.create(CollectorRegistry()), FAST)
+    outcome = await sender.send("r", ("127.0.0.1", port), [0], [1], chunks_of("r", [0]))
+    assert outcome.reason is FailureReason.CONNECTION_LOST

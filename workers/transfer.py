@@ -281,6 +281,9 @@ class _InboundConnection:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.requests: set[str] = set()
+        self.pending_credit = 0
+        self.last_acked = ("", 0)
+        self.flush_scheduled = False
 
 
 class TransferHandle:
@@ -317,6 +320,8 @@ class KVReceiver:
         self._sink = sink
         self._key: bytes | None = key if config.verify_integrity else None
         self._metrics = metrics
+        self._bytes_in = metrics.transfer_bytes.labels(direction="received")
+        self._chunks_in = metrics.chunk_bytes.labels(direction="received")
         self._config = config
         self._faults = faults
         self._active: dict[str, _Inbound] = {}
@@ -395,8 +400,7 @@ class KVReceiver:
         match frame:
             case ChunkHeader():
                 await self._on_chunk(conn, frame, payload)
-                # Credit goes back only after the sink consumed the bytes (S6).
-                write_frame(conn.writer, self._key, Ack(frame.request_id, frame.seq, len(payload)))
+                self._return_credit(conn, frame, len(payload))
             case Manifest():
                 await self._on_manifest(conn, frame)
             case Abort():
@@ -404,6 +408,22 @@ class KVReceiver:
                     self._fail(state, FailureReason.PEER_ABORT, frame.reason, notify=False)
             case _:
                 raise ProtocolError(f"unexpected {type(frame).__name__} frame from prefill")
+
+    def _return_credit(self, conn: _InboundConnection, chunk: ChunkHeader, nbytes: int) -> None:
+        """Credit goes back only after the sink consumed the bytes (S6). ACKs are coalesced: the
+        flush runs when this connection's task next yields, i.e. before it blocks on the socket."""
+        conn.pending_credit += nbytes
+        conn.last_acked = (chunk.request_id, chunk.seq)
+        if not conn.flush_scheduled:
+            conn.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_credit, conn)
+
+    def _flush_credit(self, conn: _InboundConnection) -> None:
+        conn.flush_scheduled = False
+        if conn.pending_credit and not conn.writer.is_closing():
+            rid, seq = conn.last_acked
+            write_frame(conn.writer, self._key, Ack(rid, seq, conn.pending_credit))
+        conn.pending_credit = 0
 
     def _claim(self, conn: _InboundConnection, request_id: str) -> _Inbound | None:
         """The live state for a frame, or None after answering a late/unknown one (class G)."""
@@ -424,8 +444,8 @@ class KVReceiver:
         return state
 
     async def _on_chunk(self, conn: _InboundConnection, chunk: ChunkHeader, payload: bytes) -> None:
-        self._metrics.transfer_bytes.labels(direction="received").inc(len(payload))
-        self._metrics.chunk_bytes.labels(direction="received").observe(len(payload))
+        self._bytes_in.inc(len(payload))
+        self._chunks_in.observe(len(payload))
         if (state := self._claim(conn, chunk.request_id)) is None:
             return
         if (problem := state.tracker.check_chunk(chunk)) is not None:
@@ -545,6 +565,12 @@ class ByteCredit:
         self.max_in_use = 0
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
+    def try_acquire(self, n: int) -> bool:
+        if self._waiters or not self._fits(n):
+            return False
+        self._take(n)
+        return True
+
     def _fits(self, n: int) -> bool:
         return self.in_use == 0 or self.in_use + n <= self.capacity
 
@@ -596,13 +622,12 @@ class _OutboundConnection:
         self.reader = reader
         self.writer = writer
         self.results: dict[str, asyncio.Future[TransferOutcome]] = {}
-        self.unacked: dict[tuple[str, int], int] = {}
+        self.unacked = 0  # bytes written on this connection and not yet credited back
         self.closed = False
         self.reader_task: asyncio.Task[None] | None = None
 
     def release_all(self) -> None:
-        total = sum(self.unacked.values())
-        self.unacked.clear()
+        total, self.unacked = self.unacked, 0
         if total:
             self.peer.credit.release(total)
 
@@ -617,6 +642,8 @@ class KVSender:
             raise ValueError("the transfer key must be at least 16 bytes")
         self._key: bytes | None = key if config.verify_integrity else None
         self._metrics = metrics
+        self._bytes_out = metrics.transfer_bytes.labels(direction="sent")
+        self._chunks_out = metrics.chunk_bytes.labels(direction="sent")
         self._config = config
         self._faults = faults
         self._rng = faults.rng()
@@ -725,16 +752,20 @@ class KVSender:
         dropped = faults.drop_chunk and self._rng.random() < faults.drop_chunk
         if conn.closed:
             raise ConnectionResetError("connection to decode lost")
-        async with asyncio.timeout(self._config.stall_timeout_s):
-            await conn.peer.credit.acquire(n)
-            if dropped:
-                conn.peer.credit.release(n)
-            else:
-                conn.unacked[(header.request_id, header.seq)] = n
-                write_frame(conn.writer, self._key, header, payload)
-                self._metrics.transfer_bytes.labels(direction="sent").inc(n)
-                self._metrics.chunk_bytes.labels(direction="sent").observe(n)
-                await conn.writer.drain()
+        credit = conn.peer.credit
+        if not credit.try_acquire(n):  # only arm a timer when we actually have to wait
+            async with asyncio.timeout(self._config.stall_timeout_s):
+                await credit.acquire(n)
+        if dropped:
+            credit.release(n)
+        else:
+            conn.unacked += n
+            write_frame(conn.writer, self._key, header, payload)
+            self._bytes_out.inc(n)
+            self._chunks_out.observe(n)
+            if conn.writer.transport.get_write_buffer_size():
+                async with asyncio.timeout(self._config.stall_timeout_s):
+                    await conn.writer.drain()
         self._chunks_sent += 1
         if faults.crash_prefill_after_chunks is not None and \
                 self._chunks_sent >= faults.crash_prefill_after_chunks:
@@ -796,9 +827,9 @@ class KVSender:
     def _on_reply(self, conn: _OutboundConnection, frame: Frame) -> None:
         match frame:
             case Ack():
-                n = conn.unacked.pop((frame.request_id, frame.seq), None)
-                if n is not None:
-                    conn.peer.credit.release(n)
+                n = min(frame.nbytes, conn.unacked)  # never more than was sent on it
+                conn.unacked -= n
+                conn.peer.credit.release(n)
             case Result():
                 fut = conn.results.get(frame.request_id)
                 if fut is not None and not fut.done():

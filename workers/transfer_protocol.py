@@ -22,7 +22,9 @@ generations (the generations decode granted for those pages at bootstrap)::
     CHUNK    (prefill->decode)  rid | u32 seq | 16 B xxh3_128(payload) | pages
     MANIFEST (prefill->decode)  rid | u32 chunk count | u64 total payload bytes | pages (all sent)
     ABORT    (prefill->decode)  rid | text reason
-    ACK      (decode->prefill)  rid | u32 seq | u32 payload bytes credited back
+    ACK      (decode->prefill)  rid | u32 seq | u32 payload bytes credited back (coalesced: all
+                                chunks consumed on this connection since the last ACK; rid/seq
+                                name the last of them)
     RESULT   (decode->prefill)  rid | u8 ok | text reason code | text detail
 
 The HMAC covers the header, and the header holds the payload's checksum, so a payload altered in
@@ -36,6 +38,7 @@ malicious length field cannot make a worker allocate gigabytes.
 from __future__ import annotations
 
 import enum
+import functools
 import hmac
 import struct
 from collections.abc import Sequence
@@ -161,12 +164,17 @@ def _text(text: str) -> bytes:
     return _U16.pack(len(raw)) + raw
 
 
+@functools.lru_cache(maxsize=256)
+def _pages_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}I{n}q")
+
+
 def _pages(page_ids: Sequence[int], generations: Sequence[int]) -> bytes:
     n = len(page_ids)
     if len(generations) != n:
         raise ValueError(f"{n} page ids but {len(generations)} generations")
     try:
-        return _U32.pack(n) + struct.pack(f"<{n}I", *page_ids) + struct.pack(f"<{n}q", *generations)
+        return _U32.pack(n) + _pages_struct(n).pack(*page_ids, *generations)
     except struct.error as exc:
         raise ValueError(f"page id or generation out of range: {exc}") from None
 
@@ -287,9 +295,8 @@ class _Cursor:
         n = self.unpack(_U32)
         if 12 * n > len(self.data) - self.pos:
             raise ProtocolError(f"page count {n} exceeds the header")
-        ids = struct.unpack(f"<{n}I", self.take(4 * n))
-        gens = struct.unpack(f"<{n}q", self.take(8 * n))
-        return ids, gens
+        values = _pages_struct(n).unpack(self.take(12 * n))
+        return values[:n], values[n:]
 
     def end(self) -> None:
         if self.pos != len(self.data):
