@@ -66,8 +66,11 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/server_info", self.server_info)
-        app.router.add_get("/health", lambda _r: web.Response(text="ok"))
+        app.router.add_get("/health", self.health)
         return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
 
     async def models(self, _request: web.Request) -> web.Response:
         if self.b.fail_models:

@@ -54,10 +54,8 @@ class RunContext:
     def metrics_reachable(self) -> bool:
         return any(s.reachable for s in self.start_snapshots)
 
-    async def snapshots(self, *, server_info: bool = False) -> list[WorkerSnapshot]:
-        return await fetch_all(
-            self.session, self.metrics_urls, self.spec.request_timeout_seconds, server_info=server_info
-        )
+    async def snapshots(self) -> list[WorkerSnapshot]:
+        return await fetch_all(self.session, self.metrics_urls, self.spec.request_timeout_seconds)
 
     def admissible_tokens(self, reserve_tokens: int) -> int:
         return admissible_prompt_tokens(self.info.context_length, self.info.min_pool_tokens, reserve_tokens)

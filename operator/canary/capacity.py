@@ -19,7 +19,7 @@ class CapacityProbe(Probe):
     async def run(self, ctx: RunContext) -> Outcome:
         if not ctx.metrics_urls:
             raise ProbeSkipped("no metrics URLs given")
-        snapshots = await ctx.snapshots(server_info=True)
+        snapshots = await ctx.snapshots()
         if not any(s.reachable for s in snapshots):
             errors = "; ".join(f"{s.url}: {s.error}" for s in snapshots)
             raise ProbeSkipped(f"no metrics URL is reachable ({errors})")

@@ -209,7 +209,7 @@ def server_base(metrics_url: str) -> str:
 
 
 async def fetch_snapshot(
-    session: aiohttp.ClientSession, url: str, timeout_seconds: float, *, server_info: bool = False
+    session: aiohttp.ClientSession, url: str, timeout_seconds: float, *, server_info: bool = True
 ) -> WorkerSnapshot:
     """Scrape one metrics URL; for SGLang without a capacity gauge, fall back to /server_info."""
     status, body, error = await get_text(session, url, timeout_seconds)
@@ -228,13 +228,17 @@ async def _add_server_info(session: aiohttp.ClientSession, snap: WorkerSnapshot,
         if error is None and status == 200:
             payload, bad = parse_json_text(body)
             if bad is None:
-                snap.pools, context = pools_from_server_info(payload)
+                pools, context = pools_from_server_info(payload)
+                used = snap.counter(SGLANG_USED)
+                if len(pools) == 1 and used is not None:
+                    pools = [PoolReading(pools[0].pool, pools[0].capacity_tokens, used, pools[0].source)]
+                snap.pools = pools
                 snap.context_length = snap.context_length or context
                 return
 
 
 async def fetch_all(
-    session: aiohttp.ClientSession, urls: list[str], timeout_seconds: float, *, server_info: bool = False
+    session: aiohttp.ClientSession, urls: list[str], timeout_seconds: float, *, server_info: bool = True
 ) -> list[WorkerSnapshot]:
     return list(
         await asyncio.gather(

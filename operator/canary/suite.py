@@ -83,16 +83,16 @@ async def run_suite(
     started = time.monotonic()
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     info = TargetInfo(url=url, baseline_url=baseline_url, metrics_urls=list(metrics_urls))
+    limit = timeout_seconds or spec.suite_timeout_seconds
+    deadline = started + limit if limit else None
     async with aiohttp.ClientSession() as session:
         try:
-            ctx = await _prepare(session, spec, info, baseline_url)
+            ctx = await _prepare(session, spec, info, baseline_url, deadline)
         except CannotRun as exc:
             return CanaryReport(
                 verdict=Verdict.CANNOT_RUN, reason=str(exc), target=info, started_at=started_at,
                 duration_seconds=round(time.monotonic() - started, 3),
             )
-        limit = timeout_seconds or spec.suite_timeout_seconds
-        deadline = started + limit if limit else None
         results, first_failure = await _run_probes(ctx, started, deadline, progress)
     duration = time.monotonic() - started
     verdict, reason = _verdict(results)
@@ -105,7 +105,11 @@ async def run_suite(
 
 
 async def _prepare(
-    session: aiohttp.ClientSession, spec: CanarySpec, info: TargetInfo, baseline_url: str | None
+    session: aiohttp.ClientSession,
+    spec: CanarySpec,
+    info: TargetInfo,
+    baseline_url: str | None,
+    deadline: float | None,
 ) -> RunContext:
     """Preflight: model and context length, the baseline, start-of-run metrics, token calibration."""
     timeout = spec.request_timeout_seconds
@@ -116,13 +120,13 @@ async def _prepare(
     if baseline_url:
         baseline = EngineClient(session, baseline_url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
         baseline.model, _ = await _identify(baseline, spec.model, "baseline")
-    snapshots = await fetch_all(session, info.metrics_urls, timeout, server_info=True)
+    snapshots = await fetch_all(session, info.metrics_urls, timeout)
     _absorb_metrics(info, snapshots)
     ctx = RunContext(
         spec=spec, session=session, target=target, baseline=baseline,
         metrics_urls=info.metrics_urls, info=info, start_snapshots=snapshots,
     )
-    ctx.estimate = await _calibrate(target)
+    ctx.estimate = await _calibrate(target, deadline)
     return ctx
 
 
@@ -153,11 +157,22 @@ def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot]) -> None:
         info.context_length = min(contexts) if contexts else None
 
 
-async def _calibrate(target: EngineClient) -> TokenEstimate:
-    """Tokens per filler word from usage.prompt_tokens, when the server reports usage."""
-    probe = await target.complete(
-        filler_text(CALIBRATION_WORDS, seed=7), max_tokens=1, label="calibration"
-    )
+async def _calibrate(target: EngineClient, deadline: float | None) -> TokenEstimate:
+    """Tokens per filler word from usage.prompt_tokens, when the server reports usage.
+
+    Best effort: a failure here only leaves the estimate unknown (worst-case bounds); the probes
+    judge the target. It may use at most a quarter of the remaining suite budget.
+    """
+    budget = target.timeout_seconds
+    if deadline is not None:
+        budget = min(budget, max(0.1, (deadline - time.monotonic()) / 4))
+    try:
+        probe = await asyncio.wait_for(
+            target.complete(filler_text(CALIBRATION_WORDS, seed=7), max_tokens=1, label="calibration"),
+            timeout=budget,
+        )
+    except asyncio.TimeoutError:
+        return TokenEstimate()
     return TokenEstimate.from_usage(probe.prompt_tokens if probe.ok else None)
 
 

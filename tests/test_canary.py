@@ -1,0 +1,308 @@
+"""The canary suite against a minimal OpenAI-compatible server on loopback (no engine).
+
+Each misbehaviour must fail the right probe with evidence that names the cause, and nothing may
+crash: timeouts, malformed bodies, a 200 carrying an error, a stream that dies.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_canary_fakes import Behaviour, RunningServer
+
+from kvguard.cli import main as cli_main
+from kvguard.operator.canary import (
+    CanaryReport,
+    CanarySpec,
+    ProbeName,
+    ProbeStatus,
+    ProgressEvent,
+    Verdict,
+    run_suite,
+)
+
+# Lean settings: a short pool-recovery wait keeps the "pages held" case quick.
+FAST = {"abort": {"poolRecoveryTimeoutSeconds": 1.0}, "requestTimeoutSeconds": 5}
+
+
+def spec(**overrides: object) -> CanarySpec:
+    return CanarySpec.model_validate({**FAST, **overrides})
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    behaviour = getattr(request, "param", Behaviour())
+    with RunningServer(behaviour) as running:
+        yield running
+
+
+async def run(server: RunningServer, canary: CanarySpec | None = None, **kwargs: object) -> CanaryReport:
+    return await run_suite(server.url, canary or spec(), metrics_urls=[server.metrics_url], **kwargs)  # type: ignore[arg-type]
+
+
+def status(report: CanaryReport, name: ProbeName) -> ProbeStatus:
+    result = report.probe(name)
+    assert result is not None, f"{name} missing from the report"
+    return result.status
+
+
+def evidence_kinds(report: CanaryReport, name: ProbeName) -> set[str]:
+    result = report.probe(name)
+    assert result is not None
+    return {e.kind for e in result.evidence}
+
+
+async def test_well_behaved_server_passes_every_probe(server: RunningServer) -> None:
+    events: list[ProgressEvent] = []
+    report = await run(server, progress=events.append)
+    assert report.verdict == Verdict.PASS, report.to_json()
+    assert report.target.model == "fake-model" and report.target.context_length == 512
+    assert report.target.min_pool_tokens == 2048 and report.target.engines == ["kvguard"]
+    # Golden has no expectations and no baseline by default: skipped, with the reason.
+    assert status(report, ProbeName.GOLDEN) == ProbeStatus.SKIPPED
+    assert "baseline" in report.probe(ProbeName.GOLDEN).reason  # type: ignore[union-attr]
+    for name in set(ProbeName) - {ProbeName.GOLDEN}:
+        assert status(report, name) == ProbeStatus.PASS, name
+    assert [e.kind for e in events if e.probe == ProbeName.CAPACITY] == ["started", "finished"]
+    assert [r.name for r in report.probes] == list(ProbeName)  # cheap probes first, counters last
+
+
+@pytest.mark.parametrize("server", [Behaviour(leak_previous=True)], indirect=True)
+async def test_s1_leak_of_previous_request_fails_isolation_naming_the_nonce(server: RunningServer) -> None:
+    report = await run(server)
+    assert report.verdict == Verdict.FAIL
+    isolation = report.probe(ProbeName.ISOLATION)
+    assert isolation is not None and isolation.status == ProbeStatus.FAIL
+    assert "secret nonce" in isolation.reason
+    leaks = [e for e in isolation.evidence if e.kind == "nonce_leak"]
+    assert leaks and leaks[0].nonce in leaks[0].output
+    assert "output_mismatch" in evidence_kinds(report, ProbeName.ISOLATION)
+
+
+@pytest.mark.parametrize("server", [Behaviour(accept_over_length=True)], indirect=True)
+async def test_s2_over_length_answered_with_200_fails(server: RunningServer) -> None:
+    report = await run(server, spec(overLength={"streaming": [False, True]}))
+    result = report.probe(ProbeName.OVER_LENGTH)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    assert "HTTP 200" in result.reason
+    statuses = {e.status for e in result.evidence if e.kind == "http"}
+    assert statuses == {200}
+    # Both the prompt case and the max_tokens case were tried, on both endpoints.
+    labels = " ".join(e.request for e in result.evidence if e.kind == "http")
+    assert "prompt > context length" in labels and "max_tokens > context length" in labels
+    assert "chat" in labels and "stream=true" in labels
+
+
+@pytest.mark.parametrize("server", [Behaviour(flat_errors=True)], indirect=True)
+async def test_s2_sglang_flat_error_body_counts_as_clean_rejection(server: RunningServer) -> None:
+    report = await run(server, spec(), )
+    assert status(report, ProbeName.OVER_LENGTH) == ProbeStatus.PASS
+    notes = [e.message for e in report.probe(ProbeName.OVER_LENGTH).evidence if e.kind == "note"]  # type: ignore[union-attr]
+    assert any("without code context_length_exceeded" in n for n in notes)
+
+
+@pytest.mark.parametrize("server", [Behaviour(stream_error_frame_over_length=True)], indirect=True)
+async def test_s2_streamed_200_with_error_frame_fails(server: RunningServer) -> None:
+    report = await run(server, spec(overLength={"apis": ["completions"]}))
+    result = report.probe(ProbeName.OVER_LENGTH)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    failing = [e for e in result.evidence if e.kind == "http"]
+    assert failing and all("stream=true" in e.request and e.status == 200 for e in failing)
+
+
+@pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=30.0)], indirect=True)
+async def test_s4_pages_held_after_disconnect_fail_abort_probe(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.FAIL, report.to_json()
+    assert "not freed" in result.reason
+    usage = next(e for e in result.evidence if e.kind == "pool_usage")
+    assert usage.final_tokens > usage.baseline_tokens == 0
+
+
+async def test_s4_abort_probe_without_metrics_still_checks_isolation(server: RunningServer) -> None:
+    report = await run_suite(server.url, spec().only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.PASS
+    assert any(e.kind == "note" and "not checked" in e.message for e in result.evidence)
+
+
+@pytest.mark.parametrize("server", [Behaviour(bump_tag_violations=True)], indirect=True)
+async def test_s1_tag_violation_counter_increase_fails_with_deltas(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.DETERMINISM, ProbeName.SAFETY_COUNTERS]))
+    result = report.probe(ProbeName.SAFETY_COUNTERS)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    deltas = next(e for e in result.evidence if e.kind == "counters").deltas
+    assert deltas["kvguard_tag_violations_total"] == 4  # calibration, two runs, one streamed run
+    assert deltas["kvguard_checksum_failures_total"] == 0
+
+
+@pytest.mark.parametrize("server", [Behaviour(nondeterministic=True)], indirect=True)
+async def test_nondeterministic_output_fails_determinism_with_both_outputs(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.DETERMINISM]))
+    result = report.probe(ProbeName.DETERMINISM)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    mismatch = next(e for e in result.evidence if e.kind == "output_mismatch")
+    assert mismatch.expected != mismatch.actual
+
+
+@pytest.mark.parametrize("server", [Behaviour(hang_completions=True)], indirect=True)
+async def test_hanging_server_times_out_cleanly(server: RunningServer) -> None:
+    canary = spec(requestTimeoutSeconds=0.5).only([ProbeName.DETERMINISM, ProbeName.OVER_LENGTH])
+    report = await run(server, canary)
+    assert report.verdict == Verdict.FAIL
+    result = report.probe(ProbeName.DETERMINISM)
+    assert result is not None and "timed out" in result.reason
+    assert "no HTTP response" in report.probe(ProbeName.OVER_LENGTH).reason  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("server", [Behaviour(hang_completions=True)], indirect=True)
+async def test_suite_timeout_fails_the_running_probe_and_skips_the_rest(server: RunningServer) -> None:
+    canary = spec(requestTimeoutSeconds=30)
+    report = await run(server, canary, timeout_seconds=1.0)
+    assert report.verdict == Verdict.FAIL
+    failed = [p for p in report.probes if p.status == ProbeStatus.FAIL]
+    assert failed and "suite timeout" in failed[0].reason
+    assert all("suite timeout" in p.reason for p in report.probes if p.status == ProbeStatus.SKIPPED and p.name != ProbeName.GOLDEN)
+
+
+@pytest.mark.parametrize(
+    ("server", "expected"),
+    [
+        (Behaviour(malformed_completions=True), "malformed JSON body"),
+        (Behaviour(error_in_200=True), "engine exploded"),
+        (Behaviour(stream_dies_after=1), "payload is not completed"),
+    ],
+    indirect=["server"],
+)
+async def test_broken_bodies_fail_cleanly_with_the_cause(server: RunningServer, expected: str) -> None:
+    report = await run(server, spec().only([ProbeName.DETERMINISM, ProbeName.ISOLATION, ProbeName.OVER_LENGTH]))
+    assert report.verdict == Verdict.FAIL
+    reasons = " | ".join(p.reason for p in report.probes)
+    assert expected in reasons, reasons
+    if expected != "payload is not completed":  # a server that answers 200 to everything
+        assert status(report, ProbeName.OVER_LENGTH) == ProbeStatus.FAIL
+
+
+async def test_golden_expectations_and_baseline_equality(server: RunningServer) -> None:
+    prompts = [
+        {"prompt": "alpha beta gamma", "expectSubstring": "alpha"},
+        {"prompt": "delta epsilon", "expectRegex": "^delta [0-9a-f]{5}"},
+    ]
+    with RunningServer(Behaviour()) as same, RunningServer(Behaviour(weights_seed="w2")) as other:
+        canary = spec(golden={"prompts": prompts}).only([ProbeName.GOLDEN])
+        good = await run_suite(server.url, canary, baseline_url=same.url)
+        assert good.verdict == Verdict.PASS, good.to_json()
+        bad = await run_suite(server.url, canary, baseline_url=other.url)
+    result = bad.probe(ProbeName.GOLDEN)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    assert "differs from the baseline" in result.reason
+    assert {e.expected_from for e in result.evidence if e.kind == "output_mismatch"} == {"baseline"}
+    wrong = spec(golden={"prompts": [{"prompt": "x y", "expectSubstring": "zzz"}]}).only([ProbeName.GOLDEN])
+    missing = (await run_suite(server.url, wrong)).probe(ProbeName.GOLDEN)
+    assert missing is not None and missing.status == ProbeStatus.FAIL and "expectSubstring" in missing.reason
+
+
+@pytest.mark.parametrize(
+    "server",
+    [Behaviour(metrics_style="sglang"), Behaviour(metrics_style="sglang_server_info"), Behaviour(metrics_style="vllm")],
+    indirect=True,
+)
+async def test_s7_capacity_read_from_sglang_and_vllm(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.CAPACITY, ProbeName.ABORT]))
+    capacity = report.probe(ProbeName.CAPACITY)
+    assert capacity is not None and capacity.status == ProbeStatus.PASS, report.to_json()
+    reading = next(e for e in capacity.evidence if e.kind == "capacity")
+    assert reading.capacity_tokens == 2048 and reading.ratio == 4.0
+    # Usage is mapped too: the abort probe waited on it.
+    assert "pool_usage" in evidence_kinds(report, ProbeName.ABORT)
+
+
+@pytest.mark.parametrize("server", [Behaviour(pool_tokens=700)], indirect=True)
+async def test_s7_pool_below_ratio_fails_capacity(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.CAPACITY]))
+    result = report.probe(ProbeName.CAPACITY)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    assert "1.37 x context length 512" in result.reason
+
+
+async def test_s7_unreachable_worker_fails_capacity(server: RunningServer) -> None:
+    canary = spec().only([ProbeName.CAPACITY])
+    report = await run_suite(server.url, canary, metrics_urls=[server.metrics_url, "http://127.0.0.1:1/metrics"])
+    result = report.probe(ProbeName.CAPACITY)
+    assert result is not None and result.status == ProbeStatus.FAIL and "did not report" in result.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(metrics_style="none")], indirect=True)
+async def test_metric_probes_skip_with_reason_when_no_metrics(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.CAPACITY, ProbeName.SAFETY_COUNTERS, ProbeName.DETERMINISM]))
+    assert report.verdict == Verdict.PASS
+    assert "no metrics URL is reachable" in report.probe(ProbeName.CAPACITY).reason  # type: ignore[union-attr]
+    assert status(report, ProbeName.SAFETY_COUNTERS) == ProbeStatus.SKIPPED
+
+
+async def test_unreachable_target_cannot_run() -> None:
+    report = await run_suite("http://127.0.0.1:1", spec())
+    assert report.verdict == Verdict.CANNOT_RUN and "/v1/models" in report.reason and not report.probes
+
+
+async def test_every_probe_skipped_cannot_run(server: RunningServer) -> None:
+    report = await run_suite(server.url, spec().only([ProbeName.CAPACITY]))
+    assert report.verdict == Verdict.CANNOT_RUN and "every probe was skipped" in report.reason
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def test_cli_exit_0_with_table_and_1_with_evidence(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(["canary", "--url", server.url, "--metrics-url", server.metrics_url, "--probes", "capacity,over-length,determinism"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "PROBE" in out and "over_length" in out and "verdict: PASS" in out
+    with RunningServer(Behaviour(accept_over_length=True)) as bad:
+        code = cli_main(["canary", "--url", bad.url, "--probes", "over_length"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "verdict: FAIL" in out and "HTTP 200" in out  # the evidence row under the failing probe
+
+
+def test_cli_json_report(server: RunningServer, tmp_path: Path) -> None:
+    spec_file = tmp_path / "canary.yaml"
+    spec_file.write_text("isolation:\n  tenants: 2\n  longRequestFractions: [0.5]\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvguard", "canary", "--url", server.url, "--spec", str(spec_file),
+         "--probes", "isolation", "-o", "json", "--timeout", "60"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["verdict"] == "pass"
+    assert report["probes"][0]["name"] == "isolation" and "timeToVerdictSeconds" in report
+
+
+def test_cli_exit_2_reasons(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1"]) == 2
+    assert "cannot run" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("isolation:\n  tenant: 3\nmaxTokens: 0\n")
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--spec", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "isolation.tenant: Extra inputs are not permitted" in err and "maxTokens" in err
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--probes", "isolaton"]) == 2
+    assert "unknown probe 'isolaton'" in capsys.readouterr().err
+
+
+def test_cli_reads_canary_section_of_an_inference_model(server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "model.yaml"
+    manifest.write_text(
+        "apiVersion: kvguard.io/v1alpha1\nkind: InferenceModel\nmetadata: {name: m}\n"
+        "spec:\n  canary:\n    golden: {enabled: false}\n    determinism: {repetitions: 3}\n"
+        "    isolation: {enabled: false}\n    overLength: {enabled: false}\n    abort: {enabled: false}\n"
+    )
+    assert cli_main(["canary", "--url", server.url, "--spec", str(manifest)]) == 0
+    assert "3 identical runs" in capsys.readouterr().out

@@ -1,0 +1,142 @@
+"""Pure pieces of the canary suite: body parsing, prompt sizing, metric mapping, the spec."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from test_canary_fakes import sglang_metrics, sglang_server_info, vllm_metrics
+
+from kvguard.operator.canary import CanarySpec, ProbeName
+from kvguard.operator.canary.client import Completion
+from kvguard.operator.canary.metrics import (
+    counter_totals,
+    pools_from_server_info,
+    snapshot_from_text,
+    total_used_tokens,
+)
+from kvguard.operator.canary.over_length import judge_rejection
+from kvguard.operator.canary.prompts import TokenEstimate, filler_text, make_nonce
+from kvguard.operator.canary.responses import error_message, parse_body
+
+
+def test_error_shapes_of_every_engine_are_errors() -> None:
+    nested = {"error": {"message": "too long", "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"}}
+    assert error_message(nested) == "too long (context_length_exceeded)"
+    flat = {"object": "error", "message": "The input (9 tokens) is longer", "type": "BadRequestError", "param": None, "code": 400}
+    assert error_message(flat) == "The input (9 tokens) is longer"
+    assert error_message({"error": "plain"}) == "plain"
+    assert error_message({"choices": []}) is None
+
+
+def test_abort_finish_reason_is_an_error_even_with_http_200() -> None:
+    sglang_abort = {"choices": [{"text": "partial", "finish_reason": {"type": "abort", "message": "checksum"}}]}
+    assert parse_body(sglang_abort).error == "finish_reason is 'abort'"
+    meta = {"choices": [{"text": "x", "finish_reason": None}], "meta_info": {"finish_reason": {"type": "abort"}}}
+    assert parse_body(meta).error is not None
+    ok = parse_body({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 7}})
+    assert (ok.text, ok.error, ok.finish_reason, ok.prompt_tokens) == ("hi", None, "stop", 7)
+    assert "malformed completion body" in (parse_body({"choices": "nope"}).error or "")
+
+
+@pytest.mark.parametrize(
+    ("status", "text", "chunks", "problem"),
+    [
+        (400, "", 0, None),
+        (413, "", 0, None),
+        (200, "", 0, "accepted with HTTP 200"),
+        (200, "leaked text", 3, "accepted with HTTP 200 (3 chunk(s)"),
+        (500, "", 0, "expected a 4xx"),
+        (None, "", 0, "no HTTP response"),
+        (400, "tok", 1, "text was generated"),
+    ],
+)
+def test_s2_rejection_judgement(status: int | None, text: str, chunks: int, problem: str | None) -> None:
+    result = Completion(label="case", status=status, text=text, chunks=chunks, error="x", body='{"error":{"code":"context_length_exceeded"}}')
+    found, _ = judge_rejection(result)
+    assert (found is None) if problem is None else (problem in (found or ""))
+
+
+def test_prompt_sizing_bounds_hold_for_byte_level_and_bpe() -> None:
+    unknown = TokenEstimate()
+    words = unknown.words_at_most(1000)
+    assert len(filler_text(words, 1).encode()) <= 1000  # one token per byte is the worst case
+    assert unknown.words_at_least(1000) > 1000  # one token per word is the floor
+    measured = TokenEstimate.from_usage(prompt_tokens=320)  # byte-level: 5 tokens per word
+    assert measured.words_at_most(1000) * 5 <= 1000 and measured.words_at_least(1000) * 5 > 1000
+    assert TokenEstimate.from_usage(None).tokens_per_word is None
+
+
+def test_nonce_is_on_every_page_of_the_long_prompt() -> None:
+    nonce = make_nonce(16)
+    assert len(nonce) == 16 and len({make_nonce(16) for _ in range(20)}) == 20
+    words = filler_text(200, 3, nonce, nonce_every=48).split()
+    assert [i for i, w in enumerate(words) if w == nonce] == [0, 48, 96, 144, 192]
+    assert nonce not in filler_text(200, 3)
+
+
+def test_kvguard_metrics_mapping() -> None:
+    text = (
+        "# TYPE kvguard_kv_pool_capacity_tokens gauge\n"
+        'kvguard_kv_pool_capacity_tokens{role="prefill"} 4096\n'
+        'kvguard_kv_pool_capacity_tokens{role="decode"} 8192\n'
+        "# TYPE kvguard_kv_pool_used_tokens gauge\n"
+        'kvguard_kv_pool_used_tokens{role="prefill"} 16\n'
+        'kvguard_kv_pool_used_tokens{role="decode"} 32\n'
+        "# TYPE kvguard_context_length_tokens gauge\nkvguard_context_length_tokens 2048\n"
+        "# TYPE kvguard_tag_violations counter\nkvguard_tag_violations_total 2\n"
+        "# TYPE kvguard_aborts counter\n"
+        'kvguard_aborts_total{cause="client_disconnect"} 1\nkvguard_aborts_total{cause="transfer_timeout"} 2\n'
+    )
+    snap = snapshot_from_text("u", text)
+    assert snap.engine == "kvguard" and snap.context_length == 2048
+    assert sorted((p.pool, p.capacity_tokens, p.used_tokens) for p in snap.pools) == [
+        ("role=decode", 8192, 32), ("role=prefill", 4096, 16)
+    ]
+    assert total_used_tokens([snap]) == 48
+    assert counter_totals([snap, snap], ["kvguard_tag_violations_total", "kvguard_aborts_total", "absent_total"]) == {
+        "kvguard_tag_violations_total": 4, "kvguard_aborts_total": 6
+    }
+
+
+def test_sglang_metrics_and_server_info_mapping() -> None:
+    snap = snapshot_from_text("u", sglang_metrics(pool=284928, used=1000))
+    assert snap.engine == "sglang"
+    assert [(p.capacity_tokens, p.used_tokens) for p in snap.pools] == [(284928, 1000)]
+    assert snap.counter("sglang:num_transfer_failed_reqs_total") == 0
+    old = snapshot_from_text("u", sglang_metrics(pool=4096, used=2048, with_capacity=False))
+    assert old.engine == "sglang" and old.pools == []  # falls back to /server_info
+    pools, context = pools_from_server_info(sglang_server_info(pool=284928, context=1048576))
+    assert [p.capacity_tokens for p in pools] == [284928] and context == 1048576
+    pools, _ = pools_from_server_info({"max_total_num_tokens": 5000})
+    assert pools[0].capacity_tokens == 5000 and "max_total_num_tokens" in pools[0].source
+
+
+def test_vllm_metrics_mapping_one_pool_per_engine() -> None:
+    snap = snapshot_from_text("u", vllm_metrics(pool=4096, used=1024, block_size=16, engines=2))
+    assert snap.engine == "vllm"
+    assert [(p.pool, p.capacity_tokens) for p in snap.pools] == [("engine=0", 4096), ("engine=1", 4096)]
+    assert snap.pools[0].used_tokens == pytest.approx(512)
+    sized = snapshot_from_text("u", 'vllm:cache_config_info{engine="0",kv_cache_size_tokens="123456",num_gpu_blocks="9",block_size="16"} 1.0\n')
+    assert sized.pools[0].capacity_tokens == 123456
+    assert snap.counter("vllm:num_preemptions") == 0  # with or without _total
+
+
+def test_unparseable_metrics_are_an_error_not_a_crash() -> None:
+    snap = snapshot_from_text("u", "this is { not prometheus\n")
+    assert not snap.reachable and "unparseable" in (snap.error or "")
+
+
+def test_spec_aliases_defaults_and_field_errors() -> None:
+    spec = CanarySpec.model_validate({"overLength": {"contextFactor": 2}, "maxTokens": 4})
+    assert spec.over_length.context_factor == 2 and spec.max_tokens == 4
+    assert spec.model_dump(by_alias=True)["safetyCounters"]["counters"][0] == "kvguard_tag_violations_total"
+    assert CanarySpec(max_tokens=4).max_tokens == 4  # populate_by_name
+    with pytest.raises(ValidationError, match="goldn"):
+        CanarySpec.model_validate({"goldn": {}})
+    with pytest.raises(ValidationError, match="regular expression"):
+        CanarySpec.model_validate({"golden": {"prompts": [{"prompt": "x", "expectRegex": "("}]}})
+    with pytest.raises(ValidationError, match="every probe is disabled"):
+        CanarySpec().only([])
+    assert ProbeName.parse("overLength") == ProbeName.parse("over-length") == ProbeName.OVER_LENGTH
+    schema = CanarySpec.model_json_schema(by_alias=True)
+    assert schema["properties"]["maxTokens"]["description"]
