@@ -47,7 +47,7 @@ def test_chunk_and_manifest_round_trip(rid: str, seq: int, ids: list[int], data)
     gens = data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=len(ids), max_size=len(ids)))
     chunk = ChunkHeader(rid, seq, payload_checksum(b"x" * (seq % 7)), tuple(ids), tuple(gens))
     assert _round_trip(chunk, 4096) == chunk
-    manifest = Manifest(rid, seq, seq * 3, tuple(ids), tuple(gens))
+    manifest = Manifest(rid, seq, seq * 3, tuple(ids), tuple(gens), first_token=seq % 50_000 - 1)
     assert _round_trip(manifest) == manifest
 
 

@@ -663,8 +663,10 @@ class KVSender:
 
     async def send(self, request_id: str, dest: tuple[str, int], page_ids: Sequence[int],
                    generations: Sequence[int],
-                   chunks: AsyncIterable[KVChunk] | Iterable[KVChunk]) -> TransferOutcome:
-        """Send every chunk, then the manifest, and return decode's verdict.
+                   chunks: AsyncIterable[KVChunk] | Iterable[KVChunk],
+                   first_token: int = -1) -> TransferOutcome:
+        """Send every chunk, then the manifest (carrying prefill's first token), and return
+        decode's verdict.
 
         Returns a failed outcome for decode-side failures, stalls (TIMEOUT) and lost connections.
         If ``chunks`` raises (prefill error) or this task is cancelled (client disconnect), an
@@ -685,7 +687,7 @@ class KVSender:
         result: asyncio.Future[TransferOutcome] = asyncio.get_running_loop().create_future()
         conn.results[request_id] = result
         try:
-            outcome = await self._send_all(conn, request_id, plan, chunks, result)
+            outcome = await self._send_all(conn, request_id, plan, chunks, result, first_token)
         except TimeoutError:
             self._abort(conn, request_id, "prefill timed out waiting for decode")
             outcome = TransferOutcome(request_id, False, FailureReason.TIMEOUT,
@@ -713,7 +715,7 @@ class KVSender:
 
     async def _send_all(self, conn: _OutboundConnection, request_id: str, plan: dict[int, int],
                         chunks: AsyncIterable[KVChunk] | Iterable[KVChunk],
-                        result: asyncio.Future[TransferOutcome]) -> TransferOutcome:
+                        result: asyncio.Future[TransferOutcome], first_token: int) -> TransferOutcome:
         seq = total = 0
         sent: list[int] = []
         async for chunk in _aiter(chunks):
@@ -731,7 +733,7 @@ class KVSender:
         if result.done():
             return result.result()
         write_frame(conn.writer, self._key, Manifest(
-            request_id, seq, total, tuple(sent), tuple(plan[p] for p in sent)))
+            request_id, seq, total, tuple(sent), tuple(plan[p] for p in sent), first_token))
         async with asyncio.timeout(self._config.stall_timeout_s):
             await conn.writer.drain()
             return await asyncio.shield(result)

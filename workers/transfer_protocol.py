@@ -21,6 +21,7 @@ generations (the generations decode granted for those pages at bootstrap)::
 
     CHUNK    (prefill->decode)  rid | u32 seq | 16 B xxh3_128(payload) | pages
     MANIFEST (prefill->decode)  rid | u32 chunk count | u64 total payload bytes | pages (all sent)
+                                | i64 first token (sampled by prefill; -1 when none)
     ABORT    (prefill->decode)  rid | text reason
     ACK      (decode->prefill)  rid | u32 seq | u32 payload bytes credited back (coalesced: all
                                 chunks consumed on this connection since the last ACK; rid/seq
@@ -60,6 +61,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -104,6 +106,7 @@ class Manifest:
     total_bytes: int
     page_ids: tuple[int, ...]
     generations: tuple[int, ...]
+    first_token: int = -1  # authenticated with the rest: decode continues from it
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +194,7 @@ def encode_header(frame: Frame) -> bytes:
         case Manifest():
             return (
                 _rid(frame.request_id) + _U32.pack(frame.chunk_count) + _U64.pack(frame.total_bytes)
-                + _pages(frame.page_ids, frame.generations)
+                + _pages(frame.page_ids, frame.generations) + _I64.pack(frame.first_token)
             )
         case Abort():
             return _rid(frame.request_id) + _text(frame.reason)
@@ -314,7 +317,7 @@ def _decode_header(kind: FrameType, header: bytes) -> Frame:
     elif kind is FrameType.MANIFEST:
         count, total = cur.unpack(_U32), cur.unpack(_U64)
         ids, gens = cur.pages()
-        frame = Manifest(rid, count, total, ids, gens)
+        frame = Manifest(rid, count, total, ids, gens, cur.unpack(_I64))
     elif kind is FrameType.ABORT:
         frame = Abort(rid, cur.text())
     elif kind is FrameType.ACK:
