@@ -206,17 +206,17 @@ class Engine:
         self.metrics.waiting_requests.set(len(self.scheduler.waiting))
         return outputs
 
-    def _lease_tables(self, requests: list[Request], pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, P] page ids and granted generations, padded with page 0 (masked by `pages`)."""
+    def _lease_tables(self, requests: list[Request], pages: list[int], generations: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, P] page ids and (if asked) granted generations, padded with page 0 (masked by `pages`)."""
         width = max(pages)
-        ids, gens = [], []
-        for request, n in zip(requests, pages):
-            lease = request.lease
-            assert lease is not None
-            ids.append(list(lease.page_ids[:n]) + [0] * (width - n))
-            gens.append(list(lease.generations[:n]) + [0] * (width - n))
-        return (torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.tensor(gens, dtype=torch.int64, device=self.device))
+        leases = [r.lease for r in requests]
+        ids = [list(lease.page_ids[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
+        table = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if not generations:
+            return table, None
+        gens = [list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
+        return table, torch.tensor(gens, dtype=torch.int64, device=self.device)
 
     def _run_prefill(self, requests: list[Request]) -> list[RequestOutput]:
         ps, device = self.pool.page_size, self.device
@@ -231,6 +231,7 @@ class Engine:
         if self.pool.tags:
             pages = [self.pool.pages_for(n) for n in lengths]
             table, granted = self._lease_tables(requests, pages)
+            assert granted is not None
             pages_t = torch.tensor(pages, device=device)
             ok = self.pool.verify_reads(table, granted, pages_t, torch.zeros_like(pages_t))  # S1/S5: writes only
             token_ok = ok.repeat_interleave(torch.tensor(lengths, device=device))
@@ -253,20 +254,20 @@ class Engine:
         ps, device = self.pool.page_size, self.device
         positions_l = [r.num_tokens - 1 for r in requests]  # the last sampled token's position
         pages = [p // ps + 1 for p in positions_l]
-        table, granted = self._lease_tables(requests, pages)
+        table, granted = self._lease_tables(requests, pages, generations=self.pool.tags)
         input_ids = torch.tensor([r.output_ids[-1] for r in requests], dtype=torch.int64, device=device)
         positions = torch.tensor(positions_l, dtype=torch.int64, device=device)
         rows = torch.arange(len(requests), device=device)
         write_page = positions // ps
         slots = table[rows, write_page] * ps + positions % ps
         ok = None
-        if self.pool.tags:
+        if granted is not None:
             ok = self.pool.verify_reads(table, granted, torch.tensor(pages, device=device), positions)  # S1
             slots = torch.where(ok, slots, self.pool.scratch_page * ps + positions % ps)
         batch = AttentionBatch(slots, is_prefill=False, page_table=table, seq_lens=positions + 1)
         hidden = self.model(input_ids, positions, batch, self.pool.kv)
         tokens = sample(self.model.logits(hidden), requests)
-        if ok is not None:
+        if granted is not None and ok is not None:
             offset = positions % ps
             self.pool.stamp_written(table[rows, write_page], granted[rows, write_page], offset, offset + 1, ok)
         return self._collect(requests, tokens, ok)

@@ -98,9 +98,21 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     # Printable ASCII gets the large output rows so greedy text is readable; other bytes, the
     # specials and unused ids rarely win (generation mostly ends by max_tokens).
     row_scale = torch.full((v, 1), 0.3)
-    row_scale[32:127] = 3.0
+    row_scale[32:min(127, v)] = 3.0
     weights["lm_head.weight"] = normal(v, h, std=h**-0.5) * row_scale
     return weights
+
+
+def write_random_model(model_dir: Path | str, overrides: dict, seed: int = 0) -> Path:
+    """A random Llama of any shape (benchmarks): TINY_CONFIG with `overrides`, weights only
+    (no tokenizer)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = {**TINY_CONFIG, "bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, END_ID], **overrides}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = {k: t.contiguous() for k, t in random_weights(config, seed).items()}
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    return model_dir
 
 
 def write_tiny_model(model_dir: Path | str, seed: int = 0) -> Path:

@@ -1,0 +1,137 @@
+"""Decode throughput with KV page tags on vs off (S1/S5 checks), same engine, same run.
+
+A random Llama bigger than the tiny test model (hidden 1024, 8 layers, 16 heads, 4 KV heads,
+head_dim 64, intermediate 2816, vocab 8192: ~120M parameters, float32), so the measurement is
+the model's decode step rather than Python overhead. Each round submits a fresh batch of
+concurrent requests, prefills them (untimed), then times the decode steps to completion. Rounds
+alternate on/off in ABBA order to cancel drift on a shared, noisy machine. The tags switch is
+flipped between rounds when the pool is empty. Prints the median throughput of each mode and
+their ratio; goal: tags cost < 1%.
+
+    .venv/bin/python bench/tag_overhead.py [--rounds 8] [--batch 16] [--prompt 256] [--decode 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from kvguard.workers.config import EngineConfig
+from kvguard.workers.device import synchronize
+from kvguard.workers.engine import Engine
+from kvguard.workers.request import RequestState, SamplingParams
+from kvguard.workers.tiny import write_random_model
+
+MODEL = {
+    "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 64, "intermediate_size": 2816, "vocab_size": 8192, "max_position_embeddings": 4096,
+}
+
+
+def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: int, tag: str) -> tuple[float, list[list[int]]]:
+    """Tokens per second over the decode steps of one batch; also the outputs (for a sanity check)."""
+    engine.pool.tags = tags
+    gen = torch.Generator().manual_seed(0)
+    requests = [
+        engine.add_request(f"{tag}-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=decode, ignore_eos=True))
+        for i in range(batch)
+    ]
+    while any(r.state != RequestState.DECODING for r in requests):
+        engine.step()
+    synchronize(engine.device)
+    decoded_before = sum(len(r.output_ids) for r in requests)
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(r.output_ids) for r in requests) - decoded_before
+    assert all(r.state == RequestState.FINISHED for r in requests), "a request failed during the benchmark"
+    return tokens / elapsed, [r.output_ids for r in requests]
+
+
+def tag_work_per_step(engine: Engine, batch: int, prompt: int, iterations: int = 300) -> float:
+    """Seconds of the extra work tags add to one decode step, timed in isolation on a real
+    decoding batch: the granted-generations table, the S1 gather-and-compare, the write
+    redirect and the S5 stamp (the same pool calls `Engine._run_decode` makes)."""
+    engine.pool.tags = True
+    gen = torch.Generator().manual_seed(1)
+    requests = [engine.add_request(f"micro-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),
+                                   SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(batch)]
+    while any(r.state != RequestState.DECODING for r in requests):
+        engine.step()
+    ps, pool = engine.pool.page_size, engine.pool
+    positions = torch.tensor([r.num_tokens - 1 for r in requests])
+    pages = [int(p) // ps + 1 for p in positions]
+    rows = torch.arange(batch)
+
+    def with_tags() -> None:
+        table, granted = engine._lease_tables(requests, pages, generations=True)
+        ok = pool.verify_reads(table, granted, torch.tensor(pages), positions)
+        torch.where(ok, table[rows, positions // ps] * ps, pool.scratch_page * ps)
+        pool.stamp_written(table[rows, positions // ps], granted[rows, positions // ps], positions % ps,
+                           positions % ps + 1, ok)
+        ok.tolist()
+
+    def without_tags() -> None:
+        engine._lease_tables(requests, pages, generations=False)
+
+    def timed(fn) -> float:
+        synchronize(engine.device)
+        start = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        synchronize(engine.device)
+        return (time.perf_counter() - start) / iterations
+
+    cost = statistics.median(timed(with_tags) - timed(without_tags) for _ in range(5))
+    while engine.has_work():
+        engine.step()
+    return cost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8, help="rounds per mode (ABBA order)")
+    parser.add_argument("--batch", type=int, default=16, help="concurrent requests per round")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--decode", type=int, default=32, help="tokens decoded per request")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_model(tmp, MODEL, seed=0)
+        engine = Engine(EngineConfig(tmp, device=args.device, kv_pool_tokens=args.batch * (args.prompt + args.decode + 16),
+                                     context_length=2048, max_running_requests=args.batch))
+    throughput: dict[bool, list[float]] = {True: [], False: []}
+    outputs: dict[bool, list[list[int]]] = {}
+    decode_round(engine, True, args.batch, args.prompt, 4, "warmup")
+    for i in range(args.rounds):
+        for tags in ((True, False) if i % 2 == 0 else (False, True)):
+            tps, out = decode_round(engine, tags, args.batch, args.prompt, args.decode, f"r{i}-{tags}")
+            throughput[tags].append(tps)
+            outputs.setdefault(tags, out)
+    tag_seconds = tag_work_per_step(engine, args.batch, args.prompt)
+    engine.check_integrity()
+    on, off = statistics.median(throughput[True]), statistics.median(throughput[False])
+    print(f"model: ~{sum(p.numel() for p in engine.model.parameters()) / 1e6:.0f}M params, {engine.dtype}, "
+          f"{engine.device}; batch {args.batch}, prompt {args.prompt}, decode {args.decode}, rounds {args.rounds}/mode")
+    print(f"tags on : {on:8.1f} tok/s  (rounds: {', '.join(f'{t:.1f}' for t in throughput[True])})")
+    print(f"tags off: {off:8.1f} tok/s  (rounds: {', '.join(f'{t:.1f}' for t in throughput[False])})")
+    print(f"ratio on/off: {on / off:.4f}  (tag cost {100 * (1 - on / off):+.2f}%, goal < 1%)")
+    step_seconds = args.batch / off
+    print(f"tag work per decode step (isolated): {tag_seconds * 1e6:.0f} us = "
+          f"{100 * tag_seconds / step_seconds:.2f}% of a {step_seconds * 1e3:.1f} ms tags-off step")
+    print(json.dumps({"tags_on_tok_s": round(on, 2), "tags_off_tok_s": round(off, 2), "ratio": round(on / off, 4),
+                      "tag_work_us_per_step": round(tag_seconds * 1e6, 1),
+                      "same_outputs": outputs[True] == outputs[False],
+                      "tag_violations": engine.metrics.tag_violations._value.get()}))
+
+
+if __name__ == "__main__":
+    main()
