@@ -254,3 +254,41 @@ def test_metrics_contract(eng: Engine) -> None:
     assert value[("kvguard_generation_tokens_total", ())] == 5
     assert value[("kvguard_time_to_first_token_seconds_count", ())] == 1
     assert value[("kvguard_inter_token_latency_seconds_count", ())] == 4
+
+
+def test_seeded_sampling_disaggregated_equals_colocated(tiny_model_dir: Path) -> None:
+    colocated, prefill, decode = engine(tiny_model_dir), engine(tiny_model_dir), engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True)
+    prompt = ids(colocated, PROMPTS[0])
+    expected = colocated.generate([prompt], params)[0].output_ids
+    _disaggregated(prefill, decode, "s", prompt, params)
+    outputs = []
+    while decode.has_work():
+        outputs += decode.step()
+    assert [t for o in outputs for t in o.token_ids] == expected
+
+
+def test_pool_size_from_memory_budget(tiny_model_dir: Path) -> None:
+    budget = 64 * 1024**2
+    e = engine(tiny_model_dir, kv_pool_tokens=None, cpu_memory_bytes=budget, kv_memory_fraction=0.5)
+    weights = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
+    expected_pages = int((budget - weights - budget * 0.5) // (per_token * 8))
+    assert e.pool.num_pages == expected_pages
+    assert e.metrics.pool_capacity_tokens._value.get() == expected_pages * 8
+
+
+def test_config_and_device_errors_are_clear(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from kvguard.workers.device import resolve_device
+
+    with pytest.raises(ValueError, match="config.json"):
+        EngineConfig(tmp_path)
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(tiny_model_dir, page_size=0)
+    with pytest.raises(ValueError, match="kv_memory_fraction"):
+        EngineConfig(tiny_model_dir, kv_memory_fraction=1.5)
+    with pytest.raises(ValueError, match="exceeds the model's maximum"):
+        engine(tiny_model_dir, context_length=10_000)
+    assert resolve_device("auto").type in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="unknown device|unsupported device"):
+        resolve_device("tpu")

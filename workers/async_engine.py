@@ -36,7 +36,10 @@ class RequestStream:
         self._ended = False
 
     def _put_threadsafe(self, output: RequestOutput) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -124,7 +127,7 @@ class AsyncEngine:
             log.exception("engine step failed; aborting live requests")
             for request_id in list(self.engine.requests):
                 self.engine.abort(request_id, "engine_error")
-            outputs = self.engine.step()
+            outputs = self.engine.drain_outputs()
         self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -134,8 +134,8 @@ class Engine:
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         request.move_to(S.ADMITTED)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request.generator = dev.make_generator(self.device, seed)
+        request.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request.generator = dev.make_generator(self.device, request.seed)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
         self._emitted[request_id] = 0
@@ -375,6 +375,11 @@ class Engine:
         while self.has_work():
             self.step()
         return requests
+
+    def drain_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts, failures) without running a step."""
+        outputs, self._pending = self._pending, []
+        return outputs
 
     def check_integrity(self) -> None:
         """Pool integrity plus: every page-holding request is known and non-terminal."""

@@ -191,6 +191,7 @@ class Request:
     finish_reason: str | None = None
     error: EngineError | None = None
     generator: torch.Generator | None = None
+    seed: int = 0  # the sampling seed (params.seed, or drawn from the engine's seed when None)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
