@@ -321,6 +321,9 @@ class EngineSpec(ApiModel):
     """Engine version, recorded in status and used to pick version-specific defaults."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to every worker of the engine, verbatim."""
+    router_image: str | None = None
+    """Image of the router. Default: the engine image (kvguard; SGLang images ship sglang_router);
+    required for vllm (e.g. an image with vllm-router)."""
 
 
 class HardwareSpec(ApiModel):

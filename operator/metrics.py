@@ -1,0 +1,59 @@
+"""The operator's own Prometheus metrics, served on their own port (default 8080).
+
+Names: `kvguard_operator_reconciles_total{result}`, `kvguard_operator_blocked_plans_total{reason}`,
+`kvguard_operator_kv_ratio{namespace,model,role}` (planned pool / context length of the target
+revision, S7) and `kvguard_operator_reconcile_seconds`. A private registry keeps them apart from
+anything else imported into the process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvguard.operator.api import KVPlan
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+RECONCILES = Counter(
+    "kvguard_operator_reconciles",
+    "Reconciles of InferenceModels by result (ok, blocked, invalid, error).",
+    ["result"],
+    registry=REGISTRY,
+)
+BLOCKED_PLANS = Counter(
+    "kvguard_operator_blocked_plans",
+    "Reconciles that refused a spec, by reason (KVPoolTooSmall, InvalidSpec, ...).",
+    ["reason"],
+    registry=REGISTRY,
+)
+KV_RATIO = Gauge(
+    "kvguard_operator_kv_ratio",
+    "Planned KV pool / context length of the target revision, per model and role (S7).",
+    ["namespace", "model", "role"],
+    registry=REGISTRY,
+)
+RECONCILE_SECONDS = Histogram(
+    "kvguard_operator_reconcile_seconds",
+    "Time of one reconcile including its API calls.",
+    registry=REGISTRY,
+)
+
+
+def record_plan(namespace: str, model: str, plan: KVPlan | None) -> None:
+    if plan is None:
+        return
+    for role, role_plan in plan.roles.items():
+        KV_RATIO.labels(namespace, model, role).set(role_plan.ratio)
+
+
+def forget_model(namespace: str, model: str) -> None:
+    for role in ("prefill", "decode"):
+        try:
+            KV_RATIO.remove(namespace, model, role)
+        except KeyError:
+            pass
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Start the /metrics HTTP server on a daemon thread."""
+    start_http_server(port, addr=addr, registry=REGISTRY)

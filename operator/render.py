@@ -1,0 +1,579 @@
+"""Pure builders of the Kubernetes objects one revision of an InferenceModel runs on.
+
+Per revision: prefill, decode and router Deployments and Services, the KV-transfer HMAC Secret
+and a NetworkPolicy that admits only prefill pods to decode's transfer port. Per model: the
+Service clients use, pointing at the stable revision's routers. Engine adapters turn the spec
+into the command line of our workers, SGLang or vLLM (flags from `../shared/reference/engines.md`).
+
+Everything here is a function of its arguments: no kopf, no kubernetes client, no clock, no
+randomness (the Secret's key is passed in).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from kvguard.operator.api import (
+    GROUP_VERSION,
+    DeviceKind,
+    EngineKind,
+    InferenceModelSpec,
+    KVCacheDtype,
+    KVPlan,
+    PodPlacement,
+    WorkerRole,
+)
+
+Role = Literal["prefill", "decode", "router"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
+Manifest = dict[str, Any]
+
+HTTP_PORT = 8000
+SGLANG_BOOTSTRAP_PORT = 8998
+VLLM_NIXL_PORT = 5600
+MODEL_MOUNT = "/models"
+TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
+TRANSFER_KEY_FIELD = "key"
+DEFAULT_WORKER_IMAGE = "ghcr.io/kvguard/worker:0.1.0"
+OPERATOR_NAMESPACE_LABEL = "kvguard.io/operator"
+
+LABEL_MODEL = "kvguard.io/model"
+LABEL_REVISION = "kvguard.io/revision"
+LABEL_ROLE = "kvguard.io/role"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kvguard-operator"}
+
+
+class RenderError(ValueError):
+    """The spec cannot be rendered for its engine; `field` names the offending spec path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceModel that owns every rendered object (garbage collection on delete)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": GROUP_VERSION,
+            "kind": "InferenceModel",
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+# --- names and labels ------------------------------------------------------------------------
+
+
+def object_name(model: str, revision: str, role: Role | str) -> str:
+    return f"{model}-{revision}-{role}"
+
+
+def secret_name(model: str, revision: str) -> str:
+    return f"{model}-{revision}-kv-transfer"
+
+
+def network_policy_name(model: str, revision: str) -> str:
+    return f"{model}-{revision}-decode-transfer"
+
+
+def labels(model: str, revision: str | None = None, role: Role | None = None) -> dict[str, str]:
+    result = {"app.kubernetes.io/name": "kvguard-engine", "app.kubernetes.io/instance": model, LABEL_MODEL: model}
+    result.update(MANAGED_BY)
+    if revision:
+        result[LABEL_REVISION] = revision
+    if role:
+        result[LABEL_ROLE] = role
+        result["app.kubernetes.io/component"] = role
+    return result
+
+
+def selector(model: str, revision: str, role: Role) -> dict[str, str]:
+    return {LABEL_MODEL: model, LABEL_REVISION: revision, LABEL_ROLE: role}
+
+
+def _metadata(owner: Owner, name: str, revision: str | None, role: Role | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name, revision, role),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+# --- engine adapters -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """Everything an engine adapter needs to render one role of one revision."""
+
+    spec: InferenceModelSpec
+    plan: KVPlan
+    owner: Owner
+    revision: str
+    role: Role
+
+    @property
+    def worker(self) -> WorkerRole:
+        assert self.role != "router"
+        return getattr(self.spec.roles, self.role)
+
+    def service_url(self, role: Role) -> str:
+        name = object_name(self.owner.name, self.revision, role)
+        return f"http://{name}.{self.owner.namespace}.svc:{HTTP_PORT}"
+
+    def model_location(self) -> str:
+        """A directory inside the pod (PVC source) or the Hugging Face id."""
+        source = self.spec.model.source
+        if source is None:
+            raise RenderError("spec.model.source", "required to deploy: set huggingFace or pvc")
+        if source.pvc is not None:
+            return f"{MODEL_MOUNT}/{source.pvc.path.strip('/')}".rstrip("/")
+        assert source.hugging_face is not None
+        return source.hugging_face
+
+    def memory_fraction(self, default: float) -> float:
+        return self.worker.memory_fraction or self.spec.memory_fraction or default
+
+
+class EngineAdapter(Protocol):
+    kind: EngineKind
+
+    def command(self, ctx: RoleContext) -> list[str]: ...
+
+    def env(self, ctx: RoleContext) -> list[dict[str, Any]]: ...
+
+    def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]: ...
+
+    def transfer_ports(self, spec: InferenceModelSpec) -> list[int] | None:
+        """Decode ports prefill must reach for KV; None means every port (dynamic transports)."""
+        ...
+
+    def health_path(self, role: Role) -> str: ...
+
+
+def _http_port() -> dict[str, Any]:
+    return {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}
+
+
+class KvguardAdapter:
+    """Our tagged engine: `kvguard worker --role ...` (flags of issue 4's worker)."""
+
+    kind = EngineKind.KVGUARD
+
+    def command(self, ctx: RoleContext) -> list[str]:
+        spec = ctx.spec
+        source = spec.model.source
+        if source is not None and source.pvc is None:
+            raise RenderError("spec.model.source", "the kvguard engine loads weights from a directory: use pvc")
+        args = ["kvguard", "worker", "--role", ctx.role, "--model", ctx.model_location(), "--port", str(HTTP_PORT)]
+        args += ["--context-length", str(spec.context_length)]
+        if ctx.role == "router":
+            return args + ["--prefill", ctx.service_url("prefill"), "--decode", ctx.service_url("decode")]
+        role_plan = ctx.plan.roles[ctx.role]
+        args += [
+            "--kv-pool-tokens", str(role_plan.pool_tokens),
+            "--page-size", str(spec.page_size),
+            "--device", spec.hardware.device.value,
+            "--transfer-port", str(spec.kv_transfer.port),
+            "--max-transfer-batch", str(spec.kv_transfer.max_batch),
+        ]  # fmt: skip
+        return args + list(spec.engine.extra_args)
+
+    def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        if ctx.role == "router":
+            return []
+        return [_secret_env(TRANSFER_KEY_ENV, secret_name(ctx.owner.name, ctx.revision))]
+
+    def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        ports = [_http_port()]
+        if ctx.role == "decode":
+            ports.append({"name": "kv-transfer", "containerPort": ctx.spec.kv_transfer.port, "protocol": "TCP"})
+        return ports
+
+    def transfer_ports(self, spec: InferenceModelSpec) -> list[int] | None:
+        return [spec.kv_transfer.port]
+
+    def health_path(self, role: Role) -> str:
+        return "/health"
+
+
+_SGLANG_KV_DTYPES = {
+    KVCacheDtype.AUTO: "auto", KVCacheDtype.BF16: "bf16", KVCacheDtype.BFLOAT16: "bf16",
+    KVCacheDtype.FP8: "fp8_e4m3", KVCacheDtype.FP8_E4M3: "fp8_e4m3", KVCacheDtype.FP8_E5M2: "fp8_e5m2",
+    KVCacheDtype.FP4_E2M1: "fp4_e2m1",
+}  # fmt: skip
+_VLLM_KV_DTYPES = {
+    KVCacheDtype.AUTO: "auto", KVCacheDtype.BF16: "bfloat16", KVCacheDtype.BFLOAT16: "bfloat16",
+    KVCacheDtype.FP8: "fp8", KVCacheDtype.FP8_E4M3: "fp8_e4m3", KVCacheDtype.FP8_E5M2: "fp8_e5m2",
+}  # fmt: skip
+
+
+def _engine_kv_dtype(spec: InferenceModelSpec, table: Mapping[KVCacheDtype, str], engine: str) -> str:
+    try:
+        return table[spec.kv_cache_dtype]
+    except KeyError:
+        allowed = ", ".join(sorted({k.value for k in table}))
+        raise RenderError("spec.kvCacheDtype", f"{engine} does not take {spec.kv_cache_dtype.value!r}; use one of {allowed}") from None
+
+
+def _hf_revision_args(ctx: RoleContext) -> list[str]:
+    source = ctx.spec.model.source
+    if source is not None and source.hugging_face and source.revision:
+        return ["--revision", source.revision]
+    return []
+
+
+class SGLangAdapter:
+    """`python3 -m sglang.launch_server --disaggregation-mode prefill|decode` and sglang_router."""
+
+    kind = EngineKind.SGLANG
+
+    def command(self, ctx: RoleContext) -> list[str]:
+        spec = ctx.spec
+        if ctx.role == "router":
+            return [
+                "python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", ctx.service_url("prefill"), str(SGLANG_BOOTSTRAP_PORT),
+                "--decode", ctx.service_url("decode"),
+                "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            ]  # fmt: skip
+        role = ctx.worker
+        args = ["python3", "-m", "sglang.launch_server", "--model-path", ctx.model_location(), *_hf_revision_args(ctx)]
+        args += [
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--disaggregation-mode", ctx.role,
+            "--disaggregation-transfer-backend", spec.kv_transfer.backend,
+            "--context-length", str(spec.context_length),
+            "--mem-fraction-static", f"{ctx.memory_fraction(0.88):g}",
+            "--tp-size", str(role.tensor_parallel),
+            "--pp-size", str(role.pipeline_parallel),
+            "--dp-size", str(role.data_parallel),
+            "--ep-size", str(role.expert_parallel),
+            "--page-size", str(spec.page_size),
+            "--kv-cache-dtype", _engine_kv_dtype(spec, _SGLANG_KV_DTYPES, "sglang"),
+            "--enable-metrics",  # the canary's capacity and safety-counter probes read /metrics
+        ]  # fmt: skip
+        if ctx.role == "prefill":
+            args += ["--disaggregation-bootstrap-port", str(SGLANG_BOOTSTRAP_PORT)]
+        if role.data_parallel_attention:
+            args.append("--enable-dp-attention")
+        cap = role.kv_pool_tokens or spec.kv_pool_tokens
+        if cap is not None:
+            args += ["--max-total-tokens", str(cap)]
+        return args + list(spec.engine.extra_args)
+
+    def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        if ctx.role == "router":
+            return []
+        transfer = ctx.spec.kv_transfer
+        return [
+            {"name": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "value": str(transfer.bootstrap_timeout_seconds)},
+            {"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": str(transfer.timeout_seconds)},
+            {"name": "MC_TRANSFER_TIMEOUT", "value": str(transfer.timeout_seconds)},
+            {"name": "MC_TCP_ENABLE_CONNECTION_POOL", "value": "1"},
+        ]
+
+    def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        ports = [_http_port()]
+        if ctx.role == "prefill":
+            ports.append({"name": "bootstrap", "containerPort": SGLANG_BOOTSTRAP_PORT, "protocol": "TCP"})
+        return ports
+
+    def transfer_ports(self, spec: InferenceModelSpec) -> list[int] | None:
+        return None  # Mooncake/NIXL pick their ports at run time
+
+    def health_path(self, role: Role) -> str:
+        return "/health"
+
+
+class VLLMAdapter:
+    """`vllm serve` with the NIXL KV connector, behind vllm-router's PD mode."""
+
+    kind = EngineKind.VLLM
+
+    def command(self, ctx: RoleContext) -> list[str]:
+        spec = ctx.spec
+        if ctx.role == "router":
+            return [
+                "vllm-router", "--vllm-pd-disaggregation",
+                "--prefill", ctx.service_url("prefill"), "--decode", ctx.service_url("decode"),
+                "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            ]  # fmt: skip
+        role = ctx.worker
+        kv_role = "kv_producer" if ctx.role == "prefill" else "kv_consumer"
+        transfer_config = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_load_failure_policy": "fail"}
+        args = ["vllm", "serve", ctx.model_location(), *_hf_revision_args(ctx)]
+        args += [
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--max-model-len", str(spec.context_length),
+            "--gpu-memory-utilization", f"{ctx.memory_fraction(0.9):g}",
+            "--tensor-parallel-size", str(role.tensor_parallel),
+            "--pipeline-parallel-size", str(role.pipeline_parallel),
+            "--data-parallel-size", str(role.data_parallel),
+            "--block-size", str(spec.page_size),
+            "--kv-cache-dtype", _engine_kv_dtype(spec, _VLLM_KV_DTYPES, "vllm"),
+            "--kv-transfer-config", json.dumps(transfer_config, separators=(",", ":")),
+        ]  # fmt: skip
+        if role.expert_parallel > 1:
+            args.append("--enable-expert-parallel")
+        return args + list(spec.engine.extra_args)
+
+    def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        if ctx.role == "router":
+            return []
+        return [
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(VLLM_NIXL_PORT)},
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ]
+
+    def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        ports = [_http_port()]
+        if ctx.role != "router":
+            ports.append({"name": "nixl", "containerPort": VLLM_NIXL_PORT, "protocol": "TCP"})
+        return ports
+
+    def transfer_ports(self, spec: InferenceModelSpec) -> list[int] | None:
+        return None  # NIXL side channel plus UCX's run-time ports
+
+    def health_path(self, role: Role) -> str:
+        return "/health"
+
+
+ADAPTERS: dict[EngineKind, EngineAdapter] = {
+    EngineKind.KVGUARD: KvguardAdapter(),
+    EngineKind.SGLANG: SGLangAdapter(),
+    EngineKind.VLLM: VLLMAdapter(),
+}
+
+
+def _secret_env(name: str, secret: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": TRANSFER_KEY_FIELD}}}
+
+
+# --- pods --------------------------------------------------------------------------------------
+
+
+def gpu_count(spec: InferenceModelSpec, role: Role) -> int:
+    placement: PodPlacement = getattr(spec.roles, role)
+    if placement.gpu_count is not None:
+        return placement.gpu_count
+    if role == "router" or spec.hardware.device == DeviceKind.CPU:
+        return 0
+    worker: WorkerRole = getattr(spec.roles, role)
+    dp = 1 if worker.data_parallel_attention else worker.data_parallel
+    return worker.tensor_parallel * worker.pipeline_parallel * dp
+
+
+def image_for(spec: InferenceModelSpec, role: Role) -> str:
+    engine = spec.engine
+    if role == "router" and engine.router_image:
+        return engine.router_image
+    if engine.image:
+        return engine.image
+    if engine.kind == EngineKind.KVGUARD:
+        return DEFAULT_WORKER_IMAGE
+    raise RenderError("spec.engine.image", f"required for engine {engine.kind.value}")
+
+
+def _resources(spec: InferenceModelSpec, role: Role) -> dict[str, Any]:
+    placement: PodPlacement = getattr(spec.roles, role)
+    requests = dict(placement.resources.requests)
+    limits = dict(placement.resources.limits)
+    gpus = gpu_count(spec, role)
+    if gpus:
+        requests["nvidia.com/gpu"] = str(gpus)
+        limits["nvidia.com/gpu"] = str(gpus)
+    result: dict[str, Any] = {}
+    if requests:
+        result["requests"] = requests
+    if limits:
+        result["limits"] = limits
+    return result
+
+
+def _probes(path: str) -> dict[str, Any]:
+    get = {"httpGet": {"path": path, "port": "http"}}
+    return {
+        # Weight loading can take many minutes; the startup probe holds liveness off until then.
+        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 180, "timeoutSeconds": 5},
+        "readinessProbe": {**get, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
+    }
+
+
+RESTRICTED_CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _volumes(spec: InferenceModelSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Writable scratch (the root filesystem is read-only) plus the weights volume."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": "/cache"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    source = spec.model.source
+    if source is not None and source.pvc is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source.pvc.claim_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def render_deployment(ctx: RoleContext) -> Manifest:
+    spec, adapter = ctx.spec, ADAPTERS[ctx.spec.engine.kind]
+    placement: PodPlacement = getattr(spec.roles, ctx.role)
+    volumes, mounts = _volumes(spec)
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/cache/huggingface"}]
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image_for(spec, ctx.role),
+        "command": adapter.command(ctx),
+        "env": env + adapter.env(ctx),
+        "ports": adapter.container_ports(ctx),
+        "volumeMounts": mounts,
+        "securityContext": RESTRICTED_CONTAINER_SECURITY,
+        **_probes(adapter.health_path(ctx.role)),
+    }
+    resources = _resources(spec, ctx.role)
+    if resources:
+        container["resources"] = resources
+    node_selector = dict(placement.node_selector)
+    gpu_type = placement.gpu_type or (spec.hardware.gpu_product if gpu_count(spec, ctx.role) else None)
+    if gpu_type:
+        node_selector.setdefault("nvidia.com/gpu.product", gpu_type)
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # engines never call the API server
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if placement.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in placement.tolerations]
+    pod_annotations = {"kvguard.io/revision": ctx.revision}
+    if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
+        pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
+    pod_labels = labels(ctx.owner.name, ctx.revision, ctx.role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role),
+        "spec": {
+            "replicas": placement.replicas,  # type: ignore[attr-defined]
+            "selector": {"matchLabels": selector(ctx.owner.name, ctx.revision, ctx.role)},
+            "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
+        },
+    }
+
+
+def render_service(ctx: RoleContext) -> Manifest:
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+             for p in ADAPTERS[ctx.spec.engine.kind].container_ports(ctx)]  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role),
+        "spec": {"type": "ClusterIP", "selector": selector(ctx.owner.name, ctx.revision, ctx.role), "ports": ports},
+    }
+
+
+def render_transfer_secret(owner: Owner, revision: str, key: bytes) -> Manifest:
+    """The KV-transfer HMAC key (S3), one per revision. Created once, never patched or logged."""
+    if len(key) < 32:
+        raise ValueError("the KV-transfer key must be at least 32 bytes")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(owner, secret_name(owner.name, revision), revision),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {TRANSFER_KEY_FIELD: base64.b64encode(key.hex().encode()).decode()},
+    }
+
+
+def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str) -> Manifest:
+    """Decode pods accept KV only from this revision's prefill pods (S3); HTTP from its routers
+    and from the operator's namespace (the canary scrapes /metrics)."""
+    adapter = ADAPTERS[spec.engine.kind]
+    transfer_ports = adapter.transfer_ports(spec)
+    from_prefill: dict[str, Any] = {"from": [{"podSelector": {"matchLabels": selector(owner.name, revision, "prefill")}}]}
+    if transfer_ports is not None:
+        from_prefill["ports"] = [{"protocol": "TCP", "port": p} for p in transfer_ports]
+    http_port = [{"protocol": "TCP", "port": HTTP_PORT}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner, network_policy_name(owner.name, revision), revision, "decode"),
+        "spec": {
+            "podSelector": {"matchLabels": selector(owner.name, revision, "decode")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                from_prefill,
+                {"from": [{"podSelector": {"matchLabels": selector(owner.name, revision, "router")}}], "ports": http_port},
+                {
+                    "from": [{"namespaceSelector": {"matchLabels": {OPERATOR_NAMESPACE_LABEL: "true"}}}],
+                    "ports": http_port,
+                },
+            ],
+        },
+    }
+
+
+def render_revision(spec: InferenceModelSpec, plan: KVPlan, owner: Owner, revision: str) -> list[Manifest]:
+    """Deployments, Services and NetworkPolicy of one revision (the Secret is rendered apart,
+    because it is created once and never updated). Raises RenderError on a spec the engine
+    cannot run."""
+    objects: list[Manifest] = []
+    for role in ROLES:
+        ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role)
+        objects += [render_deployment(ctx), render_service(ctx)]
+    objects.append(render_network_policy(spec, owner, revision))
+    return objects
+
+
+def render_model_service(owner: Owner, stable_revision: str) -> Manifest:
+    """The Service clients use (`<model>.<namespace>.svc:8000`): the stable revision's routers."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, owner.name, None),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(owner.name, stable_revision, "router"),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def revision_object_refs(model: str, revision: str) -> list[tuple[str, str]]:
+    """(kind, name) of every object `render_revision` and the Secret create for a revision."""
+    refs = [(kind, object_name(model, revision, role)) for role in ROLES for kind in ("Deployment", "Service")]
+    refs.append(("NetworkPolicy", network_policy_name(model, revision)))
+    refs.append(("Secret", secret_name(model, revision)))
+    return refs

@@ -1,0 +1,66 @@
+"""The rollout revision: a short hash of every spec field that changes what a worker computes.
+
+A new hash means a new KV plan and a new set of workloads brought up beside the stable ones.
+Fields that only scale or place pods (replicas, resources, node selector, tolerations, router
+shape) and the canary configuration are left out: changing them updates the running revision in
+place. Pure: no kopf, no kubernetes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kvguard.operator.api import InferenceModelSpec
+
+REVISION_LENGTH = 10
+
+# Fields of spec.roles.<prefill|decode> that change the engine's KV pool or command line.
+_ROLE_FIELDS = (
+    "tensorParallel",
+    "pipelineParallel",
+    "dataParallel",
+    "dataParallelAttention",
+    "expertParallel",
+    "memoryFraction",
+    "kvPoolTokens",
+    "gpuType",
+    "gpuCount",
+)
+# Top-level spec fields that do (weights revision and source, quantization, KV dtype, GPU memory,
+# memory fraction, context length, engine image/version/args, transfer settings).
+_SPEC_FIELDS = (
+    "model",
+    "weights",
+    "kvCacheDtype",
+    "pageSize",
+    "contextLength",
+    "kvPoolTokens",
+    "memoryFraction",
+    "reserve",
+    "engine",
+    "hardware",
+    "kvTransfer",
+)
+
+
+def kv_relevant(spec: InferenceModelSpec) -> dict[str, Any]:
+    """The subset of the spec a revision is made of, as a canonical JSON-ready dict."""
+    wire = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    picked: dict[str, Any] = {key: wire[key] for key in _SPEC_FIELDS if key in wire}
+    model = dict(picked.get("model", {}))
+    model.pop("architectureConfigMap", None)  # the architecture it resolves to is in `model` already
+    picked["model"] = model
+    roles = wire.get("roles", {})
+    picked["roles"] = {
+        role: {key: roles[role][key] for key in _ROLE_FIELDS if key in roles.get(role, {})}
+        for role in ("prefill", "decode")
+    }
+    return picked
+
+
+def revision_of(spec: InferenceModelSpec) -> str:
+    """Hex prefix of the SHA-256 of the KV-relevant spec; stable across key order and defaults."""
+    canonical = json.dumps(kv_relevant(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]
