@@ -8,8 +8,12 @@ a client never silently gets something other than what it asked for.
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
+
+from aiohttp import web
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -79,6 +83,7 @@ class _Request(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: None = None
+    stream_options: dict[str, Any] | None = None
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -206,3 +211,20 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """OpenAIError -> its JSON body; anything unexpected -> a 500 for that request only."""
+    try:
+        return await handler(request)
+    except OpenAIError as err:
+        return web.json_response(err.body(), status=err.status)
+    except (web.HTTPException, ConnectionResetError):
+        raise
+    except Exception:
+        logging.getLogger("kvguard.http").exception("unexpected error serving %s", request.path)
+        return web.json_response(OpenAIError(500, "internal error", code="internal_error").body(), status=500)

@@ -88,7 +88,7 @@ class BootstrapEvent(_Message):
 
 class TokenEvent(_Message):
     event: Literal["token"] = "token"
-    token_id: int
+    token_ids: tuple[int, ...]
     text: str
 
 

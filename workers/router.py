@@ -30,6 +30,7 @@ from kvguard.workers.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
     context_length_exceeded,
+    error_middleware,
     CompletionRequest,
     OpenAIError,
     ResponseBuilder,
@@ -58,7 +59,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 class PromptEncoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -263,7 +264,7 @@ class Router:
     def _tokenize(self, body: Any) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return self.encoder.encode(self.encoder.render_chat(messages))
+            return self.encoder.encode_chat(messages)
         if isinstance(body.prompt, str):
             return self.encoder.encode(body.prompt)
         return list(body.prompt)

@@ -1,0 +1,125 @@
+"""What the prefill and decode HTTP servers share: the engine on its thread, the process registry,
+request bookkeeping, and the endpoints every worker has (/health, /metrics, /internal/info,
+/internal/abort).
+
+Every request a worker holds is run by exactly one handler task, registered in `Tasks`. An abort
+from the router cancels that task; the task's own `finally` is the single place where the
+request's engine state and transfer are released (S4), whatever ended it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from kvguard.workers import request as engine_request
+from kvguard.workers.async_engine import AsyncEngine
+from kvguard.workers.faults import Faults
+from kvguard.workers.openai_api import OpenAIError, validation_error
+from kvguard.workers.protocol import AbortRequest, Role, SamplingParams, WorkerInfo
+from kvguard.workers.transfer import AbortCause, TransferMetrics
+
+log = logging.getLogger("kvguard.worker")
+
+
+@dataclass
+class Tasks:
+    """request id -> the handler task that owns it. Duplicate ids are refused, never merged."""
+
+    by_id: dict[str, asyncio.Task[object]] = field(default_factory=dict)
+
+    def claim(self, request_id: str) -> None:
+        if request_id in self.by_id:
+            raise OpenAIError(409, f"request id {request_id!r} is already in flight here", code="duplicate_request_id")
+        task = asyncio.current_task()
+        assert task is not None
+        self.by_id[request_id] = task
+
+    def release(self, request_id: str) -> None:
+        self.by_id.pop(request_id, None)
+
+    def cancel(self, request_id: str) -> bool:
+        task = self.by_id.get(request_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        return True
+
+
+@dataclass
+class WorkerRuntime:
+    """One worker process: its engine, metrics registry, faults and in-flight requests."""
+
+    role: Role
+    model_name: str
+    engine: AsyncEngine
+    registry: CollectorRegistry
+    transfer_metrics: TransferMetrics
+    faults: Faults
+    tasks: Tasks = field(default_factory=Tasks)
+
+    def info(self, transfer: tuple[str, int] | None = None) -> WorkerInfo:
+        engine = self.engine.engine
+        return WorkerInfo(
+            role=self.role,
+            model=self.model_name,
+            context_length=engine.context_length,
+            kv_pool_tokens=engine.pool.capacity_tokens,
+            page_size=engine.pool.page_size,
+            transfer_host=transfer[0] if transfer else None,
+            transfer_port=transfer[1] if transfer else None,
+        )
+
+    def routes(self, app: web.Application, info: Callable[[], WorkerInfo]) -> None:
+        async def health(_: web.Request) -> web.Response:
+            if self.engine.integrity_error is not None:
+                return web.json_response({"status": "unhealthy", "reason": str(self.engine.integrity_error)}, status=503)
+            return web.json_response({"status": "ok"})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def info_endpoint(_: web.Request) -> web.Response:
+            return web.json_response(info().model_dump(mode="json"))
+
+        async def abort(request: web.Request) -> web.Response:
+            body = await parse_body(request, AbortRequest)
+            if self.faults.no_abort_propagation:
+                log.warning("FAULT no_abort_propagation: ignoring abort of %s", body.request_id)
+                return web.json_response({"aborted": False})
+            return web.json_response({"aborted": self.tasks.cancel(body.request_id)})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/internal/info", info_endpoint)
+        app.router.add_post("/internal/abort", abort)
+
+    def count_abort(self, cause: AbortCause | str) -> None:
+        self.transfer_metrics.count_abort(cause)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: web.Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await request.read())
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] == "json_invalid":
+            raise OpenAIError(400, "the request body is not valid JSON") from None
+        raise validation_error(exc) from None
+
+
+def engine_sampling(params: SamplingParams) -> engine_request.SamplingParams:
+    return engine_request.SamplingParams(**params.model_dump())
+
+
+def engine_error(error: engine_request.EngineError) -> OpenAIError:
+    return OpenAIError(error.status, error.message, code=error.code)
