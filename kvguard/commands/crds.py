@@ -1,0 +1,39 @@
+"""`kvguard crds`: print the CRD YAML generated from the pydantic models, or write it to a directory.
+
+    kvguard crds                 # both CRDs on stdout, as one multi-document YAML stream
+    kvguard crds -o crds/        # one file per CRD (what the repository ships)
+    kvguard crds --check crds/   # exit 1 when the files differ from the models
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("crds", help="print or write the InferenceModel/InferencePolicy CRDs")
+    parser.add_argument("-o", "--output-dir", type=Path, help="write one YAML file per CRD into this directory")
+    parser.add_argument("--check", type=Path, metavar="DIR", help="exit 1 if DIR's files differ from the models")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvguard.operator.crdgen import all_files
+
+    files = all_files()
+    if args.check:
+        stale = [n for n, text in files.items() if not (args.check / n).is_file() or (args.check / n).read_text() != text]
+        for name in stale:
+            print(f"{args.check / name}: out of date; run `kvguard crds -o {args.check}`", file=sys.stderr)
+        return 1 if stale else 0
+    if args.output_dir:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (args.output_dir / name).write_text(text)
+            print(args.output_dir / name)
+        return 0
+    sys.stdout.write("---\n".join(files.values()))
+    return 0

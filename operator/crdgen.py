@@ -1,0 +1,163 @@
+"""CustomResourceDefinitions generated from the pydantic models in `kvguard.operator.api`.
+
+pydantic's JSON Schema is turned into a Kubernetes structural schema: $refs inlined, `null`
+alternatives dropped (optional = not required), `exclusiveMinimum: N` rewritten to OpenAPI 3.0's
+boolean form, `additionalProperties: false` removed (the API server prunes unknown fields), `Any`
+mapped to `x-kubernetes-preserve-unknown-fields`, and CEL rules added where a rule spans fields.
+`kvguard crds` writes the result to crds/; a test fails when the files drift from the models.
+Pure: no kopf, no kubernetes client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicySpec, InferencePolicyStatus
+
+_DROP_KEYS = {"title", "$defs", "discriminator"}
+_SCHEMA_KEYS = {"items", "additionalProperties", "anyOf", "allOf", "oneOf", "not"}  # values that are schemas
+
+# CEL rules (x-kubernetes-validations) that need more than one field; keyed by schema path.
+_MODEL_RULES: list[dict[str, str]] = [
+    {"rule": "self.metadata.name.size() <= 40",
+     "message": "metadata.name: at most 40 characters (child objects append -<revision>-<role>)"},
+]  # fmt: skip
+_SPEC_RULES: list[dict[str, str]] = [
+    {"rule": "self.hardware.device == 'cuda' || self.engine.kind == 'kvguard'",
+     "message": "spec.hardware.device: cpu runs only with engine kind kvguard"},
+    {"rule": "!has(self.model.source) || !has(self.model.source.huggingFace) || self.engine.kind != 'kvguard'",
+     "message": "spec.model.source: the kvguard engine loads weights from a directory; use pvc"},
+]  # fmt: skip
+
+
+def structural_schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _convert(raw, raw.get("$defs", {}))
+
+
+def _convert(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_convert(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].split("/")[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _convert(merged, defs)
+    if "anyOf" in node and not node.get("x-kubernetes-int-or-string"):
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        if len(options) == 1:
+            rest = {k: v for k, v in node.items() if k != "anyOf"}
+            rest.pop("default", None) if rest.get("default") is None else None
+            return _convert({**options[0], **rest}, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP_KEYS or (key == "default" and value is None):
+            continue
+        if key == "additionalProperties" and value is False:
+            continue
+        if key == "exclusiveMinimum" and not isinstance(value, bool):
+            out["minimum"], out["exclusiveMinimum"] = value, True
+            continue
+        if key == "exclusiveMaximum" and not isinstance(value, bool):
+            out["maximum"], out["exclusiveMaximum"] = value, True
+            continue
+        if key == "const":
+            out["enum"] = [value]
+            continue
+        if key == "properties":
+            out[key] = {name: _convert(sub, defs) for name, sub in value.items()}
+            continue
+        out[key] = _convert(value, defs) if key in _SCHEMA_KEYS else value
+    if node.get("x-kubernetes-int-or-string"):
+        return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                **({"description": out["description"]} if "description" in out else {})}  # fmt: skip
+    if "properties" in out or "additionalProperties" in out:
+        out.setdefault("type", "object")
+    if "enum" in out and "type" not in out:
+        out["type"] = "string" if all(isinstance(v, str) for v in out["enum"]) else "number"
+    if not out.get("type") and "anyOf" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out = {"x-kubernetes-preserve-unknown-fields": True, **out}  # Any
+    return out
+
+
+def _version(spec: type[BaseModel], status: type[BaseModel], columns: list[dict[str, Any]], root_rules: list[dict[str, str]], spec_rules: list[dict[str, str]], spec_required: bool) -> dict[str, Any]:
+    spec_schema = structural_schema(spec)
+    if spec_rules:
+        spec_schema["x-kubernetes-validations"] = spec_rules
+    root: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": structural_schema(status),
+        },
+    }
+    if spec_required:
+        root["required"] = ["spec"]
+    if root_rules:
+        root["x-kubernetes-validations"] = root_rules
+    return {
+        "name": API_VERSION,
+        "served": True,
+        "storage": True,
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": columns,
+        "schema": {"openAPIV3Schema": root},
+    }
+
+
+def _crd(kind: str, plural: str, scope: str, short: list[str], version: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{API_GROUP}", "labels": {"app.kubernetes.io/part-of": "kvguard"}},
+        "spec": {
+            "group": API_GROUP,
+            "scope": scope,
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower(),
+                      "shortNames": short, "categories": ["kvguard"]},  # fmt: skip
+            "versions": [version],
+        },
+    }
+
+
+def inference_model_crd() -> dict[str, Any]:
+    columns = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Revision", "type": "string", "jsonPath": ".status.revision"},
+        {"name": "KV Ratio", "type": "number", "jsonPath": ".status.kvRatio", "format": "float"},
+        {"name": "Canary", "type": "string", "jsonPath": ".status.canary"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    version = _version(InferenceModelSpec, InferenceModelStatus, columns, _MODEL_RULES, _SPEC_RULES, True)
+    return _crd("InferenceModel", "inferencemodels", "Namespaced", ["infm"], version)
+
+
+def inference_policy_crd() -> dict[str, Any]:
+    columns = [
+        {"name": "Min KV Ratio", "type": "number", "jsonPath": ".spec.minKVRatio"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    version = _version(InferencePolicySpec, InferencePolicyStatus, columns, [], [], False)
+    return _crd("InferencePolicy", "inferencepolicies", "Cluster", ["infpol"], version)
+
+
+CRD_FILES: dict[str, Any] = {
+    "kvguard.io_inferencemodels.yaml": inference_model_crd,
+    "kvguard.io_inferencepolicies.yaml": inference_policy_crd,
+}
+
+
+def render_yaml(crd: dict[str, Any]) -> str:
+    header = "# Generated by `kvguard crds` from kvguard.operator.api. Do not edit.\n"
+    return header + yaml.safe_dump(crd, sort_keys=False, width=100)
+
+
+def all_files() -> dict[str, str]:
+    return {name: render_yaml(build()) for name, build in CRD_FILES.items()}

@@ -1,0 +1,89 @@
+"""The CRDs in crds/ are generated from the pydantic models, structural, and accept the examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kvguard.cli import main
+from kvguard.operator.crdgen import all_files, inference_model_crd, inference_policy_crd
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def openapi(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_crd_files_match_the_models() -> None:
+    for name, text in all_files().items():
+        assert (ROOT / "crds" / name).read_text() == text, f"crds/{name} drifted: run `kvguard crds -o crds`"
+    assert main(["crds", "--check", str(ROOT / "crds")]) == 0
+
+
+def structural_problems(node: Any, path: str = "") -> list[str]:
+    """The structural-schema rules the API server enforces that matter for generated schemas."""
+    problems: list[str] = []
+    if not isinstance(node, dict):
+        return problems
+    if "$ref" in node:
+        problems.append(f"{path}: $ref")
+    if node.get("additionalProperties") is False or ("properties" in node and "additionalProperties" in node):
+        problems.append(f"{path}: additionalProperties with properties / false")
+    special = node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")
+    if "type" not in node and not special:
+        problems.append(f"{path}: no type")
+    for junctor in ("anyOf", "allOf", "oneOf"):
+        for i, sub in enumerate(node.get(junctor, [])):
+            if "type" in sub and not node.get("x-kubernetes-int-or-string"):
+                problems.append(f"{path}.{junctor}[{i}]: type inside a junctor")
+    for name, sub in node.get("properties", {}).items():
+        problems += structural_problems(sub, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += structural_problems(node[key], f"{path}.{key}")
+    return problems
+
+
+@pytest.mark.parametrize("build", [inference_model_crd, inference_policy_crd])
+def test_schemas_are_structural(build: Any) -> None:
+    assert structural_problems(openapi(build())) == []
+
+
+def test_inference_model_crd_shape() -> None:
+    crd = inference_model_crd()
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["infm"] and crd["spec"]["scope"] == "Namespaced"
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Revision", "KV Ratio", "Canary", "Age"]
+    spec = openapi(crd)["properties"]["spec"]
+    assert spec["properties"]["engine"]["properties"]["kind"]["enum"] == ["kvguard", "sglang", "vllm"]
+    assert spec["properties"]["minKVRatio"] == {**spec["properties"]["minKVRatio"], "minimum": 1.0, "default": 2.0}
+    assert spec["properties"]["contextLength"]["exclusiveMinimum"] is True
+    assert "canary" in spec["properties"] and "kvTransfer" in spec["properties"]
+    assert {"rule", "message"} <= set(spec["x-kubernetes-validations"][0])
+    assert inference_policy_crd()["spec"]["scope"] == "Cluster"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate_against_the_crd_schema(path: Path) -> None:
+    jsonschema.Draft4Validator(openapi(inference_model_crd())).validate(yaml.safe_load(path.read_text()))
+
+
+def test_schema_rejects_bad_values_with_the_field_named() -> None:
+    body = yaml.safe_load(EXAMPLES[0].read_text())
+    body["spec"]["engine"]["kind"] = "tgi"
+    body["spec"]["contextLength"] = 0
+    errors = {".".join(map(str, e.path)) for e in jsonschema.Draft4Validator(openapi(inference_model_crd())).iter_errors(body)}
+    assert {"spec.engine.kind", "spec.contextLength"} <= errors
+
+
+def test_crds_validate_as_kubernetes_objects() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for text in all_files().values():
+        kubernetes_validate.validate(yaml.safe_load(text), "1.30", strict=True)
