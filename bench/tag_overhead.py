@@ -6,9 +6,10 @@ the model's decode step rather than Python overhead. Each round submits a fresh 
 concurrent requests, prefills them (untimed), then times the decode steps to completion. Rounds
 alternate on/off in ABBA order to cancel drift on a shared, noisy machine. The tags switch is
 flipped between rounds when the pool is empty. Prints the median throughput of each mode and
-their ratio; goal: tags cost < 1%.
+their ratio, the ratio of the best round of each (noise on a shared machine only slows rounds
+down), and the tag work per step timed in isolation; goal: tags cost < 1%.
 
-    .venv/bin/python bench/tag_overhead.py [--rounds 8] [--batch 16] [--prompt 256] [--decode 32]
+    .venv/bin/python bench/tag_overhead.py [--rounds 6] [--batch 16] [--prompt 256] [--decode 32]
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def tag_work_per_step(engine: Engine, batch: int, prompt: int, iterations: int =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8, help="rounds per mode (ABBA order)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per mode (ABBA order)")
     parser.add_argument("--batch", type=int, default=16, help="concurrent requests per round")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--decode", type=int, default=32, help="tokens decoded per request")
@@ -123,11 +124,13 @@ def main() -> None:
           f"{engine.device}; batch {args.batch}, prompt {args.prompt}, decode {args.decode}, rounds {args.rounds}/mode")
     print(f"tags on : {on:8.1f} tok/s  (rounds: {', '.join(f'{t:.1f}' for t in throughput[True])})")
     print(f"tags off: {off:8.1f} tok/s  (rounds: {', '.join(f'{t:.1f}' for t in throughput[False])})")
-    print(f"ratio on/off: {on / off:.4f}  (tag cost {100 * (1 - on / off):+.2f}%, goal < 1%)")
+    best = max(throughput[True]) / max(throughput[False])
+    print(f"ratio on/off: {on / off:.4f} median, {best:.4f} best-of  (tag cost {100 * (1 - on / off):+.2f}% / "
+          f"{100 * (1 - best):+.2f}%, goal < 1%)")
     step_seconds = args.batch / off
     print(f"tag work per decode step (isolated): {tag_seconds * 1e6:.0f} us = "
           f"{100 * tag_seconds / step_seconds:.2f}% of a {step_seconds * 1e3:.1f} ms tags-off step")
-    print(json.dumps({"tags_on_tok_s": round(on, 2), "tags_off_tok_s": round(off, 2), "ratio": round(on / off, 4),
+    print(json.dumps({"tags_on_tok_s": round(on, 2), "tags_off_tok_s": round(off, 2), "ratio": round(on / off, 4), "ratio_best": round(best, 4),
                       "tag_work_us_per_step": round(tag_seconds * 1e6, 1),
                       "same_outputs": outputs[True] == outputs[False],
                       "tag_violations": engine.metrics.tag_violations._value.get()}))
