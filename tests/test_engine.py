@@ -166,7 +166,7 @@ def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: list[int],
 
 def test_disaggregated_prefill_decode_equals_colocated(tiny_model_dir: Path) -> None:
     colocated = engine(tiny_model_dir)
-    # Different page sizes and pools on each side: only token positions must line up.
+    # Different pool sizes (so different page ids) on each side; page_size must match for page-wise transfer.
     prefill = engine(tiny_model_dir, page_size=8, kv_pool_tokens=256)
     decode = engine(tiny_model_dir, page_size=8, kv_pool_tokens=512)
     decode.generate([ids(decode, "dirty the pool first")], GREEDY)  # stale KV left in freed pages
