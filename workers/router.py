@@ -373,10 +373,12 @@ class Router:
                     else:
                         if prefill_task is not None:
                             await prefill_task  # decode verified the KV; prefill must agree it sent it all
-                        yield event
                         if isinstance(event, FinishEvent):
+                            # Settled before the yield: the consumer may close us right after it.
                             self.metrics.requests.labels("finished").inc()
                             cause = ""
+                        yield event
+                        if not cause:
                             return
                 raise await _prefill_error_first(prefill_task) or OpenAIError(
                     502, "the decode worker closed the stream before finishing", code="decode_failed"

@@ -1,0 +1,92 @@
+"""Helpers for tests that drive a real router + prefill + decode trio on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+
+import openai
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
+
+MODEL = "tiny"  # the served name is the model folder's name; the fixtures' folders differ, so use .model
+TRANSFER_TIMEOUT_S = 1.5
+
+
+@contextlib.contextmanager
+def deployment(model_dir: Path, faults: str = "", **overrides: object) -> Iterator[LocalDeployment]:
+    settings: dict[str, object] = {
+        "model_dir": model_dir,
+        "kv_pool_tokens": 4096,
+        "context_length": 1024,
+        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        "extra_env": (("KVGUARD_FAULTS", faults),) if faults else (),
+    }
+    settings.update(overrides)
+    with LocalDeployment(LocalServeConfig(**settings)) as running:  # type: ignore[arg-type]
+        yield running
+
+
+def client(d: LocalDeployment, timeout: float = 30.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.api_base, api_key="unused", timeout=timeout, max_retries=0)
+
+
+def served_model(d: LocalDeployment) -> str:
+    return str(requests.get(f"{d.api_base}/models", timeout=5).json()["data"][0]["id"])
+
+
+def complete(d: LocalDeployment, prompt: str, max_tokens: int = 16, **kwargs: object) -> str:
+    response = client(d).completions.create(
+        model=served_model(d), prompt=prompt, max_tokens=max_tokens, temperature=0, **kwargs  # type: ignore[arg-type]
+    )
+    return response.choices[0].text
+
+
+def metric(d: LocalDeployment, role: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` (with these labels) on one process's /metrics."""
+    text = requests.get(d.metrics_urls[role], timeout=5).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def pools_used(d: LocalDeployment) -> dict[str, float]:
+    return {role: metric(d, role, "kvguard_kv_pool_used_tokens") for role in ("prefill", "decode")}
+
+
+def wait_pools_empty(d: LocalDeployment, timeout_s: float = 5.0) -> float:
+    """S4: both pools back to zero within the bound. Returns how long it took."""
+    start = time.monotonic()
+    while True:
+        used = pools_used(d)
+        if not any(used.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"KV pools not empty after {timeout_s} s: {used}")
+        time.sleep(0.05)
+
+
+@lru_cache(maxsize=None)
+def _engine(model_dir: Path, kv_pool_tokens: int, context_length: int):  # type: ignore[no-untyped-def]
+    from kvguard.workers.config import EngineConfig
+    from kvguard.workers.engine import Engine
+
+    return Engine(EngineConfig(model_dir=model_dir, device="cpu", kv_pool_tokens=kv_pool_tokens, context_length=context_length))
+
+
+def reference_text(model_dir: Path, prompt: str, max_tokens: int = 16, kv_pool_tokens: int = 4096, context_length: int = 1024) -> str:
+    """The single-process (colocated) engine's greedy output for the same prompt."""
+    from kvguard.workers.request import SamplingParams
+
+    engine = _engine(model_dir, kv_pool_tokens, context_length)
+    ids = engine.tokenizer.encode(prompt)
+    [request] = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return request.output_text

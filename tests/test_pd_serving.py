@@ -1,0 +1,203 @@
+"""The disaggregated engine through its public API: the official openai client against a real
+router + prefill + decode trio on loopback (issue 4), healthy paths and intake rejection (S2)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from kvguard.workers.launcher import LocalDeployment
+from pd_harness import client, complete, deployment, metric, pools_used, reference_text, served_model, wait_pools_empty
+
+PROMPTS = [
+    "The quick brown fox",
+    "kvguard keeps every tenant's KV cache to itself",
+    "a" * 40,
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor",
+]
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    with deployment(tiny_model_dir) as running:
+        yield running
+
+
+def test_completions_match_the_single_process_engine(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    for prompt in PROMPTS:
+        assert complete(trio, prompt, max_tokens=24) == reference_text(tiny_model_dir, prompt, 24)
+
+
+def test_streaming_gives_the_same_text_as_whole(trio: LocalDeployment) -> None:
+    api = client(trio)
+    model = served_model(trio)
+    for prompt in PROMPTS[:2]:
+        whole = api.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0)
+        stream = api.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == whole.choices[0].text
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage is not None and whole.usage.completion_tokens == 20
+
+
+def test_chat_completions_whole_and_streaming(trio: LocalDeployment) -> None:
+    api = client(trio)
+    model = served_model(trio)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    whole = api.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert whole.choices[0].message.role == "assistant"
+    stream = api.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, stream=True)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == whole.choices[0].message.content
+
+
+def test_models_endpoint_reports_the_context_length(trio: LocalDeployment) -> None:
+    cards = client(trio).models.list().data
+    assert len(cards) == 1
+    assert cards[0].model_extra is not None and cards[0].model_extra["max_model_len"] == 1024
+
+
+def test_concurrent_requests_each_get_their_solo_output(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    prompts = [f"tenant {i}: " + "x" * (7 * i) for i in range(12)]
+    expected = [reference_text(tiny_model_dir, p, 20) for p in prompts]
+    with cf.ThreadPoolExecutor(6) as pool:
+        outputs = list(pool.map(lambda p: complete(trio, p, max_tokens=20), prompts))
+    assert outputs == expected
+    wait_pools_empty(trio)
+
+
+def test_seeded_sampling_is_reproducible(trio: LocalDeployment) -> None:
+    api, model = client(trio), served_model(trio)
+    runs = [
+        api.completions.create(model=model, prompt="seeded", max_tokens=16, temperature=0.9, top_p=0.9, seed=7).choices[0].text
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_over_length_is_rejected_at_the_router_before_any_worker_s2(trio: LocalDeployment, stream: bool) -> None:
+    before = {role: metric(trio, role, "kvguard_requests_total") for role in ("prefill", "decode")}
+    api, model = client(trio), served_model(trio)
+    for prompt, max_tokens in (("x" * 1100, 4), ("short", 2000)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            result = api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=stream)
+            list(result) if stream else None  # type: ignore[call-overload]
+        assert caught.value.code == "context_length_exceeded"
+        assert caught.value.status_code == 400
+    after = {role: metric(trio, role, "kvguard_requests_total") for role in ("prefill", "decode")}
+    assert after == before, "an over-length request reached a worker"
+    assert pools_used(trio) == {"prefill": 0, "decode": 0}
+    assert metric(trio, "router", "kvguard_rejected_requests_total", reason="context_length_exceeded") >= 2
+
+
+def test_every_worker_rejects_over_length_at_its_own_intake_s2(trio: LocalDeployment) -> None:
+    """Defence in depth: a request that bypasses the router is still refused before allocation."""
+    urls = {role: trio.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
+    request = {"request_id": "direct-1", "prompt_token_ids": [5] * 1100, "sampling": {"max_tokens": 4}}
+    decode = requests.post(f"{urls['decode']}/internal/decode", json=request, timeout=5)
+    assert decode.status_code == 400 and decode.json()["error"]["code"] == "context_length_exceeded"
+    bootstrap = {"transfer_host": "127.0.0.1", "transfer_port": 9, "page_ids": [0], "generations": [1], "num_tokens": 1100}
+    prefill = requests.post(f"{urls['prefill']}/internal/prefill", json={**request, "bootstrap": bootstrap}, timeout=5)
+    assert prefill.status_code == 400 and prefill.json()["error"]["code"] == "context_length_exceeded"
+    assert pools_used(trio) == {"prefill": 0, "decode": 0}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": 5}, "temperature"),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "hi", "model": "not-this-one"}, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors_naming_the_field(trio: LocalDeployment, body: dict, param: str) -> None:
+    response = requests.post(f"{trio.api_base}/completions", json=body, timeout=5)
+    assert 400 <= response.status_code < 500
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+    assert complete(trio, "still serving", max_tokens=3)  # the rest keeps serving
+
+
+def test_malformed_json_is_a_400(trio: LocalDeployment) -> None:
+    response = requests.post(f"{trio.api_base}/completions", data=b"{not json", timeout=5)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_duplicate_request_ids_are_rejected_never_merged(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    """Class G (sglang#40125): the second request with an in-flight id gets 409; the first is unharmed."""
+    headers = {"X-Request-Id": "same-id"}
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}
+    first = requests.post(f"{trio.api_base}/completions", json=body, headers=headers, stream=True, timeout=30)
+    lines = first.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: ")  # first is streaming now
+    second = requests.post(f"{trio.api_base}/completions", json={**body, "stream": False}, headers=headers, timeout=30)
+    assert second.status_code == 409
+    assert second.json()["error"]["code"] == "duplicate_request_id"
+    rest = [line for line in lines if line]
+    assert rest[-1] == b"data: [DONE]"
+    first.close()
+    wait_pools_empty(trio)
+
+
+def test_client_disconnect_mid_stream_frees_both_pools_s4(trio: LocalDeployment) -> None:
+    """Class B: a streaming client that goes away ends both legs; nothing is left allocated."""
+    api, model = client(trio), served_model(trio)
+    before = metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect")
+    stream = api.completions.create(model=model, prompt="disconnect me", max_tokens=900, temperature=0, stream=True)
+    next(iter(stream))
+    assert pools_used(trio)["decode"] > 0
+    stream.close()
+    took = wait_pools_empty(trio, timeout_s=3.0)
+    assert took < 3.0
+    assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
+    assert complete(trio, PROMPTS[0], 8)
+
+
+def test_client_disconnect_while_waiting_for_a_whole_response_frees_both_pools_s4(trio: LocalDeployment) -> None:
+    impatient = client(trio, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=served_model(trio), prompt="slow", max_tokens=900, temperature=0)
+    wait_pools_empty(trio, timeout_s=3.0)
+
+
+def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
+    """Classes A/B (sglang#24159, vllm#41269): prefill refuses a request after decode allocated;
+    decode must not wait for KV that will never come."""
+    urls = {role: trio.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
+    request = {"request_id": "prefill-fails", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4}}
+    started = time.monotonic()
+    with requests.post(f"{urls['decode']}/internal/decode", json=request, stream=True, timeout=10) as decode:
+        events = (json.loads(line) for line in decode.iter_lines() if line)
+        bootstrap = next(events)["bootstrap"]
+        bad = {**request, "prompt_token_ids": [10_000, 2, 3], "bootstrap": bootstrap}  # token id out of vocab
+        refused = requests.post(f"{urls['prefill']}/internal/prefill", json=bad, timeout=5)
+        assert refused.status_code == 400
+        final = next(events)
+    assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"
+    assert time.monotonic() - started < 1.0  # told at once, not after the transfer timeout
+    wait_pools_empty(trio, timeout_s=1.0)
+
+
+def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeployment) -> None:
+    for role in ("prefill", "decode"):
+        assert metric(trio, role, "kvguard_kv_pool_capacity_tokens") == 4096
+        assert metric(trio, role, "kvguard_context_length_tokens") == 1024
+        for name in ("kvguard_tag_violations_total", "kvguard_checksum_failures_total", "kvguard_hmac_failures_total",
+                     "kvguard_stale_writes_dropped_total"):
+            assert metric(trio, role, name) == 0
+    assert metric(trio, "decode", "kvguard_kv_transfer_bytes_total") > 0
+    assert metric(trio, "router", "kvguard_requests_total", outcome="finished") > 0
+
+
+def test_health(trio: LocalDeployment) -> None:
+    assert requests.get(f"{trio.router_url}/health", timeout=5).json() == {"status": "ok"}
