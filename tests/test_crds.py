@@ -21,8 +21,9 @@ def openapi(crd: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_crd_files_match_the_models() -> None:
-    for name, text in all_files().items():
-        assert (ROOT / "crds" / name).read_text() == text, f"crds/{name} drifted: run `kvguard crds -o crds`"
+    for folder in ("crds", "manifests/crds"):
+        for name, text in all_files().items():
+            assert (ROOT / folder / name).read_text() == text, f"{folder}/{name} drifted: run `kvguard crds -o {folder}`"
     assert main(["crds", "--check", str(ROOT / "crds")]) == 0
 
 

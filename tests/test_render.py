@@ -1,0 +1,115 @@
+"""Renderers and engine adapters, without any API server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard.operator.api import InferenceModel
+from kvguard.operator.planner import plan
+from kvguard.operator.render import Owner, RenderError, render_revision, render_transfer_secret
+from kvguard.operator.revision import revision_of
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+OWNER = Owner(name="m", namespace="ns", uid="u")
+
+
+def model(example: str, **spec_updates: Any) -> InferenceModel:
+    body = yaml.safe_load((EXAMPLES / example).read_text())
+    body["spec"].update(spec_updates)
+    return InferenceModel.model_validate(body)
+
+
+def objects(m: InferenceModel) -> dict[tuple[str, str], dict[str, Any]]:
+    rendered = render_revision(m.spec, plan(m.spec), OWNER, "r1")
+    return {(o["kind"], o["metadata"]["name"]): o for o in rendered}
+
+
+def command(objs: dict[tuple[str, str], dict[str, Any]], role: str) -> list[str]:
+    return objs["Deployment", f"m-r1-{role}"]["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_sglang_flags_follow_the_documented_names() -> None:
+    m = model("incident-fixed.yaml", engine={"kind": "sglang", "image": "lmsysorg/sglang:v0.5.4"},
+              model={**yaml.safe_load((EXAMPLES / "incident-fixed.yaml").read_text())["spec"]["model"],
+                     "source": {"huggingFace": "Qwen/Qwen2.5-14B-Instruct-1M", "revision": "abc123"}})  # fmt: skip
+    objs = objects(m)
+    prefill, decode = command(objs, "prefill"), command(objs, "decode")
+    assert prefill[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert flag(prefill, "--disaggregation-mode") == "prefill" and flag(decode, "--disaggregation-mode") == "decode"
+    assert flag(prefill, "--disaggregation-bootstrap-port") == "8998" and "--disaggregation-bootstrap-port" not in decode
+    assert flag(prefill, "--context-length") == str(m.spec.context_length)
+    assert flag(prefill, "--tp-size") == str(m.spec.roles.prefill.tensor_parallel)
+    assert flag(prefill, "--revision") == "abc123" and "--enable-metrics" in prefill
+    router = command(objs, "router")
+    assert router[:3] == ["python3", "-m", "sglang_router.launch_router"] and "--pd-disaggregation" in router
+    assert router[router.index("--prefill") + 2] == "8998"  # bootstrap port rendered explicitly
+    pod = objs["Deployment", "m-r1-prefill"]["spec"]["template"]
+    assert pod["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == "8998"
+    gpus = m.spec.roles.prefill.tensor_parallel
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+
+
+def test_vllm_flags_and_kv_transfer_config() -> None:
+    base = yaml.safe_load((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]
+    m = model("llama-3.1-8b-sglang-h100.yaml", engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+              "routerImage": "vllm-router:1"}, model={**base["model"], "source": {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}})  # fmt: skip
+    objs = objects(m)
+    decode = command(objs, "decode")
+    assert decode[:3] == ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert flag(decode, "--max-model-len") == str(m.spec.context_length)
+    assert flag(decode, "--tensor-parallel-size") == "1" and "--gpu-memory-utilization" in decode
+    assert json.loads(flag(decode, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    env = objs["Deployment", "m-r1-decode"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+
+
+def test_kvguard_worker_flags_and_restricted_pods() -> None:
+    m = model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"],
+              "source": {"pvc": {"claimName": "models", "path": "tiny"}}}, kvTransfer={"maxBatch": "8Mi", "port": 9100})  # fmt: skip
+    objs = objects(m)
+    decode = command(objs, "decode")
+    assert decode[:4] == ["kvguard", "worker", "--role", "decode"]
+    assert flag(decode, "--max-transfer-batch") == str(8 * 1024**2) and flag(decode, "--transfer-port") == "9100"
+    assert flag(decode, "--device") == "cpu" and flag(decode, "--model") == "/models/tiny"
+    netpol = objs["NetworkPolicy", "m-r1-decode-transfer"]
+    assert netpol["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9100}]
+    for (kind, _), obj in objs.items():
+        if kind == "Deployment":
+            container = obj["spec"]["template"]["spec"]["containers"][0]
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+            assert container["securityContext"]["runAsNonRoot"] is True
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == "u"
+
+
+def test_engine_limits_become_field_errors() -> None:
+    spec_model = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"]
+    m = model("tiny-cpu.yaml", model={**spec_model, "source": {"huggingFace": "org/x"}})
+    with pytest.raises(RenderError) as err:
+        objects(m)
+    assert err.value.field == "spec.model.source"
+
+
+def test_S3_transfer_secret_is_immutable_and_key_sized() -> None:
+    secret = render_transfer_secret(OWNER, "r1", b"\x01" * 32)
+    assert secret["immutable"] is True and secret["metadata"]["name"] == "m-r1-kv-transfer"
+    with pytest.raises(ValueError):
+        render_transfer_secret(OWNER, "r1", b"short")
+
+
+def test_revision_changes_only_with_kv_relevant_fields() -> None:
+    m = model("tiny-cpu.yaml")
+    rev = revision_of(m.spec)
+    scaled = m.spec.model_copy(deep=True)
+    scaled.roles.decode.replicas = 5
+    scaled.roles.decode.node_selector = {"pool": "a"}
+    assert revision_of(scaled) == rev
+    assert revision_of(m.spec.model_copy(update={"context_length": 512})) != rev
