@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from kvguard.workers.engine import Engine
@@ -23,6 +23,18 @@ from kvguard.workers.request import EngineError, RequestOutput, RequestState, Sa
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a command's future unless its awaiter gave up (cancelled) -- never raise here:
+    an exception on the engine thread would stop the engine."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class RequestStream:
@@ -113,12 +125,14 @@ class AsyncEngine:
             self._execute(fn, future)
 
     def _execute(self, fn: Callable[[], Any], future: Future[Any]) -> None:
+        # The command runs even if its awaiter was cancelled meanwhile: its effect (a request
+        # added, an abort) must happen in order with the commands queued after it.
         try:
             result = fn()
         except BaseException as exc:  # delivered to the awaiting coroutine
-            future.set_exception(exc)
+            _settle(future, exc=exc)
         else:
-            future.set_result(result)
+            _settle(future, result=result)
 
     def _step(self) -> None:
         try:

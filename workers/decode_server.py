@@ -123,18 +123,21 @@ class DecodeServer:
     async def _decode(self, request: web.Request, body: GenerateRequest) -> web.StreamResponse:
         engine, rid = self.runtime.engine, body.request_id
         plan = self._plan(body)
-        try:
-            lease, stream = await engine.preallocate(rid, plan.prompt, engine_sampling(body.sampling))
-        except EngineError as err:  # S2: rejected at intake, nothing allocated
-            raise engine_error(err) from None
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
         handle: TransferHandle | None = None
+        # Until the request ends normally, any exit -- including a cancellation while it still
+        # waits for pages -- must abort it here, or it would hold its pages forever (S4).
         cause: str = AbortCause.CLIENT_DISCONNECT
         try:
-            if lease is None:
-                await _send(response, ErrorEvent(status=503, code="aborted", message="aborted before pages were allocated"))
+            try:
+                lease, stream = await engine.preallocate(rid, plan.prompt, engine_sampling(body.sampling))
+            except EngineError as err:  # S2: rejected at intake, nothing allocated
                 cause = ""
+                raise engine_error(err) from None
+            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await response.prepare(request)
+            if lease is None:
+                cause = ""
+                await _send(response, ErrorEvent(status=503, code="aborted", message="aborted before pages were allocated"))
                 return response
             handle = self._expect(rid, lease, plan)
             await _send(response, BootstrapEvent(bootstrap=self._bootstrap(lease, plan)))
@@ -152,7 +155,7 @@ class DecodeServer:
             return response
         except ConnectionResetError:  # the router went away between two writes
             cause = AbortCause.CLIENT_DISCONNECT
-            return response
+            raise
         finally:
             self.jobs.pop(rid, None)
             if cause:

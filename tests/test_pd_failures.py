@@ -1,0 +1,176 @@
+"""One deterministic test per failure class of ../shared/reference/pd-bug-classes.md (A-I), against a
+real router + prefill + decode trio with faults injected. Each asserts: the right client gets a
+clean error, other clients' outputs are unchanged, both pools return to empty, nothing outlives the
+timeout. (Class F, prefix sharing, does not apply: the engine shares no pages between requests.)"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from kvguard.workers.launcher import LocalDeployment
+from pd_harness import (
+    TRANSFER_TIMEOUT_S,
+    client,
+    complete,
+    deployment,
+    metric,
+    reference_text,
+    served_model,
+    wait_pools_empty,
+)
+
+
+def _outcome(d: LocalDeployment, prompt: str, max_tokens: int = 12) -> tuple[str, str]:
+    """('ok', text) or ('error', code) -- never anything in between."""
+    try:
+        return "ok", complete(d, prompt, max_tokens=max_tokens)
+    except openai.APIStatusError as err:
+        assert err.status_code >= 400
+        return "error", str(err.code)
+
+
+def _check_mixed_outcomes(d: LocalDeployment, model_dir: Path, expected_code: str, n: int = 12) -> None:
+    """Some requests fail (cleanly, with `expected_code`), the rest give exactly their solo output."""
+    prompts = [f"request {i} " + "y" * (3 * i) for i in range(n)]
+    outcomes = [_outcome(d, p) for p in prompts]
+    failed = [value for kind, value in outcomes if kind == "error"]
+    assert failed and len(failed) < n, outcomes
+    assert set(failed) == {expected_code}
+    for prompt, (kind, value) in zip(prompts, outcomes):
+        if kind == "ok":
+            assert value == reference_text(model_dir, prompt, 12)
+    wait_pools_empty(d)
+
+
+def test_corruption_in_flight_fails_only_that_request_s3(tiny_model_dir: Path) -> None:
+    """Class I (vllm#44238): a flipped byte is caught by the checksum before decode generates."""
+    with deployment(tiny_model_dir, "corrupt_chunk=0.5,seed=3") as d:
+        _check_mixed_outcomes(d, tiny_model_dir, "kv_transfer_checksum")
+        assert metric(d, "decode", "kvguard_checksum_failures_total") > 0
+        assert metric(d, "decode", "kvguard_tag_violations_total") == 0
+
+
+def test_partial_transfer_never_reaches_generation_s3(tiny_model_dir: Path) -> None:
+    """Classes C/D (vllm#50754, sglang#23797): a dropped chunk makes the manifest disagree with what
+    arrived; decode fails the request instead of reading half-written pages."""
+    with deployment(tiny_model_dir, "drop_chunk=0.5,seed=5") as d:
+        _check_mixed_outcomes(d, tiny_model_dir, "kv_transfer_manifest_mismatch")
+
+
+def test_stalled_transfer_times_out_and_frees_both_sides_s4(tiny_model_dir: Path) -> None:
+    """Classes C/H (vllm#35943, sglang#37166): KV that never comes fails the request by the timeout."""
+    with deployment(tiny_model_dir, "delay_chunk_ms=4000") as d:
+        started = time.monotonic()
+        kind, code = _outcome(d, "stalled")
+        took = time.monotonic() - started
+        assert kind == "error" and code == "kv_transfer_timeout"
+        assert took < TRANSFER_TIMEOUT_S + 2.0
+        wait_pools_empty(d, timeout_s=2.0)
+
+
+def test_prefill_dying_mid_transfer_fails_the_client_and_frees_decode_s4(tiny_model_dir: Path) -> None:
+    """Class C (vllm#46283): prefill crashes after sending its second chunk (the second request's
+    only chunk), before the manifest; the restarted prefill serves the third request."""
+    with deployment(tiny_model_dir, "crash_prefill_after_chunks=2") as d:
+        assert _outcome(d, "first request")[0] == "ok"
+        kind, _ = _outcome(d, "second request crashes prefill")
+        assert kind == "error"
+        wait_pools_empty(d, timeout_s=3.0, roles=("decode",))
+        _wait_healthy(d)
+        assert d.processes["prefill"].restarts == 1
+        assert _outcome(d, "third request") == ("ok", reference_text(tiny_model_dir, "third request", 12))
+
+
+def test_decode_dying_mid_request_fails_the_client_and_frees_prefill_s4(tiny_model_dir: Path) -> None:
+    with deployment(tiny_model_dir) as d:
+        api = client(d)
+        stream = api.completions.create(model=served_model(d), prompt="victim", max_tokens=900, temperature=0, stream=True)
+        next(iter(stream))
+        d.kill("decode")
+        with pytest.raises(openai.APIError):
+            list(stream)
+        wait_pools_empty(d, timeout_s=3.0, roles=("prefill",))
+        _wait_healthy(d)
+        assert complete(d, "after the restart", 8) == reference_text(tiny_model_dir, "after the restart", 8)
+
+
+def test_abort_during_transfer_ends_both_legs_s4(tiny_model_dir: Path) -> None:
+    """Class B (dynamo#7489): the client leaves while its KV is in flight."""
+    with deployment(tiny_model_dir, "delay_chunk_ms=800") as d:
+        impatient = client(d, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model=served_model(d), prompt="leaving", max_tokens=8, temperature=0)
+        wait_pools_empty(d, timeout_s=2.0)
+        assert metric(d, "router", "kvguard_aborts_total", cause="client_disconnect") == 1
+
+
+def test_late_write_after_abort_never_reaches_the_next_owner_s5(tiny_model_dir: Path) -> None:
+    """Class E (sglang#24527): A's pages are freed and handed to B while A's writer is still out
+    there; A's late chunk must be refused and B must read only its own KV."""
+    with deployment(tiny_model_dir, kv_pool_tokens=64, context_length=64) as d:
+        urls = {role: d.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
+        a = {"request_id": "writer-A", "prompt_token_ids": list(range(1, 31)), "sampling": {"max_tokens": 20, "temperature": 0}}
+        with requests.post(f"{urls['decode']}/internal/decode", json=a, stream=True, timeout=10) as leg:
+            bootstrap = json.loads(next(line for line in leg.iter_lines() if line))["bootstrap"]
+        requests.post(f"{urls['decode']}/internal/abort", json={"request_id": "writer-A"}, timeout=5)
+        wait_pools_empty(d)
+        b_prompt = "B owns these pages now"
+        b_stream = client(d).completions.create(
+            model=served_model(d), prompt=b_prompt, max_tokens=30, temperature=0, stream=True
+        )
+        chunks = iter(b_stream)
+        b_text = next(chunks).choices[0].text
+        late = requests.post(f"{urls['prefill']}/internal/prefill", json={**a, "bootstrap": bootstrap}, timeout=10)
+        assert late.status_code == 502  # decode refused A's KV: its lease is gone
+        b_text += "".join(c.choices[0].text for c in chunks)
+        assert b_text == reference_text(tiny_model_dir, b_prompt, 30, kv_pool_tokens=64, context_length=64)
+        wait_pools_empty(d)
+
+
+def test_soak_with_random_aborts_every_output_equals_its_solo_reference(tiny_model_dir: Path) -> None:
+    """Class I (sglang#23020): many requests, random disconnects, a pool so small pages are reused
+    constantly; no completed output may differ from the same request served alone."""
+    pool, context = 256, 128
+    rng = random.Random(11)
+    prompts = [f"soak {i} " + "z" * rng.randrange(0, 60) for i in range(60)]
+    leave = {i for i in range(60) if rng.random() < 0.3}
+    with deployment(tiny_model_dir, kv_pool_tokens=pool, context_length=context) as d:
+
+        def run(i: int) -> tuple[int, str | None]:
+            if i in leave:
+                try:
+                    client(d, timeout=0.05).completions.create(model=served_model(d), prompt=prompts[i], max_tokens=24, temperature=0)
+                except openai.APITimeoutError:
+                    return i, None
+            return i, complete(d, prompts[i], max_tokens=24)
+
+        with cf.ThreadPoolExecutor(6) as executor:
+            results = list(executor.map(run, range(60)))
+        completed = [(i, text) for i, text in results if text is not None]
+        assert len(completed) >= 40
+        for i, text in completed:
+            assert text == reference_text(tiny_model_dir, prompts[i], 24, kv_pool_tokens=pool, context_length=context), i
+        wait_pools_empty(d, timeout_s=3.0)
+        for role in ("prefill", "decode"):
+            assert metric(d, role, "kvguard_tag_violations_total") == 0
+
+
+def _wait_healthy(d: LocalDeployment, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{d.router_url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("deployment not healthy again")
