@@ -37,6 +37,13 @@ class Completion:
     disconnected: bool = False
     seconds: float = 0.0
     frames: list[str] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # seconds after sending, per text chunk
+
+    def seconds_per_chunk(self) -> float | None:
+        """Mean gap between streamed text chunks (decode speed); None with fewer than two."""
+        if len(self.chunk_times) < 2:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (len(self.chunk_times) - 1)
 
     @property
     def ok(self) -> bool:
@@ -69,7 +76,7 @@ class EngineClient:
         timeout_seconds: float = 20.0,
     ) -> None:
         self.session = session
-        self.base_url = base_url.rstrip("/")
+        self.base_url = api_root(base_url)
         self.model = model
         self.seed = seed
         self.timeout_seconds = timeout_seconds
@@ -127,7 +134,7 @@ class EngineClient:
             ) as resp:
                 result.status = resp.status
                 if stream and resp.status == 200 and _is_event_stream(resp):
-                    await _read_stream(resp, result, disconnect_after_chunks)
+                    await _read_stream(resp, result, disconnect_after_chunks, started)
                 else:
                     _read_json(await resp.text(), result)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -167,12 +174,18 @@ class EngineClient:
         return result
 
 
+def api_root(base_url: str) -> str:
+    """The server root: OpenAI clients are given `http://host:port/v1`, the suite adds `/v1/...`."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
 
 async def _read_stream(
-    resp: aiohttp.ClientResponse, result: Completion, disconnect_after: int | None
+    resp: aiohttp.ClientResponse, result: Completion, disconnect_after: int | None, started: float
 ) -> None:
     """Accumulate SSE frames; an error frame, a malformed frame or a missing [DONE] is an error."""
     pieces: list[str] = []
@@ -197,6 +210,7 @@ async def _read_stream(
         if parsed.text:
             pieces.append(parsed.text)
             result.chunks += 1
+            result.chunk_times.append(time.monotonic() - started)
         result.finish_reason = parsed.finish_reason or result.finish_reason
         if disconnect_after is not None and result.chunks >= disconnect_after:
             result.disconnected = True

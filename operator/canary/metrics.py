@@ -153,7 +153,7 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         return WorkerSnapshot(url=url, error=f"unparseable metrics: {exc}")
     snap = WorkerSnapshot(url=url, samples=index)
-    if KVGUARD_CAPACITY in index or KVGUARD_CONTEXT in index:
+    if any(name.startswith("kvguard_") for name in index):
         snap.engine = "kvguard"
         snap.pools = _paired_pools(index, KVGUARD_CAPACITY, KVGUARD_USED, None)
         context = _first_gauge(index, KVGUARD_CONTEXT)

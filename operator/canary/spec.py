@@ -160,18 +160,29 @@ class OverLengthSpec(_SpecModel):
 class AbortSpec(_SpecModel):
     enabled: bool = Field(True, description="Run the abort probe.")
     stream_disconnect_after_tokens: list[int] = Field(
-        default_factory=lambda: [2],
+        default_factory=lambda: [4],
         description="Disconnect a streaming request after this many content chunks (one run each).",
     )
     prefill_disconnect_after_seconds: list[float] = Field(
-        default_factory=lambda: [0.05],
-        description="Disconnect a long-prompt request this long after sending it, i.e. during prefill.",
+        default_factory=lambda: [0.01, 0.05],
+        description="Disconnect a long-prompt request this long after sending it (queued, prefill or "
+        "transfer phase; one run each).",
     )
     prefill_prompt_fraction: float = Field(
         0.8, gt=0.0, le=1.0, description="Size of the mid-prefill prompt (fraction of admissible)."
     )
     pool_recovery_timeout_seconds: float = Field(
-        5.0, gt=0.0, description="KV pool usage must return to its baseline within this time (S4)."
+        5.0,
+        gt=0.0,
+        description="KV pool usage must return to its baseline within this time after an abort (S4).",
+    )
+    pool_recovery_fraction: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="...and within this fraction of the time the aborted request would have needed "
+        "to finish on its own (estimated from its streamed chunks), never less than 1 s; an "
+        "engine that ignores the abort frees the pages only when the generation ends.",
     )
     pool_usage_tolerance_tokens: int = Field(
         0, ge=0, description="Used tokens above the baseline still counted as recovered."
