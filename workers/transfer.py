@@ -749,7 +749,11 @@ class KVSender:
         if faults.corrupt_chunk and self._rng.random() < faults.corrupt_chunk:
             corrupted = bytearray(payload)  # after checksumming: decode must catch it (S3)
             if n:
-                corrupted[self._rng.randrange(n)] ^= 0xFF
+                # A run of flipped bytes, as a misdirected or torn write leaves: one flipped low
+                # mantissa byte would be invisible in the output and prove nothing.
+                width = min(n, max(64, n // 8))
+                start = self._rng.randrange(n - width + 1)
+                corrupted[start:start + width] = bytes(b ^ 0xFF for b in corrupted[start:start + width])
             payload = memoryview(corrupted)
         dropped = faults.drop_chunk and self._rng.random() < faults.drop_chunk
         if conn.closed:
