@@ -664,14 +664,24 @@ class EngineFlagRequirement(ApiModel):
 class InferencePolicySpec(ApiModel):
     """Cluster-wide rules every InferenceModel in the selected namespaces must satisfy."""
 
+    namespaces: list[str] = Field(default_factory=list)
+    """Namespaces the policy applies to, by name; empty means all (subject to namespaceSelector)."""
     namespace_selector: LabelSelector = Field(default_factory=LabelSelector)
-    """Namespaces the policy applies to; empty means all."""
+    """Namespaces the policy applies to, by label; empty means all. The operator sees a namespace's
+    name only (the label kubernetes.io/metadata.name), not its other labels: a requirement on any
+    other label is treated as matching (the policy applies). Prefer `namespaces` for exact scoping."""
     min_kv_ratio: float = Field(default=2.0, ge=1.0)
     """Floor for spec.minKVRatio: every role's KV pool must hold this many contexts (S7)."""
     min_engine_versions: dict[str, str] = Field(default_factory=dict)
-    """Oldest allowed engine version per engine kind, e.g. {sglang: 0.5.4, vllm: 0.11.0}."""
+    """Oldest allowed engine version per engine kind, e.g. {sglang: 0.5.22, vllm: 0.11.0}; compared
+    numerically (0.5.22 > 0.5.4), pre-releases (rc, dev) before their release, post-releases after."""
     required_engine_flags: list[EngineFlagRequirement] = Field(default_factory=list)
     """Flags that must be on the command line, per engine."""
+    require_kv_integrity: bool = False
+    """Prefill-to-decode KV must be integrity-checked (S1, S3). kvguard: page tags and chunk
+    checksums are always on (only the test-only KVGUARD_FAULTS switch, which an InferenceModel
+    cannot set, turns them off); sglang: `--disaggregation-enable-kv-checksum` in engine.extraArgs
+    (prefill and decode); vllm has no KV checksum and cannot comply."""
     required_canary_probes: list[str] = Field(default_factory=list)
     """Canary probes that must be enabled (e.g. isolation, over_length)."""
     max_context_length: PositiveInt | None = None

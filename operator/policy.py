@@ -1,0 +1,322 @@
+"""InferencePolicy enforcement as a pure function: `evaluate(spec, namespace, policies)` (S7).
+
+Used twice: by the admission webhook (`kvguard.operator.webhook`), which rejects a non-compliant
+InferenceModel, and by every reconcile (`PolicyCompliant` condition; a model that becomes
+non-compliant after a policy change blocks its next rollout and is reported, not killed).
+
+Pure: no kopf, no kubernetes, no I/O. Every violation names the policy, the rule (the policy's
+spec field, e.g. `minKVRatio`) and the InferenceModel field path it is about (e.g.
+`spec.minKVRatio`), so admission rejections and conditions tell the user exactly what to change.
+Several policies combine: all that apply must pass.
+
+Rules, per applicable policy:
+- minKVRatio (S7): spec.minKVRatio >= the policy's, and the planned pool of every worker role holds
+  at least the policy's ratio x contextLength tokens.
+- minEngineVersions: spec.engine.version >= the policy's minimum for spec.engine.kind (unset fails).
+- requiredEngineFlags: each flag is on the rendered prefill and decode command lines.
+- requireKVIntegrity (S1, S3): see `InferencePolicySpec.require_kv_integrity`.
+- requiredCanaryProbes: each probe is enabled in spec.canary.
+- maxContextLength: spec.contextLength <= the policy's.
+Scope: `namespaces` (names) and `namespaceSelector` (labels; see `applies_to`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+
+from pydantic import BaseModel
+
+from kvguard.operator.api import (
+    EngineKind,
+    InferenceModelSpec,
+    InferencePolicy,
+    KVPlan,
+    LabelSelector,
+    LabelSelectorRequirement,
+    ModelSource,
+    PVCSource,
+)
+from kvguard.operator.canary.spec import ProbeName
+from kvguard.operator.planner import PlanInputError, plan
+from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""The label Kubernetes puts on every namespace: the one label known from a namespace's name."""
+
+SGLANG_KV_CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
+WORKER_ROLES = ("prefill", "decode")
+
+
+class PolicyViolation(BaseModel):
+    """One broken rule of one policy."""
+
+    policy: str
+    """Name of the InferencePolicy."""
+    rule: str
+    """The policy's rule (its spec field), e.g. minKVRatio, requiredCanaryProbes."""
+    field: str
+    """The InferenceModel field path to change, e.g. spec.minKVRatio."""
+    message: str
+    """What is wrong, with the numbers."""
+
+
+class PolicyVerdict(BaseModel):
+    """The result of evaluating every applicable policy against one InferenceModel spec."""
+
+    compliant: bool
+    """True when no applicable policy is violated."""
+    violations: list[PolicyViolation]
+    """Every violation, ordered by policy name then rule."""
+    policies: list[str] = []
+    """Names of the policies that applied to the model's namespace."""
+
+
+# --- versions ------------------------------------------------------------------------------------
+
+_VERSION_RE = re.compile(
+    r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
+    r"(?:[-_.]?(?P<pre>a|alpha|b|beta|rc|c|dev)[-_.]?(?P<pre_n>\d*))?"
+    r"(?:[-_.]?(?:post|p)[-_.]?(?P<post>\d+))?"
+    r"(?:\+[0-9A-Za-z.\-_]*)?\s*$",
+    re.IGNORECASE,
+)
+_PRE_RANK = {"dev": 0, "a": 1, "alpha": 1, "b": 2, "beta": 2, "c": 3, "rc": 3}
+_FINAL_RANK = 4  # a release sorts after its pre-releases
+
+
+def version_key(text: str) -> tuple[tuple[int, ...], int, int, int]:
+    """A sortable key for an engine version (`0.5.22`, `v0.11.0`, `0.5.0rc2`, `0.5.4.post1`,
+    `0.6.0.dev3`, `0.5.22+cu129`). Release numbers compare numerically with trailing zeros ignored;
+    pre-releases sort before their release, post-releases after; a local `+tag` is ignored.
+    Raises ValueError on anything else. (PEP 440's order for these forms; `packaging` is not a
+    runtime dependency of the operator image.)"""
+    match = _VERSION_RE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a version (examples: 0.5.22, v0.11.0, 0.5.0rc2)")
+    release = tuple(int(part) for part in match["release"].split("."))
+    while len(release) > 1 and release[-1] == 0:
+        release = release[:-1]
+    pre = match["pre"]
+    rank = _PRE_RANK[pre.lower()] if pre else _FINAL_RANK
+    return release, rank, int(match["pre_n"] or 0), int(match["post"] or -1) + 1
+
+
+def version_at_least(version: str, minimum: str) -> bool:
+    """version >= minimum under `version_key`'s order."""
+    return version_key(version) >= version_key(minimum)
+
+
+# --- scope ---------------------------------------------------------------------------------------
+
+
+def _requirement_holds(req: LabelSelectorRequirement, labels: Mapping[str, str]) -> bool:
+    present = req.key in labels
+    if req.operator == "Exists":
+        return present
+    if req.operator == "DoesNotExist":
+        return not present
+    if req.operator == "In":
+        return present and labels[req.key] in req.values
+    return not present or labels[req.key] not in req.values  # NotIn
+
+
+def selector_matches(selector: LabelSelector, labels: Mapping[str, str], *, known_keys: set[str] | None) -> bool:
+    """metav1.LabelSelector semantics. With `known_keys` given, a requirement on a key outside it
+    cannot be decided and counts as matching (fail closed: the policy applies)."""
+    requirements = [LabelSelectorRequirement(key=k, operator="In", values=[v]) for k, v in selector.match_labels.items()]
+    requirements += selector.match_expressions
+    for req in requirements:
+        if known_keys is not None and req.key not in known_keys:
+            continue
+        if not _requirement_holds(req, labels):
+            return False
+    return True
+
+
+def applies_to(policy: InferencePolicy, namespace: str, namespace_labels: Mapping[str, str] | None = None) -> bool:
+    """Whether `policy` covers `namespace`. Without `namespace_labels` only the name is known (the
+    admission request and reconcile see no namespace labels): the selector is evaluated on the
+    label kubernetes.io/metadata.name, and requirements on other labels count as matching."""
+    scope = policy.spec
+    if scope.namespaces and namespace not in scope.namespaces:
+        return False
+    if namespace_labels is None:
+        labels, known = {NAMESPACE_NAME_LABEL: namespace}, {NAMESPACE_NAME_LABEL}
+        return selector_matches(scope.namespace_selector, labels, known_keys=known)
+    labels = {NAMESPACE_NAME_LABEL: namespace, **namespace_labels}
+    return selector_matches(scope.namespace_selector, labels, known_keys=None)
+
+
+# --- rules ---------------------------------------------------------------------------------------
+
+Finding = tuple[str, str, str]  # (rule, field, message)
+
+
+def _plan_or_problem(spec: InferenceModelSpec) -> tuple[KVPlan | None, Finding | None]:
+    """The plan; None without a problem when the architecture is only known from a ConfigMap
+    (admission cannot read it; reconcile evaluates again with the resolved spec)."""
+    if spec.model.architecture is None and spec.model.architecture_config_map is not None:
+        return None, None
+    try:
+        return plan(spec), None
+    except PlanInputError as exc:
+        return None, ("minKVRatio", exc.field, f"the KV pool cannot be planned: {exc}")
+
+
+def check_min_kv_ratio(spec: InferenceModelSpec, minimum: float, kv_plan: KVPlan | None) -> Iterator[Finding]:
+    """S7: the declared ratio and the planned pool of every worker role reach the policy's ratio."""
+    if spec.min_kv_ratio < minimum:
+        yield "minKVRatio", "spec.minKVRatio", f"{spec.min_kv_ratio:g} is below the policy's minimum {minimum:g}"
+    if kv_plan is None:
+        return
+    needed = minimum * spec.context_length
+    for role, role_plan in kv_plan.roles.items():
+        if role_plan.pool_tokens < needed:
+            yield (
+                "minKVRatio",
+                f"spec.roles.{role}",
+                f"planned KV pool {role_plan.pool_tokens:,} tokens = {role_plan.pool_tokens / spec.context_length:.2f}x "
+                f"contextLength {spec.context_length:,}, below the policy's {minimum:g}x ({needed:,.0f} tokens)",
+            )
+
+
+def check_engine_version(spec: InferenceModelSpec, minimums: Mapping[str, str]) -> Iterator[Finding]:
+    minimum = minimums.get(spec.engine.kind.value)
+    if minimum is None:
+        return
+    version = spec.engine.version
+    if version is None:
+        yield "minEngineVersions", "spec.engine.version", f"is unset; the policy requires {spec.engine.kind.value} >= {minimum}"
+        return
+    try:
+        minimum_key = version_key(minimum)
+    except ValueError as exc:
+        yield "minEngineVersions", "spec.engine.version", f"the policy's minimum cannot be read ({exc}); fix the policy"
+        return
+    try:
+        ok = version_key(version) >= minimum_key
+    except ValueError as exc:
+        yield "minEngineVersions", "spec.engine.version", str(exc)
+        return
+    if not ok:
+        yield "minEngineVersions", "spec.engine.version", f"{spec.engine.kind.value} {version} is older than the policy's minimum {minimum}"
+
+
+def worker_command_lines(spec: InferenceModelSpec, kv_plan: KVPlan | None) -> dict[str, list[str]]:
+    """The prefill and decode command lines as the operator renders them; engine.extraArgs alone
+    when they cannot be rendered (no plan, or a render error reported elsewhere)."""
+    if kv_plan is not None:
+        owner = Owner(name="policy-check", namespace="policy-check", uid="policy-check")
+        # Where the weights come from changes no flag; a placeholder lets a spec without a source
+        # (valid for planning, refused at deploy time) render too.
+        placeholder = ModelSource(pvc=PVCSource(claim_name="policy-check"))
+        renderable = spec.model_copy(update={"model": spec.model.model_copy(update={"source": placeholder})})
+        try:
+            return {
+                role: ADAPTERS[spec.engine.kind].command(RoleContext(renderable, kv_plan, owner, "policy", role))  # type: ignore[arg-type]
+                for role in WORKER_ROLES
+            }
+        except RenderError:
+            pass
+    return {role: list(spec.engine.extra_args) for role in WORKER_ROLES}
+
+
+def has_flag(command: Sequence[str], flag: str) -> bool:
+    """`--flag` or `--flag=value` is on the command line (a required `--flag=value` must match exactly)."""
+    return any(arg == flag or ("=" not in flag and arg.startswith(flag + "=")) for arg in command)
+
+
+def check_required_flags(spec: InferenceModelSpec, policy: InferencePolicy, commands: Mapping[str, list[str]]) -> Iterator[Finding]:
+    for requirement in policy.spec.required_engine_flags:
+        if requirement.engine is not spec.engine.kind:
+            continue
+        for flag in requirement.flags:
+            missing = [role for role, command in commands.items() if not has_flag(command, flag)]
+            if missing:
+                yield "requiredEngineFlags", "spec.engine.extraArgs", f"{flag} is required for {requirement.engine.value} but missing on {', '.join(missing)}"
+
+
+def check_kv_integrity(spec: InferenceModelSpec, commands: Mapping[str, list[str]]) -> Iterator[Finding]:
+    """S1/S3. kvguard's page tags and chunk checksums have no off switch an InferenceModel can
+    reach, so it complies by construction."""
+    kind = spec.engine.kind
+    if kind is EngineKind.SGLANG:
+        missing = [role for role, command in commands.items() if not has_flag(command, SGLANG_KV_CHECKSUM_FLAG)]
+        if missing:
+            # On one side only, SGLang skips the check and logs it: both roles need it.
+            yield "requireKVIntegrity", "spec.engine.extraArgs", f"add {SGLANG_KV_CHECKSUM_FLAG} (KV checksums on prefill and decode); missing on {', '.join(missing)}"
+    elif kind is EngineKind.VLLM:
+        yield "requireKVIntegrity", "spec.engine.kind", "vllm has no prefill-to-decode KV checksum; use kvguard or sglang"
+
+
+def _probe_field(probe: ProbeName) -> str:
+    camel = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), probe.value)
+    return f"spec.canary.{camel}.enabled"
+
+
+def check_canary_probes(spec: InferenceModelSpec, required: Sequence[str]) -> Iterator[Finding]:
+    for name in required:
+        try:
+            probe = ProbeName.parse(name)
+        except ValueError as exc:
+            yield "requiredCanaryProbes", "spec.canary", f"the policy names an unknown probe: {exc}; fix the policy"
+            continue
+        if not spec.canary.probe_enabled(probe):
+            yield "requiredCanaryProbes", _probe_field(probe), f"the {probe.value} probe is required and must be enabled"
+
+
+def check_context_length(spec: InferenceModelSpec, maximum: int | None) -> Iterator[Finding]:
+    if maximum is not None and spec.context_length > maximum:
+        yield "maxContextLength", "spec.contextLength", f"{spec.context_length:,} exceeds the policy's maximum {maximum:,}"
+
+
+def policy_findings(spec: InferenceModelSpec, policy: InferencePolicy, kv_plan: KVPlan | None, plan_problem: Finding | None) -> Iterator[Finding]:
+    """Every broken rule of one policy."""
+    rules = policy.spec
+    if plan_problem is not None:
+        yield plan_problem
+    yield from check_min_kv_ratio(spec, rules.min_kv_ratio, kv_plan)
+    yield from check_engine_version(spec, rules.min_engine_versions)
+    commands = worker_command_lines(spec, kv_plan) if rules.required_engine_flags or rules.require_kv_integrity else {}
+    yield from check_required_flags(spec, policy, commands)
+    if rules.require_kv_integrity:
+        yield from check_kv_integrity(spec, commands)
+    yield from check_canary_probes(spec, rules.required_canary_probes)
+    yield from check_context_length(spec, rules.max_context_length)
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+
+def evaluate(
+    spec: InferenceModelSpec,
+    namespace: str,
+    policies: Sequence[InferencePolicy],
+    *,
+    namespace_labels: Mapping[str, str] | None = None,
+    kv_plan: KVPlan | None = None,
+) -> PolicyVerdict:
+    """Evaluate every policy that applies to `namespace` against `spec`; all must pass (S7).
+
+    `kv_plan` may be passed when the caller has planned the spec already (reconcile); otherwise
+    it is computed with `planner.plan`. A spec the planner cannot plan is a minKVRatio violation
+    naming the planner's field, except when its architecture comes from a ConfigMap (see
+    `_plan_or_problem`). `namespace_labels`: see `applies_to`.
+    """
+    applicable = sorted((p for p in policies if applies_to(p, namespace, namespace_labels)), key=lambda p: p.metadata.name)
+    plan_problem: Finding | None = None
+    if applicable and kv_plan is None:
+        kv_plan, plan_problem = _plan_or_problem(spec)
+    violations = [
+        PolicyViolation(policy=policy.metadata.name, rule=rule, field=field, message=message)
+        for policy in applicable
+        for rule, field, message in policy_findings(spec, policy, kv_plan, plan_problem)
+    ]
+    return PolicyVerdict(compliant=not violations, violations=violations, policies=[p.metadata.name for p in applicable])
+
+
+def describe_violations(violations: Sequence[PolicyViolation]) -> str:
+    """One line naming each field and rule, for admission rejections and the PolicyCompliant
+    condition: `spec.minKVRatio: 1.5 is below ... (InferencePolicy default, rule minKVRatio); ...`."""
+    return "; ".join(f"{v.field}: {v.message} (InferencePolicy {v.policy}, rule {v.rule})" for v in violations)
