@@ -19,6 +19,7 @@ from kvguard.operator.api import API_GROUP, API_VERSION
 from kvguard.operator.controller import owner_of, reconcile_model
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.render import MANAGED_BY
+from kvguard.operator import webhook  # noqa: F401  (registers the admission webhook and the InferencePolicy index)
 
 MODELS = (API_GROUP, API_VERSION, "inferencemodels")
 RETRY_SECONDS = 5

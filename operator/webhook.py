@@ -1,0 +1,186 @@
+"""The validating admission webhook for InferenceModels (kopf), and the InferencePolicy index.
+
+Registered by importing this module (`kvguard.operator.handlers` does). On CREATE and UPDATE of an
+InferenceModel the API server sends an AdmissionReview here; the model is rejected, with a
+message naming the field and the rule, when its spec is invalid for the planner or the renderer,
+or when an applicable InferencePolicy says no (`kvguard.operator.policy`, S7). An UPDATE that
+leaves the spec unchanged (labels, annotations, finalizers: kopf's own bookkeeping included) and
+an object being deleted are always admitted: a model that became non-compliant after a policy
+change is reported by reconcile, not locked or killed.
+
+TLS (docs/webhook.md): kopf's `WebhookServer` serves HTTPS with the certificate in
+KVGUARD_WEBHOOK_CERT_DIR (`tls.crt`, `tls.key`, optional `ca.crt`: a mounted Secret written by
+cert-manager or by hand) and reloads it when the files change. Without that variable the webhook
+is off: the handler stays registered (kopf requires a server for it, so a server that never
+listens is installed) and policy is still enforced by reconcile. Environment:
+- KVGUARD_WEBHOOK_CERT_DIR: the certificate directory; unset = webhook off.
+- KVGUARD_WEBHOOK_ADDR / KVGUARD_WEBHOOK_PORT: where to listen (0.0.0.0:9443).
+- KVGUARD_WEBHOOK_MANAGED: a ValidatingWebhookConfiguration name for kopf to create and keep
+  pointed at this server (url-based, with ca.crt as caBundle); needs KVGUARD_WEBHOOK_HOST (the
+  Service DNS name) and RBAC on validatingwebhookconfigurations. Unset: the configuration is
+  static (manifests/webhook/).
+
+Policies are read from the API server on every admission request rather than from the index:
+kopf starts the admission server before its indexes are populated, so an index could admit a
+non-compliant model in the first seconds after a restart. The index (`inference_policies`) is
+for reconcile handlers, which kopf runs only once every index is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferencePolicy
+from kvguard.operator.kube import Kube, KubeError
+from kvguard.operator.planner import PlanInputError, plan
+from kvguard.operator.policy import describe_violations, evaluate
+from kvguard.operator.reconcile import field_errors
+from kvguard.operator.render import Owner, RenderError, render_revision
+
+log = logging.getLogger(__name__)
+
+MODELS = (API_GROUP, API_VERSION, "inferencemodels")
+POLICIES = (API_GROUP, API_VERSION, "inferencepolicies")
+WEBHOOK_ID = "validate-inferencemodel"
+"""kopf's handler id, which is also the URL path the webhook configuration must call
+(`/validate-inferencemodel`): kopf routes a request to the handler named by its path."""
+DEFAULT_PORT = 9443
+INVALID = 422  # the spec cannot be planned or rendered
+FORBIDDEN = 403  # a policy forbids it
+
+
+class AdmissionDenied(Exception):
+    """Why an InferenceModel is not admitted, with the HTTP code for the AdmissionReview status."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- the decision (no kopf, no I/O) --------------------------------------------------------------
+
+
+def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> bool:
+    return old is None or new is None or old.get("spec") != new.get("spec")
+
+
+def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str | None,
+                    policies: Sequence[InferencePolicy]) -> None:
+    """Raise AdmissionDenied when the InferenceModel `body` must not be admitted."""
+    meta = body.get("metadata") or {}
+    if operation not in ("CREATE", "UPDATE") or meta.get("deletionTimestamp"):
+        return
+    if operation == "UPDATE" and not spec_changed(old, body):
+        return  # metadata-only: never lock an existing model out of its own bookkeeping
+    spec = parse_spec(body.get("spec"))
+    check_plannable(spec, name=str(meta.get("name") or "model"), namespace=str(meta.get("namespace") or ""))
+    verdict = evaluate(spec, str(meta.get("namespace") or ""), policies)
+    if not verdict.compliant:
+        raise AdmissionDenied(describe_violations(verdict.violations), FORBIDDEN)
+
+
+def parse_spec(raw: Any) -> InferenceModelSpec:
+    try:
+        return InferenceModelSpec.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        raise AdmissionDenied(field_errors(exc), INVALID) from None
+
+
+def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> None:
+    """The planner's and the renderer's field-level errors (a blocked plan is not one: reconcile
+    reports it as KVPoolSufficient=False). Skipped when the architecture is in a ConfigMap that
+    admission cannot read; reconcile checks it."""
+    if spec.model.architecture is None and spec.model.architecture_config_map is not None:
+        return
+    try:
+        kv_plan = plan(spec)
+        if spec.model.source is not None:
+            render_revision(spec, kv_plan, Owner(name=name, namespace=namespace, uid="admission"), "admission")
+    except (PlanInputError, RenderError) as exc:
+        raise AdmissionDenied(str(exc), INVALID) from None
+
+
+def parse_policies(raw: Iterable[Mapping[str, Any]]) -> list[InferencePolicy]:
+    """InferencePolicy objects as stored; one the models reject (schema skew) is logged and skipped."""
+    policies = []
+    for obj in raw:
+        try:
+            policies.append(InferencePolicy.model_validate({k: v for k, v in obj.items() if k != "status"}))
+        except ValidationError as exc:
+            name = (obj.get("metadata") or {}).get("name")
+            log.warning("InferencePolicy %s is unreadable and not enforced: %s", name, exc)
+    return policies
+
+
+# --- kopf glue -----------------------------------------------------------------------------------
+
+_KUBE: list[Kube] = []
+
+
+async def current_policies() -> list[InferencePolicy]:
+    if not _KUBE:
+        _KUBE.append(Kube())
+    return parse_policies(await _KUBE[0].alist("InferencePolicy", None))
+
+
+@kopf.on.validate(*MODELS, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
+async def validate_inference_model(body: kopf.Body, old: kopf.Body | None, operation: str | None, **_: Any) -> None:
+    """kopf admission handler: raising kopf.AdmissionError denies the request with its message."""
+    try:
+        policies = await current_policies()
+    except KubeError as exc:
+        raise kopf.AdmissionError(f"cannot read InferencePolicies to check this model ({exc}); retry", code=503) from exc
+    try:
+        check_admission(body, old, operation, policies)
+    except AdmissionDenied as exc:
+        raise kopf.AdmissionError(str(exc), code=exc.code) from None
+
+
+@kopf.index(*POLICIES)
+def inference_policies(body: kopf.Body, **_: Any) -> dict[None, InferencePolicy]:
+    """All InferencePolicies, under the single key None (`policies_from_index`)."""
+    return {None: policy for policy in parse_policies([body])}
+
+
+def policies_from_index(index: Mapping[Any, Iterable[InferencePolicy]]) -> list[InferencePolicy]:
+    """The policies of the `inference_policies` index a kopf handler receives as a kwarg."""
+    return sorted((p for key in index for p in index[key]), key=lambda p: p.metadata.name)
+
+
+async def webhook_off(fn: Any) -> AsyncIterator[Any]:
+    """A 'server' that never listens: kopf refuses to start with admission handlers and no server."""
+    await asyncio.Event().wait()
+    yield {}  # pragma: no cover  (unreachable; makes this an async generator)
+
+
+def webhook_server(env: Mapping[str, str]) -> Any:
+    """kopf's HTTPS server for the certificate in KVGUARD_WEBHOOK_CERT_DIR, or `webhook_off`."""
+    cert_dir = env.get("KVGUARD_WEBHOOK_CERT_DIR")
+    if not cert_dir:
+        return webhook_off
+    folder = Path(cert_dir)
+    ca = folder / "ca.crt"
+    return kopf.WebhookServer(
+        addr=env.get("KVGUARD_WEBHOOK_ADDR", "0.0.0.0"),
+        port=int(env.get("KVGUARD_WEBHOOK_PORT", str(DEFAULT_PORT))),
+        host=env.get("KVGUARD_WEBHOOK_HOST") or None,
+        certfile=folder / "tls.crt",
+        pkeyfile=folder / "tls.key",
+        cafile=ca if ca.is_file() else None,
+    )
+
+
+@kopf.on.startup()
+def configure_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.admission.server = webhook_server(os.environ)
+    settings.admission.managed = os.environ.get("KVGUARD_WEBHOOK_MANAGED") or None
+    if settings.admission.server is webhook_off:
+        log.info("admission webhook off (KVGUARD_WEBHOOK_CERT_DIR unset); policy is enforced by reconcile only")
