@@ -33,6 +33,7 @@ from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.conditions import Condition
+from kvguard.operator.rollout import RolloutStatus
 
 API_GROUP = "kvguard.io"
 API_VERSION = "v1alpha1"
@@ -481,6 +482,8 @@ class InferenceModelSpec(ApiModel):
     """Prefill-to-decode KV transfer settings (S3, S4, S6)."""
     canary: CanarySpec = Field(default_factory=CanarySpec)
     """The canary coherence suite a new revision must pass before promotion (S7)."""
+    revision_history_limit: NonNegativeInt = 2
+    """Previous stable revisions kept (scaled to zero) as targets for kvguard.io/rollback-to."""
 
 
 # --- Plan (recorded in status) -------------------------------------------------------------------
@@ -617,6 +620,9 @@ class InferenceModelStatus(ApiModel):
     """KVPoolSufficient, PolicyCompliant, CanaryPassed, Progressing, Ready, Degraded."""
     history: list[RevisionRecord] = Field(default_factory=list)
     """Recent revisions, newest first (bounded)."""
+    rollout: RolloutStatus | None = None
+    """Every step of the current rollout (state, candidate, measured pools, canary verdict), so an
+    operator restart resumes it exactly (S8)."""
 
 
 class InferenceModel(ApiModel):

@@ -1,0 +1,268 @@
+"""The backend interface: "run this revision's workloads and tell me what is ready and where".
+
+The rollout state machine (`kvguard.operator.rollout`) decides; a backend carries its workload
+actions out on some platform: `KubernetesBackend` (Deployments/Services through kube.py) or the
+local backend (processes on loopback). Both use the helpers below to execute a decision, scrape the
+candidate's workers and run the canary suite off the reconcile path, so the same machine and the
+same suite drive both.
+
+A driver's loop, per model:
+
+    observation = await backend.observe(model)
+    world = World(target=..., revisions=observation.revisions, serving=observation.serving,
+                  canary=runner.result(key), canary_running=runner.running(key, candidate, attempt), ...)
+    decision = step(spec, status.rollout, status.revision, world)
+    if decision.of_type(ScrapeMetrics):
+        reports = await scrape_workers(await backend.endpoints(model, candidate))
+        decision = step(spec, status.rollout, status.revision, with_reports(world, reports))
+    await execute(backend, request, decision.actions, runner, canary_spec)   # workload actions
+    persist decision.rollout / decision.stable / SetCondition actions; emit RecordEvent actions
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import aiohttp
+
+from kvguard.operator.canary.metrics import fetch_all
+from kvguard.operator.canary.report import CanaryReport
+from kvguard.operator.canary.spec import CanarySpec
+from kvguard.operator.canary.suite import run_suite
+from kvguard.operator.rollout import (
+    Action,
+    CanaryResult,
+    CancelCanary,
+    DeleteRevision,
+    DeployRevision,
+    RevisionView,
+    RouteTraffic,
+    RunCanary,
+    ScaleRevision,
+    WorkerReport,
+    worker_report,
+)
+
+if TYPE_CHECKING:
+    from kvguard.operator.api import InferenceModelSpec, KVPlan
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Which InferenceModel (the Kubernetes backend needs the uid for owner references)."""
+
+    namespace: str
+    name: str
+    uid: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.namespace, self.name
+
+
+@dataclass(frozen=True)
+class RevisionRequest:
+    """Everything needed to run the spec's revision: the spec and its (passing) plan."""
+
+    model: ModelRef
+    revision: str
+    spec: InferenceModelSpec
+    plan: KVPlan
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """One prefill/decode worker process (pod) and where its /metrics are."""
+
+    name: str
+    role: str
+    metrics_url: str
+
+
+@dataclass(frozen=True)
+class RevisionEndpoints:
+    """Where a revision answers: its router's base URL (no /v1) and every worker's metrics."""
+
+    router_url: str | None
+    workers: tuple[WorkerEndpoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The backend's view of one model: every revision it runs, and which one users reach."""
+
+    revisions: Mapping[str, RevisionView] = field(default_factory=dict)
+    serving: str | None = None
+
+
+class Backend(Protocol):
+    """A platform that runs revisions. Every method is idempotent; none blocks the event loop."""
+
+    async def ensure_revision(self, request: RevisionRequest) -> None:
+        """Create or update the revision's router/prefill/decode at the spec's replicas."""
+        ...
+
+    async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
+        """Scale every workload of the revision; 0 stops it, None restores what it had before 0."""
+        ...
+
+    async def delete_revision(self, model: ModelRef, revision: str) -> None:
+        """Remove every object/process of the revision."""
+        ...
+
+    async def observe(self, model: ModelRef) -> Observation:
+        """Readiness of every revision present, and the revision user traffic goes to."""
+        ...
+
+    async def endpoints(self, model: ModelRef, revision: str) -> RevisionEndpoints:
+        """The revision's router URL and each worker's metrics URL."""
+        ...
+
+    async def route_traffic(self, model: ModelRef, revision: str) -> None:
+        """Send user traffic to the revision (all of it; no split)."""
+        ...
+
+
+# --- helpers every driver shares ----------------------------------------------------------------
+
+
+async def scrape_workers(endpoints: RevisionEndpoints, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> list[WorkerReport]:
+    """Every worker's reported KV pool and context length, from its /metrics (S7)."""
+    if not endpoints.workers:
+        return []
+    async with aiohttp.ClientSession() as session:
+        snapshots = await fetch_all(session, [w.metrics_url for w in endpoints.workers], timeout)
+    return [worker_report(w.name, w.role, s) for w, s in zip(endpoints.workers, snapshots, strict=True)]
+
+
+SuiteRunner = Callable[..., Awaitable[CanaryReport]]
+
+
+class CanaryRunner:
+    """One canary suite per model at a time, off the reconcile path (an asyncio task per model,
+    keyed by revision and attempt). The result stays in memory until the rollout records it in
+    status; after an operator restart nothing is here and the machine asks for a new run."""
+
+    def __init__(self, suite: SuiteRunner = run_suite) -> None:
+        self._suite = suite
+        self._tasks: dict[tuple[str, str], tuple[str, str, asyncio.Task[CanaryReport]]] = {}
+        self._results: dict[tuple[str, str], CanaryResult] = {}
+
+    def start(
+        self,
+        model: tuple[str, str],
+        run: RunCanary,
+        url: str,
+        *,
+        spec: CanarySpec,
+        baseline_url: str | None,
+        metrics_urls: Sequence[str],
+        on_done: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        if self.running(model, run.revision, run.attempt):
+            return
+        self.cancel(model)
+        task = asyncio.create_task(
+            self._suite(url, spec, baseline_url=baseline_url, metrics_urls=list(metrics_urls)),
+            name=f"canary {model[0]}/{model[1]} {run.revision}",
+        )
+        self._tasks[model] = (run.revision, run.attempt, task)
+        task.add_done_callback(lambda t: self._finished(model, run, t, on_done))
+        log.info("canary of %s/%s revision %s started against %s", *model, run.revision, url)
+
+    def _finished(self, model: tuple[str, str], run: RunCanary, task: asyncio.Task[CanaryReport],
+                  on_done: Callable[[], Awaitable[None]] | None) -> None:  # fmt: skip
+        current = self._tasks.get(model)
+        if current is None or current[2] is not task:
+            return
+        del self._tasks[model]
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:  # run_suite never raises for the target's misbehaviour: a bug or I/O
+            result = CanaryResult(run.revision, run.attempt, "cannot_run", f"canary crashed: {error!r}")
+        else:
+            report = task.result()
+            result = CanaryResult.from_report(report, run.revision, run.attempt)
+            log.info("canary of %s/%s revision %s: %s (%s)", *model, run.revision, report.verdict.value, report.reason)
+        self._results[model] = result
+        if on_done is not None:
+            asyncio.get_running_loop().create_task(on_done())
+
+    def running(self, model: tuple[str, str], revision: str, attempt: str) -> bool:
+        current = self._tasks.get(model)
+        return current is not None and current[:2] == (revision, attempt) and not current[2].done()
+
+    def result(self, model: tuple[str, str]) -> CanaryResult | None:
+        return self._results.get(model)
+
+    def cancel(self, model: tuple[str, str], revision: str | None = None) -> None:
+        current = self._tasks.get(model)
+        if current is not None and (revision is None or current[0] == revision):
+            current[2].cancel()
+            del self._tasks[model]
+
+    def forget(self, model: tuple[str, str]) -> None:
+        self.cancel(model)
+        self._results.pop(model, None)
+
+
+async def execute(
+    backend: Backend,
+    request: RevisionRequest | None,
+    actions: Sequence[Action],
+    runner: CanaryRunner,
+    canary_spec: CanarySpec,
+    on_canary_done: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Carry out the workload actions of a decision, in order (conditions and events are the
+    caller's: they go to its status and event sink). `request` is required for DeployRevision."""
+    model = request.model if request is not None else None
+    for action in actions:
+        if isinstance(action, DeployRevision):
+            assert request is not None and action.revision == request.revision, "DeployRevision is for the spec's revision"
+            await backend.ensure_revision(request)
+        elif isinstance(action, ScaleRevision):
+            assert model is not None
+            await backend.scale_revision(model, action.revision, action.replicas)
+        elif isinstance(action, DeleteRevision):
+            assert model is not None
+            runner.cancel(model.key, action.revision)
+            await backend.delete_revision(model, action.revision)
+        elif isinstance(action, RouteTraffic):
+            assert model is not None
+            await backend.route_traffic(model, action.revision)
+        elif isinstance(action, CancelCanary):
+            assert model is not None
+            runner.cancel(model.key, action.revision)
+        elif isinstance(action, RunCanary):
+            assert model is not None
+            await _start_canary(backend, model, action, runner, canary_spec, on_canary_done)
+
+
+async def _start_canary(
+    backend: Backend,
+    model: ModelRef,
+    run: RunCanary,
+    runner: CanaryRunner,
+    spec: CanarySpec,
+    on_done: Callable[[], Awaitable[None]] | None,
+) -> None:
+    target = await backend.endpoints(model, run.revision)
+    baseline = await backend.endpoints(model, run.baseline) if run.baseline else None
+    if target.router_url is None:
+        log.warning("canary of %s/%s revision %s: no router URL yet", *model.key, run.revision)
+        return
+    runner.start(
+        model.key, run, target.router_url, spec=spec,
+        baseline_url=baseline.router_url if baseline else None,
+        metrics_urls=[w.metrics_url for w in target.workers], on_done=on_done,
+    )  # fmt: skip

@@ -1,0 +1,788 @@
+"""The rollout state machine of one InferenceModel (pure: no I/O, no clock, no randomness).
+
+    Planning ──gates fail──> Blocked ──gates pass──> Planning
+       │
+       └─> CanaryDeploying ──ready──> CanaryVerifying ──pools + canary + policy ok──> Promoting ──> Stable
+                 │                          │
+                 └──── not ready in time ───┴── reported pool too small | canary fail ──> Failed ──> RolledBack
+    any state ──`kvguard.io/pause: "true"`──> Paused ──annotation removed──> the state it paused in
+    Failed | RolledBack ──`kvguard.io/retry: <new value>`──> Planning
+    a new spec revision (or `kvguard.io/rollback-to`) supersedes an unfinished rollout ──> Planning
+
+Gates (S7), all re-checked at every step until traffic moves: the planned KV pool of every role is
+>= minKVRatio x contextLength; every running prefill/decode worker of the candidate *reports* (on
+its /metrics) a pool at least that large; the canary suite passed against the candidate's router
+with the stable revision as baseline; the InferencePolicy verdict is compliant.
+S8: nothing here ever scales, patches or deletes the stable revision before the candidate serves;
+a failure scales the candidate to zero, says why (CanaryPassed=False, Degraded=True) and keeps the
+stable revision serving, unchanged.
+
+How to drive it (Kubernetes controller, local backend): read the world, call `step(...)`, execute
+the returned actions in order, persist `Decision.rollout` in `status.rollout` (and
+`Decision.stable` in `status.revision`), requeue after `Decision.requeue_after`. Two actions ask
+for observations that the next `step` consumes: `ScrapeMetrics` (call `step` again with
+`World.worker_reports` filled, in the same or a later reconcile) and `RunCanary` (start the suite
+off the reconcile path; pass its result as `World.canary` once finished, `canary_running=True`
+meanwhile). Every other action is idempotent, and the whole rollout is recorded in
+`status.rollout`, so a restarted operator calling `step` with the persisted status continues where
+it stopped: no double promotion (promotion is one idempotent step), no orphaned canary (Failed
+keeps scaling it to zero until it is observed at zero), and a canary interrupted by the restart
+simply runs again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from kvguard.operator.canary.metrics import WorkerSnapshot
+from kvguard.operator.canary.report import CanaryReport
+
+if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
+    from kvguard.operator.api import InferenceModelSpec
+
+
+class RolloutState(str, enum.Enum):
+    """Where the rollout of `status.rollout.revision` is. See the module docstring for the graph."""
+
+    PLANNING = "Planning"
+    """A revision to roll out was seen; plan and policy are about to be checked."""
+    BLOCKED = "Blocked"
+    """The planner or the policy said no; nothing of the candidate runs."""
+    CANARY_DEPLOYING = "CanaryDeploying"
+    """The candidate's workloads run beside the stable ones; waiting for them to be ready."""
+    CANARY_VERIFYING = "CanaryVerifying"
+    """Scraping every candidate worker's reported pool, then running the canary suite."""
+    PROMOTING = "Promoting"
+    """Every gate passed: routing traffic to the candidate, scaling the old revision down."""
+    STABLE = "Stable"
+    """The candidate serves all traffic; nothing to do."""
+    FAILED = "Failed"
+    """A gate failed after deploying: the candidate is being scaled to zero."""
+    ROLLED_BACK = "RolledBack"
+    """The failed candidate is at zero and the stable revision serves; waiting for retry or a new spec."""
+    PAUSED = "Paused"
+    """Held by the pause annotation; no action until it is removed."""
+
+
+PAUSE_ANNOTATION = "kvguard.io/pause"
+"""`"true"` holds the rollout where it is (nothing deployed, promoted or deleted)."""
+RETRY_ANNOTATION = "kvguard.io/retry"
+"""Any value different from the one the failed attempt ran under retries the rollout."""
+ROLLBACK_ANNOTATION = "kvguard.io/rollback-to"
+"""A previous stable revision to serve instead of the spec's; remove it to roll the spec out again."""
+
+PROGRESS_DEADLINE_SECONDS = 600.0
+"""A candidate whose workloads are not ready after this long fails (like progressDeadlineSeconds)."""
+MAX_SCRAPE_ATTEMPTS = 5
+"""Scrapes in which some candidate worker did not report before the rollout fails (S7)."""
+REQUEUE_SECONDS = 5.0
+"""How soon to look again while waiting for workloads, metrics or the canary."""
+
+IN_FLIGHT = (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING, RolloutState.CANARY_VERIFYING)
+
+
+# --- the record kept in status.rollout ----------------------------------------------------------
+
+
+class _StatusModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", use_attribute_docstrings=True
+    )
+
+
+class WorkerPool(_StatusModel):
+    """One candidate worker's KV pool as the worker itself reported it (S7)."""
+
+    worker: str
+    """Pod name or metrics URL."""
+    role: str
+    """prefill or decode."""
+    pool_tokens: float | None = None
+    """Smallest KV pool the worker reports (over its DP ranks / engines), in tokens."""
+    context_length: int
+    """Context length the pool was judged against."""
+    ratio: float | None = None
+    """poolTokens / contextLength."""
+    sufficient: bool
+    """ratio >= the required ratio."""
+
+
+class CanarySummary(_StatusModel):
+    """The canary suite's verdict on one attempt of a revision (the full report is in the events/logs)."""
+
+    revision: str
+    """Revision the suite ran against."""
+    attempt: str = ""
+    """The retry annotation value of the attempt."""
+    verdict: Literal["pass", "fail", "cannot_run"]
+    """pass, fail or cannot_run."""
+    reason: str = ""
+    """One line from the report, e.g. `failed: isolation, over_length`."""
+    failed_probes: list[str] = Field(default_factory=list)
+    """Probes that failed."""
+    duration_seconds: float = 0.0
+    """How long the suite ran."""
+
+
+class RolloutStatus(_StatusModel):
+    """Every step of the current rollout, so that a restarted operator resumes it exactly (S8)."""
+
+    state: RolloutState = RolloutState.PLANNING
+    """Planning, Blocked, CanaryDeploying, CanaryVerifying, Promoting, Stable, Failed, RolledBack, Paused."""
+    revision: str | None = None
+    """The candidate: the spec's revision, or the one named by kvguard.io/rollback-to."""
+    baseline: str | None = None
+    """The stable revision when this rollout started (the canary's baseline)."""
+    attempt: str = ""
+    """Value of kvguard.io/retry this attempt runs under."""
+    rollback: bool = False
+    """True when the candidate is a previous revision named by kvguard.io/rollback-to."""
+    since: str | None = None
+    """RFC 3339 time the rollout entered this state."""
+    reason: str | None = None
+    """CamelCase reason of the last transition."""
+    message: str | None = None
+    """What happened last, for humans."""
+    paused_from: RolloutState | None = None
+    """The state to resume when the pause annotation is removed."""
+    scrape_attempts: int = 0
+    """Scrapes in which some worker did not report (fails at MAX_SCRAPE_ATTEMPTS)."""
+    workers: list[WorkerPool] = Field(default_factory=list)
+    """Reported pools of the candidate's workers, once all were measured."""
+    canary: CanarySummary | None = None
+    """The canary verdict for this attempt, once finished."""
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RevisionView:
+    """What the backend sees of one revision's workloads."""
+
+    ready: bool = False
+    """Every role's workload has all its (non-zero) desired replicas ready."""
+    scaled_to_zero: bool = False
+    """Every workload of the revision wants 0 replicas and none runs."""
+    worker_replicas: int = 0
+    """Desired prefill + decode replicas: how many workers must report a pool."""
+    waiting: tuple[str, ...] = ()
+    """Human-readable `role ready/desired` of what is not ready."""
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One scraped worker: what it reports about its KV pool, or why it could not be read."""
+
+    worker: str
+    role: str
+    pool_tokens: float | None = None
+    context_length: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PolicyGate:
+    """The InferencePolicy verdict reduced to what the machine needs."""
+
+    compliant: bool = True
+    message: str = "no InferencePolicy applies"
+
+    @classmethod
+    def from_verdict(cls, verdict: Any) -> PolicyGate:
+        """From `kvguard.operator.policy.PolicyVerdict` (compliant, violations[policy, rule, field, message])."""
+        if verdict.compliant:
+            return cls(True, "compliant with every applicable InferencePolicy")
+        parts = [f"{v.field}: {v.message} (policy {v.policy}, rule {v.rule})" for v in verdict.violations]
+        return cls(False, "; ".join(parts) or "not compliant")
+
+
+@dataclass(frozen=True)
+class CanaryResult:
+    """A finished canary run, as the driver hands it back."""
+
+    revision: str
+    attempt: str
+    verdict: Literal["pass", "fail", "cannot_run"]
+    reason: str = ""
+    failed_probes: tuple[str, ...] = ()
+    duration_seconds: float = 0.0
+
+    @classmethod
+    def from_report(cls, report: CanaryReport, revision: str, attempt: str) -> CanaryResult:
+        return cls(
+            revision=revision, attempt=attempt, verdict=report.verdict.value,  # type: ignore[arg-type]
+            reason=report.reason, failed_probes=tuple(p.value for p in report.failed_probes()),
+            duration_seconds=report.duration_seconds,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class World:
+    """Everything `step` looks at besides spec and status, read just before the step."""
+
+    target: str
+    """The spec's revision (hash of its KV-relevant fields)."""
+    now: dt.datetime
+    plan_ok: bool = True
+    """The plan passes: every role's planned pool >= minKVRatio x contextLength (S7)."""
+    plan_message: str = ""
+    policy: PolicyGate = PolicyGate()
+    revisions: Mapping[str, RevisionView] = field(default_factory=dict)
+    """Every revision that has workloads, by revision."""
+    serving: str | None = None
+    """The revision user traffic is routed to right now, as observed (None: nothing routed)."""
+    previous_stables: tuple[str, ...] = ()
+    """Earlier stable revisions, newest first (from status.history): rollback targets."""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    worker_reports: tuple[WorkerReport, ...] | None = None
+    """A fresh scrape of the candidate's workers (after ScrapeMetrics); None when not scraped."""
+    canary: CanaryResult | None = None
+    """The latest finished canary run of this model, if the driver has one."""
+    canary_running: bool = False
+    """A canary run for the candidate's current attempt is in progress."""
+
+
+# --- outputs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeployRevision:
+    """Create or update the spec's revision's workloads at the spec's replicas (idempotent)."""
+
+    revision: str
+
+
+@dataclass(frozen=True)
+class ScaleRevision:
+    """Scale every workload of a revision: 0 stops it; None restores the replicas it had before."""
+
+    revision: str
+    replicas: int | None
+
+
+@dataclass(frozen=True)
+class DeleteRevision:
+    """Delete every object of a revision."""
+
+    revision: str
+
+
+@dataclass(frozen=True)
+class ScrapeMetrics:
+    """Scrape every prefill/decode worker of the revision; pass the reports back in World.worker_reports."""
+
+    revision: str
+
+
+@dataclass(frozen=True)
+class RunCanary:
+    """Start the canary suite against the revision's router (baseline: that revision's router)."""
+
+    revision: str
+    baseline: str | None
+    attempt: str
+
+
+@dataclass(frozen=True)
+class CancelCanary:
+    """Stop any canary run of the revision (superseded)."""
+
+    revision: str
+
+
+@dataclass(frozen=True)
+class RouteTraffic:
+    """Point the user-facing route (the model's Service / the local proxy) at the revision."""
+
+    revision: str
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SetCondition:
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+
+
+Action = (
+    DeployRevision | ScaleRevision | DeleteRevision | ScrapeMetrics | RunCanary | CancelCanary
+    | RouteTraffic | RecordEvent | SetCondition
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one step: the new record, who serves, and what to do (in this order)."""
+
+    rollout: RolloutStatus
+    stable: str | None
+    """The revision serving users once the actions are applied (status.revision)."""
+    actions: tuple[Action, ...]
+    requeue_after: float | None = None
+    promoted_from: str | None = None
+    """Set when this step promoted: the previously stable revision (None on a first rollout)."""
+
+    @property
+    def state(self) -> RolloutState:
+        return self.rollout.state
+
+    def of_type(self, kind: type) -> list[Any]:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+
+# --- the step -------------------------------------------------------------------------------------
+
+
+def rfc3339(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def step(
+    spec: InferenceModelSpec, previous: RolloutStatus | None, stable: str | None, world: World
+) -> Decision:
+    """One transition (or a chain of immediate ones) of the rollout. Pure and idempotent: the same
+    inputs give the same decision, so re-running it after a crash re-issues what may be missing."""
+    run = _Step(spec, stable, world, previous.model_copy(deep=True) if previous else RolloutStatus())
+    return run.go()
+
+
+@dataclass
+class _Step:
+    spec: InferenceModelSpec
+    stable: str | None
+    world: World
+    r: RolloutStatus
+    actions: list[Action] = field(default_factory=list)
+    requeue: float | None = None
+    promoted_from: str | None = None
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def go(self) -> Decision:
+        if self.r.revision is None:
+            self._enter_or_supersede()  # first sight of this model
+        if self._paused():
+            return self._decision()  # a pause freezes everything, supersedes included
+        self._enter_or_supersede()
+        self._retry()
+        for _ in range(len(RolloutState)):  # a chain of immediate transitions, never a loop
+            before = self.r.state
+            getattr(self, f"_on_{self.r.state.name.lower()}")()
+            if self.r.state == before:
+                break
+        self._clean_up()
+        return self._decision()
+
+    def _decision(self) -> Decision:
+        return Decision(self.r, self.stable, _normalised(self.actions), self.requeue, self.promoted_from)
+
+    def move(self, state: RolloutState, reason: str, message: str) -> None:
+        self.r.state, self.r.reason, self.r.message = state, reason, message
+        self.r.since = rfc3339(self.world.now)
+
+    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        self.actions.append(RecordEvent(type_, reason, message))
+
+    def condition(self, type_: str, status: Literal["True", "False", "Unknown"], reason: str, message: str) -> None:
+        self.actions.append(SetCondition(type_, status, reason, message))
+
+    def wait(self) -> None:
+        self.requeue = REQUEUE_SECONDS
+
+    @property
+    def candidate(self) -> str:
+        assert self.r.revision is not None
+        return self.r.revision
+
+    def view(self, revision: str | None) -> RevisionView | None:
+        return self.world.revisions.get(revision) if revision else None
+
+    def annotation(self, name: str) -> str | None:
+        value = self.world.annotations.get(name)
+        return value.strip() if isinstance(value, str) else None
+
+    # --- which revision this rollout is about ---------------------------------------------------
+    def _wanted(self) -> tuple[str, bool]:
+        """The candidate revision and whether it is a rollback (to a kept previous stable)."""
+        rollback_to = self.annotation(ROLLBACK_ANNOTATION)
+        if rollback_to and rollback_to == self.stable:
+            return rollback_to, True
+        if rollback_to and rollback_to in self.world.previous_stables and rollback_to in self.world.revisions:
+            return rollback_to, True
+        return self.world.target, False
+
+    def _enter_or_supersede(self) -> None:
+        wanted, rollback = self._wanted()
+        if self.r.revision == wanted and self.r.rollback == rollback:
+            return
+        old, old_state = self.r.revision, self.r.state
+        if old_state == RolloutState.PROMOTING and old is not None:
+            return  # every gate passed and traffic may already have moved: finish, then supersede
+        if old is not None and old != self.stable and old_state not in (RolloutState.STABLE,):
+            self._retire(old)
+            if old_state in IN_FLIGHT:
+                self.event("Normal", "RolloutSuperseded", f"revision {old} superseded by {wanted} before promotion")
+        self.r = RolloutStatus(
+            state=RolloutState.PLANNING, revision=wanted, baseline=self.stable, rollback=rollback,
+            attempt=self.annotation(RETRY_ANNOTATION) or "", since=rfc3339(self.world.now),
+            reason="RevisionChanged", message=f"rolling out revision {wanted}",
+        )  # fmt: skip
+        rollback_to = self.annotation(ROLLBACK_ANNOTATION)
+        if rollback_to and not rollback:
+            self.event("Warning", "RollbackUnavailable",
+                       f"{ROLLBACK_ANNOTATION}={rollback_to}: not a kept previous revision "
+                       f"(kept: {', '.join(self.world.previous_stables) or 'none'}); rolling out the spec")  # fmt: skip
+
+    def _retire(self, revision: str) -> None:
+        """Stop a candidate that never served: cancel its canary, delete it (or park a kept one)."""
+        self.actions.append(CancelCanary(revision))
+        if revision not in self.world.revisions:
+            return
+        if revision in self.world.previous_stables[: self.spec.revision_history_limit]:
+            self.actions.append(ScaleRevision(revision, 0))
+        else:
+            self.actions.append(DeleteRevision(revision))
+
+    # --- annotations ------------------------------------------------------------------------------
+    def _paused(self) -> bool:
+        pause = self.annotation(PAUSE_ANNOTATION) == "true"
+        if pause and self.r.state != RolloutState.PAUSED:
+            self.r.paused_from = self.r.state
+            self.move(RolloutState.PAUSED, "Paused", f"paused by {PAUSE_ANNOTATION}; nothing changes until it is removed")
+            self.event("Normal", "RolloutPaused", self.r.message or "")
+        if pause:
+            self.condition("Progressing", "False", "Paused", self.r.message or "paused")
+            return True
+        if self.r.state == RolloutState.PAUSED:
+            resume = self.r.paused_from or RolloutState.PLANNING
+            self.r.paused_from = None
+            self.move(resume, "Resumed", f"resumed in {resume.value}")
+            self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
+        return False
+
+    def _retry(self) -> None:
+        retry = self.annotation(RETRY_ANNOTATION) or ""
+        if self.r.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and retry != self.r.attempt:
+            self.r.attempt, self.r.workers, self.r.canary, self.r.scrape_attempts = retry, [], None, 0
+            self.move(RolloutState.PLANNING, "Retry", f"retrying revision {self.candidate} ({RETRY_ANNOTATION}={retry})")
+            self.event("Normal", "RolloutRetried", self.r.message or "")
+
+    # --- gates ------------------------------------------------------------------------------------
+    def _gate_problem(self) -> tuple[str, str] | None:
+        """(reason, message) of the first pre-deploy gate that fails, None when all pass (S7)."""
+        if self.r.rollback:
+            return None  # a previous stable passed planner and policy when it was promoted
+        if not self.world.plan_ok:
+            return "KVPoolTooSmall", self.world.plan_message or "the planned KV pool is below minKVRatio x contextLength"
+        if not self.world.policy.compliant:
+            return "PolicyViolation", self.world.policy.message
+        return None
+
+    def _policy_condition(self) -> None:
+        gate = self.world.policy
+        self.condition("PolicyCompliant", "True" if gate.compliant else "False",
+                       "Compliant" if gate.compliant else "PolicyViolation", gate.message)  # fmt: skip
+
+    def _block_if_gates_fail(self) -> bool:
+        problem = self._gate_problem()
+        if problem is None:
+            return False
+        reason, message = problem
+        self.move(RolloutState.BLOCKED, reason, f"revision {self.candidate} blocked: {message}")
+        self.event("Warning", reason, self.r.message or "")
+        return True
+
+    # --- states -----------------------------------------------------------------------------------
+    def _on_planning(self) -> None:
+        self._policy_condition()
+        if self.candidate == self.stable:
+            self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+            return
+        if self._block_if_gates_fail():
+            return
+        self.r.workers, self.r.canary, self.r.scrape_attempts = [], None, 0
+        self.r.baseline = self.stable
+        beside = f" beside stable {self.stable}" if self.stable else ""
+        self.move(RolloutState.CANARY_DEPLOYING, "CanaryDeploying", f"deploying revision {self.candidate}{beside}")
+        self.event("Normal", "CanaryDeploying", self.r.message or "")
+        self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {self.candidate} is being deployed")
+
+    def _on_blocked(self) -> None:
+        self._policy_condition()
+        if self.candidate == self.stable:
+            self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+            return
+        if self._gate_problem() is None:
+            self.move(RolloutState.PLANNING, "GatesPass", f"revision {self.candidate} is no longer blocked")
+            return
+        if self.candidate in self.world.revisions:
+            self.actions.append(CancelCanary(self.candidate))
+            self.actions.append(DeleteRevision(self.candidate))
+        self.condition("Progressing", "False", self.r.reason or "Blocked", self.r.message or "")
+
+    def _deploy(self) -> None:
+        if self.r.rollback:
+            self.actions.append(ScaleRevision(self.candidate, None))
+        else:
+            self.actions.append(DeployRevision(self.candidate))
+
+    def _on_canary_deploying(self) -> None:
+        self._policy_condition()
+        if self._block_if_gates_fail():
+            return
+        self._deploy()
+        view = self.view(self.candidate)
+        if view is not None and view.ready:
+            self.move(RolloutState.CANARY_VERIFYING, "CanaryReady", f"revision {self.candidate} is ready; verifying")
+            return
+        waited = self.world.now - _parse_time(self.r.since, self.world.now)
+        if waited.total_seconds() > PROGRESS_DEADLINE_SECONDS:
+            waiting = ", ".join(view.waiting) if view else "no workloads"
+            self._fail("CanaryNotReady", f"revision {self.candidate} not ready after {PROGRESS_DEADLINE_SECONDS:g} s ({waiting})")
+            return
+        waiting = ", ".join(view.waiting) if view and view.waiting else "workloads to be created"
+        self.condition("Progressing", "True", "CanaryDeploying", f"revision {self.candidate}: waiting for {waiting}")
+        self.wait()
+
+    def _on_canary_verifying(self) -> None:
+        self._policy_condition()
+        if self._block_if_gates_fail():
+            return
+        self._deploy()
+        view = self.view(self.candidate)
+        if view is None or not view.ready:
+            self.r.workers, self.r.canary = [], None  # workers changed: measure again (S7)
+            self.move(RolloutState.CANARY_DEPLOYING, "CanaryNotReady", f"revision {self.candidate} lost readiness")
+            self.wait()
+            return
+        if not self.r.workers and not self._verify_pools(view):
+            return
+        if self.r.rollback:
+            self.condition("CanaryPassed", "True", "RollbackToVerifiedRevision",
+                           f"revision {self.candidate} passed its canary when it was first promoted")  # fmt: skip
+            self.move(RolloutState.PROMOTING, "RollbackVerified", f"rolling back to revision {self.candidate}")
+            return
+        self._verify_canary()
+
+    def _verify_pools(self, view: RevisionView) -> bool:
+        """S7: every running worker reports a pool >= ratio x context. True once recorded."""
+        reports = self.world.worker_reports
+        if reports is None:
+            self.actions.append(ScrapeMetrics(self.candidate))
+            self.condition("Progressing", "True", "ScrapingMetrics", f"revision {self.candidate}: reading every worker's KV pool")
+            self.wait()
+            return False
+        missing = [f"{w.worker}: {w.error}" for w in reports if w.error or w.pool_tokens is None]
+        if len(reports) < view.worker_replicas:
+            missing.append(f"{len(reports)} of {view.worker_replicas} workers found")
+        if missing:
+            self.r.scrape_attempts += 1
+            if self.r.scrape_attempts >= MAX_SCRAPE_ATTEMPTS:
+                self._fail("MetricsUnavailable", f"revision {self.candidate}: not every worker reports its KV pool: " + "; ".join(missing))
+            else:
+                self.condition("Progressing", "True", "WaitingForMetrics", "; ".join(missing))
+                self.wait()
+            return False
+        pools = [self._judge(w) for w in reports]
+        self.r.workers = pools
+        small = [p for p in pools if not p.sufficient]
+        if small:
+            detail = "; ".join(f"{p.worker} ({p.role}) reports {p.pool_tokens:g} tokens = {p.ratio:.2f}x context "
+                               f"{p.context_length}" for p in small if p.ratio is not None and p.pool_tokens is not None)  # fmt: skip
+            self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: {detail} < {self.spec.min_kv_ratio:g}x required")
+            return False
+        self.event("Normal", "PoolsVerified", f"revision {self.candidate}: {len(pools)} worker(s) report >= "
+                   f"{self.spec.min_kv_ratio:g}x context")  # fmt: skip
+        return True
+
+    def _judge(self, report: WorkerReport) -> WorkerPool:
+        # The larger of the spec's and the worker's own context: a worker that admits longer
+        # requests than the spec says needs the pool for them (for a rollback, the spec may be newer).
+        spec_context = 0 if self.r.rollback else self.spec.context_length
+        context = max(spec_context, report.context_length or 0) or self.spec.context_length
+        pool = report.pool_tokens or 0.0
+        ratio = round(pool / context, 4)
+        return WorkerPool(
+            worker=report.worker, role=report.role, pool_tokens=pool, context_length=context,
+            ratio=ratio, sufficient=ratio >= self.spec.min_kv_ratio,
+        )  # fmt: skip
+
+    def _verify_canary(self) -> None:
+        result = self.world.canary
+        if result is not None and result.revision == self.candidate and result.attempt == self.r.attempt:
+            self.r.canary = CanarySummary(
+                revision=result.revision, attempt=result.attempt, verdict=result.verdict, reason=result.reason,
+                failed_probes=list(result.failed_probes), duration_seconds=result.duration_seconds,
+            )  # fmt: skip
+        if self.r.canary is None:
+            if not self.world.canary_running:
+                self.actions.append(RunCanary(self.candidate, self._baseline(), self.r.attempt))
+            self.condition("CanaryPassed", "Unknown", "CanaryRunning", f"revision {self.candidate}: canary suite running")
+            self.condition("Progressing", "True", "CanaryRunning", f"revision {self.candidate}: canary suite running")
+            self.wait()
+            return
+        summary = self.r.canary
+        if summary.verdict != "pass":
+            self._fail("CanaryFailed", f"revision {self.candidate}: canary {summary.verdict}: {summary.reason}")
+            return
+        message = f"revision {self.candidate}: canary passed ({summary.reason})"
+        self.condition("CanaryPassed", "True", "CanaryPassed", message)
+        self.event("Normal", "CanaryPassed", message)
+        self.move(RolloutState.PROMOTING, "CanaryPassed", f"promoting revision {self.candidate}")
+
+    def _baseline(self) -> str | None:
+        stable = self.stable
+        view = self.view(stable)
+        return stable if stable and stable != self.candidate and view is not None and view.ready else None
+
+    def _all_gates_pass(self) -> bool:
+        """S7, checked once more right before traffic moves."""
+        if self._gate_problem() is not None:
+            return False
+        pools_ok = bool(self.r.workers) and all(w.sufficient for w in self.r.workers)
+        canary_ok = self.r.rollback or (self.r.canary is not None and self.r.canary.verdict == "pass")
+        return pools_ok and canary_ok
+
+    def _on_promoting(self) -> None:
+        already_routed = self.world.serving == self.candidate
+        if not already_routed and not self._all_gates_pass():
+            if not self._block_if_gates_fail():
+                self.move(RolloutState.CANARY_VERIFYING, "Reverify", f"revision {self.candidate}: evidence incomplete")
+            return
+        self.actions.append(RouteTraffic(self.candidate))
+        if self.stable and self.stable != self.candidate:
+            self.actions.append(ScaleRevision(self.stable, 0))
+            self.promoted_from = self.stable
+            self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving; {self.stable} scaled to zero")
+        elif self.stable != self.candidate:
+            self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving")
+        self.stable = self.candidate
+        self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+
+    def _on_stable(self) -> None:
+        self._policy_condition()
+        if not self.r.rollback and self.candidate == self.world.target and self.world.plan_ok:
+            self.actions.append(DeployRevision(self.candidate))  # in-place changes (replicas...)
+        elif self.r.rollback:
+            self.actions.append(ScaleRevision(self.candidate, None))
+        self.actions.append(RouteTraffic(self.candidate))
+        pinned = f"; pinned by {ROLLBACK_ANNOTATION}, spec revision {self.world.target} waits" if self.r.rollback else ""
+        self.condition("Progressing", "False", "RolloutComplete", f"revision {self.candidate} is serving{pinned}")
+        self.condition("Degraded", "False", "AsExpected", "")
+
+    def _fail(self, reason: str, message: str) -> None:
+        """S8: stop the candidate, say why, keep the stable revision exactly as it is."""
+        self.move(RolloutState.FAILED, reason, message)
+        self.event("Warning", reason, message + ("" if not self.stable else f"; revision {self.stable} keeps serving"))
+        self.condition("CanaryPassed", "False", reason, message)
+
+    def _on_failed(self) -> None:
+        self._stop_candidate()
+        view = self.view(self.candidate)
+        if view is None or view.scaled_to_zero:
+            self.move(RolloutState.ROLLED_BACK, self.r.reason or "RolledBack", self.r.message or "")
+            serving = f"; revision {self.stable} keeps serving" if self.stable else ""
+            self.event("Normal", "RolledBack", f"revision {self.candidate} scaled to zero{serving}")
+        else:
+            self.wait()
+
+    def _on_rolled_back(self) -> None:
+        self._stop_candidate()
+
+    def _stop_candidate(self) -> None:
+        if self.candidate != self.stable:
+            view = self.view(self.candidate)
+            self.actions.append(CancelCanary(self.candidate))
+            if view is not None and not view.scaled_to_zero:
+                self.actions.append(ScaleRevision(self.candidate, 0))
+        if self.stable:
+            self.actions.append(RouteTraffic(self.stable))
+        retry = f"; set {RETRY_ANNOTATION} to a new value to retry" if self.r.state == RolloutState.ROLLED_BACK else ""
+        self.condition("Degraded", "True", self.r.reason or "RolloutFailed", (self.r.message or "") + retry)
+        self.condition("Progressing", "False", self.r.reason or "RolloutFailed", self.r.message or "")
+
+    def _on_paused(self) -> None:  # reached only through _paused(); kept for the dispatch table
+        return
+
+    # --- retention --------------------------------------------------------------------------------
+    def _clean_up(self) -> None:
+        """Delete revisions nobody needs; park kept previous stables at zero (not while in flight)."""
+        kept = [r for r in self.world.previous_stables if r != self.stable][: self.spec.revision_history_limit]
+        needed = {self.stable, self.r.revision, *kept} - {None}
+        touched = {a.revision for a in self.actions if isinstance(a, DeleteRevision | ScaleRevision)}
+        for revision in sorted(set(self.world.revisions) - needed - touched):
+            self.actions.append(DeleteRevision(revision))
+        if self.r.state not in (RolloutState.STABLE, RolloutState.ROLLED_BACK, RolloutState.BLOCKED):
+            return
+        for revision in kept:
+            view = self.view(revision)
+            if view is not None and not view.scaled_to_zero and revision not in touched and revision != self.r.revision:
+                self.actions.append(ScaleRevision(revision, 0))
+
+
+def _normalised(actions: list[Action]) -> tuple[Action, ...]:
+    """Chained transitions may repeat an action: keep the first of each, and the last condition per type."""
+    last_condition = {a.type: i for i, a in enumerate(actions) if isinstance(a, SetCondition)}
+    seen: set[Action] = set()
+    result: list[Action] = []
+    for i, action in enumerate(actions):
+        if isinstance(action, SetCondition):
+            if last_condition[action.type] == i:
+                result.append(action)
+        elif action not in seen:
+            seen.add(action)
+            result.append(action)
+    return tuple(result)
+
+
+def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
+    if not text:
+        return default
+    try:
+        return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        return default
+
+
+# --- helpers for drivers --------------------------------------------------------------------------
+
+
+def worker_report(worker: str, role: str, snapshot: WorkerSnapshot) -> WorkerReport:
+    """A scraped /metrics (kvguard, SGLang or vLLM, via the canary's parser) as the machine's input."""
+    if not snapshot.reachable:
+        return WorkerReport(worker, role, error=snapshot.error)
+    if not snapshot.pools:
+        return WorkerReport(worker, role, context_length=snapshot.context_length,
+                            error=f"exposes no KV pool size ({snapshot.engine} metrics)")  # fmt: skip
+    smallest = min(p.capacity_tokens for p in snapshot.pools)
+    return WorkerReport(worker, role, pool_tokens=smallest, context_length=snapshot.context_length)
+
+
+def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, ...]:
+    """Revisions that served before `stable`, newest first (status.history records, newest first)."""
+    seen: list[str] = []
+    for record in history:
+        revision, state = record.revision, record.state
+        if state in ("Stable", "Superseded") and revision != stable and revision not in seen:
+            seen.append(revision)
+    return tuple(seen)
+
+
+def with_reports(world: World, reports: Sequence[WorkerReport]) -> World:
+    """The same world with a fresh scrape (call `step` again with it after ScrapeMetrics)."""
+    return replace(world, worker_reports=tuple(reports))
