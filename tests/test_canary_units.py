@@ -140,3 +140,18 @@ def test_spec_aliases_defaults_and_field_errors() -> None:
     assert ProbeName.parse("overLength") == ProbeName.parse("over-length") == ProbeName.OVER_LENGTH
     schema = CanarySpec.model_json_schema(by_alias=True)
     assert schema["properties"]["maxTokens"]["description"]
+
+
+def test_s4_recovery_deadline_tracks_the_aborted_requests_natural_duration() -> None:
+    from kvguard.operator.canary.abort import MIN_RECOVERY_SECONDS, recovery_deadline
+
+    assert recovery_deadline(5.0, 0.5, None) == 5.0  # no stream timing: the fixed timeout
+    assert recovery_deadline(5.0, 0.5, 60.0) == 5.0  # a slow GPU generation: still the timeout
+    assert recovery_deadline(5.0, 0.5, 3.0) == 1.5  # a fast CPU one: half its natural duration
+    assert recovery_deadline(5.0, 0.5, 0.1) == MIN_RECOVERY_SECONDS
+
+
+def test_stream_chunk_timing() -> None:
+    out = Completion(label="s", chunk_times=[0.5, 0.6, 0.7, 0.8])
+    assert out.seconds_per_chunk() == pytest.approx(0.1)
+    assert Completion(label="s", chunk_times=[0.5]).seconds_per_chunk() is None

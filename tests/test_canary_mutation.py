@@ -1,0 +1,61 @@
+"""Mutation testing of the canary suite against our own engine (`kvguard serve`, tiny model).
+
+With no faults the default suite passes; with each fault switch it fails, and a probe that
+explains that fault is among the failing ones. The stable revision (no faults) runs beside it as
+the baseline URL, as in a rollout. The fault list and the expectations are shared with
+`bench/canary_detection.py`, which also reports the time to verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvguard.operator.canary import CanarySpec, Verdict
+
+_BENCH = Path(__file__).resolve().parents[1] / "bench" / "canary_detection.py"
+_spec = importlib.util.spec_from_file_location("canary_detection", _BENCH)
+assert _spec is not None and _spec.loader is not None
+detection = importlib.util.module_from_spec(_spec)
+sys.modules["canary_detection"] = detection
+_spec.loader.exec_module(detection)
+
+CONTEXT_LENGTH, POOL_TOKENS = 2048, 8192
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return detection.ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def stable(tiny_model: Path) -> Iterator[object]:
+    with detection.ServeProcess(tiny_model, context_length=CONTEXT_LENGTH, kv_pool_tokens=POOL_TOKENS) as serve:
+        yield serve
+
+
+# `ignore_manifest` alone is left out: while every chunk arrives, decode's output is byte-identical
+# to a correct engine's, so no black-box probe can tell (the bench reports it, uncounted).
+OBSERVABLE_MODES = [m for m in detection.FAULT_MODES if m.observable]
+
+
+@pytest.mark.parametrize("mode", OBSERVABLE_MODES, ids=lambda m: m.faults or "no-faults")
+def test_suite_detects_each_fault_with_the_right_probe(mode: object, tiny_model: Path, stable: object) -> None:
+    report = asyncio.run(
+        detection.run_mode(mode, tiny_model, stable.url, CanarySpec(), CONTEXT_LENGTH, POOL_TOKENS)  # type: ignore[attr-defined]
+    )
+    failing = {p.value for p in report.failed_probes()}
+    if not mode.faults:  # type: ignore[attr-defined]
+        assert report.verdict == Verdict.PASS, report.to_json()
+        return
+    assert report.verdict == Verdict.FAIL, report.to_json()
+    assert failing & mode.expected_probes, (failing, report.to_json())  # type: ignore[attr-defined]
+    for name in failing:  # every failing probe says why, with evidence
+        probe = next(p for p in report.probes if p.name.value == name)
+        assert probe.reason and probe.evidence, probe
