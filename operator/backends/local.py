@@ -1,0 +1,571 @@
+"""The local backend: each revision's router, prefill and decode workers as processes on loopback.
+
+What a Deployment is on Kubernetes, a `LocalRevision` is here: its workers' command lines, ports
+and PIDs, recorded in a state folder so that a restarted `kvguard apply` adopts the processes that
+still run and resumes the rollout from the recorded status (S8), exactly as the operator resumes
+from `status`. The folder::
+
+    STATE_DIR/state.json                       revisions, ports, PIDs, stable, serving, rollout status
+    STATE_DIR/lock                             flock held by the one `kvguard apply` driving it
+    STATE_DIR/revisions/<rev>/transfer.key     the revision's KV-transfer HMAC key (0600, never logged; S3)
+    STATE_DIR/revisions/<rev>/<worker>.log     each worker's output
+
+Traffic: there is no proxy. The route users follow is `state.json`'s `serving` revision, whose
+router URL `kvguard apply` prints (`LocalBackend.serving_url()`); promotion switches the recorded
+route, and the old revision is stopped only after that (S8). A client pinned to an old URL gets a
+connection error rather than a different model.
+
+Workers are `python -m kvguard worker ...` processes in their own session, so a Ctrl-C aimed at
+`kvguard apply` does not kill a serving revision; a worker found dead is restarted on its ports
+(a Deployment replacing its pod). This module starts processes; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import requests
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan, Quantization
+from kvguard.operator.backends.base import (
+    ModelRef,
+    Observation,
+    RevisionEndpoints,
+    RevisionRequest,
+    WorkerEndpoint,
+)
+
+log = logging.getLogger("kvguard.local")
+
+STATE_FILE = "state.json"
+LOCK_FILE = "lock"
+FAULTS_ENV = "KVGUARD_FAULTS"
+TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
+HEALTH_TIMEOUT_S = 2.0
+STOP_TIMEOUT_S = 10.0
+# The kvguard engine loads unquantized checkpoints; these formats are a dtype it can load into.
+_LOADABLE_DTYPES = {Quantization.FP32: "float32", Quantization.BF16: "bfloat16", Quantization.FP16: "float16"}
+
+
+class LocalBackendError(Exception):
+    """A spec the local backend cannot run, or a state folder it cannot use; names the field."""
+
+
+# --- the state folder -----------------------------------------------------------------------------
+
+
+class _StateModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class LocalWorker(_StateModel):
+    """One process of a revision."""
+
+    name: str
+    """prefill-0, decode-1, router."""
+    role: str
+    port: int
+    argv: list[str]
+    pid: int | None = None
+    restarts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class LocalRevision(_StateModel):
+    """A revision's workloads: what `kubectl get deploy -l revision=...` shows on a cluster."""
+
+    revision: str
+    model_dir: str
+    faults: str = ""
+    """KVGUARD_FAULTS of this revision's processes (test/demo only; empty = none)."""
+    scaled_to_zero: bool = False
+    created_at: str
+    workers: list[LocalWorker] = Field(default_factory=list)
+
+    def worker(self, name: str) -> LocalWorker:
+        return next(w for w in self.workers if w.name == name)
+
+    @property
+    def router(self) -> LocalWorker:
+        return self.worker("router")
+
+    @property
+    def api_base(self) -> str:
+        return f"{self.router.url}/v1"
+
+    def engine_workers(self) -> list[LocalWorker]:
+        return [w for w in self.workers if w.role in ("prefill", "decode")]
+
+
+class LocalState(_StateModel):
+    """Everything the local backend and its driver remember between runs."""
+
+    version: int = 1
+    model: str | None = None
+    """metadata.name of the InferenceModel this folder holds (one model per folder)."""
+    revisions: dict[str, LocalRevision] = Field(default_factory=dict)
+    serving: str | None = None
+    """The revision user traffic goes to (the model Service's selector on Kubernetes)."""
+    status: dict = Field(default_factory=dict)  # type: ignore[type-arg]
+    """The driver's record: stable revision, rollout status, conditions, history, events."""
+
+
+class StateStore:
+    """state.json read and written atomically (write, fsync, rename) under an exclusive lock."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock_fd: int | None = None
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[StateStore]:
+        """Hold the folder's lock: two drivers must never act on the same revisions at once."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LocalBackendError(f"{self.root}: another kvguard apply is driving this state folder") from None
+        self._lock_fd = fd
+        try:
+            yield self
+        finally:
+            self._lock_fd = None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def load(self) -> LocalState:
+        path = self.root / STATE_FILE
+        if not path.exists():
+            return LocalState()
+        try:
+            return LocalState.model_validate_json(path.read_text())
+        except ValueError as exc:
+            raise LocalBackendError(f"{path}: unreadable state ({exc}); move it away to start afresh") from None
+
+    def save(self, state: LocalState) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{STATE_FILE}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(state.model_dump_json(indent=2))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.root / STATE_FILE)
+
+    def revision_dir(self, revision: str) -> Path:
+        path = self.root / "revisions" / revision
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def transfer_key(self, revision: str) -> str:
+        """The revision's HMAC key: generated once, kept 0600, reused when a worker restarts (S3)."""
+        path = self.revision_dir(revision) / "transfer.key"
+        if not path.exists():
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_hex(32))
+        return path.read_text().strip()
+
+
+# --- what runs: pure ------------------------------------------------------------------------------
+
+
+def model_dir_for(spec: InferenceModelSpec, models_root: Path) -> Path:
+    """The local folder standing in for the model's volume: `models_root / spec.model.source.pvc.path`.
+
+    An absolute `pvc.path` is used as is (pathlib joins that way); `claimName` names nothing locally.
+    """
+    source = spec.model.source
+    if source is None or source.pvc is None:
+        raise LocalBackendError(
+            "spec.model.source.pvc: the local backend loads weights from a folder; set pvc.path to it "
+            "(relative to --models-root, or absolute)"
+        )
+    return models_root / source.pvc.path
+
+
+def runnable_problems(spec: InferenceModelSpec) -> list[str]:
+    """Field-level reasons this spec cannot run as local processes (empty: it can)."""
+    problems = []
+    if spec.engine.kind != EngineKind.KVGUARD:
+        problems.append(f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}")
+    quant = spec.weights.quantization
+    if quant is not None and quant not in _LOADABLE_DTYPES:
+        problems.append(f"spec.weights.quantization: the kvguard engine loads bf16, fp16 or fp32 weights, not {quant.value}")
+    for name, role in spec.roles.worker_roles().items():
+        for field in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
+            if getattr(role, field) != 1:
+                wire = role.model_fields[field].alias or field
+                problems.append(f"spec.roles.{name}.{wire}: the kvguard engine runs one device per instance (must be 1)")
+        if role.data_parallel_attention:
+            problems.append(f"spec.roles.{name}.dataParallelAttention: not supported by the kvguard engine")
+    return problems
+
+
+def instances(spec: InferenceModelSpec, role: str) -> int:
+    """Engine instances of a worker role: replicas x dataParallel (each its own process and pool)."""
+    worker_role = spec.roles.worker_roles()[role]
+    return worker_role.replicas * worker_role.data_parallel
+
+
+def worker_argvs(
+    spec: InferenceModelSpec, kv_plan: KVPlan, model_dir: Path, ports: Mapping[str, int], transfer_ports: Mapping[str, int]
+) -> list[LocalWorker]:
+    """The command line of every process of a revision (mirrors the Kubernetes kvguard adapter)."""
+    base = [sys.executable, "-P", "-m", "kvguard", "worker", "--model", str(model_dir), "--model-name", spec.model.name]
+    base += ["--context-length", str(spec.context_length)]
+    dtype = _LOADABLE_DTYPES.get(spec.weights.quantization) if spec.weights.quantization else None
+    workers: list[LocalWorker] = []
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role in ("prefill", "decode"):
+        for i in range(instances(spec, role)):
+            name = f"{role}-{i}"
+            argv = base + ["--role", role, "--port", str(ports[name])]
+            argv += [
+                "--kv-pool-tokens", str(kv_plan.roles[role].pool_tokens),
+                "--page-size", str(spec.page_size),
+                "--device", spec.hardware.device.value,
+                "--max-transfer-batch", str(spec.kv_transfer.max_batch),
+                "--transfer-timeout", str(spec.kv_transfer.timeout_seconds),
+            ]  # fmt: skip
+            if dtype:
+                argv += ["--dtype", dtype]
+            if role == "decode":
+                argv += ["--transfer-port", str(transfer_ports[name])]
+            workers.append(LocalWorker(name=name, role=role, port=ports[name], argv=argv + list(spec.engine.extra_args)))
+            urls[role].append(f"http://127.0.0.1:{ports[name]}")
+    router = base + ["--role", "router", "--port", str(ports["router"])]
+    for role in ("prefill", "decode"):
+        for url in urls[role]:
+            router += [f"--{role}", url]
+    workers.append(LocalWorker(name="router", role="router", port=ports["router"], argv=router))
+    return workers
+
+
+def worker_names(spec: InferenceModelSpec) -> list[str]:
+    return [f"{role}-{i}" for role in ("prefill", "decode") for i in range(instances(spec, role))] + ["router"]
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ProcessTable:
+    """Starts, finds and stops worker processes by recorded PID (never by name).
+
+    A PID counts as our worker only while /proc/<pid>/cmdline is the recorded argv, so a PID that
+    the OS reused for something else is never signalled. Children this process started are reaped
+    through their Popen, so a dead one is not mistaken for a live zombie.
+    """
+
+    def __init__(self) -> None:
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, worker: LocalWorker, env: Mapping[str, str], log_path: Path) -> int:
+        with open(log_path, "ab") as out:
+            popen = subprocess.Popen(  # noqa: S603 - our own argv
+                worker.argv, env=dict(env), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=log_path.parent,  # with -P: the repo's operator/ folder never shadows the stdlib
+                start_new_session=True,  # Ctrl-C on the driver must not take a serving revision down
+            )  # fmt: skip
+        self._children[popen.pid] = popen
+        return popen.pid
+
+    def alive(self, worker: LocalWorker) -> bool:
+        pid = worker.pid
+        if pid is None:
+            return False
+        child = self._children.get(pid)
+        if child is not None:
+            return child.poll() is None
+        cmdline = Path(f"/proc/{pid}/cmdline")
+        if cmdline.parent.parent.exists():  # Linux: compare the command line, not just the PID
+            try:
+                return cmdline.read_bytes().split(b"\0")[:-1] == [a.encode() for a in worker.argv]
+            except OSError:
+                return False
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+
+    def stop(self, workers: list[LocalWorker], timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM every live worker (router first), wait, SIGKILL stragglers."""
+        live = [w for w in sorted(workers, key=lambda w: w.role != "router") if self.alive(w)]
+        for worker in live:
+            self._signal(worker, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for worker in live:
+            while self.alive(worker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.alive(worker):
+                self._signal(worker, signal.SIGKILL)
+                self._wait(worker, 5.0)
+        for worker in workers:
+            self._reap(worker)
+            worker.pid = None
+
+    def _signal(self, worker: LocalWorker, signum: int) -> None:
+        assert worker.pid is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signum)
+
+    def _wait(self, worker: LocalWorker, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _reap(self, worker: LocalWorker) -> None:
+        child = self._children.pop(worker.pid, None) if worker.pid is not None else None
+        if child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=1.0)
+
+
+def healthy(worker: LocalWorker) -> bool:
+    try:
+        return requests.get(f"{worker.url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def worker_env(base: Mapping[str, str], transfer_key: str, faults: str) -> dict[str, str]:
+    """The environment of a revision's processes: the revision's key, and ITS faults only."""
+    env = {k: v for k, v in base.items() if k not in (FAULTS_ENV, TRANSFER_KEY_ENV)}
+    env[TRANSFER_KEY_ENV] = transfer_key
+    if faults:
+        env[FAULTS_ENV] = faults
+    return env
+
+
+# --- the backend ----------------------------------------------------------------------------------
+
+
+class LocalBackend:
+    """Runs revisions as local processes and reports what is ready and where (state in a folder).
+
+    Call `open()` (or use it as a context manager) to take the folder's lock and load the state;
+    every change is written back at once, so a driver killed at any point leaves a folder the
+    next one can resume from.
+    """
+
+    def __init__(self, state_dir: Path, models_root: Path = Path("."), environ: Mapping[str, str] | None = None) -> None:
+        self.faults: dict[str, str] = {}
+        """revision -> KVGUARD_FAULTS for its processes when this backend creates it (test/demo only)."""
+        self.store = StateStore(state_dir)
+        self.models_root = models_root
+        self.environ = dict(os.environ if environ is None else environ)
+        self.processes = ProcessTable()
+        self.state = LocalState()
+        self._lock: contextlib.ExitStack | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def open(self) -> LocalBackend:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.store.locked())
+        self._lock = stack
+        self.state = self.store.load()
+        return self
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> LocalBackend:
+        return self.open()
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def save(self) -> None:
+        self.store.save(self.state)
+
+    def claim(self, model: str) -> None:
+        """One model per folder: refuse to drive another model's revisions."""
+        if self.state.model not in (None, model):
+            raise LocalBackendError(
+                f"{self.store.root} holds InferenceModel {self.state.model!r}, not {model!r}; use another --state-dir"
+            )
+        self.state.model = model
+        self.save()
+
+    # --- workloads ---------------------------------------------------------------------------------
+    def deploy(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str = "") -> None:
+        """Create the revision's processes if it has none, and (re)start any that is not running."""
+        record = self.state.revisions.get(revision)
+        if record is None:
+            record = self._create(revision, spec, kv_plan, faults)
+        record.scaled_to_zero = False
+        self._ensure_running(record)
+        self.save()
+
+    def _create(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str) -> LocalRevision:
+        problems = runnable_problems(spec)
+        if problems:
+            raise LocalBackendError("; ".join(problems))
+        model_dir = model_dir_for(spec, self.models_root).resolve()
+        if not (model_dir / "config.json").is_file():
+            raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
+        names = worker_names(spec)
+        ports = {name: free_port() for name in names}
+        transfer_ports = {name: free_port() for name in names if name.startswith("decode")}
+        record = LocalRevision(
+            revision=revision, model_dir=str(model_dir), faults=faults, created_at=now_rfc3339(),
+            workers=worker_argvs(spec, kv_plan, model_dir, ports, transfer_ports),
+        )  # fmt: skip
+        if faults:
+            log.warning("FAULT INJECTION: revision %s runs with %s=%s (test/demo use only)", revision, FAULTS_ENV, faults)
+        self.state.revisions[revision] = record
+        self.save()
+        return record
+
+    def _ensure_running(self, record: LocalRevision) -> None:
+        env = worker_env(self.environ, self.store.transfer_key(record.revision), record.faults)
+        folder = self.store.revision_dir(record.revision)
+        for worker in record.workers:
+            if self.processes.alive(worker):
+                continue
+            if worker.pid is not None:
+                worker.restarts += 1
+                log.warning("revision %s: %s (pid %s) is not running; restarting it", record.revision, worker.name, worker.pid)
+            worker.pid = self.processes.spawn(worker, env, folder / f"{worker.name}.log")
+            self.save()  # the PID is on disk before anything else can go wrong
+
+    def scale(self, revision: str, replicas: int | None) -> None:
+        """0 stops every process of the revision (its record, ports and key stay for a rollback);
+        None starts them again."""
+        record = self.state.revisions.get(revision)
+        if record is None:
+            return
+        if replicas == 0:
+            record.scaled_to_zero = True
+            self.save()
+            self.processes.stop(record.workers)
+        else:
+            record.scaled_to_zero = False
+            self._ensure_running(record)
+        self.save()
+
+    def delete(self, revision: str) -> None:
+        record = self.state.revisions.get(revision)
+        if record is None:
+            return
+        self.processes.stop(record.workers)
+        del self.state.revisions[revision]
+        if self.state.serving == revision:
+            self.state.serving = None
+        self.save()
+
+    def stop_all(self) -> None:
+        """Stop every process this folder records (the demo's and the tests' cleanup)."""
+        for record in self.state.revisions.values():
+            self.processes.stop(record.workers)
+            record.scaled_to_zero = True
+        self.save()
+
+    def route(self, revision: str) -> None:
+        """Point user traffic at the revision: the recorded route `kvguard apply` prints."""
+        if self.state.serving != revision:
+            self.state.serving = revision
+            self.save()
+
+    def serving_url(self) -> str | None:
+        record = self.state.revisions.get(self.state.serving or "")
+        return record.api_base if record is not None else None
+
+    # --- observation -------------------------------------------------------------------------------
+    def views(self, heal: bool = True) -> dict[str, object]:
+        """A `RevisionView` per recorded revision. With `heal`, a dead worker of a revision that
+        should run is restarted first, as a Deployment would replace its pod."""
+        from kvguard.operator.rollout import RevisionView
+
+        views: dict[str, object] = {}
+        for revision, record in self.state.revisions.items():
+            if record.scaled_to_zero:
+                running = [w.name for w in record.workers if self.processes.alive(w)]
+                views[revision] = RevisionView(ready=False, scaled_to_zero=not running, worker_replicas=0,
+                                               waiting=tuple(f"{n} still stopping" for n in running))  # fmt: skip
+                continue
+            if heal:
+                self._ensure_running(record)
+            waiting = tuple(f"{w.name} not ready" for w in record.workers if not (self.processes.alive(w) and healthy(w)))
+            views[revision] = RevisionView(
+                ready=not waiting, scaled_to_zero=False, worker_replicas=len(record.engine_workers()), waiting=waiting,
+            )  # fmt: skip
+        return views
+
+    def metrics_urls(self, revision: str) -> dict[str, str]:
+        """worker name -> /metrics URL of every prefill and decode process of the revision."""
+        record = self.state.revisions[revision]
+        return {w.name: f"{w.url}/metrics" for w in record.engine_workers()}
+
+    def api_base(self, revision: str) -> str:
+        return self.state.revisions[revision].api_base
+
+    # --- the Backend interface (kvguard.operator.backends.base) -------------------------------------
+    # Process starts, health checks and stops block, so they run in a worker thread; the driver
+    # awaits each call before the next, so the state is never touched by two threads at once.
+    async def ensure_revision(self, request: RevisionRequest) -> None:
+        self._check_model(request.model)
+        faults = self.faults.get(request.revision, "")
+        await asyncio.to_thread(self.deploy, request.revision, request.spec, request.plan, faults)
+
+    async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
+        self._check_model(model)
+        await asyncio.to_thread(self.scale, revision, replicas)
+
+    async def delete_revision(self, model: ModelRef, revision: str) -> None:
+        self._check_model(model)
+        await asyncio.to_thread(self.delete, revision)
+
+    async def observe(self, model: ModelRef) -> Observation:
+        self._check_model(model)
+        views = await asyncio.to_thread(self.views)
+        return Observation(revisions=views, serving=self.state.serving)  # type: ignore[arg-type]
+
+    async def endpoints(self, model: ModelRef, revision: str) -> RevisionEndpoints:
+        self._check_model(model)
+        record = self.state.revisions.get(revision)
+        if record is None:
+            return RevisionEndpoints(router_url=None)
+        workers = tuple(WorkerEndpoint(w.name, w.role, f"{w.url}/metrics") for w in record.engine_workers())
+        return RevisionEndpoints(router_url=record.router.url, workers=workers)
+
+    async def route_traffic(self, model: ModelRef, revision: str) -> None:
+        self._check_model(model)
+        self.route(revision)
+
+    def _check_model(self, model: ModelRef) -> None:
+        if self.state.model != model.name:
+            self.claim(model.name)
