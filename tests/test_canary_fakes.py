@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -40,7 +40,6 @@ class Behaviour:
     hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
     bump_tag_violations: bool = False
     fail_models: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 class FakeEngine:

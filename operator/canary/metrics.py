@@ -13,6 +13,9 @@ Prometheus text is parsed with `prometheus_client.parser`; each engine's names a
 Series are matched per label set (a pool's `used` pairs with the `capacity` that has the same
 labels); counters are summed over labels. SGLang exports from TP rank 0 only unless
 `--enable-metrics-for-all-schedulers` is set, so one SGLang metrics URL stands for its whole TP group.
+Unverified [U]: SGLang refreshes its usage gauges when it logs batch statistics, so an idle server
+may report a stale `num_used_tokens`; if the abort probe's pool check flags an idle SGLang
+deployment, compare with `GET /v1/loads` before trusting it.
 """
 
 from __future__ import annotations
