@@ -1,0 +1,531 @@
+"""The pure rollout state machine: every transition, the S7 gates, S8, resume, supersede, annotations.
+
+A tiny in-memory platform (`Sim`) carries out the workload actions the way a backend would, so a
+test can drive a rollout to any state and then look at one step in isolation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard.operator.api import InferenceModelSpec, RevisionRecord
+from kvguard.operator.canary.metrics import PoolReading, WorkerSnapshot
+from kvguard.operator.rollout import (
+    MAX_SCRAPE_ATTEMPTS,
+    PAUSE_ANNOTATION,
+    PROGRESS_DEADLINE_SECONDS,
+    RETRY_ANNOTATION,
+    ROLLBACK_ANNOTATION,
+    CanaryResult,
+    CancelCanary,
+    Decision,
+    DeleteRevision,
+    DeployRevision,
+    PolicyGate,
+    RecordEvent,
+    RevisionView,
+    RolloutState,
+    RolloutStatus,
+    RouteTraffic,
+    RunCanary,
+    ScaleRevision,
+    ScrapeMetrics,
+    SetCondition,
+    World,
+    WorkerReport,
+    previous_stables,
+    step,
+    worker_report,
+)
+
+S = RolloutState
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+SPEC = InferenceModelSpec.model_validate(yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"])
+GOOD_POOLS = (WorkerReport("p0", "prefill", 4096, 1024), WorkerReport("d0", "decode", 4096, 1024))
+READY = RevisionView(ready=True, worker_replicas=2)
+WORKLOAD_ACTIONS = (DeployRevision, ScaleRevision, DeleteRevision, RouteTraffic, RunCanary, ScrapeMetrics)
+
+
+@dataclasses.dataclass
+class Sim:
+    """Status + a platform: applies decisions like a backend, one step per `tick`."""
+
+    target: str = "r1"
+    rollout: RolloutStatus | None = None
+    stable: str | None = None
+    revisions: dict[str, RevisionView] = dataclasses.field(default_factory=dict)
+    serving: str | None = None
+    history: list[str] = dataclasses.field(default_factory=list)  # previous stables, newest first
+    annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+    canary: CanaryResult | None = None
+    canary_running: bool = False
+    reports: tuple[WorkerReport, ...] = GOOD_POOLS
+    verdict: str = "pass"
+    auto_ready: bool = True
+    now: dt.datetime = NOW
+    plan_ok: bool = True
+    policy: PolicyGate = PolicyGate()
+    spec: InferenceModelSpec = dataclasses.field(default_factory=lambda: SPEC)
+    decisions: list[Decision] = dataclasses.field(default_factory=list)
+
+    def world(self, **overrides: Any) -> World:
+        values: dict[str, Any] = dict(
+            target=self.target, now=self.now, plan_ok=self.plan_ok, policy=self.policy,
+            revisions=dict(self.revisions), serving=self.serving, previous_stables=tuple(self.history),
+            annotations=dict(self.annotations), canary=self.canary, canary_running=self.canary_running,
+        )  # fmt: skip
+        values.update(overrides)
+        return World(**values)
+
+    def decide(self, **overrides: Any) -> Decision:
+        decision = step(self.spec, self.rollout, self.stable, self.world(**overrides))
+        if decision.of_type(ScrapeMetrics):  # the driver scrapes and steps again at once
+            decision = step(self.spec, self.rollout, self.stable, self.world(worker_reports=self.reports, **overrides))
+        return decision
+
+    def tick(self, **overrides: Any) -> Decision:
+        decision = self.decide(**overrides)
+        assert_stable_untouched(decision, self.stable)
+        self.apply(decision)
+        return decision
+
+    def apply(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+        for action in decision.actions:
+            if isinstance(action, DeployRevision):
+                current = self.revisions.get(action.revision)
+                if current is None or current.scaled_to_zero:
+                    self.revisions[action.revision] = READY if self.auto_ready else RevisionView(worker_replicas=2, waiting=("decode 0/1 ready",))
+            elif isinstance(action, ScaleRevision):
+                up = READY if action.replicas is None else RevisionView(scaled_to_zero=True)
+                self.revisions[action.revision] = up
+            elif isinstance(action, DeleteRevision):
+                self.revisions.pop(action.revision, None)
+            elif isinstance(action, RouteTraffic):
+                self.serving = action.revision
+            elif isinstance(action, RunCanary):
+                self.canary_running = True
+            elif isinstance(action, CancelCanary):
+                self.canary_running = False
+        if decision.promoted_from:
+            self.history.insert(0, decision.promoted_from)
+        if self.canary_running and decision.state == S.CANARY_VERIFYING and self.rollout and self.rollout.canary is None:
+            # the suite finishes between reconciles
+            self.canary = CanaryResult(decision.rollout.revision or "", decision.rollout.attempt, self.verdict,  # type: ignore[arg-type]
+                                       "7 probe(s) passed" if self.verdict == "pass" else "failed: isolation",
+                                       () if self.verdict == "pass" else ("isolation",))  # fmt: skip
+            self.canary_running = False
+        self.rollout, self.stable = decision.rollout, decision.stable
+
+    def run_until(self, state: RolloutState, limit: int = 12) -> Decision:
+        for _ in range(limit):
+            decision = self.tick()
+            if decision.state == state:
+                return decision
+        raise AssertionError(f"never reached {state}; at {self.rollout.state if self.rollout else None}")
+
+
+def assert_stable_untouched(decision: Decision, stable: str | None) -> None:
+    """S8: the stable revision is never scaled down or deleted unless this very step promoted."""
+    if stable is None or decision.promoted_from == stable:
+        return
+    for action in decision.actions:
+        if isinstance(action, DeleteRevision | ScaleRevision | CancelCanary):
+            assert action.revision != stable or (isinstance(action, ScaleRevision) and action.replicas is None), action
+        if isinstance(action, RouteTraffic):
+            assert action.revision == stable, f"traffic moved off {stable} without a promotion: {action}"
+
+
+def events(decision: Decision) -> list[str]:
+    return [a.reason for a in decision.actions if isinstance(a, RecordEvent)]
+
+
+def conditions(decision: Decision) -> dict[str, tuple[str, str]]:
+    return {a.type: (a.status, a.reason) for a in decision.actions if isinstance(a, SetCondition)}
+
+
+def workload(decision: Decision) -> list[Any]:
+    return [a for a in decision.actions if isinstance(a, WORKLOAD_ACTIONS)]
+
+
+def stable_sim(**kwargs: Any) -> Sim:
+    """r1 promoted and serving."""
+    auto_ready = kwargs.pop("auto_ready", True)
+    sim = Sim(**kwargs)
+    sim.run_until(S.STABLE)
+    sim.canary, sim.auto_ready = None, auto_ready
+    return sim
+
+
+# --- the happy path --------------------------------------------------------------------------------
+
+
+def test_first_rollout_walks_every_state_and_promotes_only_after_all_gates() -> None:
+    sim = Sim(auto_ready=False)
+    d = sim.tick()
+    assert d.state == S.CANARY_DEPLOYING and d.of_type(DeployRevision) == [DeployRevision("r1")]
+    assert d.of_type(RouteTraffic) == [] and d.requeue_after
+    d = sim.tick()
+    assert d.state == S.CANARY_DEPLOYING  # not ready yet: wait
+    sim.revisions["r1"] = READY
+    d = sim.tick()
+    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r1", None, "")]
+    assert [w.pool_tokens for w in d.rollout.workers] == [4096, 4096] and "PoolsVerified" in events(d)
+    assert conditions(d)["CanaryPassed"] == ("Unknown", "CanaryRunning") and d.of_type(RouteTraffic) == []
+    d = sim.tick()
+    assert d.state == S.STABLE and d.stable == "r1" and d.of_type(RouteTraffic) == [RouteTraffic("r1")]
+    assert events(d) == ["CanaryPassed", "RevisionPromoted"]
+    assert conditions(d)["CanaryPassed"] == ("True", "CanaryPassed")
+    assert d.rollout.canary is not None and d.rollout.canary.verdict == "pass"
+    again = sim.tick()
+    assert again.state == S.STABLE and events(again) == [] and again.promoted_from is None
+
+
+def test_second_rollout_uses_stable_as_baseline_and_scales_it_down_after_promotion() -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    assert sim.tick().state == S.CANARY_DEPLOYING
+    d = sim.tick()
+    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r2", "r1", "")]
+    assert sim.serving == "r1"
+    d = sim.tick()
+    assert d.state == S.STABLE and d.promoted_from == "r1"
+    assert workload(d)[:2] == [DeployRevision("r2"), RouteTraffic("r2")]
+    assert ScaleRevision("r1", 0) in d.actions and not d.of_type(DeleteRevision)  # kept for rollback
+    assert sim.revisions["r1"].scaled_to_zero
+
+
+# --- S7 gates ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setup", "reason", "condition"),
+    [
+        (dict(plan_ok=False, ), "KVPoolTooSmall", None),
+        (dict(policy=PolicyGate(False, "spec.contextLength: too long (policy p, rule maxContextLength)")),
+         "PolicyViolation", ("PolicyCompliant", ("False", "PolicyViolation"))),
+    ],
+)  # fmt: skip
+def test_S7_blocked_gates_deploy_nothing_and_clear_when_fixed(setup: dict[str, Any], reason: str, condition: Any) -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    for key, value in setup.items():
+        setattr(sim, key, value)
+    d = sim.tick()
+    assert d.state == S.BLOCKED and d.rollout.reason == reason and events(d) == [reason]
+    assert workload(d) == [] and sim.serving == "r1"
+    if condition:
+        assert conditions(d)[condition[0]] == condition[1]
+    assert events(sim.tick()) == []  # one Warning per block, not one per reconcile
+    sim.plan_ok, sim.policy = True, PolicyGate()
+    d = sim.tick()
+    assert d.state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING) and DeployRevision("r2") in d.actions
+
+
+def test_S7_policy_turning_non_compliant_mid_rollout_removes_the_canary() -> None:
+    sim = stable_sim(auto_ready=False)
+    sim.target = "r2"
+    sim.tick()
+    sim.policy = PolicyGate(False, "spec.engine.version: too old")
+    d = sim.tick()
+    assert d.state == S.BLOCKED and DeleteRevision("r2") in d.actions and sim.serving == "r1"
+
+
+def test_S7_policy_non_compliant_stable_is_reported_not_killed() -> None:
+    sim = stable_sim(policy=PolicyGate())
+    sim.policy = PolicyGate(False, "a new policy")
+    d = sim.tick()
+    assert d.state == S.STABLE and conditions(d)["PolicyCompliant"][0] == "False"
+    assert not d.of_type(ScaleRevision) and not d.of_type(DeleteRevision) and sim.serving == "r1"
+
+
+def test_S7_a_worker_reporting_a_small_pool_fails_the_rollout_and_keeps_stable() -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    sim.reports = (WorkerReport("p0", "prefill", 4096, 1024), WorkerReport("d0", "decode", 1024, 1024))
+    d = sim.run_until(S.FAILED)
+    assert d.state == S.FAILED and d.rollout.reason == "ReportedPoolTooSmall"
+    assert "d0 (decode) reports 1024 tokens = 1.00x context 1024 < 2x required" in (d.rollout.message or "")
+    assert ScaleRevision("r2", 0) in d.actions and not d.of_type(RunCanary)
+    assert conditions(d)["CanaryPassed"][0] == "False" and conditions(d)["Degraded"][0] == "True"
+    d = sim.tick()
+    assert d.state == S.ROLLED_BACK and sim.serving == "r1" and events(d) == ["RolledBack"]
+
+
+def test_S7_the_larger_reported_context_is_what_the_pool_is_judged_against() -> None:
+    sim = Sim(reports=(WorkerReport("p0", "prefill", 4096, 4096), WorkerReport("d0", "decode", 4096, 1024)))
+    d = sim.run_until(S.FAILED)
+    assert d.rollout.reason == "ReportedPoolTooSmall" and "p0 (prefill)" in (d.rollout.message or "")
+
+
+def test_S7_every_worker_must_report_before_the_canary_runs() -> None:
+    sim = Sim(reports=(WorkerReport("p0", "prefill", 4096, 1024),))  # 1 of 2 workers found
+    d = sim.tick()
+    for attempt in range(1, MAX_SCRAPE_ATTEMPTS):
+        d = sim.tick()
+        assert d.state == S.CANARY_VERIFYING and d.rollout.scrape_attempts == attempt and not d.of_type(RunCanary)
+    d = sim.tick()
+    assert d.state == S.FAILED and d.rollout.reason == "MetricsUnavailable" and "1 of 2 workers" in (d.rollout.message or "")
+
+
+def test_S7_unreachable_metrics_are_retried_then_fail() -> None:
+    sim = Sim(reports=(WorkerReport("p0", "prefill", error="connection refused"), GOOD_POOLS[1]))
+    d = sim.run_until(S.FAILED)
+    assert "p0: connection refused" in (d.rollout.message or "")
+
+
+@pytest.mark.parametrize("verdict", ["fail", "cannot_run"])
+def test_S8_canary_failure_scales_canary_to_zero_and_leaves_stable_serving(verdict: str) -> None:
+    sim = stable_sim()
+    sim.target, sim.verdict = "r2", verdict
+    d = sim.run_until(S.FAILED)
+    assert d.stable == "r1" and sim.serving == "r1" and ScaleRevision("r2", 0) in d.actions
+    assert conditions(d)["CanaryPassed"] == ("False", "CanaryFailed") and conditions(d)["Degraded"][0] == "True"
+    assert "CanaryFailed" in events(d) and d.rollout.canary is not None and d.rollout.canary.verdict == verdict
+    d = sim.tick()
+    assert d.state == S.ROLLED_BACK and sim.revisions["r2"].scaled_to_zero and sim.revisions["r1"] == READY
+    quiet = sim.tick()
+    assert quiet.state == S.ROLLED_BACK and events(quiet) == [] and workload(quiet) == [RouteTraffic("r1")]
+
+
+def test_first_rollout_failure_has_nothing_to_keep_but_stops_the_canary() -> None:
+    sim = Sim(verdict="fail")
+    sim.run_until(S.ROLLED_BACK)
+    assert sim.stable is None and sim.serving is None and sim.revisions["r1"].scaled_to_zero
+
+
+def test_S7_never_promotes_without_evidence_even_from_a_forged_promoting_state() -> None:
+    sim = Sim()
+    sim.revisions["r1"] = READY
+    sim.rollout = RolloutStatus(state=S.PROMOTING, revision="r1", since="2026-01-01T00:00:00Z")
+    d = sim.decide()
+    assert d.of_type(RouteTraffic) == [] and d.state == S.CANARY_VERIFYING and d.of_type(RunCanary)
+
+
+def test_canary_result_of_another_attempt_or_revision_is_ignored() -> None:
+    sim = Sim()
+    sim.run_until(S.CANARY_VERIFYING)
+    stale = CanaryResult("r1", "old-attempt", "pass", "ok")
+    d = sim.decide(canary=stale, canary_running=False)
+    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r1", None, "")]
+
+
+def test_progress_deadline_fails_a_canary_that_never_gets_ready() -> None:
+    sim = stable_sim(auto_ready=False)
+    sim.target = "r2"
+    sim.tick()
+    sim.now = NOW + dt.timedelta(seconds=PROGRESS_DEADLINE_SECONDS + 1)
+    d = sim.tick()
+    assert d.state == S.FAILED and d.rollout.reason == "CanaryNotReady" and "decode 0/1 ready" in (d.rollout.message or "")
+
+
+def test_canary_losing_readiness_during_verification_is_measured_again() -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    sim.tick()
+    sim.revisions["r2"] = RevisionView(worker_replicas=2, waiting=("decode 0/1 ready",))
+    d = sim.decide()
+    assert d.state == S.CANARY_DEPLOYING and d.rollout.workers == [] and d.rollout.canary is None
+
+
+# --- resume ---------------------------------------------------------------------------------------
+
+
+def _sim_in(state: RolloutState) -> Sim:
+    """A model stable on r1 rolling out r2, stopped in `state`."""
+    sim = stable_sim()
+    sim.target = "r2"
+    if state == S.PLANNING:
+        sim.rollout = RolloutStatus(state=S.PLANNING, revision="r2", baseline="r1", since="2026-01-01T00:00:00Z")
+    elif state == S.BLOCKED:
+        sim.policy = PolicyGate(False, "no")
+        sim.run_until(S.BLOCKED)
+    elif state == S.PROMOTING:
+        sim.run_until(S.CANARY_VERIFYING)
+        sim.run_until(S.STABLE)
+        sim.rollout = sim.decisions[-1].rollout.model_copy(update={"state": S.PROMOTING})
+        sim.stable, sim.history = "r1", []  # the status write of the promotion never happened...
+        sim.revisions["r1"] = READY  # ... and the old stable's scale-down neither
+    elif state == S.PAUSED:
+        sim.run_until(S.CANARY_VERIFYING)
+        sim.annotations[PAUSE_ANNOTATION] = "true"
+        sim.run_until(S.PAUSED)
+    elif state in (S.FAILED, S.ROLLED_BACK):
+        sim.verdict = "fail"
+        sim.run_until(state)
+    elif state != S.STABLE:
+        sim.auto_ready = state != S.CANARY_DEPLOYING
+        sim.run_until(state)
+    return sim
+
+
+@pytest.mark.parametrize("state", list(RolloutState))
+def test_S8_restart_resumes_every_state_from_status_alone(state: RolloutState) -> None:
+    sim = _sim_in(state)
+    assert sim.rollout is not None and (sim.rollout.state == state or state == S.PLANNING)
+    # A new operator process: no canary task, no in-memory result; only status and the platform.
+    sim.canary, sim.canary_running = None, False
+    before = len(sim.decisions)
+    first, second = sim.decide(), sim.decide()
+    assert first == second, "a step is a function of status and the world"
+    assert_stable_untouched(first, sim.stable)
+    if state == S.CANARY_VERIFYING:
+        assert first.of_type(RunCanary), "a canary interrupted by the restart runs again"
+    if state in (S.FAILED, S.ROLLED_BACK):
+        assert not first.of_type(RunCanary) and not first.of_type(DeployRevision)
+    if state == S.PROMOTING:
+        assert first.of_type(RouteTraffic) == [RouteTraffic("r2")] and ScaleRevision("r1", 0) in first.actions
+    sim.canary_running, sim.auto_ready = False, True
+    if "r2" in sim.revisions and state == S.CANARY_DEPLOYING:
+        sim.revisions["r2"] = READY
+    if state not in (S.FAILED, S.ROLLED_BACK, S.BLOCKED, S.PAUSED):
+        assert sim.run_until(S.STABLE).stable == "r2" and sim.serving == "r2"
+        sim.tick()
+    promotions = [d for d in sim.decisions[before:] if "RevisionPromoted" in events(d)]
+    assert len(promotions) <= 1, "no double promotion"
+    assert all(not isinstance(a, RouteTraffic) or a.revision == d.stable for d in sim.decisions[before:] for a in d.actions)
+
+
+def test_S8_promotion_interrupted_after_traffic_moved_finishes_without_regating() -> None:
+    sim = _sim_in(S.PROMOTING)
+    sim.serving = "r2"  # the Service switch landed before the crash
+    sim.policy = PolicyGate(False, "policy changed meanwhile")  # too late: users are on r2 already
+    d = sim.decide()
+    assert d.state == S.STABLE and d.stable == "r2" and d.of_type(RouteTraffic) == [RouteTraffic("r2")]
+
+
+# --- supersede --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.CANARY_DEPLOYING, S.CANARY_VERIFYING, S.BLOCKED, S.FAILED, S.ROLLED_BACK])
+def test_spec_change_supersedes_an_unfinished_rollout_cleanly(state: RolloutState) -> None:
+    sim = _sim_in(state)
+    sim.policy = PolicyGate()
+    sim.target = "r3"
+    d = sim.tick()
+    assert d.rollout.revision == "r3" and d.state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING)
+    assert "r2" not in sim.revisions and CancelCanary("r2") in d.actions
+    assert ("RolloutSuperseded" in events(d)) == (state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING))
+    assert sim.serving == "r1" and sim.stable == "r1"
+    assert d.rollout.workers == [] and d.rollout.canary is None or d.rollout.revision == "r3"
+
+
+def test_spec_change_during_promoting_finishes_the_promotion_first() -> None:
+    sim = _sim_in(S.PROMOTING)
+    sim.target = "r3"
+    d = sim.tick()
+    assert d.state == S.STABLE and d.stable == "r2"
+    d = sim.tick()
+    assert d.rollout.revision == "r3" and d.rollout.baseline == "r2"
+
+
+def test_spec_reverted_to_stable_during_rollout_deletes_the_canary() -> None:
+    sim = _sim_in(S.CANARY_VERIFYING)
+    sim.target = "r1"
+    d = sim.tick()
+    assert d.state == S.STABLE and DeleteRevision("r2") in d.actions and sim.serving == "r1"
+
+
+# --- annotations ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.CANARY_DEPLOYING, S.CANARY_VERIFYING, S.STABLE, S.ROLLED_BACK])
+def test_pause_freezes_everything_and_resume_continues_in_the_same_state(state: RolloutState) -> None:
+    sim = _sim_in(state)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    d = sim.tick()
+    assert d.state == S.PAUSED and d.rollout.paused_from == state and workload(d) == []
+    assert conditions(d)["Progressing"] == ("False", "Paused") and events(d) == ["RolloutPaused"]
+    sim.target = "r9"  # not even a new spec moves it while paused
+    d = sim.tick()
+    assert d.state == S.PAUSED and workload(d) == [] and events(d) == []
+    sim.target = "r2" if state != S.STABLE else "r1"
+    del sim.annotations[PAUSE_ANNOTATION]
+    d = sim.decide()
+    assert "RolloutResumed" in events(d) and d.rollout.paused_from is None
+    assert d.state == state or (state, d.state) in ((S.CANARY_DEPLOYING, S.CANARY_DEPLOYING), (S.CANARY_VERIFYING, S.STABLE))
+
+
+def test_retry_annotation_reruns_a_failed_rollout_once_per_new_value() -> None:
+    sim = _sim_in(S.ROLLED_BACK)
+    sim.canary = None
+    assert sim.tick().state == S.ROLLED_BACK
+    sim.annotations[RETRY_ANNOTATION] = "1"
+    sim.verdict = "pass"
+    d = sim.tick()
+    assert "RolloutRetried" in events(d) and d.rollout.attempt == "1" and DeployRevision("r2") in d.actions
+    d = sim.run_until(S.STABLE)
+    assert d.stable == "r2"
+    assert sim.tick().state == S.STABLE  # the same value does not retry again
+
+
+def test_rollback_annotation_restores_a_kept_revision_without_a_new_canary() -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    sim.run_until(S.STABLE)
+    assert sim.history == ["r1"] and sim.revisions["r1"].scaled_to_zero
+    sim.annotations[ROLLBACK_ANNOTATION] = "r1"
+    d = sim.tick()
+    assert ScaleRevision("r1", None) in d.actions and not d.of_type(RunCanary)
+    d = sim.run_until(S.STABLE)
+    assert d.stable == "r1" and sim.serving == "r1" and ScaleRevision("r2", 0) in d.actions
+    assert d.rollout.rollback and conditions(d)["CanaryPassed"] == ("True", "RollbackToVerifiedRevision")
+    assert [w.worker for w in d.rollout.workers] == ["p0", "d0"]  # pools measured again (S7)
+    pinned = sim.tick()
+    assert pinned.state == S.STABLE and "spec revision r2 waits" in conditions(pinned)["Progressing"][1] + next(
+        a.message for a in pinned.actions if isinstance(a, SetCondition) and a.type == "Progressing")
+    del sim.annotations[ROLLBACK_ANNOTATION]
+    d = sim.run_until(S.STABLE)
+    assert d.stable == "r2" and sim.serving == "r2"
+
+
+def test_rollback_to_an_unknown_revision_is_refused_with_a_warning() -> None:
+    sim = stable_sim()
+    sim.annotations[ROLLBACK_ANNOTATION] = "nope"
+    sim.target = "r2"
+    d = sim.tick()
+    assert "RollbackUnavailable" in events(d) and d.rollout.revision == "r2" and not d.rollout.rollback
+
+
+def test_only_the_last_n_previous_revisions_are_kept() -> None:
+    sim = stable_sim()
+    for rev in ("r2", "r3", "r4", "r5"):
+        sim.target = rev
+        sim.run_until(S.STABLE)
+        sim.canary = None
+        sim.tick()
+    assert sim.stable == "r5" and sim.history[:4] == ["r4", "r3", "r2", "r1"]
+    assert set(sim.revisions) == {"r5", "r4", "r3"}  # revisionHistoryLimit = 2
+    assert sim.revisions["r4"].scaled_to_zero and sim.revisions["r3"].scaled_to_zero
+
+
+# --- driver helpers -------------------------------------------------------------------------------
+
+
+def test_worker_report_takes_the_smallest_pool_and_explains_a_missing_one() -> None:
+    snap = WorkerSnapshot(url="u", engine="sglang", pools=[PoolReading("dp_rank=0", 5000, None, "x"), PoolReading("dp_rank=1", 3000, None, "x")],
+                          context_length=1024)  # fmt: skip
+    assert worker_report("w", "decode", snap) == WorkerReport("w", "decode", 3000, 1024)
+    assert worker_report("w", "decode", WorkerSnapshot(url="u", error="timeout")).error == "timeout"
+    assert "no KV pool" in (worker_report("w", "decode", WorkerSnapshot(url="u", engine="vllm")).error or "")
+
+
+def test_policy_gate_from_a_verdict_names_field_rule_and_policy() -> None:
+    violation = SimpleNamespace(policy="prod", rule="maxContextLength", field="spec.contextLength", message="131072 > 32768")
+    gate = PolicyGate.from_verdict(SimpleNamespace(compliant=False, violations=[violation]))
+    assert not gate.compliant and gate.message == "spec.contextLength: 131072 > 32768 (policy prod, rule maxContextLength)"
+    assert PolicyGate.from_verdict(SimpleNamespace(compliant=True, violations=[])).compliant
+
+
+def test_previous_stables_come_from_history_newest_first() -> None:
+    history = [RevisionRecord(revision=r, state=s, since="t") for r, s in
+               [("r3", "Stable"), ("r2", "Superseded"), ("rx", "Failed"), ("r1", "Superseded"), ("r2", "Candidate")]]  # fmt: skip
+    assert previous_stables(history, "r3") == ("r2", "r1")
