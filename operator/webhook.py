@@ -131,7 +131,6 @@ async def current_policies() -> list[InferencePolicy]:
     return parse_policies(await _KUBE[0].alist("InferencePolicy", None))
 
 
-@kopf.on.validate(*MODELS, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
 async def validate_inference_model(body: kopf.Body, old: kopf.Body | None, operation: str | None, **_: Any) -> None:
     """kopf admission handler: raising kopf.AdmissionError denies the request with its message."""
     try:
@@ -144,7 +143,6 @@ async def validate_inference_model(body: kopf.Body, old: kopf.Body | None, opera
         raise kopf.AdmissionError(str(exc), code=exc.code) from None
 
 
-@kopf.index(*POLICIES)
 def inference_policies(body: kopf.Body, **_: Any) -> dict[None, InferencePolicy]:
     """All InferencePolicies, under the single key None (`policies_from_index`)."""
     return {None: policy for policy in parse_policies([body])}
@@ -178,9 +176,19 @@ def webhook_server(env: Mapping[str, str]) -> Any:
     )
 
 
-@kopf.on.startup()
 def configure_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.admission.server = webhook_server(os.environ)
     settings.admission.managed = os.environ.get("KVGUARD_WEBHOOK_MANAGED") or None
     if settings.admission.server is webhook_off:
         log.info("admission webhook off (KVGUARD_WEBHOOK_CERT_DIR unset); policy is enforced by reconcile only")
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register the webhook, its settings and the policy index (done on import for kopf's default
+    registry; tests use their own so that their login handlers stay apart)."""
+    kopf.on.validate(*MODELS, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"], registry=registry)(validate_inference_model)
+    kopf.index(*POLICIES, registry=registry)(inference_policies)
+    kopf.on.startup(registry=registry)(configure_webhook)
+
+
+register(kopf.get_default_registry())

@@ -1,0 +1,347 @@
+"""The InferenceModel admission webhook (S7): the decision, the kopf handler called directly, and a
+real HTTPS round trip through kopf's own webhook server and admission machinery.
+
+The API server is kmock (policies are listed from it); the TLS is real: a CA and a serving
+certificate made with the openssl CLI, and an aiohttp client that verifies the chain against the
+CA exactly as an API server does with the webhook configuration's caBundle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock as km
+import kopf
+import kubernetes
+import pytest
+import yaml
+
+from kvguard.operator import webhook
+from kvguard.operator.api import InferencePolicy
+from kvguard.operator.kube import Kube
+from kvguard.operator.webhook import FORBIDDEN, INVALID, AdmissionDenied, check_admission
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "models"
+EMULATOR_URL: list[str] = []
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tiny_model(name: str = "tiny") -> dict[str, Any]:
+    body = yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text())
+    body["metadata"] = {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1}
+    return body
+
+
+def policy_body(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferencePolicy", "metadata": {"name": name}, "spec": spec}
+
+
+def policy(name: str, **spec: Any) -> InferencePolicy:
+    return InferencePolicy.model_validate(policy_body(name, **spec))
+
+
+def denial(body: dict[str, Any], policies: list[InferencePolicy], *, old: dict[str, Any] | None = None,
+           operation: str = "CREATE") -> AdmissionDenied | None:  # fmt: skip
+    try:
+        check_admission(body, old, operation, policies)
+    except AdmissionDenied as exc:
+        return exc
+    return None
+
+
+# --- the decision ------------------------------------------------------------------------------
+
+
+def test_a_compliant_model_is_admitted() -> None:
+    assert denial(tiny_model(), [policy("default", minKVRatio=2.0, requiredCanaryProbes=["isolation"])]) is None
+
+
+def test_S7_a_policy_violation_is_denied_naming_field_rule_and_policy() -> None:
+    body = tiny_model()
+    body["spec"]["minKVRatio"] = 1.5
+    exc = denial(body, [policy("default", minKVRatio=2.0)])
+    assert exc is not None and exc.code == FORBIDDEN
+    assert str(exc) == "spec.minKVRatio: 1.5 is below the policy's minimum 2 (InferencePolicy default, rule minKVRatio)"
+
+
+def test_an_unplannable_spec_is_denied_with_the_planner_field_even_without_policies() -> None:
+    body = tiny_model()
+    body["spec"]["roles"] = {"decode": {"tensorParallel": 3}}
+    exc = denial(body, [])
+    assert exc is not None and exc.code == INVALID and str(exc).startswith("spec.roles.decode.tensorParallel:")
+
+
+def test_an_unrenderable_spec_is_denied_with_the_render_field() -> None:
+    body = tiny_model()
+    body["spec"]["model"]["source"] = {"huggingFace": "org/model"}  # the kvguard engine loads from a directory
+    exc = denial(body, [])
+    assert exc is not None and exc.code == INVALID and str(exc).startswith("spec.model.source:")
+
+
+def test_a_schema_error_is_denied_with_the_wire_field_name() -> None:
+    body = tiny_model()
+    body["spec"]["contextLenght"] = 4096
+    exc = denial(body, [])
+    assert exc is not None and exc.code == INVALID and "spec.contextLenght" in str(exc)
+
+
+def test_a_blocked_plan_is_left_to_reconcile_when_no_policy_applies() -> None:
+    body = tiny_model()
+    body["spec"]["minKVRatio"] = 8.0  # the 4,096-token pool is 4x: blocked, reported by reconcile
+    assert denial(body, []) is None
+    assert denial(body, [policy("prod-only", namespaces=["prod"], minKVRatio=8.0, maxContextLength=16)]) is None
+
+
+def test_metadata_only_updates_and_deletions_are_admitted_even_when_non_compliant() -> None:
+    old = tiny_model()
+    new = copy.deepcopy(old)
+    new["metadata"]["annotations"] = {"kvguard.io/last-handled-configuration": "{}"}  # kopf's bookkeeping
+    strict = [policy("strict", maxContextLength=16)]
+    assert denial(new, strict, old=old, operation="UPDATE") is None
+    deleting = copy.deepcopy(new)
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    deleting["spec"]["contextLength"] = 2048
+    assert denial(deleting, strict, old=old, operation="UPDATE") is None
+    changed = copy.deepcopy(old)
+    changed["spec"]["contextLength"] = 512
+    exc = denial(changed, strict, old=old, operation="UPDATE")
+    assert exc is not None and "spec.contextLength" in str(exc) and "rule maxContextLength" in str(exc)
+
+
+def test_unreadable_policies_are_skipped_not_fatal() -> None:
+    good = policy_body("good", maxContextLength=2048)
+    bad = policy_body("bad", maxContextLength=-1)
+    assert [p.metadata.name for p in webhook.parse_policies([good, bad])] == ["good"]
+
+
+def test_policies_from_index_flattens_and_sorts() -> None:
+    index = {None: [policy("b"), policy("a")]}
+    assert [p.metadata.name for p in webhook.policies_from_index(index)] == ["a", "b"]
+
+
+def test_webhook_server_settings_from_env(tmp_path: Path) -> None:
+    assert webhook.webhook_server({}) is webhook.webhook_off
+    (tmp_path / "ca.crt").write_text("x")
+    server = webhook.webhook_server({"KVGUARD_WEBHOOK_CERT_DIR": str(tmp_path), "KVGUARD_WEBHOOK_PORT": "8443"})
+    assert isinstance(server, kopf.WebhookServer)
+    assert (server.port, server.addr, server.certfile, server.cafile) == (8443, "0.0.0.0", tmp_path / "tls.crt", tmp_path / "ca.crt")
+
+
+# --- kmock: the API server the policies are listed from -----------------------------------------
+
+
+def _login(**_: Any) -> kopf.ConnectionInfo:  # test-only: point kopf at the emulator
+    return kopf.ConnectionInfo(server=EMULATOR_URL[-1], insecure=True)
+
+
+def webhook_registry() -> kopf.OperatorRegistry:
+    """The webhook's handlers alone, as `kvguard.operator.webhook.register` installs them, plus the
+    emulator login (kept off kopf's default registry, which other test modules' operators use)."""
+    registry = kopf.OperatorRegistry()
+    webhook.register(registry)
+    kopf.on.login(registry=registry)(_login)
+    kopf.on.event(*webhook.POLICIES, registry=registry)(_record_index)
+    return registry
+
+
+INDEXED: list[list[str]] = []
+
+
+def _record_index(inference_policies: kopf.Index[Any, InferencePolicy], **_: Any) -> None:
+    """What a reconcile handler sees in the policy index (kopf fills it before calling handlers)."""
+    INDEXED.append([p.metadata.name for p in webhook.policies_from_index(inference_policies)])
+
+
+@pytest.fixture
+def api(kmock: Any) -> Any:
+    kmock.resources.load_bundled()
+    kmock.resources["kvguard.io/v1alpha1/inferencemodels"] = km.ResourceInfo(
+        kind="InferenceModel", namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    )  # fmt: skip
+    kmock.resources["kvguard.io/v1alpha1/inferencepolicies"] = km.ResourceInfo(
+        kind="InferencePolicy", namespaced=False, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    )  # fmt: skip
+    url = str(kmock.url).rstrip("/")
+    EMULATOR_URL.append(url)
+    cfg = kubernetes.client.Configuration()
+    cfg.host = url
+    webhook._KUBE[:] = [Kube(kubernetes.client.ApiClient(cfg))]
+    yield kmock
+    webhook._KUBE.clear()
+    EMULATOR_URL.pop()
+
+
+async def create_policy(name: str, **spec: Any) -> None:
+    async with aiohttp.ClientSession() as session:
+        url = f"{EMULATOR_URL[-1]}/apis/kvguard.io/v1alpha1/inferencepolicies"
+        async with session.post(url, json=policy_body(name, **spec)) as resp:
+            assert resp.status < 300, await resp.text()
+
+
+async def test_the_kopf_handler_called_directly_lists_policies_and_denies(api: Any) -> None:
+    await create_policy("default", minKVRatio=2.0, requiredCanaryProbes=["isolation"])
+    body = tiny_model()
+    await webhook.validate_inference_model(body=kopf.Body(body), old=None, operation="CREATE")  # admitted
+    body["spec"]["canary"] = {"isolation": {"enabled": False}}
+    with pytest.raises(kopf.AdmissionError) as caught:
+        await webhook.validate_inference_model(body=kopf.Body(body), old=None, operation="CREATE")
+    assert caught.value.code == FORBIDDEN
+    assert "spec.canary.isolation.enabled" in str(caught.value) and "rule requiredCanaryProbes" in str(caught.value)
+
+
+# --- real HTTPS through kopf's webhook server ---------------------------------------------------
+
+
+def make_certificates(folder: Path) -> None:
+    """A CA and a serving certificate for 127.0.0.1/localhost signed by it (like cert-manager's
+    self-signed Issuer + CA Issuer would produce), as tls.crt / tls.key / ca.crt."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl CLI to make test certificates")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=folder, check=True, capture_output=True)
+
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=kvguard-test-ca")
+    run("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=localhost")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "tls.crt", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (value := predicate()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+    return value
+
+
+def admission_review(body: dict[str, Any], operation: str = "CREATE", old: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": str(uuid.uuid4()),
+            "kind": {"group": "kvguard.io", "version": "v1alpha1", "kind": "InferenceModel"},
+            "resource": {"group": "kvguard.io", "version": "v1alpha1", "resource": "inferencemodels"},
+            "name": body["metadata"]["name"],
+            "namespace": body["metadata"]["namespace"],
+            "operation": operation,
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": body,
+            "oldObject": old,
+            "dryRun": False,
+        },
+    }
+
+
+@pytest.fixture
+async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """The real operator (kopf, this module's handlers) with its webhook on loopback HTTPS."""
+    make_certificates(tmp_path)
+    INDEXED.clear()
+    port = free_port()
+    monkeypatch.setenv("KVGUARD_WEBHOOK_CERT_DIR", str(tmp_path))
+    monkeypatch.setenv("KVGUARD_WEBHOOK_ADDR", "127.0.0.1")
+    monkeypatch.setenv("KVGUARD_WEBHOOK_PORT", str(port))
+    monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
+    cfg = kubernetes.client.Configuration()
+    cfg.host = EMULATOR_URL[-1]
+    kubernetes.client.Configuration.set_default(cfg)
+    kubernetes.client.ApiClient.set_default(kubernetes.client.ApiClient(cfg))
+    settings = kopf.OperatorSettings()
+    settings.posting.enabled = False
+    settings.watching.server_timeout = 5
+    stop = threading.Event()
+    operator = kopf.operator(clusterwide=True, standalone=True, settings=settings, registry=webhook_registry(), stop_flag=stop)
+    thread = threading.Thread(target=asyncio.run, args=(operator,), daemon=True)  # kopf owns its loop
+    thread.start()
+    try:
+        await until(lambda: _listening(port), "the webhook server to listen")
+        yield f"https://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 15)
+        assert not thread.is_alive(), "kopf did not stop"
+        kubernetes.client.ApiClient.set_default(None)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def post_review(base: str, ca: Path, review: dict[str, Any], path: str = webhook.WEBHOOK_ID) -> dict[str, Any]:
+    context = ssl.create_default_context(cafile=str(ca))  # verify the chain and the 127.0.0.1 SAN
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{base}/{path}", json=review, ssl=context) as resp:
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+
+async def test_https_round_trip_allows_and_denies(https_webhook: str, tmp_path: Path) -> None:
+    await create_policy("default", minKVRatio=2.0, requiredCanaryProbes=["isolation", "over_length"])
+    await create_policy("prod", namespaces=[NS], maxContextLength=1024)
+    ca = tmp_path / "ca.crt"
+    await until(lambda: INDEXED and INDEXED[-1] == ["default", "prod"], "both policies in the index")
+
+    review = admission_review(tiny_model())
+    allowed = await post_review(https_webhook, ca, review)
+    assert allowed["kind"] == "AdmissionReview" and allowed["response"]["uid"] == review["request"]["uid"]
+    assert allowed["response"]["allowed"] is True
+
+    too_long = tiny_model()
+    too_long["spec"]["contextLength"] = 2048
+    denied = (await post_review(https_webhook, ca, admission_review(too_long)))["response"]
+    assert denied["allowed"] is False and denied["status"]["code"] == FORBIDDEN
+    assert denied["status"]["message"] == (
+        "spec.contextLength: 2,048 exceeds the policy's maximum 1,024 (InferencePolicy prod, rule maxContextLength)"
+    )
+
+    # An UPDATE that changes the spec is checked; one that only touches metadata is not.
+    old = tiny_model()
+    tags_off = copy.deepcopy(old)
+    tags_off["spec"]["canary"] = {"overLength": {"enabled": False}}
+    denied = (await post_review(https_webhook, ca, admission_review(tags_off, "UPDATE", old)))["response"]
+    assert denied["allowed"] is False and "spec.canary.overLength.enabled" in denied["status"]["message"]
+    relabel = copy.deepcopy(too_long)
+    relabel["metadata"]["labels"] = {"team": "a"}
+    ok = (await post_review(https_webhook, ca, admission_review(relabel, "UPDATE", too_long)))["response"]
+    assert ok["allowed"] is True
+
+
+async def test_https_planner_error_and_untrusted_clients(https_webhook: str, tmp_path: Path) -> None:
+    bad = tiny_model()
+    bad["spec"]["roles"] = {"prefill": {"tensorParallel": 3}}
+    response = (await post_review(https_webhook, tmp_path / "ca.crt", admission_review(bad)))["response"]
+    assert response["allowed"] is False and response["status"]["code"] == INVALID
+    assert response["status"]["message"].startswith("spec.roles.prefill.tensorParallel:")
+
+    # A client that does not trust the CA (an API server with the wrong caBundle) cannot connect.
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        async with aiohttp.ClientSession() as session:
+            await session.post(f"{https_webhook}/{webhook.WEBHOOK_ID}", json=admission_review(bad))
