@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
+EVIDENCE_ROWS = 4  # per failing probe in the table; -o json has all of it
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -124,9 +125,12 @@ class _ProgressPrinter:
         line = f"{result.name.value:<16} {result.status.value:<8} {result.duration_seconds:>6.1f}s  {result.reason}"
         print(line + (" " * 8 if self.live else ""), file=self.out, flush=True)
         if result.status.value == "fail":
-            for evidence in result.evidence:
+            for evidence in result.evidence[:EVIDENCE_ROWS]:
                 for text in describe_evidence(evidence):
                     print(f"{'':<16} {text}", file=self.out)
+            if len(result.evidence) > EVIDENCE_ROWS:
+                more = len(result.evidence) - EVIDENCE_ROWS
+                print(f"{'':<16} ... {more} more piece(s) of evidence (see -o json)", file=self.out)
 
 
 def describe_evidence(evidence: Any) -> list[str]:
