@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvguard.operator import conditions as cond
 from kvguard.operator.api import InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan, Phase, RevisionRecord
 from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionRequest, execute, scrape_workers
-from kvguard.operator.backends.local import LocalBackend
+from kvguard.operator.backends.local import LocalBackend, LocalBackendError, model_dir_for, runnable_problems
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.planner import plan
@@ -152,6 +152,13 @@ async def roll_out(
     plan_ok, plan_message = plan_gate(kv_plan)
     verdict = evaluate(spec, namespace, list(policies), kv_plan=kv_plan)
     model = ModelRef(namespace, name)
+    if plan_ok:  # refuse what cannot run here before anything is recorded or started
+        problems = runnable_problems(spec)
+        if problems:
+            raise LocalBackendError("; ".join(problems))
+        model_dir = model_dir_for(spec, backend.models_root)
+        if not (model_dir / "config.json").is_file():
+            raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
     backend.claim(name)
     if faults:
         backend.faults[target] = faults
@@ -193,7 +200,7 @@ async def roll_out(
             result_events.append(event)
             say(f"[{event.type}] {event.reason}: {event.message}")
         if decision.state != previous_state:
-            say(f"rollout: {decision.state.value} ({decision.rollout.message})")
+            say(f"rollout: {previous_state.value if previous_state else '-'} -> {decision.state.value}")
         canary_busy = runner.running(model.key, decision.rollout.revision or "", decision.rollout.attempt)
         if decision.state in RESTING and not canary_busy:
             return RolloutResult(

@@ -1,0 +1,191 @@
+"""`kvguard apply -f model.yaml --local`: roll an InferenceModel out on this machine.
+
+The same rollout state machine and canary suite as the operator, on the local backend: each
+revision's router, prefill and decode run as processes on loopback, with their state (revisions,
+ports, PIDs, the stable revision, the rollout status) in --state-dir. Running it again with a
+changed spec rolls the new revision out beside the stable one; running it again after an
+interruption resumes the recorded rollout (S8). The stable revision keeps running after the
+command exits; its API base URL is printed (`serving:`), and `--delete` stops everything.
+
+Annotations in the manifest work as on a cluster: kvguard.io/pause, kvguard.io/retry,
+kvguard.io/rollback-to.
+
+Exit status: 0 the spec's revision serves; 3 blocked (planner or policy; nothing changed);
+4 rolled back (canary or reported pool failed; the stable revision still serves); 5 paused;
+2 bad input; 1 the rollout could not be carried out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_BLOCKED, EXIT_ROLLED_BACK, EXIT_PAUSED = 0, 1, 2, 3, 4, 5
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "apply",
+        help="roll an InferenceModel out locally (plan, canary, promote or roll back)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-f", "--file", type=Path, help="InferenceModel manifest (YAML)")
+    parser.add_argument("--local", action="store_true", help="run on this machine (the only backend of this command)")
+    parser.add_argument("--state-dir", type=Path, help="state folder (default: .kvguard/local/<metadata.name>)")
+    parser.add_argument("--models-root", type=Path, default=Path("."), help="folder standing in for the model volume: "
+                        "weights are read from <models-root>/<spec.model.source.pvc.path> (default: .)")  # fmt: skip
+    parser.add_argument("--model-dir", type=Path, help="set spec.model.source to this local model folder")
+    parser.add_argument("--policy", type=Path, action="append", default=[], metavar="FILE",
+                        help="InferencePolicy YAML to enforce (repeatable; a file may hold several)")  # fmt: skip
+    parser.add_argument("--namespace", default="default", help="namespace the policies see (default: default)")
+    parser.add_argument("--faults", default="", metavar="SPEC",
+                        help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=900.0, metavar="S", help="give up after S seconds")
+    parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    if not args.local:
+        return _bad_input("only --local is implemented here; on a cluster, `kubectl apply -f` the manifest")
+    try:
+        model = _load_model(args) if args.file else None
+        policies = [p for path in args.policy for p in _load_policies(path)]
+        if args.faults:
+            _check_faults(args.faults)
+    except ValueError as exc:
+        return _bad_input(str(exc))
+    if model is None and not (args.delete and args.state_dir):
+        return _bad_input("-f is required (or --delete with --state-dir)")
+    state_dir = args.state_dir or Path(".kvguard/local") / model.metadata.name  # type: ignore[union-attr]
+    if args.delete:
+        return _delete(state_dir)
+    return _apply(args, model, policies, state_dir)
+
+
+def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
+    from kvguard.operator.backends.local import LocalBackend, LocalBackendError
+    from kvguard.operator.backends.local_rollout import roll_out
+    from kvguard.operator.planner import PlanInputError
+    from kvguard.operator.rollout import RolloutState
+
+    if args.faults:
+        print(f"!!! FAULT INJECTION: the new revision's workers run with KVGUARD_FAULTS={args.faults} "
+              "(test/demo only; never in production) !!!", file=sys.stderr, flush=True)  # fmt: skip
+    print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
+    try:
+        with LocalBackend(state_dir, models_root=args.models_root) as backend:
+            result = asyncio.run(
+                roll_out(
+                    backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
+                    annotations=model.metadata.annotations, faults=args.faults,
+                    say=lambda line: print(f"  {line}", flush=True), generation=model.metadata.generation,
+                    max_seconds=args.timeout,
+                )
+            )  # fmt: skip
+    except PlanInputError as exc:
+        return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
+    except LocalBackendError as exc:
+        return _bad_input(str(exc))
+    except TimeoutError as exc:
+        print(f"kvguard apply: {exc}; run it again to resume", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("kvguard apply: interrupted; the state folder records where it stopped - run it again to resume",
+              file=sys.stderr)  # fmt: skip
+        return 130
+    print(f"state: {result.state.value}  revision: {result.revision}  stable: {result.stable or '-'}")
+    if result.status.message:
+        print(f"message: {result.status.message}")
+    print(f"serving: {result.serving_url or 'nothing'}")
+    codes = {RolloutState.BLOCKED: EXIT_BLOCKED, RolloutState.ROLLED_BACK: EXIT_ROLLED_BACK, RolloutState.PAUSED: EXIT_PAUSED}
+    if result.state == RolloutState.STABLE:
+        return EXIT_OK if result.promoted else EXIT_ERROR
+    return codes.get(result.state, EXIT_ERROR)
+
+
+def _delete(state_dir: Path) -> int:
+    from kvguard.operator.backends.local import LocalBackend, LocalBackendError
+
+    if not state_dir.exists():
+        print(f"kvguard apply --delete: {state_dir} does not exist; nothing to stop")
+        return EXIT_OK
+    try:
+        with LocalBackend(state_dir) as backend:
+            backend.stop_all()
+    except LocalBackendError as exc:
+        return _bad_input(str(exc))
+    shutil.rmtree(state_dir)
+    print(f"stopped every process of {state_dir} and removed it")
+    return EXIT_OK
+
+
+def _bad_input(*lines: str) -> int:
+    for line in lines:
+        print(f"kvguard apply: {line}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _load_model(args: argparse.Namespace) -> Any:
+    """The manifest's InferenceModel (field-level errors as ValueError), with --model-dir applied."""
+    from pydantic import ValidationError
+
+    from kvguard.commands.plan import BadInput, _read_manifest
+    from kvguard.operator.api import InferenceModel
+
+    try:
+        manifest = _read_manifest(args.file)
+    except BadInput as exc:
+        raise ValueError(str(exc)) from None
+    if args.model_dir is not None and isinstance(manifest.get("spec"), dict):
+        model = manifest["spec"].setdefault("model", {})
+        if isinstance(model, dict):
+            source = {"pvc": {"claimName": "local", "path": str(args.model_dir.resolve())}}
+            revision = (model.get("source") or {}).get("revision") if isinstance(model.get("source"), dict) else None
+            model["source"] = {**source, **({"revision": revision} if revision else {})}
+    try:
+        return InferenceModel.model_validate(manifest)
+    except ValidationError as exc:
+        raise ValueError("; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def _load_policies(path: Path) -> list[Any]:
+    import yaml
+    from pydantic import ValidationError
+
+    from kvguard.operator.api import InferencePolicy
+
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--policy {path}: {exc}") from None
+    policies = []
+    for doc in docs:
+        if not isinstance(doc, dict) or doc.get("kind") != "InferencePolicy":
+            raise ValueError(f"--policy {path}: every document must be an InferencePolicy")
+        try:
+            policies.append(InferencePolicy.model_validate(doc))
+        except ValidationError as exc:
+            raise ValueError(f"--policy {path}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+    return policies
+
+
+def _check_faults(spec: str) -> None:
+    """Parse KVGUARD_FAULTS here (pure pydantic), so a typo fails before anything starts."""
+    from kvguard.workers.faults import FaultSpecError, parse_faults
+
+    try:
+        parse_faults(spec)
+    except FaultSpecError as exc:
+        raise ValueError(f"--faults: {exc}") from None
+
+
+def _describe(error: Any) -> str:
+    return (".".join(str(part) for part in error["loc"]) or "(manifest)") + f": {error['msg']}"
