@@ -165,6 +165,11 @@ def webhook_server(env: Mapping[str, str]) -> Any:
     if not cert_dir:
         return webhook_off
     folder = Path(cert_dir)
+    if not (folder / "tls.crt").is_file() or not (folder / "tls.key").is_file():
+        # The Secret volume is optional (reconcile must run without it): stay off, loudly.
+        log.error("admission webhook off: no tls.crt/tls.key in %s (create Secret kvguard-webhook-tls, "
+                  "then restart the operator; docs/webhook.md)", folder)
+        return webhook_off
     ca = folder / "ca.crt"
     return kopf.WebhookServer(
         addr=env.get("KVGUARD_WEBHOOK_ADDR", "0.0.0.0"),

@@ -134,7 +134,9 @@ def test_policies_from_index_flattens_and_sorts() -> None:
 
 def test_webhook_server_settings_from_env(tmp_path: Path) -> None:
     assert webhook.webhook_server({}) is webhook.webhook_off
-    (tmp_path / "ca.crt").write_text("x")
+    assert webhook.webhook_server({"KVGUARD_WEBHOOK_CERT_DIR": str(tmp_path)}) is webhook.webhook_off  # no Secret yet
+    for name in ("tls.crt", "tls.key", "ca.crt"):
+        (tmp_path / name).write_text("x")
     server = webhook.webhook_server({"KVGUARD_WEBHOOK_CERT_DIR": str(tmp_path), "KVGUARD_WEBHOOK_PORT": "8443"})
     assert isinstance(server, kopf.WebhookServer)
     assert (server.port, server.addr, server.certfile, server.cafile) == (8443, "0.0.0.0", tmp_path / "tls.crt", tmp_path / "ca.crt")
