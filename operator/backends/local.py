@@ -213,7 +213,7 @@ def runnable_problems(spec: InferenceModelSpec) -> list[str]:
     for name, role in spec.roles.worker_roles().items():
         for field in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
             if getattr(role, field) != 1:
-                wire = role.model_fields[field].alias or field
+                wire = type(role).model_fields[field].alias or field
                 problems.append(f"spec.roles.{name}.{wire}: the kvguard engine runs one device per instance (must be 1)")
         if role.data_parallel_attention:
             problems.append(f"spec.roles.{name}.dataParallelAttention: not supported by the kvguard engine")

@@ -1,0 +1,207 @@
+"""The local backend's pieces: command lines, refusals, the state folder, processes by PID, the
+status record, `kvguard apply` input errors, and healing a killed worker (real processes)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard.cli import main
+from kvguard.operator.api import InferenceModel, InferenceModelStatus
+from kvguard.operator.backends.local import (
+    FAULTS_ENV,
+    TRANSFER_KEY_ENV,
+    LocalBackend,
+    LocalBackendError,
+    LocalWorker,
+    ProcessTable,
+    StateStore,
+    model_dir_for,
+    runnable_problems,
+    worker_argvs,
+    worker_env,
+)
+from kvguard.operator.backends.local_rollout import record_decision
+from kvguard.operator.planner import plan
+from kvguard.operator.revision import revision_of
+from kvguard.operator.rollout import Decision, RolloutState, RolloutStatus, RouteTraffic, SetCondition
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_body(path: str = "/models/tiny") -> dict[str, Any]:
+    body = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": path}}
+    return body
+
+
+def spec_of(body: dict[str, Any]) -> Any:
+    return InferenceModel.model_validate(body).spec
+
+
+def test_worker_command_lines_follow_the_plan() -> None:
+    body = tiny_body()
+    body["spec"]["roles"]["decode"]["dataParallel"] = 2
+    body["spec"]["weights"] = {"quantization": "bf16"}
+    spec = spec_of(body)
+    kv_plan = plan(spec)
+    ports = {"prefill-0": 1001, "decode-0": 1002, "decode-1": 1003, "router": 1004}
+    workers = {w.name: w for w in worker_argvs(spec, kv_plan, Path("/models/tiny"), ports, {"decode-0": 2002, "decode-1": 2003})}
+    assert list(workers) == ["prefill-0", "decode-0", "decode-1", "router"]
+    decode = workers["decode-1"].argv
+    assert decode[:5] == [sys.executable, "-P", "-m", "kvguard", "worker"]  # -P: operator/ never shadows the stdlib
+    assert decode[decode.index("--kv-pool-tokens") + 1] == str(kv_plan.roles["decode"].pool_tokens)
+    assert decode[decode.index("--transfer-port") + 1] == "2003"
+    assert decode[decode.index("--dtype") + 1] == "bfloat16"
+    router = workers["router"].argv
+    assert router.count("--decode") == 2 and "http://127.0.0.1:1003" in router
+    assert "--kv-pool-tokens" not in router
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("engine", "kind"), "sglang", "spec.engine.kind"),
+        (("weights",), {"quantization": "awq"}, "spec.weights.quantization"),
+        (("roles", "prefill", "tensorParallel"), 2, "spec.roles.prefill.tensorParallel"),
+    ],
+)
+def test_specs_the_local_backend_cannot_run_are_refused_by_field(path: tuple[str, ...], value: Any, field: str) -> None:
+    body = tiny_body()
+    node = body["spec"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    problems = runnable_problems(spec_of(body))
+    assert len(problems) == 1 and problems[0].startswith(field + ":")
+
+
+def test_model_dir_is_the_pvc_path_under_the_models_root(tmp_path: Path) -> None:
+    assert model_dir_for(spec_of(tiny_body("tiny")), tmp_path) == tmp_path / "tiny"
+    assert model_dir_for(spec_of(tiny_body("/abs/tiny")), tmp_path) == Path("/abs/tiny")
+    body = tiny_body()
+    del body["spec"]["model"]["source"]
+    with pytest.raises(LocalBackendError, match="spec.model.source.pvc"):
+        model_dir_for(spec_of(body), tmp_path)
+
+
+def test_worker_env_carries_only_the_revisions_own_faults_and_key() -> None:
+    env = worker_env({"PATH": "/bin", FAULTS_ENV: "no_tags", TRANSFER_KEY_ENV: "parent"}, "k" * 64, "")
+    assert FAULTS_ENV not in env and env[TRANSFER_KEY_ENV] == "k" * 64 and env["PATH"] == "/bin"
+    assert worker_env({}, "k", "unsafe_reject_path")[FAULTS_ENV] == "unsafe_reject_path"
+
+
+def test_state_folder_lock_key_and_atomic_save(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state")
+    with store.locked():
+        with pytest.raises(LocalBackendError, match="another kvguard apply"):
+            with StateStore(tmp_path / "state").locked():
+                pass
+        key = store.transfer_key("abc")
+        assert store.transfer_key("abc") == key and len(key) == 64  # generated once (S3)
+        mode = (tmp_path / "state" / "revisions" / "abc" / "transfer.key").stat().st_mode
+        assert stat.S_IMODE(mode) == 0o600
+        state = store.load()
+        state.serving = "abc"
+        store.save(state)
+    assert StateStore(tmp_path / "state").load().serving == "abc"
+    assert not list((tmp_path / "state").glob(".*.tmp"))
+
+
+def test_one_model_per_state_folder(tmp_path: Path) -> None:
+    with LocalBackend(tmp_path) as backend:
+        backend.claim("a")
+        with pytest.raises(LocalBackendError, match="holds InferenceModel 'a'"):
+            backend.claim("b")
+
+
+def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) -> None:
+    table = ProcessTable()
+    worker = LocalWorker(name="w", role="router", port=1, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    worker.pid = table.spawn(worker, os.environ, tmp_path / "w.log")
+    try:
+        assert table.alive(worker)
+        stranger = ProcessTable()  # another driver: adopts by /proc cmdline, not by bare PID
+        deadline = time.monotonic() + 5  # right after the fork the kernel may still show the parent's
+        while not stranger.alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stranger.alive(worker)
+        impostor = worker.model_copy(update={"argv": [sys.executable, "-c", "other"]})
+        assert not stranger.alive(impostor)  # a reused PID running something else is not ours
+        table.stop([worker])
+        assert worker.pid is None
+    finally:
+        if worker.pid:
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_record_decision_keeps_history_for_rollbacks() -> None:
+    body = tiny_body()
+    kv_plan = plan(spec_of(body))
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    status = InferenceModelStatus(revision="old")
+    status = record_decision(status, Decision(RolloutStatus(state=RolloutState.CANARY_DEPLOYING, revision="new"), "old", ()), "new", kv_plan, 1, now)
+    assert [(h.revision, h.state) for h in status.history] == [("new", "Candidate")]
+    promoted = Decision(
+        RolloutStatus(state=RolloutState.STABLE, revision="new", message="revision new is serving"), "new",
+        (RouteTraffic("new"), SetCondition("Ready", "True", "StableRevisionServing", "ok")), promoted_from="old",
+    )  # fmt: skip
+    status = record_decision(status, promoted, "new", kv_plan, 1, now)
+    assert [(h.revision, h.state) for h in status.history] == [("new", "Stable"), ("old", "Superseded")]
+    assert status.revision == "new" and status.phase.value == "Ready"
+    assert [c.type for c in status.conditions] == ["Ready"]
+
+
+def test_apply_input_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(tiny_body(str(tmp_path / "missing"))))
+    assert main(["apply", "-f", str(manifest)]) == 2  # no --local
+    assert main(["apply", "-f", str(manifest), "--local", "--faults", "no_such_fault"]) == 2
+    assert main(["apply", "-f", str(manifest), "--local", "--state-dir", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "only --local" in err and "unknown fault switch" in err and "has no config.json" in err
+    assert not (tmp_path / "s" / "revisions").exists()  # refused before anything started
+
+
+def test_apply_blocked_plan_exits_3_and_starts_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    assert main(["apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(state)]) == 3
+    assert not (state / "revisions").exists()
+
+
+def test_a_killed_worker_is_restarted_on_its_ports(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A Deployment replaces a dead pod; the local backend restarts a dead worker when it looks."""
+    spec = spec_of(tiny_body(str(tiny_model_dir)))
+    revision = revision_of(spec)
+    with LocalBackend(tmp_path / "state") as backend:
+        try:
+            backend.claim("tiny")
+            backend.deploy(revision, spec, plan(spec))
+            wait_ready(backend, revision)
+            decode = backend.state.revisions[revision].worker("decode-0")
+            port, pid = decode.port, decode.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait_ready(backend, revision)
+            assert decode.port == port and decode.pid != pid and decode.restarts == 1
+            backend.scale(revision, 0)
+            assert backend.views()[revision].scaled_to_zero  # type: ignore[attr-defined]
+            assert all(w.pid is None for w in backend.state.revisions[revision].workers)
+        finally:
+            backend.stop_all()
+
+
+def wait_ready(backend: LocalBackend, revision: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not backend.views()[revision].ready:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, backend.views()[revision]
+        time.sleep(0.2)
