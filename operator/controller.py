@@ -1,57 +1,98 @@
-"""Observe -> reconcile -> apply for one InferenceModel, on top of `kube` (async I/O glue).
+"""Observe -> reconcile -> record -> act for one InferenceModel, on top of a backend (async glue).
 
 `reconcile_model` is what every kopf handler calls. It reads what exists (filtering by label and
-owner in code), runs the pure `reconcile`, then applies its outcome in an order that keeps S8:
-desired objects first, then the status that records a promotion, and only then deletions of
-superseded revisions. One lock per model serialises the handlers that can fire together (the
-model's own events, the timer and its Deployments' events).
+owner in code), runs the pure `reconcile` (plan + rollout state machine), scrapes the candidate's
+workers when the machine asks and reconciles again with the reports, writes the status (the
+rollout step is recorded BEFORE it is acted on, so a restart re-issues whatever is missing), then
+lets the backend carry out the workload actions and records the events. The canary suite runs as
+an asyncio task per model (`CanaryRunner`), off the reconcile path; when it finishes it triggers
+a reconcile that records its verdict. One lock per model serialises the handlers that can fire
+together (the model's own events, the timer, its Deployments' events, a finished canary).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import logging
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvguard.operator import metrics
-from kvguard.operator.kube import Kube, KubeError, ObjectRef, ref_of
+from kvguard.operator.api import InferenceModelSpec, InferencePolicy
+from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionRequest, execute, scrape_workers
+from kvguard.operator.backends.kubernetes import KubernetesBackend, is_subset
+from kvguard.operator.kube import Kube, KubeError, ObjectRef
 from kvguard.operator.reconcile import Observed, Outcome, deployment_state, owned_by, reconcile
 from kvguard.operator.render import LABEL_REVISION
+from kvguard.operator.rollout import PolicyGate
 
 log = logging.getLogger(__name__)
 
 _LOCKS: dict[tuple[int, str, str], asyncio.Lock] = {}  # per event loop (tests run several)
 _WAITING: set[tuple[int, str, str]] = set()
 
-
-def is_subset(desired: Any, live: Any) -> bool:
-    """True when every value in `desired` is already in `live` (lists element by element), so
-    server-side defaults do not count as drift and a no-op patch is never sent."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
-    return bool(desired == live)
+__all__ = ["is_subset", "observe", "owner_of", "reconcile_model"]
 
 
-async def observe(kube: Kube, body: Mapping[str, Any]) -> Observed:
+def model_ref(body: Mapping[str, Any]) -> ModelRef:
+    meta = body["metadata"]
+    return ModelRef(namespace=meta.get("namespace") or "default", name=meta["name"], uid=meta.get("uid"))
+
+
+async def observe(kube: Kube, body: Mapping[str, Any], runner: CanaryRunner | None = None) -> Observed:
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace"), meta.get("uid")
     deployments = [d for d in await kube.alist("Deployment", namespace) if owned_by(d, name, uid)]
     others = [o for kind in ("Service", "NetworkPolicy") for o in await kube.alist(kind, namespace) if owned_by(o, name, uid)]
     revisions = {(o["metadata"].get("labels") or {}).get(LABEL_REVISION) for o in deployments + others}
+    model_service = next((o for o in others if o["kind"] == "Service" and o["metadata"]["name"] == name), None)
     config, config_error = await _architecture_config(kube, body)
+    ref = model_ref(body)
+    rollout = (body.get("status") or {}).get("rollout") or {}
+    running = runner is not None and runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or ""))
     return Observed(
         deployments=[deployment_state(d) for d in deployments],
-        revisions_present=frozenset(r for r in revisions if r),
+        revisions_present=frozenset(r for r in revisions if r and r != "None"),
         architecture_config=config,
         architecture_config_error=config_error,
+        serving=(((model_service or {}).get("spec") or {}).get("selector") or {}).get(LABEL_REVISION),
+        policy=await policy_gate(kube, body),
+        canary=runner.result(ref.key) if runner is not None else None,
+        canary_running=running,
     )
+
+
+async def policy_gate(kube: Kube, body: Mapping[str, Any]) -> PolicyGate:
+    """The InferencePolicy verdict on the spec (S7). No policy, or no evaluator installed: compliant."""
+    try:
+        from kvguard.operator.policy import evaluate
+    except ImportError:
+        return PolicyGate()
+    try:
+        raw = await kube.alist("InferencePolicy", None)
+    except KubeError as exc:
+        if exc.status == 404:  # the CRD is not installed: no policy applies
+            return PolicyGate()
+        raise
+    policies = []
+    for item in raw:
+        try:
+            policies.append(InferencePolicy.model_validate(item))
+        except ValidationError as exc:
+            log.warning("ignoring invalid InferencePolicy %s: %s", (item.get("metadata") or {}).get("name"), exc)
+    if not policies:
+        return PolicyGate()
+    try:
+        spec = InferenceModelSpec.model_validate(body.get("spec") or {})
+    except ValidationError:
+        return PolicyGate()  # reconcile reports the invalid spec itself
+    return PolicyGate.from_verdict(evaluate(spec, body["metadata"].get("namespace") or "default", policies))
 
 
 async def _architecture_config(kube: Kube, body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
@@ -73,40 +114,34 @@ async def _architecture_config(kube: Kube, body: Mapping[str, Any]) -> tuple[dic
     return (config, None) if isinstance(config, dict) else (None, f"{key} is not a JSON object")
 
 
-async def apply_outcome(kube: Kube, body: Mapping[str, Any], outcome: Outcome, now: dt.datetime) -> None:
+async def record_and_act(
+    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, body: Mapping[str, Any], outcome: Outcome, now: dt.datetime
+) -> None:
+    """Status first (the step is recorded before it is acted on), then the workloads, then events."""
     meta = body["metadata"]
-    namespace, uid = meta.get("namespace"), meta.get("uid")
-    for manifest in outcome.apply:
-        await _create_or_patch(kube, manifest, meta["name"], uid)
-    for manifest in outcome.create_only:
-        await kube.acreate(manifest)  # None on 409: the key was generated once, it stays (S3)
     if not is_subset(outcome.status, body.get("status") or {}):
-        await kube.apatch_status(ObjectRef("InferenceModel", meta["name"], namespace), outcome.status)
-    for kind, name in outcome.delete:
-        if await kube.adelete(ObjectRef(kind, name, namespace)):
-            log.info("deleted superseded %s %s/%s", kind, namespace, name)
+        await kube.apatch_status(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")), outcome.status)
+    if outcome.actions and outcome.spec is not None:
+        ref = model_ref(body)
+        request = None
+        if outcome.plan is not None and outcome.revision is not None:
+            request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan)
+        stub = {"metadata": {"name": ref.name, "namespace": ref.namespace}}
+
+        async def canary_done() -> None:
+            try:
+                await reconcile_model(kube, stub, backend=backend, runner=runner)
+            except KubeError as exc:
+                log.warning("reconcile of %s/%s after its canary failed: %s (the timer retries)", *ref.key, exc)
+
+        await execute(backend, request, outcome.actions, runner, outcome.spec.canary, on_canary_done=canary_done)
     for event in outcome.events:
         await kube.arecord_event(body, type_=event.type, reason=event.reason, message=event.message, now=now)
 
 
-async def _create_or_patch(kube: Kube, manifest: Mapping[str, Any], model: str, uid: str | None) -> None:
-    ref = ref_of(manifest)
-    live = await kube.aget(ref)
-    if live is None:
-        if await kube.acreate(manifest) is not None:
-            log.info("created %s", ref)
-            return
-        live = await kube.aget(ref)  # lost a race with another writer
-        if live is None:
-            raise KubeError(409, f"{ref}: conflict on create")
-    if not owned_by(live, model, uid):
-        raise KubeError(409, f"{ref} exists and is not owned by InferenceModel {model}; refusing to modify it")
-    if not is_subset(manifest, live):
-        await kube.amerge_patch(ref, manifest)
-        log.info("patched %s", ref)
-
-
-async def reconcile_model(kube: Kube, body: Mapping[str, Any]) -> Outcome | None:
+async def reconcile_model(
+    kube: Kube, body: Mapping[str, Any], *, backend: KubernetesBackend | None = None, runner: CanaryRunner | None = None
+) -> Outcome | None:
     """The one reconcile every handler calls. Raises KubeError when the API server fails.
 
     Bursts coalesce: when a reconcile of the same model is already queued, this call returns None
@@ -123,23 +158,30 @@ async def reconcile_model(kube: Kube, body: Mapping[str, Any]) -> Outcome | None
     finally:
         _WAITING.discard(lock_key)
     try:
-        return await _reconcile_locked(kube, body, key)
+        return await _reconcile_locked(kube, backend or KubernetesBackend(kube), runner or CanaryRunner(), body, key)
     finally:
         lock.release()
 
 
-async def _reconcile_locked(kube: Kube, body: Mapping[str, Any], key: tuple[str, str]) -> Outcome:
+async def _reconcile_locked(
+    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, body: Mapping[str, Any], key: tuple[str, str]
+) -> Outcome:
     meta = body["metadata"]
     started = time.monotonic()
     fresh = await kube.aget(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")))
     if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
         metrics.forget_model(key[0], key[1])
+        runner.forget((key[0] or "default", key[1]))
         return Outcome(status={})
     fresh.setdefault("metadata", {}).setdefault("uid", meta.get("uid"))
     now = dt.datetime.now(dt.timezone.utc)
     try:
-        outcome = reconcile(fresh, await observe(kube, fresh), now=now, transfer_key=secrets.token_bytes(32))
-        await apply_outcome(kube, fresh, outcome, now)
+        observed = await observe(kube, fresh, runner)
+        outcome = reconcile(fresh, observed, now=now)
+        if outcome.scrape is not None:  # S7: every candidate worker's own report, then decide again
+            reports = await scrape_workers(await backend.endpoints(model_ref(fresh), outcome.scrape))
+            outcome = reconcile(fresh, dataclasses.replace(observed, worker_reports=tuple(reports)), now=now)
+        await record_and_act(kube, backend, runner, fresh, outcome, now)
     except Exception:
         metrics.RECONCILES.labels("error").inc()
         raise

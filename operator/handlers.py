@@ -1,7 +1,8 @@
 """kopf glue: register handlers and delegate to `controller.reconcile_model`. Nothing else.
 
 Start with `kopf run -m kvguard.operator.handlers` (or `kvguard operator`). Level-based: create,
-update, resume, a timer and events of the Deployments we own all run the same reconcile.
+update, resume, a timer, events of the Deployments we own and a finished canary run all run the
+same reconcile.
 Environment: KVGUARD_METRICS_PORT (default 8080; 0 disables), KVGUARD_RECONCILE_INTERVAL
 (timer seconds, default 30).
 """
@@ -16,6 +17,8 @@ import kopf
 
 from kvguard.operator import metrics
 from kvguard.operator.api import API_GROUP, API_VERSION
+from kvguard.operator.backends.base import CanaryRunner
+from kvguard.operator.backends.kubernetes import KubernetesBackend, Resolver
 from kvguard.operator.controller import owner_of, reconcile_model
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.render import MANAGED_BY
@@ -24,12 +27,22 @@ from kvguard.operator import webhook  # noqa: F401  (registers the admission web
 MODELS = (API_GROUP, API_VERSION, "inferencemodels")
 RETRY_SECONDS = 5
 _KUBE: list[Kube] = []
+_DRIVER: list[tuple[KubernetesBackend, CanaryRunner]] = []
+ENDPOINT_RESOLVER: list[Resolver] = []
+"""Tests only: where revisions answer when there is no cluster DNS (kmock); empty in production."""
 
 
 def _kube() -> Kube:
     if not _KUBE:
         _KUBE.append(Kube())
     return _KUBE[0]
+
+
+def _driver() -> tuple[KubernetesBackend, CanaryRunner]:
+    """One backend and one canary runner per operator process (the runner owns the canary tasks)."""
+    if not _DRIVER:
+        _DRIVER.append((KubernetesBackend(_kube(), ENDPOINT_RESOLVER[-1] if ENDPOINT_RESOLVER else None), CanaryRunner()))
+    return _DRIVER[0]
 
 
 @kopf.on.startup()
@@ -45,8 +58,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 async def _reconcile(body: kopf.Body) -> None:
+    backend, runner = _driver()
     try:
-        await reconcile_model(_kube(), body)
+        await reconcile_model(_kube(), body, backend=backend, runner=runner)
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
 
@@ -71,7 +85,8 @@ async def deployment_changed(body: kopf.Body, type: str | None, **_: Any) -> Non
         return
     namespace, name = owner
     stub = {"metadata": {"name": name, "namespace": namespace}}
+    backend, runner = _driver()
     try:
-        await reconcile_model(_kube(), stub)
+        await reconcile_model(_kube(), stub, backend=backend, runner=runner)
     except KubeError as exc:
         logging.getLogger(__name__).warning("reconcile of %s/%s after a Deployment event failed: %s", namespace, name, exc)

@@ -50,6 +50,7 @@ KINDS: dict[str, Kind] = {
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "Event": Kind("v1", "events"),
     "ConfigMap": Kind("v1", "configmaps"),
+    "Pod": Kind("v1", "pods"),
     "InferenceModel": Kind("kvguard.io/v1alpha1", "inferencemodels"),
     "InferencePolicy": Kind("kvguard.io/v1alpha1", "inferencepolicies", namespaced=False),
 }

@@ -3,18 +3,18 @@
 Create, update, resume, the timer and child events all call `reconcile`; it looks only at the
 resource and what exists, never at what triggered it, so running it twice changes nothing.
 
-    parse spec -> resolve architecture -> revision -> plan (S7 gate) -> render -> readiness
-      blocked plan:  KVPoolSufficient=False (numbers + fixes), Warning event, NOTHING applied (S8)
-      candidate ready -> `on_revision_ready` -> Promote (this issue) | the canary gate (next issue)
-      promoted: the model Service routes to it, older revisions are deleted
+    parse spec -> resolve architecture -> revision -> plan (S7 gate) -> render check
+      -> `rollout.step` (canary-gated state machine) -> status + workload actions for a backend
+      blocked plan:  KVPoolSufficient=False (numbers + fixes), Warning event, nothing of the stable
+      revision changes (S8); an unfinished canary of an older spec is removed
 
 Pure: no kopf, no kubernetes client, no clock, no randomness (time and key are arguments).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,19 +36,30 @@ from kvguard.operator.render import (
     LABEL_REVISION,
     LABEL_ROLE,
     ROLES,
-    Manifest,
     Owner,
     RenderError,
     object_name,
-    render_model_service,
     render_revision,
-    render_transfer_secret,
-    revision_object_refs,
 )
 from kvguard.operator.revision import revision_of
+from kvguard.operator.rollout import (
+    Action,
+    CanaryResult,
+    Decision,
+    PolicyGate,
+    RecordEvent,
+    RevisionView,
+    RolloutState,
+    RolloutStatus,
+    ScrapeMetrics,
+    SetCondition,
+    WorkerReport,
+    World,
+    previous_stables,
+    step,
+)
 
 HISTORY_LIMIT = 10
-PROGRESS_REQUEUE_SECONDS = 10.0
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -80,6 +91,16 @@ class Observed:
     """The config.json from spec.model.architectureConfigMap, when the spec names one."""
     architecture_config_error: str | None = None
     """Why that config.json could not be read (missing ConfigMap or key, bad JSON)."""
+    serving: str | None = None
+    """The revision the model's Service selects (None: no Service yet)."""
+    policy: PolicyGate = PolicyGate()
+    """The InferencePolicy verdict on the spec (no policy: compliant)."""
+    worker_reports: tuple[WorkerReport, ...] | None = None
+    """A fresh scrape of the candidate's workers, when the previous pass asked for one."""
+    canary: CanaryResult | None = None
+    """The last finished canary run of this model held in memory by the operator."""
+    canary_running: bool = False
+    """A canary run for the candidate's current attempt is in progress."""
 
 
 def owned_by(obj: Mapping[str, Any], model: str, uid: str | None) -> bool:
@@ -89,6 +110,23 @@ def owned_by(obj: Mapping[str, Any], model: str, uid: str | None) -> bool:
         return False
     refs = meta.get("ownerReferences") or []
     return uid is None or any(r.get("uid") == uid for r in refs)
+
+
+def revision_views(deployments: Sequence[DeploymentState]) -> dict[str, RevisionView]:
+    """Per revision: ready (all three roles at their non-zero replicas), parked at zero, workers."""
+    by_revision: dict[str, list[DeploymentState]] = {}
+    for d in deployments:
+        by_revision.setdefault(d.revision, []).append(d)
+    views = {}
+    for revision, states in by_revision.items():
+        roles = {d.role: d for d in states}
+        waiting = tuple(f"{r} {roles[r].ready}/{roles[r].desired} ready" if r in roles else f"{r} (not created)"
+                        for r in ROLES if r not in roles or not roles[r].is_ready or roles[r].desired == 0)  # fmt: skip
+        views[revision] = RevisionView(
+            ready=not waiting, scaled_to_zero=all(d.desired == 0 for d in states),
+            worker_replicas=sum(d.desired for d in states if d.role in ("prefill", "decode")), waiting=waiting,
+        )  # fmt: skip
+    return views
 
 
 def deployment_state(obj: Mapping[str, Any]) -> DeploymentState:
@@ -118,30 +156,19 @@ class Outcome:
     """What the I/O layer must do. Applying it twice is the same as applying it once."""
 
     status: dict[str, Any]
-    apply: list[Manifest] = field(default_factory=list)
-    """Create, or merge-patch when the live object differs."""
-    create_only: list[Manifest] = field(default_factory=list)
-    """Create when missing, never patch (the KV-transfer Secret)."""
-    delete: list[tuple[str, str]] = field(default_factory=list)
-    """(kind, name) in the model's namespace."""
+    """The whole status to write, BEFORE the actions run (record intent, then act: a restart
+    re-issues whatever the recorded state still needs)."""
+    actions: list[Action] = field(default_factory=list)
+    """Workload actions of the rollout decision, for a backend (`backends.base.execute`)."""
+    spec: InferenceModelSpec | None = None
+    """The parsed spec with its architecture resolved (what DeployRevision deploys)."""
+    revision: str | None = None
+    scrape: str | None = None
+    """Revision whose workers must be scraped, then reconcile run again with the reports."""
     events: list[EventSpec] = field(default_factory=list)
     requeue_after: float | None = None
     plan: KVPlan | None = None
     blocked_reason: str | None = None
-
-
-class RolloutDecision(enum.Enum):
-    """What to do with a candidate revision whose workloads are all ready."""
-
-    PROMOTE = "Promote"
-    HOLD = "Hold"
-
-
-def on_revision_ready(spec: InferenceModelSpec, status: InferenceModelStatus, revision: str) -> RolloutDecision:
-    """The seam for the rollout gate. This issue promotes a ready revision at once; the next one
-    runs the canary suite here (CanaryPassed) and checks InferencePolicy (PolicyCompliant) before
-    answering PROMOTE, and returns HOLD while the canary runs (S7)."""
-    return RolloutDecision.PROMOTE
 
 
 # --- reconcile ---------------------------------------------------------------------------------
@@ -183,7 +210,7 @@ class _Run:
         return Outcome(status=status_patch(self.status), **kwargs)
 
 
-def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime, transfer_key: bytes) -> Outcome:
+def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) -> Outcome:
     """The desired state for one InferenceModel `body` (a dict as the API server returns it)."""
     meta = body.get("metadata", {})
     generation = meta.get("generation")  # kmock stores none; tolerate it
@@ -207,13 +234,13 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime, 
     run.status.kv_ratio = min((r.ratio for r in kv_plan.roles.values()), default=None)
     owner = Owner(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta["uid"])
     if kv_plan.verdict == "blocked":
-        return _blocked(run, kv_plan, revision)
+        return _blocked(run, spec, kv_plan, revision)
     run.set(cond.KV_POOL_SUFFICIENT, "True", "KVPoolSufficient", describe_pools(kv_plan))
     try:
-        desired = render_revision(spec, kv_plan, owner, revision)
+        render_revision(spec, kv_plan, owner, revision)  # a spec its engine cannot run never deploys
     except RenderError as exc:
         return _invalid(run, "InvalidSpec", str(exc))
-    return _roll_out(run, spec, kv_plan, owner, revision, desired, transfer_key)
+    return _roll_out(run, spec, kv_plan, revision, plan_ok=True, plan_message="")
 
 
 def _invalid(run: _Run, reason: str, message: str) -> Outcome:
@@ -227,66 +254,96 @@ def _invalid(run: _Run, reason: str, message: str) -> Outcome:
     previous_degraded = cond.find_condition(run.previous.conditions, cond.DEGRADED)
     repeated = previous_degraded is not None and previous_degraded.status == "True" and previous_degraded.message == message
     events = [] if repeated else [EventSpec("Warning", reason, message)]
-    return run.outcome(events=events, blocked_reason=reason)
+    return run.outcome(events=events, blocked_reason=reason, requeue_after=None)
 
 
-def _blocked(run: _Run, kv_plan: KVPlan, revision: str) -> Outcome:
-    """S7 gate: the plan says a pool is below minKVRatio x contextLength. Nothing running changes."""
+def _blocked(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str) -> Outcome:
+    """S7 gate: the plan says a pool is below minKVRatio x contextLength. The stable revision is
+    not touched (S8); the rollout machine removes an unfinished canary of an older spec."""
     message = describe_pools(kv_plan) + ". " + describe_fixes(kv_plan)
-    run.status.phase = Phase.BLOCKED
-    run.status.message = f"revision {revision} blocked: KV pool too small"
     run.set(cond.KV_POOL_SUFFICIENT, "False", "KVPoolTooSmall", message)
-    run.set(cond.PROGRESSING, "False", "KVPoolTooSmall", f"revision {revision} is not rolled out")
-    run.set(cond.DEGRADED, "False", "AsExpected", "the operator is working; the spec is blocked by the planner")
-    _set_ready(run, run.status.revision)
     new = run.record(revision, "Blocked", message, run.status.kv_ratio)
-    events = [EventSpec("Warning", "KVPoolTooSmall", f"revision {revision}: {message}")] if new else []
-    return run.outcome(events=events, plan=kv_plan, blocked_reason="KVPoolTooSmall")
+    outcome = _roll_out(run, spec, kv_plan, revision, plan_ok=False, plan_message=message)
+    events = [e for e in outcome.events if e.reason != "KVPoolTooSmall"]
+    if new:
+        events.insert(0, EventSpec("Warning", "KVPoolTooSmall", f"revision {revision}: {message}"))
+    run.status.message = f"revision {revision} blocked: KV pool too small"
+    return dataclasses.replace(outcome, status=status_patch(run.status), events=events, blocked_reason="KVPoolTooSmall")
 
 
-def _roll_out(
-    run: _Run,
-    spec: InferenceModelSpec,
-    kv_plan: KVPlan,
-    owner: Owner,
-    revision: str,
-    desired: list[Manifest],
-    transfer_key: bytes,
-) -> Outcome:
-    run.set(cond.DEGRADED, "False", "AsExpected", "")
-    apply, events = list(desired), []
+_PHASES = {
+    RolloutState.BLOCKED: Phase.BLOCKED,
+    RolloutState.FAILED: Phase.DEGRADED,
+    RolloutState.ROLLED_BACK: Phase.DEGRADED,
+    RolloutState.STABLE: Phase.READY,
+}
+_CANARY_SUMMARY = {
+    RolloutState.PLANNING: "Pending",
+    RolloutState.CANARY_DEPLOYING: "Pending",
+    RolloutState.CANARY_VERIFYING: "Running",
+}
+
+
+def _roll_out(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str, *, plan_ok: bool, plan_message: str) -> Outcome:
+    """Feed the rollout state machine and turn its decision into status, actions and events."""
+    meta = run.body.get("metadata", {})
     stable = run.status.revision
-    waiting = not_ready_roles(run.observed, owner.name, revision)
-    if revision != stable:
-        if run.record(revision, "Candidate", None, run.status.kv_ratio):
-            events.append(EventSpec("Normal", "RevisionCreated", f"rolling out revision {revision}"))
-        if not waiting and on_revision_ready(spec, run.status, revision) is RolloutDecision.PROMOTE:
-            _promote(run, revision, stable)
-            events.append(EventSpec("Normal", "RevisionPromoted", f"revision {revision} is serving"))
-            stable = revision
-    if stable is not None:
-        apply.append(render_model_service(owner, stable))
-    keep = {revision} | ({stable} if stable else set())
-    delete = [ref for old in sorted(run.observed.revisions_present - keep) for ref in revision_object_refs(owner.name, old)]
-    run.status.canary = "NotRun"  # the canary gate lands with the rollout state machine
-    if revision == stable and not waiting:
-        run.status.phase, run.status.message = Phase.READY, f"revision {revision} is serving"
-        run.set(cond.PROGRESSING, "False", "RolloutComplete", f"revision {revision} is serving")
-    else:
-        run.status.phase = Phase.PROGRESSING
-        run.status.message = f"revision {revision}: waiting for " + ", ".join(waiting) if waiting else f"revision {revision}: gating"
-        run.set(cond.PROGRESSING, "True", "RevisionRollingOut", run.status.message)
-    _set_ready(run, stable)
-    requeue = None if run.status.phase is Phase.READY else PROGRESS_REQUEUE_SECONDS
-    secret = render_transfer_secret(owner, revision, transfer_key)
-    return run.outcome(apply=apply, create_only=[secret], delete=delete, events=events, requeue_after=requeue, plan=kv_plan)
+    world = World(
+        target=revision, now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=run.observed.policy,
+        revisions=revision_views(run.observed.deployments) | {r: RevisionView() for r in run.observed.revisions_present
+                                                              if r not in {d.revision for d in run.observed.deployments}},
+        serving=run.observed.serving, previous_stables=previous_stables(run.status.history, stable),
+        annotations=meta.get("annotations") or {}, worker_reports=run.observed.worker_reports,
+        canary=run.observed.canary, canary_running=run.observed.canary_running,
+    )  # fmt: skip
+    decision = step(spec, run.status.rollout, stable, world)
+    previous_state = run.status.rollout.state if run.status.rollout else None
+    run.status.rollout = decision.rollout
+    _record_transition(run, decision, previous_state)
+    for action in decision.of_type(SetCondition):
+        run.set(action.type, action.status, action.reason, action.message)
+    rollout = decision.rollout
+    if rollout.state == RolloutState.STABLE:
+        run.set(cond.DEGRADED, "False", "AsExpected", "")
+    run.status.phase = _PHASES.get(rollout.state, Phase.PROGRESSING)
+    if rollout.state == RolloutState.PAUSED and decision.stable:
+        run.status.phase = Phase.READY
+    run.status.message = rollout.message
+    run.status.canary = _canary_summary(rollout)
+    _set_ready(run, decision.stable)
+    workload = [a for a in decision.actions if not isinstance(a, SetCondition | RecordEvent | ScrapeMetrics)]
+    events = [EventSpec(e.type, e.reason, e.message) for e in decision.of_type(RecordEvent)]
+    scrape = next((a.revision for a in decision.of_type(ScrapeMetrics)), None)
+    return run.outcome(
+        actions=workload, spec=spec, revision=revision, scrape=scrape, events=events,
+        requeue_after=decision.requeue_after, plan=kv_plan,
+    )  # fmt: skip
 
 
-def _promote(run: _Run, revision: str, previous_stable: str | None) -> None:
-    run.status.revision = revision
-    if previous_stable:
-        run.record(previous_stable, "Superseded", f"replaced by {revision}")
-    run.record(revision, "Stable", None, run.status.kv_ratio)
+def _record_transition(run: _Run, decision: Decision, previous_state: RolloutState | None) -> None:
+    """status.history: Candidate when a canary starts, Failed, Stable/Superseded on promotion."""
+    rollout, old_stable = decision.rollout, run.status.revision
+    if decision.stable != old_stable and decision.stable is not None:
+        run.status.revision = decision.stable
+        if old_stable:
+            run.record(old_stable, "Superseded", f"replaced by {decision.stable}")
+        run.record(decision.stable, "Stable", None, None if rollout.rollback else run.status.kv_ratio)
+    elif rollout.state == RolloutState.CANARY_DEPLOYING and previous_state != RolloutState.CANARY_DEPLOYING:
+        run.record(rollout.revision or "", "Candidate", None, run.status.kv_ratio)
+    elif rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and previous_state not in (
+        RolloutState.FAILED, RolloutState.ROLLED_BACK
+    ):
+        run.record(rollout.revision or "", "Failed", rollout.message)
+
+
+def _canary_summary(rollout: RolloutStatus) -> str:
+    if rollout.canary is not None:
+        return {"pass": "Passed", "fail": "Failed"}.get(rollout.canary.verdict, "CannotRun")
+    if rollout.rollback:
+        return "Skipped"
+    if rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
+        return "NotRun"
+    return _CANARY_SUMMARY.get(rollout.state, "NotRun")
 
 
 def _set_ready(run: _Run, stable: str | None) -> None:

@@ -3,9 +3,13 @@
 What this proves: the handlers, the controller and kube.py drive a real HTTP API with real watch
 streams; create/update/resume/Deployment events converge on the rendered objects; a blocked plan
 changes nothing that runs (S7, S8); children carry the owner references that make deletion clean.
-What it does not: kmock has no scheduler, Deployment controller or garbage collector, so the test
-plays the Deployment controller (it sets readyReplicas) and checks owner references instead of
-waiting for garbage collection. e2e/ runs the same flows on a real cluster.
+The canary gate (S7/S8) runs for real: the Kubernetes backend's endpoint resolution is pointed at
+real `kvguard` router/prefill/decode processes on loopback (`LocalDeployment`), so the operator
+scrapes real /metrics and runs the real canary suite; a revision can be mapped to a deployment
+started with the incident's faults. What it does not prove: kmock has no scheduler, Deployment
+controller, pods, DNS or garbage collector, so the test plays the Deployment controller (it sets
+readyReplicas), resolves URLs itself and checks owner references instead of waiting for GC.
+e2e/ runs the same flows on a real cluster.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import yaml
 
 import kvguard.operator.handlers  # noqa: F401  (registers the operator's handlers)
 from kvguard.operator import metrics
+from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionEndpoints, WorkerEndpoint
+from kvguard.operator.backends.kubernetes import KubernetesBackend
+from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NS = "models"
@@ -38,7 +45,13 @@ NETPOLS = km.resource("networking.k8s.io", "v1", "networkpolicies")
 EVENTS = km.resource("", "v1", "events")
 EMULATOR_URL: list[str] = []
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
+CANARY_WAIT = 60.0
+# A lean canary (capacity, golden, over-length, safety counters) keeps each rollout to seconds.
+FAST_CANARY = {"determinism": {"enabled": False}, "isolation": {"enabled": False}, "abort": {"enabled": False},
+               "overLength": {"apis": ["completions"], "streaming": [False]}, "requestTimeoutSeconds": 10}  # fmt: skip
+ROUTES: dict[str, LocalDeployment] = {}
+"""revision -> the processes that answer for it; anything else answers with the default."""
 
 
 @kopf.on.login()
@@ -50,7 +63,39 @@ def tiny_model(name: str = "tiny", uid: str = "uid-tiny") -> dict[str, Any]:
     body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
     body["metadata"] = {"name": name, "namespace": NS, "uid": uid, "resourceVersion": "1", "generation": 1}
     body["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}, "revision": "r1"}
+    body["spec"]["canary"] = copy.deepcopy(FAST_CANARY)
     return body
+
+
+def _serve(model_dir: Path, faults: str | None = None) -> LocalDeployment:
+    extra = (("KVGUARD_FAULTS", faults),) if faults else ()
+    config = LocalServeConfig(model_dir=model_dir, kv_pool_tokens=4096, context_length=1024, page_size=16, extra_env=extra)
+    return LocalDeployment(config).start()
+
+
+@pytest.fixture(scope="module")
+def serving(tiny_model_dir: Path) -> Any:
+    """Real router/prefill/decode processes standing in for every revision's pods."""
+    deployment = _serve(tiny_model_dir)
+    ROUTES["default"] = deployment
+    yield deployment
+    deployment.stop()
+    ROUTES.clear()
+
+
+@pytest.fixture(scope="module")
+def incident_build(tiny_model_dir: Path) -> Any:
+    """The incident's engine build: over-length 'rejected' via a placeholder token, no page tags."""
+    deployment = _serve(tiny_model_dir, "unsafe_reject_path,no_tags")
+    yield deployment
+    deployment.stop()
+
+
+async def resolve(model: ModelRef, revision: str) -> RevisionEndpoints:
+    deployment = ROUTES.get(revision, ROUTES["default"])
+    urls = deployment.metrics_urls
+    workers = tuple(WorkerEndpoint(f"{model.name}-{revision}-{role}-0", role, urls[role]) for role in ("prefill", "decode"))
+    return RevisionEndpoints(router_url=deployment.router_url, workers=workers)
 
 
 def objects_of(k8s: Any, resource: Any) -> dict[str, Any]:
@@ -69,8 +114,51 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) 
         await asyncio.sleep(0.05)
 
 
+class Operator:
+    """kopf in its own thread and event loop (it cancels every task created after it starts, so
+    pytest-asyncio's would die), like kopf.testing.KopfRunner; `restart` is a new process's worth
+    of state: no canary task, no in-memory result, only what the API server holds."""
+
+    def __init__(self, kmock: Any) -> None:
+        self.kmock = kmock
+        self.thread: threading.Thread | None = None
+        self.stop_flag = threading.Event()
+
+    async def start(self, suite: Any = None) -> None:
+        """`suite` replaces the canary suite runner of this operator process (default: the real one)."""
+        handlers = kvguard.operator.handlers
+        handlers._KUBE.clear()
+        handlers._DRIVER.clear()
+        if suite is not None:
+            handlers._DRIVER.append((KubernetesBackend(handlers._kube(), resolve), CanaryRunner(suite)))
+        settings = kopf.OperatorSettings()
+        settings.posting.enabled = False  # kmock has no generateName; our Events are plain creates
+        settings.watching.server_timeout = 5
+        self.stop_flag = threading.Event()
+        seen = len(list(self.kmock))
+        self.thread = threading.Thread(
+            target=asyncio.run,
+            args=(kopf.operator(clusterwide=True, standalone=True, settings=settings, stop_flag=self.stop_flag),),
+            daemon=True,
+        )
+        self.thread.start()
+        for plural in ("inferencemodels", "deployments"):
+            await until(lambda: any("watch" in str(r.url) and plural in str(r.url) for r in list(self.kmock)[seen:]),
+                        f"kopf to watch {plural}")  # fmt: skip
+
+    async def stop(self) -> None:
+        self.stop_flag.set()
+        assert self.thread is not None
+        await asyncio.to_thread(self.thread.join, 15)
+        assert not self.thread.is_alive(), "kopf did not stop"
+
+    async def restart(self, suite: Any = None) -> None:
+        await self.stop()
+        await self.start(suite)
+
+
 @pytest.fixture
-async def cluster(kmock: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
+async def operator(kmock: Any, monkeypatch: pytest.MonkeyPatch, serving: LocalDeployment) -> AsyncIterator[Operator]:
     kmock.resources.load_bundled()
     kmock.resources["kvguard.io/v1alpha1/inferencemodels"] = km.ResourceInfo(
         kind="InferenceModel", namespaced=True, subresources={"status"},
@@ -83,31 +171,23 @@ async def cluster(kmock: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
     kubernetes.client.Configuration.set_default(cfg)
     kubernetes.client.ApiClient.set_default(kubernetes.client.ApiClient(cfg))
     monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
-    kvguard.operator.handlers._KUBE.clear()
-    settings = kopf.OperatorSettings()
-    settings.posting.enabled = False  # kmock has no generateName; our Events are plain creates
-    settings.watching.server_timeout = 5
-    # kopf cancels every task created after it starts (pytest-asyncio's fixture tasks included),
-    # so it gets its own thread and event loop, like kopf.testing.KopfRunner does.
-    stop = threading.Event()
-    thread = threading.Thread(
-        target=asyncio.run,
-        args=(kopf.operator(clusterwide=True, standalone=True, settings=settings, stop_flag=stop),),
-        daemon=True,
-    )
-    thread.start()
+    kvguard.operator.handlers.ENDPOINT_RESOLVER[:] = [resolve]
+    op = Operator(kmock)
+    await op.start()
     try:
-        await until(lambda: any("watch" in str(r.url) and "inferencemodels" in str(r.url) for r in list(kmock)),
-                    "kopf to watch inferencemodels")  # fmt: skip
-        await until(lambda: any("watch" in str(r.url) and "deployments" in str(r.url) for r in list(kmock)),
-                    "kopf to watch deployments")  # fmt: skip
-        yield kmock
+        yield op
     finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 15)
-        assert not thread.is_alive(), "kopf did not stop"
+        await op.stop()
+        for revision in [r for r in ROUTES if r != "default"]:
+            del ROUTES[revision]
+        kvguard.operator.handlers.ENDPOINT_RESOLVER.clear()
         EMULATOR_URL.pop()
         kubernetes.client.ApiClient.set_default(None)
+
+
+@pytest.fixture
+async def cluster(operator: Operator) -> Any:
+    return operator.kmock
 
 
 async def http(method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
@@ -172,9 +252,15 @@ async def test_apply_renders_workloads_status_and_conditions(cluster: Any) -> No
     assert condition(status, "Progressing")["status"] == "True"
     assert status["plan"]["roles"]["decode"]["poolTokens"] == 4096
 
+    assert status["rollout"]["state"] == "CanaryDeploying" and "revision" not in status
+    assert "tiny" not in objects_of(cluster, SERVICES)  # nothing routes to an unverified revision (S7)
     await mark_ready(cluster, rev)  # the Deployment event triggers the next reconcile
-    status = await until(lambda: status_of(cluster).get("phase") == "Ready" and status_of(cluster), "phase Ready")
-    assert status["revision"] == rev
+    status = await until(lambda: status_of(cluster).get("phase") == "Ready" and status_of(cluster), "phase Ready", CANARY_WAIT)
+    assert status["revision"] == rev and status["canary"] == "Passed"
+    assert condition(status, "CanaryPassed")["status"] == "True"
+    rollout = status["rollout"]
+    assert rollout["state"] == "Stable" and rollout["canary"]["verdict"] == "pass"
+    assert [(w["role"], w["poolTokens"], w["sufficient"]) for w in rollout["workers"]] == [("prefill", 4096, True), ("decode", 4096, True)]
     assert condition(status, "Ready")["status"] == "True"
     assert condition(status, "Progressing")["reason"] == "RolloutComplete"
     model_service = await until(lambda: objects_of(cluster, SERVICES).get("tiny"), "the model Service")
@@ -188,7 +274,9 @@ async def test_S7_S8_blocked_change_leaves_running_revision_untouched(cluster: A
     rev = status["targetRevision"]
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev)
-    await until(lambda: status_of(cluster).get("phase") == "Ready", "Ready")
+    await until(lambda: status_of(cluster).get("phase") == "Ready", "Ready", CANARY_WAIT)
+    await until(lambda: "tiny" in objects_of(cluster, SERVICES), "the model Service")  # status is written before acting
+    await asyncio.sleep(0.3)
     before = {kind: copy.deepcopy({n: o.raw for n, o in objects_of(cluster, kind).items()})
               for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS)}  # fmt: skip
     blocked_before = metrics.REGISTRY.get_sample_value("kvguard_operator_blocked_plans_total", {"reason": "KVPoolTooSmall"}) or 0
@@ -214,18 +302,18 @@ async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: An
     rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev1)
-    await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable")
+    await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
 
     await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
     rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
     assert objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev1  # S8
     await mark_ready(cluster, rev2)
-    await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted")
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "rev1 Deployments deleted")
-    assert all(rev2 in name for name in objects_of(cluster, DEPLOYMENTS))
-    await until(lambda: f"tiny-{rev1}-kv-transfer" not in objects_of(cluster, SECRETS), "rev1 Secret deleted")
-    assert objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev2
+    await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted", CANARY_WAIT)
+    await until(lambda: objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev2, "traffic on rev2")
+    scaled = await until(lambda: all(d["spec"]["replicas"] == 0 for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n)
+                         and objects_of(cluster, DEPLOYMENTS), "rev1 scaled to zero, kept for rollback")  # fmt: skip
+    assert scaled[f"tiny-{rev1}-decode"]["metadata"]["annotations"]["kvguard.io/replicas-before-scale-down"] == "1"
     states = [(h["revision"], h["state"]) for h in status_of(cluster)["history"]]
     assert states[:2] == [(rev2, "Stable"), (rev1, "Superseded")]
 
@@ -253,3 +341,64 @@ async def test_children_are_owned_for_garbage_collection(cluster: Any) -> None:
     await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
     await until(lambda: cluster.objects[IM, NS, "tiny"].deleted, "the model deleted")
     logging.getLogger(__name__).info("kmock has no garbage collector; owner references above are what a cluster's GC uses")
+
+
+async def test_S8_failing_canary_scales_it_to_zero_and_leaves_stable_untouched(cluster: Any, incident_build: LocalDeployment) -> None:
+    await apply_model(tiny_model())
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
+    await until(lambda: "tiny" in objects_of(cluster, SERVICES), "the model Service")
+    await asyncio.sleep(0.3)
+    stable_before = {n: copy.deepcopy(o.raw) for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS)
+                     for n, o in objects_of(cluster, kind).items()}  # fmt: skip
+
+    await patch_model("tiny", {"spec": {"engine": {"version": "incident-build"}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    ROUTES[rev2] = incident_build
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "the canary beside stable")
+    await mark_ready(cluster, rev2)
+    status = await until(lambda: (s := status_of(cluster)).get("rollout", {}).get("state") == "RolledBack" and s,
+                         "the canary rolled back", CANARY_WAIT)  # fmt: skip
+    canary = condition(status, "CanaryPassed")
+    assert canary["status"] == "False" and "canary fail" in canary["message"] and "over_length" in canary["message"]
+    degraded = condition(status, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "CanaryFailed" and "kvguard.io/retry" in degraded["message"]
+    assert status["revision"] == rev1 and status["phase"] == "Degraded" and status["canary"] == "Failed"
+    assert condition(status, "Ready")["status"] == "True"
+    assert "over_length" in status["rollout"]["canary"]["failedProbes"]
+    assert all(d["spec"]["replicas"] == 0 for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev2 in n)
+    events = await until(lambda: [e for e in objects_of(cluster, EVENTS).values() if e["reason"] == "CanaryFailed"], "Warning event")
+    assert events[0]["type"] == "Warning" and f"revision {rev1} keeps serving" in events[0]["message"]
+    await asyncio.sleep(0.5)
+    stable_after = {n: o.raw for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS) for n, o in objects_of(cluster, kind).items()
+                    if n in stable_before}  # fmt: skip
+    assert stable_after == stable_before, "S8: the stable revision and the model Service are unchanged"
+    states = [(h["revision"], h["state"]) for h in status["history"]]
+    assert states[:2] == [(rev2, "Failed"), (rev1, "Stable")]
+
+
+async def never_finishes(url: str, *args: Any, **kwargs: Any) -> Any:
+    await asyncio.Event().wait()  # a canary still running when the operator dies
+
+
+async def test_S8_operator_restart_mid_rollout_resumes_without_double_promotion(operator: Operator) -> None:
+    cluster = operator.kmock
+    await operator.restart(suite=never_finishes)
+    await apply_model(tiny_model())
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev)
+    await until(lambda: status_of(cluster).get("rollout", {}).get("state") == "CanaryVerifying" and status_of(cluster)["rollout"].get("workers"),
+                "pools measured, canary running")  # fmt: skip
+    await asyncio.sleep(0.3)
+    assert status_of(cluster)["rollout"]["state"] == "CanaryVerifying" and "revision" not in status_of(cluster)
+    assert "tiny" not in objects_of(cluster, SERVICES)
+    await operator.restart()  # the running canary dies with the process; status holds the step
+    status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "promoted after the restart", CANARY_WAIT)
+    assert status["rollout"]["state"] == "Stable" and status["rollout"]["canary"]["verdict"] == "pass"
+    await asyncio.sleep(0.5)
+    promoted = [e for e in objects_of(cluster, EVENTS).values() if e["reason"] == "RevisionPromoted"]
+    assert len(promoted) == 1 and promoted[0].get("count", 1) == 1, "exactly one promotion"
+    await until(lambda: objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev, "traffic routed")

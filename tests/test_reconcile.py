@@ -1,4 +1,6 @@
-"""The pure reconcile: level-based and idempotent; a blocked plan applies nothing (S7, S8)."""
+"""The pure reconcile: level-based and idempotent; a blocked plan applies nothing (S7, S8).
+
+The canary gate itself is tested in test_rollout.py; here it is fed a passing canary result."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from typing import Any
 import yaml
 
 from kvguard.operator.reconcile import DeploymentState, Observed, reconcile
+from kvguard.operator.rollout import CanaryResult, DeployRevision, RouteTraffic, WorkerReport
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
-KEY = b"k" * 32
+POOLS = (WorkerReport("p", "prefill", 4096, 1024), WorkerReport("d", "decode", 4096, 1024))
 
 
 def body(example: str = "tiny-cpu.yaml") -> dict[str, Any]:
@@ -22,43 +25,54 @@ def body(example: str = "tiny-cpu.yaml") -> dict[str, Any]:
     return b
 
 
-def ready(rev: str, name: str = "tiny-cpu") -> Observed:
+def ready(rev: str, name: str = "tiny-cpu", **kwargs: object) -> Observed:
     deployments = [DeploymentState(f"{name}-{rev}-{r}", rev, r, 1, 1) for r in ("prefill", "decode", "router")]
-    return Observed(deployments=deployments, revisions_present=frozenset({rev}))
+    return Observed(deployments=deployments, revisions_present=frozenset({rev}), **kwargs)  # type: ignore[arg-type]
 
 
-def test_reconcile_is_idempotent_and_promotes_a_ready_revision() -> None:
-    first = reconcile(body(), Observed(), now=NOW, transfer_key=KEY)
+def promote(b: dict[str, Any]) -> dict[str, Any]:
+    """Drive the first rollout to Stable: deploy, scrape (reports), canary passes."""
+    first = reconcile(b, Observed(), now=NOW)
     rev = first.status["targetRevision"]
     assert first.status["phase"] == "Progressing" and first.status["observedGeneration"] == 3
-    b = body()
+    assert DeployRevision(rev) in first.actions and not any(isinstance(a, RouteTraffic) for a in first.actions)
     b["status"] = first.status
-    second = reconcile(b, ready(rev), now=NOW + dt.timedelta(seconds=5), transfer_key=KEY)
-    assert second.status["revision"] == rev and second.status["phase"] == "Ready"
+    verifying = reconcile(b, ready(rev), now=NOW)
+    assert verifying.scrape == rev
+    verifying = reconcile(b, ready(rev, worker_reports=POOLS), now=NOW)
+    assert verifying.status["canary"] == "Running" and verifying.status["revision"] is None
+    b["status"] = verifying.status
+    second = reconcile(b, ready(rev, canary=CanaryResult(rev, "", "pass", "7 probe(s) passed")), now=NOW + dt.timedelta(seconds=5))
+    assert second.status["revision"] == rev and second.status["phase"] == "Ready" and second.status["canary"] == "Passed"
+    assert RouteTraffic(rev) in second.actions
     b["status"] = second.status
-    third = reconcile(b, ready(rev), now=NOW + dt.timedelta(seconds=60), transfer_key=KEY)
-    assert third.status == second.status and third.events == [] and third.delete == []
-    assert [m["metadata"]["name"] for m in third.apply] == [m["metadata"]["name"] for m in second.apply]
+    return b
+
+
+def test_reconcile_is_idempotent_and_promotes_only_after_the_canary() -> None:
+    b = promote(body())
+    rev = b["status"]["revision"]
+    third = reconcile(b, ready(rev, serving=rev), now=NOW + dt.timedelta(seconds=60))
+    assert third.status == b["status"] and third.events == []
+    assert third.actions == [DeployRevision(rev), RouteTraffic(rev)]
 
 
 def test_S7_S8_blocked_plan_applies_and_deletes_nothing() -> None:
-    b = body()
-    first = reconcile(b, Observed(), now=NOW, transfer_key=KEY)
-    b["status"] = reconcile({**b, "status": first.status}, ready(first.status["targetRevision"]), now=NOW, transfer_key=KEY).status
+    b = promote(body())
     b["spec"]["kvPoolTokens"] = 1024
-    out = reconcile(b, ready(b["status"]["revision"]), now=NOW, transfer_key=KEY)
-    assert out.apply == [] and out.create_only == [] and out.delete == []
+    out = reconcile(b, ready(b["status"]["revision"]), now=NOW)
+    assert out.actions == []
     assert out.status["phase"] == "Blocked" and out.status["revision"] == b["status"]["revision"]
     assert [e.reason for e in out.events] == ["KVPoolTooSmall"]
-    again = reconcile({**b, "status": out.status}, ready(b["status"]["revision"]), now=NOW, transfer_key=KEY)
+    again = reconcile({**b, "status": out.status}, ready(b["status"]["revision"]), now=NOW)
     assert again.events == []  # one Warning per blocked revision, not one per reconcile
 
 
 def test_bad_input_is_a_condition_never_an_exception() -> None:
     for spec in ({}, {"contextLength": -1}, {"model": 3}):
         b = {"metadata": {"name": "x", "namespace": "ns", "uid": "u"}, "spec": spec}
-        out = reconcile(b, Observed(), now=NOW, transfer_key=KEY)
-        assert out.status["phase"] == "Degraded" and out.apply == []
+        out = reconcile(b, Observed(), now=NOW)
+        assert out.status["phase"] == "Degraded" and out.actions == []
         degraded = next(c for c in out.status["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "True" and "spec." in degraded["message"]
 
@@ -66,4 +80,4 @@ def test_bad_input_is_a_condition_never_an_exception() -> None:
 def test_missing_generation_is_tolerated() -> None:
     b = body()
     del b["metadata"]["generation"]
-    assert reconcile(b, Observed(), now=NOW, transfer_key=KEY).status["observedGeneration"] is None
+    assert reconcile(b, Observed(), now=NOW).status["observedGeneration"] is None
