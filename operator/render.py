@@ -179,8 +179,13 @@ class KvguardAdapter:
         source = spec.model.source
         if source is not None and source.pvc is None:
             raise RenderError("spec.model.source", "the kvguard engine loads weights from a directory: use pvc")
-        args = ["kvguard", "worker", "--role", ctx.role, "--model", ctx.model_location(), "--port", str(HTTP_PORT)]
-        args += ["--context-length", str(spec.context_length)]
+        # Bind every interface (the pod's IP), and advertise the pod IP as decode's transfer
+        # address: prefill connects to it directly, as the NetworkPolicy expects.
+        args = [
+            "kvguard", "worker", "--role", ctx.role, "--model", ctx.model_location(),
+            "--model-name", spec.model.name, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--context-length", str(spec.context_length),
+        ]  # fmt: skip
         if ctx.role == "router":
             return args + ["--prefill", ctx.service_url("prefill"), "--decode", ctx.service_url("decode")]
         role_plan = ctx.plan.roles[ctx.role]
@@ -189,14 +194,19 @@ class KvguardAdapter:
             "--page-size", str(spec.page_size),
             "--device", spec.hardware.device.value,
             "--transfer-port", str(spec.kv_transfer.port),
+            "--advertise-host", f"$({POD_IP_ENV})",
             "--max-transfer-batch", str(spec.kv_transfer.max_batch),
+            "--transfer-timeout", str(spec.kv_transfer.timeout_seconds),
         ]  # fmt: skip
         return args + list(spec.engine.extra_args)
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
         if ctx.role == "router":
             return []
-        return [_secret_env(TRANSFER_KEY_ENV, secret_name(ctx.owner.name, ctx.revision))]
+        return [
+            _secret_env(TRANSFER_KEY_ENV, secret_name(ctx.owner.name, ctx.revision)),
+            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ]
 
     def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
         ports = [_http_port()]
@@ -358,6 +368,9 @@ ADAPTERS: dict[EngineKind, EngineAdapter] = {
     EngineKind.SGLANG: SGLangAdapter(),
     EngineKind.VLLM: VLLMAdapter(),
 }
+
+
+POD_IP_ENV = "KVGUARD_POD_IP"  # expanded by the kubelet in `$(KVGUARD_POD_IP)` args
 
 
 def _secret_env(name: str, secret: str) -> dict[str, Any]:

@@ -90,6 +90,24 @@ def test_kvguard_worker_flags_and_restricted_pods() -> None:
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "u"
 
 
+def test_kvguard_commands_are_accepted_by_our_own_worker_cli() -> None:
+    """The render/CLI contract: every rendered kvguard command parses with `kvguard worker`, binds
+    all interfaces, and decode advertises its pod IP (from the downward API) for KV transfer."""
+    from kvguard.cli import build_parser
+
+    m = model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"],
+              "source": {"pvc": {"claimName": "models", "path": "tiny"}}})  # fmt: skip
+    objs = objects(m)
+    for role in ("prefill", "decode", "router"):
+        cmd = command(objs, role)
+        args = build_parser().parse_args(cmd[1:])
+        assert args.role == role and args.host == "0.0.0.0" and args.model_name == m.spec.model.name
+    decode = objs["Deployment", "m-r1-decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert flag(decode["command"], "--advertise-host") == "$(KVGUARD_POD_IP)"
+    pod_ip = next(e for e in decode["env"] if e["name"] == "KVGUARD_POD_IP")
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
 def test_engine_limits_become_field_errors() -> None:
     spec_model = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"]
     m = model("tiny-cpu.yaml", model={**spec_model, "source": {"huggingFace": "org/x"}})
