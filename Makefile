@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # standard library's `operator` module for anything started with `python -m` from here.
 PYM := $(PY) -P -m
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYM) pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check operator workers kvguard tests e2e bench
 
 bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

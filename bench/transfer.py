@@ -77,10 +77,10 @@ async def _decode_main(ctl: Connection) -> None:
     ports["raw"] = raw.getsockname()[1]
     ctl.send(ports)
     loop = asyncio.get_running_loop()
-    handles = []
     while (msg := await loop.run_in_executor(None, ctl.recv)) is not None:
         variant, plans = msg
-        handles = [receivers[variant].expect(rid, ids, gens) for rid, ids, gens in plans]
+        for rid, ids, gens in plans:
+            receivers[variant].expect(rid, ids, gens)
         ctl.send("ready")
 
 

@@ -64,7 +64,7 @@ class Condition(BaseModel):
 
 def rfc3339(moment: dt.datetime) -> str:
     """Kubernetes time format: UTC, second precision, trailing Z."""
-    return moment.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def make_condition(

@@ -174,7 +174,7 @@ async def _reconcile_locked(
         runner.forget((key[0] or "default", key[1]))
         return Outcome(status={})
     fresh.setdefault("metadata", {}).setdefault("uid", meta.get("uid"))
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     try:
         observed = await observe(kube, fresh, runner)
         outcome = reconcile(fresh, observed, now=now)

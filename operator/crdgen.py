@@ -15,7 +15,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicySpec, InferencePolicyStatus
+from kvguard.operator.api import (
+    API_GROUP,
+    API_VERSION,
+    InferenceModelSpec,
+    InferenceModelStatus,
+    InferencePolicySpec,
+    InferencePolicyStatus,
+)
 
 _DROP_KEYS = {"title", "$defs", "discriminator"}
 _SCHEMA_KEYS = {"items", "additionalProperties", "anyOf", "allOf", "oneOf", "not"}  # values that are schemas

@@ -15,14 +15,16 @@ from typing import Any
 
 import kopf
 
-from kvguard.operator import metrics
+from kvguard.operator import (
+    metrics,
+    webhook,  # noqa: F401  (registers the admission webhook and the InferencePolicy index)
+)
 from kvguard.operator.api import API_GROUP, API_VERSION
 from kvguard.operator.backends.base import CanaryRunner
 from kvguard.operator.backends.kubernetes import KubernetesBackend, Resolver
 from kvguard.operator.controller import owner_of, reconcile_model
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.render import MANAGED_BY
-from kvguard.operator import webhook  # noqa: F401  (registers the admission webhook and the InferencePolicy index)
 
 MODELS = (API_GROUP, API_VERSION, "inferencemodels")
 RETRY_SECONDS = 5

@@ -149,7 +149,7 @@ class Kube:
         meta = involved["metadata"]
         digest = hashlib.sha256(f"{meta.get('uid')}|{type_}|{reason}|{message}".encode()).hexdigest()[:16]
         ref = ObjectRef("Event", f"{meta['name']}.{digest}", meta.get("namespace"))
-        stamp = now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = now.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -350,7 +350,7 @@ class Decision:
 
 
 def rfc3339(moment: dt.datetime) -> str:
-    return moment.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def step(
@@ -754,7 +754,7 @@ def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
     if not text:
         return default
     try:
-        return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+        return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
     except ValueError:
         return default
 

@@ -145,7 +145,8 @@ async def validate_inference_model(body: kopf.Body, old: kopf.Body | None, opera
 
 def inference_policies(body: kopf.Body, **_: Any) -> dict[None, InferencePolicy]:
     """All InferencePolicies, under the single key None (`policies_from_index`)."""
-    return {None: policy for policy in parse_policies([body])}
+    parsed = parse_policies([body])  # one object: at most one policy (kopf groups values by key)
+    return {None: parsed[0]} if parsed else {}
 
 
 def policies_from_index(index: Mapping[Any, Iterable[InferencePolicy]]) -> list[InferencePolicy]:

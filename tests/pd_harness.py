@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import openai
@@ -74,7 +74,7 @@ def wait_pools_empty(d: LocalDeployment, timeout_s: float = 5.0, roles: tuple[st
         time.sleep(0.05)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _engine(model_dir: Path, kv_pool_tokens: int, context_length: int):  # type: ignore[no-untyped-def]
     from kvguard.workers.config import EngineConfig
     from kvguard.workers.engine import Engine

@@ -13,7 +13,12 @@ from kvguard.workers.async_engine import AsyncEngine
 from kvguard.workers.config import EngineConfig
 from kvguard.workers.engine import Engine
 from kvguard.workers.request import (
-    ContextLengthExceeded, KVNotWritten, RequestAborted, RequestState, SamplingParams, TagViolation,
+    ContextLengthExceeded,
+    KVNotWritten,
+    RequestAborted,
+    RequestState,
+    SamplingParams,
+    TagViolation,
 )
 
 PROMPTS = ["The quick brown fox", "Hello", "A much longer prompt that spans a few pages of the pool",
@@ -195,7 +200,7 @@ def test_s3_decode_refuses_to_start_on_unwritten_pages(tiny_model_dir: Path) -> 
 def test_s1_unsafe_start_is_still_caught_at_read_time(tiny_model_dir: Path) -> None:
     """The incident's engine (`unsafe_reject_path`): decode skips the S3 check and starts on
     pages nobody wrote. The read-time tag check still fails that request, and only it."""
-    prefill, decode = engine(tiny_model_dir), engine(tiny_model_dir)
+    decode = engine(tiny_model_dir)
     decode.generate([ids(decode, PROMPTS[2])], GREEDY)
     other = decode.add_request("other", ids(decode, PROMPTS[0]), GREEDY)
     decode.step()

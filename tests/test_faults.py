@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 
 import pytest
+from pydantic import ValidationError
 
 from kvguard.workers.faults import (
     ENV_VAR,
     NO_FAULTS,
-    FaultSpecError,
     Faults,
+    FaultSpecError,
     faults_from_env,
     log_enabled_faults,
     parse_faults,
@@ -81,5 +82,5 @@ def test_rng_is_seeded_and_deterministic() -> None:
 
 
 def test_faults_are_immutable() -> None:
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         NO_FAULTS.no_tags = True  # type: ignore[misc]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,8 +31,8 @@ def write_tokens(pool: KVPool, lease, start: int, end: int, fill: float = 1.0) -
 def reads_ok(pool: KVPool, leases: list, read_tokens: list[int]) -> list[bool]:
     pages = [pool.pages_for(max(n, 1)) for n in read_tokens]
     width = max(pages)
-    table = torch.tensor([list(l.page_ids[:n]) + [0] * (width - n) for l, n in zip(leases, pages)])
-    granted = torch.tensor([list(l.generations[:n]) + [0] * (width - n) for l, n in zip(leases, pages)])
+    table = torch.tensor([list(lease.page_ids[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)])
+    granted = torch.tensor([list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)])
     return pool.verify_reads(table, granted, torch.tensor(pages), torch.tensor(read_tokens)).tolist()
 
 
@@ -167,7 +166,7 @@ def test_random_alloc_free_abort_sequences_keep_integrity(ops: list[tuple[str, i
             write_tokens(pool, lease, 0, lease.num_tokens)
             assert reads_ok(pool, [lease], [lease.num_tokens]) == [True]
         pool.check_integrity()
-        assert pool.used_pages == sum(len(l.page_ids) for l in live)
+        assert pool.used_pages == sum(len(lease.page_ids) for lease in live)
     for lease in live:
         pool.free(lease)
     pool.check_integrity()

@@ -147,7 +147,7 @@ def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) ->
 def test_record_decision_keeps_history_for_rollbacks() -> None:
     body = tiny_body()
     kv_plan = plan(spec_of(body))
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     status = InferenceModelStatus(revision="old")
     status = record_decision(status, Decision(RolloutStatus(state=RolloutState.CANARY_DEPLOYING, revision="new"), "old", ()), "new", kv_plan, 1, now)
     assert [(h.revision, h.state) for h in status.history] == [("new", "Candidate")]

@@ -143,7 +143,7 @@ class Operator:
         )
         self.thread.start()
         for plural in ("inferencemodels", "deployments"):
-            await until(lambda: any("watch" in str(r.url) and plural in str(r.url) for r in list(self.kmock)[seen:]),
+            await until(lambda: any("watch" in str(r.url) and plural in str(r.url) for r in list(self.kmock)[seen:]),  # noqa: B023 - awaited in this iteration
                         f"kopf to watch {plural}")  # fmt: skip
 
     async def stop(self) -> None:

@@ -8,15 +8,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
-import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
 import requests
-
-from kvguard.workers.launcher import LocalDeployment
 from pd_harness import (
     TRANSFER_TIMEOUT_S,
     client,
@@ -27,6 +24,8 @@ from pd_harness import (
     served_model,
     wait_pools_empty,
 )
+
+from kvguard.workers.launcher import LocalDeployment
 
 
 def _outcome(d: LocalDeployment, prompt: str, max_tokens: int = 12) -> tuple[str, str]:

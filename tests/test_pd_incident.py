@@ -14,7 +14,6 @@ import concurrent.futures as cf
 from pathlib import Path
 
 import openai
-
 from pd_harness import client, complete, deployment, metric, reference_text, served_model, wait_pools_empty
 
 POOL, CONTEXT = 128, 128  # one request can span the whole pool: every page gets reused

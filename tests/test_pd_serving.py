@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +12,9 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from pd_harness import client, complete, deployment, metric, pools_used, reference_text, served_model, wait_pools_empty
 
 from kvguard.workers.launcher import LocalDeployment
-from pd_harness import client, complete, deployment, metric, pools_used, reference_text, served_model, wait_pools_empty
 
 PROMPTS = [
     "The quick brown fox",

@@ -14,7 +14,7 @@ from kvguard.operator.reconcile import DeploymentState, Observed, reconcile
 from kvguard.operator.rollout import CanaryResult, DeployRevision, RouteTraffic, WorkerReport
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 POOLS = (WorkerReport("p", "prefill", 4096, 1024), WorkerReport("d", "decode", 4096, 1024))
 
 

@@ -38,8 +38,8 @@ from kvguard.operator.rollout import (
     ScaleRevision,
     ScrapeMetrics,
     SetCondition,
-    World,
     WorkerReport,
+    World,
     previous_stables,
     step,
     worker_report,
@@ -47,7 +47,7 @@ from kvguard.operator.rollout import (
 
 S = RolloutState
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SPEC = InferenceModelSpec.model_validate(yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"])
 GOOD_POOLS = (WorkerReport("p0", "prefill", 4096, 1024), WorkerReport("d0", "decode", 4096, 1024))
 READY = RevisionView(ready=True, worker_replicas=2)

@@ -11,7 +11,13 @@ from kvguard.workers.config import EngineConfig
 from kvguard.workers.engine import Engine
 from kvguard.workers.kv_pool import KVPool
 from kvguard.workers.request import (
-    ContextLengthExceeded, DuplicateRequestId, InvalidRequest, Request, RequestMode, RequestState, SamplingParams,
+    ContextLengthExceeded,
+    DuplicateRequestId,
+    InvalidRequest,
+    Request,
+    RequestMode,
+    RequestState,
+    SamplingParams,
 )
 from kvguard.workers.scheduler import Scheduler
 

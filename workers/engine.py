@@ -31,8 +31,18 @@ from kvguard.workers.kv_pool import KVPool
 from kvguard.workers.metrics import EngineMetrics
 from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, load_model
 from kvguard.workers.request import (
-    ContextLengthExceeded, DuplicateRequestId, EngineError, InvalidRequest, KVNotWritten, Request,
-    RequestAborted, RequestMode, RequestOutput, RequestState, SamplingParams, TagViolation,
+    ContextLengthExceeded,
+    DuplicateRequestId,
+    EngineError,
+    InvalidRequest,
+    KVNotWritten,
+    Request,
+    RequestAborted,
+    RequestMode,
+    RequestOutput,
+    RequestState,
+    SamplingParams,
+    TagViolation,
 )
 from kvguard.workers.sampling import sample
 from kvguard.workers.scheduler import Scheduler

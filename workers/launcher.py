@@ -109,7 +109,7 @@ class LocalDeployment:
     def metrics_urls(self) -> dict[str, str]:
         return {name: f"{self.url(p.port)}/metrics" for name, p in self.processes.items()}
 
-    def start(self, ready_timeout_s: float = 120.0) -> "LocalDeployment":
+    def start(self, ready_timeout_s: float = 120.0) -> LocalDeployment:
         for name in ("prefill", "decode", "router"):
             self._spawn(self.processes[name])
         try:
@@ -183,7 +183,7 @@ class LocalDeployment:
                 process.popen.kill()
                 process.popen.wait()
 
-    def __enter__(self) -> "LocalDeployment":
+    def __enter__(self) -> LocalDeployment:
         return self.start()
 
     def __exit__(self, *_: object) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from aiohttp import web
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvguard.workers.protocol import SamplingParams

@@ -22,18 +22,17 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
-    context_length_exceeded,
-    error_middleware,
     CompletionRequest,
     OpenAIError,
     ResponseBuilder,
+    context_length_exceeded,
+    error_middleware,
     sse,
     validation_error,
 )
@@ -139,7 +138,7 @@ async def fetch_upstreams(
                 if worker.role is not role:
                     raise ValueError(f"{url} is a {worker.role.value} worker, expected {role.value}")
                 return Upstream(url, worker)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.2)
@@ -204,7 +203,7 @@ class Router:
                 async with self.session.get(f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status != 200:
                         return web.json_response({"status": "unhealthy", "worker": upstream.url}, status=503)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 return web.json_response({"status": "unreachable", "worker": upstream.url}, status=503)
         return web.json_response({"status": "ok"})
 
@@ -428,7 +427,7 @@ class Router:
             try:
                 async with self.session.post(f"{url}/internal/abort", json=body, timeout=timeout):  # type: ignore[union-attr]
                     pass
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.
                 log.warning("abort of %s at %s failed: %s", request_id, url, exc)
 

@@ -66,8 +66,8 @@ def build_engine_worker(args: argparse.Namespace, faults) -> web.Application:  #
     from kvguard.workers.config import EngineConfig
     from kvguard.workers.decode_server import DecodeServer
     from kvguard.workers.engine import Engine
-    from kvguard.workers.prefill_server import PrefillServer
     from kvguard.workers.openai_api import error_middleware
+    from kvguard.workers.prefill_server import PrefillServer
     from kvguard.workers.serving import WorkerRuntime
     from kvguard.workers.transfer import TransferConfig, TransferMetrics
 

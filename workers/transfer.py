@@ -28,7 +28,7 @@ import enum
 import logging
 import os
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram

@@ -153,8 +153,7 @@ def _set_path(root: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
-    from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config, load_hf_config
-    from kvguard.operator.hf_config import quantization_from_hf_config
+    from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config, load_hf_config, quantization_from_hf_config
 
     try:
         config = load_hf_config(path)

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import fcntl
-import json
 import logging
 import os
 import secrets
@@ -356,7 +355,7 @@ def healthy(worker: LocalWorker) -> bool:
 
 
 def now_rfc3339() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def worker_env(base: Mapping[str, str], transfer_key: str, faults: str) -> dict[str, str]:

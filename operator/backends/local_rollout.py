@@ -23,6 +23,7 @@ from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.planner import plan
 from kvguard.operator.policy import evaluate
+from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import (
     Decision,
     PolicyGate,
@@ -35,7 +36,6 @@ from kvguard.operator.rollout import (
     step,
     with_reports,
 )
-from kvguard.operator.revision import revision_of
 
 HISTORY_LIMIT = 10
 POLL_SECONDS = 0.3
@@ -176,7 +176,7 @@ async def roll_out(
     status = load_status(backend)
     deadline = None if max_seconds is None else asyncio.get_running_loop().time() + max_seconds
     while True:
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         observation = await backend.observe(model)
         rollout = status.rollout
         candidate_attempt = (rollout.revision or "", rollout.attempt) if rollout else ("", "")

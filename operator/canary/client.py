@@ -103,7 +103,7 @@ class EngineClient:
                 raw = await resp.text()
                 if resp.status != 200:
                     return None, f"GET /v1/models: HTTP {resp.status}: {clip(raw, 300)}", True
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return None, f"GET /v1/models: {_transport_error(exc, self.timeout_seconds)}", False
         payload, error = parse_json_text(raw)
         if error:
@@ -137,7 +137,7 @@ class EngineClient:
                     await _read_stream(resp, result, disconnect_after_chunks, started)
                 else:
                     _read_json(await resp.text(), result)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             result.error = _transport_error(exc, self.timeout_seconds)
         finally:
             result.seconds = time.monotonic() - started
@@ -250,6 +250,6 @@ async def get_text(
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
             return resp.status, await resp.text(), None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return None, "", _transport_error(exc, timeout_seconds)
 

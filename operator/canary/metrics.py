@@ -110,8 +110,8 @@ def _first_gauge(index: SampleIndex, name: str) -> float | None:
 def _paired_pools(
     index: SampleIndex, capacity_name: str, used_name: str | None, usage_fraction_name: str | None
 ) -> list[PoolReading]:
-    used_by_key = {_pool_key(l): v for l, v in index.get(used_name or "", [])}
-    fraction_by_key = {_pool_key(l): v for l, v in index.get(usage_fraction_name or "", [])}
+    used_by_key = {_pool_key(labels): v for labels, v in index.get(used_name or "", [])}
+    fraction_by_key = {_pool_key(labels): v for labels, v in index.get(usage_fraction_name or "", [])}
     pools = []
     for labels, capacity in index.get(capacity_name, []):
         key = _pool_key(labels)

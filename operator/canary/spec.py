@@ -276,7 +276,7 @@ class CanarySpec(_SpecModel):
 
     def probe_enabled(self, name: ProbeName) -> bool:
         section: _SpecModel = getattr(self, name.value)
-        return bool(getattr(section, "enabled"))
+        return bool(section.enabled)
 
     def enabled_probes(self) -> list[ProbeName]:
         return [name for name in ProbeName if self.probe_enabled(name)]

@@ -81,7 +81,7 @@ async def run_suite(
     """
     spec = spec or CanarySpec()
     started = time.monotonic()
-    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     info = TargetInfo(url=url, baseline_url=baseline_url, metrics_urls=list(metrics_urls))
     limit = timeout_seconds or spec.suite_timeout_seconds
     deadline = started + limit if limit else None
@@ -171,7 +171,7 @@ async def _calibrate(target: EngineClient, deadline: float | None) -> TokenEstim
             target.complete(filler_text(CALIBRATION_WORDS, seed=7), max_tokens=1, label="calibration"),
             timeout=budget,
         )
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return TokenEstimate()
     return TokenEstimate.from_usage(probe.prompt_tokens if probe.ok else None)
 
@@ -209,7 +209,7 @@ async def _run_one(probe: Probe, ctx: RunContext, deadline: float | None) -> Pro
             outcome = await asyncio.wait_for(probe.run(ctx), timeout=max(0.0, deadline - began))
     except ProbeSkipped as exc:
         outcome = Outcome(ProbeStatus.SKIPPED, str(exc))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         outcome = Outcome(ProbeStatus.FAIL, "suite timeout reached while this probe was running (a hang?)")
     except Exception as exc:  # noqa: BLE001 - a bug in a probe must not crash the whole suite
         where = traceback.extract_tb(exc.__traceback__)[-1]
