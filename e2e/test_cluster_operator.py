@@ -1,15 +1,18 @@
 """The operator flows of tests/test_operator_kmock.py against a real cluster (KUBECONFIG set).
 
-Needs: the CRDs installed (`kubectl apply -k manifests/`), the operator running, and a namespace
-you may write to (KVGUARD_E2E_NAMESPACE, default "kvguard-e2e"). Pods will not become ready
-without the worker image and a `models` PVC; the test checks what the operator writes.
+Needs: the CRDs and the operator installed (`kubectl apply -k manifests/`) and a namespace you may
+write to (KVGUARD_E2E_NAMESPACE, default "kvguard-e2e"). Worker pods only become ready with the
+worker image (KVGUARD_E2E_WORKER_IMAGE) and the tiny model on a PVC (KVGUARD_E2E_MODEL_PVC, folder
+"tiny"); these flows check what the operator writes, so they pass without them.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,25 +22,108 @@ pytestmark = [
     pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="KUBECONFIG is unset: no cluster to run against"),
 ]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NS = os.environ.get("KVGUARD_E2E_NAMESPACE", "kvguard-e2e")
+GROUP, VERSION, PLURAL = "kvguard.io", "v1alpha1", "inferencemodels"
+MODEL_LABEL = "kvguard.io/model"
 
 
-def test_cluster_apply_blocked_and_delete() -> None:
+@pytest.fixture(scope="module")
+def kube() -> Any:
     from kubernetes import client, config
 
     config.load_kube_config()
-    ns = os.environ.get("KVGUARD_E2E_NAMESPACE", "kvguard-e2e")
-    api = client.CustomObjectsApi()
-    body = yaml.safe_load((EXAMPLES / "incident.yaml").read_text())
-    body["metadata"] = {"name": "e2e-incident", "namespace": ns}
-    api.create_namespaced_custom_object("kvguard.io", "v1alpha1", ns, "inferencemodels", body)
-    try:
-        deadline = time.time() + 60
-        status: dict = {}
-        while time.time() < deadline and status.get("phase") != "Blocked":
-            time.sleep(2)
-            status = api.get_namespaced_custom_object("kvguard.io", "v1alpha1", ns, "inferencemodels", "e2e-incident").get("status") or {}
-        assert status.get("phase") == "Blocked"
-        deployments = client.AppsV1Api().list_namespaced_deployment(ns, label_selector="kvguard.io/model=e2e-incident")
-        assert deployments.items == []  # S7: nothing rendered for a blocked plan
-    finally:
-        api.delete_namespaced_custom_object("kvguard.io", "v1alpha1", ns, "inferencemodels", "e2e-incident")
+    return client
+
+
+def wait_for(fetch: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fetch()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def status_of(kube: Any, name: str) -> dict[str, Any]:
+    obj = kube.CustomObjectsApi().get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+    return obj.get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == kind)
+
+
+def children(kube: Any, name: str) -> dict[str, list[Any]]:
+    selector = f"{MODEL_LABEL}={name}"
+    core, apps, net = kube.CoreV1Api(), kube.AppsV1Api(), kube.NetworkingV1Api()
+    return {
+        "Deployment": apps.list_namespaced_deployment(NS, label_selector=selector).items,
+        "Service": core.list_namespaced_service(NS, label_selector=selector).items,
+        "NetworkPolicy": net.list_namespaced_network_policy(NS, label_selector=selector).items,
+    }
+
+
+@pytest.fixture
+def model(kube: Any) -> Iterator[Callable[[str, dict[str, Any]], str]]:
+    """Creates InferenceModels from examples; deletes them (and waits for their children to go)."""
+    created: list[str] = []
+
+    def create(example: str, spec_updates: dict[str, Any]) -> str:
+        body = yaml.safe_load((EXAMPLES / example).read_text())
+        name = f"e2e-{example.removesuffix('.yaml')}"
+        body["metadata"] = {"name": name, "namespace": NS}
+        body["spec"].update(spec_updates)
+        kube.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
+        created.append(name)
+        return name
+
+    yield create
+    for name in created:
+        kube.CustomObjectsApi().delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+        wait_for(lambda n=name: not any(children(kube, n).values()), f"{name}'s children to be garbage-collected")
+
+
+def tiny_spec() -> dict[str, Any]:
+    spec = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]
+    spec["model"]["source"] = {"pvc": {"claimName": os.environ.get("KVGUARD_E2E_MODEL_PVC", "models"), "path": "tiny"}}
+    if image := os.environ.get("KVGUARD_E2E_WORKER_IMAGE"):
+        spec["engine"]["image"] = image
+    return spec
+
+
+def test_cluster_apply_renders_workloads_then_a_blocked_change_touches_nothing(kube: Any, model: Any) -> None:
+    name = model("tiny-cpu.yaml", tiny_spec())
+    status = wait_for(lambda: status_of(kube, name).get("targetRevision") and status_of(kube, name), "a planned revision")
+    revision = status["targetRevision"]
+    assert condition(status, "KVPoolSufficient")["status"] == "True"
+    assert status["plan"]["roles"]["decode"]["poolTokens"] == 4096
+    objs = wait_for(lambda: (found := children(kube, name)) and len(found["Deployment"]) == 3 and found, "three Deployments")
+    assert {d.metadata.name for d in objs["Deployment"]} == {f"{name}-{revision}-{r}" for r in ("prefill", "decode", "router")}
+    for deployment in objs["Deployment"]:
+        container = deployment.spec.template.spec.containers[0]
+        assert container.security_context.read_only_root_filesystem is True
+        assert container.security_context.run_as_non_root is True
+        assert deployment.metadata.owner_references[0].kind == "InferenceModel"
+    decode = next(d for d in objs["Deployment"] if d.metadata.name.endswith("-decode"))
+    command = decode.spec.template.spec.containers[0].command
+    assert command[command.index("--kv-pool-tokens") + 1] == "4096"  # the plan's pool
+    assert any(p.spec.ingress[0].ports[0].port == 9000 for p in objs["NetworkPolicy"])
+    secret_names = {s.metadata.name for s in kube.CoreV1Api().list_namespaced_secret(NS).items}
+    assert f"{name}-{revision}-kv-transfer" in secret_names
+    before = {d.metadata.name: d.metadata.generation for d in objs["Deployment"]}
+
+    patch = {"spec": {"contextLength": 4096, "kvPoolTokens": 4096}}  # 1.0x < 2.0x: blocked (S7)
+    kube.CustomObjectsApi().patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name, patch)
+    blocked = wait_for(lambda: (s := status_of(kube, name)).get("phase") == "Blocked" and s, "phase Blocked")
+    assert condition(blocked, "KVPoolSufficient")["status"] == "False"
+    assert "1.00x context 4,096 < 2x required" in condition(blocked, "KVPoolSufficient")["message"]
+    after = {d.metadata.name: d.metadata.generation for d in children(kube, name)["Deployment"]}
+    assert after == before  # S8: nothing that runs changed
+
+
+def test_cluster_incident_is_blocked_and_renders_nothing(kube: Any, model: Any) -> None:
+    name = model("incident.yaml", {})
+    status = wait_for(lambda: (s := status_of(kube, name)).get("phase") == "Blocked" and s, "phase Blocked")
+    assert condition(status, "KVPoolSufficient")["status"] == "False"
+    assert children(kube, name)["Deployment"] == []  # S7: nothing rendered for a blocked plan
