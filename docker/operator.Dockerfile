@@ -7,7 +7,7 @@ COPY pyproject.toml README.md ./
 COPY kvguard kvguard
 COPY operator operator
 COPY workers workers
-RUN pip install '.[operator]' && python -c "import sys, kvguard.operator.handlers; assert 'torch' not in sys.modules" \
+RUN pip install '.[operator]' && python -P -c "import sys, kvguard.operator.handlers; assert 'torch' not in sys.modules" \
     && rm -rf /src
 USER 65532:65532
 ENTRYPOINT ["kvguard"]
