@@ -49,9 +49,19 @@ def test_no_policies_is_compliant() -> None:
     assert verdict.compliant and verdict.violations == [] and verdict.policies == []
 
 
+def default_policy() -> InferencePolicy:
+    return InferencePolicy.model_validate(yaml.safe_load((ROOT / "manifests/samples/inferencepolicy-default.yaml").read_text()))
+
+
 def test_the_shipped_default_policy_admits_the_tiny_sample() -> None:
-    default = InferencePolicy.model_validate(yaml.safe_load((ROOT / "manifests/samples/inferencepolicy-default.yaml").read_text()))
-    assert evaluate(tiny_spec(), "ns", [default]).compliant
+    assert evaluate(tiny_spec(), "ns", [default_policy()]).compliant
+
+
+def test_the_shipped_default_policy_refuses_an_old_sglang_without_kv_checksums() -> None:
+    verdict = evaluate(sglang_spec(version="0.5.4"), "ns", [default_policy()])
+    assert {"minEngineVersions", "requireKVIntegrity"} <= {v.rule for v in verdict.violations}
+    fixed = sglang_spec(version="0.5.22", extraArgs=["--disaggregation-enable-kv-checksum"])
+    assert evaluate(fixed, "ns", [default_policy()]).compliant, describe_violations(evaluate(fixed, "ns", [default_policy()]).violations)
 
 
 @pytest.mark.parametrize(
