@@ -200,3 +200,16 @@ def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeploym
 
 def test_health(trio: LocalDeployment) -> None:
     assert requests.get(f"{trio.router_url}/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_router_refuses_workers_whose_page_sizes_differ() -> None:
+    from kvguard.workers.protocol import Role, WorkerInfo
+    from kvguard.workers.router import Upstream, Upstreams
+
+    def worker(role: Role, page_size: int) -> Upstream:
+        info = WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=4096, page_size=page_size)
+        return Upstream(f"http://{role.value}", info)
+
+    with pytest.raises(ValueError, match="page size"):
+        Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 32)])
+    assert Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 16)]).smallest_pool == 4096

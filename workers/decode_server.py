@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
+from pydantic import BaseModel
 
+from kvguard.workers.async_engine import RequestStream
 from kvguard.workers.kv_pool import Lease
 from kvguard.workers.protocol import (
     Bootstrap,
@@ -177,10 +179,10 @@ class DecodeServer:
             num_tokens=plan.kv_tokens,
         )
 
-    async def _stream_tokens(self, response: web.StreamResponse, stream: object, prompt_tokens: int) -> str | None:
+    async def _stream_tokens(self, response: web.StreamResponse, stream: RequestStream, prompt_tokens: int) -> str | None:
         """Forward the engine's outputs; returns an abort cause if the request did not finish."""
         completion_tokens = 0
-        async for output in stream:  # type: ignore[attr-defined]
+        async for output in stream:
             if output.token_ids:
                 completion_tokens += len(output.token_ids)
                 await _send(response, TokenEvent(token_ids=tuple(output.token_ids), text=output.text))
@@ -205,5 +207,5 @@ class DecodeServer:
             self.runtime.count_abort(cause)
 
 
-async def _send(response: web.StreamResponse, event: object) -> None:
-    await response.write(event.model_dump_json().encode() + b"\n")  # type: ignore[attr-defined]
+async def _send(response: web.StreamResponse, event: BaseModel) -> None:
+    await response.write(event.model_dump_json().encode() + b"\n")

@@ -69,6 +69,8 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 
 
 class _Request(BaseModel):
+    """What completions and chat completions share."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -113,6 +115,9 @@ class CompletionRequest(_Request):
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise ValueError("prompt must not be empty")
         return prompt
+
+
+APIRequest = _Request
 
 
 class TextPart(BaseModel):

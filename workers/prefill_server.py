@@ -20,7 +20,7 @@ from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import PrefillRequest, PrefillResult
 from kvguard.workers.request import EngineError, RequestState
 from kvguard.workers.serving import WorkerRuntime, engine_error, engine_sampling, parse_body
-from kvguard.workers.transfer import AbortCause, KVChunk, KVSender, TransferConfig, abort_cause
+from kvguard.workers.transfer import AbortCause, KVChunk, KVSender, TransferConfig, TransferOutcome, abort_cause
 
 log = logging.getLogger("kvguard.prefill")
 
@@ -82,7 +82,9 @@ class PrefillServer:
             if cause:
                 await asyncio.shield(self._abort(rid, dest, cause))
 
-    async def _send(self, body: PrefillRequest, lease: Lease, kv_tokens: int, first_token: int, dest: tuple[str, int]):  # type: ignore[no-untyped-def]
+    async def _send(
+        self, body: PrefillRequest, lease: Lease, kv_tokens: int, first_token: int, dest: tuple[str, int]
+    ) -> TransferOutcome:
         bootstrap = body.bootstrap
         pages = self.pool.pages_for(kv_tokens)
         if pages != len(bootstrap.page_ids) or kv_tokens != bootstrap.num_tokens:

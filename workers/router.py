@@ -18,15 +18,16 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from kvguard.workers.openai_api import (
     SSE_DONE,
+    APIRequest,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -108,6 +109,9 @@ class Upstreams:
     def __init__(self, prefill: Sequence[Upstream], decode: Sequence[Upstream]) -> None:
         self.prefill = list(prefill)
         self.decode = list(decode)
+        page_sizes = {u.info.page_size for u in self.prefill + self.decode}
+        if len(page_sizes) > 1:  # KV moves page by page: a mismatch would misplace every token
+            raise ValueError(f"prefill and decode workers disagree on the page size: {sorted(page_sizes)}")
         self._prefill_turn = itertools.cycle(self.prefill)
         self._decode_turn = itertools.cycle(self.decode)
 
@@ -159,6 +163,11 @@ class Router:
         self.upstreams: Upstreams | None = None
         self.session: aiohttp.ClientSession | None = None
 
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the router has not started"
+        return self.session
+
     # -- lifecycle -------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
@@ -197,10 +206,10 @@ class Router:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _: web.Request) -> web.Response:
-        assert self.session and self.upstreams
+        assert self.upstreams
         for upstream in self.upstreams.prefill + self.upstreams.decode:
             try:
-                async with self.session.get(f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                async with self.http.get(f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status != 200:
                         return web.json_response({"status": "unhealthy", "worker": upstream.url}, status=503)
             except (TimeoutError, aiohttp.ClientError):
@@ -217,7 +226,7 @@ class Router:
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
     # -- one request -----------------------------------------------------------------------
-    async def _serve(self, request: web.Request, kind: type[BaseModel], chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, kind: type[APIRequest], chat: bool) -> web.StreamResponse:
         try:
             body = await self._parse(request, kind)
             prompt_ids = self._tokenize(body)
@@ -225,7 +234,7 @@ class Router:
         except OpenAIError as err:
             return self._error_response(err)
         try:
-            sampling = body.sampling(self.config.default_max_tokens)  # type: ignore[attr-defined]
+            sampling = body.sampling(self.config.default_max_tokens)
             over_length = self._intake(len(prompt_ids), sampling)
             generate = GenerateRequest(
                 request_id=request_id,
@@ -233,11 +242,11 @@ class Router:
                 sampling=sampling,
                 over_length=over_length,
             )
-            builder = ResponseBuilder(request_id, body.model or self.config.model_name, chat)  # type: ignore[attr-defined]
+            builder = ResponseBuilder(request_id, body.model or self.config.model_name, chat)
             # aclosing: if the client goes away while a token is being written, the generator's
             # cleanup (abort both legs, S4) still runs now rather than at garbage collection.
             async with contextlib.aclosing(self._generate(generate)) as events:
-                if body.stream:  # type: ignore[attr-defined]
+                if body.stream:
                     return await self._stream(request, events, builder, body)
                 return await self._whole(events, builder)
         except OpenAIError as err:
@@ -245,7 +254,7 @@ class Router:
         finally:
             self.in_flight.discard(request_id)
 
-    async def _parse(self, request: web.Request, kind: type[BaseModel]) -> Any:
+    async def _parse(self, request: web.Request, kind: type[APIRequest]) -> APIRequest:
         try:
             raw = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -256,11 +265,11 @@ class Router:
             body = kind.model_validate(raw)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        if body.model not in (None, self.config.model_name):  # type: ignore[attr-defined]
-            raise OpenAIError(404, f"model {body.model!r} is not served here", code="model_not_found", param="model")  # type: ignore[attr-defined]
+        if body.model not in (None, self.config.model_name):
+            raise OpenAIError(404, f"model {body.model!r} is not served here", code="model_not_found", param="model")
         return body
 
-    def _tokenize(self, body: Any) -> list[int]:
+    def _tokenize(self, body: APIRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             return self.encoder.encode_chat(messages)
@@ -312,7 +321,7 @@ class Router:
         request: web.Request,
         events: AsyncIterator[TokenEvent | FinishEvent],
         builder: ResponseBuilder,
-        body: Any,
+        body: APIRequest,
     ) -> web.StreamResponse:
         # Headers go out with the first token, so an error before it is still a proper status.
         first = await anext(events, None)
@@ -350,13 +359,13 @@ class Router:
         Whatever way this generator ends early -- an error, a timeout, the client disconnecting
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
         """
-        assert self.session and self.upstreams
+        assert self.upstreams
         prefill, decode = self.upstreams.pair()
         prefill_task: asyncio.Task[None] | None = None
         cause = "client_disconnect"
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
         try:
-            async with self.session.post(
+            async with self.http.post(
                 f"{decode.url}/internal/decode", json=request.model_dump(mode="json"), timeout=timeout
             ) as resp:
                 if resp.status != 200:
@@ -396,9 +405,8 @@ class Router:
                 await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
 
     async def _prefill(self, url: str, request: PrefillRequest) -> None:
-        assert self.session
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
-        async with self.session.post(
+        async with self.http.post(
             f"{url}/internal/prefill", json=request.model_dump(mode="json"), timeout=timeout
         ) as resp:
             if resp.status != 200:
@@ -419,13 +427,12 @@ class Router:
         await asyncio.shield(self._send_aborts(request_id, (prefill_url, decode_url), cause))
 
     async def _send_aborts(self, request_id: str, urls: Sequence[str], cause: str) -> None:
-        assert self.session
         body = AbortRequest(request_id=request_id, cause=cause).model_dump()
         timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
 
         async def one(url: str) -> None:
             try:
-                async with self.session.post(f"{url}/internal/abort", json=body, timeout=timeout):  # type: ignore[union-attr]
+                async with self.http.post(f"{url}/internal/abort", json=body, timeout=timeout):
                     pass
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.
@@ -434,7 +441,7 @@ class Router:
         await asyncio.gather(*(one(u) for u in urls))
 
 
-async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
+async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent]:
     async for line in resp.content:
         if line.strip():
             yield DECODE_EVENT.validate_json(line)
@@ -455,6 +462,5 @@ async def _prefill_error_first(task: asyncio.Task[None] | None) -> OpenAIError |
         return None
     with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
         await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
-    if task.done() and not task.cancelled() and isinstance(task.exception(), OpenAIError):
-        return task.exception()  # type: ignore[return-value]
-    return None
+    error = task.exception() if task.done() and not task.cancelled() else None
+    return error if isinstance(error, OpenAIError) else None

@@ -10,7 +10,7 @@ import sys
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvguard.workers.faults import FaultSpecError, active_faults
+from kvguard.workers.faults import Faults, FaultSpecError, active_faults
 from kvguard.workers.protocol import Role
 
 log = logging.getLogger("kvguard.worker")
@@ -43,7 +43,7 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_router(args: argparse.Namespace, faults) -> web.Application:  # type: ignore[no-untyped-def]
+def build_router(args: argparse.Namespace, faults: Faults) -> web.Application:
     from kvguard.workers.router import Router, RouterConfig
     from kvguard.workers.tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ def build_router(args: argparse.Namespace, faults) -> web.Application:  # type: 
     return Router(config, tokenizer).app()
 
 
-def build_engine_worker(args: argparse.Namespace, faults) -> web.Application:  # type: ignore[no-untyped-def]
+def build_engine_worker(args: argparse.Namespace, faults: Faults) -> web.Application:
     from kvguard.workers.async_engine import AsyncEngine
     from kvguard.workers.config import EngineConfig
     from kvguard.workers.decode_server import DecodeServer
