@@ -38,7 +38,7 @@ class LocalServeConfig:
     kv_pool_tokens: int | None = None
     context_length: int | None = None
     page_size: int = 16
-    device: str = "cpu"
+    device: str = "auto"  # CUDA when present (kvguard.workers.device decides)
     max_transfer_batch: int = 4 * 1024 * 1024
     transfer_timeout_s: float = 5.0
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)

@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-pool-tokens", type=int, default=None)
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--max-transfer-batch", type=int, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
     parser.set_defaults(func=run)
