@@ -22,6 +22,7 @@ TRANSFER_TIMEOUT_S = 1.5
 def deployment(model_dir: Path, faults: str = "", **overrides: object) -> Iterator[LocalDeployment]:
     settings: dict[str, object] = {
         "model_dir": model_dir,
+        "device": "cpu",  # the same device as the reference engine below
         "kv_pool_tokens": 4096,
         "context_length": 1024,
         "transfer_timeout_s": TRANSFER_TIMEOUT_S,
