@@ -126,11 +126,11 @@ async def record_and_act(
         request = None
         if outcome.plan is not None and outcome.revision is not None:
             request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan)
-        stub = {"metadata": {"name": ref.name, "namespace": ref.namespace}}
+        key_only = {"metadata": {"name": ref.name, "namespace": ref.namespace}}
 
         async def canary_done() -> None:
             try:
-                await reconcile_model(kube, stub, backend=backend, runner=runner)
+                await reconcile_model(kube, key_only, backend=backend, runner=runner)
             except KubeError as exc:
                 log.warning("reconcile of %s/%s after its canary failed: %s (the timer retries)", *ref.key, exc)
 

@@ -86,9 +86,9 @@ async def deployment_changed(body: kopf.Body, type: str | None, **_: Any) -> Non
     if owner is None or type is None:
         return
     namespace, name = owner
-    stub = {"metadata": {"name": name, "namespace": namespace}}
+    key_only = {"metadata": {"name": name, "namespace": namespace}}
     backend, runner = _driver()
     try:
-        await reconcile_model(_kube(), stub, backend=backend, runner=runner)
+        await reconcile_model(_kube(), key_only, backend=backend, runner=runner)
     except KubeError as exc:
         logging.getLogger(__name__).warning("reconcile of %s/%s after a Deployment event failed: %s", namespace, name, exc)
