@@ -213,3 +213,34 @@ def test_router_refuses_workers_whose_page_sizes_differ() -> None:
     with pytest.raises(ValueError, match="page size"):
         Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 32)])
     assert Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 16)]).smallest_pool == 4096
+
+
+def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: Path) -> None:
+    """In a pod the router may start before the workers: it answers 503 `not_ready` until it has
+    learned their limits, rather than crashing or guessing them (S2 needs them)."""
+    import subprocess
+    import sys
+
+    from kvguard.workers.launcher import free_port
+
+    port, nobody = free_port(), free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-P", "-m", "kvguard", "worker", "--role", "router", "--model", str(tiny_model_dir),
+         "--port", str(port), "--prefill", f"http://127.0.0.1:{nobody}", "--decode", f"http://127.0.0.1:{nobody}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, "the router never started"
+                time.sleep(0.1)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "not_ready"
+        answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
+    finally:
+        router.terminate()
+        router.wait(10)

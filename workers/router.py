@@ -127,13 +127,12 @@ class Upstreams:
         return min(u.info.kv_pool_tokens for u in self.prefill + self.decode)
 
 
-async def fetch_upstreams(
-    session: aiohttp.ClientSession, config: RouterConfig, wait_s: float = 60.0
-) -> Upstreams:
-    """Ask every worker for its limits, waiting for workers that are still starting."""
+async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig) -> Upstreams:
+    """Ask every worker for its limits, waiting for workers that are still starting (in a pod the
+    router may well start first). A misconfiguration -- a URL pointing at the wrong role, or
+    workers that disagree on the page size -- raises ValueError."""
 
     async def info(url: str, role: Role) -> Upstream:
-        deadline = asyncio.get_running_loop().time() + wait_s
         while True:
             try:
                 async with session.get(f"{url}/internal/info") as resp:
@@ -143,8 +142,6 @@ async def fetch_upstreams(
                     raise ValueError(f"{url} is a {worker.role.value} worker, expected {role.value}")
                 return Upstream(url, worker)
             except (TimeoutError, aiohttp.ClientError):
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
                 await asyncio.sleep(0.2)
 
     prefill = await asyncio.gather(*(info(u, Role.PREFILL) for u in config.prefill_urls))
@@ -160,8 +157,16 @@ class Router:
         self.encoder = encoder
         self.metrics = metrics or RouterMetrics()
         self.in_flight: set[str] = set()
-        self.upstreams: Upstreams | None = None
+        self._upstreams: Upstreams | None = None
+        self._discovery: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The workers, once discovered; until then every endpoint answers 503 (not ready)."""
+        if self._upstreams is None:
+            raise OpenAIError(503, "the router is still waiting for its prefill and decode workers", code="not_ready")
+        return self._upstreams
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -182,20 +187,31 @@ class Router:
 
     async def _start(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-        self.upstreams = await fetch_upstreams(self.session, self.config)
-        log.info(
-            "router ready: context %d tokens, smallest KV pool %d tokens",
-            self.upstreams.context_length,
-            self.upstreams.smallest_pool,
-        )
+        self._discovery = asyncio.create_task(self._discover())
+
+    async def _discover(self) -> None:
+        while True:
+            try:
+                self._upstreams = await fetch_upstreams(self.http, self.config)
+            except ValueError as exc:  # misconfigured: stay not-ready, say why, look again
+                log.error("router cannot serve: %s", exc)
+                await asyncio.sleep(5)
+                continue
+            log.info(
+                "router ready: context %d tokens, smallest KV pool %d tokens",
+                self._upstreams.context_length,
+                self._upstreams.smallest_pool,
+            )
+            return
 
     async def _stop(self, _: web.Application) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         if self.session:
             await self.session.close()
 
     # -- endpoints -------------------------------------------------------------------------
     async def models(self, _: web.Request) -> web.Response:
-        assert self.upstreams
         card = {
             "id": self.config.model_name,
             "object": "model",
@@ -206,7 +222,6 @@ class Router:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _: web.Request) -> web.Response:
-        assert self.upstreams
         for upstream in self.upstreams.prefill + self.upstreams.decode:
             try:
                 async with self.http.get(f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
@@ -292,7 +307,6 @@ class Router:
 
         Returns whether the request is over-length (only possible under the unsafe_reject_path fault).
         """
-        assert self.upstreams
         needed = prompt_tokens + sampling.max_tokens
         for limit, what in (
             (self.upstreams.context_length, "model's context length"),
@@ -359,7 +373,6 @@ class Router:
         Whatever way this generator ends early -- an error, a timeout, the client disconnecting
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
         """
-        assert self.upstreams
         prefill, decode = self.upstreams.pair()
         prefill_task: asyncio.Task[None] | None = None
         cause = "client_disconnect"
