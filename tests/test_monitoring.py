@@ -1,0 +1,186 @@
+"""manifests/monitoring (ServiceMonitor, PodMonitor, PrometheusRule, Grafana dashboard): it renders,
+it scrapes what the operator renders, every metric it reads exists in the code, and the alerts fire
+on the safety signals (S1, S3, S4, S5, S7) under `promtool test rules`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from tests.test_manifests import by_kind, kubectl
+
+ROOT = Path(__file__).resolve().parent.parent
+MONITORING = ROOT / "manifests" / "monitoring"
+RULES_TEST = Path(__file__).resolve().parent / "data" / "kvguard_rules_test.yaml"
+# A metric name in PromQL: what the expressions *use*; the names they may use come from the code.
+PROMQL_KVGUARD_NAME = re.compile(r"\bkvguard_[a-z0-9_]+")
+# Sample names a family exposes in the Prometheus text format, by family type.
+SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum", "_created")}
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl(), "kustomize", str(path)], check=True, capture_output=True, text=True)
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return render(MONITORING)
+
+
+@pytest.fixture(scope="module")
+def rule_groups(rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    (rule,) = by_kind(rendered, "PrometheusRule")
+    return rule["spec"]["groups"]
+
+
+def alerts(groups: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for group in groups:
+        yield from (r for r in group["rules"] if "alert" in r)
+
+
+def registered_sample_names() -> set[str]:
+    """Every sample name the code can expose: the engine's, the transfer layer's, the router's and
+    the operator's metrics, registered for real and read back from their registries."""
+    from kvguard.operator import metrics as operator_metrics
+    from kvguard.workers.metrics import EngineMetrics
+    from kvguard.workers.router import RouterMetrics
+    from kvguard.workers.transfer import TransferMetrics
+
+    engine = EngineMetrics(CollectorRegistry())
+    TransferMetrics.create(engine.registry)  # the servers put both on one registry
+    router = RouterMetrics(registry=CollectorRegistry())
+    registries = (engine.registry, router.registry, operator_metrics.REGISTRY)
+    families = [family for registry in registries for family in registry.collect()]
+    return {family.name + suffix for family in families for suffix in SAMPLE_SUFFIXES[family.type]}
+
+
+def dashboard_expressions(dashboard: dict[str, Any]) -> list[str]:
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    return exprs + [var["query"]["query"] for var in dashboard["templating"]["list"] if var["type"] == "query"]
+
+
+def test_renders_every_kind_in_the_install_namespace(rendered: list[dict[str, Any]]) -> None:
+    kinds = sorted(obj["kind"] for obj in rendered)
+    assert kinds == ["ConfigMap", "PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    assert {obj["metadata"]["namespace"] for obj in rendered} == {"kvguard-system"}
+    assert all(obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvguard" for obj in rendered)
+
+
+def test_base_install_does_not_need_prometheus_operator() -> None:
+    base = yaml.safe_load((ROOT / "manifests" / "kustomization.yaml").read_text())
+    assert "monitoring" not in str(base.get("resources", [])) + str(base.get("components", []))
+
+
+def test_dashboard_configmap_carries_the_file(rendered: list[dict[str, Any]]) -> None:
+    (configmap,) = by_kind(rendered, "ConfigMap")
+    assert configmap["metadata"]["name"] == "kvguard-grafana-dashboard"  # no hash suffix
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(configmap["data"]["kvguard.json"])
+    assert dashboard == json.loads((MONITORING / "dashboards" / "kvguard.json").read_text())
+    assert dashboard["uid"] == "kvguard"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_service_monitor_scrapes_the_operator_metrics_service(rendered: list[dict[str, Any]]) -> None:
+    (monitor,) = by_kind(rendered, "ServiceMonitor")
+    services = [s for s in by_kind(render(ROOT / "manifests"), "Service")
+                if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]  # fmt: skip
+    (endpoint,) = monitor["spec"]["endpoints"]
+    scraped = [s for s in services if endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}]
+    assert [s["metadata"]["name"] for s in scraped] == ["kvguard-operator-metrics"]
+    (deployment,) = by_kind(render(ROOT / "manifests"), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    (port,) = [p for p in container["ports"] if p["name"] == scraped[0]["spec"]["ports"][0]["targetPort"]]
+    assert str(port["containerPort"]) == env["KVGUARD_METRICS_PORT"]  # the port operator/handlers.py serves
+    assert endpoint["honorLabels"] is True  # keeps kvguard_operator_kv_ratio's model namespace
+
+
+def test_pod_monitor_selects_every_rendered_engine_pod_on_its_http_port(rendered: list[dict[str, Any]]) -> None:
+    from kvguard.operator.api import InferenceModel
+    from kvguard.operator.planner import plan
+    from kvguard.operator.render import Owner, render_revision
+
+    (monitor,) = by_kind(rendered, "PodMonitor")
+    selector = monitor["spec"]["selector"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    model = InferenceModel.model_validate(yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text()))
+    objects = render_revision(model.spec, plan(model.spec), Owner("tiny-cpu", "ns", "uid-1"), "r1")
+    deployments = by_kind(objects, "Deployment")
+    assert len(deployments) == 3  # prefill, decode, router
+    for deployment in deployments:
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector["matchLabels"].items() <= pod_labels.items()
+        assert all(expr["key"] in pod_labels for expr in selector["matchExpressions"])
+        ports = {p["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        relabelled = {r["targetLabel"]: r["sourceLabels"][0] for r in endpoint["relabelings"]}
+        for target, source in relabelled.items():  # Prometheus sanitizes `kvguard.io/role` to `kvguard_io_role`
+            label = source.removeprefix("__meta_kubernetes_pod_label_")
+            assert label in {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in pod_labels}, target
+    assert {"model", "role", "revision"} <= set(relabelled)
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}  # models live in their own namespaces
+
+
+def test_every_metric_the_rules_and_dashboard_read_exists_in_the_code(rule_groups: list[dict[str, Any]]) -> None:
+    known = registered_sample_names()
+    dashboard = json.loads((MONITORING / "dashboards" / "kvguard.json").read_text())
+    exprs = [rule["expr"] for rule in alerts(rule_groups)] + dashboard_expressions(dashboard)
+    used = {name for expr in exprs for name in PROMQL_KVGUARD_NAME.findall(expr)}
+    assert used - known == set()
+    # the safety signals the alerts are for (S1, S3, S4, S5, S7)
+    alerted = {name for rule in alerts(rule_groups) for name in PROMQL_KVGUARD_NAME.findall(rule["expr"])}
+    assert {
+        "kvguard_tag_violations_total", "kvguard_checksum_failures_total", "kvguard_hmac_failures_total",
+        "kvguard_stale_writes_dropped_total", "kvguard_kv_pool_capacity_tokens", "kvguard_context_length_tokens",
+        "kvguard_aborts_total", "kvguard_operator_blocked_plans_total", "kvguard_operator_kv_ratio",
+    } <= alerted  # fmt: skip
+
+
+def test_every_alert_names_its_invariant(rule_groups: list[dict[str, Any]]) -> None:
+    for rule in alerts(rule_groups):
+        invariant = rule["labels"]["invariant"]
+        assert re.fullmatch(r"S[1-8]", invariant) and rule["labels"]["severity"] in ("critical", "warning")
+        assert invariant in rule["annotations"]["summary"] + rule["annotations"]["description"], rule["alert"]
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if not found:
+        pytest.skip("no promtool: Debian's `prometheus` package has it (make installs it when apt-get exists)")
+    return found
+
+
+def write_rule_file(path: Path, groups: list[dict[str, Any]], *, annotations: bool) -> Path:
+    if not annotations:
+        groups = [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]} for g in groups]
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    return path
+
+
+def test_promtool_check_rules(rule_groups: list[dict[str, Any]], tmp_path: Path) -> None:
+    rules = write_rule_file(tmp_path / "kvguard-rules.yaml", rule_groups, annotations=True)
+    result = subprocess.run([promtool(), "check", "rules", str(rules)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {sum(1 for _ in alerts(rule_groups))} rules found" in result.stdout
+
+
+def test_promtool_alerts_fire_on_the_safety_signals(rule_groups: list[dict[str, Any]], tmp_path: Path) -> None:
+    # promtool compares annotations verbatim; their templates are covered by `check rules` above.
+    write_rule_file(tmp_path / "kvguard-rules.yaml", rule_groups, annotations=False)
+    shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
+    result = subprocess.run([promtool(), "test", "rules", RULES_TEST.name], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = set(re.findall(r"alertname: (\w+)", RULES_TEST.read_text()))
+    assert tested == {rule["alert"] for rule in alerts(rule_groups)}  # every alert has a unit test
