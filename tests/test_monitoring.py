@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
-
-from tests.test_manifests import by_kind, kubectl
+from test_manifests import by_kind, kubectl
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "manifests" / "monitoring"
