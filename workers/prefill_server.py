@@ -58,6 +58,7 @@ class PrefillServer:
             # and its KV is still computed and sent.
             prompt = (PLACEHOLDER_TOKEN,)
         cause: str = AbortCause.CLIENT_DISCONNECT
+        tell_decode = True  # until the sender owns the transfer: it sends its own ABORT on failure
         try:
             try:
                 output = await engine.prefill(rid, prompt, engine_sampling(body.sampling))
@@ -69,6 +70,7 @@ class PrefillServer:
                 error = output.error
                 raise OpenAIError(500, error.message if error else "prefill failed", code=error.code if error else "prefill_failed")
             assert output.lease is not None
+            tell_decode = False
             outcome = await self._send(body, output.lease, len(prompt), output.token_ids[0], dest)
             if not outcome.ok:
                 cause = ""  # decode gave the verdict (or is unreachable): nothing to tell it
@@ -80,7 +82,7 @@ class PrefillServer:
             return web.json_response(PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes).model_dump())
         finally:
             if cause:
-                await asyncio.shield(self._abort(rid, dest, cause))
+                await asyncio.shield(self._abort(rid, dest, cause, tell_decode))
 
     async def _send(
         self, body: PrefillRequest, lease: Lease, kv_tokens: int, first_token: int, dest: tuple[str, int]
@@ -104,10 +106,12 @@ class PrefillServer:
             payload = pages.reshape(-1).view(torch.uint8).cpu().numpy()
             yield KVChunk(destination[start:end], memoryview(payload))
 
-    async def _abort(self, rid: str, dest: tuple[str, int], cause: str) -> None:
+    async def _abort(self, rid: str, dest: tuple[str, int], cause: str, tell_decode: bool) -> None:
         """Free this side and tell decode (S4); the router tells decode too, so either suffices."""
         if await self.runtime.engine.abort(rid, cause):
             self.runtime.count_abort(cause)
+        if not tell_decode:
+            return
         try:
             await self.sender.abort(rid, dest, cause)
         except (OSError, TimeoutError) as exc:
