@@ -33,7 +33,7 @@ from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.conditions import Condition
-from kvguard.operator.rollout import RolloutStatus
+from kvguard.operator.rollout import RolloutStatus, Scale
 
 API_GROUP = "kvguard.io"
 API_VERSION = "v1alpha1"
@@ -447,6 +447,15 @@ class KVTransferSpec(ApiModel):
     """Transfer backend for SGLang (`--disaggregation-transfer-backend`); vLLM always uses NIXL."""
 
 
+class RolloutSpec(ApiModel):
+    """How a new revision is brought up beside the stable one."""
+
+    canary_replicas: PositiveInt = 1
+    """Replicas of each prefill and decode role (and one router) while the candidate is verified,
+    capped at the role's replicas. Before traffic moves, the candidate is scaled to full replicas
+    and every worker's reported KV pool is measured again (S7: every node)."""
+
+
 class InferenceModelSpec(ApiModel):
     """Desired state of an InferenceModel: what to serve, on what, and how safely."""
 
@@ -482,8 +491,17 @@ class InferenceModelSpec(ApiModel):
     """Prefill-to-decode KV transfer settings (S3, S4, S6)."""
     canary: CanarySpec = Field(default_factory=CanarySpec)
     """The canary coherence suite a new revision must pass before promotion (S7)."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """How the candidate runs while it is verified."""
     revision_history_limit: NonNegativeInt = 2
     """Previous stable revisions kept (scaled to zero) as targets for kvguard.io/rollback-to."""
+
+    def replicas_at(self, role: str, scale: Scale) -> int:
+        """Replicas of a role (prefill, decode, router) at canary or full scale."""
+        full = self.roles.router.replicas if role == "router" else self.roles.worker_roles()[role].replicas
+        if scale == "full":
+            return full
+        return min(full, 1 if role == "router" else self.rollout.canary_replicas)
 
 
 # --- Plan (recorded in status) -------------------------------------------------------------------

@@ -17,6 +17,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _LOCKS: dict[tuple[int, str, str], asyncio.Lock] = {}  # per event loop (tests run several)
 _WAITING: set[tuple[int, str, str]] = set()
+_REQUEUES: dict[tuple[int, str, str], asyncio.Task[None]] = {}
 
 __all__ = ["is_subset", "observe", "owner_of", "reconcile_model"]
 
@@ -65,7 +67,13 @@ async def observe(kube: Kube, body: Mapping[str, Any], runner: CanaryRunner | No
         policy=await policy_gate(kube, body),
         canary=runner.result(ref.key) if runner is not None else None,
         canary_running=running,
+        fault_injection_allowed=fault_injection_allowed(),
     )
+
+
+def fault_injection_allowed() -> bool:
+    """Test clusters only (manifests/testing/fault-injection): honour the kvguard.io/faults annotation."""
+    return os.environ.get("KVGUARD_ALLOW_FAULT_INJECTION", "").strip().lower() in ("1", "true", "yes")
 
 
 async def policy_gate(kube: Kube, body: Mapping[str, Any]) -> PolicyGate:
@@ -125,7 +133,7 @@ async def record_and_act(
         ref = model_ref(body)
         request = None
         if outcome.plan is not None and outcome.revision is not None:
-            request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan)
+            request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan, outcome.faults)
         key_only = {"metadata": {"name": ref.name, "namespace": ref.namespace}}
 
         async def canary_done() -> None:
@@ -157,10 +165,37 @@ async def reconcile_model(
         await lock.acquire()
     finally:
         _WAITING.discard(lock_key)
+    backend, runner = backend or KubernetesBackend(kube), runner or CanaryRunner()
     try:
-        return await _reconcile_locked(kube, backend or KubernetesBackend(kube), runner or CanaryRunner(), body, key)
+        outcome = await _reconcile_locked(kube, backend, runner, body, key)
     finally:
         lock.release()
+    _schedule_requeue(kube, backend, runner, lock_key, outcome.requeue_after)
+    return outcome
+
+
+def _schedule_requeue(
+    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, lock_key: tuple[int, str, str], delay: float | None
+) -> None:
+    """Look again after `delay` (the rollout is waiting on workloads, metrics or a canary) rather
+    than at the next timer tick. Each reconcile replaces the pending requeue of its model."""
+    pending = _REQUEUES.pop(lock_key, None)
+    if pending is not None and pending is not asyncio.current_task():
+        pending.cancel()
+    if delay is None:
+        return
+    key_only = {"metadata": {"namespace": lock_key[1] or None, "name": lock_key[2]}}
+
+    async def later() -> None:
+        await asyncio.sleep(delay)
+        if _REQUEUES.get(lock_key) is asyncio.current_task():
+            del _REQUEUES[lock_key]  # from here on a newer reconcile must not cancel this one
+        try:
+            await reconcile_model(kube, key_only, backend=backend, runner=runner)
+        except KubeError as exc:
+            log.warning("requeued reconcile of %s/%s failed: %s (the timer retries)", *lock_key[1:], exc)
+
+    _REQUEUES[lock_key] = asyncio.get_running_loop().create_task(later(), name=f"requeue {lock_key[1]}/{lock_key[2]}")
 
 
 async def _reconcile_locked(

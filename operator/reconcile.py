@@ -36,6 +36,7 @@ from kvguard.operator.render import (
     LABEL_REVISION,
     LABEL_ROLE,
     ROLES,
+    SCALE_ANNOTATION,
     Owner,
     RenderError,
     object_name,
@@ -51,6 +52,7 @@ from kvguard.operator.rollout import (
     RevisionView,
     RolloutState,
     RolloutStatus,
+    Scale,
     ScrapeMetrics,
     SetCondition,
     WorkerReport,
@@ -60,6 +62,9 @@ from kvguard.operator.rollout import (
 )
 
 HISTORY_LIMIT = 10
+FAULTS_ANNOTATION = "kvguard.io/faults"
+"""Test clusters only: KVGUARD_FAULTS for the spec's revision, honoured when the operator runs with
+KVGUARD_ALLOW_FAULT_INJECTION=true (manifests/testing/fault-injection); ignored otherwise."""
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -74,6 +79,7 @@ class DeploymentState:
     role: str
     desired: int
     ready: int
+    scale: Scale = "full"
 
     @property
     def is_ready(self) -> bool:
@@ -101,6 +107,8 @@ class Observed:
     """The last finished canary run of this model held in memory by the operator."""
     canary_running: bool = False
     """A canary run for the candidate's current attempt is in progress."""
+    fault_injection_allowed: bool = False
+    """The operator runs with KVGUARD_ALLOW_FAULT_INJECTION=true (test clusters only)."""
 
 
 def owned_by(obj: Mapping[str, Any], model: str, uid: str | None) -> bool:
@@ -125,6 +133,7 @@ def revision_views(deployments: Sequence[DeploymentState]) -> dict[str, Revision
         views[revision] = RevisionView(
             ready=not waiting, scaled_to_zero=all(d.desired == 0 for d in states),
             worker_replicas=sum(d.desired for d in states if d.role in ("prefill", "decode")), waiting=waiting,
+            scale="canary" if any(d.scale == "canary" for d in states) else "full",
         )  # fmt: skip
     return views
 
@@ -138,6 +147,7 @@ def deployment_state(obj: Mapping[str, Any]) -> DeploymentState:
         role=labels.get(LABEL_ROLE, ""),
         desired=int(spec.get("replicas", 1) if spec.get("replicas") is not None else 1),
         ready=int(status.get("readyReplicas") or 0),
+        scale="canary" if (meta.get("annotations") or {}).get(SCALE_ANNOTATION) == "canary" else "full",
     )
 
 
@@ -165,6 +175,8 @@ class Outcome:
     revision: str | None = None
     scrape: str | None = None
     """Revision whose workers must be scraped, then reconcile run again with the reports."""
+    faults: str = ""
+    """Test-only KVGUARD_FAULTS for the spec's revision (only with fault injection allowed)."""
     events: list[EventSpec] = field(default_factory=list)
     requeue_after: float | None = None
     plan: KVPlan | None = None
@@ -228,7 +240,10 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
         kv_plan = plan(spec)
     except PlanInputError as exc:
         return _invalid(run, "InvalidPlanInput", str(exc))
-    revision = revision_of(spec)
+    faults, fault_problem = injected_faults(meta.get("annotations") or {}, run.observed.fault_injection_allowed)
+    if fault_problem is not None:
+        return _invalid(run, "InvalidFaults", fault_problem)
+    revision = revision_of(spec, faults)
     run.status.plan = kv_plan
     run.status.target_revision = revision
     run.status.kv_ratio = min((r.ratio for r in kv_plan.roles.values()), default=None)
@@ -240,7 +255,35 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
         render_revision(spec, kv_plan, owner, revision)  # a spec its engine cannot run never deploys
     except RenderError as exc:
         return _invalid(run, "InvalidSpec", str(exc))
-    return _roll_out(run, spec, kv_plan, revision, plan_ok=True, plan_message="")
+    outcome = _roll_out(run, spec, kv_plan, revision, plan_ok=True, plan_message="")
+    return dataclasses.replace(outcome, faults=faults, events=_fault_events(run, faults, meta) + outcome.events)
+
+
+def injected_faults(annotations: Mapping[str, Any], allowed: bool) -> tuple[str, str | None]:
+    """(faults, problem) from the kvguard.io/faults annotation; ignored unless the operator allows it."""
+    faults = str(annotations.get(FAULTS_ANNOTATION) or "").strip()
+    if not faults or not allowed:
+        return "", None
+    from kvguard.workers.faults import FaultSpecError, parse_faults  # pure pydantic, no torch
+
+    try:
+        parse_faults(faults)
+    except FaultSpecError as exc:
+        return "", f"metadata.annotations[{FAULTS_ANNOTATION}]: {exc}"
+    return faults, None
+
+
+def _fault_events(run: _Run, faults: str, meta: Mapping[str, Any]) -> list[EventSpec]:
+    """Say it loudly, once per revision, whether the annotation is honoured or ignored."""
+    if run.previous.target_revision == run.status.target_revision:
+        return []
+    if faults:
+        return [EventSpec("Warning", "FaultInjection", f"revision {run.status.target_revision} runs with KVGUARD_FAULTS={faults} "
+                          "(test clusters only)")]  # fmt: skip
+    if (meta.get("annotations") or {}).get(FAULTS_ANNOTATION):
+        return [EventSpec("Warning", "FaultInjectionIgnored", f"{FAULTS_ANNOTATION} is ignored: the operator does not "
+                          "run with KVGUARD_ALLOW_FAULT_INJECTION=true")]  # fmt: skip
+    return []
 
 
 def _invalid(run: _Run, reason: str, message: str) -> Outcome:

@@ -27,6 +27,7 @@ from kvguard.operator.api import (
     PodPlacement,
     WorkerRole,
 )
+from kvguard.operator.rollout import Scale
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
@@ -40,6 +41,9 @@ TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
 TRANSFER_KEY_FIELD = "key"
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvguard/worker:0.1.0"
 OPERATOR_NAMESPACE_LABEL = "kvguard.io/operator"
+FAULTS_ENV = "KVGUARD_FAULTS"
+SCALE_ANNOTATION = "kvguard.io/scale"
+"""On a revision's Deployments: canary (replicas capped while verified) or full."""
 
 LABEL_MODEL = "kvguard.io/model"
 LABEL_REVISION = "kvguard.io/revision"
@@ -125,6 +129,9 @@ class RoleContext:
     owner: Owner
     revision: str
     role: Role
+    scale: Scale = "full"
+    faults: str = ""
+    """Test-only KVGUARD_FAULTS (the operator passes it only with fault injection allowed)."""
 
     @property
     def worker(self) -> WorkerRole:
@@ -461,6 +468,8 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     placement: PodPlacement = getattr(spec.roles, ctx.role)
     volumes, mounts = _volumes(spec)
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/cache/huggingface"}]
+    if ctx.faults:
+        env.append({"name": FAULTS_ENV, "value": ctx.faults})
     container: dict[str, Any] = {
         "name": "engine",
         "image": image_for(spec, ctx.role),
@@ -493,12 +502,14 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
         pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
     pod_labels = labels(ctx.owner.name, ctx.revision, ctx.role)
+    metadata = _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role)
+    metadata["annotations"] = {SCALE_ANNOTATION: ctx.scale}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role),
+        "metadata": metadata,
         "spec": {
-            "replicas": placement.replicas,  # type: ignore[attr-defined]
+            "replicas": spec.replicas_at(ctx.role, ctx.scale),
             "selector": {"matchLabels": selector(ctx.owner.name, ctx.revision, ctx.role)},
             "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
         },
@@ -558,13 +569,15 @@ def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str)
     }
 
 
-def render_revision(spec: InferenceModelSpec, plan: KVPlan, owner: Owner, revision: str) -> list[Manifest]:
-    """Deployments, Services and NetworkPolicy of one revision (the Secret is rendered apart,
-    because it is created once and never updated). Raises RenderError on a spec the engine
-    cannot run."""
+def render_revision(
+    spec: InferenceModelSpec, plan: KVPlan, owner: Owner, revision: str, scale: Scale = "full", faults: str = ""
+) -> list[Manifest]:
+    """Deployments, Services and NetworkPolicy of one revision at canary or full replicas (the
+    Secret is rendered apart, because it is created once and never updated). Raises RenderError on
+    a spec the engine cannot run."""
     objects: list[Manifest] = []
     for role in ROLES:
-        ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role)
+        ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role, scale=scale, faults=faults)
         objects += [render_deployment(ctx), render_service(ctx)]
     objects.append(render_network_policy(spec, owner, revision))
     return objects

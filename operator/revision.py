@@ -60,7 +60,10 @@ def kv_relevant(spec: InferenceModelSpec) -> dict[str, Any]:
     return picked
 
 
-def revision_of(spec: InferenceModelSpec) -> str:
-    """Hex prefix of the SHA-256 of the KV-relevant spec; stable across key order and defaults."""
-    canonical = json.dumps(kv_relevant(spec), sort_keys=True, separators=(",", ":"))
+def revision_of(spec: InferenceModelSpec, faults: str = "") -> str:
+    """Hex prefix of the SHA-256 of the KV-relevant spec; stable across key order and defaults.
+    Test-only injected faults (KVGUARD_FAULTS) are part of it: a faulty build is its own revision,
+    so turning faults off rolls out anew instead of restarting a serving revision in place."""
+    relevant = kv_relevant(spec) | ({"faults": faults} if faults else {})
+    canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]

@@ -3,8 +3,8 @@
     Planning ──gates fail──> Blocked ──gates pass──> Planning
        │
        └─> CanaryDeploying ──ready──> CanaryVerifying ──pools + canary + policy ok──> Promoting ──> Stable
-                 │                          │
-                 └──── not ready in time ───┴── reported pool too small | canary fail ──> Failed ──> RolledBack
+                 │                          │                                          │
+                 └──── not ready in time ───┴── reported pool too small | canary fail ─┴──> Failed ──> RolledBack
     any state ──`kvguard.io/pause: "true"`──> Paused ──annotation removed──> the state it paused in
     Failed | RolledBack ──`kvguard.io/retry: <new value>`──> Planning
     a new spec revision (or `kvguard.io/rollback-to`) supersedes an unfinished rollout ──> Planning
@@ -13,6 +13,9 @@ Gates (S7), all re-checked at every step until traffic moves: the planned KV poo
 >= minKVRatio x contextLength; every running prefill/decode worker of the candidate *reports* (on
 its /metrics) a pool at least that large; the canary suite passed against the candidate's router
 with the stable revision as baseline; the InferencePolicy verdict is compliant.
+Scale: the candidate is verified at canary replicas (spec.rollout.canaryReplicas). Promoting scales
+it to full replicas, waits for them and measures every worker's reported pool again (a new node is
+a new pool), and only then moves traffic; a worker too small at full scale fails the rollout.
 S8: nothing here ever scales, patches or deletes the stable revision before the candidate serves;
 a failure scales the candidate to zero, says why (CanaryPassed=False, Degraded=True) and keeps the
 stable revision serving, unchanged.
@@ -87,6 +90,9 @@ REQUEUE_SECONDS = 5.0
 
 IN_FLIGHT = (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING, RolloutState.CANARY_VERIFYING)
 
+Scale = Literal["canary", "full"]
+"""Replicas a revision runs at: canary while verified, full once it is (or is about to be) serving."""
+
 
 # --- the record kept in status.rollout ----------------------------------------------------------
 
@@ -156,6 +162,8 @@ class RolloutStatus(_StatusModel):
     """Scrapes in which some worker did not report (fails at MAX_SCRAPE_ATTEMPTS)."""
     workers: list[WorkerPool] = Field(default_factory=list)
     """Reported pools of the candidate's workers, once all were measured."""
+    measured_scale: Scale | None = None
+    """The scale `workers` were measured at; traffic moves only after a full-scale measurement."""
     canary: CanarySummary | None = None
     """The canary verdict for this attempt, once finished."""
 
@@ -173,6 +181,8 @@ class RevisionView:
     """Every workload of the revision wants 0 replicas and none runs."""
     worker_replicas: int = 0
     """Desired prefill + decode replicas: how many workers must report a pool."""
+    scale: Scale = "full"
+    """The scale the revision's workloads were last deployed at."""
     waiting: tuple[str, ...] = ()
     """Human-readable `role ready/desired` of what is not ready."""
 
@@ -255,9 +265,10 @@ class World:
 
 @dataclass(frozen=True)
 class DeployRevision:
-    """Create or update the spec's revision's workloads at the spec's replicas (idempotent)."""
+    """Create or update the spec's revision's workloads at canary or full replicas (idempotent)."""
 
     revision: str
+    scale: Scale = "full"
 
 
 @dataclass(frozen=True)
@@ -431,8 +442,8 @@ class _Step:
         if self.r.revision == wanted and self.r.rollback == rollback:
             return
         old, old_state = self.r.revision, self.r.state
-        if old_state == RolloutState.PROMOTING and old is not None:
-            return  # every gate passed and traffic may already have moved: finish, then supersede
+        if old_state == RolloutState.PROMOTING and old is not None and self.world.serving == old:
+            return  # traffic already moved: finish the promotion, then supersede
         if old is not None and old != self.stable and old_state not in (RolloutState.STABLE,):
             self._retire(old)
             if old_state in IN_FLIGHT:
@@ -478,7 +489,8 @@ class _Step:
     def _retry(self) -> None:
         retry = self.annotation(RETRY_ANNOTATION) or ""
         if self.r.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and retry != self.r.attempt:
-            self.r.attempt, self.r.workers, self.r.canary, self.r.scrape_attempts = retry, [], None, 0
+            self.r.attempt, self.r.canary = retry, None
+            self._forget_pools()
             self.move(RolloutState.PLANNING, "Retry", f"retrying revision {self.candidate} ({RETRY_ANNOTATION}={retry})")
             self.event("Normal", "RolloutRetried", self.r.message or "")
 
@@ -515,7 +527,8 @@ class _Step:
             return
         if self._block_if_gates_fail():
             return
-        self.r.workers, self.r.canary, self.r.scrape_attempts = [], None, 0
+        self.r.canary = None
+        self._forget_pools()
         self.r.baseline = self.stable
         beside = f" beside stable {self.stable}" if self.stable else ""
         self.move(RolloutState.CANARY_DEPLOYING, "CanaryDeploying", f"deploying revision {self.candidate}{beside}")
@@ -535,17 +548,26 @@ class _Step:
             self.actions.append(DeleteRevision(self.candidate))
         self.condition("Progressing", "False", self.r.reason or "Blocked", self.r.message or "")
 
-    def _deploy(self) -> None:
-        if self.r.rollback:
+    def _deploy(self, scale: Scale) -> None:
+        if self.r.rollback:  # a kept revision comes back at the replicas it served with
             self.actions.append(ScaleRevision(self.candidate, None))
         else:
-            self.actions.append(DeployRevision(self.candidate))
+            self.actions.append(DeployRevision(self.candidate, scale))
+
+    def _verification_scale(self) -> Scale:
+        """canary, unless canary replicas are the full replicas anyway (then nothing grows later)."""
+        roles = ("prefill", "decode", "router")
+        smaller = any(self.spec.replicas_at(r, "canary") != self.spec.replicas_at(r, "full") for r in roles)
+        return "canary" if smaller else "full"
+
+    def _forget_pools(self) -> None:
+        self.r.workers, self.r.measured_scale, self.r.scrape_attempts = [], None, 0
 
     def _on_canary_deploying(self) -> None:
         self._policy_condition()
         if self._block_if_gates_fail():
             return
-        self._deploy()
+        self._deploy(self._verification_scale())
         view = self.view(self.candidate)
         if view is not None and view.ready:
             self.move(RolloutState.CANARY_VERIFYING, "CanaryReady", f"revision {self.candidate} is ready; verifying")
@@ -563,10 +585,11 @@ class _Step:
         self._policy_condition()
         if self._block_if_gates_fail():
             return
-        self._deploy()
+        self._deploy(self._verification_scale())
         view = self.view(self.candidate)
         if view is None or not view.ready:
-            self.r.workers, self.r.canary = [], None  # workers changed: measure again (S7)
+            self.r.canary = None
+            self._forget_pools()  # workers changed: measure again (S7)
             self.move(RolloutState.CANARY_DEPLOYING, "CanaryNotReady", f"revision {self.candidate} lost readiness")
             self.wait()
             return
@@ -575,7 +598,7 @@ class _Step:
         if self.r.rollback:
             self.condition("CanaryPassed", "True", "RollbackToVerifiedRevision",
                            f"revision {self.candidate} passed its canary when it was first promoted")  # fmt: skip
-            self.move(RolloutState.PROMOTING, "RollbackVerified", f"rolling back to revision {self.candidate}")
+            self._start_promoting("RollbackVerified", f"rolling back to revision {self.candidate}")
             return
         self._verify_canary()
 
@@ -599,15 +622,15 @@ class _Step:
                 self.wait()
             return False
         pools = [self._judge(w) for w in reports]
-        self.r.workers = pools
+        self.r.workers, self.r.measured_scale = pools, view.scale
         small = [p for p in pools if not p.sufficient]
         if small:
             detail = "; ".join(f"{p.worker} ({p.role}) reports {p.pool_tokens:g} tokens = {p.ratio:.2f}x context "
                                f"{p.context_length}" for p in small if p.ratio is not None and p.pool_tokens is not None)  # fmt: skip
             self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: {detail} < {self.spec.min_kv_ratio:g}x required")
             return False
-        self.event("Normal", "PoolsVerified", f"revision {self.candidate}: {len(pools)} worker(s) report >= "
-                   f"{self.spec.min_kv_ratio:g}x context")  # fmt: skip
+        self.event("Normal", "PoolsVerified", f"revision {self.candidate}: {len(pools)} worker(s) at {view.scale} "
+                   f"scale report >= {self.spec.min_kv_ratio:g}x context")  # fmt: skip
         return True
 
     def _judge(self, report: WorkerReport) -> WorkerPool:
@@ -643,7 +666,11 @@ class _Step:
         message = f"revision {self.candidate}: canary passed ({summary.reason})"
         self.condition("CanaryPassed", "True", "CanaryPassed", message)
         self.event("Normal", "CanaryPassed", message)
-        self.move(RolloutState.PROMOTING, "CanaryPassed", f"promoting revision {self.candidate}")
+        self._start_promoting("CanaryPassed", f"promoting revision {self.candidate}")
+
+    def _start_promoting(self, reason: str, message: str) -> None:
+        self.r.scrape_attempts = 0
+        self.move(RolloutState.PROMOTING, reason, message)
 
     def _baseline(self) -> str | None:
         stable = self.stable
@@ -664,6 +691,8 @@ class _Step:
             if not self._block_if_gates_fail():
                 self.move(RolloutState.CANARY_VERIFYING, "Reverify", f"revision {self.candidate}: evidence incomplete")
             return
+        if not already_routed and not self._at_full_scale():
+            return
         self.actions.append(RouteTraffic(self.candidate))
         if self.stable and self.stable != self.candidate:
             self.actions.append(ScaleRevision(self.stable, 0))
@@ -673,6 +702,24 @@ class _Step:
             self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving")
         self.stable = self.candidate
         self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+
+    def _at_full_scale(self) -> bool:
+        """S7 at the size that will serve: full replicas, all ready, every worker measured again."""
+        self._deploy("full")
+        if self.r.measured_scale == "full":
+            return True
+        view = self.view(self.candidate)
+        if view is None or not view.ready or view.scale != "full":
+            waited = self.world.now - _parse_time(self.r.since, self.world.now)
+            waiting = ", ".join(view.waiting) if view and view.waiting else "the scale-up to be observed"
+            if waited.total_seconds() > PROGRESS_DEADLINE_SECONDS:
+                self._fail("ScaleUpNotReady", f"revision {self.candidate} not ready at full scale after "
+                           f"{PROGRESS_DEADLINE_SECONDS:g} s ({waiting})")  # fmt: skip
+            else:
+                self.condition("Progressing", "True", "ScalingUp", f"revision {self.candidate}: waiting for {waiting}")
+                self.wait()
+            return False
+        return self._verify_pools(view)
 
     def _on_stable(self) -> None:
         self._policy_condition()

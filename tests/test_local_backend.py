@@ -205,3 +205,30 @@ def wait_ready(backend: LocalBackend, revision: str, timeout_s: float = 60.0) ->
     while not backend.views()[revision].ready:  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, backend.views()[revision]
         time.sleep(0.2)
+
+
+def test_scaling_a_revision_up_keeps_running_workers_and_restarts_only_the_router(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """canary -> full, as a Deployment's scale: prefill-0 and decode-0 keep their processes."""
+    body = tiny_body(str(tiny_model_dir))
+    body["spec"]["roles"]["decode"]["replicas"] = 2
+    spec = spec_of(body)
+    revision = revision_of(spec)
+    with LocalBackend(tmp_path / "state") as backend:
+        try:
+            backend.claim("tiny")
+            backend.deploy(revision, spec, plan(spec), scale="canary")
+            wait_ready(backend, revision)
+            record = backend.state.revisions[revision]
+            assert [w.name for w in record.workers] == ["prefill-0", "decode-0", "router"]
+            before = {w.name: w.pid for w in record.workers}
+            backend.deploy(revision, spec, plan(spec), scale="full")
+            wait_ready(backend, revision)
+            view = backend.views()[revision]
+            assert view.scale == "full" and view.worker_replicas == 3  # type: ignore[attr-defined]
+            after = {w.name: w.pid for w in record.workers}
+            assert after["prefill-0"] == before["prefill-0"] and after["decode-0"] == before["decode-0"]
+            assert after["router"] != before["router"] and after["decode-1"] is not None
+            router = record.worker("router").argv
+            assert sum(1 for a in router if a == "--decode") == 2
+        finally:
+            backend.stop_all()

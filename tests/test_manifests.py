@@ -72,3 +72,21 @@ def test_sample_model_is_valid() -> None:
 
     model = InferenceModel.model_validate(yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text()))
     assert plan(model.spec).verdict == "pass"
+
+
+def test_fault_injection_is_off_in_the_install_and_on_only_in_the_e2e_overlay(
+    rendered: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvguard.operator.controller import fault_injection_allowed
+
+    def operator_env(objs: list[dict[str, Any]]) -> dict[str, str]:
+        (deployment,) = by_kind(objs, "Deployment")
+        return {e["name"]: e.get("value", "") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "KVGUARD_ALLOW_FAULT_INJECTION" not in operator_env(rendered)
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / "e2e" / "install")], check=True, capture_output=True, text=True)
+    testing = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    env = operator_env(testing)
+    assert env["KVGUARD_ALLOW_FAULT_INJECTION"] == "true" and "KVGUARD_WEBHOOK_CERT_DIR" in env  # the base, plus the switch
+    monkeypatch.setenv("KVGUARD_ALLOW_FAULT_INJECTION", env["KVGUARD_ALLOW_FAULT_INJECTION"])
+    assert fault_injection_allowed()

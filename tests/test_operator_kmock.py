@@ -50,6 +50,8 @@ CANARY_WAIT = 60.0
 # A lean canary (capacity, golden, over-length, safety counters) keeps each rollout to seconds.
 FAST_CANARY = {"determinism": {"enabled": False}, "isolation": {"enabled": False}, "abort": {"enabled": False},
                "overLength": {"apis": ["completions"], "streaming": [False]}, "requestTimeoutSeconds": 10}  # fmt: skip
+CLUSTER: list[Any] = []
+"""The kmock of the running test (the resolver reads Deployment replicas from it)."""
 ROUTES: dict[str, LocalDeployment] = {}
 """revision -> the processes that answer for it; anything else answers with the default."""
 
@@ -92,10 +94,17 @@ def incident_build(tiny_model_dir: Path) -> Any:
 
 
 async def resolve(model: ModelRef, revision: str) -> RevisionEndpoints:
+    """One worker per replica of the revision's Deployment (a pod each), all answered by the same
+    real process of that role: kmock has no pods to list."""
     deployment = ROUTES.get(revision, ROUTES["default"])
     urls = deployment.metrics_urls
-    workers = tuple(WorkerEndpoint(f"{model.name}-{revision}-{role}-0", role, urls[role]) for role in ("prefill", "decode"))
-    return RevisionEndpoints(router_url=deployment.router_url, workers=workers)
+    deployments = objects_of(CLUSTER[-1], DEPLOYMENTS) if CLUSTER else {}
+    workers = []
+    for role in ("prefill", "decode"):
+        live = deployments.get(f"{model.name}-{revision}-{role}")
+        replicas = int(live["spec"]["replicas"]) if live is not None else 1
+        workers += [WorkerEndpoint(f"{model.name}-{revision}-{role}-{i}", role, urls[role]) for i in range(replicas)]
+    return RevisionEndpoints(router_url=deployment.router_url, workers=tuple(workers))
 
 
 def objects_of(k8s: Any, resource: Any) -> dict[str, Any]:
@@ -172,6 +181,7 @@ async def operator(kmock: Any, monkeypatch: pytest.MonkeyPatch, serving: LocalDe
     kubernetes.client.ApiClient.set_default(kubernetes.client.ApiClient(cfg))
     monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
     kvguard.operator.handlers.ENDPOINT_RESOLVER[:] = [resolve]
+    CLUSTER.append(kmock)
     op = Operator(kmock)
     await op.start()
     try:
@@ -181,6 +191,7 @@ async def operator(kmock: Any, monkeypatch: pytest.MonkeyPatch, serving: LocalDe
         for revision in [r for r in ROUTES if r != "default"]:
             del ROUTES[revision]
         kvguard.operator.handlers.ENDPOINT_RESOLVER.clear()
+        CLUSTER.pop()
         EMULATOR_URL.pop()
         kubernetes.client.ApiClient.set_default(None)
 
@@ -316,6 +327,26 @@ async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: An
     assert scaled[f"tiny-{rev1}-decode"]["metadata"]["annotations"]["kvguard.io/replicas-before-scale-down"] == "1"
     states = [(h["revision"], h["state"]) for h in status_of(cluster)["history"]]
     assert states[:2] == [(rev2, "Stable"), (rev1, "Superseded")]
+
+
+async def test_candidate_runs_at_canary_replicas_and_is_measured_again_at_full_scale_before_traffic(cluster: Any) -> None:
+    body = tiny_model()
+    body["spec"]["roles"]["decode"]["replicas"] = 2  # canaryReplicas defaults to 1
+    await apply_model(body)
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    decode = await until(lambda: objects_of(cluster, DEPLOYMENTS).get(f"tiny-{rev}-decode"), "the decode Deployment")
+    assert decode["spec"]["replicas"] == 1 and decode["metadata"]["annotations"]["kvguard.io/scale"] == "canary"
+    await mark_ready(cluster, rev)
+    await until(lambda: objects_of(cluster, DEPLOYMENTS)[f"tiny-{rev}-decode"]["spec"]["replicas"] == 2, "the scale-up", CANARY_WAIT)
+    status = status_of(cluster)
+    assert status["rollout"]["state"] == "Promoting" and status["rollout"]["canary"]["verdict"] == "pass"
+    assert {w["worker"] for w in status["rollout"]["workers"]} == {f"tiny-{rev}-prefill-0", f"tiny-{rev}-decode-0"}
+    assert "tiny" not in objects_of(cluster, SERVICES)  # no traffic before the full-scale measurement
+    await mark_ready(cluster, rev)
+    status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "promoted at full scale", CANARY_WAIT)
+    assert status["rollout"]["measuredScale"] == "full"
+    assert sorted(w["worker"] for w in status["rollout"]["workers"]) == [f"tiny-{rev}-decode-0", f"tiny-{rev}-decode-1", f"tiny-{rev}-prefill-0"]
+    await until(lambda: objects_of(cluster, SERVICES).get("tiny"), "the model Service")
 
 
 async def test_invalid_spec_becomes_degraded_condition_not_a_crash(cluster: Any) -> None:

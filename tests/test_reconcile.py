@@ -10,7 +10,10 @@ from typing import Any
 
 import yaml
 
-from kvguard.operator.reconcile import DeploymentState, Observed, reconcile
+from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.reconcile import FAULTS_ANNOTATION, DeploymentState, Observed, deployment_state, reconcile, revision_views
+from kvguard.operator.render import SCALE_ANNOTATION
+from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import CanaryResult, DeployRevision, RouteTraffic, WorkerReport
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -81,3 +84,32 @@ def test_missing_generation_is_tolerated() -> None:
     b = body()
     del b["metadata"]["generation"]
     assert reconcile(b, Observed(), now=NOW).status["observedGeneration"] is None
+
+
+def test_fault_annotation_is_honoured_only_when_the_operator_allows_fault_injection() -> None:
+    b = body()
+    b["metadata"]["annotations"] = {FAULTS_ANNOTATION: "unsafe_reject_path,no_tags"}
+    clean = revision_of(InferenceModelSpec.model_validate(b["spec"]))
+
+    ignored = reconcile(b, Observed(), now=NOW)
+    assert ignored.revision == clean and ignored.faults == ""
+    assert [e.reason for e in ignored.events if e.type == "Warning"] == ["FaultInjectionIgnored"]
+
+    allowed = reconcile(b, Observed(fault_injection_allowed=True), now=NOW)
+    assert allowed.faults == "unsafe_reject_path,no_tags"
+    assert allowed.revision not in (None, clean)  # a faulty build is its own revision, never patched in place
+    assert "FaultInjection" in [e.reason for e in allowed.events]
+    b["status"] = allowed.status
+    assert reconcile(b, Observed(fault_injection_allowed=True), now=NOW).events == []  # said once per revision
+
+    b["metadata"]["annotations"] = {FAULTS_ANNOTATION: "corrupt_chunk=2"}
+    bad = reconcile(b, Observed(fault_injection_allowed=True), now=NOW)
+    assert bad.actions == [] and bad.status["phase"] == "Degraded"
+    assert f"metadata.annotations[{FAULTS_ANNOTATION}]" in bad.status["message"]
+
+
+def test_canary_scale_is_read_back_from_the_deployments() -> None:
+    states = [DeploymentState(f"m-r-{r}", "r", r, 1, 1, scale="canary" if r == "decode" else "full") for r in ("prefill", "decode", "router")]
+    assert revision_views(states)["r"].scale == "canary"
+    assert deployment_state({"metadata": {"annotations": {SCALE_ANNOTATION: "canary"}}, "spec": {"replicas": 1}}).scale == "canary"
+    assert deployment_state({"metadata": {}, "spec": {"replicas": 1}}).scale == "full"

@@ -131,3 +131,31 @@ def test_revision_changes_only_with_kv_relevant_fields() -> None:
     scaled.roles.decode.node_selector = {"pool": "a"}
     assert revision_of(scaled) == rev
     assert revision_of(m.spec.model_copy(update={"context_length": 512})) != rev
+
+
+def tiny_on_pvc(**spec_updates: Any) -> InferenceModel:
+    source = {"pvc": {"claimName": "models", "path": "tiny"}}
+    return model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"], "source": source},
+                 **spec_updates)  # fmt: skip
+
+
+def test_canary_scale_caps_replicas_and_is_recorded_on_each_deployment() -> None:
+    m = tiny_on_pvc(roles={"prefill": {"replicas": 2}, "decode": {"replicas": 3}, "router": {"replicas": 2}},
+                    rollout={"canaryReplicas": 2})  # fmt: skip
+    for scale, expected in (("canary", {"prefill": 2, "decode": 2, "router": 1}), ("full", {"prefill": 2, "decode": 3, "router": 2})):
+        rendered = render_revision(m.spec, plan(m.spec), OWNER, "r1", scale)  # type: ignore[arg-type]
+        deployments = {o["metadata"]["labels"]["kvguard.io/role"]: o for o in rendered if o["kind"] == "Deployment"}
+        assert {role: d["spec"]["replicas"] for role, d in deployments.items()} == expected
+        assert {d["metadata"]["annotations"]["kvguard.io/scale"] for d in deployments.values()} == {scale}
+    assert revision_of(m.spec) == revision_of(tiny_on_pvc().spec)  # replicas and rollout settings scale in place
+
+
+def test_injected_faults_reach_every_container_of_that_revision_only() -> None:
+    m = tiny_on_pvc()
+    faulty = render_revision(m.spec, plan(m.spec), OWNER, "r2", faults="unsafe_reject_path,no_tags")
+    clean = render_revision(m.spec, plan(m.spec), OWNER, "r1")
+    for rendered, expected in ((faulty, ["unsafe_reject_path,no_tags"] * 3), (clean, [])):
+        env = [e["value"] for o in rendered if o["kind"] == "Deployment"
+               for e in o["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "KVGUARD_FAULTS"]  # fmt: skip
+        assert env == expected
+    assert revision_of(m.spec, "no_tags") != revision_of(m.spec)

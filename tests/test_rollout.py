@@ -529,3 +529,88 @@ def test_previous_stables_come_from_history_newest_first() -> None:
     history = [RevisionRecord(revision=r, state=s, since="t") for r, s in
                [("r3", "Stable"), ("r2", "Superseded"), ("rx", "Failed"), ("r1", "Superseded"), ("r2", "Candidate")]]  # fmt: skip
     assert previous_stables(history, "r3") == ("r2", "r1")
+
+
+# --- canary replicas, then full scale ---------------------------------------------------------------
+
+SCALED_SPEC = SPEC.model_copy(update={"roles": SPEC.roles.model_validate({"prefill": {"replicas": 2}, "decode": {"replicas": 3}, "router": {"replicas": 2}})})
+
+
+@dataclasses.dataclass
+class ScaledSim(Sim):
+    """Workloads that follow DeployRevision's scale: 1+1 workers at canary scale, 2+3 at full;
+    every worker reports `full_pool` once the revision runs at full scale."""
+
+    spec: InferenceModelSpec = dataclasses.field(default_factory=lambda: SCALED_SPEC)
+    full_pool: float = 4096
+    scale_up_ready: bool = True
+
+    def apply(self, decision: Decision) -> None:
+        super().apply(decision)
+        for action in decision.of_type(DeployRevision):
+            full = action.scale == "full"
+            ready = not full or self.scale_up_ready
+            self.revisions[action.revision] = RevisionView(ready=ready, worker_replicas=5 if full else 2, scale=action.scale,
+                                                           waiting=() if ready else ("decode 1/3 ready",))  # fmt: skip
+
+    def decide(self, **overrides: Any) -> Decision:
+        view = self.revisions.get(self.target)
+        if view is not None and view.scale == "full":
+            self.reports = tuple(WorkerReport(f"{role}{i}", role, self.full_pool, 1024)
+                                 for role, n in (("prefill", 2), ("decode", 3)) for i in range(n))  # fmt: skip
+        return super().decide(**overrides)
+
+
+def test_candidate_is_verified_at_canary_replicas_then_measured_again_at_full_scale_before_traffic() -> None:
+    sim = ScaledSim()
+    d = sim.tick()
+    assert d.of_type(DeployRevision) == [DeployRevision("r1", "canary")]
+    d = sim.tick()
+    assert d.state == S.CANARY_VERIFYING and {w.worker for w in d.rollout.workers} == {"p0", "d0"}
+    assert d.rollout.measured_scale == "canary"
+    d = sim.tick()  # canary passed: scale up, but traffic waits for the full-scale measurement
+    assert d.state == S.PROMOTING and DeployRevision("r1", "full") in d.actions and d.of_type(RouteTraffic) == []
+    d = sim.tick()
+    assert d.state == S.STABLE and d.of_type(RouteTraffic) == [RouteTraffic("r1")]
+    assert d.rollout.measured_scale == "full" and len(d.rollout.workers) == 5  # S7: every node, at serving size
+    assert sim.tick().of_type(DeployRevision) == [DeployRevision("r1", "full")]  # stable stays at full scale
+
+
+def test_a_worker_too_small_at_full_scale_fails_the_rollout_and_stable_keeps_serving() -> None:
+    sim = stable_sim()
+    scaled = ScaledSim(stable="r1", serving="r1", revisions=dict(sim.revisions), rollout=sim.rollout, target="r2", full_pool=1500)
+    d = scaled.run_until(S.ROLLED_BACK)
+    assert scaled.serving == "r1" and scaled.stable == "r1"
+    assert any(x.state == S.PROMOTING for x in scaled.decisions)  # it passed at canary scale
+    assert d.rollout.reason == "ReportedPoolTooSmall" and "1500 tokens = 1.46x" in (d.rollout.message or "")
+    assert d.rollout.measured_scale == "full" and len(d.rollout.workers) == 5
+    assert all(RouteTraffic("r2") not in x.actions for x in scaled.decisions)
+    assert ScaleRevision("r2", 0) in [a for x in scaled.decisions for a in x.actions]
+
+
+def test_a_scale_up_that_never_gets_ready_fails_after_the_deadline() -> None:
+    sim = ScaledSim(scale_up_ready=False)
+    sim.run_until(S.PROMOTING)
+    d = sim.tick()
+    assert d.state == S.PROMOTING and conditions(d)["Progressing"] == ("True", "ScalingUp") and d.requeue_after
+    sim.now += dt.timedelta(seconds=PROGRESS_DEADLINE_SECONDS + 1)
+    d = sim.tick()
+    assert d.state in (S.FAILED, S.ROLLED_BACK) and d.rollout.reason == "ScaleUpNotReady"
+    assert sim.serving is None and d.stable is None
+
+
+def test_a_new_spec_during_scale_up_supersedes_the_unrouted_candidate() -> None:
+    sim = ScaledSim(scale_up_ready=False)
+    sim.run_until(S.PROMOTING)
+    sim.target = "r2"
+    d = sim.tick()
+    assert d.rollout.revision == "r2" and DeleteRevision("r1") in d.actions and sim.serving is None
+
+
+def test_canary_replicas_equal_to_full_replicas_verify_once_at_full_scale() -> None:
+    sim = ScaledSim(spec=SPEC)  # one replica per role: canary and full are the same size
+    d = sim.tick()
+    assert d.of_type(DeployRevision) == [DeployRevision("r1", "full")]
+    decisions = [sim.tick(), sim.tick()]
+    assert decisions[-1].state == S.STABLE
+    assert sum(events(x).count("PoolsVerified") for x in sim.decisions) == 1  # no second measurement

@@ -42,6 +42,7 @@ from kvguard.operator.rollout import (
     RevisionView,
     RouteTraffic,
     RunCanary,
+    Scale,
     ScaleRevision,
     WorkerReport,
     worker_report,
@@ -76,6 +77,8 @@ class RevisionRequest:
     revision: str
     spec: InferenceModelSpec
     plan: KVPlan
+    faults: str = ""
+    """Test-only KVGUARD_FAULTS of this revision's workers (part of its revision id); empty: none."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,8 @@ class Observation:
 class Backend(Protocol):
     """A platform that runs revisions. Every method is idempotent; none blocks the event loop."""
 
-    async def ensure_revision(self, request: RevisionRequest) -> None:
-        """Create or update the revision's router/prefill/decode at the spec's replicas."""
+    async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
+        """Create or update the revision's router/prefill/decode at canary or full replicas."""
         ...
 
     async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
@@ -229,7 +232,7 @@ async def execute(
     for action in actions:
         if isinstance(action, DeployRevision):
             assert request is not None and action.revision == request.revision, "DeployRevision is for the spec's revision"
-            await backend.ensure_revision(request)
+            await backend.ensure_revision(request, action.scale)
         elif isinstance(action, ScaleRevision):
             assert model is not None
             await backend.scale_revision(model, action.revision, action.replicas)

@@ -36,6 +36,7 @@ from kvguard.operator.render import (
     render_transfer_secret,
     revision_object_refs,
 )
+from kvguard.operator.rollout import Scale
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ class KubernetesBackend:
         self.kube = kube
         self._resolver = resolver
 
-    async def ensure_revision(self, request: RevisionRequest) -> None:
+    async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
         owner = _owner(request.model)
-        for manifest in render_revision(request.spec, request.plan, owner, request.revision):
+        for manifest in render_revision(request.spec, request.plan, owner, request.revision, scale, request.faults):
             await self.create_or_patch(manifest, request.model)
         # Generated once, never patched, never logged (S3); None on 409 keeps the existing key.
         await self.kube.acreate(render_transfer_secret(owner, request.revision, secrets.token_bytes(32)))

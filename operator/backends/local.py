@@ -47,6 +47,7 @@ from kvguard.operator.backends.base import (
     RevisionRequest,
     WorkerEndpoint,
 )
+from kvguard.operator.rollout import Scale
 
 log = logging.getLogger("kvguard.local")
 
@@ -79,6 +80,8 @@ class LocalWorker(_StateModel):
     role: str
     port: int
     argv: list[str]
+    transfer_port: int | None = None
+    """Decode's KV-transfer port (kept when the revision is resized)."""
     pid: int | None = None
     restarts: int = 0
 
@@ -94,6 +97,8 @@ class LocalRevision(_StateModel):
     model_dir: str
     faults: str = ""
     """KVGUARD_FAULTS of this revision's processes (test/demo only; empty = none)."""
+    scale: Scale = "full"
+    """canary (replicas capped while verified) or full."""
     scaled_to_zero: bool = False
     created_at: str
     workers: list[LocalWorker] = Field(default_factory=list)
@@ -219,14 +224,18 @@ def runnable_problems(spec: InferenceModelSpec) -> list[str]:
     return problems
 
 
-def instances(spec: InferenceModelSpec, role: str) -> int:
+def instances(spec: InferenceModelSpec, role: str, scale: Scale = "full") -> int:
     """Engine instances of a worker role: replicas x dataParallel (each its own process and pool)."""
-    worker_role = spec.roles.worker_roles()[role]
-    return worker_role.replicas * worker_role.data_parallel
+    return spec.replicas_at(role, scale) * spec.roles.worker_roles()[role].data_parallel
 
 
 def worker_argvs(
-    spec: InferenceModelSpec, kv_plan: KVPlan, model_dir: Path, ports: Mapping[str, int], transfer_ports: Mapping[str, int]
+    spec: InferenceModelSpec,
+    kv_plan: KVPlan,
+    model_dir: Path,
+    ports: Mapping[str, int],
+    transfer_ports: Mapping[str, int],
+    scale: Scale = "full",
 ) -> list[LocalWorker]:
     """The command line of every process of a revision (mirrors the Kubernetes kvguard adapter)."""
     base = [sys.executable, "-P", "-m", "kvguard", "worker", "--model", str(model_dir), "--model-name", spec.model.name]
@@ -235,7 +244,7 @@ def worker_argvs(
     workers: list[LocalWorker] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in ("prefill", "decode"):
-        for i in range(instances(spec, role)):
+        for i in range(instances(spec, role, scale)):
             name = f"{role}-{i}"
             argv = base + ["--role", role, "--port", str(ports[name])]
             argv += [
@@ -247,9 +256,11 @@ def worker_argvs(
             ]  # fmt: skip
             if dtype:
                 argv += ["--dtype", dtype]
-            if role == "decode":
-                argv += ["--transfer-port", str(transfer_ports[name])]
-            workers.append(LocalWorker(name=name, role=role, port=ports[name], argv=argv + list(spec.engine.extra_args)))
+            transfer_port = transfer_ports.get(name) if role == "decode" else None
+            if transfer_port is not None:
+                argv += ["--transfer-port", str(transfer_port)]
+            argv += list(spec.engine.extra_args)
+            workers.append(LocalWorker(name=name, role=role, port=ports[name], argv=argv, transfer_port=transfer_port))
             urls[role].append(f"http://127.0.0.1:{ports[name]}")
     router = base + ["--role", "router", "--port", str(ports["router"])]
     for role in ("prefill", "decode"):
@@ -259,8 +270,8 @@ def worker_argvs(
     return workers
 
 
-def worker_names(spec: InferenceModelSpec) -> list[str]:
-    return [f"{role}-{i}" for role in ("prefill", "decode") for i in range(instances(spec, role))] + ["router"]
+def worker_names(spec: InferenceModelSpec, scale: Scale = "full") -> list[str]:
+    return [f"{role}-{i}" for role in ("prefill", "decode") for i in range(instances(spec, role, scale))] + ["router"]
 
 
 # --- processes ------------------------------------------------------------------------------------
@@ -379,7 +390,6 @@ class LocalBackend:
     """
 
     def __init__(self, state_dir: Path, models_root: Path = Path("."), environ: Mapping[str, str] | None = None) -> None:
-        self.faults: dict[str, str] = {}
         """revision -> KVGUARD_FAULTS for its processes when this backend creates it (test/demo only)."""
         self.store = StateStore(state_dir)
         self.models_root = models_root
@@ -420,34 +430,55 @@ class LocalBackend:
         self.save()
 
     # --- workloads ---------------------------------------------------------------------------------
-    def deploy(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str = "") -> None:
-        """Create the revision's processes if it has none, and (re)start any that is not running."""
+    def deploy(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str = "", scale: Scale = "full") -> None:
+        """Create the revision's processes at `scale` if it has none, resize it to `scale`, and
+        (re)start any process that is not running."""
         record = self.state.revisions.get(revision)
         if record is None:
-            record = self._create(revision, spec, kv_plan, faults)
+            record = self._create(revision, spec, kv_plan, faults, scale)
+        elif record.scale != scale:
+            self._resize(record, spec, kv_plan, scale)
         record.scaled_to_zero = False
         self._ensure_running(record)
         self.save()
 
-    def _create(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str) -> LocalRevision:
+    def _create(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str, scale: Scale) -> LocalRevision:
         problems = runnable_problems(spec)
         if problems:
             raise LocalBackendError("; ".join(problems))
         model_dir = model_dir_for(spec, self.models_root).resolve()
         if not (model_dir / "config.json").is_file():
             raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
-        names = worker_names(spec)
+        names = worker_names(spec, scale)
         ports = {name: free_port() for name in names}
         transfer_ports = {name: free_port() for name in names if name.startswith("decode")}
         record = LocalRevision(
-            revision=revision, model_dir=str(model_dir), faults=faults, created_at=now_rfc3339(),
-            workers=worker_argvs(spec, kv_plan, model_dir, ports, transfer_ports),
+            revision=revision, model_dir=str(model_dir), faults=faults, scale=scale, created_at=now_rfc3339(),
+            workers=worker_argvs(spec, kv_plan, model_dir, ports, transfer_ports, scale),
         )  # fmt: skip
         if faults:
             log.warning("FAULT INJECTION: revision %s runs with %s=%s (test/demo use only)", revision, FAULTS_ENV, faults)
         self.state.revisions[revision] = record
         self.save()
         return record
+
+    def _resize(self, record: LocalRevision, spec: InferenceModelSpec, kv_plan: KVPlan, scale: Scale) -> None:
+        """Grow or shrink a revision to `scale`. Like a Deployment's scale, running workers keep
+        their processes and ports; only the router restarts, because its worker list changed."""
+        old = {w.name: w for w in record.workers}
+        names = worker_names(spec, scale)
+        ports = {n: old[n].port if n in old else free_port() for n in names}
+        transfer_ports = {n: (old[n].transfer_port if n in old else None) or free_port() for n in names if n.startswith("decode")}
+        new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, transfer_ports, scale)
+        for worker in new:
+            previous = old.get(worker.name)
+            if previous is not None and previous.argv == worker.argv:
+                worker.pid, worker.restarts = previous.pid, previous.restarts
+                del old[worker.name]
+        self.processes.stop(list(old.values()))
+        log.info("revision %s: %s scale, %d processes", record.revision, scale, len(new))
+        record.workers, record.scale = new, scale
+        self.save()
 
     def _ensure_running(self, record: LocalRevision) -> None:
         env = worker_env(self.environ, self.store.transfer_key(record.revision), record.faults)
@@ -521,6 +552,7 @@ class LocalBackend:
             waiting = tuple(f"{w.name} not ready" for w in record.workers if not (self.processes.alive(w) and healthy(w)))
             views[revision] = RevisionView(
                 ready=not waiting, scaled_to_zero=False, worker_replicas=len(record.engine_workers()), waiting=waiting,
+                scale=record.scale,
             )  # fmt: skip
         return views
 
@@ -535,10 +567,9 @@ class LocalBackend:
     # --- the Backend interface (kvguard.operator.backends.base) -------------------------------------
     # Process starts, health checks and stops block, so they run in a worker thread; the driver
     # awaits each call before the next, so the state is never touched by two threads at once.
-    async def ensure_revision(self, request: RevisionRequest) -> None:
+    async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
         self._check_model(request.model)
-        faults = self.faults.get(request.revision, "")
-        await asyncio.to_thread(self.deploy, request.revision, request.spec, request.plan, faults)
+        await asyncio.to_thread(self.deploy, request.revision, request.spec, request.plan, request.faults, scale)
 
     async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
         self._check_model(model)

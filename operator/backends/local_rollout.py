@@ -148,7 +148,7 @@ async def roll_out(
     LocalBackendError, or TimeoutError after `max_seconds`."""
     say = say or (lambda _line: None)
     kv_plan = plan(spec)
-    target = revision_of(spec)
+    target = revision_of(spec, faults)
     plan_ok, plan_message = plan_gate(kv_plan)
     verdict = evaluate(spec, namespace, list(policies), kv_plan=kv_plan)
     model = ModelRef(namespace, name)
@@ -160,8 +160,6 @@ async def roll_out(
         if not (model_dir / "config.json").is_file():
             raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
     backend.claim(name)
-    if faults:
-        backend.faults[target] = faults
     reports: dict[str, CanaryReport] = {}
 
     async def suite(url: str, canary: object, **kwargs: object) -> CanaryReport:
@@ -191,7 +189,7 @@ async def roll_out(
         if scrape:
             worker_reports = await scrape_workers(await backend.endpoints(model, scrape[0].revision))
             decision = step(spec, status.rollout, status.revision, with_reports(world, worker_reports))
-        request = RevisionRequest(model, target, spec, kv_plan) if plan_ok else None
+        request = RevisionRequest(model, target, spec, kv_plan, faults) if plan_ok else None
         await execute(backend, request, decision.actions, runner, spec.canary)
         previous_state = status.rollout.state if status.rollout else None
         status = record_decision(status, decision, target, kv_plan, generation, now)
