@@ -41,6 +41,8 @@ TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
 TRANSFER_KEY_FIELD = "key"
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvguard/worker:0.1.0"
 OPERATOR_NAMESPACE_LABEL = "kvguard.io/operator"
+METRICS_SCRAPER_NAMESPACE_LABEL = "kvguard.io/metrics-scraper"
+"""A namespace labelled with it (`"true"`, e.g. Prometheus's) may reach decode pods' HTTP port."""
 FAULTS_ENV = "KVGUARD_FAULTS"
 SCALE_ANNOTATION = "kvguard.io/scale"
 """On a revision's Deployments: canary (replicas capped while verified) or full."""
@@ -542,8 +544,9 @@ def render_transfer_secret(owner: Owner, revision: str, key: bytes) -> Manifest:
 
 
 def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str) -> Manifest:
-    """Decode pods accept KV only from this revision's prefill pods (S3); HTTP from its routers
-    and from the operator's namespace (the canary scrapes /metrics)."""
+    """Decode pods accept KV only from this revision's prefill pods (S3); HTTP from its routers,
+    from the operator's namespace (the canary scrapes /metrics) and from namespaces an admin
+    labelled as metrics scrapers (Prometheus)."""
     adapter = ADAPTERS[spec.engine.kind]
     transfer_ports = adapter.transfer_ports(spec)
     from_prefill: dict[str, Any] = {"from": [{"podSelector": {"matchLabels": selector(owner.name, revision, "prefill")}}]}
@@ -561,7 +564,10 @@ def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str)
                 from_prefill,
                 {"from": [{"podSelector": {"matchLabels": selector(owner.name, revision, "router")}}], "ports": http_port},
                 {
-                    "from": [{"namespaceSelector": {"matchLabels": {OPERATOR_NAMESPACE_LABEL: "true"}}}],
+                    "from": [
+                        {"namespaceSelector": {"matchLabels": {OPERATOR_NAMESPACE_LABEL: "true"}}},
+                        {"namespaceSelector": {"matchLabels": {METRICS_SCRAPER_NAMESPACE_LABEL: "true"}}},
+                    ],
                     "ports": http_port,
                 },
             ],

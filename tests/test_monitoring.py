@@ -130,6 +130,10 @@ def test_pod_monitor_selects_every_rendered_engine_pod_on_its_http_port(rendered
             assert label in {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in pod_labels}, target
     assert {"model", "role", "revision"} <= set(relabelled)
     assert monitor["spec"]["namespaceSelector"] == {"any": True}  # models live in their own namespaces
+    (netpol,) = by_kind(objects, "NetworkPolicy")  # decode pods: a labelled Prometheus namespace gets in
+    http_rules = [r for r in netpol["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8000}]]
+    scrapers = [f["namespaceSelector"]["matchLabels"] for r in http_rules for f in r["from"] if "namespaceSelector" in f]
+    assert {"kvguard.io/metrics-scraper": "true"} in scrapers
 
 
 def test_every_metric_the_rules_and_dashboard_read_exists_in_the_code(rule_groups: list[dict[str, Any]]) -> None:
