@@ -71,9 +71,12 @@ async def observe(kube: Kube, body: Mapping[str, Any], runner: CanaryRunner | No
     )
 
 
+FAULT_INJECTION_ENV = "KVGUARD_ALLOW_FAULT_INJECTION"
+
+
 def fault_injection_allowed() -> bool:
     """Test clusters only (manifests/testing/fault-injection): honour the kvguard.io/faults annotation."""
-    return os.environ.get("KVGUARD_ALLOW_FAULT_INJECTION", "").strip().lower() in ("1", "true", "yes")
+    return os.environ.get(FAULT_INJECTION_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 async def policy_gate(kube: Kube, body: Mapping[str, Any]) -> PolicyGate:

@@ -173,6 +173,10 @@ class EngineAdapter(Protocol):
 
     def health_path(self, role: Role) -> str: ...
 
+    def pods_per_replica(self, ctx: RoleContext) -> int:
+        """Pods one replica of the role takes (an engine that runs one DP rank per pod needs dataParallel)."""
+        ...
+
 
 def _http_port() -> dict[str, Any]:
     return {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}
@@ -228,6 +232,10 @@ class KvguardAdapter:
 
     def health_path(self, role: Role) -> str:
         return "/health"
+
+    def pods_per_replica(self, ctx: RoleContext) -> int:
+        # One kvguard worker is one DP rank with its own KV pool, as on the local backend.
+        return 1 if ctx.role == "router" else ctx.worker.data_parallel
 
 
 _SGLANG_KV_DTYPES = {
@@ -318,6 +326,9 @@ class SGLangAdapter:
     def health_path(self, role: Role) -> str:
         return "/health"
 
+    def pods_per_replica(self, ctx: RoleContext) -> int:
+        return 1
+
 
 class VLLMAdapter:
     """`vllm serve` with the NIXL KV connector, behind vllm-router's PD mode."""
@@ -371,6 +382,9 @@ class VLLMAdapter:
     def health_path(self, role: Role) -> str:
         return "/health"
 
+    def pods_per_replica(self, ctx: RoleContext) -> int:
+        return 1
+
 
 ADAPTERS: dict[EngineKind, EngineAdapter] = {
     EngineKind.KVGUARD: KvguardAdapter(),
@@ -396,7 +410,8 @@ def gpu_count(spec: InferenceModelSpec, role: Role) -> int:
     if role == "router" or spec.hardware.device == DeviceKind.CPU:
         return 0
     worker: WorkerRole = getattr(spec.roles, role)
-    dp = 1 if worker.data_parallel_attention else worker.data_parallel
+    one_rank_per_pod = spec.engine.kind == EngineKind.KVGUARD
+    dp = 1 if worker.data_parallel_attention or one_rank_per_pod else worker.data_parallel
     return worker.tensor_parallel * worker.pipeline_parallel * dp
 
 
@@ -511,7 +526,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         "kind": "Deployment",
         "metadata": metadata,
         "spec": {
-            "replicas": spec.replicas_at(ctx.role, ctx.scale),
+            "replicas": spec.replicas_at(ctx.role, ctx.scale) * adapter.pods_per_replica(ctx),
             "selector": {"matchLabels": selector(ctx.owner.name, ctx.revision, ctx.role)},
             "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
         },

@@ -159,3 +159,12 @@ def test_injected_faults_reach_every_container_of_that_revision_only() -> None:
                for e in o["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "KVGUARD_FAULTS"]  # fmt: skip
         assert env == expected
     assert revision_of(m.spec, "no_tags") != revision_of(m.spec)
+
+
+def test_a_kvguard_dp_rank_is_a_pod_of_its_own_and_counts_as_a_worker() -> None:
+    m = tiny_on_pvc(roles={"decode": {"replicas": 2, "dataParallel": 2}})
+    for scale, pods in (("canary", 2), ("full", 4)):
+        rendered = render_revision(m.spec, plan(m.spec), OWNER, "r1", scale)  # type: ignore[arg-type]
+        decode = next(o for o in rendered if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-r1-decode")
+        assert decode["spec"]["replicas"] == pods  # replicas x dataParallel, as the local backend runs them
+    assert plan(m.spec).roles["decode"].instances == 4  # one KV pool per pod: every one is measured (S7)
