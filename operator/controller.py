@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,9 +36,25 @@ from kvguard.operator.rollout import PolicyGate
 
 log = logging.getLogger(__name__)
 
-_LOCKS: dict[tuple[int, str, str], asyncio.Lock] = {}  # per event loop (tests run several)
-_WAITING: set[tuple[int, str, str]] = set()
-_REQUEUES: dict[tuple[int, str, str], asyncio.Task[None]] = {}
+ModelKey = tuple[str, str]
+"""(namespace, name) of an InferenceModel."""
+
+
+@dataclasses.dataclass
+class _LoopState:
+    """Per event loop (tests start several; a Lock or Task cannot cross loops): one lock per
+    model, the models with a reconcile queued on their lock, and each model's pending requeue."""
+
+    locks: dict[ModelKey, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    waiting: set[ModelKey] = dataclasses.field(default_factory=set)
+    requeues: dict[ModelKey, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
+
+
+_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
+
+
+def _loop_state() -> _LoopState:
+    return _LOOPS.setdefault(asyncio.get_running_loop(), _LoopState())
 
 __all__ = ["is_subset", "observe", "owner_of", "reconcile_model"]
 
@@ -159,46 +176,47 @@ async def reconcile_model(
     at once, because the queued one reads the resource and its children after this change."""
     meta = body["metadata"]
     key = (meta.get("namespace") or "", meta["name"])
-    lock_key = (id(asyncio.get_running_loop()), *key)
-    if lock_key in _WAITING:
+    state = _loop_state()
+    if key in state.waiting:
         return None  # a reconcile that has not read anything yet is queued: it will see this change
-    lock = _LOCKS.setdefault(lock_key, asyncio.Lock())
-    _WAITING.add(lock_key)
+    lock = state.locks.setdefault(key, asyncio.Lock())
+    state.waiting.add(key)
     try:
         await lock.acquire()
     finally:
-        _WAITING.discard(lock_key)
+        state.waiting.discard(key)
     backend, runner = backend or KubernetesBackend(kube), runner or CanaryRunner()
     try:
         outcome = await _reconcile_locked(kube, backend, runner, body, key)
     finally:
         lock.release()
-    _schedule_requeue(kube, backend, runner, lock_key, outcome.requeue_after)
+    _schedule_requeue(kube, backend, runner, key, outcome.requeue_after)
     return outcome
 
 
 def _schedule_requeue(
-    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, lock_key: tuple[int, str, str], delay: float | None
+    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, key: ModelKey, delay: float | None
 ) -> None:
     """Look again after `delay` (the rollout is waiting on workloads, metrics or a canary) rather
     than at the next timer tick. Each reconcile replaces the pending requeue of its model."""
-    pending = _REQUEUES.pop(lock_key, None)
+    requeues = _loop_state().requeues
+    pending = requeues.pop(key, None)
     if pending is not None and pending is not asyncio.current_task():
         pending.cancel()
     if delay is None:
         return
-    key_only = {"metadata": {"namespace": lock_key[1] or None, "name": lock_key[2]}}
+    key_only = {"metadata": {"namespace": key[0] or None, "name": key[1]}}
 
     async def later() -> None:
         await asyncio.sleep(delay)
-        if _REQUEUES.get(lock_key) is asyncio.current_task():
-            del _REQUEUES[lock_key]  # from here on a newer reconcile must not cancel this one
+        if requeues.get(key) is asyncio.current_task():
+            del requeues[key]  # from here on a newer reconcile must not cancel this one
         try:
             await reconcile_model(kube, key_only, backend=backend, runner=runner)
         except KubeError as exc:
-            log.warning("requeued reconcile of %s/%s failed: %s (the timer retries)", *lock_key[1:], exc)
+            log.warning("requeued reconcile of %s/%s failed: %s (the timer retries)", *key, exc)
 
-    _REQUEUES[lock_key] = asyncio.get_running_loop().create_task(later(), name=f"requeue {lock_key[1]}/{lock_key[2]}")
+    requeues[key] = asyncio.get_running_loop().create_task(later(), name=f"requeue {key[0]}/{key[1]}")
 
 
 async def _reconcile_locked(

@@ -42,7 +42,7 @@ from kvguard.operator.render import (
     object_name,
     render_revision,
 )
-from kvguard.operator.revision import revision_of
+from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
     Action,
     CanaryResult,
@@ -332,7 +332,7 @@ def _roll_out(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: st
     meta = run.body.get("metadata", {})
     stable = run.status.revision
     world = World(
-        target=revision, now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=run.observed.policy,
+        target=revision, numerics=numerics_of(spec), now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=run.observed.policy,
         revisions=revision_views(run.observed.deployments) | {r: RevisionView() for r in run.observed.revisions_present
                                                               if r not in {d.revision for d in run.observed.deployments}},
         serving=run.observed.serving, previous_stables=previous_stables(run.status.history, stable),

@@ -60,6 +60,22 @@ def kv_relevant(spec: InferenceModelSpec) -> dict[str, Any]:
     return picked
 
 
+def numerics_of(spec: InferenceModelSpec) -> str:
+    """A fingerprint of what decides the greedy outputs: weights (source and revision), quantization,
+    model and KV dtypes, device kind and engine. Two revisions with the same fingerprint must answer
+    a greedy prompt identically, so the canary compares a candidate's outputs with the stable's only
+    then. The engine's version and image are left out on purpose: a new build of the same engine
+    must still match (that is how the canary catches a build that corrupts KV)."""
+    wire = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    model = {k: v for k, v in wire["model"].items() if k != "architectureConfigMap"}
+    picked = {
+        "model": model, "weights": wire.get("weights"), "kvCacheDtype": wire.get("kvCacheDtype"),
+        "device": wire["hardware"].get("device"), "engine": wire["engine"].get("kind"),
+    }  # fmt: skip
+    canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]
+
+
 def revision_of(spec: InferenceModelSpec, faults: str = "") -> str:
     """Hex prefix of the SHA-256 of the KV-relevant spec; stable across key order and defaults.
     Test-only injected faults (KVGUARD_FAULTS) are part of it: a faulty build is its own revision,

@@ -146,6 +146,10 @@ class RolloutStatus(_StatusModel):
     """The candidate: the spec's revision, or the one named by kvguard.io/rollback-to."""
     baseline: str | None = None
     """The stable revision when this rollout started (the canary's baseline)."""
+    numerics: str | None = None
+    """The candidate's output fingerprint (`revision.numerics_of`)."""
+    baseline_numerics: str | None = None
+    """The baseline's fingerprint, carried from its own rollout record (None: unknown)."""
     attempt: str = ""
     """Value of kvguard.io/retry this attempt runs under."""
     rollback: bool = False
@@ -241,6 +245,8 @@ class World:
     target: str
     """The spec's revision (hash of its KV-relevant fields)."""
     now: dt.datetime
+    numerics: str | None = None
+    """The spec's output fingerprint (`revision.numerics_of`); None: unknown."""
     plan_ok: bool = True
     """The plan passes: every role's planned pool >= minKVRatio x contextLength (S7)."""
     plan_message: str = ""
@@ -300,6 +306,9 @@ class RunCanary:
     revision: str
     baseline: str | None
     attempt: str
+    compare_outputs: bool = True
+    """False when the candidate changes what decides outputs (weights, quantization, KV dtype,
+    device, engine): the golden probe then does not require the baseline's text."""
 
 
 @dataclass(frozen=True)
@@ -452,12 +461,19 @@ class _Step:
             state=RolloutState.PLANNING, revision=wanted, baseline=self.stable, rollback=rollback,
             attempt=self.annotation(RETRY_ANNOTATION) or "", since=rfc3339(self.world.now),
             reason="RevisionChanged", message=f"rolling out revision {wanted}",
+            numerics=None if rollback else self.world.numerics, baseline_numerics=self._stable_numerics(),
         )  # fmt: skip
         rollback_to = self.annotation(ROLLBACK_ANNOTATION)
         if rollback_to and not rollback:
             self.event("Warning", "RollbackUnavailable",
                        f"{ROLLBACK_ANNOTATION}={rollback_to}: not a kept previous revision "
                        f"(kept: {', '.join(self.world.previous_stables) or 'none'}); rolling out the spec")  # fmt: skip
+
+    def _stable_numerics(self) -> str | None:
+        """The stable's fingerprint: its own record's, or what the last rollout against it carried."""
+        if self.r.revision is not None and self.r.revision == self.stable:
+            return self.r.numerics
+        return self.r.baseline_numerics if self.r.baseline == self.stable else None
 
     def _retire(self, revision: str) -> None:
         """Stop a candidate that never served: cancel its canary, delete it (or park a kept one)."""
@@ -654,7 +670,7 @@ class _Step:
             )  # fmt: skip
         if self.r.canary is None:
             if not self.world.canary_running:
-                self.actions.append(RunCanary(self.candidate, self._baseline(), self.r.attempt))
+                self._run_canary()
             self.condition("CanaryPassed", "Unknown", "CanaryRunning", f"revision {self.candidate}: canary suite running")
             self.condition("Progressing", "True", "CanaryRunning", f"revision {self.candidate}: canary suite running")
             self.wait()
@@ -671,6 +687,15 @@ class _Step:
     def _start_promoting(self, reason: str, message: str) -> None:
         self.r.scrape_attempts = 0
         self.move(RolloutState.PROMOTING, reason, message)
+
+    def _run_canary(self) -> None:
+        baseline = self._baseline()
+        changed = self.r.numerics is not None and self.r.baseline_numerics not in (None, self.r.numerics)
+        if baseline is not None and changed:
+            self.event("Normal", "BaselineOutputsNotCompared",
+                       f"revision {self.candidate} changes weights, quantization, KV dtype, device or engine relative "
+                       f"to {baseline}: the golden probe checks expected text, not equality with {baseline}'s outputs")  # fmt: skip
+        self.actions.append(RunCanary(self.candidate, baseline, self.r.attempt, compare_outputs=not changed))
 
     def _baseline(self) -> str | None:
         stable = self.stable

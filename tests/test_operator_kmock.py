@@ -112,14 +112,14 @@ def objects_of(k8s: Any, resource: Any) -> dict[str, Any]:
             and not k8s.objects[key].deleted}  # fmt: skip
 
 
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0, detail: Callable[[], Any] | None = None) -> Any:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"; {detail()}" if detail else ""))
         await asyncio.sleep(0.05)
 
 
@@ -334,16 +334,19 @@ async def test_candidate_runs_at_canary_replicas_and_is_measured_again_at_full_s
     body["spec"]["roles"]["decode"]["replicas"] = 2  # canaryReplicas defaults to 1
     await apply_model(body)
     rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    decode = await until(lambda: objects_of(cluster, DEPLOYMENTS).get(f"tiny-{rev}-decode"), "the decode Deployment")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    decode = objects_of(cluster, DEPLOYMENTS)[f"tiny-{rev}-decode"]
     assert decode["spec"]["replicas"] == 1 and decode["metadata"]["annotations"]["kvguard.io/scale"] == "canary"
     await mark_ready(cluster, rev)
-    await until(lambda: objects_of(cluster, DEPLOYMENTS)[f"tiny-{rev}-decode"]["spec"]["replicas"] == 2, "the scale-up", CANARY_WAIT)
+    await until(lambda: objects_of(cluster, DEPLOYMENTS)[f"tiny-{rev}-decode"]["spec"]["replicas"] == 2, "the scale-up", CANARY_WAIT,
+                lambda: status_of(cluster).get("rollout"))  # fmt: skip
     status = status_of(cluster)
     assert status["rollout"]["state"] == "Promoting" and status["rollout"]["canary"]["verdict"] == "pass"
     assert {w["worker"] for w in status["rollout"]["workers"]} == {f"tiny-{rev}-prefill-0", f"tiny-{rev}-decode-0"}
     assert "tiny" not in objects_of(cluster, SERVICES)  # no traffic before the full-scale measurement
     await mark_ready(cluster, rev)
-    status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "promoted at full scale", CANARY_WAIT)
+    status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "promoted at full scale", CANARY_WAIT,
+                         lambda: status_of(cluster).get("rollout"))  # fmt: skip
     assert status["rollout"]["measuredScale"] == "full"
     assert sorted(w["worker"] for w in status["rollout"]["workers"]) == [f"tiny-{rev}-decode-0", f"tiny-{rev}-decode-1", f"tiny-{rev}-prefill-0"]
     await until(lambda: objects_of(cluster, SERVICES).get("tiny"), "the model Service")

@@ -12,7 +12,7 @@ import yaml
 from kvguard.operator.api import InferenceModel
 from kvguard.operator.planner import plan
 from kvguard.operator.render import Owner, RenderError, render_revision, render_transfer_secret
-from kvguard.operator.revision import revision_of
+from kvguard.operator.revision import numerics_of, revision_of
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 OWNER = Owner(name="m", namespace="ns", uid="u")
@@ -131,6 +131,22 @@ def test_revision_changes_only_with_kv_relevant_fields() -> None:
     scaled.roles.decode.node_selector = {"pool": "a"}
     assert revision_of(scaled) == rev
     assert revision_of(m.spec.model_copy(update={"context_length": 512})) != rev
+
+
+def test_numerics_change_with_what_decides_outputs_not_with_the_engine_build() -> None:
+    base = tiny_on_pvc().spec
+    same_outputs = [
+        tiny_on_pvc(engine={"kind": "kvguard", "version": "new-build"}),
+        tiny_on_pvc(contextLength=512, roles={"decode": {"dataParallel": 2, "replicas": 3}}),
+    ]
+    other_outputs = [
+        tiny_on_pvc(weights={"quantization": "fp16"}),
+        tiny_on_pvc(kvCacheDtype="fp8"),
+        model("tiny-cpu.yaml", model={**base.model.model_dump(by_alias=True, exclude_none=True),
+                                      "source": {"pvc": {"claimName": "models", "path": "tiny"}, "revision": "seed-1"}}),
+    ]  # fmt: skip
+    assert {numerics_of(m.spec) for m in same_outputs} == {numerics_of(base)}
+    assert all(numerics_of(m.spec) != numerics_of(base) for m in other_outputs)
 
 
 def tiny_on_pvc(**spec_updates: Any) -> InferenceModel:

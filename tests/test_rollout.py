@@ -74,11 +74,12 @@ class Sim:
     plan_ok: bool = True
     policy: PolicyGate = PolicyGate()
     spec: InferenceModelSpec = dataclasses.field(default_factory=lambda: SPEC)
+    numerics: str | None = None
     decisions: list[Decision] = dataclasses.field(default_factory=list)
 
     def world(self, **overrides: Any) -> World:
         values: dict[str, Any] = dict(
-            target=self.target, now=self.now, plan_ok=self.plan_ok, policy=self.policy,
+            target=self.target, numerics=self.numerics, now=self.now, plan_ok=self.plan_ok, policy=self.policy,
             revisions=dict(self.revisions), serving=self.serving, previous_stables=tuple(self.history),
             annotations=dict(self.annotations), canary=self.canary, canary_running=self.canary_running,
         )  # fmt: skip
@@ -614,3 +615,23 @@ def test_canary_replicas_equal_to_full_replicas_verify_once_at_full_scale() -> N
     decisions = [sim.tick(), sim.tick()]
     assert decisions[-1].state == S.STABLE
     assert sum(events(x).count("PoolsVerified") for x in sim.decisions) == 1  # no second measurement
+
+
+# --- comparing outputs with the baseline -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("first", "second", "compared"), [("n1", "n1", True), ("n1", "n2", False), (None, "n2", True)])
+def test_outputs_are_compared_with_the_baseline_only_when_the_numerics_match(first: str | None, second: str, compared: bool) -> None:
+    """Another weights/quantization/KV dtype gives other greedy text: requiring the stable's would
+    fail every such rollout. An unknown fingerprint (a status from before it existed) compares."""
+    sim = stable_sim(numerics=first)
+    sim.target, sim.numerics = "r2", second
+    sim.run_until(S.CANARY_VERIFYING)
+    (run,) = [a for d in sim.decisions for a in d.of_type(RunCanary) if a.revision == "r2"]
+    assert run == RunCanary("r2", "r1", "", compare_outputs=compared)
+    assert ("BaselineOutputsNotCompared" in [e for d in sim.decisions for e in events(d)]) is not compared
+    sim.run_until(S.STABLE)
+    sim.target, sim.numerics = "r3", second  # the next rollout's baseline is r2, with r2's fingerprint
+    sim.run_until(S.CANARY_VERIFYING)
+    (run,) = [a for d in sim.decisions for a in d.of_type(RunCanary) if a.revision == "r3"]
+    assert run.compare_outputs

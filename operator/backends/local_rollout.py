@@ -23,7 +23,7 @@ from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.planner import plan
 from kvguard.operator.policy import evaluate
-from kvguard.operator.revision import revision_of
+from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
     Decision,
     PolicyGate,
@@ -179,7 +179,7 @@ async def roll_out(
         rollout = status.rollout
         candidate_attempt = (rollout.revision or "", rollout.attempt) if rollout else ("", "")
         world = World(
-            target=target, now=now, plan_ok=plan_ok, plan_message=plan_message,
+            target=target, numerics=numerics_of(spec), now=now, plan_ok=plan_ok, plan_message=plan_message,
             policy=PolicyGate.from_verdict(verdict), revisions=observation.revisions, serving=observation.serving,
             previous_stables=previous_stables(status.history, status.revision), annotations=dict(annotations or {}),
             canary=runner.result(model.key), canary_running=runner.running(model.key, *candidate_attempt),

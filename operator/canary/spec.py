@@ -83,7 +83,10 @@ class GoldenSpec(_SpecModel):
         "with the baseline.",
     )
     compare_baseline: bool = Field(
-        True, description="When a baseline URL is given, outputs must equal the baseline's."
+        True,
+        description="When a baseline URL is given, outputs must equal the baseline's. The operator "
+        "compares only when the candidate serves the same weights, quantization, KV dtype, device and "
+        "engine as the baseline (other numerics give other text).",
     )
 
 
