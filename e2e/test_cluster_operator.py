@@ -2,8 +2,9 @@
 
 Needs: the CRDs and the operator installed (`kubectl apply -k manifests/`) and a namespace you may
 write to (KVGUARD_E2E_NAMESPACE, default "kvguard-e2e"). Worker pods only become ready with the
-worker image (KVGUARD_E2E_WORKER_IMAGE) and the tiny model on a PVC (KVGUARD_E2E_MODEL_PVC, folder
-"tiny"); these flows check what the operator writes, so they pass without them.
+worker image (KVGUARD_E2E_WORKER_IMAGE) and the tiny model on a PVC (KVGUARD_E2E_MODEL_PVC, default
+"kvguard-e2e-models", folder "tiny-0": what e2e/harness_cluster.py writes there); these flows check
+what the operator writes, so they pass without them.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def model(kube: Any) -> Iterator[Callable[[str, dict[str, Any]], str]]:
 
 def tiny_spec() -> dict[str, Any]:
     spec = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]
-    spec["model"]["source"] = {"pvc": {"claimName": os.environ.get("KVGUARD_E2E_MODEL_PVC", "models"), "path": "tiny"}}
+    spec["model"]["source"] = {"pvc": {"claimName": os.environ.get("KVGUARD_E2E_MODEL_PVC", "kvguard-e2e-models"), "path": "tiny-0"}}
     if image := os.environ.get("KVGUARD_E2E_WORKER_IMAGE"):
         spec["engine"]["image"] = image
     return spec
