@@ -34,6 +34,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvguard.workers.faults import NO_FAULTS, Faults
+from kvguard.workers.stream_buffer import BufferedStreamProtocol
 from kvguard.workers.transfer_protocol import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     PREFIX,
@@ -57,7 +58,6 @@ from kvguard.workers.transfer_protocol import (
 log = logging.getLogger("kvguard.transfer")
 
 CRASH_EXIT_CODE = 70
-_READ_LIMIT = 2 << 20  # StreamReader pauses the socket above 2x this: bounds decode's buffer
 _JOIN_BELOW = 64 << 10  # payloads smaller than this go out in one write() with their header
 
 
@@ -199,19 +199,38 @@ class TransferMetrics:
 # Frame I/O shared by both ends
 
 
+class FrameSource(Protocol):
+    """asyncio.StreamReader (prefill reads replies) or BufferedStreamReader (decode reads KV)."""
+
+    async def readexactly(self, n: int) -> bytes | memoryview: ...
+
+
+class FrameSink(Protocol):
+    """asyncio.StreamWriter or stream_buffer.TransportWriter."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 async def read_frame(
-    reader: asyncio.StreamReader, key: bytes | None, max_payload: int
-) -> tuple[Frame, bytes] | None:
-    """Read one frame; None on a clean end of stream between frames. Raises ProtocolError."""
+    reader: FrameSource, key: bytes | None, max_payload: int
+) -> tuple[Frame, bytes | memoryview] | None:
+    """Read one frame; None on a clean end of stream between frames. Raises ProtocolError.
+    The payload may be a view into the reader's buffer, valid until the next read."""
     try:
-        prefix = await reader.readexactly(PREFIX.size)
+        prefix = bytes(await reader.readexactly(PREFIX.size))
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             return None
         raise ProtocolError("stream ended inside a frame prefix") from None
     kind, header_len, payload_len = parse_prefix(prefix, max_payload)
     try:
-        header_and_tag = await reader.readexactly(header_len + TAG_BYTES)
+        header_and_tag = bytes(await reader.readexactly(header_len + TAG_BYTES))
         frame = open_header(key, prefix, header_and_tag, kind)
         payload = await reader.readexactly(payload_len) if payload_len else b""
     except asyncio.IncompleteReadError:
@@ -219,7 +238,7 @@ async def read_frame(
     return frame, payload
 
 
-def write_frame(writer: asyncio.StreamWriter, key: bytes | None, frame: Frame,
+def write_frame(writer: FrameSink, key: bytes | None, frame: Frame,
                 payload: memoryview | bytes = b"") -> None:
     """Queue one whole frame. Synchronous, so frames of concurrent requests never interleave."""
     head = seal(key, frame, len(payload))
@@ -278,7 +297,7 @@ class _Inbound:
 
 
 class _InboundConnection:
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: FrameSink) -> None:
         self.writer = writer
         self.requests: set[str] = set()
         self.pending_credit = 0
@@ -331,8 +350,8 @@ class KVReceiver:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen; returns the bound (host, port)."""
-        self._server = await asyncio.start_server(
-            self._serve, host, port, limit=_READ_LIMIT)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: BufferedStreamProtocol(self._serve), host, port)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         return sock_host, sock_port
 
@@ -370,7 +389,7 @@ class KVReceiver:
 
     # -- connection loop ----------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: FrameSource, writer: FrameSink) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._conn_tasks.add(task)
@@ -396,7 +415,7 @@ class KVReceiver:
             writer.close()
             self._conn_tasks.discard(task)
 
-    async def _dispatch(self, conn: _InboundConnection, frame: Frame, payload: bytes) -> None:
+    async def _dispatch(self, conn: _InboundConnection, frame: Frame, payload: bytes | memoryview) -> None:
         match frame:
             case ChunkHeader():
                 await self._on_chunk(conn, frame, payload)
@@ -443,7 +462,7 @@ class KVReceiver:
             return None
         return state
 
-    async def _on_chunk(self, conn: _InboundConnection, chunk: ChunkHeader, payload: bytes) -> None:
+    async def _on_chunk(self, conn: _InboundConnection, chunk: ChunkHeader, payload: bytes | memoryview) -> None:
         self._bytes_in.inc(len(payload))
         self._chunks_in.observe(len(payload))
         if (state := self._claim(conn, chunk.request_id)) is None:
