@@ -60,17 +60,25 @@ def kv_relevant(spec: InferenceModelSpec) -> dict[str, Any]:
     return picked
 
 
+# Fields of spec.roles.<prefill|decode> that change the order of floating-point reductions.
+_NUMERICS_ROLE_FIELDS = ("tensorParallel", "pipelineParallel", "expertParallel", "dataParallelAttention")
+
+
 def numerics_of(spec: InferenceModelSpec) -> str:
     """A fingerprint of what decides the greedy outputs: weights (source and revision), quantization,
-    model and KV dtypes, device kind and engine. Two revisions with the same fingerprint must answer
-    a greedy prompt identically, so the canary compares a candidate's outputs with the stable's only
-    then. The engine's version and image are left out on purpose: a new build of the same engine
-    must still match (that is how the canary catches a build that corrupts KV)."""
+    model and KV dtypes, device kind, engine, and the sharding that reorders reductions (tensor,
+    pipeline, expert parallelism, DP attention; data parallelism only replicates). Two revisions
+    with the same fingerprint must answer a greedy prompt identically, so the canary compares a
+    candidate's outputs with the stable's only then. The engine's version and image are left out
+    on purpose: a new build of the same engine must still match (that is how the canary catches a
+    build that corrupts KV)."""
     wire = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
     model = {k: v for k, v in wire["model"].items() if k != "architectureConfigMap"}
+    roles = wire.get("roles", {})
     picked = {
         "model": model, "weights": wire.get("weights"), "kvCacheDtype": wire.get("kvCacheDtype"),
         "device": wire["hardware"].get("device"), "engine": wire["engine"].get("kind"),
+        "sharding": {r: {k: roles.get(r, {}).get(k) for k in _NUMERICS_ROLE_FIELDS} for r in ("prefill", "decode")},
     }  # fmt: skip
     canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]

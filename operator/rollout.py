@@ -307,8 +307,9 @@ class RunCanary:
     baseline: str | None
     attempt: str
     compare_outputs: bool = True
-    """False when the candidate changes what decides outputs (weights, quantization, KV dtype,
-    device, engine): the golden probe then does not require the baseline's text."""
+    """False when the candidate changes what decides outputs (`revision.numerics_of`: weights,
+    quantization, KV dtype, device, engine, sharding): the golden probe then does not require the
+    baseline's text."""
 
 
 @dataclass(frozen=True)
@@ -693,7 +694,7 @@ class _Step:
         changed = self.r.numerics is not None and self.r.baseline_numerics not in (None, self.r.numerics)
         if baseline is not None and changed:
             self.event("Normal", "BaselineOutputsNotCompared",
-                       f"revision {self.candidate} changes weights, quantization, KV dtype, device or engine relative "
+                       f"revision {self.candidate} changes weights, quantization, KV dtype, device, engine or sharding relative "
                        f"to {baseline}: the golden probe checks expected text, not equality with {baseline}'s outputs")  # fmt: skip
         self.actions.append(RunCanary(self.candidate, baseline, self.r.attempt, compare_outputs=not changed))
 

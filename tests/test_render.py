@@ -142,6 +142,7 @@ def test_numerics_change_with_what_decides_outputs_not_with_the_engine_build() -
     other_outputs = [
         tiny_on_pvc(weights={"quantization": "fp16"}),
         tiny_on_pvc(kvCacheDtype="fp8"),
+        tiny_on_pvc(roles={"decode": {"tensorParallel": 2}}),
         model("tiny-cpu.yaml", model={**base.model.model_dump(by_alias=True, exclude_none=True),
                                       "source": {"pvc": {"claimName": "models", "path": "tiny"}, "revision": "seed-1"}}),
     ]  # fmt: skip

@@ -2,7 +2,7 @@
 
 Decoding is greedy with a fixed seed, so a correct canary running the same weights as the baseline
 must produce the same text; a KV corruption (S3) or a stale read (S1) changes it. When a revision
-legitimately changes numerics (weights, quantization, KV dtype, device, engine) the operator does
+legitimately changes numerics (weights, quantization, KV dtype, device, engine, sharding) the operator does
 not ask for the baseline's text (`RunCanary.compare_outputs`); expected text is still checked.
 """
 

@@ -85,7 +85,7 @@ class GoldenSpec(_SpecModel):
     compare_baseline: bool = Field(
         True,
         description="When a baseline URL is given, outputs must equal the baseline's. The operator "
-        "compares only when the candidate serves the same weights, quantization, KV dtype, device and "
+        "compares only when the candidate serves the same weights, quantization, KV dtype, device, sharding and "
         "engine as the baseline (other numerics give other text).",
     )
 
