@@ -352,6 +352,24 @@ async def test_candidate_runs_at_canary_replicas_and_is_measured_again_at_full_s
     await until(lambda: objects_of(cluster, SERVICES).get("tiny"), "the model Service")
 
 
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_fault_annotation_reaches_the_workers_only_where_fault_injection_is_allowed(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch, allowed: bool
+) -> None:
+    if allowed:
+        monkeypatch.setenv("KVGUARD_ALLOW_FAULT_INJECTION", "true")  # what manifests/testing/fault-injection sets
+    body = tiny_model()
+    body["metadata"]["annotations"] = {"kvguard.io/faults": "unsafe_reject_path,no_tags"}
+    await apply_model(body)
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    for deployment in objects_of(cluster, DEPLOYMENTS).values():
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env.get("KVGUARD_FAULTS") == ("unsafe_reject_path,no_tags" if allowed else None)
+    reason = "FaultInjection" if allowed else "FaultInjectionIgnored"
+    event = await until(lambda: [e for e in objects_of(cluster, EVENTS).values() if e["reason"] == reason], f"a {reason} event")
+    assert event[0]["type"] == "Warning"
+
+
 async def test_invalid_spec_becomes_degraded_condition_not_a_crash(cluster: Any) -> None:
     body = tiny_model()
     body["spec"]["roles"]["decode"]["tensorParallel"] = 3  # does not divide 2 KV heads
