@@ -136,3 +136,24 @@ async def test_a_lost_connection_is_a_connection_error_not_a_clean_end() -> None
     reader.end_of_stream(ConnectionResetError("peer reset"))
     with pytest.raises(ConnectionResetError):
         await reader.readexactly(8)
+
+
+async def test_drain_waits_while_the_transport_is_paused_and_fails_once_the_connection_is_lost() -> None:
+    async def handler(reader: BufferedStreamReader, writer: TransportWriter) -> None:
+        return None
+
+    protocol = BufferedStreamProtocol(handler)
+    writer = TransportWriter(RecordingTransport(), protocol)
+    await writer.drain()  # not paused: returns at once
+    protocol.pause_writing()
+    draining = asyncio.ensure_future(writer.drain())
+    await asyncio.sleep(0)
+    assert not draining.done()
+    protocol.resume_writing()
+    await asyncio.wait_for(draining, 1)
+    protocol.pause_writing()
+    draining = asyncio.ensure_future(writer.drain())
+    await asyncio.sleep(0)
+    protocol.connection_lost(None)
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(draining, 1)
