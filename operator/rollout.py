@@ -520,6 +520,10 @@ class _Step:
             return "KVPoolTooSmall", self.world.plan_message or "the planned KV pool is below minKVRatio x contextLength"
         if not self.world.policy.compliant:
             return "PolicyViolation", self.world.policy.message
+        idle = [name for name, role in self.spec.roles.worker_roles().items() if role.replicas == 0]
+        if idle:  # nothing to measure or canary: say so now instead of timing out in CanaryDeploying
+            fields = ", ".join(f"spec.roles.{name}.replicas" for name in idle)
+            return "NoWorkers", f"{fields}: 0, a revision without them cannot be verified or serve; scale it up to roll it out"
         return None
 
     def _policy_condition(self) -> None:

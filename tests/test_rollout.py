@@ -635,3 +635,14 @@ def test_outputs_are_compared_with_the_baseline_only_when_the_numerics_match(fir
     sim.run_until(S.CANARY_VERIFYING)
     (run,) = [a for d in sim.decisions for a in d.of_type(RunCanary) if a.revision == "r3"]
     assert run.compare_outputs
+
+
+def test_a_new_revision_without_decode_workers_is_blocked_at_once_and_stable_keeps_serving() -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    sim.spec = SPEC.model_copy(update={"roles": SPEC.roles.model_validate({"decode": {"replicas": 0}})})
+    d = sim.tick()
+    assert d.state == S.BLOCKED and d.rollout.reason == "NoWorkers" and workload(d) == []
+    assert "spec.roles.decode.replicas: 0" in (d.rollout.message or "") and sim.serving == "r1"
+    sim.spec = SCALED_SPEC
+    assert sim.tick().state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING)
