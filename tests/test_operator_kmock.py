@@ -28,6 +28,7 @@ import kopf
 import kubernetes
 import pytest
 import yaml
+from kmock_api import client_configuration, declare_kvguard_resources
 
 import kvguard.operator.handlers  # noqa: F401  (registers the operator's handlers)
 from kvguard.operator import metrics
@@ -168,17 +169,9 @@ class Operator:
 
 @pytest.fixture
 async def operator(kmock: Any, monkeypatch: pytest.MonkeyPatch, serving: LocalDeployment) -> AsyncIterator[Operator]:
-    kmock.resources.load_bundled()
-    kmock.resources["kvguard.io/v1alpha1/inferencemodels"] = km.ResourceInfo(
-        kind="InferenceModel", namespaced=True, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    )  # fmt: skip
-    url = str(kmock.url).rstrip("/")
+    url = declare_kvguard_resources(kmock)
     EMULATOR_URL.append(url)
-    cfg = kubernetes.client.Configuration()
-    cfg.host = url
-    kubernetes.client.Configuration.set_default(cfg)
-    kubernetes.client.ApiClient.set_default(kubernetes.client.ApiClient(cfg))
+    client_configuration(url, make_default=True)
     monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
     kvguard.operator.handlers.ENDPOINT_RESOLVER[:] = [resolve]
     CLUSTER.append(kmock)

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import kmock as km
 import kopf
 import kubernetes
 import pytest
 import yaml
+from kmock_api import client_configuration, declare_kvguard_resources
 
 from kvguard.operator import webhook
 from kvguard.operator.api import InferencePolicy
@@ -169,20 +169,9 @@ def _record_index(inference_policies: kopf.Index[Any, InferencePolicy], **_: Any
 
 @pytest.fixture
 def api(kmock: Any) -> Any:
-    kmock.resources.load_bundled()
-    kmock.resources["kvguard.io/v1alpha1/inferencemodels"] = km.ResourceInfo(
-        kind="InferenceModel", namespaced=True, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    )  # fmt: skip
-    kmock.resources["kvguard.io/v1alpha1/inferencepolicies"] = km.ResourceInfo(
-        kind="InferencePolicy", namespaced=False, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    )  # fmt: skip
-    url = str(kmock.url).rstrip("/")
+    url = declare_kvguard_resources(kmock, policies=True)
     EMULATOR_URL.append(url)
-    cfg = kubernetes.client.Configuration()
-    cfg.host = url
-    webhook._KUBE[:] = [Kube(kubernetes.client.ApiClient(cfg))]
+    webhook._KUBE[:] = [Kube(kubernetes.client.ApiClient(client_configuration(url)))]
     yield kmock
     webhook._KUBE.clear()
     EMULATOR_URL.pop()
@@ -271,10 +260,7 @@ async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVGUARD_WEBHOOK_ADDR", "127.0.0.1")
     monkeypatch.setenv("KVGUARD_WEBHOOK_PORT", str(port))
     monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
-    cfg = kubernetes.client.Configuration()
-    cfg.host = EMULATOR_URL[-1]
-    kubernetes.client.Configuration.set_default(cfg)
-    kubernetes.client.ApiClient.set_default(kubernetes.client.ApiClient(cfg))
+    client_configuration(EMULATOR_URL[-1], make_default=True)
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
     settings.watching.server_timeout = 5
