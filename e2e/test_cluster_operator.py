@@ -109,7 +109,8 @@ def test_cluster_apply_renders_workloads_then_a_blocked_change_touches_nothing(k
     decode = next(d for d in objs["Deployment"] if d.metadata.name.endswith("-decode"))
     command = decode.spec.template.spec.containers[0].command
     assert command[command.index("--kv-pool-tokens") + 1] == "4096"  # the plan's pool
-    assert any(p.spec.ingress[0].ports[0].port == 9000 for p in objs["NetworkPolicy"])
+    decode_policy = next(p for p in objs["NetworkPolicy"] if p.metadata.name.endswith("-decode"))
+    assert any(r.ports and r.ports[0].port == 9000 for r in decode_policy.spec.ingress)  # KV from prefill only
     secret_names = {s.metadata.name for s in kube.CoreV1Api().list_namespaced_secret(NS).items}
     assert f"{name}-{revision}-kv-transfer" in secret_names
     before = {d.metadata.name: d.metadata.generation for d in objs["Deployment"]}

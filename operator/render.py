@@ -1,7 +1,10 @@
 """Pure builders of the Kubernetes objects one revision of an InferenceModel runs on.
 
 Per revision: prefill, decode and router Deployments and Services, the KV-transfer HMAC Secret
-and a NetworkPolicy that admits only prefill pods to decode's transfer port. Per model: the
+and one NetworkPolicy per role that admits exactly that role's audiences (S9,
+docs/threat-model.md): the router's API from clients, the workers' internal control API from the
+revision's routers only, decode's KV-transfer port from the revision's prefill pods only, and the
+read-only metrics port from the operator's and labelled scraper namespaces. Per model: the
 Service clients use, pointing at the stable revision's routers. Engine adapters turn the spec
 into the command line of our workers, SGLang or vLLM (flags from `../shared/reference/engines.md`).
 
@@ -28,12 +31,17 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.rollout import Scale
+from kvguard.workers.args import WorkerArgs
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
 Manifest = dict[str, Any]
 
 HTTP_PORT = 8000
+"""kvguard: the router's public API and the workers' internal control API; SGLang/vLLM: everything."""
+METRICS_PORT = 8001
+"""kvguard only: read-only /metrics and /health (probes, scrapers)."""
+DNS_PORT = 53
 SGLANG_BOOTSTRAP_PORT = 8998
 VLLM_NIXL_PORT = 5600
 MODEL_MOUNT = "/models"
@@ -42,7 +50,7 @@ TRANSFER_KEY_FIELD = "key"
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvguard/worker:0.1.0"
 OPERATOR_NAMESPACE_LABEL = "kvguard.io/operator"
 METRICS_SCRAPER_NAMESPACE_LABEL = "kvguard.io/metrics-scraper"
-"""A namespace labelled with it (`"true"`, e.g. Prometheus's) may reach decode pods' HTTP port."""
+"""A namespace labelled with it (`"true"`, e.g. Prometheus's) may reach engine pods' metrics port."""
 FAULTS_ENV = "KVGUARD_FAULTS"
 SCALE_ANNOTATION = "kvguard.io/scale"
 """On a revision's Deployments: canary (replicas capped while verified) or full."""
@@ -50,6 +58,8 @@ SCALE_ANNOTATION = "kvguard.io/scale"
 LABEL_MODEL = "kvguard.io/model"
 LABEL_REVISION = "kvguard.io/revision"
 LABEL_ROLE = "kvguard.io/role"
+LABEL_ENGINE = "kvguard.io/engine"
+"""On engine pods: kvguard, sglang or vllm (the PodMonitors pick the metrics port by it)."""
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvguard-operator"}
 
 
@@ -91,8 +101,8 @@ def secret_name(model: str, revision: str) -> str:
     return f"{model}-{revision}-kv-transfer"
 
 
-def network_policy_name(model: str, revision: str) -> str:
-    return f"{model}-{revision}-decode-transfer"
+def network_policy_name(model: str, revision: str, role: Role | str) -> str:
+    return f"{model}-{revision}-{role}"
 
 
 def labels(model: str, revision: str | None = None, role: Role | None = None) -> dict[str, str]:
@@ -173,6 +183,10 @@ class EngineAdapter(Protocol):
 
     def health_path(self, role: Role) -> str: ...
 
+    def probe_port(self) -> str:
+        """The named container port probes and scrapers use (kvguard: `metrics`; others: `http`)."""
+        ...
+
     def pods_per_replica(self, ctx: RoleContext) -> int:
         """Pods one replica of the role takes (an engine that runs one DP rank per pod needs dataParallel)."""
         ...
@@ -194,24 +208,25 @@ class KvguardAdapter:
             raise RenderError("spec.model.source", "the kvguard engine loads weights from a directory: use pvc")
         # Bind every interface (the pod's IP), and advertise the pod IP as decode's transfer
         # address: prefill connects to it directly, as the NetworkPolicy expects.
-        args = [
-            "kvguard", "worker", "--role", ctx.role, "--model", ctx.model_location(),
-            "--model-name", spec.model.name, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--context-length", str(spec.context_length),
-        ]  # fmt: skip
+        common: dict[str, Any] = {
+            "role": ctx.role, "model": ctx.model_location(), "model_name": spec.model.name, "host": "0.0.0.0",
+            "port": HTTP_PORT, "metrics_port": METRICS_PORT,
+        }  # fmt: skip
         if ctx.role == "router":
-            return args + ["--prefill", ctx.service_url("prefill"), "--decode", ctx.service_url("decode")]
-        role_plan = ctx.plan.roles[ctx.role]
-        args += [
-            "--kv-pool-tokens", str(role_plan.pool_tokens),
-            "--page-size", str(spec.page_size),
-            "--device", spec.hardware.device.value,
-            "--transfer-port", str(spec.kv_transfer.port),
-            "--advertise-host", f"$({POD_IP_ENV})",
-            "--max-transfer-batch", str(spec.kv_transfer.max_batch),
-            "--transfer-timeout", str(spec.kv_transfer.timeout_seconds),
-        ]  # fmt: skip
-        return args + list(spec.engine.extra_args)
+            args = WorkerArgs(**common, prefill=(ctx.service_url("prefill"),), decode=(ctx.service_url("decode"),))
+            return ["kvguard", "worker", *args.to_argv()]
+        args = WorkerArgs(
+            **common,
+            context_length=spec.context_length,
+            kv_pool_tokens=ctx.plan.roles[ctx.role].pool_tokens,
+            page_size=spec.page_size,
+            device=spec.hardware.device.value,
+            transfer_port=spec.kv_transfer.port if ctx.role == "decode" else None,
+            advertise_host=f"$({POD_IP_ENV})" if ctx.role == "decode" else None,
+            max_transfer_batch=spec.kv_transfer.max_batch,
+            transfer_timeout=spec.kv_transfer.timeout_seconds,
+        )
+        return ["kvguard", "worker", *args.to_argv(), *spec.engine.extra_args]
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
         if ctx.role == "router":
@@ -222,7 +237,7 @@ class KvguardAdapter:
         ]
 
     def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
-        ports = [_http_port()]
+        ports = [_http_port(), {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
         if ctx.role == "decode":
             ports.append({"name": "kv-transfer", "containerPort": ctx.spec.kv_transfer.port, "protocol": "TCP"})
         return ports
@@ -232,6 +247,9 @@ class KvguardAdapter:
 
     def health_path(self, role: Role) -> str:
         return "/health"
+
+    def probe_port(self) -> str:
+        return "metrics"
 
     def pods_per_replica(self, ctx: RoleContext) -> int:
         # One kvguard worker is one DP rank with its own KV pool, as on the local backend.
@@ -326,6 +344,9 @@ class SGLangAdapter:
     def health_path(self, role: Role) -> str:
         return "/health"
 
+    def probe_port(self) -> str:
+        return "http"
+
     def pods_per_replica(self, ctx: RoleContext) -> int:
         return 1
 
@@ -381,6 +402,9 @@ class VLLMAdapter:
 
     def health_path(self, role: Role) -> str:
         return "/health"
+
+    def probe_port(self) -> str:
+        return "http"
 
     def pods_per_replica(self, ctx: RoleContext) -> int:
         return 1
@@ -442,8 +466,8 @@ def _resources(spec: InferenceModelSpec, role: Role) -> dict[str, Any]:
     return result
 
 
-def _probes(path: str) -> dict[str, Any]:
-    get = {"httpGet": {"path": path, "port": "http"}}
+def _probes(path: str, port: str) -> dict[str, Any]:
+    get = {"httpGet": {"path": path, "port": port}}
     return {
         # Weight loading can take many minutes; the startup probe holds liveness off until then.
         "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 180, "timeoutSeconds": 5},
@@ -495,7 +519,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         "ports": adapter.container_ports(ctx),
         "volumeMounts": mounts,
         "securityContext": RESTRICTED_CONTAINER_SECURITY,
-        **_probes(adapter.health_path(ctx.role)),
+        **_probes(adapter.health_path(ctx.role), adapter.probe_port()),
     }
     resources = _resources(spec, ctx.role)
     if resources:
@@ -518,7 +542,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     pod_annotations = {"kvguard.io/revision": ctx.revision}
     if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
         pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
-    pod_labels = labels(ctx.owner.name, ctx.revision, ctx.role)
+    pod_labels = {**labels(ctx.owner.name, ctx.revision, ctx.role), LABEL_ENGINE: spec.engine.kind.value}
     metadata = _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role)
     metadata["annotations"] = {SCALE_ANNOTATION: ctx.scale}
     return {
@@ -534,8 +558,11 @@ def render_deployment(ctx: RoleContext) -> Manifest:
 
 
 def render_service(ctx: RoleContext) -> Manifest:
+    """The role's Service: the ports other pods address by name. Metrics are scraped per pod
+    (PodMonitor), and prefill reaches decode's transfer port at the pod IP decode advertises, so
+    neither is published here."""
     ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
-             for p in ADAPTERS[ctx.spec.engine.kind].container_ports(ctx)]  # fmt: skip
+             for p in ADAPTERS[ctx.spec.engine.kind].container_ports(ctx) if p["name"] not in ("metrics", "kv-transfer")]  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -558,35 +585,68 @@ def render_transfer_secret(owner: Owner, revision: str, key: bytes) -> Manifest:
     }
 
 
-def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str) -> Manifest:
-    """Decode pods accept KV only from this revision's prefill pods (S3); HTTP from its routers,
-    from the operator's namespace (the canary scrapes /metrics) and from namespaces an admin
-    labelled as metrics scrapers (Prometheus)."""
-    adapter = ADAPTERS[spec.engine.kind]
-    transfer_ports = adapter.transfer_ports(spec)
-    from_prefill: dict[str, Any] = {"from": [{"podSelector": {"matchLabels": selector(owner.name, revision, "prefill")}}]}
-    if transfer_ports is not None:
-        from_prefill["ports"] = [{"protocol": "TCP", "port": p} for p in transfer_ports]
-    http_port = [{"protocol": "TCP", "port": HTTP_PORT}]
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def _pods(owner: Owner, revision: str, role: Role) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": selector(owner.name, revision, role)}}
+
+
+_SCRAPERS = [
+    {"namespaceSelector": {"matchLabels": {OPERATOR_NAMESPACE_LABEL: "true"}}},  # the canary and S7 scrapes
+    {"namespaceSelector": {"matchLabels": {METRICS_SCRAPER_NAMESPACE_LABEL: "true"}}},  # Prometheus
+]
+_DNS = {"ports": [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}]}
+
+
+def _kvguard_policy_rules(spec: InferenceModelSpec, owner: Owner, revision: str, role: Role) -> tuple[list[Any], list[Any] | None]:
+    """(ingress, egress) of one kvguard role: exactly the audiences of workers/args.py's table."""
+    metrics = {"from": _SCRAPERS, "ports": _tcp(METRICS_PORT)}
+    transfer = spec.kv_transfer.port
+    if role == "router":  # clients from anywhere; it calls only its own revision's workers (and DNS)
+        ingress = [{"ports": _tcp(HTTP_PORT)}, metrics]
+        egress = [{"to": [_pods(owner, revision, "prefill"), _pods(owner, revision, "decode")], "ports": _tcp(HTTP_PORT)}, _DNS]
+        return ingress, egress
+    control = {"from": [_pods(owner, revision, "router")], "ports": _tcp(HTTP_PORT)}
+    if role == "prefill":  # it sends KV to its own revision's decode pods, nowhere else
+        return [control, metrics], [{"to": [_pods(owner, revision, "decode")], "ports": _tcp(transfer)}]
+    kv_in = {"from": [_pods(owner, revision, "prefill")], "ports": _tcp(transfer)}
+    return [control, kv_in, metrics], []  # decode opens no connection at all
+
+
+def _engine_policy_rules(spec: InferenceModelSpec, owner: Owner, revision: str, role: Role) -> list[Any]:
+    """Ingress of an SGLang/vLLM role. Their KV transports (Mooncake, NIXL/UCX) pick ports at run
+    time and their pods may download weights, so the policy is by peer, and egress stays open."""
+    http = _tcp(HTTP_PORT)
+    from_router = {"from": [_pods(owner, revision, "router")], "ports": http}
+    scrape = {"from": _SCRAPERS, "ports": http}
+    if role == "router":
+        return [{"ports": http}, scrape]
+    peers = [_pods(owner, revision, "prefill"), _pods(owner, revision, "decode")]  # bootstrap and KV, both ways
+    ports = ADAPTERS[spec.engine.kind].transfer_ports(spec)
+    kv = {"from": peers, **({"ports": _tcp(*ports)} if ports is not None else {})}
+    return [from_router, kv, scrape]
+
+
+def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str, role: Role) -> Manifest:
+    """One role's NetworkPolicy (S9): who may reach its pods, and for kvguard where they may go."""
+    if spec.engine.kind == EngineKind.KVGUARD:
+        ingress, egress = _kvguard_policy_rules(spec, owner, revision, role)
+    else:
+        ingress, egress = _engine_policy_rules(spec, owner, revision, role), None
+    policy: dict[str, Any] = {
+        "podSelector": {"matchLabels": selector(owner.name, revision, role)},
+        "policyTypes": ["Ingress"] if egress is None else ["Ingress", "Egress"],
+        "ingress": ingress,
+    }
+    if egress is not None:
+        policy["egress"] = egress
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(owner, network_policy_name(owner.name, revision), revision, "decode"),
-        "spec": {
-            "podSelector": {"matchLabels": selector(owner.name, revision, "decode")},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                from_prefill,
-                {"from": [{"podSelector": {"matchLabels": selector(owner.name, revision, "router")}}], "ports": http_port},
-                {
-                    "from": [
-                        {"namespaceSelector": {"matchLabels": {OPERATOR_NAMESPACE_LABEL: "true"}}},
-                        {"namespaceSelector": {"matchLabels": {METRICS_SCRAPER_NAMESPACE_LABEL: "true"}}},
-                    ],
-                    "ports": http_port,
-                },
-            ],
-        },
+        "metadata": _metadata(owner, network_policy_name(owner.name, revision, role), revision, role),
+        "spec": policy,
     }
 
 
@@ -599,8 +659,7 @@ def render_revision(
     objects: list[Manifest] = []
     for role in ROLES:
         ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role, scale=scale, faults=faults)
-        objects += [render_deployment(ctx), render_service(ctx)]
-    objects.append(render_network_policy(spec, owner, revision))
+        objects += [render_deployment(ctx), render_service(ctx), render_network_policy(spec, owner, revision, role)]
     return objects
 
 
@@ -621,6 +680,6 @@ def render_model_service(owner: Owner, stable_revision: str) -> Manifest:
 def revision_object_refs(model: str, revision: str) -> list[tuple[str, str]]:
     """(kind, name) of every object `render_revision` and the Secret create for a revision."""
     refs = [(kind, object_name(model, revision, role)) for role in ROLES for kind in ("Deployment", "Service")]
-    refs.append(("NetworkPolicy", network_policy_name(model, revision)))
+    refs += [("NetworkPolicy", network_policy_name(model, revision, role)) for role in ROLES]
     refs.append(("Secret", secret_name(model, revision)))
     return refs

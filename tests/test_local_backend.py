@@ -54,13 +54,14 @@ def test_worker_command_lines_follow_the_plan() -> None:
     body["spec"]["weights"] = {"quantization": "bf16"}
     spec = spec_of(body)
     kv_plan = plan(spec)
-    ports = {"prefill-0": 1001, "decode-0": 1002, "decode-1": 1003, "router": 1004}
-    workers = {w.name: w for w in worker_argvs(spec, kv_plan, Path("/models/tiny"), ports, {"decode-0": 2002, "decode-1": 2003})}
+    ports = {"prefill-0": (1001, 3001, None), "decode-0": (1002, 3002, 2002), "decode-1": (1003, 3003, 2003), "router": (1004, 3004, None)}
+    workers = {w.name: w for w in worker_argvs(spec, kv_plan, Path("/models/tiny"), ports)}
     assert list(workers) == ["prefill-0", "decode-0", "decode-1", "router"]
     decode = workers["decode-1"].argv
     assert decode[:5] == [sys.executable, "-P", "-m", "kvguard", "worker"]  # -P: operator/ never shadows the stdlib
     assert decode[decode.index("--kv-pool-tokens") + 1] == str(kv_plan.roles["decode"].pool_tokens)
     assert decode[decode.index("--transfer-port") + 1] == "2003"
+    assert decode[decode.index("--metrics-port") + 1] == "3003" and workers["decode-1"].metrics_url == "http://127.0.0.1:3003/metrics"
     assert decode[decode.index("--dtype") + 1] == "bfloat16"
     router = workers["router"].argv
     assert router.count("--decode") == 2 and "http://127.0.0.1:1003" in router
@@ -126,7 +127,7 @@ def test_one_model_per_state_folder(tmp_path: Path) -> None:
 
 def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) -> None:
     table = ProcessTable()
-    worker = LocalWorker(name="w", role="router", port=1, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = LocalWorker(name="w", role="router", port=1, metrics_port=2, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
     worker.pid = table.spawn(worker, os.environ, tmp_path / "w.log")
     try:
         assert table.alive(worker)

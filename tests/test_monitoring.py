@@ -70,7 +70,7 @@ def dashboard_expressions(dashboard: dict[str, Any]) -> list[str]:
 
 def test_renders_every_kind_in_the_install_namespace(rendered: list[dict[str, Any]]) -> None:
     kinds = sorted(obj["kind"] for obj in rendered)
-    assert kinds == ["ConfigMap", "PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    assert kinds == ["ConfigMap", "PodMonitor", "PodMonitor", "PrometheusRule", "ServiceMonitor"]
     assert {obj["metadata"]["namespace"] for obj in rendered} == {"kvguard-system"}
     assert all(obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvguard" for obj in rendered)
 
@@ -106,34 +106,51 @@ def test_service_monitor_scrapes_the_operator_metrics_service(rendered: list[dic
     assert endpoint["honorLabels"] is True  # keeps kvguard_operator_kv_ratio's model namespace
 
 
-def test_pod_monitor_selects_every_rendered_engine_pod_on_its_http_port(rendered: list[dict[str, Any]]) -> None:
+def _selects(monitor: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    selector = monitor["spec"]["selector"]
+    if not selector["matchLabels"].items() <= pod_labels.items():
+        return False
+    for expr in selector["matchExpressions"]:
+        value = pod_labels.get(expr["key"])
+        if (expr["operator"] == "Exists" and value is None) or (expr["operator"] == "In" and value not in expr["values"]):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("engine", ["kvguard", "sglang"])
+def test_pod_monitors_scrape_every_rendered_engine_pod_once_on_its_metrics_port(rendered: list[dict[str, Any]], engine: str) -> None:
     from kvguard.operator.api import InferenceModel
     from kvguard.operator.planner import plan
     from kvguard.operator.render import Owner, render_revision
 
-    (monitor,) = by_kind(rendered, "PodMonitor")
-    selector = monitor["spec"]["selector"]
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    model = InferenceModel.model_validate(yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text()))
+    monitors = by_kind(rendered, "PodMonitor")
+    raw = yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text())
+    if engine != "kvguard":
+        raw["spec"]["engine"] = {"kind": engine, "image": "example/engine:1"}
+        raw["spec"]["hardware"] = {"device": "cuda", "memoryPerDevice": "80Gi", "gpuProduct": "H100"}
+    model = InferenceModel.model_validate(raw)
     objects = render_revision(model.spec, plan(model.spec), Owner("tiny-cpu", "ns", "uid-1"), "r1")
     deployments = by_kind(objects, "Deployment")
     assert len(deployments) == 3  # prefill, decode, router
     for deployment in deployments:
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-        assert selector["matchLabels"].items() <= pod_labels.items()
-        assert all(expr["key"] in pod_labels for expr in selector["matchExpressions"])
+        (monitor,) = [m for m in monitors if _selects(m, pod_labels)]  # scraped exactly once
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
         ports = {p["name"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        assert endpoint["port"] == ("metrics" if engine == "kvguard" else "http")
         relabelled = {r["targetLabel"]: r["sourceLabels"][0] for r in endpoint["relabelings"]}
         for target, source in relabelled.items():  # Prometheus sanitizes `kvguard.io/role` to `kvguard_io_role`
             label = source.removeprefix("__meta_kubernetes_pod_label_")
             assert label in {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in pod_labels}, target
-    assert {"model", "role", "revision"} <= set(relabelled)
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}  # models live in their own namespaces
-    (netpol,) = by_kind(objects, "NetworkPolicy")  # decode pods: a labelled Prometheus namespace gets in
-    http_rules = [r for r in netpol["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8000}]]
-    scrapers = [f["namespaceSelector"]["matchLabels"] for r in http_rules for f in r["from"] if "namespaceSelector" in f]
-    assert {"kvguard.io/metrics-scraper": "true"} in scrapers
+        assert {"model", "role", "revision"} <= set(relabelled)
+        assert monitor["spec"]["namespaceSelector"] == {"any": True}  # models live in their own namespaces
+    if engine != "kvguard":
+        return
+    for netpol in by_kind(objects, "NetworkPolicy"):  # every role: a labelled Prometheus namespace gets in
+        metrics_rules = [r for r in netpol["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8001}]]
+        scrapers = [f["namespaceSelector"]["matchLabels"] for r in metrics_rules for f in r["from"] if "namespaceSelector" in f]
+        assert {"kvguard.io/metrics-scraper": "true"} in scrapers
 
 
 def test_every_metric_the_rules_and_dashboard_read_exists_in_the_code(rule_groups: list[dict[str, Any]]) -> None:

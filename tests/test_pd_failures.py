@@ -115,8 +115,8 @@ def test_abort_during_transfer_ends_both_legs_s4(tiny_model_dir: Path) -> None:
 def test_late_write_after_abort_never_reaches_the_next_owner_s5(tiny_model_dir: Path) -> None:
     """Class E (sglang#24527): A's pages are freed and handed to B while A's writer is still out
     there; A's late chunk must be refused and B must read only its own KV."""
-    with deployment(tiny_model_dir, kv_pool_tokens=64, context_length=64) as d:
-        urls = {role: d.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
+    with deployment(tiny_model_dir, kv_pool_tokens=64, context_length=64, allow_small_pool=True) as d:
+        urls = d.internal_urls
         a = {"request_id": "writer-A", "prompt_token_ids": list(range(1, 31)), "sampling": {"max_tokens": 20, "temperature": 0}}
         with requests.post(f"{urls['decode']}/internal/decode", json=a, stream=True, timeout=10) as leg:
             bootstrap = json.loads(next(line for line in leg.iter_lines() if line))["bootstrap"]

@@ -25,7 +25,7 @@ def _over_length(d) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_without_tags_the_incident_leaks_another_requests_kv(tiny_model_dir: Path) -> None:
-    with deployment(tiny_model_dir, "unsafe_reject_path,no_tags", kv_pool_tokens=POOL, context_length=CONTEXT) as d:
+    with deployment(tiny_model_dir, "unsafe_reject_path,no_tags", kv_pool_tokens=POOL, context_length=CONTEXT, allow_small_pool=True) as d:
         after = {}
         for tenant in ("alice's secret order #1234 " * 2, "bob's medical record 5678 " * 2):
             complete(d, tenant, max_tokens=60)  # fills and releases pages the next request reuses
@@ -37,7 +37,7 @@ def test_without_tags_the_incident_leaks_another_requests_kv(tiny_model_dir: Pat
 
 
 def test_with_tags_the_stale_read_fails_only_that_request_s1(tiny_model_dir: Path) -> None:
-    with deployment(tiny_model_dir, "unsafe_reject_path", kv_pool_tokens=POOL, context_length=CONTEXT) as d:
+    with deployment(tiny_model_dir, "unsafe_reject_path", kv_pool_tokens=POOL, context_length=CONTEXT, allow_small_pool=True) as d:
         complete(d, "a previous tenant " * 3, max_tokens=60)
         bystanders = [f"bystander {i}" for i in range(4)]
         with cf.ThreadPoolExecutor(5) as pool:

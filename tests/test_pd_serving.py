@@ -98,7 +98,7 @@ def test_over_length_is_rejected_at_the_router_before_any_worker_s2(trio: LocalD
 
 def test_every_worker_rejects_over_length_at_its_own_intake_s2(trio: LocalDeployment) -> None:
     """Defence in depth: a request that bypasses the router is still refused before allocation."""
-    urls = {role: trio.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
+    urls = trio.internal_urls
     request = {"request_id": "direct-1", "prompt_token_ids": [5] * 1100, "sampling": {"max_tokens": 4}}
     decode = requests.post(f"{urls['decode']}/internal/decode", json=request, timeout=5)
     assert decode.status_code == 400 and decode.json()["error"]["code"] == "context_length_exceeded"
@@ -172,7 +172,7 @@ def test_client_disconnect_while_waiting_for_a_whole_response_frees_both_pools_s
 def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
     """Classes A/B (sglang#24159, vllm#41269): prefill refuses a request after decode allocated;
     decode must not wait for KV that will never come."""
-    urls = {role: trio.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
+    urls = trio.internal_urls
     request = {"request_id": "prefill-fails", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4}}
     started = time.monotonic()
     with requests.post(f"{urls['decode']}/internal/decode", json=request, stream=True, timeout=10) as decode:
@@ -221,16 +221,21 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
     import subprocess
     import sys
 
-    from kvguard.workers.launcher import free_port
+    from kvguard.workers.args import bind_listener
 
-    port, nobody = free_port(), free_port()
+    api, metrics, nobody = (bind_listener("127.0.0.1", 0) for _ in range(3))
+    port, unused = api.getsockname()[1], nobody.getsockname()[1]
+    nobody.close()
     router = subprocess.Popen(
         [sys.executable, "-P", "-m", "kvguard", "worker", "--role", "router", "--model", str(tiny_model_dir),
-         "--port", str(port), "--prefill", f"http://127.0.0.1:{nobody}", "--decode", f"http://127.0.0.1:{nobody}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         "--port", f"fd:{api.fileno()}", "--metrics-port", f"fd:{metrics.fileno()}",
+         "--prefill", f"http://127.0.0.1:{unused}", "--decode", f"http://127.0.0.1:{unused}"],
+        pass_fds=(api.fileno(), metrics.fileno()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    api.close()
+    metrics.close()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             try:
                 health = requests.get(f"http://127.0.0.1:{port}/health", timeout=2)

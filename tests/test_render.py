@@ -80,8 +80,8 @@ def test_kvguard_worker_flags_and_restricted_pods() -> None:
     assert decode[:4] == ["kvguard", "worker", "--role", "decode"]
     assert flag(decode, "--max-transfer-batch") == str(8 * 1024**2) and flag(decode, "--transfer-port") == "9100"
     assert flag(decode, "--device") == "cpu" and flag(decode, "--model") == "/models/tiny"
-    netpol = objs["NetworkPolicy", "m-r1-decode-transfer"]
-    assert netpol["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9100}]
+    netpol = objs["NetworkPolicy", "m-r1-decode"]
+    assert netpol["spec"]["ingress"][1]["ports"] == [{"protocol": "TCP", "port": 9100}]
     for (kind, _), obj in objs.items():
         if kind == "Deployment":
             container = obj["spec"]["template"]["spec"]["containers"][0]
@@ -185,3 +185,53 @@ def test_a_kvguard_dp_rank_is_a_pod_of_its_own_and_counts_as_a_worker() -> None:
         decode = next(o for o in rendered if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-r1-decode")
         assert decode["spec"]["replicas"] == pods  # replicas x dataParallel, as the local backend runs them
     assert plan(m.spec).roles["decode"].instances == 4  # one KV pool per pod: every one is measured (S7)
+
+
+def _admits(policy: dict, peer_role: str | None, port: int, *, namespace_label: str | None = None) -> bool:
+    """Whether a NetworkPolicy's ingress admits a pod of this revision with `peer_role` (or, with
+    `namespace_label`, any pod of a namespace carrying that label) on `port`."""
+    for rule in policy["spec"]["ingress"]:
+        if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            if peer_role and peer.get("podSelector", {}).get("matchLabels", {}).get("kvguard.io/role") == peer_role:
+                return True
+            if namespace_label and namespace_label in peer.get("namespaceSelector", {}).get("matchLabels", {}):
+                return True
+    return False
+
+
+def test_kvguard_network_policies_admit_exactly_each_ports_audience_s9() -> None:
+    """S9: the router's API is public; a worker's internal control API takes only this revision's
+    router; decode's KV port only this revision's prefill; metrics only scrapers. Egress: the
+    router reaches only its workers (and DNS), prefill only decode's KV port, decode nothing."""
+    m = model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"],
+              "source": {"pvc": {"claimName": "models", "path": "tiny"}}}, kvTransfer={"port": 9100})  # fmt: skip
+    objs = objects(m)
+    router, prefill, decode = (objs["NetworkPolicy", f"m-r1-{role}"] for role in ("router", "prefill", "decode"))
+    scraper = "kvguard.io/metrics-scraper"
+    assert _admits(router, None, 8000) and not _admits(router, None, 8001)
+    assert _admits(router, None, 8001, namespace_label=scraper)
+    for worker in (prefill, decode):
+        assert _admits(worker, "router", 8000)
+        assert not _admits(worker, "prefill", 8000) and not _admits(worker, "decode", 8000)
+        assert not _admits(worker, None, 8000, namespace_label=scraper)  # a scraper cannot reach /internal/*
+        assert _admits(worker, None, 8001, namespace_label=scraper) and not _admits(worker, "router", 8001)
+        assert worker["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert _admits(decode, "prefill", 9100) and not _admits(decode, "router", 9100)
+    assert not _admits(prefill, "decode", 9100)
+    assert decode["spec"]["egress"] == []  # decode opens no connection
+    (to_decode,) = prefill["spec"]["egress"]
+    assert to_decode == {"to": [{"podSelector": {"matchLabels": {"kvguard.io/model": "m", "kvguard.io/revision": "r1",
+                                                                  "kvguard.io/role": "decode"}}}],
+                         "ports": [{"protocol": "TCP", "port": 9100}]}  # fmt: skip
+    egress_ports = {p["port"] for rule in router["spec"]["egress"] for p in rule["ports"]}
+    assert egress_ports == {8000, 53}
+    # Services publish only the addressed port; probes use the read-only listener.
+    for role in ("prefill", "decode", "router"):
+        assert [p["name"] for p in objs["Service", f"m-r1-{role}"]["spec"]["ports"]] == ["http"]
+        container = objs["Deployment", f"m-r1-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
+        assert flag(container["command"], "--metrics-port") == "8001"

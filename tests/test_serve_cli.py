@@ -25,6 +25,8 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
         assert serve.stdout is not None
         urls = json.loads(serve.stdout.readline())
         assert set(urls["metrics"]) == {"router", "prefill", "decode"}
+        assert set(urls["internal"]) == {"prefill", "decode"}
+        _assert_one_audience_per_port(urls)
         answer = requests.post(f"{urls['router']}/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         workers = _children(serve.pid)
@@ -38,6 +40,65 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def _assert_one_audience_per_port(urls: dict) -> None:
+    """S9: the metrics listener serves /metrics and /health only; the internal control API serves
+    /internal/* only; the public API serves neither."""
+    api = urls["router"].removesuffix("/v1")
+    for role, metrics_url in urls["metrics"].items():
+        metrics_base = metrics_url.removesuffix("/metrics")
+        assert requests.get(metrics_url, timeout=5).status_code == 200
+        assert requests.get(f"{metrics_base}/health", timeout=5).status_code == 200
+        for path in ("/internal/info", "/internal/abort", "/internal/decode", "/internal/prefill", "/v1/models"):
+            assert requests.post(f"{metrics_base}{path}", json={}, timeout=5).status_code in (404, 405), (role, path)
+    for role, internal in urls["internal"].items():
+        assert requests.get(f"{internal}/internal/info", timeout=5).json()["role"] == role
+        assert requests.get(f"{internal}/metrics", timeout=5).status_code == 404
+    assert requests.get(f"{api}/metrics", timeout=5).status_code == 404
+    assert requests.get(f"{api}/internal/info", timeout=5).status_code == 404
+
+
+def _run_serve(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-P", "-m", "kvguard", "serve", *flags], capture_output=True, text=True, timeout=120)
+
+
+def test_serve_refuses_a_pool_below_twice_the_context_before_starting_anything(tiny_model_dir: Path) -> None:
+    """The incident's sizing (#13): refused with exit 3 and the fix, unless --allow-small-pool."""
+    done = _run_serve("--model", str(tiny_model_dir), "--kv-pool-tokens", "512", "--context-length", "1024")
+    assert done.returncode == 3 and done.stdout == ""
+    assert "0.50x the context length" in done.stderr and "--kv-pool-tokens to at least 2048" in done.stderr
+
+
+def test_serve_reports_a_busy_port_at_once_naming_its_flag(tiny_model_dir: Path) -> None:
+    from kvguard.workers.args import bind_listener
+
+    busy = bind_listener("127.0.0.1", 0)
+    try:
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        done = _run_serve("--model", str(tiny_model_dir), "--decode-port", str(port))
+        assert done.returncode == 2 and f"127.0.0.1:{port} (--decode-port)" in done.stderr
+        assert "in use" in done.stderr
+        assert time.monotonic() - started < 60  # found before any worker started (no model load)
+    finally:
+        busy.close()
+
+
+def test_worker_args_round_trip_through_the_command_line() -> None:
+    """One type for every worker command line (renderer, local backend, launcher): what to_argv
+    writes, `kvguard worker` parses back to the same value."""
+    from kvguard.workers.args import Listen, WorkerArgs, parse_argv
+
+    decode = WorkerArgs(role="decode", model=Path("/m"), port=Listen(fd=5), metrics_port=Listen(port=9001),
+                        transfer_port=Listen(port=0), kv_pool_tokens=4096, advertise_host="$(POD_IP)")  # fmt: skip
+    router = WorkerArgs(role="router", model=Path("/m"), prefill=("http://p:8000",), decode=("http://d1", "http://d2"))
+    for args in (decode, router):
+        assert parse_argv(args.to_argv()) == args
+    with pytest.raises(ValueError, match="router needs"):
+        WorkerArgs(role="router", model=Path("/m"))
+    with pytest.raises(ValueError, match="fd:N"):
+        Listen.parse("eighty")
 
 
 def _children(pid: int) -> list[int]:

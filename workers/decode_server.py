@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,8 +71,8 @@ class DecodeServer:
         self.receiver = KVReceiver(self, key, runtime.transfer_metrics, transfer, runtime.faults)
         self.transfer_address: tuple[str, int] | None = None
 
-    async def start(self, host: str, port: int) -> None:
-        _, bound = await self.receiver.start(host, port)
+    async def start(self, sock: socket.socket) -> None:
+        _, bound = await self.receiver.start(sock=sock)
         self.transfer_address = (self.advertise_host, bound)
 
     async def close(self) -> None:

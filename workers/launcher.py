@@ -1,9 +1,15 @@
 """Start a router, a prefill and a decode worker as local processes on loopback, and stop them.
 
-Used by `kvguard serve`, by tests, and by the operator's local backend. Each worker is a real
-`python -m kvguard worker ...` process; a worker that dies is restarted on the same ports (the way
-a Deployment would replace a pod), so the deployment heals while the requests it held get clean
-errors (S4).
+Used by `kvguard serve`, by tests and benchmarks. Each worker is a real `python -m kvguard worker`
+process. This process binds every listening socket itself, before any child starts, and hands
+each child its sockets as inherited file descriptors (`--port fd:N`): a busy port is reported at
+once, naming its flag, and no other program can take a port between choosing and binding it. A
+worker that dies is restarted on the same sockets (the way a Deployment replaces a pod; clients
+queue in the socket's backlog meanwhile), so the deployment heals while the requests it held get
+clean errors (S4).
+
+Listeners per process (workers/args.py): router API + router metrics; prefill internal + metrics;
+decode internal + metrics + KV transfer.
 """
 
 from __future__ import annotations
@@ -22,41 +28,93 @@ from pathlib import Path
 
 import requests
 
+from kvguard.workers.args import Listen, WorkerArgs, bind_listener
+
 log = logging.getLogger("kvguard.launcher")
 
+HOST = "127.0.0.1"
+ROLES = ("prefill", "decode", "router")
+DEFAULT_MIN_KV_RATIO = 2.0  # S7: the pool must hold at least this many full contexts
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+
+class SmallPoolError(ValueError):
+    """The KV pool is below the ratio to the context (the incident's configuration)."""
 
 
 @dataclass(frozen=True)
 class LocalServeConfig:
     model_dir: Path
-    port: int = 0  # router port; 0 picks a free one
+    port: int = 0  # router API port; 0 picks a free one (as do the ports below)
+    metrics_port: int = 0  # the router's /metrics
+    prefill_port: int = 0  # prefill's internal control API
+    prefill_metrics_port: int = 0
+    decode_port: int = 0  # decode's internal control API
+    decode_metrics_port: int = 0
+    transfer_port: int = 0  # decode's KV transfer listener
     kv_pool_tokens: int | None = None
     context_length: int | None = None
     page_size: int = 16
     device: str = "auto"  # CUDA when present (kvguard.workers.device decides)
     max_transfer_batch: int = 4 * 1024 * 1024
     transfer_timeout_s: float = 5.0
+    min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
+    allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
     log_dir: Path | None = None  # worker logs go here; None: inherit stderr
+
+    def listener_ports(self) -> dict[str, tuple[int, str]]:
+        """listener name -> (wanted port, the flag that sets it), in bind order."""
+        return {
+            "router": (self.port, "--port"),
+            "router-metrics": (self.metrics_port, "--metrics-port"),
+            "prefill": (self.prefill_port, "--prefill-port"),
+            "prefill-metrics": (self.prefill_metrics_port, "--prefill-metrics-port"),
+            "decode": (self.decode_port, "--decode-port"),
+            "decode-metrics": (self.decode_metrics_port, "--decode-metrics-port"),
+            "decode-transfer": (self.transfer_port, "--transfer-port"),
+        }
+
+    def small_pool_problem(self, pool_tokens: int, context_length: int) -> str | None:
+        if pool_tokens >= self.min_kv_ratio * context_length:
+            return None
+        return (
+            f"the KV pool ({pool_tokens} tokens) is {pool_tokens / context_length:.2f}x the context length "
+            f"({context_length} tokens), below the safe ratio {self.min_kv_ratio:g}x: raise --kv-pool-tokens to at "
+            f"least {int(self.min_kv_ratio * context_length)} or lower --context-length (--allow-small-pool serves it anyway)"
+        )
+
+
+def open_listeners(config: LocalServeConfig) -> dict[str, socket.socket]:
+    """Bind every listener now; OSError naming the flag of a port that is taken."""
+    sockets: dict[str, socket.socket] = {}
+    try:
+        for name, (port, flag) in config.listener_ports().items():
+            try:
+                sockets[name] = bind_listener(HOST, port)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {HOST}:{port} ({flag}): {exc.strerror or exc}") from None
+    except OSError:
+        for sock in sockets.values():
+            sock.close()
+        raise
+    return sockets
 
 
 @dataclass
 class _Process:
     name: str
     argv: list[str]
-    port: int
+    fds: tuple[int, ...]
     popen: subprocess.Popen[bytes] | None = None
     restarts: int = 0
 
 
 @dataclass
 class LocalDeployment:
-    """A running router + prefill + decode trio. Use as a context manager or call start/stop."""
+    """A running router + prefill + decode trio. Use as a context manager or call start/stop.
+
+    Raises OSError at construction if a wanted port is taken, and SmallPoolError if the requested
+    pool is below the ratio (unless `allow_small_pool`)."""
 
     config: LocalServeConfig
     processes: dict[str, _Process] = field(default_factory=dict)
@@ -65,41 +123,45 @@ class LocalDeployment:
 
     def __post_init__(self) -> None:
         c = self.config
-        ports = {"prefill": free_port(), "decode": free_port(), "router": c.port or free_port()}
-        transfer_port = free_port()
-        common = ["--model", str(c.model_dir), "--device", c.device, "--page-size", str(c.page_size)]
-        if c.kv_pool_tokens is not None:
-            common += ["--kv-pool-tokens", str(c.kv_pool_tokens)]
-        if c.context_length is not None:
-            common += ["--context-length", str(c.context_length)]
-        transfer = ["--max-transfer-batch", str(c.max_transfer_batch), "--transfer-timeout", str(c.transfer_timeout_s)]
+        if c.kv_pool_tokens is not None and c.context_length is not None and not c.allow_small_pool:
+            if (problem := c.small_pool_problem(c.kv_pool_tokens, c.context_length)) is not None:
+                raise SmallPoolError(problem)
+        self.sockets = open_listeners(c)
+        self.ports = {name: int(sock.getsockname()[1]) for name, sock in self.sockets.items()}
+        self.processes = {role: self._process(role) for role in ROLES}
+        self._env = {**os.environ, "KVGUARD_TRANSFER_KEY": secrets.token_hex(32), **dict(c.extra_env)}
+
+    def _fd(self, name: str) -> Listen:
+        return Listen(fd=self.sockets[name].fileno())
+
+    def _process(self, role: str) -> _Process:
+        c = self.config
+        engine: dict[str, object] = {
+            "device": c.device, "page_size": c.page_size, "kv_pool_tokens": c.kv_pool_tokens,
+            "context_length": c.context_length, "max_transfer_batch": c.max_transfer_batch,
+            "transfer_timeout": c.transfer_timeout_s,
+        }  # fmt: skip
+        common: dict[str, object] = {"role": role, "model": c.model_dir, "host": HOST}
+        if role == "router":
+            args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
+                              prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],))  # fmt: skip
+        elif role == "prefill":
+            args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"))
+        else:
+            args = WorkerArgs(**common, **engine, port=self._fd("decode"), metrics_port=self._fd("decode-metrics"),
+                              transfer_port=self._fd("decode-transfer"))  # fmt: skip
+        fds = tuple(self.sockets[n].fileno() for n in self.sockets if n == role or n.startswith(f"{role}-"))
         # -P: the working directory may hold this repo, whose operator/ folder would shadow the
         # standard library's `operator` module.
-        worker = [sys.executable, "-P", "-m", "kvguard", "worker"]
-        self.processes = {
-            "prefill": _Process("prefill", worker + ["--role", "prefill", "--port", str(ports["prefill"])] + common + transfer, ports["prefill"]),
-            "decode": _Process(
-                "decode",
-                worker + ["--role", "decode", "--port", str(ports["decode"]), "--transfer-port", str(transfer_port)] + common + transfer,
-                ports["decode"],
-            ),
-            "router": _Process(
-                "router",
-                worker
-                + ["--role", "router", "--port", str(ports["router"]), "--model", str(c.model_dir)]
-                + ["--prefill", self.url(ports["prefill"]), "--decode", self.url(ports["decode"])],
-                ports["router"],
-            ),
-        }
-        self._env = {**os.environ, "KVGUARD_TRANSFER_KEY": secrets.token_hex(32), **dict(c.extra_env)}
+        return _Process(role, [sys.executable, "-P", "-m", "kvguard", "worker", *args.to_argv()], fds)
 
     @staticmethod
     def url(port: int) -> str:
-        return f"http://127.0.0.1:{port}"
+        return f"http://{HOST}:{port}"
 
     @property
     def router_url(self) -> str:
-        return self.url(self.processes["router"].port)
+        return self.url(self.ports["router"])
 
     @property
     def api_base(self) -> str:
@@ -107,13 +169,24 @@ class LocalDeployment:
 
     @property
     def metrics_urls(self) -> dict[str, str]:
-        return {name: f"{self.url(p.port)}/metrics" for name, p in self.processes.items()}
+        """role -> its read-only /metrics URL."""
+        return {role: f"{self.url(self.ports[f'{role}-metrics'])}/metrics" for role in ROLES}
+
+    @property
+    def internal_urls(self) -> dict[str, str]:
+        """role -> base URL of its internal control API (prefill and decode; the router's audience)."""
+        return {role: self.url(self.ports[role]) for role in ("prefill", "decode")}
+
+    @property
+    def transfer_address(self) -> tuple[str, int]:
+        return HOST, self.ports["decode-transfer"]
 
     def start(self, ready_timeout_s: float = 120.0) -> LocalDeployment:
-        for name in ("prefill", "decode", "router"):
+        for name in ROLES:
             self._spawn(self.processes[name])
         try:
             self.wait_ready(ready_timeout_s)
+            self._check_pools()
         except BaseException:
             self.stop()
             raise
@@ -129,30 +202,46 @@ class LocalDeployment:
         process.popen = subprocess.Popen(
             process.argv,
             env=self._env,
+            pass_fds=process.fds,
             stdout=stdout if self.config.log_dir else None,  # type: ignore[arg-type]
             stderr=subprocess.STDOUT if self.config.log_dir else None,
             start_new_session=True,  # a Ctrl-C in the terminal reaches serve, which stops us in order
         )
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Every process healthy on its metrics listener (they load in parallel)."""
         deadline = time.monotonic() + timeout_s
-        for name in ("prefill", "decode", "router"):
-            process = self.processes[name]
-            while True:
-                assert process.popen is not None
-                if process.popen.poll() is not None:
-                    raise RuntimeError(f"{name} worker exited with status {process.popen.returncode} during start-up")
+        pending = list(ROLES)
+        while pending:
+            for name in list(pending):
+                popen = self.processes[name].popen
+                assert popen is not None
+                if popen.poll() is not None:
+                    raise RuntimeError(f"{name} worker exited with status {popen.returncode} during start-up")
                 try:
-                    if requests.get(f"{self.url(process.port)}/health", timeout=2).status_code == 200:
-                        break
+                    if requests.get(self.metrics_urls[name].removesuffix("/metrics") + "/health", timeout=2).status_code == 200:
+                        pending.remove(name)
                 except requests.RequestException:
                     pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} worker not healthy after {timeout_s:.0f} s")
-                time.sleep(0.1)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(pending)} not healthy after {timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.05)
+
+    def _check_pools(self) -> None:
+        """S7 on this machine: every worker's *reported* pool against the ratio (the pool may come
+        from memory, so it is only known once the worker runs)."""
+        for role in ("prefill", "decode"):
+            info = requests.get(f"{self.internal_urls[role]}/internal/info", timeout=5).json()
+            problem = self.config.small_pool_problem(info["kv_pool_tokens"], info["context_length"])
+            if problem is None:
+                continue
+            if not self.config.allow_small_pool:
+                raise SmallPoolError(f"{role}: {problem}")
+            log.warning("UNSAFE (--allow-small-pool): %s: %s", role, problem)
 
     def _watch(self) -> None:
-        """Restart a worker that died, on the same port, like a Deployment replacing its pod."""
+        """Restart a worker that died, on the same sockets, like a Deployment replacing its pod."""
         while not self._stopping.wait(0.2):
             for process in self.processes.values():
                 if process.popen is not None and process.popen.poll() is not None and not self._stopping.is_set():
@@ -182,6 +271,8 @@ class LocalDeployment:
             except subprocess.TimeoutExpired:
                 process.popen.kill()
                 process.popen.wait()
+        for sock in self.sockets.values():
+            sock.close()
 
     def __enter__(self) -> LocalDeployment:
         return self.start()

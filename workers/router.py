@@ -180,9 +180,15 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_endpoint)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
+        return app
+
+    def metrics_app(self) -> web.Application:
+        """The read-only listener for scrapers and probes: /metrics and /health, apart from the API."""
+        app = web.Application(middlewares=[error_middleware])
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/health", self.health)
         return app
 
     async def _start(self, _: web.Application) -> None:
@@ -222,13 +228,16 @@ class Router:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _: web.Request) -> web.Response:
-        for upstream in self.upstreams.prefill + self.upstreams.decode:
-            try:
-                async with self.http.get(f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status != 200:
-                        return web.json_response({"status": "unhealthy", "worker": upstream.url}, status=503)
-            except (TimeoutError, aiohttp.ClientError):
-                return web.json_response({"status": "unreachable", "worker": upstream.url}, status=503)
+        """Ready when every worker answers its internal health check. Says which role failed,
+        never where the worker lives (this answer reaches the public)."""
+        for role, upstreams in (("prefill", self.upstreams.prefill), ("decode", self.upstreams.decode)):
+            for upstream in upstreams:
+                try:
+                    async with self.http.get(f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        if r.status != 200:
+                            return web.json_response({"status": "unhealthy", "role": role}, status=503)
+                except (TimeoutError, aiohttp.ClientError):
+                    return web.json_response({"status": "unreachable", "role": role}, status=503)
         return web.json_response({"status": "ok"})
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:

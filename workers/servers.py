@@ -1,17 +1,26 @@
-"""`kvguard worker`: build one process -- prefill, decode or router -- from its flags and run it."""
+"""`kvguard worker`: build one process -- prefill, decode or router -- from its flags and run it.
+
+Each process serves one aiohttp application per audience (workers/args.py has the table): the
+router's public OpenAI API or a worker's internal control API on `--port`, and read-only
+`/metrics` + `/health` on `--metrics-port`. Every listening socket is opened before the model is
+loaded, so a busy port is reported in a second, not after the weights are in memory.
+"""
 
 from __future__ import annotations
 
-import argparse
+import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
+from kvguard.workers.args import WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
-from kvguard.workers.protocol import Role
 
 log = logging.getLogger("kvguard.worker")
 
@@ -29,21 +38,76 @@ def transfer_key() -> bytes:
         return value.encode()
 
 
-def run_worker(args: argparse.Namespace) -> int:
+@dataclass
+class Listeners:
+    """The process's listening sockets, one per audience."""
+
+    main: socket.socket  # router: public API; prefill/decode: internal control API
+    metrics: socket.socket
+    transfer: socket.socket | None = None  # decode only
+
+    @classmethod
+    def open(cls, args: WorkerArgs) -> Listeners:
+        opened: list[socket.socket] = []
+        try:
+            for listen in (args.port, args.metrics_port):
+                opened.append(listen.open(args.host))
+            if args.role == "decode":
+                opened.append((args.transfer_port or type(args.port)()).open(args.host))
+        except OSError as exc:
+            for sock in opened:
+                sock.close()
+            raise OSError(f"cannot listen on {args.host}: {exc.strerror or exc}") from None
+        return cls(*opened)
+
+    def close(self) -> None:
+        for sock in (self.main, self.metrics, self.transfer):
+            if sock is not None:
+                sock.close()
+
+
+def run_worker(args: WorkerArgs) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(name)s %(levelname)s %(message)s")
     try:
         faults = active_faults()
-        app = build_router(args, faults) if args.role == "router" else build_engine_worker(args, faults)
+        listeners = Listeners.open(args)
     except (ValueError, FaultSpecError, OSError) as exc:
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
-    # handler_cancellation: a client (or router) that goes away cancels its handler, which is
-    # how a disconnect reaches the request's cleanup (S4).
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None)
+    try:
+        apps = build_router(args, faults) if args.role == "router" else build_engine_worker(args, faults, listeners)
+    except (ValueError, OSError) as exc:
+        listeners.close()
+        print(f"kvguard worker: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve([(apps[0], listeners.main), (apps[1], listeners.metrics)]))
     return 0
 
 
-def build_router(args: argparse.Namespace, faults: Faults) -> web.Application:
+async def serve(sites: Sequence[tuple[web.Application, socket.socket]]) -> None:
+    """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
+
+    handler_cancellation: a client (or the router) that goes away cancels its handler, which is
+    how a disconnect reaches the request's cleanup (S4)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    runners: list[web.AppRunner] = []
+    try:
+        for app, sock in sites:
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.SockSite(runner, sock).start()
+            log.info("listening on %s:%s", *sock.getsockname()[:2])
+        await stop.wait()
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+
+def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web.Application]:
     from kvguard.workers.router import Router, RouterConfig
     from kvguard.workers.tokenizer import Tokenizer
 
@@ -58,16 +122,20 @@ def build_router(args: argparse.Namespace, faults: Faults) -> web.Application:
         propagate_aborts=not faults.no_abort_propagation,
         unsafe_reject_path=faults.unsafe_reject_path,
     )
-    return Router(config, tokenizer).app()
+    router = Router(config, tokenizer)
+    return router.app(), router.metrics_app()
 
 
-def build_engine_worker(args: argparse.Namespace, faults: Faults) -> web.Application:
+def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) -> tuple[web.Application, web.Application]:
+    from prometheus_client import CollectorRegistry
+
     from kvguard.workers.async_engine import AsyncEngine
     from kvguard.workers.config import EngineConfig
     from kvguard.workers.decode_server import DecodeServer
     from kvguard.workers.engine import Engine
     from kvguard.workers.openai_api import error_middleware
     from kvguard.workers.prefill_server import PrefillServer
+    from kvguard.workers.protocol import Role
     from kvguard.workers.serving import WorkerRuntime
     from kvguard.workers.transfer import TransferConfig, TransferMetrics
 
@@ -96,19 +164,21 @@ def build_engine_worker(args: argparse.Namespace, faults: Faults) -> web.Applica
     transfer = TransferConfig(max_transfer_batch=args.max_transfer_batch, stall_timeout_s=args.transfer_timeout)
     app = web.Application(middlewares=[error_middleware], client_max_size=256 * 1024 * 1024)
     if runtime.role is Role.DECODE:
+        assert listeners.transfer is not None
         decode = DecodeServer(runtime, key, transfer, advertise_host=args.advertise_host or args.host)
-        runtime.routes(app, lambda: runtime.info(decode.transfer_address))
+        runtime.internal_routes(app, lambda: runtime.info(decode.transfer_address))
         app.router.add_post("/internal/decode", decode.decode)
+        transfer_socket = listeners.transfer
 
         async def start_receiver(_: web.Application) -> None:
-            await decode.start(args.host, args.transfer_port)
+            await decode.start(transfer_socket)
             log.info("decode worker: KV transfer port %s", decode.transfer_address)
 
         app.on_startup.append(start_receiver)
         app.on_cleanup.append(lambda _: decode.close())
     else:
         prefill = PrefillServer(runtime, key, transfer)
-        runtime.routes(app, runtime.info)
+        runtime.internal_routes(app, runtime.info)
         app.router.add_post("/internal/prefill", prefill.prefill)
         app.on_cleanup.append(lambda _: prefill.close())
 
@@ -121,4 +191,4 @@ def build_engine_worker(args: argparse.Namespace, faults: Faults) -> web.Applica
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
-    return app
+    return app, runtime.metrics_app()

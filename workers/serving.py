@@ -1,6 +1,6 @@
 """What the prefill and decode HTTP servers share: the engine on its thread, the process registry,
-request bookkeeping, and the endpoints every worker has (/health, /metrics, /internal/info,
-/internal/abort).
+request bookkeeping, and the endpoints every worker has: the internal control API's
+/internal/info, /internal/health and /internal/abort, and the metrics listener's /metrics and /health.
 
 Every request a worker holds is run by exactly one handler task, registered in `Tasks`. An abort
 from the router cancels that task; the task's own `finally` is the single place where the
@@ -77,14 +77,16 @@ class WorkerRuntime:
             transfer_port=transfer[1] if transfer else None,
         )
 
-    def routes(self, app: web.Application, info: Callable[[], WorkerInfo]) -> None:
-        async def health(_: web.Request) -> web.Response:
-            if self.engine.integrity_error is not None:
-                return web.json_response({"status": "unhealthy", "reason": str(self.engine.integrity_error)}, status=503)
-            return web.json_response({"status": "ok"})
+    def healthy(self) -> web.Response:
+        if self.engine.integrity_error is not None:
+            return web.json_response({"status": "unhealthy", "reason": str(self.engine.integrity_error)}, status=503)
+        return web.json_response({"status": "ok"})
 
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    def internal_routes(self, app: web.Application, info: Callable[[], WorkerInfo]) -> None:
+        """The internal control API (this revision's router only): info, health, abort."""
+
+        async def health(_: web.Request) -> web.Response:
+            return self.healthy()
 
         async def info_endpoint(_: web.Request) -> web.Response:
             return web.json_response(info().model_dump(mode="json"))
@@ -96,10 +98,23 @@ class WorkerRuntime:
                 return web.json_response({"aborted": False})
             return web.json_response({"aborted": self.tasks.cancel(body.request_id)})
 
-        app.router.add_get("/health", health)
-        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/internal/health", health)
         app.router.add_get("/internal/info", info_endpoint)
         app.router.add_post("/internal/abort", abort)
+
+    def metrics_app(self) -> web.Application:
+        """The read-only listener scrapers and probes reach: /metrics and /health, nothing else."""
+
+        async def health(_: web.Request) -> web.Response:
+            return self.healthy()
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        return app
 
     def count_abort(self, cause: AbortCause | str) -> None:
         self.transfer_metrics.count_abort(cause)

@@ -27,6 +27,7 @@ import collections
 import enum
 import logging
 import os
+import socket
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -348,10 +349,14 @@ class KVReceiver:
         self._server: asyncio.Server | None = None
         self._conn_tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Listen; returns the bound (host, port)."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> tuple[str, int]:
+        """Listen on (host, port), or on an already bound `sock`; returns the bound (host, port)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: BufferedStreamProtocol(self._serve), host, port)
+        factory = lambda: BufferedStreamProtocol(self._serve)  # noqa: E731
+        if sock is not None:
+            self._server = await loop.create_server(factory, sock=sock)
+        else:
+            self._server = await loop.create_server(factory, host, port)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         return sock_host, sock_port
 

@@ -10,18 +10,32 @@ import sys
 import threading
 from pathlib import Path
 
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_SMALL_POOL = 3  # refused, as `kvguard plan` blocks: the pool is below the ratio
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run a router, a prefill and a decode worker on loopback",
-        description="Start all three processes; print one JSON line with the API base URL and every "
-        "/metrics URL, then logs; stop them all on SIGINT/SIGTERM.",
+        description="Start all three processes; print one JSON line with the API base URL (router), every "
+        "/metrics URL (metrics: role -> URL) and the internal control APIs (internal: role -> base URL), then "
+        "logs; stop them all on SIGINT/SIGTERM. Every port defaults to a free one. Exit 1: a worker failed to "
+        "start; 2: bad flags or a port in use; 3: the KV pool is below 2x the context (see --allow-small-pool).",
     )
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
-    parser.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
-    parser.add_argument("--kv-pool-tokens", type=int, default=None)
-    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--port", type=int, default=0, help="router port: the OpenAI API")
+    parser.add_argument("--metrics-port", type=int, default=0, help="the router's /metrics")
+    parser.add_argument("--prefill-port", type=int, default=0, help="prefill's internal control API")
+    parser.add_argument("--prefill-metrics-port", type=int, default=0, help="prefill's /metrics")
+    parser.add_argument("--decode-port", type=int, default=0, help="decode's internal control API")
+    parser.add_argument("--decode-metrics-port", type=int, default=0, help="decode's /metrics")
+    parser.add_argument("--transfer-port", type=int, default=0, help="decode's KV transfer listener")
+    parser.add_argument("--kv-pool-tokens", type=int, default=None, help="KV pool size (default: from memory)")
+    parser.add_argument("--context-length", type=int, default=None, help="served context (default: the model's)")
+    parser.add_argument("--allow-small-pool", action="store_true",
+                        help="serve even if the KV pool is below 2x the context length (unsafe; logged loudly)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--max-transfer-batch", type=int, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
@@ -30,33 +44,51 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
+    from kvguard.workers.launcher import LocalDeployment, LocalServeConfig, SmallPoolError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not (args.model / "config.json").is_file():
         print(f"kvguard serve: --model {args.model} has no config.json", file=sys.stderr)
-        return 2
-    deployment = LocalDeployment(
-        LocalServeConfig(
-            model_dir=args.model,
-            port=args.port,
-            kv_pool_tokens=args.kv_pool_tokens,
-            context_length=args.context_length,
-            page_size=args.page_size,
-            device=args.device,
-            max_transfer_batch=args.max_transfer_batch,
-            transfer_timeout_s=args.transfer_timeout,
+        return EXIT_BAD_INPUT
+    try:
+        deployment = LocalDeployment(
+            LocalServeConfig(
+                model_dir=args.model,
+                port=args.port,
+                metrics_port=args.metrics_port,
+                prefill_port=args.prefill_port,
+                prefill_metrics_port=args.prefill_metrics_port,
+                decode_port=args.decode_port,
+                decode_metrics_port=args.decode_metrics_port,
+                transfer_port=args.transfer_port,
+                kv_pool_tokens=args.kv_pool_tokens,
+                context_length=args.context_length,
+                allow_small_pool=args.allow_small_pool,
+                page_size=args.page_size,
+                device=args.device,
+                max_transfer_batch=args.max_transfer_batch,
+                transfer_timeout_s=args.transfer_timeout,
+            )
         )
-    )
+    except SmallPoolError as exc:
+        print(f"kvguard serve: refusing to start: {exc}", file=sys.stderr)
+        return EXIT_SMALL_POOL
+    except (OSError, ValueError) as exc:
+        print(f"kvguard serve: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
         deployment.start()
+    except SmallPoolError as exc:
+        print(f"kvguard serve: refusing to serve: {exc}", file=sys.stderr)
+        return EXIT_SMALL_POOL
     except (RuntimeError, TimeoutError) as exc:
         print(f"kvguard serve: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps({"router": deployment.api_base, "metrics": deployment.metrics_urls}), flush=True)
+        return EXIT_FAILED
+    print(json.dumps({"router": deployment.api_base, "metrics": deployment.metrics_urls,
+                      "internal": deployment.internal_urls}), flush=True)  # fmt: skip
     try:
         stop.wait()
     finally:

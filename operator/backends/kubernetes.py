@@ -121,7 +121,7 @@ class KubernetesBackend:
             ip = (pod.get("status") or {}).get("podIP")
             role = labels.get(LABEL_ROLE)
             if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode") and ip:
-                workers.append(WorkerEndpoint(pod["metadata"]["name"], role, f"http://{ip}:{HTTP_PORT}/metrics"))
+                workers.append(WorkerEndpoint(pod["metadata"]["name"], role, f"http://{ip}:{metrics_port(pod)}/metrics"))
         return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)))
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
@@ -142,6 +142,13 @@ class KubernetesBackend:
         if not is_subset(manifest, live):
             await self.kube.amerge_patch(ref, manifest)
             log.info("patched %s", ref)
+
+
+def metrics_port(pod: Mapping[str, Any]) -> int:
+    """The pod's read-only metrics port: the container port named `metrics` (kvguard), else `http`
+    (SGLang and vLLM serve /metrics beside their API)."""
+    named = {p.get("name"): p.get("containerPort") for c in (pod.get("spec") or {}).get("containers") or [] for p in c.get("ports") or []}
+    return int(named.get("metrics") or named.get("http") or HTTP_PORT)
 
 
 def owned_by_revision(pod: Mapping[str, Any], model: str, revision: str) -> bool:

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import requests
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +49,7 @@ from kvguard.operator.backends.base import (
     WorkerEndpoint,
 )
 from kvguard.operator.rollout import Scale
+from kvguard.workers.args import WorkerArgs
 
 log = logging.getLogger("kvguard.local")
 
@@ -79,6 +81,9 @@ class LocalWorker(_StateModel):
     """prefill-0, decode-1, router."""
     role: str
     port: int
+    """The router's public API, or a prefill/decode worker's internal control API."""
+    metrics_port: int
+    """Read-only /metrics and /health."""
     argv: list[str]
     transfer_port: int | None = None
     """Decode's KV-transfer port (kept when the revision is resized)."""
@@ -88,6 +93,10 @@ class LocalWorker(_StateModel):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 class LocalRevision(_StateModel):
@@ -121,7 +130,7 @@ class LocalRevision(_StateModel):
 class LocalState(_StateModel):
     """Everything the local backend and its driver remember between runs."""
 
-    version: int = 1
+    version: int = 2  # 2: every worker records its metrics port
     model: str | None = None
     """metadata.name of the InferenceModel this folder holds (one model per folder)."""
     revisions: dict[str, LocalRevision] = Field(default_factory=dict)
@@ -233,41 +242,52 @@ def worker_argvs(
     spec: InferenceModelSpec,
     kv_plan: KVPlan,
     model_dir: Path,
-    ports: Mapping[str, int],
-    transfer_ports: Mapping[str, int],
+    ports: Mapping[str, WorkerPorts],
     scale: Scale = "full",
 ) -> list[LocalWorker]:
     """The command line of every process of a revision (mirrors the Kubernetes kvguard adapter)."""
-    base = [sys.executable, "-P", "-m", "kvguard", "worker", "--model", str(model_dir), "--model-name", spec.model.name]
-    base += ["--context-length", str(spec.context_length)]
+    base = [sys.executable, "-P", "-m", "kvguard", "worker"]
+    common: dict[str, Any] = {"model": model_dir, "model_name": spec.model.name, "context_length": spec.context_length}
     dtype = _LOADABLE_DTYPES.get(spec.weights.quantization) if spec.weights.quantization else None
     workers: list[LocalWorker] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in ("prefill", "decode"):
         for i in range(instances(spec, role, scale)):
             name = f"{role}-{i}"
-            argv = base + ["--role", role, "--port", str(ports[name])]
-            argv += [
-                "--kv-pool-tokens", str(kv_plan.roles[role].pool_tokens),
-                "--page-size", str(spec.page_size),
-                "--device", spec.hardware.device.value,
-                "--max-transfer-batch", str(spec.kv_transfer.max_batch),
-                "--transfer-timeout", str(spec.kv_transfer.timeout_seconds),
-            ]  # fmt: skip
-            if dtype:
-                argv += ["--dtype", dtype]
-            transfer_port = transfer_ports.get(name) if role == "decode" else None
-            if transfer_port is not None:
-                argv += ["--transfer-port", str(transfer_port)]
-            argv += list(spec.engine.extra_args)
-            workers.append(LocalWorker(name=name, role=role, port=ports[name], argv=argv, transfer_port=transfer_port))
-            urls[role].append(f"http://127.0.0.1:{ports[name]}")
-    router = base + ["--role", "router", "--port", str(ports["router"])]
-    for role in ("prefill", "decode"):
-        for url in urls[role]:
-            router += [f"--{role}", url]
-    workers.append(LocalWorker(name="router", role="router", port=ports["router"], argv=router))
+            port, metrics_port, transfer_port = ports[name]
+            args = WorkerArgs(
+                **common, role=role, port=port, metrics_port=metrics_port,  # type: ignore[arg-type]
+                kv_pool_tokens=kv_plan.roles[role].pool_tokens, page_size=spec.page_size,
+                device=spec.hardware.device.value, dtype=dtype or "auto",
+                max_transfer_batch=spec.kv_transfer.max_batch, transfer_timeout=spec.kv_transfer.timeout_seconds,
+                transfer_port=transfer_port if role == "decode" else None,
+            )  # fmt: skip
+            argv = base + args.to_argv() + list(spec.engine.extra_args)
+            workers.append(LocalWorker(name=name, role=role, port=port, metrics_port=metrics_port, argv=argv,
+                                       transfer_port=transfer_port if role == "decode" else None))  # fmt: skip
+            urls[role].append(f"http://127.0.0.1:{port}")
+    port, metrics_port, _ = ports["router"]
+    router = WorkerArgs(model=model_dir, model_name=spec.model.name, role="router", port=port, metrics_port=metrics_port,
+                        prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]))  # fmt: skip
+    workers.append(LocalWorker(name="router", role="router", port=port, metrics_port=metrics_port, argv=base + router.to_argv()))
     return workers
+
+
+WorkerPorts = tuple[int, int, int | None]
+"""A process's (main, metrics, transfer) ports; transfer only for decode."""
+
+
+def allocate_ports(names: list[str], old: Mapping[str, LocalWorker] | None = None) -> dict[str, WorkerPorts]:
+    """Ports for every process: a worker that keeps running keeps its own (a resize, like a
+    Deployment's scale, leaves running pods alone)."""
+    ports: dict[str, WorkerPorts] = {}
+    for name in names:
+        kept = (old or {}).get(name)
+        if kept is not None:
+            ports[name] = (kept.port, kept.metrics_port, kept.transfer_port or (free_port() if name.startswith("decode") else None))
+        else:
+            ports[name] = (free_port(), free_port(), free_port() if name.startswith("decode") else None)
+    return ports
 
 
 def worker_names(spec: InferenceModelSpec, scale: Scale = "full") -> list[str]:
@@ -360,7 +380,7 @@ class ProcessTable:
 
 def healthy(worker: LocalWorker) -> bool:
     try:
-        return requests.get(f"{worker.url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+        return requests.get(worker.metrics_url.removesuffix("/metrics") + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
     except requests.RequestException:
         return False
 
@@ -449,12 +469,10 @@ class LocalBackend:
         model_dir = model_dir_for(spec, self.models_root).resolve()
         if not (model_dir / "config.json").is_file():
             raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
-        names = worker_names(spec, scale)
-        ports = {name: free_port() for name in names}
-        transfer_ports = {name: free_port() for name in names if name.startswith("decode")}
+        ports = allocate_ports(worker_names(spec, scale))
         record = LocalRevision(
             revision=revision, model_dir=str(model_dir), faults=faults, scale=scale, created_at=now_rfc3339(),
-            workers=worker_argvs(spec, kv_plan, model_dir, ports, transfer_ports, scale),
+            workers=worker_argvs(spec, kv_plan, model_dir, ports, scale),
         )  # fmt: skip
         if faults:
             log.warning("FAULT INJECTION: revision %s runs with %s=%s (test/demo use only)", revision, FAULTS_ENV, faults)
@@ -466,10 +484,8 @@ class LocalBackend:
         """Grow or shrink a revision to `scale`. Like a Deployment's scale, running workers keep
         their processes and ports; only the router restarts, because its worker list changed."""
         old = {w.name: w for w in record.workers}
-        names = worker_names(spec, scale)
-        ports = {n: old[n].port if n in old else free_port() for n in names}
-        transfer_ports = {n: (old[n].transfer_port if n in old else None) or free_port() for n in names if n.startswith("decode")}
-        new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, transfer_ports, scale)
+        ports = allocate_ports(worker_names(spec, scale), old)
+        new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, scale)
         for worker in new:
             previous = old.get(worker.name)
             if previous is not None and previous.argv == worker.argv:
@@ -559,7 +575,7 @@ class LocalBackend:
     def metrics_urls(self, revision: str) -> dict[str, str]:
         """worker name -> /metrics URL of every prefill and decode process of the revision."""
         record = self.state.revisions[revision]
-        return {w.name: f"{w.url}/metrics" for w in record.engine_workers()}
+        return {w.name: w.metrics_url for w in record.engine_workers()}
 
     def api_base(self, revision: str) -> str:
         return self.state.revisions[revision].api_base
@@ -589,7 +605,7 @@ class LocalBackend:
         record = self.state.revisions.get(revision)
         if record is None:
             return RevisionEndpoints(router_url=None)
-        workers = tuple(WorkerEndpoint(w.name, w.role, f"{w.url}/metrics") for w in record.engine_workers())
+        workers = tuple(WorkerEndpoint(w.name, w.role, w.metrics_url) for w in record.engine_workers())
         return RevisionEndpoints(router_url=record.router.url, workers=workers)
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:

@@ -1,0 +1,182 @@
+"""`WorkerArgs`: the one description of a worker process's command line.
+
+The renderer (a pod's `command`), the local backend and the launcher build a worker's argv from
+this type, and `kvguard worker` parses its flags into it, so the three can never disagree on a
+flag's name or meaning. Pure: pydantic only (the operator imports it; it must not pull in torch or
+aiohttp).
+
+Every worker listens on ports with one audience each (docs/threat-model.md, S9):
+
+| listener         | router                      | prefill / decode                            |
+| ---------------- | --------------------------- | ------------------------------------------- |
+| `--port`         | public OpenAI API (`/v1/*`) | internal control API (`/internal/*`), only  |
+|                  |                             | for this revision's router                  |
+| `--metrics-port` | `/metrics`, `/health`       | `/metrics`, `/health` (read-only: scrapers, |
+|                  |                             | probes)                                     |
+| `--transfer-port`| --                          | decode only: KV chunks from this revision's |
+|                  |                             | prefill                                     |
+
+A listener is a TCP port (`8000`; `0` picks a free one) or `fd:N`, a socket the parent already
+bound and passed down. The local launcher binds every socket itself before starting a child, so a
+busy port is found at once and no other process can take a port between the check and the bind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+
+WorkerRoleName = Literal["prefill", "decode", "router"]
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where a listener binds: a TCP port, or a socket inherited as file descriptor `fd`."""
+
+    port: int = 0
+    fd: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> Listen:
+        if isinstance(value, Listen):
+            return value
+        text = str(value).strip()
+        try:
+            if text.startswith("fd:"):
+                fd = int(text[3:])
+                if fd < 0:
+                    raise ValueError
+                return cls(fd=fd)
+            port = int(text)
+        except ValueError:
+            raise ValueError(f"expected a port number or fd:N, got {text!r}") from None
+        if not 0 <= port < 65536:
+            raise ValueError(f"port {port} is out of range 0..65535")
+        return cls(port=port)
+
+    def __str__(self) -> str:
+        return f"fd:{self.fd}" if self.fd is not None else str(self.port)
+
+    def open(self, host: str) -> socket.socket:
+        """The listening socket: adopted from the parent, or bound here."""
+        if self.fd is not None:
+            sock = socket.socket(fileno=self.fd)
+            sock.setblocking(False)
+            return sock
+        return bind_listener(host, self.port)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); OSError (e.g. EADDRINUSE) if the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+ListenSpec = Annotated[Listen, BeforeValidator(Listen.parse), PlainSerializer(str, return_type=str)]
+
+
+def _flag(group: str, help_: str, **extra: Any) -> Any:
+    return {"group": group, "help": help_, **extra}
+
+
+class WorkerArgs(BaseModel):
+    """Flags of `kvguard worker`. Field `foo_bar` is flag `--foo-bar`; lists repeat the flag."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: WorkerRoleName = Field(json_schema_extra=_flag("common", "which process to run"))
+    model: Path = Field(json_schema_extra=_flag("common", "Hugging Face model folder"))
+    model_name: str | None = Field(None, json_schema_extra=_flag("common", "name served in the API (default: the folder name)"))
+    host: str = Field("127.0.0.1", json_schema_extra=_flag("common", "address to bind (0.0.0.0 in a pod)"))
+    port: ListenSpec = Field(
+        Listen(), json_schema_extra=_flag("common", "router: the public OpenAI API; prefill/decode: the internal control API "
+                                          "(/internal/*, router only). A port, or fd:N for an inherited socket")
+    )
+    metrics_port: ListenSpec = Field(
+        Listen(), json_schema_extra=_flag("common", "read-only /metrics and /health (scrapers, probes). A port, or fd:N")
+    )
+
+    device: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, cpu, cuda or cuda:N"))
+    dtype: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))
+    kv_pool_tokens: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "KV pool size; default: from memory"))
+    kv_memory_fraction: float = Field(0.85, gt=0, le=1, json_schema_extra=_flag("prefill and decode", "share of device memory for weights + KV"))
+    context_length: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "served context (default: the model's maximum)"))
+    page_size: int = Field(16, ge=1, json_schema_extra=_flag("prefill and decode", "tokens per KV page"))
+    max_running_requests: int = Field(64, ge=1, json_schema_extra=_flag("prefill and decode", "requests holding pages at once"))
+
+    transfer_port: ListenSpec | None = Field(None, json_schema_extra=_flag("KV transfer", "decode: the port receiving KV chunks (default: a free one)"))
+    advertise_host: str | None = Field(None, json_schema_extra=_flag("KV transfer", "decode: the address prefill connects to (the pod IP)"))
+    max_transfer_batch: int = Field(4 * 1024 * 1024, ge=1, json_schema_extra=_flag("KV transfer", "bytes in flight per prefill->decode pair (S6)"))
+    transfer_timeout: float = Field(5.0, gt=0, json_schema_extra=_flag("KV transfer", "seconds a stalled transfer may wait (S4)"))
+
+    prefill: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a prefill worker's internal base URL (repeatable)"))
+    decode: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a decode worker's internal base URL (repeatable)"))
+    request_timeout: float = Field(120.0, gt=0, json_schema_extra=_flag("router", "seconds a request may take end to end"))
+
+    @model_validator(mode="after")
+    def _fits_the_role(self) -> WorkerArgs:
+        if self.role == "router" and (not self.prefill or not self.decode):
+            raise ValueError("the router needs at least one --prefill and one --decode URL")
+        if self.role != "router" and (self.prefill or self.decode):
+            raise ValueError("--prefill/--decode are router flags")
+        if self.role != "decode" and self.transfer_port is not None:
+            raise ValueError("--transfer-port is a decode flag")
+        return self
+
+    def to_argv(self) -> list[str]:
+        """The flags that reproduce this value (defaults left out), for `kvguard worker`."""
+        argv: list[str] = []
+        for name, value in self.model_dump(exclude_defaults=True, exclude_none=True).items():
+            flag = "--" + name.replace("_", "-")
+            for item in value if isinstance(value, tuple | list) else (value,):
+                argv += [flag, str(item)]
+        return argv
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register every WorkerArgs field as a flag, grouped as the fields say."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, info in WorkerArgs.model_fields.items():
+        extra = info.json_schema_extra
+        assert isinstance(extra, dict)
+        group_name = str(extra["group"])
+        group = groups.get(group_name) or groups.setdefault(
+            group_name, parser if group_name == "common" else parser.add_argument_group(group_name)  # type: ignore[arg-type]
+        )
+        flag = "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": name, "help": str(extra["help"]), "default": None}
+        if name == "role":
+            kwargs["choices"] = ("prefill", "decode", "router")
+        if info.is_required():
+            kwargs["required"] = True
+        if name in ("prefill", "decode"):
+            kwargs["action"] = "append"
+        group.add_argument(flag, **kwargs)
+
+
+def from_namespace(namespace: argparse.Namespace) -> WorkerArgs:
+    """Validate parsed flags (ValueError with the field's message on a bad one)."""
+    values = {name: getattr(namespace, name) for name in WorkerArgs.model_fields if getattr(namespace, name, None) is not None}
+    return WorkerArgs.model_validate(values)
+
+
+def parse_argv(argv: Sequence[str]) -> WorkerArgs:
+    """`kvguard worker` flags -> WorkerArgs (tests; the inverse of `WorkerArgs.to_argv`)."""
+    parser = argparse.ArgumentParser(prog="kvguard worker")
+    add_arguments(parser)
+    return from_namespace(parser.parse_args(list(argv)))
