@@ -519,12 +519,9 @@ def _estimate_warnings(roles: dict[str, RolePlan]) -> Iterator[str]:
         else:
             values = ", ".join(f"{name} {gib(e.safe_bytes)} (optimistic {gib(e.optimistic_bytes)})" for name, e in found)
         yield f"estimated {first.description}: {values} ({first.basis}); {field} replaces the estimate"
-    if by_field:
-        pools = ", ".join(
-            f"{name} {r.pool_tokens:,} tokens (optimistic {r.optimistic_pool_tokens:,})"
-            for name, r in roles.items()
-            if r.optimistic_pool_tokens is not None
-        )
+    moved = [(name, r) for name, r in roles.items() if r.optimistic_pool_tokens not in (None, r.pool_tokens)]
+    if moved:
+        pools = ", ".join(f"{name} {r.pool_tokens:,} tokens (optimistic {r.optimistic_pool_tokens:,})" for name, r in moved)
         yield f"the verdict uses the safe end of these estimates: {pools}; set the figures from the engines' logs to plan exactly"
 
 
