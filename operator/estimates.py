@@ -26,7 +26,11 @@ What each engine subtracts, per device (and so what can be missing):
     (V11, V17, V20, V21), 0.35 GiB in 0.6 (V01); +0.41 GiB at TP 2 (V19, V23: NCCL communicators
     and custom all-reduce buffers, which grow with the group): 0.1-0.4 GiB, +0.3-0.75 GiB when
     more than one GPU serves an instance.
-  * CUDA graphs are captured after the KV cache is allocated: they do not shrink the pool.
+  * CUDA graphs: vLLM up to 0.11 captures them after the KV cache is allocated, so they do not
+    shrink the pool (the 0.11 logs match without them). Later versions can count a CUDA-graph
+    estimate in the profile (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS); the logs show 0.1-0.76 GiB
+    of graphs at the default capture sizes (V08, V11, V12, V17, V19-V23), so for a version after
+    0.11 or none given the safe end adds 1 GiB, unless engine.extraArgs has `--enforce-eager`.
   * Before 0.8 (the V0 engine) the profile is different and not modelled: spec.reserve is then
     required (one V0 log, V03, shows a 9.37 GiB peak that vLLM's default limits do not explain).
 - SGLang (`ModelRunner.profile_max_num_token`): pool = free_after_load - free_before_load x (1 -
@@ -64,6 +68,8 @@ _VLLM_LIMITS_LARGE = (8192, 1024)  # (max_num_batched_tokens, max_num_seqs) of `
 _VLLM_LIMITS_SMALL = (2048, 256)
 VLLM_V1_SINCE = (0, 8)
 _VLLM_A100_RULE_SINCE = (0, 9)  # A100s get the small limits from here on (vLLM PR #17885)
+_VLLM_GRAPHS_AFTER_KV_UNTIL = (0, 11)  # up to here CUDA graphs are captured after the KV cache
+_CUDA_GRAPHS = (0.0, 1.0)
 
 # Overheads in GiB: (optimistic, safe).
 _VLLM_NON_TORCH = (0.1, 0.4)
@@ -156,18 +162,30 @@ def reserve(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
     if spec.engine.kind is not EngineKind.VLLM:
         return Figure.given(0)  # activations come out of (1 - memoryFraction)
     (tokens_opt, seqs_opt), (tokens_safe, seqs_safe) = vllm_batch_limits(spec)
-    optimistic = _vllm_activation(spec, tokens_opt, seqs_opt, end=0)
-    safe = _vllm_activation(spec, tokens_safe, seqs_safe, end=1)
+    graphs = _vllm_cuda_graphs(spec)
+    optimistic = _vllm_activation(spec, tokens_opt, seqs_opt, end=0) + round(graphs[0] * GiB)
+    safe = _vllm_activation(spec, tokens_safe, seqs_safe, end=1) + round(graphs[1] * GiB)
     limits = f"{tokens_safe:,} batched tokens, {seqs_safe:,} sequences"
     if (tokens_opt, seqs_opt) != (tokens_safe, seqs_safe):
         limits += f" ({tokens_opt:,} and {seqs_opt:,} at the optimistic end)"
     arch = spec.model.architecture
     vocab = f"vocabulary {arch.vocab_size:,}" if arch and arch.vocab_size else "vocabulary unknown (32,000-262,144)"
+    basis = f"one forward of max_num_batched_tokens, then the sampler on min(max_num_seqs, tokens) rows: {limits}, {vocab}"
+    if graphs[1]:
+        basis += "; plus up to 1 GiB of CUDA graphs, which vLLM after 0.11 may count (no engine.version <= 0.11 given)"
     estimate = EstimatedInput(
         field="spec.reserve", description="vLLM activation peak (profile run)", safe_bytes=safe, optimistic_bytes=optimistic,
-        basis=f"one forward of max_num_batched_tokens, then the sampler on min(max_num_seqs, tokens) rows: {limits}, {vocab}",
+        basis=basis,
     )  # fmt: skip
     return Figure(safe, optimistic, estimate)
+
+
+def _vllm_cuda_graphs(spec: InferenceModelSpec) -> tuple[float, float]:
+    """(optimistic, safe) GiB of CUDA graphs vLLM may count against the KV cache."""
+    version = engine_version(spec)
+    if has_engine_flag(spec, "--enforce-eager") or (version is not None and version <= _VLLM_GRAPHS_AFTER_KV_UNTIL):
+        return 0.0, 0.0
+    return _CUDA_GRAPHS
 
 
 def vllm_batch_limits(spec: InferenceModelSpec) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -289,6 +289,17 @@ def test_vllm_activation_estimate_follows_its_profile_limits() -> None:
     assert next(e for e in plan_role(a100, api.WorkerRole()).estimates if e.field == "spec.reserve").safe_bytes < base.safe_bytes / 3
 
 
+def test_vllm_cuda_graphs_count_at_the_safe_end_unless_the_version_captures_them_after_the_pool() -> None:
+    def reserve_of(engine: api.EngineSpec) -> api.EstimatedInput:
+        return next(e for e in plan_role(vllm_spec(engine=engine), api.WorkerRole()).estimates if e.field == "spec.reserve")
+
+    v011 = reserve_of(api.EngineSpec(kind="vllm", version="0.11.0"))  # graphs after the KV cache: not counted
+    unknown = reserve_of(api.EngineSpec(kind="vllm"))
+    eager = reserve_of(api.EngineSpec(kind="vllm", extra_args=["--enforce-eager"]))
+    assert unknown.safe_bytes - v011.safe_bytes == GiB and "CUDA graphs" in unknown.basis
+    assert eager.safe_bytes == v011.safe_bytes and unknown.optimistic_bytes == v011.optimistic_bytes
+
+
 def test_vllm_v0_engine_needs_its_reserve_from_the_log() -> None:
     problems = errors_of(vllm_spec(engine=api.EngineSpec(kind="vllm", version="0.6.4")))
     assert "V0 engine" in problems["spec.reserve"]
@@ -488,3 +499,12 @@ def test_inconsistent_architecture_and_hardware_name_their_fields() -> None:
 def test_missing_parameter_count_without_measured_weights_is_an_error() -> None:
     spec = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(total_parameters=None)))
     assert "spec.model.architecture.totalParameters" in errors_of(spec)
+
+
+def test_status_message_lists_every_field_of_each_fix_including_the_raised_cap() -> None:
+    """What `kvguard apply` and the KVPoolSufficient condition show (reconcile.describe_fixes)."""
+    from kvguard.operator.reconcile import describe_fixes
+
+    message = describe_fixes(plan(example_spec("incident.yaml")))
+    assert "spec.kvCacheDtype=fp8_e4m3, spec.roles.prefill.kvPoolTokens=2097152" in message
+    assert "spec.roles.prefill.tensorParallel=8, spec.roles.prefill.kvPoolTokens=2097152, spec.roles.decode.tensorParallel=8" in message
