@@ -95,7 +95,7 @@ def change_summary(suggestion: PlanSuggestion) -> str:
 
 
 def _raise_caps(spec: InferenceModelSpec, roles: dict[str, RolePlan], failing: list[str]) -> PlanSuggestion | None:
-    changes = _per_role(spec, failing, lambda s, name: _cap_only(s, name))
+    changes = _per_role(spec, failing, _cap_only)
     if changes is None:
         return None
     raised = ", ".join(f"{_role_of(c)} {c.value:,}" for c in changes)
@@ -313,7 +313,8 @@ def _verified(spec: InferenceModelSpec, changes: Changes, message: str) -> PlanS
     )  # fmt: skip
 
 
-def _role_of(change: FieldChange) -> Any:
+def _role_of(change: FieldChange) -> str | None:
+    """The role a change is about (spec.roles.<role>.<field>), None for spec-wide fields."""
     parts = change.field.split(".")
     return parts[2] if len(parts) > 3 and parts[1] == "roles" else None
 
