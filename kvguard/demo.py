@@ -3,7 +3,8 @@
 1. `kvguard plan` on the incident's configuration: blocked, with the numbers and the fix.
 2. A local rollout of the tiny model (the same state machine and canary suite as the operator):
    plan passes, workers report their pools, canary passes, promoted; the official `openai` client
-   shows it serving.
+   shows it serving. The tiny model has random weights, so its answers are gibberish by design:
+   the demo is about what reaches users safely, not about what a model knows.
 3. A "new engine build" carrying the incident's bug (KVGUARD_FAULTS=unsafe_reject_path,no_tags on
    the new revision's processes only): the canary catches it, the rollout is rolled back, and the
    stable revision still answers with the same greedy outputs as before (S8).
@@ -111,7 +112,8 @@ class Demo:
                      f"{worker.ratio:.2f}x context {worker.context_length:,} (from its /metrics)")  # fmt: skip
         outputs: dict[str, str] = {}
         if result.promoted and result.serving_url:
-            self.say(f"  serving at {result.serving_url}; asking it through the openai client:")
+            self.say(f"  serving at {result.serving_url}; asking it through the openai client (random weights: the "
+                     "answers are gibberish by design; step 3 checks they stay exactly the same):")  # fmt: skip
             outputs = ask(result.serving_url, model.spec.model.name)
             for prompt, text in outputs.items():
                 self.say(f"    {prompt!r} -> {text!r}")
@@ -235,7 +237,7 @@ def run_demo(examples: Path, keep: bool = False) -> int:
         with sigterm_as_interrupt():
             print(f"kvguard demo: everything runs under {work} and stops on exit", flush=True)
             demo.plan_incident()
-            demo.say("writing the tiny random model (kvguard model tiny)")
+            demo.say("writing the tiny model (kvguard model tiny): random weights, so it answers gibberish by design")
             model_dir = write_tiny_model(work / "tiny-model")
             with backend:
                 ok, outputs = demo.first_rollout(backend, model_dir)

@@ -17,6 +17,7 @@ revision whose planned KV pool is below `minKVRatio` x `contextLength` on any ro
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -75,22 +76,37 @@ _QUANTITY_SUFFIXES: dict[str, int] = {
 _QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([KMGTPE]i|[kKMGTPE])?\s*$")
 
 
+MAX_BYTE_QUANTITY = 2**63 - 1
+"""The largest quantity Kubernetes stores (int64); anything larger is a typo, not a device."""
+
+
 def parse_byte_quantity(value: Any) -> int:
     """A Kubernetes-style memory quantity (`80Gi`, `79.18Gi`, `16G`, `1e9`, or a plain number of
-    bytes) as an integer number of bytes. Raises ValueError on anything else or a negative value."""
+    bytes) as an integer number of bytes. Raises ValueError on anything else, a negative value, a
+    value that is not finite (`.inf`, `.nan`, `1e400Gi`) or one above 2^63-1 bytes."""
     if isinstance(value, bool):
         raise ValueError("expected a byte quantity such as 80Gi, not a boolean")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("must not be negative")
-        return int(value)
+        return _checked_bytes(value, repr(value) if isinstance(value, float) else "the value")
     if not isinstance(value, str):
         raise ValueError(f"expected a byte quantity such as 80Gi, got {type(value).__name__}")
     match = _QUANTITY_RE.match(value)
     if match is None:
         raise ValueError(f"{value!r} is not a byte quantity (examples: 80Gi, 79.18Gi, 16G, 1048576)")
     number, suffix = match.groups()
-    return int(float(number) * _QUANTITY_SUFFIXES.get(suffix or "", 1))
+    return _checked_bytes(float(number) * _QUANTITY_SUFFIXES.get(suffix or "", 1), repr(value))
+
+
+def _checked_bytes(value: float, shown: str) -> int:
+    # Checked before int(): int(inf) raises OverflowError, which pydantic does not turn into a
+    # field-level error, so `.inf` or `1e400Gi` would end in a traceback.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{shown} is not a finite number of bytes")
+    if value < 0:
+        raise ValueError("must not be negative")
+    if value > MAX_BYTE_QUANTITY:
+        raise ValueError(f"{shown} exceeds the largest quantity Kubernetes stores (2^63-1 bytes)")
+    return int(value)
 
 
 ByteQuantity = Annotated[
@@ -225,6 +241,9 @@ class ModelArchitecture(ApiModel):
     """Parameters of routed MoE experts (sharded by expert/tensor parallelism); 0 for dense models."""
     num_experts: NonNegativeInt = 0
     """Routed experts per MoE layer; 0 for dense models. Informational."""
+    max_position_embeddings: PositiveInt | None = None
+    """Longest sequence the model was built for (config.json `max_position_embeddings`); the
+    planner warns when contextLength exceeds it."""
     mla: MLAConfig | None = None
     """Present for multi-head latent attention models; replaces the per-head K/V cache."""
 
@@ -306,6 +325,10 @@ class WeightsSpec(ApiModel):
     measured_bytes_per_device: ByteQuantity | None = None
     """Weight memory per GPU as measured (e.g. SGLang's `Load weight end ... mem usage`). Overrides
     the estimate from parameters and quantization."""
+    measured_shards: PositiveInt | None = None
+    """GPUs the weights were split over when measuredBytesPerDevice was measured (tensorParallel x
+    pipelineParallel of that run). When set, the planner scales the figure to each role's own
+    split, and says it did; when omitted the figure is used as-is for every role."""
 
 
 # --- Deployment ----------------------------------------------------------------------------------
@@ -335,8 +358,13 @@ class HardwareSpec(ApiModel):
     memory_per_device: ByteQuantity = Field(gt=0)
     """Memory of one device as the driver reports it (torch `mem_get_info` total: 79.18Gi for an
     H100 80GB). On CPU: the memory budget for weights and KV of one worker."""
-    device_overhead: ByteQuantity = 0
-    """Memory already in use before the engine loads weights (CUDA context, other processes)."""
+    device_overhead: ByteQuantity | None = None
+    """Memory per device the engine's pool rule subtracts besides weights and reserve. SGLang and
+    kvguard: memory already in use before the engine loads weights (CUDA context, NCCL and
+    all-reduce buffers at TP > 1, other processes): SGLang's "free before load" is memoryPerDevice
+    minus this. vLLM: its "non-torch memory" (NCCL, custom all-reduce, cuBLAS workspaces; the CUDA
+    context is not counted, vLLM measures from after it). Omitted: the planner uses a conservative
+    per-engine estimate and says so (0 on cpu)."""
     gpu_product: str | None = None
     """GPU product name (e.g. NVIDIA-H100-80GB-HBM3); informational."""
 
@@ -400,10 +428,10 @@ class WorkerRole(PodPlacement):
     (attention TP = tensorParallel / dataParallel) and each keeps the full KV heads."""
     expert_parallel: PositiveInt = 1
     """Expert-parallel size: MoE experts are sharded over max(tensorParallel, expertParallel) GPUs."""
-    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    memory_fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     """Overrides spec.memoryFraction for this role."""
     kv_pool_tokens: PositiveInt | None = None
-    """Overrides spec.kvPoolTokens for this role."""
+    """Overrides spec.kvPoolTokens for this role (`kvguard plan --kv-pool-tokens` replaces both)."""
 
 
 class RouterRole(PodPlacement):
@@ -469,18 +497,20 @@ class InferenceModelSpec(ApiModel):
     """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`). Pools are whole pages."""
     context_length: PositiveInt
     """Longest request (prompt + completion) the service accepts, in tokens."""
-    min_kv_ratio: float = Field(default=2.0, ge=1.0)
+    min_kv_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """Every role's KV pool must hold at least this many times contextLength tokens (S7)."""
     kv_pool_tokens: PositiveInt | None = None
     """Explicit cap on the KV pool per engine instance (kvguard `--kv-pool-tokens`, SGLang
     `--max-total-tokens`). The pool is the smaller of this and what memory allows."""
-    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    memory_fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     """Share of device memory for weights plus KV pool (SGLang `--mem-fraction-static`, vLLM
     `--gpu-memory-utilization`). Default: the engine's (0.88 SGLang, 0.9 vLLM, 0.9 kvguard)."""
-    reserve: ByteQuantity = 0
-    """Memory per device kept out of the KV pool besides weights: vLLM's profiled activation peak
-    plus non-torch memory, or any headroom you want. SGLang and kvguard carve activations and CUDA
-    graphs out of (1 - memoryFraction) instead, so 0 is usual for them."""
+    reserve: ByteQuantity | None = None
+    """Memory per device kept out of the KV pool besides weights and deviceOverhead. vLLM: its
+    profiled activation peak (the startup log's "peak activation" / torch peak increase); omitted,
+    the planner estimates it from vLLM's own profile run (max_num_batched_tokens, max_num_seqs x
+    vocabulary) and says so. SGLang and kvguard carve activations and CUDA graphs out of
+    (1 - memoryFraction) instead: omitted means 0, set it only for extra headroom."""
     engine: EngineSpec = Field(default_factory=EngineSpec)
     """The inference engine."""
     hardware: HardwareSpec
@@ -505,6 +535,22 @@ class InferenceModelSpec(ApiModel):
 
 
 # --- Plan (recorded in status) -------------------------------------------------------------------
+
+
+class EstimatedInput(ApiModel):
+    """A memory figure the spec did not give, which the planner estimated (per device). The plan's
+    pool and verdict use the safe end; `optimisticBytes` shows how far the estimate could be off."""
+
+    field: str
+    """The spec field that, when set, replaces the estimate (e.g. spec.reserve)."""
+    description: str
+    """What the figure is, in the engine's terms (e.g. vLLM activation peak)."""
+    safe_bytes: NonNegativeInt
+    """The end of the range that leaves the smallest pool: the one the plan uses."""
+    optimistic_bytes: NonNegativeInt
+    """The other end of the range."""
+    basis: str
+    """How the figure was estimated (the engine accounting it follows)."""
 
 
 class RolePlan(ApiModel):
@@ -533,19 +579,38 @@ class RolePlan(ApiModel):
     """poolTokens / contextLength."""
     sufficient: bool
     """ratio >= minKVRatio."""
+    kv_budget_bytes: int = 0
+    """Memory per device left for the KV pool after weights and overheads, at the safe end of every
+    estimate. Negative when they do not fit: the engine would not start."""
+    optimistic_pool_tokens: NonNegativeInt | None = None
+    """The pool with every estimated input at its optimistic end; omitted when nothing was
+    estimated. poolTokens (the safe end) is what the verdict uses."""
+    estimates: list[EstimatedInput] = Field(default_factory=list)
+    """Memory figures the spec did not give, as the planner estimated them for this role."""
+
+
+class FieldChange(ApiModel):
+    """One field of a suggested change."""
+
+    field: str
+    """Spec field path, e.g. spec.roles.prefill.kvPoolTokens."""
+    value: Any
+    """Its new value."""
 
 
 class PlanSuggestion(ApiModel):
-    """One smallest change (holding everything else fixed) that would make a blocked plan pass."""
+    """One complete change that makes a blocked plan pass on every role (re-planned to check)."""
 
     field: str
-    """Spec field to change, e.g. spec.memoryFraction or spec.roles.decode.tensorParallel."""
+    """The change's main field, e.g. spec.memoryFraction or spec.roles.decode.tensorParallel."""
     value: Any
-    """The value that passes (for contextLength: the longest safe context)."""
+    """The main field's value that passes (for contextLength: the longest safe context)."""
     role: str | None = None
-    """The role the change applies to, when it is per role."""
+    """The role the change applies to, when it touches only one."""
     message: str
     """Human-readable explanation."""
+    changes: list[FieldChange] = Field(default_factory=list)
+    """Every field the change sets, the main one first: all of them together make the plan pass."""
 
 
 class KVPlan(ApiModel):
@@ -566,9 +631,11 @@ class KVPlan(ApiModel):
     roles: dict[str, RolePlan]
     """Per role (prefill, decode)."""
     suggestions: list[PlanSuggestion] = Field(default_factory=list)
-    """When blocked: the smallest single changes that would pass."""
+    """When blocked: complete changes, any one of which passes (each re-planned to check)."""
     warnings: list[str] = Field(default_factory=list)
-    """Assumptions the plan had to make (e.g. vLLM activation memory not given)."""
+    """Assumptions the plan had to make (estimated memory figures, context beyond the model's)."""
+    reasons: list[str] = Field(default_factory=list)
+    """When blocked: why, one line per failing role (pool below the ratio, or memory short)."""
 
 
 # --- Top-level resource --------------------------------------------------------------------------
@@ -694,7 +761,7 @@ class InferencePolicySpec(ApiModel):
     """Namespaces the policy applies to, by label; empty means all. The operator sees a namespace's
     name only (the label kubernetes.io/metadata.name), not its other labels: a requirement on any
     other label is treated as matching (the policy applies). Prefer `namespaces` for exact scoping."""
-    min_kv_ratio: float = Field(default=2.0, ge=1.0)
+    min_kv_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     """Floor for spec.minKVRatio: every role's KV pool must hold this many contexts (S7)."""
     min_engine_versions: dict[str, str] = Field(default_factory=dict)
     """Oldest allowed engine version per engine kind, e.g. {sglang: 0.5.22, vllm: 0.11.0}; compared

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-# Condition types (DESIGN.md, Kubernetes resources). CanaryPassed and PolicyCompliant are set by the
+# Condition types (docs/architecture.md, The operator). CanaryPassed and PolicyCompliant are set by the
 # rollout/policy layer of the next issue; they are declared here so that every writer uses one name.
 KV_POOL_SUFFICIENT = "KVPoolSufficient"
 POLICY_COMPLIANT = "PolicyCompliant"

@@ -83,6 +83,7 @@ def architecture_from_hf_config(config: Mapping[str, Any]) -> ModelArchitecture:
         attention_parameters=attention.parameters * layers,
         expert_parameters=mlp.routed_experts,
         num_experts=mlp.num_experts,
+        max_position_embeddings=cfg.int("max_position_embeddings", 0) or None,
         mla=attention.mla,
     )
 

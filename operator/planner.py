@@ -2,15 +2,23 @@
 
 Pure Python: no torch, kopf or kubernetes. `plan(spec)` turns an `InferenceModelSpec` into a
 `KVPlan` (per role: bytes per token per GPU, weights per GPU, pool tokens in whole pages, ratio,
-verdict) and, when blocked, the smallest single changes that would pass.
+verdict, the memory figures it had to estimate) and, when blocked, complete changes that pass
+(`kvguard.operator.suggestions`).
 
 Pool rules, per GPU of one engine instance (all GPUs of an instance are alike, so one suffices):
 - SGLang and kvguard: `pool = (free_before_load - weights) - free_before_load x (1 - fraction)`
   = `fraction x (memory - overhead) - weights - reserve`. SGLang calls free-before-load "total"
   (`mem_fraction_static`); on CPU kvguard's "device memory" is the configured budget.
 - vLLM: `pool = memory x gpu_memory_utilization - weights - activation peak - non-torch memory`;
-  the activation peak goes into `reserve`, non-torch memory (CUDA context) into `deviceOverhead`.
+  the activation peak is `reserve`, non-torch memory `deviceOverhead`.
 The pool is rounded down to whole pages and capped by an explicit `kvPoolTokens`.
+
+Never over-estimate silently: a memory figure the spec leaves out (weights without
+`measuredBytesPerDevice`, `deviceOverhead`, vLLM's `reserve`) is not taken as zero but estimated
+from the engine's own accounting (`kvguard.operator.estimates`) as a range. The pool and the verdict
+use the safe end; the plan lists each estimate, its range and the optimistic pool. Weights and
+overheads that do not fit leave a negative budget, which the plan reports as the reason it is
+blocked (never clamped to an empty pool without a word).
 
 KV bytes per token per GPU: MHA/GQA stores K and V for `kv_heads / attention_tp` heads per layer,
 at least one head when attention TP exceeds the KV heads (heads are replicated). MLA stores one
@@ -23,27 +31,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from fractions import Fraction
 
+from kvguard.operator import estimates
 from kvguard.operator.api import (
     DeviceKind,
     EngineKind,
+    EstimatedInput,
     InferenceModelSpec,
     KVCacheDtype,
     KVPlan,
     ModelArchitecture,
     ModelDtype,
-    PlanSuggestion,
     Quantization,
     QuantizedLayers,
     RolePlan,
     WorkerRole,
 )
+from kvguard.operator.estimates import Figure, GiB
 
+# What the renderer writes on the command line when the spec sets no fraction (so these are facts,
+# not guesses at the engines' own auto values).
 DEFAULT_MEMORY_FRACTION: dict[EngineKind, float] = {
-    EngineKind.SGLANG: 0.88,  # SGLang's auto value on one 80 GB GPU (reference row S03)
-    EngineKind.VLLM: 0.9,  # vLLM 0.10/0.11 default gpu_memory_utilization
-    EngineKind.KVGUARD: 0.9,
+    EngineKind.SGLANG: 0.88,  # --mem-fraction-static 0.88 (SGLang's auto value on one 80 GB GPU, row S03)
+    EngineKind.VLLM: 0.9,  # --gpu-memory-utilization 0.9 (vLLM 0.10/0.11's default)
+    EngineKind.KVGUARD: 0.9,  # the kvguard engine is given --kv-pool-tokens from this plan instead
 }
 
 _MODEL_DTYPE_BYTES: dict[ModelDtype, Fraction] = {
@@ -116,12 +129,56 @@ def _spec_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
         return
     yield from _architecture_problems(arch, needs_parameters=spec.weights.measured_bytes_per_device is None)
     hw = spec.hardware
-    if hw.device_overhead >= hw.memory_per_device:
+    if hw.device_overhead is not None and hw.device_overhead >= hw.memory_per_device:
         yield "spec.hardware.deviceOverhead", "must be smaller than memoryPerDevice"
     if hw.device is DeviceKind.CPU and spec.engine.kind is not EngineKind.KVGUARD:
         yield "spec.engine.kind", f"{spec.engine.kind.value} does not run on device cpu (only kvguard does)"
+    if spec.engine.kind is EngineKind.KVGUARD and kv_element_bytes(spec) != _MODEL_DTYPE_BYTES[arch.dtype]:
+        yield "spec.kvCacheDtype", f"the kvguard engine keeps KV in the model dtype ({arch.dtype.value}): use auto"
+    yield from _engine_problems(spec)
     for name, role in spec.roles.worker_roles().items():
         yield from _role_problems(f"spec.roles.{name}", role, arch)
+
+
+# engine.extraArgs that would change the pool behind the plan's back: the renderer writes each one
+# from the spec field named here, and a second copy later on the command line wins over it.
+_OVERRIDING_FLAGS: dict[EngineKind, dict[str, str]] = {
+    EngineKind.SGLANG: {
+        "--mem-fraction-static": "spec.memoryFraction", "--max-total-tokens": "spec.kvPoolTokens",
+        "--kv-cache-dtype": "spec.kvCacheDtype", "--page-size": "spec.pageSize", "--context-length": "spec.contextLength",
+        "--tp-size": "spec.roles.*.tensorParallel", "--tp": "spec.roles.*.tensorParallel",
+        "--pp-size": "spec.roles.*.pipelineParallel", "--dp-size": "spec.roles.*.dataParallel",
+    },
+    EngineKind.VLLM: {
+        "--gpu-memory-utilization": "spec.memoryFraction", "--kv-cache-dtype": "spec.kvCacheDtype",
+        "--block-size": "spec.pageSize", "--max-model-len": "spec.contextLength",
+        "--tensor-parallel-size": "spec.roles.*.tensorParallel", "-tp": "spec.roles.*.tensorParallel",
+        "--pipeline-parallel-size": "spec.roles.*.pipelineParallel", "-pp": "spec.roles.*.pipelineParallel",
+        "--kv-cache-memory-bytes": "spec.kvPoolTokens", "--num-gpu-blocks-override": "spec.kvPoolTokens",
+    },
+    EngineKind.KVGUARD: {
+        "--kv-pool-tokens": "spec.kvPoolTokens", "--page-size": "spec.pageSize", "--context-length": "spec.contextLength",
+    },
+}  # fmt: skip
+
+
+def _engine_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
+    path = "spec.engine.extraArgs"
+    for flag, field in _OVERRIDING_FLAGS[spec.engine.kind].items():
+        if estimates.has_engine_flag(spec, flag):
+            yield path, f"{flag} overrides {field}, which the plan and the rendered command already use: set {field}"
+    if spec.engine.kind is not EngineKind.VLLM:
+        return
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
+        value = estimates.engine_flag(spec, flag)
+        if estimates.has_engine_flag(spec, flag) and not (value and value.isdigit() and int(value) > 0):
+            yield path, f"{flag} needs a positive integer, got {value!r}"
+    version = estimates.engine_version(spec)
+    if spec.reserve is None and version is not None and version < estimates.VLLM_V1_SINCE:
+        yield "spec.reserve", (
+            f"is required for vLLM {spec.engine.version}: the V0 engine's activation profile is not modelled "
+            "(set the activation peak from its startup log: peak torch memory minus weights)"
+        )
 
 
 def _architecture_problems(arch: ModelArchitecture, needs_parameters: bool) -> Iterator[tuple[str, str]]:
@@ -208,13 +265,26 @@ def kv_bytes_per_token(spec: InferenceModelSpec, role: WorkerRole) -> int:
 
 
 def weights_bytes_per_gpu(spec: InferenceModelSpec, role: WorkerRole) -> int:
-    """Weight memory on one GPU of `role`: measured, or parameters x bytes split by parallelism.
+    """Weight memory on one GPU of `role` as a point figure: measured (scaled to the role's split
+    when `measuredShards` is set), or parameters x bytes split by parallelism. `weights_figure`
+    adds the range the plan uses."""
+    return weights_figure(spec, role).optimistic
+
+
+def weights_figure(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
+    """Weights per GPU: the measured figure, or the parameter count's estimate with its range."""
+    if spec.weights.measured_bytes_per_device is not None:
+        return estimates.scaled_weights(spec, role)
+    return estimates.estimated_weights(spec, counted_weight_bytes(spec, role))
+
+
+def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
+    """Parameters x bytes per weight on one GPU of `role`.
 
     Embeddings are vocab-parallel over TP; attention is sharded over the attention TP group
     (replicated per rank with DP attention); routed experts over max(TP, EP) GPUs; other dense
-    weights over TP. Pipeline stages split all of it."""
-    if spec.weights.measured_bytes_per_device is not None:
-        return spec.weights.measured_bytes_per_device
+    weights over TP. Pipeline stages split all of it. Speculative draft layers (EAGLE, MTP) are
+    one decoder layer each, sharded over TP, on top."""
     arch = _require_arch(spec)
     assert arch.total_parameters is not None  # check_spec guarantees it
     dense_bytes, quant_bytes = _weight_byte_widths(spec)
@@ -230,7 +300,9 @@ def weights_bytes_per_gpu(spec: InferenceModelSpec, role: WorkerRole) -> int:
         + other * linear_bytes / tp
         + arch.expert_parameters * expert_bytes / expert_shards
     )
-    return math.ceil(per_gpu / role.pipeline_parallel)
+    per_layer = (arch.total_parameters - arch.embedding_parameters) / arch.num_layers
+    draft = spec.model.extra_draft_layers * per_layer * linear_bytes / tp
+    return math.ceil(per_gpu / role.pipeline_parallel + draft)
 
 
 def _weight_byte_widths(spec: InferenceModelSpec) -> tuple[Fraction, Fraction]:
@@ -259,6 +331,12 @@ def _require_arch(spec: InferenceModelSpec) -> ModelArchitecture:
     return spec.model.architecture
 
 
+def _require_arch(spec: InferenceModelSpec) -> ModelArchitecture:
+    if spec.model.architecture is None:
+        raise PlanInputError([("spec.model.architecture", "is required to plan (write it, or pass --hf-config)")])
+    return spec.model.architecture
+
+
 def memory_fraction(spec: InferenceModelSpec, role: WorkerRole) -> float:
     if role.memory_fraction is not None:
         return role.memory_fraction
@@ -267,53 +345,96 @@ def memory_fraction(spec: InferenceModelSpec, role: WorkerRole) -> float:
     return DEFAULT_MEMORY_FRACTION[spec.engine.kind]
 
 
-def pool_bytes_per_gpu(spec: InferenceModelSpec, fraction: float, weights: int) -> int:
-    """Memory left for the KV pool on one GPU under the engine's rule (may be negative)."""
-    hw = spec.hardware
+def pool_cap(spec: InferenceModelSpec, role: WorkerRole) -> int | None:
+    """The explicit KV pool cap of `role` (its own kvPoolTokens, else the spec's)."""
+    return role.kv_pool_tokens if role.kv_pool_tokens is not None else spec.kv_pool_tokens
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """What the pool rule subtracts on one GPU of a role, each figure given or estimated."""
+
+    weights: Figure
+    overhead: Figure
+    reserve: Figure
+
+    @property
+    def estimates(self) -> list[EstimatedInput]:
+        return [f.estimate for f in (self.weights, self.overhead, self.reserve) if f.estimate is not None]
+
+
+def role_memory(spec: InferenceModelSpec, role: WorkerRole) -> RoleMemory:
+    return RoleMemory(weights_figure(spec, role), estimates.device_overhead(spec, role), estimates.reserve(spec, role))
+
+
+def kv_budget_bytes(spec: InferenceModelSpec, fraction: float, weights: int, overhead: int, reserve: int) -> int:
+    """Memory left for the KV pool on one GPU under the engine's rule; negative when weights and
+    overheads do not fit (the engine would refuse to start)."""
+    memory = spec.hardware.memory_per_device
     if spec.engine.kind is EngineKind.VLLM:
-        budget = hw.memory_per_device * fraction - hw.device_overhead
+        budget = memory * fraction - overhead
     else:  # SGLang and kvguard: the fraction applies to what was free before loading weights
-        budget = (hw.memory_per_device - hw.device_overhead) * fraction
-    return math.floor(budget - weights - spec.reserve)
+        budget = (memory - overhead) * fraction
+    return math.floor(budget - weights - reserve)
 
 
 def _whole_pages(tokens: int, page_size: int) -> int:
     return max(0, tokens) // page_size * page_size
 
 
+def _memory_tokens(spec: InferenceModelSpec, budget: int, bytes_per_token: int) -> int:
+    return _whole_pages(max(0, budget) // bytes_per_token, spec.page_size)
+
+
 # --- Planning ------------------------------------------------------------------------------------
 
 
 def plan_role(spec: InferenceModelSpec, role: WorkerRole) -> RolePlan:
-    """The KV pool of one engine instance of `role`."""
+    """The KV pool of one engine instance of `role`, at the safe end of every estimate."""
     bpt = kv_bytes_per_token(spec, role)
-    weights = weights_bytes_per_gpu(spec, role)
     fraction = memory_fraction(spec, role)
-    memory_tokens = _whole_pages(pool_bytes_per_gpu(spec, fraction, weights) // bpt, spec.page_size)
-    cap = role.kv_pool_tokens if role.kv_pool_tokens is not None else spec.kv_pool_tokens
+    memory = role_memory(spec, role)
+    safe = kv_budget_bytes(spec, fraction, memory.weights.safe, memory.overhead.safe, memory.reserve.safe)
+    memory_tokens = _memory_tokens(spec, safe, bpt)
+    cap = pool_cap(spec, role)
     capped = cap is not None and _whole_pages(cap, spec.page_size) < memory_tokens
     pool = _whole_pages(cap, spec.page_size) if capped and cap is not None else memory_tokens
-    ratio = pool / spec.context_length
+    optimistic = None
+    if memory.estimates:
+        ends = (memory.weights.optimistic, memory.overhead.optimistic, memory.reserve.optimistic)
+        optimistic = _memory_tokens(spec, kv_budget_bytes(spec, fraction, *ends), bpt)
+        if cap is not None:
+            optimistic = min(optimistic, _whole_pages(cap, spec.page_size))
     dp_ranks = role.data_parallel
     return RolePlan(
         gpus_per_instance=role.tensor_parallel * role.pipeline_parallel // (dp_ranks if role.data_parallel_attention else 1),
         instances=role.replicas * dp_ranks,
         bytes_per_token=bpt,
-        weights_bytes_per_gpu=weights,
+        weights_bytes_per_gpu=memory.weights.safe,
         kv_bytes_per_gpu=pool * bpt,
         memory_fraction=fraction,
         memory_pool_tokens=memory_tokens,
         pool_tokens=pool,
         capped_by="kvPoolTokens" if capped else "memory",
-        ratio=round(ratio, 4),
+        ratio=round(pool / spec.context_length, 4),
         sufficient=pool >= spec.min_kv_ratio * spec.context_length,
+        kv_budget_bytes=safe,
+        optimistic_pool_tokens=optimistic,
+        estimates=memory.estimates,
     )
+
+
+def plan_roles(spec: InferenceModelSpec) -> dict[str, RolePlan]:
+    """Every role's plan (input already checked)."""
+    return {name: plan_role(spec, role) for name, role in spec.roles.worker_roles().items()}
 
 
 def plan(spec: InferenceModelSpec) -> KVPlan:
     """Plan every role of `spec`; raises PlanInputError (naming the field) on inconsistent input."""
+    from kvguard.operator.suggestions import suggest  # it re-plans candidate specs through this module
+
     check_spec(spec)
-    roles = {name: plan_role(spec, role) for name, role in spec.roles.worker_roles().items()}
+    roles = plan_roles(spec)
     passed = all(r.sufficient for r in roles.values())
     return KVPlan(
         verdict="pass" if passed else "blocked",
@@ -324,132 +445,102 @@ def plan(spec: InferenceModelSpec) -> KVPlan:
         kv_cache_dtype=resolved_kv_dtype(spec),
         roles=roles,
         suggestions=[] if passed else suggest(spec, roles),
-        warnings=list(_warnings(spec)),
+        warnings=list(_warnings(spec, roles)),
+        reasons=list(_reasons(spec, roles)),
     )
 
 
-def _warnings(spec: InferenceModelSpec) -> Iterator[str]:
-    if spec.engine.kind is EngineKind.VLLM and spec.reserve == 0:
-        yield (
-            "vLLM profiles an activation peak (often 2-9 GiB) that this plan does not know: set "
-            "spec.reserve to it (from the startup log), or the pool is overestimated"
-        )
-    arch = spec.model.architecture
-    if spec.weights.measured_bytes_per_device is None and arch is not None and arch.total_parameters:
-        yield "weights estimated from parameter count and quantization; measuredBytesPerDevice is exact"
-
-
-# --- Suggestions ---------------------------------------------------------------------------------
-
-
-def suggest(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> list[PlanSuggestion]:
-    """The smallest single changes that make every role pass (each verified by re-planning)."""
-    found: list[PlanSuggestion] = []
-    for name, role_plan in roles.items():
-        if not role_plan.sufficient:
-            role = spec.roles.worker_roles()[name]
-            found.extend(_role_suggestions(spec, name, role, role_plan))
-    found.extend(_global_suggestions(spec, roles))
-    return found
-
-
-def _needed_tokens(spec: InferenceModelSpec) -> int:
+def needed_tokens(spec: InferenceModelSpec) -> int:
+    """The smallest pool that passes: minKVRatio x contextLength, in whole pages."""
     needed = math.ceil(spec.min_kv_ratio * spec.context_length)
     return math.ceil(needed / spec.page_size) * spec.page_size
 
 
-def _role_suggestions(
-    spec: InferenceModelSpec, name: str, role: WorkerRole, current: RolePlan
-) -> Iterator[PlanSuggestion]:
-    path = f"spec.roles.{name}"
-    needed = _needed_tokens(spec)
-    capped = current.capped_by == "kvPoolTokens"
-    if capped and current.memory_pool_tokens >= needed:
-        yield PlanSuggestion(
-            field=f"{path}.kvPoolTokens", role=name, value=needed,
-            message=f"raise the explicit KV pool cap to {needed:,} tokens; memory allows {current.memory_pool_tokens:,}",
-        )  # fmt: skip
-        return
-    also = f" (and raise kvPoolTokens to {needed:,})" if capped else ""
-    uncapped_spec, uncapped_role = _without_caps(spec, role)
-    fraction = _fraction_needed(uncapped_spec, uncapped_role)
-    if fraction is not None:
-        yield PlanSuggestion(
-            field=f"{path}.memoryFraction", role=name, value=fraction,
-            message=f"memory fraction {fraction:.2f} (now {current.memory_fraction:.2f}) gives {needed:,}+ tokens{also}",
-        )  # fmt: skip
-    tp = _tensor_parallel_needed(uncapped_spec, uncapped_role)
-    if tp is not None:
-        yield PlanSuggestion(
-            field=f"{path}.tensorParallel", role=name, value=tp,
-            message=f"tensor parallelism {tp} (now {role.tensor_parallel}) shrinks weights and KV per GPU enough{also}",
-        )  # fmt: skip
+def gib(value: int | float) -> str:
+    return f"{value / GiB:,.2f} GiB"
 
 
-def _without_caps(spec: InferenceModelSpec, role: WorkerRole) -> tuple[InferenceModelSpec, WorkerRole]:
-    return spec.model_copy(update={"kv_pool_tokens": None}), role.model_copy(update={"kv_pool_tokens": None})
+_NOT_STARTING: dict[EngineKind, str] = {
+    EngineKind.VLLM: "vLLM: 'No available memory for the cache blocks'",
+    EngineKind.SGLANG: "SGLang: 'Not enough memory. Please try to increase --mem-fraction-static'",
+    EngineKind.KVGUARD: "kvguard: 'no memory left for a KV pool'",
+}
 
 
-def _passes(spec: InferenceModelSpec, role: WorkerRole) -> bool:
-    return plan_role(spec, role).sufficient
-
-
-def _fraction_needed(spec: InferenceModelSpec, role: WorkerRole) -> float | None:
-    """Smallest memory fraction, in hundredths up to 0.99, that passes."""
-    for hundredths in range(1, 100):
-        if _passes(spec, role.model_copy(update={"memory_fraction": hundredths / 100})):
-            return hundredths / 100
-    return None
-
-
-def _tensor_parallel_needed(spec: InferenceModelSpec, role: WorkerRole, limit: int = 64) -> int | None:
-    """Smallest valid TP above the current one that passes. Measured weights are scaled by the
-    TP ratio, since they were measured at the current TP."""
-    arch = _require_arch(spec)
-    measured = spec.weights.measured_bytes_per_device
-    for tp in range(role.tensor_parallel + 1, limit + 1):
-        candidate = role.model_copy(update={"tensor_parallel": tp})
-        if list(_role_problems("", candidate, arch)):
+def _reasons(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[str]:
+    for name, r in roles.items():
+        if r.sufficient:
             continue
-        candidate_spec = spec
-        if measured is not None:
-            scaled = measured * role.tensor_parallel // tp
-            weights = spec.weights.model_copy(update={"measured_bytes_per_device": scaled})
-            candidate_spec = spec.model_copy(update={"weights": weights})
-        if _passes(candidate_spec, candidate):
-            return tp
-    return None
+        if r.kv_budget_bytes < 0:
+            yield (
+                f"{name}: weights ({gib(r.weights_bytes_per_gpu)} per GPU) and overheads exceed what memory fraction "
+                f"{r.memory_fraction:g} allows by {gib(-r.kv_budget_bytes)}: the engine would not start "
+                f"({_NOT_STARTING[spec.engine.kind]})"
+            )
+        elif r.memory_pool_tokens == 0:
+            yield (
+                f"{name}: the {gib(r.kv_budget_bytes)} left per GPU is less than one KV page "
+                f"({spec.page_size} tokens x {r.bytes_per_token:,} B): the engine would not start"
+            )
+        else:
+            capped = f" (capped by kvPoolTokens; memory allows {r.memory_pool_tokens:,})" if r.capped_by == "kvPoolTokens" else ""
+            yield (
+                f"{name}: pool {r.pool_tokens:,} tokens = {r.ratio:.2f}x contextLength {spec.context_length:,}, "
+                f"below minKVRatio {spec.min_kv_ratio:g}{capped}"
+            )
 
 
-def _global_suggestions(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[PlanSuggestion]:
-    if kv_element_bytes(spec) > 1:
-        fp8 = spec.model_copy(update={"kv_cache_dtype": KVCacheDtype.FP8_E4M3})
-        capped = [name for name, r in roles.items() if r.capped_by == "kvPoolTokens" and not r.sufficient]
-        if all(_passes(*_without_caps(fp8, role)) for role in spec.roles.worker_roles().values()):
-            also = f" (and raise kvPoolTokens of {', '.join(capped)})" if capped else ""
-            yield PlanSuggestion(
-                field="spec.kvCacheDtype", value=KVCacheDtype.FP8_E4M3.value,
-                message=f"an fp8 KV cache halves bytes per token and passes on every role{also}",
-            )  # fmt: skip
-    smallest_pool = min(r.pool_tokens for r in roles.values())
-    longest = math.floor(smallest_pool / spec.min_kv_ratio)
-    if longest > 0:
-        yield PlanSuggestion(
-            field="spec.contextLength", value=longest,
-            message=f"the longest safe context with these pools is {longest:,} tokens (now {spec.context_length:,})",
-        )  # fmt: skip
+def _warnings(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[str]:
+    arch = _require_arch(spec)
+    limit = arch.max_position_embeddings
+    if limit is not None and spec.context_length > limit:
+        yield (
+            f"contextLength {spec.context_length:,} exceeds the model's max_position_embeddings {limit:,}: positions "
+            "beyond it were never trained, and SGLang and vLLM refuse it unless told to "
+            "(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
+        )
+    if spec.engine.kind is EngineKind.VLLM and spec.reserve == 0:
+        yield (
+            "spec.reserve is 0, but vLLM always profiles an activation peak (often 2-9 GiB): set it from the startup "
+            "log, or omit it to have it estimated, or the pool is over-estimated"
+        )
+    yield from _estimate_warnings(roles)
+
+
+def _estimate_warnings(roles: dict[str, RolePlan]) -> Iterator[str]:
+    by_field: dict[str, list[tuple[str, EstimatedInput]]] = {}
+    for name, r in roles.items():
+        for estimate in r.estimates:
+            by_field.setdefault(estimate.field, []).append((name, estimate))
+    for field, found in by_field.items():
+        first = found[0][1]
+        if all((e.safe_bytes, e.optimistic_bytes) == (first.safe_bytes, first.optimistic_bytes) for _, e in found):
+            values = f"{gib(first.safe_bytes)} per GPU (optimistic {gib(first.optimistic_bytes)})"
+        else:
+            values = ", ".join(f"{name} {gib(e.safe_bytes)} (optimistic {gib(e.optimistic_bytes)})" for name, e in found)
+        yield f"estimated {first.description}: {values} ({first.basis}); {field} replaces the estimate"
+    moved = [(name, r) for name, r in roles.items() if r.optimistic_pool_tokens not in (None, r.pool_tokens)]
+    if moved:
+        pools = ", ".join(f"{name} {r.pool_tokens:,} tokens (optimistic {r.optimistic_pool_tokens:,})" for name, r in moved)
+        yield f"the verdict uses the safe end of these estimates: {pools}; set the figures from the engines' logs to plan exactly"
 
 
 __all__ = [
     "DEFAULT_MEMORY_FRACTION",
     "PlanInputError",
     "check_spec",
+    "counted_weight_bytes",
+    "kv_budget_bytes",
     "kv_bytes_per_token",
     "kv_element_bytes",
     "memory_fraction",
+    "needed_tokens",
     "plan",
     "plan_role",
-    "pool_bytes_per_gpu",
+    "plan_roles",
+    "pool_cap",
     "quantized_weight_bytes",
+    "role_memory",
     "weights_bytes_per_gpu",
+    "weights_figure",
 ]

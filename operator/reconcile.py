@@ -60,6 +60,7 @@ from kvguard.operator.rollout import (
     previous_stables,
     step,
 )
+from kvguard.operator.suggestions import change_summary
 
 HISTORY_LIMIT = 10
 FAULTS_ANNOTATION = "kvguard.io/faults"
@@ -443,9 +444,8 @@ def describe_pools(kv_plan: KVPlan) -> str:
 
 def describe_fixes(kv_plan: KVPlan) -> str:
     if not kv_plan.suggestions:
-        return "No single change found; see status.plan"
-    fixes = [f"{s.field}={s.value}" + (f" ({s.role})" if s.role else "") for s in kv_plan.suggestions]
-    return "Suggested fixes (any one): " + "; ".join(fixes)
+        return "No change found that passes; see status.plan"
+    return "Suggested fixes (any one; each complete): " + "; ".join(change_summary(s) for s in kv_plan.suggestions)
 
 
 def field_errors(exc: ValidationError) -> str:

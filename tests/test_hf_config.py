@@ -33,6 +33,13 @@ PUBLISHED = {
     "deepseek-v2-lite.json": (27, 16, 16, 192, 15.7e9, 64),
     "deepseek-v3.json": (61, 128, 128, 192, 671e9, 256),
     "glm-5.json": (78, 64, 64, 256, 744e9, 256),
+    # added for bench/planner_accuracy.py (models of the reference KV-pool logs)
+    "qwen3-0.6b.json": (28, 16, 8, 128, 0.6e9, 0),
+    "qwen3-14b.json": (40, 40, 8, 128, 14.8e9, 0),
+    "qwen3-32b.json": (64, 64, 8, 128, 32.8e9, 0),
+    "qwq-32b.json": (64, 40, 8, 128, 32.8e9, 0),
+    "llama-3.3-70b-instruct.json": (80, 64, 8, 128, 70.6e9, 0),
+    "meta-llama-3-8b.json": (32, 32, 8, 128, 8.03e9, 0),
 }
 
 
@@ -46,6 +53,12 @@ def test_architecture_matches_published_shapes_and_sizes(name: str) -> None:
     assert arch.num_experts == experts
     assert (arch.expert_parameters > 0) == (experts > 0)
     assert arch.dtype is api.ModelDtype.BF16
+
+
+def test_max_position_embeddings_is_read_for_the_context_warning() -> None:
+    assert architecture_from_file(CONFIGS / "qwen2.5-14b-instruct-1m.json").max_position_embeddings == 1_010_000
+    assert architecture_from_hf_config({**json.loads((CONFIGS / "qwen3-8b.json").read_text()),
+                                        "max_position_embeddings": None}).max_position_embeddings is None  # fmt: skip
 
 
 def test_explicit_head_dim_is_used_not_hidden_over_heads() -> None:

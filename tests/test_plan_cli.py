@@ -44,7 +44,10 @@ def test_table_output_shows_roles_verdict_and_suggestions(capsys: pytest.Capture
     assert main(["plan", "-f", str(EXAMPLES / "incident.yaml")]) == 3
     out = capsys.readouterr().out
     assert "prefill" in out and "decode" in out and "681,280 (cap)" in out
-    assert "verdict: BLOCKED" in out and "spec.kvCacheDtype = fp8_e4m3" in out
+    assert "verdict: BLOCKED" in out and "decode: pool 1,361,728 tokens = 1.30x" in out
+    assert "spec.kvCacheDtype=fp8_e4m3, spec.roles.prefill.kvPoolTokens=2097152" in out  # the whole change
+    assert "(and raise kvPoolTokens: prefill to 2,097,152)" in out
+    assert "note: estimated weight memory per GPU" in out
 
 
 def test_what_if_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,12 +64,50 @@ def test_what_if_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_incident_fix_by_flags_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-pool-tokens is the cap of every role: it replaces the file's per-role 681,280 too."""
     status, body = plan_json(
-        capsys, "-f", str(EXAMPLES / "incident.yaml"), "--kv-cache-dtype", "fp8_e4m3", "--prefill-tp", "4",
-        "--kv-pool-tokens", "2139136",
+        capsys, "-f", str(EXAMPLES / "incident.yaml"), "--kv-cache-dtype", "fp8_e4m3", "--kv-pool-tokens", "2139136",
     )  # fmt: skip
-    # The per-role cap in the file (681,280) still wins over the spec-wide flag: blocked, honestly.
-    assert status == 3 and body["roles"]["prefill"]["poolTokens"] == 681_280
+    assert status == 0 and body["roles"]["prefill"]["poolTokens"] == 2_139_136
+    assert body["roles"]["prefill"]["cappedBy"] == "kvPoolTokens"
+
+
+def test_mem_fraction_flag_replaces_per_role_fractions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text().replace(
+        "decode: {replicas: 1, tensorParallel: 1}", "decode: {replicas: 1, tensorParallel: 1, memoryFraction: 0.7}"))  # fmt: skip
+    _, body = plan_json(capsys, "-f", str(manifest))
+    assert body["roles"]["decode"]["memoryFraction"] == 0.7
+    _, body = plan_json(capsys, "-f", str(manifest), "--mem-fraction", "0.8")
+    assert body["roles"]["decode"]["memoryFraction"] == body["roles"]["prefill"]["memoryFraction"] == 0.8
+
+
+def test_mla_pipeline_what_if_scales_the_measured_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    """--pp 2 on examples/sglang-30233.yaml halves the measured 89.82 GiB per GPU (the figure is for
+    the manifest's 8 GPUs) as well as the layers' KV, and passes; held fixed it would not."""
+    status = main(["plan", "-f", str(EXAMPLES / "sglang-30233.yaml"), "--pp", "2", "-o", "json"])
+    captured = capsys.readouterr()
+    body = json.loads(captured.out)
+    assert status == 0 and body["roles"]["decode"]["bytesPerToken"] == 39 * (576 + 132)
+    assert body["roles"]["decode"]["weightsBytesPerGpu"] < 50 * 1024**3
+    assert "measured over 8 GPUs" in captured.err
+
+
+def test_tp_what_if_with_measured_weights_and_unequal_roles_asks_for_measured_shards(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text((EXAMPLES / "sglang-30233.yaml").read_text().replace(
+        "decode: {replicas: 1, tensorParallel: 8}", "decode: {replicas: 1, tensorParallel: 16}"))  # fmt: skip
+    assert main(["plan", "-f", str(manifest), "--tp", "16"]) == 2
+    assert "spec.weights.measuredShards" in capsys.readouterr().err
+
+
+def test_quantization_what_if_drops_the_measured_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", "-f", str(EXAMPLES / "sglang-30233.yaml"), "--quantization", "nvfp4", "-o", "json"])
+    captured = capsys.readouterr()
+    assert status in (0, 3) and "counted from parameters" in captured.err
+    assert json.loads(captured.out)["roles"]["decode"]["weightsBytesPerGpu"] < 60 * 1024**3
 
 
 def test_hf_config_fills_the_architecture(capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,6 +125,10 @@ def test_hf_config_fills_the_architecture(capsys: pytest.CaptureFixture[str]) ->
         (["--kv-cache-dtype", "fp7"], "spec.kvCacheDtype"),
         (["--mem-fraction", "1.2"], "spec.memoryFraction"),
         (["--gpu-memory", "eighty"], "spec.hardware.memoryPerDevice"),
+        (["--gpu-memory", "1e400Gi"], "spec.hardware.memoryPerDevice"),
+        (["--reserve", "inf"], "spec.reserve"),
+        (["--min-ratio", "inf"], "spec.minKVRatio"),
+        (["--mem-fraction", "nan"], "spec.memoryFraction"),
         (["--engine", "tgi"], "spec.engine.kind"),
     ],
 )
@@ -109,6 +154,37 @@ def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     bad_config.write_text('{"hidden_size": 64}')
     assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--hf-config", str(bad_config)]) == 2
     assert "--hf-config" in (err := capsys.readouterr().err) and "num_attention_heads" in err
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "says"),
+    [
+        ("memoryPerDevice: 256Mi", "memoryPerDevice: .inf", "spec.hardware.memoryPerDevice", "not a finite number"),
+        ("memoryPerDevice: 256Mi", "memoryPerDevice: '1e400Gi'", "spec.hardware.memoryPerDevice", "not a finite number"),
+        ("memoryFraction: 0.9", "memoryFraction: 0.9\n  reserve: .inf", "spec.reserve", "not a finite number"),
+        ("minKVRatio: 2.0", "minKVRatio: .inf", "spec.minKVRatio", "finite number"),
+        ("memoryFraction: 0.9", "memoryFraction: .nan", "spec.memoryFraction", "finite number"),
+    ],
+)  # fmt: skip
+def test_non_finite_numbers_in_the_file_exit_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], old: str, new: str, field: str, says: str
+) -> None:
+    manifest = tmp_path / "m.yaml"
+    text = (EXAMPLES / "tiny-cpu.yaml").read_text()
+    assert old in text
+    manifest.write_text(text.replace(old, new))
+    assert main(["plan", "-f", str(manifest)]) == 2
+    err = capsys.readouterr().err
+    assert field in err and says in err and "Traceback" not in err
+
+
+def test_console_script_reports_infinite_memory_without_a_traceback(tmp_path: Path) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text((EXAMPLES / "tiny-cpu.yaml").read_text().replace("memoryPerDevice: 256Mi", "memoryPerDevice: .inf"))
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "kvguard", "plan", "-f", str(manifest)], capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "spec.hardware.memoryPerDevice" in result.stderr
 
 
 def test_console_script_exit_status_is_real() -> None:

@@ -10,12 +10,14 @@ import yaml
 from kvguard.operator import api
 from kvguard.operator.planner import (
     PlanInputError,
+    counted_weight_bytes,
     kv_bytes_per_token,
     plan,
     plan_role,
     quantized_weight_bytes,
     weights_bytes_per_gpu,
 )
+from kvguard.operator.suggestions import apply_suggestion
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GiB = 1024**3
@@ -193,7 +195,7 @@ def test_sglang_rule_applies_fraction_to_memory_free_before_load() -> None:
         model=api.ModelSpec(name="qwq", architecture=llama_arch(num_layers=64, num_attention_heads=40, head_dim=128)),
         weights=api.WeightsSpec(measured_bytes_per_device=int((21.63 - 6.09) * GiB)),
         memory_fraction=0.85,
-        hardware=api.HardwareSpec(memory_per_device=int(21.63 * GiB)),
+        hardware=api.HardwareSpec(memory_per_device=int(21.63 * GiB), device_overhead=0),  # free before load: known
     )
     assert abs(plan_role(spec, api.WorkerRole(tensor_parallel=4)).pool_tokens - 46_611) <= 10
 
@@ -220,10 +222,13 @@ def test_pool_is_whole_pages_and_explicit_cap_applies() -> None:
     assert per_role.pool_tokens == 270_000
 
 
-def test_weights_larger_than_memory_give_an_empty_pool_not_an_error() -> None:
+def test_weights_larger_than_memory_are_an_explicit_blocked_reason_not_a_silent_empty_pool() -> None:
     spec = make_spec(weights=api.WeightsSpec(measured_bytes_per_device="200Gi"))
     result = plan(spec)
-    assert result.roles["decode"].pool_tokens == 0 and result.verdict == "blocked"
+    decode = result.roles["decode"]
+    assert decode.pool_tokens == 0 and result.verdict == "blocked"
+    assert decode.kv_budget_bytes < -100 * GiB  # reported as the shortfall, not clamped to 0
+    assert any(r.startswith("decode:") and "would not start" in r and "Not enough memory" in r for r in result.reasons)
 
 
 def test_kvguard_cpu_budget_is_its_device_memory() -> None:
@@ -233,54 +238,233 @@ def test_kvguard_cpu_budget_is_its_device_memory() -> None:
     assert plan_role(smaller, api.WorkerRole()).pool_tokens < budget_tokens
 
 
+# --- Unknown memory figures: estimated at the safe end, never taken as zero ---------------------
+
+
+def vllm_spec(**changes: object) -> api.InferenceModelSpec:
+    """Llama-3.1-8B on one H100 under vLLM 0.11 (reference row V20: 51.38 GiB of KV logged)."""
+    fields: dict[str, object] = dict(
+        model=api.ModelSpec(name="m", architecture=llama_arch(vocab_size=128_256)),
+        weights=api.WeightsSpec(measured_bytes_per_device=int(14.99 * GiB)),
+        memory_fraction=0.9, page_size=128, context_length=16_000,
+        engine=api.EngineSpec(kind="vllm", version="0.11.0"),
+        hardware=api.HardwareSpec(memory_per_device=int(79.18 * GiB), gpu_product="NVIDIA-H100-80GB-HBM3"),
+    )  # fmt: skip
+    fields.update(changes)
+    return make_spec(**fields)
+
+
+def test_s7_unknown_vllm_activation_and_non_torch_are_estimated_not_zero() -> None:
+    logged = 51.38 * GiB
+    decode = plan(vllm_spec()).roles["decode"]
+    assert {e.field for e in decode.estimates} == {"spec.reserve", "spec.hardware.deviceOverhead"}
+    assert decode.kv_bytes_per_gpu <= logged * 1.02  # the issue: +9.6% with both taken as zero
+    assert decode.kv_bytes_per_gpu >= logged * 0.95
+    assert decode.optimistic_pool_tokens is not None and decode.optimistic_pool_tokens > decode.pool_tokens
+    reserve = next(e for e in decode.estimates if e.field == "spec.reserve")
+    assert reserve.safe_bytes > 4.76 * GiB > reserve.optimistic_bytes  # the log's 4.76 GiB lies in the range
+    known = plan(vllm_spec(reserve=int(4.76 * GiB), hardware=api.HardwareSpec(
+        memory_per_device=int(79.18 * GiB), device_overhead=int(0.13 * GiB)))).roles["decode"]  # fmt: skip
+    assert known.estimates == [] and known.optimistic_pool_tokens is None
+    assert abs(known.kv_bytes_per_gpu - logged) / logged < 0.003
+
+
+def test_the_verdict_uses_the_safe_end_of_an_estimate() -> None:
+    spec = vllm_spec(context_length=215_000)  # the optimistic pool holds 2x, the safe one does not
+    result = plan(spec)
+    decode = result.roles["decode"]
+    assert decode.optimistic_pool_tokens is not None and decode.optimistic_pool_tokens >= 430_000 > decode.pool_tokens
+    assert result.verdict == "blocked"
+    assert any("spec.reserve replaces the estimate" in w for w in result.warnings)
+    assert any("the verdict uses the safe end" in w for w in result.warnings)
+
+
+def test_vllm_activation_estimate_follows_its_profile_limits() -> None:
+    """More batched tokens or sequences in engine.extraArgs make vLLM's profile run (and the
+    estimate) bigger; an A100 gets vLLM's smaller defaults."""
+    base = next(e for e in plan_role(vllm_spec(), api.WorkerRole()).estimates if e.field == "spec.reserve")
+    wide = vllm_spec(engine=api.EngineSpec(kind="vllm", version="0.11.0", extra_args=["--max-num-seqs=2048"]))
+    assert next(e for e in plan_role(wide, api.WorkerRole()).estimates if e.field == "spec.reserve").safe_bytes > 1.9 * base.safe_bytes
+    a100 = vllm_spec(hardware=api.HardwareSpec(memory_per_device=int(79.15 * GiB), gpu_product="NVIDIA-A100-SXM4-80GB"))
+    assert next(e for e in plan_role(a100, api.WorkerRole()).estimates if e.field == "spec.reserve").safe_bytes < base.safe_bytes / 3
+
+
+def test_vllm_cuda_graphs_count_at_the_safe_end_unless_the_version_captures_them_after_the_pool() -> None:
+    def reserve_of(engine: api.EngineSpec) -> api.EstimatedInput:
+        return next(e for e in plan_role(vllm_spec(engine=engine), api.WorkerRole()).estimates if e.field == "spec.reserve")
+
+    v011 = reserve_of(api.EngineSpec(kind="vllm", version="0.11.0"))  # graphs after the KV cache: not counted
+    unknown = reserve_of(api.EngineSpec(kind="vllm"))
+    eager = reserve_of(api.EngineSpec(kind="vllm", extra_args=["--enforce-eager"]))
+    assert unknown.safe_bytes - v011.safe_bytes == GiB and "CUDA graphs" in unknown.basis
+    assert eager.safe_bytes == v011.safe_bytes and unknown.optimistic_bytes == v011.optimistic_bytes
+
+
+def test_vllm_v0_engine_needs_its_reserve_from_the_log() -> None:
+    problems = errors_of(vllm_spec(engine=api.EngineSpec(kind="vllm", version="0.6.4")))
+    assert "V0 engine" in problems["spec.reserve"]
+    assert plan(vllm_spec(engine=api.EngineSpec(kind="vllm", version="0.6.4"), reserve="2Gi")).verdict == "pass"
+
+
+def test_sglang_memory_used_before_load_is_estimated_and_grows_with_the_gpu_group() -> None:
+    spec = make_spec(hardware=api.HardwareSpec(memory_per_device="79.18Gi"))  # deviceOverhead not given
+    one = plan_role(spec, api.WorkerRole())
+    four = plan_role(spec, api.WorkerRole(tensor_parallel=4))
+    overhead = {r.gpus_per_instance: next(e for e in r.estimates if e.field == "spec.hardware.deviceOverhead")
+                for r in (one, four)}  # fmt: skip
+    assert overhead[1].optimistic_bytes <= 0.37 * GiB <= overhead[1].safe_bytes  # S03's log: 0.37 GiB
+    assert overhead[4].safe_bytes > overhead[1].safe_bytes
+    assert not any(e.field == "spec.reserve" for e in one.estimates)  # SGLang: activations live in 1 - fraction
+
+
+def test_cpu_budget_and_counted_weights_are_exact_for_the_kvguard_engine() -> None:
+    assert plan(example_spec("tiny-cpu.yaml")).roles["decode"].estimates == []
+
+
+def test_weights_counted_from_parameters_carry_a_margin_on_gpus() -> None:
+    spec = make_spec()
+    role_plan = plan_role(spec, api.WorkerRole())
+    weights = next(e for e in role_plan.estimates if e.field == "spec.weights.measuredBytesPerDevice")
+    assert weights.optimistic_bytes == counted_weight_bytes(spec, api.WorkerRole()) == weights_bytes_per_gpu(spec, api.WorkerRole())
+    assert weights.safe_bytes == pytest.approx(weights.optimistic_bytes * 1.02, rel=1e-6)
+    assert role_plan.weights_bytes_per_gpu == weights.safe_bytes
+
+
+def test_measured_weights_scale_to_another_split_only_when_measured_shards_is_set() -> None:
+    measured = api.WeightsSpec(measured_bytes_per_device="40Gi")
+    assert weights_bytes_per_gpu(make_spec(weights=measured), api.WorkerRole(tensor_parallel=2)) == 40 * GiB
+    scaled = make_spec(weights=api.WeightsSpec(measured_bytes_per_device="40Gi", measured_shards=1))
+    two = plan_role(scaled, api.WorkerRole(tensor_parallel=2))
+    assert weights_bytes_per_gpu(scaled, api.WorkerRole(tensor_parallel=2)) == 20 * GiB
+    assert two.weights_bytes_per_gpu == pytest.approx(20.6 * GiB, rel=1e-6)  # wider split: +3% at the safe end
+    assert plan_role(scaled, api.WorkerRole()).weights_bytes_per_gpu == 40 * GiB  # its own split: exact
+
+
+def test_draft_layers_add_their_weights() -> None:
+    plain = counted_weight_bytes(make_spec(), api.WorkerRole())
+    draft = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(), extra_draft_layers=1))
+    arch = llama_arch()
+    one_layer = (arch.total_parameters - arch.embedding_parameters) / arch.num_layers * 2  # type: ignore[operator]
+    assert counted_weight_bytes(draft, api.WorkerRole()) - plain == pytest.approx(one_layer, rel=1e-6)
+
+
+def test_context_beyond_max_position_embeddings_is_warned_about() -> None:
+    short = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(max_position_embeddings=131_072)))
+    assert not any("max_position_embeddings" in w for w in plan(short).warnings)
+    long = short.model_copy(update={"context_length": 262_144})
+    assert any("exceeds the model's max_position_embeddings 131,072" in w for w in plan(long).warnings)
+
+
+def test_engine_args_that_would_change_the_pool_behind_the_plan_are_refused() -> None:
+    spec = make_spec(engine=api.EngineSpec(kind="sglang", extra_args=["--mem-fraction-static", "0.95"]))
+    assert "spec.memoryFraction" in errors_of(spec)["spec.engine.extraArgs"]
+    bad_seqs = vllm_spec(engine=api.EngineSpec(kind="vllm", extra_args=["--max-num-seqs", "many"]))
+    assert "--max-num-seqs" in errors_of(bad_seqs)["spec.engine.extraArgs"]
+
+
+def test_kvguard_engine_keeps_kv_in_the_model_dtype() -> None:
+    spec = example_spec("tiny-cpu.yaml").model_copy(update={"kv_cache_dtype": api.KVCacheDtype.FP8_E4M3})
+    assert "model dtype" in errors_of(spec)["spec.kvCacheDtype"]
+
+
 # --- Suggestions when blocked --------------------------------------------------------------------
 
 
-def apply_suggestion(spec: api.InferenceModelSpec, suggestion: api.PlanSuggestion) -> api.InferenceModelSpec:
-    data = spec.model_dump(by_alias=True)
-    *parents, leaf = suggestion.field.removeprefix("spec.").split(".")
-    node = data
-    for key in parents:
-        node = node[key]
-    node[leaf] = suggestion.value
-    if "raise kvPoolTokens" in suggestion.message:  # the message says the cap must go up too
-        for role in ("prefill", "decode"):
-            data["roles"][role]["kvPoolTokens"] = None
-        data["kvPoolTokens"] = None
-    return api.InferenceModelSpec.model_validate(data)
+def changes_of(suggestion: api.PlanSuggestion) -> dict[str, object]:
+    return {c.field: c.value for c in suggestion.changes}
 
 
 @pytest.mark.parametrize("example", ["incident.yaml", "sglang-30233.yaml"])
-def test_s7_every_suggestion_passes_when_applied(example: str) -> None:
+def test_s7_every_suggestion_is_a_complete_change_that_passes_the_whole_spec(example: str) -> None:
     spec = example_spec(example)
     result = plan(spec)
     assert result.suggestions
     for suggestion in result.suggestions:
+        assert suggestion.changes and suggestion.changes[0].field == suggestion.field
         fixed = plan(apply_suggestion(spec, suggestion))
-        if suggestion.role is None:
-            assert fixed.verdict == "pass", suggestion
-        else:
-            assert fixed.roles[suggestion.role].sufficient, suggestion
+        assert fixed.verdict == "pass", suggestion  # every role, not just the one the change names
+
+
+def test_incident_fixes_fix_both_roles_and_raise_the_prefill_cap_in_each() -> None:
+    spec = example_spec("incident.yaml")
+    result = plan(spec)
+    by_field = {s.field: changes_of(s) for s in result.suggestions}
+    needed = 2 * 1_048_576
+    # prefill TP 8 alone would leave decode at 1.30x: the TP fix changes both roles.
+    tp = by_field["spec.roles.prefill.tensorParallel"]
+    assert tp["spec.roles.decode.tensorParallel"] == 8 and tp["spec.roles.prefill.kvPoolTokens"] == needed
+    fp8 = by_field["spec.kvCacheDtype"]
+    assert fp8 == {"spec.kvCacheDtype": "fp8_e4m3", "spec.roles.prefill.kvPoolTokens": needed}
+    assert all("spec.roles.prefill.kvPoolTokens" in c for f, c in by_field.items() if f != "spec.contextLength")
+    assert "spec.roles.prefill.memoryFraction" not in by_field  # no fraction holds 2 Mi bf16 tokens at TP 4
+    fp8_message = next(s.message for s in result.suggestions if s.field == "spec.kvCacheDtype")
+    assert "halves" in fp8_message and "raise kvPoolTokens" in fp8_message
 
 
 def test_suggestions_are_the_smallest_changes() -> None:
-    spec = make_spec(context_length=240_000)  # 445,606 tokens: ratio 1.86 at fraction 0.88
+    spec = make_spec(context_length=240_000)  # ~441,900 tokens at the safe end: ratio 1.84 at fraction 0.88
     result = plan(spec)
     by_field = {s.field: s for s in result.suggestions}
-    fraction = by_field["spec.roles.decode.memoryFraction"].value
-    below = spec.model_copy(update={"memory_fraction": round(fraction - 0.01, 2)})
+    fraction = changes_of(by_field["spec.roles.prefill.memoryFraction"])
+    assert fraction["spec.roles.prefill.memoryFraction"] == fraction["spec.roles.decode.memoryFraction"]
+    below = spec.model_copy(update={"memory_fraction": round(fraction["spec.roles.decode.memoryFraction"] - 0.01, 2)})
     assert not plan(below).roles["decode"].sufficient
-    assert by_field["spec.roles.decode.tensorParallel"].value == 2
+    assert changes_of(by_field["spec.roles.prefill.tensorParallel"])["spec.roles.decode.tensorParallel"] == 2
     assert by_field["spec.kvCacheDtype"].value == "fp8_e4m3"
     longest = by_field["spec.contextLength"].value
     assert plan(spec.model_copy(update={"context_length": longest})).verdict == "pass"
     assert plan(spec.model_copy(update={"context_length": longest + 1})).verdict == "blocked"
 
 
-def test_capped_role_with_room_suggests_raising_the_cap() -> None:
+def test_fraction_is_never_suggested_above_0_95() -> None:
+    # 0.96 would pass, but leaves activations and CUDA graphs no room: not a fix.
+    spec = make_spec(context_length=245_000, memory_fraction=0.5)
+    assert plan(spec.model_copy(update={"memory_fraction": 0.96})).verdict == "pass"
+    assert plan(spec.model_copy(update={"memory_fraction": 0.95})).verdict == "blocked"
+    suggestions = plan(spec).suggestions
+    assert not any(s.field.endswith("memoryFraction") for s in suggestions)  # no fraction-only fix
+    fractions = [c.value for s in suggestions for c in s.changes if c.field.endswith("memoryFraction")]
+    assert all(f <= 0.95 for f in fractions)  # combined with fp8, a fraction may still be part of a fix
+
+
+def test_capped_role_with_room_suggests_raising_the_cap_and_no_fp8() -> None:
     result = plan(make_spec(kv_pool_tokens=100_000))
-    assert result.suggestions[0].field == "spec.roles.prefill.kvPoolTokens"
-    assert result.suggestions[0].value == 262_144
+    first = result.suggestions[0]
+    assert changes_of(first) == {"spec.roles.prefill.kvPoolTokens": 262_144, "spec.roles.decode.kvPoolTokens": 262_144}
+    assert all(s.field != "spec.kvCacheDtype" for s in result.suggestions)  # fp8 cannot lift a token cap
+
+
+def test_fp32_to_fp8_quarters_the_bytes_per_token() -> None:
+    fp32 = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(dtype="fp32")), context_length=131_072,
+                     memory_fraction=0.5)  # fmt: skip
+    fp8 = next(s for s in plan(fp32).suggestions if s.field == "spec.kvCacheDtype")
+    assert "quarters" in fp8.message and "fp32 -> fp8" in fp8.message
+
+
+def test_mla_tensor_parallel_suggestion_says_only_weights_shrink() -> None:
+    # DeepSeek-V3 fp8 does not even fit 8 H100s; MLA KV is the same on every GPU, so more TP
+    # helps only by spreading the weights.
+    arch = deepseek_v3_arch()
+    spec = make_spec(
+        api.WorkerRole(tensor_parallel=8), model=api.ModelSpec(name="dsv3", architecture=arch),
+        weights=api.WeightsSpec(quantization="fp8"), context_length=131_072,
+        hardware=api.HardwareSpec(memory_per_device="79.18Gi", device_overhead="0.5Gi"),
+    )  # fmt: skip
+    result = plan(spec)
+    assert result.verdict == "blocked" and result.roles["decode"].kv_budget_bytes < 0
+    tp = next(s for s in result.suggestions if s.field.endswith("tensorParallel"))
+    assert "MLA" in tp.message and plan(apply_suggestion(spec, tp)).verdict == "pass"
+    assert plan_role(spec, api.WorkerRole(tensor_parallel=16)).bytes_per_token == result.roles["decode"].bytes_per_token
+
+
+def test_mla_example_is_fixed_by_pipeline_stages_not_tensor_parallel() -> None:
+    """examples/sglang-30233.yaml: no TP holds 2 Mi MLA tokens at fraction 0.75 (KV per GPU does not
+    shrink with TP); two pipeline stages do, with the measured weights scaled to 16 GPUs."""
+    spec = example_spec("sglang-30233.yaml")
+    result = plan(spec)
+    assert not any(s.field.endswith("tensorParallel") for s in result.suggestions)
+    pp = changes_of(next(s for s in result.suggestions if s.field.endswith("pipelineParallel")))
+    assert pp["spec.weights.measuredShards"] == 8 and pp["spec.roles.decode.pipelineParallel"] == 2
 
 
 # --- Bad input names the field -------------------------------------------------------------------
@@ -315,3 +499,12 @@ def test_inconsistent_architecture_and_hardware_name_their_fields() -> None:
 def test_missing_parameter_count_without_measured_weights_is_an_error() -> None:
     spec = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(total_parameters=None)))
     assert "spec.model.architecture.totalParameters" in errors_of(spec)
+
+
+def test_status_message_lists_every_field_of_each_fix_including_the_raised_cap() -> None:
+    """What `kvguard apply` and the KVPoolSufficient condition show (reconcile.describe_fixes)."""
+    from kvguard.operator.reconcile import describe_fixes
+
+    message = describe_fixes(plan(example_spec("incident.yaml")))
+    assert "spec.kvCacheDtype=fp8_e4m3, spec.roles.prefill.kvPoolTokens=2097152" in message
+    assert "spec.roles.prefill.tensorParallel=8, spec.roles.prefill.kvPoolTokens=2097152, spec.roles.decode.tensorParallel=8" in message

@@ -56,6 +56,25 @@ def test_byte_quantities(quantity: object, expected: int) -> None:
     assert api.parse_byte_quantity(quantity) == expected
 
 
+@pytest.mark.parametrize("quantity", [float("inf"), float("nan"), "1e400Gi", "1e30", 10**400, -1, True])
+def test_byte_quantities_that_are_not_finite_or_too_large_are_value_errors(quantity: object) -> None:
+    with pytest.raises(ValueError):
+        api.parse_byte_quantity(quantity)
+
+
+def test_non_finite_ratios_and_fractions_are_field_level_errors() -> None:
+    assert "spec.minKVRatio" in error_locations(with_spec(minKVRatio=float("inf")))
+    assert "spec.memoryFraction" in error_locations(with_spec(memoryFraction=float("nan")))
+    assert "spec.reserve" in error_locations(with_spec(reserve=float("inf")))
+    assert "spec.roles.decode.memoryFraction" in error_locations(with_spec(roles={"decode": {"memoryFraction": float("nan")}}))
+
+
+def test_omitted_overheads_stay_unknown_so_the_planner_can_estimate_them() -> None:
+    spec = api.InferenceModel.model_validate(MINIMAL).spec
+    assert spec.reserve is None and spec.hardware.device_overhead is None
+    assert "reserve" not in api.InferenceModel.model_validate(MINIMAL).to_wire()["spec"]
+
+
 def test_typos_and_bad_values_are_field_level_errors() -> None:
     assert "spec.contextLenght" in error_locations(with_spec(contextLenght=5))
     assert "spec.contextLength" in error_locations(with_spec(contextLength=-1))

@@ -1,6 +1,6 @@
 """Messages between the router and the prefill/decode workers (HTTP + JSON on the cluster network).
 
-One request through the disaggregated engine, as the router drives it (DESIGN.md, Data flow):
+One request through the disaggregated engine, as the router drives it (docs/architecture.md):
 
 1. router -> decode   ``POST /internal/decode`` with a :class:`GenerateRequest`. Decode runs its own
    intake check (S2), allocates the destination pages (PREALLOCATED) and answers with a stream of

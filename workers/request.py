@@ -1,6 +1,6 @@
 """A request's life in the engine, its sampling parameters, and the typed errors it can end with.
 
-Lifecycle (DESIGN.md). Intake: RECEIVED -> ADMITTED | REJECTED (S2: rejected before any page is
+Lifecycle (docs/architecture.md). Intake: RECEIVED -> ADMITTED | REJECTED (S2: rejected before any page is
 allocated). Then, depending on where the request runs:
 - colocated (one engine):  ADMITTED -> PREFILLING -> DECODING -> FINISHED
 - prefill worker:          ADMITTED -> PREFILLING -> TRANSFERRING -> DONE

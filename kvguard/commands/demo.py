@@ -1,7 +1,7 @@
 """`kvguard demo`: plan the incident (blocked), roll the tiny model out locally (canary passes,
 promoted), then roll out a build carrying the incident's bug (canary catches it, rolled back, the
-stable revision unchanged). About a minute on 2 CPU cores; exit 0 when every step behaved as
-described. Every process it starts is stopped on exit, Ctrl-C included."""
+stable revision unchanged). About 40 s on 2 CPU cores; exit 0 when every step behaved as
+described. The tiny model has random weights: its answers are gibberish by design. Every process it starts is stopped on exit, Ctrl-C included."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DEFAULT_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser(
-        "demo", help="the whole story in ~1 minute: blocked plan, canary-gated rollout, caught incident build",
+        "demo", help="the whole story in ~40 s: blocked plan, canary-gated rollout, caught incident build",
         description=__doc__,
     )
     parser.add_argument("--examples", type=Path, default=DEFAULT_EXAMPLES, help="folder with incident.yaml and tiny-cpu.yaml")

@@ -3,6 +3,13 @@
 Reads an InferenceModel manifest, applies "what if" flags on top of it, and prints the planner's
 verdict as a table or JSON. Exit status: 0 pass, 3 blocked, 2 bad input (message on stderr naming
 the field).
+
+What-if flags set the value for every role they name: --kv-pool-tokens and --mem-fraction replace
+the spec-wide field and any per-role kvPoolTokens / memoryFraction too. A measured weight figure
+(spec.weights.measuredBytesPerDevice) is scaled to a new --tp/--pp split (recorded as
+measuredShards), and dropped for a new --quantization (weights are then counted from parameters).
+Memory figures the manifest leaves out are estimated conservatively; the notes say which, and the
+verdict uses the safe end of each estimate.
 """
 
 from __future__ import annotations
@@ -39,7 +46,11 @@ _ROLE_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
     "decode_tp": (("decode",), "tensorParallel"),
     "dp": (("prefill", "decode"), "dataParallel"),
     "pp": (("prefill", "decode"), "pipelineParallel"),
+    # A spec-wide value would lose to a per-role one; the flag means "this, everywhere".
+    "kv_pool_tokens": (("prefill", "decode"), "kvPoolTokens"),
+    "mem_fraction": (("prefill", "decode"), "memoryFraction"),
 }
+_SPLIT_FLAGS = ("tp", "prefill_tp", "decode_tp", "pp")
 
 
 class BadInput(Exception):
@@ -58,7 +69,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--hf-config", metavar="PATH", help="fill spec.model.architecture from a HF config.json (file or model dir)")
     what_if = parser.add_argument_group("what if (override manifest fields)")
     what_if.add_argument("--context-length", type=int, metavar="N")
-    what_if.add_argument("--mem-fraction", type=float, metavar="F", help="SGLang mem_fraction_static / vLLM gpu_memory_utilization")
+    what_if.add_argument(
+        "--mem-fraction", type=float, metavar="F",
+        help="SGLang mem_fraction_static / vLLM gpu_memory_utilization for every role (replaces per-role values too)",
+    )  # fmt: skip
     what_if.add_argument("--tp", type=int, metavar="N", help="tensor parallelism of prefill and decode")
     what_if.add_argument("--prefill-tp", type=int, metavar="N")
     what_if.add_argument("--decode-tp", type=int, metavar="N")
@@ -67,8 +81,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     what_if.add_argument("--kv-cache-dtype", metavar="D", help="auto, bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2, fp4_e2m1")
     what_if.add_argument("--page-size", type=int, metavar="N")
     what_if.add_argument("--min-ratio", type=float, metavar="R")
-    what_if.add_argument("--kv-pool-tokens", type=int, metavar="N", help="explicit pool cap (SGLang --max-total-tokens)")
-    what_if.add_argument("--reserve", metavar="BYTES", help="e.g. 4Gi")
+    what_if.add_argument(
+        "--kv-pool-tokens", type=int, metavar="N",
+        help="explicit pool cap (SGLang --max-total-tokens) for every role: replaces spec.kvPoolTokens and per-role kvPoolTokens",
+    )  # fmt: skip
+    what_if.add_argument("--reserve", metavar="BYTES", help="memory kept out of the pool besides weights, e.g. 4Gi (vLLM: its activation peak)")
     what_if.add_argument("--engine", metavar="KIND", help="kvguard, sglang or vllm")
     what_if.add_argument("--quantization", metavar="Q", help="bf16, fp16, fp8, int8, int4, awq, gptq, mxfp4, nvfp4")
     what_if.add_argument("--gpu-memory", metavar="BYTES", help="memory per device, e.g. 80Gi")
@@ -79,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.operator.api import InferenceModel
     from kvguard.operator.planner import PlanInputError, plan
 
+    notes: list[str] = []
     try:
-        manifest = _apply_overrides(_read_manifest(Path(args.file)), args)
+        manifest = _apply_overrides(_read_manifest(Path(args.file)), args, notes)
         model = InferenceModel.model_validate(manifest)
         result = plan(model.spec)
     except BadInput as exc:
@@ -89,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         return _bad_input(*(_describe_error(e) for e in exc.errors()))
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
+    except (OverflowError, ValueError) as exc:  # a value too large for arithmetic (e.g. a 400-digit contextLength)
+        return _bad_input(f"a value in {args.file} is too large to plan with ({exc})")
+    for note in notes:
+        print(f"kvguard plan: note: {note}", file=sys.stderr)
     if args.output == "json":
         print(json.dumps(result.to_wire(), indent=2))
     else:
@@ -123,11 +145,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     raise BadInput(f"{path} must hold exactly one InferenceModel document, found {len(models)}")
 
 
-def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     """The manifest with flag values written into its spec (validated later with the rest)."""
     spec = manifest.setdefault("spec", {})
     if not isinstance(spec, dict):
         return manifest  # validation reports it
+    _keep_measured_weights_true(spec, args, notes)
     for dest, path in _SPEC_OVERRIDES.items():
         value = getattr(args, dest, None)
         if value is not None:
@@ -140,6 +163,38 @@ def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace) -> dict
     if getattr(args, "hf_config", None):
         _fill_from_hf_config(spec, Path(args.hf_config))
     return manifest
+
+
+def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> None:
+    """A measured weight figure describes the manifest's own split and quantization: record the
+    split before --tp/--pp change it (the planner then scales the figure), and drop the figure for
+    another --quantization (the planner then counts parameters)."""
+    weights = spec.get("weights")
+    if not isinstance(weights, dict) or weights.get("measuredBytesPerDevice") is None:
+        return
+    if getattr(args, "quantization", None) and args.quantization != weights.get("quantization"):
+        weights.pop("measuredBytesPerDevice", None)
+        weights.pop("measuredShards", None)
+        notes.append(f"--quantization {args.quantization}: the measured weight figure was for the manifest's "
+                     "quantization, so weights are counted from parameters instead")  # fmt: skip
+        return
+    if weights.get("measuredShards") is not None or not any(getattr(args, f, None) for f in _SPLIT_FLAGS):
+        return
+    splits = {_split_of(spec, role) for role in ("prefill", "decode")}
+    if len(splits) != 1:
+        raise BadInput(
+            "--tp/--pp with spec.weights.measuredBytesPerDevice: prefill and decode are split differently in the "
+            "manifest, so set spec.weights.measuredShards (the GPUs the figure was measured over)"
+        )
+    weights["measuredShards"] = shards = splits.pop()
+    notes.append(f"measuredBytesPerDevice taken as measured over {shards} GPUs (the manifest's split) and scaled to the new one")
+
+
+def _split_of(spec: dict[str, Any], role: str) -> int:
+    roles = spec.get("roles") if isinstance(spec.get("roles"), dict) else {}
+    shape = roles.get(role) if isinstance(roles.get(role), dict) else {}
+    tp, pp = shape.get("tensorParallel", 1), shape.get("pipelineParallel", 1)
+    return tp * pp if isinstance(tp, int) and isinstance(pp, int) else 0
 
 
 def _set_path(root: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -180,6 +235,8 @@ def _gib(value: int) -> str:
 
 def render_table(name: str, result: Any) -> str:
     """A readable report of a KVPlan."""
+    from kvguard.operator.suggestions import change_summary
+
     header = (
         f"InferenceModel {name}: engine {result.engine.value}, context {result.context_length:,} tokens, "
         f"min ratio {result.min_ratio:g}, page {result.page_size}, KV {result.kv_cache_dtype}"
@@ -187,17 +244,28 @@ def render_table(name: str, result: Any) -> str:
     columns = ("role", "pools", "gpus/pool", "weights/gpu", "kv/gpu", "bytes/token", "pool tokens", "ratio", "ok")
     rows = [columns]
     for role, r in result.roles.items():
-        pool = f"{r.pool_tokens:,}" + (" (cap)" if r.capped_by == "kvPoolTokens" else "")
         rows.append((
             role, str(r.instances), str(r.gpus_per_instance), _gib(r.weights_bytes_per_gpu), _gib(r.kv_bytes_per_gpu),
-            f"{r.bytes_per_token:,}", pool, f"{r.ratio:.2f}", "yes" if r.sufficient else "NO",
+            f"{r.bytes_per_token:,}", _pool_cell(r), f"{r.ratio:.2f}", "yes" if r.sufficient else "NO",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [header, ""]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines += ["", f"verdict: {result.verdict.upper()}"]
+    lines += [f"  {reason}" for reason in result.reasons]
     if result.suggestions:
-        lines.append("smallest changes that pass (any one):")
-        lines += [f"  - {s.field} = {s.value}: {s.message}" for s in result.suggestions]
+        lines.append("changes that pass (any one; each is complete, re-planned to check):")
+        for s in result.suggestions:
+            lines += [f"  - {change_summary(s)}", f"      {s.message}"]
     lines += [f"note: {w}" for w in result.warnings]
     return "\n".join(lines)
+
+
+def _pool_cell(r: Any) -> str:
+    """Pool tokens, marked when a cap set them, or when weights and overheads do not fit at all."""
+    if r.kv_budget_bytes < 0:
+        return f"none ({_gib(-r.kv_budget_bytes)} short)"
+    pool = f"{r.pool_tokens:,}" + (" (cap)" if r.capped_by == "kvPoolTokens" else "")
+    if r.optimistic_pool_tokens is not None and r.optimistic_pool_tokens != r.pool_tokens:
+        pool += f" (up to {r.optimistic_pool_tokens:,})"
+    return pool

@@ -1,0 +1,71 @@
+"""The first minutes with the command line: --version, `kvguard operator` without a cluster, and
+the Makefile's choice of torch build."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kvguard(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-P", "-m", "kvguard", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)  # fmt: skip
+
+
+def no_cluster_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a machine with no cluster: no kubeconfig, not in a pod."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+    return {**env, "HOME": str(home), **extra}
+
+
+def test_version_is_the_package_metadata() -> None:
+    done = kvguard("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"kvguard {version('kvguard')}"
+
+
+def test_operator_without_a_cluster_prints_one_line_and_exits_1(tmp_path: Path) -> None:
+    done = kvguard("operator", "--standalone", env=no_cluster_env(tmp_path))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("kvguard operator: no Kubernetes cluster") and "KUBECONFIG" in lines[0]
+
+
+def test_operator_with_an_unreachable_api_server_says_where_it_looked(tmp_path: Path) -> None:
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:1'}}]\n"  # port 1: nothing listens
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    done = kvguard("operator", "--standalone", env=no_cluster_env(tmp_path, KUBECONFIG=str(config)))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert "cannot reach the Kubernetes API server at http://127.0.0.1:1" in lines[0]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ([], "pip install -q 'torch==2.13.0'"),
+        (["TORCH_INDEX=https://download.pytorch.org/whl/cpu"],
+         "pip install -q --index-url https://download.pytorch.org/whl/cpu 'torch==2.13.0'"),
+        (["TORCH_SPEC=/wheels/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"],
+         "pip install -q '/wheels/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl'"),
+    ],
+)  # fmt: skip
+def test_make_installs_the_torch_build_the_variables_choose(variables: list[str], expected: str) -> None:
+    """A dry run (-n) of the install step, as if the Makefile had just changed (-W): nothing runs."""
+    done = subprocess.run(["make", "-n", "-W", "Makefile", ".venv/.installed", *variables], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    torch_lines = [" ".join(line.split()) for line in done.stdout.splitlines() if "torch" in line and "pip install" in line]
+    assert len(torch_lines) == 1 and torch_lines[0].endswith(expected), done.stdout
