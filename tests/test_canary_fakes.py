@@ -163,6 +163,9 @@ class FakeEngine:
             frame = {"choices": [{"index": 0, **delta, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
             await asyncio.sleep(self.b.token_delay)
+        # The OpenAI stream shape: a last chunk carries the finish reason (and usage), then [DONE].
+        final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "length"}]}
+        await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -190,6 +193,8 @@ class FakeEngine:
         return web.Response(text=text, content_type="text/plain")
 
     async def server_info(self, _request: web.Request) -> web.Response:
+        if not self.b.metrics_style.startswith("sglang"):  # only SGLang has /server_info
+            return web.Response(status=404, text="not found")
         return web.json_response(sglang_server_info(self.b.pool_tokens, self.b.context_length))
 
 

@@ -52,7 +52,7 @@ _POOL_KEY_LABELS = ("engine", "dp_rank", "rank", "role", "tp_rank", "moe_ep_rank
 @dataclass(frozen=True)
 class PoolReading:
     pool: str  # e.g. "engine=0" or "" for a worker's only pool
-    capacity_tokens: float
+    capacity_tokens: int
     used_tokens: float | None
     source: str
 
@@ -118,7 +118,7 @@ def _paired_pools(
         used = used_by_key.get(key)
         if used is None and key in fraction_by_key:
             used = fraction_by_key[key] * capacity
-        pools.append(PoolReading(key, capacity, used, capacity_name))
+        pools.append(PoolReading(key, int(capacity), used, capacity_name))
     return pools
 
 
@@ -140,11 +140,11 @@ def _vllm_pools(index: SampleIndex) -> list[PoolReading]:
     return pools
 
 
-def _vllm_capacity(info: dict[str, str]) -> float | None:
+def _vllm_capacity(info: dict[str, str]) -> int | None:
     try:
         if info.get("kv_cache_size_tokens") not in (None, "", "None"):
-            return float(info["kv_cache_size_tokens"])
-        return float(info["num_gpu_blocks"]) * float(info["block_size"])
+            return int(float(info["kv_cache_size_tokens"]))
+        return int(info["num_gpu_blocks"]) * int(info["block_size"])
     except (KeyError, ValueError):
         return None
 
@@ -172,7 +172,7 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
 
 class _MemoryUsage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    token_capacity: float | None = None
+    token_capacity: int | None = None
 
 
 class _InternalState(BaseModel):
@@ -184,7 +184,7 @@ class SglangServerInfo(BaseModel):
     """The fields of SGLang's GET /server_info the canary reads."""
 
     model_config = ConfigDict(extra="allow")
-    max_total_num_tokens: float | None = None
+    max_total_num_tokens: int | None = None
     context_length: int | None = None
     internal_states: list[_InternalState] = []
 
