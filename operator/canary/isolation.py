@@ -42,11 +42,11 @@ class IsolationProbe(Probe):
             await self._tenants(ctx, reference, problems, evidence)
         if problems:
             return failed(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
-        tokens = [ctx.estimate.tokens_for(w) for w in sizes]
+        tokens = "/".join(ctx.estimate.tokens_for(w) for w in sizes)
         tenants = f" and {spec.tenants} concurrent tenants" if spec.tenants else ""
         reason = (
             f"B ({len(reference.text)} chars) identical to B alone after {len(sizes)} long request(s) A of "
-            f"{sizes} words ({tokens} tokens, {ctx.sizing_basis()}){tenants}; no nonce crossed requests"
+            f"{'/'.join(map(str, sizes))} words ({tokens} tokens; {ctx.sizing_basis()}){tenants}; no nonce crossed requests"
         )
         return passed(reason, [Note(message=f"long requests of {sizes} filler words; {ctx.sizing_basis()}")])
 
