@@ -281,8 +281,11 @@ class FaultProxy:
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, previous: str | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        async for frame in self._rewritten_frames(upstream, previous):
-            await resp.write(f"data: {frame}\n\n".encode())
+        try:
+            async for frame in self._rewritten_frames(upstream, previous):
+                await resp.write(f"data: {frame}\n\n".encode())
+        except ConnectionResetError:
+            pass  # the canary disconnected on purpose (abort probe); leaving closes the upstream too
         return resp
 
     async def _rewritten_frames(self, upstream: aiohttp.ClientResponse, previous: str | None) -> AsyncIterator[str]:
