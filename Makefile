@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # standard library's `operator` module for anything started with `python -m` from here.
 PYM := $(PY) -P -m
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean verify-engines
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYM) pytest -q -ra
+
+# SGLang and vLLM read from their own PyPI wheels (vLLM's is 336 MB, so CI uses it only when cached);
+# wheels go to ~/.cache/kvguard-engines. The last run's result is recorded in docs/engines.md.
+verify-engines: $(STAMP)
+	KVGUARD_VERIFY_ENGINES=1 $(PYM) pytest -q -rs tests/test_engine_conformance.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check operator workers kvguard tests e2e bench

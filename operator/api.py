@@ -541,6 +541,14 @@ class InferenceModelSpec(ApiModel):
     revision_history_limit: NonNegativeInt = 2
     """Previous stable revisions kept (scaled to zero) as targets for kvguard.io/rollback-to."""
 
+    @model_validator(mode="after")
+    def _canary_knows_the_context(self) -> InferenceModelSpec:
+        # The canary sizes its long and over-length requests from the context length; servers that
+        # do not advertise one (no max_model_len) are judged against the declared contextLength.
+        if self.canary.context_length is None:
+            self.__dict__["canary"] = self.canary.model_copy(update={"context_length": self.context_length})
+        return self
+
     def replicas_at(self, role: str, scale: Scale) -> int:
         """Replicas of a role (prefill, decode, router) at canary or full scale."""
         full = self.roles.router.replicas if role == "router" else self.roles.worker_roles()[role].replicas

@@ -137,6 +137,18 @@ class EngineSource:
                 }  # fmt: skip
         raise KeyError(f"{class_name} not in {path}")
 
+    def class_fields_enum(self, path: str, class_name: str) -> list[str]:
+        """Member names of an Enum class (`NAME = value` in its body)."""
+        for node in ast.walk(self.tree(path)):
+            if isinstance(node, ast.ClassDef) and node.name == class_name:
+                return [t.id for item in node.body if isinstance(item, ast.Assign) for t in item.targets if isinstance(t, ast.Name)]
+        raise KeyError(f"{class_name} not in {path}")
+
+    def dict_keys(self, path: str) -> set[str]:
+        """String keys of every dict literal in a file."""
+        return {k.value for d in ast.walk(self.tree(path)) if isinstance(d, ast.Dict) for k in d.keys
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)}  # fmt: skip
+
     def module_list(self, path: str, name: str) -> list[str]:
         """A module-level `NAME = [...]` or `NAME = Literal[...]` of string constants."""
         for node in self.tree(path).body:

@@ -40,6 +40,7 @@ class Behaviour:
     hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
     bump_tag_violations: bool = False
     fail_models: bool = False
+    advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
 
 
 class FakeEngine:
@@ -75,7 +76,8 @@ class FakeEngine:
         if self.b.fail_models:
             return web.Response(status=500, text="internal error")
         return web.json_response(
-            {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": self.b.context_length}]}
+            {"object": "list", "data": [{"id": "fake-model", "object": "model",
+                                         **({"max_model_len": self.b.context_length} if self.b.advertise_context else {})}]}
         )
 
     def generate(self, prompt: str, max_tokens: int) -> list[str]:

@@ -39,6 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="the target's context length, for servers that do not advertise it (overrides spec.contextLength)",
     )
     parser.add_argument(
+        "--engine-log", action="append", default=[], type=Path, metavar="FILE",
+        help="an engine's log file (repeatable): SGLang KV-canary violations logged during the run fail the suite",
+    )
+    parser.add_argument(
         "--baseline-match", choices=("exact", "tolerant"),
         help="compare with the baseline by exact text, or by logprobs when numerics differ (golden.baselineMatch)",
     )
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         run_suite(
             args.url, spec, baseline_url=args.baseline_url, metrics_urls=args.metrics_url,
             progress=printer.on_event if printer else None, timeout_seconds=args.timeout,
-            context_length=args.context_length,
+            context_length=args.context_length, engine_logs=args.engine_log,
         )
     )
     if table:

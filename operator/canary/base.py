@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import aiohttp
@@ -48,6 +49,8 @@ class RunContext:
     start_snapshots: list[WorkerSnapshot] = field(default_factory=list)
     # Counter totals just before and after the abort probe (see SafetyCountersSpec).
     abort_window: tuple[dict[str, float], dict[str, float]] | None = None
+    # Engine log files and where each ended when the suite started (SGLang's KV canary, `engine_logs`).
+    engine_log_offsets: dict[Path, int] = field(default_factory=dict)
     _solo: dict[tuple[str, str, int], Completion] = field(default_factory=dict)
 
     @property

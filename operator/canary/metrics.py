@@ -11,11 +11,22 @@ Prometheus text is parsed with `prometheus_client.parser`; each engine's names a
 | safety counters | `kvguard_tag_violations_total`, `kvguard_checksum_failures_total`, `kvguard_hmac_failures_total`, `kvguard_stale_writes_dropped_total` | `sglang:num_transfer_failed_reqs_total`, `sglang:num_bootstrap_failed_reqs_total` (no KV-checksum counter exists) | `vllm:nixl_num_failed_transfers`, `vllm:nixl_num_failed_notifications` |
 
 Series are matched per label set (a pool's `used` pairs with the `capacity` that has the same
-labels); counters are summed over labels. SGLang exports from TP rank 0 only unless
+rank labels); counters are summed over labels. SGLang exports from TP rank 0 only unless
 `--enable-metrics-for-all-schedulers` is set, so one SGLang metrics URL stands for its whole TP group.
-Unverified [U]: SGLang refreshes its usage gauges when it logs batch statistics, so an idle server
-may report a stale `num_used_tokens`; if the abort probe's pool check flags an idle SGLang
-deployment, compare with `GET /v1/loads` before trusting it.
+
+Provenance, checked by tests/test_engine_conformance.py against the releases' own code:
+- SGLang 0.5.22/0.5.23 `srt/observability/metrics_collector.py`: every name above, with labels
+  model_name, engine_type, tp_rank, pp_rank, moe_ep_rank, optional dp_rank and priority;
+  `/server_info` fields from `srt/entrypoints/http_server.py` `server_info` (internal_states,
+  version), `managers/scheduler_components/memory_usage.py` (token_capacity) and the scheduler
+  info (max_total_num_tokens). No KV-checksum or KV-canary metric exists.
+- vLLM 0.33.0 `v1/metrics/loggers.py`: `vllm:cache_config_info` (labels = `CacheConfig` fields,
+  `config/cache.py`), `vllm:kv_cache_usage_perc` (0.33 no longer has the deprecated
+  `vllm:gpu_cache_usage_perc`; both are read), labels model_name and engine;
+  `distributed/kv_transfer/kv_connector/v1/nixl/stats.py`: the NIXL counters.
+Not verified: whether an idle SGLang refreshes `num_used_tokens` (it is set when batch statistics
+are logged); if the abort probe's pool check flags an idle SGLang deployment, compare with
+`GET /v1/loads` before trusting it.
 """
 
 from __future__ import annotations

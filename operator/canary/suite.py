@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
@@ -28,6 +29,7 @@ from kvguard.operator.canary.discovery import (
     context_notes,
     discover_from_target,
 )
+from kvguard.operator.canary.engine_logs import log_offsets
 from kvguard.operator.canary.golden import GoldenProbe
 from kvguard.operator.canary.isolation import IsolationProbe
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
@@ -80,12 +82,14 @@ async def run_suite(
     progress: ProgressCallback | None = None,
     timeout_seconds: float | None = None,
     context_length: int | None = None,
+    engine_logs: Sequence[Path] = (),
 ) -> CanaryReport:
     """Run every enabled probe against `url`; never raises for the target's misbehaviour.
 
     `timeout_seconds` overrides `spec.suiteTimeoutSeconds`; `context_length` overrides
-    `spec.contextLength` (see `discovery` for where it is read otherwise); `progress` is called as
-    each probe starts and finishes.
+    `spec.contextLength` (see `discovery` for where it is read otherwise); `engine_logs` are log
+    files of the engines whose new SGLang KV-canary violations fail the safety-counter probe;
+    `progress` is called as each probe starts and finishes.
     """
     spec = spec or CanarySpec()
     started = time.monotonic()
@@ -95,8 +99,10 @@ async def run_suite(
     deadline = started + limit if limit else None
     async with aiohttp.ClientSession() as session:
         configured = _configured_context(spec, context_length)
+        offsets = log_offsets(list(engine_logs))  # before any request: every line after is this run's
         try:
             ctx = await _prepare(session, spec, info, baseline_url, deadline, configured)
+            ctx.engine_log_offsets = offsets
         except CannotRun as exc:
             return CanaryReport(
                 verdict=Verdict.CANNOT_RUN, reason=str(exc), target=info, started_at=started_at,
