@@ -1,14 +1,20 @@
-"""Canary detection benchmark: run the default suite against `kvguard serve` under each fault mode.
+"""Canary detection benchmark: run the default suite under each fault mode, on two engines.
 
-For every mode it starts `kvguard serve` with `KVGUARD_FAULTS` set (the stable revision, without
-faults, runs beside it as the baseline URL), runs the suite with default settings, and records the
-verdict, the failing probes and the time to verdict. It prints a table, the detection rate over the
-fault modes (goal 100%), whether the fault-free engine passed (no false alarm), and each mode's time
-to verdict against the fault-free run measured in the same run and against the 30 s goal.
+kvguard: for every mode it starts `kvguard serve` with `KVGUARD_FAULTS` set (the stable revision,
+without faults, runs beside it as the baseline URL), runs the suite with default settings, and
+records the verdict, the failing probes and the time to verdict.
 
-    .venv/bin/python bench/canary_detection.py [--model DIR] [--context-length N] [--kv-pool-tokens N]
+peer: `transformers serve` on the same model folder, behind the test-only fault proxy
+(`tests/peer_harness.py`) in each of its modes (healthy, then one bug class each), with
+`--context-length` given as for any server that does not advertise it.
 
-Exit status: 0 when every fault was detected by an expected probe and the clean engine passed.
+For each engine it prints a table, the detection rate over the fault modes (goal 100%), whether
+the fault-free run passed (no false alarm), and each mode's time to verdict against the fault-free
+run measured in the same run and against the 30 s goal.
+
+    .venv/bin/python bench/canary_detection.py [--engines kvguard,peer] [--model DIR] [--context-length N]
+
+Exit status: 0 when every fault was detected by an expected probe and the clean runs passed.
 """
 
 from __future__ import annotations
@@ -127,7 +133,7 @@ def ensure_tiny_model(directory: Path) -> Path:
 def detected(mode: FaultMode, report: CanaryReport) -> bool:
     """A fault mode counts as detected when the suite failed and an expected probe says why."""
     failing = {p.value for p in report.failed_probes()}
-    if not mode.faults:
+    if not mode.expected_probes:
         return report.verdict == Verdict.PASS
     return report.verdict == Verdict.FAIL and bool(failing & mode.expected_probes)
 
@@ -138,17 +144,20 @@ async def run_mode(mode: FaultMode, model: Path, baseline_url: str, spec: Canary
         return await run_suite(serve.url, spec, baseline_url=baseline_url, metrics_urls=serve.metrics_urls)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="model folder (default: a fresh `kvguard model tiny`)")
-    parser.add_argument("--context-length", type=int, default=2048)
-    parser.add_argument("--kv-pool-tokens", type=int, default=8192)
-    parser.add_argument("--modes", help="comma-separated indexes into the mode list (default: all)")
-    parser.add_argument("--json", type=Path, help="also write every report here")
-    args = parser.parse_args()
-    model = ensure_tiny_model(args.model or Path(tempfile.mkdtemp(prefix="kvguard-tiny-")))
+# The peer's fault-proxy modes (tests/peer_harness.py) and the probes that must name each one.
+PEER_MODES: tuple[FaultMode, ...] = (
+    FaultMode("healthy", frozenset()),
+    FaultMode("over_length_accepted", frozenset({"over_length"})),
+    FaultMode("spliced_content", frozenset({"isolation", "determinism", "golden"})),
+    FaultMode("stream_no_finish", frozenset({"determinism", "abort"})),
+    FaultMode("abort_as_length", frozenset({"determinism", "isolation", "golden", "abort"})),
+    FaultMode("nondeterministic", frozenset({"determinism"})),
+    FaultMode("pool_below_ratio", frozenset({"capacity"})),
+)
+
+
+def run_kvguard(model: Path, args: argparse.Namespace, spec: CanarySpec) -> list[tuple[FaultMode, CanaryReport]]:
     modes = [FAULT_MODES[int(i)] for i in args.modes.split(",")] if args.modes else list(FAULT_MODES)
-    spec = CanarySpec()  # default settings: that is what the goal is about
     rows: list[tuple[FaultMode, CanaryReport]] = []
     with ServeProcess(model, context_length=args.context_length, kv_pool_tokens=args.kv_pool_tokens) as stable:
         for mode in modes:
@@ -156,13 +165,57 @@ def main() -> int:
             rows.append((mode, report))
             print(f"  {mode.faults or 'no faults'}: {report.verdict.value} ({report.reason}) "
                   f"in {report.time_to_verdict_seconds:.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_peer(model: Path, context_length: int, spec: CanarySpec) -> list[tuple[FaultMode, CanaryReport]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from peer_harness import FaultProxy, PeerServer, transformers_serve_available
+
+    missing = transformers_serve_available()
+    if missing:
+        print(f"peer: skipped: {missing}", file=sys.stderr)
+        return []
+    rows: list[tuple[FaultMode, CanaryReport]] = []
+    with PeerServer(model) as peer:
+        for mode in PEER_MODES:
+            with FaultProxy(peer.url, model, context_length, mode.faults) as proxy:
+                report = asyncio.run(run_suite(proxy.url, spec, metrics_urls=[proxy.metrics_url], context_length=context_length))
+            rows.append((mode, report))
+            print(f"  peer {mode.faults}: {report.verdict.value} ({report.reason}) in {report.time_to_verdict_seconds:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="kvguard,peer", help="kvguard, peer or both (default)")
+    parser.add_argument("--model", type=Path, help="model folder (default: a fresh `kvguard model tiny`)")
+    parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument("--kv-pool-tokens", type=int, default=8192)
+    parser.add_argument("--modes", help="kvguard: comma-separated indexes into the mode list (default: all)")
+    parser.add_argument("--json", type=Path, help="also write every report here")
+    args = parser.parse_args()
+    model = ensure_tiny_model(args.model or Path(tempfile.mkdtemp(prefix="kvguard-tiny-")))
+    spec = CanarySpec()  # default settings: that is what the goal is about
+    engines = {e.strip() for e in args.engines.split(",")}
+    results: dict[str, list[tuple[FaultMode, CanaryReport]]] = {}
+    clean_modes = {"kvguard serve (KVGUARD_FAULTS)": "", "transformers serve behind the fault proxy": "healthy"}
+    if "kvguard" in engines:
+        results["kvguard serve (KVGUARD_FAULTS)"] = run_kvguard(model, args, spec)
+    if "peer" in engines:
+        results["transformers serve behind the fault proxy"] = run_peer(model, args.context_length, spec)
     if args.json:
-        args.json.write_text(json.dumps([json.loads(r.to_json()) for _, r in rows], indent=2))
-    return print_summary(rows)
+        args.json.write_text(json.dumps({k: [json.loads(r.to_json()) for _, r in v] for k, v in results.items()}, indent=2))
+    status = 0
+    for title, rows in results.items():
+        print(f"\n== {title}")
+        status |= print_summary(rows, clean_mode=clean_modes[title])
+    return status
 
 
-def print_summary(rows: list[tuple[FaultMode, CanaryReport]]) -> int:
-    clean = next((r for m, r in rows if not m.faults), None)
+def print_summary(rows: list[tuple[FaultMode, CanaryReport]], clean_mode: str = "") -> int:
+    clean = next((r for m, r in rows if m.faults == clean_mode), None)
     reference = clean.duration_seconds if clean else None
     print(f"{'FAULTS':<40} {'VERDICT':<10} {'DETECTED':<9} {'VERDICT S':>9} {'x CLEAN':>8}  FAILING PROBES")
     for mode, report in rows:
@@ -171,7 +224,7 @@ def print_summary(rows: list[tuple[FaultMode, CanaryReport]]) -> int:
         flag = str(detected(mode, report)).lower() + ("" if mode.observable else "*")
         print(f"{mode.faults or '(none)':<40} {report.verdict.value:<10} {flag:<9} "
               f"{report.time_to_verdict_seconds:>9.1f} {ratio:>8}  {failing}")
-    faulty = [(m, r) for m, r in rows if m.faults and m.observable]
+    faulty = [(m, r) for m, r in rows if m.faults != clean_mode and m.observable]
     hits = sum(detected(m, r) for m, r in faulty)
     worst = max((r.time_to_verdict_seconds for _, r in rows), default=0.0)
     print(f"detection rate: {hits}/{len(faulty)} = {100 * hits / max(1, len(faulty)):.0f}% of observable fault modes (goal 100%)")

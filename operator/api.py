@@ -29,6 +29,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
@@ -334,6 +335,37 @@ class WeightsSpec(ApiModel):
 # --- Deployment ----------------------------------------------------------------------------------
 
 
+class SGLangKVCanary(ApiModel):
+    """SGLang's read-time KV check (`--kv-canary`, sglang >= 0.5.22, `srt/kv_canary/`): canary
+    tokens written beside each KV slot and verified on every forward (and by a periodic sweep).
+    Violations are only logged (`log`) or stop the whole server (`raise`); see docs/sglang-kv-canary.md."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.sweepInterval) || self.sweepInterval == 0 || self.mode != 'none'",
+                 "message": "sweepInterval requires mode log or raise"},
+            ]
+        }
+    )
+
+    mode: Literal["none", "log", "raise"] = "none"
+    """`none` (off), `log` (violations logged as WARNING, the server keeps serving) or `raise`
+    (the first violation stops the server: test clusters)."""
+    real_data: Literal["none", "partial", "all"] = "none"
+    """`--kv-canary-real-data`: also hash the real KV bytes (`partial`: the first 16 bytes of each slot)."""
+    sweep_interval: NonNegativeInt = 0
+    """`--kv-canary-sweep-interval`: every N forward steps also verify every slot the radix cache
+    holds (0: never)."""
+
+    @model_validator(mode="after")
+    def _sweep_needs_a_mode(self) -> SGLangKVCanary:
+        # sglang 0.5.23 srt/arg_groups/validation_hook.py refuses the same combination at start-up.
+        if self.sweep_interval > 0 and self.mode == "none":
+            raise ValueError("sweepInterval requires mode log or raise (SGLang refuses it otherwise)")
+        return self
+
+
 class EngineSpec(ApiModel):
     """The inference engine and how it is launched."""
 
@@ -348,6 +380,8 @@ class EngineSpec(ApiModel):
     router_image: str | None = None
     """Image of the router. Default: the engine image (kvguard; SGLang images ship sglang_router);
     required for vllm (e.g. an image with vllm-router)."""
+    kv_canary: SGLangKVCanary | None = None
+    """SGLang's own read-time KV canary, on prefill and decode (sglang only)."""
 
 
 class HardwareSpec(ApiModel):
@@ -432,6 +466,13 @@ class WorkerRole(PodPlacement):
     """Overrides spec.memoryFraction for this role."""
     kv_pool_tokens: PositiveInt | None = None
     """Overrides spec.kvPoolTokens for this role (`kvguard plan --kv-pool-tokens` replaces both)."""
+    extra_args: list[str] | None = None
+    """Arguments for this role only, after engine.extraArgs (sglang and vllm). Prefill and decode
+    must still agree on everything their KV exchange depends on (P/D parity, sglang#19398): model
+    revision, KV dtype, page size, transfer backend, KV checksum and engine build."""
+    image: str | None = None
+    """Container image for this role only (sglang and vllm); default engine.image. Prefill and
+    decode must run the same build (P/D parity)."""
 
 
 class RouterRole(PodPlacement):
@@ -473,6 +514,10 @@ class KVTransferSpec(ApiModel):
     """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it."""
     backend: Literal["mooncake", "nixl"] = "mooncake"
     """Transfer backend for SGLang (`--disaggregation-transfer-backend`); vLLM always uses NIXL."""
+    checksum: bool = False
+    """SGLang `--disaggregation-enable-kv-checksum` on prefill and decode: an Adler-32 digest of each
+    request's KV pages, verified on decode; a mismatch aborts the request. kvguard checks every
+    chunk always; vLLM has no such option."""
 
 
 class RolloutSpec(ApiModel):
@@ -525,6 +570,14 @@ class InferenceModelSpec(ApiModel):
     """How the candidate runs while it is verified."""
     revision_history_limit: NonNegativeInt = 2
     """Previous stable revisions kept (scaled to zero) as targets for kvguard.io/rollback-to."""
+
+    @model_validator(mode="after")
+    def _canary_knows_the_context(self) -> InferenceModelSpec:
+        # The canary sizes its long and over-length requests from the context length; servers that
+        # do not advertise one (no max_model_len) are judged against the declared contextLength.
+        if self.canary.context_length is None:
+            self.__dict__["canary"] = self.canary.model_copy(update={"context_length": self.context_length})
+        return self
 
     def replicas_at(self, role: str, scale: Scale) -> int:
         """Replicas of a role (prefill, decode, router) at canary or full scale."""
@@ -771,10 +824,13 @@ class InferencePolicySpec(ApiModel):
     require_kv_integrity: bool = False
     """Prefill-to-decode KV must be integrity-checked (S1, S3). kvguard: page tags and chunk
     checksums are always on (only the test-only KVGUARD_FAULTS switch, which an InferenceModel
-    cannot set, turns them off); sglang: `--disaggregation-enable-kv-checksum` in engine.extraArgs
-    (prefill and decode); vllm has no KV checksum and cannot comply."""
+    cannot set, turns them off); sglang: `--disaggregation-enable-kv-checksum` on prefill and decode
+    (spec.kvTransfer.checksum, or the flag in extraArgs); vllm has no KV checksum and cannot comply."""
     required_canary_probes: list[str] = Field(default_factory=list)
     """Canary probes that must be enabled (e.g. isolation, over_length)."""
+    sglang_kv_canary: Literal["log", "raise"] | None = None
+    """SGLang models must run SGLang's read-time KV canary (spec.engine.kvCanary.mode) at least at
+    this level: `log` accepts log or raise; `raise` (test clusters) accepts raise only."""
     max_context_length: PositiveInt | None = None
     """Longest contextLength an InferenceModel may declare."""
 

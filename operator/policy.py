@@ -16,6 +16,8 @@ Rules, per applicable policy:
 - requiredEngineFlags: each flag is on the rendered prefill and decode command lines.
 - requireKVIntegrity (S1, S3): see `InferencePolicySpec.require_kv_integrity`.
 - requiredCanaryProbes: each probe is enabled in spec.canary.
+- sglangKVCanary (SGLang models only): SGLang's own read-time KV canary runs on prefill and decode
+  at least at the policy's level (`log` < `raise`), as rendered (spec.engine.kvCanary or extraArgs).
 - maxContextLength: spec.contextLength <= the policy's.
 Scope: `namespaces` (names) and `namespaceSelector` (labels; see `applies_to`).
 """
@@ -45,6 +47,8 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 """The label Kubernetes puts on every namespace: the one label known from a namespace's name."""
 
 SGLANG_KV_CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
+SGLANG_KV_CANARY_FLAG = "--kv-canary"
+KV_CANARY_LEVELS = {"none": 0, "log": 1, "raise": 2}
 WORKER_ROLES = ("prefill", "decode")
 
 
@@ -245,9 +249,29 @@ def check_kv_integrity(spec: InferenceModelSpec, commands: Mapping[str, list[str
         missing = [role for role, command in commands.items() if not has_flag(command, SGLANG_KV_CHECKSUM_FLAG)]
         if missing:
             # On one side only, SGLang skips the check and logs it: both roles need it.
-            yield "requireKVIntegrity", "spec.engine.extraArgs", f"add {SGLANG_KV_CHECKSUM_FLAG} (KV checksums on prefill and decode); missing on {', '.join(missing)}"
+            yield "requireKVIntegrity", "spec.kvTransfer.checksum", f"set it to true ({SGLANG_KV_CHECKSUM_FLAG} on prefill and decode); missing on {', '.join(missing)}"
     elif kind is EngineKind.VLLM:
         yield "requireKVIntegrity", "spec.engine.kind", "vllm has no prefill-to-decode KV checksum; use kvguard or sglang"
+
+
+def flag_value(command: Sequence[str], flag: str) -> str | None:
+    """The last value given to `flag` (`--flag v` or `--flag=v`): argparse keeps the last one."""
+    value = None
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            value = command[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def check_sglang_kv_canary(spec: InferenceModelSpec, required: str | None, commands: Mapping[str, list[str]]) -> Iterator[Finding]:
+    if required is None or spec.engine.kind is not EngineKind.SGLANG:
+        return
+    for role, command in commands.items():
+        mode = flag_value(command, SGLANG_KV_CANARY_FLAG) or "none"
+        if KV_CANARY_LEVELS.get(mode, 0) < KV_CANARY_LEVELS[required]:
+            yield "sglangKVCanary", "spec.engine.kvCanary.mode", f"{role} runs --kv-canary {mode}; the policy requires {required}" + (" or raise" if required == "log" else "")
 
 
 def _probe_field(probe: ProbeName) -> str:
@@ -278,10 +302,12 @@ def policy_findings(spec: InferenceModelSpec, policy: InferencePolicy, kv_plan: 
         yield plan_problem
     yield from check_min_kv_ratio(spec, rules.min_kv_ratio, kv_plan)
     yield from check_engine_version(spec, rules.min_engine_versions)
-    commands = worker_command_lines(spec, kv_plan) if rules.required_engine_flags or rules.require_kv_integrity else {}
+    needs_commands = rules.required_engine_flags or rules.require_kv_integrity or rules.sglang_kv_canary
+    commands = worker_command_lines(spec, kv_plan) if needs_commands else {}
     yield from check_required_flags(spec, policy, commands)
     if rules.require_kv_integrity:
         yield from check_kv_integrity(spec, commands)
+    yield from check_sglang_kv_canary(spec, rules.sglang_kv_canary, commands)
     yield from check_canary_probes(spec, rules.required_canary_probes)
     yield from check_context_length(spec, rules.max_context_length)
 

@@ -30,6 +30,7 @@ from kvguard.operator.api import (
     RevisionRecord,
 )
 from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config
+from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
 from kvguard.operator.render import (
     LABEL_MODEL,
@@ -241,6 +242,8 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
         kv_plan = plan(spec)
     except PlanInputError as exc:
         return _invalid(run, "InvalidPlanInput", str(exc))
+    if (mismatch := parity_problem(spec, kv_plan)) is not None:  # sglang#19398
+        return _invalid(run, "PDParityMismatch", mismatch)
     faults, fault_problem = injected_faults(meta.get("annotations") or {}, run.observed.fault_injection_allowed)
     if fault_problem is not None:
         return _invalid(run, "InvalidFaults", fault_problem)

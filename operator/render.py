@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -28,6 +29,7 @@ from kvguard.operator.api import (
     KVCacheDtype,
     KVPlan,
     PodPlacement,
+    SGLangKVCanary,
     WorkerRole,
 )
 from kvguard.operator.rollout import Scale
@@ -256,11 +258,16 @@ class KvguardAdapter:
         return 1 if ctx.role == "router" else ctx.worker.data_parallel
 
 
+# Provenance of the SGLang and vLLM mappings below: the releases' own argument definitions, checked
+# by tests/test_engine_conformance.py (`make verify-engines`; docs/engines.md has the last run).
+# sglang 0.5.22/0.5.23: srt/arg_groups/fields/model.py kv_cache_dtype choices are auto, fp8_e5m2,
+# fp8_e4m3, mxfp8, bf16, bfloat16, nvfp4, fp4_mx_block16: the older `fp4_e2m1` is gone (its two
+# successors are recipes kvCacheDtype cannot name), so it is refused rather than guessed.
 _SGLANG_KV_DTYPES = {
     KVCacheDtype.AUTO: "auto", KVCacheDtype.BF16: "bf16", KVCacheDtype.BFLOAT16: "bf16",
     KVCacheDtype.FP8: "fp8_e4m3", KVCacheDtype.FP8_E4M3: "fp8_e4m3", KVCacheDtype.FP8_E5M2: "fp8_e5m2",
-    KVCacheDtype.FP4_E2M1: "fp4_e2m1",
 }  # fmt: skip
+# vllm 0.33.0: vllm/config/cache.py CacheDType.
 _VLLM_KV_DTYPES = {
     KVCacheDtype.AUTO: "auto", KVCacheDtype.BF16: "bfloat16", KVCacheDtype.BFLOAT16: "bfloat16",
     KVCacheDtype.FP8: "fp8", KVCacheDtype.FP8_E4M3: "fp8_e4m3", KVCacheDtype.FP8_E5M2: "fp8_e5m2",
@@ -280,6 +287,41 @@ def _hf_revision_args(ctx: RoleContext) -> list[str]:
     if source is not None and source.hugging_face and source.revision:
         return ["--revision", source.revision]
     return []
+
+
+SGLANG_KV_CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"  # sglang 0.5.22+ srt/arg_groups/fields/disagg.py
+SGLANG_ATTN_DP_SINCE = (0, 5, 22)
+"""sglang 0.5.22 added `--attn-dp-size N` (srt/arg_groups/fields/parallel.py attn_dp_size) and
+deprecated `--dp-size N --enable-dp-attention` (srt/server_args.py, DeprecatedStoreTrueAction,
+"remove after 2026-12-31"); older releases only know the old spelling."""
+
+
+def release_of(version: str | None) -> tuple[int, ...] | None:
+    """(0, 5, 22) for "0.5.22", "v0.5.22rc1", "0.5.22.post1+cu129"; None when unset or unreadable."""
+    match = re.match(r"^\s*v?(\d+(?:\.\d+)*)", version or "")
+    return tuple(int(x) for x in match.group(1).split(".")) if match else None
+
+
+def _sglang_data_parallel_args(spec: InferenceModelSpec, role: WorkerRole) -> list[str]:
+    """DP ranks in the version's spelling (see SGLANG_ATTN_DP_SINCE); an unknown version is taken
+    as a supported one (>= 0.5.22)."""
+    if not role.data_parallel_attention:
+        return ["--dp-size", str(role.data_parallel)]
+    release = release_of(spec.engine.version)
+    if release is not None and release < SGLANG_ATTN_DP_SINCE:
+        return ["--dp-size", str(role.data_parallel), "--enable-dp-attention"]
+    return ["--dp-size", "1", "--attn-dp-size", str(role.data_parallel)]
+
+
+def _sglang_kv_canary_args(canary: SGLangKVCanary | None) -> list[str]:
+    """sglang 0.5.22/0.5.23 srt/arg_groups/fields/observability.py (`--kv-canary`,
+    `--kv-canary-sweep-interval`) and srt/server_args.py (`--kv-canary-real-data`)."""
+    if canary is None or canary.mode == "none":
+        return []
+    return [
+        "--kv-canary", canary.mode, "--kv-canary-real-data", canary.real_data,
+        "--kv-canary-sweep-interval", str(canary.sweep_interval),
+    ]  # fmt: skip
 
 
 class SGLangAdapter:
@@ -306,7 +348,7 @@ class SGLangAdapter:
             "--mem-fraction-static", f"{ctx.memory_fraction(0.88):g}",
             "--tp-size", str(role.tensor_parallel),
             "--pp-size", str(role.pipeline_parallel),
-            "--dp-size", str(role.data_parallel),
+            *_sglang_data_parallel_args(spec, role),
             "--ep-size", str(role.expert_parallel),
             "--page-size", str(spec.page_size),
             "--kv-cache-dtype", _engine_kv_dtype(spec, _SGLANG_KV_DTYPES, "sglang"),
@@ -314,12 +356,13 @@ class SGLangAdapter:
         ]  # fmt: skip
         if ctx.role == "prefill":
             args += ["--disaggregation-bootstrap-port", str(SGLANG_BOOTSTRAP_PORT)]
-        if role.data_parallel_attention:
-            args.append("--enable-dp-attention")
         cap = role.kv_pool_tokens or spec.kv_pool_tokens
         if cap is not None:
             args += ["--max-total-tokens", str(cap)]
-        return args + list(spec.engine.extra_args)
+        if spec.kv_transfer.checksum:
+            args.append(SGLANG_KV_CHECKSUM_FLAG)  # both roles: on one side only SGLang skips the check
+        args += _sglang_kv_canary_args(spec.engine.kv_canary)
+        return args + list(spec.engine.extra_args) + list(role.extra_args or [])
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
         if ctx.role == "router":
@@ -381,7 +424,7 @@ class VLLMAdapter:
         ]  # fmt: skip
         if role.expert_parallel > 1:
             args.append("--enable-expert-parallel")
-        return args + list(spec.engine.extra_args)
+        return args + list(spec.engine.extra_args) + list(role.extra_args or [])
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
         if ctx.role == "router":
@@ -443,6 +486,8 @@ def image_for(spec: InferenceModelSpec, role: Role) -> str:
     engine = spec.engine
     if role == "router" and engine.router_image:
         return engine.router_image
+    if role != "router" and getattr(spec.roles, role).image:
+        return str(getattr(spec.roles, role).image)
     if engine.image:
         return engine.image
     if engine.kind == EngineKind.KVGUARD:
@@ -650,12 +695,28 @@ def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str,
     }
 
 
+def check_engine_options(spec: InferenceModelSpec) -> None:
+    """Options only some engines have: refused by name instead of silently dropped."""
+    kind = spec.engine.kind
+    canary = spec.engine.kv_canary
+    if canary is not None and canary.mode != "none" and kind is not EngineKind.SGLANG:
+        raise RenderError("spec.engine.kvCanary", f"only sglang has a KV canary; {kind.value} cannot run it")
+    if spec.kv_transfer.checksum and kind is EngineKind.VLLM:
+        raise RenderError("spec.kvTransfer.checksum", "vllm has no prefill-to-decode KV checksum")
+    if kind is EngineKind.KVGUARD:
+        for name, role in spec.roles.worker_roles().items():
+            for field, value in (("extraArgs", role.extra_args), ("image", role.image)):
+                if value:
+                    raise RenderError(f"spec.roles.{name}.{field}", "per-role engine settings are for sglang and vllm only")
+
+
 def render_revision(
     spec: InferenceModelSpec, plan: KVPlan, owner: Owner, revision: str, scale: Scale = "full", faults: str = ""
 ) -> list[Manifest]:
     """Deployments, Services and NetworkPolicy of one revision at canary or full replicas (the
     Secret is rendered apart, because it is created once and never updated). Raises RenderError on
     a spec the engine cannot run."""
+    check_engine_options(spec)
     objects: list[Manifest] = []
     for role in ROLES:
         ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role, scale=scale, faults=faults)

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferencePolicy
 from kvguard.operator.kube import Kube, KubeError
+from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
 from kvguard.operator.policy import describe_violations, evaluate
 from kvguard.operator.reconcile import field_errors
@@ -106,6 +107,8 @@ def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> N
             render_revision(spec, kv_plan, Owner(name=name, namespace=namespace, uid="admission"), "admission")
     except (PlanInputError, RenderError) as exc:
         raise AdmissionDenied(str(exc), INVALID) from None
+    if (mismatch := parity_problem(spec, kv_plan)) is not None:  # sglang#19398
+        raise AdmissionDenied(mismatch, INVALID)
 
 
 def parse_policies(raw: Iterable[Mapping[str, Any]]) -> list[InferencePolicy]:

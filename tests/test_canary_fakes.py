@@ -40,6 +40,7 @@ class Behaviour:
     hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
     bump_tag_violations: bool = False
     fail_models: bool = False
+    advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
 
 
 class FakeEngine:
@@ -75,7 +76,8 @@ class FakeEngine:
         if self.b.fail_models:
             return web.Response(status=500, text="internal error")
         return web.json_response(
-            {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": self.b.context_length}]}
+            {"object": "list", "data": [{"id": "fake-model", "object": "model",
+                                         **({"max_model_len": self.b.context_length} if self.b.advertise_context else {})}]}
         )
 
     def generate(self, prompt: str, max_tokens: int) -> list[str]:
@@ -163,6 +165,9 @@ class FakeEngine:
             frame = {"choices": [{"index": 0, **delta, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
             await asyncio.sleep(self.b.token_delay)
+        # The OpenAI stream shape: a last chunk carries the finish reason (and usage), then [DONE].
+        final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "length"}]}
+        await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -190,6 +195,8 @@ class FakeEngine:
         return web.Response(text=text, content_type="text/plain")
 
     async def server_info(self, _request: web.Request) -> web.Response:
+        if not self.b.metrics_style.startswith("sglang"):  # only SGLang has /server_info
+            return web.Response(status=404, text="not found")
         return web.json_response(sglang_server_info(self.b.pool_tokens, self.b.context_length))
 
 

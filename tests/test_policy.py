@@ -120,7 +120,7 @@ def test_each_rule_on_the_tiny_model(spec_changes: dict[str, Any], rules: dict[s
          {"requiredEngineFlags": [{"engine": "sglang", "flags": ["--schedule-policy=lpm"]}]},
          {("requiredEngineFlags", "spec.engine.extraArgs")}),
         # S3: SGLang's KV checksum is opt-in, and only checked when both roles have it.
-        ({}, {"requireKVIntegrity": True}, {("requireKVIntegrity", "spec.engine.extraArgs")}),
+        ({}, {"requireKVIntegrity": True}, {("requireKVIntegrity", "spec.kvTransfer.checksum")}),
         ({"extraArgs": ["--disaggregation-enable-kv-checksum"]}, {"requireKVIntegrity": True}, set()),
         # The example: SGLang >= 0.5.22 carries the upstream fixes.
         ({"version": "0.5.4"}, {"minEngineVersions": {"sglang": "0.5.22"}}, {("minEngineVersions", "spec.engine.version")}),

@@ -34,6 +34,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--spec", type=Path, metavar="FILE.yaml",
         help="CanarySpec as YAML (or an InferenceModel manifest: its spec.canary is used)",
     )
+    parser.add_argument(
+        "--context-length", type=int, metavar="N",
+        help="the target's context length, for servers that do not advertise it (overrides spec.contextLength)",
+    )
+    parser.add_argument(
+        "--engine-log", action="append", default=[], type=Path, metavar="FILE",
+        help="an engine's log file (repeatable): SGLang KV-canary violations logged during the run fail the suite",
+    )
+    parser.add_argument(
+        "--baseline-match", choices=("exact", "tolerant"),
+        help="compare with the baseline by exact text, or by logprobs when numerics differ (golden.baselineMatch)",
+    )
     parser.add_argument("--probes", help="comma-separated probes to run (default: all enabled in the spec)")
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument("--timeout", type=float, metavar="S", help="overall time limit for the suite, seconds")
@@ -51,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         print("kvguard canary: cannot run: --timeout must be positive", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    if args.context_length is not None and args.context_length < 16:
+        print("kvguard canary: cannot run: --context-length must be at least 16", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    if args.baseline_match:
+        spec = spec.model_copy(update={"golden": spec.golden.model_copy(update={"baseline_match": args.baseline_match})})
     table = args.output == "table"
     progress_stream = sys.stdout if table else (sys.stderr if sys.stderr.isatty() else None)
     printer = _ProgressPrinter(progress_stream) if progress_stream else None
@@ -60,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         run_suite(
             args.url, spec, baseline_url=args.baseline_url, metrics_urls=args.metrics_url,
             progress=printer.on_event if printer else None, timeout_seconds=args.timeout,
+            context_length=args.context_length, engine_logs=args.engine_log,
         )
     )
     if table:
@@ -144,16 +162,18 @@ def describe_evidence(evidence: Any) -> list[str]:
     if kind == "http":
         status = evidence.status if evidence.status is not None else "no response"
         detail = evidence.error or _short(evidence.body)
-        return [f"- {evidence.request}: HTTP {status}, {evidence.tokens_received} chunk(s): {detail}"]
+        finish = f", finish_reason {evidence.finish_reason}" if evidence.finish_reason else ""
+        return [f"- {evidence.request}: HTTP {status}, {evidence.tokens_received} chunk(s){finish}: {detail}"]
     if kind == "nonce_leak":
         return [f"- nonce of {evidence.owner} found in {evidence.found_in}: {_short(evidence.output)}"]
     if kind == "counters":
         changed = {k: v for k, v in evidence.deltas.items() if v}
         return [f"- counter deltas: {changed or evidence.deltas}"]
     if kind == "pool_usage":
-        return [f"- pool used {evidence.final_tokens:g} tokens after {evidence.waited_seconds:g} s (baseline {evidence.baseline_tokens:g})"]
+        return [f"- pool used {evidence.final_tokens:,.0f} tokens after {evidence.waited_seconds:g} s (baseline {evidence.baseline_tokens:,.0f})"]
     if kind == "capacity":
-        return [f"- {evidence.worker}: {evidence.capacity_tokens} tokens, ratio {evidence.ratio} (needs {evidence.required_ratio:g})"]
+        size = f"{evidence.capacity_tokens:,}" if evidence.capacity_tokens is not None else "?"
+        return [f"- {evidence.worker}: {size} tokens, ratio {evidence.ratio} (needs {evidence.required_ratio:g})"]
     return [f"- {getattr(evidence, 'message', evidence)}"]
 
 
@@ -162,10 +182,24 @@ def _short(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def describe_target(target: Any) -> list[str]:
+    """The target facts the probes were sized from, one line each (pure)."""
+    context = f"{target.context_length:,} tokens ({target.context_length_source})" if target.context_length else "unknown"
+    pool = f"{target.min_pool_tokens:,} tokens" if target.min_pool_tokens is not None else "not reported"
+    if target.engines:
+        engines = ", ".join(target.engines) + (f" {target.engine_version}" if target.engine_version else "")
+    else:
+        engines = "not recognised (no engine metrics" + (")" if not target.metrics_urls else " at the metrics URLs)")
+    lines = [f"target: model {target.model}; context {context}; smallest KV pool {pool}; engine {engines}"]
+    if target.metrics_without_engine:
+        lines.append(f"  metrics without engine series (router?): {', '.join(target.metrics_without_engine)}")
+    lines += [f"  note: {note}" for note in target.context_notes]
+    return lines
+
+
 def _print_verdict(report: Any, out: TextIO) -> None:
-    target = report.target
-    facts = f"model={target.model} context={target.context_length} min_pool={target.min_pool_tokens}"
-    print(f"target: {facts} engines={','.join(target.engines) or '-'}", file=out)
+    for line in describe_target(report.target):
+        print(line, file=out)
     print(
         f"verdict: {report.verdict.value.upper()} ({report.reason}) in {report.duration_seconds:.1f} s; "
         f"time to verdict {report.time_to_verdict_seconds:.1f} s",

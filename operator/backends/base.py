@@ -259,8 +259,8 @@ async def _start_canary(
     spec: CanarySpec,
     on_done: Callable[[], Awaitable[None]] | None,
 ) -> None:
-    if not run.compare_outputs:  # other weights/numerics: the stable's text is no reference
-        spec = spec.model_copy(update={"golden": spec.golden.model_copy(update={"compare_baseline": False})})
+    if not run.compare_outputs:  # other weights/numerics: compare by logprobs, not text (or skip)
+        spec = spec.for_changed_numerics()
     target = await backend.endpoints(model, run.revision)
     baseline = await backend.endpoints(model, run.baseline) if run.baseline else None
     if target.router_url is None:

@@ -46,8 +46,18 @@ class AbortProbe(Probe):
         ctx.abort_window = (counter_totals(before, counter_names), counter_totals(await ctx.snapshots(), counter_names))
         if problems:
             return failed(problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
-        checked = any(isinstance(e, PoolUsage) for e in evidence)
-        return passed("aborted requests left no trace" + ("; pool usage recovered" if checked else ""), evidence)
+        return passed(self._summary(ctx, evidence), evidence)
+
+    def _summary(self, ctx: RunContext, evidence: list[Evidence]) -> str:
+        spec = ctx.spec.abort
+        recoveries = [e for e in evidence if isinstance(e, PoolUsage)]
+        cuts = f"{len(spec.stream_disconnect_after_tokens)} mid-decode and {len(spec.prefill_disconnect_after_seconds)} mid-prefill disconnect(s)"
+        pool = (
+            f"KV pool back to its baseline after {len(recoveries)} of them (slowest {max(r.waited_seconds for r in recoveries):.2f} s)"
+            if recoveries else "pool usage not checked (no metrics report KV usage)"
+        )
+        after = "; B still gives its solo output" if spec.check_isolation_after else ""
+        return f"{cuts}: {pool}{after}"
 
     def _long_generation(self, ctx: RunContext, prompt_tokens: int) -> int:
         """As many tokens as fit after the prompt: a non-propagated abort then holds pages for long."""

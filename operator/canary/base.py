@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import aiohttp
 
 from kvguard.operator.canary.client import Completion, EngineClient
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
-from kvguard.operator.canary.prompts import TokenEstimate, admissible_prompt_tokens
+from kvguard.operator.canary.prompts import FALLBACK_PROMPT_TOKENS, TokenEstimate, admissible_prompt_tokens
 from kvguard.operator.canary.report import Evidence, ProbeStatus, TargetInfo
 from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
 
@@ -48,6 +49,8 @@ class RunContext:
     start_snapshots: list[WorkerSnapshot] = field(default_factory=list)
     # Counter totals just before and after the abort probe (see SafetyCountersSpec).
     abort_window: tuple[dict[str, float], dict[str, float]] | None = None
+    # Engine log files and where each ended when the suite started (SGLang's KV canary, `engine_logs`).
+    engine_log_offsets: dict[Path, int] = field(default_factory=dict)
     _solo: dict[tuple[str, str, int], Completion] = field(default_factory=dict)
 
     @property
@@ -59,6 +62,19 @@ class RunContext:
 
     def admissible_tokens(self, reserve_tokens: int) -> int:
         return admissible_prompt_tokens(self.info.context_length, self.info.min_pool_tokens, reserve_tokens)
+
+    def sizing_basis(self) -> str:
+        """What long prompts were sized from, for the reasons and notes of the probes."""
+        info = self.info
+        context, pool = info.context_length, info.min_pool_tokens
+        if context is None and pool is None:
+            return f"context length unknown: sized from a {FALLBACK_PROMPT_TOKENS:,}-token fallback (pass --context-length)"
+        parts = []
+        if context is not None:
+            parts.append(f"context {context:,} ({info.context_length_source})")
+        if pool is not None:
+            parts.append(f"smallest KV pool {pool:,}")
+        return "sized from " + " and ".join(parts)
 
     async def solo(self, prompt: str, *, api: ApiKind | None = None, max_tokens: int | None = None) -> Completion:
         """The reference output of `prompt` run alone (cached: first successful answer wins)."""

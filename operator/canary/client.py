@@ -4,6 +4,16 @@ Every call returns a `Completion` and never raises for a server's misbehaviour: 
 connections, malformed bodies and error frames all become `Completion.error`, so that a probe can
 put the exchange into its evidence. Streams are read line by line so a probe can disconnect after a
 given number of chunks, or before the first one (mid-prefill).
+
+Streams are judged as the official OpenAI clients read them: a stream is complete once a choice
+carried a `finish_reason`, whether or not a `data: [DONE]` line follows (vLLM, SGLang and ours send
+one; `transformers serve` ends with the finish chunk and its usage). A stream is cut short only
+when it ends without any finish reason. Every error says what was observed (frames, text chunks,
+finish reason, [DONE]) so a report never claims more than the wire showed.
+
+One more consistency check, on every answer: `finish_reason: "length"` promises that the generation
+stopped at max_tokens (or at the context length). An answer that says so with fewer completion
+tokens than that is an aborted request reported as finished (sglang#33507) and is an error.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from kvguard.operator.canary.report import HttpExchange, clip
-from kvguard.operator.canary.responses import ModelList, parse_body, parse_json_text, sse_data
+from kvguard.operator.canary.responses import ModelList, TokenLogprob, parse_body, parse_json_text, sse_data
 from kvguard.operator.canary.spec import ApiKind
 
 _PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -34,6 +44,11 @@ class Completion:
     chunks: int = 0
     finish_reason: str | None = None
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    max_tokens: int | None = None  # as requested
+    frames_seen: int = 0  # SSE data frames (streams only), [DONE] excluded
+    saw_done: bool = False
+    logprobs: list[TokenLogprob] | None = None  # when asked for and the server returned them
     disconnected: bool = False
     seconds: float = 0.0
     frames: list[str] = field(default_factory=list)
@@ -60,6 +75,7 @@ class Completion:
             body=clip(self.body),
             error=self.error,
             tokens_received=self.chunks,
+            finish_reason=self.finish_reason,
         )
 
 
@@ -74,14 +90,18 @@ class EngineClient:
         model: str | None = None,
         seed: int = 1234,
         timeout_seconds: float = 20.0,
+        context_length: int | None = None,
     ) -> None:
         self.session = session
         self.base_url = api_root(base_url)
         self.model = model
         self.seed = seed
         self.timeout_seconds = timeout_seconds
+        self.context_length = context_length  # for the finish_reason "length" check; None: unknown
 
-    def request_body(self, api: ApiKind, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def request_body(
+        self, api: ApiKind, prompt: str, max_tokens: int, stream: bool, top_logprobs: int | None = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_tokens,
@@ -93,6 +113,8 @@ class EngineClient:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        if top_logprobs is not None:  # the two OpenAI spellings: chat takes a flag plus a count
+            body.update({"logprobs": True, "top_logprobs": top_logprobs} if api == "chat" else {"logprobs": top_logprobs})
         return body
 
     async def list_models(self) -> tuple[ModelList | None, str | None, bool]:
@@ -122,10 +144,11 @@ class EngineClient:
         stream: bool = False,
         label: str = "",
         disconnect_after_chunks: int | None = None,
+        top_logprobs: int | None = None,
     ) -> Completion:
         """One generation; streamed when `stream`, and then optionally cut after N chunks."""
-        result = Completion(label=label or f"{api} stream={stream}")
-        body = self.request_body(api, prompt, max_tokens, stream)
+        result = Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens)
+        body = self.request_body(api, prompt, max_tokens, stream, top_logprobs)
         started = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
         try:
@@ -143,6 +166,8 @@ class EngineClient:
             result.seconds = time.monotonic() - started
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
+        if result.error is None and result.status == 200:
+            result.error = premature_length_finish(result, self.context_length)
         return result
 
     async def disconnect_during_prefill(
@@ -158,7 +183,7 @@ class EngineClient:
         async with aiohttp.ClientSession(connector=connector) as private:
             solo = EngineClient(
                 private, self.base_url, model=self.model, seed=self.seed,
-                timeout_seconds=self.timeout_seconds,
+                timeout_seconds=self.timeout_seconds, context_length=self.context_length,
             )
             task = asyncio.create_task(solo.complete(prompt, api=api, max_tokens=max_tokens, stream=True))
             done, _ = await asyncio.wait({task}, timeout=after_seconds)
@@ -187,10 +212,9 @@ def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
 async def _read_stream(
     resp: aiohttp.ClientResponse, result: Completion, disconnect_after: int | None, started: float
 ) -> None:
-    """Accumulate SSE frames; an error frame, a malformed frame or a missing [DONE] is an error."""
+    """Accumulate SSE frames until [DONE] or the end of the body (see the module doc)."""
     pieces: list[str] = []
     lines: list[str] = []
-    saw_done = False
     async for raw_line in resp.content:
         line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
         lines.append(line)
@@ -198,28 +222,69 @@ async def _read_stream(
         if data is None or data == "":
             continue
         if data == "[DONE]":
-            saw_done = True
+            result.saw_done = True
             break
-        payload, error = parse_json_text(data)
-        parsed = parse_body(payload) if error is None else None
-        result.frames.append(data)
-        if error is not None or (parsed is not None and parsed.error is not None):
-            result.error = f"stream frame: {error or parsed.error}"  # type: ignore[union-attr]
+        result.frames_seen += 1
+        if not _absorb_frame(data, result, pieces, started):
             break
-        assert parsed is not None
-        if parsed.text:
-            pieces.append(parsed.text)
-            result.chunks += 1
-            result.chunk_times.append(time.monotonic() - started)
-        result.finish_reason = parsed.finish_reason or result.finish_reason
-        if disconnect_after is not None and result.chunks >= disconnect_after:
+        if disconnect_after is not None and result.chunks >= disconnect_after and result.finish_reason is None:
             result.disconnected = True
             resp.close()
             break
     result.text = "".join(pieces)
     result.body = "\n".join(lines)
-    if result.error is None and not saw_done and not result.disconnected:
-        result.error = "stream ended without data: [DONE] (server closed the stream early)"
+    if result.error is None and result.finish_reason is None and not result.disconnected:
+        result.error = stream_cut_short(result)
+
+
+def _absorb_frame(data: str, result: Completion, pieces: list[str], started: float) -> bool:
+    """One SSE data frame into `result`; False when it is an error frame (reading stops)."""
+    payload, error = parse_json_text(data)
+    parsed = parse_body(payload) if error is None else None
+    result.frames.append(data)
+    if error is not None or (parsed is not None and parsed.error is not None):
+        result.error = f"stream frame {result.frames_seen}: {error or parsed.error}"  # type: ignore[union-attr]
+        return False
+    assert parsed is not None
+    if parsed.text:
+        pieces.append(parsed.text)
+        result.chunks += 1
+        result.chunk_times.append(time.monotonic() - started)
+    result.finish_reason = parsed.finish_reason or result.finish_reason
+    result.prompt_tokens = parsed.prompt_tokens if parsed.prompt_tokens is not None else result.prompt_tokens
+    if parsed.completion_tokens is not None:
+        result.completion_tokens = parsed.completion_tokens
+    if parsed.logprobs:
+        result.logprobs = (result.logprobs or []) + parsed.logprobs
+    return True
+
+
+def stream_cut_short(result: Completion) -> str:
+    """What a stream that ended without a finish reason showed (pure; for the error message)."""
+    ending = "then data: [DONE]" if result.saw_done else "then the connection closed"
+    return (
+        f"stream cut short: {result.frames_seen} data frame(s), {result.chunks} text chunk(s), "
+        f"no choice carried a finish_reason, {ending}"
+    )
+
+
+def premature_length_finish(result: Completion, context_length: int | None) -> str | None:
+    """sglang#33507: `finish_reason: "length"` with fewer completion tokens than max_tokens, while
+    prompt + completion is still below the context length. None when consistent or not knowable
+    (no usage reported)."""
+    if result.finish_reason != "length" or result.completion_tokens is None or result.max_tokens is None:
+        return None
+    if result.completion_tokens >= result.max_tokens:
+        return None
+    if context_length is not None and result.prompt_tokens is not None:
+        if result.prompt_tokens + result.completion_tokens >= context_length:
+            return None  # it stopped at the context length: "length" is right
+    where = f", prompt {result.prompt_tokens} tokens" if result.prompt_tokens is not None else ""
+    context = f", context {context_length}" if context_length is not None else ""
+    return (
+        f"finish_reason 'length' after {result.completion_tokens} of max_tokens={result.max_tokens} "
+        f"completion tokens{where}{context}: an aborted or truncated request reported as finished (sglang#33507)"
+    )
 
 
 def _read_json(raw: str, result: Completion) -> None:
@@ -234,6 +299,8 @@ def _read_json(raw: str, result: Completion) -> None:
     result.error = parsed.error
     result.finish_reason = parsed.finish_reason
     result.prompt_tokens = parsed.prompt_tokens
+    result.completion_tokens = parsed.completion_tokens
+    result.logprobs = parsed.logprobs
 
 
 def _transport_error(exc: BaseException, timeout_seconds: float) -> str:

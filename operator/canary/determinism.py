@@ -43,4 +43,5 @@ class DeterminismProbe(Probe):
                     [OutputMismatch(request="streamed run", expected_from="run 1", expected=runs[0].text, actual=streamed.text)],
                 )
         extra = " plus a streamed run" if spec.compare_streaming else ""
-        return passed(f"{len(runs)} identical runs{extra}")
+        sample = runs[0].text if len(runs[0].text) <= 40 else runs[0].text[:37] + "..."
+        return passed(f"{len(runs)} identical runs{extra} ({api}, max_tokens={max_tokens}): {sample!r}")

@@ -1,18 +1,50 @@
-"""Golden probe: expected text (substring / regex) and equality with the baseline (stable revision).
+"""Golden probe: expected text (substring / regex) and agreement with the baseline (stable revision).
 
-Decoding is greedy with a fixed seed, so a correct canary running the same weights as the baseline
-must produce the same text; a KV corruption (S3) or a stale read (S1) changes it. When a revision
-legitimately changes numerics (weights, quantization, KV dtype, device, engine, sharding) the operator does
-not ask for the baseline's text (`RunCanary.compare_outputs`); expected text is still checked.
+Decoding is greedy with a fixed seed, so a correct canary running the same numerics as the baseline
+must produce the same text; a KV corruption (S3) or a stale read (S1) changes it
+(`baselineMatch: exact`, the default). When a revision legitimately changes numerics (weights,
+quantization, KV dtype, device, engine, sharding) the operator asks for `baselineMatch: tolerant`
+(`CanarySpec.for_changed_numerics`): both servers are asked for logprobs and compared by per-token
+agreement and logprob divergence (`logprob_compare`), so such a candidate is still judged against
+stable. A server that returns no logprobs leaves only the expected-text checks, and the result
+says so. The pass reason lists exactly what was checked: never a claim about expected text when
+none was configured.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
+from kvguard.operator.canary import logprob_compare
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, failed, passed
+from kvguard.operator.canary.client import Completion, EngineClient
 from kvguard.operator.canary.report import Evidence, Note, OutputMismatch
 from kvguard.operator.canary.spec import GoldenPrompt, ProbeName
+
+
+@dataclass
+class _Tally:
+    """What the probe checked, for an exact pass reason."""
+
+    expectations: int = 0
+    exact_equal: int = 0
+    tolerant_within: int = 0
+    tolerant_unavailable: int = 0
+    problems: list[str] = field(default_factory=list)
+    evidence: list[Evidence] = field(default_factory=list)
+
+    def reason(self, prompts: int) -> str:
+        parts = []
+        if self.expectations:
+            parts.append(f"{self.expectations} expectation(s) met")
+        if self.exact_equal:
+            parts.append(f"{self.exact_equal} output(s) equal to the baseline's")
+        if self.tolerant_within:
+            parts.append(f"{self.tolerant_within} output(s) within logprob tolerance of the baseline's")
+        if self.tolerant_unavailable:
+            parts.append(f"{self.tolerant_unavailable} not compared with the baseline (no logprobs returned)")
+        return f"{prompts} prompt(s): " + "; ".join(parts or ["nothing to compare"])
 
 
 class GoldenProbe(Probe):
@@ -23,51 +55,80 @@ class GoldenProbe(Probe):
         use_baseline = spec.compare_baseline and ctx.baseline is not None
         checkable = [p for p in spec.prompts if p.expect_substring or p.expect_regex or use_baseline]
         if not checkable:
-            raise ProbeSkipped("no prompt has expected text and no baseline URL was given")
-        problems: list[str] = []
-        evidence: list[Evidence] = []
+            why = "no baseline URL was given" if spec.compare_baseline else "compareBaseline is off"
+            raise ProbeSkipped(f"no prompt has expectSubstring/expectRegex and {why}")
+        tally = _Tally()
         for index, prompt in enumerate(checkable):
-            await self._check_one(ctx, index, prompt, use_baseline, problems, evidence)
-        if problems:
-            return failed(f"{len(problems)} golden check(s) failed; first: {problems[0]}", evidence)
-        source = "expected text" + (" and baseline" if use_baseline else "")
-        return passed(f"{len(checkable)} prompt(s) matched {source}", [Note(message=source)])
+            await self._check_one(ctx, index, prompt, use_baseline, tally)
+        if tally.problems:
+            return failed(f"{len(tally.problems)} golden check(s) failed; first: {tally.problems[0]}", tally.evidence)
+        if use_baseline and tally.tolerant_unavailable == len(checkable) and not tally.expectations:
+            raise ProbeSkipped(
+                "baselineMatch is tolerant but neither the candidate nor the baseline returned logprobs, "
+                "and no prompt has expected text"
+            )
+        return passed(tally.reason(len(checkable)), tally.evidence)
 
-    async def _check_one(
-        self,
-        ctx: RunContext,
-        index: int,
-        prompt: GoldenPrompt,
-        use_baseline: bool,
-        problems: list[str],
-        evidence: list[Evidence],
-    ) -> None:
+    async def _check_one(self, ctx: RunContext, index: int, prompt: GoldenPrompt, use_baseline: bool, tally: _Tally) -> None:
         max_tokens = prompt.max_tokens or ctx.spec.max_tokens
         label = f"golden #{index}"
-        out = await ctx.target.complete(prompt.prompt, api=ctx.spec.api, max_tokens=max_tokens, label=label)
+        tolerant = use_baseline and ctx.spec.golden.baseline_match == "tolerant"
+        top = ctx.spec.golden.logprob_tolerance.top_logprobs if tolerant else None
+        out = await _complete(ctx, ctx.target, prompt.prompt, max_tokens, label, top)
         if not out.ok:
-            problems.append(out.describe_failure())
-            evidence.append(out.evidence())
+            tally.problems.append(out.describe_failure())
+            tally.evidence.append(out.evidence())
             return
-        ctx.remember_solo(prompt.prompt, ctx.spec.api, max_tokens, out)
+        if not tolerant:
+            ctx.remember_solo(prompt.prompt, ctx.spec.api, max_tokens, out)
         for expected_from, matches, expected in _expectations(prompt, out.text):
+            tally.expectations += matches
             if not matches:
-                problems.append(f"{label}: output does not match {expected_from}")
-                evidence.append(
-                    OutputMismatch(request=label, expected_from=expected_from, expected=expected, actual=out.text)
-                )
-        if use_baseline and ctx.baseline is not None:
-            ref = await ctx.baseline.complete(
-                prompt.prompt, api=ctx.spec.api, max_tokens=max_tokens, label=f"{label} on baseline"
-            )
-            if not ref.ok:
-                problems.append(f"baseline could not answer: {ref.describe_failure()}")
-                evidence.append(ref.evidence())
-            elif ref.text != out.text:
-                problems.append(f"{label}: output differs from the baseline's")
-                evidence.append(
-                    OutputMismatch(request=label, expected_from="baseline", expected=ref.text, actual=out.text)
-                )
+                tally.problems.append(f"{label}: output does not match {expected_from}")
+                tally.evidence.append(OutputMismatch(request=label, expected_from=expected_from, expected=expected, actual=out.text))
+        if not use_baseline or ctx.baseline is None:
+            return
+        ref = await _complete(ctx, ctx.baseline, prompt.prompt, max_tokens, f"{label} on baseline", top)
+        if not ref.ok:
+            tally.problems.append(f"baseline could not answer: {ref.describe_failure()}")
+            tally.evidence.append(ref.evidence())
+        elif tolerant:
+            _judge_tolerant(ctx, label, out, ref, tally)
+        elif ref.text != out.text:
+            tally.problems.append(f"{label}: output differs from the baseline's")
+            tally.evidence.append(OutputMismatch(request=label, expected_from="baseline", expected=ref.text, actual=out.text))
+        else:
+            tally.exact_equal += 1
+
+
+async def _complete(ctx: RunContext, client: EngineClient, prompt: str, max_tokens: int, label: str, top: int | None) -> Completion:
+    """One golden request; with logprobs asked for, a server that rejects the parameter (4xx naming
+    it) is asked again without, so the expected-text checks still run."""
+    out = await client.complete(prompt, api=ctx.spec.api, max_tokens=max_tokens, label=label, top_logprobs=top)
+    if top is not None and out.status is not None and 400 <= out.status < 500 and "logprobs" in out.body:
+        out = await client.complete(prompt, api=ctx.spec.api, max_tokens=max_tokens, label=f"{label} (no logprobs)")
+    return out
+
+
+def _judge_tolerant(ctx: RunContext, label: str, out: Completion, ref: Completion, tally: _Tally) -> None:
+    if out.text == ref.text:
+        tally.exact_equal += 1
+        return
+    if not out.logprobs or not ref.logprobs:
+        missing = [who for who, c in (("candidate", out), ("baseline", ref)) if not c.logprobs]
+        tally.tolerant_unavailable += 1
+        tally.evidence.append(Note(message=f"{label}: outputs differ but {' and '.join(missing)} returned no logprobs; "
+                                           "the baseline comparison was not possible"))
+        return
+    tolerance = ctx.spec.golden.logprob_tolerance
+    agreement = logprob_compare.compare(out.logprobs, ref.logprobs, tolerance.max_logprob_divergence)
+    problem = logprob_compare.judge(agreement, tolerance.min_token_agreement, tolerance.max_logprob_divergence)
+    if problem is None:
+        tally.tolerant_within += 1
+        tally.evidence.append(Note(message=f"{label}: {agreement.describe()}"))
+        return
+    tally.problems.append(f"{label}: {problem}")
+    tally.evidence.append(OutputMismatch(request=label, expected_from="baseline (logprobs)", expected=ref.text, actual=out.text))
 
 
 def _expectations(prompt: GoldenPrompt, text: str) -> list[tuple[str, bool, str]]:

@@ -42,8 +42,13 @@ class IsolationProbe(Probe):
             await self._tenants(ctx, reference, problems, evidence)
         if problems:
             return failed(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
-        note = f"long requests of {sizes} filler words; {spec.tenants} concurrent tenants"
-        return passed("B identical after every long request; no nonce crossed requests", [Note(message=note)])
+        tokens = "/".join(ctx.estimate.tokens_for(w) for w in sizes)
+        tenants = f" and {spec.tenants} concurrent tenants" if spec.tenants else ""
+        reason = (
+            f"B ({len(reference.text)} chars) identical to B alone after {len(sizes)} long request(s) A of "
+            f"{'/'.join(map(str, sizes))} words ({tokens} tokens; {ctx.sizing_basis()}){tenants}; no nonce crossed requests"
+        )
+        return passed(reason, [Note(message=f"long requests of {sizes} filler words; {ctx.sizing_basis()}")])
 
     async def _long_round(
         self,

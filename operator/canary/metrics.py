@@ -11,11 +11,22 @@ Prometheus text is parsed with `prometheus_client.parser`; each engine's names a
 | safety counters | `kvguard_tag_violations_total`, `kvguard_checksum_failures_total`, `kvguard_hmac_failures_total`, `kvguard_stale_writes_dropped_total` | `sglang:num_transfer_failed_reqs_total`, `sglang:num_bootstrap_failed_reqs_total` (no KV-checksum counter exists) | `vllm:nixl_num_failed_transfers`, `vllm:nixl_num_failed_notifications` |
 
 Series are matched per label set (a pool's `used` pairs with the `capacity` that has the same
-labels); counters are summed over labels. SGLang exports from TP rank 0 only unless
+rank labels); counters are summed over labels. SGLang exports from TP rank 0 only unless
 `--enable-metrics-for-all-schedulers` is set, so one SGLang metrics URL stands for its whole TP group.
-Unverified [U]: SGLang refreshes its usage gauges when it logs batch statistics, so an idle server
-may report a stale `num_used_tokens`; if the abort probe's pool check flags an idle SGLang
-deployment, compare with `GET /v1/loads` before trusting it.
+
+Provenance, checked by tests/test_engine_conformance.py against the releases' own code:
+- SGLang 0.5.22/0.5.23 `srt/observability/metrics_collector.py`: every name above, with labels
+  model_name, engine_type, tp_rank, pp_rank, moe_ep_rank, optional dp_rank and priority;
+  `/server_info` fields from `srt/entrypoints/http_server.py` `server_info` (internal_states,
+  version), `managers/scheduler_components/memory_usage.py` (token_capacity) and the scheduler
+  info (max_total_num_tokens). No KV-checksum or KV-canary metric exists.
+- vLLM 0.33.0 `v1/metrics/loggers.py`: `vllm:cache_config_info` (labels = `CacheConfig` fields,
+  `config/cache.py`), `vllm:kv_cache_usage_perc` (0.33 no longer has the deprecated
+  `vllm:gpu_cache_usage_perc`; both are read), labels model_name and engine;
+  `distributed/kv_transfer/kv_connector/v1/nixl/stats.py`: the NIXL counters.
+Not verified: whether an idle SGLang refreshes `num_used_tokens` (it is set when batch statistics
+are logged); if the abort probe's pool check flags an idle SGLang deployment, compare with
+`GET /v1/loads` before trusting it.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ _POOL_KEY_LABELS = ("engine", "dp_rank", "rank", "role", "tp_rank", "moe_ep_rank
 @dataclass(frozen=True)
 class PoolReading:
     pool: str  # e.g. "engine=0" or "" for a worker's only pool
-    capacity_tokens: float
+    capacity_tokens: int
     used_tokens: float | None
     source: str
 
@@ -118,7 +129,7 @@ def _paired_pools(
         used = used_by_key.get(key)
         if used is None and key in fraction_by_key:
             used = fraction_by_key[key] * capacity
-        pools.append(PoolReading(key, capacity, used, capacity_name))
+        pools.append(PoolReading(key, int(capacity), used, capacity_name))
     return pools
 
 
@@ -140,11 +151,11 @@ def _vllm_pools(index: SampleIndex) -> list[PoolReading]:
     return pools
 
 
-def _vllm_capacity(info: dict[str, str]) -> float | None:
+def _vllm_capacity(info: dict[str, str]) -> int | None:
     try:
         if info.get("kv_cache_size_tokens") not in (None, "", "None"):
-            return float(info["kv_cache_size_tokens"])
-        return float(info["num_gpu_blocks"]) * float(info["block_size"])
+            return int(float(info["kv_cache_size_tokens"]))
+        return int(info["num_gpu_blocks"]) * int(info["block_size"])
     except (KeyError, ValueError):
         return None
 
@@ -172,7 +183,7 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
 
 class _MemoryUsage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    token_capacity: float | None = None
+    token_capacity: int | None = None
 
 
 class _InternalState(BaseModel):
@@ -184,7 +195,7 @@ class SglangServerInfo(BaseModel):
     """The fields of SGLang's GET /server_info the canary reads."""
 
     model_config = ConfigDict(extra="allow")
-    max_total_num_tokens: float | None = None
+    max_total_num_tokens: int | None = None
     context_length: int | None = None
     internal_states: list[_InternalState] = []
 

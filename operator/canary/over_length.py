@@ -31,6 +31,12 @@ class OverLengthCase:
     name: str
     words: int
     max_tokens: int
+    min_prompt_tokens: int  # the prompt has at least this many tokens
+
+    def describe(self) -> str:
+        if self.max_tokens > OVER_LENGTH_MAX_TOKENS:
+            return f"{self.name} (max_tokens={self.max_tokens:,})"
+        return f"{self.name} ({self.words:,} words, >= {self.min_prompt_tokens:,} tokens)"
 
 
 class OverLengthProbe(Probe):
@@ -39,7 +45,10 @@ class OverLengthProbe(Probe):
     async def run(self, ctx: RunContext) -> Outcome:
         context = ctx.info.context_length
         if not context:
-            raise ProbeSkipped("context length unknown (no max_model_len in /v1/models, no metrics)")
+            raise ProbeSkipped(
+                "context length unknown: no max_model_len in /v1/models, no /server_info context_length, no "
+                "metrics; pass --context-length or set spec.canary.contextLength"
+            )
         notes: list[Evidence] = []
         cases = self._cases(ctx, context, notes)
         requests = [
@@ -62,16 +71,26 @@ class OverLengthProbe(Probe):
                 notes.append(Note(message=note))
         if problems:
             return failed(f"{len(problems)} of {len(results)} over-length request(s) not rejected cleanly; first: {problems[0]}", evidence + notes)
-        return passed(f"{len(results)} over-length requests rejected with 4xx and no tokens", notes)
+        if not results:
+            raise ProbeSkipped("every case was over maxPromptBytes")
+        what = "; ".join(case.describe() for case in cases)
+        endpoints = f"{'/'.join(ctx.spec.over_length.apis)} x stream={'/'.join(str(x).lower() for x in ctx.spec.over_length.streaming)}"
+        source = ctx.info.context_length_source
+        return passed(
+            f"{len(results)} over-length requests rejected with 4xx and no tokens ({endpoints}; context {context:,} "
+            f"from {source}): {what}", notes,
+        )
 
     def _cases(self, ctx: RunContext, context: int, notes: list[Evidence]) -> list[OverLengthCase]:
         spec = ctx.spec.over_length
-        wanted = [OverLengthCase("prompt > context length", ctx.estimate.words_at_least(math.ceil(context * spec.context_factor)), OVER_LENGTH_MAX_TOKENS)]
+        over_context = math.ceil(context * spec.context_factor)
+        wanted = [OverLengthCase("prompt > context length", ctx.estimate.words_at_least(over_context), OVER_LENGTH_MAX_TOKENS, over_context)]
         pool = ctx.info.min_pool_tokens
         if spec.check_pool and pool:
-            wanted.append(OverLengthCase(f"prompt > KV pool ({int(pool)} tokens)", ctx.estimate.words_at_least(math.ceil(pool * 1.05) + 16), OVER_LENGTH_MAX_TOKENS))
+            over_pool = math.ceil(pool * 1.05) + 16
+            wanted.append(OverLengthCase(f"prompt > KV pool ({pool:,} tokens)", ctx.estimate.words_at_least(over_pool), OVER_LENGTH_MAX_TOKENS, over_pool))
         if spec.check_max_tokens:
-            wanted.append(OverLengthCase("max_tokens > context length", 8, context + 1))
+            wanted.append(OverLengthCase("max_tokens > context length", 8, context + 1, 8))
         cases = []
         for case in wanted:
             if case.words * BYTES_PER_WORD > spec.max_prompt_bytes:

@@ -18,6 +18,7 @@ WORD_LETTERS = "bcdfghjklmnpqrstvwxz"  # no hex letters a-f: filler can never sp
 WORD_LENGTH = 4
 BYTES_PER_WORD = WORD_LENGTH + 1  # the leading space
 CALIBRATION_WORDS = 64
+FALLBACK_PROMPT_TOKENS = 1024  # without a known limit: long enough to span many pages of any page size
 
 
 def make_nonce(length: int) -> str:
@@ -56,6 +57,12 @@ class TokenEstimate:
         per_word = self.tokens_per_word * 1.15 if self.tokens_per_word else float(BYTES_PER_WORD)
         return max(1, math.floor(tokens / per_word))
 
+    def tokens_for(self, words: int) -> str:
+        """The estimated tokens of `words` filler words, as text ("~N" measured, "<=N" worst case)."""
+        if self.tokens_per_word:
+            return f"~{round(words * self.tokens_per_word):,}"
+        return f"<={words * BYTES_PER_WORD:,}"
+
     def words_at_least(self, tokens: int) -> int:
         """Words whose prompt has more than `tokens` tokens."""
         per_word = self.tokens_per_word * 0.85 if self.tokens_per_word else 1.0
@@ -67,8 +74,8 @@ def admissible_prompt_tokens(
 ) -> int:
     """The longest prompt every node should accept, leaving `reserve_tokens` for generation.
 
-    Without any known limit, 1024 tokens: long enough to span many pages of any page size in use.
+    Without any known limit, FALLBACK_PROMPT_TOKENS.
     """
     limits = [int(x) for x in (context_length, min_pool_tokens) if x]
-    limit = min(limits) if limits else 1024
+    limit = min(limits) if limits else FALLBACK_PROMPT_TOKENS
     return max(16, limit - reserve_tokens - 16)

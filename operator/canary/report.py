@@ -56,6 +56,7 @@ class HttpExchange(_ReportModel):
     body: str = Field("", description="Response body or stream text (clipped).")
     error: str | None = Field(None, description="Transport, timeout or protocol error.")
     tokens_received: int = Field(0, description="Content chunks/characters of generated text seen.")
+    finish_reason: str | None = Field(None, description="The finish reason the server sent, if any.")
 
 
 class NonceLeak(_ReportModel):
@@ -88,7 +89,7 @@ class CapacityReading(_ReportModel):
     kind: Literal["capacity"] = "capacity"
     worker: str
     source: str = Field(description="Metric or endpoint the capacity was read from.")
-    capacity_tokens: float | None
+    capacity_tokens: int | None
     context_length: int | None
     ratio: float | None
     required_ratio: float
@@ -118,9 +119,22 @@ class TargetInfo(_ReportModel):
     baseline_url: str | None = None
     metrics_urls: list[str] = Field(default_factory=list)
     model: str | None = None
-    context_length: int | None = Field(None, description="From /v1/models max_model_len or metrics.")
-    min_pool_tokens: float | None = Field(None, description="Smallest KV pool reported by a worker.")
-    engines: list[str] = Field(default_factory=list, description="Engines recognised from metrics.")
+    context_length: int | None = Field(None, description="The context length the probes were sized from.")
+    context_length_source: str | None = Field(
+        None, description="Where it came from: --context-length, spec.canary.contextLength, /v1/models max_model_len, "
+        "/server_info context_length or a metric."
+    )
+    context_notes: list[str] = Field(
+        default_factory=list, description="Other context lengths the servers advertised, when they differ."
+    )
+    min_pool_tokens: int | None = Field(None, description="Smallest KV pool reported by a worker.")
+    engines: list[str] = Field(
+        default_factory=list, description="Engines recognised from metrics or /server_info (kvguard, sglang, vllm)."
+    )
+    engine_version: str | None = Field(None, description="The version /server_info reports (SGLang).")
+    metrics_without_engine: list[str] = Field(
+        default_factory=list, description="Metrics URLs that answered without any engine's metrics (a router?)."
+    )
 
 
 class CanaryReport(_ReportModel):

@@ -41,11 +41,69 @@ class ChatMessage(_Lenient):
     content: str | None = None
 
 
+class ChatTopLogprob(_Lenient):
+    token: str
+    logprob: float
+
+
+class ChatTokenLogprob(_Lenient):
+    token: str
+    logprob: float
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChatLogprobs(_Lenient):
+    """Chat completions: `choices[].logprobs.content[]` (OpenAI shape; vLLM and SGLang follow it)."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Lenient):
+    """Legacy completions: parallel lists `tokens`, `token_logprobs`, `top_logprobs` (OpenAI shape)."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability and the top alternatives the server sent."""
+
+    token: str
+    logprob: float | None
+    top: dict[str, float]
+
+
+def token_logprobs(raw: Any) -> list[TokenLogprob] | None:
+    """Either OpenAI logprobs shape as one list; None when absent or unreadable."""
+    if not isinstance(raw, dict):
+        return None
+    if "content" in raw:
+        try:
+            chat = ChatLogprobs.model_validate(raw)
+        except ValidationError:
+            return None
+        if chat.content is None:
+            return None
+        return [TokenLogprob(t.token, t.logprob, {a.token: a.logprob for a in t.top_logprobs}) for t in chat.content]
+    try:
+        legacy = CompletionLogprobs.model_validate(raw)
+    except ValidationError:
+        return None
+    tops = legacy.top_logprobs or [None] * len(legacy.tokens)
+    return [
+        TokenLogprob(token, lp, dict(top or {}))
+        for token, lp, top in zip(legacy.tokens, legacy.token_logprobs, tops)
+    ]
+
+
 class Choice(_Lenient):
     text: str | None = None
     message: ChatMessage | None = None
     delta: ChatMessage | None = None
     finish_reason: str | dict[str, Any] | None = None
+    logprobs: dict[str, Any] | None = None
 
     def content(self) -> str:
         for part in (self.text, self.message and self.message.content, self.delta and self.delta.content):
@@ -88,6 +146,8 @@ class ParsedBody:
     error: str | None = None
     finish_reason: str | None = None
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def error_message(payload: Any) -> str | None:
@@ -127,10 +187,13 @@ def parse_body(payload: Any) -> ParsedBody:
             text="".join(c.content() for c in body.choices), error="finish_reason is 'abort'"
         )
     finish = next((c.finish_reason for c in body.choices if c.finish_reason), None)
+    logprobs = [t for c in body.choices for t in (token_logprobs(c.logprobs) or [])]
     return ParsedBody(
         text="".join(choice.content() for choice in body.choices),
         finish_reason=finish if isinstance(finish, str) else json.dumps(finish) if finish else None,
         prompt_tokens=body.usage.prompt_tokens if body.usage else None,
+        completion_tokens=body.usage.completion_tokens if body.usage else None,
+        logprobs=logprobs or None,
     )
 
 

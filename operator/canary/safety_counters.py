@@ -5,13 +5,18 @@ Before = the snapshot taken when the suite started; after = now (this probe runs
 of the abort-tolerant counters inside the abort probe's window are reported but allowed (dropping a
 late write from an aborted request is S5 doing its job). A counter that went *down* means a worker
 restarted during the run, which is a failure of its own (S1: a violation never crashes a worker).
+
+SGLang's read-time KV canary (`--kv-canary log|raise`) has no counter: its violations are log
+lines (`engine_logs`). When engine logs are given, every violation logged during the run fails
+this probe too, with the slot and reason SGLang reported.
 """
 
 from __future__ import annotations
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, failed, passed
+from kvguard.operator.canary.engine_logs import KVCanaryViolation, appended_text, parse_violations
 from kvguard.operator.canary.metrics import counter_totals
-from kvguard.operator.canary.report import CounterDeltas
+from kvguard.operator.canary.report import CounterDeltas, Note
 from kvguard.operator.canary.spec import ProbeName
 
 
@@ -19,8 +24,13 @@ class SafetyCountersProbe(Probe):
     name = ProbeName.SAFETY_COUNTERS
 
     async def run(self, ctx: RunContext) -> Outcome:
+        violations = _logged_violations(ctx)
         if not ctx.metrics_reachable:
-            raise ProbeSkipped("no metrics reachable at the start of the run")
+            if ctx.engine_log_offsets:
+                return _judge_logs(ctx, violations)
+            raise ProbeSkipped("no metrics reachable at the start of the run and no engine logs given")
+        if violations:
+            return _judge_logs(ctx, violations)
         spec = ctx.spec.safety_counters
         before = counter_totals(ctx.start_snapshots, spec.counters)
         after_snapshots = await ctx.snapshots()
@@ -54,3 +64,20 @@ class SafetyCountersProbe(Probe):
             name: max(0.0, end.get(name, 0.0) - start.get(name, 0.0))
             for name in ctx.spec.safety_counters.abort_tolerant_counters
         }
+
+
+def _logged_violations(ctx: RunContext) -> list[tuple[str, KVCanaryViolation]]:
+    return [
+        (str(path), v)
+        for path, offset in ctx.engine_log_offsets.items()
+        for v in parse_violations(appended_text(path, offset))
+    ]
+
+
+def _judge_logs(ctx: RunContext, violations: list[tuple[str, KVCanaryViolation]]) -> Outcome:
+    logs = len(ctx.engine_log_offsets)
+    if not violations:
+        return passed(f"no SGLang kv_canary violation logged in {logs} engine log(s) (no metrics to read)")
+    evidence = [Note(message=f"{path}: {v.line}") for path, v in violations[:20]]
+    first = violations[0][1]
+    return failed(f"SGLang's KV canary logged {len(violations)} violation(s) during the run; first: {first.describe()}", evidence)

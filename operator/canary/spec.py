@@ -75,6 +75,28 @@ def _default_golden_prompts() -> list[GoldenPrompt]:
     ]
 
 
+BaselineMatch = Literal["exact", "tolerant"]
+
+
+class LogprobTolerance(_SpecModel):
+    """How far a candidate may drift from the baseline when numerics legitimately differ (other
+    weights file, quantization, KV dtype, GPU, a non-batch-invariant kernel). Both are judged per
+    prompt over the greedy tokens, position by position, on the servers' own logprobs."""
+
+    top_logprobs: int = Field(
+        5, ge=1, le=20, description="Alternatives requested per token (OpenAI top_logprobs / logprobs=N)."
+    )
+    min_token_agreement: float = Field(
+        0.75, ge=0.0, le=1.0,
+        description="Share of positions, up to the first divergence, where candidate and baseline chose the same "
+        "token; plus, after a divergence, the candidate's token must be among the baseline's top alternatives.",
+    )
+    max_logprob_divergence: float = Field(
+        1.0, gt=0.0,
+        description="Largest mean |logprob difference| (nats) over the positions both chose the same token.",
+    )
+
+
 class GoldenSpec(_SpecModel):
     enabled: bool = Field(True, description="Run the golden-output probe.")
     prompts: list[GoldenPrompt] = Field(
@@ -87,6 +109,16 @@ class GoldenSpec(_SpecModel):
         description="When a baseline URL is given, outputs must equal the baseline's. The operator "
         "compares only when the candidate serves the same weights, quantization, KV dtype, device, sharding and "
         "engine as the baseline (other numerics give other text).",
+    )
+    baseline_match: BaselineMatch = Field(
+        "exact",
+        description="exact: the text must equal the baseline's (same numerics). tolerant: request logprobs from "
+        "both and judge per-token agreement and logprob divergence (logprobTolerance); a server that returns no "
+        "logprobs makes the baseline comparison skip with a note. The operator uses tolerant when a revision "
+        "changes numerics.",
+    )
+    logprob_tolerance: LogprobTolerance = Field(
+        default_factory=LogprobTolerance, description="Thresholds of the tolerant comparison."
     )
 
 
@@ -247,6 +279,12 @@ class CanarySpec(_SpecModel):
         "completions", description="Endpoint the generation probes use (over-length tests its own list)."
     )
     max_tokens: int = Field(8, ge=1, le=4096, description="Tokens generated per probe request.")
+    context_length: int | None = Field(
+        None, ge=16,
+        description="Context length of the target, for servers that do not advertise one (no max_model_len in "
+        "/v1/models, no /server_info); it sizes isolation's long requests and the over-length cases. When unset, "
+        "the operator uses the InferenceModel's contextLength.",
+    )
     seed: int = Field(1234, description="Sampling seed sent with every request (decoding is greedy).")
     request_timeout_seconds: float = Field(
         20.0, gt=0.0, description="A request that takes longer fails (hangs are failures)."
@@ -283,6 +321,12 @@ class CanarySpec(_SpecModel):
 
     def enabled_probes(self) -> list[ProbeName]:
         return [name for name in ProbeName if self.probe_enabled(name)]
+
+    def for_changed_numerics(self) -> CanarySpec:
+        """The spec for a candidate whose numerics differ from the baseline's (`RunCanary.compare_outputs`
+        False): the golden probe compares by logprobs instead of exact text."""
+        golden = self.golden.model_copy(update={"baseline_match": "tolerant"})
+        return self.model_copy(update={"golden": golden})
 
     def only(self, names: list[ProbeName]) -> CanarySpec:
         """A copy with exactly `names` enabled (the CLI's --probes)."""

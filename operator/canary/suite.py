@@ -14,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
@@ -22,6 +23,13 @@ from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContex
 from kvguard.operator.canary.capacity import CapacityProbe
 from kvguard.operator.canary.client import EngineClient
 from kvguard.operator.canary.determinism import DeterminismProbe
+from kvguard.operator.canary.discovery import (
+    ContextReading,
+    choose_context_length,
+    context_notes,
+    discover_from_target,
+)
+from kvguard.operator.canary.engine_logs import log_offsets
 from kvguard.operator.canary.golden import GoldenProbe
 from kvguard.operator.canary.isolation import IsolationProbe
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
@@ -73,11 +81,15 @@ async def run_suite(
     metrics_urls: Sequence[str] = (),
     progress: ProgressCallback | None = None,
     timeout_seconds: float | None = None,
+    context_length: int | None = None,
+    engine_logs: Sequence[Path] = (),
 ) -> CanaryReport:
     """Run every enabled probe against `url`; never raises for the target's misbehaviour.
 
-    `timeout_seconds` overrides `spec.suiteTimeoutSeconds`; `progress` is called as each probe
-    starts and finishes.
+    `timeout_seconds` overrides `spec.suiteTimeoutSeconds`; `context_length` overrides
+    `spec.contextLength` (see `discovery` for where it is read otherwise); `engine_logs` are log
+    files of the engines whose new SGLang KV-canary violations fail the safety-counter probe;
+    `progress` is called as each probe starts and finishes.
     """
     spec = spec or CanarySpec()
     started = time.monotonic()
@@ -86,8 +98,11 @@ async def run_suite(
     limit = timeout_seconds or spec.suite_timeout_seconds
     deadline = started + limit if limit else None
     async with aiohttp.ClientSession() as session:
+        configured = _configured_context(spec, context_length)
+        offsets = log_offsets(list(engine_logs))  # before any request: every line after is this run's
         try:
-            ctx = await _prepare(session, spec, info, baseline_url, deadline)
+            ctx = await _prepare(session, spec, info, baseline_url, deadline, configured)
+            ctx.engine_log_offsets = offsets
         except CannotRun as exc:
             return CanaryReport(
                 verdict=Verdict.CANNOT_RUN, reason=str(exc), target=info, started_at=started_at,
@@ -110,18 +125,30 @@ async def _prepare(
     info: TargetInfo,
     baseline_url: str | None,
     deadline: float | None,
+    configured: ContextReading | None,
 ) -> RunContext:
     """Preflight: model and context length, the baseline, start-of-run metrics, token calibration."""
     timeout = spec.request_timeout_seconds
     target = EngineClient(session, info.url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
-    info.model, info.context_length = await _identify(target, spec.model, "target")
+    info.model, max_model_len = await _identify(target, spec.model, "target")
     target.model = info.model
     baseline = None
     if baseline_url:
         baseline = EngineClient(session, baseline_url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
         baseline.model, _ = await _identify(baseline, spec.model, "baseline")
+    facts = await discover_from_target(session, target.base_url, timeout)
     snapshots = await fetch_all(session, info.metrics_urls, timeout)
-    _absorb_metrics(info, snapshots)
+    readings = [ContextReading("/v1/models max_model_len", max_model_len)] if max_model_len else []
+    readings += facts.readings + _metric_contexts(snapshots)
+    chosen = choose_context_length(configured, readings)
+    info.context_length = chosen.tokens if chosen else None
+    info.context_length_source = chosen.source if chosen else None
+    info.context_notes = context_notes(chosen, readings)
+    info.engine_version = facts.engine_version
+    _absorb_metrics(info, snapshots, facts.engine)
+    target.context_length = info.context_length
+    if baseline is not None:
+        baseline.context_length = info.context_length
     ctx = RunContext(
         spec=spec, session=session, target=target, baseline=baseline,
         metrics_urls=info.metrics_urls, info=info, start_snapshots=snapshots,
@@ -147,14 +174,31 @@ async def _identify(client: EngineClient, model: str | None, role: str) -> tuple
     return card.id, card.max_model_len
 
 
-def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot]) -> None:
+def _configured_context(spec: CanarySpec, override: int | None) -> ContextReading | None:
+    if override is not None:
+        return ContextReading("--context-length", override)
+    if spec.context_length is not None:
+        return ContextReading("spec.canary.contextLength", spec.context_length)
+    return None
+
+
+def _metric_contexts(snapshots: list[WorkerSnapshot]) -> list[ContextReading]:
+    """The smallest context length the workers' metrics report (one reading at most)."""
+    found = [(s.context_length, s) for s in snapshots if s.reachable and s.context_length]
+    if not found:
+        return []
+    tokens, snap = min(found, key=lambda pair: pair[0])
+    source = "kvguard_context_length_tokens" if snap.engine == "kvguard" else "/server_info context_length (metrics URL)"
+    return [ContextReading(f"{source} of {snap.url}", int(tokens))]
+
+
+def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot], engine_from_http: str | None) -> None:
     reachable = [s for s in snapshots if s.reachable]
-    info.engines = sorted({s.engine for s in reachable})
+    engines = {s.engine for s in reachable if s.engine != "unknown"} | ({engine_from_http} if engine_from_http else set())
+    info.engines = sorted(engines)
+    info.metrics_without_engine = [s.url for s in reachable if s.engine == "unknown"]
     capacities = [p.capacity_tokens for s in reachable for p in s.pools]
-    info.min_pool_tokens = min(capacities) if capacities else None
-    if info.context_length is None:
-        contexts = [s.context_length for s in reachable if s.context_length]
-        info.context_length = min(contexts) if contexts else None
+    info.min_pool_tokens = int(min(capacities)) if capacities else None
 
 
 async def _calibrate(target: EngineClient, deadline: float | None) -> TokenEstimate:
