@@ -80,9 +80,13 @@ class _Request(_Strict):
 
     REFUSED: ClassVar[dict[str, Refusal]] = {}  # per endpoint: known parameters this server does not implement
 
-    @field_validator("stop")
+    @field_validator("stop", mode="plain")
     @classmethod
-    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+    def _stops(cls, stop: Any) -> str | list[str] | None:
+        if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+        ):
+            raise ValueError("must be a string or a list of strings")
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}")

@@ -40,10 +40,16 @@ class _Automaton:
         self.fail = _failure(pattern)
         self.state = 0  # the text ends with pattern[:state]
 
+    def pass_over(self) -> None:
+        """A completion that did not stop the request (not armed) is ordinary text: hold back only
+        the part of it that may start the next occurrence."""
+        if self.state == len(self.pattern):
+            self.state = self.fail[self.state - 1]
+
     def advance(self, char: str) -> bool:
         """Feed one character; True when the pattern has just been completed."""
         pattern, k = self.pattern, self.state
-        if k == len(pattern):  # completed before but passed over: continue from its border
+        if k == len(pattern):  # completed earlier in this delta but passed over: go on from its border
             k = self.fail[k - 1]
         while k and pattern[k] != char:
             k = self.fail[k - 1]
@@ -76,6 +82,8 @@ class StopMatcher:
                 stop_len = max(len(a.pattern) for a in completed)
                 self.stopped = True
                 return self._release_before_stop(text[: offset + 1], stop_len)
+        for automaton in self._automata:
+            automaton.pass_over()
         self._held.append(text)
         self._held_chars += len(text)
         if final:
