@@ -143,7 +143,4 @@ def http_error_response(request: web.Request, exc: web.HTTPException) -> web.Res
     else:
         err = OpenAIError(exc.status, exc.reason or f"HTTP {exc.status}", code=f"http_{exc.status}")
     headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-    response = web.json_response(err.body(), status=err.status, headers=headers)
-    if exc.status == 413:
-        response.force_close()  # the rest of the body is not read
-    return response
+    return web.json_response(err.body(), status=err.status, headers=headers)

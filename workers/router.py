@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -331,6 +331,8 @@ class Router:
         return body
 
     async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            self._too_large()  # refused from its headers: not a byte of it is read
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 return await request.read()
@@ -338,8 +340,11 @@ class Router:
             raise OpenAIError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
                               code="request_timeout") from None
         except web.HTTPRequestEntityTooLarge:
-            raise OpenAIError(413, f"the request body is larger than the limit of {self.config.max_body_bytes} bytes",
-                              code="request_too_large") from None
+            self._too_large()
+
+    def _too_large(self) -> NoReturn:
+        raise OpenAIError(413, f"the request body is larger than the limit of {self.config.max_body_bytes} bytes",
+                          code="request_too_large") from None
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""
@@ -498,8 +503,10 @@ class Router:
 
     def _error_response(self, err: OpenAIError) -> web.Response:
         response = web.json_response(err.body(), status=err.status)
-        if err.status in (408, 413):  # the body was not read to its end: this connection is done
+        if err.status == 408:  # a client too slow to send its body loses the connection too
             response.force_close()
+        # (a 413 is not force-closed: aiohttp reads and drops the rest of the body for up to its
+        # lingering time, so the client reads the answer instead of a connection reset)
         return response
 
     # -- the two legs ----------------------------------------------------------------------
