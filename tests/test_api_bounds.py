@@ -138,6 +138,14 @@ def test_every_limit_is_a_400_naming_its_parameter(trio: LocalDeployment, model:
     assert_openai_error(post(trio, {"model": model, "prompt": "hi", "max_tokens": 2, **override}), 400, param)
 
 
+def test_prompts_too_big_for_the_loop_are_tokenized_on_a_thread_and_answered(trio: LocalDeployment, model: str) -> None:
+    """Between 4 KiB and the byte limit a prompt is tokenized off the event loop; too many tokens is
+    still the ordinary context_length_exceeded."""
+    error = assert_openai_error(post(trio, {"model": model, "prompt": "q" * 6000, "max_tokens": 2}), 400, "prompt")
+    assert error["code"] == "context_length_exceeded" and "6001 in the prompt" in error["message"]
+    still_serving(trio, model)
+
+
 def test_chat_content_over_the_byte_limit_names_messages(trio: LocalDeployment, model: str) -> None:
     body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "y" * 20_000}]}
     error = assert_openai_error(post(trio, body, "chat/completions"), 400, "messages")
