@@ -42,7 +42,7 @@ def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: in
     gen = torch.Generator().manual_seed(0)
     requests = [
         engine.add_request(f"{tag}-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),
-                           SamplingParams(max_tokens=decode, ignore_eos=True))
+                           SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))
         for i in range(batch)
     ]
     while any(r.state != RequestState.DECODING for r in requests):
@@ -66,7 +66,7 @@ def tag_work_per_step(engine: Engine, batch: int, prompt: int, iterations: int =
     engine.pool.tags = True
     gen = torch.Generator().manual_seed(1)
     requests = [engine.add_request(f"micro-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),
-                                   SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(batch)]
+                                   SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) for i in range(batch)]
     while any(r.state != RequestState.DECODING for r in requests):
         engine.step()
     ps, pool = engine.pool.page_size, engine.pool

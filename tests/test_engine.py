@@ -23,7 +23,7 @@ from kvguard.workers.request import (
 
 PROMPTS = ["The quick brown fox", "Hello", "A much longer prompt that spans a few pages of the pool",
            "abc", "secret nonce 12345"]
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def engine(model_dir: Path, **kw) -> Engine:
@@ -78,10 +78,10 @@ def test_stop_string_and_stop_token_and_length(eng: Engine) -> None:
     text = full.output_text
     stop = text[5:8]
     cut = text.find(stop)
-    stopped = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))[0]
+    stopped = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, temperature=0, stop=(stop,), ignore_eos=True))[0]
     assert stopped.finish_reason == "stop" and stopped.output_text == text[:cut]
     token = full.output_ids[3]
-    by_token = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, stop_token_ids=(token,)))[0]
+    by_token = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(token,)))[0]
     assert by_token.finish_reason == "stop" and by_token.output_ids == full.output_ids[: full.output_ids.index(token) + 1]
     assert full.finish_reason == "length" and len(full.output_ids) == 24
 
@@ -89,7 +89,7 @@ def test_stop_string_and_stop_token_and_length(eng: Engine) -> None:
 def test_streamed_text_never_contains_the_stop_string(eng: Engine) -> None:
     full = eng.generate([ids(eng, PROMPTS[2])], GREEDY)[0].output_text
     stop = full[10:14]
-    request = eng.add_request("s", ids(eng, PROMPTS[2]), SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))
+    request = eng.add_request("s", ids(eng, PROMPTS[2]), SamplingParams(max_tokens=24, temperature=0, stop=(stop,), ignore_eos=True))
     streamed = ""
     while eng.has_work():
         streamed += "".join(o.text for o in eng.step() if o.request_id == "s")
@@ -218,7 +218,7 @@ async def test_async_engine_streams_aborts_and_rejects(tiny_model_dir: Path) -> 
     loop = AsyncEngine(e)
     try:
         streams = [await loop.generate(f"a{i}", ids(e, p), GREEDY) for i, p in enumerate(PROMPTS[:3])]
-        endless = await loop.generate("endless", ids(e, "x"), SamplingParams(max_tokens=200, ignore_eos=True))
+        endless = await loop.generate("endless", ids(e, "x"), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
 
         async def collect(stream) -> list[int]:
             return [t async for o in stream for t in o.token_ids]
@@ -243,7 +243,7 @@ async def test_async_engine_streams_aborts_and_rejects(tiny_model_dir: Path) -> 
 
 
 def test_metrics_contract(eng: Engine) -> None:
-    eng.generate([ids(eng, "hello")], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.generate([ids(eng, "hello")], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     with pytest.raises(ContextLengthExceeded):
         eng.add_request("long", list(range(300)), GREEDY)
     families = {f.name: f for f in text_string_to_metric_families(eng.metrics.exposition().decode())}

@@ -155,7 +155,7 @@ def test_soak_with_random_aborts_every_output_equals_its_solo_reference(tiny_mod
         with cf.ThreadPoolExecutor(6) as executor:
             results = list(executor.map(run, range(60)))
         completed = [(i, text) for i, text in results if text is not None]
-        assert len(completed) >= 40
+        assert len(completed) >= 60 - len(leave)  # every request that stayed; a leaver may finish first
         for i, text in completed:
             assert text == reference_text(tiny_model_dir, prompts[i], 24, kv_pool_tokens=pool, context_length=context), i
         wait_pools_empty(d, timeout_s=3.0)

@@ -27,7 +27,8 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
         assert set(urls["metrics"]) == {"router", "prefill", "decode"}
         assert set(urls["internal"]) == {"prefill", "decode"}
         _assert_one_audience_per_port(urls)
-        answer = requests.post(f"{urls['router']}/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        model = requests.get(f"{urls['router']}/models", timeout=30).json()["data"][0]["id"]
+        answer = requests.post(f"{urls['router']}/completions", json={"model": model, "prompt": "hi", "max_tokens": 3}, timeout=30)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         workers = _children(serve.pid)
         assert len(workers) == 3

@@ -110,6 +110,10 @@ class WorkerArgs(BaseModel):
     metrics_port: ListenSpec = Field(
         Listen(), json_schema_extra=_flag("common", "read-only /metrics and /health (scrapers, probes). A port, or fd:N")
     )
+    header_timeout: float = Field(
+        30.0, gt=0, json_schema_extra=_flag("common", "seconds a connection may take to send a request's headers, and "
+                                            "may sit idle between requests (slow-header clients are cut off)")
+    )
 
     device: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, cpu, cuda or cuda:N"))
     dtype: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))
@@ -127,6 +131,8 @@ class WorkerArgs(BaseModel):
     prefill: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a prefill worker's internal base URL (repeatable)"))
     decode: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a decode worker's internal base URL (repeatable)"))
     request_timeout: float = Field(120.0, gt=0, json_schema_extra=_flag("router", "seconds a request may take end to end"))
+    body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
 
     @model_validator(mode="after")
     def _fits_the_role(self) -> WorkerArgs:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from kvguard.workers.engine import Engine
 from kvguard.workers.kv_pool import Lease
-from kvguard.workers.request import EngineError, RequestOutput, RequestState, SamplingParams
+from kvguard.workers.request import EngineError, RequestOutput, RequestState, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -204,9 +204,12 @@ class AsyncEngine:
     async def mark_receiving(self, request_id: str) -> None:
         await self.call(lambda: self.engine.mark_receiving(request_id))
 
-    async def start_decode(self, request_id: str, first_token: int, *, require_written: bool = True) -> None:
-        """S3 check then decode from `first_token`; raises `KVNotWritten` (request failed) if not all written."""
-        await self.call(lambda: self.engine.start_decode(request_id, first_token, require_written=require_written))
+    async def start_decode(self, request_id: str, first_token: int, *, require_written: bool = True,
+                           first_logprob: TokenLogprob | None = None) -> None:
+        """S3 check then decode from `first_token` (with its logprobs as prefill computed them, when
+        known); raises `KVNotWritten` (request failed) if not all written."""
+        await self.call(lambda: self.engine.start_decode(request_id, first_token, require_written=require_written,
+                                                         first_logprob=first_logprob))
 
     async def release(self, request_id: str) -> None:
         await self.call(lambda: self.engine.release(request_id))

@@ -29,7 +29,7 @@ from kvguard.workers.protocol import (
     TokenEvent,
 )
 from kvguard.workers.request import EngineError, RequestState
-from kvguard.workers.serving import WorkerRuntime, engine_error, engine_sampling, parse_body
+from kvguard.workers.serving import WorkerRuntime, engine_error, parse_body
 from kvguard.workers.transfer import (
     AbortCause,
     KVReceiver,
@@ -119,7 +119,7 @@ class DecodeServer:
             # FAULT (the incident's decode): it trusts prefill's metadata -- one placeholder token
             # of KV -- and proceeds as if every page of the (truncated) prompt had been written.
             engine = self.runtime.engine.engine
-            fit = min(engine.context_length, self.pool.capacity_tokens) - body.sampling.max_tokens
+            fit = min(engine.context_length, self.pool.capacity_tokens) - (body.sampling.max_tokens or 0)
             return _Plan(prompt[: max(1, fit)], kv_tokens=1, verify_written=False)
         return _Plan(prompt, len(prompt), verify_written=not faults.ignore_manifest)
 
@@ -132,7 +132,7 @@ class DecodeServer:
         cause: str = AbortCause.CLIENT_DISCONNECT
         try:
             try:
-                lease, stream = await engine.preallocate(rid, plan.prompt, engine_sampling(body.sampling))
+                lease, stream = await engine.preallocate(rid, plan.prompt, body.sampling)
             except EngineError as err:  # S2: rejected at intake, nothing allocated
                 cause = ""
                 raise engine_error(err) from None
@@ -186,7 +186,8 @@ class DecodeServer:
         async for output in stream:
             if output.token_ids:
                 completion_tokens += len(output.token_ids)
-                await _send(response, TokenEvent(token_ids=tuple(output.token_ids), text=output.text))
+                logprobs = tuple(output.logprobs) if output.logprobs is not None else None
+                await _send(response, TokenEvent(token_ids=tuple(output.token_ids), text=output.text, logprobs=logprobs))
             if output.state is RequestState.FINISHED:
                 reason = "length" if output.finish_reason == "length" else "stop"
                 await _send(response, FinishEvent(finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))

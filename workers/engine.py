@@ -43,9 +43,11 @@ from kvguard.workers.request import (
     RequestState,
     SamplingParams,
     TagViolation,
+    TokenLogprob,
 )
-from kvguard.workers.sampling import sample
+from kvguard.workers.sampling import Sampled, sample
 from kvguard.workers.scheduler import Scheduler
+from kvguard.workers.stops import StopMatcher
 from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 S = RequestState
@@ -99,8 +101,6 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}  # every request not yet in a terminal state
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, int] = {}
         self._pending: list[RequestOutput] = []
         self._seeds = random.Random(config.seed)
 
@@ -129,29 +129,44 @@ class Engine:
                                         limit=self.pool.capacity_tokens, limit_kind="kv_pool")
 
     def _intake(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, mode: RequestMode) -> Request:
+        if params.max_tokens is None:  # OpenAI's default: the rest of the context
+            params = params.model_copy(update={"max_tokens": max(1, self.context_length - len(prompt_ids))})
         request = Request(request_id, list(prompt_ids), params, mode)
         try:
             if request_id in self.requests:
                 raise DuplicateRequestId(f"request id {request_id!r} is already in use")
             if not request.prompt_ids:
-                raise InvalidRequest("prompt: must contain at least one token")
+                raise InvalidRequest("prompt: must contain at least one token", param="prompt")
             if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.args.vocab_size:
-                raise InvalidRequest(f"prompt: token ids must be in [0, {self.args.vocab_size})")
-            self.check_fits(len(request.prompt_ids), params.max_tokens, mode)
+                raise InvalidRequest(f"prompt: token ids must be in [0, {self.args.vocab_size})", param="prompt")
+            self._check_token_ids(params)
+            self.check_fits(len(request.prompt_ids), request.max_tokens, mode)
         except EngineError as error:
             request.move_to(S.REJECTED)
             self.metrics.rejected.labels(reason=error.code).inc()
             self.metrics.requests.labels(outcome="rejected").inc()
             raise
         request.move_to(S.ADMITTED)
-        request.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request.generator = dev.make_generator(self.device, request.seed)
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
-        self._emitted[request_id] = 0
+        self._prepare_sampling(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.args.vocab_size
+        for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequest(f"{param}: token ids must be in [0, {vocab})", param=param)
+
+    def _prepare_sampling(self, request: Request) -> None:
+        """Per-request sampling and text state (each bounded by the request's own limits)."""
+        params = request.params
+        request.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request.generator = dev.make_generator(self.device, request.seed & 0x7FFFFFFFFFFFFFFF)
+        request.end_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            request.stops = StopMatcher(params.stop)
 
     # ------------------------------------------------------------------------ lifecycle control
 
@@ -173,11 +188,13 @@ class Engine:
         """Decode worker: the first KV chunk arrived (PREALLOCATED -> RECEIVING)."""
         self._get(request_id, S.PREALLOCATED).move_to(S.RECEIVING)
 
-    def start_decode(self, request_id: str, first_token: int, *, require_written: bool = True) -> None:
+    def start_decode(self, request_id: str, first_token: int, *, require_written: bool = True,
+                     first_logprob: TokenLogprob | None = None) -> None:
         """Decode worker: all KV is in. S3: unless `require_written` is False (only the
         `unsafe_reject_path` fault passes False), every page holding the prompt must have been
         written in its current generation, else the request fails with `KVNotWritten` (raised).
-        The first token is emitted by the next `step()`; decoding continues from it."""
+        The first token is emitted by the next `step()`; decoding continues from it. Its logprobs were
+        computed where it was sampled (prefill): `first_logprob`, when known here."""
         request = self._get(request_id, S.PREALLOCATED, S.RECEIVING)
         assert request.lease is not None
         if not 0 <= first_token < self.args.vocab_size:
@@ -189,7 +206,9 @@ class Engine:
             self._fail_now(request, error, outcome="failed")
             raise error
         request.move_to(S.VERIFIED)
-        self._pending.append(self._on_token(request, first_token))
+        if request.params.logprobs is not None and first_logprob is None:
+            first_logprob = TokenLogprob(token_id=first_token, logprob=None)
+        self._pending.append(self._on_token(request, first_token, first_logprob))
 
     def _get(self, request_id: str, *states: RequestState) -> Request:
         request = self.requests.get(request_id)
@@ -249,7 +268,7 @@ class Engine:
         batch = AttentionBatch(slots, is_prefill=True, cu_seqlens=cu)
         hidden = self.model(input_ids, positions, batch, self.pool.kv)
         last = torch.tensor(cu[1:], device=device) - 1
-        tokens = sample(self.model.logits(hidden[last]), requests)
+        sampled = sample(self.model.logits(hidden[last]), requests)
         if ok is not None:
             index = torch.arange(table.shape[1], device=device)[None, :]
             start = torch.zeros_like(table)
@@ -258,7 +277,7 @@ class Engine:
             self.pool.stamp_written(table[in_lease], granted[in_lease], start[in_lease], end[in_lease],
                                     ok[:, None].expand_as(table)[in_lease])
         self.metrics.prompt_tokens.inc(sum(lengths))
-        return self._collect(requests, tokens, ok)
+        return self._collect(requests, sampled, ok)
 
     def _run_decode(self, requests: list[Request]) -> list[RequestOutput]:
         ps, device = self.pool.page_size, self.device
@@ -276,18 +295,20 @@ class Engine:
             slots = torch.where(ok, slots, self.pool.scratch_page * ps + positions % ps)
         batch = AttentionBatch(slots, is_prefill=False, page_table=table, seq_lens=positions + 1)
         hidden = self.model(input_ids, positions, batch, self.pool.kv)
-        tokens = sample(self.model.logits(hidden), requests)
+        sampled = sample(self.model.logits(hidden), requests)
         if granted is not None and ok is not None:
             offset = positions % ps
             self.pool.stamp_written(table[rows, write_page], granted[rows, write_page], offset, offset + 1, ok)
-        return self._collect(requests, tokens, ok)
+        return self._collect(requests, sampled, ok)
 
-    def _collect(self, requests: list[Request], tokens: torch.Tensor, ok: torch.Tensor | None) -> list[RequestOutput]:
-        """The step's single host sync: sampled tokens and verification results."""
-        token_list = tokens.tolist()
+    def _collect(self, requests: list[Request], sampled: Sampled, ok: torch.Tensor | None) -> list[RequestOutput]:
+        """The step's single host sync: sampled tokens and verification results (and, only when a
+        request in the batch asked, its logprobs)."""
+        token_list = sampled.tokens.tolist()
         ok_list = ok.tolist() if ok is not None else [True] * len(requests)
+        logprobs = sampled.logprob_records(token_list)
         outputs = []
-        for request, token, fine in zip(requests, token_list, ok_list):
+        for row, (request, token, fine) in enumerate(zip(requests, token_list, ok_list)):
             if not fine:
                 self.metrics.tag_violations.inc()
                 error = TagViolation(f"request {request.request_id}: KV page lease is stale (S1); request failed")
@@ -297,14 +318,15 @@ class Engine:
                 request.move_to(S.TRANSFERRING)
                 request.output_ids.append(token)
                 request.first_token_time = time.monotonic()
-                outputs.append(RequestOutput(request.request_id, request.state, [token], lease=request.lease))
+                record = [logprobs[row]] if row in logprobs else None
+                outputs.append(RequestOutput(request.request_id, request.state, [token], lease=request.lease, logprobs=record))
                 continue
-            outputs.append(self._on_token(request, token))
+            outputs.append(self._on_token(request, token, logprobs.get(row)))
         return outputs
 
     # ------------------------------------------------------------------- tokens and finishing
 
-    def _on_token(self, request: Request, token: int) -> RequestOutput:
+    def _on_token(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -317,44 +339,35 @@ class Engine:
         reason = self._finish_reason(request, token)
         text, stopped = self._text_delta(request, token, final=reason is not None)
         reason = "stop" if stopped else reason
+        records = [logprob] if logprob is not None else None
         if reason is None:
             if request.state != S.DECODING:
                 request.move_to(S.DECODING)
                 self.scheduler.start_running(request)
-            return RequestOutput(request.request_id, request.state, [token], text)
+            return RequestOutput(request.request_id, request.state, [token], text, logprobs=records)
         request.finish_reason = reason
         request.move_to(S.FINISHED)
         self._retire(request, outcome="finished")
-        return RequestOutput(request.request_id, request.state, [token], text, finish_reason=reason)
+        return RequestOutput(request.request_id, request.state, [token], text, logprobs=records, finish_reason=reason)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in request.end_token_ids and len(request.output_ids) > request.params.min_tokens:
             return "stop"
-        if len(request.output_ids) >= params.max_tokens:
+        if len(request.output_ids) >= request.max_tokens:
             return "length"
         return None
 
     def _text_delta(self, request: Request, token: int, final: bool) -> tuple[str, bool]:
         """New text to emit and whether a stop string ended the request. Text that could be the
-        start of a stop string is held back until it is known not to be one."""
-        detok = self._detok.get(request.request_id)
-        if detok is None:
+        start of a stop string is held back until it is known not to be one (workers/stops.py:
+        linear in the text generated, whatever the stop strings)."""
+        if request.detokenizer is None or request.stops is None:
             return "", False
-        request.output_text += detok.push(token)
-        text, stops = request.output_text, request.params.stop
-        emitted = self._emitted[request.request_id]
-        cut = min((i for i in (text.find(s, max(0, emitted - len(s) + 1)) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            request.output_text = text[:cut]
-            self._emitted[request.request_id] = cut
-            return text[emitted:cut], True
-        end = len(text)
-        if not final:
-            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            end -= hold
-        self._emitted[request.request_id] = max(emitted, end)
-        return text[emitted:end], False
+        armed = len(request.output_ids) > request.params.min_tokens
+        text = request.stops.feed(request.detokenizer.push(token), armed=armed, final=final)
+        if text:
+            request.emitted.append(text)
+        return text, request.stops.stopped
 
     def _end_with_error(self, request: Request, error: EngineError, outcome: str) -> RequestOutput:
         request.error = error
@@ -371,8 +384,6 @@ class Engine:
         """Terminal state reached: free pages, forget per-request state, count the outcome."""
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
-        self._detok.pop(request.request_id, None)
-        self._emitted.pop(request.request_id, None)
         self.metrics.requests.labels(outcome=outcome).inc()
 
     # ------------------------------------------------------------------------------ helpers

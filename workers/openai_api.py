@@ -1,22 +1,21 @@
-"""The OpenAI-compatible surface of the router: request bodies, response bodies, error bodies, SSE.
+"""The OpenAI-compatible surface's errors: the error body, pydantic errors as field-level 400s, SSE
+framing, and the middleware that gives every failure -- unknown path (404), wrong method (405),
+oversized body (413), a bug (500) -- an OpenAI error body instead of aiohttp's plain text.
 
-Unknown request fields are ignored (clients send vendor extensions freely), but fields we know and
-cannot honour (``n > 1``, ``logprobs``, ``echo``...) are refused with an error naming the field, so
-a client never silently gets something other than what it asked for.
+Request bodies are in openai_requests.py, response bodies in openai_responses.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from kvguard.workers.protocol import SamplingParams
+JSON_DEPTH_LIMIT = 200  # pydantic-core's JSON parser refuses deeper nesting ("recursion limit exceeded")
 
 
 class OpenAIError(Exception):
@@ -62,151 +61,45 @@ def _error_type(status: int) -> str:
 
 
 def validation_error(exc: ValidationError) -> OpenAIError:
-    """The first pydantic error as a field-level 400."""
-    first = exc.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    return OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+    """The first pydantic error as a 400 naming the parameter, worded as OpenAI words it."""
+    first = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    param = _param_path(loc) or None
+    kind, msg = first["type"], first["msg"]
+    if kind == "json_invalid":
+        if "recursion limit" in msg:
+            return OpenAIError(400, f"the request body nests JSON more than {JSON_DEPTH_LIMIT} levels deep", code="invalid_json")
+        return OpenAIError(400, f"the request body is not valid JSON: {msg.removeprefix('Invalid JSON: ')}", code="invalid_json")
+    if kind == "model_type" and not loc:
+        return OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    if kind == "extra_forbidden":
+        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+    if kind == "missing" and param == "model":
+        return OpenAIError(400, "you must provide a model parameter", code="missing_required_parameter", param="model")
+    msg = msg.removeprefix("Value error, ")
+    return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
-class _Request(BaseModel):
-    """What completions and chat completions share."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    n: Literal[1] = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    logprobs: None = None
-    stream_options: dict[str, Any] | None = None
-
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(s for s in stop if s),
-            ignore_eos=self.ignore_eos,
-        )
+def _param_path(loc: list[str]) -> str:
+    """('messages', '0', 'content') -> 'messages[0].content'."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if part.isdigit() and path else (f".{part}" if path else part)
+    return path
 
 
-class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Literal[False] = False
-    best_of: Literal[1] | None = None
-    suffix: None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return prompt[0]
-        if isinstance(prompt, (str, list)) and len(prompt) == 0:
-            raise ValueError("prompt must not be empty")
-        return prompt
-
-
-APIRequest = _Request
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return super().sampling(default_max_tokens)
-
-
-def context_length_exceeded(prompt_tokens: int, max_tokens: int, limit: int, what: str) -> OpenAIError:
-    """S2: the one error every over-length request gets, wherever on its path it is caught."""
+def context_length_exceeded(
+    prompt_tokens: int, max_tokens: int, limit: int, what: str, prompt_param: str = "prompt"
+) -> OpenAIError:
+    """S2: the one error every over-length request gets, wherever on its path it is caught.
+    `prompt_param` is "prompt" for completions and "messages" for chat."""
     return OpenAIError(
         400,
-        f"This request needs {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+        f"This request needs {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {prompt_param}, "
         f"{max_tokens} for the completion), more than the {what} of {limit} tokens.",
         code="context_length_exceeded",
-        param="max_tokens" if prompt_tokens < limit else "prompt",
+        param="max_tokens" if prompt_tokens < limit else prompt_param,
     )
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-class ResponseBuilder:
-    """Shapes one request's output as a completion or a chat completion, whole or as SSE chunks."""
-
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.chat = chat
-        self.created = int(time.time())
-
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        if self.chat:
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        return {
-            **self._envelope(chunk=False),
-            "choices": [choice],
-            "usage": _usage(prompt_tokens, completion_tokens),
-        }
-
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"content": text} if text or not first else {}
-            if first:
-                delta = {"role": "assistant", "content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        return {**self._envelope(chunk=True), "choices": [choice]}
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {**self._envelope(chunk=True), "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -222,13 +115,32 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """OpenAIError -> its JSON body; anything unexpected -> a 500 for that request only."""
+    """OpenAIError -> its JSON body; aiohttp's own errors (404, 405, 413...) -> the same shape;
+    anything unexpected -> a 500 for that request only."""
     try:
         return await handler(request)
     except OpenAIError as err:
         return web.json_response(err.body(), status=err.status)
-    except (web.HTTPException, ConnectionResetError):
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return http_error_response(request, exc)
+    except ConnectionResetError:
         raise
     except Exception:
         logging.getLogger("kvguard.http").exception("unexpected error serving %s", request.path)
         return web.json_response(OpenAIError(500, "internal error", code="internal_error").body(), status=500)
+
+
+def http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """An aiohttp HTTP error as an OpenAI error body, keeping its headers (Allow on a 405)."""
+    if exc.status == 404:
+        err = OpenAIError(404, f"Invalid URL ({request.method} {request.path})", code="not_found")
+    elif exc.status == 405:
+        err = OpenAIError(405, f"Method {request.method} is not allowed for {request.path}", code="method_not_allowed")
+    elif exc.status == 413:
+        err = OpenAIError(413, f"the request body is too large: {exc.text}", code="request_too_large")
+    else:
+        err = OpenAIError(exc.status, exc.reason or f"HTTP {exc.status}", code=f"http_{exc.status}")
+    headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+    return web.json_response(err.body(), status=err.status, headers=headers)

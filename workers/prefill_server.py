@@ -19,7 +19,7 @@ from kvguard.workers.kv_pool import Lease
 from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import PrefillRequest, PrefillResult
 from kvguard.workers.request import EngineError, RequestState
-from kvguard.workers.serving import WorkerRuntime, engine_error, engine_sampling, parse_body
+from kvguard.workers.serving import WorkerRuntime, engine_error, parse_body
 from kvguard.workers.transfer import AbortCause, KVChunk, KVSender, TransferConfig, TransferOutcome, abort_cause
 
 log = logging.getLogger("kvguard.prefill")
@@ -61,7 +61,7 @@ class PrefillServer:
         tell_decode = True  # until the sender owns the transfer: it sends its own ABORT on failure
         try:
             try:
-                output = await engine.prefill(rid, prompt, engine_sampling(body.sampling))
+                output = await engine.prefill(rid, prompt, body.sampling)
             except EngineError as err:  # S2 at this worker's intake: nothing allocated
                 cause = AbortCause.PREFILL_ERROR
                 raise engine_error(err) from None
@@ -79,7 +79,11 @@ class PrefillServer:
                 raise OpenAIError(502, f"KV transfer failed: {outcome.reason}: {outcome.detail}", code=f"kv_transfer_{outcome.reason}")
             await engine.release(rid)
             cause = ""
-            return web.json_response(PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes).model_dump())
+            # TODO(manifest first-token record): the first token's logprobs go to the router in the
+            # result for now; once the manifest carries them, send them there (KVSender.send) instead.
+            first = output.logprobs[0] if output.logprobs else None
+            result = PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes, first_token=first)
+            return web.json_response(result.model_dump(mode="json"))
         finally:
             if cause:
                 await asyncio.shield(self._abort(rid, dest, cause, tell_decode))

@@ -35,16 +35,66 @@ class Role(str, enum.Enum):
     ROUTER = "router"
 
 
-class SamplingParams(_Message):
-    """What the engine needs to pick tokens; validated again by each worker."""
+# Limits every worker enforces again (the router refuses past them first, naming the parameter):
+# matching stays linear in the text generated (workers/stops.py), and what one request can make the
+# engine thread do per token is bounded by these, not by what the client sent.
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs maximum)
+MAX_LOGIT_BIAS = 1024  # entries
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
-    max_tokens: int = Field(16, ge=1)
+
+class SamplingParams(_Message):
+    """How to pick a request's tokens: the one type from the router's wire into the engine.
+
+    Defaults are OpenAI's (temperature 1, top_p 1, no penalties, no bias); top_k, min_p, min_tokens,
+    repetition_penalty, stop_token_ids and ignore_eos are vLLM's extensions with vLLM's defaults.
+    temperature 0 is greedy. `max_tokens` None means the rest of the context (the engine resolves it
+    at intake; the router always sends a number). A seed makes sampling reproducible whatever else
+    shares the batch and whether prefill and decode ran in one engine or two (workers/sampling.py).
+    `logprobs` N: report each token's log-probability and the N most likely alternatives.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: tuple[StopString, ...] = Field((), max_length=MAX_STOP_STRINGS)
+    stop_token_ids: tuple[TokenId, ...] = Field((), max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: tuple[tuple[TokenId, Bias], ...] = Field((), max_length=MAX_LOGIT_BIAS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before picking (then even greedy needs the full row)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+
+class TokenLogprob(_Message):
+    """One generated token's log-probability under the model (raw logits, before temperature,
+    penalties and bias -- vLLM's default) and its most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float | None  # None: not known on this worker (decode's first token; see the router)
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class GenerateRequest(_Message):
@@ -74,6 +124,10 @@ class PrefillResult(_Message):
     request_id: str
     chunks: int
     bytes: int
+    # TODO(manifest first-token record): prefill samples the first token; its logprobs reach the
+    # router here, and the router puts them on decode's first TokenEvent. Once the authenticated
+    # transfer manifest carries this record, decode gets it from there and this field goes.
+    first_token: TokenLogprob | None = None
 
 
 class AbortRequest(_Message):
@@ -90,6 +144,7 @@ class TokenEvent(_Message):
     event: Literal["token"] = "token"
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asked
 
 
 class FinishEvent(_Message):

@@ -16,10 +16,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvguard.workers.protocol import SamplingParams, TokenLogprob
+
 if TYPE_CHECKING:
     import torch
 
     from kvguard.workers.kv_pool import Lease
+    from kvguard.workers.sampling import LogitsState
+    from kvguard.workers.stops import StopMatcher
+    from kvguard.workers.tokenizer import IncrementalDetokenizer
+
+__all__ = ["SamplingParams", "TokenLogprob"]  # re-exported: the engine's callers import them from here
 
 
 class RequestState(enum.Enum):
@@ -77,6 +84,10 @@ class InvalidRequest(EngineError):
     code = "invalid_request"
     status = 400
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 class DuplicateRequestId(InvalidRequest):
     code = "duplicate_request_id"
@@ -121,43 +132,6 @@ class RequestAborted(EngineError):
         super().__init__(f"request aborted: {cause}")
 
 
-# ---------------------------------------------------------------------------------- sampling
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding options. temperature 0 is greedy; top_k 0 disables top-k; a seed
-    makes sampling reproducible for the request whatever else shares its batch."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            problems.append(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k: must be >= 0, got {self.top_k}")
-        if any(not s for s in self.stop):
-            problems.append("stop: empty stop strings are not allowed")
-        if problems:
-            raise InvalidRequest("; ".join(problems))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
 # ----------------------------------------------------------------------------------- request
 
 
@@ -169,6 +143,7 @@ class RequestOutput:
     state: RequestState
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     finish_reason: str | None = None  # "stop" | "length" on FINISHED
     error: EngineError | None = None  # set on ABORTED
     lease: Lease | None = None  # set on PREALLOCATED (where prefill must write) and TRANSFERRING (what to export)
@@ -186,12 +161,16 @@ class Request:
     mode: RequestMode = RequestMode.COLOCATED
     state: RequestState = RequestState.RECEIVED
     output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
+    emitted: list[str] = field(default_factory=list)  # text released so far (never a stop string)
     lease: Lease | None = None
     finish_reason: str | None = None
     error: EngineError | None = None
     generator: torch.Generator | None = None
     seed: int = 0  # the sampling seed (params.seed, or drawn from the engine's seed when None)
+    end_token_ids: frozenset[int] = frozenset()  # tokens that finish it: stop_token_ids, and EOS unless ignore_eos
+    logits_state: LogitsState | None = None  # penalty counts and bias, when the params change logits
+    detokenizer: IncrementalDetokenizer | None = None
+    stops: StopMatcher | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -209,5 +188,15 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def max_tokens(self) -> int:
+        """The completion budget; None in the params is resolved at the engine's intake."""
+        assert self.params.max_tokens is not None, "max_tokens is resolved at intake"
+        return self.params.max_tokens
+
+    @property
     def max_total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.emitted)

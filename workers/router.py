@@ -2,6 +2,12 @@
 
 Per request (see kvguard.workers.protocol for the messages):
   parse -> tokenize -> intake check (S2) -> unique id -> decode bootstrap -> prefill -> stream tokens.
+A request with `n` > 1 or a batch of prompts runs one such pair of legs per choice.
+
+Work per request is bounded before anything is spent on it (issue 11): the body's size and the time
+it may take to arrive, JSON nesting, the prompt's bytes before tokenizing (no longer text can fit
+the context), stop strings, choices. Large prompts are tokenized on a thread, not on the event loop
+every tenant shares.
 The router holds no KV. What it owns is the request's fate: any failure of either leg, a timeout or
 the client going away ends both legs (S4) and gives this client -- and only this client -- a clean
 OpenAI-shaped error. Token events are only forwarded after decode verified the transfer (S3), so an
@@ -15,10 +21,12 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -27,16 +35,14 @@ from pydantic import ValidationError
 
 from kvguard.workers.openai_api import (
     SSE_DONE,
-    APIRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
     OpenAIError,
-    ResponseBuilder,
     context_length_exceeded,
     error_middleware,
     sse,
     validation_error,
 )
+from kvguard.workers.openai_requests import APIRequest, ChatCompletionRequest, CompletionRequest, request_too_large
+from kvguard.workers.openai_responses import ChoiceResult, ModelCard, ModelList, ResponseBuilder
 from kvguard.workers.protocol import (
     DECODE_EVENT,
     AbortRequest,
@@ -45,21 +51,45 @@ from kvguard.workers.protocol import (
     FinishEvent,
     GenerateRequest,
     PrefillRequest,
+    PrefillResult,
     Role,
-    SamplingParams,
     TokenEvent,
     WorkerInfo,
 )
+from kvguard.workers.seeding import choice_seed
 
 log = logging.getLogger("kvguard.router")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers
+T = TypeVar("T")
 
 
 class PromptEncoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    @property
+    def max_token_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str = ""  # what `echo` shows (only filled when asked)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One completion of a request: its index in `choices` and the legs' request."""
+
+    index: int
+    generate: GenerateRequest
 
 
 @dataclass(frozen=True)
@@ -69,7 +99,11 @@ class RouterConfig:
     model_name: str
     request_timeout_s: float = 120.0
     abort_timeout_s: float = 2.0
-    default_max_tokens: int = 16
+    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413
+    body_timeout_s: float = 30.0  # a body that takes longer to arrive: 408 (slow-body clients)
+    max_choices: int = 16  # n x prompts per request
+    tokenizer_threads: int = 2
+    inline_bytes: int = 4096  # smaller prompts/bodies are tokenized/parsed on the loop (a thread hop costs more)
     propagate_aborts: bool = True  # False only under the no_abort_propagation fault
     unsafe_reject_path: bool = False  # the incident's engine: let over-length requests through
 
@@ -157,6 +191,7 @@ class Router:
         self.encoder = encoder
         self.metrics = metrics or RouterMetrics()
         self.in_flight: set[str] = set()
+        self._threads = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvguard-tokenize")
         self._upstreams: Upstreams | None = None
         self._discovery: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -175,10 +210,11 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model_card)
         app.router.add_get("/health", self.health)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -198,7 +234,9 @@ class Router:
     async def _discover(self) -> None:
         while True:
             try:
-                self._upstreams = await fetch_upstreams(self.http, self.config)
+                upstreams = await fetch_upstreams(self.http, self.config)
+                await asyncio.to_thread(lambda: self.encoder.max_token_bytes)  # a pass over the vocabulary, once
+                self._upstreams = upstreams
             except ValueError as exc:  # misconfigured: stay not-ready, say why, look again
                 log.error("router cannot serve: %s", exc)
                 await asyncio.sleep(5)
@@ -215,17 +253,20 @@ class Router:
             self._discovery.cancel()
         if self.session:
             await self.session.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # -- endpoints -------------------------------------------------------------------------
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.config.model_name, max_model_len=self.upstreams.context_length)
+
     async def models(self, _: web.Request) -> web.Response:
-        card = {
-            "id": self.config.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvguard",
-            "max_model_len": self.upstreams.context_length,
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response(ModelList(data=[self._card()]).model_dump(mode="json"))
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        card = self._card()
+        if request.match_info["model_id"] != card.id:
+            raise _unknown_model(request.match_info["model_id"])
+        return web.json_response(card.model_dump(mode="json"))
 
     async def health(self, _: web.Request) -> web.Response:
         """Ready when every worker answers its internal health check. Says which role failed,
@@ -252,54 +293,101 @@ class Router:
     # -- one request -----------------------------------------------------------------------
     async def _serve(self, request: web.Request, kind: type[APIRequest], chat: bool) -> web.StreamResponse:
         try:
+            upstreams = self.upstreams  # not ready: 503 before anything else
             body = await self._parse(request, kind)
-            prompt_ids = self._tokenize(body)
+            prompts = await self._tokenize(body, upstreams)
             request_id = self._claim_id(request, chat)
         except OpenAIError as err:
             return self._error_response(err)
         try:
-            sampling = body.sampling(self.config.default_max_tokens)
-            over_length = self._intake(len(prompt_ids), sampling)
-            generate = GenerateRequest(
-                request_id=request_id,
-                prompt_token_ids=tuple(prompt_ids),
-                sampling=sampling,
-                over_length=over_length,
+            choices = self._plan(body, prompts, request_id, chat)
+            builder = ResponseBuilder(
+                request_id, body.model, chat, self.encoder, logprobs=body.logprobs_wanted() is not None,
+                echo=[p.text for p in prompts for _ in range(body.choices_per_prompt)],
             )
-            builder = ResponseBuilder(request_id, body.model or self.config.model_name, chat)
-            # aclosing: if the client goes away while a token is being written, the generator's
-            # cleanup (abort both legs, S4) still runs now rather than at garbage collection.
-            async with contextlib.aclosing(self._generate(generate)) as events:
-                if body.stream:
-                    return await self._stream(request, events, builder, body)
-                return await self._whole(events, builder)
+            prompt_tokens = sum(len(p.ids) for p in prompts)
+            if body.streaming:
+                return await self._stream(request, choices, builder, body, prompt_tokens)
+            return await self._whole(choices, builder, prompt_tokens)
         except OpenAIError as err:
             return self._error_response(err)
         finally:
             self.in_flight.discard(request_id)
 
     async def _parse(self, request: web.Request, kind: type[APIRequest]) -> APIRequest:
+        """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter."""
+        wanted_id = request.headers.get(REQUEST_ID_HEADER)
+        if wanted_id is not None and not _REQUEST_ID.fullmatch(wanted_id):
+            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 printable ASCII characters without spaces",
+                              code="invalid_request_id", param=REQUEST_ID_HEADER)
+        raw = await self._read_body(request)
         try:
-            raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OpenAIError(400, "the request body is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
-        try:
-            body = kind.model_validate(raw)
+            body = await self._off_loop(len(raw), kind.model_validate_json, raw)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        if body.model not in (None, self.config.model_name):
-            raise OpenAIError(404, f"model {body.model!r} is not served here", code="model_not_found", param="model")
+        body.check_supported()
+        if body.model != self.config.model_name:
+            raise _unknown_model(body.model)
         return body
 
-    def _tokenize(self, body: APIRequest) -> list[int]:
+    async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            self._too_large()  # refused from its headers: not a byte of it is read
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                              code="request_timeout") from None
+        except web.HTTPRequestEntityTooLarge:
+            self._too_large()
+
+    def _too_large(self) -> NoReturn:
+        raise OpenAIError(413, f"the request body is larger than the limit of {self.config.max_body_bytes} bytes",
+                          code="request_too_large") from None
+
+    async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""
+        if size <= self.config.inline_bytes:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def _prompt_byte_limit(self, upstreams: Upstreams) -> int:
+        """No text longer than this can fit the context: each token covers at most max_token_bytes."""
+        return min(upstreams.context_length * self.encoder.max_token_bytes, self.config.max_body_bytes)
+
+    async def _tokenize(self, body: APIRequest, upstreams: Upstreams) -> list[Prompt]:
+        limit = self._prompt_byte_limit(upstreams)
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return self.encoder.encode_chat(messages)
-        if isinstance(body.prompt, str):
-            return self.encoder.encode(body.prompt)
-        return list(body.prompt)
+            size = sum(len(m.text().encode()) for m in body.messages)
+            if size > limit:
+                raise request_too_large("messages", size, limit, upstreams.context_length)
+            return [Prompt(await self._encode_chat(body, size))]
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, list):
+                text = await self._off_loop(len(prompt), self.encoder.decode, prompt) if body.echo else ""
+                prompts.append(Prompt(prompt, text))
+                continue
+            size = len(prompt.encode())
+            if size > limit:
+                raise request_too_large("prompt", size, limit, upstreams.context_length)
+            ids = await self._off_loop(size, self.encoder.encode, prompt)
+            if not ids:
+                raise OpenAIError(400, "prompt: the prompt is empty", param="prompt")
+            prompts.append(Prompt(ids, prompt if body.echo else ""))
+        return prompts
+
+    async def _encode_chat(self, body: ChatCompletionRequest, size: int) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages())
+        except (TemplateError, ValueError) as exc:  # the model's template refused these messages
+            raise OpenAIError(400, f"messages: {exc}", param="messages") from None
+        if not ids:
+            raise OpenAIError(400, "messages: the rendered prompt is empty", param="messages")
+        return ids
 
     def _claim_id(self, request: web.Request, chat: bool) -> str:
         """A unique id per request. A client-chosen id that is already in flight is refused, never merged."""
@@ -311,69 +399,115 @@ class Router:
         self.in_flight.add(request_id)
         return request_id
 
-    def _intake(self, prompt_tokens: int, sampling: SamplingParams) -> bool:
-        """S2: reject what the context or the smallest KV pool on the path cannot hold, before any work.
+    def _plan(self, body: APIRequest, prompts: list[Prompt], request_id: str, chat: bool) -> list[Choice]:
+        """One Choice per (prompt, n): S2 at intake for each prompt, then a seed per choice."""
+        n = body.choices_per_prompt
+        if len(prompts) * n > self.config.max_choices:
+            param = "n" if n > 1 else "prompt"
+            raise OpenAIError(400, f"{param}: {len(prompts)} prompt(s) x n={n} asks for more than "
+                              f"{self.config.max_choices} choices per request", param=param)
+        base = body.sampling()
+        choices = []
+        for p, prompt in enumerate(prompts):
+            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, "messages" if chat else "prompt")
+            for j in range(n):
+                index = p * n + j
+                seed = choice_seed(base.seed, j) if base.seed is not None else None
+                sampling = base.model_copy(update={"max_tokens": max_tokens, "seed": seed})
+                choices.append(Choice(index, GenerateRequest(
+                    request_id=request_id if len(prompts) * n == 1 else f"{request_id}-{index}",
+                    prompt_token_ids=tuple(prompt.ids), sampling=sampling, over_length=over_length,
+                )))  # fmt: skip
+        return choices
 
-        Returns whether the request is over-length (only possible under the unsafe_reject_path fault).
-        """
-        needed = prompt_tokens + sampling.max_tokens
+    def _intake(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> tuple[int, bool]:
+        """S2: reject what the context or the smallest KV pool on the path cannot hold, before any work.
+        Resolves an absent max_tokens to the rest of the context (OpenAI, vLLM).
+
+        Returns max_tokens and whether the request is over-length (only possible under the
+        unsafe_reject_path fault)."""
+        if max_tokens is None:
+            room = min(self.upstreams.context_length, self.upstreams.smallest_pool) - prompt_tokens
+            max_tokens = max(1, room)
+        needed = prompt_tokens + max_tokens
         for limit, what in (
             (self.upstreams.context_length, "model's context length"),
             (self.upstreams.smallest_pool, "KV cache pool"),
         ):
             if needed > limit:
                 if self.config.unsafe_reject_path:
-                    return True
+                    return max_tokens, True
                 self.metrics.rejected.labels("context_length_exceeded").inc()
                 self.metrics.requests.labels("rejected").inc()
-                raise context_length_exceeded(prompt_tokens, sampling.max_tokens, limit, what)
-        return False
+                raise context_length_exceeded(prompt_tokens, max_tokens, limit, what, prompt_param)
+        return max_tokens, False
 
-    async def _whole(self, events: AsyncIterator[TokenEvent | FinishEvent], builder: ResponseBuilder) -> web.Response:
+    async def _whole(self, choices: list[Choice], builder: ResponseBuilder, prompt_tokens: int) -> web.Response:
+        if len(choices) == 1:
+            results = [await self._run_choice(choices[0])]
+        else:
+            try:  # one failed choice ends the others (their legs are aborted) and is the answer
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._run_choice(c)) for c in choices]
+            except ExceptionGroup as failed:
+                raise _first_openai_error(failed) from None
+            results = [t.result() for t in tasks]
+        return web.json_response(builder.whole(results, prompt_tokens))
+
+    async def _run_choice(self, choice: Choice) -> ChoiceResult:
         pieces: list[str] = []
-        async for event in events:
-            if isinstance(event, TokenEvent):
-                pieces.append(event.text)
-            else:
-                body = builder.whole("".join(pieces), event.finish_reason, event.prompt_tokens, event.completion_tokens)
-                return web.json_response(body)
+        records = []
+        async with contextlib.aclosing(self._generate(choice.generate)) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    pieces.append(event.text)
+                    records.extend(event.logprobs or ())
+                else:
+                    return ChoiceResult(choice.index, "".join(pieces), event.finish_reason, event.completion_tokens, records)
         raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
 
     async def _stream(
-        self,
-        request: web.Request,
-        events: AsyncIterator[TokenEvent | FinishEvent],
-        builder: ResponseBuilder,
-        body: APIRequest,
+        self, request: web.Request, choices: list[Choice], builder: ResponseBuilder, body: APIRequest, prompt_tokens: int
     ) -> web.StreamResponse:
-        # Headers go out with the first token, so an error before it is still a proper status.
-        first = await anext(events, None)
-        if first is None:
-            raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        event: TokenEvent | FinishEvent = first
-        is_first = True
-        try:
-            while True:
-                if isinstance(event, TokenEvent):
-                    await response.write(sse(builder.chunk(event.text, first=is_first)))
-                    is_first = False
-                else:
-                    await response.write(sse(builder.chunk("", event.finish_reason, first=is_first)))
-                    if body.stream_options and body.stream_options.get("include_usage"):
-                        await response.write(sse(builder.usage_chunk(event.prompt_tokens, event.completion_tokens)))
-                    await response.write(SSE_DONE)
-                    break
-                event = await anext(events)
-        except OpenAIError as err:
-            # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
-            await response.write(sse(err.body()))
+        # aclosing: if the client goes away while a token is being written, every choice's legs are
+        # still aborted now (S4), not at garbage collection.
+        async with contextlib.aclosing(_merged(choices, self._generate)) as events:
+            # Headers go out with the first token, so an error before it is still a proper status.
+            first = await anext(events, None)
+            if first is None:
+                raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            started: set[int] = set()
+            completion_tokens = 0
+            item: tuple[int, TokenEvent | FinishEvent] | None = first
+            try:
+                while item is not None:
+                    index, event = item
+                    is_first = index not in started
+                    started.add(index)
+                    if isinstance(event, TokenEvent):
+                        await response.write(sse(builder.chunk(index, event.text, event.logprobs or (), first=is_first)))
+                    else:
+                        completion_tokens += event.completion_tokens
+                        await response.write(sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first)))
+                    item = await anext(events, None)
+                if body.include_usage:
+                    await response.write(sse(builder.usage_chunk(prompt_tokens, completion_tokens)))
+                await response.write(SSE_DONE)
+            except OpenAIError as err:
+                # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
+                await response.write(sse(err.body()))
         await response.write_eof()
         return response
 
     def _error_response(self, err: OpenAIError) -> web.Response:
-        return web.json_response(err.body(), status=err.status)
+        response = web.json_response(err.body(), status=err.status)
+        if err.status == 408:  # a client too slow to send its body loses the connection too
+            response.force_close()
+        # (a 413 is not force-closed: aiohttp reads and drops the rest of the body for up to its
+        # lingering time, so the client reads the answer instead of a connection reset)
+        return response
 
     # -- the two legs ----------------------------------------------------------------------
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinishEvent]:
@@ -383,7 +517,7 @@ class Router:
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
         """
         prefill, decode = self.upstreams.pair()
-        prefill_task: asyncio.Task[None] | None = None
+        prefill_task: asyncio.Task[PrefillResult] | None = None
         cause = "client_disconnect"
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
         try:
@@ -403,6 +537,8 @@ class Router:
                     else:
                         if prefill_task is not None:
                             await prefill_task  # decode verified the KV; prefill must agree it sent it all
+                            # TODO(manifest first-token record): decode gets this from the manifest.
+                            event = _with_first_token_logprob(event, prefill_task.result())
                         if isinstance(event, FinishEvent):
                             # Settled before the yield: the consumer may close us right after it.
                             self.metrics.requests.labels("finished").inc()
@@ -426,16 +562,17 @@ class Router:
             if cause:
                 await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
 
-    async def _prefill(self, url: str, request: PrefillRequest) -> None:
+    async def _prefill(self, url: str, request: PrefillRequest) -> PrefillResult:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
         async with self.http.post(
             f"{url}/internal/prefill", json=request.model_dump(mode="json"), timeout=timeout
         ) as resp:
             if resp.status != 200:
                 raise await _upstream_error(resp)
+            return PrefillResult.model_validate_json(await resp.read())
 
     async def _abort_both(
-        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[None] | None, cause: str
+        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[PrefillResult] | None, cause: str
     ) -> None:
         self.metrics.aborts.labels(cause).inc()
         self.metrics.requests.labels("aborted" if cause == "client_disconnect" else "failed").inc()
@@ -478,7 +615,7 @@ async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
         return OpenAIError(502, f"a worker answered HTTP {resp.status}", code="worker_failed")
 
 
-async def _prefill_error_first(task: asyncio.Task[None] | None) -> OpenAIError | None:
+async def _prefill_error_first(task: asyncio.Task[PrefillResult] | None) -> OpenAIError | None:
     """When decode fails because prefill did, the prefill error is the one worth showing."""
     if task is None:
         return None
@@ -486,3 +623,65 @@ async def _prefill_error_first(task: asyncio.Task[None] | None) -> OpenAIError |
         await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
     error = task.exception() if task.done() and not task.cancelled() else None
     return error if isinstance(error, OpenAIError) else None
+
+
+def _unknown_model(name: str) -> OpenAIError:
+    return OpenAIError(404, f"The model {name[:200]!r} does not exist", code="model_not_found", param="model")
+
+
+def _with_first_token_logprob(event: TokenEvent | FinishEvent, prefill: PrefillResult) -> TokenEvent | FinishEvent:
+    """Decode does not know the logprobs of the first token (prefill sampled it): fill them in.
+    TODO(manifest first-token record): once the manifest carries them, decode sends them itself."""
+    if not isinstance(event, TokenEvent) or not event.logprobs or prefill.first_token is None:
+        return event
+    head = event.logprobs[0]
+    if head.logprob is not None or head.token_id != prefill.first_token.token_id:
+        return event
+    return event.model_copy(update={"logprobs": (prefill.first_token, *event.logprobs[1:])})
+
+
+def _first_openai_error(group: BaseExceptionGroup) -> BaseException:
+    """The first client-facing error among a request's failed choices (else the group itself)."""
+    for exc in group.exceptions:
+        if isinstance(exc, OpenAIError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_openai_error(exc)
+            if isinstance(found, OpenAIError):
+                return found
+    return group
+
+
+Generate = Callable[[GenerateRequest], AsyncIterator[TokenEvent | FinishEvent]]
+_DONE = object()
+
+
+async def _merged(choices: Sequence[Choice], generate: Generate) -> AsyncIterator[tuple[int, TokenEvent | FinishEvent]]:
+    """Every choice's events as (index, event), in arrival order; the first error ends all of them.
+    Closing this generator cancels every choice, which aborts its legs (S4)."""
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async with contextlib.aclosing(generate(choice.generate)) as events:
+                async for event in events:
+                    await queue.put((choice.index, event))
+            await queue.put(_DONE)
+        except Exception as exc:  # delivered to the consumer, which ends the others
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -80,15 +80,24 @@ def run_worker(args: WorkerArgs) -> int:
         listeners.close()
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve([(apps[0], listeners.main), (apps[1], listeners.metrics)]))
+    asyncio.run(serve([(apps[0], listeners.main), (apps[1], listeners.metrics)], header_timeout_s=args.header_timeout))
     return 0
 
 
-async def serve(sites: Sequence[tuple[web.Application, socket.socket]]) -> None:
-    """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
+def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
+    """The runner every listener uses.
 
     handler_cancellation: a client (or the router) that goes away cancels its handler, which is
-    how a disconnect reaches the request's cleanup (S4)."""
+    how a disconnect reaches the request's cleanup (S4).
+    keepalive_timeout: aiohttp arms it when a connection opens and re-arms it only after a
+    response, and closes a connection still waiting for a complete request when it fires -- so it
+    bounds how long a client may take to send its headers (slowloris) as well as idle keep-alive
+    time. aiohttp's own default is an hour. Bodies are bounded by the handlers (the router: 408)."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=header_timeout_s)
+
+
+async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0) -> None:
+    """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -96,7 +105,7 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]]) -> None:
     runners: list[web.AppRunner] = []
     try:
         for app, sock in sites:
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = app_runner(app, header_timeout_s)
             await runner.setup()
             runners.append(runner)
             await web.SockSite(runner, sock).start()
@@ -119,6 +128,8 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         decode_urls=tuple(args.decode),
         model_name=args.model_name or args.model.name,
         request_timeout_s=args.request_timeout,
+        body_timeout_s=args.body_timeout,
+        max_body_bytes=args.max_body_bytes,
         propagate_aborts=not faults.no_abort_propagation,
         unsafe_reject_path=faults.unsafe_reject_path,
     )

@@ -19,11 +19,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from kvguard.workers import request as engine_request
 from kvguard.workers.async_engine import AsyncEngine
 from kvguard.workers.faults import Faults
 from kvguard.workers.openai_api import OpenAIError, validation_error
-from kvguard.workers.protocol import AbortRequest, Role, SamplingParams, WorkerInfo
+from kvguard.workers.protocol import AbortRequest, Role, WorkerInfo
+from kvguard.workers.request import EngineError
 from kvguard.workers.transfer import AbortCause, TransferMetrics
 
 log = logging.getLogger("kvguard.worker")
@@ -132,9 +132,5 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         raise validation_error(exc) from None
 
 
-def engine_sampling(params: SamplingParams) -> engine_request.SamplingParams:
-    return engine_request.SamplingParams(**params.model_dump())
-
-
-def engine_error(error: engine_request.EngineError) -> OpenAIError:
-    return OpenAIError(error.status, error.message, code=error.code)
+def engine_error(error: EngineError) -> OpenAIError:
+    return OpenAIError(error.status, error.message, code=error.code, param=getattr(error, "param", None))

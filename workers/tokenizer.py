@@ -7,10 +7,15 @@ sandbox, as transformers does; jinja2 comes with torch, so it adds no dependency
 from __future__ import annotations
 
 import json
+import re
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
@@ -20,6 +25,9 @@ class Tokenizer:
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> Tokenizer | None:
@@ -37,6 +45,36 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs report them; a byte-level token may be part of
+        a UTF-8 character). Empty for an id the tokenizer does not know."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            cached = self._bytes_cache[token_id] = self._lookup_bytes(token_id)
+        return cached
+
+    def _lookup_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in token):
+            return bytes(_UNICODE_TO_BYTE[c] for c in token)
+        if match := _BYTE_FALLBACK.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        return token.replace("\u2581", " ").encode()  # sentencepiece's word-start marker
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The longest text any one token covers, in UTF-8 bytes: a prompt longer than
+        context_length times this cannot fit the context, so it is refused before tokenizing."""
+        return max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1) or 1
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for chat `messages` ([{role, content}]) under the model's template."""
@@ -61,9 +99,29 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, which byte-level BPE vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+# A UTF-8 character is at most 4 bytes; past this many undecodable tokens the text is released as it
+# decodes (with U+FFFD), so the held-back slice -- decoded again on every token -- stays bounded.
+MAX_HELD_TOKENS = 8
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8
-    sequences (byte-level tokens) until they decode cleanly."""
+    sequences (byte-level tokens) until they decode cleanly -- for at most MAX_HELD_TOKENS tokens,
+    so each token's work is bounded whatever the model generates."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
@@ -75,7 +133,8 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
         new_text = self._tok.decode(self._ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        overdue = len(self._ids) - self._prefix > MAX_HELD_TOKENS
+        if overdue or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
             self._prefix, self._read = self._read, len(self._ids)
             return new_text[len(prefix_text) :]
         return ""

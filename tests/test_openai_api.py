@@ -1,0 +1,274 @@
+"""The OpenAI API's fidelity (issue 13) through the official `openai` client against a real router +
+prefill + decode trio: logprobs in both shapes, n and prompt batches, echo, penalties and bias,
+max_tokens defaulting to the rest of the context, strict types, and every parameter either
+implemented or refused with a 400 naming it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from pd_harness import _engine, client, deployment, served_model
+
+from kvguard.workers.launcher import LocalDeployment
+from kvguard.workers.request import SamplingParams
+from kvguard.workers.tiny import EOS_ID
+
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    with deployment(tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(trio: LocalDeployment) -> openai.OpenAI:
+    return client(trio)
+
+
+@pytest.fixture(scope="module")
+def model(trio: LocalDeployment) -> str:
+    return served_model(trio)
+
+
+def post(trio: LocalDeployment, path: str, body: dict) -> requests.Response:
+    return requests.post(f"{trio.api_base}/{path}", json=body, timeout=60)
+
+
+# ------------------------------------------------------------------------------ logprobs
+
+
+def test_completion_logprobs_in_openais_shape_match_the_engine(trio: LocalDeployment, api: openai.OpenAI, model: str,
+                                                               tiny_model_dir: Path) -> None:
+    raw = post(trio, "completions", {"model": model, "prompt": "The quick brown fox", "max_tokens": 6,
+                                     "temperature": 0, "logprobs": 3}).json()
+    Completion.model_validate(raw)
+    logprobs = raw["choices"][0]["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 6
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert isinstance(logprob, float) and logprob <= 0  # the first one too: it came from prefill
+        assert top[token] == logprob and max(top.values()) == logprob  # greedy: the best, always listed
+        assert 3 <= len(top) <= 4
+    # The same numbers as the single-process engine (a canary compares builds by exactly these).
+    engine = _engine(tiny_model_dir, 4096, CONTEXT)
+    [request] = engine.generate([engine.tokenizer.encode("The quick brown fox")],
+                                SamplingParams(max_tokens=6, temperature=0, logprobs=3))
+    assert request.output_text == raw["choices"][0]["text"]
+    whole = api.completions.create(model=model, prompt="The quick brown fox", max_tokens=6, temperature=0, logprobs=3)
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.token_logprobs == logprobs["token_logprobs"]
+
+
+def _reference_logprobs(tiny_model_dir: Path, prompt: str, n: int) -> list[float]:
+    engine = _engine(tiny_model_dir, 4096, CONTEXT)
+    request = engine.add_request(f"ref-{prompt}", engine.tokenizer.encode(prompt), SamplingParams(max_tokens=n, temperature=0, logprobs=0))
+    values: list[float] = []
+    while engine.has_work():
+        values += [r.logprob for o in engine.step() if o.request_id == request.request_id for r in o.logprobs or ()]  # type: ignore[misc]
+    return values
+
+
+def test_first_token_logprob_crosses_from_prefill(trio: LocalDeployment, model: str, tiny_model_dir: Path) -> None:
+    raw = post(trio, "completions", {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0, "logprobs": 0}).json()
+    got = raw["choices"][0]["logprobs"]["token_logprobs"]
+    assert got == pytest.approx(_reference_logprobs(tiny_model_dir, "hello", 4), abs=1e-4)
+
+
+def test_chat_logprobs_refusal_and_shape(trio: LocalDeployment, api: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    raw = post(trio, "chat/completions", {"model": model, "messages": messages, "max_tokens": 5, "temperature": 0,
+                                          "logprobs": True, "top_logprobs": 2}).json()
+    ChatCompletion.model_validate(raw)
+    choice = raw["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"], "refusal": None}
+    content = choice["logprobs"]["content"]
+    assert len(content) == 5 and choice["logprobs"]["refusal"] is None
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+        assert all(0 <= b < 256 for b in entry["bytes"])
+    plain = post(trio, "chat/completions", {"model": model, "messages": messages, "max_tokens": 2}).json()
+    assert "logprobs" in plain["choices"][0] and plain["choices"][0]["logprobs"] is None
+    typed = api.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)  # type: ignore[arg-type]
+    assert typed.choices[0].logprobs is not None and [t.logprob for t in typed.choices[0].logprobs.content or []] == [
+        e["logprob"] for e in content]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_equal_whole(api: openai.OpenAI, model: str, chat: bool) -> None:
+    if chat:
+        args = {"messages": [{"role": "user", "content": "stream me"}], "logprobs": True, "top_logprobs": 1}
+        whole = api.chat.completions.create(model=model, max_tokens=8, temperature=0, **args)  # type: ignore[call-overload]
+        chunks = list(api.chat.completions.create(model=model, max_tokens=8, temperature=0, stream=True, **args))  # type: ignore[call-overload]
+        streamed = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+        assert streamed == [t.logprob for t in whole.choices[0].logprobs.content]
+        return
+    whole = api.completions.create(model=model, prompt="stream me", max_tokens=8, temperature=0, logprobs=1)
+    chunks = list(api.completions.create(model=model, prompt="stream me", max_tokens=8, temperature=0, logprobs=1, stream=True))
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs or []]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []]
+    assert whole.choices[0].logprobs is not None
+    assert streamed == whole.choices[0].logprobs.token_logprobs and offsets == whole.choices[0].logprobs.text_offset
+
+
+# --------------------------------------------------------------------- n, batches, echo
+
+
+def test_n_choices_are_seeded_each_and_the_first_is_the_n1_answer(api: openai.OpenAI, model: str) -> None:
+    args = {"model": model, "prompt": "sample", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    one = api.completions.create(**args)  # type: ignore[call-overload]
+    three = api.completions.create(n=3, **args)  # type: ignore[call-overload]
+    again = api.completions.create(n=3, **args)  # type: ignore[call-overload]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].text == one.choices[0].text
+    assert [c.text for c in three.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in three.choices}) > 1
+    assert three.usage is not None and three.usage.completion_tokens == 36 and three.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_a_batch_of_prompts_gets_choices_in_prompt_order(api: openai.OpenAI, model: str) -> None:
+    prompts = ["alpha", "beta gamma"]
+    batch = api.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    solo = [api.completions.create(model=model, prompt=p, max_tokens=5, temperature=0).choices[0].text for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [solo[0], solo[0], solo[1], solo[1]]
+    token_batch = api.completions.create(model=model, prompt=[[104, 105], [104]], max_tokens=3, temperature=0)
+    assert len(token_batch.choices) == 2 and token_batch.usage is not None and token_batch.usage.prompt_tokens == 3
+
+
+def test_echo_puts_the_prompt_before_the_completion(api: openai.OpenAI, model: str) -> None:
+    plain = api.completions.create(model=model, prompt="echo this", max_tokens=4, temperature=0).choices[0].text
+    echoed = api.completions.create(model=model, prompt="echo this", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "echo this" + plain
+    streamed = api.completions.create(model=model, prompt="echo this", max_tokens=4, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "echo this" + plain
+
+
+# ------------------------------------------------------------------ sampling parameters
+
+
+def test_logit_bias_min_tokens_and_penalties_are_applied(api: openai.OpenAI, model: str) -> None:
+    forced = api.completions.create(model=model, prompt="x", max_tokens=5, temperature=0, logit_bias={"65": 100})
+    assert forced.choices[0].text == "AAAAA"
+    eos = {str(EOS_ID): 100}
+    early = api.completions.create(model=model, prompt="x", max_tokens=20, temperature=0, logit_bias=eos)
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens == 1  # type: ignore[union-attr]
+    held = api.completions.create(model=model, prompt="x", max_tokens=20, temperature=0, logit_bias=eos, extra_body={"min_tokens": 4})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5  # type: ignore[union-attr]
+    plain = api.completions.create(model=model, prompt="repeat", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    penalized = api.completions.create(model=model, prompt="repeat", max_tokens=40, temperature=0, frequency_penalty=2.0,
+                                       presence_penalty=1.0, extra_body={"ignore_eos": True})
+    assert penalized.choices[0].text != plain.choices[0].text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_max_tokens_defaults_to_the_rest_of_the_context(trio: LocalDeployment, model: str, chat: bool) -> None:
+    body: dict = {"model": model, "temperature": 0, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": "go on"}]} if chat else {"prompt": "go on"})
+    raw = post(trio, "chat/completions" if chat else "completions", body).json()
+    usage = raw["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT
+    assert raw["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------- refusals and types
+
+REFUSED = [
+    ("completions", {"suffix": "after"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"tools": [{"type": "function"}]}, "tools"),  # not a completions parameter at all
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ("chat/completions", {"audio": {"voice": "x"}}, "audio"),
+    ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("chat/completions", {"store": True}, "store"),
+    ("chat/completions", {"metadata": {"k": "v"}}, "metadata"),
+    ("chat/completions", {"service_tier": "flex"}, "service_tier"),
+    ("chat/completions", {"web_search_options": {}}, "web_search_options"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat/completions", {"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ("completions", {"guided_json": {}}, "guided_json"),  # an engine extension this server lacks
+    ("completions", {"frobnicate": 1}, "frobnicate"),
+]
+
+
+@pytest.mark.parametrize("path, extra, param", REFUSED, ids=[f"{p}-{param}" for p, _, param in REFUSED])
+def test_what_is_not_implemented_is_refused_naming_it(trio: LocalDeployment, model: str, path: str, extra: dict, param: str) -> None:
+    base = {"model": model, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    answer = post(trio, path, {**base, **extra})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and param.split("[")[0] in error["message"]
+
+
+STRICT = [
+    ({"stream": "yes"}, "stream"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 2.0}, "max_tokens"),
+    ({"temperature": "1"}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 6}, "logprobs"),
+    ({"seed": "1"}, "seed"),
+    ({"stop": [1]}, "stop"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": None}, "model"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("override, param", STRICT, ids=[p for _, p in STRICT])
+def test_types_are_as_strict_as_openais_schema(trio: LocalDeployment, model: str, override: dict, param: str) -> None:
+    answer = post(trio, "completions", {"model": model, "prompt": "hi", "max_tokens": 2, **override})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_a_missing_model_is_refused_as_openai_refuses_it(trio: LocalDeployment) -> None:
+    answer = post(trio, "completions", {"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {"message": "you must provide a model parameter", "type": "invalid_request_error",
+                                      "param": "model", "code": "missing_required_parameter"}
+
+
+def test_nullable_parameters_take_their_defaults(trio: LocalDeployment, model: str) -> None:
+    body = {"model": model, "prompt": "hi", "max_tokens": 2, "temperature": None, "top_p": None, "n": None, "stop": None,
+            "stream": None, "seed": None, "logprobs": None, "user": "tenant-7", "frequency_penalty": None}
+    assert post(trio, "completions", body).status_code == 200
+
+
+def test_over_length_chat_names_messages(api: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x" * 1100}], max_tokens=4)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as too_much:
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2000)
+    assert too_much.value.param == "max_tokens"
+
+
+def test_a_model_card_by_id(api: openai.OpenAI, model: str) -> None:
+    card = api.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.models.retrieve("someone-else/model")
+    assert missing.value.code == "model_not_found"

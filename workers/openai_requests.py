@@ -1,0 +1,359 @@
+"""The request bodies of /v1/completions and /v1/chat/completions, as strict as OpenAI's schema.
+
+Every parameter of OpenAI's completions and chat completions APIs, and the vLLM extensions clients
+commonly send, is either implemented or refused with a 400 naming it; nothing is silently ignored.
+An unknown parameter is refused as OpenAI refuses it ("Unrecognized request argument supplied").
+Types are strict, as the schema has them: `"stream": "yes"`, `"max_tokens": "5"` or `true` are 400s,
+and `model` is required (OpenAI: "you must provide a model parameter"). The table of what is
+implemented and what is refused is in docs/openai-api.md.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+
+from kvguard.workers.openai_api import OpenAIError
+from kvguard.workers.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+
+MAX_N = 128  # OpenAI's schema; the router's own max_choices is usually lower
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's schema for the completions API
+MAX_CHAT_TOP_LOGPROBS = 20
+_TOKEN_ID_KEY = re.compile(r"\d{1,10}")
+
+TokenIds = list[Annotated[int, Field(ge=0, lt=2**31)]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+def _refuse(param: str, why: str) -> OpenAIError:
+    return OpenAIError(400, f"{param} is not supported by this server: {why}", code="unsupported_parameter", param=param)
+
+
+# param -> (the values that ask for nothing, why anything else is refused)
+Refusal = tuple[Callable[[Any], bool], str]
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+class _Request(_Strict):
+    """What completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user label for abuse tracking: accepted, changes no output
+    # vLLM's extensions, with vLLM's meaning
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: TokenIds | None = None
+
+    REFUSED: ClassVar[dict[str, Refusal]] = {}  # per endpoint: known parameters this server does not implement
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stops(cls, stop: Any) -> str | list[str] | None:
+        if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+        ):
+            raise ValueError("must be a string or a list of strings")
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop sequence is at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for key, value in bias.items():
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= 2**31:
+                raise ValueError(f"keys are token ids (decimal strings), got {key[:40]!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias values are in [-100, 100], got {value} for token {key}")
+        return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}")
+        return ids
+
+    # -- after validation ---------------------------------------------------------------------
+    def check_supported(self) -> None:
+        """400 naming the first parameter that asks for something this server does not do."""
+        for param, (fine, why) in self.REFUSED.items():
+            if not fine(getattr(self, param)):
+                raise _refuse(param, why)
+        if self.stream_options is not None:
+            if not self.stream:
+                raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+            if self.stream_options.include_obfuscation:
+                raise _refuse("stream_options.include_obfuscation", "stream chunks are not padded")
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def completion_budget(self) -> int | None:
+        """max_tokens as asked; None means the rest of the context (OpenAI and vLLM)."""
+        return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token the client wants with logprobs; None: no logprobs."""
+        return None
+
+    def sampling(self) -> SamplingParams:
+        """The engine's parameters (max_tokens left to the router's intake, seed to each choice)."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=self.completion_budget(),
+            min_tokens=self.min_tokens or 0,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),  # vLLM: -1 (or 0) disables top-k
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=tuple(stops),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            logprobs=self.logprobs_wanted(),
+        )
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Request):
+    prompt: JsonValue
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    REFUSED: ClassVar[dict[str, Refusal]] = {
+        "suffix": (lambda v: not v, "insertion (fill-in-the-middle) is not implemented"),
+    }
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> PromptInput:
+        """A string, a token-id list, or a batch of either (OpenAI's four shapes), each non-empty."""
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(_is_token_id(t) for t in prompt):
+            return prompt
+        if all(isinstance(p, list) for p in prompt):
+            for i, ids in enumerate(prompt):
+                if not ids:
+                    raise ValueError(f"prompt {i} is an empty token list")
+                if not all(_is_token_id(t) for t in ids):
+                    raise ValueError(f"prompt {i}: token ids are integers in [0, 2**31)")
+            return prompt
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.choices_per_prompt:
+            raise _refuse("best_of", "ranking best_of candidates is not implemented; use n")
+        if self.echo and self.logprobs is not None:
+            raise _refuse("echo", "echo with logprobs needs the prompt's logprobs, which are not computed")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        assert isinstance(prompt, list)
+        if all(isinstance(p, str | list) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**31
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: JsonValue = None
+    name: str | None = None
+    tool_calls: JsonValue = None
+    tool_call_id: JsonValue = None
+    function_call: JsonValue = None
+    refusal: JsonValue = None
+    audio: JsonValue = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _text_only(cls, content: Any) -> str | list[dict[str, str]]:
+        """A string, or a list of text parts (the only kind of part this model reads)."""
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("must be a string or a list of content parts")
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"part {i} must be an object with a type")
+            if part["type"] != "text":
+                raise ValueError(f"part {i} is of type {part['type'][:40]!r}: only text parts are supported")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": string}}")
+        return content
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        assert isinstance(self.content, list)
+        return "".join(str(part["text"]) for part in self.content if isinstance(part, dict))  # type: ignore[index]
+
+    def template_fields(self) -> dict[str, str]:
+        """What the chat template sees. `developer` is OpenAI's newer name for `system`."""
+        fields = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
+
+
+def _messages_supported(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        if message.role in ("tool", "function"):
+            raise _refuse(f"messages[{i}].role", "tools and function calling are not implemented")
+        for field in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            if getattr(message, field) is not None:
+                raise _refuse(f"messages[{i}].{field}", "only text messages are supported")
+        if message.content is None:
+            raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    response_format: JsonValue = None
+    tools: JsonValue = None
+    tool_choice: JsonValue = None
+    functions: JsonValue = None
+    function_call: JsonValue = None
+    parallel_tool_calls: JsonValue = None
+    audio: JsonValue = None
+    modalities: JsonValue = None
+    prediction: JsonValue = None
+    reasoning_effort: JsonValue = None
+    web_search_options: JsonValue = None
+    verbosity: JsonValue = None
+    store: JsonValue = None
+    metadata: JsonValue = None
+    service_tier: JsonValue = None
+    prompt_cache_key: str | None = None  # a caching hint: accepted, changes no output
+    safety_identifier: str | None = None  # an end-user label, like `user`
+
+    REFUSED: ClassVar[dict[str, Refusal]] = {
+        "response_format": (_text_format, "only {\"type\": \"text\"}: JSON mode and structured outputs are not implemented"),
+        "tools": (lambda v: not v, "tools and function calling are not implemented"),
+        "tool_choice": (lambda v: v in (None, "none"), "tools and function calling are not implemented"),
+        "functions": (lambda v: not v, "tools and function calling are not implemented"),
+        "function_call": (lambda v: v in (None, "none"), "tools and function calling are not implemented"),
+        "parallel_tool_calls": (_unset, "tools and function calling are not implemented"),
+        "audio": (_unset, "audio output is not implemented"),
+        "modalities": (lambda v: v in (None, ["text"]), "only text output"),
+        "prediction": (_unset, "predicted outputs are not implemented"),
+        "reasoning_effort": (_unset, "this is not a reasoning model"),
+        "web_search_options": (_unset, "web search is not implemented"),
+        "verbosity": (_unset, "not implemented"),
+        "store": (lambda v: v in (None, False), "completions are not stored"),
+        "metadata": (_unset, "completions are not stored"),
+        "service_tier": (lambda v: v in (None, "auto", "default"), "there is one service tier"),
+    }
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        _messages_supported(self.messages)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+
+    def completion_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.template_fields() for m in self.messages]
+
+
+APIRequest = CompletionRequest | ChatCompletionRequest
+
+
+def request_too_large(param: str, size: int, limit: int, context_length: int) -> OpenAIError:
+    """Refused before tokenizing: no text this long can fit the context."""
+    return OpenAIError(
+        400,
+        f"{param}: {size} bytes of text, more than the {limit} bytes that can fit this model's context of "
+        f"{context_length} tokens. Please reduce the length of the {param}.",
+        code="context_length_exceeded",
+        param=param,
+    )
+

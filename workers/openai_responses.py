@@ -1,0 +1,253 @@
+"""The response bodies of the OpenAI-compatible API, whole and as SSE chunks, with logprobs.
+
+Shapes follow OpenAI's schema: a completion choice has `text`, `logprobs` (null or `tokens`,
+`token_logprobs`, `top_logprobs`, `text_offset`) and `finish_reason`; a chat choice has
+`message: {role, content, refusal}`, `logprobs` (null or `{content: [{token, logprob, bytes,
+top_logprobs}], refusal}`) and `finish_reason`. A token that is only part of a UTF-8 character is
+shown as OpenAI shows it, `bytes:\\xe2\\x80`; chat logprobs carry its exact `bytes` too.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from kvguard.workers.protocol import TokenLogprob
+
+FinishReason = Literal["stop", "length"]
+
+
+class Vocabulary(Protocol):
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def token_string(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+# ----------------------------------------------------------------------------------- shapes
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class _Envelope(BaseModel):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+
+
+class Completion(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletion(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(_Envelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvguard"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------- logprobs
+
+
+class LogprobShaper:
+    """One choice's logprobs in OpenAI's shapes. Keeps the running text offset, counted in
+    characters of the decoded token bytes (an incremental UTF-8 decoder: linear in the text)."""
+
+    def __init__(self, vocab: Vocabulary, start_offset: int = 0) -> None:
+        self.vocab = vocab
+        self.offset = start_offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def completion(self, records: Sequence[TokenLogprob]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for record in records:
+            raw = self.vocab.token_bytes(record.token_id)
+            token = token_string(raw)
+            out.tokens.append(token)
+            out.token_logprobs.append(record.logprob)
+            # OpenAI: "the logprob of the sampled token is always returned", so up to N + 1 entries
+            top = {token_string(self.vocab.token_bytes(t)): lp for t, lp in record.top}
+            if record.logprob is not None:
+                top.setdefault(token, record.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(self._utf8.decode(raw))
+        return out
+
+    def chat(self, records: Sequence[TokenLogprob]) -> ChatLogprobs:
+        content = []
+        for record in records:
+            raw = self.vocab.token_bytes(record.token_id)
+            top = [TopLogprob(token=token_string(b), logprob=lp, bytes=list(b))
+                   for b, lp in ((self.vocab.token_bytes(t), lp) for t, lp in record.top)]
+            content.append(ChatTokenLogprob(token=token_string(raw), logprob=record.logprob, bytes=list(raw), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+# ---------------------------------------------------------------------------------- builders
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a whole (non-streamed) response."""
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class ResponseBuilder:
+    """Shapes one request's choices as a completion or a chat completion, whole or as SSE chunks."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, vocab: Vocabulary, *, logprobs: bool,
+                 echo: Sequence[str] = ()) -> None:
+        self.request_id, self.model, self.chat, self.vocab = request_id, model, chat, vocab
+        self.logprobs = logprobs
+        self.echo = list(echo)  # per choice: the prompt text shown before the completion
+        self.created = int(time.time())
+        self._shapers: dict[int, LogprobShaper] = {}
+
+    def _envelope(self) -> dict[str, object]:
+        return {"id": self.request_id, "created": self.created, "model": self.model}
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index] if index < len(self.echo) else ""
+
+    def _shaper(self, index: int) -> LogprobShaper:
+        if index not in self._shapers:
+            self._shapers[index] = LogprobShaper(self.vocab, start_offset=len(self._echo(index)))
+        return self._shapers[index]
+
+    def whole(self, choices: Sequence[ChoiceResult], prompt_tokens: int) -> dict[str, object]:
+        usage = Usage.of(prompt_tokens, sum(c.completion_tokens for c in choices))
+        ordered = sorted(choices, key=lambda c: c.index)
+        if self.chat:
+            chat_choices = [
+                ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                           logprobs=self._shaper(c.index).chat(c.logprobs) if self.logprobs else None)
+                for c in ordered
+            ]
+            return ChatCompletion(**self._envelope(), choices=chat_choices, usage=usage).model_dump(mode="json")  # type: ignore[arg-type]
+        completion_choices = [
+            CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
+                             logprobs=self._shaper(c.index).completion(c.logprobs) if self.logprobs else None)
+            for c in ordered
+        ]
+        return Completion(**self._envelope(), choices=completion_choices, usage=usage).model_dump(mode="json")  # type: ignore[arg-type]
+
+    def chunk(self, index: int, text: str, records: Sequence[TokenLogprob] = (), finish_reason: FinishReason | None = None,
+              first: bool = False) -> dict[str, object]:
+        if self.chat:
+            delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text if text or not finish_reason else None)
+            logprobs = self._shaper(index).chat(records) if self.logprobs and records else None
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude={"usage"})  # type: ignore[arg-type]
+            body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+            return body
+        shown = (self._echo(index) if first else "") + text
+        completion_logprobs = self._shaper(index).completion(records) if self.logprobs and records else None
+        choice_c = CompletionChoice(index=index, text=shown, logprobs=completion_logprobs, finish_reason=finish_reason)
+        return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude={"usage"})  # type: ignore[arg-type]
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
+        usage = Usage.of(prompt_tokens, completion_tokens).model_dump()
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(), "object": kind, "choices": [], "usage": usage}
