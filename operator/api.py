@@ -445,6 +445,11 @@ class KVTransferSpec(ApiModel):
     """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it."""
     backend: Literal["mooncake", "nixl"] = "mooncake"
     """Transfer backend for SGLang (`--disaggregation-transfer-backend`); vLLM always uses NIXL."""
+    encryption: Literal["none", "aes-gcm"] = "none"
+    """KV payloads in flight (kvguard engine): `none` authenticates every frame (HMAC, per-request
+    ticket) and checksums payloads but sends KV readable; `aes-gcm` also encrypts each request's
+    KV with its own key. Turn it on when prefill-to-decode traffic crosses a network you do not
+    trust (nodes, zones, shared tenancy) and no mesh encrypts it (docs/threat-model.md)."""
 
 
 class RolloutSpec(ApiModel):
