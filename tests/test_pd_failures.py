@@ -157,7 +157,9 @@ def test_soak_with_random_aborts_every_output_equals_its_solo_reference(tiny_mod
         with cf.ThreadPoolExecutor(6) as executor:
             results = list(executor.map(run, range(60)))
         completed = [(i, text) for i, text in results if text is not None]
-        assert len(completed) >= 40
+        # Every request that stayed completes; a leaver may too if it finished within its 50 ms
+        # (timing, so not counted on).
+        assert {i for i, _ in completed} >= set(range(60)) - leave
         for i, text in completed:
             assert text == reference_text(tiny_model_dir, prompts[i], 24, kv_pool_tokens=pool, context_length=context), i
         wait_pools_empty(d, timeout_s=3.0)
