@@ -51,7 +51,6 @@ from kvguard.workers.transfer.wire import (
     Welcome,
     decode,
     parse_prefix,
-    peek_request_id,
     seal_parts,
     verify,
 )
@@ -260,11 +259,10 @@ class RawPeer:
         with contextlib.suppress(TimeoutError):
             while (raw := await asyncio.wait_for(read_raw(self.reader, 0), 0.3)) is not None:
                 if raw.kind is FrameType.RESULT:
-                    rid = peek_request_id(raw)
-                    assert any(_verifies(codec, raw) for codec in self.codecs[rid])
                     result = decode(raw)
                     assert isinstance(result, Result)
-                    out[rid] = result
+                    assert any(_verifies(codec, raw) for codec in self.codecs[result.request_id])
+                    out[result.request_id] = result
         return out
 
     async def closed_by_decode(self) -> bool:

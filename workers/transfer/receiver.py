@@ -62,7 +62,6 @@ from kvguard.workers.transfer.wire import (
     Welcome,
     decode,
     payload_checksum,
-    peek_request_id,
     validate_request_id,
     verify,
 )
@@ -265,14 +264,15 @@ class KVReceiver:
             return
         if raw.kind not in (FrameType.CHUNK, FrameType.MANIFEST, FrameType.ABORT):
             raise ProtocolError(f"unexpected {raw.kind.name} frame from prefill")
-        rid = peek_request_id(raw)
+        # Parsed (bounds-checked) before verification only to pick the key; acted on only after.
+        frame = decode(raw)
+        rid = frame.request_id  # type: ignore[union-attr]
         transfer = conn.opened.get(rid)
         if transfer is None:
             self._drop_late(conn, rid, raw)
             return
         assert transfer.codec is not None
         transfer.codec.verify(raw)
-        frame = decode(raw)
         if isinstance(frame, ChunkHeader):
             await self._on_chunk(transfer, frame, raw)
             self._return_credit(conn, len(raw.payload))

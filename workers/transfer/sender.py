@@ -44,7 +44,6 @@ from kvguard.workers.transfer.wire import (
     Result,
     Welcome,
     decode,
-    peek_request_id,
     verify,
 )
 
@@ -434,13 +433,13 @@ class KVSender:
             conn.unacked -= n
             conn.peer.credit.release(n)
         elif raw.kind is FrameType.RESULT:
-            transfer = conn.sending.get(peek_request_id(raw))
+            result = decode(raw)  # parsed only to pick the key; trusted once verified
+            assert isinstance(result, Result)
+            transfer = conn.sending.get(result.request_id)
             if transfer is None or transfer.codec is None:  # no longer sending it: cannot verify, drop
                 self._metrics.frames_dropped.labels(reason="late").inc()
                 return
             transfer.codec.verify(raw)
-            result = decode(raw)
-            assert isinstance(result, Result)
             reason = failure_reason(result.reason) if not result.ok else None
             transfer.settle(TransferOutcome(result.request_id, result.ok, reason, result.detail))
         else:

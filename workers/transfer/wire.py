@@ -382,13 +382,9 @@ def verify(raw: RawFrame, key: bytes | None) -> None:
         raise HmacError(f"{raw.kind.name} frame failed HMAC verification")
 
 
-def peek_request_id(raw: RawFrame) -> str:
-    """The request id a request frame names, before verification (to pick its key)."""
-    return Cursor(raw.header).rid()
-
-
 def decode(raw: RawFrame) -> Frame:
-    """The header's fields. Call only after ``verify``: until then nothing in it is trusted."""
+    """The header's fields, bounds-checked. Until ``verify`` passed nothing in them is trusted:
+    the receiver reads only the request id (to pick the key) before verifying."""
     cur = Cursor(raw.header)
     frame: Frame
     kind = raw.kind
