@@ -2,8 +2,9 @@
 
 Request life on this side (states of kvguard.workers.request.RequestState):
   ADMITTED -> PREALLOCATED (bootstrap sent: pages, nonce, epoch) -> RECEIVING (first chunk, after
-  prefill OPENed with the router's ticket for exactly these pages and this nonce: S9) -> VERIFIED (transfer
-  complete, checksums and HMACs good, every planned page written in its current generation: S3)
+  prefill OPENed with the router's ticket for exactly these pages and this nonce: S9) -> VERIFIED
+  (transfer complete, checksums and HMACs good, every planned page written in its current
+  generation: S3)
   -> DECODING -> FINISHED, and ABORTED from anywhere (router abort, router gone, transfer failure or
   timeout, decode error), which always frees the pages (S4).
 """
@@ -81,8 +82,8 @@ class DecodeJob(Job):
         return WriteOutcome.APPLIED if result.applied else WriteOutcome.STALE
 
     async def transfer_complete(self, manifest: Manifest) -> WriteOutcome:
-        if manifest.first is None:
-            return WriteOutcome.UNKNOWN_REQUEST  # prefill always samples the first token
+        if manifest.first is None:  # prefill always samples it; decode cannot start without it
+            raise ValueError("the manifest carries no first token")
         self.first = manifest.first
         return WriteOutcome.APPLIED
 
