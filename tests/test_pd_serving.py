@@ -256,7 +256,7 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
             try:
                 health = requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # the socket listens before the app serves
                 assert time.monotonic() < deadline, "the router never started"
                 time.sleep(0.1)
         assert health.status_code == 503 and health.json()["error"]["code"] == "not_ready"
