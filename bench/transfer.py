@@ -1,13 +1,16 @@
-"""KV transfer goodput: checksum+HMAC on vs off, against a raw loopback socket copy, in one run.
+"""KV transfer goodput: AES-GCM, integrity only (checksum + HMAC) and integrity off, against a raw
+loopback socket copy, in one run.
 
 The decode side runs in a child process (as in production: prefill and decode are separate
-processes), hosting two real ``KVReceiver``s (integrity on / off) and a raw TCP server that
-``recv_into``s a preallocated buffer. The parent runs the real ``KVSender``, and a raw
-``sendall`` of the same bytes. Variants alternate round by round; medians are reported.
+processes), hosting three real ``KVReceiver``s (aes-gcm / checked / unchecked) and a raw TCP
+server that ``recv_into``s a preallocated buffer. The parent runs the real ``KVSender`` with real
+tickets (the child issues them as the router would, from the nonces its receivers drew), and a
+raw ``sendall`` of the same bytes. Variants alternate round by round; medians are reported.
 
     .venv/bin/python bench/transfer.py [--mib 128] [--rounds 5] [--chunk-kib 16,256,1024]
 
-Goals (issue 4): integrity costs < 3% of goodput; goodput >= 50% of the raw socket copy.
+Goals (issue 4): integrity costs < 3% of goodput; goodput >= 50% of the raw socket copy. Issue 11:
+report what aes-gcm costs beside integrity only.
 The sink only counts bytes: the copy into the KV pool is the decode server's cost, not the
 transfer layer's, and the raw baseline has no such copy either.
 
@@ -32,28 +35,37 @@ from multiprocessing.connection import Connection
 
 from prometheus_client import CollectorRegistry
 
+from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.transfer import (
+    Encryption,
+    InboundTransfer,
     KVChunk,
     KVReceiver,
     KVSender,
+    Manifest,
+    Ticket,
+    TicketAuthority,
     TransferConfig,
     TransferMetrics,
     WriteOutcome,
 )
-from kvguard.workers.transfer_protocol import Manifest
 
-KEY = b"bench-shared-key-0123456789abcdef"
+KEYS = RevisionKeys.derive(b"bench-shared-key-0123456789abcdef")
 PAGE_BYTES = 16 << 10
 CONCURRENT_REQUESTS = 4
-VARIANTS = ("checked", "unchecked", "raw")
+VARIANTS = ("aes-gcm", "checked", "unchecked", "raw")
+CONFIGS = {
+    "aes-gcm": TransferConfig(encryption=Encryption.AES_GCM, stall_timeout_s=60),
+    "checked": TransferConfig(stall_timeout_s=60),
+    "unchecked": TransferConfig(verify_integrity=False, stall_timeout_s=60),
+}
 
 
 class CountingSink:
-    async def write_pages(self, request_id: str, page_ids: Sequence[int],
-                          generations: Sequence[int], payload: memoryview) -> WriteOutcome:
+    async def write_pages(self, page_ids: Sequence[int], generations: Sequence[int], payload: memoryview) -> WriteOutcome:
         return WriteOutcome.APPLIED
 
-    async def transfer_complete(self, request_id: str, manifest: Manifest) -> WriteOutcome:
+    async def transfer_complete(self, manifest: Manifest) -> WriteOutcome:
         return WriteOutcome.APPLIED
 
 
@@ -72,11 +84,13 @@ def _raw_server(sock: socket.socket) -> None:
 
 
 async def _decode_main(ctl: Connection) -> None:
-    receivers = {}
-    for name, checked in (("checked", True), ("unchecked", False)):
-        config = TransferConfig(verify_integrity=checked, stall_timeout_s=60)
-        receivers[name] = KVReceiver(CountingSink(), KEY, TransferMetrics.create(CollectorRegistry()), config)
+    receivers, tables = {}, {}
+    for name, config in CONFIGS.items():
+        table: dict[str, InboundTransfer] = {}
+        tables[name] = table
+        receivers[name] = KVReceiver(KEYS, TransferMetrics.create(CollectorRegistry()), table.get, config)
     ports = {name: (await r.start())[1] for name, r in receivers.items()}
+    router = TicketAuthority(KEYS.ticket)
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(raw,), daemon=True).start()
     ports["raw"] = raw.getsockname()[1]
@@ -87,9 +101,13 @@ async def _decode_main(ctl: Connection) -> None:
             ctl.send(time.process_time())
             continue
         variant, plans = msg
+        tickets = []
         for rid, ids, gens in plans:
-            receivers[variant].expect(rid, ids, gens)
-        ctl.send("ready")
+            transfer = receivers[variant].expect(rid, ids, gens, CountingSink())
+            tables[variant][rid] = transfer
+            tickets.append(router.issue(rid, ("127.0.0.1", ports[variant]), transfer.epoch, transfer.nonce,
+                                        len(ids), ids, gens, 600))  # fmt: skip
+        ctl.send(tickets)
 
 
 def decode_process(ctl: Connection) -> None:
@@ -108,12 +126,11 @@ async def kv_round(sender: KVSender, port: int, ctl: Connection, variant: str, t
     n_pages = per_request // PAGE_BYTES
     plans = [(f"{tag}-{r}", list(range(n_pages)), [r + 1] * n_pages) for r in range(CONCURRENT_REQUESTS)]
     ctl.send((variant, plans))
-    assert ctl.recv() == "ready"
+    tickets: list[Ticket] = ctl.recv()
     start = time.perf_counter()
     outcomes = await asyncio.gather(*(
-        sender.send(rid, ("127.0.0.1", port), ids, gens,
-                    _chunks(buf[r * per_request : (r + 1) * per_request], chunk_bytes))
-        for r, (rid, ids, gens) in enumerate(plans)))
+        sender.send(ticket, _chunks(buf[r * per_request : (r + 1) * per_request], chunk_bytes))
+        for r, ticket in enumerate(tickets)))
     elapsed = time.perf_counter() - start
     assert all(o.ok for o in outcomes), outcomes
     return len(buf) / elapsed
@@ -143,9 +160,8 @@ async def bench(total_bytes: int, rounds: int, chunk_sizes: list[int], verbose: 
     try:
         ports = ctl.recv()
         buf = memoryview(bytearray(bytes(range(256)) * (total_bytes // 256)))
-        senders = {name: KVSender(KEY, TransferMetrics.create(CollectorRegistry()),
-                                  TransferConfig(verify_integrity=(name == "checked"), stall_timeout_s=60))
-                   for name in ("checked", "unchecked")}
+        senders = {name: KVSender(KEYS, TransferMetrics.create(CollectorRegistry()), config)
+                   for name, config in CONFIGS.items()}
         print(f"payload per round {total_bytes >> 20} MiB, {CONCURRENT_REQUESTS} concurrent requests, "
               f"{rounds} rounds per variant (alternating), medians in MB/s")
         for chunk_bytes in chunk_sizes:
@@ -167,13 +183,15 @@ async def bench(total_bytes: int, rounds: int, chunk_sizes: list[int], verbose: 
             if verbose:
                 print({v: [round(x / 1e6) for x in r] for v, r in rates.items()})
             cost = 1 - med["checked"] / med["unchecked"]
-            print(f"chunk {chunk_bytes >> 10:5d} KiB: checked {med['checked'] / 1e6:8.1f}  "
+            print(f"chunk {chunk_bytes >> 10:5d} KiB: aes-gcm {med['aes-gcm'] / 1e6:8.1f}  checked {med['checked'] / 1e6:8.1f}  "
                   f"unchecked {med['unchecked'] / 1e6:8.1f}  raw {med['raw'] / 1e6:8.1f}  | "
                   f"integrity cost {cost * 100:5.1f}% (goal < 3%)  "
-                  f"checked/raw {med['checked'] / med['raw']:.2f} (goal >= 0.50)")
-            print(f"{'':17s}CPU s/GiB: checked {cpu_med['checked']:.3f}  unchecked {cpu_med['unchecked']:.3f}  "
-                  f"raw {cpu_med['raw']:.3f}  | integrity CPU cost "
-                  f"{(cpu_med['checked'] / cpu_med['unchecked'] - 1) * 100:5.1f}% (goal < 3%)")
+                  f"checked/raw {med['checked'] / med['raw']:.2f} (goal >= 0.50)  "
+                  f"aes-gcm/raw {med['aes-gcm'] / med['raw']:.2f}  aes-gcm/checked {med['aes-gcm'] / med['checked']:.2f}")
+            print(f"{'':17s}CPU s/GiB: aes-gcm {cpu_med['aes-gcm']:.3f}  checked {cpu_med['checked']:.3f}  "
+                  f"unchecked {cpu_med['unchecked']:.3f}  raw {cpu_med['raw']:.3f}  | integrity CPU cost "
+                  f"{(cpu_med['checked'] / cpu_med['unchecked'] - 1) * 100:5.1f}% (goal < 3%)  "
+                  f"aes-gcm CPU vs checked {(cpu_med['aes-gcm'] / cpu_med['checked'] - 1) * 100:+5.1f}%")
         for sender in senders.values():
             await sender.close()
     finally:

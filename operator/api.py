@@ -518,6 +518,11 @@ class KVTransferSpec(ApiModel):
     """SGLang `--disaggregation-enable-kv-checksum` on prefill and decode: an Adler-32 digest of each
     request's KV pages, verified on decode; a mismatch aborts the request. kvguard checks every
     chunk always; vLLM has no such option."""
+    encryption: Literal["none", "aes-gcm"] = "none"
+    """KV payloads in flight (kvguard engine): `none` authenticates every frame (HMAC, per-request
+    ticket) and checksums payloads but sends KV readable; `aes-gcm` also encrypts each request's
+    KV with its own key. Turn it on when prefill-to-decode traffic crosses a network you do not
+    trust (nodes, zones, shared tenancy) and no mesh encrypts it (docs/threat-model.md)."""
 
 
 class RolloutSpec(ApiModel):

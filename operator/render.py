@@ -227,16 +227,17 @@ class KvguardAdapter:
             advertise_host=f"$({POD_IP_ENV})" if ctx.role == "decode" else None,
             max_transfer_batch=spec.kv_transfer.max_batch,
             transfer_timeout=spec.kv_transfer.timeout_seconds,
+            transfer_encryption=spec.kv_transfer.encryption,
         )
         return ["kvguard", "worker", *args.to_argv(), *spec.engine.extra_args]
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
+        # Every role holds the revision key: the router signs internal calls and issues transfer
+        # tickets with it; the workers verify both and authenticate KV frames (S9).
+        key = _secret_env(TRANSFER_KEY_ENV, secret_name(ctx.owner.name, ctx.revision))
         if ctx.role == "router":
-            return []
-        return [
-            _secret_env(TRANSFER_KEY_ENV, secret_name(ctx.owner.name, ctx.revision)),
-            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        ]
+            return [key]
+        return [key, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
 
     def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
         ports = [_http_port(), {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
@@ -280,6 +281,13 @@ def _engine_kv_dtype(spec: InferenceModelSpec, table: Mapping[KVCacheDtype, str]
     except KeyError:
         allowed = ", ".join(sorted({k.value for k in table}))
         raise RenderError("spec.kvCacheDtype", f"{engine} does not take {spec.kv_cache_dtype.value!r}; use one of {allowed}") from None
+
+
+def _refuse_encryption(spec: InferenceModelSpec, engine: str) -> None:
+    """kvTransfer.encryption is the kvguard engine's; silently sending KV in clear would be worse."""
+    if spec.kv_transfer.encryption != "none":
+        raise RenderError("spec.kvTransfer.encryption", f"{engine} has no KV encryption setting kvguard can render; use none "
+                          "and encrypt the network (a service mesh), or the kvguard engine")  # fmt: skip
 
 
 def _hf_revision_args(ctx: RoleContext) -> list[str]:
@@ -331,6 +339,7 @@ class SGLangAdapter:
 
     def command(self, ctx: RoleContext) -> list[str]:
         spec = ctx.spec
+        _refuse_encryption(spec, "sglang")
         if ctx.role == "router":
             return [
                 "python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -401,6 +410,7 @@ class VLLMAdapter:
 
     def command(self, ctx: RoleContext) -> list[str]:
         spec = ctx.spec
+        _refuse_encryption(spec, "vllm")
         if ctx.role == "router":
             return [
                 "vllm-router", "--vllm-pd-disaggregation",

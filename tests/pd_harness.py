@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import openai
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.workers.args import WorkerArgs, bind_listener
+from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
+from kvguard.workers.transfer import TicketAuthority
 
 MODEL = "tiny"  # the served name is the model folder's name; the fixtures' folders differ, so use .model
 TRANSFER_TIMEOUT_S = 1.5
@@ -91,3 +98,56 @@ def reference_text(model_dir: Path, prompt: str, max_tokens: int = 16, kv_pool_t
     ids = engine.tokenizer.encode(prompt)
     [request] = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return request.output_text
+
+
+# -- the router's side of the internal API, for tests that play the router --------------------------
+
+
+def internal(d: LocalDeployment, role: str, path: str, body: Any = None, *, signed: bool = True,
+             stream: bool = False, timeout: float = 10.0) -> requests.Response:  # fmt: skip
+    """A call to a worker's internal control API, signed with the deployment's key as the router
+    signs it (``signed=False``: as any other pod on the network would call it)."""
+    url = f"{d.internal_urls[role]}{path}"
+    data = json.dumps(body).encode() if body is not None else b""
+    method = "POST" if body is not None else "GET"
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if signed:
+        headers.update(auth_headers(d.keys.control, method, url, data))
+    return requests.request(method, url, data=data or None, headers=headers, stream=stream, timeout=timeout)
+
+
+def ticket_for(d: LocalDeployment, request_id: str, bootstrap: dict[str, Any], ttl_s: float = 30.0, **changes: Any) -> str:
+    """The ticket the router would issue for decode's bootstrap (fields replaced by ``changes``)."""
+    b = {**bootstrap, **changes}
+    ticket = TicketAuthority(d.keys.ticket).issue(
+        request_id, (b["transfer_host"], b["transfer_port"]), b["epoch"], bytes.fromhex(b["nonce"]), b["num_tokens"],
+        b["page_ids"], b["generations"], ttl_s,
+    )  # fmt: skip
+    return ticket.text
+
+
+@contextlib.contextmanager
+def second_router(d: LocalDeployment, model_dir: Path, **flags: object) -> Iterator[str]:
+    """Another router process in front of the same prefill and decode (as a second replica of the
+    router Deployment would be), with any other WorkerArgs `flags`; yields its API base URL."""
+    api, metrics = bind_listener("127.0.0.1", 0), bind_listener("127.0.0.1", 0)
+    port = api.getsockname()[1]
+    args = WorkerArgs(role="router", model=model_dir, port=f"fd:{api.fileno()}", metrics_port=f"fd:{metrics.fileno()}",  # type: ignore[arg-type]
+                      prefill=(d.internal_urls["prefill"],), decode=(d.internal_urls["decode"],), **flags)  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "worker", *args.to_argv()], env=d.env,
+                               pass_fds=(api.fileno(), metrics.fileno()), stdout=subprocess.DEVNULL)  # fmt: skip
+    api.close()
+    metrics.close()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, "the second router never became ready"
+            time.sleep(0.1)
+        yield f"{base}/v1"
+    finally:
+        process.terminate()
+        process.wait(10)

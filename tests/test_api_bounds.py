@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -16,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_harness import deployment, served_model
+from pd_harness import deployment, second_router, served_model
 
-from kvguard.workers.args import bind_listener
 from kvguard.workers.launcher import LocalDeployment
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -217,32 +214,8 @@ def test_huge_prompts_are_refused_before_tokenizing_and_stall_nobody(trio: Local
 @pytest.fixture(scope="module")
 def strict_router(trio: LocalDeployment, tiny_model_dir: Path) -> Iterator[str]:
     """A second router over the same workers, with 1 s header and body timeouts."""
-    api, metrics = bind_listener("127.0.0.1", 0), bind_listener("127.0.0.1", 0)
-    port = api.getsockname()[1]
-    router = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvguard", "worker", "--role", "router", "--model", str(tiny_model_dir),
-         "--port", f"fd:{api.fileno()}", "--metrics-port", f"fd:{metrics.fileno()}",
-         "--prefill", trio.internal_urls["prefill"], "--decode", trio.internal_urls["decode"],
-         "--header-timeout", "1", "--body-timeout", "1"],
-        pass_fds=(api.fileno(), metrics.fileno()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    api.close()
-    metrics.close()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "the second router never became ready"
-            time.sleep(0.1)
-        yield url
-    finally:
-        router.terminate()
-        router.wait(10)
+    with second_router(trio, tiny_model_dir, header_timeout=1, body_timeout=1) as api_base:
+        yield api_base.removesuffix("/v1")
 
 
 def _connect(url: str) -> socket.socket:

@@ -12,7 +12,18 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from pd_harness import client, complete, deployment, metric, pools_used, reference_text, served_model, wait_pools_empty
+from pd_harness import (
+    client,
+    complete,
+    deployment,
+    internal,
+    metric,
+    pools_used,
+    reference_text,
+    served_model,
+    ticket_for,
+    wait_pools_empty,
+)
 
 from kvguard.workers.launcher import LocalDeployment
 
@@ -98,12 +109,12 @@ def test_over_length_is_rejected_at_the_router_before_any_worker_s2(trio: LocalD
 
 def test_every_worker_rejects_over_length_at_its_own_intake_s2(trio: LocalDeployment) -> None:
     """Defence in depth: a request that bypasses the router is still refused before allocation."""
-    urls = trio.internal_urls
     request = {"request_id": "direct-1", "prompt_token_ids": [5] * 1100, "sampling": {"max_tokens": 4}}
-    decode = requests.post(f"{urls['decode']}/internal/decode", json=request, timeout=5)
+    decode = internal(trio, "decode", "/internal/decode", request)
     assert decode.status_code == 400 and decode.json()["error"]["code"] == "context_length_exceeded"
-    bootstrap = {"transfer_host": "127.0.0.1", "transfer_port": 9, "page_ids": [0], "generations": [1], "num_tokens": 1100}
-    prefill = requests.post(f"{urls['prefill']}/internal/prefill", json={**request, "bootstrap": bootstrap}, timeout=5)
+    bootstrap = {"transfer_host": "127.0.0.1", "transfer_port": 9, "page_ids": [0], "generations": [1], "num_tokens": 1100,
+                 "nonce": "00" * 16, "epoch": 0}  # fmt: skip
+    prefill = internal(trio, "prefill", "/internal/prefill", {**request, "ticket": ticket_for(trio, "direct-1", bootstrap)})
     assert prefill.status_code == 400 and prefill.json()["error"]["code"] == "context_length_exceeded"
     assert pools_used(trio) == {"prefill": 0, "decode": 0}
 
@@ -133,16 +144,19 @@ def test_malformed_json_is_a_400(trio: LocalDeployment) -> None:
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_duplicate_request_ids_are_rejected_never_merged(trio: LocalDeployment, tiny_model_dir: Path) -> None:
-    """Class G (sglang#40125): the second request with an in-flight id gets 409; the first is unharmed."""
+def test_a_reused_request_id_is_only_a_label_never_merged_or_refused_class_g_s9(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    """Class G (sglang#40125) without the 409: X-Request-Id is a correlation label, so a second
+    request carrying an in-flight label is a request of its own; both finish, each with its own
+    output, and each response echoes the label."""
     headers = {"X-Request-Id": "same-id"}
     body = {"model": served_model(trio), "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}
     first = requests.post(f"{trio.api_base}/completions", json=body, headers=headers, stream=True, timeout=30)
+    assert first.headers["X-Request-Id"] == "same-id"
     lines = first.iter_lines()
     assert next(line for line in lines if line).startswith(b"data: ")  # first is streaming now
-    second = requests.post(f"{trio.api_base}/completions", json={**body, "stream": False}, headers=headers, timeout=30)
-    assert second.status_code == 409
-    assert second.json()["error"]["code"] == "duplicate_request_id"
+    second = requests.post(f"{trio.api_base}/completions", json={**body, "stream": False, "max_tokens": 8}, headers=headers, timeout=30)
+    assert second.status_code == 200 and second.headers["X-Request-Id"] == "same-id"
+    assert second.json()["choices"][0]["text"] == reference_text(tiny_model_dir, PROMPTS[1], 8)
     rest = [line for line in lines if line]
     assert rest[-1] == b"data: [DONE]"
     first.close()
@@ -173,14 +187,14 @@ def test_client_disconnect_while_waiting_for_a_whole_response_frees_both_pools_s
 def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
     """Classes A/B (sglang#24159, vllm#41269): prefill refuses a request after decode allocated;
     decode must not wait for KV that will never come."""
-    urls = trio.internal_urls
     request = {"request_id": "prefill-fails", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4}}
     started = time.monotonic()
-    with requests.post(f"{urls['decode']}/internal/decode", json=request, stream=True, timeout=10) as decode:
+    with internal(trio, "decode", "/internal/decode", request, stream=True) as decode:
         events = (json.loads(line) for line in decode.iter_lines() if line)
         bootstrap = next(events)["bootstrap"]
-        bad = {**request, "prompt_token_ids": [10_000, 2, 3], "bootstrap": bootstrap}  # token id out of vocab
-        refused = requests.post(f"{urls['prefill']}/internal/prefill", json=bad, timeout=5)
+        ticket = ticket_for(trio, "prefill-fails", bootstrap)
+        bad = {**request, "prompt_token_ids": [10_000, 2, 3], "ticket": ticket}  # token id out of vocab
+        refused = internal(trio, "prefill", "/internal/prefill", bad)
         assert refused.status_code == 400
         final = next(events)
     assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"
@@ -219,6 +233,7 @@ def test_router_refuses_workers_whose_page_sizes_differ() -> None:
 def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: Path) -> None:
     """In a pod the router may start before the workers: it answers 503 `not_ready` until it has
     learned their limits, rather than crashing or guessing them (S2 needs them)."""
+    import os
     import subprocess
     import sys
 
@@ -232,6 +247,7 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
          "--port", f"fd:{api.fileno()}", "--metrics-port", f"fd:{metrics.fileno()}",
          "--prefill", f"http://127.0.0.1:{unused}", "--decode", f"http://127.0.0.1:{unused}"],
         pass_fds=(api.fileno(), metrics.fileno()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "KVGUARD_TRANSFER_KEY": "ab" * 32},  # every role holds the revision key
     )  # fmt: skip
     api.close()
     metrics.close()

@@ -235,3 +235,32 @@ def test_kvguard_network_policies_admit_exactly_each_ports_audience_s9() -> None
         container = objs["Deployment", f"m-r1-{role}"]["spec"]["template"]["spec"]["containers"][0]
         assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
         assert flag(container["command"], "--metrics-port") == "8001"
+
+
+def test_every_kvguard_role_gets_the_revision_key_and_encryption_reaches_both_workers_s9() -> None:
+    """The router signs internal calls and issues transfer tickets, so it needs the revision key
+    too; kvTransfer.encryption is a flag of prefill and decode (both must agree)."""
+    spec_model = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"]
+    m = model("tiny-cpu.yaml", model={**spec_model, "source": {"pvc": {"claimName": "models", "path": "tiny"}}},
+              kvTransfer={"encryption": "aes-gcm"})  # fmt: skip
+    objs = objects(m)
+    for role in ("router", "prefill", "decode"):
+        container = objs["Deployment", f"m-r1-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        key = next(e for e in container["env"] if e["name"] == "KVGUARD_TRANSFER_KEY")
+        assert key["valueFrom"] == {"secretKeyRef": {"name": "m-r1-kv-transfer", "key": "key"}}
+        if role == "router":
+            assert "--transfer-encryption" not in container["command"]
+        else:
+            assert flag(container["command"], "--transfer-encryption") == "aes-gcm"
+    assert "--transfer-encryption" not in command(objects(model("tiny-cpu.yaml", model={
+        **spec_model, "source": {"pvc": {"claimName": "models", "path": "tiny"}}})), "decode")  # default: none
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_encryption_is_refused_for_engines_that_cannot_render_it(engine: str) -> None:
+    example = "llama-3.1-8b-sglang-h100.yaml"
+    spec_engine = yaml.safe_load((EXAMPLES / example).read_text())["spec"]["engine"]
+    m = model(example, kvTransfer={"encryption": "aes-gcm"}, engine={**spec_engine, "kind": engine, "image": "img:1"})
+    with pytest.raises(RenderError) as err:
+        objects(m)
+    assert err.value.field == "spec.kvTransfer.encryption"

@@ -45,7 +45,7 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
 
 def _assert_one_audience_per_port(urls: dict) -> None:
     """S9: the metrics listener serves /metrics and /health only; the internal control API serves
-    /internal/* only; the public API serves neither."""
+    /internal/* only, and only to the router (signed calls); the public API serves neither."""
     api = urls["router"].removesuffix("/v1")
     for role, metrics_url in urls["metrics"].items():
         metrics_base = metrics_url.removesuffix("/metrics")
@@ -53,8 +53,9 @@ def _assert_one_audience_per_port(urls: dict) -> None:
         assert requests.get(f"{metrics_base}/health", timeout=5).status_code == 200
         for path in ("/internal/info", "/internal/abort", "/internal/decode", "/internal/prefill", "/v1/models"):
             assert requests.post(f"{metrics_base}{path}", json={}, timeout=5).status_code in (404, 405), (role, path)
-    for role, internal in urls["internal"].items():
-        assert requests.get(f"{internal}/internal/info", timeout=5).json()["role"] == role
+    for internal in urls["internal"].values():
+        refused = requests.get(f"{internal}/internal/info", timeout=5)  # not signed by the router
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthenticated"
         assert requests.get(f"{internal}/metrics", timeout=5).status_code == 404
     assert requests.get(f"{api}/metrics", timeout=5).status_code == 404
     assert requests.get(f"{api}/internal/info", timeout=5).status_code == 404

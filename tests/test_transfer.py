@@ -1,5 +1,7 @@
 """KV transfer over real loopback sockets: integrity (S3), aborts and timeouts (S4), stale writes
-(S5), back-pressure (S6), and the bug classes C, D, G, H, I of pd-bug-classes.md."""
+(S5), back-pressure (S6), the bug classes C, D, G, H, I of pd-bug-classes.md, and the transfer's
+trust boundary (S9): tickets, connection-bound frames, replays, cross-connection ABORT, the boot
+epoch, and AES-GCM payloads. Attack tests are marked ``_s9``."""
 
 from __future__ import annotations
 
@@ -8,32 +10,55 @@ import contextlib
 import os
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.workers.faults import NO_FAULTS, Faults
+from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.transfer import (
-    DuplicateRequestError,
+    Encryption,
     FailureReason,
+    FirstToken,
+    InboundTransfer,
     KVChunk,
     KVReceiver,
     KVSender,
     PrefillCrashed,
+    Ticket,
+    TicketAuthority,
     TransferConfig,
     TransferMetrics,
+    TransferState,
     WriteOutcome,
     abort_cause,
-    read_frame,
-    write_frame,
 )
-from kvguard.workers.transfer_protocol import ChunkHeader, Manifest, Result, payload_checksum
+from kvguard.workers.transfer.channel import RequestCodec, read_raw, write_frame, write_sealed
+from kvguard.workers.transfer.receiver import DuplicateRequestError
+from kvguard.workers.transfer.wire import (
+    PREFIX,
+    TAG_BYTES,
+    Abort,
+    FrameType,
+    Hello,
+    HmacError,
+    Manifest,
+    Open,
+    RawFrame,
+    Result,
+    Welcome,
+    decode,
+    parse_prefix,
+    seal_parts,
+    verify,
+)
 
-KEY = b"test-shared-key-0123456789abcdef"
+KEYS = RevisionKeys.derive(b"test-shared-key-0123456789abcdef")
 PAGE = 512
 FAST = TransferConfig(stall_timeout_s=2.0)
+TICKET_TTL_S = 30.0
 
 
 def page_bytes(rid: str, page: int) -> bytes:
@@ -42,34 +67,60 @@ def page_bytes(rid: str, page: int) -> bytes:
 
 @dataclass
 class RecordingSink:
-    """A KVSink that records what it applied; optional per-write delay and stale request ids."""
+    """Records what each request's sink applied; optional per-write delay, gate and stale ids."""
 
     delay_s: float = 0.0
     stale: set[str] = field(default_factory=set)
     gate: asyncio.Event | None = None
     applied: dict[str, dict[int, bytes]] = field(default_factory=lambda: defaultdict(dict))
+    writes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    manifests: dict[str, Manifest] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     applied_bytes: int = 0
     on_write: list = field(default_factory=list)  # type: ignore[type-arg]
 
-    async def write_pages(self, request_id: str, page_ids: Sequence[int],
-                          generations: Sequence[int], payload: memoryview) -> WriteOutcome:
-        for hook in self.on_write:
+    def for_request(self, rid: str) -> RequestSink:
+        return RequestSink(self, rid)
+
+
+@dataclass
+class RequestSink:
+    """The KVSink of one request (on decode: the job that owns the pages)."""
+
+    recorder: RecordingSink
+    rid: str
+
+    async def write_pages(self, page_ids: Sequence[int], generations: Sequence[int], payload: memoryview) -> WriteOutcome:
+        r = self.recorder
+        for hook in r.on_write:
             hook()
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        if request_id in self.stale:
+        if r.gate is not None:
+            await r.gate.wait()
+        if r.delay_s:
+            await asyncio.sleep(r.delay_s)
+        if self.rid in r.stale:
             return WriteOutcome.STALE  # S5: never applied
         for i, page in enumerate(page_ids):
-            self.applied[request_id][page] = bytes(payload[i * PAGE : (i + 1) * PAGE])
-        self.applied_bytes += len(payload)
-        self.order.append(request_id)
+            r.applied[self.rid][page] = bytes(payload[i * PAGE : (i + 1) * PAGE])
+        r.writes[self.rid] += 1
+        r.applied_bytes += len(payload)
+        r.order.append(self.rid)
         return WriteOutcome.APPLIED
 
-    async def transfer_complete(self, request_id: str, manifest: Manifest) -> WriteOutcome:
+    async def transfer_complete(self, manifest: Manifest) -> WriteOutcome:
+        self.recorder.manifests[self.rid] = manifest
         return WriteOutcome.APPLIED
+
+
+@dataclass
+class Expected:
+    """A transfer decode expects, and the ticket the router would issue for it."""
+
+    transfer: InboundTransfer
+    ticket: Ticket
+
+    async def wait(self):  # type: ignore[no-untyped-def]
+        return await self.transfer.wait()
 
 
 @dataclass
@@ -78,27 +129,44 @@ class Pair:
     sender: KVSender
     sink: RecordingSink
     dest: tuple[str, int]
+    table: dict[str, InboundTransfer]
+    tickets: TicketAuthority
     recv_registry: CollectorRegistry
     send_registry: CollectorRegistry
     recv_metrics: TransferMetrics
+
+    def expect(self, rid: str, ids: Sequence[int], gens: Sequence[int], *, stall_timeout_s: float | None = None,
+               dest: tuple[str, int] | None = None) -> Expected:  # fmt: skip
+        """Decode's bootstrap and the router's ticket, as in production."""
+        transfer = self.receiver.expect(rid, ids, gens, self.sink.for_request(rid), stall_timeout_s=stall_timeout_s)
+        self.table[rid] = transfer
+        return Expected(transfer, issue(self.tickets, transfer, dest or self.dest, len(ids) * 16))
 
     def recv_metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         return self.recv_registry.get_sample_value(name, labels or {}) or 0.0
 
 
+def issue(tickets: TicketAuthority, transfer: InboundTransfer, dest: tuple[str, int], num_tokens: int,
+          ttl_s: float = TICKET_TTL_S) -> Ticket:  # fmt: skip
+    ids, gens = transfer.tracker.order
+    return tickets.issue(transfer.request_id, dest, transfer.epoch, transfer.nonce, num_tokens, ids, gens, ttl_s)
+
+
 @contextlib.asynccontextmanager
 async def make_pair(*, config: TransferConfig = FAST, sink: RecordingSink | None = None,
                     sender_faults: Faults = NO_FAULTS, receiver_faults: Faults = NO_FAULTS,
-                    sender_key: bytes = KEY, on_crash=None) -> AsyncIterator[Pair]:  # type: ignore[no-untyped-def]
+                    sender_keys: RevisionKeys = KEYS, sender_config: TransferConfig | None = None,
+                    on_crash=None) -> AsyncIterator[Pair]:  # type: ignore[no-untyped-def]
     sink = sink or RecordingSink()
     recv_reg, send_reg = CollectorRegistry(), CollectorRegistry()
     recv_metrics = TransferMetrics.create(recv_reg)
-    receiver = KVReceiver(sink, KEY, recv_metrics, config, receiver_faults)
+    table: dict[str, InboundTransfer] = {}
+    receiver = KVReceiver(KEYS, recv_metrics, table.get, config, receiver_faults)
     dest = await receiver.start()
     kwargs = {"on_crash": on_crash} if on_crash else {}
-    sender = KVSender(sender_key, TransferMetrics.create(send_reg), config, sender_faults, **kwargs)
+    sender = KVSender(sender_keys, TransferMetrics.create(send_reg), sender_config or config, sender_faults, **kwargs)
     try:
-        yield Pair(receiver, sender, sink, dest, recv_reg, send_reg, recv_metrics)
+        yield Pair(receiver, sender, sink, dest, table, TicketAuthority(KEYS.ticket), recv_reg, send_reg, recv_metrics)
     finally:
         if sink.gate is not None:
             sink.gate.set()
@@ -110,8 +178,7 @@ def plan(n_pages: int, first: int = 0, generation: int = 1) -> tuple[list[int], 
     return list(range(first, first + n_pages)), [generation] * n_pages
 
 
-async def chunks_of(rid: str, pages: list[int], per_chunk: int = 1,
-                    pause_s: float = 0.0) -> AsyncIterator[KVChunk]:
+async def chunks_of(rid: str, pages: list[int], per_chunk: int = 1, pause_s: float = 0.0) -> AsyncIterator[KVChunk]:
     for i in range(0, len(pages), per_chunk):
         ids = pages[i : i + per_chunk]
         yield KVChunk(ids, b"".join(page_bytes(rid, p) for p in ids))
@@ -121,69 +188,114 @@ async def chunks_of(rid: str, pages: list[int], per_chunk: int = 1,
 async def test_round_trip_many_interleaved_requests_s3() -> None:
     config = TransferConfig(stall_timeout_s=5.0, max_connections_per_peer=1)
     async with make_pair(config=config) as p:
-        handles, sends = [], []
+        expected, sends = [], []
         for r in range(16):
             rid = f"req-{r}"
             ids, gens = plan(6, first=r * 6, generation=r + 1)
-            handles.append(p.receiver.expect(rid, ids, gens))
-            sends.append(p.sender.send(rid, p.dest, ids, gens, chunks_of(rid, ids, per_chunk=2)))
+            e = p.expect(rid, ids, gens)
+            expected.append(e)
+            sends.append(p.sender.send(e.ticket, chunks_of(rid, ids, per_chunk=2), FirstToken(r, -0.25, ((r, -0.25), (7, -2.0)))))
         sent = await asyncio.gather(*sends)
-        received = await asyncio.gather(*(h.wait() for h in handles))
+        received = await asyncio.gather(*(e.wait() for e in expected))
     assert all(o.ok for o in sent), sent
     assert all(o.ok and o.chunks == 3 and o.bytes == 6 * PAGE for o in received), received
     for r in range(16):
         rid = f"req-{r}"
         assert p.sink.applied[rid] == {pg: page_bytes(rid, pg) for pg in range(r * 6, r * 6 + 6)}
+        # The first-token record travels in the authenticated MANIFEST (P/D logprobs).
+        assert p.sink.manifests[rid].first == FirstToken(r, -0.25, ((r, -0.25), (7, -2.0)))
+    assert all(e.transfer.state is TransferState.COMPLETE for e in expected)
     switches = sum(a != b for a, b in zip(p.sink.order, p.sink.order[1:]))
     assert switches > 16, "requests were not interleaved on the shared connection"
     assert p.recv_metric("kvguard_kv_transfers_total", {"role": "receiver", "outcome": "complete"}) == 16
 
 
 class RawPeer:
-    """Speaks the wire protocol by hand, to send what a buggy or hostile prefill would."""
+    """Speaks the wire protocol by hand, to send what a buggy or hostile prefill would. It holds
+    the revision key: the worst case short of being the router."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes) -> None:
-        self.reader, self.writer, self.key = reader, writer, key
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, welcome: Welcome, keys: RevisionKeys) -> None:
+        self.reader, self.writer, self.welcome, self.keys = reader, writer, welcome, keys
+        self.codecs: dict[str, list[RequestCodec]] = defaultdict(list)  # every OPEN's keys
 
     @classmethod
-    async def connect(cls, dest: tuple[str, int], key: bytes = KEY) -> RawPeer:
-        return cls(*await asyncio.open_connection(*dest), key)
+    async def connect(cls, dest: tuple[str, int], keys: RevisionKeys = KEYS) -> RawPeer:
+        reader, writer = await asyncio.open_connection(*dest)
+        write_frame(writer, keys.hello, Hello(os.urandom(16), Encryption.NONE))
+        raw = await asyncio.wait_for(read_raw(reader, 0), 2)
+        assert raw is not None
+        verify(raw, keys.hello)
+        welcome = decode(raw)
+        assert isinstance(welcome, Welcome)
+        return cls(reader, writer, welcome, keys)
 
-    def chunk(self, rid: str, seq: int, pages: Sequence[int], gens: Sequence[int],
-              payload: bytes | None = None, corrupt: bool = False) -> None:
-        payload = payload if payload is not None else b"".join(page_bytes(rid, pg) for pg in pages)
-        checksum = payload_checksum(payload)
+    def open(self, ticket: Ticket, nonce: bytes | None = None) -> None:
+        codec = RequestCodec(self.keys.request(nonce or ticket.nonce, self.welcome.conn_id))
+        self.codecs[ticket.request_id].append(codec)
+        codec.write(self.writer, Open(ticket.request_id, ticket.blob))
+
+    def codec(self, rid: str) -> RequestCodec:
+        # A request never opened here: the best the peer can do is a key for a guessed nonce.
+        opened = self.codecs.get(rid)
+        return opened[-1] if opened else RequestCodec(self.keys.request(bytes(16), self.welcome.conn_id))
+
+    def chunk(self, rid: str, seq: int, pages: Sequence[int], gens: Sequence[int], corrupt: bool = False) -> None:
+        payload = b"".join(page_bytes(rid, pg) for pg in pages)
+        head, tag, wire = self.codec(rid).seal_chunk(rid, seq, tuple(pages), tuple(gens), memoryview(payload))
         if corrupt:
-            payload = bytes([payload[0] ^ 0x40]) + payload[1:]
-        write_frame(self.writer, self.key, ChunkHeader(rid, seq, checksum, tuple(pages), tuple(gens)), payload)
+            wire = bytes([wire[0] ^ 0x40]) + bytes(wire[1:])
+        write_sealed(self.writer, head, tag, wire)
 
     def manifest(self, rid: str, chunks: int, pages: Sequence[int], gens: Sequence[int]) -> None:
-        write_frame(self.writer, self.key, Manifest(rid, chunks, len(pages) * PAGE, tuple(pages), tuple(gens)))
+        self.codec(rid).write_manifest(self.writer, Manifest(rid, chunks, len(pages) * PAGE, tuple(pages), tuple(gens)))
+
+    def abort(self, rid: str, reason: str = "hostile abort") -> None:
+        self.codec(rid).write(self.writer, Abort(rid, reason))
 
     async def results(self) -> dict[str, Result]:
-        """Every RESULT until the receiver goes quiet."""
+        """Every RESULT (the last per request) until the receiver goes quiet or hangs up; each
+        must verify under the keys of one of this peer's OPENs for it."""
         out: dict[str, Result] = {}
         with contextlib.suppress(TimeoutError):
-            while (got := await asyncio.wait_for(read_frame(self.reader, self.key, 0), 0.3)):
-                if isinstance(got[0], Result):
-                    out[got[0].request_id] = got[0]
+            while (raw := await asyncio.wait_for(read_raw(self.reader, 0), 0.3)) is not None:
+                if raw.kind is FrameType.RESULT:
+                    result = decode(raw)
+                    assert isinstance(result, Result)
+                    assert any(_verifies(codec, raw) for codec in self.codecs[result.request_id])
+                    out[result.request_id] = result
         return out
+
+    async def closed_by_decode(self) -> bool:
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            while await asyncio.wait_for(self.reader.read(1 << 16), 2):
+                pass
+            return True
+        return False
 
     def close(self) -> None:
         self.writer.close()
 
 
+def _verifies(codec: RequestCodec, raw: RawFrame) -> bool:
+    try:
+        codec.verify(raw)
+    except HmacError:
+        return False
+    return True
+
+
 async def test_corrupt_chunk_fails_only_that_request_on_the_same_connection_s3_class_i() -> None:
     async with make_pair() as p:
-        handles = {rid: p.receiver.expect(rid, [i * 2, i * 2 + 1], [1, 1])
-                   for i, rid in enumerate(("a", "b", "c"))}
+        expected = {rid: p.expect(rid, [i * 2, i * 2 + 1], [1, 1]) for i, rid in enumerate(("a", "b", "c"))}
         peer = await RawPeer.connect(p.dest)
+        for e in expected.values():
+            peer.open(e.ticket)
         for seq in range(2):
             for i, rid in enumerate(("a", "b", "c")):
                 peer.chunk(rid, seq, [i * 2 + seq], [1], corrupt=(rid == "b" and seq == 1))
         for i, rid in enumerate(("a", "b", "c")):
             peer.manifest(rid, 2, [i * 2, i * 2 + 1], [1, 1])
-        outcomes = {rid: await h.wait() for rid, h in handles.items()}
+        outcomes = {rid: await e.wait() for rid, e in expected.items()}
         results = await peer.results()
         peer.close()
     assert outcomes["a"].ok and outcomes["c"].ok
@@ -193,35 +305,40 @@ async def test_corrupt_chunk_fails_only_that_request_on_the_same_connection_s3_c
     assert p.recv_metric("kvguard_checksum_failures_total") == 1
 
 
-async def test_corrupt_chunk_fault_is_caught_and_no_checksum_lets_it_through() -> None:
+@pytest.mark.parametrize("encryption", [Encryption.NONE, Encryption.AES_GCM])
+async def test_corrupt_chunk_fault_is_caught_and_no_checksum_lets_it_through(encryption: Encryption) -> None:
     ids, gens = plan(3)
-    async with make_pair(sender_faults=Faults(corrupt_chunk=1.0)) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        sent = await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        assert (await handle.wait()).reason is FailureReason.CHECKSUM
+    config = TransferConfig(stall_timeout_s=2.0, encryption=encryption)
+    async with make_pair(config=config, sender_faults=Faults(corrupt_chunk=1.0)) as p:
+        e = p.expect("r", ids, gens)
+        sent = await p.sender.send(e.ticket, chunks_of("r", ids))
+        assert (await e.wait()).reason is FailureReason.CHECKSUM
         assert sent.reason is FailureReason.CHECKSUM
-    async with make_pair(sender_faults=Faults(corrupt_chunk=1.0),
-                         receiver_faults=Faults(no_checksum=True)) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        assert (await handle.wait()).ok  # the fault switch disables the S3 check: by design
+    if encryption is Encryption.AES_GCM:
+        return  # AES-GCM authenticates every payload: there is no switch to skip it
+    async with make_pair(config=config, sender_faults=Faults(corrupt_chunk=1.0), receiver_faults=Faults(no_checksum=True)) as p:
+        e = p.expect("r", ids, gens)
+        await p.sender.send(e.ticket, chunks_of("r", ids))
+        assert (await e.wait()).ok  # the fault switch disables the S3 check: by design
         assert p.sink.applied["r"][0] != page_bytes("r", 0)
 
 
-async def test_wrong_hmac_key_is_rejected_and_closes_only_that_connection_s3() -> None:
+async def test_wrong_revision_key_cannot_even_connect_s3_s9() -> None:
     ids, gens = plan(2)
     config = TransferConfig(stall_timeout_s=0.3)
-    async with make_pair(config=config, sender_key=b"not-the-deployment-key-!!!!!!!!!") as p:
-        handle = p.receiver.expect("r", ids, gens)
-        sent = await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        outcome = await handle.wait()
-        good = KVSender(KEY, TransferMetrics.create(CollectorRegistry()), config)
-        other = p.receiver.expect("ok", [7], [1])
-        assert (await good.send("ok", p.dest, [7], [1], chunks_of("ok", [7]))).ok
-        assert (await other.wait()).ok
+    other = RevisionKeys.derive(b"not-the-deployment-key-!!!!!!!!!")
+    async with make_pair(config=config, sender_keys=other) as p:
+        e = p.expect("r", ids, gens)
+        forged = issue(TicketAuthority(other.ticket), e.transfer, p.dest, 32)  # its own "router"
+        sent = await p.sender.send(forged, chunks_of("r", ids))
+        outcome = await e.wait()
+        good = KVSender(KEYS, TransferMetrics.create(CollectorRegistry()), config)
+        ok = p.expect("ok", [7], [1])
+        assert (await good.send(ok.ticket, chunks_of("ok", [7]))).ok
+        assert (await ok.wait()).ok
         await good.close()
-    assert sent.reason is FailureReason.CONNECTION_LOST
-    assert outcome.reason is FailureReason.TIMEOUT  # its id was never trusted, so only the timer ends it
+    assert sent.reason is FailureReason.PROTOCOL_ERROR  # decode hung up on its HELLO
+    assert outcome.reason is FailureReason.TIMEOUT  # nothing it sent was trusted: only the timer ends it
     assert p.recv_metric("kvguard_hmac_failures_total") == 1
     assert "r" not in p.sink.applied
 
@@ -230,26 +347,28 @@ async def test_dropped_chunk_fails_by_manifest_class_c_and_ignore_manifest_misse
     ids, gens = plan(4)
     faults = Faults(drop_chunk=0.5, seed=1)
     async with make_pair(sender_faults=faults) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        sent = await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        outcome = await handle.wait()
+        e = p.expect("r", ids, gens)
+        sent = await p.sender.send(e.ticket, chunks_of("r", ids))
+        outcome = await e.wait()
     assert 0 < len(p.sink.applied["r"]) < 4, "seed 1 should drop some but not all chunks"
     assert outcome.reason is FailureReason.MANIFEST_MISMATCH and sent.reason is outcome.reason
     async with make_pair(sender_faults=faults, receiver_faults=Faults(ignore_manifest=True)) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        assert (await handle.wait()).ok  # the canary suite must catch this switch
+        e = p.expect("r", ids, gens)
+        await p.sender.send(e.ticket, chunks_of("r", ids))
+        assert (await e.wait()).ok  # the canary suite must catch this switch
 
 
 async def test_chunk_accounting_mismatches_fail_the_request_class_d() -> None:
     async with make_pair() as p:
-        short = p.receiver.expect("short", [0, 1, 2], [1, 1, 1])
-        extra = p.receiver.expect("extra", [10, 11], [1, 1])
-        dup = p.receiver.expect("dup", [20, 21], [1, 1])
-        order = p.receiver.expect("order", [30, 31], [1, 1])
-        stale_gen = p.receiver.expect("gen", [40], [5])
-        fine = p.receiver.expect("fine", [50], [1])
+        short = p.expect("short", [0, 1, 2], [1, 1, 1])
+        extra = p.expect("extra", [10, 11], [1, 1])
+        dup = p.expect("dup", [20, 21], [1, 1])
+        order = p.expect("order", [30, 31], [1, 1])
+        stale_gen = p.expect("gen", [40], [5])
+        fine = p.expect("fine", [50], [1])
         peer = await RawPeer.connect(p.dest)
+        for e in (short, extra, dup, order, stale_gen, fine):
+            peer.open(e.ticket)
         peer.chunk("short", 0, [0, 1], [1, 1])  # a shortened send plan, honest manifest
         peer.manifest("short", 1, [0, 1], [1, 1])
         peer.chunk("extra", 0, [10, 99], [1, 1])
@@ -260,7 +379,7 @@ async def test_chunk_accounting_mismatches_fail_the_request_class_d() -> None:
         peer.chunk("gen", 0, [40], [4])
         peer.chunk("fine", 0, [50], [1])
         peer.manifest("fine", 1, [50], [1])
-        outcomes = {h.request_id: await h.wait() for h in (short, extra, dup, order, stale_gen, fine)}
+        outcomes = {e.transfer.request_id: await e.wait() for e in (short, extra, dup, order, stale_gen, fine)}
         peer.close()
     assert outcomes.pop("fine").ok
     assert outcomes.pop("short").reason is FailureReason.MANIFEST_MISMATCH
@@ -277,11 +396,11 @@ async def _stalling(rid: str, pages: list[int]) -> AsyncIterator[KVChunk]:
 async def test_stalled_sender_times_out_on_the_receiver_class_h() -> None:
     ids, gens = plan(3)
     async with make_pair() as p:
-        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=0.3)
-        task = asyncio.create_task(p.sender.send("r", p.dest, ids, gens, _stalling("r", ids)))
+        e = p.expect("r", ids, gens, stall_timeout_s=0.3)
+        task = asyncio.create_task(p.sender.send(e.ticket, _stalling("r", ids)))
         loop = asyncio.get_running_loop()
         start = loop.time()
-        outcome = await asyncio.wait_for(handle.wait(), 5)
+        outcome = await asyncio.wait_for(e.wait(), 5)
         elapsed = loop.time() - start
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -295,9 +414,9 @@ async def test_stalled_receiver_times_out_on_the_sender_class_h() -> None:
     ids, gens = plan(8)
     config = TransferConfig(stall_timeout_s=0.3, max_transfer_batch=2 * PAGE)
     async with make_pair(config=config, sink=RecordingSink(gate=asyncio.Event())) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        sent = await asyncio.wait_for(p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids)), 5)
-        outcome = await asyncio.wait_for(handle.wait(), 5)
+        e = p.expect("r", ids, gens)
+        sent = await asyncio.wait_for(p.sender.send(e.ticket, chunks_of("r", ids)), 5)
+        outcome = await asyncio.wait_for(e.wait(), 5)
     assert sent.reason is FailureReason.TIMEOUT
     assert not outcome.ok
 
@@ -310,10 +429,10 @@ async def _failing(rid: str, pages: list[int]) -> AsyncIterator[KVChunk]:
 async def test_prefill_error_sends_abort_and_decode_releases_at_once_s4() -> None:
     ids, gens = plan(3)
     async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
-        handle = p.receiver.expect("r", ids, gens)
+        e = p.expect("r", ids, gens)
         with pytest.raises(RuntimeError, match="prefill forward failed"):
-            await p.sender.send("r", p.dest, ids, gens, _failing("r", ids))
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+            await p.sender.send(e.ticket, _failing("r", ids))
+        outcome = await asyncio.wait_for(e.wait(), 2)
     assert outcome.reason is FailureReason.PEER_ABORT
     assert "prefill forward failed" in outcome.detail
 
@@ -321,34 +440,32 @@ async def test_prefill_error_sends_abort_and_decode_releases_at_once_s4() -> Non
 async def test_client_disconnect_cancels_send_and_aborts_decode_s4() -> None:
     ids, gens = plan(3)
     async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        task = asyncio.create_task(p.sender.send("r", p.dest, ids, gens, _stalling("r", ids)))
+        e = p.expect("r", ids, gens)
+        task = asyncio.create_task(p.sender.send(e.ticket, _stalling("r", ids)))
         while not p.sink.applied["r"]:
             await asyncio.sleep(0.01)
         task.cancel()
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+        outcome = await asyncio.wait_for(e.wait(), 2)
     assert outcome.reason is FailureReason.PEER_ABORT
 
 
 async def test_no_abort_propagation_leaves_decode_to_its_timeout() -> None:
     ids, gens = plan(3)
     async with make_pair(sender_faults=Faults(no_abort_propagation=True)) as p:
-        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=0.3)
+        e = p.expect("r", ids, gens, stall_timeout_s=0.3)
         with pytest.raises(RuntimeError):
-            await p.sender.send("r", p.dest, ids, gens, _failing("r", ids))
-        outcome = await asyncio.wait_for(handle.wait(), 5)
+            await p.sender.send(e.ticket, _failing("r", ids))
+        outcome = await asyncio.wait_for(e.wait(), 5)
     assert outcome.reason is FailureReason.TIMEOUT
 
 
 async def test_decode_cancel_stops_prefill_s4() -> None:
     ids, gens = plan(20)
     async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
-        handle = p.receiver.expect("r", ids, gens)
-        p.sink.on_write.append(lambda: handle.cancel("client of decode went away")
-                               if len(p.sink.applied["r"]) >= 2 else None)
-        sent = await asyncio.wait_for(
-            p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids, pause_s=0.01)), 5)
-        outcome = await handle.wait()
+        e = p.expect("r", ids, gens)
+        p.sink.on_write.append(lambda: e.transfer.cancel("client of decode went away") if len(p.sink.applied["r"]) >= 2 else None)
+        sent = await asyncio.wait_for(p.sender.send(e.ticket, chunks_of("r", ids, pause_s=0.01)), 5)
+        outcome = await e.wait()
     assert outcome.reason is FailureReason.CANCELLED
     assert sent.reason is FailureReason.CANCELLED and "went away" in sent.detail
     assert len(p.sink.applied["r"]) < 20
@@ -356,22 +473,21 @@ async def test_decode_cancel_stops_prefill_s4() -> None:
 
 async def test_prefill_crash_mid_transfer_fails_decode_at_once_class_c() -> None:
     ids, gens = plan(4)
-    async with make_pair(sender_faults=Faults(crash_prefill_after_chunks=2),
-                         config=TransferConfig(stall_timeout_s=30), on_crash=lambda: None) as p:
-        handle = p.receiver.expect("r", ids, gens)
+    async with make_pair(sender_faults=Faults(crash_prefill_after_chunks=2), config=TransferConfig(stall_timeout_s=30),
+                         on_crash=lambda: None) as p:  # fmt: skip
+        e = p.expect("r", ids, gens)
         with pytest.raises(PrefillCrashed):
-            await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+            await p.sender.send(e.ticket, chunks_of("r", ids))
+        outcome = await asyncio.wait_for(e.wait(), 2)
     assert outcome.reason is FailureReason.CONNECTION_LOST
 
 
 async def test_stale_write_is_counted_and_never_applied_s5_class_e() -> None:
     async with make_pair(sink=RecordingSink(stale={"old"})) as p:
-        old = p.receiver.expect("old", [0, 1], [3, 3])
-        new = p.receiver.expect("new", [2], [1])
-        results = await asyncio.gather(
-            p.sender.send("old", p.dest, [0, 1], [3, 3], chunks_of("old", [0, 1])),
-            p.sender.send("new", p.dest, [2], [1], chunks_of("new", [2])))
+        old = p.expect("old", [0, 1], [3, 3])
+        new = p.expect("new", [2], [1])
+        results = await asyncio.gather(p.sender.send(old.ticket, chunks_of("old", [0, 1])),
+                                       p.sender.send(new.ticket, chunks_of("new", [2])))  # fmt: skip
         assert (await old.wait()).reason is FailureReason.STALE
         assert (await new.wait()).ok and results[1].ok
     assert "old" not in p.sink.applied
@@ -380,29 +496,38 @@ async def test_stale_write_is_counted_and_never_applied_s5_class_e() -> None:
 
 async def test_late_and_unknown_frames_are_dropped_and_counted_class_g() -> None:
     async with make_pair() as p:
-        done = p.receiver.expect("done", [0], [1])
-        assert (await p.sender.send("done", p.dest, [0], [1], chunks_of("done", [0]))).ok
+        done = p.expect("done", [0], [1])
+        assert (await p.sender.send(done.ticket, chunks_of("done", [0]))).ok
         assert (await done.wait()).ok
+        gone = p.expect("gone", [1], [1])
+        del p.table["gone"]  # decode's job ended and forgot the request
         peer = await RawPeer.connect(p.dest)
+        peer.open(done.ticket)  # the ticket is authentic, the transfer over
         peer.chunk("done", 5, [0], [1])
-        peer.chunk("never-expected", 0, [1], [1])
+        peer.open(gone.ticket)
+        peer.chunk("gone", 0, [1], [1])
         results = await peer.results()
+        assert not await asyncio.wait_for(_closed_soon(peer), 1)  # late frames do not close the connection
         peer.close()
-    assert results["never-expected"].reason == FailureReason.UNKNOWN_REQUEST
-    assert results["done"].ok is False
-    assert p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) == 1
+    assert results["gone"].reason == FailureReason.UNKNOWN_REQUEST
+    assert results["done"].ok is False and results["done"].reason == "complete"  # answered here only
+    assert p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) == 3  # OPEN + 2 CHUNKs
     assert p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "unknown_request"}) == 1
-    assert list(p.sink.applied) == ["done"]
+    assert list(p.sink.applied) == ["done"] and p.sink.writes["done"] == 1
 
 
-async def test_duplicate_request_id_is_rejected_class_g() -> None:
+async def _closed_soon(peer: RawPeer) -> bool:
+    with contextlib.suppress(TimeoutError):
+        return await asyncio.wait_for(peer.reader.read(1), 0.3) == b""
+    return False
+
+
+async def test_duplicate_expectation_is_rejected_class_g() -> None:
     async with make_pair() as p:
-        p.receiver.expect("r", [0], [1])
+        e = p.expect("r", [0], [1])
         with pytest.raises(DuplicateRequestError):
-            p.receiver.expect("r", [1], [1])
-        assert (await p.sender.send("r", p.dest, [0], [1], chunks_of("r", [0]))).ok
-        with pytest.raises(DuplicateRequestError):
-            p.receiver.expect("r", [2], [1])  # recently finished ids are not reusable either
+            p.expect("r", [1], [1])
+        assert (await p.sender.send(e.ticket, chunks_of("r", [0]))).ok
 
 
 async def test_in_flight_bytes_never_exceed_the_cap_with_a_slow_sink_s6() -> None:
@@ -412,18 +537,18 @@ async def test_in_flight_bytes_never_exceed_the_cap_with_a_slow_sink_s6() -> Non
         observed: list[float] = []
 
         def in_flight() -> None:  # measured independently of the sender's own accounting
-            sent = p.send_registry.get_sample_value(
-                "kvguard_kv_transfer_bytes_total", {"direction": "sent"}) or 0.0
+            sent = p.send_registry.get_sample_value("kvguard_kv_transfer_bytes_total", {"direction": "sent"}) or 0.0
             observed.append(sent - p.sink.applied_bytes)
 
         p.sink.on_write.append(in_flight)
-        handles, sends = [], []
+        expected, sends = [], []
         for r in range(4):
             ids, gens = plan(16 * 12, first=r * 1000)
-            handles.append(p.receiver.expect(f"r{r}", ids, gens))
-            sends.append(p.sender.send(f"r{r}", p.dest, ids, gens, chunks_of(f"r{r}", ids, 16)))
+            e = p.expect(f"r{r}", ids, gens)
+            expected.append(e)
+            sends.append(p.sender.send(e.ticket, chunks_of(f"r{r}", ids, 16)))
         assert all(o.ok for o in await asyncio.gather(*sends))
-        assert all(o.ok for o in await asyncio.gather(*(h.wait() for h in handles)))
+        assert all(o.ok for o in await asyncio.gather(*(e.wait() for e in expected)))
         credit = p.sender.credit(p.dest)
     assert max(observed) <= cap
     assert credit.max_in_use <= cap
@@ -434,51 +559,332 @@ async def test_in_flight_bytes_never_exceed_the_cap_with_a_slow_sink_s6() -> Non
 async def test_garbage_on_the_port_closes_that_connection_only() -> None:
     async with make_pair() as p:
         for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n",
-                     b"KVGT\x01\x01\x00\x00\xff\xff\xff\x7f\x00\x00\x00\x00", b"KVGT\x01"):
+                     b"KVGT\x02\x01\x00\x00\xff\xff\xff\x7f\x00\x00\x00\x00", b"KVGT\x02"):  # fmt: skip
             reader, writer = await asyncio.open_connection(*p.dest)
             writer.write(junk)
             await writer.drain()
             writer.write_eof()
             assert await asyncio.wait_for(reader.read(), 2) == b""  # the receiver hung up
             writer.close()
-        handle = p.receiver.expect("r", [0], [1])
-        assert (await p.sender.send("r", p.dest, [0], [1], chunks_of("r", [0]))).ok
-        assert (await handle.wait()).ok
+        e = p.expect("r", [0], [1])
+        assert (await p.sender.send(e.ticket, chunks_of("r", [0]))).ok
+        assert (await e.wait()).ok
 
 
 async def test_metrics_are_exposed_in_prometheus_text() -> None:
     async with make_pair() as p:
-        handle = p.receiver.expect("r", [0, 1], [1, 1])
-        await p.sender.send("r", p.dest, [0, 1], [1, 1], chunks_of("r", [0, 1]))
-        await handle.wait()
+        e = p.expect("r", [0, 1], [1, 1])
+        await p.sender.send(e.ticket, chunks_of("r", [0, 1]))
+        await e.wait()
         p.recv_metrics.count_abort(abort_cause(FailureReason.TIMEOUT))  # the servers' counter
-    families = {f.name: f for f in text_string_to_metric_families(
-        generate_latest(p.recv_registry).decode())}
-    for name in ("kvguard_checksum_failures", "kvguard_hmac_failures",
-                 "kvguard_stale_writes_dropped", "kvguard_kv_transfer_bytes", "kvguard_aborts"):
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(p.recv_registry).decode())}
+    for name in ("kvguard_checksum_failures", "kvguard_hmac_failures", "kvguard_ticket_rejections",
+                 "kvguard_stale_writes_dropped", "kvguard_kv_transfer_bytes", "kvguard_aborts"):  # fmt: skip
         assert name in families, name
-    received = [s for s in families["kvguard_kv_transfer_bytes"].samples
-                if s.labels.get("direction") == "received"]
+    received = [s for s in families["kvguard_kv_transfer_bytes"].samples if s.labels.get("direction") == "received"]
     assert received[0].value == 2 * PAGE
-    counts = [s for s in families["kvguard_kv_transfer_chunk_bytes"].samples
-              if s.name.endswith("_count")]
+    counts = [s for s in families["kvguard_kv_transfer_chunk_bytes"].samples if s.name.endswith("_count")]
     assert counts[0].value == 2
     aborts = families["kvguard_aborts"].samples
-    assert [(s.labels["cause"], s.value) for s in aborts if s.name == "kvguard_aborts_total"] == [
-        ("transfer_timeout", 1.0)]
+    assert [(s.labels["cause"], s.value) for s in aborts if s.name == "kvguard_aborts_total"] == [("transfer_timeout", 1.0)]
 
 
 async def test_standalone_abort_releases_decode_before_any_chunk_s4() -> None:
     async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
-        handle = p.receiver.expect("r", [0], [1])
-        await p.sender.abort("r", p.dest, "prefill rejected the request")
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+        e = p.expect("r", [0], [1])
+        await p.sender.abort(e.ticket, "prefill rejected the request")
+        outcome = await asyncio.wait_for(e.wait(), 2)
     assert outcome.reason is FailureReason.PEER_ABORT and "rejected" in outcome.detail
 
 
 async def test_unreachable_decode_is_a_failed_outcome_not_a_hang() -> None:
     async with make_pair() as p:
-        port = p.dest[1]
-    sender = KVSender(KEY, TransferMetrics.create(CollectorRegistry()), FAST)
-    outcome = await sender.send("r", ("127.0.0.1", port), [0], [1], chunks_of("r", [0]))
+        e = p.expect("r", [0], [1])
+    sender = KVSender(KEYS, TransferMetrics.create(CollectorRegistry()), FAST)
+    outcome = await sender.send(e.ticket, chunks_of("r", [0]))
     assert outcome.reason is FailureReason.CONNECTION_LOST
+
+
+# -- S9: tickets ------------------------------------------------------------------------------------
+
+
+class Listener:
+    """A socket an attacker would like prefill to connect to: counts what arrives."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.bytes = 0
+
+    async def start(self) -> tuple[str, int]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            self.bytes += len(await reader.read(1 << 20))
+            writer.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[:2]
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def test_sender_refuses_a_forged_or_expired_ticket_before_connecting_anywhere_s9() -> None:
+    """The signing oracle (issue 11, item 2): without a ticket the router issued, prefill connects
+    nowhere and signs nothing."""
+    spy = Listener()
+    dest = await spy.start()
+    async with make_pair() as p:
+        e = p.expect("victim", [0, 1], [1, 1], dest=dest)
+        forged = TicketAuthority(RevisionKeys.derive(b"attacker-chosen-key-....").ticket)
+        outcomes = [
+            await p.sender.send(issue(forged, e.transfer, dest, 32), chunks_of("victim", [0, 1])),
+            await p.sender.send(replace(e.ticket, blob=e.ticket.blob[:-1] + bytes([e.ticket.blob[-1] ^ 1])), chunks_of("victim", [0, 1])),
+            await p.sender.send(issue(_expired(), e.transfer, dest, 32), chunks_of("victim", [0, 1])),
+        ]
+    spy.close()
+    assert all(o.reason is FailureReason.TICKET for o in outcomes), outcomes
+    assert "expired" in outcomes[2].detail
+    assert spy.connections == 0 and spy.bytes == 0
+
+
+def _expired() -> TicketAuthority:
+    """A genuine authority whose clock is an hour behind: its tickets are long expired."""
+    import time
+
+    return TicketAuthority(KEYS.ticket, clock=lambda: time.time() - 3600)
+
+
+async def test_open_with_a_ticket_decode_did_not_grant_is_refused_and_the_victim_unharmed_s9() -> None:
+    """An authentic ticket with another nonce or other pages (e.g. replayed from another request
+    or another boot) never opens the victim's transfer, and does not fail it either."""
+    async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
+        victim = p.expect("victim", [0, 1], [1, 1])
+        wrong_nonce = p.tickets.issue("victim", p.dest, p.receiver.epoch, os.urandom(16), 32, (0, 1), (1, 1), 30)
+        wrong_pages = p.tickets.issue("victim", p.dest, p.receiver.epoch, victim.transfer.nonce, 32, (1, 0), (1, 1), 30)
+        other_boot = p.tickets.issue("victim", p.dest, p.receiver.epoch ^ 1, victim.transfer.nonce, 32, (0, 1), (1, 1), 30)
+        expired = issue(_expired(), victim.transfer, p.dest, 32)
+        peer = await RawPeer.connect(p.dest)
+        for ticket in (wrong_nonce, wrong_pages, other_boot, expired):
+            peer.open(ticket)
+            peer.chunk("victim", 0, [0], [1])  # follows its OPEN: verified, dropped
+        results = await peer.results()
+        assert len(results) == 1 and results["victim"].reason == FailureReason.TICKET
+        assert victim.transfer.state is TransferState.EXPECTED
+        assert (await p.sender.send(victim.ticket, chunks_of("victim", [0, 1]))).ok
+        assert (await victim.wait()).ok
+        peer.close()
+    assert p.sink.writes["victim"] == 2  # only the genuine sender's two chunks
+    rejections = {r: p.recv_metric("kvguard_ticket_rejections_total", {"reason": r}) for r in ("mismatch", "epoch", "expired")}
+    assert rejections == {"mismatch": 2, "epoch": 1, "expired": 1}
+
+
+async def test_abort_or_open_from_another_connection_cannot_touch_a_transfer_s9() -> None:
+    """Cross-connection ABORT (issue 11, item 4): even a peer holding the revision key and the
+    victim's ticket cannot end, or take over, a transfer another connection opened."""
+    gate = asyncio.Event()
+    async with make_pair(config=TransferConfig(stall_timeout_s=30), sink=RecordingSink(gate=gate)) as p:
+        victim = p.expect("victim", [0, 1], [1, 1])
+        sending = asyncio.create_task(p.sender.send(victim.ticket, chunks_of("victim", [0, 1])))
+        while victim.transfer.state is not TransferState.OPEN:
+            await asyncio.sleep(0.01)
+        bare = await RawPeer.connect(p.dest)
+        bare.abort("victim")  # never opened on this connection: its connection is closed
+        assert await bare.closed_by_decode()
+        holder = await RawPeer.connect(p.dest)
+        holder.open(victim.ticket)  # the right ticket, the wrong connection
+        holder.abort("victim")
+        holder.chunk("victim", 0, [0], [1])
+        results = await holder.results()
+        assert results["victim"].reason == FailureReason.TICKET and "another connection" in results["victim"].detail
+        assert victim.transfer.state is TransferState.OPEN
+        gate.set()
+        assert (await sending).ok and (await victim.wait()).ok
+        holder.close()
+        bare.close()
+    assert p.sink.writes["victim"] == 2
+    assert p.recv_metric("kvguard_ticket_rejections_total", {"reason": "already_open"}) == 1
+
+
+# -- S9: replayed frames ----------------------------------------------------------------------------
+
+
+class Tap:
+    """A TCP relay between prefill and decode that records prefill's bytes and can inject more."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.recorded: list[bytearray] = []
+        self.to_decode: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> tuple[str, int]:
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bytearray | None) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(1 << 16):
+                    if record is not None:
+                        record += data
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+            record = bytearray()
+            self.recorded.append(record)
+            self.to_decode.append(up_writer)
+            await asyncio.gather(pump(reader, up_writer, record), pump(up_reader, writer, None))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[:2]
+
+    def stream(self, i: int = 0) -> bytes:
+        """What prefill sent on its i-th connection so far (empty until it connected)."""
+        return bytes(self.recorded[i]) if len(self.recorded) > i else b""
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def frames(stream: bytes) -> list[tuple[FrameType, bytes]]:
+    """Split recorded bytes into whole frames."""
+    out, pos = [], 0
+    while pos + PREFIX.size <= len(stream):
+        kind, _, header_len, payload_len = parse_prefix(stream[pos : pos + PREFIX.size], 1 << 30)
+        end = pos + PREFIX.size + header_len + TAG_BYTES + payload_len
+        if end > len(stream):  # still arriving
+            break
+        out.append((kind, stream[pos:end]))
+        pos = end
+    return out
+
+
+async def test_replayed_frames_on_the_same_connection_are_never_applied_again_s9() -> None:
+    async with make_pair() as p:
+        tap = Tap(p.dest)
+        via = await tap.start()
+        first = p.expect("first", [0, 1], [1, 1], dest=via)
+        assert (await p.sender.send(first.ticket, chunks_of("first", [0, 1]))).ok
+        replay = b"".join(data for kind, data in frames(tap.stream()) if kind is not FrameType.HELLO)
+        tap.to_decode[0].write(replay)  # OPEN, CHUNK, CHUNK, MANIFEST of a finished transfer, again
+        await tap.to_decode[0].drain()
+        while p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) < 4:
+            await asyncio.sleep(0.01)
+        second = p.expect("second", [2, 3], [1, 1], dest=via)  # the same pooled connection still serves
+        gate = asyncio.Event()
+        p.sink.gate = gate
+        sending = asyncio.create_task(p.sender.send(second.ticket, chunks_of("second", [2, 3])))
+        while len(frames(tap.stream())) < 5 + 2:  # first's 5 frames, then second's OPEN and CHUNK
+            await asyncio.sleep(0.01)
+        chunk = next(data for kind, data in reversed(frames(tap.stream())) if kind is FrameType.CHUNK)
+        tap.to_decode[0].write(chunk)  # an in-flight CHUNK injected a second time
+        gate.set()
+        outcome = await sending
+        tap.close()
+    assert len(tap.recorded) == 1
+    assert p.sink.writes["first"] == 2, "a replayed chunk was applied"
+    assert p.sink.writes["second"] <= 2 and outcome.reason in (None, FailureReason.PLAN_MISMATCH)
+    assert p.recv_metric("kvguard_hmac_failures_total") == 0
+
+
+async def test_replayed_frames_on_another_connection_fail_verification_and_leave_the_victim_alone_s9() -> None:
+    gate = asyncio.Event()
+    async with make_pair(config=TransferConfig(stall_timeout_s=30), sink=RecordingSink(gate=gate)) as p:
+        tap = Tap(p.dest)
+        via = await tap.start()
+        victim = p.expect("victim", [0, 1], [1, 1], dest=via)
+        sending = asyncio.create_task(p.sender.send(victim.ticket, chunks_of("victim", [0, 1])))
+        while len(frames(tap.stream())) < 3:  # HELLO, OPEN, first CHUNK recorded
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(*p.dest)  # the attacker's own connection
+        writer.write(tap.stream())  # the victim's HELLO, OPEN, CHUNK verbatim
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 2)  # WELCOME, then decode hangs up
+        gate.set()
+        assert (await sending).ok and (await victim.wait()).ok
+        writer.close()
+        tap.close()
+    assert p.recv_metric("kvguard_hmac_failures_total") == 1  # the replayed OPEN, bound to another connection
+    assert p.sink.writes["victim"] == 2
+
+
+async def test_frames_captured_before_a_decode_restart_are_refused_after_it_epoch_s9() -> None:
+    """Issue 11, item 4: generations restarted at 0 and ids were the client's, so frames of the
+    previous boot could match again. The same request id, pages and generations on a new boot
+    must not accept the old bytes, nor an old ticket."""
+    recorded: bytes
+    async with make_pair() as old_boot:
+        tap = Tap(old_boot.dest)
+        via = await tap.start()
+        e = old_boot.expect("same-id", [0, 1], [1, 1], dest=via)
+        assert (await old_boot.sender.send(e.ticket, chunks_of("same-id", [0, 1]))).ok
+        recorded, old_ticket, old_epoch = tap.stream(), e.ticket, e.transfer.epoch
+        tap.close()
+    async with make_pair(config=TransferConfig(stall_timeout_s=0.5)) as new_boot:
+        assert new_boot.receiver.epoch != old_epoch
+        again = new_boot.expect("same-id", [0, 1], [1, 1])
+        reader, writer = await asyncio.open_connection(*new_boot.dest)
+        writer.write(recorded)
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 2)
+        writer.close()
+        # The old ticket, as if the restarted decode were back at the same address.
+        moved = new_boot.tickets.issue("same-id", new_boot.dest, old_epoch, old_ticket.nonce, 32, (0, 1), (1, 1), 30)
+        stale = await new_boot.sender.send(moved, chunks_of("same-id", [0, 1]))
+        outcome = await again.wait()
+    assert stale.reason is FailureReason.TICKET and "restarted" in stale.detail
+    assert outcome.reason is FailureReason.TIMEOUT and "same-id" not in new_boot.sink.applied
+    assert new_boot.recv_metric("kvguard_hmac_failures_total") == 1  # the replayed OPEN
+
+
+async def test_old_ticket_reaching_a_restarted_decode_sends_nothing_epoch_s9() -> None:
+    async with make_pair() as p:
+        e = p.expect("r", [0], [1])
+        stale_ticket = p.tickets.issue("r", p.dest, p.receiver.epoch + 1, e.transfer.nonce, 16, (0,), (1,), 30)
+        outcome = await p.sender.send(stale_ticket, chunks_of("r", [0]))
+    assert outcome.reason is FailureReason.TICKET and "restarted" in outcome.detail
+    assert "r" not in p.sink.applied
+    assert p.send_registry.get_sample_value("kvguard_kv_transfer_bytes_total", {"direction": "sent"}) in (None, 0.0)
+
+
+# -- confidentiality: AES-GCM -------------------------------------------------------------------------
+
+
+async def test_aes_gcm_keeps_kv_unreadable_on_the_wire_and_round_trips() -> None:
+    for encryption in (Encryption.NONE, Encryption.AES_GCM):
+        config = TransferConfig(stall_timeout_s=5, encryption=encryption)
+        async with make_pair(config=config) as p:
+            tap = Tap(p.dest)
+            via = await tap.start()
+            ids, gens = plan(8)
+            e = p.expect("secret", ids, gens, dest=via)
+            first = FirstToken(4242, -0.125, ((4242, -0.125),))
+            assert (await p.sender.send(e.ticket, chunks_of("secret", ids, per_chunk=4), first)).ok
+            assert (await e.wait()).ok
+            tap.close()
+        wire = tap.stream()
+        assert p.sink.applied["secret"] == {pg: page_bytes("secret", pg) for pg in ids}
+        assert p.sink.manifests["secret"].first == first
+        readable = page_bytes("secret", 3)[:64] in wire
+        assert readable is (encryption is Encryption.NONE), encryption
+
+
+async def test_encryption_mismatch_fails_at_the_handshake_with_a_clear_reason() -> None:
+    async with make_pair(config=TransferConfig(stall_timeout_s=0.5, encryption=Encryption.AES_GCM),
+                         sender_config=TransferConfig(stall_timeout_s=0.5)) as p:  # fmt: skip
+        e = p.expect("r", [0], [1])
+        outcome = await p.sender.send(e.ticket, chunks_of("r", [0]))
+    assert outcome.reason is FailureReason.PROTOCOL_ERROR and "encryption" in outcome.detail
+    assert "r" not in p.sink.applied
+
+
+def test_frame_keys_are_bound_to_ticket_and_connection() -> None:
+    """Unit view of the same property: one request's MAC key differs per ticket nonce and per
+    connection, so no frame verifies anywhere but where it was sent."""
+    a, b = os.urandom(32), os.urandom(32)
+    nonce, other = os.urandom(16), os.urandom(16)
+    keys = {KEYS.request(n, c).mac for n in (nonce, other) for c in (a, b)}
+    assert len(keys) == 4
+    head, tag = seal_parts(KEYS.request(nonce, a).mac, Abort("r", "x"))
+    raw = RawFrame(FrameType.ABORT, 0, head, tag, b"")
+    verify(raw, KEYS.request(nonce, a).mac)
+    with pytest.raises(HmacError):
+        verify(raw, KEYS.request(nonce, b).mac)

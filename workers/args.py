@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
 WorkerRoleName = Literal["prefill", "decode", "router"]
+TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ class WorkerArgs(BaseModel):
     advertise_host: str | None = Field(None, json_schema_extra=_flag("KV transfer", "decode: the address prefill connects to (the pod IP)"))
     max_transfer_batch: int = Field(4 * 1024 * 1024, ge=1, json_schema_extra=_flag("KV transfer", "bytes in flight per prefill->decode pair (S6)"))
     transfer_timeout: float = Field(5.0, gt=0, json_schema_extra=_flag("KV transfer", "seconds a stalled transfer may wait (S4)"))
+    transfer_encryption: TransferEncryption = Field(
+        "none", json_schema_extra=_flag("KV transfer", "prefill and decode: none (HMAC + checksum) or aes-gcm (KV payloads "
+                                        "encrypted per request); both roles of a revision must agree")
+    )  # fmt: skip
 
     prefill: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a prefill worker's internal base URL (repeatable)"))
     decode: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a decode worker's internal base URL (repeatable)"))
@@ -142,6 +147,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--prefill/--decode are router flags")
         if self.role != "decode" and self.transfer_port is not None:
             raise ValueError("--transfer-port is a decode flag")
+        if self.role == "router" and self.transfer_encryption != "none":
+            raise ValueError("--transfer-encryption is a prefill and decode flag")
         return self
 
     def to_argv(self) -> list[str]:

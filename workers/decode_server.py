@@ -1,8 +1,10 @@
 """The decode worker: allocate destination pages first, receive and verify the KV, then generate.
 
 Request life on this side (states of kvguard.workers.request.RequestState):
-  ADMITTED -> PREALLOCATED (bootstrap sent) -> RECEIVING (first chunk) -> VERIFIED (transfer
-  complete, checksums and HMACs good, every planned page written in its current generation: S3)
+  ADMITTED -> PREALLOCATED (bootstrap sent: pages, nonce, epoch) -> RECEIVING (first chunk, after
+  prefill OPENed with the router's ticket for exactly these pages and this nonce: S9) -> VERIFIED
+  (transfer complete, checksums and HMACs good, every planned page written in its current
+  generation: S3)
   -> DECODING -> FINISHED, and ABORTED from anywhere (router abort, router gone, transfer failure or
   timeout, decode error), which always frees the pages (S4).
 """
@@ -19,7 +21,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from kvguard.workers.async_engine import RequestStream
-from kvguard.workers.kv_pool import Lease
+from kvguard.workers.keys import RevisionKeys
+from kvguard.workers.kv_pool import KVPool, Lease
 from kvguard.workers.protocol import (
     Bootstrap,
     BootstrapEvent,
@@ -27,30 +30,22 @@ from kvguard.workers.protocol import (
     FinishEvent,
     GenerateRequest,
     TokenEvent,
+    TokenLogprob,
 )
 from kvguard.workers.request import EngineError, RequestState
-from kvguard.workers.serving import WorkerRuntime, engine_error, parse_body
+from kvguard.workers.serving import Job, WorkerRuntime, current_task, engine_error, parse_body
 from kvguard.workers.transfer import (
     AbortCause,
+    FirstToken,
+    InboundTransfer,
     KVReceiver,
     Manifest,
     TransferConfig,
-    TransferHandle,
     WriteOutcome,
     abort_cause,
 )
 
 log = logging.getLogger("kvguard.decode")
-
-
-@dataclass
-class _Job:
-    """What the KV sink needs to know about a request whose KV is on its way."""
-
-    lease: Lease
-    kv_tokens: int  # prompt tokens whose KV prefill sends
-    receiving: bool = False
-    first_token: int = -1
 
 
 @dataclass(frozen=True)
@@ -60,15 +55,48 @@ class _Plan:
     verify_written: bool  # S3 check before the first token; off only under faults
 
 
-class DecodeServer:
-    """The HTTP side of a decode worker, and the KV sink its transfer receiver writes into."""
+@dataclass(eq=False)
+class DecodeJob(Job):
+    """One request on this decode worker, and the KV sink its transfer writes into (one object
+    holds the request's lease, its transfer and the first token prefill sent)."""
 
-    def __init__(self, runtime: WorkerRuntime, key: bytes, transfer: TransferConfig, advertise_host: str) -> None:
+    runtime: WorkerRuntime
+    pool: KVPool
+    plan: _Plan
+    lease: Lease | None = None
+    transfer: InboundTransfer | None = None
+    first: FirstToken | None = None  # from the authenticated MANIFEST: token id and logprob data
+    receiving: bool = False
+
+    async def write_pages(self, page_ids: Sequence[int], generations: Sequence[int], payload: memoryview) -> WriteOutcome:
+        if self.lease is None:
+            return WriteOutcome.UNKNOWN_REQUEST
+        if not self.receiving:
+            self.receiving = True
+            try:
+                await self.runtime.engine.mark_receiving(self.request_id)
+            except EngineError:  # aborted meanwhile
+                return WriteOutcome.UNKNOWN_REQUEST
+        data = self.pool.pages_from_bytes(payload)
+        valid = self.pool.valid_tokens(self.lease, page_ids, self.plan.kv_tokens)
+        result = self.pool.import_pages(self.lease, page_ids, generations, data, valid)
+        return WriteOutcome.APPLIED if result.applied else WriteOutcome.STALE
+
+    async def transfer_complete(self, manifest: Manifest) -> WriteOutcome:
+        if manifest.first is None:  # prefill always samples it; decode cannot start without it
+            raise ValueError("the manifest carries no first token")
+        self.first = manifest.first
+        return WriteOutcome.APPLIED
+
+
+class DecodeServer:
+    """The HTTP side of a decode worker and its transfer receiver."""
+
+    def __init__(self, runtime: WorkerRuntime, keys: RevisionKeys, transfer: TransferConfig, advertise_host: str) -> None:
         self.runtime = runtime
         self.pool = runtime.engine.engine.pool
         self.advertise_host = advertise_host
-        self.jobs: dict[str, _Job] = {}
-        self.receiver = KVReceiver(self, key, runtime.transfer_metrics, transfer, runtime.faults)
+        self.receiver = KVReceiver(keys, runtime.transfer_metrics, self._transfer_of, transfer, runtime.faults)
         self.transfer_address: tuple[str, int] | None = None
 
     async def start(self, sock: socket.socket) -> None:
@@ -78,39 +106,23 @@ class DecodeServer:
     async def close(self) -> None:
         await self.receiver.close()
 
-    # -- KVSink ------------------------------------------------------------------------------
-    async def write_pages(
-        self, request_id: str, page_ids: Sequence[int], generations: Sequence[int], payload: memoryview
-    ) -> WriteOutcome:
-        job = self.jobs.get(request_id)
-        if job is None:
-            return WriteOutcome.UNKNOWN_REQUEST
-        if not job.receiving:
-            job.receiving = True
-            try:
-                await self.runtime.engine.mark_receiving(request_id)
-            except EngineError:  # aborted meanwhile
-                return WriteOutcome.UNKNOWN_REQUEST
-        data = self.pool.pages_from_bytes(payload)
-        valid = self.pool.valid_tokens(job.lease, page_ids, job.kv_tokens)
-        result = self.pool.import_pages(job.lease, page_ids, generations, data, valid)
-        return WriteOutcome.APPLIED if result.applied else WriteOutcome.STALE
+    @property
+    def epoch(self) -> int:
+        return self.receiver.epoch
 
-    async def transfer_complete(self, request_id: str, manifest: Manifest) -> WriteOutcome:
-        job = self.jobs.get(request_id)
-        if job is None:
-            return WriteOutcome.UNKNOWN_REQUEST
-        job.first_token = manifest.first_token
-        return WriteOutcome.APPLIED
+    def _transfer_of(self, request_id: str) -> InboundTransfer | None:
+        job = self.runtime.jobs.get(request_id)
+        return job.transfer if isinstance(job, DecodeJob) else None
 
     # -- HTTP --------------------------------------------------------------------------------
     async def decode(self, request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, GenerateRequest)
-        self.runtime.tasks.claim(body.request_id)
+        job = DecodeJob(body.request_id, current_task(), self.runtime, self.pool, self._plan(body))
+        self.runtime.jobs.claim(job)
         try:
-            return await self._decode(request, body)
+            return await self._decode(request, body, job)
         finally:
-            self.runtime.tasks.release(body.request_id)
+            self.runtime.jobs.release(job)
 
     def _plan(self, body: GenerateRequest) -> _Plan:
         faults = self.runtime.faults
@@ -123,10 +135,8 @@ class DecodeServer:
             return _Plan(prompt[: max(1, fit)], kv_tokens=1, verify_written=False)
         return _Plan(prompt, len(prompt), verify_written=not faults.ignore_manifest)
 
-    async def _decode(self, request: web.Request, body: GenerateRequest) -> web.StreamResponse:
-        engine, rid = self.runtime.engine, body.request_id
-        plan = self._plan(body)
-        handle: TransferHandle | None = None
+    async def _decode(self, request: web.Request, body: GenerateRequest, job: DecodeJob) -> web.StreamResponse:
+        engine, rid, plan = self.runtime.engine, body.request_id, job.plan
         # Until the request ends normally, any exit -- including a cancellation while it still
         # waits for pages -- must abort it here, or it would hold its pages forever (S4).
         cause: str = AbortCause.CLIENT_DISCONNECT
@@ -142,15 +152,17 @@ class DecodeServer:
                 cause = ""
                 await _send(response, ErrorEvent(status=503, code="aborted", message="aborted before pages were allocated"))
                 return response
-            handle = self._expect(rid, lease, plan)
-            await _send(response, BootstrapEvent(bootstrap=self._bootstrap(lease, plan)))
-            outcome = await handle.wait()
+            transfer = self._expect(job, lease)
+            await _send(response, BootstrapEvent(bootstrap=self._bootstrap(job, transfer)))
+            outcome = await transfer.wait()
             if not outcome.ok:
                 cause = abort_cause(outcome.reason)
                 await _send(response, ErrorEvent(status=502, code=f"kv_transfer_{outcome.reason}", message=outcome.detail or "KV transfer failed"))
                 return response
             cause = AbortCause.DECODE_ERROR
-            await engine.start_decode(rid, self.jobs[rid].first_token, require_written=plan.verify_written)
+            assert job.first is not None
+            await engine.start_decode(rid, job.first.token_id, require_written=plan.verify_written,
+                                      first_logprob=first_logprob(job.first, body.sampling.logprobs))
             cause = await self._stream_tokens(response, stream, len(body.prompt_token_ids)) or ""
             return response
         except EngineError as err:  # e.g. S3: not every page written -- this request only
@@ -160,24 +172,26 @@ class DecodeServer:
             cause = AbortCause.CLIENT_DISCONNECT
             raise
         finally:
-            self.jobs.pop(rid, None)
             if cause:
-                await asyncio.shield(self._release(rid, handle, cause))
+                await asyncio.shield(self._release(job, cause))
 
-    def _expect(self, rid: str, lease: Lease, plan: _Plan) -> TransferHandle:
-        pages = self.pool.pages_for(plan.kv_tokens)
-        self.jobs[rid] = _Job(lease, plan.kv_tokens)
-        return self.receiver.expect(rid, lease.page_ids[:pages], lease.generations[:pages])
+    def _expect(self, job: DecodeJob, lease: Lease) -> InboundTransfer:
+        pages = self.pool.pages_for(job.plan.kv_tokens)
+        job.lease = lease
+        job.transfer = self.receiver.expect(job.request_id, lease.page_ids[:pages], lease.generations[:pages], job)
+        return job.transfer
 
-    def _bootstrap(self, lease: Lease, plan: _Plan) -> Bootstrap:
+    def _bootstrap(self, job: DecodeJob, transfer: InboundTransfer) -> Bootstrap:
         assert self.transfer_address is not None
-        pages = self.pool.pages_for(plan.kv_tokens)
+        page_ids, generations = transfer.tracker.order
         return Bootstrap(
             transfer_host=self.transfer_address[0],
             transfer_port=self.transfer_address[1],
-            page_ids=lease.page_ids[:pages],
-            generations=lease.generations[:pages],
-            num_tokens=plan.kv_tokens,
+            page_ids=page_ids,
+            generations=generations,
+            num_tokens=job.plan.kv_tokens,
+            nonce=transfer.nonce.hex(),
+            epoch=transfer.epoch,
         )
 
     async def _stream_tokens(self, response: web.StreamResponse, stream: RequestStream, prompt_tokens: int) -> str | None:
@@ -197,16 +211,23 @@ class DecodeServer:
                 return None  # the engine already ended the request and freed its pages
         return AbortCause.DECODE_ERROR
 
-    async def _release(self, rid: str, handle: TransferHandle | None, cause: str) -> None:
+    async def _release(self, job: DecodeJob, cause: str) -> None:
         if cause == AbortCause.CLIENT_DISCONNECT and self.runtime.faults.no_abort_propagation:
             # FAULT (sglang#28651): the router went away and nobody tells this side; the request
             # keeps its pages until the process ends.
-            log.warning("FAULT no_abort_propagation: leaving %s and its pages behind", rid)
+            log.warning("FAULT no_abort_propagation: leaving %s and its pages behind", job.request_id)
             return
-        if handle is not None:
-            handle.cancel(f"decode ended the request: {cause}")
-        if await self.runtime.engine.abort(rid, str(cause)):
+        if job.transfer is not None:
+            job.transfer.cancel(f"decode ended the request: {cause}")
+        if await self.runtime.engine.abort(job.request_id, str(cause)):
             self.runtime.count_abort(cause)
+
+
+def first_logprob(first: FirstToken, wanted: int | None) -> TokenLogprob | None:
+    """The first token's logprobs as prefill computed them (from the manifest), when asked for."""
+    if wanted is None or first.logprob is None:
+        return None
+    return TokenLogprob(token_id=first.token_id, logprob=first.logprob, top=first.top)
 
 
 async def _send(response: web.StreamResponse, event: BaseModel) -> None:

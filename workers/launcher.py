@@ -28,7 +28,9 @@ from pathlib import Path
 
 import requests
 
-from kvguard.workers.args import Listen, WorkerArgs, bind_listener
+from kvguard.workers.args import Listen, TransferEncryption, WorkerArgs, bind_listener
+from kvguard.workers.control_auth import auth_headers
+from kvguard.workers.keys import TRANSFER_KEY_ENV, RevisionKeys, load_revision_key
 
 log = logging.getLogger("kvguard.launcher")
 
@@ -57,6 +59,7 @@ class LocalServeConfig:
     device: str = "auto"  # CUDA when present (kvguard.workers.device decides)
     max_transfer_batch: int = 4 * 1024 * 1024
     transfer_timeout_s: float = 5.0
+    transfer_encryption: TransferEncryption = "none"
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
@@ -129,7 +132,14 @@ class LocalDeployment:
         self.sockets = open_listeners(c)
         self.ports = {name: int(sock.getsockname()[1]) for name, sock in self.sockets.items()}
         self.processes = {role: self._process(role) for role in ROLES}
-        self._env = {**os.environ, "KVGUARD_TRANSFER_KEY": secrets.token_hex(32), **dict(c.extra_env)}
+        # One fresh revision key per deployment, for every process (the router included).
+        self._env = {**os.environ, TRANSFER_KEY_ENV: secrets.token_hex(32), **dict(c.extra_env)}
+        self.keys = RevisionKeys.derive(load_revision_key(self._env))
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the processes run with (tests start a second router with it)."""
+        return dict(self._env)
 
     def _fd(self, name: str) -> Listen:
         return Listen(fd=self.sockets[name].fileno())
@@ -139,7 +149,7 @@ class LocalDeployment:
         engine: dict[str, object] = {
             "device": c.device, "page_size": c.page_size, "kv_pool_tokens": c.kv_pool_tokens,
             "context_length": c.context_length, "max_transfer_batch": c.max_transfer_batch,
-            "transfer_timeout": c.transfer_timeout_s,
+            "transfer_timeout": c.transfer_timeout_s, "transfer_encryption": c.transfer_encryption,
         }  # fmt: skip
         common: dict[str, object] = {"role": role, "model": c.model_dir, "host": HOST}
         if role == "router":
@@ -232,7 +242,8 @@ class LocalDeployment:
         """S7 on this machine: every worker's *reported* pool against the ratio (the pool may come
         from memory, so it is only known once the worker runs)."""
         for role in ("prefill", "decode"):
-            info = requests.get(f"{self.internal_urls[role]}/internal/info", timeout=5).json()
+            url = f"{self.internal_urls[role]}/internal/info"
+            info = requests.get(url, headers=auth_headers(self.keys.control, "GET", url), timeout=5).json()
             problem = self.config.small_pool_problem(info["kv_pool_tokens"], info["context_length"])
             if problem is None:
                 continue

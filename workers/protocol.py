@@ -1,20 +1,25 @@
 """Messages between the router and the prefill/decode workers (HTTP + JSON on the cluster network).
 
-One request through the disaggregated engine, as the router drives it (docs/architecture.md):
+One request through the disaggregated engine, as the router drives it (docs/architecture.md). Every
+call carries the router's ``X-Kvguard-Auth`` header (workers/control_auth.py); the request id is the
+router's own unguessable internal id, never a client's:
 
 1. router -> decode   ``POST /internal/decode`` with a :class:`GenerateRequest`. Decode runs its own
-   intake check (S2), allocates the destination pages (PREALLOCATED) and answers with a stream of
-   newline-delimited JSON events: first a :class:`BootstrapEvent` saying where prefill must write,
-   then, once every page was received and verified (S3), :class:`TokenEvent` s and one
-   :class:`FinishEvent` -- or an :class:`ErrorEvent` at any point.
-2. router -> prefill  ``POST /internal/prefill`` with a :class:`PrefillRequest` (the same request plus
-   the bootstrap). Prefill runs its own intake check, computes the KV, sends it over the checked
-   transfer channel and answers with a :class:`PrefillResult`.
+   intake check (S2), allocates the destination pages (PREALLOCATED), draws the transfer nonce and
+   answers with a stream of newline-delimited JSON events: first a :class:`BootstrapEvent` (where
+   and into which pages prefill must write, the nonce, decode's boot epoch), then, once every page
+   was received and verified (S3), :class:`TokenEvent` s and one :class:`FinishEvent` -- or an
+   :class:`ErrorEvent` at any point.
+2. router -> prefill  ``POST /internal/prefill`` with a :class:`PrefillRequest`: the same request
+   plus the transfer ticket the router issued from the bootstrap (workers/transfer/tickets.py).
+   Prefill verifies the ticket, runs its own intake check, computes the KV, sends it where the
+   ticket says over the checked transfer channel and answers with a :class:`PrefillResult`.
 3. router -> both     ``POST /internal/abort`` with an :class:`AbortRequest` whenever either leg
    fails or the client goes away (S4). Aborting an unknown or finished id is a no-op.
 
-Every worker also serves ``GET /internal/info`` (:class:`WorkerInfo`), ``GET /health`` and
-``GET /metrics``. The router uses the info to reject at intake what no worker on the path can hold.
+Every worker also serves ``GET /internal/info`` (:class:`WorkerInfo`) and ``GET /internal/health``;
+``/metrics`` and ``/health`` are on its separate metrics listener. The router uses the info to
+reject at intake what no worker on the path can hold.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class TokenLogprob(_Message):
 
 
 class GenerateRequest(_Message):
-    request_id: str = Field(min_length=1, max_length=200)
+    request_id: str = Field(min_length=1, max_length=128, description="the router's internal id")
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     sampling: SamplingParams
     # An over-length request that the router let through only because the unsafe_reject_path fault
@@ -107,27 +112,30 @@ class GenerateRequest(_Message):
 
 
 class Bootstrap(_Message):
-    """Where prefill must write: decode's transfer endpoint and the pages it granted (S3, S5)."""
+    """Decode's grant for one request: where prefill must write, the pages and generations it
+    allocated (S3, S5), and what the router binds into the ticket (S9)."""
 
-    transfer_host: str
+    transfer_host: str = Field(min_length=1, max_length=253)
     transfer_port: int = Field(gt=0, lt=65536)
     page_ids: tuple[int, ...]
     generations: tuple[int, ...]
     num_tokens: int = Field(ge=0, description="tokens of KV decode expects to receive")
+    nonce: str = Field(pattern=r"^[0-9a-f]{32}$", description="decode's fresh transfer nonce for this request")
+    epoch: int = Field(ge=0, lt=1 << 64, description="decode's boot epoch")
+
+
+# A ticket for a 1M-token context at page size 2 is ~8.4 MB, base64 ~11.2 MB.
+MAX_TICKET_TEXT = 12 << 20
 
 
 class PrefillRequest(GenerateRequest):
-    bootstrap: Bootstrap
+    ticket: str = Field(min_length=1, max_length=MAX_TICKET_TEXT, description="the router's transfer ticket (base64url)")
 
 
 class PrefillResult(_Message):
     request_id: str
     chunks: int
     bytes: int
-    # TODO(manifest first-token record): prefill samples the first token; its logprobs reach the
-    # router here, and the router puts them on decode's first TokenEvent. Once the authenticated
-    # transfer manifest carries this record, decode gets it from there and this field goes.
-    first_token: TokenLogprob | None = None
 
 
 class AbortRequest(_Message):

@@ -1,8 +1,13 @@
 """The router: the OpenAI-compatible front door that pairs each request with a prefill and a decode worker.
 
 Per request (see kvguard.workers.protocol for the messages):
-  parse -> tokenize -> intake check (S2) -> unique id -> decode bootstrap -> prefill -> stream tokens.
-A request with `n` > 1 or a batch of prompts runs one such pair of legs per choice.
+  internal id -> parse -> tokenize -> intake check (S2) -> decode bootstrap -> ticket -> prefill ->
+  stream tokens. A request with `n` > 1 or a batch of prompts runs one such pair of legs per choice.
+The internal id is the router's own, unguessable (`secrets`); a client's `X-Request-Id` is only a
+correlation label (validated, echoed in the response header and logged), never a key, so no client
+can address another's work, even through another router (S9). Every call to a worker is signed with
+the revision's control key (workers/control_auth.py), and prefill may send KV only where the ticket
+the router issues from decode's bootstrap says (workers/transfer/tickets.py).
 
 Work per request is bounded before anything is spent on it (issue 11): the body's size and the time
 it may take to arrive, JSON nesting, the prompt's bytes before tokenizing (no longer text can fit
@@ -22,7 +27,7 @@ import itertools
 import json
 import logging
 import re
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,8 +36,10 @@ from typing import NoReturn, Protocol, TypeVar
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from kvguard.workers.control_auth import auth_headers
+from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.openai_api import (
     SSE_DONE,
     OpenAIError,
@@ -51,18 +58,36 @@ from kvguard.workers.protocol import (
     FinishEvent,
     GenerateRequest,
     PrefillRequest,
-    PrefillResult,
     Role,
     TokenEvent,
     WorkerInfo,
 )
 from kvguard.workers.seeding import choice_seed
+from kvguard.workers.transfer.tickets import MAX_TICKET_TTL_S, TicketAuthority
 
 log = logging.getLogger("kvguard.router")
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in logs and headers
 T = TypeVar("T")
+# A correlation label is 1..128 visible ASCII characters: it is echoed in a header and logged, so
+# it must not carry control characters, spaces or bytes a log or header parser would misread.
+_LABEL = re.compile(r"[\x21-\x7e]{1,128}")
+_LABEL_KEY = "kvguard.correlation_label"
+
+
+class ControlClient:
+    """The router's signed calls to its workers (S9): every request carries ``X-Kvguard-Auth``."""
+
+    def __init__(self, keys: RevisionKeys) -> None:
+        self._key = keys.control
+
+    def get(self, session: aiohttp.ClientSession, url: str, **kwargs: object) -> aiohttp.client._RequestContextManager:
+        return session.get(url, headers=auth_headers(self._key, "GET", url), **kwargs)  # type: ignore[arg-type]
+
+    def post(self, session: aiohttp.ClientSession, url: str, message: BaseModel, **kwargs: object) -> aiohttp.client._RequestContextManager:
+        body = message.model_dump_json().encode()
+        headers = {**auth_headers(self._key, "POST", url, body), "Content-Type": "application/json"}
+        return session.post(url, data=body, headers=headers, **kwargs)  # type: ignore[arg-type]
 
 
 class PromptEncoder(Protocol):
@@ -161,7 +186,7 @@ class Upstreams:
         return min(u.info.kv_pool_tokens for u in self.prefill + self.decode)
 
 
-async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig) -> Upstreams:
+async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig, control: ControlClient) -> Upstreams:
     """Ask every worker for its limits, waiting for workers that are still starting (in a pod the
     router may well start first). A misconfiguration -- a URL pointing at the wrong role, or
     workers that disagree on the page size -- raises ValueError."""
@@ -169,7 +194,7 @@ async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig) 
     async def info(url: str, role: Role) -> Upstream:
         while True:
             try:
-                async with session.get(f"{url}/internal/info") as resp:
+                async with control.get(session, f"{url}/internal/info") as resp:
                     resp.raise_for_status()
                     worker = WorkerInfo.model_validate(await resp.json())
                 if worker.role is not role:
@@ -185,13 +210,15 @@ async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig) 
 
 class Router:
     def __init__(
-        self, config: RouterConfig, encoder: PromptEncoder, metrics: RouterMetrics | None = None
+        self, config: RouterConfig, encoder: PromptEncoder, keys: RevisionKeys, metrics: RouterMetrics | None = None
     ) -> None:
         self.config = config
         self.encoder = encoder
         self.metrics = metrics or RouterMetrics()
-        self.in_flight: set[str] = set()
         self._threads = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvguard-tokenize")
+        self.control = ControlClient(keys)
+        self.tickets = TicketAuthority(keys.ticket)
+        self.ticket_ttl_s = min(config.request_timeout_s, MAX_TICKET_TTL_S)
         self._upstreams: Upstreams | None = None
         self._discovery: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -216,6 +243,7 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model_card)
         app.router.add_get("/health", self.health)
+        app.on_response_prepare.append(_echo_label)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -234,7 +262,7 @@ class Router:
     async def _discover(self) -> None:
         while True:
             try:
-                upstreams = await fetch_upstreams(self.http, self.config)
+                upstreams = await fetch_upstreams(self.http, self.config, self.control)
                 await asyncio.to_thread(lambda: self.encoder.max_token_bytes)  # a pass over the vocabulary, once
                 self._upstreams = upstreams
             except ValueError as exc:  # misconfigured: stay not-ready, say why, look again
@@ -274,7 +302,7 @@ class Router:
         for role, upstreams in (("prefill", self.upstreams.prefill), ("decode", self.upstreams.decode)):
             for upstream in upstreams:
                 try:
-                    async with self.http.get(f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    async with self.control.get(self.http, f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status != 200:
                             return web.json_response({"status": "unhealthy", "role": role}, status=503)
                 except (TimeoutError, aiohttp.ClientError):
@@ -294,9 +322,9 @@ class Router:
     async def _serve(self, request: web.Request, kind: type[APIRequest], chat: bool) -> web.StreamResponse:
         try:
             upstreams = self.upstreams  # not ready: 503 before anything else
+            request_id = self._claim_id(request, chat)
             body = await self._parse(request, kind)
             prompts = await self._tokenize(body, upstreams)
-            request_id = self._claim_id(request, chat)
         except OpenAIError as err:
             return self._error_response(err)
         try:
@@ -311,15 +339,9 @@ class Router:
             return await self._whole(choices, builder, prompt_tokens)
         except OpenAIError as err:
             return self._error_response(err)
-        finally:
-            self.in_flight.discard(request_id)
 
     async def _parse(self, request: web.Request, kind: type[APIRequest]) -> APIRequest:
         """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter."""
-        wanted_id = request.headers.get(REQUEST_ID_HEADER)
-        if wanted_id is not None and not _REQUEST_ID.fullmatch(wanted_id):
-            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be 1 to 128 printable ASCII characters without spaces",
-                              code="invalid_request_id", param=REQUEST_ID_HEADER)
         raw = await self._read_body(request)
         try:
             body = await self._off_loop(len(raw), kind.model_validate_json, raw)
@@ -390,13 +412,18 @@ class Router:
         return ids
 
     def _claim_id(self, request: web.Request, chat: bool) -> str:
-        """A unique id per request. A client-chosen id that is already in flight is refused, never merged."""
-        wanted = request.headers.get(REQUEST_ID_HEADER)
-        request_id = wanted or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if request_id in self.in_flight:
-            self.metrics.rejected.labels("duplicate_request_id").inc()
-            raise OpenAIError(409, f"request id {request_id!r} is already in flight", code="duplicate_request_id")
-        self.in_flight.add(request_id)
+        """A fresh internal id (S9). The client's X-Request-Id is only a label: validated, echoed and
+        logged beside the id, never used to find, merge or abort anything, so a retry that keeps
+        its label is just a new request, and no client can reach another's work by naming it."""
+        label = request.headers.get(REQUEST_ID_HEADER)
+        if label is not None and not _LABEL.fullmatch(label):
+            self.metrics.rejected.labels("invalid_request_id").inc()
+            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be 1-128 visible ASCII characters", code="invalid_request_id",
+                              param=REQUEST_ID_HEADER)  # fmt: skip
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
+        request[_LABEL_KEY] = label or request_id
+        if label is not None:
+            log.info("request %s: %s %s", request_id, REQUEST_ID_HEADER, label)
         return request_id
 
     def _plan(self, body: APIRequest, prompts: list[Prompt], request_id: str, chat: bool) -> list[Choice]:
@@ -517,18 +544,16 @@ class Router:
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
         """
         prefill, decode = self.upstreams.pair()
-        prefill_task: asyncio.Task[PrefillResult] | None = None
+        prefill_task: asyncio.Task[None] | None = None
         cause = "client_disconnect"
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
         try:
-            async with self.http.post(
-                f"{decode.url}/internal/decode", json=request.model_dump(mode="json"), timeout=timeout
-            ) as resp:
+            async with self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise await _upstream_error(resp)
                 async for event in _decode_events(resp):
                     if isinstance(event, BootstrapEvent):
-                        prefill_request = PrefillRequest(**request.model_dump(), bootstrap=event.bootstrap)
+                        prefill_request = PrefillRequest(**request.model_dump(), ticket=self._ticket(request.request_id, event))
                         prefill_task = asyncio.create_task(self._prefill(prefill.url, prefill_request))
                     elif isinstance(event, ErrorEvent):
                         raise await _prefill_error_first(prefill_task) or OpenAIError(
@@ -537,8 +562,6 @@ class Router:
                     else:
                         if prefill_task is not None:
                             await prefill_task  # decode verified the KV; prefill must agree it sent it all
-                            # TODO(manifest first-token record): decode gets this from the manifest.
-                            event = _with_first_token_logprob(event, prefill_task.result())
                         if isinstance(event, FinishEvent):
                             # Settled before the yield: the consumer may close us right after it.
                             self.metrics.requests.labels("finished").inc()
@@ -562,17 +585,25 @@ class Router:
             if cause:
                 await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
 
-    async def _prefill(self, url: str, request: PrefillRequest) -> PrefillResult:
+    def _ticket(self, request_id: str, event: BootstrapEvent) -> str:
+        """S9: the ticket that lets prefill send this request's KV to exactly the decode worker,
+        pages and nonce of this bootstrap, until the request's own deadline. It is self-contained,
+        so it could equally reach a prefill that is already computing."""
+        b = event.bootstrap
+        ticket = self.tickets.issue(
+            request_id, (b.transfer_host, b.transfer_port), b.epoch, bytes.fromhex(b.nonce), b.num_tokens,
+            b.page_ids, b.generations, self.ticket_ttl_s,
+        )  # fmt: skip
+        return ticket.text
+
+    async def _prefill(self, url: str, request: PrefillRequest) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
-        async with self.http.post(
-            f"{url}/internal/prefill", json=request.model_dump(mode="json"), timeout=timeout
-        ) as resp:
+        async with self.control.post(self.http, f"{url}/internal/prefill", request, timeout=timeout) as resp:
             if resp.status != 200:
                 raise await _upstream_error(resp)
-            return PrefillResult.model_validate_json(await resp.read())
 
     async def _abort_both(
-        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[PrefillResult] | None, cause: str
+        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[None] | None, cause: str
     ) -> None:
         self.metrics.aborts.labels(cause).inc()
         self.metrics.requests.labels("aborted" if cause == "client_disconnect" else "failed").inc()
@@ -586,18 +617,24 @@ class Router:
         await asyncio.shield(self._send_aborts(request_id, (prefill_url, decode_url), cause))
 
     async def _send_aborts(self, request_id: str, urls: Sequence[str], cause: str) -> None:
-        body = AbortRequest(request_id=request_id, cause=cause).model_dump()
+        body = AbortRequest(request_id=request_id, cause=cause)
         timeout = aiohttp.ClientTimeout(total=self.config.abort_timeout_s)
 
         async def one(url: str) -> None:
             try:
-                async with self.http.post(f"{url}/internal/abort", json=body, timeout=timeout):
+                async with self.control.post(self.http, f"{url}/internal/abort", body, timeout=timeout):
                     pass
             except (TimeoutError, aiohttp.ClientError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.
                 log.warning("abort of %s at %s failed: %s", request_id, url, exc)
 
         await asyncio.gather(*(one(u) for u in urls))
+
+
+async def _echo_label(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries the request's correlation label (the client's, else the id)."""
+    if (label := request.get(_LABEL_KEY)) is not None:
+        response.headers[REQUEST_ID_HEADER] = label
 
 
 async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent]:
@@ -615,7 +652,7 @@ async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
         return OpenAIError(502, f"a worker answered HTTP {resp.status}", code="worker_failed")
 
 
-async def _prefill_error_first(task: asyncio.Task[PrefillResult] | None) -> OpenAIError | None:
+async def _prefill_error_first(task: asyncio.Task[None] | None) -> OpenAIError | None:
     """When decode fails because prefill did, the prefill error is the one worth showing."""
     if task is None:
         return None
@@ -627,17 +664,6 @@ async def _prefill_error_first(task: asyncio.Task[PrefillResult] | None) -> Open
 
 def _unknown_model(name: str) -> OpenAIError:
     return OpenAIError(404, f"The model {name[:200]!r} does not exist", code="model_not_found", param="model")
-
-
-def _with_first_token_logprob(event: TokenEvent | FinishEvent, prefill: PrefillResult) -> TokenEvent | FinishEvent:
-    """Decode does not know the logprobs of the first token (prefill sampled it): fill them in.
-    TODO(manifest first-token record): once the manifest carries them, decode sends them itself."""
-    if not isinstance(event, TokenEvent) or not event.logprobs or prefill.first_token is None:
-        return event
-    head = event.logprobs[0]
-    if head.logprob is not None or head.token_id != prefill.first_token.token_id:
-        return event
-    return event.model_copy(update={"logprobs": (prefill.first_token, *event.logprobs[1:])})
 
 
 def _first_openai_error(group: BaseExceptionGroup) -> BaseException:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
@@ -21,22 +20,9 @@ from aiohttp import web
 
 from kvguard.workers.args import WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
+from kvguard.workers.keys import RevisionKeys
 
 log = logging.getLogger("kvguard.worker")
-
-TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
-
-
-def transfer_key() -> bytes:
-    """The deployment's shared HMAC key (S3). Hex when it parses as hex, else the raw text."""
-    value = os.environ.get(TRANSFER_KEY_ENV, "")
-    if len(value) < 16:
-        raise ValueError(f"{TRANSFER_KEY_ENV} must hold the deployment's transfer key (16+ characters)")
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        return value.encode()
-
 
 @dataclass
 class Listeners:
@@ -133,7 +119,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         propagate_aborts=not faults.no_abort_propagation,
         unsafe_reject_path=faults.unsafe_reject_path,
     )
-    router = Router(config, tokenizer)
+    router = Router(config, tokenizer, RevisionKeys.from_env())
     return router.app(), router.metrics_app()
 
 
@@ -142,15 +128,16 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
 
     from kvguard.workers.async_engine import AsyncEngine
     from kvguard.workers.config import EngineConfig
+    from kvguard.workers.control_auth import ControlVerifier, auth_failures_counter, control_auth_middleware
     from kvguard.workers.decode_server import DecodeServer
     from kvguard.workers.engine import Engine
     from kvguard.workers.openai_api import error_middleware
     from kvguard.workers.prefill_server import PrefillServer
     from kvguard.workers.protocol import Role
     from kvguard.workers.serving import WorkerRuntime
-    from kvguard.workers.transfer import TransferConfig, TransferMetrics
+    from kvguard.workers.transfer import Encryption, TransferConfig, TransferMetrics
 
-    key = transfer_key()
+    keys = RevisionKeys.from_env()
     registry = CollectorRegistry()
     config = EngineConfig(
         model_dir=args.model,
@@ -172,11 +159,14 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         transfer_metrics=TransferMetrics.create(registry),
         faults=faults,
     )
-    transfer = TransferConfig(max_transfer_batch=args.max_transfer_batch, stall_timeout_s=args.transfer_timeout)
-    app = web.Application(middlewares=[error_middleware], client_max_size=256 * 1024 * 1024)
+    transfer = TransferConfig(max_transfer_batch=args.max_transfer_batch, stall_timeout_s=args.transfer_timeout,
+                              encryption=Encryption(args.transfer_encryption))  # fmt: skip
+    # S9: /internal/* answers only calls signed with the revision's control key (the router).
+    auth = control_auth_middleware(ControlVerifier(keys.control), auth_failures_counter(registry))
+    app = web.Application(middlewares=[error_middleware, auth], client_max_size=256 * 1024 * 1024)
     if runtime.role is Role.DECODE:
         assert listeners.transfer is not None
-        decode = DecodeServer(runtime, key, transfer, advertise_host=args.advertise_host or args.host)
+        decode = DecodeServer(runtime, keys, transfer, advertise_host=args.advertise_host or args.host)
         runtime.internal_routes(app, lambda: runtime.info(decode.transfer_address))
         app.router.add_post("/internal/decode", decode.decode)
         transfer_socket = listeners.transfer
@@ -188,7 +178,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         app.on_startup.append(start_receiver)
         app.on_cleanup.append(lambda _: decode.close())
     else:
-        prefill = PrefillServer(runtime, key, transfer)
+        prefill = PrefillServer(runtime, keys, transfer)
         runtime.internal_routes(app, runtime.info)
         app.router.add_post("/internal/prefill", prefill.prefill)
         app.on_cleanup.append(lambda _: prefill.close())

@@ -2,9 +2,10 @@
 request bookkeeping, and the endpoints every worker has: the internal control API's
 /internal/info, /internal/health and /internal/abort, and the metrics listener's /metrics and /health.
 
-Every request a worker holds is run by exactly one handler task, registered in `Tasks`. An abort
-from the router cancels that task; the task's own `finally` is the single place where the
-request's engine state and transfer are released (S4), whatever ended it.
+Every request a worker holds is one `Job` (its handler task and, on prefill and decode, the
+request's state), registered in `Jobs`. An abort from the router cancels that task; the task's own
+`finally` is the single place where the request's engine state and transfer are released (S4),
+whatever ended it.
 """
 
 from __future__ import annotations
@@ -29,28 +30,46 @@ from kvguard.workers.transfer import AbortCause, TransferMetrics
 log = logging.getLogger("kvguard.worker")
 
 
+@dataclass(eq=False)
+class Job:
+    """One request on this worker. The prefill and decode servers extend it with their state
+    (the request's lease, stream and transfer live on its job, nowhere else)."""
+
+    request_id: str
+    task: asyncio.Task[object]
+
+
 @dataclass
-class Tasks:
-    """request id -> the handler task that owns it. Duplicate ids are refused, never merged."""
+class Jobs:
+    """request id -> the job that owns it: the worker's one map of its requests. Duplicate ids
+    are refused, never merged (the router's ids are unique; a duplicate is a bug or a replay)."""
 
-    by_id: dict[str, asyncio.Task[object]] = field(default_factory=dict)
+    by_id: dict[str, Job] = field(default_factory=dict)
 
-    def claim(self, request_id: str) -> None:
-        if request_id in self.by_id:
-            raise OpenAIError(409, f"request id {request_id!r} is already in flight here", code="duplicate_request_id")
-        task = asyncio.current_task()
-        assert task is not None
-        self.by_id[request_id] = task
+    def claim(self, job: Job) -> None:
+        if job.request_id in self.by_id:
+            raise OpenAIError(409, f"request id {job.request_id!r} is already in flight here", code="duplicate_request_id")
+        self.by_id[job.request_id] = job
 
-    def release(self, request_id: str) -> None:
-        self.by_id.pop(request_id, None)
+    def get(self, request_id: str) -> Job | None:
+        return self.by_id.get(request_id)
+
+    def release(self, job: Job) -> None:
+        if self.by_id.get(job.request_id) is job:
+            del self.by_id[job.request_id]
 
     def cancel(self, request_id: str) -> bool:
-        task = self.by_id.get(request_id)
-        if task is None or task.done():
+        job = self.by_id.get(request_id)
+        if job is None or job.task.done():
             return False
-        task.cancel()
+        job.task.cancel()
         return True
+
+
+def current_task() -> asyncio.Task[object]:
+    task = asyncio.current_task()
+    assert task is not None
+    return task
 
 
 @dataclass
@@ -63,7 +82,7 @@ class WorkerRuntime:
     registry: CollectorRegistry
     transfer_metrics: TransferMetrics
     faults: Faults
-    tasks: Tasks = field(default_factory=Tasks)
+    jobs: Jobs = field(default_factory=Jobs)
 
     def info(self, transfer: tuple[str, int] | None = None) -> WorkerInfo:
         engine = self.engine.engine
@@ -96,7 +115,7 @@ class WorkerRuntime:
             if self.faults.no_abort_propagation:
                 log.warning("FAULT no_abort_propagation: ignoring abort of %s", body.request_id)
                 return web.json_response({"aborted": False})
-            return web.json_response({"aborted": self.tasks.cancel(body.request_id)})
+            return web.json_response({"aborted": self.jobs.cancel(body.request_id)})
 
         app.router.add_get("/internal/health", health)
         app.router.add_get("/internal/info", info_endpoint)

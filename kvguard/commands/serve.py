@@ -40,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--max-transfer-batch", type=int, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
+    parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
+                        help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
     parser.set_defaults(func=run)
 
 
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 max_transfer_batch=args.max_transfer_batch,
                 transfer_timeout_s=args.transfer_timeout,
+                transfer_encryption=args.transfer_encryption,
             )
         )
     except SmallPoolError as exc:

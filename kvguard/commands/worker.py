@@ -12,8 +12,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "worker",
         help="run one engine process: a prefill worker, a decode worker or the router",
-        description="The transfer HMAC key is read from the environment variable KVGUARD_TRANSFER_KEY "
-        "(hex or text; mounted from a Secret in Kubernetes). Test-only faults: KVGUARD_FAULTS.",
+        description="Every role (router included) reads the revision key from the environment variable "
+        "KVGUARD_TRANSFER_KEY (hex or text, 16+ bytes; mounted from a Secret in Kubernetes): it authenticates "
+        "internal calls, transfer tickets and KV frames (docs/threat-model.md). Test-only faults: KVGUARD_FAULTS.",
     )
     add_arguments(parser)
     parser.set_defaults(func=run)

@@ -260,6 +260,7 @@ def worker_argvs(
                 kv_pool_tokens=kv_plan.roles[role].pool_tokens, page_size=spec.page_size,
                 device=spec.hardware.device.value, dtype=dtype or "auto",
                 max_transfer_batch=spec.kv_transfer.max_batch, transfer_timeout=spec.kv_transfer.timeout_seconds,
+                transfer_encryption=spec.kv_transfer.encryption,
                 transfer_port=transfer_port if role == "decode" else None,
             )  # fmt: skip
             argv = base + args.to_argv() + list(spec.engine.extra_args)

@@ -1,0 +1,89 @@
+"""Signed internal HTTP calls (S9): what the worker-side verifier accepts and refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.workers.control_auth import AUTH_HEADER, AuthError, ControlVerifier, ReplayCache, auth_headers, sign
+from kvguard.workers.keys import RevisionKeys
+
+KEYS = RevisionKeys.derive(b"control-test-key-0123456789abcdef")
+BODY = b'{"request_id": "cmpl-1", "cause": "client_disconnect"}'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _verifier(clock: Clock) -> ControlVerifier:
+    return ControlVerifier(KEYS.control, clock=clock)
+
+
+def _reason(verifier: ControlVerifier, method: str, path: str, body: bytes, header: str | None) -> str:
+    with pytest.raises(AuthError) as caught:
+        verifier.verify(method, path, body, header)
+    return caught.value.reason
+
+
+def test_a_signed_call_verifies_once() -> None:
+    clock = Clock()
+    verifier = _verifier(clock)
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)
+    verifier.verify("POST", "/internal/abort", BODY, header)
+    assert _reason(verifier, "POST", "/internal/abort", BODY, header) == "replay"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/internal/abort", BODY),  # another method
+        ("POST", "/internal/decode", BODY),  # the abort's header on another endpoint
+        ("POST", "/internal/abort?x=1", BODY),  # a query added
+        ("POST", "/internal/abort", BODY.replace(b"cmpl-1", b"cmpl-2")),  # another request's id
+        ("POST", "/internal/abort", b""),
+    ],
+)
+def test_the_mac_binds_method_path_and_body(method: str, path: str, body: bytes) -> None:
+    clock = Clock()
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)
+    assert _reason(_verifier(clock), method, path, body, header) == "bad_mac"
+
+
+def test_missing_malformed_and_foreign_headers_are_refused() -> None:
+    clock = Clock()
+    verifier = _verifier(clock)
+    assert _reason(verifier, "GET", "/internal/info", b"", None) == "missing"
+    assert _reason(verifier, "GET", "/internal/info", b"", "Bearer something") == "malformed"
+    foreign = RevisionKeys.derive(b"another revision's key..........")
+    for key in (foreign.control, KEYS.ticket, KEYS.root):  # another revision, another purpose, the raw key
+        assert _reason(verifier, "GET", "/internal/info", b"", sign(key, "GET", "/internal/info", now=clock.now)) == "bad_mac"
+
+
+def test_timestamps_outside_the_skew_bound_are_refused() -> None:
+    clock = Clock()
+    verifier = _verifier(clock)
+    for offset in (-31.0, 31.0):
+        header = sign(KEYS.control, "GET", "/internal/info", now=clock.now + offset)
+        assert _reason(verifier, "GET", "/internal/info", b"", header) == "stale"
+    verifier.verify("GET", "/internal/info", b"", sign(KEYS.control, "GET", "/internal/info", now=clock.now - 29.0))
+
+
+def test_replay_cache_forgets_only_what_the_clock_already_refuses() -> None:
+    cache = ReplayCache(window_s=60.0, capacity=2)
+    cache.add("a", 0.0)
+    cache.add("b", 1.0)
+    with pytest.raises(AuthError, match="too many"):
+        cache.add("c", 2.0)  # full: refuse rather than forget a nonce still inside the window
+    cache.add("c", 61.5)  # "a" and "b" aged out
+    with pytest.raises(AuthError, match="already"):
+        cache.add("c", 62.0)
+
+
+def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:
+    headers = auth_headers(KEYS.control, "GET", "http://10.0.0.1:8000/internal/info?verbose=1")
+    verifier = ControlVerifier(KEYS.control)
+    verifier.verify("GET", "/internal/info?verbose=1", b"", headers[AUTH_HEADER])

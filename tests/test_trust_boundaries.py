@@ -1,0 +1,277 @@
+"""S9 on a real router + prefill + decode trio: identity, authenticated control, the prefill
+signing oracle, one audience per port. Each test is an attack of issue 11 that worked before.
+
+Tenants use the public API (the official client or plain HTTP); "another pod" calls the internal
+control API without the revision key; tests that must get past that layer to reach the next one
+sign their calls as the router does (pd_harness.internal)."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from pd_harness import (
+    deployment,
+    internal,
+    metric,
+    pools_used,
+    reference_text,
+    second_router,
+    ticket_for,
+    wait_pools_empty,
+)
+
+from kvguard.workers.control_auth import AUTH_HEADER
+from kvguard.workers.keys import RevisionKeys
+from kvguard.workers.launcher import LocalDeployment
+from kvguard.workers.transfer import TicketAuthority
+
+TIMEOUT_S = 30  # "no hang" (S4): every answer comes within this
+PROMPT_A = "tenant A writes a long story about"
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    with deployment(tiny_model_dir) as running:
+        yield running
+
+
+def _stream(base: str, prompt: str, max_tokens: int, label: str | None = None) -> requests.Response:
+    headers = {"X-Request-Id": label} if label else {}
+    body = {"model": _model(base), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    response = requests.post(f"{base}/completions", json=body, headers=headers, stream=True, timeout=TIMEOUT_S)
+    assert response.status_code == 200
+    return response
+
+
+def _model(base: str) -> str:
+    return str(requests.get(f"{base}/models", timeout=TIMEOUT_S).json()["data"][0]["id"])
+
+
+def _events(response: requests.Response) -> Iterator[dict | str]:
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            data = line[6:].decode()
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def _finish(events: Iterator[dict | str], first: dict) -> str:
+    """The whole text of a stream whose first event was ``first``; asserts it ended cleanly."""
+    text = first["choices"][0]["text"]
+    for event in events:
+        if event == "[DONE]":
+            return text
+        assert isinstance(event, dict) and "error" not in event, event
+        text += event["choices"][0]["text"]
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def _whole(base: str, prompt: str, max_tokens: int, label: str | None = None, timeout: float = TIMEOUT_S) -> requests.Response:
+    headers = {"X-Request-Id": label} if label else {}
+    body = {"model": _model(base), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return requests.post(f"{base}/completions", json=body, headers=headers, timeout=timeout)
+
+
+# -- identity -------------------------------------------------------------------------------------
+
+
+def test_a_tenant_reusing_anothers_request_id_through_another_router_cannot_abort_it_s9(
+    trio: LocalDeployment, tiny_model_dir: Path
+) -> None:
+    """Issue 11, item 1: B sends A's X-Request-Id through the second router, succeeds, then goes
+    away mid-request (its router aborts its legs); A's stream on the first router is untouched."""
+    with second_router(trio, tiny_model_dir) as other:
+        a = _stream(trio.api_base, PROMPT_A, 300, label="shared-trace-id")
+        events = _events(a)
+        first = next(events)
+        assert isinstance(first, dict)
+        b = _whole(other, "tenant B", 6, label="shared-trace-id")
+        assert b.status_code == 200 and b.headers["X-Request-Id"] == "shared-trace-id"
+        assert b.json()["choices"][0]["text"] == reference_text(tiny_model_dir, "tenant B", 6)
+        with pytest.raises(requests.exceptions.ReadTimeout):  # B leaves: router 2 aborts B's legs
+            _whole(other, "tenant B leaves", 400, label="shared-trace-id", timeout=0.3)
+        assert _finish(events, first) == reference_text(tiny_model_dir, PROMPT_A, 300)
+        assert first["id"] != "shared-trace-id"  # the response id is the router's internal id
+    wait_pools_empty(trio)
+
+
+def test_a_retry_that_keeps_its_request_id_succeeds_and_never_hangs_s4_s9(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    """Issue 11, item 1: a finished id re-used got 502, an in-flight one no answer at all."""
+    expected = reference_text(tiny_model_dir, "retry me", 8)
+    for _ in range(3):  # the same label, one after another (a finished id)
+        answer = _whole(trio.api_base, "retry me", 8, label="client-retry-1")
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+    with cf.ThreadPoolExecutor(4) as pool:  # and all at once (in flight)
+        answers = list(pool.map(lambda _: _whole(trio.api_base, "retry me", 8, label="client-retry-1"), range(4)))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert {a.json()["choices"][0]["text"] for a in answers} == {expected}
+    assert len({a.json()["id"] for a in answers}) == 4  # four requests, four internal ids
+
+
+@pytest.mark.parametrize("label", ["x" * 129, "caf\u00e9", "has space", "tab\there", ""])
+def test_a_bad_request_id_label_is_a_400_naming_it(trio: LocalDeployment, label: str) -> None:
+    answer = requests.post(f"{trio.api_base}/completions", json={"model": _model(trio.api_base), "prompt": "hi", "max_tokens": 2},
+                           headers={"X-Request-Id": label.encode("utf-8")}, timeout=TIMEOUT_S)  # type: ignore[dict-item]
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "invalid_request_id" and answer.json()["error"]["param"] == "X-Request-Id"
+    assert "X-Request-Id" not in answer.headers  # an invalid label is never echoed
+
+
+def test_without_a_label_the_response_header_carries_the_internal_id(trio: LocalDeployment) -> None:
+    answer = _whole(trio.api_base, "no label", 2)
+    assert answer.status_code == 200 and answer.headers["X-Request-Id"] == answer.json()["id"]
+    assert len(answer.json()["id"].split("-", 1)[1]) == 32  # 128 random bits
+
+
+# -- authenticated control --------------------------------------------------------------------------
+
+CALLS = [
+    ("GET", "/internal/info", None),
+    ("GET", "/internal/health", None),
+    ("POST", "/internal/abort", {"request_id": "cmpl-victim"}),
+]
+
+
+def _unsigned(d: LocalDeployment, role: str, method: str, path: str, body: dict | None, headers: dict | None = None) -> requests.Response:
+    return requests.request(method, f"{d.internal_urls[role]}{path}", json=body, headers=headers or {}, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_internal_endpoints_refuse_calls_not_signed_by_the_router_s9(trio: LocalDeployment, role: str) -> None:
+    leg = {"request_id": "cmpl-x", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 2}}
+    calls = [*CALLS, ("POST", "/internal/decode", leg) if role == "decode" else ("POST", "/internal/prefill", {**leg, "ticket": "AA"})]
+    before = metric(trio, role, "kvguard_control_auth_failures_total")
+    for method, path, body in calls:
+        for headers in ({}, {AUTH_HEADER: "v1 ts=1 nonce=" + "0" * 32 + " mac=" + "0" * 64}):
+            refused = _unsigned(trio, role, method, path, body, headers)
+            assert refused.status_code == 401, (method, path, refused.text)
+            assert refused.json()["error"]["code"] == "unauthenticated"
+    assert metric(trio, role, "kvguard_control_auth_failures_total") == before + 2 * len(calls)
+    assert pools_used(trio) == {"prefill": 0, "decode": 0}
+
+
+def test_a_captured_router_call_cannot_be_replayed_or_repurposed_s9(trio: LocalDeployment) -> None:
+    signed = internal(trio, "decode", "/internal/abort", {"request_id": "cmpl-someone"})
+    assert signed.status_code == 200
+    header = signed.request.headers[AUTH_HEADER]
+    body = signed.request.body
+    url = trio.internal_urls["decode"]
+    again = requests.post(f"{url}/internal/abort", data=body, headers={AUTH_HEADER: header, "Content-Type": "application/json"}, timeout=5)
+    other_path = requests.post(f"{url}/internal/decode", data=body, headers={AUTH_HEADER: header}, timeout=5)
+    other_id = requests.post(f"{url}/internal/abort", json={"request_id": "cmpl-victim"}, headers={AUTH_HEADER: header}, timeout=5)
+    assert [r.status_code for r in (again, other_path, other_id)] == [401, 401, 401]
+    assert metric(trio, "decode", "kvguard_control_auth_failures_total", reason="replay") >= 1
+
+
+def test_an_unsigned_abort_cannot_end_another_tenants_stream_s9(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    """Even knowing the victim's internal id (its response id), another pod's abort is refused."""
+    a = _stream(trio.api_base, PROMPT_A, 200)
+    events = _events(a)
+    first = next(events)
+    assert isinstance(first, dict)
+    for role in ("decode", "prefill"):
+        refused = _unsigned(trio, role, "POST", "/internal/abort", {"request_id": first["id"]})
+        assert refused.status_code == 401
+    assert _finish(events, first) == reference_text(tiny_model_dir, PROMPT_A, 200)
+
+
+def test_the_metrics_port_serves_no_internal_endpoint_s9(trio: LocalDeployment) -> None:
+    """Issue 11, item 3: scrapers reach only /metrics and /health."""
+    for role, metrics_url in trio.metrics_urls.items():
+        base = metrics_url.removesuffix("/metrics")
+        for path in ("/internal/info", "/internal/health", "/internal/abort", "/internal/decode", "/internal/prefill"):
+            for method in ("GET", "POST"):
+                signed = internal(trio, "decode", "/internal/info")  # a real router header, for the wrong port
+                got = requests.request(method, f"{base}{path}", json={}, headers={AUTH_HEADER: signed.request.headers[AUTH_HEADER]}, timeout=5)
+                assert got.status_code in (404, 405), (role, method, path)
+        assert requests.post(f"{base}/v1/completions", json={"prompt": "hi"}, timeout=5).status_code == 404
+
+
+# -- prefill is not a signing oracle ------------------------------------------------------------------
+
+
+class Spy:
+    """A port an attacker wants prefill to connect to (and stream signed frames into)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.address = self.sock.getsockname()[:2]
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+def test_prefill_sends_nowhere_without_a_ticket_the_router_issued_s9(trio: LocalDeployment) -> None:
+    """Issue 11, item 2: /internal/prefill trusted any bootstrap, so any pod could make prefill
+    connect anywhere and sign frames for chosen ids and pages. Now the destination exists only
+    inside the router's ticket: forged, tampered, expired or foreign tickets are refused before
+    any compute, and nothing connects to the attacker's port."""
+    spy = Spy()
+    rid = "cmpl-attack"
+    leg = {"request_id": rid, "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}
+    bootstrap = {"transfer_host": spy.address[0], "transfer_port": spy.address[1], "page_ids": [0], "generations": [1],
+                 "num_tokens": 3, "nonce": "11" * 16, "epoch": 7}  # fmt: skip
+    genuine = ticket_for(trio, rid, {**bootstrap, "transfer_port": 9})
+    blob = bytearray(base64.urlsafe_b64decode(genuine))
+    port_at = blob.index((9).to_bytes(2, "little") + (7).to_bytes(8, "little"))
+    blob[port_at : port_at + 2] = spy.address[1].to_bytes(2, "little")  # redirect, keep the MAC
+    attacker = TicketAuthority(RevisionKeys.derive(b"attacker-chosen-key-0123456789").ticket)
+    forged = attacker.issue(rid, spy.address, 7, bytes(16), 3, (0,), (1,), 30).text
+    an_hour_ago = TicketAuthority(trio.keys.ticket, clock=lambda: time.time() - 3600)  # a genuine, old ticket
+    expired = an_hour_ago.issue(rid, spy.address, 7, bytes(16), 3, (0,), (1,), 30).text
+    before = pools_used(trio)
+    try:
+        legacy = internal(trio, "prefill", "/internal/prefill", {**leg, "bootstrap": bootstrap})
+        assert legacy.status_code == 400  # the old field does not exist any more
+        cases = {
+            "forged": forged,
+            "tampered": base64.urlsafe_b64encode(bytes(blob)).decode(),
+            "expired": expired,
+            "another request": ticket_for(trio, "cmpl-someone-else", bootstrap),
+        }
+        for case, ticket in cases.items():
+            answer = internal(trio, "prefill", "/internal/prefill", {**leg, "ticket": ticket})
+            assert answer.status_code == 403 and answer.json()["error"]["code"] == "invalid_ticket", (case, answer.text)
+        unsigned = _unsigned(trio, "prefill", "POST", "/internal/prefill", {**leg, "ticket": genuine})
+        assert unsigned.status_code == 401
+    finally:
+        spy.close()
+    assert spy.connections == 0, "prefill connected to an address no genuine ticket named"
+    assert pools_used(trio) == before
+    assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="bad_mac") >= 2
+    assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="mismatch") >= 1
+    assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="expired") >= 1
+
+
+def test_aes_gcm_transfer_serves_the_same_outputs(tiny_model_dir: Path) -> None:
+    """kvTransfer.encryption: aes-gcm end to end: the same greedy outputs as the colocated engine."""
+    with deployment(tiny_model_dir, transfer_encryption="aes-gcm") as d:
+        for prompt in ("encrypted KV", "a" * 50):
+            answer = _whole(d.api_base, prompt, 12)
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == reference_text(tiny_model_dir, prompt, 12)
+        assert metric(d, "decode", "kvguard_checksum_failures_total") == 0
+        assert metric(d, "decode", "kvguard_kv_transfer_bytes_total") > 0

@@ -1,0 +1,147 @@
+"""Authenticated internal HTTP calls: only the revision's router may drive a worker (S9).
+
+NetworkPolicies keep other pods away from a worker's internal control API where the cluster
+enforces them; this check holds where it does not. Every router -> worker call carries::
+
+    X-Kvguard-Auth: v1 ts=<unix ms> nonce=<32 hex> mac=<64 hex>
+    mac = HMAC-SHA256(control key, "kvguard-control-v1" \\n METHOD \\n raw path+query \\n
+                      hex(SHA-256(body)) \\n ts \\n nonce)
+
+The worker refuses (401, OpenAI-shaped, code ``unauthenticated``) a call whose header is missing
+or malformed, whose MAC does not verify (wrong key, or method, path or body changed), whose
+timestamp is more than ``MAX_CLOCK_SKEW_S`` from its own clock, or whose nonce it has already
+seen within that window (a replay). Only calls whose MAC verified enter the replay cache, so
+only a key holder can fill it; it is bounded and answers 503 when full rather than forget a
+nonce that is still inside the window.
+
+Pure logic (signing, verification, the cache) is separate from the aiohttp middleware.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import re
+import secrets
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+
+from kvguard.workers.keys import MAX_CLOCK_SKEW_S
+from kvguard.workers.openai_api import OpenAIError
+
+AUTH_HEADER = "X-Kvguard-Auth"
+REPLAY_CACHE_ENTRIES = 1 << 20
+INTERNAL_PREFIX = "/internal/"
+_VERSION = "v1"
+_HEADER = re.compile(r"v1 ts=(\d{1,16}) nonce=([0-9a-f]{32}) mac=([0-9a-f]{64})")
+
+
+class AuthError(Exception):
+    """The call is not from a holder of the revision key, or is a replay. ``reason`` is a label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _mac(key: bytes, method: str, path: str, body: bytes, ts: str, nonce: str) -> str:
+    message = "\n".join(("kvguard-control-v1", method.upper(), path, hashlib.sha256(body).hexdigest(), ts, nonce))
+    return hmac.new(key, message.encode(), "sha256").hexdigest()
+
+
+def sign(key: bytes, method: str, path: str, body: bytes = b"", *, now: float | None = None, nonce: str | None = None) -> str:
+    """The ``X-Kvguard-Auth`` value for one call. ``path`` is the raw path with its query."""
+    ts = str(int((time.time() if now is None else now) * 1000))
+    nonce = nonce or secrets.token_hex(16)
+    return f"{_VERSION} ts={ts} nonce={nonce} mac={_mac(key, method, path, body, ts, nonce)}"
+
+
+def auth_headers(key: bytes, method: str, url: str, body: bytes = b"") -> dict[str, str]:
+    """The header for a call to ``url`` (any HTTP client: the router's aiohttp, the launcher's
+    requests, tests). Signs the path exactly as it goes on the request line."""
+    parts = urllib.parse.urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return {AUTH_HEADER: sign(key, method, path, body)}
+
+
+@dataclass
+class ReplayCache:
+    """Nonces seen within the skew window, oldest first. Bounded (see the module doc)."""
+
+    window_s: float = 2 * MAX_CLOCK_SKEW_S
+    capacity: int = REPLAY_CACHE_ENTRIES
+    _seen: collections.OrderedDict[str, float] = field(default_factory=collections.OrderedDict)
+
+    def add(self, nonce: str, now: float) -> None:
+        """Record a nonce; AuthError if it was seen already (or the cache is full)."""
+        while self._seen:
+            oldest, at = next(iter(self._seen.items()))
+            if now - at <= self.window_s:
+                break
+            del self._seen[oldest]
+        if nonce in self._seen:
+            raise AuthError("replay", "this request was already received (replayed nonce)")
+        if len(self._seen) >= self.capacity:
+            raise AuthError("replay_cache_full", "too many internal calls within the clock-skew window")
+        self._seen[nonce] = now
+
+
+@dataclass
+class ControlVerifier:
+    """Checks ``X-Kvguard-Auth`` on a worker. One per process (it owns the replay cache)."""
+
+    key: bytes
+    max_skew_s: float = MAX_CLOCK_SKEW_S
+    replay: ReplayCache = field(default_factory=ReplayCache)
+    clock: Callable[[], float] = time.time
+
+    def verify(self, method: str, path: str, body: bytes, header: str | None) -> None:
+        if not header:
+            raise AuthError("missing", f"internal endpoint: the {AUTH_HEADER} header is required")
+        match = _HEADER.fullmatch(header.strip())
+        if match is None:
+            raise AuthError("malformed", f"malformed {AUTH_HEADER} header")
+        ts, nonce, mac = match.groups()
+        if not hmac.compare_digest(_mac(self.key, method, path, body, ts, nonce), mac):
+            raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
+        now = self.clock()
+        if abs(now - int(ts) / 1000) > self.max_skew_s:
+            raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
+        self.replay.add(nonce, now)
+
+
+def auth_failures_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "kvguard_control_auth_failures_total",
+        "Internal control API calls refused: missing/bad authentication or replay (S9)",
+        ["reason"], registry=registry,
+    )  # fmt: skip
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def control_auth_middleware(verifier: ControlVerifier, failures: Counter) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """aiohttp middleware: every ``/internal/*`` call must carry a valid header (see module doc).
+
+    Must sit inside ``error_middleware`` so the refusal is an OpenAI-shaped 401."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith(INTERNAL_PREFIX):
+            body = await request.read()  # aiohttp caches it: the handler reads the same bytes
+            try:
+                verifier.verify(request.method, request.raw_path, body, request.headers.get(AUTH_HEADER))
+            except AuthError as exc:
+                failures.labels(reason=exc.reason).inc()
+                status = 503 if exc.reason == "replay_cache_full" else 401
+                raise OpenAIError(status, str(exc), code="unauthenticated") from None
+        return await handler(request)
+
+    return middleware

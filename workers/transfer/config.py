@@ -1,0 +1,71 @@
+"""What sender and receiver share: their knobs and the terminal outcome of one transfer."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvguard.workers.transfer.wire import DEFAULT_MAX_PAYLOAD_BYTES, Encryption
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Knobs shared by sender and receiver (both ends of a revision must agree on ``encryption``)."""
+
+    max_transfer_batch: int = 16 << 20  # S6: bytes in flight per prefill->decode pair
+    stall_timeout_s: float = 5.0  # no progress for this long ends the transfer (S4)
+    connect_timeout_s: float = 2.0  # TCP connect and the HELLO/WELCOME handshake, each
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_connections_per_peer: int = 2
+    remembered_per_connection: int = 1024  # finished requests whose late frames are still verified
+    verify_integrity: bool = True  # False only for bench/transfer.py's cost measurement
+    encryption: Encryption = Encryption.NONE
+
+    def __post_init__(self) -> None:
+        if self.max_transfer_batch <= 0:
+            raise ValueError("max_transfer_batch must be > 0 bytes")
+        if self.stall_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0 seconds")
+        if not 0 < self.max_payload_bytes <= 1 << 30:
+            raise ValueError("max_payload_bytes must be in (0, 1 GiB]")
+        if self.max_connections_per_peer < 1 or self.remembered_per_connection < 1:
+            raise ValueError("max_connections_per_peer and remembered_per_connection must be >= 1")
+        if self.encryption is not Encryption.NONE and not self.verify_integrity:
+            raise ValueError("encryption needs integrity on (the request keys come with it)")
+
+
+DEFAULT_CONFIG = TransferConfig()
+
+
+class FailureReason(enum.StrEnum):
+    CHECKSUM = "checksum"  # payload checksum or AES-GCM tag failed (S3)
+    PLAN_MISMATCH = "plan_mismatch"
+    MANIFEST_MISMATCH = "manifest_mismatch"
+    STALE = "stale_lease"
+    UNKNOWN_REQUEST = "unknown_request"
+    TICKET = "ticket"  # forged, expired or foreign ticket; decode restarted; opened elsewhere (S9)
+    PEER_ABORT = "peer_abort"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    CONNECTION_LOST = "connection_lost"
+    PROTOCOL_ERROR = "protocol_error"
+    SINK_ERROR = "sink_error"
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    """Terminal outcome of one request's transfer. ``ok`` means complete and verified (S3)."""
+
+    request_id: str
+    ok: bool
+    reason: FailureReason | str | None = None
+    detail: str = ""
+    chunks: int = 0
+    bytes: int = 0
+
+
+def failure_reason(text: str) -> FailureReason | str:
+    try:
+        return FailureReason(text)
+    except ValueError:
+        return text
