@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import time
+import http.client
+import json
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -11,11 +12,18 @@ from pathlib import Path
 import openai
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
 
 MODEL = "tiny"  # the served name is the model folder's name; the fixtures' folders differ, so use .model
-TRANSFER_TIMEOUT_S = 1.5
+# Generous on purpose: a transfer that makes no progress for this long fails its request, and on a
+# loaded machine a healthy prefill can take seconds to start sending. The tests of that timeout
+# pass their own short one.
+TRANSFER_TIMEOUT_S = 60.0
+POOLS_EMPTY_S = 30.0
+"""S4's bound in these tests: well inside TRANSFER_TIMEOUT_S, so pools that empty in time were
+freed by the abort, not by a transfer timing out."""
 
 
 @contextlib.contextmanager
@@ -63,16 +71,41 @@ def pools_used(d: LocalDeployment, roles: tuple[str, ...] = ("prefill", "decode"
     return {role: metric(d, role, "kvguard_kv_pool_used_tokens") for role in roles}
 
 
-def wait_pools_empty(d: LocalDeployment, timeout_s: float = 5.0, roles: tuple[str, ...] = ("prefill", "decode")) -> float:
-    """S4: the pools back to zero within the bound. Returns how long it took."""
-    start = time.monotonic()
-    while True:
-        used = pools_used(d, roles)
-        if not any(used.values()):
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"KV pools not empty after {timeout_s} s: {used}")
-        time.sleep(0.05)
+def wait_pools_empty(d: LocalDeployment, timeout_s: float = POOLS_EMPTY_S, roles: tuple[str, ...] = ("prefill", "decode")) -> None:
+    """S4: the pools back to zero within the bound."""
+    wait_for(lambda: not any(pools_used(d, roles).values()), f"the {'/'.join(roles)} KV pools to be empty", timeout_s,
+             detail=lambda: pools_used(d, roles))  # fmt: skip
+
+
+def wait_healthy(d: LocalDeployment, timeout_s: float = 120.0) -> None:
+    """The router and both workers answer /health again (a restarted worker loads its model first)."""
+    wait_for(lambda: requests.get(f"{d.router_url}/health", timeout=5).status_code == 200, "the deployment to be healthy again",
+             timeout_s, 0.2, ignoring=(requests.RequestException,))  # fmt: skip
+
+
+def first_chunk_then_leave(d: LocalDeployment, prompt: str, max_tokens: int) -> str:
+    """A streaming client that reads one chunk and closes the connection: it leaves mid-decode
+    after a token has come, whatever the machine's speed. Returns the chunk's text."""
+    stream = client(d).completions.create(model=served_model(d), prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    try:
+        return next(iter(stream)).choices[0].text
+    finally:
+        stream.close()
+
+
+@contextlib.contextmanager
+def hang_up_after(d: LocalDeployment, body: dict[str, object]) -> Iterator[None]:
+    """POST `body` to /v1/completions and close the connection when the block ends, without
+    reading an answer: a client that leaves exactly when the test says (e.g. once its KV is
+    allocated). The router sends no headers before the first token, so a client library would
+    still be waiting inside its call; a plain HTTP connection is the client here."""
+    host, port = d.router_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        yield
+    finally:
+        connection.close()
 
 
 @cache

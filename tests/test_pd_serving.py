@@ -12,7 +12,19 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from pd_harness import client, complete, deployment, metric, pools_used, reference_text, served_model, wait_pools_empty
+from pd_harness import (
+    TRANSFER_TIMEOUT_S,
+    client,
+    complete,
+    deployment,
+    hang_up_after,
+    metric,
+    pools_used,
+    reference_text,
+    served_model,
+    wait_pools_empty,
+)
+from waiting import wait_for
 
 from kvguard.workers.launcher import LocalDeployment
 
@@ -133,9 +145,11 @@ def test_malformed_json_is_a_400(trio: LocalDeployment) -> None:
 
 
 def test_duplicate_request_ids_are_rejected_never_merged(trio: LocalDeployment, tiny_model_dir: Path) -> None:
-    """Class G (sglang#40125): the second request with an in-flight id gets 409; the first is unharmed."""
+    """Class G (sglang#40125): the second request with an in-flight id gets 409; the first is unharmed.
+    The first asks for nearly the whole context (seconds of decoding) so it is still in flight while
+    the second, one round trip later, arrives."""
     headers = {"X-Request-Id": "same-id"}
-    body = {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "stream": True}
     first = requests.post(f"{trio.api_base}/completions", json=body, headers=headers, stream=True, timeout=30)
     lines = first.iter_lines()
     assert next(line for line in lines if line).startswith(b"data: ")  # first is streaming now
@@ -156,17 +170,19 @@ def test_client_disconnect_mid_stream_frees_both_pools_s4(trio: LocalDeployment)
     next(iter(stream))
     assert pools_used(trio)["decode"] > 0
     stream.close()
-    took = wait_pools_empty(trio, timeout_s=3.0)
-    assert took < 3.0
+    wait_pools_empty(trio)
     assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
     assert complete(trio, PROMPTS[0], 8)
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response_frees_both_pools_s4(trio: LocalDeployment) -> None:
-    impatient = client(trio, timeout=0.3)
-    with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=served_model(trio), prompt="slow", max_tokens=900, temperature=0)
-    wait_pools_empty(trio, timeout_s=3.0)
+    """The client hangs up once decode holds its KV: 900 tokens take seconds to decode, so the
+    request is still running then, however fast or loaded the machine."""
+    before = metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect")
+    with hang_up_after(trio, {"prompt": "slow", "max_tokens": 900, "temperature": 0}):
+        wait_for(lambda: pools_used(trio)["decode"] > 0, "decode to hold the request's KV", interval=0.01)
+    wait_pools_empty(trio)
+    assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
 
 
 def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
@@ -182,9 +198,9 @@ def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -
         refused = requests.post(f"{urls['prefill']}/internal/prefill", json=bad, timeout=5)
         assert refused.status_code == 400
         final = next(events)
-    assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"
-    assert time.monotonic() - started < 1.0  # told at once, not after the transfer timeout
-    wait_pools_empty(trio, timeout_s=1.0)
+    assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"  # told by prefill, not by a timeout
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S / 2
+    wait_pools_empty(trio)
 
 
 def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeployment) -> None:
@@ -221,26 +237,22 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
     import subprocess
     import sys
 
-    from kvguard.workers.launcher import free_port
+    from kvguard.workers.launcher import PortReservation
 
-    port, nobody = free_port(), free_port()
+    reserved = PortReservation(2)  # held for the test: the router binds one, no one ever listens on the other
+    port, nobody = reserved.ports
     router = subprocess.Popen(
         [sys.executable, "-P", "-m", "kvguard", "worker", "--role", "router", "--model", str(tiny_model_dir),
          "--port", str(port), "--prefill", f"http://127.0.0.1:{nobody}", "--decode", f"http://127.0.0.1:{nobody}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except requests.ConnectionError:
-                assert time.monotonic() < deadline, "the router never started"
-                time.sleep(0.1)
+        [health] = wait_for(lambda: [requests.get(f"http://127.0.0.1:{port}/health", timeout=5)],  # a list: a 503 is falsy
+                            "the router to start", 120, ignoring=(requests.ConnectionError,))  # fmt: skip
         assert health.status_code == 503 and health.json()["error"]["code"] == "not_ready"
         answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
     finally:
         router.terminate()
         router.wait(10)
+        reserved.close()

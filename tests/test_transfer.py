@@ -33,7 +33,11 @@ from kvguard.workers.transfer_protocol import ChunkHeader, Manifest, Result, pay
 
 KEY = b"test-shared-key-0123456789abcdef"
 PAGE = 512
-FAST = TransferConfig(stall_timeout_s=2.0)
+# Timeouts that must fire are set per test (STALL_S); the rest are generous so that a transfer on a
+# loaded machine never times out by chance, and the waits for an outcome are longer still.
+FAST = TransferConfig(stall_timeout_s=30.0)
+STALL_S = 0.3
+PATIENT_S = 60.0
 
 
 def page_bytes(rid: str, page: int) -> bytes:
@@ -119,7 +123,7 @@ async def chunks_of(rid: str, pages: list[int], per_chunk: int = 1,
 
 
 async def test_round_trip_many_interleaved_requests_s3() -> None:
-    config = TransferConfig(stall_timeout_s=5.0, max_connections_per_peer=1)
+    config = TransferConfig(stall_timeout_s=30.0, max_connections_per_peer=1)
     async with make_pair(config=config) as p:
         handles, sends = [], []
         for r in range(16):
@@ -160,11 +164,14 @@ class RawPeer:
     def manifest(self, rid: str, chunks: int, pages: Sequence[int], gens: Sequence[int]) -> None:
         write_frame(self.writer, self.key, Manifest(rid, chunks, len(pages) * PAGE, tuple(pages), tuple(gens)))
 
-    async def results(self) -> dict[str, Result]:
-        """Every RESULT until the receiver goes quiet."""
+    async def results(self, *request_ids: str) -> dict[str, Result]:
+        """The RESULT of each of `request_ids` (waiting for them all, whatever the machine's speed)."""
         out: dict[str, Result] = {}
-        with contextlib.suppress(TimeoutError):
-            while (got := await asyncio.wait_for(read_frame(self.reader, self.key, 0), 0.3)):
+        async with asyncio.timeout(PATIENT_S):
+            while not set(request_ids) <= set(out):
+                got = await read_frame(self.reader, self.key, 0)
+                if got is None:  # the receiver hung up: what came is all there is
+                    break
                 if isinstance(got[0], Result):
                     out[got[0].request_id] = got[0]
         return out
@@ -184,7 +191,7 @@ async def test_corrupt_chunk_fails_only_that_request_on_the_same_connection_s3_c
         for i, rid in enumerate(("a", "b", "c")):
             peer.manifest(rid, 2, [i * 2, i * 2 + 1], [1, 1])
         outcomes = {rid: await h.wait() for rid, h in handles.items()}
-        results = await peer.results()
+        results = await peer.results("a", "b", "c")
         peer.close()
     assert outcomes["a"].ok and outcomes["c"].ok
     assert outcomes["b"].reason is FailureReason.CHECKSUM
@@ -210,12 +217,11 @@ async def test_corrupt_chunk_fault_is_caught_and_no_checksum_lets_it_through() -
 
 async def test_wrong_hmac_key_is_rejected_and_closes_only_that_connection_s3() -> None:
     ids, gens = plan(2)
-    config = TransferConfig(stall_timeout_s=0.3)
-    async with make_pair(config=config, sender_key=b"not-the-deployment-key-!!!!!!!!!") as p:
-        handle = p.receiver.expect("r", ids, gens)
+    async with make_pair(sender_key=b"not-the-deployment-key-!!!!!!!!!") as p:
+        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=STALL_S)  # only r's timer may fire
         sent = await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        outcome = await handle.wait()
-        good = KVSender(KEY, TransferMetrics.create(CollectorRegistry()), config)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
+        good = KVSender(KEY, TransferMetrics.create(CollectorRegistry()), FAST)
         other = p.receiver.expect("ok", [7], [1])
         assert (await good.send("ok", p.dest, [7], [1], chunks_of("ok", [7]))).ok
         assert (await other.wait()).ok
@@ -276,28 +282,28 @@ async def _stalling(rid: str, pages: list[int]) -> AsyncIterator[KVChunk]:
 
 async def test_stalled_sender_times_out_on_the_receiver_class_h() -> None:
     ids, gens = plan(3)
-    async with make_pair() as p:
-        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=0.3)
+    async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
+        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=STALL_S)
         task = asyncio.create_task(p.sender.send("r", p.dest, ids, gens, _stalling("r", ids)))
         loop = asyncio.get_running_loop()
         start = loop.time()
-        outcome = await asyncio.wait_for(handle.wait(), 5)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)  # before the pair's own timer could fire
         elapsed = loop.time() - start
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     assert outcome.reason is FailureReason.TIMEOUT
-    assert 0.25 <= elapsed < 3.0
+    assert elapsed >= 0.25  # by its own short timer, not before it
     assert p.receiver.active_requests == 0
 
 
 async def test_stalled_receiver_times_out_on_the_sender_class_h() -> None:
     ids, gens = plan(8)
-    config = TransferConfig(stall_timeout_s=0.3, max_transfer_batch=2 * PAGE)
+    config = TransferConfig(stall_timeout_s=STALL_S, max_transfer_batch=2 * PAGE)
     async with make_pair(config=config, sink=RecordingSink(gate=asyncio.Event())) as p:
         handle = p.receiver.expect("r", ids, gens)
-        sent = await asyncio.wait_for(p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids)), 5)
-        outcome = await asyncio.wait_for(handle.wait(), 5)
+        sent = await asyncio.wait_for(p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids)), PATIENT_S)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
     assert sent.reason is FailureReason.TIMEOUT
     assert not outcome.ok
 
@@ -309,45 +315,45 @@ async def _failing(rid: str, pages: list[int]) -> AsyncIterator[KVChunk]:
 
 async def test_prefill_error_sends_abort_and_decode_releases_at_once_s4() -> None:
     ids, gens = plan(3)
-    async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
+    async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
         handle = p.receiver.expect("r", ids, gens)
         with pytest.raises(RuntimeError, match="prefill forward failed"):
             await p.sender.send("r", p.dest, ids, gens, _failing("r", ids))
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
     assert outcome.reason is FailureReason.PEER_ABORT
     assert "prefill forward failed" in outcome.detail
 
 
 async def test_client_disconnect_cancels_send_and_aborts_decode_s4() -> None:
     ids, gens = plan(3)
-    async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
+    async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
         handle = p.receiver.expect("r", ids, gens)
         task = asyncio.create_task(p.sender.send("r", p.dest, ids, gens, _stalling("r", ids)))
         while not p.sink.applied["r"]:
             await asyncio.sleep(0.01)
         task.cancel()
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
     assert outcome.reason is FailureReason.PEER_ABORT
 
 
 async def test_no_abort_propagation_leaves_decode_to_its_timeout() -> None:
     ids, gens = plan(3)
-    async with make_pair(sender_faults=Faults(no_abort_propagation=True)) as p:
-        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=0.3)
+    async with make_pair(sender_faults=Faults(no_abort_propagation=True), config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
+        handle = p.receiver.expect("r", ids, gens, stall_timeout_s=STALL_S)
         with pytest.raises(RuntimeError):
             await p.sender.send("r", p.dest, ids, gens, _failing("r", ids))
-        outcome = await asyncio.wait_for(handle.wait(), 5)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)  # before the pair's own timer could fire
     assert outcome.reason is FailureReason.TIMEOUT
 
 
 async def test_decode_cancel_stops_prefill_s4() -> None:
     ids, gens = plan(20)
-    async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
+    async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
         handle = p.receiver.expect("r", ids, gens)
         p.sink.on_write.append(lambda: handle.cancel("client of decode went away")
                                if len(p.sink.applied["r"]) >= 2 else None)
         sent = await asyncio.wait_for(
-            p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids, pause_s=0.01)), 5)
+            p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids, pause_s=0.01)), PATIENT_S)
         outcome = await handle.wait()
     assert outcome.reason is FailureReason.CANCELLED
     assert sent.reason is FailureReason.CANCELLED and "went away" in sent.detail
@@ -357,11 +363,11 @@ async def test_decode_cancel_stops_prefill_s4() -> None:
 async def test_prefill_crash_mid_transfer_fails_decode_at_once_class_c() -> None:
     ids, gens = plan(4)
     async with make_pair(sender_faults=Faults(crash_prefill_after_chunks=2),
-                         config=TransferConfig(stall_timeout_s=30), on_crash=lambda: None) as p:
+                         config=TransferConfig(stall_timeout_s=2 * PATIENT_S), on_crash=lambda: None) as p:
         handle = p.receiver.expect("r", ids, gens)
         with pytest.raises(PrefillCrashed):
             await p.sender.send("r", p.dest, ids, gens, chunks_of("r", ids))
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
     assert outcome.reason is FailureReason.CONNECTION_LOST
 
 
@@ -386,7 +392,7 @@ async def test_late_and_unknown_frames_are_dropped_and_counted_class_g() -> None
         peer = await RawPeer.connect(p.dest)
         peer.chunk("done", 5, [0], [1])
         peer.chunk("never-expected", 0, [1], [1])
-        results = await peer.results()
+        results = await peer.results("done", "never-expected")
         peer.close()
     assert results["never-expected"].reason == FailureReason.UNKNOWN_REQUEST
     assert results["done"].ok is False
@@ -407,7 +413,7 @@ async def test_duplicate_request_id_is_rejected_class_g() -> None:
 
 async def test_in_flight_bytes_never_exceed_the_cap_with_a_slow_sink_s6() -> None:
     cap, chunk = 64 << 10, 8 << 10  # 8 KiB chunks = 16 pages of PAGE bytes
-    config = TransferConfig(stall_timeout_s=5, max_transfer_batch=cap)
+    config = TransferConfig(stall_timeout_s=30, max_transfer_batch=cap)
     async with make_pair(config=config, sink=RecordingSink(delay_s=0.002)) as p:
         observed: list[float] = []
 
@@ -439,7 +445,7 @@ async def test_garbage_on_the_port_closes_that_connection_only() -> None:
             writer.write(junk)
             await writer.drain()
             writer.write_eof()
-            assert await asyncio.wait_for(reader.read(), 2) == b""  # the receiver hung up
+            assert await asyncio.wait_for(reader.read(), PATIENT_S) == b""  # the receiver hung up
             writer.close()
         handle = p.receiver.expect("r", [0], [1])
         assert (await p.sender.send("r", p.dest, [0], [1], chunks_of("r", [0]))).ok
@@ -469,10 +475,10 @@ async def test_metrics_are_exposed_in_prometheus_text() -> None:
 
 
 async def test_standalone_abort_releases_decode_before_any_chunk_s4() -> None:
-    async with make_pair(config=TransferConfig(stall_timeout_s=30)) as p:
+    async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
         handle = p.receiver.expect("r", [0], [1])
         await p.sender.abort("r", p.dest, "prefill rejected the request")
-        outcome = await asyncio.wait_for(handle.wait(), 2)
+        outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
     assert outcome.reason is FailureReason.PEER_ABORT and "rejected" in outcome.detail
 
 

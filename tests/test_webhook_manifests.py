@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from kvguard.operator import webhook
+from kvguard.workers.launcher import PortReservation
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_DNS = "kvguard-operator-webhook.kvguard-system.svc"
@@ -75,9 +75,8 @@ async def test_self_signed_script_certificate_is_served_and_verifies(tmp_path: P
     if shutil.which("openssl") is None:
         pytest.skip("no openssl CLI")
     subprocess.run(["sh", str(ROOT / "manifests/webhook/self-signed.sh"), "--out", str(tmp_path)], check=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    reserved = PortReservation(1)  # held until the end: no one else can take it before the server binds it
+    [port] = reserved.ports
     server = webhook.webhook_server({"KVGUARD_WEBHOOK_CERT_DIR": str(tmp_path), "KVGUARD_WEBHOOK_ADDR": "127.0.0.1",
                                      "KVGUARD_WEBHOOK_PORT": str(port)})  # fmt: skip
 
@@ -96,3 +95,4 @@ async def test_self_signed_script_certificate_is_served_and_verifies(tmp_path: P
             await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="other.svc")
     finally:
         await serving.aclose()
+        reserved.close()
