@@ -86,7 +86,7 @@ class LocalHarness:
         try:
             self._wait_for_canary(candidate)
             first.send_signal(signal.SIGKILL)
-            first.wait(10)
+            first.wait(60)
         finally:
             if first.poll() is None:
                 first.kill()

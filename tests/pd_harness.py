@@ -46,7 +46,7 @@ def client(d: LocalDeployment, timeout: float = 30.0) -> openai.OpenAI:
 
 
 def served_model(d: LocalDeployment) -> str:
-    return str(requests.get(f"{d.api_base}/models", timeout=5).json()["data"][0]["id"])
+    return str(requests.get(f"{d.api_base}/models", timeout=30).json()["data"][0]["id"])
 
 
 def complete(d: LocalDeployment, prompt: str, max_tokens: int = 16, **kwargs: object) -> str:
@@ -58,7 +58,7 @@ def complete(d: LocalDeployment, prompt: str, max_tokens: int = 16, **kwargs: ob
 
 def metric(d: LocalDeployment, role: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` (with these labels) on one process's /metrics."""
-    text = requests.get(d.metrics_urls[role], timeout=5).text
+    text = requests.get(d.metrics_urls[role], timeout=30).text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -79,7 +79,7 @@ def wait_pools_empty(d: LocalDeployment, timeout_s: float = POOLS_EMPTY_S, roles
 
 def wait_healthy(d: LocalDeployment, timeout_s: float = 120.0) -> None:
     """The router and both workers answer /health again (a restarted worker loads its model first)."""
-    wait_for(lambda: requests.get(f"{d.router_url}/health", timeout=5).status_code == 200, "the deployment to be healthy again",
+    wait_for(lambda: requests.get(f"{d.router_url}/health", timeout=30).status_code == 200, "the deployment to be healthy again",
              timeout_s, 0.2, ignoring=(requests.RequestException,))  # fmt: skip
 
 

@@ -126,9 +126,9 @@ def test_late_write_after_abort_never_reaches_the_next_owner_s5(tiny_model_dir: 
     with deployment(tiny_model_dir, kv_pool_tokens=64, context_length=64) as d:
         urls = {role: d.metrics_urls[role].removesuffix("/metrics") for role in ("prefill", "decode")}
         a = {"request_id": "writer-A", "prompt_token_ids": list(range(1, 31)), "sampling": {"max_tokens": 20, "temperature": 0}}
-        with requests.post(f"{urls['decode']}/internal/decode", json=a, stream=True, timeout=10) as leg:
+        with requests.post(f"{urls['decode']}/internal/decode", json=a, stream=True, timeout=30) as leg:
             bootstrap = json.loads(next(line for line in leg.iter_lines() if line))["bootstrap"]
-        requests.post(f"{urls['decode']}/internal/abort", json={"request_id": "writer-A"}, timeout=5)
+        requests.post(f"{urls['decode']}/internal/abort", json={"request_id": "writer-A"}, timeout=30)
         wait_pools_empty(d)
         b_prompt = "B owns these pages now"
         b_stream = client(d).completions.create(
@@ -136,7 +136,7 @@ def test_late_write_after_abort_never_reaches_the_next_owner_s5(tiny_model_dir: 
         )
         chunks = iter(b_stream)
         b_text = next(chunks).choices[0].text
-        late = requests.post(f"{urls['prefill']}/internal/prefill", json={**a, "bootstrap": bootstrap}, timeout=10)
+        late = requests.post(f"{urls['prefill']}/internal/prefill", json={**a, "bootstrap": bootstrap}, timeout=30)
         assert late.status_code == 502  # decode refused A's KV: its lease is gone
         b_text += "".join(c.choices[0].text for c in chunks)
         assert b_text == reference_text(tiny_model_dir, b_prompt, 30, kv_pool_tokens=64, context_length=64)

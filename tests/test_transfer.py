@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import until
 
 from kvguard.workers.faults import NO_FAULTS, Faults
 from kvguard.workers.transfer import (
@@ -329,8 +330,7 @@ async def test_client_disconnect_cancels_send_and_aborts_decode_s4() -> None:
     async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
         handle = p.receiver.expect("r", ids, gens)
         task = asyncio.create_task(p.sender.send("r", p.dest, ids, gens, _stalling("r", ids)))
-        while not p.sink.applied["r"]:
-            await asyncio.sleep(0.01)
+        await until(lambda: p.sink.applied["r"], "the first chunk applied")
         task.cancel()
         outcome = await asyncio.wait_for(handle.wait(), PATIENT_S)
     assert outcome.reason is FailureReason.PEER_ABORT
