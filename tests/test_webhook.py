@@ -16,7 +16,7 @@ import ssl
 import subprocess
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,13 @@ import kubernetes
 import pytest
 import yaml
 from kmock_api import client_configuration, declare_kvguard_resources
+from ports import reserved_port
 from waiting import until
 
 from kvguard.operator import webhook
 from kvguard.operator.api import InferencePolicy
 from kvguard.operator.kube import Kube
 from kvguard.operator.webhook import FORBIDDEN, INVALID, AdmissionDenied, check_admission
-from kvguard.workers.launcher import PortReservation
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "models"
@@ -236,12 +236,16 @@ def admission_review(body: dict[str, Any], operation: str = "CREATE", old: dict[
 
 
 @pytest.fixture
-async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+def port() -> Iterator[int]:
+    with reserved_port() as held:  # until the test ends: no one else can take it before kopf binds it
+        yield held
+
+
+@pytest.fixture
+async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, port: int) -> AsyncIterator[str]:
     """The real operator (kopf, this module's handlers) with its webhook on loopback HTTPS."""
     make_certificates(tmp_path)
     INDEXED.clear()
-    reserved = PortReservation(1)  # held until the end: no one else can take it before kopf binds it
-    [port] = reserved.ports
     monkeypatch.setenv("KVGUARD_WEBHOOK_CERT_DIR", str(tmp_path))
     monkeypatch.setenv("KVGUARD_WEBHOOK_ADDR", "127.0.0.1")
     monkeypatch.setenv("KVGUARD_WEBHOOK_PORT", str(port))
@@ -260,7 +264,6 @@ async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     finally:
         stop.set()
         await asyncio.to_thread(thread.join, 60)
-        reserved.close()
         assert not thread.is_alive(), "kopf did not stop"
         kubernetes.client.ApiClient.set_default(None)
 

@@ -31,38 +31,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class PortReservation:
-    """Distinct loopback ports, held for child processes that bind them later.
-
-    A port picked with `free_port` is free again the moment it is returned, and a worker binds it
-    only seconds later (after importing torch): any other process may take it in between, and two
-    picks may even return the same port. On Linux each port here stays bound (SO_REUSEADDR, never
-    listening) for as long as the reservation lives, so the kernel hands it to no other bind(0)
-    or outgoing connection, while our workers -- whose servers also set SO_REUSEADDR, as aiohttp
-    and asyncio do on POSIX -- can still bind and listen on it; a worker restarted on its port
-    finds it still held for it. Elsewhere, where SO_REUSEADDR means something else, the ports are
-    only picked distinct and released at once.
-    """
-
-    def __init__(self, count: int) -> None:
-        self._held: list[socket.socket] = []
-        try:
-            for _ in range(count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                self._held.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("127.0.0.1", 0))
-            self.ports = [int(sock.getsockname()[1]) for sock in self._held]
-        finally:
-            if not sys.platform.startswith("linux"):
-                self.close()
-
-    def close(self) -> None:
-        for sock in self._held:
-            sock.close()
-        self._held.clear()
-
-
 @dataclass(frozen=True)
 class LocalServeConfig:
     model_dir: Path
@@ -94,13 +62,11 @@ class LocalDeployment:
     processes: dict[str, _Process] = field(default_factory=dict)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _watcher: threading.Thread | None = None
-    _ports: PortReservation | None = None
 
     def __post_init__(self) -> None:
         c = self.config
-        self._ports = PortReservation(4)
-        prefill_port, decode_port, router_port, transfer_port = self._ports.ports
-        ports = {"prefill": prefill_port, "decode": decode_port, "router": c.port or router_port}
+        ports = {"prefill": free_port(), "decode": free_port(), "router": c.port or free_port()}
+        transfer_port = free_port()
         common = ["--model", str(c.model_dir), "--device", c.device, "--page-size", str(c.page_size)]
         if c.kv_pool_tokens is not None:
             common += ["--kv-pool-tokens", str(c.kv_pool_tokens)]
@@ -216,8 +182,6 @@ class LocalDeployment:
             except subprocess.TimeoutExpired:
                 process.popen.kill()
                 process.popen.wait()
-        if self._ports is not None:
-            self._ports.close()
 
     def __enter__(self) -> LocalDeployment:
         return self.start()
