@@ -84,8 +84,9 @@ def wait_healthy(d: LocalDeployment, timeout_s: float = 120.0) -> None:
 
 
 def first_chunk_then_leave(d: LocalDeployment, prompt: str, max_tokens: int) -> str:
-    """A streaming client that reads one chunk and closes the connection: it leaves mid-decode
-    after a token has come, whatever the machine's speed. Returns the chunk's text."""
+    """A streaming client that reads one chunk and closes the connection: it leaves once its first
+    token has come, whatever the machine's speed (mid-decode, unless the rest was out already).
+    Returns the chunk's text."""
     stream = client(d).completions.create(model=served_model(d), prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
     try:
         return next(iter(stream)).choices[0].text

@@ -315,6 +315,7 @@ async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: An
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev1)
     await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
+    await promoted(cluster, rev1)  # the model Service too
 
     await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
     rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
