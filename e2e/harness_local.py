@@ -21,7 +21,7 @@ from kvguard.operator.backends.local import LocalBackend
 from kvguard.operator.backends.local_rollout import LOCAL_NAMESPACE, roll_out
 from kvguard.operator.revision import revision_of
 
-MAX_SECONDS = 240
+MAX_SECONDS = 600  # a rollout's deadline: about a minute on a quiet machine, several on a loaded one
 
 
 class LocalHarness:

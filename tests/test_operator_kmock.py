@@ -47,7 +47,6 @@ NETPOLS = km.resource("networking.k8s.io", "v1", "networkpolicies")
 EVENTS = km.resource("", "v1", "events")
 EMULATOR_URL: list[str] = []
 
-pytestmark = pytest.mark.timeout(600)  # a stuck test fails by its own `until` deadlines first
 CANARY_WAIT = 180.0  # a canary runs real requests: seconds on a quiet machine, many more on a loaded one
 # A lean canary (capacity, golden, over-length, safety counters) keeps each rollout to seconds.
 FAST_CANARY = {"determinism": {"enabled": False}, "isolation": {"enabled": False}, "abort": {"enabled": False},
