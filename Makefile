@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # standard library's `operator` module for anything started with `python -m` from here.
 PYM := $(PY) -P -m
 
-.PHONY: demo test test-stress bench lint clean
+.PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,7 @@ test: $(STAMP)
 # that): a test that passes only on a quiet machine fails here. The loops end however the suite
 # does (pass, failure, Ctrl-C); the exit status is the suite's.
 STRESS_LOOPS ?= $(shell nproc 2>/dev/null || echo 2)
+.PHONY: test-stress
 test-stress: $(STAMP)
 	@loops=""; trap 'kill $$loops 2>/dev/null' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
 	for i in $$(seq $(STRESS_LOOPS)); do yes > /dev/null & loops="$$loops $$!"; done; \
