@@ -6,9 +6,10 @@ the guess is wrong and the test fails by chance. Instead, poll the condition unt
 deadline generous enough for a machine several times slower than a quiet one: the deadline only
 matters when the code is broken, so making it long costs nothing on a passing run.
 
-The one thing a condition cannot prove is that something never happens. `holds_for` and `stays`
-check a condition for a window instead; a slow machine can only make such a window weaker (the
-wrong write lands after it), never make a correct run fail.
+The one thing a condition cannot prove is that something never happens. `stays` checks a
+condition over a window instead, after everything that should happen has been waited for; a slow
+machine can only make such a window weaker (the wrong write lands after it), never make a correct
+run fail.
 """
 
 from __future__ import annotations
@@ -81,19 +82,9 @@ async def until(
         await asyncio.sleep(interval)
 
 
-def holds_for(condition: Callable[[], object], what: str, window: float = QUIET_WINDOW_S, interval: float = INTERVAL_S) -> None:
+async def stays(condition: Callable[[], object], what: str, window: float = QUIET_WINDOW_S, interval: float = INTERVAL_S) -> None:
     """A negative check: `condition()` stays truthy for `window` s (AssertionError at the first
     poll where it does not). Wait for everything that should happen first."""
-    deadline = time.monotonic() + window
-    while True:
-        assert condition(), what
-        if time.monotonic() > deadline:
-            return
-        time.sleep(interval)
-
-
-async def stays(condition: Callable[[], object], what: str, window: float = QUIET_WINDOW_S, interval: float = INTERVAL_S) -> None:
-    """`holds_for` for a coroutine."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + window
     while True:
