@@ -43,6 +43,17 @@ test: $(STAMP)
 verify-engines: $(STAMP)
 	KVGUARD_VERIFY_ENGINES=1 $(PYM) pytest -q -rs tests/test_engine_conformance.py
 
+# `make test` while every core is kept busy (one `yes > /dev/null` per core, STRESS_LOOPS to change
+# that): a test that passes only on a quiet machine fails here. The loops end however the suite
+# does (pass, failure, Ctrl-C); the exit status is the suite's.
+STRESS_LOOPS ?= $(shell nproc 2>/dev/null || echo 2)
+.PHONY: test-stress
+test-stress: $(STAMP)
+	@loops=""; trap 'kill $$loops 2>/dev/null' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
+	for i in $$(seq $(STRESS_LOOPS)); do yes > /dev/null & loops="$$loops $$!"; done; \
+	echo "test-stress: $(STRESS_LOOPS) busy loops (pids$$loops)"; \
+	$(PYM) pytest -q -ra
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check operator workers kvguard tests e2e bench
 

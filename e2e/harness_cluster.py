@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from harness import NAME, Applied, Rejected, Result, Resumed, Serving, ask
 from kubernetes import client, config
 from kubernetes.client import ApiException
+from waiting import wait_for as wait_on
 
 from kvguard.operator.api import InferenceModelStatus, InferencePolicy
 from kvguard.operator.controller import FAULT_INJECTION_ENV as ALLOW_FAULTS_ENV
@@ -383,14 +384,7 @@ def port_forward(namespace: str, target: str, port: int) -> Iterator[int]:
 
 
 def wait_for(fetch: Callable[[], T], what: str, timeout: float = TIMEOUT) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fetch()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(POLL)
+    return wait_on(fetch, what, timeout, POLL)
 
 
 def eventually(check: Callable[[], bool], timeout: float = ACTED_TIMEOUT) -> bool:

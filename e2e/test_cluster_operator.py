@@ -10,13 +10,13 @@ what the operator writes, so they pass without them.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from waiting import wait_for as wait_on
 
 pytestmark = [
     pytest.mark.cluster,
@@ -37,13 +37,7 @@ def kube() -> Any:
 
 
 def wait_for(fetch: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fetch()
-        if value:
-            return value
-        time.sleep(2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return wait_on(fetch, what, timeout, 2)
 
 
 def status_of(kube: Any, name: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import openai
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
 
 from kvguard.workers.args import WorkerArgs, bind_listener
 from kvguard.workers.control_auth import auth_headers
@@ -22,7 +24,13 @@ from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
 from kvguard.workers.transfer import TicketAuthority
 
 MODEL = "tiny"  # the served name is the model folder's name; the fixtures' folders differ, so use .model
-TRANSFER_TIMEOUT_S = 1.5
+# Generous on purpose: a transfer that makes no progress for this long fails its request, and on a
+# loaded machine a healthy prefill can take seconds to start sending. The tests of that timeout
+# pass their own short one.
+TRANSFER_TIMEOUT_S = 60.0
+POOLS_EMPTY_S = 30.0
+"""S4's bound in these tests: well inside TRANSFER_TIMEOUT_S, so pools that empty in time were
+freed by the abort, not by a transfer timing out."""
 
 
 @contextlib.contextmanager
@@ -45,7 +53,7 @@ def client(d: LocalDeployment, timeout: float = 30.0) -> openai.OpenAI:
 
 
 def served_model(d: LocalDeployment) -> str:
-    return str(requests.get(f"{d.api_base}/models", timeout=5).json()["data"][0]["id"])
+    return str(requests.get(f"{d.api_base}/models", timeout=30).json()["data"][0]["id"])
 
 
 def complete(d: LocalDeployment, prompt: str, max_tokens: int = 16, **kwargs: object) -> str:
@@ -57,7 +65,7 @@ def complete(d: LocalDeployment, prompt: str, max_tokens: int = 16, **kwargs: ob
 
 def metric(d: LocalDeployment, role: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` (with these labels) on one process's /metrics."""
-    text = requests.get(d.metrics_urls[role], timeout=5).text
+    text = requests.get(d.metrics_urls[role], timeout=30).text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -70,16 +78,42 @@ def pools_used(d: LocalDeployment, roles: tuple[str, ...] = ("prefill", "decode"
     return {role: metric(d, role, "kvguard_kv_pool_used_tokens") for role in roles}
 
 
-def wait_pools_empty(d: LocalDeployment, timeout_s: float = 5.0, roles: tuple[str, ...] = ("prefill", "decode")) -> float:
-    """S4: the pools back to zero within the bound. Returns how long it took."""
-    start = time.monotonic()
-    while True:
-        used = pools_used(d, roles)
-        if not any(used.values()):
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"KV pools not empty after {timeout_s} s: {used}")
-        time.sleep(0.05)
+def wait_pools_empty(d: LocalDeployment, timeout_s: float = POOLS_EMPTY_S, roles: tuple[str, ...] = ("prefill", "decode")) -> None:
+    """S4: the pools back to zero within the bound."""
+    wait_for(lambda: not any(pools_used(d, roles).values()), f"the {'/'.join(roles)} KV pools to be empty", timeout_s,
+             detail=lambda: pools_used(d, roles))  # fmt: skip
+
+
+def wait_healthy(d: LocalDeployment, timeout_s: float = 120.0) -> None:
+    """The router and both workers answer /health again (a restarted worker loads its model first)."""
+    wait_for(lambda: requests.get(f"{d.router_url}/health", timeout=30).status_code == 200, "the deployment to be healthy again",
+             timeout_s, 0.2, ignoring=(requests.RequestException,))  # fmt: skip
+
+
+def first_chunk_then_leave(d: LocalDeployment, prompt: str, max_tokens: int) -> str:
+    """A streaming client that reads one chunk and closes the connection: it leaves once its first
+    token has come, whatever the machine's speed (mid-decode, unless the rest was out already).
+    Returns the chunk's text."""
+    stream = client(d).completions.create(model=served_model(d), prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    try:
+        return next(iter(stream)).choices[0].text
+    finally:
+        stream.close()
+
+
+@contextlib.contextmanager
+def hang_up_after(d: LocalDeployment, body: dict[str, object]) -> Iterator[None]:
+    """POST `body` to /v1/completions and close the connection when the block ends, without
+    reading an answer: a client that leaves exactly when the test says (e.g. once its KV is
+    allocated). The router sends no headers before the first token, so a client library would
+    still be waiting inside its call; a plain HTTP connection is the client here."""
+    host, port = d.router_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        yield
+    finally:
+        connection.close()
 
 
 @cache

@@ -26,8 +26,10 @@ from kvguard.operator.canary import (
     run_suite,
 )
 
-# Lean settings: a short pool-recovery wait keeps the "pages held" case quick.
-FAST = {"abort": {"poolRecoveryTimeoutSeconds": 1.0}, "requestTimeoutSeconds": 5}
+# Lean settings: a short pool-recovery wait keeps the "pages held" case quick. The request timeout
+# is generous: a request that times out on a loaded machine would fail a probe that should pass
+# (the tests of timeouts set their own).
+FAST = {"abort": {"poolRecoveryTimeoutSeconds": 1.0}, "requestTimeoutSeconds": 60}
 
 
 def spec(**overrides: object) -> CanarySpec:

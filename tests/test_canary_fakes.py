@@ -303,7 +303,7 @@ class RunningServer:
 
     def __enter__(self) -> RunningServer:
         self._thread.start()
-        self._ready.wait(10)
+        assert self._ready.wait(60), "the fake engine did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -26,7 +26,7 @@ sys.modules["canary_detection"] = detection
 _spec.loader.exec_module(detection)
 
 CONTEXT_LENGTH, POOL_TOKENS = 2048, 8192
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

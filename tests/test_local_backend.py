@@ -8,12 +8,12 @@ import os
 import signal
 import stat
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from waiting import wait_for
 
 from kvguard.cli import main
 from kvguard.operator.api import InferenceModel, InferenceModelStatus
@@ -132,10 +132,8 @@ def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) ->
     try:
         assert table.alive(worker)
         stranger = ProcessTable()  # another driver: adopts by /proc cmdline, not by bare PID
-        deadline = time.monotonic() + 5  # right after the fork the kernel may still show the parent's
-        while not stranger.alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stranger.alive(worker)
+        # Right after the fork the kernel may still show the parent's command line.
+        wait_for(lambda: stranger.alive(worker), "the child's command line in /proc")
         impostor = worker.model_copy(update={"argv": [sys.executable, "-c", "other"]})
         assert not stranger.alive(impostor)  # a reused PID running something else is not ours
         table.stop([worker])
@@ -201,11 +199,10 @@ def test_a_killed_worker_is_restarted_on_its_ports(tmp_path: Path, tiny_model_di
             backend.stop_all()
 
 
-def wait_ready(backend: LocalBackend, revision: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not backend.views()[revision].ready:  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, backend.views()[revision]
-        time.sleep(0.2)
+def wait_ready(backend: LocalBackend, revision: str, timeout_s: float = 180.0) -> None:
+    """Worker processes import torch and load the model first: seconds, many more on a loaded machine."""
+    wait_for(lambda: backend.views()[revision].ready, f"revision {revision} ready", timeout_s, 0.2,  # type: ignore[attr-defined]
+             detail=lambda: backend.views()[revision])  # fmt: skip
 
 
 def test_scaling_a_revision_up_keeps_running_workers_and_restarts_only_the_router(tmp_path: Path, tiny_model_dir: Path) -> None:

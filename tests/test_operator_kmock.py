@@ -18,7 +18,7 @@ import asyncio
 import copy
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import kubernetes
 import pytest
 import yaml
 from kmock_api import client_configuration, declare_kvguard_resources
+from waiting import stays, until
 
 import kvguard.operator.handlers  # noqa: F401  (registers the operator's handlers)
 from kvguard.operator import metrics
@@ -46,8 +47,7 @@ NETPOLS = km.resource("networking.k8s.io", "v1", "networkpolicies")
 EVENTS = km.resource("", "v1", "events")
 EMULATOR_URL: list[str] = []
 
-pytestmark = pytest.mark.timeout(120)
-CANARY_WAIT = 60.0
+CANARY_WAIT = 180.0  # a canary runs real requests: seconds on a quiet machine, many more on a loaded one
 # A lean canary (capacity, golden, over-length, safety counters) keeps each rollout to seconds.
 FAST_CANARY = {"determinism": {"enabled": False}, "isolation": {"enabled": False}, "abort": {"enabled": False},
                "overLength": {"apis": ["completions"], "streaming": [False]}, "requestTimeoutSeconds": 10}  # fmt: skip
@@ -72,7 +72,9 @@ def tiny_model(name: str = "tiny", uid: str = "uid-tiny") -> dict[str, Any]:
 
 def _serve(model_dir: Path, faults: str | None = None) -> LocalDeployment:
     extra = (("KVGUARD_FAULTS", faults),) if faults else ()
-    config = LocalServeConfig(model_dir=model_dir, kv_pool_tokens=4096, context_length=1024, page_size=16, extra_env=extra)
+    # A generous transfer timeout: a canary request that times out on a loaded machine would fail the rollout.
+    config = LocalServeConfig(model_dir=model_dir, kv_pool_tokens=4096, context_length=1024, page_size=16, extra_env=extra,
+                              transfer_timeout_s=60.0)  # fmt: skip
     return LocalDeployment(config).start()
 
 
@@ -113,15 +115,16 @@ def objects_of(k8s: Any, resource: Any) -> dict[str, Any]:
             and not k8s.objects[key].deleted}  # fmt: skip
 
 
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0, detail: Callable[[], Any] | None = None) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f"; {detail()}" if detail else ""))
-        await asyncio.sleep(0.05)
+def events_of(k8s: Any, reason: str) -> list[Any]:
+    return [e for e in objects_of(k8s, EVENTS).values() if e["reason"] == reason]
+
+
+async def promoted(k8s: Any, revision: str) -> None:
+    """Until the RevisionPromoted event of `revision` is recorded. The controller records events
+    after the status and the workload changes of the same step, so once it is there every write
+    of the promotion has landed (the status alone says the step was decided, not that it was done)."""
+    await until(lambda: [e for e in events_of(k8s, "RevisionPromoted") if f"revision {revision} is serving" in e["message"]],
+                f"the RevisionPromoted event of {revision}")  # fmt: skip
 
 
 class Operator:
@@ -279,8 +282,7 @@ async def test_S7_S8_blocked_change_leaves_running_revision_untouched(cluster: A
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev)
     await until(lambda: status_of(cluster).get("phase") == "Ready", "Ready", CANARY_WAIT)
-    await until(lambda: "tiny" in objects_of(cluster, SERVICES), "the model Service")  # status is written before acting
-    await asyncio.sleep(0.3)
+    await promoted(cluster, rev)  # status is written before acting: wait for the acts too
     before = {kind: copy.deepcopy({n: o.raw for n, o in objects_of(cluster, kind).items()})
               for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS)}  # fmt: skip
     blocked_before = metrics.REGISTRY.get_sample_value("kvguard_operator_blocked_plans_total", {"reason": "KVPoolTooSmall"}) or 0
@@ -293,12 +295,17 @@ async def test_S7_S8_blocked_change_leaves_running_revision_untouched(cluster: A
     assert "Suggested fixes" in kv["message"]
     assert status["revision"] == rev and status["targetRevision"] != rev
     assert condition(status, "Ready")["status"] == "True"  # the stable revision still serves
-    events = await until(lambda: [e for e in objects_of(cluster, EVENTS).values() if e["reason"] == "KVPoolTooSmall"], "Warning event")
+    events = await until(lambda: events_of(cluster, "KVPoolTooSmall"), "Warning event")
     assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "tiny"
-    await asyncio.sleep(0.5)  # let any (wrong) follow-up writes land before comparing
-    after = {kind: {n: o.raw for n, o in objects_of(cluster, kind).items()} for kind in before}
-    assert after == before, "a blocked plan must not change anything that runs"
-    assert metrics.REGISTRY.get_sample_value("kvguard_operator_blocked_plans_total", {"reason": "KVPoolTooSmall"}) == blocked_before + 1
+
+    def blocked_plans() -> float:
+        return metrics.REGISTRY.get_sample_value("kvguard_operator_blocked_plans_total", {"reason": "KVPoolTooSmall"}) or 0
+
+    await until(lambda: blocked_plans() > blocked_before, "the blocked plan counted")  # counted after the event is posted
+    # Nothing to wait for that proves a negative: give any (wrong) follow-up write a window to land.
+    await stays(lambda: {kind: {n: o.raw for n, o in objects_of(cluster, kind).items()} for kind in before} == before,
+                "a blocked plan must not change anything that runs")  # fmt: skip
+    assert blocked_plans() == blocked_before + 1
 
 
 async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: Any) -> None:
@@ -307,6 +314,7 @@ async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: An
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev1)
     await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
+    await promoted(cluster, rev1)  # the model Service too
 
     await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
     rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
@@ -394,8 +402,7 @@ async def test_S8_failing_canary_scales_it_to_zero_and_leaves_stable_untouched(c
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev1)
     await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
-    await until(lambda: "tiny" in objects_of(cluster, SERVICES), "the model Service")
-    await asyncio.sleep(0.3)
+    await promoted(cluster, rev1)  # every write of the promotion has landed
     stable_before = {n: copy.deepcopy(o.raw) for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS)
                      for n, o in objects_of(cluster, kind).items()}  # fmt: skip
 
@@ -414,12 +421,15 @@ async def test_S8_failing_canary_scales_it_to_zero_and_leaves_stable_untouched(c
     assert condition(status, "Ready")["status"] == "True"
     assert "over_length" in status["rollout"]["canary"]["failedProbes"]
     assert all(d["spec"]["replicas"] == 0 for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev2 in n)
-    events = await until(lambda: [e for e in objects_of(cluster, EVENTS).values() if e["reason"] == "CanaryFailed"], "Warning event")
+    events = await until(lambda: events_of(cluster, "CanaryFailed"), "Warning event")
     assert events[0]["type"] == "Warning" and f"revision {rev1} keeps serving" in events[0]["message"]
-    await asyncio.sleep(0.5)
-    stable_after = {n: o.raw for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS) for n, o in objects_of(cluster, kind).items()
-                    if n in stable_before}  # fmt: skip
-    assert stable_after == stable_before, "S8: the stable revision and the model Service are unchanged"
+
+    def stable_now() -> dict[str, Any]:
+        return {n: o.raw for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS) for n, o in objects_of(cluster, kind).items()
+                if n in stable_before}  # fmt: skip
+
+    # A negative: give any (wrong) follow-up write a window to land.
+    await stays(lambda: stable_now() == stable_before, "S8: the stable revision and the model Service are unchanged")
     states = [(h["revision"], h["state"]) for h in status["history"]]
     assert states[:2] == [(rev2, "Failed"), (rev1, "Stable")]
 
@@ -437,13 +447,13 @@ async def test_S8_operator_restart_mid_rollout_resumes_without_double_promotion(
     await mark_ready(cluster, rev)
     await until(lambda: status_of(cluster).get("rollout", {}).get("state") == "CanaryVerifying" and status_of(cluster)["rollout"].get("workers"),
                 "pools measured, canary running")  # fmt: skip
-    await asyncio.sleep(0.3)
-    assert status_of(cluster)["rollout"]["state"] == "CanaryVerifying" and "revision" not in status_of(cluster)
-    assert "tiny" not in objects_of(cluster, SERVICES)
+    # A negative: the canary never finishes, so nothing may be promoted while it runs.
+    await stays(lambda: status_of(cluster)["rollout"]["state"] == "CanaryVerifying" and "revision" not in status_of(cluster)
+                and "tiny" not in objects_of(cluster, SERVICES), "no promotion while the canary runs", 0.5)  # fmt: skip
     await operator.restart()  # the running canary dies with the process; status holds the step
     status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "promoted after the restart", CANARY_WAIT)
     assert status["rollout"]["state"] == "Stable" and status["rollout"]["canary"]["verdict"] == "pass"
-    await asyncio.sleep(0.5)
-    promoted = [e for e in objects_of(cluster, EVENTS).values() if e["reason"] == "RevisionPromoted"]
-    assert len(promoted) == 1 and promoted[0].get("count", 1) == 1, "exactly one promotion"
+    await promoted(cluster, rev)  # recorded after the status says Stable
+    # A negative: a second promotion (a new Event, or this one's count bumped) would land soon after the first.
+    await stays(lambda: [e.get("count", 1) for e in events_of(cluster, "RevisionPromoted")] == [1], "exactly one promotion")
     await until(lambda: objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev, "traffic routed")

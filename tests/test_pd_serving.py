@@ -13,9 +13,11 @@ import openai
 import pytest
 import requests
 from pd_harness import (
+    TRANSFER_TIMEOUT_S,
     client,
     complete,
     deployment,
+    hang_up_after,
     internal,
     metric,
     pools_used,
@@ -24,6 +26,7 @@ from pd_harness import (
     ticket_for,
     wait_pools_empty,
 )
+from waiting import wait_for
 
 from kvguard.workers.launcher import LocalDeployment
 
@@ -131,7 +134,7 @@ def test_every_worker_rejects_over_length_at_its_own_intake_s2(trio: LocalDeploy
 )
 def test_bad_requests_get_openai_errors_naming_the_field(trio: LocalDeployment, body: dict, param: str) -> None:
     body = {"model": served_model(trio), **body}
-    response = requests.post(f"{trio.api_base}/completions", json=body, timeout=5)
+    response = requests.post(f"{trio.api_base}/completions", json=body, timeout=30)
     assert 400 <= response.status_code < 500
     error = response.json()["error"]
     assert error["param"] == param and error["message"]
@@ -139,7 +142,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(trio: LocalDeployment, 
 
 
 def test_malformed_json_is_a_400(trio: LocalDeployment) -> None:
-    response = requests.post(f"{trio.api_base}/completions", data=b"{not json", timeout=5)
+    response = requests.post(f"{trio.api_base}/completions", data=b"{not json", timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
 
@@ -149,7 +152,7 @@ def test_a_reused_request_id_is_only_a_label_never_merged_or_refused_class_g_s9(
     request carrying an in-flight label is a request of its own; both finish, each with its own
     output, and each response echoes the label."""
     headers = {"X-Request-Id": "same-id"}
-    body = {"model": served_model(trio), "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": served_model(trio), "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "stream": True}
     first = requests.post(f"{trio.api_base}/completions", json=body, headers=headers, stream=True, timeout=30)
     assert first.headers["X-Request-Id"] == "same-id"
     lines = first.iter_lines()
@@ -171,17 +174,19 @@ def test_client_disconnect_mid_stream_frees_both_pools_s4(trio: LocalDeployment)
     next(iter(stream))
     assert pools_used(trio)["decode"] > 0
     stream.close()
-    took = wait_pools_empty(trio, timeout_s=3.0)
-    assert took < 3.0
+    wait_pools_empty(trio)
     assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
     assert complete(trio, PROMPTS[0], 8)
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response_frees_both_pools_s4(trio: LocalDeployment) -> None:
-    impatient = client(trio, timeout=0.3)
-    with pytest.raises(openai.APITimeoutError):
-        impatient.completions.create(model=served_model(trio), prompt="slow", max_tokens=900, temperature=0)
-    wait_pools_empty(trio, timeout_s=3.0)
+    """The client hangs up once decode holds its KV: 900 tokens take seconds to decode, so the
+    request is still running then, however fast or loaded the machine."""
+    before = metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect")
+    with hang_up_after(trio, {"prompt": "slow", "max_tokens": 900, "temperature": 0}):
+        wait_for(lambda: pools_used(trio)["decode"] > 0, "decode to hold the request's KV", interval=0.01)
+    wait_pools_empty(trio)
+    assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
 
 
 def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
@@ -197,9 +202,9 @@ def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -
         refused = internal(trio, "prefill", "/internal/prefill", bad)
         assert refused.status_code == 400
         final = next(events)
-    assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"
-    assert time.monotonic() - started < 1.0  # told at once, not after the transfer timeout
-    wait_pools_empty(trio, timeout_s=1.0)
+    assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"  # told by prefill, not by a timeout
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S / 2
+    wait_pools_empty(trio)
 
 
 def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeployment) -> None:
@@ -214,7 +219,7 @@ def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeploym
 
 
 def test_health(trio: LocalDeployment) -> None:
-    assert requests.get(f"{trio.router_url}/health", timeout=5).json() == {"status": "ok"}
+    assert requests.get(f"{trio.router_url}/health", timeout=30).json() == {"status": "ok"}
 
 
 def test_router_refuses_workers_whose_page_sizes_differ() -> None:

@@ -16,7 +16,7 @@ import ssl
 import subprocess
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ import kubernetes
 import pytest
 import yaml
 from kmock_api import client_configuration, declare_kvguard_resources
+from ports import reserved_port
+from waiting import until
 
 from kvguard.operator import webhook
 from kvguard.operator.api import InferencePolicy
@@ -35,8 +37,6 @@ from kvguard.operator.webhook import FORBIDDEN, INVALID, AdmissionDenied, check_
 ROOT = Path(__file__).resolve().parent.parent
 NS = "models"
 EMULATOR_URL: list[str] = []
-
-pytestmark = pytest.mark.timeout(60)
 
 
 def tiny_model(name: str = "tiny") -> dict[str, Any]:
@@ -216,21 +216,6 @@ def make_certificates(folder: Path) -> None:
         "-out", "tls.crt", "-days", "1", "-extfile", "san.ext")  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (value := predicate()):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-    return value
-
-
 def admission_review(body: dict[str, Any], operation: str = "CREATE", old: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "admission.k8s.io/v1",
@@ -251,11 +236,16 @@ def admission_review(body: dict[str, Any], operation: str = "CREATE", old: dict[
 
 
 @pytest.fixture
-async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+def port() -> Iterator[int]:
+    with reserved_port() as held:  # until the test ends: no one else can take it before kopf binds it
+        yield held
+
+
+@pytest.fixture
+async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, port: int) -> AsyncIterator[str]:
     """The real operator (kopf, this module's handlers) with its webhook on loopback HTTPS."""
     make_certificates(tmp_path)
     INDEXED.clear()
-    port = free_port()
     monkeypatch.setenv("KVGUARD_WEBHOOK_CERT_DIR", str(tmp_path))
     monkeypatch.setenv("KVGUARD_WEBHOOK_ADDR", "127.0.0.1")
     monkeypatch.setenv("KVGUARD_WEBHOOK_PORT", str(port))
@@ -273,7 +263,7 @@ async def https_webhook(api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         yield f"https://127.0.0.1:{port}"
     finally:
         stop.set()
-        await asyncio.to_thread(thread.join, 15)
+        await asyncio.to_thread(thread.join, 60)
         assert not thread.is_alive(), "kopf did not stop"
         kubernetes.client.ApiClient.set_default(None)
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from ports import reserved_port
 
 from kvguard.operator import webhook
 
@@ -71,13 +72,16 @@ def test_cert_manager_option_issues_the_secret_the_operator_mounts() -> None:
     assert one(objs, "Certificate", "kvguard-webhook-ca")["spec"]["secretName"] == ca_issuer["spec"]["ca"]["secretName"]
 
 
-async def test_self_signed_script_certificate_is_served_and_verifies(tmp_path: Path) -> None:
+@pytest.fixture
+def port() -> Iterator[int]:
+    with reserved_port() as held:  # until the test ends: no one else can take it before the server binds it
+        yield held
+
+
+async def test_self_signed_script_certificate_is_served_and_verifies(tmp_path: Path, port: int) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("no openssl CLI")
     subprocess.run(["sh", str(ROOT / "manifests/webhook/self-signed.sh"), "--out", str(tmp_path)], check=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     server = webhook.webhook_server({"KVGUARD_WEBHOOK_CERT_DIR": str(tmp_path), "KVGUARD_WEBHOOK_ADDR": "127.0.0.1",
                                      "KVGUARD_WEBHOOK_PORT": str(port)})  # fmt: skip
 
