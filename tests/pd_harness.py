@@ -110,6 +110,7 @@ def hang_up_after(d: LocalDeployment, body: dict[str, object]) -> Iterator[None]
     host, port = d.router_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
+        body = {"model": served_model(d), **body}
         connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         yield
     finally:
