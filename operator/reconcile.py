@@ -29,6 +29,7 @@ from kvguard.operator.api import (
     Phase,
     RevisionRecord,
 )
+from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config
 from kvguard.operator.planner import PlanInputError, plan
 from kvguard.operator.render import (
@@ -236,6 +237,9 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
     spec, problem = resolve_architecture(spec, observed)
     if problem is not None:
         return _invalid(run, "ArchitectureUnavailable", problem)
+    unsupported = engine_problems(spec)
+    if unsupported:  # the engine would run something else than the plan says: never deploy it
+        return _invalid(run, "InvalidSpec", "; ".join(unsupported))
     try:
         kv_plan = plan(spec)
     except PlanInputError as exc:

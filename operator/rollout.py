@@ -44,11 +44,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from kvguard.operator.canary.metrics import WorkerSnapshot
-from kvguard.operator.canary.report import CanaryReport
-
 if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
     from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.canary.report import CanaryReport
 
 
 class RolloutState(str, enum.Enum):
@@ -837,17 +835,6 @@ def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
 
 
 # --- helpers for drivers --------------------------------------------------------------------------
-
-
-def worker_report(worker: str, role: str, snapshot: WorkerSnapshot) -> WorkerReport:
-    """A scraped /metrics (kvguard, SGLang or vLLM, via the canary's parser) as the machine's input."""
-    if not snapshot.reachable:
-        return WorkerReport(worker, role, error=snapshot.error)
-    if not snapshot.pools:
-        return WorkerReport(worker, role, context_length=snapshot.context_length,
-                            error=f"exposes no KV pool size ({snapshot.engine} metrics)")  # fmt: skip
-    smallest = min(p.capacity_tokens for p in snapshot.pools)
-    return WorkerReport(worker, role, pool_tokens=smallest, context_length=snapshot.context_length)
 
 
 def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from kvguard.operator.api import InferenceModelSpec, RevisionRecord
+from kvguard.operator.backends.base import worker_report
 from kvguard.operator.canary.metrics import PoolReading, WorkerSnapshot
 from kvguard.operator.rollout import (
     MAX_SCRAPE_ATTEMPTS,
@@ -42,7 +43,6 @@ from kvguard.operator.rollout import (
     World,
     previous_stables,
     step,
-    worker_report,
 )
 
 S = RolloutState

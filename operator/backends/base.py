@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
-from kvguard.operator.canary.metrics import fetch_all
+from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.canary.suite import run_suite
@@ -45,7 +45,6 @@ from kvguard.operator.rollout import (
     Scale,
     ScaleRevision,
     WorkerReport,
-    worker_report,
 )
 
 if TYPE_CHECKING:
@@ -135,6 +134,17 @@ class Backend(Protocol):
 
 
 # --- helpers every driver shares ----------------------------------------------------------------
+
+
+def worker_report(worker: str, role: str, snapshot: WorkerSnapshot) -> WorkerReport:
+    """A scraped /metrics (kvguard, SGLang or vLLM, via the canary's parser) as the machine's input."""
+    if not snapshot.reachable:
+        return WorkerReport(worker, role, error=snapshot.error)
+    if not snapshot.pools:
+        return WorkerReport(worker, role, context_length=snapshot.context_length,
+                            error=f"exposes no KV pool size ({snapshot.engine} metrics)")  # fmt: skip
+    smallest = min(p.capacity_tokens for p in snapshot.pools)
+    return WorkerReport(worker, role, pool_tokens=smallest, context_length=snapshot.context_length)
 
 
 async def scrape_workers(endpoints: RevisionEndpoints, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> list[WorkerReport]:

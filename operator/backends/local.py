@@ -47,6 +47,7 @@ from kvguard.operator.backends.base import (
     RevisionRequest,
     WorkerEndpoint,
 )
+from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.rollout import Scale
 
 log = logging.getLogger("kvguard.local")
@@ -208,20 +209,9 @@ def model_dir_for(spec: InferenceModelSpec, models_root: Path) -> Path:
 
 def runnable_problems(spec: InferenceModelSpec) -> list[str]:
     """Field-level reasons this spec cannot run as local processes (empty: it can)."""
-    problems = []
     if spec.engine.kind != EngineKind.KVGUARD:
-        problems.append(f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}")
-    quant = spec.weights.quantization
-    if quant is not None and quant not in _LOADABLE_DTYPES:
-        problems.append(f"spec.weights.quantization: the kvguard engine loads bf16, fp16 or fp32 weights, not {quant.value}")
-    for name, role in spec.roles.worker_roles().items():
-        for field in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
-            if getattr(role, field) != 1:
-                wire = type(role).model_fields[field].alias or field
-                problems.append(f"spec.roles.{name}.{wire}: the kvguard engine runs one device per instance (must be 1)")
-        if role.data_parallel_attention:
-            problems.append(f"spec.roles.{name}.dataParallelAttention: not supported by the kvguard engine")
-    return problems
+        return [f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}"]
+    return engine_problems(spec)  # what the kvguard engine runs, on a cluster or here
 
 
 def instances(spec: InferenceModelSpec, role: str, scale: Scale = "full") -> int:
