@@ -3,7 +3,6 @@ status record, `kvguard apply` input errors, and healing a killed worker (real p
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import signal
 import stat
@@ -16,7 +15,7 @@ import pytest
 import yaml
 
 from kvguard.cli import main
-from kvguard.operator.api import InferenceModel, InferenceModelStatus
+from kvguard.operator.api import InferenceModel
 from kvguard.operator.backends.local import (
     FAULTS_ENV,
     TRANSFER_KEY_ENV,
@@ -30,10 +29,8 @@ from kvguard.operator.backends.local import (
     worker_argvs,
     worker_env,
 )
-from kvguard.operator.backends.local_rollout import record_decision
 from kvguard.operator.planner import plan
 from kvguard.operator.revision import revision_of
-from kvguard.operator.rollout import Decision, RolloutState, RolloutStatus, RouteTraffic, SetCondition
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,23 +139,6 @@ def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) ->
     finally:
         if worker.pid:
             os.kill(worker.pid, signal.SIGKILL)
-
-
-def test_record_decision_keeps_history_for_rollbacks() -> None:
-    body = tiny_body()
-    kv_plan = plan(spec_of(body))
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    status = InferenceModelStatus(revision="old")
-    status = record_decision(status, Decision(RolloutStatus(state=RolloutState.CANARY_DEPLOYING, revision="new"), "old", ()), "new", kv_plan, 1, now)
-    assert [(h.revision, h.state) for h in status.history] == [("new", "Candidate")]
-    promoted = Decision(
-        RolloutStatus(state=RolloutState.STABLE, revision="new", message="revision new is serving"), "new",
-        (RouteTraffic("new"), SetCondition("Ready", "True", "StableRevisionServing", "ok")), promoted_from="old",
-    )  # fmt: skip
-    status = record_decision(status, promoted, "new", kv_plan, 1, now)
-    assert [(h.revision, h.state) for h in status.history] == [("new", "Stable"), ("old", "Superseded")]
-    assert status.revision == "new" and status.phase.value == "Ready"
-    assert [c.type for c in status.conditions] == ["Ready"]
 
 
 def test_apply_input_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

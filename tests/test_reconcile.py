@@ -30,7 +30,7 @@ def body(example: str = "tiny-cpu.yaml") -> dict[str, Any]:
 
 def ready(rev: str, name: str = "tiny-cpu", **kwargs: object) -> Observed:
     deployments = [DeploymentState(f"{name}-{rev}-{r}", rev, r, 1, 1) for r in ("prefill", "decode", "router")]
-    return Observed(deployments=deployments, revisions_present=frozenset({rev}), **kwargs)  # type: ignore[arg-type]
+    return Observed(revisions=revision_views(deployments), **kwargs)  # type: ignore[arg-type]
 
 
 def promote(b: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +41,8 @@ def promote(b: dict[str, Any]) -> dict[str, Any]:
     assert DeployRevision(rev) in first.actions and not any(isinstance(a, RouteTraffic) for a in first.actions)
     b["status"] = first.status
     verifying = reconcile(b, ready(rev), now=NOW)
-    assert verifying.scrape == rev
+    assert verifying.scrape == rev and verifying.requeue_after == 0  # scraped before the next pass, at once
+    b["status"] = verifying.status
     verifying = reconcile(b, ready(rev, worker_reports=POOLS), now=NOW)
     assert verifying.status["canary"] == "Running" and verifying.status["revision"] is None
     b["status"] = verifying.status

@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import requests
@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan, Quantization
 from kvguard.operator.backends.base import (
+    ForeignObjectError,
     ModelRef,
     Observation,
     RevisionEndpoints,
@@ -129,7 +130,12 @@ class LocalState(_StateModel):
     serving: str | None = None
     """The revision user traffic goes to (the model Service's selector on Kubernetes)."""
     status: dict = Field(default_factory=dict)  # type: ignore[type-arg]
-    """The driver's record: stable revision, rollout status, conditions, history, events."""
+    """The InferenceModel's status as the driver (`driver.run_pass`) wrote it, as the operator
+    writes it on a cluster: stable revision, rollout status, conditions, history."""
+    status_version: int = 0
+    """Bumped on every status write: the state folder's resourceVersion."""
+    uid: str = Field(default_factory=lambda: f"local-{secrets.token_hex(8)}")
+    """The model's uid here (on a cluster the API server assigns one)."""
 
 
 class StateStore:
@@ -579,12 +585,19 @@ class LocalBackend:
         record = self.state.revisions.get(revision)
         if record is None:
             return RevisionEndpoints(router_url=None)
-        workers = tuple(WorkerEndpoint(w.name, w.role, f"{w.url}/metrics") for w in record.engine_workers())
+        # Named as their pods are on a cluster (<model>-<revision>-<worker>): same status either way.
+        workers = tuple(WorkerEndpoint(f"{model.name}-{revision}-{w.name}", w.role, f"{w.url}/metrics") for w in record.engine_workers())
         return RevisionEndpoints(router_url=record.router.url, workers=workers)
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         self._check_model(model)
         self.route(revision)
+
+    async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
+        return []  # nothing here is created by anyone else
+
+    def model_uid(self) -> str:
+        return self.state.uid
 
     def _check_model(self, model: ModelRef) -> None:
         if self.state.model != model.name:
