@@ -441,8 +441,17 @@ def previous_status(raw: Any) -> InferenceModelStatus:
 
 
 def status_patch(status: InferenceModelStatus) -> dict[str, Any]:
-    """A merge patch that sets every status field; None clears a field left from earlier."""
-    return status.model_dump(mode="json", by_alias=True)
+    """A merge patch that sets every status field; None clears a field left from earlier. Inside
+    lists a null is a value, not a deletion (RFC 7386), so unset fields of list items are left out."""
+    return {k: _no_nulls_in_lists(v) for k, v in status.model_dump(mode="json", by_alias=True).items()}
+
+
+def _no_nulls_in_lists(value: Any, in_list: bool = False) -> Any:
+    if isinstance(value, dict):
+        return {k: _no_nulls_in_lists(v, in_list) for k, v in value.items() if not (in_list and v is None)}
+    if isinstance(value, list):
+        return [_no_nulls_in_lists(v, True) for v in value]
+    return value
 
 
 def status_differs(desired: Any, live: Any) -> bool:

@@ -136,6 +136,11 @@ class LocalState(_StateModel):
     """Bumped on every status write: the state folder's resourceVersion."""
     uid: str = Field(default_factory=lambda: f"local-{secrets.token_hex(8)}")
     """The model's uid here (on a cluster the API server assigns one)."""
+    generation: int = 0
+    """metadata.generation: bumped when the applied spec differs from the last one, as the API
+    server bumps it when a spec changes."""
+    spec: dict = Field(default_factory=dict)  # type: ignore[type-arg]
+    """The spec last applied (what `generation` counts changes of)."""
 
 
 class StateStore:

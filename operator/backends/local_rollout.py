@@ -72,10 +72,13 @@ class LocalModelStore:
     def __init__(self, backend: LocalBackend, name: str, namespace: str, spec: InferenceModelSpec,
                  annotations: Mapping[str, str], generation: int | None, say: Say) -> None:  # fmt: skip
         self.backend, self.say = backend, say
-        self._meta = {"name": name, "namespace": namespace, "uid": backend.model_uid(), "annotations": dict(annotations)}
-        if generation is not None:
-            self._meta["generation"] = generation
         self._spec = spec.to_wire()
+        state = backend.state
+        if state.spec != self._spec or not state.generation:  # what the API server does on a spec change
+            state.spec, state.generation = self._spec, state.generation + 1
+            backend.save()
+        self._meta = {"name": name, "namespace": namespace, "uid": backend.model_uid(), "annotations": dict(annotations),
+                      "generation": generation if generation is not None else state.generation}  # fmt: skip
         self.events: list[RecordEvent] = []
 
     def body(self) -> dict[str, Any]:
