@@ -66,7 +66,7 @@ def _float_env(name: str, default: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ControllerSettings:
-    workers: int = 4
+    workers: int = 8
     """Models reconciled in parallel (each pass is mostly waiting on the API server)."""
     wait: Backoff = Backoff(base=5.0, cap=60.0, jitter=0.2)
     """Requeue while something is awaited and nothing changes: 5 s, 10 s, ... up to 60 s."""
@@ -87,7 +87,7 @@ class ControllerSettings:
             retry_period=_float_env("KVGUARD_LEASE_RETRY_PERIOD", 2.0),
         )  # fmt: skip
         return cls(
-            workers=int(_float_env("KVGUARD_WORKERS", 4)), resync_seconds=_float_env("KVGUARD_RESYNC_SECONDS", 600.0),
+            workers=int(_float_env("KVGUARD_WORKERS", 8)), resync_seconds=_float_env("KVGUARD_RESYNC_SECONDS", 600.0),
             wait=Backoff(_float_env("KVGUARD_WAIT_BASE", 5.0), _float_env("KVGUARD_WAIT_CAP", 60.0), 0.2),
             errors=Backoff(_float_env("KVGUARD_ERROR_BASE", 1.0), _float_env("KVGUARD_ERROR_CAP", 300.0), 0.2),
             configmap_ttl=_float_env("KVGUARD_CONFIGMAP_TTL", 300.0), lease=lease,

@@ -64,6 +64,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     settings.posting.level = logging.WARNING  # our own Events come from kube.record_event
     for resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
         settings.watching.label_selectors[resource] = selector_string(MANAGED_BY)
+    if not os.environ.get("KVGUARD_LOG_HANDLERS"):  # a line per watch event is noise (and CPU) at scale
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     port = int(os.environ.get("KVGUARD_METRICS_PORT", "8080"))
     if port and port not in _METRICS_SERVED:
         metrics.serve(port)

@@ -20,18 +20,21 @@ ever read as metadata (`get_metadata`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from kvguard.operator.metrics import REGISTRY
 
@@ -46,11 +49,19 @@ SCALE_FIELD_MANAGER = "kvguard-scale"
 rendered fields, so the next apply of a rendered manifest takes replicas back on purpose (force)."""
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 REQUEST_TIMEOUT_SECONDS = 30
+DEFAULT_CONCURRENCY = 16
+"""API requests in flight at once per client (threads and pooled connections)."""
+T = TypeVar("T")
 
 API_REQUESTS = Counter(
     "kvguard_operator_api_requests",
     "Requests the operator sent to the Kubernetes API server (watches excluded), by verb and status (0: transport error).",
     ["verb", "code"],
+    registry=REGISTRY,
+)
+API_REQUEST_SECONDS = Histogram(
+    "kvguard_operator_api_request_seconds",
+    "Latency of the operator's requests to the Kubernetes API server, as its client sees it.",
     registry=REGISTRY,
 )
 
@@ -133,8 +144,6 @@ def selector_string(labels: Mapping[str, str] | str | None) -> str:
 def default_api_client() -> k8s.ApiClient:
     """In a pod: the service account; else KUBECONFIG / ~/.kube/config; else the process default
     (tests point it at kmock)."""
-    import os
-
     configuration = k8s.Configuration()
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         k8s_config.load_incluster_config(client_configuration=configuration)
@@ -148,10 +157,14 @@ def default_api_client() -> k8s.ApiClient:
 class Kube:
     """Blocking API calls on plain dicts. One instance per process; thread-safe via urllib3's pool."""
 
-    def __init__(self, api_client: k8s.ApiClient | None = None, *, user_agent: str | None = None) -> None:
+    def __init__(self, api_client: k8s.ApiClient | None = None, *, user_agent: str | None = None,
+                 concurrency: int = DEFAULT_CONCURRENCY) -> None:  # fmt: skip
         self._api = api_client or default_api_client()
         if user_agent:
             self._api.user_agent = user_agent
+        # urllib3's pool must hold as many connections as there are threads, or they queue on it.
+        self._api.rest_client.pool_manager.connection_pool_kw["maxsize"] = concurrency
+        self._executor = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="kube")
 
     # --- the verbs ------------------------------------------------------------------------------
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
@@ -271,31 +284,36 @@ class Kube:
 
     # --- async wrappers: run the blocking call off the event loop thread ------------------------
     async def aget(self, ref: ObjectRef) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.get, ref)
+        return await self._off_loop(lambda: self.get(ref))
 
     async def aget_metadata(self, ref: ObjectRef) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.get_metadata, ref)
+        return await self._off_loop(lambda: self.get_metadata(ref))
 
     async def alist(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.list, kind, namespace, labels)
+        return await self._off_loop(lambda: self.list(kind, namespace, labels))
 
     async def acreate(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.create, manifest)
+        return await self._off_loop(lambda: self.create(manifest))
 
     async def aapply(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
-        return await asyncio.to_thread(lambda: self.apply(manifest, field_manager=field_manager))
+        return await self._off_loop(lambda: self.apply(manifest, field_manager=field_manager))
 
     async def amerge_patch(self, ref: ObjectRef, patch: Mapping[str, Any], *, field_manager: str | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(lambda: self.merge_patch(ref, patch, field_manager=field_manager))
+        return await self._off_loop(lambda: self.merge_patch(ref, patch, field_manager=field_manager))
 
     async def adelete(self, ref: ObjectRef) -> bool:
-        return await asyncio.to_thread(self.delete, ref)
+        return await self._off_loop(lambda: self.delete(ref))
 
     async def apatch_status(self, ref: ObjectRef, status: Mapping[str, Any], resource_version: str | None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.patch_status, ref, status, resource_version)
+        return await self._off_loop(lambda: self.patch_status(ref, status, resource_version))
 
     async def arecord_event(self, involved: Mapping[str, Any], **kwargs: Any) -> None:
-        await asyncio.to_thread(lambda: self.record_event(involved, **kwargs))
+        await self._off_loop(lambda: self.record_event(involved, **kwargs))
+
+    async def _off_loop(self, call: Callable[[], T]) -> T:
+        """Run a blocking call on this client's own threads (as many as its connection pool), so
+        that API latency, not the default executor's few threads, bounds how many are in flight."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     # --- transport ------------------------------------------------------------------------------
     def _call(
@@ -313,6 +331,7 @@ class Kube:
             method=method, resource_path=path, query_params=query, header_params=headers, body=body,
             auth_settings=["BearerToken"],
         )  # fmt: skip
+        started = time.monotonic()
         try:
             response = self._api.call_api(method, url, headers, body, _request_timeout=REQUEST_TIMEOUT_SECONDS)
             response.read()
@@ -325,6 +344,7 @@ class Kube:
             API_REQUESTS.labels(method, "0").inc()
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         API_REQUESTS.labels(method, str(status)).inc()
+        API_REQUEST_SECONDS.observe(time.monotonic() - started)
         log.debug("%s %s -> %s", method, path, status)  # never the body
         if status == 0:
             raise TransportError(f"{method} {path}: {raw[:200].decode(errors='replace')}")

@@ -113,6 +113,8 @@ class LeaderElector:
         self.leading = False
         self._seen: tuple[tuple[str, str], float] | None = None
         self._last_renewal = 0.0
+        self._held: LeaseRecord | None = None
+        """The Lease as our last write left it: the holder renews on it without reading first."""
         self._ref = ObjectRef("Lease", config.name, config.namespace)
 
     async def run(self) -> None:
@@ -142,12 +144,16 @@ class LeaderElector:
             await self._stop("another replica holds the Lease" if held is False else "renew deadline passed")
 
     async def _stop(self, why: str) -> None:
-        self.leading = False
+        self.leading, self._held = False, None
         log.warning("leader election: %s stops leading: %s", self.identity, why)
         await self._on_stopped()
 
     async def _try(self) -> bool:
         """True: we hold the Lease now; False: someone else does."""
+        if self.leading and self._held is not None:
+            renewed = await self._write(self._held, Move.RENEW)  # no read first: the write is conditional
+            if renewed:
+                return True
         lease = await self.kube.aget(self._ref)
         record = LeaseRecord.of(lease) if lease is not None else None
         now = self._clock()
@@ -156,24 +162,33 @@ class LeaderElector:
         unchanged_for = now - self._seen[1] if self._seen is not None else 0.0
         move = decide(record, self.identity, unchanged_for, self.config.duration)
         if move is Move.FOLLOW:
+            self._held = None
             return False
+        return await self._write(record, move)
+
+    async def _write(self, record: LeaseRecord | None, move: Move) -> bool:
+        """Create, renew or take over the Lease; False when another writer got there first."""
         stamp = micro_time(dt.datetime.now(dt.UTC))
         spec = {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.config.duration), "renewTime": stamp}
         if move is Move.CREATE:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self._ref.name, "namespace": self._ref.namespace},
                     "spec": {**spec, "acquireTime": stamp, "leaseTransitions": 0}}  # fmt: skip
-            return await self.kube.acreate(body) is not None  # 409: someone created it first
+            created = await self.kube.acreate(body)  # None: 409, someone created it first
+            self._held = LeaseRecord.of(created) if created is not None else None
+            return created is not None
         assert record is not None
         if move is Move.ACQUIRE:
             spec.update(acquireTime=stamp, leaseTransitions=record.transitions + 1)
         patch = {"metadata": {"resourceVersion": record.resource_version}, "spec": spec}
         try:
-            await self.kube.amerge_patch(self._ref, patch)
+            written = await self.kube.amerge_patch(self._ref, patch)
         except KubeError as exc:
             if exc.status == 409:
+                self._held = None
                 return False  # someone else wrote it since we read it
             raise
+        self._held = LeaseRecord.of(written)
         return True
 
     async def release(self) -> None:

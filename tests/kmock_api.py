@@ -19,6 +19,7 @@ garbage collection, no scheduler. Tests that depend on those say so.
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime as dt
 import itertools
@@ -28,7 +29,9 @@ from typing import Any
 
 import kmock as km
 import kubernetes
+from kmock._internal import apps as kmock_apps
 from kmock._internal import k8s as kmock_k8s
+from kmock._internal import rendering as kmock_rendering
 
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -139,25 +142,59 @@ def merge_patch_that_makes(live: Mapping[str, Any], target: Mapping[str, Any]) -
 # --- the emulator --------------------------------------------------------------------------------
 
 
-class ApiServer(km.KubernetesEmulator):
+class _DirectDispatch(kmock_apps.RawHandler):
+    """Serves Kubernetes verbs straight from the emulator's handlers. kmock matches every request
+    against its reaction DSL by scanning its request log (tens of ms per request after a few
+    thousand), which would make the emulator, not the operator, what a scale test measures. The
+    ApiServer registers no reactions of its own beyond the emulator's fallbacks, so this is the
+    same answer, found directly; anything else (discovery) goes through kmock's matching."""
+
+    async def _handle(self, request: Any) -> Any:
+        direct = getattr(self, "_direct", None)
+        if direct is not None and request.resource is not None and request.resource.plural and request.action in direct:
+            return await direct[request.action](request)
+        return await super()._handle(request)
+
+
+class ApiServer(km.KubernetesEmulator, _DirectDispatch):
     """kmock plus resourceVersion, generation, preconditions, selectors and server-side apply."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        self._direct = {
+            km.action.LIST: kmock_rendering.Response.guess(self._serve_list),
+            km.action.WATCH: kmock_rendering.Response.guess(self._serve_watch),
+            km.action.FETCH: kmock_rendering.Response.guess(self._serve_fetch),
+            km.action.CREATE: kmock_rendering.Response.guess(self._serve_create),
+            km.action.UPDATE: kmock_rendering.Response.guess(self._serve_update),
+            km.action.DELETE: kmock_rendering.Response.guess(self._serve_delete),
+        }
         self._versions = itertools.count(1)
         self._applied: dict[tuple[Any, str], dict[str, Any]] = {}
         self.conflicts = 0
         """409s answered to stale resourceVersion preconditions."""
         self.status_writes: list[dict[str, Any]] = []
         """Every status PATCH: object, precondition, outcome (what `no lost write` is checked on)."""
+        self.keep_requests: int | None = None
+        """Keep only this many requests in kmock's log (None: all). kmock matches each request
+        against its whole log, so a long run (the scale benchmark) must trim it."""
+        self.requests_total = 0
+        self.requests_by: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Requests by (method, resource plural or path), whatever the log keeps."""
 
     async def _handle(self, request: Any) -> Any:
-        if request.resource is not None:
-            try:
-                await self._bookkeep(request)
-            except kmock_k8s.KubernetesError as exc:
-                return await self._render_error(exc)
-        return await super()._handle(request)
+        self.requests_total += 1
+        self.requests_by[(str(request.method), request.resource.plural if request.resource is not None else request.url.path)] += 1
+        try:
+            if request.resource is not None:
+                try:
+                    await self._bookkeep(request)
+                except kmock_k8s.KubernetesError as exc:
+                    return await self._render_error(exc)
+            return await super()._handle(request)
+        finally:
+            if self.keep_requests is not None and len(self._requests) > self.keep_requests:
+                del self._requests[: len(self._requests) - self.keep_requests]
 
     def _next_version(self) -> str:
         return str(next(self._versions))
@@ -223,6 +260,30 @@ class ApiServer(km.KubernetesEmulator):
             await self._buses[request.resource].put({"type": "ADDED", "object": self.objects[key].raw})
         self._applied[(key, manager)] = copy.deepcopy(request.data)
         request.data.clear()  # the object exists now: the UPDATE kmock goes on with changes nothing
+
+    # Single-object reads by key (kmock scans every stored object to find one).
+    def _stored(self, request: Any, namespace: str | None = None, name: str | None = None) -> Any:
+        key = (request.resource, namespace if namespace is not None else request.namespace, name or request.name)
+        obj = self.objects[key] if key in self.objects else None
+        if obj is None or obj.empty:
+            raise kmock_k8s.KubernetesObjectNotFoundError()
+        return obj
+
+    async def _serve_fetch(self, request: Any) -> Any:
+        obj = self._stored(request)
+        if obj.deleted:
+            raise kmock_k8s.KubernetesObjectNotFoundError()
+        return obj.raw
+
+    async def _serve_create(self, request: Any) -> Any:
+        meta = request.data.get("metadata", {})
+        return self._stored(request, request.namespace or meta.get("namespace"), meta.get("name")).raw
+
+    async def _serve_update(self, request: Any) -> Any:
+        return self._stored(request).last.raw
+
+    async def _serve_delete(self, request: Any) -> Any:
+        return self._stored(request).last.raw
 
     async def _serve_list(self, request: Any) -> Any:
         result = await super()._serve_list(request)

@@ -21,6 +21,7 @@ resolver is injectable: tests against kmock (no pods, no DNS) point it at real p
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -144,8 +145,12 @@ class KubernetesBackend:
         owner = _owner(request.model)
         await self.ensure_transfer_secret(owner, request.revision)  # before any pod references it
         rendered = request.rendered or render_rollout_revision(request.spec, request.plan, owner, request.revision, request.faults)
-        for manifest in rendered.at(scale):
-            await self.apply(manifest, request.model)
+        # The children are independent of each other: apply them concurrently (one round trip of
+        # latency per revision, not seven). Every failure is raised; a foreign object first.
+        results = await asyncio.gather(*(self.apply(m, request.model) for m in rendered.at(scale)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise next((e for e in errors if isinstance(e, ForeignObjectError)), errors[0])
 
     async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
         live_by_name = {o["metadata"]["name"]: o for o in self._owned(model) if o.get("kind") == "Deployment"}
