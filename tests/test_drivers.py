@@ -13,9 +13,9 @@ import yaml
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionEndpoints, RevisionRequest, execute
 from kvguard.operator.canary.spec import CanarySpec
-from kvguard.operator.driver import requeue_delay
+from kvguard.operator.driver import DriverMemory, StatusConflict, requeue_delay, run_pass
 from kvguard.operator.planner import plan
-from kvguard.operator.reconcile import Outcome
+from kvguard.operator.reconcile import Observed, Outcome
 from kvguard.operator.rollout import RunCanary
 from kvguard.operator.workqueue import Backoff, WorkQueue
 
@@ -93,3 +93,48 @@ async def test_a_canary_against_other_numerics_does_not_require_the_baselines_te
     ((url, spec, baseline_url),) = runs
     assert url == "http://r2.test:8000" and baseline_url == "http://r1.test:8000"  # the stable still serves as baseline
     assert spec.golden.compare_baseline is compare_outputs and spec.golden.enabled
+
+
+class ConflictingStore:
+    """A ModelStore whose first write loses to another writer that paused the model meanwhile."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body, self.writes, self.refused = body, [], 0
+
+    async def write_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        if body["metadata"]["resourceVersion"] != self.body["metadata"]["resourceVersion"]:
+            raise StatusConflict("stale")
+        if not self.refused:  # someone else wrote first: the model moved on under this decision
+            self.refused += 1
+            self.body = {**self.body, "metadata": {**self.body["metadata"], "resourceVersion": "2",
+                                                   "annotations": {"kvguard.io/pause": "true"}}}  # fmt: skip
+            raise StatusConflict("stale")
+        self.writes.append(status)
+        self.body = {**self.body, "status": status, "metadata": {**self.body["metadata"], "resourceVersion": "3"}}
+        return self.body
+
+    async def reread(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.body
+
+    async def record_event(self, *_: Any) -> None:
+        return None
+
+
+class NoWorkloads:
+    async def observe(self, model: ModelRef) -> Any:
+        from kvguard.operator.backends.base import Observation
+
+        return Observation()
+
+    async def ensure_revision(self, *_: Any) -> None:
+        raise AssertionError("a paused rollout deploys nothing")
+
+
+async def test_a_stale_status_write_is_re_read_and_decided_again_on_the_latest_model() -> None:
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    body["metadata"].update(namespace="models", uid="u", resourceVersion="1")
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "m", "path": "tiny"}}
+    store = ConflictingStore(body)
+    result = await run_pass(body, Observed(), store, NoWorkloads(), CanaryRunner(), DriverMemory())  # type: ignore[arg-type]
+    assert result is not None and store.refused == 1 and len(store.writes) == 1
+    assert store.writes[0]["rollout"]["state"] == "Paused"  # decided on what the other writer left, not on the stale read
