@@ -99,7 +99,10 @@ class LocalHarness:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             rollout = (self.state().get("status") or {}).get("rollout") or {}
-            if rollout.get("revision") == candidate and rollout.get("state") in ("CanaryDeploying", "CanaryVerifying"):
+            started = self.workload_ids(candidate)  # the step is recorded before it is acted on: wait for the act
+            workers = (self.state().get("revisions", {}).get(candidate) or {}).get("workers") or []
+            if rollout.get("revision") == candidate and rollout.get("state") in ("CanaryDeploying", "CanaryVerifying") \
+                    and workers and len(started) == len(workers):
                 return
             time.sleep(0.05)
         raise AssertionError(f"the rollout of {candidate} never reached CanaryDeploying")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvguard.operator.api import InferencePolicy
@@ -194,8 +194,4 @@ def requeue_delay(outcome: Outcome, waits: int, *, base: float, cap: float, jitt
     return max(0.0, delay)
 
 
-def with_status(body: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
-    return {**body, "status": dict(status)}
-
-
-__all__ = ["DriverMemory", "ModelStore", "PassResult", "StatusConflict", "observe", "replace", "requeue_delay", "run_pass"]
+__all__ = ["DriverMemory", "ModelStore", "PassResult", "StatusConflict", "observe", "requeue_delay", "run_pass"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -212,3 +213,21 @@ def test_scaling_a_revision_up_keeps_running_workers_and_restarts_only_the_route
             assert sum(1 for a in router if a == "--decode") == 2
         finally:
             backend.stop_all()
+
+
+def test_a_worker_started_but_never_recorded_is_found_by_its_command_line() -> None:
+    """A driver killed between starting a worker and saving its PID leaves it running on the
+    worker's ports; the next driver adopts it instead of starting a second one that cannot bind."""
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", "--port", str(os.getpid())]
+    orphan = subprocess.Popen(argv)  # noqa: S603 - our own argv
+    try:
+        worker = LocalWorker(name="prefill-0", role="prefill", port=1, argv=argv)
+        table = ProcessTable()
+        deadline = time.monotonic() + 10
+        while table.find(worker) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert table.find(worker) == orphan.pid
+        assert table.find(LocalWorker(name="x", role="prefill", port=1, argv=[*argv, "other"])) is None
+    finally:
+        orphan.kill()
+        orphan.wait()

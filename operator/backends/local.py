@@ -326,6 +326,24 @@ class ProcessTable:
             return False
         return True
 
+    def find(self, worker: LocalWorker) -> int | None:
+        """A live process running exactly the worker's recorded command line (its ports make it
+        unique), whatever PID was recorded: a driver killed between starting a worker and saving
+        its PID leaves one behind, holding the worker's ports. None off Linux or when none runs."""
+        wanted = b"\0".join(a.encode() for a in worker.argv) + b"\0"
+        proc = Path("/proc")
+        if not proc.is_dir():
+            return None
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "cmdline").read_bytes() == wanted:
+                    return int(entry.name)
+            except OSError:
+                continue
+        return None
+
     def stop(self, workers: list[LocalWorker], timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM every live worker (router first), wait, SIGKILL stragglers."""
         live = [w for w in sorted(workers, key=lambda w: w.role != "router") if self.alive(w)]
@@ -486,6 +504,12 @@ class LocalBackend:
         folder = self.store.revision_dir(record.revision)
         for worker in record.workers:
             if self.processes.alive(worker):
+                continue
+            orphan = self.processes.find(worker)
+            if orphan is not None:  # started by a driver killed before it could record the PID
+                log.warning("revision %s: adopting %s (pid %s), which runs unrecorded", record.revision, worker.name, orphan)
+                worker.pid = orphan
+                self.save()
                 continue
             if worker.pid is not None:
                 worker.restarts += 1
