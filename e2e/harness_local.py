@@ -98,7 +98,11 @@ class LocalHarness:
     def _wait_for_canary(self, candidate: str) -> None:
         def in_canary() -> bool:
             rollout = (self.state().get("status") or {}).get("rollout") or {}
-            return rollout.get("revision") == candidate and rollout.get("state") in ("CanaryDeploying", "CanaryVerifying")
+            if rollout.get("revision") != candidate or rollout.get("state") not in ("CanaryDeploying", "CanaryVerifying"):
+                return False
+            started = self.workload_ids(candidate)  # the step is recorded before it is acted on: wait for the act
+            workers = (self.state().get("revisions", {}).get(candidate) or {}).get("workers") or []
+            return bool(workers) and len(started) == len(workers)
 
         # `kvguard apply` starts python, then the candidate's workers: a minute and more on a loaded machine.
         wait_for(in_canary, f"the rollout of {candidate} to reach CanaryDeploying", MAX_SECONDS, ignoring=(OSError, ValueError))

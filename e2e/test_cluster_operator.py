@@ -123,3 +123,40 @@ def test_cluster_incident_is_blocked_and_renders_nothing(kube: Any, model: Any) 
     status = wait_for(lambda: (s := status_of(kube, name)).get("phase") == "Blocked" and s, "phase Blocked")
     assert condition(status, "KVPoolSufficient")["status"] == "False"
     assert children(kube, name)["Deployment"] == []  # S7: nothing rendered for a blocked plan
+
+
+def test_cluster_a_field_removed_from_the_spec_is_removed_from_the_deployment(kube: Any, model: Any) -> None:
+    """Server-side apply: the operator owns the fields it renders, so one it stops rendering goes."""
+    spec = tiny_spec()
+    spec["roles"]["decode"]["nodeSelector"] = {"kvguard.io/e2e-pool": "none"}  # pods stay Pending: fine here
+    name = model("tiny-cpu.yaml", spec)
+    revision = wait_for(lambda: status_of(kube, name).get("targetRevision"), "a planned revision")
+    decode = f"{name}-{revision}-decode"
+    apps = kube.AppsV1Api()
+    wait_for(lambda: (apps.read_namespaced_deployment(decode, NS).spec.template.spec.node_selector or {}).get("kvguard.io/e2e-pool"),
+             "the nodeSelector rendered")  # fmt: skip
+    patch = {"spec": {"roles": {"decode": {"nodeSelector": None}}}}  # placement: the same revision, updated in place
+    kube.CustomObjectsApi().patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name, patch)
+    wait_for(lambda: "kvguard.io/e2e-pool" not in (apps.read_namespaced_deployment(decode, NS).spec.template.spec.node_selector or {}),
+             "the nodeSelector removed from the Deployment")  # fmt: skip
+    assert status_of(kube, name)["targetRevision"] == revision
+
+
+def test_cluster_a_planted_transfer_secret_is_refused_and_never_used(kube: Any, model: Any) -> None:
+    from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.revision import revision_of
+
+    spec = tiny_spec()
+    revision = revision_of(InferenceModelSpec.model_validate(spec))
+    secret = f"e2e-tiny-cpu-{revision}-kv-transfer"
+    core = kube.CoreV1Api()
+    core.create_namespaced_secret(NS, {"metadata": {"name": secret, "labels": {"kvguard.io/revision": revision}},
+                                       "stringData": {"key": "chosen-by-someone-else"}})  # fmt: skip
+    try:
+        name = model("tiny-cpu.yaml", spec)
+        status = wait_for(lambda: (s := status_of(kube, name)).get("phase") == "Degraded" and s, "Degraded")
+        degraded = condition(status, "Degraded")
+        assert degraded["reason"] == "ForeignObject" and f"Secret {NS}/{secret}" in degraded["message"]
+        assert children(kube, name)["Deployment"] == []  # no pod ever gets the planted key
+    finally:
+        core.delete_namespaced_secret(secret, NS)

@@ -74,7 +74,12 @@ _QUANTITY_SUFFIXES: dict[str, int] = {
     "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "Pi": 1024**5, "Ei": 1024**6,
     "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
 }  # fmt: skip
-_QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([KMGTPE]i|[kKMGTPE])?\s*$")
+BYTE_QUANTITY_PATTERN = r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([KMGTPE]i|[kKMGTPE])?\s*$"
+"""What `parse_byte_quantity` accepts as a string; the CRD carries the same pattern, so the API
+server refuses `"lots"` before the operator ever sees it."""
+_QUANTITY_RE = re.compile(BYTE_QUANTITY_PATTERN)
+K8S_QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+"""A Kubernetes resource.Quantity (`500m`, `8`, `64Gi`), as controller-gen writes it into CRDs."""
 
 
 MAX_BYTE_QUANTITY = 2**63 - 1
@@ -118,11 +123,15 @@ ByteQuantity = Annotated[
         {
             "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
             "x-kubernetes-int-or-string": True,
+            "pattern": BYTE_QUANTITY_PATTERN,
             "description": "Bytes, as an integer or a Kubernetes quantity such as 80Gi.",
         }
     ),
 ]
 """Bytes. Accepts an integer or a Kubernetes quantity string; always stored as integer bytes."""
+
+ResourceQuantity = Annotated[str, Field(pattern=K8S_QUANTITY_PATTERN, max_length=64)]
+"""A Kubernetes resource quantity string (cpu: `500m`, memory: `64Gi`)."""
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -421,9 +430,9 @@ class Toleration(ApiModel):
 class ResourceRequirements(ApiModel):
     """Extra container resources (core/v1 ResourceRequirements). GPUs come from gpuCount, not here."""
 
-    requests: dict[str, str] = Field(default_factory=dict)
+    requests: dict[str, ResourceQuantity] = Field(default_factory=dict)
     """Requested quantities, e.g. {cpu: "8", memory: 64Gi}."""
-    limits: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, ResourceQuantity] = Field(default_factory=dict)
     """Limits, e.g. {memory: 96Gi}."""
 
 
@@ -525,6 +534,12 @@ class KVTransferSpec(ApiModel):
     trust (nodes, zones, shared tenancy) and no mesh encrypts it (docs/threat-model.md)."""
 
 
+STARTUP_PROBE_SECONDS = 10 * 180
+"""What the rendered startupProbe allows a worker to load weights (periodSeconds x failureThreshold)."""
+DEFAULT_PROGRESS_DEADLINE_SECONDS = STARTUP_PROBE_SECONDS + 600
+"""The startup budget plus 10 minutes for scheduling and image pulls."""
+
+
 class RolloutSpec(ApiModel):
     """How a new revision is brought up beside the stable one."""
 
@@ -532,6 +547,10 @@ class RolloutSpec(ApiModel):
     """Replicas of each prefill and decode role (and one router) while the candidate is verified,
     capped at the role's replicas. Before traffic moves, the candidate is scaled to full replicas
     and every worker's reported KV pool is measured again (S7: every node)."""
+    progress_deadline_seconds: PositiveInt = DEFAULT_PROGRESS_DEADLINE_SECONDS
+    """How long the candidate's workloads may take to become ready (at canary scale, and again at
+    full scale) before the rollout fails. The default covers the workers' startup probe (30 min of
+    weight loading) plus image pulls; lower it for small models to fail faster."""
 
 
 class InferenceModelSpec(ApiModel):
@@ -740,6 +759,10 @@ class RevisionRecord(ApiModel):
     """Why it is in this state."""
 
 
+CONDITIONS_LIST_MAP: dict[str, Any] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+"""metav1.Conditions convention: one entry per type, so server-side apply merges them by type."""
+
+
 class InferenceModelStatus(ApiModel):
     """Observed state of an InferenceModel, written by the operator."""
 
@@ -759,7 +782,7 @@ class InferenceModelStatus(ApiModel):
     """Canary summary of the target revision (Pending, Passed, Failed, NotRun)."""
     message: str | None = None
     """One line on what the operator is doing or waiting for."""
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST_MAP)
     """KVPoolSufficient, PolicyCompliant, CanaryPassed, Progressing, Ready, Degraded."""
     history: list[RevisionRecord] = Field(default_factory=list)
     """Recent revisions, newest first (bounded)."""
@@ -845,7 +868,7 @@ class InferencePolicyStatus(ApiModel):
 
     observed_generation: int | None = None
     """metadata.generation this status describes."""
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST_MAP)
     """Ready when the policy is loaded by the operator."""
 
 

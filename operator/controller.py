@@ -1,92 +1,55 @@
-"""Observe -> reconcile -> record -> act for one InferenceModel, on top of a backend (async glue).
+"""The operator's controller: event-driven, cached, one leader, backing off (async glue, no kopf).
 
-`reconcile_model` is what every kopf handler calls. It reads what exists (filtering by label and
-owner in code), runs the pure `reconcile` (plan + rollout state machine), scrapes the candidate's
-workers when the machine asks and reconciles again with the reports, writes the status (the
-rollout step is recorded BEFORE it is acted on, so a restart re-issues whatever is missing), then
-lets the backend carry out the workload actions and records the events. The canary suite runs as
-an asyncio task per model (`CanaryRunner`), off the reconcile path; when it finishes it triggers
-a reconcile that records its verdict. One lock per model serialises the handlers that can fire
-together (the model's own events, the timer, its Deployments' events, a finished canary).
+kopf (handlers.py) feeds it watch events and owns the label-selected watches and the indexes of
+children and policies; everything else is here:
+
+- Reads come from memory: the models as last seen on their watch (or written by us), their
+  children from the index, policies from theirs. A pass costs API requests only for what it
+  changes (and for a ConfigMap the spec names, cached for `configmap_ttl`).
+- A work queue of model keys: each model's events coalesce, one pass per model at a time,
+  `workers` models in parallel (workqueue.py).
+- Requeue only when something is awaited (the outcome says so), with exponential backoff and
+  jitter while nothing changes, never past the awaited thing's deadline; failures of any kind
+  (HTTP, transport, a stale status, a bug) back off exponentially per model too. A periodic
+  resync is a safety net that costs no request for a model at rest.
+- Leadership (leader.py): every replica keeps its caches warm; only the Lease holder runs
+  passes. Losing the Lease stops everything it runs in the background at once: the workers, the
+  requeue timers, every canary run and scrape request. Status writes are conditional on the
+  version read (a 409 re-reads and decides again), so even a write racing the hand-over is lost
+  by the stale writer, never by the truth.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import logging
 import os
+import socket
 import time
-import weakref
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvguard.operator import metrics
-from kvguard.operator.api import InferenceModelSpec, InferencePolicy
-from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionRequest, execute, scrape_workers
-from kvguard.operator.backends.kubernetes import KubernetesBackend, is_subset
+from kvguard.operator.api import InferencePolicy
+from kvguard.operator.backends.base import CanaryRunner, ForeignObjectError
+from kvguard.operator.backends.kubernetes import ChildIndex, KubernetesBackend, Resolver
+from kvguard.operator.driver import DriverMemory, PassResult, StatusConflict, model_ref, observe, requeue_delay, run_pass
 from kvguard.operator.kube import Kube, KubeError, ObjectRef
-from kvguard.operator.reconcile import Observed, Outcome, deployment_state, owned_by, reconcile
-from kvguard.operator.render import LABEL_REVISION
-from kvguard.operator.rollout import PolicyGate
+from kvguard.operator.leader import LeaderElector, LeaseConfig
+from kvguard.operator.reconcile import EventSpec, Outcome
+from kvguard.operator.workloads import owner_key
+from kvguard.operator.workqueue import Backoff, WorkQueue
 
 log = logging.getLogger(__name__)
 
 ModelKey = tuple[str, str]
 """(namespace, name) of an InferenceModel."""
-
-
-@dataclasses.dataclass
-class _LoopState:
-    """Per event loop (tests start several; a Lock or Task cannot cross loops): one lock per
-    model, the models with a reconcile queued on their lock, and each model's pending requeue."""
-
-    locks: dict[ModelKey, asyncio.Lock] = dataclasses.field(default_factory=dict)
-    waiting: set[ModelKey] = dataclasses.field(default_factory=set)
-    requeues: dict[ModelKey, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
-
-
-_LOOPS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
-
-
-def _loop_state() -> _LoopState:
-    return _LOOPS.setdefault(asyncio.get_running_loop(), _LoopState())
-
-__all__ = ["is_subset", "observe", "owner_of", "reconcile_model"]
-
-
-def model_ref(body: Mapping[str, Any]) -> ModelRef:
-    meta = body["metadata"]
-    return ModelRef(namespace=meta.get("namespace") or "default", name=meta["name"], uid=meta.get("uid"))
-
-
-async def observe(kube: Kube, body: Mapping[str, Any], runner: CanaryRunner | None = None) -> Observed:
-    meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta.get("namespace"), meta.get("uid")
-    deployments = [d for d in await kube.alist("Deployment", namespace) if owned_by(d, name, uid)]
-    others = [o for kind in ("Service", "NetworkPolicy") for o in await kube.alist(kind, namespace) if owned_by(o, name, uid)]
-    revisions = {(o["metadata"].get("labels") or {}).get(LABEL_REVISION) for o in deployments + others}
-    model_service = next((o for o in others if o["kind"] == "Service" and o["metadata"]["name"] == name), None)
-    config, config_error = await _architecture_config(kube, body)
-    ref = model_ref(body)
-    rollout = (body.get("status") or {}).get("rollout") or {}
-    running = runner is not None and runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or ""))
-    return Observed(
-        deployments=[deployment_state(d) for d in deployments],
-        revisions_present=frozenset(r for r in revisions if r and r != "None"),
-        architecture_config=config,
-        architecture_config_error=config_error,
-        serving=(((model_service or {}).get("spec") or {}).get("selector") or {}).get(LABEL_REVISION),
-        policy=await policy_gate(kube, body),
-        canary=runner.result(ref.key) if runner is not None else None,
-        canary_running=running,
-        fault_injection_allowed=fault_injection_allowed(),
-    )
-
 
 FAULT_INJECTION_ENV = "KVGUARD_ALLOW_FAULT_INJECTION"
 
@@ -96,45 +59,281 @@ def fault_injection_allowed() -> bool:
     return os.environ.get(FAULT_INJECTION_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-async def policy_gate(kube: Kube, body: Mapping[str, Any]) -> PolicyGate:
-    """The InferencePolicy verdict on the spec (S7). No policy, or no evaluator installed: compliant."""
-    try:
-        from kvguard.operator.policy import evaluate
-    except ImportError:
-        return PolicyGate()
-    try:
-        raw = await kube.alist("InferencePolicy", None)
-    except KubeError as exc:
-        if exc.status == 404:  # the CRD is not installed: no policy applies
-            return PolicyGate()
-        raise
-    policies = []
-    for item in raw:
+def _float_env(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerSettings:
+    workers: int = 8
+    """Models reconciled in parallel (each pass is mostly waiting on the API server)."""
+    wait: Backoff = Backoff(base=5.0, cap=60.0, jitter=0.2)
+    """Requeue while something is awaited and nothing changes: 5 s, 10 s, ... up to 60 s."""
+    errors: Backoff = Backoff(base=1.0, cap=300.0, jitter=0.2)
+    """After a failed pass: 1 s, 2 s, ... up to 5 min."""
+    resync_seconds: float = 600.0
+    """Every model is looked at again this often (free at rest: no change, no request)."""
+    configmap_ttl: float = 300.0
+    lease: LeaseConfig = LeaseConfig()
+    identity: str = ""
+
+    @classmethod
+    def from_env(cls) -> ControllerSettings:
+        lease = LeaseConfig(
+            name=os.environ.get("KVGUARD_LEASE_NAME", "kvguard-operator"),
+            namespace=os.environ.get("KVGUARD_LEASE_NAMESPACE") or os.environ.get("POD_NAMESPACE") or "kvguard-system",
+            duration=_float_env("KVGUARD_LEASE_DURATION", 15.0), renew_deadline=_float_env("KVGUARD_LEASE_RENEW_DEADLINE", 10.0),
+            retry_period=_float_env("KVGUARD_LEASE_RETRY_PERIOD", 2.0),
+        )  # fmt: skip
+        return cls(
+            workers=int(_float_env("KVGUARD_WORKERS", 8)), resync_seconds=_float_env("KVGUARD_RESYNC_SECONDS", 600.0),
+            wait=Backoff(_float_env("KVGUARD_WAIT_BASE", 5.0), _float_env("KVGUARD_WAIT_CAP", 60.0), 0.2),
+            errors=Backoff(_float_env("KVGUARD_ERROR_BASE", 1.0), _float_env("KVGUARD_ERROR_CAP", 300.0), 0.2),
+            configmap_ttl=_float_env("KVGUARD_CONFIGMAP_TTL", 300.0), lease=lease,
+            identity=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+        )  # fmt: skip
+
+
+class ApiModelStore:
+    """InferenceModel status and events on the API server (`driver.ModelStore`)."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+
+    async def write_status(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> Mapping[str, Any]:
+        meta = body["metadata"]
+        ref = ObjectRef("InferenceModel", meta["name"], meta.get("namespace"))
         try:
-            policies.append(InferencePolicy.model_validate(item))
-        except ValidationError as exc:
-            log.warning("ignoring invalid InferencePolicy %s: %s", (item.get("metadata") or {}).get("name"), exc)
-    if not policies:
-        return PolicyGate()
-    try:
-        spec = InferenceModelSpec.model_validate(body.get("spec") or {})
-    except ValidationError:
-        return PolicyGate()  # reconcile reports the invalid spec itself
-    return PolicyGate.from_verdict(evaluate(spec, body["metadata"].get("namespace") or "default", policies))
+            return await self.kube.apatch_status(ref, status, meta.get("resourceVersion"))
+        except KubeError as exc:
+            if exc.status in (404, 409):  # changed or gone since read: re-read (None: forget it)
+                raise StatusConflict(str(exc)) from exc
+            raise
+
+    async def reread(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        meta = body["metadata"]
+        return await self.kube.aget(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")))
+
+    async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None:
+        await self.kube.arecord_event(body, type_=event.type, reason=event.reason, message=event.message, now=now)
 
 
-async def _architecture_config(kube: Kube, body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    model = (body.get("spec") or {}).get("model") or {}
-    ref = model.get("architectureConfigMap")
-    if not isinstance(ref, Mapping) or model.get("architecture") or not ref.get("name"):
-        return None, None
-    key = ref.get("key") or "config.json"
-    cm = await kube.aget(ObjectRef("ConfigMap", str(ref["name"]), body["metadata"].get("namespace")))
+def newer(candidate: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
+    """Is `candidate` a later version than `current`? resourceVersions are opaque to clients, but
+    etcd's are integers: compare them when both are, otherwise trust the latest arrival."""
+    if current is None:
+        return True
+    a = str((candidate.get("metadata") or {}).get("resourceVersion") or "")
+    b = str((current.get("metadata") or {}).get("resourceVersion") or "")
+    return not (a.isdigit() and b.isdigit()) or int(a) >= int(b)
+
+
+class Controller:
+    """One per operator process. See the module docstring."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        children: ChildIndex,
+        policies: Callable[[], Iterable[InferencePolicy]],
+        settings: ControllerSettings | None = None,
+        *,
+        runner: CanaryRunner | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
+        self.settings = settings or ControllerSettings.from_env()
+        self.kube = kube
+        self.backend = KubernetesBackend(kube, children, resolver)
+        self.runner = runner or CanaryRunner()
+        self.store = ApiModelStore(kube)
+        self.memory = DriverMemory()
+        self.queue = WorkQueue()
+        self.models: dict[ModelKey, Mapping[str, Any]] = {}
+        self._policies = policies
+        self._waits: dict[ModelKey, int] = {}
+        self._failures: dict[ModelKey, int] = {}
+        self._configmaps: dict[tuple[str, str], tuple[float, Mapping[str, Any] | None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.elector = LeaderElector(kube, self.settings.identity, self.settings.lease, self._started_leading, self._stopped_leading)
+        self._elector_task: asyncio.Task[None] | None = None
+        self.passes = 0
+        """Passes run by this process (tests and the scale benchmark read it)."""
+        self.retries: collections.deque[tuple[ModelKey, int, float, str]] = collections.deque(maxlen=256)
+        """Recent failed passes: (model, attempt, backoff delay, error), newest last."""
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._elector_task = asyncio.get_running_loop().create_task(self.elector.run(), name="kvguard leader election")
+
+    async def stop(self) -> None:
+        await self.elector.release()
+        if self._elector_task is not None:
+            self._elector_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._elector_task
+        await self._stop_work()
+
+    @property
+    def leading(self) -> bool:
+        return self.elector.leading
+
+    async def _started_leading(self) -> None:
+        metrics.LEADER.set(1)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
+        self._tasks.append(loop.create_task(self._resync(), name="kvguard resync"))
+        for key in list(self.models):
+            self.queue.add(key)
+
+    async def _stopped_leading(self) -> None:
+        metrics.LEADER.set(0)
+        await self._stop_work()
+
+    async def _stop_work(self) -> None:
+        """Everything this replica runs for models stops now: another replica drives from here."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.queue.clear()
+        self.runner.cancel_all()
+        self.memory.clear()
+        self._waits.clear()
+        self._failures.clear()
+
+    # --- what kopf tells us ---------------------------------------------------------------------
+    def model_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace") or "", meta.get("name") or "")
+        if event_type == "DELETED":
+            self.models.pop(key, None)
+        elif newer(body, self.models.get(key)):
+            self.models[key] = body
+        self.enqueue(key)
+
+    def child_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        if event_type == "DELETED":
+            self.backend.forget((str(body.get("kind")), meta.get("namespace") or "", meta.get("name") or ""))
+        owner = owner_key(body)
+        if owner is not None:
+            self.enqueue(owner)
+
+    def policies_changed(self) -> None:
+        for key in list(self.models):
+            self.enqueue(key)
+
+    def enqueue(self, key: ModelKey) -> None:
+        if self.leading:
+            self.queue.add(key)
+
+    # --- the work -------------------------------------------------------------------------------
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            try:
+                await self.process(key)  # type: ignore[arg-type]
+            finally:
+                self.queue.done(key)
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.wait.spread(self.settings.resync_seconds))
+            for key in list(self.models):
+                self.queue.add(key)
+
+    async def process(self, key: ModelKey) -> None:
+        """One pass for one model, and when to look at it again."""
+        body = self.models.get(key)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            self._forget(key)
+            return
+        started = time.monotonic()
+        self.passes += 1
+        try:
+            result = await self._pass(key, body)
+        except ForeignObjectError:
+            self.queue.requeue(key, 0.0)  # the next pass reports it (Degraded, naming the object)
+            return
+        except Exception as exc:  # noqa: BLE001 - every failure takes the same backoff path
+            self._failed(key, exc)
+            return
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+        self._failures.pop(key, None)
+        if result is None:
+            self._forget(key)
+            return
+        if key in self.models and newer(result.body, self.models[key]):  # (not if deleted meanwhile)
+            self.models[key] = result.body
+        self._schedule(key, result)
+
+    async def _pass(self, key: ModelKey, body: Mapping[str, Any]) -> PassResult | None:
+        observed = await observe(
+            body, self.backend, self.runner, self.memory, policies=list(self._policies()),
+            architecture_config=await self._architecture_config(body), fault_injection_allowed=fault_injection_allowed(),
+        )  # fmt: skip
+
+        async def canary_done() -> None:
+            self.enqueue(key)
+
+        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done)
+        if result is not None:
+            _count(result.outcome, key)
+        return result
+
+    def _schedule(self, key: ModelKey, result: PassResult) -> None:
+        outcome = result.outcome
+        waits = 0 if result.wrote_status else self._waits.get(key, -1) + 1
+        self._waits[key] = waits
+        base, cap = self.settings.wait.base, self.settings.wait.cap
+        delay = requeue_delay(outcome, waits, base=base, cap=cap, jitter=self.settings.wait.spread)
+        self.queue.requeue(key, delay)
+
+    def _failed(self, key: ModelKey, exc: BaseException) -> None:
+        failures = self._failures.get(key, 0)
+        self._failures[key] = failures + 1
+        delay = self.settings.errors.delay(failures)
+        self.retries.append((key, failures, delay, f"{type(exc).__name__}: {exc}"))
+        metrics.RECONCILES.labels("error").inc()
+        level = logging.WARNING if isinstance(exc, KubeError | StatusConflict) else logging.ERROR
+        log.log(level, "reconcile of %s/%s failed (%s); retrying in %.1f s", *key, exc, delay, exc_info=level == logging.ERROR)
+        self.queue.requeue(key, delay)
+
+    def _forget(self, key: ModelKey) -> None:
+        """The model is gone: its metrics, canary, memory and timers go with it."""
+        metrics.forget_model(*key)
+        self.runner.forget((key[0] or "default", key[1]))
+        self.memory.forget(key)
+        self.queue.forget(key)
+        self._waits.pop(key, None)
+        self._failures.pop(key, None)
+
+    async def _architecture_config(self, body: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str | None]:
+        model = (body.get("spec") or {}).get("model") or {}
+        ref = model.get("architectureConfigMap")
+        if not isinstance(ref, Mapping) or model.get("architecture") or not ref.get("name"):
+            return None, None
+        namespace = body["metadata"].get("namespace") or "default"
+        name, key = str(ref["name"]), str(ref.get("key") or "config.json")
+        cached = self._configmaps.get((namespace, name))
+        if cached is None or time.monotonic() - cached[0] > self.settings.configmap_ttl:
+            cm = await self.kube.aget(ObjectRef("ConfigMap", name, namespace))
+            cached = (time.monotonic(), cm)
+            self._configmaps[(namespace, name)] = cached
+        return parse_config_json(cached[1], name, key)
+
+
+
+def parse_config_json(cm: Mapping[str, Any] | None, name: str, key: str) -> tuple[Mapping[str, Any] | None, str | None]:
     if cm is None:
-        return None, f"ConfigMap {ref['name']} not found"
+        return None, f"ConfigMap {name} not found"
     text = (cm.get("data") or {}).get(key)
     if text is None:
-        return None, f"ConfigMap {ref['name']} has no key {key}"
+        return None, f"ConfigMap {name} has no key {key}"
     try:
         config = json.loads(text)
     except ValueError as exc:
@@ -142,120 +341,12 @@ async def _architecture_config(kube: Kube, body: Mapping[str, Any]) -> tuple[dic
     return (config, None) if isinstance(config, dict) else (None, f"{key} is not a JSON object")
 
 
-async def record_and_act(
-    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, body: Mapping[str, Any], outcome: Outcome, now: dt.datetime
-) -> None:
-    """Status first (the step is recorded before it is acted on), then the workloads, then events."""
-    meta = body["metadata"]
-    if not is_subset(outcome.status, body.get("status") or {}):
-        await kube.apatch_status(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")), outcome.status)
-    if outcome.actions and outcome.spec is not None:
-        ref = model_ref(body)
-        request = None
-        if outcome.plan is not None and outcome.revision is not None:
-            request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan, outcome.faults)
-        key_only = {"metadata": {"name": ref.name, "namespace": ref.namespace}}
-
-        async def canary_done() -> None:
-            try:
-                await reconcile_model(kube, key_only, backend=backend, runner=runner)
-            except KubeError as exc:
-                log.warning("reconcile of %s/%s after its canary failed: %s (the timer retries)", *ref.key, exc)
-
-        await execute(backend, request, outcome.actions, runner, outcome.spec.canary, on_canary_done=canary_done)
-    for event in outcome.events:
-        await kube.arecord_event(body, type_=event.type, reason=event.reason, message=event.message, now=now)
-
-
-async def reconcile_model(
-    kube: Kube, body: Mapping[str, Any], *, backend: KubernetesBackend | None = None, runner: CanaryRunner | None = None
-) -> Outcome | None:
-    """The one reconcile every handler calls. Raises KubeError when the API server fails.
-
-    Bursts coalesce: when a reconcile of the same model is already queued, this call returns None
-    at once, because the queued one reads the resource and its children after this change."""
-    meta = body["metadata"]
-    key = (meta.get("namespace") or "", meta["name"])
-    state = _loop_state()
-    if key in state.waiting:
-        return None  # a reconcile that has not read anything yet is queued: it will see this change
-    lock = state.locks.setdefault(key, asyncio.Lock())
-    state.waiting.add(key)
-    try:
-        await lock.acquire()
-    finally:
-        state.waiting.discard(key)
-    backend, runner = backend or KubernetesBackend(kube), runner or CanaryRunner()
-    try:
-        outcome = await _reconcile_locked(kube, backend, runner, body, key)
-    finally:
-        lock.release()
-    _schedule_requeue(kube, backend, runner, key, outcome.requeue_after)
-    return outcome
-
-
-def _schedule_requeue(
-    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, key: ModelKey, delay: float | None
-) -> None:
-    """Look again after `delay` (the rollout is waiting on workloads, metrics or a canary) rather
-    than at the next timer tick. Each reconcile replaces the pending requeue of its model."""
-    requeues = _loop_state().requeues
-    pending = requeues.pop(key, None)
-    if pending is not None and pending is not asyncio.current_task():
-        pending.cancel()
-    if delay is None:
-        return
-    key_only = {"metadata": {"namespace": key[0] or None, "name": key[1]}}
-
-    async def later() -> None:
-        await asyncio.sleep(delay)
-        if requeues.get(key) is asyncio.current_task():
-            del requeues[key]  # from here on a newer reconcile must not cancel this one
-        try:
-            await reconcile_model(kube, key_only, backend=backend, runner=runner)
-        except KubeError as exc:
-            log.warning("requeued reconcile of %s/%s failed: %s (the timer retries)", *key, exc)
-
-    requeues[key] = asyncio.get_running_loop().create_task(later(), name=f"requeue {key[0]}/{key[1]}")
-
-
-async def _reconcile_locked(
-    kube: Kube, backend: KubernetesBackend, runner: CanaryRunner, body: Mapping[str, Any], key: tuple[str, str]
-) -> Outcome:
-    meta = body["metadata"]
-    started = time.monotonic()
-    fresh = await kube.aget(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")))
-    if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
-        metrics.forget_model(key[0], key[1])
-        runner.forget((key[0] or "default", key[1]))
-        return Outcome(status={})
-    fresh.setdefault("metadata", {}).setdefault("uid", meta.get("uid"))
-    now = dt.datetime.now(dt.UTC)
-    try:
-        observed = await observe(kube, fresh, runner)
-        outcome = reconcile(fresh, observed, now=now)
-        if outcome.scrape is not None:  # S7: every candidate worker's own report, then decide again
-            reports = await scrape_workers(await backend.endpoints(model_ref(fresh), outcome.scrape))
-            outcome = reconcile(fresh, dataclasses.replace(observed, worker_reports=tuple(reports)), now=now)
-        await record_and_act(kube, backend, runner, fresh, outcome, now)
-    except Exception:
-        metrics.RECONCILES.labels("error").inc()
-        raise
-    finally:
-        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+def _count(outcome: Outcome, key: ModelKey) -> None:
     result = "ok" if outcome.blocked_reason is None else ("blocked" if outcome.plan is not None else "invalid")
     metrics.RECONCILES.labels(result).inc()
     if outcome.blocked_reason and outcome.events:
         metrics.BLOCKED_PLANS.labels(outcome.blocked_reason).inc()
     metrics.record_plan(key[0], key[1], outcome.plan)
-    return outcome
 
 
-def owner_of(child: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(namespace, name) of the InferenceModel controlling a child object, if any."""
-    meta = child.get("metadata", {})
-    for ref in meta.get("ownerReferences") or []:
-        if ref.get("kind") == "InferenceModel" and ref.get("controller"):
-            return meta.get("namespace") or "", ref["name"]
-    return None
-
+__all__ = ["Controller", "ControllerSettings", "fault_injection_allowed", "model_ref"]

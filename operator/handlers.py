@@ -1,16 +1,24 @@
-"""kopf glue: register handlers and delegate to `controller.reconcile_model`. Nothing else.
+"""kopf glue: watches, indexes and admission; the controller (controller.py) does the rest.
 
-Start with `kopf run -m kvguard.operator.handlers` (or `kvguard operator`). Level-based: create,
-update, resume, a timer, events of the Deployments we own and a finished canary run all run the
-same reconcile.
-Environment: KVGUARD_METRICS_PORT (default 8080; 0 disables), KVGUARD_RECONCILE_INTERVAL
-(timer seconds, default 30).
+Start with `kopf run -m kvguard.operator.handlers` (or `kvguard operator`). kopf runs standalone
+(no kopf peering): HA is a Lease held by one replica (leader.py), while every replica watches,
+keeps its indexes warm and serves the admission webhook. kopf's part:
+- label-selected watches (server-side `labelSelector`, and the same filter in code for API
+  servers that ignore it) on the Deployments, Services and NetworkPolicies the operator owns,
+  indexed by owning model (`kvguard_deployments`, ...): kopf runs no handler before every index
+  has its initial listing, so the controller never decides on a half-read cluster;
+- watch events of InferenceModels, of those children and of InferencePolicies, each only
+  enqueues the models concerned (no API request is made in a handler).
+Nothing here writes: no kopf finalizers, progress or diff-base annotations (only event handlers
+and indexes are registered), so kopf adds no requests per model.
+Environment: KVGUARD_METRICS_PORT (default 8080; 0 disables), and controller.ControllerSettings.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -21,74 +29,94 @@ from kvguard.operator import (
 )
 from kvguard.operator.api import API_GROUP, API_VERSION
 from kvguard.operator.backends.base import CanaryRunner
-from kvguard.operator.backends.kubernetes import KubernetesBackend, Resolver
-from kvguard.operator.controller import owner_of, reconcile_model
-from kvguard.operator.kube import Kube, KubeError
-from kvguard.operator.render import MANAGED_BY
+from kvguard.operator.backends.kubernetes import Resolver
+from kvguard.operator.controller import Controller, ControllerSettings
+from kvguard.operator.kube import Kube, selector_string
+from kvguard.operator.render import LABEL_MODEL, MANAGED_BY
+from kvguard.operator.webhook import policies_from_index
+from kvguard.operator.workloads import child_projection, owner_key
 
 MODELS = (API_GROUP, API_VERSION, "inferencemodels")
-RETRY_SECONDS = 5
-_KUBE: list[Kube] = []
-_DRIVER: list[tuple[KubernetesBackend, CanaryRunner]] = []
+POLICIES = (API_GROUP, API_VERSION, "inferencepolicies")
+DEPLOYMENTS = ("apps", "v1", "deployments")
+SERVICES = ("", "v1", "services")
+NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
+CHILD_INDEXES = ("kvguard_deployments", "kvguard_services", "kvguard_networkpolicies")
 ENDPOINT_RESOLVER: list[Resolver] = []
 """Tests only: where revisions answer when there is no cluster DNS (kmock); empty in production."""
+_METRICS_SERVED: list[int] = []
 
 
-def _kube() -> Kube:
-    if not _KUBE:
-        _KUBE.append(Kube())
-    return _KUBE[0]
+class KopfChildIndex:
+    """The controller's ChildIndex over kopf's indexes (key: (namespace, model))."""
 
+    def __init__(self, *indexes: Mapping[Any, Any]) -> None:
+        self._indexes = indexes
 
-def _driver() -> tuple[KubernetesBackend, CanaryRunner]:
-    """One backend and one canary runner per operator process (the runner owns the canary tasks)."""
-    if not _DRIVER:
-        _DRIVER.append((KubernetesBackend(_kube(), ENDPOINT_RESOLVER[-1] if ENDPOINT_RESOLVER else None), CanaryRunner()))
-    return _DRIVER[0]
+    def children(self, namespace: str, model: str) -> list[Mapping[str, Any]]:
+        key = (namespace, model)
+        return [obj for index in self._indexes for obj in (index.get(key) or ())]
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    # Progress and diff-base in our own annotations: the CRD's status schema has no `kopf` field.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
-    settings.peering.name = "kvguard"
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+    settings.peering.standalone = True  # leader election is the controller's Lease, not kopf peering
     settings.posting.level = logging.WARNING  # our own Events come from kube.record_event
+    for resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
+        settings.watching.label_selectors[resource] = selector_string(MANAGED_BY)
+    if not os.environ.get("KVGUARD_LOG_HANDLERS"):  # a line per watch event is noise (and CPU) at scale
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     port = int(os.environ.get("KVGUARD_METRICS_PORT", "8080"))
-    if port:
+    if port and port not in _METRICS_SERVED:
         metrics.serve(port)
+        _METRICS_SERVED.append(port)
+    controller_settings = memo.get("kvguard_settings") or ControllerSettings.from_env()
+    resolver = memo.get("kvguard_resolver") or (ENDPOINT_RESOLVER[-1] if ENDPOINT_RESOLVER else None)
+    suite = memo.get("kvguard_suite")
+    policy_index = kwargs["inference_policies"]
+    kube = memo.get("kvguard_kube") or Kube(user_agent=f"kvguard-operator/{controller_settings.identity}")
+    controller = Controller(
+        kube,
+        KopfChildIndex(*(kwargs[name] for name in CHILD_INDEXES)),
+        lambda: policies_from_index(policy_index),
+        controller_settings,
+        runner=CanaryRunner(suite) if suite is not None else None,
+        resolver=resolver,
+    )  # fmt: skip
+    memo["kvguard"] = controller
+    controller.start()
 
 
-async def _reconcile(body: kopf.Body) -> None:
-    backend, runner = _driver()
-    try:
-        await reconcile_model(_kube(), body, backend=backend, runner=runner)
-    except KubeError as exc:
-        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
+@kopf.on.cleanup()
+async def shut_down(memo: kopf.Memo, **_: Any) -> None:
+    controller = memo.get("kvguard")
+    if controller is not None:
+        await controller.stop()  # releases the Lease: a standby takes over at once
 
 
-@kopf.on.resume(*MODELS)
-@kopf.on.create(*MODELS)
-@kopf.on.update(*MODELS)
-async def reconcile_inference_model(body: kopf.Body, **_: Any) -> None:
-    await _reconcile(body)
+def _child_index(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    owner = owner_key(body)
+    return {owner: child_projection(body)} if owner is not None and owner[1] == (body.get("metadata", {}).get("labels") or {}).get(LABEL_MODEL) else {}
 
 
-@kopf.timer(*MODELS, interval=float(os.environ.get("KVGUARD_RECONCILE_INTERVAL", "30")), idle=5)
-async def reconcile_periodically(body: kopf.Body, **_: Any) -> None:
-    await _reconcile(body)
+kvguard_deployments = kopf.index(*DEPLOYMENTS, labels=dict(MANAGED_BY), id="kvguard_deployments")(_child_index)
+kvguard_services = kopf.index(*SERVICES, labels=dict(MANAGED_BY), id="kvguard_services")(_child_index)
+kvguard_networkpolicies = kopf.index(*NETWORK_POLICIES, labels=dict(MANAGED_BY), id="kvguard_networkpolicies")(_child_index)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=dict(MANAGED_BY))
-async def deployment_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
-    """A revision's readiness changed: reconcile its owner now rather than at the next tick."""
-    owner = owner_of(body)
-    if owner is None or type is None:
-        return
-    namespace, name = owner
-    key_only = {"metadata": {"name": name, "namespace": namespace}}
-    backend, runner = _driver()
-    try:
-        await reconcile_model(_kube(), key_only, backend=backend, runner=runner)
-    except KubeError as exc:
-        logging.getLogger(__name__).warning("reconcile of %s/%s after a Deployment event failed: %s", namespace, name, exc)
+@kopf.on.event(*MODELS)
+async def inference_model_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo["kvguard"].model_event(type, dict(body))
+
+
+async def _child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo["kvguard"].child_event(type, child_projection(body))
+
+
+for _resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
+    kopf.on.event(*_resource, labels=dict(MANAGED_BY), id=f"{_resource[-1]}_event")(_child_event)
+
+
+@kopf.on.event(*POLICIES)
+async def inference_policy_event(memo: kopf.Memo, **_: Any) -> None:
+    memo["kvguard"].policies_changed()

@@ -1,31 +1,69 @@
 """The only module that talks to the Kubernetes API server.
 
-Verbs used: create, get, list, merge-patch, delete. No server-side apply and no PUT: both are
-missing from the kmock emulator used in CI, and merge-patch of a fully rendered object is enough
-for objects this operator owns alone. Requests go through the `kubernetes` client's ApiClient with
-plain JSON bodies (the typed v37 APIs would round-trip every body through their own models).
+Verbs used: get, list (always with a label selector where the objects are ours), create,
+server-side apply (field manager `kvguard`, so a field the operator stops rendering is removed by
+the API server), merge-patch (scaling; status with a resourceVersion precondition: a writer that
+read a stale object gets 409 and must re-read and decide again), delete. Requests go through the
+`kubernetes` client's ApiClient with plain JSON bodies (the typed v37 APIs would round-trip every
+body through their own models).
+
+Every failure is a `KubeError`: HTTP errors keep their status; transport failures (timeouts,
+resets, refused connections, TLS) become `TransportError` (status 0), so callers have one error
+path, and `retriable` says whether backing off and trying again can help.
 
 The calls are blocking; async callers use the `a*` wrappers, which run them on a worker thread so
 the kopf event loop never blocks (a blocking call on the loop's own thread deadlocks on kmock).
-Object bodies are never logged: a Secret body holds the KV-transfer HMAC key.
+Object bodies are never logged: a Secret body holds the KV-transfer HMAC key, and Secrets are only
+ever read as metadata (`get_metadata`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import urllib3
 from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from prometheus_client import Counter, Histogram
+
+from kvguard.operator.metrics import REGISTRY
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "kvguard"
+"""Server-side apply owner of every field the operator renders into its children."""
+SCALE_FIELD_MANAGER = "kvguard-scale"
+"""Owner of the replicas (and the saved-replicas annotation) a scale-down sets, apart from the
+rendered fields, so the next apply of a rendered manifest takes replicas back on purpose (force)."""
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+REQUEST_TIMEOUT_SECONDS = 30
+DEFAULT_CONCURRENCY = 16
+"""API requests in flight at once per client (threads and pooled connections)."""
+T = TypeVar("T")
+
+API_REQUESTS = Counter(
+    "kvguard_operator_api_requests",
+    "Requests the operator sent to the Kubernetes API server (watches excluded), by verb and status (0: transport error).",
+    ["verb", "code"],
+    registry=REGISTRY,
+)
+API_REQUEST_SECONDS = Histogram(
+    "kvguard_operator_api_request_seconds",
+    "Latency of the operator's requests to the Kubernetes API server, as its client sees it.",
+    registry=REGISTRY,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +89,7 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("v1", "events"),
     "ConfigMap": Kind("v1", "configmaps"),
     "Pod": Kind("v1", "pods"),
+    "Lease": Kind("coordination.k8s.io/v1", "leases"),
     "InferenceModel": Kind("kvguard.io/v1alpha1", "inferencemodels"),
     "InferencePolicy": Kind("kvguard.io/v1alpha1", "inferencepolicies", namespaced=False),
 }
@@ -79,25 +118,76 @@ class KubeError(RuntimeError):
     """An API call failed with a status the caller did not expect."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}")
+        super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+
+    @property
+    def retriable(self) -> bool:
+        """Trying again later can succeed: transport errors, conflicts, throttling, server errors."""
+        return self.status in (0, 409, 429) or self.status >= 500
+
+
+class TransportError(KubeError):
+    """No HTTP answer: timeout, connection reset or refused, TLS failure."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0, f"transport error: {message}")
+
+
+def selector_string(labels: Mapping[str, str] | str | None) -> str:
+    """`k=v,k2=v2` (equality-based label selector) from a dict; a string passes through."""
+    if labels is None or isinstance(labels, str):
+        return labels or ""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def default_api_client() -> k8s.ApiClient:
+    """In a pod: the service account; else KUBECONFIG / ~/.kube/config; else the process default
+    (tests point it at kmock)."""
+    configuration = k8s.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        k8s_config.load_incluster_config(client_configuration=configuration)
+    elif os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
+        k8s_config.load_kube_config(client_configuration=configuration)
+    else:
+        return k8s.ApiClient()
+    return k8s.ApiClient(configuration)
 
 
 class Kube:
     """Blocking API calls on plain dicts. One instance per process; thread-safe via urllib3's pool."""
 
-    def __init__(self, api_client: k8s.ApiClient | None = None) -> None:
-        self._api = api_client or k8s.ApiClient()
+    def __init__(self, api_client: k8s.ApiClient | None = None, *, user_agent: str | None = None,
+                 concurrency: int = DEFAULT_CONCURRENCY) -> None:  # fmt: skip
+        self._api = api_client or default_api_client()
+        if user_agent:
+            self._api.user_agent = user_agent
+        # urllib3's pool must hold as many connections as there are threads, or they queue on it.
+        self._api.rest_client.pool_manager.connection_pool_kw["maxsize"] = concurrency
+        self._executor = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="kube")
 
-    # --- the five verbs -------------------------------------------------------------------------
+    # --- the verbs ------------------------------------------------------------------------------
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         status, body = self._call("GET", ref.path)
         if status == 404:
             return None
         return self._expect(status, body, ref)
 
-    def list(self, kind: str, namespace: str | None) -> list[dict[str, Any]]:
-        status, body = self._call("GET", KINDS[kind].collection_path(namespace))
+    def get_metadata(self, ref: ObjectRef) -> dict[str, Any] | None:
+        """Only `metadata` of the object (a Secret's data never reaches this process on a real
+        API server, which answers PartialObjectMetadata; anything else is dropped here too)."""
+        status, body = self._call("GET", ref.path, accept=METADATA_ONLY)
+        if status == 404:
+            return None
+        found = self._expect(status, body, ref)
+        return {"apiVersion": found.get("apiVersion"), "kind": ref.kind, "metadata": found.get("metadata") or {}}
+
+    def list(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> list[dict[str, Any]]:
+        """Objects of a kind, filtered by the API server with a label selector when one is given.
+        (kmock ignores selectors: callers that must not touch foreign objects filter again.)"""
+        selector = selector_string(labels)
+        query = [("labelSelector", selector)] if selector else None
+        status, body = self._call("GET", KINDS[kind].collection_path(namespace), query=query)
         result = self._expect(status, body, ObjectRef(kind, "*", namespace))
         items: list[dict[str, Any]] = result.get("items") or []
         for item in items:  # list items carry no kind/apiVersion on a real API server
@@ -113,9 +203,21 @@ class Kube:
             return None
         return self._expect(status, body, ref)
 
-    def merge_patch(self, ref: ObjectRef, patch: Mapping[str, Any], *, subresource: str = "") -> dict[str, Any]:
+    def apply(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        """Server-side apply: create or update so that the fields this manager owns are exactly
+        the manifest's (a field left out is removed). `force`: the operator is the only writer
+        of what it renders, so a conflict with another manager is resolved in its favour."""
+        ref = ref_of(manifest)
+        query = [("fieldManager", field_manager), ("force", "true")]
+        status, body = self._call("PATCH", ref.path, json.dumps(dict(manifest)), content_type=APPLY_PATCH, query=query)
+        return self._expect(status, body, ref)
+
+    def merge_patch(
+        self, ref: ObjectRef, patch: Mapping[str, Any], *, subresource: str = "", field_manager: str | None = None
+    ) -> dict[str, Any]:
         path = f"{ref.path}/{subresource}" if subresource else ref.path
-        status, body = self._call("PATCH", path, dict(patch), content_type=MERGE_PATCH)
+        query = [("fieldManager", field_manager)] if field_manager else None
+        status, body = self._call("PATCH", path, dict(patch), content_type=MERGE_PATCH, query=query)
         return self._expect(status, body, ref)
 
     def delete(self, ref: ObjectRef) -> bool:
@@ -128,8 +230,13 @@ class Kube:
         return True
 
     # --- helpers built on them ----------------------------------------------------------------
-    def patch_status(self, ref: ObjectRef, status: Mapping[str, Any]) -> dict[str, Any]:
-        return self.merge_patch(ref, {"status": dict(status)}, subresource="status")
+    def patch_status(self, ref: ObjectRef, status: Mapping[str, Any], resource_version: str | None) -> dict[str, Any]:
+        """Write status only if the object is still at `resource_version` (the version the
+        decision was made on): otherwise 409, and the caller re-reads and decides again."""
+        patch: dict[str, Any] = {"status": dict(status)}
+        if resource_version:
+            patch["metadata"] = {"resourceVersion": resource_version}
+        return self.merge_patch(ref, patch, subresource="status", field_manager=FIELD_MANAGER)
 
     def record_event(
         self,
@@ -177,48 +284,70 @@ class Kube:
 
     # --- async wrappers: run the blocking call off the event loop thread ------------------------
     async def aget(self, ref: ObjectRef) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.get, ref)
+        return await self._off_loop(lambda: self.get(ref))
 
-    async def alist(self, kind: str, namespace: str | None) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.list, kind, namespace)
+    async def aget_metadata(self, ref: ObjectRef) -> dict[str, Any] | None:
+        return await self._off_loop(lambda: self.get_metadata(ref))
+
+    async def alist(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> list[dict[str, Any]]:
+        return await self._off_loop(lambda: self.list(kind, namespace, labels))
 
     async def acreate(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.create, manifest)
+        return await self._off_loop(lambda: self.create(manifest))
 
-    async def amerge_patch(self, ref: ObjectRef, patch: Mapping[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.merge_patch, ref, patch)
+    async def aapply(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        return await self._off_loop(lambda: self.apply(manifest, field_manager=field_manager))
+
+    async def amerge_patch(self, ref: ObjectRef, patch: Mapping[str, Any], *, field_manager: str | None = None) -> dict[str, Any]:
+        return await self._off_loop(lambda: self.merge_patch(ref, patch, field_manager=field_manager))
 
     async def adelete(self, ref: ObjectRef) -> bool:
-        return await asyncio.to_thread(self.delete, ref)
+        return await self._off_loop(lambda: self.delete(ref))
 
-    async def apatch_status(self, ref: ObjectRef, status: Mapping[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.patch_status, ref, status)
+    async def apatch_status(self, ref: ObjectRef, status: Mapping[str, Any], resource_version: str | None) -> dict[str, Any]:
+        return await self._off_loop(lambda: self.patch_status(ref, status, resource_version))
 
     async def arecord_event(self, involved: Mapping[str, Any], **kwargs: Any) -> None:
-        await asyncio.to_thread(lambda: self.record_event(involved, **kwargs))
+        await self._off_loop(lambda: self.record_event(involved, **kwargs))
+
+    async def _off_loop(self, call: Callable[[], T]) -> T:
+        """Run a blocking call on this client's own threads (as many as its connection pool), so
+        that API latency, not the default executor's few threads, bounds how many are in flight."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     # --- transport ------------------------------------------------------------------------------
     def _call(
         self,
         method: str,
         path: str,
-        body: dict[str, Any] | None = None,
+        body: dict[str, Any] | str | None = None,
         *,
         content_type: str = "application/json",
+        accept: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
     ) -> tuple[int, Any]:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {"Accept": accept, "Content-Type": content_type}
         method, url, headers, body, _ = self._api.param_serialize(
-            method=method, resource_path=path, header_params=headers, body=body, auth_settings=["BearerToken"]
-        )
+            method=method, resource_path=path, query_params=query, header_params=headers, body=body,
+            auth_settings=["BearerToken"],
+        )  # fmt: skip
+        started = time.monotonic()
         try:
-            response = self._api.call_api(method, url, headers, body, _request_timeout=30)
+            response = self._api.call_api(method, url, headers, body, _request_timeout=REQUEST_TIMEOUT_SECONDS)
             response.read()
             raw = response.data or b""
             status = int(response.status)
-        except k8s.ApiException as exc:  # the rest client raises for some statuses
+        except k8s.ApiException as exc:  # the rest client raises for some statuses (TLS: status 0)
             raw = (exc.body or "").encode() if isinstance(exc.body, str) else (exc.body or b"")
             status = int(exc.status or 0)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # timeouts, resets, refused connections
+            API_REQUESTS.labels(method, "0").inc()
+            raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        API_REQUESTS.labels(method, str(status)).inc()
+        API_REQUEST_SECONDS.observe(time.monotonic() - started)
         log.debug("%s %s -> %s", method, path, status)  # never the body
+        if status == 0:
+            raise TransportError(f"{method} {path}: {raw[:200].decode(errors='replace')}")
         try:
             return status, json.loads(raw) if raw else {}
         except ValueError:

@@ -2,7 +2,9 @@
 
 Names: `kvguard_operator_reconciles_total{result}`, `kvguard_operator_blocked_plans_total{reason}`,
 `kvguard_operator_kv_ratio{namespace,model,role}` (planned pool / context length of the target
-revision, S7) and `kvguard_operator_reconcile_seconds`. A private registry keeps them apart from
+revision, S7; removed with the model), `kvguard_operator_reconcile_seconds`,
+`kvguard_operator_leader` (1 on the replica holding the Lease) and
+`kvguard_operator_api_requests_total{verb,code}` (kube.py). A private registry keeps them apart from
 anything else imported into the process.
 """
 
@@ -30,6 +32,11 @@ KV_RATIO = Gauge(
     "kvguard_operator_kv_ratio",
     "Planned KV pool / context length of the target revision, per model and role (S7).",
     ["namespace", "model", "role"],
+    registry=REGISTRY,
+)
+LEADER = Gauge(
+    "kvguard_operator_leader",
+    "1 while this replica holds the leader Lease and drives rollouts, 0 while it stands by.",
     registry=REGISTRY,
 )
 RECONCILE_SECONDS = Histogram(

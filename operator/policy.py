@@ -295,15 +295,20 @@ def check_context_length(spec: InferenceModelSpec, maximum: int | None) -> Itera
         yield "maxContextLength", "spec.contextLength", f"{spec.context_length:,} exceeds the policy's maximum {maximum:,}"
 
 
-def policy_findings(spec: InferenceModelSpec, policy: InferencePolicy, kv_plan: KVPlan | None, plan_problem: Finding | None) -> Iterator[Finding]:
-    """Every broken rule of one policy."""
+def policy_findings(
+    spec: InferenceModelSpec, policy: InferencePolicy, kv_plan: KVPlan | None, plan_problem: Finding | None,
+    commands: Mapping[str, list[str]] | None = None,
+) -> Iterator[Finding]:
+    """Every broken rule of one policy. `commands`: the rendered prefill/decode command lines when
+    the caller has rendered the revision already (reconcile); otherwise rendered here."""
     rules = policy.spec
     if plan_problem is not None:
         yield plan_problem
     yield from check_min_kv_ratio(spec, rules.min_kv_ratio, kv_plan)
     yield from check_engine_version(spec, rules.min_engine_versions)
-    needs_commands = rules.required_engine_flags or rules.require_kv_integrity or rules.sglang_kv_canary
-    commands = worker_command_lines(spec, kv_plan) if needs_commands else {}
+    if commands is None:
+        needs_commands = rules.required_engine_flags or rules.require_kv_integrity or rules.sglang_kv_canary
+        commands = worker_command_lines(spec, kv_plan) if needs_commands else {}
     yield from check_required_flags(spec, policy, commands)
     if rules.require_kv_integrity:
         yield from check_kv_integrity(spec, commands)
@@ -322,11 +327,13 @@ def evaluate(
     *,
     namespace_labels: Mapping[str, str] | None = None,
     kv_plan: KVPlan | None = None,
+    commands: Mapping[str, list[str]] | None = None,
 ) -> PolicyVerdict:
     """Evaluate every policy that applies to `namespace` against `spec`; all must pass (S7).
 
     `kv_plan` may be passed when the caller has planned the spec already (reconcile); otherwise
-    it is computed with `planner.plan`. A spec the planner cannot plan is a minKVRatio violation
+    it is computed with `planner.plan`; `commands` likewise (the rendered prefill/decode command
+    lines, so the flags checked are the ones that run). A spec the planner cannot plan is a minKVRatio violation
     naming the planner's field, except when its architecture comes from a ConfigMap (see
     `_plan_or_problem`). `namespace_labels`: see `applies_to`.
     """
@@ -337,7 +344,7 @@ def evaluate(
     violations = [
         PolicyViolation(policy=policy.metadata.name, rule=rule, field=field, message=message)
         for policy in applicable
-        for rule, field, message in policy_findings(spec, policy, kv_plan, plan_problem)
+        for rule, field, message in policy_findings(spec, policy, kv_plan, plan_problem, commands)
     ]
     return PolicyVerdict(compliant=not violations, violations=violations, policies=[p.metadata.name for p in applicable])
 

@@ -1,12 +1,17 @@
 """One idempotent, level-based reconcile of an InferenceModel: (spec, observed) -> desired.
 
-Create, update, resume, the timer and child events all call `reconcile`; it looks only at the
-resource and what exists, never at what triggered it, so running it twice changes nothing.
+Every trigger (the model's events, its children's, a policy change, a finished canary or scrape,
+a requeue) runs the same `reconcile`; it looks only at the resource and what exists, never at what
+triggered it, so running it twice changes nothing. One pass parses, plans and renders once:
 
-    parse spec -> resolve architecture -> revision -> plan (S7 gate) -> render check
-      -> `rollout.step` (canary-gated state machine) -> status + workload actions for a backend
+    parse spec -> resolve architecture -> engine support -> revision -> plan (S7 gate) -> render
+      -> policy (on the resolved spec, its plan and the rendered command lines)
+      -> `rollout.step` (canary-gated state machine), once -> status + workload actions
       blocked plan:  KVPoolSufficient=False (numbers + fixes), Warning event, nothing of the stable
       revision changes (S8); an unfinished canary of an older spec is removed
+
+The Kubernetes controller and the local backend both call it (through `driver.run_pass`), so both
+write the same status for the same story.
 
 Pure: no kopf, no kubernetes client, no clock, no randomness (time and key are arguments).
 """
@@ -25,23 +30,21 @@ from kvguard.operator import conditions as cond
 from kvguard.operator.api import (
     InferenceModelSpec,
     InferenceModelStatus,
+    InferencePolicy,
     KVPlan,
     Phase,
     RevisionRecord,
 )
+from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
+from kvguard.operator.policy import evaluate
 from kvguard.operator.render import (
-    LABEL_MODEL,
-    LABEL_REVISION,
-    LABEL_ROLE,
-    ROLES,
-    SCALE_ANNOTATION,
     Owner,
+    RenderedRevision,
     RenderError,
-    object_name,
-    render_revision,
+    render_rollout_revision,
 )
 from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
@@ -53,7 +56,6 @@ from kvguard.operator.rollout import (
     RevisionView,
     RolloutState,
     RolloutStatus,
-    Scale,
     ScrapeMetrics,
     SetCondition,
     WorkerReport,
@@ -62,95 +64,46 @@ from kvguard.operator.rollout import (
     step,
 )
 from kvguard.operator.suggestions import change_summary
+from kvguard.operator.workloads import DeploymentState, deployment_state, owned_by, revision_views
+
+__all__ = ["DeploymentState", "Observed", "Outcome", "deployment_state", "owned_by", "reconcile", "revision_views"]
 
 HISTORY_LIMIT = 10
 FAULTS_ANNOTATION = "kvguard.io/faults"
 """Test clusters only: KVGUARD_FAULTS for the spec's revision, honoured when the operator runs with
 KVGUARD_ALLOW_FAULT_INJECTION=true (manifests/testing/fault-injection); ignored otherwise."""
+FOREIGN_RECHECK_SECONDS = 10.0
+"""How soon to look again at an object that blocks the rollout because someone else owns it."""
 
 
 # --- inputs ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class DeploymentState:
-    """What reconcile needs to know about one owned Deployment."""
-
-    name: str
-    revision: str
-    role: str
-    desired: int
-    ready: int
-    scale: Scale = "full"
-
-    @property
-    def is_ready(self) -> bool:
-        return self.ready >= self.desired
-
-
-@dataclass(frozen=True)
 class Observed:
-    """The world as read by the I/O layer just before reconcile."""
+    """The world as read by a driver just before reconcile (once per pass)."""
 
-    deployments: Sequence[DeploymentState] = ()
-    revisions_present: frozenset[str] = frozenset()
-    """Revisions that own at least one child object (Deployment, Service, NetworkPolicy)."""
+    revisions: Mapping[str, RevisionView] = field(default_factory=dict)
+    """Every revision that has workloads or other children, with its readiness."""
     architecture_config: Mapping[str, Any] | None = None
     """The config.json from spec.model.architectureConfigMap, when the spec names one."""
     architecture_config_error: str | None = None
     """Why that config.json could not be read (missing ConfigMap or key, bad JSON)."""
     serving: str | None = None
     """The revision the model's Service selects (None: no Service yet)."""
-    policy: PolicyGate = PolicyGate()
-    """The InferencePolicy verdict on the spec (no policy: compliant)."""
+    policies: Sequence[InferencePolicy] = ()
+    """Every InferencePolicy; reconcile evaluates those that apply to the model's namespace."""
     worker_reports: tuple[WorkerReport, ...] | None = None
     """A fresh scrape of the candidate's workers, when the previous pass asked for one."""
     canary: CanaryResult | None = None
-    """The last finished canary run of this model held in memory by the operator."""
+    """The last finished canary run of this model held in memory by the driver."""
     canary_running: bool = False
     """A canary run for the candidate's current attempt is in progress."""
     fault_injection_allowed: bool = False
     """The operator runs with KVGUARD_ALLOW_FAULT_INJECTION=true (test clusters only)."""
-
-
-def owned_by(obj: Mapping[str, Any], model: str, uid: str | None) -> bool:
-    """Filter in code: kmock ignores label selectors, and we must never touch foreign objects."""
-    meta = obj.get("metadata", {})
-    if (meta.get("labels") or {}).get(LABEL_MODEL) != model:
-        return False
-    refs = meta.get("ownerReferences") or []
-    return uid is None or any(r.get("uid") == uid for r in refs)
-
-
-def revision_views(deployments: Sequence[DeploymentState]) -> dict[str, RevisionView]:
-    """Per revision: ready (all three roles at their non-zero replicas), parked at zero, workers."""
-    by_revision: dict[str, list[DeploymentState]] = {}
-    for d in deployments:
-        by_revision.setdefault(d.revision, []).append(d)
-    views = {}
-    for revision, states in by_revision.items():
-        roles = {d.role: d for d in states}
-        waiting = tuple(f"{r} {roles[r].ready}/{roles[r].desired} ready" if r in roles else f"{r} (not created)"
-                        for r in ROLES if r not in roles or not roles[r].is_ready or roles[r].desired == 0)  # fmt: skip
-        views[revision] = RevisionView(
-            ready=not waiting, scaled_to_zero=all(d.desired == 0 for d in states),
-            worker_replicas=sum(d.desired for d in states if d.role in ("prefill", "decode")), waiting=waiting,
-            scale="canary" if any(d.scale == "canary" for d in states) else "full",
-        )  # fmt: skip
-    return views
-
-
-def deployment_state(obj: Mapping[str, Any]) -> DeploymentState:
-    meta, spec, status = obj.get("metadata", {}), obj.get("spec", {}), obj.get("status") or {}
-    labels = meta.get("labels") or {}
-    return DeploymentState(
-        name=meta.get("name", ""),
-        revision=labels.get(LABEL_REVISION, ""),
-        role=labels.get(LABEL_ROLE, ""),
-        desired=int(spec.get("replicas", 1) if spec.get("replicas") is not None else 1),
-        ready=int(status.get("readyReplicas") or 0),
-        scale="canary" if (meta.get("annotations") or {}).get(SCALE_ANNOTATION) == "canary" else "full",
-    )
+    foreign_objects: tuple[str, ...] = ()
+    """Objects with the names of this model's children that it does not own (a pre-created
+    transfer Secret, a squatted Deployment name): each one blocks the rollout, named."""
 
 
 # --- outputs -----------------------------------------------------------------------------------
@@ -175,12 +128,17 @@ class Outcome:
     spec: InferenceModelSpec | None = None
     """The parsed spec with its architecture resolved (what DeployRevision deploys)."""
     revision: str | None = None
+    rendered: RenderedRevision | None = None
+    """The spec's revision rendered once (what the Kubernetes backend applies)."""
     scrape: str | None = None
-    """Revision whose workers must be scraped, then reconcile run again with the reports."""
+    """Revision whose workers the driver scrapes before the next pass (`ScrapeMetrics`)."""
     faults: str = ""
     """Test-only KVGUARD_FAULTS for the spec's revision (only with fault injection allowed)."""
     events: list[EventSpec] = field(default_factory=list)
     requeue_after: float | None = None
+    """Something is awaited: look again after this long (0: at once). None: at rest."""
+    deadline_in: float | None = None
+    """Seconds until the awaited thing's progress deadline (a backing-off driver looks by then)."""
     plan: KVPlan | None = None
     blocked_reason: str | None = None
 
@@ -238,6 +196,9 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
     spec, problem = resolve_architecture(spec, observed)
     if problem is not None:
         return _invalid(run, "ArchitectureUnavailable", problem)
+    unsupported = engine_problems(spec)
+    if unsupported:  # the engine would run something else than the plan says: never deploy it
+        return _invalid(run, "InvalidSpec", "; ".join(unsupported))
     try:
         kv_plan = plan(spec)
     except PlanInputError as exc:
@@ -247,20 +208,37 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
     faults, fault_problem = injected_faults(meta.get("annotations") or {}, run.observed.fault_injection_allowed)
     if fault_problem is not None:
         return _invalid(run, "InvalidFaults", fault_problem)
+    if observed.foreign_objects:  # S3: never run beside (or with the key of) an object someone else made
+        message = "; ".join(observed.foreign_objects)
+        return _invalid(run, "ForeignObject", message, requeue_after=FOREIGN_RECHECK_SECONDS)
     revision = revision_of(spec, faults)
     run.status.plan = kv_plan
     run.status.target_revision = revision
     run.status.kv_ratio = min((r.ratio for r in kv_plan.roles.values()), default=None)
-    owner = Owner(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta["uid"])
+    namespace = meta.get("namespace") or "default"
+    owner = Owner(name=meta["name"], namespace=namespace, uid=meta["uid"])
     if kv_plan.verdict == "blocked":
-        return _blocked(run, spec, kv_plan, revision)
+        gate = policy_gate(spec, namespace, observed.policies, kv_plan, None)
+        return _blocked(run, spec, kv_plan, revision, gate)
     run.set(cond.KV_POOL_SUFFICIENT, "True", "KVPoolSufficient", describe_pools(kv_plan))
     try:
-        render_revision(spec, kv_plan, owner, revision)  # a spec its engine cannot run never deploys
+        rendered = render_rollout_revision(spec, kv_plan, owner, revision, faults)  # a spec its engine cannot run never deploys
     except RenderError as exc:
         return _invalid(run, "InvalidSpec", str(exc))
-    outcome = _roll_out(run, spec, kv_plan, revision, plan_ok=True, plan_message="")
-    return dataclasses.replace(outcome, faults=faults, events=_fault_events(run, faults, meta) + outcome.events)
+    gate = policy_gate(spec, namespace, observed.policies, kv_plan, rendered)
+    outcome = _roll_out(run, spec, kv_plan, revision, gate, plan_ok=True, plan_message="")
+    return dataclasses.replace(outcome, faults=faults, rendered=rendered, events=_fault_events(run, faults, meta) + outcome.events)
+
+
+def policy_gate(
+    spec: InferenceModelSpec, namespace: str, policies: Sequence[InferencePolicy], kv_plan: KVPlan, rendered: RenderedRevision | None
+) -> PolicyGate:
+    """The InferencePolicy verdict (S7) on the resolved spec, its plan and the command lines that
+    will run (so requiredEngineFlags / requireKVIntegrity see the flags, not only extraArgs)."""
+    if not policies:
+        return PolicyGate()
+    commands = rendered.worker_commands() if rendered is not None else None
+    return PolicyGate.from_verdict(evaluate(spec, namespace, list(policies), kv_plan=kv_plan, commands=commands))
 
 
 def injected_faults(annotations: Mapping[str, Any], allowed: bool) -> tuple[str, str | None]:
@@ -290,8 +268,9 @@ def _fault_events(run: _Run, faults: str, meta: Mapping[str, Any]) -> list[Event
     return []
 
 
-def _invalid(run: _Run, reason: str, message: str) -> Outcome:
-    """A spec the operator cannot act on: say why, keep everything running as it is (S8)."""
+def _invalid(run: _Run, reason: str, message: str, requeue_after: float | None = None) -> Outcome:
+    """A spec the operator cannot act on: say why, keep everything running as it is (S8).
+    Nothing is awaited (a spec change is an event), unless the cause is outside the spec."""
     run.status.phase = Phase.DEGRADED
     run.status.message = message
     run.set(cond.DEGRADED, "True", reason, message)
@@ -301,16 +280,16 @@ def _invalid(run: _Run, reason: str, message: str) -> Outcome:
     previous_degraded = cond.find_condition(run.previous.conditions, cond.DEGRADED)
     repeated = previous_degraded is not None and previous_degraded.status == "True" and previous_degraded.message == message
     events = [] if repeated else [EventSpec("Warning", reason, message)]
-    return run.outcome(events=events, blocked_reason=reason, requeue_after=None)
+    return run.outcome(events=events, blocked_reason=reason, requeue_after=requeue_after)
 
 
-def _blocked(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str) -> Outcome:
+def _blocked(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str, gate: PolicyGate) -> Outcome:
     """S7 gate: the plan says a pool is below minKVRatio x contextLength. The stable revision is
     not touched (S8); the rollout machine removes an unfinished canary of an older spec."""
     message = describe_pools(kv_plan) + ". " + describe_fixes(kv_plan)
     run.set(cond.KV_POOL_SUFFICIENT, "False", "KVPoolTooSmall", message)
     new = run.record(revision, "Blocked", message, run.status.kv_ratio)
-    outcome = _roll_out(run, spec, kv_plan, revision, plan_ok=False, plan_message=message)
+    outcome = _roll_out(run, spec, kv_plan, revision, gate, plan_ok=False, plan_message=message)
     events = [e for e in outcome.events if e.reason != "KVPoolTooSmall"]
     if new:
         events.insert(0, EventSpec("Warning", "KVPoolTooSmall", f"revision {revision}: {message}"))
@@ -331,17 +310,17 @@ _CANARY_SUMMARY = {
 }
 
 
-def _roll_out(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str, *, plan_ok: bool, plan_message: str) -> Outcome:
-    """Feed the rollout state machine and turn its decision into status, actions and events."""
+def _roll_out(
+    run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str, gate: PolicyGate, *, plan_ok: bool, plan_message: str
+) -> Outcome:
+    """Feed the rollout state machine once and turn its decision into status, actions and events."""
     meta = run.body.get("metadata", {})
     stable = run.status.revision
     world = World(
-        target=revision, numerics=numerics_of(spec), now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=run.observed.policy,
-        revisions=revision_views(run.observed.deployments) | {r: RevisionView() for r in run.observed.revisions_present
-                                                              if r not in {d.revision for d in run.observed.deployments}},
-        serving=run.observed.serving, previous_stables=previous_stables(run.status.history, stable),
-        annotations=meta.get("annotations") or {}, worker_reports=run.observed.worker_reports,
-        canary=run.observed.canary, canary_running=run.observed.canary_running,
+        target=revision, numerics=numerics_of(spec), now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=gate,
+        revisions=dict(run.observed.revisions), serving=run.observed.serving,
+        previous_stables=previous_stables(run.status.history, stable), annotations=meta.get("annotations") or {},
+        worker_reports=run.observed.worker_reports, canary=run.observed.canary, canary_running=run.observed.canary_running,
     )  # fmt: skip
     decision = step(spec, run.status.rollout, stable, world)
     previous_state = run.status.rollout.state if run.status.rollout else None
@@ -363,7 +342,7 @@ def _roll_out(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: st
     scrape = next((a.revision for a in decision.of_type(ScrapeMetrics)), None)
     return run.outcome(
         actions=workload, spec=spec, revision=revision, scrape=scrape, events=events,
-        requeue_after=decision.requeue_after, plan=kv_plan,
+        requeue_after=decision.requeue_after, deadline_in=decision.deadline_in, plan=kv_plan,
     )  # fmt: skip
 
 
@@ -397,24 +376,12 @@ def _set_ready(run: _Run, stable: str | None) -> None:
     if stable is None:
         run.set(cond.READY, "False", "NoStableRevision", "no revision has been promoted yet")
         return
-    waiting = not_ready_roles(run.observed, run.body["metadata"]["name"], stable)
-    if waiting:
-        run.set(cond.READY, "False", "WorkloadsNotReady", f"stable revision {stable}: waiting for " + ", ".join(waiting))
+    view = run.observed.revisions.get(stable)
+    if view is None or not view.ready:
+        waiting = ", ".join(view.waiting) if view is not None and view.waiting else "its workloads (not created)"
+        run.set(cond.READY, "False", "WorkloadsNotReady", f"stable revision {stable}: waiting for {waiting}")
     else:
         run.set(cond.READY, "True", "StableRevisionServing", f"revision {stable} is serving")
-
-
-def not_ready_roles(observed: Observed, model: str, revision: str) -> list[str]:
-    """`role ready/desired` for every role of `revision` whose Deployment is missing or short."""
-    by_name = {d.name: d for d in observed.deployments}
-    waiting = []
-    for role in ROLES:
-        state = by_name.get(object_name(model, revision, role))
-        if state is None:
-            waiting.append(f"{role} (not created)")
-        elif not state.is_ready:
-            waiting.append(f"{role} {state.ready}/{state.desired} ready")
-    return waiting
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -477,5 +444,28 @@ def previous_status(raw: Any) -> InferenceModelStatus:
 
 
 def status_patch(status: InferenceModelStatus) -> dict[str, Any]:
-    """A merge patch that sets every status field; None clears a field left from earlier."""
-    return status.model_dump(mode="json", by_alias=True)
+    """A merge patch that sets every status field; None clears a field left from earlier. Inside
+    lists a null is a value, not a deletion (RFC 7386), so unset fields of list items are left out."""
+    return {k: _no_nulls_in_lists(v) for k, v in status.model_dump(mode="json", by_alias=True).items()}
+
+
+def _no_nulls_in_lists(value: Any, in_list: bool = False) -> Any:
+    if isinstance(value, dict):
+        return {k: _no_nulls_in_lists(v, in_list) for k, v in value.items() if not (in_list and v is None)}
+    if isinstance(value, list):
+        return [_no_nulls_in_lists(v, True) for v in value]
+    return value
+
+
+def status_differs(desired: Any, live: Any) -> bool:
+    """Would writing `desired` (a merge patch: None = absent) change the stored status `live`?
+    False means no write is needed: an idle model costs the API server nothing."""
+    if isinstance(desired, Mapping):
+        live = live if isinstance(live, Mapping) else {}
+        keys = set(desired) | set(live)
+        return any(status_differs(desired.get(k), live.get(k)) for k in keys if k in desired)
+    if isinstance(desired, list):
+        return not isinstance(live, list) or len(desired) != len(live) or any(map(status_differs, desired, live))
+    if desired is None:
+        return live is not None
+    return bool(desired != live)

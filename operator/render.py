@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 
 from kvguard.operator.api import (
     GROUP_VERSION,
+    STARTUP_PROBE_SECONDS,
     DeviceKind,
     EngineKind,
     InferenceModelSpec,
@@ -32,6 +33,7 @@ from kvguard.operator.api import (
     SGLangKVCanary,
     WorkerRole,
 )
+from kvguard.operator.engine_support import kvguard_dtype_flag
 from kvguard.operator.rollout import Scale
 from kvguard.workers.args import WorkerArgs
 
@@ -223,6 +225,7 @@ class KvguardAdapter:
             kv_pool_tokens=ctx.plan.roles[ctx.role].pool_tokens,
             page_size=spec.page_size,
             device=spec.hardware.device.value,
+            dtype=kvguard_dtype_flag(spec),
             transfer_port=spec.kv_transfer.port if ctx.role == "decode" else None,
             advertise_host=f"$({POD_IP_ENV})" if ctx.role == "decode" else None,
             max_transfer_batch=spec.kv_transfer.max_batch,
@@ -521,11 +524,16 @@ def _resources(spec: InferenceModelSpec, role: Role) -> dict[str, Any]:
     return result
 
 
+_STARTUP_PERIOD_SECONDS = 10
+
+
 def _probes(path: str, port: str) -> dict[str, Any]:
     get = {"httpGet": {"path": path, "port": port}}
+    startup_failures = STARTUP_PROBE_SECONDS // _STARTUP_PERIOD_SECONDS
     return {
-        # Weight loading can take many minutes; the startup probe holds liveness off until then.
-        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 180, "timeoutSeconds": 5},
+        # Weight loading can take many minutes; the startup probe holds liveness off until then
+        # (spec.rollout.progressDeadlineSeconds defaults to this budget plus scheduling time).
+        "startupProbe": {**get, "periodSeconds": _STARTUP_PERIOD_SECONDS, "failureThreshold": startup_failures, "timeoutSeconds": 5},
         "readinessProbe": {**get, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
         "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
     }
@@ -606,6 +614,8 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         "metadata": metadata,
         "spec": {
             "replicas": spec.replicas_at(ctx.role, ctx.scale) * adapter.pods_per_replica(ctx),
+            # Kubernetes' own Progressing condition agrees with the operator's deadline.
+            "progressDeadlineSeconds": spec.rollout.progress_deadline_seconds,
             "selector": {"matchLabels": selector(ctx.owner.name, ctx.revision, ctx.role)},
             "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
         },
@@ -732,6 +742,48 @@ def render_revision(
         ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role, scale=scale, faults=faults)
         objects += [render_deployment(ctx), render_service(ctx), render_network_policy(spec, owner, revision, role)]
     return objects
+
+
+@dataclass(frozen=True)
+class RenderedRevision:
+    """One revision rendered once per reconcile (at full scale), ready to apply at either scale:
+    only replicas and the scale annotation of the Deployments differ between the two."""
+
+    objects: tuple[Manifest, ...]
+    canary_replicas: Mapping[str, int]
+    """Deployment name -> replicas at canary scale."""
+
+    def at(self, scale: Scale) -> list[Manifest]:
+        if scale == "full":
+            return list(self.objects)
+        return [self._canary(o) if o["kind"] == "Deployment" else o for o in self.objects]
+
+    def _canary(self, deployment: Manifest) -> Manifest:
+        meta = deployment["metadata"]
+        replicas = self.canary_replicas[meta["name"]]
+        annotations = {**meta.get("annotations", {}), SCALE_ANNOTATION: "canary"}
+        return {**deployment, "metadata": {**meta, "annotations": annotations}, "spec": {**deployment["spec"], "replicas": replicas}}
+
+    def worker_commands(self) -> dict[str, list[str]]:
+        """The engine command of the prefill and decode Deployments (what policies check)."""
+        commands = {}
+        for obj in self.objects:
+            role = obj["metadata"]["labels"].get(LABEL_ROLE)
+            if obj["kind"] == "Deployment" and role in ("prefill", "decode"):
+                commands[role] = list(obj["spec"]["template"]["spec"]["containers"][0]["command"])
+        return commands
+
+
+def render_rollout_revision(
+    spec: InferenceModelSpec, plan: KVPlan, owner: Owner, revision: str, faults: str = ""
+) -> RenderedRevision:
+    """`render_revision` at full scale plus each Deployment's canary replicas. Raises RenderError."""
+    objects = render_revision(spec, plan, owner, revision, "full", faults)
+    canary = {}
+    for role in ROLES:
+        ctx = RoleContext(spec=spec, plan=plan, owner=owner, revision=revision, role=role, scale="canary", faults=faults)
+        canary[object_name(owner.name, revision, role)] = spec.replicas_at(role, "canary") * ADAPTERS[spec.engine.kind].pods_per_replica(ctx)
+    return RenderedRevision(tuple(objects), canary)
 
 
 def render_model_service(owner: Owner, stable_revision: str) -> Manifest:

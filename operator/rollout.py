@@ -20,12 +20,14 @@ S8: nothing here ever scales, patches or deletes the stable revision before the 
 a failure scales the candidate to zero, says why (CanaryPassed=False, Degraded=True) and keeps the
 stable revision serving, unchanged.
 
-How to drive it (Kubernetes controller, local backend): read the world, call `step(...)`, execute
-the returned actions in order, persist `Decision.rollout` in `status.rollout` (and
-`Decision.stable` in `status.revision`), requeue after `Decision.requeue_after`. Two actions ask
-for observations that the next `step` consumes: `ScrapeMetrics` (call `step` again with
-`World.worker_reports` filled, in the same or a later reconcile) and `RunCanary` (start the suite
-off the reconcile path; pass its result as `World.canary` once finished, `canary_running=True`
+How to drive it (`driver.run_pass`, shared by the Kubernetes controller and the local backend):
+read the world, call `step(...)` once, persist `Decision.rollout` in `status.rollout` (and
+`Decision.stable` in `status.revision`) BEFORE acting, execute the returned actions in order, and
+look again after `Decision.requeue_after` (0: at once; the drivers back off exponentially, with
+jitter, while nothing changes, but never past `Decision.deadline_in`). Two actions ask for
+observations that a later `step` consumes: `ScrapeMetrics` (scrape the revision's workers before
+the next step and pass the reports as `World.worker_reports`) and `RunCanary` (start the suite off
+the reconcile path; pass its result as `World.canary` once finished, `canary_running=True`
 meanwhile). Every other action is idempotent, and the whole rollout is recorded in
 `status.rollout`, so a restarted operator calling `step` with the persisted status continues where
 it stopped: no double promotion (promotion is one idempotent step), no orphaned canary (Failed
@@ -44,11 +46,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from kvguard.operator.canary.metrics import WorkerSnapshot
-from kvguard.operator.canary.report import CanaryReport
-
 if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
     from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.canary.report import CanaryReport
 
 
 class RolloutState(str, enum.Enum):
@@ -81,8 +81,6 @@ RETRY_ANNOTATION = "kvguard.io/retry"
 ROLLBACK_ANNOTATION = "kvguard.io/rollback-to"
 """A previous stable revision to serve instead of the spec's; remove it to roll the spec out again."""
 
-PROGRESS_DEADLINE_SECONDS = 600.0
-"""A candidate whose workloads are not ready after this long fails (like progressDeadlineSeconds)."""
 MAX_SCRAPE_ATTEMPTS = 5
 """Scrapes in which some candidate worker did not report before the rollout fails (S7)."""
 REQUEUE_SECONDS = 5.0
@@ -294,7 +292,8 @@ class DeleteRevision:
 
 @dataclass(frozen=True)
 class ScrapeMetrics:
-    """Scrape every prefill/decode worker of the revision; pass the reports back in World.worker_reports."""
+    """Scrape every prefill/decode worker of the revision before the next step, and pass the
+    reports to it in World.worker_reports."""
 
     revision: str
 
@@ -356,8 +355,12 @@ class Decision:
     """The revision serving users once the actions are applied (status.revision)."""
     actions: tuple[Action, ...]
     requeue_after: float | None = None
+    """Look again after this long (0: at once) because something is awaited; None: at rest."""
     promoted_from: str | None = None
     """Set when this step promoted: the previously stable revision (None on a first rollout)."""
+    deadline_in: float | None = None
+    """Seconds until the progress deadline of what is awaited: a driver backing off must look
+    again by then, so a rollout fails on time."""
 
     @property
     def state(self) -> RolloutState:
@@ -392,6 +395,7 @@ class _Step:
     actions: list[Action] = field(default_factory=list)
     requeue: float | None = None
     promoted_from: str | None = None
+    deadline_in: float | None = None
 
     # --- plumbing ---------------------------------------------------------------------------------
     def go(self) -> Decision:
@@ -410,7 +414,7 @@ class _Step:
         return self._decision()
 
     def _decision(self) -> Decision:
-        return Decision(self.r, self.stable, _normalised(self.actions), self.requeue, self.promoted_from)
+        return Decision(self.r, self.stable, _normalised(self.actions), self.requeue, self.promoted_from, self.deadline_in)
 
     def move(self, state: RolloutState, reason: str, message: str) -> None:
         self.r.state, self.r.reason, self.r.message = state, reason, message
@@ -422,8 +426,21 @@ class _Step:
     def condition(self, type_: str, status: Literal["True", "False", "Unknown"], reason: str, message: str) -> None:
         self.actions.append(SetCondition(type_, status, reason, message))
 
-    def wait(self) -> None:
-        self.requeue = REQUEUE_SECONDS
+    def wait(self, seconds: float = REQUEUE_SECONDS) -> None:
+        self.requeue = seconds if self.requeue is None else min(self.requeue, seconds)
+
+    def waited(self) -> float:
+        """Seconds since the rollout entered its current state."""
+        return (self.world.now - _parse_time(self.r.since, self.world.now)).total_seconds()
+
+    def within_deadline(self) -> bool:
+        """False once the candidate has waited longer than spec.rollout.progressDeadlineSeconds;
+        while waiting, the driver is told when the deadline falls."""
+        left = self.spec.rollout.progress_deadline_seconds - self.waited()
+        if left < 0:
+            return False
+        self.deadline_in = left if self.deadline_in is None else min(self.deadline_in, left)
+        return True
 
     @property
     def candidate(self) -> str:
@@ -593,10 +610,11 @@ class _Step:
         if view is not None and view.ready:
             self.move(RolloutState.CANARY_VERIFYING, "CanaryReady", f"revision {self.candidate} is ready; verifying")
             return
-        waited = self.world.now - _parse_time(self.r.since, self.world.now)
-        if waited.total_seconds() > PROGRESS_DEADLINE_SECONDS:
+        if not self.within_deadline():
             waiting = ", ".join(view.waiting) if view else "no workloads"
-            self._fail("CanaryNotReady", f"revision {self.candidate} not ready after {PROGRESS_DEADLINE_SECONDS:g} s ({waiting})")
+            deadline = self.spec.rollout.progress_deadline_seconds
+            self._fail("CanaryNotReady", f"revision {self.candidate} not ready after {deadline:g} s "
+                       f"(spec.rollout.progressDeadlineSeconds; {waiting})")  # fmt: skip
             return
         waiting = ", ".join(view.waiting) if view and view.waiting else "workloads to be created"
         self.condition("Progressing", "True", "CanaryDeploying", f"revision {self.candidate}: waiting for {waiting}")
@@ -629,7 +647,7 @@ class _Step:
         if reports is None:
             self.actions.append(ScrapeMetrics(self.candidate))
             self.condition("Progressing", "True", "ScrapingMetrics", f"revision {self.candidate}: reading every worker's KV pool")
-            self.wait()
+            self.wait(0.0)  # the scrape is the next observation: nothing to wait for
             return False
         missing = [f"{w.worker}: {w.error}" for w in reports if w.error or w.pool_tokens is None]
         if len(reports) < view.worker_replicas:
@@ -639,6 +657,7 @@ class _Step:
             if self.r.scrape_attempts >= MAX_SCRAPE_ATTEMPTS:
                 self._fail("MetricsUnavailable", f"revision {self.candidate}: not every worker reports its KV pool: " + "; ".join(missing))
             else:
+                self.actions.append(ScrapeMetrics(self.candidate))  # scrape again before the next step
                 self.condition("Progressing", "True", "WaitingForMetrics", "; ".join(missing))
                 self.wait()
             return False
@@ -740,11 +759,10 @@ class _Step:
             return True
         view = self.view(self.candidate)
         if view is None or not view.ready or view.scale != "full":
-            waited = self.world.now - _parse_time(self.r.since, self.world.now)
             waiting = ", ".join(view.waiting) if view and view.waiting else "the scale-up to be observed"
-            if waited.total_seconds() > PROGRESS_DEADLINE_SECONDS:
+            if not self.within_deadline():
                 self._fail("ScaleUpNotReady", f"revision {self.candidate} not ready at full scale after "
-                           f"{PROGRESS_DEADLINE_SECONDS:g} s ({waiting})")  # fmt: skip
+                           f"{self.spec.rollout.progress_deadline_seconds:g} s (spec.rollout.progressDeadlineSeconds; {waiting})")  # fmt: skip
             else:
                 self.condition("Progressing", "True", "ScalingUp", f"revision {self.candidate}: waiting for {waiting}")
                 self.wait()
@@ -837,17 +855,6 @@ def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
 
 
 # --- helpers for drivers --------------------------------------------------------------------------
-
-
-def worker_report(worker: str, role: str, snapshot: WorkerSnapshot) -> WorkerReport:
-    """A scraped /metrics (kvguard, SGLang or vLLM, via the canary's parser) as the machine's input."""
-    if not snapshot.reachable:
-        return WorkerReport(worker, role, error=snapshot.error)
-    if not snapshot.pools:
-        return WorkerReport(worker, role, context_length=snapshot.context_length,
-                            error=f"exposes no KV pool size ({snapshot.engine} metrics)")  # fmt: skip
-    smallest = min(p.capacity_tokens for p in snapshot.pools)
-    return WorkerReport(worker, role, pool_tokens=smallest, context_length=snapshot.context_length)
 
 
 def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ import kopf
 from pydantic import ValidationError
 
 from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferencePolicy
+from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
@@ -99,6 +100,9 @@ def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> N
     """The planner's and the renderer's field-level errors (a blocked plan is not one: reconcile
     reports it as KVPoolSufficient=False). Skipped when the architecture is in a ConfigMap that
     admission cannot read; reconcile checks it."""
+    problems = engine_problems(spec)
+    if problems:
+        raise AdmissionDenied("; ".join(problems), INVALID)
     if spec.model.architecture is None and spec.model.architecture_config_map is not None:
         return
     try:

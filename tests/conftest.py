@@ -13,3 +13,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvguard.workers.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+# The operator-against-the-emulator fixtures, for test_operator_*.py (imported here so that every
+# test module gets them without importing fixtures by name).
+from operator_harness import cluster, incident_build, operator, serving  # noqa: E402, F401

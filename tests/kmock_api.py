@@ -1,14 +1,40 @@
 """kmock dressed as the kvguard API server for the tests that run kopf against it (see
-../shared/reference/kmock-notes.md): our custom resources declared, a client pointed at it."""
+../shared/reference/kmock-notes.md): our custom resources declared, a client pointed at it, and
+`ApiServer`, an emulator that adds the API-server rules the operator's correctness depends on and
+plain kmock lacks:
+
+- every stored object gets `uid`, `creationTimestamp`, `generation` (bumped when `spec` changes)
+  and a `resourceVersion` bumped on every write;
+- a PATCH whose body carries `metadata.resourceVersion` is a precondition: 409 Conflict when the
+  object has moved on (how Kubernetes does optimistic concurrency);
+- label selectors on LIST and WATCH (equality, inequality and existence terms) filter the objects;
+- server-side apply (`application/apply-patch+yaml`) creates a missing object, and on an existing
+  one removes the fields the same field manager applied before and leaves out now. Lists are
+  replaced whole: right for a single manager that owns every list it sets, which is the operator's
+  case (real SSA merges map-lists by key, which only matters with several managers).
+
+It stays an emulator: no defaulting, no schema or CEL validation (tests/crd_admission.py), no
+garbage collection, no scheduler. Tests that depend on those say so.
+"""
 
 from __future__ import annotations
 
+import collections
+import copy
+import datetime as dt
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import kmock as km
 import kubernetes
+from kmock._internal import apps as kmock_apps
+from kmock._internal import k8s as kmock_k8s
+from kmock._internal import rendering as kmock_rendering
 
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+APPLY_PATCH = "application/apply-patch+yaml"
 
 
 def declare_kvguard_resources(kmock: Any, *, policies: bool = False) -> str:
@@ -32,3 +58,249 @@ def client_configuration(url: str, *, make_default: bool = False) -> kubernetes.
         kubernetes.client.Configuration.set_default(cfg)
         kubernetes.client.ApiClient.set_default(kubernetes.client.ApiClient(cfg))
     return cfg
+
+
+# --- label selectors -----------------------------------------------------------------------------
+
+
+def selector_matches(selector: str, labels: Mapping[str, str]) -> bool:
+    """Equality-based selectors (`a=b`, `a==b`, `a!=b`, `a`, `!a`), comma-joined (all must hold)."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+# --- server-side apply, single manager ----------------------------------------------------------
+
+
+def field_paths(config: Any, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """Every key path a config sets (maps recursed into; lists and scalars are leaves)."""
+    paths: set[tuple[str, ...]] = set()
+    if isinstance(config, Mapping):
+        for key, value in config.items():
+            paths.add((*prefix, key))
+            paths |= field_paths(value, (*prefix, key))
+    return paths
+
+
+def _delete_path(obj: dict[str, Any], path: tuple[str, ...]) -> None:
+    node: Any = obj
+    for key in path[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            return
+    if isinstance(node, dict):
+        node.pop(path[-1], None)
+
+
+def _merge(base: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in config.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def server_side_apply(live: Mapping[str, Any], previous: Mapping[str, Any] | None, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The object after `config` is applied by the manager whose last applied config was `previous`."""
+    result = copy.deepcopy(dict(live))
+    dropped = field_paths(previous or {}) - field_paths(config)
+    for path in sorted(dropped, key=len):
+        if path[:1] != ("metadata",) or path[:2] in (("metadata", "labels"), ("metadata", "annotations")):
+            _delete_path(result, path)
+    return _merge(result, config)
+
+
+def merge_patch_that_makes(live: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch turning `live` into `target` (None removes a key)."""
+    patch: dict[str, Any] = {key: None for key in live if key not in target}
+    for key, value in target.items():
+        if isinstance(value, Mapping) and isinstance(live.get(key), Mapping):
+            patch[key] = merge_patch_that_makes(live[key], value)
+        else:
+            patch[key] = copy.deepcopy(value)
+    return patch
+
+
+# --- the emulator --------------------------------------------------------------------------------
+
+
+class _DirectDispatch(kmock_apps.RawHandler):
+    """Serves Kubernetes verbs straight from the emulator's handlers. kmock matches every request
+    against its reaction DSL by scanning its request log (tens of ms per request after a few
+    thousand), which would make the emulator, not the operator, what a scale test measures. The
+    ApiServer registers no reactions of its own beyond the emulator's fallbacks, so this is the
+    same answer, found directly; anything else (discovery) goes through kmock's matching."""
+
+    async def _handle(self, request: Any) -> Any:
+        direct = getattr(self, "_direct", None)
+        if direct is not None and request.resource is not None and request.resource.plural and request.action in direct:
+            return await direct[request.action](request)
+        return await super()._handle(request)
+
+
+class ApiServer(km.KubernetesEmulator, _DirectDispatch):
+    """kmock plus resourceVersion, generation, preconditions, selectors and server-side apply."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._direct = {
+            km.action.LIST: kmock_rendering.Response.guess(self._serve_list),
+            km.action.WATCH: kmock_rendering.Response.guess(self._serve_watch),
+            km.action.FETCH: kmock_rendering.Response.guess(self._serve_fetch),
+            km.action.CREATE: kmock_rendering.Response.guess(self._serve_create),
+            km.action.UPDATE: kmock_rendering.Response.guess(self._serve_update),
+            km.action.DELETE: kmock_rendering.Response.guess(self._serve_delete),
+        }
+        self._versions = itertools.count(1)
+        self._applied: dict[tuple[Any, str], dict[str, Any]] = {}
+        self.conflicts = 0
+        """409s answered to stale resourceVersion preconditions."""
+        self.status_writes: list[dict[str, Any]] = []
+        """Every status PATCH: object, precondition, outcome (what `no lost write` is checked on)."""
+        self.keep_requests: int | None = None
+        """Keep only this many requests in kmock's log (None: all). kmock matches each request
+        against its whole log, so a long run (the scale benchmark) must trim it."""
+        self.requests_total = 0
+        self.requests_by: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Requests by (method, resource plural or path), whatever the log keeps."""
+
+    async def _handle(self, request: Any) -> Any:
+        self.requests_total += 1
+        self.requests_by[(str(request.method), request.resource.plural if request.resource is not None else request.url.path)] += 1
+        try:
+            if request.resource is not None:
+                try:
+                    await self._bookkeep(request)
+                except kmock_k8s.KubernetesError as exc:
+                    return await self._render_error(exc)
+            return await super()._handle(request)
+        finally:
+            if self.keep_requests is not None and len(self._requests) > self.keep_requests:
+                del self._requests[: len(self._requests) - self.keep_requests]
+
+    def _next_version(self) -> str:
+        return str(next(self._versions))
+
+    async def _bookkeep(self, request: Any) -> None:
+        action = request.action
+        if action == km.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))  # tests seed uids they assert on
+            meta["resourceVersion"] = self._next_version()
+            meta["generation"] = 1
+            meta.setdefault("creationTimestamp", dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        elif action == km.action.UPDATE and request.name is not None and isinstance(request.data, dict):
+            await self._patch(request)
+
+    async def _patch(self, request: Any) -> None:
+        key = (request.resource, request.namespace, request.name)
+        stored = self.objects[key] if key in self.objects else None
+        live = None if stored is None or stored.deleted else copy.deepcopy(stored.raw)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        is_apply = headers.get("content-type", "").startswith(APPLY_PATCH)
+        if is_apply:
+            manager = request.params.get("fieldManager", "")
+            if live is None:
+                await self._create_by_apply(request, key, manager)
+                return
+            target = server_side_apply(live, self._applied.get((key, manager)), request.data)
+            self._applied[(key, manager)] = copy.deepcopy(request.data)
+        else:
+            if live is None:
+                return  # kmock answers 404
+            wanted = ((request.data.get("metadata") or {}).get("resourceVersion"))
+            current = (live.get("metadata") or {}).get("resourceVersion")
+            if request.subresource == "status":
+                self.status_writes.append({"resource": request.resource.plural, "object": key[1:], "precondition": wanted, "current": current,
+                                           "accepted": wanted is None or wanted == current,
+                                           "agent": headers.get("user-agent", "")})  # fmt: skip
+            if wanted is not None and wanted != current:
+                self.conflicts += 1
+                raise kmock_k8s.KubernetesError(409, "Conflict", f"the object has been modified (resourceVersion {current}, "
+                                                f"precondition {wanted}); please apply your changes to the latest version")  # fmt: skip
+            target = _merge(copy.deepcopy(live), {k: v for k, v in request.data.items()})
+            target = _drop_nones(target)
+        meta = target.setdefault("metadata", {})
+        meta["resourceVersion"] = self._next_version()
+        if request.subresource is None and live.get("spec") != target.get("spec"):
+            meta["generation"] = int((live.get("metadata") or {}).get("generation") or 1) + 1
+        request.data.clear()
+        request.data.update(merge_patch_that_makes(live, target))
+
+    async def _create_by_apply(self, request: Any, key: Any, manager: str) -> None:
+        body = copy.deepcopy(request.data)
+        meta = body.setdefault("metadata", {})
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_version(), generation=1,
+                    creationTimestamp=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
+        async with self._lock:
+            if key in self.objects and not self.objects[key].deleted:
+                raise kmock_k8s.KubernetesError(409, "Conflict", "created concurrently")
+            if key in self.objects:
+                self.objects[key].create(body)
+            else:
+                self.objects[key] = body
+            await self._buses[request.resource].put({"type": "ADDED", "object": self.objects[key].raw})
+        self._applied[(key, manager)] = copy.deepcopy(request.data)
+        request.data.clear()  # the object exists now: the UPDATE kmock goes on with changes nothing
+
+    # Single-object reads by key (kmock scans every stored object to find one).
+    def _stored(self, request: Any, namespace: str | None = None, name: str | None = None) -> Any:
+        key = (request.resource, namespace if namespace is not None else request.namespace, name or request.name)
+        obj = self.objects[key] if key in self.objects else None
+        if obj is None or obj.empty:
+            raise kmock_k8s.KubernetesObjectNotFoundError()
+        return obj
+
+    async def _serve_fetch(self, request: Any) -> Any:
+        obj = self._stored(request)
+        if obj.deleted:
+            raise kmock_k8s.KubernetesObjectNotFoundError()
+        return obj.raw
+
+    async def _serve_create(self, request: Any) -> Any:
+        meta = request.data.get("metadata", {})
+        return self._stored(request, request.namespace or meta.get("namespace"), meta.get("name")).raw
+
+    async def _serve_update(self, request: Any) -> Any:
+        return self._stored(request).last.raw
+
+    async def _serve_delete(self, request: Any) -> Any:
+        return self._stored(request).last.raw
+
+    async def _serve_list(self, request: Any) -> Any:
+        result = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            result["items"] = [o for o in result["items"] if selector_matches(selector, _labels(o))]
+        return result
+
+    async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
+        selector = request.params.get("labelSelector")
+        async for item in super()._serve_watch(request):
+            if selector and isinstance(item, dict) and not selector_matches(selector, _labels(item.get("object") or {})):
+                continue
+            yield item
+
+
+def _drop_nones(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_nones(v) for k, v in obj.items() if v is not None}
+    return obj

@@ -32,7 +32,7 @@ def test_version_is_the_package_metadata() -> None:
 
 
 def test_operator_without_a_cluster_prints_one_line_and_exits_1(tmp_path: Path) -> None:
-    done = kvguard("operator", "--standalone", env=no_cluster_env(tmp_path))
+    done = kvguard("operator", env=no_cluster_env(tmp_path))
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 1
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
@@ -46,7 +46,7 @@ def test_operator_with_an_unreachable_api_server_says_where_it_looked(tmp_path: 
         "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:1'}}]\n"  # port 1: nothing listens
         "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
     )
-    done = kvguard("operator", "--standalone", env=no_cluster_env(tmp_path, KUBECONFIG=str(config)))
+    done = kvguard("operator", env=no_cluster_env(tmp_path, KUBECONFIG=str(config)))
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 1 and len(lines) == 1, done.stderr
     assert "cannot reach the Kubernetes API server at http://127.0.0.1:1" in lines[0]

@@ -1,5 +1,5 @@
-"""What the drivers share around the pure machine: the controller's requeue, and how a RunCanary
-decision becomes a canary run."""
+"""What the drivers share around the pure machine: the work queue, backoff and requeue rules, and
+how a RunCanary decision becomes a canary run."""
 
 from __future__ import annotations
 
@@ -11,34 +11,63 @@ import pytest
 import yaml
 from waiting import until
 
-from kvguard.operator import controller
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionEndpoints, RevisionRequest, execute
 from kvguard.operator.canary.spec import CanarySpec
+from kvguard.operator.driver import DriverMemory, StatusConflict, requeue_delay, run_pass
 from kvguard.operator.planner import plan
+from kvguard.operator.reconcile import Observed, Outcome
 from kvguard.operator.rollout import RunCanary
+from kvguard.operator.workqueue import Backoff, WorkQueue
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-async def test_a_requeue_reconciles_once_after_its_delay_and_a_newer_one_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
+async def test_the_queue_coalesces_bursts_and_never_hands_a_key_to_two_workers() -> None:
+    queue = WorkQueue()
+    for _ in range(5):
+        queue.add("a")
+    queue.add("b")
+    assert await queue.get() == "a"
+    queue.add("a")  # an event during a's pass: run once more after it, not in parallel
+    assert await queue.get() == "b"
+    assert queue.pending == 2
+    queue.done("a")
+    assert await queue.get() == "a"
+    queue.done("a")
+    queue.done("b")
+    assert queue.pending == 0
 
-    async def reconcile_model(kube: Any, body: dict[str, Any], **_: Any) -> None:
-        calls.append(body)
 
-    monkeypatch.setattr(controller, "reconcile_model", reconcile_model)
-    key = ("models", "tiny")
-    controller._schedule_requeue(None, None, None, key, 0.2)  # type: ignore[arg-type]
-    controller._schedule_requeue(None, None, None, key, 0.05)  # type: ignore[arg-type]  # a newer reconcile's delay wins
-    # Sleeping past the delays is the behaviour under test, and it holds at any speed: the requeues
-    # and this sleep are timers of one event loop, which runs them in deadline order.
-    await asyncio.sleep(0.4)
-    assert calls == [{"metadata": {"namespace": "models", "name": "tiny"}}]
-    controller._schedule_requeue(None, None, None, key, 0.05)  # type: ignore[arg-type]
-    controller._schedule_requeue(None, None, None, key, None)  # type: ignore[arg-type]  # at rest: nothing pending
-    await asyncio.sleep(0.15)
-    assert len(calls) == 1 and key not in controller._loop_state().requeues
+async def test_a_requeue_replaces_the_older_timer_and_none_cancels_it() -> None:
+    queue = WorkQueue()
+    queue.requeue("m", 30.0)
+    queue.requeue("m", 0.05)  # a newer pass's wish wins
+    assert (queue.timer_of("m") or 99) < 1
+    assert await asyncio.wait_for(queue.get(), 5) == "m"
+    queue.done("m")
+    queue.requeue("m", 0.05)
+    queue.requeue("m", None)  # at rest: nothing pending
+    assert queue.timers == 0
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(queue.get(), 0.2)
+
+
+def test_backoff_grows_exponentially_with_bounded_jitter() -> None:
+    backoff = Backoff(base=1.0, cap=60.0, jitter=0.2)
+    assert [backoff.delay(n, rng=lambda: 0.5) for n in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert backoff.delay(3, rng=lambda: 0.0) == pytest.approx(6.4) and backoff.delay(3, rng=lambda: 1.0) == pytest.approx(9.6)
+
+
+def test_requeue_delay_waits_only_for_what_is_awaited_and_never_past_the_deadline() -> None:
+    def delay(requeue: float | None, waits: int, deadline: float | None = None) -> float | None:
+        outcome = Outcome(status={}, requeue_after=requeue, deadline_in=deadline)
+        return requeue_delay(outcome, waits, base=5.0, cap=60.0, jitter=lambda s: s)
+
+    assert delay(None, 3) is None  # at rest: no timer at all
+    assert delay(0.0, 3) == 0.0  # a scrape is the next observation
+    assert [delay(5.0, n) for n in range(6)] == [5, 10, 20, 40, 60, 60]
+    assert delay(5.0, 5, deadline=12.0) == 13.0  # the rollout fails on time
 
 
 class Routers:
@@ -49,7 +78,7 @@ class Routers:
 
 
 @pytest.mark.parametrize("compare_outputs", [True, False])
-async def test_a_canary_against_other_numerics_does_not_require_the_baselines_text(compare_outputs: bool) -> None:
+async def test_a_canary_against_other_numerics_compares_with_the_baseline_by_logprobs_not_text(compare_outputs: bool) -> None:
     runs: list[tuple[str, CanarySpec, str | None]] = []
 
     async def suite(url: str, spec: CanarySpec, *, baseline_url: str | None, **_: Any) -> Any:
@@ -61,7 +90,53 @@ async def test_a_canary_against_other_numerics_does_not_require_the_baselines_te
     spec = InferenceModelSpec.model_validate(yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"])
     request = RevisionRequest(ModelRef("models", "tiny"), "r2", spec, plan(spec))
     await execute(Routers(), request, [run], runner, CanarySpec())  # type: ignore[arg-type]
-    await until(lambda: runs, "the canary suite to be called")
+    await until(lambda: runs, "the canary started")
     ((url, spec, baseline_url),) = runs
     assert url == "http://r2.test:8000" and baseline_url == "http://r1.test:8000"  # the stable still serves as baseline
-    assert spec.golden.compare_baseline is compare_outputs and spec.golden.enabled
+    assert spec.golden.compare_baseline and spec.golden.enabled
+    assert spec.golden.baseline_match == ("exact" if compare_outputs else "tolerant")  # other numerics: by logprobs
+
+
+class ConflictingStore:
+    """A ModelStore whose first write loses to another writer that paused the model meanwhile."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body, self.writes, self.refused = body, [], 0
+
+    async def write_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        if body["metadata"]["resourceVersion"] != self.body["metadata"]["resourceVersion"]:
+            raise StatusConflict("stale")
+        if not self.refused:  # someone else wrote first: the model moved on under this decision
+            self.refused += 1
+            self.body = {**self.body, "metadata": {**self.body["metadata"], "resourceVersion": "2",
+                                                   "annotations": {"kvguard.io/pause": "true"}}}  # fmt: skip
+            raise StatusConflict("stale")
+        self.writes.append(status)
+        self.body = {**self.body, "status": status, "metadata": {**self.body["metadata"], "resourceVersion": "3"}}
+        return self.body
+
+    async def reread(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.body
+
+    async def record_event(self, *_: Any) -> None:
+        return None
+
+
+class NoWorkloads:
+    async def observe(self, model: ModelRef) -> Any:
+        from kvguard.operator.backends.base import Observation
+
+        return Observation()
+
+    async def ensure_revision(self, *_: Any) -> None:
+        raise AssertionError("a paused rollout deploys nothing")
+
+
+async def test_a_stale_status_write_is_re_read_and_decided_again_on_the_latest_model() -> None:
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    body["metadata"].update(namespace="models", uid="u", resourceVersion="1")
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "m", "path": "tiny"}}
+    store = ConflictingStore(body)
+    result = await run_pass(body, Observed(), store, NoWorkloads(), CanaryRunner(), DriverMemory())  # type: ignore[arg-type]
+    assert result is not None and store.refused == 1 and len(store.writes) == 1
+    assert store.writes[0]["rollout"]["state"] == "Paused"  # decided on what the other writer left, not on the stale read

@@ -3,10 +3,10 @@ status record, `kvguard apply` input errors, and healing a killed worker (real p
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import signal
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import yaml
 from waiting import wait_for
 
 from kvguard.cli import main
-from kvguard.operator.api import InferenceModel, InferenceModelStatus
+from kvguard.operator.api import InferenceModel
 from kvguard.operator.backends.local import (
     FAULTS_ENV,
     TRANSFER_KEY_ENV,
@@ -30,10 +30,8 @@ from kvguard.operator.backends.local import (
     worker_argvs,
     worker_env,
 )
-from kvguard.operator.backends.local_rollout import record_decision
 from kvguard.operator.planner import plan
 from kvguard.operator.revision import revision_of
-from kvguard.operator.rollout import Decision, RolloutState, RolloutStatus, RouteTraffic, SetCondition
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,23 +141,6 @@ def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) ->
             os.kill(worker.pid, signal.SIGKILL)
 
 
-def test_record_decision_keeps_history_for_rollbacks() -> None:
-    body = tiny_body()
-    kv_plan = plan(spec_of(body))
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    status = InferenceModelStatus(revision="old")
-    status = record_decision(status, Decision(RolloutStatus(state=RolloutState.CANARY_DEPLOYING, revision="new"), "old", ()), "new", kv_plan, 1, now)
-    assert [(h.revision, h.state) for h in status.history] == [("new", "Candidate")]
-    promoted = Decision(
-        RolloutStatus(state=RolloutState.STABLE, revision="new", message="revision new is serving"), "new",
-        (RouteTraffic("new"), SetCondition("Ready", "True", "StableRevisionServing", "ok")), promoted_from="old",
-    )  # fmt: skip
-    status = record_decision(status, promoted, "new", kv_plan, 1, now)
-    assert [(h.revision, h.state) for h in status.history] == [("new", "Stable"), ("old", "Superseded")]
-    assert status.revision == "new" and status.phase.value == "Ready"
-    assert [c.type for c in status.conditions] == ["Ready"]
-
-
 def test_apply_input_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = tmp_path / "m.yaml"
     manifest.write_text(yaml.safe_dump(tiny_body(str(tmp_path / "missing"))))
@@ -230,3 +211,19 @@ def test_scaling_a_revision_up_keeps_running_workers_and_restarts_only_the_route
             assert sum(1 for a in router if a == "--decode") == 2
         finally:
             backend.stop_all()
+
+
+def test_a_worker_started_but_never_recorded_is_found_by_its_command_line() -> None:
+    """A driver killed between starting a worker and saving its PID leaves it running on the
+    worker's ports; the next driver adopts it instead of starting a second one that cannot bind."""
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", "--port", str(os.getpid())]
+    orphan = subprocess.Popen(argv)  # noqa: S603 - our own argv
+    try:
+        worker = LocalWorker(name="prefill-0", role="prefill", port=1, metrics_port=2, argv=argv)
+        table = ProcessTable()
+        wait_for(lambda: table.find(worker) is not None, "the orphan's command line in /proc")
+        assert table.find(worker) == orphan.pid
+        assert table.find(LocalWorker(name="x", role="prefill", port=1, metrics_port=2, argv=[*argv, "other"])) is None
+    finally:
+        orphan.kill()
+        orphan.wait()

@@ -41,17 +41,23 @@ def test_objects_validate_against_kubernetes_schemas(rendered: list[dict[str, An
         kubernetes_validate.validate(obj, "1.30", strict=True)
 
 
+def rules(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [rule for role in by_kind(objs, kind) for rule in role["rules"]]
+
+
 def test_rbac_is_least_privilege(rendered: list[dict[str, Any]]) -> None:
     bindings = by_kind(rendered, "ClusterRoleBinding") + by_kind(rendered, "RoleBinding")
     assert all(b["roleRef"]["name"] not in ("cluster-admin", "admin", "edit") for b in bindings)
-    for role in by_kind(rendered, "ClusterRole"):
-        for rule in role["rules"]:
-            assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-            if "secrets" in rule["resources"]:
-                assert not {"get", "list", "watch"} & set(rule["verbs"]), "no cluster-wide secret reads"
+    for rule in rules(rendered, "ClusterRole") + rules(rendered, "Role"):
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+        if "secrets" in rule["resources"]:
+            assert set(rule["verbs"]) <= {"create", "get", "delete"}, "Secrets by name only: never list or watch"
+        if {"inferencemodels", "inferencepolicies"} & set(rule["resources"]):
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}, "the operator writes only status"
 
 
-def test_operator_runs_restricted_with_peering(rendered: list[dict[str, Any]]) -> None:
+def test_operator_runs_restricted_with_a_leader_elected_by_lease(rendered: list[dict[str, Any]]) -> None:
     (deployment,) = by_kind(rendered, "Deployment")
     assert deployment["metadata"]["namespace"] == "kvguard-system" and deployment["spec"]["replicas"] >= 2
     pod = deployment["spec"]["template"]["spec"]
@@ -60,10 +66,47 @@ def test_operator_runs_restricted_with_peering(rendered: list[dict[str, Any]]) -
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
     }  # fmt: skip
-    assert "--standalone" not in container["args"]  # peering on
-    assert by_kind(rendered, "ClusterKopfPeering")[0]["metadata"]["name"] == "kvguard"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    (lease_role,) = [r for r in by_kind(rendered, "Role") if r["metadata"]["name"] == "kvguard-operator-leader-election"]
+    assert lease_role["metadata"]["namespace"] == "kvguard-system"
+    assert all(rule["resources"] == ["leases"] for rule in lease_role["rules"])
+    assert not by_kind(rendered, "ClusterKopfPeering"), "kopf peering is replaced by the Lease"
+    assert "clusterkopfpeerings" not in {r for rule in rules(rendered, "ClusterRole") for r in rule["resources"]}
     names = {c["metadata"]["name"] for c in by_kind(rendered, "CustomResourceDefinition")}
-    assert {"inferencemodels.kvguard.io", "inferencepolicies.kvguard.io"} <= names
+    assert names == {"inferencemodels.kvguard.io", "inferencepolicies.kvguard.io"}
+
+
+def test_the_namespaced_install_grants_nothing_outside_its_namespaces() -> None:
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / "manifests" / "namespaced")], check=True, capture_output=True, text=True)
+    objs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    for obj in objs:
+        if not obj["apiVersion"].startswith("kvguard.io/"):
+            import kubernetes_validate
+
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    for rule in rules(objs, "ClusterRole"):  # cluster-wide: read only, and only policies and CRDs
+        assert set(rule["verbs"]) <= {"get", "list", "watch"} and set(rule["resources"]) <= {"inferencepolicies", "customresourcedefinitions"}
+    (deployment,) = by_kind(objs, "Deployment")
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    watched = set(env["WATCH_NAMESPACES"].split(","))
+    workload_roles = {r["metadata"]["namespace"] for r in by_kind(objs, "Role") if r["metadata"]["name"] == "kvguard-operator"}
+    assert workload_roles == watched == {"models"}, "a Role in every watched namespace, and only there"
+    for binding in by_kind(objs, "RoleBinding") + by_kind(objs, "ClusterRoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvguard-operator", "namespace": "kvguard-system"}]
+    workload = next(r for r in by_kind(objs, "Role") if r["metadata"]["name"] == "kvguard-operator")
+    resources = {res for rule in workload["rules"] for res in rule["resources"]}
+    assert {"deployments", "services", "networkpolicies", "secrets", "inferencemodels/status"} <= resources
+
+
+def test_the_operator_command_watches_what_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvguard.commands.operator import kopf_argv, watched_namespaces
+
+    assert watched_namespaces([], {"WATCH_NAMESPACES": "models, team-b"}) == ["models", "team-b"]
+    assert watched_namespaces(["only"], {"WATCH_NAMESPACES": "models"}) == ["only"]
+    assert kopf_argv(["models", "team-b"])[-2:] == ["--namespace=models", "--namespace=team-b"]
+    assert "--all-namespaces" in kopf_argv(watched_namespaces([], {})) and "--standalone" in kopf_argv([])
 
 
 def test_sample_model_is_valid() -> None:

@@ -102,7 +102,7 @@ def test_service_monitor_scrapes_the_operator_metrics_service(rendered: list[dic
     assert [s["metadata"]["name"] for s in scraped] == ["kvguard-operator-metrics"]
     (deployment,) = by_kind(render(ROOT / "manifests"), "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     (port,) = [p for p in container["ports"] if p["name"] == scraped[0]["spec"]["ports"][0]["targetPort"]]
     assert str(port["containerPort"]) == env["KVGUARD_METRICS_PORT"]  # the port operator/handlers.py serves
     assert endpoint["honorLabels"] is True  # keeps kvguard_operator_kv_ratio's model namespace

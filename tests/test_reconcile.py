@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.api import InferenceModelSpec, InferencePolicy
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, DeploymentState, Observed, deployment_state, reconcile, revision_views
 from kvguard.operator.render import SCALE_ANNOTATION
 from kvguard.operator.revision import revision_of
@@ -30,7 +30,7 @@ def body(example: str = "tiny-cpu.yaml") -> dict[str, Any]:
 
 def ready(rev: str, name: str = "tiny-cpu", **kwargs: object) -> Observed:
     deployments = [DeploymentState(f"{name}-{rev}-{r}", rev, r, 1, 1) for r in ("prefill", "decode", "router")]
-    return Observed(deployments=deployments, revisions_present=frozenset({rev}), **kwargs)  # type: ignore[arg-type]
+    return Observed(revisions=revision_views(deployments), **kwargs)  # type: ignore[arg-type]
 
 
 def promote(b: dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +41,8 @@ def promote(b: dict[str, Any]) -> dict[str, Any]:
     assert DeployRevision(rev) in first.actions and not any(isinstance(a, RouteTraffic) for a in first.actions)
     b["status"] = first.status
     verifying = reconcile(b, ready(rev), now=NOW)
-    assert verifying.scrape == rev
+    assert verifying.scrape == rev and verifying.requeue_after == 0  # scraped before the next pass, at once
+    b["status"] = verifying.status
     verifying = reconcile(b, ready(rev, worker_reports=POOLS), now=NOW)
     assert verifying.status["canary"] == "Running" and verifying.status["revision"] is None
     b["status"] = verifying.status
@@ -113,3 +114,54 @@ def test_canary_scale_is_read_back_from_the_deployments() -> None:
     assert revision_views(states)["r"].scale == "canary"
     assert deployment_state({"metadata": {"annotations": {SCALE_ANNOTATION: "canary"}}, "spec": {"replicas": 1}}).scale == "canary"
     assert deployment_state({"metadata": {}, "spec": {"replicas": 1}}).scale == "full"
+
+
+TINY_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 320,
+    "torch_dtype": "float32", "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def from_config_map(b: dict[str, Any]) -> dict[str, Any]:
+    del b["spec"]["model"]["architecture"]
+    b["spec"]["model"]["architectureConfigMap"] = {"name": "tiny-config"}
+    return b
+
+
+def test_policy_is_evaluated_on_the_resolved_spec_and_the_rendered_command_lines() -> None:
+    """An architecture from a ConfigMap is planned and rendered before policy: a required flag that
+    the renderer puts on the command line is there (before, only engine.extraArgs was checked)."""
+    policy = InferencePolicy.model_validate({"metadata": {"name": "flags"}, "spec": {
+        "requiredEngineFlags": [{"engine": "kvguard", "flags": ["--kv-pool-tokens", "--page-size"]}]}})  # fmt: skip
+    b = from_config_map(body())
+    out = reconcile(b, Observed(architecture_config=TINY_HF_CONFIG, policies=(policy,)), now=NOW)
+    compliant = next(c for c in out.status["conditions"] if c["type"] == "PolicyCompliant")
+    assert compliant["status"] == "True", compliant["message"]
+    assert out.rendered is not None and "--kv-pool-tokens" in out.rendered.worker_commands()["decode"]
+    strict = InferencePolicy.model_validate({"metadata": {"name": "strict"}, "spec": {
+        "requiredEngineFlags": [{"engine": "kvguard", "flags": ["--no-such-flag"]}]}})  # fmt: skip
+    blocked = reconcile(b, Observed(architecture_config=TINY_HF_CONFIG, policies=(strict,)), now=NOW)
+    violation = next(c for c in blocked.status["conditions"] if c["type"] == "PolicyCompliant")
+    assert violation["status"] == "False" and "spec.engine.extraArgs: --no-such-flag" in violation["message"]
+    assert blocked.status["phase"] == "Blocked" and not [a for a in blocked.actions if isinstance(a, DeployRevision)]
+
+
+def test_a_foreign_object_blocks_by_name_and_is_looked_at_again() -> None:
+    b = promote(body())
+    out = reconcile(b, ready(b["status"]["revision"], foreign_objects=("Secret ns/tiny-cpu-x-kv-transfer exists ...",)), now=NOW)
+    degraded = next(c for c in out.status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "ForeignObject" and "Secret ns/tiny-cpu-x-kv-transfer" in degraded["message"]
+    assert out.actions == [] and out.requeue_after and out.status["revision"] == b["status"]["revision"]  # S8
+
+
+def test_a_waiting_rollout_says_when_its_deadline_falls() -> None:
+    b = body()
+    b["spec"]["rollout"] = {"progressDeadlineSeconds": 120}
+    first = reconcile(b, Observed(), now=NOW)
+    assert first.requeue_after and first.deadline_in == 120
+    b["status"] = first.status
+    later = reconcile(b, Observed(), now=NOW + dt.timedelta(seconds=100))
+    assert later.deadline_in == 20
+    failed = reconcile(b, Observed(), now=NOW + dt.timedelta(seconds=121))
+    assert failed.status["rollout"]["state"] in ("Failed", "RolledBack") and "progressDeadlineSeconds" in failed.status["rollout"]["message"]

@@ -16,11 +16,11 @@ import pytest
 import yaml
 
 from kvguard.operator.api import InferenceModelSpec, RevisionRecord
+from kvguard.operator.backends.base import worker_report
 from kvguard.operator.canary.metrics import PoolReading, WorkerSnapshot
 from kvguard.operator.rollout import (
     MAX_SCRAPE_ATTEMPTS,
     PAUSE_ANNOTATION,
-    PROGRESS_DEADLINE_SECONDS,
     RETRY_ANNOTATION,
     ROLLBACK_ANNOTATION,
     CanaryResult,
@@ -42,13 +42,13 @@ from kvguard.operator.rollout import (
     World,
     previous_stables,
     step,
-    worker_report,
 )
 
 S = RolloutState
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SPEC = InferenceModelSpec.model_validate(yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"])
+PROGRESS_DEADLINE_SECONDS = SPEC.rollout.progress_deadline_seconds
 GOOD_POOLS = (WorkerReport("p0", "prefill", 4096, 1024), WorkerReport("d0", "decode", 4096, 1024))
 READY = RevisionView(ready=True, worker_replicas=2)
 WORKLOAD_ACTIONS = (DeployRevision, ScaleRevision, DeleteRevision, RouteTraffic, RunCanary, ScrapeMetrics)

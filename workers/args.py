@@ -152,13 +152,21 @@ class WorkerArgs(BaseModel):
         return self
 
     def to_argv(self) -> list[str]:
-        """The flags that reproduce this value (defaults left out), for `kvguard worker`."""
+        """The flags that reproduce this value, for `kvguard worker`. Defaults are left out, except
+        for an engine worker the numbers the KV plan rests on (page size, device, dtype): those are
+        always stated, so a command line says what it runs even if a default changes."""
         argv: list[str] = []
-        for name, value in self.model_dump(exclude_defaults=True, exclude_none=True).items():
+        explicit = _PLANNED_FIELDS if self.role != "router" else set()
+        stated = self.model_dump(exclude_defaults=True, exclude_none=True)
+        values = {name: value for name, value in self.model_dump(exclude_none=True).items() if name in stated or name in explicit}
+        for name, value in values.items():
             flag = "--" + name.replace("_", "-")
             for item in value if isinstance(value, tuple | list) else (value,):
                 argv += [flag, str(item)]
         return argv
+
+
+_PLANNED_FIELDS = {"page_size", "device", "dtype"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

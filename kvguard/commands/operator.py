@@ -1,7 +1,13 @@
 """`kvguard operator`: run the kopf operator (same as `kopf run -m kvguard.operator.handlers`).
 
-Peering gives HA: every replica runs with a random priority unless --priority is given, so exactly
-one is active and another takes over when it disappears (kopf freezes lower-priority peers).
+HA: run several replicas. Every replica watches, keeps its caches warm and serves the admission
+webhook; the one holding the coordination Lease (KVGUARD_LEASE_NAME in KVGUARD_LEASE_NAMESPACE /
+POD_NAMESPACE) drives rollouts, and another takes over when it stops renewing (leader.py). kopf's
+own peering is not used (it runs `--standalone`).
+
+Scope: every namespace (the cluster-wide install, manifests/), or only those named by
+`--namespace` (repeatable) or WATCH_NAMESPACES (comma-separated; the namespaced install,
+manifests/namespaced/, whose RBAC covers exactly those namespaces).
 
 Before kopf starts, the command checks that a Kubernetes API server answers with the credentials
 kopf will use (the pod's service account, else $KUBECONFIG or ~/.kube/config). Without one it
@@ -11,10 +17,12 @@ prints one line saying what is missing and exits 1 within seconds, instead of ko
 from __future__ import annotations
 
 import argparse
-import random
+import os
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+WATCH_NAMESPACES_ENV = "WATCH_NAMESPACES"
 EXIT_NO_CLUSTER = 1
 PREFLIGHT_TIMEOUT_SECONDS = 5
 
@@ -24,12 +32,27 @@ def add_parser(subparsers: Any) -> None:
         "operator", help="run the InferenceModel operator (kopf); exit 1 at once when no cluster answers",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--namespace", "-n", action="append", default=[], help="watch only these namespaces")
-    parser.add_argument("--standalone", action="store_true", help="no peering (single replica, local runs)")
-    parser.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help=f"watch only these namespaces (default: ${WATCH_NAMESPACES_ENV}, else all)")  # fmt: skip
     parser.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     parser.add_argument("--verbose", action="store_true")
     parser.set_defaults(func=run)
+
+
+def watched_namespaces(flags: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """--namespace values, else WATCH_NAMESPACES; empty means every namespace."""
+    names = list(flags) or [n.strip() for n in environ.get(WATCH_NAMESPACES_ENV, "").split(",")]
+    return [n for n in names if n]
+
+
+def kopf_argv(namespaces: Sequence[str], liveness: str | None = None, verbose: bool = False) -> list[str]:
+    argv = ["run", "-m", "kvguard.operator.handlers", "--standalone"]  # leader election is the Lease
+    argv += [f"--namespace={ns}" for ns in namespaces] or ["--all-namespaces"]
+    if liveness:
+        argv.append(f"--liveness={liveness}")
+    if verbose:
+        argv.append("--verbose")
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,16 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_CLUSTER
     import kopf.cli  # heavy: only when the command runs
 
-    argv = ["run", "-m", "kvguard.operator.handlers"]
-    argv += [f"--namespace={ns}" for ns in args.namespace] or ["--all-namespaces"]
-    if args.standalone:
-        argv.append("--standalone")
-    else:
-        argv += ["--peering=kvguard", f"--priority={args.priority if args.priority is not None else random.randint(1, 10_000)}"]
-    if args.liveness:
-        argv.append(f"--liveness={args.liveness}")
-    if args.verbose:
-        argv.append("--verbose")
+    argv = kopf_argv(watched_namespaces(args.namespace, os.environ), args.liveness, args.verbose)
     try:
         kopf.cli.main(argv, standalone_mode=False)
     except SystemExit as exc:

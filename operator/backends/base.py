@@ -1,22 +1,11 @@
 """The backend interface: "run this revision's workloads and tell me what is ready and where".
 
-The rollout state machine (`kvguard.operator.rollout`) decides; a backend carries its workload
-actions out on some platform: `KubernetesBackend` (Deployments/Services through kube.py) or the
-local backend (processes on loopback). Both use the helpers below to execute a decision, scrape the
-candidate's workers and run the canary suite off the reconcile path, so the same machine and the
-same suite drive both.
-
-A driver's loop, per model:
-
-    observation = await backend.observe(model)
-    world = World(target=..., revisions=observation.revisions, serving=observation.serving,
-                  canary=runner.result(key), canary_running=runner.running(key, candidate, attempt), ...)
-    decision = step(spec, status.rollout, status.revision, world)
-    if decision.of_type(ScrapeMetrics):
-        reports = await scrape_workers(await backend.endpoints(model, candidate))
-        decision = step(spec, status.rollout, status.revision, with_reports(world, reports))
-    await execute(backend, request, decision.actions, runner, canary_spec)   # workload actions
-    persist decision.rollout / decision.stable / SetCondition actions; emit RecordEvent actions
+The rollout state machine (`kvguard.operator.rollout`) decides, through the one reconcile both
+drivers run (`kvguard.operator.driver.run_pass`); a backend carries the workload actions out on
+some platform: `KubernetesBackend` (Deployments/Services through kube.py) or the local backend
+(processes on loopback). Both use the helpers below to execute a decision, scrape the candidate's
+workers and run the canary suite off the reconcile path, so the same machine and the same suite
+drive both.
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
-from kvguard.operator.canary.metrics import fetch_all
+from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.canary.suite import run_suite
@@ -45,11 +34,11 @@ from kvguard.operator.rollout import (
     Scale,
     ScaleRevision,
     WorkerReport,
-    worker_report,
 )
 
 if TYPE_CHECKING:
     from kvguard.operator.api import InferenceModelSpec, KVPlan
+    from kvguard.operator.render import RenderedRevision
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +68,20 @@ class RevisionRequest:
     plan: KVPlan
     faults: str = ""
     """Test-only KVGUARD_FAULTS of this revision's workers (part of its revision id); empty: none."""
+    rendered: RenderedRevision | None = None
+    """The revision's Kubernetes objects as reconcile rendered them (the Kubernetes backend applies
+    these; the local backend runs processes from spec and plan)."""
+
+
+class ForeignObjectError(Exception):
+    """An object with the name of one of the model's children exists and the operator did not
+    create it (S3: e.g. a transfer Secret with a key someone chose). Never used, never modified."""
+
+    def __init__(self, description: str, ref: tuple[str, str, str | None] | None = None) -> None:
+        super().__init__(description)
+        self.description = description
+        self.ref = ref
+        """(kind, name, namespace) of the object, for the backend to look at it again."""
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,23 @@ class Backend(Protocol):
         """Send user traffic to the revision (all of it; no split)."""
         ...
 
+    async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> Sequence[ForeignObjectError]:
+        """Of the objects that blocked the model because someone else owns them, those still there."""
+        ...
+
 
 # --- helpers every driver shares ----------------------------------------------------------------
+
+
+def worker_report(worker: str, role: str, snapshot: WorkerSnapshot) -> WorkerReport:
+    """A scraped /metrics (kvguard, SGLang or vLLM, via the canary's parser) as the machine's input."""
+    if not snapshot.reachable:
+        return WorkerReport(worker, role, error=snapshot.error)
+    if not snapshot.pools:
+        return WorkerReport(worker, role, context_length=snapshot.context_length,
+                            error=f"exposes no KV pool size ({snapshot.engine} metrics)")  # fmt: skip
+    smallest = min(p.capacity_tokens for p in snapshot.pools)
+    return WorkerReport(worker, role, pool_tokens=smallest, context_length=snapshot.context_length)
 
 
 async def scrape_workers(endpoints: RevisionEndpoints, timeout: float = SCRAPE_TIMEOUT_SECONDS) -> list[WorkerReport]:
@@ -216,6 +234,16 @@ class CanaryRunner:
     def forget(self, model: tuple[str, str]) -> None:
         self.cancel(model)
         self._results.pop(model, None)
+
+    def cancel_all(self) -> None:
+        """Stop every run (leadership lost: another operator replica drives from now on)."""
+        for model in list(self._tasks):
+            self.cancel(model)
+        self._results.clear()
+
+    @property
+    def active(self) -> int:
+        return sum(1 for _, _, task in self._tasks.values() if not task.done())
 
 
 async def execute(

@@ -1,59 +1,122 @@
 """The Kubernetes backend: a revision is prefill/decode/router Deployments + Services + Secret +
 NetworkPolicy (rendered by `render`), applied through `kube` (the only module talking to the API).
 
+Reads come from memory: the controller keeps an index of every child the operator owns, fed by
+label-selected watches (`ChildIndex`), so observing a model costs no API request. Writes:
+- children are server-side applied (field manager `kvguard`), so a field the renderer drops is
+  removed on the cluster; an apply is skipped when the object already holds exactly this manifest
+  (a hash annotation) at the replicas wanted and nobody changed its spec since (its generation);
+- before a child is applied for the first time, its name is checked: an object the model does not
+  own is never modified (ForeignObjectError), since apply with force would take it over;
+- the transfer Secret (S3) is created once; a 409 is accepted only for a Secret owned by this very
+  InferenceModel with this revision's labels, read as metadata only;
+- scaling is a merge patch of replicas under its own field manager.
+
 Where a revision answers (used by the canary): the router through its per-revision Service's
 in-cluster DNS name (`http://<model>-<rev>-router.<ns>.svc:8000`); every worker through its pod IP
-(`http://<podIP>:8000/metrics`, pods listed from the API and filtered by label in code), because a
-Service would load-balance and S7 needs every worker's own report. The resolver is injectable:
-tests against kmock (no pods, no DNS) point it at real processes on loopback.
+(`http://<podIP>:8000/metrics`, pods listed by label selector, Running, Ready and not
+terminating), because a Service would load-balance and S7 needs every worker's own report. The
+resolver is injectable: tests against kmock (no pods, no DNS) point it at real processes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvguard.operator.backends.base import (
+    ForeignObjectError,
     ModelRef,
     Observation,
     RevisionEndpoints,
     RevisionRequest,
     WorkerEndpoint,
 )
-from kvguard.operator.kube import Kube, KubeError, ObjectRef, ref_of
-from kvguard.operator.reconcile import deployment_state, owned_by, revision_views
+from kvguard.operator.kube import SCALE_FIELD_MANAGER, Kube, KubeError, ObjectRef, ref_of
 from kvguard.operator.render import (
     HTTP_PORT,
+    LABEL_MODEL,
     LABEL_REVISION,
     LABEL_ROLE,
+    MANAGED_BY,
     ROLES,
     Owner,
+    network_policy_name,
     object_name,
     render_model_service,
-    render_revision,
+    render_rollout_revision,
     render_transfer_secret,
-    revision_object_refs,
+    secret_name,
 )
 from kvguard.operator.rollout import Scale
+from kvguard.operator.workloads import deployment_state, owned_by, pod_is_serving, revision_views
 
 log = logging.getLogger(__name__)
 
 REPLICAS_ANNOTATION = "kvguard.io/replicas-before-scale-down"
 """Set on a Deployment scaled to zero, so a rollback restores its replicas."""
+APPLIED_HASH_ANNOTATION = "kvguard.io/applied-hash"
+"""On every applied child: a hash of the manifest applied, to skip applying it again unchanged."""
 
 Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
+ObjectKey = tuple[str, str, str]
+"""(kind, namespace, name)."""
 
 
-def is_subset(desired: Any, live: Any) -> bool:
-    """True when every value in `desired` is already in `live` (lists element by element), so
-    server-side defaults do not count as drift and a no-op patch is never sent."""
-    if isinstance(desired, Mapping):
-        return isinstance(live, Mapping) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
-    if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(map(is_subset, desired, live))
-    return bool(desired == live)
+class ChildIndex(Protocol):
+    """Every Deployment, Service and NetworkPolicy carrying the operator's labels, by model."""
+
+    def children(self, namespace: str, model: str) -> list[Mapping[str, Any]]: ...
+
+
+class DictChildIndex:
+    """A ChildIndex held in a dict (tests, and anything not fed by kopf)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[ObjectKey, Mapping[str, Any]] = {}
+
+    def put(self, obj: Mapping[str, Any]) -> None:
+        meta = obj["metadata"]
+        self.objects[(obj["kind"], meta.get("namespace") or "", meta["name"])] = obj
+
+    def children(self, namespace: str, model: str) -> list[Mapping[str, Any]]:
+        return [o for (_, ns, _), o in self.objects.items() if ns == namespace
+                and ((o.get("metadata") or {}).get("labels") or {}).get(LABEL_MODEL) == model]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What this process last wrote to a child: the manifest's hash, its replicas, the generation."""
+
+    digest: str
+    replicas: int | None
+    generation: int | None
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:20]
+
+
+def with_digest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    digest = manifest_digest(manifest)
+    meta = manifest["metadata"]
+    return {**manifest, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}}}, digest
+
+
+def _replicas(obj: Mapping[str, Any]) -> int | None:
+    value = (obj.get("spec") or {}).get("replicas")
+    return int(value) if isinstance(value, int) else None
+
+
+def _generation(obj: Mapping[str, Any]) -> int | None:
+    value = (obj.get("metadata") or {}).get("generation")
+    return int(value) if isinstance(value, int) else None
 
 
 def _owner(model: ModelRef) -> Owner:
@@ -62,86 +125,178 @@ def _owner(model: ModelRef) -> Owner:
     return Owner(name=model.name, namespace=model.namespace, uid=model.uid)
 
 
+def _key(obj: Mapping[str, Any]) -> ObjectKey:
+    meta = obj["metadata"]
+    return obj["kind"], meta.get("namespace") or "", meta["name"]
+
+
 class KubernetesBackend:
     """`Backend` on a cluster. Every method is idempotent and runs the blocking client off the loop."""
 
-    def __init__(self, kube: Kube, resolver: Resolver | None = None) -> None:
+    def __init__(self, kube: Kube, index: ChildIndex, resolver: Resolver | None = None) -> None:
         self.kube = kube
+        self.index = index
         self._resolver = resolver
+        self._applied: dict[ObjectKey, Applied] = {}
+        self._verified_secrets: set[ObjectKey] = set()
 
+    # --- the Backend interface ------------------------------------------------------------------
     async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
         owner = _owner(request.model)
-        for manifest in render_revision(request.spec, request.plan, owner, request.revision, scale, request.faults):
-            await self.create_or_patch(manifest, request.model)
-        # Generated once, never patched, never logged (S3); None on 409 keeps the existing key.
-        await self.kube.acreate(render_transfer_secret(owner, request.revision, secrets.token_bytes(32)))
+        await self.ensure_transfer_secret(owner, request.revision)  # before any pod references it
+        rendered = request.rendered or render_rollout_revision(request.spec, request.plan, owner, request.revision, request.faults)
+        # The children are independent of each other: apply them concurrently (one round trip of
+        # latency per revision, not seven). Every failure is raised; a foreign object first.
+        results = await asyncio.gather(*(self.apply(m, request.model) for m in rendered.at(scale)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise next((e for e in errors if isinstance(e, ForeignObjectError)), errors[0])
 
     async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
+        live_by_name = {o["metadata"]["name"]: o for o in self._owned(model) if o.get("kind") == "Deployment"}
         for role in ROLES:
-            ref = ObjectRef("Deployment", object_name(model.name, revision, role), model.namespace)
-            live = await self.kube.aget(ref)
-            if live is None or not owned_by(live, model.name, model.uid):
+            live = live_by_name.get(object_name(model.name, revision, role))
+            if live is None:
                 continue
-            current = int((live.get("spec") or {}).get("replicas", 1))
-            saved = ((live.get("metadata") or {}).get("annotations") or {}).get(REPLICAS_ANNOTATION)
-            if replicas == 0 and current != 0:
-                patch = {"metadata": {"annotations": {REPLICAS_ANNOTATION: str(current)}}, "spec": {"replicas": 0}}
-            elif replicas is None and current == 0 and saved and saved.isdigit():
-                patch = {"metadata": {"annotations": {REPLICAS_ANNOTATION: None}}, "spec": {"replicas": int(saved)}}
-            elif replicas is not None and replicas != 0 and current != replicas:
-                patch = {"spec": {"replicas": replicas}}
-            else:
+            patch = _scale_patch(live, replicas)
+            if patch is None:
                 continue
-            await self.kube.amerge_patch(ref, patch)
-            log.info("scaled %s to %s", ref, patch["spec"]["replicas"])
+            result = await self.kube.amerge_patch(ref_of(live), patch, field_manager=SCALE_FIELD_MANAGER)
+            key = _key(live)
+            previous = self._applied.get(key)
+            digest = previous.digest if previous else ((live["metadata"].get("annotations") or {}).get(APPLIED_HASH_ANNOTATION) or "")
+            self._applied[key] = Applied(digest, _replicas(result), _generation(result))
+            log.info("scaled %s to %s", ref_of(live), patch["spec"]["replicas"])
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
-        for kind, name in revision_object_refs(model.name, revision):
-            if await self.kube.adelete(ObjectRef(kind, name, model.namespace)):
-                log.info("deleted %s %s/%s of revision %s", kind, model.namespace, name, revision)
+        names = {object_name(model.name, revision, role) for role in ROLES} | {network_policy_name(model.name, revision)}
+        doomed = [o for o in self._owned(model) if o["metadata"]["name"] in names]
+        secret = ObjectRef("Secret", secret_name(model.name, revision), model.namespace)
+        for ref in [ref_of(o) for o in doomed] + [secret]:
+            if await self.kube.adelete(ref):
+                log.info("deleted %s of revision %s", ref, revision)
+            self.forget((ref.kind, ref.namespace or "", ref.name))
 
     async def observe(self, model: ModelRef) -> Observation:
-        deployments = [d for d in await self.kube.alist("Deployment", model.namespace) if owned_by(d, model.name, model.uid)]
-        return Observation(revisions=revision_views([deployment_state(d) for d in deployments]),
-                           serving=await self.serving(model))  # fmt: skip
-
-    async def serving(self, model: ModelRef) -> str | None:
-        service = await self.kube.aget(ObjectRef("Service", model.name, model.namespace))
-        if service is None or not owned_by(service, model.name, model.uid):
-            return None
-        return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
+        owned = self._owned(model)
+        deployments = [deployment_state(o) for o in owned if o.get("kind") == "Deployment"]
+        present = sorted({r for o in owned if (r := ((o["metadata"].get("labels") or {}).get(LABEL_REVISION)))})
+        service = next((o for o in owned if o.get("kind") == "Service" and o["metadata"]["name"] == model.name), None)
+        serving = (((service or {}).get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
+        return Observation(revisions=revision_views(deployments, present), serving=serving)
 
     async def endpoints(self, model: ModelRef, revision: str) -> RevisionEndpoints:
         if self._resolver is not None:
             return await self._resolver(model, revision)
         router = f"http://{object_name(model.name, revision, 'router')}.{model.namespace}.svc:{HTTP_PORT}"
+        pods = await self.kube.alist("Pod", model.namespace, {LABEL_MODEL: model.name, LABEL_REVISION: revision})
         workers = []
-        for pod in await self.kube.alist("Pod", model.namespace):
+        for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
-            ip = (pod.get("status") or {}).get("podIP")
             role = labels.get(LABEL_ROLE)
-            if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode") and ip:
+            if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode") and pod_is_serving(pod):
+                ip = pod["status"]["podIP"]
                 workers.append(WorkerEndpoint(pod["metadata"]["name"], role, f"http://{ip}:{metrics_port(pod)}/metrics"))
         return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)))
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
-        await self.create_or_patch(render_model_service(_owner(model), revision), model)
+        await self.apply(render_model_service(_owner(model), revision), model)
 
-    async def create_or_patch(self, manifest: Mapping[str, Any], model: ModelRef) -> None:
-        ref = ref_of(manifest)
-        live = await self.kube.aget(ref)
+    async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
+        still = []
+        for error in found:
+            if error.ref is None:
+                continue
+            kind, name, namespace = error.ref
+            meta = await self.kube.aget_metadata(ObjectRef(kind, name, namespace))
+            if meta is not None and not self._is_ours(meta, model):
+                still.append(error)
+        return still
+
+    # --- applying -------------------------------------------------------------------------------
+    async def apply(self, manifest: Mapping[str, Any], model: ModelRef) -> None:
+        """Server-side apply of one child, unless it already holds exactly this manifest."""
+        desired, digest = with_digest(manifest)
+        key, ref = _key(desired), ref_of(desired)
+        live = next((o for o in self._owned(model) if _key(o) == key), None)
+        if self._up_to_date(key, live, digest, _replicas(desired)):
+            return
+        if live is None and key not in self._applied:
+            existing = await self.kube.aget_metadata(ref)
+            if existing is not None and not self._is_ours(existing, model):
+                raise ForeignObjectError(f"{ref} exists and is not owned by InferenceModel {model.name}; refusing to modify it "
+                                         "(delete or rename it)", (ref.kind, ref.name, ref.namespace))  # fmt: skip
+        result = await self.kube.aapply(desired)
+        self._applied[key] = Applied(digest, _replicas(result), _generation(result))
+        log.info("applied %s", ref)
+
+    def _up_to_date(self, key: ObjectKey, live: Mapping[str, Any] | None, digest: str, replicas: int | None) -> bool:
+        known = self._applied.get(key)
+        if known is not None:
+            newer = live is not None and None not in (_generation(live), known.generation) and _generation(live) > known.generation  # type: ignore[operator]
+            return known.digest == digest and known.replicas == replicas and not newer  # else: changed by someone else
         if live is None:
-            if await self.kube.acreate(manifest) is not None:
-                log.info("created %s", ref)
-                return
-            live = await self.kube.aget(ref)  # lost a race with another writer
-            if live is None:
-                raise KubeError(409, f"{ref}: conflict on create")
-        if not owned_by(live, model.name, model.uid):
-            raise KubeError(409, f"{ref} exists and is not owned by InferenceModel {model.name}; refusing to modify it")
-        if not is_subset(manifest, live):
-            await self.kube.amerge_patch(ref, manifest)
-            log.info("patched %s", ref)
+            return False
+        live_digest = ((live.get("metadata") or {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)
+        if live_digest == digest and _replicas(live) == replicas:  # applied by an earlier process of ours
+            self._applied[key] = Applied(digest, replicas, _generation(live))
+            return True
+        return False
+
+    def forget(self, key: ObjectKey) -> None:
+        """A child was deleted (its watch said so): apply it again when it is wanted."""
+        self._applied.pop(key, None)
+        self._verified_secrets.discard(key)
+
+    # --- the transfer Secret (S3) ----------------------------------------------------------------
+    async def ensure_transfer_secret(self, owner: Owner, revision: str) -> None:
+        """Created once with a fresh key, never patched, never read back (only its metadata, to
+        tell the operator's own Secret from one created by someone else)."""
+        ref = ObjectRef("Secret", secret_name(owner.name, revision), owner.namespace)
+        key = ("Secret", owner.namespace, ref.name)
+        if key in self._verified_secrets:
+            return
+        if await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32))) is not None:
+            self._verified_secrets.add(key)
+            return
+        existing = await self.kube.aget_metadata(ref)
+        if existing is None:
+            raise KubeError(409, f"{ref}: conflict on create, then gone; retrying")
+        if not _is_transfer_secret_of(existing, owner, revision):
+            raise ForeignObjectError(
+                f"{ref} exists and was not created by the operator for InferenceModel {owner.name} revision {revision} "
+                f"(it must carry a controller ownerReference to uid {owner.uid} and the label {LABEL_REVISION}={revision}); "
+                "its key is never used: delete it and the operator creates its own", ("Secret", ref.name, owner.namespace),
+            )  # fmt: skip
+        self._verified_secrets.add(key)
+
+    # --- reads from the index -------------------------------------------------------------------
+    def _owned(self, model: ModelRef) -> list[Mapping[str, Any]]:
+        return [o for o in self.index.children(model.namespace, model.name) if owned_by(o, model.name, model.uid)]
+
+    @staticmethod
+    def _is_ours(meta: Mapping[str, Any], model: ModelRef) -> bool:
+        labels = (meta.get("metadata") or {}).get("labels") or {}
+        return owned_by(meta, model.name, model.uid) and all(labels.get(k) == v for k, v in MANAGED_BY.items())
+
+
+def _is_transfer_secret_of(meta: Mapping[str, Any], owner: Owner, revision: str) -> bool:
+    labels = (meta.get("metadata") or {}).get("labels") or {}
+    managed = all(labels.get(k) == v for k, v in MANAGED_BY.items())
+    return managed and labels.get(LABEL_REVISION) == revision and owned_by(meta, owner.name, owner.uid)
+
+
+def _scale_patch(live: Mapping[str, Any], replicas: int | None) -> dict[str, Any] | None:
+    current = _replicas(live)
+    current = 1 if current is None else current
+    saved = ((live.get("metadata") or {}).get("annotations") or {}).get(REPLICAS_ANNOTATION)
+    if replicas == 0 and current != 0:
+        return {"metadata": {"annotations": {REPLICAS_ANNOTATION: str(current)}}, "spec": {"replicas": 0}}
+    if replicas is None and current == 0 and saved and saved.isdigit():
+        return {"metadata": {"annotations": {REPLICAS_ANNOTATION: None}}, "spec": {"replicas": int(saved)}}
+    if replicas is not None and replicas != 0 and current != replicas:
+        return {"spec": {"replicas": replicas}}
+    return None
 
 
 def metrics_port(pod: Mapping[str, Any]) -> int:
@@ -154,5 +309,4 @@ def metrics_port(pod: Mapping[str, Any]) -> int:
 def owned_by_revision(pod: Mapping[str, Any], model: str, revision: str) -> bool:
     """Pods carry the model/revision labels of their Deployment's template (no owner reference to us)."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
-    running = (pod.get("status") or {}).get("phase") in (None, "Running")
-    return labels.get("kvguard.io/model") == model and labels.get(LABEL_REVISION) == revision and running
+    return labels.get(LABEL_MODEL) == model and labels.get(LABEL_REVISION) == revision

@@ -33,21 +33,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import requests
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan, Quantization
+from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan
 from kvguard.operator.backends.base import (
+    ForeignObjectError,
     ModelRef,
     Observation,
     RevisionEndpoints,
     RevisionRequest,
     WorkerEndpoint,
 )
+from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag
 from kvguard.operator.rollout import Scale
 from kvguard.workers.args import WorkerArgs
 
@@ -60,7 +62,6 @@ TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
 HEALTH_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 10.0
 # The kvguard engine loads unquantized checkpoints; these formats are a dtype it can load into.
-_LOADABLE_DTYPES = {Quantization.FP32: "float32", Quantization.BF16: "bfloat16", Quantization.FP16: "float16"}
 
 
 class LocalBackendError(Exception):
@@ -137,7 +138,17 @@ class LocalState(_StateModel):
     serving: str | None = None
     """The revision user traffic goes to (the model Service's selector on Kubernetes)."""
     status: dict = Field(default_factory=dict)  # type: ignore[type-arg]
-    """The driver's record: stable revision, rollout status, conditions, history, events."""
+    """The InferenceModel's status as the driver (`driver.run_pass`) wrote it, as the operator
+    writes it on a cluster: stable revision, rollout status, conditions, history."""
+    status_version: int = 0
+    """Bumped on every status write: the state folder's resourceVersion."""
+    uid: str = Field(default_factory=lambda: f"local-{secrets.token_hex(8)}")
+    """The model's uid here (on a cluster the API server assigns one)."""
+    generation: int = 0
+    """metadata.generation: bumped when the applied spec differs from the last one, as the API
+    server bumps it when a spec changes."""
+    spec: dict = Field(default_factory=dict)  # type: ignore[type-arg]
+    """The spec last applied (what `generation` counts changes of)."""
 
 
 class StateStore:
@@ -217,20 +228,9 @@ def model_dir_for(spec: InferenceModelSpec, models_root: Path) -> Path:
 
 def runnable_problems(spec: InferenceModelSpec) -> list[str]:
     """Field-level reasons this spec cannot run as local processes (empty: it can)."""
-    problems = []
     if spec.engine.kind != EngineKind.KVGUARD:
-        problems.append(f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}")
-    quant = spec.weights.quantization
-    if quant is not None and quant not in _LOADABLE_DTYPES:
-        problems.append(f"spec.weights.quantization: the kvguard engine loads bf16, fp16 or fp32 weights, not {quant.value}")
-    for name, role in spec.roles.worker_roles().items():
-        for field in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
-            if getattr(role, field) != 1:
-                wire = type(role).model_fields[field].alias or field
-                problems.append(f"spec.roles.{name}.{wire}: the kvguard engine runs one device per instance (must be 1)")
-        if role.data_parallel_attention:
-            problems.append(f"spec.roles.{name}.dataParallelAttention: not supported by the kvguard engine")
-    return problems
+        return [f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}"]
+    return engine_problems(spec)  # what the kvguard engine runs, on a cluster or here
 
 
 def instances(spec: InferenceModelSpec, role: str, scale: Scale = "full") -> int:
@@ -248,7 +248,7 @@ def worker_argvs(
     """The command line of every process of a revision (mirrors the Kubernetes kvguard adapter)."""
     base = [sys.executable, "-P", "-m", "kvguard", "worker"]
     common: dict[str, Any] = {"model": model_dir, "model_name": spec.model.name, "context_length": spec.context_length}
-    dtype = _LOADABLE_DTYPES.get(spec.weights.quantization) if spec.weights.quantization else None
+    dtype = kvguard_dtype_flag(spec)
     workers: list[LocalWorker] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in ("prefill", "decode"):
@@ -258,7 +258,7 @@ def worker_argvs(
             args = WorkerArgs(
                 **common, role=role, port=port, metrics_port=metrics_port,  # type: ignore[arg-type]
                 kv_pool_tokens=kv_plan.roles[role].pool_tokens, page_size=spec.page_size,
-                device=spec.hardware.device.value, dtype=dtype or "auto",
+                device=spec.hardware.device.value, dtype=dtype,
                 max_transfer_batch=spec.kv_transfer.max_batch, transfer_timeout=spec.kv_transfer.timeout_seconds,
                 transfer_encryption=spec.kv_transfer.encryption,
                 transfer_port=transfer_port if role == "decode" else None,
@@ -345,6 +345,24 @@ class ProcessTable:
         except OSError:
             return False
         return True
+
+    def find(self, worker: LocalWorker) -> int | None:
+        """A live process running exactly the worker's recorded command line (its ports make it
+        unique), whatever PID was recorded: a driver killed between starting a worker and saving
+        its PID leaves one behind, holding the worker's ports. None off Linux or when none runs."""
+        wanted = b"\0".join(a.encode() for a in worker.argv) + b"\0"
+        proc = Path("/proc")
+        if not proc.is_dir():
+            return None
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "cmdline").read_bytes() == wanted:
+                    return int(entry.name)
+            except OSError:
+                continue
+        return None
 
     def stop(self, workers: list[LocalWorker], timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM every live worker (router first), wait, SIGKILL stragglers."""
@@ -503,6 +521,12 @@ class LocalBackend:
         for worker in record.workers:
             if self.processes.alive(worker):
                 continue
+            orphan = self.processes.find(worker)
+            if orphan is not None:  # started by a driver killed before it could record the PID
+                log.warning("revision %s: adopting %s (pid %s), which runs unrecorded", record.revision, worker.name, orphan)
+                worker.pid = orphan
+                self.save()
+                continue
             if worker.pid is not None:
                 worker.restarts += 1
                 log.warning("revision %s: %s (pid %s) is not running; restarting it", record.revision, worker.name, worker.pid)
@@ -606,12 +630,19 @@ class LocalBackend:
         record = self.state.revisions.get(revision)
         if record is None:
             return RevisionEndpoints(router_url=None)
-        workers = tuple(WorkerEndpoint(w.name, w.role, w.metrics_url) for w in record.engine_workers())
+        # Named as their pods are on a cluster (<model>-<revision>-<worker>): same status either way.
+        workers = tuple(WorkerEndpoint(f"{model.name}-{revision}-{w.name}", w.role, w.metrics_url) for w in record.engine_workers())
         return RevisionEndpoints(router_url=record.router.url, workers=workers)
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         self._check_model(model)
         self.route(revision)
+
+    async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
+        return []  # nothing here is created by anyone else
+
+    def model_uid(self) -> str:
+        return self.state.uid
 
     def _check_model(self, model: ModelRef) -> None:
         if self.state.model != model.name:

@@ -1,11 +1,13 @@
-"""Drive one rollout on the local backend to a resting state, with the shared state machine.
+"""Drive one rollout on the local backend to a resting state, with the operator's own driver.
 
-The loop is the operator's reconcile in miniature: observe the local processes, call
-`rollout.step`, scrape the candidate's workers when it asks, execute the actions with the shared
-`backends.base.execute` (and its `CanaryRunner`), record the decision in the status kept in the
-state folder, and look again - until the rollout rests (Stable, RolledBack, Blocked or Paused).
-Every decision is saved before the next observation, so a driver killed anywhere is resumed by
-the next `roll_out` on the same folder from the recorded `status.rollout` (S8).
+`kvguard apply --local` is the operator on one machine: the same `driver.observe` and
+`driver.run_pass` (so the same `reconcile`, the same status, conditions and history) with the
+state folder as the API server (`LocalModelStore`: the InferenceModel's status lives in
+state.json, written under a version counter exactly as the operator writes conditionally on
+resourceVersion) and local processes as the workloads. Every decision is saved before it is acted
+on, so a driver killed anywhere is resumed by the next `roll_out` on the same folder from the
+recorded `status.rollout` (S8). The loop looks again until the rollout rests (Stable, RolledBack,
+Blocked or Paused).
 """
 
 from __future__ import annotations
@@ -14,30 +16,19 @@ import asyncio
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvguard.operator import conditions as cond
-from kvguard.operator.api import InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan, Phase, RevisionRecord
-from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionRequest, execute, scrape_workers
+from kvguard.operator.api import GROUP_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan
+from kvguard.operator.backends.base import CanaryRunner
 from kvguard.operator.backends.local import LocalBackend, LocalBackendError, model_dir_for, runnable_problems
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
+from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.planner import plan
-from kvguard.operator.policy import evaluate
-from kvguard.operator.revision import numerics_of, revision_of
-from kvguard.operator.rollout import (
-    Decision,
-    PolicyGate,
-    RecordEvent,
-    RolloutState,
-    ScrapeMetrics,
-    SetCondition,
-    World,
-    previous_stables,
-    step,
-    with_reports,
-)
+from kvguard.operator.reconcile import FAULTS_ANNOTATION, EventSpec
+from kvguard.operator.revision import revision_of
+from kvguard.operator.rollout import RecordEvent, RolloutState
 
-HISTORY_LIMIT = 10
 POLL_SECONDS = 0.3
 RESTING = (RolloutState.STABLE, RolloutState.ROLLED_BACK, RolloutState.BLOCKED, RolloutState.PAUSED)
 LOCAL_NAMESPACE = "default"
@@ -66,68 +57,61 @@ class RolloutResult:
         return self.state == RolloutState.STABLE and self.stable == self.revision
 
 
-def load_status(backend: LocalBackend) -> InferenceModelStatus:
-    return InferenceModelStatus.model_validate(backend.state.status or {})
+def _drop_nones(value: Any) -> Any:
+    """What a JSON merge patch leaves stored: a None removes the key (as on the API server)."""
+    if isinstance(value, Mapping):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nones(v) for v in value]
+    return value
 
 
-def save_status(backend: LocalBackend, status: InferenceModelStatus) -> None:
-    backend.state.status = status.to_wire()
-    backend.save()
+class LocalModelStore:
+    """The InferenceModel of a state folder, as the driver's ModelStore (`driver.ModelStore`)."""
+
+    def __init__(self, backend: LocalBackend, name: str, namespace: str, spec: InferenceModelSpec,
+                 annotations: Mapping[str, str], generation: int | None, say: Say) -> None:  # fmt: skip
+        self.backend, self.say = backend, say
+        self._spec = spec.to_wire()
+        state = backend.state
+        if state.spec != self._spec or not state.generation:  # what the API server does on a spec change
+            state.spec, state.generation = self._spec, state.generation + 1
+            backend.save()
+        self._meta = {"name": name, "namespace": namespace, "uid": backend.model_uid(), "annotations": dict(annotations),
+                      "generation": generation if generation is not None else state.generation}  # fmt: skip
+        self.events: list[RecordEvent] = []
+
+    def body(self) -> dict[str, Any]:
+        meta = {**self._meta, "resourceVersion": str(self.backend.state.status_version)}
+        return {"apiVersion": GROUP_VERSION, "kind": "InferenceModel", "metadata": meta, "spec": self._spec,
+                "status": self.backend.state.status}  # fmt: skip
+
+    async def write_status(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> Mapping[str, Any]:
+        if body["metadata"].get("resourceVersion") != str(self.backend.state.status_version):
+            raise StatusConflict("the state folder's status moved on")
+        self.backend.state.status = _drop_nones(status)
+        self.backend.state.status_version += 1
+        self.backend.save()
+        return self.body()
+
+    async def reread(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return self.body()
+
+    async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None:
+        self.events.append(RecordEvent(event.type, event.reason, event.message))  # type: ignore[arg-type]
+        self.say(f"[{event.type}] {event.reason}: {event.message}")
 
 
-def phase_of(state: RolloutState, stable: str | None) -> Phase:
-    if state == RolloutState.STABLE:
-        return Phase.READY
-    if state == RolloutState.BLOCKED:
-        return Phase.BLOCKED
-    if state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
-        return Phase.DEGRADED
-    return Phase.PROGRESSING if stable is None or state != RolloutState.PAUSED else Phase.READY
-
-
-def record_decision(
-    status: InferenceModelStatus, decision: Decision, target: str, kv_plan: KVPlan, generation: int | None, now: dt.datetime
-) -> InferenceModelStatus:
-    """The status after a decision: rollout record, stable revision, conditions, history (pure)."""
-    new = status.model_copy(deep=True)
-    new.rollout, new.revision, new.target_revision, new.plan = decision.rollout, decision.stable, target, kv_plan
-    new.kv_ratio = min((r.ratio for r in kv_plan.roles.values()), default=None)
-    new.phase, new.message = phase_of(decision.state, decision.stable), decision.rollout.message
-    new.canary = decision.rollout.canary.verdict if decision.rollout.canary else None
-    for action in decision.of_type(SetCondition):
-        made = cond.make_condition(action.type, action.status, action.reason, action.message, now=now, generation=generation)
-        new.conditions = cond.set_condition(new.conditions, made)
-    candidate = decision.rollout.revision
-    history = list(new.history)
-
-    def put(revision: str, state: str, message: str | None) -> None:
-        nonlocal history
-        if history and history[0].revision == revision and history[0].state == state:
-            return
-        entry = RevisionRecord(revision=revision, state=state, since=cond.rfc3339(now), generation=generation,  # type: ignore[arg-type]
-                               message=message)  # fmt: skip
-        history = [entry, *[h for h in history if h.revision != revision or h.state in ("Stable", "Superseded")]]
-
-    if decision.promoted_from:
-        put(decision.promoted_from, "Superseded", f"replaced by {decision.stable}")
-    if candidate and decision.state == RolloutState.STABLE and decision.stable == candidate:
-        put(candidate, "Stable", None)
-    elif candidate and decision.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
-        put(candidate, "Failed", decision.rollout.message)
-    elif candidate and decision.state == RolloutState.BLOCKED:
-        put(candidate, "Blocked", decision.rollout.message)
-    elif candidate and decision.state in (RolloutState.CANARY_DEPLOYING, RolloutState.CANARY_VERIFYING):
-        put(candidate, "Candidate", None)
-    new.history = history[:HISTORY_LIMIT]
-    return new
-
-
-def plan_gate(kv_plan: KVPlan) -> tuple[bool, str]:
-    from kvguard.operator.reconcile import describe_fixes, describe_pools
-
-    if kv_plan.verdict == "pass":
-        return True, describe_pools(kv_plan)
-    return False, describe_pools(kv_plan) + ". " + describe_fixes(kv_plan)
+def _check_runnable(backend: LocalBackend, spec: InferenceModelSpec, kv_plan: KVPlan) -> None:
+    """Refuse what cannot run here before anything is recorded or started."""
+    if kv_plan.verdict != "pass":
+        return  # blocked: recorded as such, nothing starts
+    problems = runnable_problems(spec)
+    if problems:
+        raise LocalBackendError("; ".join(problems))
+    model_dir = model_dir_for(spec, backend.models_root)
+    if not (model_dir / "config.json").is_file():
+        raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
 
 
 async def roll_out(
@@ -145,21 +129,16 @@ async def roll_out(
     max_seconds: float | None = None,
 ) -> RolloutResult:
     """Roll `spec` out on `backend` (opened) until the rollout rests; raises PlanInputError,
-    LocalBackendError, or TimeoutError after `max_seconds`."""
+    LocalBackendError, or TimeoutError after `max_seconds`. `faults` (test/demo only) is the
+    operator's fault annotation on a cluster that allows fault injection."""
     say = say or (lambda _line: None)
     kv_plan = plan(spec)
-    target = revision_of(spec, faults)
-    plan_ok, plan_message = plan_gate(kv_plan)
-    verdict = evaluate(spec, namespace, list(policies), kv_plan=kv_plan)
-    model = ModelRef(namespace, name)
-    if plan_ok:  # refuse what cannot run here before anything is recorded or started
-        problems = runnable_problems(spec)
-        if problems:
-            raise LocalBackendError("; ".join(problems))
-        model_dir = model_dir_for(spec, backend.models_root)
-        if not (model_dir / "config.json").is_file():
-            raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
+    _check_runnable(backend, spec, kv_plan)
     backend.claim(name)
+    wanted = {k: v for k, v in (annotations or {}).items() if k != FAULTS_ANNOTATION or not faults}
+    if faults:
+        wanted[FAULTS_ANNOTATION] = faults
+    store = LocalModelStore(backend, name, namespace, spec, wanted, generation, say)
     reports: dict[str, CanaryReport] = {}
 
     async def suite(url: str, canary: object, **kwargs: object) -> CanaryReport:
@@ -169,42 +148,28 @@ async def roll_out(
         (backend.store.revision_dir(revision) / "canary.json").write_text(report.to_json())
         return report
 
-    runner = CanaryRunner(suite=suite)
-    result_events: list[RecordEvent] = []
-    status = load_status(backend)
-    deadline = None if max_seconds is None else asyncio.get_running_loop().time() + max_seconds
+    runner, memory = CanaryRunner(suite=suite), DriverMemory()
+    loop = asyncio.get_running_loop()
+    deadline = None if max_seconds is None else loop.time() + max_seconds
+    previous_state: RolloutState | None = None
     while True:
-        now = dt.datetime.now(dt.UTC)
-        observation = await backend.observe(model)
+        body = store.body()
+        observed = await observe(body, backend, runner, memory, policies=policies, fault_injection_allowed=bool(faults))
+        result = await run_pass(body, observed, store, backend, runner, memory)
+        assert result is not None  # a state folder's model never disappears mid-run
+        status = InferenceModelStatus.model_validate(result.body["status"] or {})
         rollout = status.rollout
-        candidate_attempt = (rollout.revision or "", rollout.attempt) if rollout else ("", "")
-        world = World(
-            target=target, numerics=numerics_of(spec), now=now, plan_ok=plan_ok, plan_message=plan_message,
-            policy=PolicyGate.from_verdict(verdict), revisions=observation.revisions, serving=observation.serving,
-            previous_stables=previous_stables(status.history, status.revision), annotations=dict(annotations or {}),
-            canary=runner.result(model.key), canary_running=runner.running(model.key, *candidate_attempt),
-        )  # fmt: skip
-        decision = step(spec, status.rollout, status.revision, world)
-        scrape = decision.of_type(ScrapeMetrics)
-        if scrape:
-            worker_reports = await scrape_workers(await backend.endpoints(model, scrape[0].revision))
-            decision = step(spec, status.rollout, status.revision, with_reports(world, worker_reports))
-        request = RevisionRequest(model, target, spec, kv_plan, faults) if plan_ok else None
-        await execute(backend, request, decision.actions, runner, spec.canary)
-        previous_state = status.rollout.state if status.rollout else None
-        status = record_decision(status, decision, target, kv_plan, generation, now)
-        save_status(backend, status)
-        for event in decision.of_type(RecordEvent):
-            result_events.append(event)
-            say(f"[{event.type}] {event.reason}: {event.message}")
-        if decision.state != previous_state:
-            say(f"rollout: {previous_state.value if previous_state else '-'} -> {decision.state.value}")
-        canary_busy = runner.running(model.key, decision.rollout.revision or "", decision.rollout.attempt)
-        if decision.state in RESTING and not canary_busy:
+        state = rollout.state if rollout is not None else RolloutState.PLANNING
+        if state != previous_state:
+            say(f"rollout: {previous_state.value if previous_state else '-'} -> {state.value}")
+            previous_state = state
+        busy = rollout is not None and runner.running((namespace, name), rollout.revision or "", rollout.attempt)
+        if state in RESTING and not busy and result.outcome.scrape is None:
             return RolloutResult(
-                revision=target, state=decision.state, stable=decision.stable, serving_url=backend.serving_url(),
-                plan=kv_plan, status=status, canary_reports=reports, events=result_events,
+                revision=status.target_revision or revision_of(spec, faults), state=state, stable=status.revision,
+                serving_url=backend.serving_url(), plan=kv_plan, status=status, canary_reports=reports, events=store.events,
             )  # fmt: skip
-        if deadline is not None and asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"rollout of revision {target} still {decision.state.value} after {max_seconds:g} s")
-        await asyncio.sleep(POLL_SECONDS)
+        if deadline is not None and loop.time() > deadline:
+            raise TimeoutError(f"rollout of {name} still {state.value} after {max_seconds:g} s")
+        wait = result.outcome.requeue_after
+        await asyncio.sleep(POLL_SECONDS if wait is None or wait > 0 else 0)

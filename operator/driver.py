@@ -1,0 +1,197 @@
+"""The one rollout driver: observe once, decide once, record, act. Both platforms run it.
+
+    observe (backend views, policies, the scrape the last pass asked for, the canary's result)
+      -> reconcile (pure: parse, plan, render, policy, rollout.step, once)
+      -> write status, conditional on the version the decision was made on (409: re-read, decide again)
+      -> act (the workload actions, only once the status that asked for them is stored)
+      -> events
+
+The Kubernetes controller (`controller.py`) passes an API-server `ModelStore` and its cached
+backend; `kvguard apply --local` (`backends/local_rollout.py`) passes the state folder and the
+local backend. Same reconcile, same status. Nothing here imports kopf or kubernetes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvguard.operator.api import InferencePolicy
+from kvguard.operator.backends.base import (
+    Backend,
+    CanaryRunner,
+    ForeignObjectError,
+    ModelRef,
+    RevisionRequest,
+    execute,
+    scrape_workers,
+)
+from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
+
+log = logging.getLogger(__name__)
+
+MAX_CONFLICTS = 3
+"""Status writes refused as stale in one pass before it gives up (and backs off)."""
+
+ModelKey = tuple[str, str]
+
+
+class StatusConflict(Exception):
+    """The model changed after it was read: the status decided on it was not written."""
+
+
+class ModelStore(Protocol):
+    """Where an InferenceModel's status and events live (the API server, or the state folder)."""
+
+    async def write_status(self, body: Mapping[str, Any], status: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Store `status` if the model is still the version `body` is; return the stored model.
+        Raises StatusConflict when it has moved on."""
+        ...
+
+    async def reread(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The model as stored now; None when it is gone."""
+        ...
+
+    async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None: ...
+
+
+def model_ref(body: Mapping[str, Any]) -> ModelRef:
+    meta = body["metadata"]
+    return ModelRef(namespace=meta.get("namespace") or "default", name=meta["name"], uid=meta.get("uid"))
+
+
+@dataclass
+class DriverMemory:
+    """What one driver process remembers between passes of a model (lost on restart, by design:
+    the machine asks again)."""
+
+    scrape: dict[ModelKey, str] = field(default_factory=dict)
+    """Revision whose workers to scrape at the model's next pass (the last decision asked)."""
+    foreign: dict[ModelKey, tuple[ForeignObjectError, ...]] = field(default_factory=dict)
+    """Objects that blocked the model's last actions because someone else owns them."""
+
+    def forget(self, key: ModelKey) -> None:
+        self.scrape.pop(key, None)
+        self.foreign.pop(key, None)
+
+    def clear(self) -> None:
+        self.scrape.clear()
+        self.foreign.clear()
+
+
+@dataclass(frozen=True)
+class PassResult:
+    outcome: Outcome
+    body: Mapping[str, Any]
+    """The model as stored after the pass (with the written status)."""
+    wrote_status: bool
+
+
+async def observe(
+    body: Mapping[str, Any],
+    backend: Backend,
+    runner: CanaryRunner,
+    memory: DriverMemory,
+    *,
+    policies: Sequence[InferencePolicy] = (),
+    architecture_config: tuple[Mapping[str, Any] | None, str | None] = (None, None),
+    fault_injection_allowed: bool = False,
+) -> Observed:
+    """Everything reconcile looks at, read once: the backend's revisions and route, the scrape the
+    previous decision asked for, objects still in the way, the canary's state."""
+    ref = model_ref(body)
+    seen = await backend.observe(ref)
+    reports = None
+    scrape = memory.scrape.pop(ref.key, None)
+    if scrape is not None:
+        reports = tuple(await scrape_workers(await backend.endpoints(ref, scrape)))
+    foreign = memory.foreign.get(ref.key, ())
+    if foreign:
+        foreign = tuple(await backend.still_foreign(ref, foreign))
+        memory.foreign[ref.key] = foreign
+        if not foreign:
+            del memory.foreign[ref.key]
+    rollout = (body.get("status") or {}).get("rollout") or {}
+    return Observed(
+        revisions=seen.revisions, serving=seen.serving, policies=tuple(policies),
+        architecture_config=architecture_config[0], architecture_config_error=architecture_config[1],
+        worker_reports=reports, canary=runner.result(ref.key),
+        canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
+        fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
+    )  # fmt: skip
+
+
+async def run_pass(
+    body: Mapping[str, Any],
+    observed: Observed,
+    store: ModelStore,
+    backend: Backend,
+    runner: CanaryRunner,
+    memory: DriverMemory,
+    *,
+    clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    on_canary_done: Callable[[], Awaitable[None]] | None = None,
+) -> PassResult | None:
+    """Decide once on `observed`, record, act. None: the model is gone. Raises StatusConflict
+    after MAX_CONFLICTS stale writes, and whatever the backend raises (the caller backs off)."""
+    wrote = False
+    for _ in range(MAX_CONFLICTS):
+        now = clock()
+        outcome = reconcile(body, observed, now=now)
+        if not status_differs(outcome.status, body.get("status")):
+            break
+        try:
+            body = await store.write_status(body, outcome.status)
+            wrote = True
+            break
+        except StatusConflict:  # another writer (or our own stale copy): decide again on the latest
+            fresh = await store.reread(body)
+            if fresh is None:
+                return None
+            body = fresh
+    else:
+        raise StatusConflict(f"{model_ref(body).key}: status stale {MAX_CONFLICTS} times in one pass")
+    ref = model_ref(body)
+    if outcome.scrape is not None:
+        memory.scrape[ref.key] = outcome.scrape
+    await _act(ref, outcome, backend, runner, memory, on_canary_done)
+    for event in outcome.events:
+        await store.record_event(body, event, now)
+    return PassResult(outcome, body, wrote)
+
+
+async def _act(
+    ref: ModelRef, outcome: Outcome, backend: Backend, runner: CanaryRunner, memory: DriverMemory,
+    on_canary_done: Callable[[], Awaitable[None]] | None,
+) -> None:  # fmt: skip
+    if not outcome.actions or outcome.spec is None:
+        return
+    request = None
+    if outcome.plan is not None and outcome.revision is not None:
+        request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan, outcome.faults, outcome.rendered)
+    try:
+        await execute(backend, request, outcome.actions, runner, outcome.spec.canary, on_canary_done=on_canary_done)
+    except ForeignObjectError as exc:
+        log.warning("%s/%s: %s", *ref.key, exc.description)
+        memory.foreign[ref.key] = (*memory.foreign.get(ref.key, ()), exc)
+        raise
+
+
+def requeue_delay(outcome: Outcome, waits: int, *, base: float, cap: float, jitter: Callable[[float], float]) -> float | None:
+    """When to look again: never at rest; at once when asked; otherwise the machine's wait grown
+    exponentially with the passes that changed nothing (waits), jittered, capped, and never past
+    the awaited thing's deadline (a rollout must fail on time)."""
+    if outcome.requeue_after is None:
+        return None
+    if outcome.requeue_after <= 0:
+        return 0.0
+    delay = jitter(min(cap, max(base, outcome.requeue_after) * 2 ** min(waits, 30)))
+    if outcome.deadline_in is not None:
+        delay = min(delay, outcome.deadline_in + 1.0)
+    return max(0.0, delay)
+
+
+__all__ = ["DriverMemory", "ModelStore", "PassResult", "StatusConflict", "observe", "requeue_delay", "run_pass"]

@@ -1,0 +1,58 @@
+"""What an engine's rendered workers actually run: a spec that asks for more is refused by field.
+
+The planner plans whatever the spec says (tensor parallelism, quantization...), and the plan is
+recorded in status as what serves. So a spec the engine would silently run differently must never
+deploy: the webhook refuses it (422) and reconcile reports `InvalidSpec` naming each field.
+
+kvguard (the CPU/GPU engine in `workers/`): one device per engine instance, weights loaded in
+fp32, bf16 or fp16, the KV cache in the weights' dtype. Data parallelism is supported the way it is
+rendered: each DP rank is a worker (a pod on Kubernetes, a process locally) with its own pool.
+SGLang and vLLM take every field as a flag (render.py), so nothing is refused here for them.
+
+Pure: pydantic models in, strings out.
+"""
+
+from __future__ import annotations
+
+from kvguard.operator.api import EngineKind, InferenceModelSpec, KVCacheDtype, Quantization
+
+KVGUARD_WEIGHT_DTYPES = {Quantization.FP32: "fp32", Quantization.BF16: "bf16", Quantization.FP16: "fp16"}
+"""Weight formats the kvguard engine loads (as a dtype: `--dtype`)."""
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def kvguard_dtype_flag(spec: InferenceModelSpec) -> str:
+    """`kvguard worker --dtype` for the spec's weights: the format it names, else the checkpoint's (auto)."""
+    quant = spec.weights.quantization
+    return _TORCH_NAMES[KVGUARD_WEIGHT_DTYPES[quant]] if quant in KVGUARD_WEIGHT_DTYPES else "auto"
+_KV_ALIASES = {
+    "fp32": {KVCacheDtype.FP32, KVCacheDtype.FLOAT32},
+    "bf16": {KVCacheDtype.BF16, KVCacheDtype.BFLOAT16},
+    "fp16": {KVCacheDtype.FP16, KVCacheDtype.FLOAT16},
+}
+_ONE_DEVICE_FIELDS = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
+
+
+def engine_problems(spec: InferenceModelSpec) -> list[str]:
+    """`field: why` for every field the spec's engine would not run as written (empty: it runs)."""
+    if spec.engine.kind != EngineKind.KVGUARD:
+        return []
+    problems = []
+    for name, role in spec.roles.worker_roles().items():
+        for field in _ONE_DEVICE_FIELDS:
+            if getattr(role, field) != 1:
+                wire = type(role).model_fields[field].alias or field
+                problems.append(f"spec.roles.{name}.{wire}: the kvguard engine runs one device per instance (must be 1); "
+                                "use dataParallel for more instances, or engine kind sglang/vllm")  # fmt: skip
+        if role.data_parallel_attention:
+            problems.append(f"spec.roles.{name}.dataParallelAttention: not supported by the kvguard engine")
+    quant = spec.weights.quantization
+    if quant is not None and quant not in KVGUARD_WEIGHT_DTYPES:
+        problems.append(f"spec.weights.quantization: the kvguard engine loads fp32, bf16 or fp16 weights, not {quant.value}")
+    dtype = KVGUARD_WEIGHT_DTYPES.get(quant) if quant is not None else None
+    if dtype is None and spec.model.architecture is not None:
+        dtype = spec.model.architecture.dtype.value
+    kv = spec.kv_cache_dtype
+    if kv != KVCacheDtype.AUTO and dtype is not None and kv not in _KV_ALIASES.get(dtype, set()):
+        problems.append(f"spec.kvCacheDtype: the kvguard engine keeps KV in the weights' dtype ({dtype}); use auto or {dtype}")
+    return problems

@@ -1,0 +1,157 @@
+"""Every CEL rule of the generated CRDs, evaluated the way kube-apiserver does (defaults applied,
+schema validated, then CEL; see crd_admission.py): minimal and full valid specs are stored, invalid
+ones are refused with the rule's own message. kmock enforces none of this; a real API server does.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from crd_admission import Rejection, admit, all_rules, apply_defaults, evaluate_rule, openapi_schema, rule_paths_exist
+
+from kvguard.operator.api import InferenceModel, parse_byte_quantity
+from kvguard.operator.crdgen import _SPEC_RULES, all_files, inference_model_crd, inference_policy_crd
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+CRDS = {"InferenceModel": inference_model_crd(), "InferencePolicy": inference_policy_crd()}
+
+
+def minimal(**spec: Any) -> dict[str, Any]:
+    """The smallest InferenceModel pydantic accepts: everything else defaults."""
+    body = {"model": {"name": "m"}, "contextLength": 1024, "hardware": {"memoryPerDevice": "80Gi"}}
+    body.update(spec)
+    return {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m"}, "spec": body}
+
+
+def full() -> dict[str, Any]:
+    """Every optional section set (the sglang H100 example plus the rest)."""
+    body = yaml.safe_load((ROOT / "examples" / "llama-3.1-8b-sglang-h100.yaml").read_text())
+    spec = body["spec"]
+    spec["weights"] = {"quantization": "fp8", "measuredBytesPerDevice": "15.1Gi", "groupSize": 128}
+    spec["reserve"] = "1Gi"
+    spec["kvPoolTokens"] = 400_000
+    spec["roles"]["decode"].update({"resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "96Gi"}},
+                                    "nodeSelector": {"pool": "gpu"},
+                                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]})  # fmt: skip
+    spec["kvTransfer"] = {"maxBatch": "128Mi", "timeoutSeconds": 60, "port": 9100}
+    spec["rollout"] = {"canaryReplicas": 1, "progressDeadlineSeconds": 900}
+    spec["revisionHistoryLimit"] = 3
+    return body
+
+
+def admitted(body: dict[str, Any]) -> dict[str, Any]:
+    stored, rejections = admit(body, CRDS[body["kind"]])
+    assert rejections == [], rejections
+    InferenceModel.model_validate(stored)  # what the API server stores, the operator can read
+    return stored
+
+
+VALID = {
+    "minimal cuda": minimal(),
+    "minimal cpu, engine left out": minimal(hardware={"device": "cpu", "memoryPerDevice": "256Mi"}),
+    "engine without kind": minimal(engine={"version": "0.1"}, hardware={"device": "cpu", "memoryPerDevice": 1 << 28}),
+    "hugging face with sglang": minimal(engine={"kind": "sglang", "image": "i"}, model={"name": "m", "source": {"huggingFace": "org/m"}}),
+    "pvc with kvguard, engine left out": minimal(model={"name": "m", "source": {"pvc": {"claimName": "c"}}}),
+    "full": full(),
+    **{f"example {p.name}": yaml.safe_load(p.read_text()) for p in EXAMPLES},
+}
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_valid_specs_are_stored(name: str) -> None:
+    admitted(copy.deepcopy(VALID[name]))
+
+
+def test_the_first_rule_failed_on_a_minimal_spec_before_defaults_and_guards() -> None:
+    """The bug a real API server showed: `self.engine.kind` with spec.engine left out."""
+    old_rule = "self.hardware.device == 'cuda' || self.engine.kind == 'kvguard'"
+    spec = minimal(hardware={"device": "cpu", "memoryPerDevice": "1Gi"})["spec"]
+    assert "no such member" in str(evaluate_rule(old_rule, spec))
+    assert evaluate_rule(old_rule, apply_defaults(copy.deepcopy(spec), openapi_schema(inference_model_crd())["properties"]["spec"])) is True
+    for rule in _SPEC_RULES:  # the guards hold without the defaults too (objects stored before them)
+        assert evaluate_rule(rule["rule"], spec) is True
+
+
+def test_defaults_fill_nested_objects_as_pydantic_does() -> None:
+    stored = admitted(minimal())
+    assert stored["spec"]["engine"]["kind"] == "kvguard"
+    assert stored["spec"]["roles"]["decode"]["replicas"] == 1 and stored["spec"]["roles"]["router"]["replicas"] == 1
+    assert stored["spec"]["rollout"]["progressDeadlineSeconds"] == InferenceModel.model_validate(minimal()).spec.rollout.progress_deadline_seconds
+
+
+def rejected(body: dict[str, Any]) -> list[Rejection]:
+    _, rejections = admit(body, CRDS[body["kind"]])
+    return rejections
+
+
+INVALID = {
+    "cpu with sglang": (minimal(engine={"kind": "sglang", "image": "i"}, hardware={"device": "cpu", "memoryPerDevice": "1Gi"}),
+                        "spec", "spec.hardware.device: cpu runs only with engine kind kvguard"),
+    "hugging face with kvguard named": (minimal(engine={"kind": "kvguard"}, model={"name": "m", "source": {"huggingFace": "org/m"}}),
+                                        "spec", "spec.model.source: the kvguard engine loads weights from a directory; use pvc"),
+    "hugging face with the default engine": (minimal(model={"name": "m", "source": {"huggingFace": "org/m"}}),
+                                             "spec", "spec.model.source: the kvguard engine loads weights from a directory; use pvc"),
+    "both sources": (minimal(engine={"kind": "vllm", "image": "i"}, model={"name": "m", "source": {"huggingFace": "a", "pvc": {"claimName": "c"}}}),
+                     "spec.model.source", "set exactly one of huggingFace or pvc"),
+    "no source kind": (minimal(model={"name": "m", "source": {"revision": "r1"}}), "spec.model.source", "set exactly one of huggingFace or pvc"),
+    "long name": ({**minimal(), "metadata": {"name": "m" * 41}}, "",
+                  "metadata.name: at most 40 characters (child objects append -<revision>-<role>)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_invalid_specs_are_refused_with_the_rules_message(name: str) -> None:
+    body, path, message = INVALID[name]
+    assert rejected(copy.deepcopy(body)) == [Rejection(path, message)]
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        (("hardware", "memoryPerDevice"), "lots"),
+        (("hardware", "deviceOverhead"), "1 Gigabyte"),
+        (("reserve",), "-1Gi"),
+        (("kvTransfer", "maxBatch"), "64MB"),
+        (("roles", "decode", "resources", "requests", "memory"), "lots"),
+        (("roles", "prefill", "resources", "limits", "cpu"), "two"),
+    ],
+)
+def test_quantities_that_are_not_quantities_fail_the_schema(where: tuple[str, ...], value: Any) -> None:
+    body = minimal(roles={"decode": {"resources": {"requests": {}}}, "prefill": {"resources": {"limits": {}}}})
+    node = body["spec"]
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = value
+    (rejection,) = rejected(body)
+    assert rejection.path == "spec." + ".".join(where) and "does not match" in rejection.message
+
+
+@pytest.mark.parametrize("text", ["80Gi", "79.18Gi", "16G", "1e9", "1048576", "512k"])
+def test_the_crd_quantity_pattern_accepts_what_the_operator_parses(text: str) -> None:
+    assert parse_byte_quantity(text) > 0
+    admitted(minimal(hardware={"memoryPerDevice": text}))
+
+
+def test_every_rule_compiles_and_reads_only_declared_fields() -> None:
+    for crd in CRDS.values():
+        for path, rule, node in all_rules(openapi_schema(crd)):
+            assert rule_paths_exist(rule["rule"], node) == [], f"{path}: {rule['rule']}"
+            assert rule.get("message"), f"{path}: a rule without a message gives users the CEL text"
+
+
+def test_conditions_merge_by_type() -> None:
+    for crd in CRDS.values():
+        conditions = openapi_schema(crd)["properties"]["status"]["properties"]["conditions"]
+        assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
+        assert "type" in conditions["items"]["required"], "a list-map key must be required"
+
+
+def test_generated_files_have_no_yaml_anchors() -> None:
+    for name, text in all_files().items():
+        assert "&id" not in text and "*id" not in text, name
+        yaml.safe_load(text)

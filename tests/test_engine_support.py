@@ -1,0 +1,65 @@
+"""The kvguard engine runs what the spec says, or the spec is refused naming the field: in the
+admission webhook (422), in reconcile (Degraded, InvalidSpec, nothing deployed) and locally."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.engine_support import engine_problems
+from kvguard.operator.reconcile import Observed, reconcile
+from kvguard.operator.webhook import INVALID, AdmissionDenied, check_admission
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def body(**changes: Any) -> dict[str, Any]:
+    b = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    b["metadata"].update(namespace="ns", uid="u1", generation=1)
+    b["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
+    for path, value in changes.items():
+        node = b["spec"]
+        keys = path.split(".")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return b
+
+
+UNSUPPORTED = {
+    "roles.decode.tensorParallel": (2, "spec.roles.decode.tensorParallel"),
+    "roles.prefill.pipelineParallel": (2, "spec.roles.prefill.pipelineParallel"),
+    "roles.decode.expertParallel": (2, "spec.roles.decode.expertParallel"),
+    "roles.decode.dataParallelAttention": (True, "spec.roles.decode.dataParallelAttention"),
+    "weights.quantization": ("awq", "spec.weights.quantization"),
+    "kvCacheDtype": ("fp8", "spec.kvCacheDtype"),
+}
+
+
+@pytest.mark.parametrize("path", list(UNSUPPORTED))
+def test_what_the_kvguard_engine_does_not_run_is_refused_by_field(path: str) -> None:
+    value, field = UNSUPPORTED[path]
+    b = body(**{path: value})
+    (problem,) = engine_problems(InferenceModelSpec.model_validate(b["spec"]))
+    assert problem.startswith(field + ":")
+    with pytest.raises(AdmissionDenied) as denied:
+        check_admission(b, None, "CREATE", [])
+    assert denied.value.code == INVALID and field in str(denied.value)
+    outcome = reconcile(b, Observed(), now=NOW)
+    degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+    assert outcome.status["phase"] == "Degraded" and degraded["reason"] == "InvalidSpec" and field in degraded["message"]
+    assert outcome.actions == []  # nothing deployed
+
+
+def test_what_it_does_run_passes() -> None:
+    for changes in ({}, {"roles.decode.dataParallel": 2}, {"weights.quantization": "fp32"}, {"kvCacheDtype": "float32"}):
+        assert engine_problems(InferenceModelSpec.model_validate(body(**changes)["spec"])) == [], changes
+    sglang = body(**{"engine.kind": "sglang", "engine.image": "i", "roles.decode.tensorParallel": 2, "hardware.device": "cuda"})
+    assert engine_problems(InferenceModelSpec.model_validate(copy.deepcopy(sglang)["spec"])) == []

@@ -1,0 +1,123 @@
+"""kube.py against the emulator (tests/kmock_api.py): server-side apply removes what is no longer
+rendered, status writes are conditional on resourceVersion, lists carry label selectors, and a
+transport failure is one error type. The emulator's own rules are checked first, because the
+operator tests rely on them standing in for the API server's."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+import pytest
+from kmock_api import ApiServer, client_configuration, declare_kvguard_resources, selector_matches, server_side_apply
+
+from kvguard.operator.kube import Kube, KubeError, ObjectRef, TransportError
+
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def kube(kmock: Any) -> Kube:
+    url = declare_kvguard_resources(kmock)
+    return Kube(__import__("kubernetes").client.ApiClient(client_configuration(url)))
+
+
+def deployment(**template_spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "ns", "labels": {"app": "x"}, "annotations": {"a": "1"}},
+        "spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "c", "image": "i"}], **template_spec}}},
+    }  # fmt: skip
+
+
+def test_server_side_apply_of_one_manager_removes_what_it_no_longer_applies() -> None:
+    first = deployment(nodeSelector={"gpu": "h100"})
+    live = server_side_apply({}, None, first)
+    live["status"] = {"readyReplicas": 1}  # someone else's field
+    second = deployment()
+    second["metadata"]["annotations"] = {}
+    after = server_side_apply(live, first, second)
+    assert "nodeSelector" not in after["spec"]["template"]["spec"] and after["metadata"]["annotations"] == {}
+    assert after["status"] == {"readyReplicas": 1}
+
+
+def test_selectors() -> None:
+    labels = {"a": "1", "b": "2"}
+    assert selector_matches("a=1,b=2", labels) and selector_matches("a==1,c!=3,!c,b", labels)
+    assert not selector_matches("a=1,b=3", labels) and not selector_matches("c", labels)
+
+
+async def test_apply_creates_then_removes_dropped_fields(kube: Kube, kmock: Any) -> None:
+    created = await kube.aapply(deployment(nodeSelector={"gpu": "h100"}))
+    assert created["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert created["metadata"]["generation"] == 1 and created["metadata"]["uid"]
+    updated = await kube.aapply(deployment())
+    assert "nodeSelector" not in updated["spec"]["template"]["spec"]
+    assert updated["metadata"]["generation"] == 2
+    applies = [r for r in list(kmock) if r.method == "PATCH"]
+    assert all(r.params == {"fieldManager": "kvguard", "force": "true"} for r in applies)
+    assert all(r.headers["Content-Type"] == "application/apply-patch+yaml" for r in applies)
+
+
+async def test_status_writes_are_conditional_on_the_version_read(kube: Kube) -> None:
+    await kube.acreate({"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m", "namespace": "ns"}})
+    ref = ObjectRef("InferenceModel", "m", "ns")
+    read = await kube.aget(ref)
+    assert read is not None
+    version = read["metadata"]["resourceVersion"]
+    written = await kube.apatch_status(ref, {"phase": "Pending"}, version)
+    with pytest.raises(KubeError) as stale:
+        await kube.apatch_status(ref, {"phase": "Ready"}, version)  # decided on the version before
+    assert stale.value.status == 409 and stale.value.retriable
+    await kube.apatch_status(ref, {"phase": "Ready"}, written["metadata"]["resourceVersion"])
+    assert (await kube.aget(ref) or {})["status"]["phase"] == "Ready"
+
+
+async def test_lists_send_the_selector_and_metadata_reads_drop_data(kube: Kube, kmock: Any) -> None:
+    await kube.aapply(deployment())
+    other = deployment()
+    other["metadata"].update(name="e", labels={"app": "y"})
+    await kube.aapply(other)
+    assert [d["metadata"]["name"] for d in await kube.alist("Deployment", "ns", {"app": "x"})] == ["d"]
+    assert any(r.params.get("labelSelector") == "app=x" for r in list(kmock))
+    await kube.acreate({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": "ns"}, "data": {"key": "c2VjcmV0"}})
+    meta = await kube.aget_metadata(ObjectRef("Secret", "s", "ns"))
+    assert meta is not None and meta["metadata"]["name"] == "s" and "data" not in meta
+    fetch = [r for r in list(kmock) if r.method == "GET" and r.url.path.endswith("/secrets/s")]
+    assert "PartialObjectMetadata" in fetch[-1].headers["Accept"]
+
+
+def resetting_server() -> tuple[str, threading.Event]:
+    """A TCP server that accepts and closes every connection: a transport failure, not an HTTP one."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+        server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", stop
+
+
+async def test_transport_failures_are_one_retriable_error() -> None:
+    import kubernetes
+
+    url, stop = resetting_server()
+    cfg = client_configuration(url)
+    cfg.retries = 0
+    kube = Kube(kubernetes.client.ApiClient(cfg))
+    try:
+        with pytest.raises(TransportError) as failed:
+            await asyncio.wait_for(kube.aget(ObjectRef("InferenceModel", "m", "ns")), 30)
+        assert failed.value.status == 0 and failed.value.retriable
+    finally:
+        stop.set()

@@ -1,0 +1,302 @@
+"""The operator on what a real cluster does to it, against the emulator (tests/kmock_api.py, which
+enforces resourceVersion preconditions, selectors and server-side apply as an API server does):
+
+- two operator replicas: one leads, the other stands by; when the Lease moves, the old leader stops
+  everything it runs in the background (canary included) and the new one finishes the rollout:
+  exactly one promotion, and every status write was conditional on the version it was decided on;
+- transport failures (connections dropped mid-request) back off exponentially with jitter, and the
+  pass succeeds once the API server answers again;
+- a field removed from the spec is removed from the Deployment (server-side apply);
+- a pre-created transfer Secret is refused by name and never used;
+- a deleted model's metrics are gone; every LIST and watch of children carries a label selector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import kmock as km
+import kubernetes
+import pytest
+from aiohttp import web
+from kmock_api import ApiServer, client_configuration
+from operator_harness import (
+    CANARY_WAIT,
+    DEPLOYMENTS,
+    EMULATOR_URL,
+    NS,
+    SECRETS,
+    Operator,
+    apply_model,
+    condition,
+    events_of,
+    http,
+    mark_ready,
+    never_finishes,
+    objects_of,
+    patch_model,
+    promoted,
+    status_of,
+    stays,
+    tiny_model,
+    until,
+)
+
+from kvguard.operator import metrics, reconcile
+from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.kube import Kube
+from kvguard.operator.leader import LeaderElector, LeaseConfig, LeaseRecord, Move, decide
+from kvguard.operator.revision import revision_of
+
+pytestmark = [pytest.mark.kmock(cls=ApiServer)]
+LEASES = km.resource("coordination.k8s.io", "v1", "leases")
+
+
+# --- leader election ------------------------------------------------------------------------------
+
+
+def test_the_lease_rule() -> None:
+    held = LeaseRecord(holder="a", renew_time="t1", transitions=0, resource_version="7")
+    assert decide(None, "a", 0, 15) is Move.CREATE
+    assert decide(held, "a", 100, 15) is Move.RENEW
+    assert decide(held, "b", 14.9, 15) is Move.FOLLOW  # renewing, as far as b has seen
+    assert decide(held, "b", 15.0, 15) is Move.ACQUIRE  # unchanged for a whole duration on b's clock
+    assert decide(LeaseRecord("", "t1", 3, "8"), "b", 0, 15) is Move.ACQUIRE  # released
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_two_electors_one_leader_takeover_only_after_the_lease_is_stale(kmock: Any) -> None:
+    from kmock_api import declare_kvguard_resources
+
+    url = declare_kvguard_resources(kmock)
+    config = LeaseConfig(duration=15, renew_deadline=10, retry_period=2)
+    clock, events = Clock(), []
+
+    def elector(name: str) -> LeaderElector:
+        async def started() -> None:
+            events.append(f"{name} leads")
+
+        async def stopped() -> None:
+            events.append(f"{name} stops")
+
+        return LeaderElector(Kube(kubernetes.client.ApiClient(client_configuration(url))), name, config, started, stopped, clock)
+
+    a, b = elector("a"), elector("b")
+    await asyncio.gather(a.attempt(), b.attempt())  # both see no Lease: one create wins (409 for the other)
+    assert [a.leading, b.leading].count(True) == 1
+    leader, standby = (a, b) if a.leading else (b, a)
+    await standby.attempt()  # the standby sees the Lease (and starts its own clock on it)
+    clock.now += 14
+    await standby.attempt()
+    assert not standby.leading  # the holder may still be renewing
+    clock.now += 2  # the holder stopped renewing 16 s ago (standby's clock)
+    await standby.attempt()
+    assert standby.leading
+    await leader.attempt()  # it sees another holder: stops at once, before doing anything else
+    assert not leader.leading and events[-2:] == [f"{standby.identity} leads", f"{leader.identity} stops"]
+    lease = kmock.objects[LEASES, "kvguard-system", "kvguard-operator"]
+    assert lease["spec"]["holderIdentity"] == standby.identity and lease["spec"]["leaseTransitions"] == 1
+    await standby.release()
+    assert not standby.leading and "holderIdentity" not in kmock.objects[LEASES, "kvguard-system", "kvguard-operator"]["spec"]
+
+
+async def test_two_operators_one_promotion_no_lost_status_write_and_the_old_leader_stops(
+    operator: Operator, serving: Any
+) -> None:
+    cluster = operator.kmock
+    await operator.restart(suite=never_finishes)  # A: leads; its canary never finishes
+    b = Operator(cluster)
+    await b.start()  # B: the real suite; stands by
+    try:
+        await until(lambda: operator.controller.leading and not b.controller.leading, "A leading, B standing by")
+        await apply_model(tiny_model())
+        rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+        await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+        await mark_ready(cluster, rev)
+        await until(lambda: status_of(cluster).get("rollout", {}).get("state") == "CanaryVerifying"
+                    and operator.controller.runner.active == 1, "A's canary running")  # fmt: skip
+        assert not b.controller.leading and b.controller.passes == 0  # a standby never reconciles
+
+        # The Lease moves to B (A could not renew, say): A must stop driving at once.
+        writes_before = len(model_status_writes(cluster))
+        lease_path = "/apis/coordination.k8s.io/v1/namespaces/kvguard-system/leases/kvguard-operator"
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        await http("PATCH", lease_path, {"spec": {"holderIdentity": b.controller.settings.identity, "renewTime": stamp}},
+                   "application/merge-patch+json")  # fmt: skip
+        await until(lambda: not operator.controller.leading, "A to notice it lost the Lease")
+        assert operator.controller.runner.active == 0, "A's canary stops with its leadership"
+        assert operator.controller.queue.pending == 0 and operator.controller.queue.timers == 0
+
+        status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "B promotes", CANARY_WAIT)
+        assert status["rollout"]["state"] == "Stable" and status["rollout"]["canary"]["verdict"] == "pass"
+        await promoted(cluster, rev)
+        await stays(lambda: [e.get("count", 1) for e in events_of(cluster, "RevisionPromoted")] == [1], "exactly one promotion")
+        writes = model_status_writes(cluster)
+        assert writes and all(w["precondition"] is not None for w in writes), "every status write is conditional"
+        a_agent = operator.controller.settings.identity
+        assert not [w for w in writes[writes_before:] if a_agent in w["agent"] and w["accepted"]], "A wrote after losing the Lease"
+    finally:
+        await b.stop()
+
+
+# --- transport failures ----------------------------------------------------------------------------
+
+
+def model_status_writes(cluster: Any) -> list[dict[str, Any]]:
+    return [w for w in cluster.status_writes if w["resource"] == "inferencemodels"]
+
+
+class ChaosProxy:
+    """An HTTP proxy in front of the emulator that drops the connection (no HTTP answer at all)
+    on the requests `drop` matches: what a reset or a timeout looks like to the client."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.drop: Callable[[web.Request], bool] = lambda _request: False
+        self.dropped = 0
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._forward)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self._session = aiohttp.ClientSession()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if self.drop(request):
+            self.dropped += 1
+            assert request.transport is not None
+            request.transport.abort()  # the client sees its connection die: a transport error
+            raise ConnectionResetError("dropped by the chaos proxy")
+        assert self._session is not None
+        body = await request.read()
+        async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
+                                         headers={k: v for k, v in request.headers.items() if k.lower() != "host"}) as upstream:  # fmt: skip
+            return web.Response(body=await upstream.read(), status=upstream.status,
+                                content_type=upstream.content_type)  # fmt: skip
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def chaos(operator: Operator) -> AsyncIterator[tuple[Operator, ChaosProxy]]:
+    """The operator whose controller talks to the API server through the chaos proxy (kopf's
+    watches go direct: what fails here is the controller's own requests)."""
+    proxy = ChaosProxy(EMULATOR_URL[-1])
+    cfg = client_configuration(await proxy.start())
+    cfg.retries = 0  # no urllib3 retries: every dropped connection reaches the controller
+    await operator.stop()
+    await operator.start(kube=Kube(kubernetes.client.ApiClient(cfg), user_agent="kvguard-operator/chaos"))
+    await until(lambda: operator.controller.leading, "the controller to lead")
+    try:
+        yield operator, proxy
+    finally:
+        await proxy.stop()
+
+
+async def test_transport_errors_back_off_exponentially_with_jitter_then_the_pass_succeeds(chaos: tuple[Operator, ChaosProxy]) -> None:
+    op, proxy = chaos
+    cluster = op.kmock
+    # Every write about the model fails at the transport level (its status, its children, the
+    # Secret); the Lease still renews, so what backs off is the model's pass, not leadership.
+    proxy.drop = lambda r: r.method in ("PATCH", "POST") and "/leases/" not in r.path
+    await apply_model(tiny_model())
+    await until(lambda: len(op.controller.retries) >= 4, "four failed passes", 30)
+    assert not status_of(cluster)
+    failures = [r for r in op.controller.retries if r[0] == (NS, "tiny")]
+    assert all("TransportError" in error for *_, error in failures)
+    errors = op.controller.settings.errors
+    for attempt, delay in [(a, d) for _, a, d, _ in failures]:
+        nominal = min(errors.cap, errors.base * 2**attempt)
+        assert nominal * (1 - errors.jitter) - 1e-9 <= delay <= nominal * (1 + errors.jitter) + 1e-9, (attempt, delay)
+    assert [a for _, a, _, _ in failures[:4]] == [0, 1, 2, 3]  # exponential: one attempt more each time
+    proxy.drop = lambda _r: False
+    status = await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "the status once the API answers", 30)
+    assert status["phase"] == "Progressing"
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "the Deployments")
+
+
+# --- server-side apply, ownership, metrics, selectors ----------------------------------------------
+
+
+def engine_pod(cluster: Any, name: str) -> dict[str, Any]:
+    return objects_of(cluster, DEPLOYMENTS)[name]["spec"]["template"]["spec"]
+
+
+async def test_a_field_removed_from_the_spec_is_removed_from_the_deployment(cluster: Any) -> None:
+    body = tiny_model()
+    body["spec"]["roles"]["decode"].update(nodeSelector={"pool": "cpu-big"}, resources={"limits": {"memory": "2Gi"}})
+    await apply_model(body)
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    name = f"tiny-{rev}-decode"
+    await until(lambda: name in objects_of(cluster, DEPLOYMENTS), "the decode Deployment")
+    assert engine_pod(cluster, name)["nodeSelector"] == {"pool": "cpu-big"}
+    await patch_model("tiny", {"spec": {"roles": {"decode": {"nodeSelector": None, "resources": None}}}})  # placement: same revision
+    await until(lambda: "nodeSelector" not in engine_pod(cluster, name), "the nodeSelector gone from the Deployment")
+    container = engine_pod(cluster, name)["containers"][0]
+    assert "limits" not in container.get("resources", {})
+    assert status_of(cluster)["targetRevision"] == rev
+    applies = [r for r in list(cluster) if r.method == "PATCH" and f"/deployments/{name}" in r.url.path and not r.url.path.endswith("/status")]
+    assert applies and all(r.params.get("fieldManager") == "kvguard" and r.headers["Content-Type"] == "application/apply-patch+yaml"
+                           for r in applies)  # fmt: skip
+
+
+async def test_a_transfer_secret_someone_else_created_is_refused_by_name_and_never_used(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reconcile, "FOREIGN_RECHECK_SECONDS", 0.5)
+    body = tiny_model()
+    rev = revision_of(InferenceModelSpec.model_validate(body["spec"]))
+    secret = f"tiny-{rev}-kv-transfer"
+    planted = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"key": "YXR0YWNrZXI="},
+               "metadata": {"name": secret, "namespace": NS, "labels": {"kvguard.io/revision": rev}}}  # fmt: skip
+    await http("POST", f"/api/v1/namespaces/{NS}/secrets", planted)
+    await apply_model(body)
+    status = await until(lambda: status_of(cluster).get("phase") == "Degraded" and status_of(cluster), "Degraded")
+    degraded = condition(status, "Degraded")
+    assert degraded["reason"] == "ForeignObject" and f"Secret {NS}/{secret}" in degraded["message"]
+    assert objects_of(cluster, DEPLOYMENTS) == {}  # no pod ever gets the planted key
+    await http("DELETE", f"/api/v1/namespaces/{NS}/secrets/{secret}")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "the rollout once the planted Secret is gone", 30)
+    own = objects_of(cluster, SECRETS)[secret]
+    assert own["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny" and own["data"]["key"] != "YXR0YWNrZXI="
+
+
+async def test_a_deleted_models_metrics_are_cleared(cluster: Any) -> None:
+    await apply_model(tiny_model())
+    labels = {"namespace": NS, "model": "tiny", "role": "decode"}
+    await until(lambda: metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", labels) == 4.0, "the kv_ratio gauge")
+    await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
+    await until(lambda: metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", labels) is None, "the gauge removed")
+
+
+async def test_every_list_and_watch_of_children_carries_a_label_selector(cluster: Any) -> None:
+    await apply_model(tiny_model())
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev)
+    await until(lambda: status_of(cluster).get("phase") == "Ready", "Ready", CANARY_WAIT)
+    collections = [r for r in list(cluster) if r.method == "GET" and r.name is None and r.resource is not None
+                   and r.resource.plural in ("deployments", "services", "networkpolicies", "pods", "secrets", "configmaps")]  # fmt: skip
+    assert collections, "kopf lists and watches the children"
+    assert all(r.params.get("labelSelector") for r in collections), [str(r.url) for r in collections if not r.params.get("labelSelector")]
