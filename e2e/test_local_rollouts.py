@@ -35,6 +35,7 @@ from harness_cluster import ClusterHarness, unavailable
 from harness_local import LocalHarness
 
 from kvguard.operator.api import InferencePolicy
+from kvguard.operator.numerics import numerics_change
 from kvguard.operator.rollout import RolloutState
 
 pytestmark = pytest.mark.slow
@@ -118,8 +119,8 @@ def test_weights_change_promotes_new_revision(backend: Harness, stable: dict[str
     applied = backend.apply(body)
     assert applied.result.promoted and applied.result.stable != before.revision
     assert applied.answers != before.answers  # other weights, other greedy text
-    rollout = applied.result.rollout  # so the canary did not require stable's text (and passed)
-    assert rollout.numerics is not None and rollout.baseline_numerics not in (None, rollout.numerics)
+    rollout = applied.result.rollout  # another model: the canary did not require stable's text (and passed)
+    assert numerics_change(rollout.numerics, rollout.baseline_numerics).other_model  # type: ignore[union-attr]
     assert before.revision is not None
     assert backend.revision_present(before.revision) and backend.revision_stopped(before.revision)  # kept at zero for a rollback
     assert [h.state for h in applied.result.status.history[:2]] == ["Stable", "Superseded"]

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.numerics import WEIGHTS_PART
 
 REVISION_LENGTH = 10
 
@@ -64,24 +65,35 @@ def kv_relevant(spec: InferenceModelSpec) -> dict[str, Any]:
 _NUMERICS_ROLE_FIELDS = ("tensorParallel", "pipelineParallel", "expertParallel", "dataParallelAttention")
 
 
-def numerics_of(spec: InferenceModelSpec) -> str:
-    """A fingerprint of what decides the greedy outputs: weights (source and revision), quantization,
-    model and KV dtypes, device kind, engine, and the sharding that reorders reductions (tensor,
-    pipeline, expert parallelism, DP attention; data parallelism only replicates). Two revisions
-    with the same fingerprint must answer a greedy prompt identically, so the canary compares a
-    candidate's outputs with the stable's only then. The engine's version and image are left out
-    on purpose: a new build of the same engine must still match (that is how the canary catches a
-    build that corrupts KV)."""
+def _short(value: Any) -> str:
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:8]
+
+
+def numerics_parts(spec: InferenceModelSpec) -> dict[str, str]:
+    """What decides the greedy outputs, part by part: the model (source, revision, architecture:
+    a hash), the weights' format, the model and KV dtypes, device kind, engine, and the sharding
+    that reorders reductions (tensor, pipeline, expert parallelism, DP attention; data parallelism
+    only replicates). The engine's version and image are left out on purpose: a new build of the
+    same engine must still match (that is how the canary catches a build that corrupts KV)."""
     wire = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
-    model = {k: v for k, v in wire["model"].items() if k != "architectureConfigMap"}
+    model = {k: v for k, v in wire["model"].items() if k not in ("architectureConfigMap", "name")}  # the served name is a label
     roles = wire.get("roles", {})
-    picked = {
-        "model": model, "weights": wire.get("weights"), "kvCacheDtype": wire.get("kvCacheDtype"),
-        "device": wire["hardware"].get("device"), "engine": wire["engine"].get("kind"),
-        "sharding": {r: {k: roles.get(r, {}).get(k) for k in _NUMERICS_ROLE_FIELDS} for r in ("prefill", "decode")},
-    }  # fmt: skip
-    canonical = json.dumps(picked, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]
+    sharding = {r: {k: roles.get(r, {}).get(k) for k in _NUMERICS_ROLE_FIELDS} for r in ("prefill", "decode")}
+    return {
+        WEIGHTS_PART: _short(model),
+        "quantization": _short(wire.get("weights")),
+        "kvCacheDtype": str(wire.get("kvCacheDtype")),
+        "device": str(wire["hardware"].get("device")),
+        "engine": str(wire["engine"].get("kind")),
+        "sharding": _short(sharding),
+    }
+
+
+def numerics_of(spec: InferenceModelSpec) -> str:
+    """The output fingerprint (`numerics_parts` as one readable string, `part=value;...`). Two
+    revisions with the same fingerprint must answer a greedy prompt identically."""
+    return ";".join(f"{k}={v}" for k, v in numerics_parts(spec).items())
 
 
 def revision_of(spec: InferenceModelSpec, faults: str = "") -> str:

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from kvguard.operator.numerics import numerics_change
+
 if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
     from kvguard.operator.api import InferenceModelSpec
     from kvguard.operator.canary.report import CanaryReport
@@ -89,6 +91,7 @@ REQUEUE_SECONDS = 5.0
 IN_FLIGHT = (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING, RolloutState.CANARY_VERIFYING)
 
 Scale = Literal["canary", "full"]
+BaselineMatch = Literal["exact", "tolerant", "none"]
 """Replicas a revision runs at: canary while verified, full once it is (or is about to be) serving."""
 
 
@@ -305,10 +308,11 @@ class RunCanary:
     revision: str
     baseline: str | None
     attempt: str
-    compare_outputs: bool = True
-    """False when the candidate changes what decides outputs (`revision.numerics_of`: weights,
-    quantization, KV dtype, device, engine, sharding): the golden probe then does not require the
-    baseline's text."""
+    baseline_match: BaselineMatch = "exact"
+    """How the golden probe compares the candidate's outputs with the baseline's
+    (`revision.numerics_change`): `exact` text when the numerics match; `tolerant` (per-token
+    logprobs) when the same model runs with other numerics (quantization, KV dtype, device, engine,
+    sharding); `none` when the model itself changed -- the stable's outputs are no reference."""
 
 
 @dataclass(frozen=True)
@@ -714,12 +718,21 @@ class _Step:
 
     def _run_canary(self) -> None:
         baseline = self._baseline()
-        changed = self.r.numerics is not None and self.r.baseline_numerics not in (None, self.r.numerics)
-        if baseline is not None and changed:
-            self.event("Normal", "BaselineOutputsNotCompared",
-                       f"revision {self.candidate} changes weights, quantization, KV dtype, device, engine or sharding relative "
-                       f"to {baseline}: the golden probe checks expected text, not equality with {baseline}'s outputs")  # fmt: skip
-        self.actions.append(RunCanary(self.candidate, baseline, self.r.attempt, compare_outputs=not changed))
+        change = numerics_change(self.r.numerics, self.r.baseline_numerics)
+        match: BaselineMatch = "exact"
+        if baseline is not None and change is not None:
+            fields = "; ".join(change.fields)
+            if change.other_model:
+                match = "none"
+                self.event("Normal", "BaselineOutputsNotCompared",
+                           f"revision {self.candidate} serves another model than {baseline} ({fields}): the golden probe "
+                           f"checks expected text, not {baseline}'s outputs")  # fmt: skip
+            else:
+                match = "tolerant"
+                self.event("Normal", "BaselineComparedByLogprobs",
+                           f"revision {self.candidate} runs the same model as {baseline} with other numerics ({fields}): "
+                           f"the golden probe compares per-token logprobs with {baseline}'s, not exact text")  # fmt: skip
+        self.actions.append(RunCanary(self.candidate, baseline, self.r.attempt, baseline_match=match))
 
     def _baseline(self) -> str | None:
         stable = self.stable

@@ -77,8 +77,8 @@ class Routers:
         return RevisionEndpoints(router_url=f"http://{revision}.test:8000")
 
 
-@pytest.mark.parametrize("compare_outputs", [True, False])
-async def test_a_canary_against_other_numerics_compares_with_the_baseline_by_logprobs_not_text(compare_outputs: bool) -> None:
+@pytest.mark.parametrize(("match", "compared", "by"), [("exact", True, "exact"), ("tolerant", True, "tolerant"), ("none", False, "exact")])
+async def test_the_canary_compares_with_the_baseline_as_the_rollout_decided(match: str, compared: bool, by: str) -> None:
     runs: list[tuple[str, CanarySpec, str | None]] = []
 
     async def suite(url: str, spec: CanarySpec, *, baseline_url: str | None, **_: Any) -> Any:
@@ -86,15 +86,15 @@ async def test_a_canary_against_other_numerics_compares_with_the_baseline_by_log
         raise asyncio.CancelledError  # nothing to run against: only the call matters here
 
     runner = CanaryRunner(suite=suite)
-    run = RunCanary("r2", "r1", "", compare_outputs=compare_outputs)
+    run = RunCanary("r2", "r1", "", baseline_match=match)  # type: ignore[arg-type]
     spec = InferenceModelSpec.model_validate(yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"])
     request = RevisionRequest(ModelRef("models", "tiny"), "r2", spec, plan(spec))
     await execute(Routers(), request, [run], runner, CanarySpec())  # type: ignore[arg-type]
     await until(lambda: runs, "the canary started")
     ((url, spec, baseline_url),) = runs
     assert url == "http://r2.test:8000" and baseline_url == "http://r1.test:8000"  # the stable still serves as baseline
-    assert spec.golden.compare_baseline and spec.golden.enabled
-    assert spec.golden.baseline_match == ("exact" if compare_outputs else "tolerant")  # other numerics: by logprobs
+    assert spec.golden.compare_baseline is compared and spec.golden.enabled
+    assert spec.golden.baseline_match == by
 
 
 class ConflictingStore:

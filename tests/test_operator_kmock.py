@@ -72,8 +72,8 @@ async def test_apply_renders_workloads_status_and_conditions(cluster: Any) -> No
     assert services[f"tiny-{rev}-decode"]["spec"]["selector"]["kvguard.io/role"] == "decode"
     secret = await until(lambda: objects_of(cluster, SECRETS).get(f"tiny-{rev}-kv-transfer"), "Secret")
     assert len(secret["data"]["key"]) >= 64
-    netpol = await until(lambda: objects_of(cluster, NETPOLS).get(f"tiny-{rev}-decode-transfer"), "NetworkPolicy")
-    transfer_rule = netpol["spec"]["ingress"][0]
+    netpol = await until(lambda: objects_of(cluster, NETPOLS).get(f"tiny-{rev}-decode"), "NetworkPolicy")
+    transfer_rule = netpol["spec"]["ingress"][1]
     assert transfer_rule["ports"] == [{"protocol": "TCP", "port": 9000}]
     assert transfer_rule["from"][0]["podSelector"]["matchLabels"]["kvguard.io/role"] == "prefill"
     assert status["phase"] == "Progressing" and status["kvRatio"] == 4.0
@@ -201,7 +201,7 @@ async def test_invalid_spec_becomes_degraded_condition_not_a_crash(cluster: Any)
 
 async def test_children_are_owned_for_garbage_collection(cluster: Any) -> None:
     await apply_model(tiny_model(uid="uid-owner"))
-    await until(lambda: len(objects_of(cluster, NETPOLS)) == 1 and len(objects_of(cluster, SECRETS)) == 1, "children")
+    await until(lambda: len(objects_of(cluster, NETPOLS)) == 3 and len(objects_of(cluster, SECRETS)) == 1, "children")
     children = [o for kind in (DEPLOYMENTS, SERVICES, SECRETS, NETPOLS) for o in objects_of(cluster, kind).values()]
     for child in children:
         refs = child["metadata"]["ownerReferences"]

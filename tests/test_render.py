@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kvguard.operator.api import InferenceModel
+from kvguard.operator.numerics import numerics_change
 from kvguard.operator.planner import plan
 from kvguard.operator.render import Owner, RenderError, render_revision, render_transfer_secret
 from kvguard.operator.revision import numerics_of, revision_of
@@ -148,6 +149,10 @@ def test_numerics_change_with_what_decides_outputs_not_with_the_engine_build() -
     ]  # fmt: skip
     assert {numerics_of(m.spec) for m in same_outputs} == {numerics_of(base)}
     assert all(numerics_of(m.spec) != numerics_of(base) for m in other_outputs)
+    changes = [numerics_change(numerics_of(m.spec), numerics_of(base)) for m in other_outputs]
+    assert [c.other_model for c in changes] == [False, False, False, True]  # type: ignore[union-attr]
+    assert changes[1].fields == ("spec.kvCacheDtype: auto -> fp8",)  # type: ignore[union-attr]
+    assert changes[3].fields == ("spec.model",)  # type: ignore[union-attr]
 
 
 def tiny_on_pvc(**spec_updates: Any) -> InferenceModel:

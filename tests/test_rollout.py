@@ -620,21 +620,37 @@ def test_canary_replicas_equal_to_full_replicas_verify_once_at_full_scale() -> N
 # --- comparing outputs with the baseline -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("first", "second", "compared"), [("n1", "n1", True), ("n1", "n2", False), (None, "n2", True)])
-def test_outputs_are_compared_with_the_baseline_only_when_the_numerics_match(first: str | None, second: str, compared: bool) -> None:
-    """Another weights/quantization/KV dtype gives other greedy text: requiring the stable's would
-    fail every such rollout. An unknown fingerprint (a status from before it existed) compares."""
+SAME = "weights=aaaa;quantization=q1;kvCacheDtype=auto;device=cpu;engine=kvguard;sharding=s1"
+FP8_KV = SAME.replace("kvCacheDtype=auto", "kvCacheDtype=fp8")
+OTHER_MODEL = SAME.replace("weights=aaaa", "weights=bbbb")
+
+
+@pytest.mark.parametrize(("first", "second", "match", "event"), [
+    (SAME, SAME, "exact", None),
+    (SAME, FP8_KV, "tolerant", "BaselineComparedByLogprobs"),
+    (SAME, OTHER_MODEL, "none", "BaselineOutputsNotCompared"),
+    ("n1-opaque-hash", "n2-opaque-hash", "none", "BaselineOutputsNotCompared"),  # fingerprints of an older operator
+    (None, SAME, "exact", None),  # unknown: a status from before fingerprints existed
+])  # fmt: skip
+def test_outputs_are_compared_with_the_baseline_as_their_numerics_allow(first: str | None, second: str, match: str,
+                                                                        event: str | None) -> None:
+    """Same numerics: exact greedy text. The same model with other numerics (an fp8 KV cache, a
+    quantization, a device): by per-token logprobs, so such a change is still judged against
+    stable. Another model: the stable's outputs are no reference. The event names what changed."""
     sim = stable_sim(numerics=first)
     sim.target, sim.numerics = "r2", second
     sim.run_until(S.CANARY_VERIFYING)
     (run,) = [a for d in sim.decisions for a in d.of_type(RunCanary) if a.revision == "r2"]
-    assert run == RunCanary("r2", "r1", "", compare_outputs=compared)
-    assert ("BaselineOutputsNotCompared" in [e for d in sim.decisions for e in events(d)]) is not compared
+    assert run == RunCanary("r2", "r1", "", baseline_match=match)
+    recorded = [e for d in sim.decisions for e in d.of_type(RecordEvent) if e.reason.startswith("Baseline")]
+    assert [e.reason for e in recorded] == ([event] if event else [])
+    if match == "tolerant":
+        assert "spec.kvCacheDtype: auto -> fp8" in recorded[0].message
     sim.run_until(S.STABLE)
     sim.target, sim.numerics = "r3", second  # the next rollout's baseline is r2, with r2's fingerprint
     sim.run_until(S.CANARY_VERIFYING)
     (run,) = [a for d in sim.decisions for a in d.of_type(RunCanary) if a.revision == "r3"]
-    assert run.compare_outputs
+    assert run.baseline_match == "exact"
 
 
 def test_a_new_revision_without_decode_workers_is_blocked_at_once_and_stable_keeps_serving() -> None:

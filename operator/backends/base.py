@@ -287,8 +287,10 @@ async def _start_canary(
     spec: CanarySpec,
     on_done: Callable[[], Awaitable[None]] | None,
 ) -> None:
-    if not run.compare_outputs:  # other weights/numerics: compare by logprobs, not text (or skip)
+    if run.baseline_match == "tolerant":  # the same model, other numerics: by logprobs, not text
         spec = spec.for_changed_numerics()
+    elif run.baseline_match == "none":  # another model: the stable's outputs are no reference
+        spec = spec.model_copy(update={"golden": spec.golden.model_copy(update={"compare_baseline": False})})
     target = await backend.endpoints(model, run.revision)
     baseline = await backend.endpoints(model, run.baseline) if run.baseline else None
     if target.router_url is None:
