@@ -181,6 +181,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------- attention
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What every layer's decode attention shares within one step, computed once per step rather
+    than once per layer: the flattened page table to gather K/V pages with, and which gathered
+    slots each request may see."""
+
+    index: torch.Tensor  # [B * P] page ids, row-major
+    visible: torch.Tensor  # [B, 1, 1, P * page_size] bool: slot position < seq_len
+    batch: int
+    pages: int
+
+
+def decode_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
+    batch, pages = page_table.shape
+    visible = torch.arange(pages * page_size, device=page_table.device)[None, :] < seq_lens[:, None]
+    return DecodePlan(page_table.reshape(-1), visible[:, None, None, :], batch, pages)
+
+
 @dataclass
 class AttentionBatch:
     """Where one forward pass writes and reads K/V.
@@ -196,25 +214,37 @@ class AttentionBatch:
     cu_seqlens: list[int] | None = None
     page_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    _plan: DecodePlan | None = field(default=None, repr=False)
+
+    def plan(self, page_size: int) -> DecodePlan:
+        """The step's decode plan, built by the first layer and reused by the others."""
+        if self._plan is None:
+            assert self.page_table is not None and self.seq_lens is not None
+            self._plan = decode_plan(self.page_table, self.seq_lens, page_size)
+        return self._plan
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per request against its paged K/V history.
 
     q: [B, heads, head_dim]; kv_layer: [2, pages, page_size, kv_heads, head_dim];
     page_table: [B, P] page ids; seq_lens: [B]. Returns [B, heads, head_dim].
+    Pages are gathered with `index_select` (a row copy per page; advanced indexing costs about twice
+    as much on CPU). Grouped-query attention is folded into the query axis -- the `g` query heads
+    that share a KV head attend as `g` query rows of that head -- so K/V are never repeated per
+    query head.
     """
-    batch, pages = page_table.shape
     page_size, kv_heads, head_dim = kv_layer.shape[2:]
-    k = kv_layer[0][page_table].view(batch, pages * page_size, kv_heads, head_dim).transpose(1, 2)
-    v = kv_layer[1][page_table].view(batch, pages * page_size, kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(pages * page_size, device=q.device)[None, :] < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return out[:, :, 0, :]
+    plan = plan or decode_plan(page_table, seq_lens, page_size)
+    batch, length = plan.batch, plan.pages * page_size
+    k = kv_layer[0].index_select(0, plan.index).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    v = kv_layer[1].index_select(0, plan.index).view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    grouped = q.view(batch, kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.visible, scale=scale)
+    return out.reshape(batch, -1, head_dim)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -272,7 +302,8 @@ class Attention(nn.Module):
             ])
         else:
             assert batch.page_table is not None and batch.seq_lens is not None
-            out = paged_decode_attention(q, kv_layer, batch.page_table, batch.seq_lens, self.scale)
+            plan = batch.plan(kv_layer.shape[2])
+            out = paged_decode_attention(q, kv_layer, batch.page_table, batch.seq_lens, self.scale, plan)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
