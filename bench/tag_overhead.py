@@ -62,7 +62,7 @@ def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: in
 def tag_work_per_step(engine: Engine, batch: int, prompt: int, iterations: int = 300) -> float:
     """Seconds of the extra work tags add to one decode step, timed in isolation on a real
     decoding batch: the granted-generations table, the S1 gather-and-compare, the write
-    redirect and the S5 stamp (the same pool calls `Engine._run_decode` makes)."""
+    redirect and the S5 stamp (the same pool calls `Engine._run_batch` makes for decode rows)."""
     engine.pool.tags = True
     gen = torch.Generator().manual_seed(1)
     requests = [engine.add_request(f"micro-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),

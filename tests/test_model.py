@@ -43,14 +43,14 @@ def _pool_for(model: CausalLM, pages: int = 16, page_size: int = 4) -> KVPool:
 
 def _prefill_logits(model: CausalLM, pool: KVPool, tokens: list[int], lease) -> torch.Tensor:
     n = len(tokens)
-    batch = AttentionBatch(pool.slots(lease, 0, n), is_prefill=True, cu_seqlens=[0, n])
+    batch = AttentionBatch(pool.slots(lease, 0, n), cu_seqlens=[0, n])
     hidden = model(torch.tensor(tokens), torch.arange(n), batch, pool.kv)
     return model.logits(hidden)
 
 
 def _decode_logits(model: CausalLM, pool: KVPool, token: int, position: int, lease) -> torch.Tensor:
     pages = position // pool.page_size + 1
-    batch = AttentionBatch(pool.slots(lease, position, position + 1), is_prefill=False,
+    batch = AttentionBatch(pool.slots(lease, position, position + 1),
                            page_table=lease.page_ids_t[None, :pages], seq_lens=torch.tensor([position + 1]))
     hidden = model(torch.tensor([token]), torch.tensor([position]), batch, pool.kv)
     return model.logits(hidden)[0]

@@ -204,13 +204,14 @@ class AttentionBatch:
     """Where one forward pass writes and reads K/V.
 
     `slot_mapping[t]` is the flat pool slot (`page * page_size + offset`) that token t's K/V goes
-    to. Prefill: `cu_seqlens` delimits each request's tokens in the flat batch (python ints), and
-    attention is causal within each request. Decode: one token per request, `page_table[b]` lists
-    the request's pages (padded), `seq_lens[b]` the tokens to attend to including the new one.
+    to. The pass holds prefill tokens first, then decode tokens; either part may be empty.
+    Prefill: `cu_seqlens` delimits each request's tokens (python ints, starting at 0), and
+    attention is causal within each request over its fresh K/V. Decode: the remaining tokens, one
+    per request; `page_table[b]` lists the request's pages (padded), `seq_lens[b]` the tokens to
+    attend to including the new one.
     """
 
     slot_mapping: torch.Tensor
-    is_prefill: bool
     cu_seqlens: list[int] | None = None
     page_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
@@ -293,17 +294,13 @@ class Attention(nn.Module):
         flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, batch.slot_mapping, k)
         flat[1].index_copy_(0, batch.slot_mapping, v)
-        if batch.is_prefill:
-            assert batch.cu_seqlens is not None
-            bounds = batch.cu_seqlens
-            out = torch.cat([
-                dense_causal_attention(q[a:b], k[a:b], v[a:b], self.scale)
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ])
-        else:
-            assert batch.page_table is not None and batch.seq_lens is not None
+        bounds = batch.cu_seqlens or [0]
+        parts = [dense_causal_attention(q[a:b], k[a:b], v[a:b], self.scale) for a, b in zip(bounds[:-1], bounds[1:])]
+        if batch.page_table is not None:
+            assert batch.seq_lens is not None
             plan = batch.plan(kv_layer.shape[2])
-            out = paged_decode_attention(q, kv_layer, batch.page_table, batch.seq_lens, self.scale, plan)
+            parts.append(paged_decode_attention(q[bounds[-1]:], kv_layer, batch.page_table, batch.seq_lens, self.scale, plan))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
