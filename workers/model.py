@@ -334,7 +334,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # `_weight` skips nn.Embedding's random init, which on the meta device runs a Python
+        # decomposition that imports torch._dynamo: ~2.4 s of every worker's start-up. The
+        # weights are always loaded from the checkpoint (load_model) anyway.
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
