@@ -30,7 +30,7 @@ from kvguard.workers import device as dev
 from kvguard.workers.config import EngineConfig
 from kvguard.workers.kv_pool import KVPool
 from kvguard.workers.metrics import EngineMetrics
-from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, load_model
+from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, length_groups, load_model
 from kvguard.workers.request import (
     ContextLengthExceeded,
     DuplicateRequestId,
@@ -50,6 +50,7 @@ from kvguard.workers.scheduler import Scheduler
 from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 S = RequestState
+GROUP_OVERHEAD_ELEMENTS = 32768
 
 
 def plan_pool_pages(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device, weight_bytes: int) -> int:
@@ -169,6 +170,10 @@ class Engine:
         self._emitted: dict[str, int] = {}
         self._pending: list[RequestOutput] = []
         self._seeds = random.Random(config.seed)
+        # A decode attention group's fixed cost (gather + attention calls) is about that of
+        # gathering GROUP_OVERHEAD_ELEMENTS K/V elements (measured on CPU, tiny and 25M models).
+        self._group_overhead_pages = GROUP_OVERHEAD_ELEMENTS / (
+            config.page_size * self.args.num_kv_heads * self.args.head_dim)
 
     # ----------------------------------------------------------------------------- intake (S2)
 
@@ -275,7 +280,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         prefill, preallocated = self.scheduler.admit()
         outputs += [RequestOutput(r.request_id, r.state, lease=r.lease) for r in preallocated]
-        decode = list(self.scheduler.running)
+        # Longest first: decode attention groups rows of similar length (model.length_groups).
+        decode = sorted(self.scheduler.running, key=lambda r: r.num_tokens, reverse=True)
         if prefill or decode:
             outputs += self._run_batch(prefill, decode)
         self.metrics.running_requests.set(len(self.scheduler.holding))
@@ -303,9 +309,10 @@ class Engine:
             slots = torch.where(token_ok, slots, self.pool.scratch_page * ps + positions % ps)
         batch = AttentionBatch(slots, cu_seqlens=step.cu_seqlens if prefill else None)
         if decode:
-            widest = max(step.row_pages[len(prefill):])
-            batch.page_table = table[len(prefill):, :widest]
+            decode_pages = step.row_pages[len(prefill):]
+            batch.page_table = table[len(prefill):, : decode_pages[0]]
             batch.seq_lens = tensor(step.read_tokens[len(prefill):]) + 1
+            batch.decode_groups = length_groups(decode_pages, self._group_overhead_pages)
         hidden = self.model(tensor(step.input_ids), positions, batch, self.pool.kv)
         last = hidden[tensor(step.sample_rows)] if prefill else hidden  # decode rows are one token each
         tokens = sample(self.model.logits(last), requests)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,21 +183,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the batch, gathered and attended together over `pages` pages."""
+
+    start: int
+    end: int
+    pages: int
+    index: torch.Tensor  # [(end - start) * pages] page ids, row-major
+    visible: torch.Tensor  # [end - start, 1, 1, pages * page_size] bool: slot position < seq_len
+
+
+@dataclass(frozen=True)
 class DecodePlan:
     """What every layer's decode attention shares within one step, computed once per step rather
-    than once per layer: the flattened page table to gather K/V pages with, and which gathered
-    slots each request may see."""
+    than once per layer: per group of rows, the flattened page table to gather K/V pages with and
+    which gathered slots each request may see."""
 
-    index: torch.Tensor  # [B * P] page ids, row-major
-    visible: torch.Tensor  # [B, 1, 1, P * page_size] bool: slot position < seq_len
-    batch: int
-    pages: int
+    groups: tuple[DecodeGroup, ...]
 
 
-def decode_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> DecodePlan:
-    batch, pages = page_table.shape
-    visible = torch.arange(pages * page_size, device=page_table.device)[None, :] < seq_lens[:, None]
-    return DecodePlan(page_table.reshape(-1), visible[:, None, None, :], batch, pages)
+def decode_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                bounds: Sequence[tuple[int, int, int]] | None = None) -> DecodePlan:
+    """`bounds`: (start, end, pages) row groups (see `length_groups`); default one group."""
+    batch, width = page_table.shape
+    groups = []
+    for start, end, pages in bounds or [(0, batch, width)]:
+        positions = torch.arange(pages * page_size, device=page_table.device)
+        visible = positions[None, :] < seq_lens[start:end, None]
+        index = page_table[start:end, :pages].reshape(-1)
+        groups.append(DecodeGroup(start, end, pages, index, visible[:, None, None, :]))
+    return DecodePlan(tuple(groups))
+
+
+def length_groups(pages: Sequence[int], overhead_pages: float) -> list[tuple[int, int, int]]:
+    """Split decode rows sorted by page count (longest first) into contiguous groups, so short
+    requests are not padded to the longest one's length. Attention work is rows x pages per group;
+    a group costs about `overhead_pages` page-rows more (its gather and attention calls), so a new
+    group starts where the padding it avoids for the remaining rows exceeds that. Linear, greedy."""
+    groups, start = [], 0
+    for i in range(1, len(pages)):
+        if (pages[start] - pages[i]) * (len(pages) - i) > overhead_pages:
+            groups.append((start, i, pages[start]))
+            start = i
+    if pages:
+        groups.append((start, len(pages), pages[start]))
+    return groups
 
 
 @dataclass
@@ -215,13 +246,14 @@ class AttentionBatch:
     cu_seqlens: list[int] | None = None
     page_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    decode_groups: list[tuple[int, int, int]] | None = None  # `length_groups`; None: one group
     _plan: DecodePlan | None = field(default=None, repr=False)
 
     def plan(self, page_size: int) -> DecodePlan:
         """The step's decode plan, built by the first layer and reused by the others."""
         if self._plan is None:
             assert self.page_table is not None and self.seq_lens is not None
-            self._plan = decode_plan(self.page_table, self.seq_lens, page_size)
+            self._plan = decode_plan(self.page_table, self.seq_lens, page_size, self.decode_groups)
         return self._plan
 
 
@@ -234,18 +266,21 @@ def paged_decode_attention(
     q: [B, heads, head_dim]; kv_layer: [2, pages, page_size, kv_heads, head_dim];
     page_table: [B, P] page ids; seq_lens: [B]. Returns [B, heads, head_dim].
     Pages are gathered with `index_select` (a row copy per page; advanced indexing costs about twice
-    as much on CPU). Grouped-query attention is folded into the query axis -- the `g` query heads
-    that share a KV head attend as `g` query rows of that head -- so K/V are never repeated per
-    query head.
+    as much on CPU), per group of rows of similar length. Grouped-query attention is folded into
+    the query axis -- the `g` query heads that share a KV head attend as `g` query rows of that
+    head -- so K/V are never repeated per query head.
     """
     page_size, kv_heads, head_dim = kv_layer.shape[2:]
     plan = plan or decode_plan(page_table, seq_lens, page_size)
-    batch, length = plan.batch, plan.pages * page_size
-    k = kv_layer[0].index_select(0, plan.index).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    v = kv_layer[1].index_select(0, plan.index).view(batch, length, kv_heads, head_dim).transpose(1, 2)
-    grouped = q.view(batch, kv_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=plan.visible, scale=scale)
-    return out.reshape(batch, -1, head_dim)
+    outs = []
+    for group in plan.groups:
+        rows, length = group.end - group.start, group.pages * page_size
+        k = kv_layer[0].index_select(0, group.index).view(rows, length, kv_heads, head_dim).transpose(1, 2)
+        v = kv_layer[1].index_select(0, group.index).view(rows, length, kv_heads, head_dim).transpose(1, 2)
+        grouped = q[group.start : group.end].view(rows, kv_heads, -1, head_dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=group.visible, scale=scale)
+        outs.append(out.reshape(rows, -1, head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
