@@ -79,6 +79,7 @@ class StepInputs:
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # flat pool slot of each token's K/V
+    scratch_slots: list[int] = field(default_factory=list)  # where it goes instead if the lease is stale (S1)
     cu_seqlens: list[int] = field(default_factory=lambda: [0])  # prefill rows' token bounds
     sample_rows: list[int] = field(default_factory=list)  # hidden row to sample each request from
     row_tokens: list[int] = field(default_factory=list)
@@ -91,13 +92,23 @@ class StepInputs:
     stamp_counts: list[int] = field(default_factory=list)  # stamp entries per row
 
     @classmethod
-    def build(cls, prefill: Sequence[Request], decode: Sequence[Request], page_size: int) -> StepInputs:
+    def build(cls, prefill: Sequence[Request], decode: Sequence[Request], page_size: int, scratch_page: int) -> StepInputs:
         step = cls()
         for request in prefill:
             step._add_prompt(request, page_size)
         for request in decode:
             step._add_decode_token(request, page_size)
+        step.scratch_slots = [scratch_page * page_size + p % page_size for p in step.positions]
         return step
+
+    def token_columns(self) -> list[list[int]]:
+        return [self.input_ids, self.positions, self.slots, self.scratch_slots]
+
+    def row_columns(self) -> list[list[int]]:
+        return [self.row_pages, self.read_tokens, self.row_tokens, self.sample_rows]
+
+    def stamp_columns(self) -> list[list[int]]:
+        return [self.stamp_pages, self.stamp_generations, self.stamp_start, self.stamp_end]
 
     def _add_prompt(self, request: Request, ps: int) -> None:
         lease, n = request.lease, len(request.prompt_ids)
@@ -292,56 +303,53 @@ class Engine:
         """One forward pass: prompts first (causal within each), then decode tokens (paged reads).
         Decode requests do not wait while others prefill: on a Python-bound model a separate
         prefill pass costs about as much as a decode step, once per admitted request."""
-        ps, device = self.pool.page_size, self.device
-        step = StepInputs.build(prefill, decode, ps)
+        step = StepInputs.build(prefill, decode, self.pool.page_size, self.pool.scratch_page)
         requests = prefill + decode
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        positions, slots = tensor(step.positions), tensor(step.slots)
+        # Host lists go to the device in three transfers: per token, per row, per stamp.
+        input_ids, positions, slots, scratch_slots = self._tensor(step.token_columns())
+        row_pages, read_tokens, row_tokens, sample_rows = self._tensor(step.row_columns())
         table, granted = self._lease_tables(requests, step.row_pages, generations=self.pool.tags)
         ok = None
         if granted is not None:
             # S1 (reads of decode rows) and S5 (writes of every row), one gather-and-compare.
-            ok = self.pool.verify_reads(table, granted, tensor(step.row_pages), tensor(step.read_tokens))
-            token_ok = ok.repeat_interleave(tensor(step.row_tokens)) if prefill else ok
-            slots = torch.where(token_ok, slots, self.pool.scratch_page * ps + positions % ps)
+            ok = self.pool.verify_reads(table, granted, None, read_tokens)
+            slots = torch.where(ok.repeat_interleave(row_tokens) if prefill else ok, slots, scratch_slots)
         batch = AttentionBatch(slots, cu_seqlens=step.cu_seqlens if prefill else None)
         if decode:
             decode_pages = step.row_pages[len(prefill):]
             batch.page_table = table[len(prefill):, : decode_pages[0]]
-            batch.seq_lens = tensor(step.read_tokens[len(prefill):]) + 1
+            batch.seq_lens = read_tokens[len(prefill):] + 1
             batch.decode_groups = length_groups(decode_pages, self._group_overhead_pages)
-        hidden = self.model(tensor(step.input_ids), positions, batch, self.pool.kv)
-        last = hidden[tensor(step.sample_rows)] if prefill else hidden  # decode rows are one token each
+        hidden = self.model(input_ids, positions, batch, self.pool.kv)
+        last = hidden[sample_rows] if prefill else hidden  # decode rows are one token each
         tokens = sample(self.model.logits(last), requests)
         if ok is not None:
-            self._stamp(step, ok)
+            self._stamp(step, ok, bool(prefill))
         if prefill:
             self.metrics.prompt_tokens.inc(step.cu_seqlens[-1])
         return self._collect(requests, tokens, ok)
 
-    def _stamp(self, step: StepInputs, ok: torch.Tensor) -> None:
-        """S5: record what this pass wrote, where each row's lease was still current."""
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _tensor(self, columns: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(columns, dtype=torch.int64, device=self.device)
 
-        counts = tensor(step.stamp_counts)
-        self.pool.stamp_written(tensor(step.stamp_pages), tensor(step.stamp_generations), tensor(step.stamp_start),
-                                tensor(step.stamp_end), ok.repeat_interleave(counts))
+    def _stamp(self, step: StepInputs, ok: torch.Tensor, has_prompts: bool) -> None:
+        """S5: record what this pass wrote, where each row's lease was still current."""
+        pages, generations, start, end = self._tensor(step.stamp_columns())
+        mask = ok.repeat_interleave(self._tensor(step.stamp_counts)) if has_prompts else ok  # decode: 1 per row
+        self.pool.stamp_written(pages, generations, start, end, mask)
 
     def _lease_tables(self, requests: list[Request], pages: list[int], generations: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, P] page ids and (if asked) granted generations, padded with page 0 (masked by `pages`)."""
-        width = max(pages)
+        """[B, P] page ids and (if asked) granted generations, padded with (scratch page, 0): such
+        padding passes `verify_reads` by construction and decode attention masks it."""
+        width, pad = max(pages), self.pool.scratch_page
         leases = [r.lease for r in requests]
-        ids = [list(lease.page_ids[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
-        table = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        ids = [list(lease.page_ids[:n]) + [pad] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
         if not generations:
-            return table, None
+            return self._tensor(ids), None
         gens = [list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
-        return table, torch.tensor(gens, dtype=torch.int64, device=self.device)
+        table, granted = self._tensor([ids, gens])
+        return table, granted
 
     def _collect(self, requests: list[Request], tokens: torch.Tensor, ok: torch.Tensor | None) -> list[RequestOutput]:
         """The step's single host sync: sampled tokens and verification results in one transfer."""
