@@ -493,6 +493,7 @@ def main() -> int:
     parser.add_argument("--backends", default="hf,tfserve,engine,http", help="comma-separated subset")
     parser.add_argument("--tfserve-scenarios", default=None,
                         help=f"scenarios for transformers serve (default: {MIXED} only with --quick, else all closed loops)")
+    parser.add_argument("--scenarios", default=None, help="comma-separated subset, e.g. closed-1,closed-16")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write throughput/latency PNGs here")
     parser.add_argument("--json-out", type=Path, default=None, help="also write every result as JSON here")
     args = parser.parse_args()
@@ -542,7 +543,7 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
           if "engine" in live else f"model {args.model}", f"requests {len(items)}, reps {reps}, torch threads 1 per process; "
           f"start-up: {', '.join(f'{k} {v:.1f}' for k, v in startup.items())}", flush=True)
     rates = rates_from_capacity(live, items, args.quick)
-    plan = scenarios(items, args.quick, rates)
+    plan = [s for s in scenarios(items, args.quick, rates) if not args.scenarios or s.name in args.scenarios.split(",")]
     tf_only = (args.tfserve_scenarios or (MIXED if args.quick else "closed-1,closed-16,closed-64")).split(",")
     results: dict[tuple[str, str], list[Result]] = {}
     order = [b for b in ("hf", "engine", "http", "tfserve") if b in live]
