@@ -308,6 +308,32 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@dataclass
+class FusedLinear:
+    """Linear layers that read the same input, run as one matmul (vLLM's QKV / gate-up merge):
+    fewer, larger kernels per layer. The layers' own parameters become views of the fused weight,
+    so the checkpoint's names still resolve and memory is not doubled."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, *layers: nn.Linear) -> FusedLinear:
+        weight = torch.cat([layer.weight for layer in layers])
+        bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+        start = 0
+        for layer in layers:
+            rows = layer.weight.shape[0]
+            layer.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+        return cls(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -319,13 +345,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=args.o_bias)
 
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear.of(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        assert self.qkv is not None, "load_model() fuses the projections"
+        tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv(x).view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, : heads + self.num_kv_heads], cos, sin)  # q and k heads rotate alike
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.num_kv_heads :]
         flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, batch.slot_mapping, k)
         flat[1].index_copy_(0, batch.slot_mapping, v)
@@ -347,8 +379,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear.of(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        assert self.gate_up is not None, "load_model() fuses the projections"
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -444,4 +483,7 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
         raise ValueError(f"{model_dir}: weights do not match config.json: missing={missing} unexpected={unexpected}")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
     return model.eval().requires_grad_(False)
