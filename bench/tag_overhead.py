@@ -9,7 +9,7 @@ flipped between rounds when the pool is empty. Prints the median throughput of e
 their ratio, the ratio of the best round of each (noise on a shared machine only slows rounds
 down), and the tag work per step timed in isolation; goal: tags cost < 1%.
 
-    .venv/bin/python bench/tag_overhead.py [--rounds 6] [--batch 16] [--prompt 256] [--decode 32]
+    .venv/bin/python bench/tag_overhead.py [--rounds 6] [--batch 16] [--prompt 256] [--decode 32] [--model tiny]
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ import torch
 
 from kvguard.workers.config import EngineConfig
 from kvguard.workers.device import synchronize
-from kvguard.workers.engine import Engine
+from kvguard.workers.engine import Engine, StepInputs
 from kvguard.workers.request import RequestState, SamplingParams
 from kvguard.workers.tiny import write_random_model
 
-MODEL = {
-    "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
-    "head_dim": 64, "intermediate_size": 2816, "vocab_size": 8192, "max_position_embeddings": 4096,
+MODELS = {
+    "large": {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+              "head_dim": 64, "intermediate_size": 2816, "vocab_size": 8192, "max_position_embeddings": 4096},
+    "tiny": {},  # workers/tiny.py's shape: Python-bound, so the tags' share is an upper bound
 }
+VOCAB = 320
 
 
 def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: int, tag: str) -> tuple[float, float, list[list[int]]]:
@@ -41,7 +43,7 @@ def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: in
     engine.pool.tags = tags
     gen = torch.Generator().manual_seed(0)
     requests = [
-        engine.add_request(f"{tag}-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),
+        engine.add_request(f"{tag}-{i}", torch.randint(0, VOCAB, (prompt,), generator=gen).tolist(),
                            SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))
         for i in range(batch)
     ]
@@ -62,28 +64,33 @@ def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: in
 def tag_work_per_step(engine: Engine, batch: int, prompt: int, iterations: int = 300) -> float:
     """Seconds of the extra work tags add to one decode step, timed in isolation on a real
     decoding batch: the granted-generations table, the S1 gather-and-compare, the write
-    redirect and the S5 stamp (the same pool calls `Engine._run_decode` makes)."""
+    redirect, the S5 stamp and moving the verdicts to the host with the tokens (the calls
+    `Engine._run_batch` makes for decode rows)."""
     engine.pool.tags = True
     gen = torch.Generator().manual_seed(1)
-    requests = [engine.add_request(f"micro-{i}", torch.randint(0, MODEL["vocab_size"], (prompt,), generator=gen).tolist(),
+    requests = [engine.add_request(f"micro-{i}", torch.randint(0, VOCAB, (prompt,), generator=gen).tolist(),
                                    SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) for i in range(batch)]
     while any(r.state != RequestState.DECODING for r in requests):
         engine.step()
-    ps, pool = engine.pool.page_size, engine.pool
-    positions = torch.tensor([r.num_tokens - 1 for r in requests])
-    pages = [int(p) // ps + 1 for p in positions]
-    rows = torch.arange(batch)
+    pool = engine.pool
+    step = StepInputs.build([], requests, pool.page_size, pool.scratch_page)
+    tokens = torch.zeros(batch, dtype=torch.int64, device=engine.device)
 
     def with_tags() -> None:
-        table, granted = engine._lease_tables(requests, pages, generations=True)
-        ok = pool.verify_reads(table, granted, torch.tensor(pages), positions)
-        torch.where(ok, table[rows, positions // ps] * ps, pool.scratch_page * ps)
-        pool.stamp_written(table[rows, positions // ps], granted[rows, positions // ps], positions % ps,
-                           positions % ps + 1, ok)
-        ok.tolist()
+        _, positions, slots, scratch_slots = engine._tensor(step.token_columns())
+        _, read_tokens, _, _ = engine._tensor(step.row_columns())
+        table, granted = engine._lease_tables(requests, step.row_pages, generations=True)
+        assert granted is not None
+        ok = pool.verify_reads(table, granted, None, read_tokens)
+        torch.where(ok, slots, scratch_slots)
+        engine._stamp(step, ok, has_prompts=False)
+        torch.stack((tokens, ok.to(tokens.dtype))).tolist()  # as Engine._collect does
 
     def without_tags() -> None:
-        engine._lease_tables(requests, pages, generations=False)
+        engine._tensor(step.token_columns())
+        engine._tensor(step.row_columns())
+        engine._lease_tables(requests, step.row_pages, generations=False)
+        tokens.tolist()
 
     def timed(fn) -> float:
         synchronize(engine.device)
@@ -106,9 +113,16 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--decode", type=int, default=32, help="tokens decoded per request")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", choices=sorted(MODELS), default="large",
+                        help="large: ~120M params, compute-bound (the < 1%% goal); tiny: the Python-bound test model")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    global VOCAB
+    VOCAB = MODELS[args.model].get("vocab_size", 320)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        write_random_model(tmp, MODEL, seed=0)
+        write_random_model(tmp, MODELS[args.model], seed=0)
         engine = Engine(EngineConfig(tmp, device=args.device, kv_pool_tokens=args.batch * (args.prompt + args.decode + 16),
                                      context_length=2048, max_running_requests=args.batch))
     throughput: dict[bool, list[float]] = {True: [], False: []}

@@ -59,6 +59,26 @@ def test_batch_invariant_greedy(eng: Engine) -> None:
     assert [first.output_ids, second.output_ids] == solo[:2]
 
 
+def test_admitted_prompt_runs_in_the_same_pass_as_decoding_requests(eng: Engine) -> None:
+    """Continuous batching without a pause: the step that prefills a new request also decodes the
+    running ones, and both give what they give alone."""
+    solo = [eng.generate([ids(eng, p)], GREEDY)[0].output_ids for p in PROMPTS[:2]]
+    first = eng.add_request("run-0", ids(eng, PROMPTS[0]), GREEDY)
+    eng.step(), eng.step()
+    second = eng.add_request("run-1", ids(eng, PROMPTS[1]), GREEDY)
+    assert {o.request_id for o in eng.step()} == {"run-0", "run-1"}
+    run(eng)
+    assert [first.output_ids, second.output_ids] == solo
+
+
+def test_decode_rows_grouped_by_length_give_the_same_tokens(tiny_model_dir: Path) -> None:
+    e = engine(tiny_model_dir, page_size=4)
+    prompts = [ids(e, p * n) for p, n in zip(PROMPTS, (1, 6, 2, 9, 1))]
+    solo = [e.generate([p], GREEDY)[0].output_ids for p in prompts]
+    e._group_overhead_pages = 0  # every distinct length its own attention group
+    assert [r.output_ids for r in e.generate(prompts, GREEDY)] == solo
+
+
 def test_seeded_sampling_is_reproducible_per_request(eng: Engine) -> None:
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
     solo = eng.generate([ids(eng, "sample me")], params)[0].output_ids

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from kvguard.workers.kv_pool import KVPool
-from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, load_model, paged_decode_attention
+from kvguard.workers.model import (
+    AttentionBatch,
+    CausalLM,
+    ModelArgs,
+    decode_plan,
+    length_groups,
+    load_model,
+    paged_decode_attention,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,14 +51,14 @@ def _pool_for(model: CausalLM, pages: int = 16, page_size: int = 4) -> KVPool:
 
 def _prefill_logits(model: CausalLM, pool: KVPool, tokens: list[int], lease) -> torch.Tensor:
     n = len(tokens)
-    batch = AttentionBatch(pool.slots(lease, 0, n), is_prefill=True, cu_seqlens=[0, n])
+    batch = AttentionBatch(pool.slots(lease, 0, n), cu_seqlens=[0, n])
     hidden = model(torch.tensor(tokens), torch.arange(n), batch, pool.kv)
     return model.logits(hidden)
 
 
 def _decode_logits(model: CausalLM, pool: KVPool, token: int, position: int, lease) -> torch.Tensor:
     pages = position // pool.page_size + 1
-    batch = AttentionBatch(pool.slots(lease, position, position + 1), is_prefill=False,
+    batch = AttentionBatch(pool.slots(lease, position, position + 1),
                            page_table=lease.page_ids_t[None, :pages], seq_lens=torch.tensor([position + 1]))
     hidden = model(torch.tensor([token]), torch.tensor([position]), batch, pool.kv)
     return model.logits(hidden)[0]
@@ -167,3 +175,21 @@ def test_tiny_tokenizer_round_trips_and_renders_chat(tiny_model_dir: Path) -> No
     chat = tok.render_chat([{"role": "user", "content": "hi"}])
     assert chat == "<|bos|><|user|>\nhi<|end|>\n<|assistant|>\n"
     assert tok.encode_chat([{"role": "user", "content": "hi"}])[:2] == [256, 260]
+
+
+def test_length_groups_split_only_where_padding_costs_more_than_a_group() -> None:
+    assert length_groups([10, 10, 9, 9], overhead_pages=8) == [(0, 4, 10)]  # padding saved is small
+    assert length_groups([40, 38, 5, 4, 3], overhead_pages=8) == [(0, 2, 40), (2, 5, 5)]
+    assert length_groups([7], overhead_pages=0) == [(0, 1, 7)]
+
+
+def test_grouped_paged_attention_equals_one_group() -> None:
+    torch.manual_seed(3)
+    kv_layer = torch.randn(2, 20, 4, 2, 8)
+    page_table = torch.tensor([[3, 7, 1, 9, 12], [4, 2, 11, 0, 0], [5, 0, 0, 0, 0], [6, 0, 0, 0, 0]])
+    seq_lens = torch.tensor([19, 10, 3, 4])
+    q = torch.randn(4, 4, 8)
+    whole = paged_decode_attention(q, kv_layer, page_table, seq_lens, scale=0.3)
+    plan = decode_plan(page_table, seq_lens, 4, length_groups([5, 3, 1, 1], overhead_pages=1))
+    assert len(plan.groups) == 3
+    torch.testing.assert_close(paged_decode_attention(q, kv_layer, page_table, seq_lens, 0.3, plan), whole)

@@ -208,6 +208,7 @@ def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -
 
 
 def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeployment) -> None:
+    complete(trio, "one request so every counter has moved", max_tokens=2)
     for role in ("prefill", "decode"):
         assert metric(trio, role, "kvguard_kv_pool_capacity_tokens") == 4096
         assert metric(trio, role, "kvguard_context_length_tokens") == 1024

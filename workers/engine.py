@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -29,7 +30,7 @@ from kvguard.workers import device as dev
 from kvguard.workers.config import EngineConfig
 from kvguard.workers.kv_pool import KVPool
 from kvguard.workers.metrics import EngineMetrics
-from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, load_model
+from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, length_groups, load_model
 from kvguard.workers.request import (
     ContextLengthExceeded,
     DuplicateRequestId,
@@ -51,6 +52,7 @@ from kvguard.workers.stops import StopMatcher
 from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 S = RequestState
+GROUP_OVERHEAD_ELEMENTS = 32768
 
 
 def plan_pool_pages(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device, weight_bytes: int) -> int:
@@ -68,6 +70,82 @@ def plan_pool_pages(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, d
     if pages < 1:
         raise ValueError(f"no memory left for a KV pool: budget {budget:.0f} bytes after weights")
     return pages
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one forward pass, built in plain Python before anything touches the
+    device: rows are the prefill requests (whole prompt each), then the decode requests (one token
+    each, at the position after their last one)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # flat pool slot of each token's K/V
+    scratch_slots: list[int] = field(default_factory=list)  # where it goes instead if the lease is stale (S1)
+    cu_seqlens: list[int] = field(default_factory=lambda: [0])  # prefill rows' token bounds
+    sample_rows: list[int] = field(default_factory=list)  # hidden row to sample each request from
+    row_tokens: list[int] = field(default_factory=list)
+    row_pages: list[int] = field(default_factory=list)  # lease pages each row must still hold
+    read_tokens: list[int] = field(default_factory=list)  # positions each row reads (0: writes only)
+    stamp_pages: list[int] = field(default_factory=list)  # S5: what this pass writes, per page
+    stamp_generations: list[int] = field(default_factory=list)
+    stamp_start: list[int] = field(default_factory=list)
+    stamp_end: list[int] = field(default_factory=list)
+    stamp_counts: list[int] = field(default_factory=list)  # stamp entries per row
+
+    @classmethod
+    def build(cls, prefill: Sequence[Request], decode: Sequence[Request], page_size: int, scratch_page: int) -> StepInputs:
+        step = cls()
+        for request in prefill:
+            step._add_prompt(request, page_size)
+        for request in decode:
+            step._add_decode_token(request, page_size)
+        step.scratch_slots = [scratch_page * page_size + p % page_size for p in step.positions]
+        return step
+
+    def token_columns(self) -> list[list[int]]:
+        return [self.input_ids, self.positions, self.slots, self.scratch_slots]
+
+    def row_columns(self) -> list[list[int]]:
+        return [self.row_pages, self.read_tokens, self.row_tokens, self.sample_rows]
+
+    def stamp_columns(self) -> list[list[int]]:
+        return [self.stamp_pages, self.stamp_generations, self.stamp_start, self.stamp_end]
+
+    def _add_prompt(self, request: Request, ps: int) -> None:
+        lease, n = request.lease, len(request.prompt_ids)
+        assert lease is not None
+        pages = -(-n // ps)
+        self.input_ids += request.prompt_ids
+        self.positions += range(n)
+        self.slots += [lease.page_ids[p // ps] * ps + p % ps for p in range(n)]
+        self.cu_seqlens.append(self.cu_seqlens[-1] + n)
+        self.sample_rows.append(self.cu_seqlens[-1] - 1)
+        self.row_tokens.append(n)
+        self.row_pages.append(pages)
+        self.read_tokens.append(0)
+        self.stamp_pages += lease.page_ids[:pages]
+        self.stamp_generations += lease.generations[:pages]
+        self.stamp_start += [0] * pages
+        self.stamp_end += [min(ps, n - i * ps) for i in range(pages)]
+        self.stamp_counts.append(pages)
+
+    def _add_decode_token(self, request: Request, ps: int) -> None:
+        lease, position = request.lease, request.num_tokens - 1  # the last sampled token's position
+        assert lease is not None
+        page, offset = position // ps, position % ps
+        self.sample_rows.append(len(self.input_ids))
+        self.input_ids.append(request.output_ids[-1])
+        self.positions.append(position)
+        self.slots.append(lease.page_ids[page] * ps + offset)
+        self.row_tokens.append(1)
+        self.row_pages.append(page + 1)
+        self.read_tokens.append(position)
+        self.stamp_pages.append(lease.page_ids[page])
+        self.stamp_generations.append(lease.generations[page])
+        self.stamp_start.append(offset)
+        self.stamp_end.append(offset + 1)
+        self.stamp_counts.append(1)
 
 
 class Engine:
@@ -103,6 +181,10 @@ class Engine:
         self.requests: dict[str, Request] = {}  # every request not yet in a terminal state
         self._pending: list[RequestOutput] = []
         self._seeds = random.Random(config.seed)
+        # A decode attention group's fixed cost (gather + attention calls) is about that of
+        # gathering GROUP_OVERHEAD_ELEMENTS K/V elements (measured on CPU, tiny and 25M models).
+        self._group_overhead_pages = GROUP_OVERHEAD_ELEMENTS / (
+            config.page_size * self.args.num_kv_heads * self.args.head_dim)
 
     # ----------------------------------------------------------------------------- intake (S2)
 
@@ -223,89 +305,79 @@ class Engine:
         return bool(self._pending) or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then run one prefill batch or one decode step. Returns what happened."""
+        """Admit what fits, then run one forward pass over the newly admitted prompts and one token
+        of every decoding request together. Returns what happened."""
         outputs, self._pending = self._pending, []
         prefill, preallocated = self.scheduler.admit()
         outputs += [RequestOutput(r.request_id, r.state, lease=r.lease) for r in preallocated]
-        if prefill:
-            outputs += self._run_prefill(prefill)
-        elif self.scheduler.running:
-            outputs += self._run_decode(list(self.scheduler.running))
+        # Longest first: decode attention groups rows of similar length (model.length_groups).
+        decode = sorted(self.scheduler.running, key=lambda r: r.num_tokens, reverse=True)
+        if prefill or decode:
+            outputs += self._run_batch(prefill, decode)
         self.metrics.running_requests.set(len(self.scheduler.holding))
         self.metrics.waiting_requests.set(len(self.scheduler.waiting))
         return outputs
 
-    def _lease_tables(self, requests: list[Request], pages: list[int], generations: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, P] page ids and (if asked) granted generations, padded with page 0 (masked by `pages`)."""
-        width = max(pages)
-        leases = [r.lease for r in requests]
-        ids = [list(lease.page_ids[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
-        table = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        if not generations:
-            return table, None
-        gens = [list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
-        return table, torch.tensor(gens, dtype=torch.int64, device=self.device)
-
-    def _run_prefill(self, requests: list[Request]) -> list[RequestOutput]:
-        ps, device = self.pool.page_size, self.device
-        lengths = [len(r.prompt_ids) for r in requests]
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-        input_ids = torch.tensor([t for r in requests for t in r.prompt_ids], dtype=torch.int64, device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        slots = torch.cat([self.pool.slots(r.lease, 0, n) for r, n in zip(requests, lengths)])  # type: ignore[arg-type]
-        ok = None
-        if self.pool.tags:
-            pages = [self.pool.pages_for(n) for n in lengths]
-            table, granted = self._lease_tables(requests, pages)
-            assert granted is not None
-            pages_t = torch.tensor(pages, device=device)
-            ok = self.pool.verify_reads(table, granted, pages_t, torch.zeros_like(pages_t))  # S1/S5: writes only
-            token_ok = ok.repeat_interleave(torch.tensor(lengths, device=device))
-            slots = torch.where(token_ok, slots, self.pool.scratch_page * ps + positions % ps)
-        batch = AttentionBatch(slots, is_prefill=True, cu_seqlens=cu)
-        hidden = self.model(input_ids, positions, batch, self.pool.kv)
-        last = torch.tensor(cu[1:], device=device) - 1
-        sampled = sample(self.model.logits(hidden[last]), requests)
-        if ok is not None:
-            index = torch.arange(table.shape[1], device=device)[None, :]
-            start = torch.zeros_like(table)
-            end = (torch.tensor(lengths, device=device)[:, None] - index * ps).clamp(0, ps)
-            in_lease = index < pages_t[:, None]
-            self.pool.stamp_written(table[in_lease], granted[in_lease], start[in_lease], end[in_lease],
-                                    ok[:, None].expand_as(table)[in_lease])
-        self.metrics.prompt_tokens.inc(sum(lengths))
-        return self._collect(requests, sampled, ok)
-
-    def _run_decode(self, requests: list[Request]) -> list[RequestOutput]:
-        ps, device = self.pool.page_size, self.device
-        positions_l = [r.num_tokens - 1 for r in requests]  # the last sampled token's position
-        pages = [p // ps + 1 for p in positions_l]
-        table, granted = self._lease_tables(requests, pages, generations=self.pool.tags)
-        input_ids = torch.tensor([r.output_ids[-1] for r in requests], dtype=torch.int64, device=device)
-        positions = torch.tensor(positions_l, dtype=torch.int64, device=device)
-        rows = torch.arange(len(requests), device=device)
-        write_page = positions // ps
-        slots = table[rows, write_page] * ps + positions % ps
+    def _run_batch(self, prefill: list[Request], decode: list[Request]) -> list[RequestOutput]:
+        """One forward pass: prompts first (causal within each), then decode tokens (paged reads).
+        Decode requests do not wait while others prefill: on a Python-bound model a separate
+        prefill pass costs about as much as a decode step, once per admitted request."""
+        step = StepInputs.build(prefill, decode, self.pool.page_size, self.pool.scratch_page)
+        requests = prefill + decode
+        # Host lists go to the device in three transfers: per token, per row, per stamp.
+        input_ids, positions, slots, scratch_slots = self._tensor(step.token_columns())
+        row_pages, read_tokens, row_tokens, sample_rows = self._tensor(step.row_columns())
+        table, granted = self._lease_tables(requests, step.row_pages, generations=self.pool.tags)
         ok = None
         if granted is not None:
-            ok = self.pool.verify_reads(table, granted, torch.tensor(pages, device=device), positions)  # S1
-            slots = torch.where(ok, slots, self.pool.scratch_page * ps + positions % ps)
-        batch = AttentionBatch(slots, is_prefill=False, page_table=table, seq_lens=positions + 1)
+            # S1 (reads of decode rows) and S5 (writes of every row), one gather-and-compare.
+            ok = self.pool.verify_reads(table, granted, None, read_tokens)
+            slots = torch.where(ok.repeat_interleave(row_tokens) if prefill else ok, slots, scratch_slots)
+        batch = AttentionBatch(slots, cu_seqlens=step.cu_seqlens if prefill else None)
+        if decode:
+            decode_pages = step.row_pages[len(prefill):]
+            batch.page_table = table[len(prefill):, : decode_pages[0]]
+            batch.seq_lens = read_tokens[len(prefill):] + 1
+            batch.decode_groups = length_groups(decode_pages, self._group_overhead_pages)
         hidden = self.model(input_ids, positions, batch, self.pool.kv)
-        sampled = sample(self.model.logits(hidden), requests)
-        if granted is not None and ok is not None:
-            offset = positions % ps
-            self.pool.stamp_written(table[rows, write_page], granted[rows, write_page], offset, offset + 1, ok)
+        last = hidden[sample_rows] if prefill else hidden  # decode rows are one token each
+        sampled = sample(self.model.logits(last), requests)
+        if ok is not None:
+            self._stamp(step, ok, bool(prefill))
+        if prefill:
+            self.metrics.prompt_tokens.inc(step.cu_seqlens[-1])
         return self._collect(requests, sampled, ok)
 
+    def _tensor(self, columns: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(columns, dtype=torch.int64, device=self.device)
+
+    def _stamp(self, step: StepInputs, ok: torch.Tensor, has_prompts: bool) -> None:
+        """S5: record what this pass wrote, where each row's lease was still current."""
+        pages, generations, start, end = self._tensor(step.stamp_columns())
+        mask = ok.repeat_interleave(self._tensor(step.stamp_counts)) if has_prompts else ok  # decode: 1 per row
+        self.pool.stamp_written(pages, generations, start, end, mask)
+
+    def _lease_tables(self, requests: list[Request], pages: list[int], generations: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, P] page ids and (if asked) granted generations, padded with (scratch page, 0): such
+        padding passes `verify_reads` by construction and decode attention masks it."""
+        width, pad = max(pages), self.pool.scratch_page
+        leases = [r.lease for r in requests]
+        ids = [list(lease.page_ids[:n]) + [pad] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
+        if not generations:
+            return self._tensor(ids), None
+        gens = [list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
+        table, granted = self._tensor([ids, gens])
+        return table, granted
+
     def _collect(self, requests: list[Request], sampled: Sampled, ok: torch.Tensor | None) -> list[RequestOutput]:
-        """The step's single host sync: sampled tokens and verification results (and, only when a
-        request in the batch asked, its logprobs)."""
-        token_list = sampled.tokens.tolist()
-        ok_list = ok.tolist() if ok is not None else [True] * len(requests)
+        """The step's single host sync: sampled tokens and verification results in one transfer
+        (and, only when a request in the batch asked, its logprobs)."""
+        tokens = sampled.tokens
+        if ok is None:
+            token_list, ok_list = tokens.tolist(), [True] * len(requests)
+        else:
+            token_list, ok_list = torch.stack((tokens, ok.to(tokens.dtype))).tolist()
         logprobs = sampled.logprob_records(token_list)
         outputs = []
         for row, (request, token, fine) in enumerate(zip(requests, token_list, ok_list)):

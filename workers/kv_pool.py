@@ -79,9 +79,12 @@ class KVPool:
         self.scratch_page = num_pages
         shape = (num_layers, 2, num_pages + 1, page_size, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.generation = torch.zeros(num_pages + 1, dtype=torch.int64, device=device)
-        self.written_generation = torch.full((num_pages + 1,), -1, dtype=torch.int64, device=device)
-        self.written_tokens = torch.zeros(num_pages + 1, dtype=torch.int64, device=device)
+        # The three tag arrays share one [3, pages + 1] tensor, so a read check gathers all of a
+        # batch's tags in one op. Rows: generation, written_generation, written_tokens.
+        self._tags = torch.zeros(3, num_pages + 1, dtype=torch.int64, device=device)
+        self.generation, self.written_generation, self.written_tokens = self._tags.unbind(0)
+        self.written_generation.fill_(-1)
+        self._page_starts = torch.arange(num_pages + 1, dtype=torch.int64, device=device) * page_size  # per lease column
         self._host_generation = [0] * num_pages
         self._owner: list[int | None] = [None] * num_pages  # lease serial
         # A stack: the most recently freed pages are handed out first, so reuse is immediate.
@@ -193,23 +196,26 @@ class KVPool:
             return ok
 
     def verify_reads(
-        self, page_table: torch.Tensor, granted: torch.Tensor, num_pages: torch.Tensor, read_tokens: torch.Tensor
+        self, page_table: torch.Tensor, granted: torch.Tensor, num_pages: torch.Tensor | None, read_tokens: torch.Tensor
     ) -> torch.Tensor:
         """S1, one vectorised gather-and-compare for a whole batch.
 
-        page_table / granted: [B, P] page ids and the generations the leases were granted (padding
-        beyond `num_pages[b]` is ignored); read_tokens[b]: token positions [0, n) request b reads.
-        Every page must be current for the lease; pages holding read positions must have been
-        written in that generation up to the slots read. Returns bool [B]: request b may proceed.
+        page_table / granted: [B, P] page ids and the generations the leases were granted;
+        read_tokens[b]: token positions [0, n) request b reads. Padding beyond `num_pages[b]` is
+        ignored; with `num_pages=None` the caller pads with (`scratch_page`, 0) instead, which
+        passes by construction (the scratch page's generation is always 0 and no read position
+        falls in a padding column) and saves the masking. Every page must be current for the lease;
+        pages holding read positions must have been written in that generation up to the slots
+        read. Returns bool [B]: request b may proceed.
         """
         width = page_table.shape[1]
-        index = torch.arange(width, device=page_table.device)[None, :]
-        in_lease = index < num_pages[:, None]
-        required = (read_tokens[:, None] - index * self.page_size).clamp(0, self.page_size)
-        current = self.generation[page_table] == granted
-        written = (self.written_generation[page_table] == granted) & (self.written_tokens[page_table] >= required)
-        page_ok = current & ((required == 0) | written)
-        return (page_ok | ~in_lease).all(dim=1)
+        required = (read_tokens[:, None] - self._page_starts[:width]).clamp(0, self.page_size)
+        tags = self._tags[:, page_table]  # [3, B, P]: generation, written generation, written tokens
+        written = (tags[1] == granted) & (tags[2] >= required)
+        page_ok = (tags[0] == granted) & (written | (required == 0))
+        if num_pages is not None:
+            page_ok |= self._page_starts[:width] >= num_pages[:, None] * self.page_size
+        return page_ok.all(dim=1)
 
     def lease_written(self, lease: Lease, num_tokens: int) -> bool:
         """S3 precondition: every page holding positions [0, num_tokens) is current for the lease

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,40 +182,105 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------- attention
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the batch, gathered and attended together over `pages` pages."""
+
+    start: int
+    end: int
+    pages: int
+    index: torch.Tensor  # [(end - start) * pages] page ids, row-major
+    visible: torch.Tensor  # [end - start, 1, 1, pages * page_size] bool: slot position < seq_len
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What every layer's decode attention shares within one step, computed once per step rather
+    than once per layer: per group of rows, the flattened page table to gather K/V pages with and
+    which gathered slots each request may see."""
+
+    groups: tuple[DecodeGroup, ...]
+
+
+def decode_plan(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                bounds: Sequence[tuple[int, int, int]] | None = None) -> DecodePlan:
+    """`bounds`: (start, end, pages) row groups (see `length_groups`); default one group."""
+    batch, width = page_table.shape
+    groups = []
+    for start, end, pages in bounds or [(0, batch, width)]:
+        positions = torch.arange(pages * page_size, device=page_table.device)
+        visible = positions[None, :] < seq_lens[start:end, None]
+        index = page_table[start:end, :pages].reshape(-1)
+        groups.append(DecodeGroup(start, end, pages, index, visible[:, None, None, :]))
+    return DecodePlan(tuple(groups))
+
+
+def length_groups(pages: Sequence[int], overhead_pages: float) -> list[tuple[int, int, int]]:
+    """Split decode rows sorted by page count (longest first) into contiguous groups, so short
+    requests are not padded to the longest one's length. Attention work is rows x pages per group;
+    a group costs about `overhead_pages` page-rows more (its gather and attention calls), so a new
+    group starts where the padding it avoids for the remaining rows exceeds that. Linear, greedy."""
+    groups, start = [], 0
+    for i in range(1, len(pages)):
+        if (pages[start] - pages[i]) * (len(pages) - i) > overhead_pages:
+            groups.append((start, i, pages[start]))
+            start = i
+    if pages:
+        groups.append((start, len(pages), pages[start]))
+    return groups
+
+
 @dataclass
 class AttentionBatch:
     """Where one forward pass writes and reads K/V.
 
     `slot_mapping[t]` is the flat pool slot (`page * page_size + offset`) that token t's K/V goes
-    to. Prefill: `cu_seqlens` delimits each request's tokens in the flat batch (python ints), and
-    attention is causal within each request. Decode: one token per request, `page_table[b]` lists
-    the request's pages (padded), `seq_lens[b]` the tokens to attend to including the new one.
+    to. The pass holds prefill tokens first, then decode tokens; either part may be empty.
+    Prefill: `cu_seqlens` delimits each request's tokens (python ints, starting at 0), and
+    attention is causal within each request over its fresh K/V. Decode: the remaining tokens, one
+    per request; `page_table[b]` lists the request's pages (padded), `seq_lens[b]` the tokens to
+    attend to including the new one.
     """
 
     slot_mapping: torch.Tensor
-    is_prefill: bool
     cu_seqlens: list[int] | None = None
     page_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    decode_groups: list[tuple[int, int, int]] | None = None  # `length_groups`; None: one group
+    _plan: DecodePlan | None = field(default=None, repr=False)
+
+    def plan(self, page_size: int) -> DecodePlan:
+        """The step's decode plan, built by the first layer and reused by the others."""
+        if self._plan is None:
+            assert self.page_table is not None and self.seq_lens is not None
+            self._plan = decode_plan(self.page_table, self.seq_lens, page_size, self.decode_groups)
+        return self._plan
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per request against its paged K/V history.
 
     q: [B, heads, head_dim]; kv_layer: [2, pages, page_size, kv_heads, head_dim];
     page_table: [B, P] page ids; seq_lens: [B]. Returns [B, heads, head_dim].
+    Pages are gathered with `index_select` (a row copy per page; advanced indexing costs about twice
+    as much on CPU), per group of rows of similar length. Grouped-query attention is folded into
+    the query axis -- the `g` query heads that share a KV head attend as `g` query rows of that
+    head -- so K/V are never repeated per query head.
     """
-    batch, pages = page_table.shape
     page_size, kv_heads, head_dim = kv_layer.shape[2:]
-    k = kv_layer[0][page_table].view(batch, pages * page_size, kv_heads, head_dim).transpose(1, 2)
-    v = kv_layer[1][page_table].view(batch, pages * page_size, kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(pages * page_size, device=q.device)[None, :] < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return out[:, :, 0, :]
+    plan = plan or decode_plan(page_table, seq_lens, page_size)
+    outs = []
+    for group in plan.groups:
+        rows, length = group.end - group.start, group.pages * page_size
+        k = kv_layer[0].index_select(0, group.index).view(rows, length, kv_heads, head_dim).transpose(1, 2)
+        v = kv_layer[1].index_select(0, group.index).view(rows, length, kv_heads, head_dim).transpose(1, 2)
+        grouped = q[group.start : group.end].view(rows, kv_heads, -1, head_dim)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=group.visible, scale=scale)
+        outs.append(out.reshape(rows, -1, head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -242,6 +308,32 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@dataclass
+class FusedLinear:
+    """Linear layers that read the same input, run as one matmul (vLLM's QKV / gate-up merge):
+    fewer, larger kernels per layer. The layers' own parameters become views of the fused weight,
+    so the checkpoint's names still resolve and memory is not doubled."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, *layers: nn.Linear) -> FusedLinear:
+        weight = torch.cat([layer.weight for layer in layers])
+        bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+        start = 0
+        for layer in layers:
+            rows = layer.weight.shape[0]
+            layer.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+        return cls(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -253,26 +345,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=args.o_bias)
 
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear.of(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        assert self.qkv is not None, "load_model() fuses the projections"
+        tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv(x).view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, : heads + self.num_kv_heads], cos, sin)  # q and k heads rotate alike
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self.num_kv_heads :]
         flat = kv_layer.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, batch.slot_mapping, k)
         flat[1].index_copy_(0, batch.slot_mapping, v)
-        if batch.is_prefill:
-            assert batch.cu_seqlens is not None
-            bounds = batch.cu_seqlens
-            out = torch.cat([
-                dense_causal_attention(q[a:b], k[a:b], v[a:b], self.scale)
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ])
-        else:
-            assert batch.page_table is not None and batch.seq_lens is not None
-            out = paged_decode_attention(q, kv_layer, batch.page_table, batch.seq_lens, self.scale)
+        bounds = batch.cu_seqlens or [0]
+        parts = [dense_causal_attention(q[a:b], k[a:b], v[a:b], self.scale) for a, b in zip(bounds[:-1], bounds[1:])]
+        if batch.page_table is not None:
+            assert batch.seq_lens is not None
+            plan = batch.plan(kv_layer.shape[2])
+            parts.append(paged_decode_attention(q[bounds[-1]:], kv_layer, batch.page_table, batch.seq_lens, self.scale, plan))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -284,8 +379,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear.of(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        assert self.gate_up is not None, "load_model() fuses the projections"
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -306,7 +408,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # `_weight` skips nn.Embedding's random init, which on the meta device runs a Python
+        # decomposition that imports torch._dynamo: ~2.4 s of every worker's start-up. The
+        # weights are always loaded from the checkpoint (load_model) anyway.
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -377,4 +483,7 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
         raise ValueError(f"{model_dir}: weights do not match config.json: missing={missing} unexpected={unexpected}")
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
     return model.eval().requires_grad_(False)
