@@ -19,7 +19,7 @@ PYM := $(PY) -P -m
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test bench lint clean verify-engines
+.PHONY: demo test bench lint clean verify-engines fuzz
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ test-stress: $(STAMP)
 	for i in $$(seq $(STRESS_LOOPS)); do yes > /dev/null & loops="$$loops $$!"; done; \
 	echo "test-stress: $(STRESS_LOOPS) busy loops (pids$$loops)"; \
 	$(PYM) pytest -q -ra
+
+# The property tests with fresh random draws (CI draws the same ones every run, tests/conftest.py).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=explore $(PYM) pytest -q -ra tests/test_api_fuzz.py tests/test_kv_pool.py tests/test_stops.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check operator workers kvguard tests e2e bench

@@ -93,6 +93,19 @@ def test_seeded_sampling_is_reproducible_per_request(eng: Engine) -> None:
     assert top1 == eng.generate([ids(eng, "sample me")], GREEDY)[0].output_ids[:20]
 
 
+def test_extreme_but_valid_sampling_numbers_sample_without_failing_the_batch(eng: Engine) -> None:
+    """A temperature of 1e-239 or a repetition penalty of 1e-300 pass validation; dividing by them
+    overflowed to inf, the distribution became NaN and the step failed every request in the batch.
+    Below SAMPLING_EPS temperature is greedy; an overflowed logit is clamped to the largest float."""
+    neighbour = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
+    tiny_temperature = SamplingParams(max_tokens=8, temperature=3.5e-239, ignore_eos=True)
+    tiny_penalty = SamplingParams(max_tokens=8, temperature=1.0, repetition_penalty=1e-300, seed=2, ignore_eos=True)
+    prompts = [ids(eng, p) for p in PROMPTS[:3]]
+    done = eng.generate(prompts, [neighbour, tiny_temperature, tiny_penalty])
+    assert [len(r.output_ids) for r in done] == [8, 8, 8]
+    assert done[1].output_ids == eng.generate([prompts[1]], GREEDY)[0].output_ids[:8]
+
+
 def test_stop_string_and_stop_token_and_length(eng: Engine) -> None:
     full = eng.generate([ids(eng, PROMPTS[0])], GREEDY)[0]
     text = full.output_text

@@ -53,12 +53,15 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
 class SamplingParams(_Message):
     """How to pick a request's tokens: the one type from the router's wire into the engine.
 
     Defaults are OpenAI's (temperature 1, top_p 1, no penalties, no bias); top_k, min_p, min_tokens,
     repetition_penalty, stop_token_ids and ignore_eos are vLLM's extensions with vLLM's defaults.
-    temperature 0 is greedy. `max_tokens` None means the rest of the context (the engine resolves it
+    temperature 0 (or below SAMPLING_EPS) is greedy. `max_tokens` None means the rest of the context (the engine resolves it
     at intake; the router always sends a number). A seed makes sampling reproducible whatever else
     shares the batch and whether prefill and decode ran in one engine or two (workers/sampling.py).
     `logprobs` N: report each token's log-probability and the N most likely alternatives.
@@ -84,7 +87,9 @@ class SamplingParams(_Message):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below SAMPLING_EPS, temperature is greedy (as in vLLM): dividing logits by 1e-239 would
+        overflow to inf and make the distribution NaN."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:

@@ -138,7 +138,10 @@ def _process(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 def _draw(logits: torch.Tensor, request: Request) -> torch.Tensor:
     params = request.params
-    logits = logits / params.temperature
+    # A tiny repetition penalty can push a logit to +inf; clamp so softmax stays a distribution
+    # (the +inf tokens share the mass) instead of NaN that would fail the whole batch's step.
+    finite = torch.finfo(logits.dtype).max
+    logits = torch.nan_to_num(logits / params.temperature, nan=float("-inf"), posinf=finite)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
