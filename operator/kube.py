@@ -195,6 +195,18 @@ class Kube:
             item.setdefault("apiVersion", KINDS[kind].api_version)
         return items
 
+    def pod_log(self, namespace: str, name: str, container: str, *, since_seconds: int, limit_bytes: int) -> str:
+        """The container's log of the last `since_seconds` (pods/log; capped at `limit_bytes`).
+        A pod that is gone or not started yet has no log: ''."""
+        query = [("container", container), ("sinceSeconds", str(since_seconds)), ("limitBytes", str(limit_bytes))]
+        path = f"{KINDS['Pod'].collection_path(namespace)}/{name}/log"
+        status, raw = self._transport("GET", path, None, content_type="application/json", accept="text/plain", query=query)
+        if status in (400, 404):  # 400: the container is waiting to start
+            return ""
+        if not 200 <= status < 300:
+            raise KubeError(status, f"GET {path}: {raw[:200].decode(errors='replace')}")
+        return raw.decode("utf-8", errors="replace")
+
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None when the object already exists (409)."""
         ref = ref_of(manifest)
@@ -292,6 +304,10 @@ class Kube:
     async def alist(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> list[dict[str, Any]]:
         return await self._off_loop(lambda: self.list(kind, namespace, labels))
 
+    async def apod_log(self, namespace: str, name: str, container: str, *, since_seconds: int, limit_bytes: int) -> str:
+        return await self._off_loop(lambda: self.pod_log(namespace, name, container, since_seconds=since_seconds,
+                                                         limit_bytes=limit_bytes))
+
     async def acreate(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
         return await self._off_loop(lambda: self.create(manifest))
 
@@ -326,6 +342,23 @@ class Kube:
         accept: str = "application/json",
         query: list[tuple[str, str]] | None = None,
     ) -> tuple[int, Any]:
+        status, raw = self._transport(method, path, body, content_type=content_type, accept=accept, query=query)
+        try:
+            return status, json.loads(raw) if raw else {}
+        except ValueError:
+            return status, {"message": raw[:200].decode(errors="replace")}
+
+    def _transport(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | str | None,
+        *,
+        content_type: str,
+        accept: str,
+        query: list[tuple[str, str]] | None,
+    ) -> tuple[int, bytes]:
+        """One request: its status and raw body (TransportError when no answer came)."""
         headers = {"Accept": accept, "Content-Type": content_type}
         method, url, headers, body, _ = self._api.param_serialize(
             method=method, resource_path=path, query_params=query, header_params=headers, body=body,
@@ -348,10 +381,7 @@ class Kube:
         log.debug("%s %s -> %s", method, path, status)  # never the body
         if status == 0:
             raise TransportError(f"{method} {path}: {raw[:200].decode(errors='replace')}")
-        try:
-            return status, json.loads(raw) if raw else {}
-        except ValueError:
-            return status, {"message": raw[:200].decode(errors="replace")}
+        return status, raw
 
     @staticmethod
     def _expect(status: int, body: Any, ref: ObjectRef) -> dict[str, Any]:

@@ -63,6 +63,7 @@ LABEL_MODEL = "kvguard.io/model"
 LABEL_REVISION = "kvguard.io/revision"
 LABEL_ROLE = "kvguard.io/role"
 LABEL_ENGINE = "kvguard.io/engine"
+ENGINE_CONTAINER = "engine"  # the one container of every prefill/decode pod (pods/log reads it by name)
 """On engine pods: kvguard, sglang or vllm (the PodMonitors pick the metrics port by it)."""
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvguard-operator"}
 
@@ -575,7 +576,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     if ctx.faults:
         env.append({"name": FAULTS_ENV, "value": ctx.faults})
     container: dict[str, Any] = {
-        "name": "engine",
+        "name": ENGINE_CONTAINER,
         "image": image_for(spec, ctx.role),
         "command": adapter.command(ctx),
         "env": env + adapter.env(ctx),

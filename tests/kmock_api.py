@@ -23,10 +23,13 @@ import collections
 import copy
 import datetime as dt
 import itertools
+import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import aiohttp.web
 import kmock as km
 import kubernetes
 from kmock._internal import apps as kmock_apps
@@ -139,6 +142,8 @@ def merge_patch_that_makes(live: Mapping[str, Any], target: Mapping[str, Any]) -
     return patch
 
 
+_POD_LOG = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log")
+
 # --- the emulator --------------------------------------------------------------------------------
 
 
@@ -181,10 +186,33 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         self.requests_total = 0
         self.requests_by: collections.Counter[tuple[str, str]] = collections.Counter()
         """Requests by (method, resource plural or path), whatever the log keeps."""
+        self.pod_logs: dict[tuple[str, str, str], list[tuple[float, str]]] = collections.defaultdict(list)
+        """(namespace, pod, container) -> (time written, line): what the kubelet would serve."""
+
+    def write_pod_log(self, namespace: str, pod: str, line: str, container: str = "engine") -> None:
+        """A line the container writes now (a test plays the engine)."""
+        self.pod_logs[namespace, pod, container].append((time.time(), line))
+
+    async def _serve_pod_log(self, request: Any, namespace: str, pod: str) -> Any:
+        """GET pods/{name}/log with sinceSeconds and limitBytes, as the kubelet answers it
+        (plain text, lines newer than the cut-off; 400 when a pod has several containers and
+        none is named)."""
+        container = request.params.get("container")
+        if container is None:
+            return aiohttp.web.Response(status=400, text="a container name must be given")
+        since = request.params.get("sinceSeconds")
+        cutoff = time.time() - int(since) if since is not None else float("-inf")
+        text = "".join(f"{line}\n" for at, line in self.pod_logs.get((namespace, pod, container), []) if at >= cutoff)
+        limit = request.params.get("limitBytes")
+        data = text.encode()[: int(limit)] if limit is not None else text.encode()
+        return aiohttp.web.Response(body=data, content_type="text/plain", charset="utf-8")
 
     async def _handle(self, request: Any) -> Any:
         self.requests_total += 1
         self.requests_by[(str(request.method), request.resource.plural if request.resource is not None else request.url.path)] += 1
+        pod_log = _POD_LOG.fullmatch(request.url.path)
+        if pod_log is not None and request.method == km.method.GET:
+            return await self._serve_pod_log(request, *pod_log.groups())
         try:
             if request.resource is not None:
                 try:

@@ -121,3 +121,58 @@ async def test_transport_failures_are_one_retriable_error() -> None:
         assert failed.value.status == 0 and failed.value.retriable
     finally:
         stop.set()
+
+
+# --- pods/log: where SGLang reports its KV-canary violations (issue 16) --------------------------
+
+
+async def test_pod_log_reads_the_recent_lines_of_one_container(kube: Kube, kmock: Any) -> None:
+    kmock.pod_logs["ns", "p", "engine"].append((0.0, "long ago"))  # older than any sinceSeconds asked
+    kmock.write_pod_log("ns", "p", "now")
+    kmock.write_pod_log("ns", "p", "other container", container="sidecar")
+    assert await kube.apod_log("ns", "p", "engine", since_seconds=60, limit_bytes=1 << 20) == "now\n"
+    assert await kube.apod_log("ns", "p", "engine", since_seconds=60, limit_bytes=2) == "no"
+    assert await kube.apod_log("ns", "absent", "engine", since_seconds=60, limit_bytes=100) == ""
+    (request,) = [r for r in list(kmock) if r.url.path.endswith("/p/log") and r.params.get("limitBytes") == "2"]
+    assert request.params["container"] == "engine" and request.params["sinceSeconds"] == "60"
+
+
+async def test_the_canary_fails_on_a_violation_an_sglang_pod_logs_during_the_run(kube: Kube, kmock: Any) -> None:
+    """The operator's canary reads every SGLang pod's log through the API (pods/log): a violation
+    logged while the suite runs fails the safety-counter probe, naming the slot; a line an hour
+    older than the run does not count."""
+    import time
+
+    from test_canary_fakes import Behaviour, RunningServer
+    from test_canary_protocol import SGLANG_LINE
+
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import KubernetesBackend, PodLog
+    from kvguard.operator.canary import CanarySpec, ProbeName, ProbeStatus, Verdict, run_suite
+
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "m-r1-decode-0", "namespace": "ns",
+        "labels": {"kvguard.io/model": "m", "kvguard.io/revision": "r1", "kvguard.io/role": "decode",
+                   "kvguard.io/engine": "sglang"}},
+        "spec": {"containers": [{"name": "engine", "image": "sglang"}]},
+        "status": {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]},
+    }  # fmt: skip
+    await kube.acreate(pod)
+    kmock.pod_logs["ns", "m-r1-decode-0", "engine"].append((time.time() - 3600, SGLANG_LINE))
+    endpoints = await KubernetesBackend(kube, index=None).endpoints(ModelRef("ns", "m"), "r1")  # type: ignore[arg-type]
+    (worker,) = endpoints.workers
+    assert isinstance(worker.log, PodLog) and worker.log.name == "pod/m-r1-decode-0 (ns)"
+    spec = CanarySpec().only([ProbeName.DETERMINISM, ProbeName.SAFETY_COUNTERS])
+
+    class Violate:  # the engine logs a violation while the suite runs
+        def __call__(self, event: object) -> None:
+            if getattr(event, "kind", "") == "finished" and getattr(event, "probe", None) == ProbeName.DETERMINISM:
+                kmock.write_pod_log("ns", "m-r1-decode-0", SGLANG_LINE.replace("slot_idx=12", "slot_idx=99"))
+
+    with RunningServer(Behaviour(metrics_style="none")) as server:
+        clean = await run_suite(server.url, spec, engine_logs=[worker.log])
+        dirty = await run_suite(server.url, spec, engine_logs=[worker.log], progress=Violate())
+    assert clean.verdict == Verdict.PASS, clean.reason
+    result = dirty.probe(ProbeName.SAFETY_COUNTERS)
+    assert result is not None and result.status == ProbeStatus.FAIL and "slot 99" in result.reason
+    assert "pod/m-r1-decode-0 (ns)" in str(result.evidence)

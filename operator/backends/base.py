@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
+from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.spec import CanarySpec
@@ -91,6 +92,7 @@ class WorkerEndpoint:
     name: str
     role: str
     metrics_url: str
+    log: EngineLog | None = None  # where the engine reports what its metrics do not (SGLang's KV canary)
 
 
 @dataclass(frozen=True)
@@ -186,13 +188,15 @@ class CanaryRunner:
         spec: CanarySpec,
         baseline_url: str | None,
         metrics_urls: Sequence[str],
+        engine_logs: Sequence[EngineLog] = (),
         on_done: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if self.running(model, run.revision, run.attempt):
             return
         self.cancel(model)
         task = asyncio.create_task(
-            self._suite(url, spec, baseline_url=baseline_url, metrics_urls=list(metrics_urls)),
+            self._suite(url, spec, baseline_url=baseline_url, metrics_urls=list(metrics_urls),
+                        engine_logs=list(engine_logs)),
             name=f"canary {model[0]}/{model[1]} {run.revision}",
         )
         self._tasks[model] = (run.revision, run.attempt, task)
@@ -299,5 +303,6 @@ async def _start_canary(
     runner.start(
         model.key, run, target.router_url, spec=spec,
         baseline_url=baseline.router_url if baseline else None,
-        metrics_urls=[w.metrics_url for w in target.workers], on_done=on_done,
+        metrics_urls=[w.metrics_url for w in target.workers],
+        engine_logs=[w.log for w in target.workers if w.log is not None], on_done=on_done,
     )  # fmt: skip

@@ -25,11 +25,14 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvguard.operator.api import EngineKind
 from kvguard.operator.backends.base import (
     ForeignObjectError,
     ModelRef,
@@ -40,7 +43,9 @@ from kvguard.operator.backends.base import (
 )
 from kvguard.operator.kube import SCALE_FIELD_MANAGER, Kube, KubeError, ObjectRef, ref_of
 from kvguard.operator.render import (
+    ENGINE_CONTAINER,
     HTTP_PORT,
+    LABEL_ENGINE,
     LABEL_MODEL,
     LABEL_REVISION,
     LABEL_ROLE,
@@ -195,8 +200,9 @@ class KubernetesBackend:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             role = labels.get(LABEL_ROLE)
             if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode") and pod_is_serving(pod):
-                ip = pod["status"]["podIP"]
-                workers.append(WorkerEndpoint(pod["metadata"]["name"], role, f"http://{ip}:{metrics_port(pod)}/metrics"))
+                ip, name = pod["status"]["podIP"], pod["metadata"]["name"]
+                log = PodLog(self.kube, model.namespace, name) if labels.get(LABEL_ENGINE) == EngineKind.SGLANG.value else None
+                workers.append(WorkerEndpoint(name, role, f"http://{ip}:{metrics_port(pod)}/metrics", log))
         return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)))
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
@@ -297,6 +303,30 @@ def _scale_patch(live: Mapping[str, Any], replicas: int | None) -> dict[str, Any
     if replicas is not None and replicas != 0 and current != replicas:
         return {"spec": {"replicas": replicas}}
     return None
+
+
+class PodLog:
+    """An engine pod's log through the API server (pods/log), for SGLang's KV-canary violations.
+    The API answers by time, not offset: `appended` asks for the seconds since `mark`, rounded up
+    plus one, so it may repeat a line from just before the run but never misses one of it."""
+
+    LIMIT_BYTES = 8 << 20  # a suite's worth of log; a flood of lines must not exhaust the operator
+
+    def __init__(self, kube: Kube, namespace: str, pod: str, container: str = ENGINE_CONTAINER) -> None:
+        self.kube, self.namespace, self.pod, self.container = kube, namespace, pod, container
+        self._marked = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        return f"pod/{self.pod} ({self.namespace})"
+
+    async def mark(self) -> None:
+        self._marked = time.monotonic()
+
+    async def appended(self) -> str:
+        since = math.ceil(time.monotonic() - self._marked) + 1
+        return await self.kube.apod_log(self.namespace, self.pod, self.container, since_seconds=since,
+                                        limit_bytes=self.LIMIT_BYTES)
 
 
 def metrics_port(pod: Mapping[str, Any]) -> int:

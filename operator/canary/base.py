@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import aiohttp
 
 from kvguard.operator.canary.client import Completion, EngineClient
+from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.prompts import FALLBACK_PROMPT_TOKENS, TokenEstimate, admissible_prompt_tokens
 from kvguard.operator.canary.report import Evidence, ProbeStatus, TargetInfo
@@ -49,8 +49,8 @@ class RunContext:
     start_snapshots: list[WorkerSnapshot] = field(default_factory=list)
     # Counter totals just before and after the abort probe (see SafetyCountersSpec).
     abort_window: tuple[dict[str, float], dict[str, float]] | None = None
-    # Engine log files and where each ended when the suite started (SGLang's KV canary, `engine_logs`).
-    engine_log_offsets: dict[Path, int] = field(default_factory=dict)
+    # Engine logs, each marked when the suite started (SGLang's KV canary, `engine_logs`).
+    engine_logs: list[EngineLog] = field(default_factory=list)
     _solo: dict[tuple[str, str, int], Completion] = field(default_factory=dict)
 
     @property

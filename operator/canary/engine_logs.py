@@ -7,8 +7,10 @@ violation is logged as a WARNING whose first line is frozen by SGLang's own test
 
 With `--kv-canary raise` the same lines are the message of the RuntimeError that stops the
 scheduler (and the server). No Prometheus metric or HTTP endpoint carries them (checked by
-tests/test_engine_conformance.py), so the canary scans the engine logs it is given
-(`kvguard canary --engine-log FILE`): lines appended while the suite runs are this run's.
+tests/test_engine_conformance.py), so the canary scans the engine logs it is given: files
+(`kvguard canary --engine-log FILE`) or, in the operator, each SGLang pod's log through the
+Kubernetes API (`operator/backends/kubernetes.py` PodLog). Lines written while the suite runs are
+this run's: an `EngineLog` is marked when the suite starts and read when the safety probe runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 SGLANG_VIOLATION_PREFIX = "kv_canary violation:"
 _FIELD = re.compile(r"(\w+)=(\S+)")
@@ -46,6 +49,37 @@ def parse_violations(text: str) -> list[KVCanaryViolation]:
             fields.get("position", "?"), line[at:].strip(),
         ))  # fmt: skip
     return found
+
+
+class EngineLog(Protocol):
+    """One engine's log, read from a mark on (I/O: each source knows how to reach its log)."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def mark(self) -> None:
+        """Remember where the log ends now: `appended` returns what comes after."""
+
+    async def appended(self) -> str:
+        """The text written since `mark` (may repeat a little before it, never miss any)."""
+
+
+class FileLog:
+    """A log file on this machine (`kvguard canary --engine-log FILE`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    async def mark(self) -> None:
+        self._offset = log_offsets([self.path])[self.path]
+
+    async def appended(self) -> str:
+        return appended_text(self.path, self._offset)
 
 
 def log_offsets(paths: list[Path]) -> dict[Path, int]:

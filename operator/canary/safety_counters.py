@@ -13,8 +13,10 @@ this probe too, with the slot and reason SGLang reported.
 
 from __future__ import annotations
 
+import asyncio
+
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, failed, passed
-from kvguard.operator.canary.engine_logs import KVCanaryViolation, appended_text, parse_violations
+from kvguard.operator.canary.engine_logs import KVCanaryViolation, parse_violations
 from kvguard.operator.canary.metrics import counter_totals
 from kvguard.operator.canary.report import CounterDeltas, Note
 from kvguard.operator.canary.spec import ProbeName
@@ -24,9 +26,9 @@ class SafetyCountersProbe(Probe):
     name = ProbeName.SAFETY_COUNTERS
 
     async def run(self, ctx: RunContext) -> Outcome:
-        violations = _logged_violations(ctx)
+        violations = await _logged_violations(ctx)
         if not ctx.metrics_reachable:
-            if ctx.engine_log_offsets:
+            if ctx.engine_logs:
                 return _judge_logs(ctx, violations)
             raise ProbeSkipped("no metrics reachable at the start of the run and no engine logs given")
         if violations:
@@ -66,16 +68,13 @@ class SafetyCountersProbe(Probe):
         }
 
 
-def _logged_violations(ctx: RunContext) -> list[tuple[str, KVCanaryViolation]]:
-    return [
-        (str(path), v)
-        for path, offset in ctx.engine_log_offsets.items()
-        for v in parse_violations(appended_text(path, offset))
-    ]
+async def _logged_violations(ctx: RunContext) -> list[tuple[str, KVCanaryViolation]]:
+    texts = await asyncio.gather(*(log.appended() for log in ctx.engine_logs))
+    return [(log.name, v) for log, text in zip(ctx.engine_logs, texts, strict=True) for v in parse_violations(text)]
 
 
 def _judge_logs(ctx: RunContext, violations: list[tuple[str, KVCanaryViolation]]) -> Outcome:
-    logs = len(ctx.engine_log_offsets)
+    logs = len(ctx.engine_logs)
     if not violations:
         return passed(f"no SGLang kv_canary violation logged in {logs} engine log(s) (no metrics to read)")
     evidence = [Note(message=f"{path}: {v.line}") for path, v in violations[:20]]

@@ -29,7 +29,7 @@ from kvguard.operator.canary.discovery import (
     context_notes,
     discover_from_target,
 )
-from kvguard.operator.canary.engine_logs import log_offsets
+from kvguard.operator.canary.engine_logs import EngineLog, FileLog
 from kvguard.operator.canary.golden import GoldenProbe
 from kvguard.operator.canary.isolation import IsolationProbe
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
@@ -82,13 +82,14 @@ async def run_suite(
     progress: ProgressCallback | None = None,
     timeout_seconds: float | None = None,
     context_length: int | None = None,
-    engine_logs: Sequence[Path] = (),
+    engine_logs: Sequence[Path | EngineLog] = (),
 ) -> CanaryReport:
     """Run every enabled probe against `url`; never raises for the target's misbehaviour.
 
     `timeout_seconds` overrides `spec.suiteTimeoutSeconds`; `context_length` overrides
-    `spec.contextLength` (see `discovery` for where it is read otherwise); `engine_logs` are log
-    files of the engines whose new SGLang KV-canary violations fail the safety-counter probe;
+    `spec.contextLength` (see `discovery` for where it is read otherwise); `engine_logs` are the
+    engines' logs (files or `EngineLog`s) whose new SGLang KV-canary violations fail the
+    safety-counter probe;
     `progress` is called as each probe starts and finishes.
     """
     spec = spec or CanarySpec()
@@ -99,10 +100,11 @@ async def run_suite(
     deadline = started + limit if limit else None
     async with aiohttp.ClientSession() as session:
         configured = _configured_context(spec, context_length)
-        offsets = log_offsets(list(engine_logs))  # before any request: every line after is this run's
+        logs = [FileLog(log) if isinstance(log, Path) else log for log in engine_logs]
+        await asyncio.gather(*(log.mark() for log in logs))  # before any request: every line after is this run's
         try:
             ctx = await _prepare(session, spec, info, baseline_url, deadline, configured)
-            ctx.engine_log_offsets = offsets
+            ctx.engine_logs = logs
         except CannotRun as exc:
             return CanaryReport(
                 verdict=Verdict.CANNOT_RUN, reason=str(exc), target=info, started_at=started_at,
