@@ -34,6 +34,8 @@ import yaml
 FAULTY_BUILD = "unsafe_reject_path,no_tags"
 PROMPTS = ("The capital of France is", "Once upon a time,", "1, 2, 3, 4,")
 MAX_TOKENS = 12
+DURATION = "about 40 s on 2 CPU cores (measured), longer on a busy machine"
+"""What the demo takes (kvguard.commands.demo.DEMO_SECONDS), said in its first line."""
 
 
 @dataclass
@@ -235,7 +237,8 @@ def run_demo(examples: Path, keep: bool = False) -> int:
     backend = LocalBackend(work / "state", models_root=work)
     try:
         with sigterm_as_interrupt():
-            print(f"kvguard demo: everything runs under {work} and stops on exit", flush=True)
+            print(f"kvguard demo: {DURATION}; every wait prints a line. Everything runs under {work} and stops on exit",
+                  flush=True)  # fmt: skip
             demo.plan_incident()
             demo.say("writing the tiny model (kvguard model tiny): random weights, so it answers gibberish by design")
             model_dir = write_tiny_model(work / "tiny-model")
