@@ -64,8 +64,11 @@ def test_the_exit_codes_are_one_table_in_code_help_and_readme() -> None:
 def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:
     done = kvguard("apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(tmp_path / "s"))
     assert done.returncode == 3, done.stdout + done.stderr
-    assert "state: Blocked" in done.stdout and "KVPoolTooSmall" in done.stdout
-    assert "serving: nothing" in done.stdout and "canary report" not in done.stdout  # no canary ran
+    out = lines(done.stdout)
+    assert "state: Blocked" in out[-3] and "KVPoolTooSmall" in done.stdout
+    assert any(line.startswith("plan (the same report: kvguard plan -f ") for line in out)  # the planner's whole report
+    assert "verdict: BLOCKED" in out and "changes that pass (any one; each is complete, re-planned to check):" in out
+    assert out[-1] == "serving: nothing" and "canary report" not in done.stdout  # no canary ran
 
 
 # --- real rollouts --------------------------------------------------------------------------------

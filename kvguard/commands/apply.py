@@ -33,7 +33,7 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
                  "(kvguard.io/rollback-to pins another); run it again to resume"),
     (EXIT_BAD_INPUT, "bad input (manifest, --policy, --faults, a spec the local backend cannot run, a busy "
                      "state folder); nothing started"),
-    (EXIT_BLOCKED, "blocked by the planner or a policy; nothing of the new revision started"),
+    (EXIT_BLOCKED, "blocked by the planner (its report is printed) or a policy; nothing of the new revision started"),
     (EXIT_ROLLED_BACK, "rolled back (readiness, a reported KV pool or the canary failed): the new revision is "
                        "stopped, the stable one (if any) serves unchanged; the probe table and the report's path are printed"),
     (EXIT_PAUSED, "paused by kvguard.io/pause: \"true\"; nothing changed"),
@@ -96,6 +96,7 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
     from kvguard.operator.backends.local import LocalBackend, LocalBackendError
     from kvguard.operator.backends.local_rollout import roll_out
     from kvguard.operator.planner import PlanInputError
+    from kvguard.operator.rollout import RolloutState
 
     if args.faults:
         print(f"!!! FAULT INJECTION: the new revision's workers run with KVGUARD_FAULTS={args.faults} "
@@ -124,6 +125,8 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
               f"running: run it again to resume, or `kvguard apply --delete --state-dir {state_dir}`",
               file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
+    if result.state == RolloutState.BLOCKED and result.plan.verdict == "blocked":
+        _print_plan(model.metadata.name, result.plan, args.file)
     _print_result(result, state_dir)
     return exit_code(result)
 
@@ -153,10 +156,20 @@ def _print_result(result: Any, state_dir: Path) -> None:
             from kvguard.commands.canary import print_probe_table
 
             print(f"canary of {result.revision}: {report.verdict.value.upper()} ({report.reason})")
-            print_probe_table(report, sys.stdout, indent="  ")
+            print_probe_table(report, sys.stdout, indent="  ", where_more="in the canary report")
     if report is not None:
         print(f"canary report: {report_path}")
     print(f"serving: {result.serving_url or 'nothing'}", flush=True)
+
+
+def _print_plan(name: str, kv_plan: Any, manifest: Path) -> None:
+    """The planner's whole report on a blocked spec: the numbers per role and complete fixes."""
+    from kvguard.commands.plan import render_table
+
+    print(f"plan (the same report: kvguard plan -f {manifest}):")
+    for line in render_table(name, kv_plan).splitlines():
+        print(f"  {line}".rstrip())
+    sys.stdout.flush()
 
 
 def _read_report(path: Path) -> Any:

@@ -131,19 +131,21 @@ def probe_row(result: Any) -> str:
     return f"{result.name.value:<16} {result.status.value:<8} {result.duration_seconds:>6.1f}s  {result.reason}"
 
 
-def evidence_rows(result: Any) -> list[str]:
+def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
     """The evidence lines under a failed probe's row (the first EVIDENCE_ROWS pieces)."""
     if result.status.value != "fail":
         return []
     rows = [f"{'':<16} {text}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)]
     if len(result.evidence) > EVIDENCE_ROWS:
-        rows.append(f"{'':<16} ... {len(result.evidence) - EVIDENCE_ROWS} more piece(s) of evidence (see -o json)")
+        rows.append(f"{'':<16} ... {len(result.evidence) - EVIDENCE_ROWS} more piece(s) of evidence ({where_more})")
     return rows
 
 
-def print_probe_table(report: Any, out: TextIO, indent: str = "") -> None:
-    """The whole result table of a finished report, as `kvguard canary` prints it row by row."""
-    for line in [TABLE_HEADER] + [row for r in report.probes for row in [probe_row(r), *evidence_rows(r)]]:
+def print_probe_table(report: Any, out: TextIO, indent: str = "", where_more: str = "see -o json") -> None:
+    """The whole result table of a finished report, as `kvguard canary` prints it row by row;
+    `where_more` says where the evidence left out is."""
+    rows = [row for r in report.probes for row in [probe_row(r), *evidence_rows(r, where_more)]]
+    for line in [TABLE_HEADER, *rows]:
         print(f"{indent}{line}", file=out)
     out.flush()
 
