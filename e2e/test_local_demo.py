@@ -19,6 +19,8 @@ def test_demo_runs_every_step_and_cleans_up(tmp_path: Path) -> None:
     assert done.returncode == 0, out + done.stderr
     assert "verdict: BLOCKED" in out  # 1. the incident's plan
     assert "gibberish by design" in out  # the tiny model's random weights are said to be random
+    assert "about 40 s on 2 CPU cores" in out.splitlines()[0]  # it says how long it takes, up front
+    assert "tiny model written in " in out and "... revision " in out  # every wait is said (no silent steps)
     assert "canary passed" in out and "RevisionPromoted" in out  # 2. promoted after the canary
     assert "CanaryFailed" in out and "over_length" in out and "RolledBack" in out  # 3. the faulty build
     assert "same greedy outputs as before" in out  # S8: stable unchanged

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,10 @@ import yaml
 FAULTY_BUILD = "unsafe_reject_path,no_tags"
 PROMPTS = ("The capital of France is", "Once upon a time,", "1, 2, 3, 4,")
 MAX_TOKENS = 12
+HEARTBEAT_S = 5.0
+"""Seconds of silence after which a wait in progress is mentioned again (as WaitReporter.every)."""
+DURATION = "about 40 s on 2 CPU cores (measured), longer on a busy machine"
+"""What the demo takes (kvguard.commands.demo.DEMO_SECONDS), said in its first line."""
 
 
 @dataclass
@@ -206,10 +210,26 @@ def ask(api_base: str, model: str) -> dict[str, str]:
     return answers
 
 
-def write_tiny_model(folder: Path) -> Path:
-    """`kvguard model tiny` in a subprocess (it imports torch; this module must not)."""
-    subprocess.run([sys.executable, "-P", "-m", "kvguard", "model", "tiny", str(folder)], check=True,
-                   stdout=subprocess.DEVNULL, cwd=folder.parent)  # fmt: skip
+def write_tiny_model(folder: Path, say: Callable[[str], None]) -> Path:
+    """`kvguard model tiny` in a subprocess (it imports torch; this module must not): seconds on a
+    quiet machine, tens on a busy one, so a line every HEARTBEAT_S while it runs."""
+    argv = [sys.executable, "-P", "-m", "kvguard", "model", "tiny", str(folder)]
+    began = time.monotonic()
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=folder.parent)  # noqa: S603 - our own argv
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=HEARTBEAT_S)
+                break
+            except subprocess.TimeoutExpired:
+                say(f"  ... still writing the tiny model ({time.monotonic() - began:.0f} s; its process imports torch first)")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    if code != 0:
+        raise subprocess.CalledProcessError(code, argv)
+    say(f"  tiny model written in {time.monotonic() - began:.1f} s")
     return folder
 
 
@@ -235,10 +255,11 @@ def run_demo(examples: Path, keep: bool = False) -> int:
     backend = LocalBackend(work / "state", models_root=work)
     try:
         with sigterm_as_interrupt():
-            print(f"kvguard demo: everything runs under {work} and stops on exit", flush=True)
+            print(f"kvguard demo: {DURATION}; every wait prints a line; everything runs under {work} and stops on exit",
+                  flush=True)  # fmt: skip
             demo.plan_incident()
             demo.say("writing the tiny model (kvguard model tiny): random weights, so it answers gibberish by design")
-            model_dir = write_tiny_model(work / "tiny-model")
+            model_dir = write_tiny_model(work / "tiny-model", demo.say)
             with backend:
                 ok, outputs = demo.first_rollout(backend, model_dir)
                 if ok:

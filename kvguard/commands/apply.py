@@ -3,16 +3,15 @@
 The same rollout state machine and canary suite as the operator, on the local backend: each
 revision's router, prefill and decode run as processes on loopback, with their state (revisions,
 ports, PIDs, the stable revision, the rollout status) in --state-dir. Running it again with a
-changed spec rolls the new revision out beside the stable one; running it again after an
-interruption resumes the recorded rollout (S8). The stable revision keeps running after the
-command exits; its API base URL is printed (`serving:`), and `--delete` stops everything.
+changed spec rolls the new revision out beside the stable one; a change of replicas only (not part
+of the revision) resizes the serving revision in place; running it again after an interruption
+resumes the recorded rollout (S8). The stable revision keeps running after the command exits; its
+API base URL is printed (`serving:`), and `--delete` stops everything. Every wait prints a line
+with the time waited; each canary probe prints its row as it finishes; the canary's report is
+saved as <state-dir>/revisions/<revision>/canary.json (printed as a table on a rollback).
 
 Annotations in the manifest work as on a cluster: kvguard.io/pause, kvguard.io/retry,
 kvguard.io/rollback-to.
-
-Exit status: 0 the spec's revision serves; 3 blocked (planner or policy; nothing changed);
-4 rolled back (canary or reported pool failed; the stable revision still serves); 5 paused;
-2 bad input; 1 the rollout could not be carried out.
 """
 
 from __future__ import annotations
@@ -22,10 +21,32 @@ import asyncio
 import logging
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_BLOCKED, EXIT_ROLLED_BACK, EXIT_PAUSED = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "the spec's revision serves (promoted, already serving, or resized in place)"),
+    (EXIT_ERROR, "not carried out: still rolling after --timeout, or the spec's revision does not serve "
+                 "(kvguard.io/rollback-to pins another); run it again to resume"),
+    (EXIT_BAD_INPUT, "bad input (manifest, --policy, --faults, a spec the local backend cannot run, a busy "
+                     "state folder); nothing started"),
+    (EXIT_BLOCKED, "blocked by the planner (its report is printed) or a policy; nothing of the new revision started"),
+    (EXIT_ROLLED_BACK, "rolled back (readiness, a reported KV pool or the canary failed): the new revision is "
+                       "stopped, the stable one (if any) serves unchanged; the probe table and the report's path are printed"),
+    (EXIT_PAUSED, "paused by kvguard.io/pause: \"true\"; nothing changed"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); started workers keep running: run it again to resume, or --delete"),
+)
+"""The one exit-code table: `--help` prints it, README.md carries the same rows (a test checks)."""
+
+
+def exit_code_table(width: int = 100) -> str:
+    """EXIT_CODES as `--help` shows them: one row per code, meanings wrapped under themselves."""
+    rows = (textwrap.fill(meaning, width, initial_indent=f"  {code:>3}  ", subsequent_indent=" " * 7)
+            for code, meaning in EXIT_CODES)  # fmt: skip
+    return "exit status:\n" + "\n".join(rows)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "apply",
         help="roll an InferenceModel out locally (plan, canary, promote or roll back)",
         description=__doc__,
+        epilog=exit_code_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-f", "--file", type=Path, help="InferenceModel manifest (YAML)")
@@ -80,14 +102,15 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
         print(f"!!! FAULT INJECTION: the new revision's workers run with KVGUARD_FAULTS={args.faults} "
               "(test/demo only; never in production) !!!", file=sys.stderr, flush=True)  # fmt: skip
     print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
+    probes = _ProbeRows(sys.stdout)
     try:
         with LocalBackend(state_dir, models_root=args.models_root) as backend:
             result = asyncio.run(
                 roll_out(
                     backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
                     annotations=model.metadata.annotations, faults=args.faults,
-                    say=lambda line: print(f"  {line}", flush=True), generation=model.metadata.generation,
-                    max_seconds=args.timeout,
+                    say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
+                    generation=model.metadata.generation, max_seconds=args.timeout,
                 )
             )  # fmt: skip
     except PlanInputError as exc:
@@ -98,17 +121,82 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
         print(f"kvguard apply: {exc}; run it again to resume", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("kvguard apply: interrupted; the state folder records where it stopped - run it again to resume",
+        print("kvguard apply: interrupted; the state folder records where it stopped and started workers keep "
+              f"running: run it again to resume, or `kvguard apply --delete --state-dir {state_dir}`",
               file=sys.stderr)  # fmt: skip
-        return 130
+        return EXIT_INTERRUPTED
+    if result.state == RolloutState.BLOCKED and result.plan.verdict == "blocked":
+        _print_plan(model.metadata.name, result.plan, args.file)
+    _print_result(result, state_dir)
+    return exit_code(result)
+
+
+def exit_code(result: Any) -> int:
+    """The exit status of a rollout that came to rest (EXIT_CODES)."""
+    from kvguard.operator.rollout import RolloutState
+
+    if result.state == RolloutState.STABLE:
+        return EXIT_OK if result.promoted else EXIT_ERROR
+    codes = {RolloutState.BLOCKED: EXIT_BLOCKED, RolloutState.ROLLED_BACK: EXIT_ROLLED_BACK, RolloutState.PAUSED: EXIT_PAUSED}
+    return codes.get(result.state, EXIT_ERROR)
+
+
+def _print_result(result: Any, state_dir: Path) -> None:
+    from kvguard.operator.rollout import RolloutState
+
     print(f"state: {result.state.value}  revision: {result.revision}  stable: {result.stable or '-'}")
     if result.status.message:
         print(f"message: {result.status.message}")
-    print(f"serving: {result.serving_url or 'nothing'}")
-    codes = {RolloutState.BLOCKED: EXIT_BLOCKED, RolloutState.ROLLED_BACK: EXIT_ROLLED_BACK, RolloutState.PAUSED: EXIT_PAUSED}
-    if result.state == RolloutState.STABLE:
-        return EXIT_OK if result.promoted else EXIT_ERROR
-    return codes.get(result.state, EXIT_ERROR)
+    report_path = state_dir / "revisions" / result.revision / "canary.json"
+    report = result.canary_reports.get(result.revision) or _read_report(report_path)
+    if result.state == RolloutState.ROLLED_BACK:
+        if report is None:
+            print(f"canary: no report for {result.revision}: the rollout failed before the canary ran")
+        else:
+            from kvguard.commands.canary import print_probe_table
+
+            print(f"canary of {result.revision}: {report.verdict.value.upper()} ({report.reason})")
+            print_probe_table(report, sys.stdout, indent="  ", where_more="in the canary report")
+    if report is not None:
+        print(f"canary report: {report_path}")
+    print(f"serving: {result.serving_url or 'nothing'}", flush=True)
+
+
+def _print_plan(name: str, kv_plan: Any, manifest: Path) -> None:
+    """The planner's whole report on a blocked spec: the numbers per role and complete fixes."""
+    from kvguard.commands.plan import render_table
+
+    print(f"plan (the same report: kvguard plan -f {manifest}):")
+    for line in render_table(name, kv_plan).splitlines():
+        print(f"  {line}".rstrip())
+    sys.stdout.flush()
+
+
+def _read_report(path: Path) -> Any:
+    """A canary report an earlier (interrupted) run saved; None when there is none."""
+    from kvguard.operator.canary.report import CanaryReport
+
+    try:
+        return CanaryReport.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class _ProbeRows:
+    """Each canary probe's row as it finishes, under one table header (as `kvguard canary`)."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.started = out, False
+
+    def on_event(self, event: Any) -> None:
+        from kvguard.commands.canary import TABLE_HEADER, probe_row
+
+        if event.kind != "finished" or event.result is None:
+            return
+        if not self.started:
+            print(f"    {TABLE_HEADER}", file=self.out)
+            self.started = True
+        print(f"    {probe_row(event.result)}", file=self.out, flush=True)
 
 
 def _delete(state_dir: Path) -> int:

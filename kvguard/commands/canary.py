@@ -123,6 +123,33 @@ def _field_errors(exc: Any) -> str:
     return "; ".join(parts)
 
 
+TABLE_HEADER = f"{'PROBE':<16} {'STATUS':<8} {'TIME':>7}  REASON"
+
+
+def probe_row(result: Any) -> str:
+    """One probe's row of the result table."""
+    return f"{result.name.value:<16} {result.status.value:<8} {result.duration_seconds:>6.1f}s  {result.reason}"
+
+
+def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
+    """The evidence lines under a failed probe's row (the first EVIDENCE_ROWS pieces)."""
+    if result.status.value != "fail":
+        return []
+    rows = [f"{'':<16} {text}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)]
+    if len(result.evidence) > EVIDENCE_ROWS:
+        rows.append(f"{'':<16} ... {len(result.evidence) - EVIDENCE_ROWS} more piece(s) of evidence ({where_more})")
+    return rows
+
+
+def print_probe_table(report: Any, out: TextIO, indent: str = "", where_more: str = "see -o json") -> None:
+    """The whole result table of a finished report, as `kvguard canary` prints it row by row;
+    `where_more` says where the evidence left out is."""
+    rows = [row for r in report.probes for row in [probe_row(r), *evidence_rows(r, where_more)]]
+    for line in [TABLE_HEADER, *rows]:
+        print(f"{indent}{line}", file=out)
+    out.flush()
+
+
 class _ProgressPrinter:
     """Rows of the result table, printed as each probe finishes."""
 
@@ -132,23 +159,16 @@ class _ProgressPrinter:
 
     def header(self, url: str) -> None:
         print(f"kvguard canary {url}", file=self.out)
-        print(f"{'PROBE':<16} {'STATUS':<8} {'TIME':>7}  REASON", file=self.out, flush=True)
+        print(TABLE_HEADER, file=self.out, flush=True)
 
     def on_event(self, event: Any) -> None:
         if event.kind == "started":
             if self.live:
                 print(f"{event.probe.value:<16} {'running':<8}", end="\r", file=self.out, flush=True)
             return
-        result = event.result
-        line = f"{result.name.value:<16} {result.status.value:<8} {result.duration_seconds:>6.1f}s  {result.reason}"
-        print(line + (" " * 8 if self.live else ""), file=self.out, flush=True)
-        if result.status.value == "fail":
-            for evidence in result.evidence[:EVIDENCE_ROWS]:
-                for text in describe_evidence(evidence):
-                    print(f"{'':<16} {text}", file=self.out)
-            if len(result.evidence) > EVIDENCE_ROWS:
-                more = len(result.evidence) - EVIDENCE_ROWS
-                print(f"{'':<16} ... {more} more piece(s) of evidence (see -o json)", file=self.out)
+        print(probe_row(event.result) + (" " * 8 if self.live else ""), file=self.out, flush=True)
+        for row in evidence_rows(event.result):
+            print(row, file=self.out)
 
 
 def describe_evidence(evidence: Any) -> list[str]:

@@ -470,12 +470,13 @@ class LocalBackend:
 
     # --- workloads ---------------------------------------------------------------------------------
     def deploy(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str = "", scale: Scale = "full") -> None:
-        """Create the revision's processes at `scale` if it has none, resize it to `scale`, and
+        """Create the revision's processes at `scale` if it has none, resize it to `scale` or to
+        the spec's replicas at that scale (not part of the revision: changed in place), and
         (re)start any process that is not running."""
         record = self.state.revisions.get(revision)
         if record is None:
             record = self._create(revision, spec, kv_plan, faults, scale)
-        elif record.scale != scale:
+        elif record.scale != scale or [w.name for w in record.workers] != worker_names(spec, scale):
             self._resize(record, spec, kv_plan, scale)
         record.scaled_to_zero = False
         self._ensure_running(record)
@@ -500,8 +501,9 @@ class LocalBackend:
         return record
 
     def _resize(self, record: LocalRevision, spec: InferenceModelSpec, kv_plan: KVPlan, scale: Scale) -> None:
-        """Grow or shrink a revision to `scale`. Like a Deployment's scale, running workers keep
-        their processes and ports; only the router restarts, because its worker list changed."""
+        """Grow or shrink a revision to `scale` (canary or full replicas, as the spec sets them now).
+        Like a Deployment's scale, running workers keep their processes and ports; only the router
+        restarts, because its worker list changed."""
         old = {w.name: w for w in record.workers}
         ports = allocate_ports(worker_names(spec, scale), old)
         new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, scale)

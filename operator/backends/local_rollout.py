@@ -20,16 +20,18 @@ from typing import Any
 
 from kvguard.operator.api import GROUP_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan
 from kvguard.operator.backends.base import CanaryRunner
-from kvguard.operator.backends.local import LocalBackend, LocalBackendError, model_dir_for, runnable_problems
+from kvguard.operator.backends.local import LocalBackend, LocalBackendError, instances, model_dir_for, runnable_problems
+from kvguard.operator.backends.local_progress import WaitReporter
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.planner import plan
-from kvguard.operator.reconcile import FAULTS_ANNOTATION, EventSpec
+from kvguard.operator.reconcile import FAULTS_ANNOTATION, EventSpec, Observed
 from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import RecordEvent, RolloutState
 
 POLL_SECONDS = 0.3
+ENGINE_ROLES = ("prefill", "decode")
 RESTING = (RolloutState.STABLE, RolloutState.ROLLED_BACK, RolloutState.BLOCKED, RolloutState.PAUSED)
 LOCAL_NAMESPACE = "default"
 
@@ -51,6 +53,8 @@ class RolloutResult:
     canary_reports: dict[str, CanaryReport] = field(default_factory=dict)
     """Full canary reports of this run, by revision (status keeps the summary)."""
     events: list[RecordEvent] = field(default_factory=list)
+    resized: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """role -> (processes before, after) when this run resized the serving revision in place."""
 
     @property
     def promoted(self) -> bool:
@@ -114,6 +118,44 @@ def _check_runnable(backend: LocalBackend, spec: InferenceModelSpec, kv_plan: KV
         raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
 
 
+def replica_change(backend: LocalBackend, revision: str, spec: InferenceModelSpec) -> dict[str, tuple[int, int]]:
+    """role -> (running, wanted) engine processes when `spec` changes the replicas of `revision`
+    while it serves; empty otherwise. Replicas are not part of the revision hash: the running
+    revision is resized in place, as a Deployment is scaled."""
+    record = backend.state.revisions.get(revision)
+    if record is None or record.scaled_to_zero or backend.state.serving != revision:
+        return {}
+    running = {role: sum(1 for w in record.workers if w.role == role) for role in ENGINE_ROLES}
+    wanted = {role: instances(spec, role, record.scale) for role in ENGINE_ROLES}
+    return {role: (running[role], wanted[role]) for role in ENGINE_ROLES if running[role] != wanted[role]}
+
+
+def describe_change(change: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{role} {before} -> {after}" for role, (before, after) in change.items())
+
+
+def unsettled(observed: Observed, status: InferenceModelStatus, spec: InferenceModelSpec) -> str | None:
+    """What the serving revision of the spec still waits for after an in-place change (a resize,
+    a worker restarted): None once it runs every process the spec asks for, all ready."""
+    revision = status.revision
+    if revision is None or revision != status.target_revision:
+        return None  # pinned to another revision (rollback-to), or nothing serves
+    view = observed.revisions.get(revision)
+    wanted = sum(instances(spec, role) for role in ENGINE_ROLES)
+    if view is not None and view.ready and view.worker_replicas == wanted:
+        return None
+    waiting = ", ".join(view.waiting) if view is not None and view.waiting else f"{wanted} worker process(es) to start"
+    return f"revision {revision}: waiting for {waiting}"
+
+
+def progressing(status: InferenceModelStatus) -> tuple[str, str] | None:
+    """(reason, message) of the Progressing condition while it is True: what the rollout waits for."""
+    condition = next((c for c in status.conditions if c.type == "Progressing"), None)
+    if condition is None or condition.status != "True":
+        return None
+    return condition.reason, condition.message or condition.reason
+
+
 async def roll_out(
     backend: LocalBackend,
     name: str,
@@ -131,18 +173,29 @@ async def roll_out(
     """Roll `spec` out on `backend` (opened) until the rollout rests; raises PlanInputError,
     LocalBackendError, or TimeoutError after `max_seconds`. `faults` (test/demo only) is the
     operator's fault annotation on a cluster that allows fault injection."""
-    say = say or (lambda _line: None)
+    reporter = WaitReporter(say or (lambda _line: None))
+    say = reporter.tell  # every line counts as a sign of life for the wait lines
     kv_plan = plan(spec)
     _check_runnable(backend, spec, kv_plan)
     backend.claim(name)
+    resize = replica_change(backend, revision_of(spec, faults), spec)
+    if resize:
+        say(f"revision {backend.state.serving} serves; spec replicas changed ({describe_change(resize)}): resizing it in "
+            "place, as a Deployment scales (running workers keep their processes; the router restarts on its port "
+            "with the new worker list)")  # fmt: skip
     wanted = {k: v for k, v in (annotations or {}).items() if k != FAULTS_ANNOTATION or not faults}
     if faults:
         wanted[FAULTS_ANNOTATION] = faults
     store = LocalModelStore(backend, name, namespace, spec, wanted, generation, say)
     reports: dict[str, CanaryReport] = {}
 
+    def on_probe(event: ProgressEvent) -> None:
+        reporter.heard()
+        if on_canary_progress is not None:
+            on_canary_progress(event)
+
     async def suite(url: str, canary: object, **kwargs: object) -> CanaryReport:
-        report = await run_suite(url, canary, progress=on_canary_progress, **kwargs)  # type: ignore[arg-type]
+        report = await run_suite(url, canary, progress=on_probe, **kwargs)  # type: ignore[arg-type]
         revision = next((r for r, rec in backend.state.revisions.items() if rec.router.url == url.rstrip("/")), url)
         reports[revision] = report
         (backend.store.revision_dir(revision) / "canary.json").write_text(report.to_json())
@@ -164,11 +217,18 @@ async def roll_out(
             say(f"rollout: {previous_state.value if previous_state else '-'} -> {state.value}")
             previous_state = state
         busy = rollout is not None and runner.running((namespace, name), rollout.revision or "", rollout.attempt)
-        if state in RESTING and not busy and result.outcome.scrape is None:
+        settling = unsettled(observed, status, spec) if state == RolloutState.STABLE else None
+        if state in RESTING and not busy and result.outcome.scrape is None and settling is None:
+            reporter.waiting(None)
+            if resize:
+                say(f"revision {status.revision} resized in place ({describe_change(resize)} processes), every worker ready")
             return RolloutResult(
                 revision=status.target_revision or revision_of(spec, faults), state=state, stable=status.revision,
                 serving_url=backend.serving_url(), plan=kv_plan, status=status, canary_reports=reports, events=store.events,
+                resized=resize,
             )  # fmt: skip
+        waits = ("Resizing" if resize else "Restarting", settling) if settling is not None else progressing(status)
+        reporter.waiting(*(waits or (None,)))
         if deadline is not None and loop.time() > deadline:
             raise TimeoutError(f"rollout of {name} still {state.value} after {max_seconds:g} s")
         wait = result.outcome.requeue_after

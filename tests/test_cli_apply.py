@@ -1,0 +1,193 @@
+"""`kvguard apply --local` as a user runs it: a real `kvguard` process per apply, real workers.
+
+A line per wait and each canary probe's row as it finishes; a replicas-only change resizes the
+serving revision in place (no new revision, no canary, running workers keep their processes); a
+rollback (exit 4) prints the probe table and where the full report is; and one exit-code table,
+the same in the code, `--help` and README.md.
+
+The process scenarios share one state folder and run in file order (first rollout, resize, faulty
+build), as the e2e scenarios do: each apply starts worker processes, a minute or more on 2 cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard.commands.apply import EXIT_CODES
+from kvguard.operator.canary.report import CanaryReport
+
+REPO = Path(__file__).resolve().parent.parent
+APPLY_TIMEOUT_S = 840  # under pytest's 900 s per test; a rollout takes about a minute on a quiet machine
+FAULTY_BUILD = "unsafe_reject_path,no_tags"
+
+
+def kvguard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-P", "-m", "kvguard", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+# --- one exit-code table --------------------------------------------------------------------------
+
+
+def readme_exit_rows() -> list[tuple[int, str]]:
+    text = (REPO / "README.md").read_text()
+    table = text.split("`kvguard apply` exit status", 1)[1].split("\n\n", 2)[1]
+    rows = [line.strip("|").split("|") for line in table.splitlines()[2:]]
+    return [(int(code), meaning.strip()) for code, meaning in rows]
+
+
+def test_the_exit_codes_are_one_table_in_code_help_and_readme() -> None:
+    assert readme_exit_rows() == list(EXIT_CODES)
+    done = kvguard("apply", "--help")
+    assert done.returncode == 0
+    epilog = " ".join(done.stdout.split("exit status:", 1)[1].split())
+    for code, meaning in EXIT_CODES:
+        assert f"{code} {meaning}" in epilog, (code, epilog)
+    from kvguard.commands import apply
+
+    assert sorted(code for code, _ in EXIT_CODES) == sorted(
+        {apply.EXIT_OK, apply.EXIT_ERROR, apply.EXIT_BAD_INPUT, apply.EXIT_BLOCKED, apply.EXIT_ROLLED_BACK,
+         apply.EXIT_PAUSED, apply.EXIT_INTERRUPTED}
+    )  # fmt: skip
+
+
+def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:
+    done = kvguard("apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(tmp_path / "s"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    out = lines(done.stdout)
+    assert "state: Blocked" in out[-3] and "KVPoolTooSmall" in done.stdout
+    assert any(line.startswith("plan (the same report: kvguard plan -f ") for line in out)  # the planner's whole report
+    assert "verdict: BLOCKED" in out and "changes that pass (any one; each is complete, re-planned to check):" in out
+    assert out[-1] == "serving: nothing" and "canary report" not in done.stdout  # no canary ran
+
+
+# --- real rollouts --------------------------------------------------------------------------------
+
+
+class Story:
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.root, self.state_dir, self.applies = root, root / "state", 0
+        body = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+        body["spec"]["model"]["source"] = {"pvc": {"claimName": "local", "path": str(model_dir)}}
+        self.body: dict[str, Any] = body
+
+    def apply(self, body: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
+        self.applies += 1
+        manifest = self.root / f"model-{self.applies}.yaml"
+        manifest.write_text(yaml.safe_dump(body))
+        done = kvguard("apply", "-f", str(manifest), "--local", "--state-dir", str(self.state_dir), *extra,
+                       timeout=APPLY_TIMEOUT_S)  # fmt: skip
+        print(f"$ kvguard apply (#{self.applies}) -> exit {done.returncode}\n{done.stdout}{done.stderr}")  # shown with -rA
+        return done
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.state_dir / "state.json").read_text())
+
+    def api_base(self, revision: str) -> str:
+        router = next(w for w in self.state()["revisions"][revision]["workers"] if w["name"] == "router")
+        return f"http://127.0.0.1:{router['port']}/v1"
+
+    def pids(self, revision: str) -> dict[str, int | None]:
+        return {w["name"]: w["pid"] for w in self.state()["revisions"][revision]["workers"]}
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Story]:
+    story = Story(tmp_path_factory.mktemp("apply-cli"), tiny_model_dir)
+    try:
+        yield story
+    finally:
+        done = kvguard("apply", "--local", "--delete", "--state-dir", str(story.state_dir))
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def first(story: Story) -> subprocess.CompletedProcess[str]:
+    done = story.apply(story.body)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def lines(out: str) -> list[str]:
+    return [line.strip() for line in out.splitlines()]
+
+
+def report_path(out: str) -> Path:
+    found = [line.removeprefix("canary report: ") for line in lines(out) if line.startswith("canary report: ")]
+    assert len(found) == 1, out
+    return Path(found[0])
+
+
+@pytest.mark.slow
+def test_a_rollout_prints_a_line_per_wait_and_each_probe_as_it_finishes(story: Story, first: subprocess.CompletedProcess[str]) -> None:
+    out = lines(first.stdout)
+    revision = story.state()["status"]["revision"]
+    # Worker processes cannot answer the instant they are spawned: the wait for them is always announced.
+    assert any(line.startswith(f"... revision {revision}: waiting for ") for line in out), first.stdout
+    assert f"... revision {revision}: canary suite running" in out
+    assert any(re.fullmatch(r"\.\.\. \w+: waited \d+\.\d s", line) for line in out), first.stdout  # a wait's length
+    header = out.index(next(line for line in out if line.startswith("PROBE") and "STATUS" in line))
+    report = CanaryReport.model_validate_json(report_path(first.stdout).read_text())
+    assert report.verdict.value == "pass" and report_path(first.stdout) == story.state_dir / "revisions" / revision / "canary.json"
+    for probe in report.probes:  # each probe's row, printed under the header as it finished
+        assert any(line.split()[:2] == [probe.name.value, probe.status.value] for line in out[header + 1:]), probe.name
+    assert f"state: Stable  revision: {revision}  stable: {revision}" in out
+    assert out[-1] == f"serving: {story.api_base(revision)}"
+
+
+@pytest.mark.slow
+def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Story, first: subprocess.CompletedProcess[str]) -> None:
+    revision = story.state()["status"]["revision"]
+    before, revisions, url = story.pids(revision), set(story.state()["revisions"]), story.api_base(revision)
+    report = (story.state_dir / "revisions" / revision / "canary.json").read_text()
+    body = copy.deepcopy(story.body)
+    body["spec"]["roles"]["decode"]["replicas"] = 2
+    done = story.apply(body)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = lines(done.stdout)
+    assert any("spec replicas changed (decode 1 -> 2): resizing it in place" in line for line in out), done.stdout
+    assert f"revision {revision} resized in place (decode 1 -> 2 processes), every worker ready" in out
+    assert not any(line.startswith("PROBE") for line in out), done.stdout  # no canary ran
+    assert report_path(done.stdout).read_text() == report  # the report that admitted the revision, unchanged
+    state = story.state()
+    assert set(state["revisions"]) == revisions and state["status"]["revision"] == revision  # no new revision
+    after = story.pids(revision)
+    assert [after[w] for w in ("prefill-0", "decode-0")] == [before[w] for w in ("prefill-0", "decode-0")]
+    assert after["decode-1"] is not None and after["router"] != before["router"]  # the router learns decode-1
+    router = next(w for w in state["revisions"][revision]["workers"] if w["name"] == "router")
+    assert sum(1 for arg in router["argv"] if arg == "--decode") == 2
+    assert out[-1] == f"serving: {url}" and story.api_base(revision) == url  # the router's port is kept
+    story.body = body
+
+
+@pytest.mark.slow
+def test_a_rollback_prints_the_probe_table_and_the_reports_path(story: Story, first: subprocess.CompletedProcess[str]) -> None:
+    stable = story.state()["status"]["revision"]
+    serving = story.api_base(stable)
+    body = copy.deepcopy(story.body)
+    body["spec"]["engine"]["version"] = "0.2.0-incident-build"
+    done = story.apply(body, "--faults", FAULTY_BUILD)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "FAULT INJECTION" in done.stderr
+    out = lines(done.stdout)
+    candidate = story.state()["status"]["rollout"]["revision"]
+    verdict = out.index(next(line for line in out if line.startswith(f"canary of {candidate}: FAIL")))
+    assert out[verdict + 1].split()[:3] == ["PROBE", "STATUS", "TIME"]  # the whole table, after the verdict
+    table = out[verdict + 1:]
+    assert any(line.split()[:2] == ["over_length", "fail"] for line in table), done.stdout  # the incident's probe
+    path = report_path(done.stdout)
+    assert path == story.state_dir / "revisions" / candidate / "canary.json"
+    report = CanaryReport.model_validate_json(path.read_text())
+    assert report.verdict.value == "fail"
+    assert f"state: RolledBack  revision: {candidate}  stable: {stable}" in out
+    assert out[-1] == f"serving: {serving}"  # S8: the stable revision keeps serving
