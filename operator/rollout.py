@@ -138,6 +138,28 @@ class CanarySummary(_StatusModel):
     """How long the suite ran."""
 
 
+AnalysisPhase = Literal["Successful", "Failed", "Inconclusive", "Error"]
+
+
+class AnalysisResult(_StatusModel):
+    """The latest measurement of one analysis check (status.rollout.analysis)."""
+
+    name: str
+    """safety, errorRatio, ttft, itl or the name of a PromQL query."""
+    phase: AnalysisPhase
+    """Successful, Failed, Inconclusive (not enough data) or Error (could not be measured)."""
+    value: float | None = None
+    """The measured number (a ratio, or seconds for a query in seconds)."""
+    threshold: float | None = None
+    """The bound the value was judged against."""
+    failures: int = 0
+    """Failed measurements so far in this rollout (the analysis fails past the check's failureLimit)."""
+    message: str = ""
+    """The numbers, for humans: e.g. `p95 TTFT 0.41 s vs stable 0.20 s = 2.05x > 1.5x`."""
+    measured_at: str | None = None
+    """RFC 3339 time of the measurement."""
+
+
 class RolloutStatus(_StatusModel):
     """Every step of the current rollout, so that a restarted operator resumes it exactly (S8)."""
 
@@ -171,6 +193,19 @@ class RolloutStatus(_StatusModel):
     """The scale `workers` were measured at; traffic moves only after a full-scale measurement."""
     canary: CanarySummary | None = None
     """The canary verdict for this attempt, once finished."""
+    step: int | None = None
+    """Index (from 0) of the traffic step of spec.rollout.steps the candidate is at; None before
+    traffic moves."""
+    weight: int | None = None
+    """Percent of user traffic the candidate gets now (0 after a failed analysis)."""
+    step_since: str | None = None
+    """RFC 3339 time the current step's weight was set (its pause counts from here)."""
+    analysis: list[AnalysisResult] = Field(default_factory=list)
+    """The latest measurement of each analysis check on the candidate's live traffic."""
+    scale_down_revision: str | None = None
+    """The previous stable revision, kept running after promotion for an instant rollback."""
+    scale_down_at: str | None = None
+    """RFC 3339 time `scaleDownRevision` is scaled to zero (spec.rollout.scaleDownDelaySeconds)."""
 
 
 # --- inputs ---------------------------------------------------------------------------------------
