@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.operator.api import AnalysisSpec, LatencyCheck, PrometheusQuery
 from kvguard.operator.canary.spec import DEFAULT_ABORT_TOLERANT_COUNTERS, DEFAULT_SAFETY_COUNTERS
-from kvguard.operator.rollout import AnalysisPhase, AnalysisResult
+from kvguard.operator.rollout import AnalysisOutcome, AnalysisPhase, AnalysisResult
 
 REQUESTS = "kvguard_requests_total"
 ERROR_OUTCOMES = ("failed", "aborted")
@@ -53,7 +52,6 @@ Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, str, Labels]
 """(source: the scraped URL or pod, sample name, labels)."""
 Series = dict[SeriesKey, float]
-Verdict = Literal["pass", "fail", "inconclusive"]
 
 
 def parse_exposition(source: str, text: str) -> Series:
@@ -140,12 +138,9 @@ class QueryValue:
     error: str = ""
 
 
-@dataclass(frozen=True)
-class Measurement:
-    verdict: Verdict
-    results: tuple[AnalysisResult, ...]
-    message: str
-    """The failing or missing checks with their numbers, or a summary when all passed."""
+Measurement = AnalysisOutcome
+"""One measurement: the verdict, every check's result, and the failing or missing checks with
+their numbers (a summary when all passed). Defined in rollout.py, which consumes it."""
 
 
 def _result(name: str, phase: AnalysisPhase, value: float | None, threshold: float | None, message: str,
