@@ -763,6 +763,10 @@ _ROLLOUT_RULES: list[dict[str, str]] = [
                 "traffic; use one step of weight 100, or trafficRouter gatewayAPI or inferencePool"},
     {"rule": "!has(self.steps) || size(self.steps) == 0 || self.steps[size(self.steps) - 1].weight == 100",
      "message": "spec.rollout.steps: the last step must send 100% of the traffic to the candidate"},
+    {"rule": f"{_SPLITTING_ROUTERS} || ((!has(self.bakeSeconds) || self.bakeSeconds == 0) "
+             "&& (!has(self.steps) || self.steps.all(s, !has(s.pause) || s.pause == 0 || s.pause == '0' || s.pause == '0s')))",
+     "message": "spec.rollout.bakeSeconds / steps[].pause: the analysis runs on the candidate's share of live traffic, "
+                "which trafficRouter service cannot give it; use trafficRouter gatewayAPI or inferencePool"},
 ]  # fmt: skip
 
 
@@ -772,6 +776,8 @@ def check_steps(router: TrafficRouter, steps: list[RolloutStep]) -> None:
         raise ValueError("spec.rollout.steps: the last step must send 100% of the traffic to the candidate")
     if router is TrafficRouter.SERVICE and len(steps) > 1:
         raise ValueError(_ROLLOUT_RULES[1]["message"])
+    if router is TrafficRouter.SERVICE and steps[0].pause:
+        raise ValueError(_ROLLOUT_RULES[3]["message"])
     weights = [s.weight for s in steps]
     if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
         raise ValueError(f"spec.rollout.steps: weights must increase from step to step (got {weights})")
@@ -814,13 +820,16 @@ class RolloutSpec(ApiModel):
     @model_validator(mode="after")
     def _steps_fit_the_router(self) -> RolloutSpec:
         check_steps(self.traffic_router, self.steps)
+        if self.traffic_router is TrafficRouter.SERVICE and self.bake_seconds:
+            raise ValueError(_ROLLOUT_RULES[3]["message"])
         if self.traffic_router is not TrafficRouter.SERVICE and self.gateway is None:
             raise ValueError(_ROLLOUT_RULES[0]["message"])
         return self
 
     @property
     def progressive(self) -> bool:
-        """Does traffic move in steps, or is the candidate analysed before it becomes stable?"""
+        """Does traffic move in steps, or is the candidate analysed before it becomes stable?
+        (Never with trafficRouter service, which cannot give the candidate a share.)"""
         return len(self.steps) > 1 or self.steps[0].pause > 0 or self.bake_seconds > 0
 
 

@@ -33,7 +33,7 @@ API_PATH_PREFIX = "/v1"
 
 
 @dataclass(frozen=True)
-class Backend:
+class Share:
     """One revision's share of user traffic."""
 
     revision: str
@@ -41,7 +41,7 @@ class Backend:
     """Percent (0..100); the weights of a split add up to 100."""
 
 
-def traffic_split(stable: str | None, candidate: str | None, weight: int) -> tuple[Backend, ...]:
+def traffic_split(stable: str | None, candidate: str | None, weight: int) -> tuple[Share, ...]:
     """The backends of the route: the stable revision gets 100 - weight and the candidate weight.
 
     No stable revision (a first rollout): the candidate gets everything it is given, the rest
@@ -51,10 +51,10 @@ def traffic_split(stable: str | None, candidate: str | None, weight: int) -> tup
     if not 0 <= weight <= 100:
         raise ValueError(f"weight must be 0..100, got {weight}")
     if candidate is None or candidate == stable:
-        return (Backend(stable, 100),) if stable else ()
+        return (Share(stable, 100),) if stable else ()
     if stable is None:
-        return (Backend(candidate, 100),)
-    return (Backend(stable, 100 - weight), Backend(candidate, weight))
+        return (Share(candidate, 100),)
+    return (Share(stable, 100 - weight), Share(candidate, weight))
 
 
 def route_name(model: str) -> str:
@@ -65,7 +65,7 @@ def inference_pool_name(model: str, revision: str) -> str:
     return f"{model}-{revision}"
 
 
-def _backend_ref(owner: Owner, router: TrafficRouter, backend: Backend) -> dict[str, Any]:
+def _backend_ref(owner: Owner, router: TrafficRouter, backend: Share) -> dict[str, Any]:
     if router is TrafficRouter.INFERENCE_POOL:
         return {"group": INFERENCE_GROUP, "kind": "InferencePool",
                 "name": inference_pool_name(owner.name, backend.revision), "weight": backend.weight}  # fmt: skip
@@ -73,7 +73,7 @@ def _backend_ref(owner: Owner, router: TrafficRouter, backend: Backend) -> dict[
             "port": HTTP_PORT, "weight": backend.weight}  # fmt: skip
 
 
-def render_http_route(owner: Owner, rollout: RolloutSpec, backends: tuple[Backend, ...]) -> Manifest:
+def render_http_route(owner: Owner, rollout: RolloutSpec, backends: tuple[Share, ...]) -> Manifest:
     """The model's HTTPRoute: `/v1` on the given hostnames, split between `backends` by weight."""
     if rollout.gateway is None or rollout.traffic_router is TrafficRouter.SERVICE:
         raise ValueError("an HTTPRoute needs trafficRouter gatewayAPI or inferencePool and spec.rollout.gateway")
@@ -113,7 +113,7 @@ def render_inference_pool(owner: Owner, rollout: RolloutSpec, revision: str) -> 
     return {"apiVersion": INFERENCE_POOL_API, "kind": "InferencePool", "metadata": metadata, "spec": spec}
 
 
-def render_traffic(spec: InferenceModelSpec, owner: Owner, backends: tuple[Backend, ...]) -> list[Manifest]:
+def render_traffic(spec: InferenceModelSpec, owner: Owner, backends: tuple[Share, ...]) -> list[Manifest]:
     """Every object that carries the split, besides the model Service: nothing for `service`, the
     HTTPRoute for `gatewayAPI`, and one InferencePool per backend plus the HTTPRoute for
     `inferencePool` (pools first: the route names them)."""

@@ -20,7 +20,7 @@ from kvguard.operator.crdgen import inference_model_crd
 from kvguard.operator.render import Owner, object_name
 from kvguard.operator.rollout import AnalysisResult, RolloutStatus
 from kvguard.operator.traffic import (
-    Backend,
+    Share,
     desired_objects,
     inference_pool_name,
     render_traffic,
@@ -112,6 +112,16 @@ def test_rollout_rules_hold_in_pydantic_and_in_cel(rollout: dict[str, Any], mess
     assert any(message in m for m in refused_by_crd(body)), refused_by_crd(body)
 
 
+@pytest.mark.parametrize("rollout", [{"bakeSeconds": 60}, {"steps": [{"weight": 100, "pause": "2m"}]}])
+def test_bake_and_pauses_need_a_splitting_router(rollout: dict[str, Any]) -> None:
+    """The analysis judges the candidate's share of live traffic; a Service switch gives it none."""
+    body = with_rollout(**rollout)
+    with pytest.raises(ValidationError, match="trafficRouter service cannot give it"):
+        InferenceModel.model_validate(body)
+    assert any("trafficRouter service cannot give it" in m for m in refused_by_crd(body)), refused_by_crd(body)
+    assert refused_by_crd(with_rollout(steps=[{"weight": 100, "pause": 0}])) == []
+
+
 def test_weights_must_increase() -> None:
     with pytest.raises(ValidationError, match="weights must increase"):
         InferenceModel.model_validate(with_rollout(trafficRouter="gatewayAPI", gateway=GATEWAY, steps=[{"weight": 50}, {"weight": 10}, {"weight": 100}]))
@@ -158,10 +168,10 @@ def test_status_carries_step_weight_analysis_and_scale_down() -> None:
 
 
 def test_split_gives_stable_the_rest() -> None:
-    assert traffic_split("old", "new", 10) == (Backend("old", 90), Backend("new", 10))
-    assert traffic_split("old", "new", 0) == (Backend("old", 100), Backend("new", 0))  # S8: back to stable
-    assert traffic_split(None, "new", 10) == (Backend("new", 100),)  # first rollout: nowhere else to go
-    assert traffic_split("new", "new", 100) == (Backend("new", 100),)
+    assert traffic_split("old", "new", 10) == (Share("old", 90), Share("new", 10))
+    assert traffic_split("old", "new", 0) == (Share("old", 100), Share("new", 0))  # S8: back to stable
+    assert traffic_split(None, "new", 10) == (Share("new", 100),)  # first rollout: nowhere else to go
+    assert traffic_split("new", "new", 100) == (Share("new", 100),)
     with pytest.raises(ValueError):
         traffic_split("old", "new", 101)
 

@@ -55,6 +55,7 @@ from kvguard.operator.render import (
     secret_name,
 )
 from kvguard.operator.rollout import Scale
+from kvguard.operator.traffic import Share, render_traffic
 from kvguard.operator.workloads import deployment_state, owned_by, pod_is_serving, revision_views
 
 log = logging.getLogger(__name__)
@@ -191,16 +192,24 @@ class KubernetesBackend:
         router = f"http://{object_name(model.name, revision, 'router')}.{model.namespace}.svc:{HTTP_PORT}"
         pods = await self.kube.alist("Pod", model.namespace, {LABEL_MODEL: model.name, LABEL_REVISION: revision})
         workers = []
+        routers = []
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             role = labels.get(LABEL_ROLE)
-            if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode") and pod_is_serving(pod):
+            if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode", "router") and pod_is_serving(pod):
                 ip = pod["status"]["podIP"]
-                workers.append(WorkerEndpoint(pod["metadata"]["name"], role, f"http://{ip}:{metrics_port(pod)}/metrics"))
-        return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)))
+                endpoint = WorkerEndpoint(pod["metadata"]["name"], role, f"http://{ip}:{metrics_port(pod)}/metrics")
+                (routers if role == "router" else workers).append(endpoint)
+        return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)),
+                                 routers=tuple(sorted(routers, key=lambda w: w.name)))  # fmt: skip
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         await self.apply(render_model_service(_owner(model), revision), model)
+
+    async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
+        """The InferencePools (first: the route names them) and the HTTPRoute, server-side applied."""
+        for manifest in render_traffic(request.spec, _owner(request.model), shares):
+            await self.apply(manifest, request.model)
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
         still = []
