@@ -169,3 +169,61 @@ def test_queries_are_judged_against_their_bounds() -> None:
     assert high.verdict == "fail" and "gpu-util = 0.95 (must be <= 0.9)" in high.message
     missing = measured(candidate, stable, spec, queries=[QueryValue("gpu-util", None, "HTTP 503"), QueryValue("tokens", 5)])
     assert missing.verdict == "inconclusive" and by_name(missing)["gpu-util"].phase == "Error"
+
+
+# --- the I/O half: real /metrics over loopback HTTP ---------------------------------------------
+
+
+def test_prometheus_answers_and_substitution() -> None:
+    from kvguard.operator.backends.analysis_io import scalar_of, substitute
+
+    assert substitute('x{revision="$revision",stable="$stable"}', {"revision": "r2", "stable": "r1"}) == 'x{revision="r2",stable="r1"}'
+    assert scalar_of({"status": "success", "data": {"resultType": "scalar", "result": [1.0, "0.5"]}}) == 0.5
+    assert scalar_of({"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, "3"]}]}}) == 3.0
+    two = [{"metric": {}, "value": [1, "3"]}] * 2
+    assert scalar_of({"status": "success", "data": {"resultType": "vector", "result": two}}) is None  # not one number
+    assert scalar_of({"status": "success", "data": {"resultType": "vector", "result": [{"value": [1, "NaN"]}]}}) is None
+    assert scalar_of({"status": "error"}) is None
+
+
+async def test_measurements_scrape_real_metrics_and_start_with_a_baseline() -> None:
+    from aiohttp import web
+
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+
+    candidate, stable = Revision(), Revision()
+    candidate.serve(100, failed=50)  # before the window: e.g. the canary's own probes
+    stable.serve(100)
+
+    def exposition(registry: CollectorRegistry):  # noqa: ANN202
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(registry), content_type="text/plain")
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/candidate/metrics", exposition(candidate.router.registry))
+    app.router.add_get("/stable/metrics", exposition(stable.router.registry))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    base = f"http://127.0.0.1:{port}"
+    memory, key = AnalysisMemory(), ("models", "m")
+    try:
+        urls = (("r2", [("r2-router-0", f"{base}/candidate/metrics")]), ("r1", [("r1-router-0", f"{base}/stable/metrics")]))
+        first = await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)
+        assert first.verdict == "inconclusive" and "window starts now" in first.message
+        candidate.serve(30)
+        stable.serve(30)
+        second = await measure_live_traffic(key, SPEC, *urls, first.results, memory, now_text=AT)
+        assert second.verdict == "pass", second.message  # the 50 failures before the window do not count
+        gone = (("r2", [("r2-router-0", f"{base}/nowhere/metrics")]), urls[1])
+        candidate.serve(30)
+        third = await measure_live_traffic(key, SPEC, *gone, second.results, memory, now_text=AT)
+        assert third.verdict == "inconclusive" and "candidate metrics incomplete: r2-router-0: HTTP 404" in third.message
+        candidate.serve(0, failed=30)  # back in sight: the window still starts at the last good scrape
+        fourth = await measure_live_traffic(key, SPEC, *urls, second.results, memory, now_text=AT)
+        assert fourth.verdict == "fail" and "30 of 60 candidate requests failed" in fourth.message
+    finally:
+        await runner.cleanup()

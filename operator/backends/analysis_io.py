@@ -121,9 +121,12 @@ async def measure_live_traffic(
     (cand_rev, cand_urls), (stable_rev, stable_urls) = candidate, stable
     cand_now, cand_errors = await scrape_series(cand_urls)
     stable_now, _ = await scrape_series(stable_urls)
+    at = now_text or rfc3339(dt.datetime.now(dt.UTC))
+    if cand_errors:  # part of the candidate unseen: no evidence either way, and the window keeps its start
+        why = "candidate metrics incomplete: " + "; ".join(cand_errors)
+        return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
     cand_before, stable_before = memory.before(key, cand_rev, stable_rev)
     memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
-    at = now_text or rfc3339(dt.datetime.now(dt.UTC))
     if cand_before is None:  # counters since each process began would count the canary's own probes (its aborts...)
         why = "first scrape of these revisions by this operator process: the analysis window starts now"
         return AnalysisOutcome("inconclusive", (AnalysisResult(name="window", phase="Inconclusive", message=why, measured_at=at),), why)
@@ -131,8 +134,4 @@ async def measure_live_traffic(
     if spec.queries and spec.prometheus_url:
         values = {"revision": cand_rev, "stable": stable_rev, "model": model, "namespace": namespace}
         queries = [QueryValue(n, v, e) for n, v, e in await query_values(spec.prometheus_url, spec.queries, values)]
-    outcome = measure(spec, Window.between(cand_before, cand_now, stable_before, stable_now), queries, previous, at)
-    if cand_errors and outcome.verdict == "pass":  # part of the candidate unseen: not evidence of health
-        error = AnalysisResult(name="scrape", phase="Error", message="; ".join(cand_errors), measured_at=at)
-        return AnalysisOutcome("inconclusive", (*outcome.results, error), "candidate metrics incomplete: " + "; ".join(cand_errors))
-    return outcome
+    return measure(spec, Window.between(cand_before, cand_now, stable_before, stable_now), queries, previous, at)

@@ -55,7 +55,7 @@ from kvguard.operator.render import (
     secret_name,
 )
 from kvguard.operator.rollout import Scale
-from kvguard.operator.traffic import Share, render_traffic
+from kvguard.operator.traffic import Share, inference_pool_name, render_traffic
 from kvguard.operator.workloads import deployment_state, owned_by, pod_is_serving, revision_views
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,8 @@ class KubernetesBackend:
         names = {object_name(model.name, revision, role) for role in ROLES} | {network_policy_name(model.name, revision)}
         doomed = [o for o in self._owned(model) if o["metadata"]["name"] in names]
         secret = ObjectRef("Secret", secret_name(model.name, revision), model.namespace)
-        for ref in [ref_of(o) for o in doomed] + [secret]:
+        pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
+        for ref in [ref_of(o) for o in doomed] + [secret, pool]:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
