@@ -869,6 +869,8 @@ class _Step:
         self.r.step, self.r.weight = index, steps[index].weight
         self.r.step_since = self.r.analysis_at = rfc3339(self.world.now)
         self.r.analysis_verdict = None
+        if index == 0:
+            self.r.analysis = []  # failure limits count per attempt: a retry starts from zero
         message = f"revision {self.candidate} gets {self.r.weight}% of traffic (step {index + 1} of {len(steps)})"
         self.move(RolloutState.SHIFTING, "TrafficStep", message)
         self.event("Normal", "TrafficStep", message)

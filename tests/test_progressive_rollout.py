@@ -14,6 +14,7 @@ from test_rollout import EXAMPLES, READY, S, Sim, assert_stable_untouched, condi
 
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.rollout import (
+    RETRY_ANNOTATION,
     ROLLBACK_ANNOTATION,
     AnalysisOutcome,
     AnalysisResult,
@@ -192,3 +193,16 @@ def test_one_step_of_100_through_a_service_is_todays_switch() -> None:
     d = sim.run_until(S.STABLE)
     assert not d.of_type(SetTrafficWeight) and RouteTraffic("r2") in d.actions and ScaleRevision("r1", 0) in d.actions
     assert all(x.state != S.SHIFTING for x in sim.decisions)
+
+
+def test_a_retry_after_a_failed_analysis_starts_its_failure_counts_from_zero() -> None:
+    sim = shifting_sim()
+    sim.verdicts = ["fail"]
+    sim.run_until(S.SHIFTING)
+    sim.later(30)
+    sim.run_until(S.ROLLED_BACK)
+    sim.annotations[RETRY_ANNOTATION] = "1"
+    d = sim.run_until(S.SHIFTING)
+    assert d.rollout.analysis == [] and d.rollout.weight == 10
+    d = sim.later(30)  # a passing measurement: the earlier failure does not count against this attempt
+    assert d.state == S.SHIFTING and d.rollout.analysis_verdict == "pass"
