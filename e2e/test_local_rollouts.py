@@ -64,6 +64,9 @@ def base_body(backend: Harness) -> dict[str, Any]:
     spec["weights"] = {"quantization": "bf16"}
     spec.pop("kvPoolTokens")
     spec["hardware"]["memoryPerDevice"] = "1.5Mi"
+    # These scenarios check the old revision at zero right after promotion; the default keeps it
+    # running scaleDownDelaySeconds for an instant rollback (tests/test_progressive_*.py).
+    spec["rollout"] = {"scaleDownDelaySeconds": 0}
     return body
 
 

@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "worker",
     "canary",
     "crds",
+    "render",
     "operator",
     "apply",
     "demo",

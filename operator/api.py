@@ -540,8 +540,253 @@ DEFAULT_PROGRESS_DEADLINE_SECONDS = STARTUP_PROBE_SECONDS + 600
 """The startup budget plus 10 minutes for scheduling and image pulls."""
 
 
+# --- Progressive delivery: traffic in steps, analysis on live traffic (spec.rollout.*) ------------
+
+DURATION_PATTERN = r"^([0-9]+|([0-9]+h)?([0-9]+m)?([0-9]+s)?)$"
+"""Seconds as an integer, or a duration such as `90s`, `2m`, `1h30m` (the CRD carries the same pattern)."""
+_DURATION_RE = re.compile(r"^\s*(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?\s*$")
+MAX_DURATION_SECONDS = 7 * 24 * 3600
+
+
+def parse_duration_seconds(value: Any) -> int:
+    """`90`, `"90"`, `"90s"`, `"2m"`, `"1h30m"` as whole seconds; ValueError on anything else."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30s or 2m, not a boolean")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int):
+        seconds = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        seconds = int(value)
+    elif isinstance(value, str) and value.strip() and (match := _DURATION_RE.match(value)):
+        hours, minutes, secs = (int(g) if g else 0 for g in match.groups())
+        seconds = hours * 3600 + minutes * 60 + secs
+    else:
+        raise ValueError(f"{value!r} is not a duration (examples: 30, 30s, 2m, 1h30m)")
+    if not 0 <= seconds <= MAX_DURATION_SECONDS:
+        raise ValueError(f"must be between 0 and {MAX_DURATION_SECONDS} seconds (7 days)")
+    return seconds
+
+
+DurationSeconds = Annotated[
+    int,
+    BeforeValidator(parse_duration_seconds),
+    PlainSerializer(int, return_type=int),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": DURATION_PATTERN,
+            "description": "Seconds, as an integer or a duration such as 30s, 2m or 1h30m.",
+        }
+    ),
+]
+"""Whole seconds. Accepts an integer or a duration string; always stored as integer seconds."""
+
+
+class TrafficRouter(StrEnum):
+    """How user traffic reaches a revision's routers."""
+
+    SERVICE = "service"
+    """The model's Service selects one revision's routers: all traffic moves at once (no split)."""
+    GATEWAY_API = "gatewayAPI"
+    """An HTTPRoute the operator owns, with weighted backendRefs to the stable and candidate
+    routers' Services."""
+    INFERENCE_POOL = "inferencePool"
+    """One InferencePool (Gateway API Inference Extension) per revision, selecting its routers,
+    and the HTTPRoute weighting the pools."""
+
+
+class RolloutStep(ApiModel):
+    """One step of the traffic shift: the candidate gets `weight` percent of user traffic for at
+    least `pause`, while the analysis runs on its live traffic."""
+
+    weight: int = Field(ge=1, le=100)
+    """Percent of user traffic sent to the candidate in this step."""
+    pause: DurationSeconds = 0
+    """How long to hold this weight before the next step (the analysis must also have passed)."""
+
+
+_GATEWAY_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_HOSTNAME = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class GatewayParentRef(ApiModel):
+    """A Gateway the HTTPRoute attaches to (gateway.networking.k8s.io ParentReference)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Gateway."""
+    namespace: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Namespace of the Gateway; default: the model's namespace. The Gateway must allow routes
+    from the model's namespace."""
+    section_name: str | None = Field(default=None, min_length=1, max_length=253, pattern=_GATEWAY_NAME)
+    """A listener of the Gateway, by name; default: every listener that allows the route."""
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """A listener of the Gateway, by port."""
+
+
+class GatewaySpec(ApiModel):
+    """Where the operator's HTTPRoute attaches (trafficRouter gatewayAPI or inferencePool). The
+    route matches only the OpenAI API (`/v1/...`) on the given hostnames."""
+
+    parent_refs: list[GatewayParentRef] = Field(min_length=1, max_length=32)
+    """Gateways the HTTPRoute attaches to."""
+    hostnames: list[Annotated[str, Field(min_length=1, max_length=253, pattern=_HOSTNAME)]] = Field(default_factory=list, max_length=16)
+    """Host names the route answers for; empty: every host the Gateway listens on."""
+
+
+class EndpointPickerRef(ApiModel):
+    """The Endpoint Picker (EPP) extension Service of the InferencePools."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the EPP Service in the model's namespace."""
+    port: int = Field(default=9002, ge=1, le=65535)
+    """The EPP Service's port."""
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """What the Gateway does when the EPP does not answer."""
+
+
+class InferencePoolOptions(ApiModel):
+    """The per-revision InferencePools (trafficRouter inferencePool)."""
+
+    endpoint_picker_ref: EndpointPickerRef | None = None
+    """The EPP every pool names; omitted: the Gateway implementation's default picking."""
+
+
+class ErrorRatioCheck(ApiModel):
+    """The candidate's share of failed requests (5xx and aborted responses), from its routers'
+    kvguard_requests_total, per measurement."""
+
+    enabled: bool = True
+    """Run the check (kvguard engine; other engines' routers do not export the counter)."""
+    max_ratio: float = Field(default=0.05, ge=0, le=1, allow_inf_nan=False)
+    """Largest share of the candidate's requests in a measurement that may fail."""
+    failure_limit: NonNegativeInt = 0
+    """Failed measurements tolerated before the analysis fails (0: the first one fails it)."""
+
+
+class LatencyCheck(ApiModel):
+    """A latency percentile of the candidate relative to the stable revision's, from the routers'
+    histograms (kvguard_router_time_to_first_token_seconds, ..._inter_token_latency_seconds)."""
+
+    enabled: bool = True
+    """Run the check (kvguard engine only, as for errorRatio)."""
+    percentile: float = Field(default=0.95, gt=0, lt=1, allow_inf_nan=False)
+    """Which percentile to compare (0.95: p95)."""
+    max_ratio_to_stable: float = Field(default=1.5, ge=1, allow_inf_nan=False)
+    """The candidate's percentile may be at most this many times the stable's."""
+    failure_limit: NonNegativeInt = 1
+    """Failed measurements tolerated before the analysis fails."""
+
+
+ANALYSIS_BUILTIN_CHECKS = ("safety", "errorRatio", "ttft", "itl")
+"""Names of the built-in checks in status.rollout.analysis (queries may not reuse them)."""
+
+
+class PrometheusQuery(ApiModel):
+    """A PromQL query against spec.rollout.analysis.prometheusURL, measured with the other checks."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.max) || has(self.min)", "message": "set max, min or both: the bound the value must keep"},
+            ]
+        }
+    )
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Name of the result in status.rollout.analysis."""
+    query: str = Field(min_length=1, max_length=4096)
+    """PromQL giving one number (a scalar or a one-sample vector). `$revision` (the candidate),
+    `$stable`, `$model` and `$namespace` are replaced before it is sent."""
+    max: float | None = Field(default=None, allow_inf_nan=False)
+    """The value must be at most this."""
+    min: float | None = Field(default=None, allow_inf_nan=False)
+    """The value must be at least this."""
+    failure_limit: NonNegativeInt = 0
+    """Failed measurements tolerated before the analysis fails."""
+
+    @model_validator(mode="after")
+    def _has_a_bound(self) -> PrometheusQuery:
+        if self.max is None and self.min is None:
+            raise ValueError("set max, min or both: the bound the value must keep")
+        return self
+
+
+class AnalysisSpec(ApiModel):
+    """Analysis of the candidate's live traffic while traffic moves and while it bakes: kvguard's
+    safety counters (any increase aborts at once), the error ratio, TTFT and ITL relative to the
+    stable revision, and optional PromQL queries. A failed analysis sends all traffic back to the
+    stable revision and fails the rollout; an inconclusive one (no data) holds the current step."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.queries) || size(self.queries) == 0 || has(self.prometheusURL)",
+                 "message": "spec.rollout.analysis.queries need spec.rollout.analysis.prometheusURL"},
+            ]
+        }
+    )
+
+    interval_seconds: PositiveInt = 30
+    """Time between two measurements; each measurement covers the traffic since the previous one."""
+    min_requests: PositiveInt = 20
+    """Candidate requests a measurement needs for the router checks; fewer: inconclusive."""
+    error_ratio: ErrorRatioCheck = Field(default_factory=ErrorRatioCheck)
+    """5xx and aborted responses of the candidate."""
+    ttft: LatencyCheck = Field(default_factory=LatencyCheck)
+    """Time to first token, relative to the stable revision."""
+    itl: LatencyCheck = Field(default_factory=LatencyCheck)
+    """Inter-token latency, relative to the stable revision."""
+    prometheus_url: str | None = Field(default=None, alias="prometheusURL", max_length=2048, pattern=r"^https?://[^\s]+$")
+    """Base URL of a Prometheus (its /api/v1/query) for `queries`."""
+    queries: list[PrometheusQuery] = Field(default_factory=list, max_length=16)
+    """Extra checks: PromQL queries and the bounds their value must keep."""
+
+    @model_validator(mode="after")
+    def _queries_are_answerable(self) -> AnalysisSpec:
+        if self.queries and self.prometheus_url is None:
+            raise ValueError("spec.rollout.analysis.queries need spec.rollout.analysis.prometheusURL")
+        names = [q.name for q in self.queries]
+        clash = sorted({n for n in names if n in ANALYSIS_BUILTIN_CHECKS or names.count(n) > 1})
+        if clash:
+            raise ValueError(f"query names must be unique and not one of {', '.join(ANALYSIS_BUILTIN_CHECKS)}: {', '.join(clash)}")
+        return self
+
+
+_SPLITTING_ROUTERS = "(has(self.trafficRouter) && self.trafficRouter != 'service')"
+_ROLLOUT_RULES: list[dict[str, str]] = [
+    {"rule": f"!{_SPLITTING_ROUTERS} || has(self.gateway)",
+     "message": "spec.rollout.gateway: required with trafficRouter gatewayAPI or inferencePool (the HTTPRoute's parentRefs)"},
+    {"rule": f"{_SPLITTING_ROUTERS} || !has(self.steps) || (size(self.steps) == 1 && self.steps[0].weight == 100)",
+     "message": "spec.rollout.steps: trafficRouter service switches the model Service's selector, which cannot split "
+                "traffic; use one step of weight 100, or trafficRouter gatewayAPI or inferencePool"},
+    {"rule": "!has(self.steps) || size(self.steps) == 0 || self.steps[size(self.steps) - 1].weight == 100",
+     "message": "spec.rollout.steps: the last step must send 100% of the traffic to the candidate"},
+    {"rule": f"{_SPLITTING_ROUTERS} || ((!has(self.bakeSeconds) || self.bakeSeconds == 0) "
+             "&& (!has(self.steps) || self.steps.all(s, !has(s.pause) || s.pause == 0 || s.pause == '0' || s.pause == '0s')))",
+     "message": "spec.rollout.bakeSeconds / steps[].pause: the analysis runs on the candidate's share of live traffic, "
+                "which trafficRouter service cannot give it; use trafficRouter gatewayAPI or inferencePool"},
+]  # fmt: skip
+
+
+def check_steps(router: TrafficRouter, steps: list[RolloutStep]) -> None:
+    """The field-level rules of spec.rollout.steps (ValueError naming the field)."""
+    if steps[-1].weight != 100:
+        raise ValueError("spec.rollout.steps: the last step must send 100% of the traffic to the candidate")
+    if router is TrafficRouter.SERVICE and len(steps) > 1:
+        raise ValueError(_ROLLOUT_RULES[1]["message"])
+    if router is TrafficRouter.SERVICE and steps[0].pause:
+        raise ValueError(_ROLLOUT_RULES[3]["message"])
+    weights = [s.weight for s in steps]
+    if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
+        raise ValueError(f"spec.rollout.steps: weights must increase from step to step (got {weights})")
+
+
 class RolloutSpec(ApiModel):
-    """How a new revision is brought up beside the stable one."""
+    """How a new revision is brought up beside the stable one, and how traffic moves to it."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _ROLLOUT_RULES})
 
     canary_replicas: PositiveInt = 1
     """Replicas of each prefill and decode role (and one router) while the candidate is verified,
@@ -551,6 +796,41 @@ class RolloutSpec(ApiModel):
     """How long the candidate's workloads may take to become ready (at canary scale, and again at
     full scale) before the rollout fails. The default covers the workers' startup probe (30 min of
     weight loading) plus image pulls; lower it for small models to fail faster."""
+    # --- progressive delivery (docs/rollouts.md, "Traffic in steps") ---
+    traffic_router: TrafficRouter = TrafficRouter.SERVICE
+    """`service` (the model Service's selector: all traffic at once), `gatewayAPI` (a weighted
+    HTTPRoute) or `inferencePool` (an InferencePool per revision, weighted by the HTTPRoute)."""
+    steps: list[RolloutStep] = Field(default_factory=lambda: [RolloutStep(weight=100)], min_length=1, max_length=20)
+    """Traffic steps once the candidate passed its canary at full scale, e.g. 5% for 2m, 25%,
+    50%, 100%. Default: one step of 100% (all traffic at once). Weights increase and the last is
+    100; trafficRouter service takes only one step of 100."""
+    gateway: GatewaySpec | None = None
+    """Where the HTTPRoute attaches (required with gatewayAPI and inferencePool)."""
+    inference_pool: InferencePoolOptions | None = None
+    """Settings of the per-revision InferencePools (trafficRouter inferencePool)."""
+    analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
+    """Checks on the candidate's live traffic between steps and while it bakes."""
+    bake_seconds: NonNegativeInt = 0
+    """After the last step (100%): how long the analysis goes on before the candidate becomes the
+    stable revision; a failure in this time still sends traffic back to the old one."""
+    scale_down_delay_seconds: NonNegativeInt = 300
+    """How long the old revision keeps running after the candidate became stable, so that
+    kvguard.io/rollback-to it is instant (no new pods); then it is scaled to zero."""
+
+    @model_validator(mode="after")
+    def _steps_fit_the_router(self) -> RolloutSpec:
+        check_steps(self.traffic_router, self.steps)
+        if self.traffic_router is TrafficRouter.SERVICE and self.bake_seconds:
+            raise ValueError(_ROLLOUT_RULES[3]["message"])
+        if self.traffic_router is not TrafficRouter.SERVICE and self.gateway is None:
+            raise ValueError(_ROLLOUT_RULES[0]["message"])
+        return self
+
+    @property
+    def progressive(self) -> bool:
+        """Does traffic move in steps, or is the candidate analysed before it becomes stable?
+        (Never with trafficRouter service, which cannot give the candidate a share.)"""
+        return len(self.steps) > 1 or self.steps[0].pause > 0 or self.bake_seconds > 0
 
 
 class InferenceModelSpec(ApiModel):

@@ -163,6 +163,9 @@ def inference_model_crd() -> dict[str, Any]:
         {"name": "Revision", "type": "string", "jsonPath": ".status.revision"},
         {"name": "KV Ratio", "type": "number", "jsonPath": ".status.kvRatio", "format": "float"},
         {"name": "Canary", "type": "string", "jsonPath": ".status.canary"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.rollout.step", "priority": 1},
+        {"name": "Weight", "type": "integer", "jsonPath": ".status.rollout.weight",
+         "description": "Percent of user traffic the candidate revision gets"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     version = _version(InferenceModelSpec, InferenceModelStatus, columns, _MODEL_RULES, _SPEC_RULES, True)

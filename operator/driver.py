@@ -19,7 +19,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvguard.operator.api import InferencePolicy
+from pydantic import ValidationError
+
+from kvguard.operator.api import InferenceModelSpec, InferencePolicy
+from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
 from kvguard.operator.backends.base import (
     Backend,
     CanaryRunner,
@@ -30,6 +33,7 @@ from kvguard.operator.backends.base import (
     scrape_workers,
 )
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
+from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +76,22 @@ class DriverMemory:
     """Revision whose workers to scrape at the model's next pass (the last decision asked)."""
     foreign: dict[ModelKey, tuple[ForeignObjectError, ...]] = field(default_factory=dict)
     """Objects that blocked the model's last actions because someone else owns them."""
+    measure: dict[ModelKey, MeasureAnalysis] = field(default_factory=dict)
+    """Candidate and stable whose live traffic to measure at the model's next pass."""
+    analysis: AnalysisMemory = field(default_factory=AnalysisMemory)
+    """The last scrape of each model's revisions (where the next measurement's window starts)."""
 
     def forget(self, key: ModelKey) -> None:
         self.scrape.pop(key, None)
         self.foreign.pop(key, None)
+        self.measure.pop(key, None)
+        self.analysis.forget(key)
 
     def clear(self) -> None:
         self.scrape.clear()
         self.foreign.clear()
+        self.measure.clear()
+        self.analysis.last.clear()
 
 
 @dataclass(frozen=True)
@@ -115,12 +127,36 @@ async def observe(
         if not foreign:
             del memory.foreign[ref.key]
     rollout = (body.get("status") or {}).get("rollout") or {}
+    analysis = None
+    wanted = memory.measure.pop(ref.key, None)
+    if wanted is not None:
+        analysis = await _measure(body, ref, backend, memory, wanted, rollout)
     return Observed(
+        analysis=analysis,
         revisions=seen.revisions, serving=seen.serving, policies=tuple(policies),
         architecture_config=architecture_config[0], architecture_config_error=architecture_config[1],
         worker_reports=reports, canary=runner.result(ref.key),
         canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
         fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
+    )  # fmt: skip
+
+
+async def _measure(
+    body: Mapping[str, Any], ref: ModelRef, backend: Backend, memory: DriverMemory, wanted: MeasureAnalysis,
+    rollout: Mapping[str, Any],
+) -> AnalysisOutcome | None:  # fmt: skip
+    """The candidate's live traffic against the stable's since the last measurement (None: the
+    spec no longer parses; the pass will say why)."""
+    try:
+        spec = InferenceModelSpec.model_validate(body.get("spec") or {})
+        previous = [AnalysisResult.model_validate(r) for r in rollout.get("analysis") or []]
+    except ValidationError:
+        return None
+    candidate = await backend.endpoints(ref, wanted.candidate)
+    stable = await backend.endpoints(ref, wanted.stable)
+    return await measure_live_traffic(
+        ref.key, spec.rollout.analysis, (wanted.candidate, candidate.metrics_urls()), (wanted.stable, stable.metrics_urls()),
+        previous, memory.analysis, model=ref.name, namespace=ref.namespace,
     )  # fmt: skip
 
 
@@ -157,6 +193,8 @@ async def run_pass(
     ref = model_ref(body)
     if outcome.scrape is not None:
         memory.scrape[ref.key] = outcome.scrape
+    if outcome.measure is not None:
+        memory.measure[ref.key] = outcome.measure
     await _act(ref, outcome, backend, runner, memory, on_canary_done)
     for event in outcome.events:
         await store.record_event(body, event, now)

@@ -86,6 +86,8 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("v1", "services"),
     "Secret": Kind("v1", "secrets"),
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
+    "HTTPRoute": Kind("gateway.networking.k8s.io/v1", "httproutes"),
+    "InferencePool": Kind("inference.networking.k8s.io/v1", "inferencepools"),
     "Event": Kind("v1", "events"),
     "ConfigMap": Kind("v1", "configmaps"),
     "Pod": Kind("v1", "pods"),

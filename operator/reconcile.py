@@ -49,8 +49,10 @@ from kvguard.operator.render import (
 from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
     Action,
+    AnalysisOutcome,
     CanaryResult,
     Decision,
+    MeasureAnalysis,
     PolicyGate,
     RecordEvent,
     RevisionView,
@@ -99,6 +101,8 @@ class Observed:
     """The last finished canary run of this model held in memory by the driver."""
     canary_running: bool = False
     """A canary run for the candidate's current attempt is in progress."""
+    analysis: AnalysisOutcome | None = None
+    """A fresh measurement of the candidate's live traffic, when the previous pass asked for one."""
     fault_injection_allowed: bool = False
     """The operator runs with KVGUARD_ALLOW_FAULT_INJECTION=true (test clusters only)."""
     foreign_objects: tuple[str, ...] = ()
@@ -132,6 +136,8 @@ class Outcome:
     """The spec's revision rendered once (what the Kubernetes backend applies)."""
     scrape: str | None = None
     """Revision whose workers the driver scrapes before the next pass (`ScrapeMetrics`)."""
+    measure: MeasureAnalysis | None = None
+    """Candidate and stable whose live traffic the driver measures before the next pass."""
     faults: str = ""
     """Test-only KVGUARD_FAULTS for the spec's revision (only with fault injection allowed)."""
     events: list[EventSpec] = field(default_factory=list)
@@ -321,6 +327,7 @@ def _roll_out(
         revisions=dict(run.observed.revisions), serving=run.observed.serving,
         previous_stables=previous_stables(run.status.history, stable), annotations=meta.get("annotations") or {},
         worker_reports=run.observed.worker_reports, canary=run.observed.canary, canary_running=run.observed.canary_running,
+        analysis=run.observed.analysis,
     )  # fmt: skip
     decision = step(spec, run.status.rollout, stable, world)
     previous_state = run.status.rollout.state if run.status.rollout else None
@@ -337,11 +344,12 @@ def _roll_out(
     run.status.message = rollout.message
     run.status.canary = _canary_summary(rollout)
     _set_ready(run, decision.stable)
-    workload = [a for a in decision.actions if not isinstance(a, SetCondition | RecordEvent | ScrapeMetrics)]
+    workload = [a for a in decision.actions if not isinstance(a, SetCondition | RecordEvent | ScrapeMetrics | MeasureAnalysis)]
     events = [EventSpec(e.type, e.reason, e.message) for e in decision.of_type(RecordEvent)]
     scrape = next((a.revision for a in decision.of_type(ScrapeMetrics)), None)
     return run.outcome(
         actions=workload, spec=spec, revision=revision, scrape=scrape, events=events,
+        measure=next(iter(decision.of_type(MeasureAnalysis)), None),
         requeue_after=decision.requeue_after, deadline_in=decision.deadline_in, plan=kv_plan,
     )  # fmt: skip
 

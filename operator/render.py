@@ -125,7 +125,7 @@ def selector(model: str, revision: str, role: Role) -> dict[str, str]:
     return {LABEL_MODEL: model, LABEL_REVISION: revision, LABEL_ROLE: role}
 
 
-def _metadata(owner: Owner, name: str, revision: str | None, role: Role | None = None) -> dict[str, Any]:
+def owned_metadata(owner: Owner, name: str, revision: str | None, role: Role | None = None) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": owner.namespace,
@@ -607,7 +607,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
         pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
     pod_labels = {**labels(ctx.owner.name, ctx.revision, ctx.role), LABEL_ENGINE: spec.engine.kind.value}
-    metadata = _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role)
+    metadata = owned_metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role)
     metadata["annotations"] = {SCALE_ANNOTATION: ctx.scale}
     return {
         "apiVersion": "apps/v1",
@@ -632,7 +632,7 @@ def render_service(ctx: RoleContext) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role),
+        "metadata": owned_metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role),
         "spec": {"type": "ClusterIP", "selector": selector(ctx.owner.name, ctx.revision, ctx.role), "ports": ports},
     }
 
@@ -644,7 +644,7 @@ def render_transfer_secret(owner: Owner, revision: str, key: bytes) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(owner, secret_name(owner.name, revision), revision),
+        "metadata": owned_metadata(owner, secret_name(owner.name, revision), revision),
         "type": "Opaque",
         "immutable": True,
         "data": {TRANSFER_KEY_FIELD: base64.b64encode(key.hex().encode()).decode()},
@@ -711,7 +711,7 @@ def render_network_policy(spec: InferenceModelSpec, owner: Owner, revision: str,
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(owner, network_policy_name(owner.name, revision, role), revision, role),
+        "metadata": owned_metadata(owner, network_policy_name(owner.name, revision, role), revision, role),
         "spec": policy,
     }
 
@@ -792,7 +792,7 @@ def render_model_service(owner: Owner, stable_revision: str) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner, owner.name, None),
+        "metadata": owned_metadata(owner, owner.name, None),
         "spec": {
             "type": "ClusterIP",
             "selector": selector(owner.name, stable_revision, "router"),

@@ -52,6 +52,8 @@ if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtim
     from kvguard.operator.api import InferenceModelSpec
     from kvguard.operator.canary.report import CanaryReport
 
+AnalysisVerdict = Literal["pass", "fail", "inconclusive"]
+
 
 class RolloutState(str, enum.Enum):
     """Where the rollout of `status.rollout.revision` is. See the module docstring for the graph."""
@@ -65,7 +67,11 @@ class RolloutState(str, enum.Enum):
     CANARY_VERIFYING = "CanaryVerifying"
     """Scraping every candidate worker's reported pool, then running the canary suite."""
     PROMOTING = "Promoting"
-    """Every gate passed: routing traffic to the candidate, scaling the old revision down."""
+    """Every gate passed: scaling the candidate to full replicas and measuring it again, then
+    routing traffic to it (at once, or in spec.rollout.steps)."""
+    SHIFTING = "Shifting"
+    """Traffic moves to the candidate in spec.rollout.steps while its live traffic is analysed,
+    then bakes at 100%; the stable revision still serves the rest (S8)."""
     STABLE = "Stable"
     """The candidate serves all traffic; nothing to do."""
     FAILED = "Failed"
@@ -138,6 +144,28 @@ class CanarySummary(_StatusModel):
     """How long the suite ran."""
 
 
+AnalysisPhase = Literal["Successful", "Failed", "Inconclusive", "Error"]
+
+
+class AnalysisResult(_StatusModel):
+    """The latest measurement of one analysis check (status.rollout.analysis)."""
+
+    name: str
+    """safety, errorRatio, ttft, itl or the name of a PromQL query."""
+    phase: AnalysisPhase
+    """Successful, Failed, Inconclusive (not enough data) or Error (could not be measured)."""
+    value: float | None = None
+    """The measured number (a ratio, or seconds for a query in seconds)."""
+    threshold: float | None = None
+    """The bound the value was judged against."""
+    failures: int = 0
+    """Failed measurements so far in this rollout (the analysis fails past the check's failureLimit)."""
+    message: str = ""
+    """The numbers, for humans: e.g. `p95 TTFT 0.41 s vs stable 0.20 s = 2.05x > 1.5x`."""
+    measured_at: str | None = None
+    """RFC 3339 time of the measurement."""
+
+
 class RolloutStatus(_StatusModel):
     """Every step of the current rollout, so that a restarted operator resumes it exactly (S8)."""
 
@@ -171,6 +199,23 @@ class RolloutStatus(_StatusModel):
     """The scale `workers` were measured at; traffic moves only after a full-scale measurement."""
     canary: CanarySummary | None = None
     """The canary verdict for this attempt, once finished."""
+    step: int | None = None
+    """Index (from 0) of the traffic step of spec.rollout.steps the candidate is at; None before
+    traffic moves."""
+    weight: int | None = None
+    """Percent of user traffic the candidate gets now (0 after a failed analysis)."""
+    step_since: str | None = None
+    """RFC 3339 time the current step's weight was set (its pause counts from here)."""
+    analysis: list[AnalysisResult] = Field(default_factory=list)
+    """The latest measurement of each analysis check on the candidate's live traffic."""
+    scale_down_revision: str | None = None
+    """The previous stable revision, kept running after promotion for an instant rollback."""
+    scale_down_at: str | None = None
+    """RFC 3339 time `scaleDownRevision` is scaled to zero (spec.rollout.scaleDownDelaySeconds)."""
+    analysis_verdict: Literal["pass", "fail", "inconclusive"] | None = None
+    """The verdict of the latest measurement at the current step (None: none yet at this step)."""
+    analysis_at: str | None = None
+    """RFC 3339 time of the latest measurement (or of the step's start, before the first)."""
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -265,6 +310,17 @@ class World:
     """The latest finished canary run of this model, if the driver has one."""
     canary_running: bool = False
     """A canary run for the candidate's current attempt is in progress."""
+    analysis: AnalysisOutcome | None = None
+    """A fresh measurement of the candidate's live traffic (after MeasureAnalysis); None: not measured."""
+
+
+@dataclass(frozen=True)
+class AnalysisOutcome:
+    """One measurement of the analysis (`analysis.measure`): the verdict and every check's numbers."""
+
+    verdict: AnalysisVerdict
+    results: tuple[AnalysisResult, ...]
+    message: str
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -330,6 +386,24 @@ class RouteTraffic:
 
 
 @dataclass(frozen=True)
+class SetTrafficWeight:
+    """Split user traffic: `candidate` gets `weight` percent, `stable` the rest (the HTTPRoute)."""
+
+    stable: str
+    candidate: str
+    weight: int
+
+
+@dataclass(frozen=True)
+class MeasureAnalysis:
+    """Measure the candidate's live traffic against the stable's before the next step, and pass
+    the result to it in World.analysis."""
+
+    candidate: str
+    stable: str
+
+
+@dataclass(frozen=True)
 class RecordEvent:
     type: Literal["Normal", "Warning"]
     reason: str
@@ -346,7 +420,7 @@ class SetCondition:
 
 Action = (
     DeployRevision | ScaleRevision | DeleteRevision | ScrapeMetrics | RunCanary | CancelCanary
-    | RouteTraffic | RecordEvent | SetCondition
+    | RouteTraffic | SetTrafficWeight | MeasureAnalysis | RecordEvent | SetCondition
 )  # fmt: skip
 
 
@@ -476,6 +550,8 @@ class _Step:
         if old_state == RolloutState.PROMOTING and old is not None and self.world.serving == old:
             return  # traffic already moved: finish the promotion, then supersede
         if old is not None and old != self.stable and old_state not in (RolloutState.STABLE,):
+            if self.stable and (old_state == RolloutState.SHIFTING or self.r.weight):
+                self.actions.append(RouteTraffic(self.stable))  # S8: its share goes back before it goes
             self._retire(old)
             if old_state in IN_FLIGHT:
                 self.event("Normal", "RolloutSuperseded", f"revision {old} superseded by {wanted} before promotion")
@@ -755,15 +831,120 @@ class _Step:
             return
         if not already_routed and not self._at_full_scale():
             return
+        if not already_routed and self._in_steps():
+            self._enter_step(0)
+            return
+        self._complete()
+
+    def _in_steps(self) -> bool:
+        """Traffic moves in steps (with analysis) only from a serving stable revision to a new one."""
+        stable_view = self.view(self.stable)
+        return (self.spec.rollout.progressive and not self.r.rollback and self.stable is not None
+                and self.stable != self.candidate and stable_view is not None and stable_view.ready)  # fmt: skip
+
+    def _complete(self) -> None:
+        """The candidate becomes stable; the old revision keeps running for scaleDownDelaySeconds so
+        that kvguard.io/rollback-to it is instant, then is scaled to zero (`_scale_down_when_due`)."""
         self.actions.append(RouteTraffic(self.candidate))
-        if self.stable and self.stable != self.candidate:
-            self.actions.append(ScaleRevision(self.stable, 0))
-            self.promoted_from = self.stable
-            self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving; {self.stable} scaled to zero")
-        elif self.stable != self.candidate:
+        old, delay = self.stable, self.spec.rollout.scale_down_delay_seconds
+        if old and old != self.candidate:
+            self.promoted_from = old
+            if delay > 0:
+                self.r.scale_down_revision = old
+                self.r.scale_down_at = rfc3339(self.world.now + dt.timedelta(seconds=delay))
+                self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving; {old} keeps running until "
+                           f"{self.r.scale_down_at} (spec.rollout.scaleDownDelaySeconds) for an instant {ROLLBACK_ANNOTATION}")  # fmt: skip
+            else:
+                self.actions.append(ScaleRevision(old, 0))
+                self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving; {old} scaled to zero")
+        elif old != self.candidate:
             self.event("Normal", "RevisionPromoted", f"revision {self.candidate} is serving")
         self.stable = self.candidate
+        self.r.weight = 100 if self.r.step is not None else self.r.weight
         self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+
+    # --- traffic in steps -------------------------------------------------------------------------
+    def _enter_step(self, index: int) -> None:
+        steps = self.spec.rollout.steps
+        self.r.step, self.r.weight = index, steps[index].weight
+        self.r.step_since = self.r.analysis_at = rfc3339(self.world.now)
+        self.r.analysis_verdict = None
+        if index == 0:
+            self.r.analysis = []  # failure limits count per attempt: a retry starts from zero
+        message = f"revision {self.candidate} gets {self.r.weight}% of traffic (step {index + 1} of {len(steps)})"
+        self.move(RolloutState.SHIFTING, "TrafficStep", message)
+        self.event("Normal", "TrafficStep", message)
+        self.actions.append(SetTrafficWeight(self._stable_revision(), self.candidate, self.r.weight))
+        self.condition("Progressing", "True", "TrafficStep", message)
+        self.wait(float(self.spec.rollout.analysis.interval_seconds))
+
+    def _stable_revision(self) -> str:
+        assert self.stable is not None
+        return self.stable
+
+    def _on_shifting(self) -> None:
+        stable, weight = self._stable_revision(), self.r.weight or 0
+        view = self.view(self.candidate)
+        if view is None or not view.ready:
+            self._abort("CandidateNotReady", f"revision {self.candidate} lost readiness at {weight}% of traffic")
+            return
+        if self._record_measurement():
+            return
+        if not self._advance():
+            self.actions.append(SetTrafficWeight(stable, self.candidate, weight))  # idempotent: re-applied each pass
+            self._wait_for_analysis()
+
+    def _record_measurement(self) -> bool:
+        """Take in a fresh measurement; True when it failed the rollout."""
+        measured = self.world.analysis
+        if measured is None:
+            return False
+        self.r.analysis = list(measured.results)
+        self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)
+        if measured.verdict == "fail":
+            self._abort("AnalysisFailed", f"revision {self.candidate} failed its analysis at {self.r.weight}% of traffic: {measured.message}")
+            return True
+        return False
+
+    def _hold(self) -> tuple[float, float]:
+        """(seconds the current step must hold, seconds it has held): its pause, plus bakeSeconds at the last."""
+        steps, index = self.spec.rollout.steps, self.r.step or 0
+        hold = steps[index].pause + (self.spec.rollout.bake_seconds if index == len(steps) - 1 else 0)
+        return float(hold), (self.world.now - _parse_time(self.r.step_since, self.world.now)).total_seconds()
+
+    def _advance(self) -> bool:
+        """To the next step (or promotion after the last) once this one held with a passing analysis."""
+        hold, held = self._hold()
+        if self.r.analysis_verdict != "pass" or held < hold:
+            return False
+        index = self.r.step or 0
+        if index + 1 < len(self.spec.rollout.steps):
+            self._enter_step(index + 1)
+        else:
+            self.event("Normal", "AnalysisPassed", f"revision {self.candidate}: analysis passed at every step")
+            self._complete()
+        return True
+
+    def _wait_for_analysis(self) -> None:
+        hold, held = self._hold()
+        since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
+        interval = float(self.spec.rollout.analysis.interval_seconds)
+        if self.r.analysis_verdict == "inconclusive":
+            open_ = "; ".join(r.message for r in self.r.analysis if r.phase != "Successful")
+            self.condition("Progressing", "True", "AnalysisInconclusive", f"revision {self.candidate} holds at {self.r.weight}%: {open_}")
+        else:
+            self.condition("Progressing", "True", "TrafficStep", self.r.message or "")
+        if since_measured >= interval:
+            self.actions.append(MeasureAnalysis(self.candidate, self._stable_revision()))
+            self.wait(0.0)  # the measurement is the next observation
+            return
+        self.wait(max(1.0, min(interval - since_measured, hold - held if held < hold else interval)))
+
+    def _abort(self, reason: str, message: str) -> None:
+        """S8: all traffic back to the stable revision at once, then the usual failure path."""
+        self.r.weight = 0
+        self.actions.append(SetTrafficWeight(self._stable_revision(), self.candidate, 0))
+        self._fail(reason, message)
 
     def _at_full_scale(self) -> bool:
         """S7 at the size that will serve: full replicas, all ready, every worker measured again."""
@@ -789,9 +970,25 @@ class _Step:
         elif self.r.rollback:
             self.actions.append(ScaleRevision(self.candidate, None))
         self.actions.append(RouteTraffic(self.candidate))
+        self._scale_down_when_due()
         pinned = f"; pinned by {ROLLBACK_ANNOTATION}, spec revision {self.world.target} waits" if self.r.rollback else ""
         self.condition("Progressing", "False", "RolloutComplete", f"revision {self.candidate} is serving{pinned}")
         self.condition("Degraded", "False", "AsExpected", "")
+
+    def _scale_down_when_due(self) -> None:
+        """The previous stable stays up until scaleDownAt (an instant rollback), then goes to zero."""
+        old = self.r.scale_down_revision
+        if old is None:
+            return
+        due = _parse_time(self.r.scale_down_at, self.world.now)
+        if old == self.candidate or self.world.now >= due:
+            if old != self.candidate and old in self.world.revisions:
+                self.actions.append(ScaleRevision(old, 0))
+                self.event("Normal", "PreviousRevisionScaledDown", f"revision {old} scaled to zero after "
+                           f"spec.rollout.scaleDownDelaySeconds ({self.spec.rollout.scale_down_delay_seconds} s)")  # fmt: skip
+            self.r.scale_down_revision = self.r.scale_down_at = None
+            return
+        self.wait((due - self.world.now).total_seconds())
 
     def _fail(self, reason: str, message: str) -> None:
         """S8: stop the candidate, say why, keep the stable revision exactly as it is."""
@@ -831,7 +1028,8 @@ class _Step:
     def _clean_up(self) -> None:
         """Delete revisions nobody needs; park kept previous stables at zero (not while in flight)."""
         kept = [r for r in self.world.previous_stables if r != self.stable][: self.spec.revision_history_limit]
-        needed = {self.stable, self.r.revision, *kept} - {None}
+        warm = self.r.scale_down_revision if self.r.state == RolloutState.STABLE else None
+        needed = {self.stable, self.r.revision, warm, *kept} - {None}
         touched = {a.revision for a in self.actions if isinstance(a, DeleteRevision | ScaleRevision)}
         for revision in sorted(set(self.world.revisions) - needed - touched):
             self.actions.append(DeleteRevision(revision))
@@ -839,7 +1037,7 @@ class _Step:
             return
         for revision in kept:
             view = self.view(revision)
-            if view is not None and not view.scaled_to_zero and revision not in touched and revision != self.r.revision:
+            if view is not None and not view.scaled_to_zero and revision not in touched and revision not in (self.r.revision, warm):
                 self.actions.append(ScaleRevision(revision, 0))
 
 

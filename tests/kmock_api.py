@@ -46,6 +46,9 @@ def declare_kvguard_resources(kmock: Any, *, policies: bool = False) -> str:
     kmock.resources["kvguard.io/v1alpha1/inferencemodels"] = km.ResourceInfo(
         kind="InferenceModel", namespaced=True, subresources={"status"}, verbs=VERBS
     )
+    # The kinds a progressive rollout applies (trafficRouter gatewayAPI / inferencePool).
+    kmock.resources["gateway.networking.k8s.io/v1/httproutes"] = km.ResourceInfo(kind="HTTPRoute", namespaced=True, verbs=VERBS)
+    kmock.resources["inference.networking.k8s.io/v1/inferencepools"] = km.ResourceInfo(kind="InferencePool", namespaced=True, verbs=VERBS)
     if policies:
         kmock.resources["kvguard.io/v1alpha1/inferencepolicies"] = km.ResourceInfo(
             kind="InferencePolicy", namespaced=False, subresources={"status"}, verbs=VERBS

@@ -64,6 +64,8 @@ def tiny_model(name: str = "tiny", uid: str = "uid-tiny") -> dict[str, Any]:
     body["metadata"] = {"name": name, "namespace": NS, "uid": uid, "resourceVersion": "1", "generation": 1}
     body["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}, "revision": "r1"}
     body["spec"]["canary"] = copy.deepcopy(FAST_CANARY)
+    # The old revision goes to zero at promotion (the delay is tested in test_progressive_kmock.py).
+    body["spec"]["rollout"] = {"scaleDownDelaySeconds": 0}
     return body
 
 
@@ -102,7 +104,8 @@ async def resolve(model: ModelRef, revision: str) -> RevisionEndpoints:
         live = deployments.get(f"{model.name}-{revision}-{role}")
         replicas = int(live["spec"]["replicas"]) if live is not None else 1
         workers += [WorkerEndpoint(f"{model.name}-{revision}-{role}-{i}", role, urls[role]) for i in range(replicas)]
-    return RevisionEndpoints(router_url=deployment.router_url, workers=tuple(workers))
+    routers = (WorkerEndpoint(f"{model.name}-{revision}-router-0", "router", urls["router"]),)
+    return RevisionEndpoints(router_url=deployment.router_url, workers=tuple(workers), routers=routers)
 
 
 def objects_of(k8s: Any, resource: Any) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def test_inference_model_crd_shape() -> None:
     version = crd["spec"]["versions"][0]
     assert crd["spec"]["names"]["shortNames"] == ["infm"] and crd["spec"]["scope"] == "Namespaced"
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Revision", "KV Ratio", "Canary", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Revision", "KV Ratio", "Canary", "Step", "Weight", "Age"]
     spec = openapi(crd)["properties"]["spec"]
     assert spec["properties"]["engine"]["properties"]["kind"]["enum"] == ["kvguard", "sglang", "vllm"]
     assert spec["properties"]["minKVRatio"] == {**spec["properties"]["minKVRatio"], "minimum": 1.0, "default": 2.0}

@@ -223,6 +223,10 @@ def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeploym
             assert metric(trio, role, name) == before[role, name], name
     assert metric(trio, "decode", "kvguard_kv_transfer_bytes_total") > 0
     assert metric(trio, "router", "kvguard_requests_total", outcome="finished") > 0
+    # What a progressive rollout's analysis compares between revisions (operator/analysis.py).
+    for name in ("kvguard_router_request_duration_seconds", "kvguard_router_time_to_first_token_seconds",
+                 "kvguard_router_inter_token_latency_seconds"):  # fmt: skip
+        assert metric(trio, "router", f"{name}_count") > 0, name
 
 
 def test_health(trio: LocalDeployment) -> None:

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,11 +36,12 @@ from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
+from kvguard.workers.metrics import LATENCY_BUCKETS
 from kvguard.workers.openai_api import (
     SSE_DONE,
     OpenAIError,
@@ -154,6 +156,20 @@ class RouterMetrics:
         self.aborts = Counter(
             "kvguard_aborts_total", "Requests aborted, by cause", ["cause"], registry=self.registry
         )
+        # What a progressive rollout's analysis compares between the candidate's and the stable's
+        # routers (operator/analysis.py): measured per generation (one per choice), as a client sees it.
+        self.request_duration = Histogram(
+            "kvguard_router_request_duration_seconds", "Generation start to its end, finished or not",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.time_to_first_token = Histogram(
+            "kvguard_router_time_to_first_token_seconds", "Generation start to its first verified token",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "kvguard_router_inter_token_latency_seconds", "Time between consecutive verified tokens of a generation",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
 
 
 @dataclass
@@ -546,6 +562,8 @@ class Router:
         prefill, decode = self.upstreams.pair()
         prefill_task: asyncio.Task[None] | None = None
         cause = "client_disconnect"
+        started = last_token = time.monotonic()
+        tokens = 0
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
         try:
             async with self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout) as resp:
@@ -562,6 +580,11 @@ class Router:
                     else:
                         if prefill_task is not None:
                             await prefill_task  # decode verified the KV; prefill must agree it sent it all
+                        if isinstance(event, TokenEvent):
+                            now = time.monotonic()
+                            histogram = self.metrics.inter_token_latency if tokens else self.metrics.time_to_first_token
+                            histogram.observe(now - (last_token if tokens else started))
+                            tokens, last_token = tokens + 1, now
                         if isinstance(event, FinishEvent):
                             # Settled before the yield: the consumer may close us right after it.
                             self.metrics.requests.labels("finished").inc()
@@ -582,6 +605,7 @@ class Router:
             cause = "worker_unreachable"
             raise OpenAIError(502, f"a worker failed: {exc}", code="worker_failed") from None
         finally:
+            self.metrics.request_duration.observe(time.monotonic() - started)
             if cause:
                 await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
+from kvguard.operator.api import TrafficRouter
 from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.report import CanaryReport
@@ -34,8 +35,10 @@ from kvguard.operator.rollout import (
     RunCanary,
     Scale,
     ScaleRevision,
+    SetTrafficWeight,
     WorkerReport,
 )
+from kvguard.operator.traffic import Share, traffic_split
 
 if TYPE_CHECKING:
     from kvguard.operator.api import InferenceModelSpec, KVPlan
@@ -101,6 +104,12 @@ class RevisionEndpoints:
 
     router_url: str | None
     workers: tuple[WorkerEndpoint, ...] = ()
+    routers: tuple[WorkerEndpoint, ...] = ()
+    """Every router process (pod) and its /metrics: what the analysis of live traffic reads."""
+
+    def metrics_urls(self) -> tuple[tuple[str, str], ...]:
+        """(name, /metrics URL) of every router and worker of the revision."""
+        return tuple((e.name, e.metrics_url) for e in (*self.routers, *self.workers))
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,11 @@ class Backend(Protocol):
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         """Send user traffic to the revision (all of it; no split)."""
+        ...
+
+    async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
+        """Apply the objects that split user traffic by `shares` (spec.rollout.trafficRouter
+        gatewayAPI / inferencePool: the HTTPRoute, and the InferencePools)."""
         ...
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> Sequence[ForeignObjectError]:
@@ -275,6 +289,11 @@ async def execute(
         elif isinstance(action, RouteTraffic):
             assert model is not None
             await backend.route_traffic(model, action.revision)
+            if request is not None and request.spec.rollout.traffic_router is not TrafficRouter.SERVICE:
+                await backend.split_traffic(request, traffic_split(action.revision, None, 0))  # all of it
+        elif isinstance(action, SetTrafficWeight):
+            assert request is not None, "SetTrafficWeight needs the spec (its trafficRouter and gateway)"
+            await backend.split_traffic(request, traffic_split(action.stable, action.candidate, action.weight))
         elif isinstance(action, CancelCanary):
             assert model is not None
             runner.cancel(model.key, action.revision)

@@ -60,6 +60,7 @@ from kvguard.operator.render import (
     secret_name,
 )
 from kvguard.operator.rollout import Scale
+from kvguard.operator.traffic import Share, inference_pool_name, render_traffic
 from kvguard.operator.workloads import deployment_state, owned_by, pod_is_serving, revision_views
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,8 @@ class KubernetesBackend:
         names = {object_name(model.name, revision, role) for role in ROLES} | {network_policy_name(model.name, revision)}
         doomed = [o for o in self._owned(model) if o["metadata"]["name"] in names]
         secret = ObjectRef("Secret", secret_name(model.name, revision), model.namespace)
-        for ref in [ref_of(o) for o in doomed] + [secret]:
+        pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
+        for ref in [ref_of(o) for o in doomed] + [secret, pool]:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
@@ -196,17 +198,26 @@ class KubernetesBackend:
         router = f"http://{object_name(model.name, revision, 'router')}.{model.namespace}.svc:{HTTP_PORT}"
         pods = await self.kube.alist("Pod", model.namespace, {LABEL_MODEL: model.name, LABEL_REVISION: revision})
         workers = []
+        routers = []
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             role = labels.get(LABEL_ROLE)
-            if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode") and pod_is_serving(pod):
+            if owned_by_revision(pod, model.name, revision) and role in ("prefill", "decode", "router") and pod_is_serving(pod):
                 ip, name = pod["status"]["podIP"], pod["metadata"]["name"]
-                log = PodLog(self.kube, model.namespace, name) if labels.get(LABEL_ENGINE) == EngineKind.SGLANG.value else None
-                workers.append(WorkerEndpoint(name, role, f"http://{ip}:{metrics_port(pod)}/metrics", log))
-        return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)))
+                sglang = role != "router" and labels.get(LABEL_ENGINE) == EngineKind.SGLANG.value
+                log = PodLog(self.kube, model.namespace, name) if sglang else None
+                endpoint = WorkerEndpoint(name, role, f"http://{ip}:{metrics_port(pod)}/metrics", log)
+                (routers if role == "router" else workers).append(endpoint)
+        return RevisionEndpoints(router_url=router, workers=tuple(sorted(workers, key=lambda w: w.name)),
+                                 routers=tuple(sorted(routers, key=lambda w: w.name)))  # fmt: skip
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         await self.apply(render_model_service(_owner(model), revision), model)
+
+    async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
+        """The InferencePools (first: the route names them) and the HTTPRoute, server-side applied."""
+        for manifest in render_traffic(request.spec, _owner(request.model), shares):
+            await self.apply(manifest, request.model)
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
         still = []

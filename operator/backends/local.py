@@ -51,6 +51,7 @@ from kvguard.operator.backends.base import (
 )
 from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag
 from kvguard.operator.rollout import Scale
+from kvguard.operator.traffic import Share
 from kvguard.workers.args import WorkerArgs
 
 log = logging.getLogger("kvguard.local")
@@ -634,11 +635,16 @@ class LocalBackend:
             return RevisionEndpoints(router_url=None)
         # Named as their pods are on a cluster (<model>-<revision>-<worker>): same status either way.
         workers = tuple(WorkerEndpoint(f"{model.name}-{revision}-{w.name}", w.role, w.metrics_url) for w in record.engine_workers())
-        return RevisionEndpoints(router_url=record.router.url, workers=workers)
+        router = WorkerEndpoint(f"{model.name}-{revision}-{record.router.name}", "router", record.router.metrics_url)
+        return RevisionEndpoints(router_url=record.router.url, workers=workers, routers=(router,))
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         self._check_model(model)
         self.route(revision)
+
+    async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
+        # refused up front by local_rollout._check_runnable; here only if someone bypasses it
+        raise LocalBackendError("spec.rollout.trafficRouter: the local backend has no weighted splitter yet; use service")
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
         return []  # nothing here is created by anyone else

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvguard.operator.api import GROUP_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan
+from kvguard.operator.api import GROUP_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan, TrafficRouter
 from kvguard.operator.backends.base import CanaryRunner
 from kvguard.operator.backends.local import LocalBackend, LocalBackendError, instances, model_dir_for, runnable_problems
 from kvguard.operator.backends.local_progress import WaitReporter
@@ -111,6 +111,9 @@ def _check_runnable(backend: LocalBackend, spec: InferenceModelSpec, kv_plan: KV
     if kv_plan.verdict != "pass":
         return  # blocked: recorded as such, nothing starts
     problems = runnable_problems(spec)
+    if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
+        problems.append(f"spec.rollout.trafficRouter {spec.rollout.traffic_router.value}: traffic in steps "
+                        "needs a weighted splitter, which the local backend does not have yet; use trafficRouter service")  # fmt: skip
     if problems:
         raise LocalBackendError("; ".join(problems))
     model_dir = model_dir_for(spec, backend.models_root)

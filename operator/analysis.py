@@ -1,0 +1,246 @@
+"""Analysis of a candidate's live traffic between traffic steps (pure: no I/O, no clock).
+
+Inputs are Prometheus text already scraped from the candidate's and the stable revision's routers
+and workers (parsed here with prometheus_client), at the previous measurement and now; the
+measurement covers the traffic in between. Output: pass, fail or inconclusive, with every
+check's numbers for status.rollout.analysis.
+
+Checks (spec.rollout.analysis):
+- safety: any increase of a safety counter on the candidate (tag violations S1, KV checksum and
+  HMAC failures S3) fails the analysis at once, whatever the failure limits.
+- errorRatio: (failed + aborted) / all ended requests of the candidate's routers
+  (kvguard_requests_total{outcome}), at most maxRatio.
+- ttft, itl: a percentile of kvguard_router_time_to_first_token_seconds /
+  kvguard_router_inter_token_latency_seconds of the candidate, at most maxRatioToStable times the
+  stable's over the same window (no stable revision: not compared).
+- queries: PromQL values fetched by the driver from prometheusURL, within [min, max].
+A check that fails more than its failureLimit measurements in a rollout fails the analysis. Fewer
+than minRequests candidate requests in the window make the router checks inconclusive: the step
+holds (a candidate nobody talks to is not evidence).
+
+Counters are per series: one that went down was reset (a restarted pod) and counts from zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvguard.operator.api import AnalysisSpec, LatencyCheck, PrometheusQuery
+from kvguard.operator.canary.spec import DEFAULT_ABORT_TOLERANT_COUNTERS, DEFAULT_SAFETY_COUNTERS
+from kvguard.operator.rollout import AnalysisOutcome, AnalysisPhase, AnalysisResult
+
+REQUESTS = "kvguard_requests_total"
+ERROR_OUTCOMES = ("failed", "aborted")
+"""kvguard_requests_total outcomes that count as errors: 5xx answers and aborted responses
+(`rejected` is a 4xx the client caused, e.g. an over-length prompt)."""
+TTFT = "kvguard_router_time_to_first_token_seconds"
+ITL = "kvguard_router_inter_token_latency_seconds"
+REQUEST_DURATION = "kvguard_router_request_duration_seconds"
+LIVE_SAFETY_COUNTERS = tuple(c for c in DEFAULT_SAFETY_COUNTERS if c not in DEFAULT_ABORT_TOLERANT_COUNTERS)
+"""Counters that must never rise under live traffic: tag violations (S1), KV checksum and HMAC
+failures (S3). Dropped stale writes and the engines' transfer failures also follow a client that
+hangs up mid-prefill (S5 working), which live traffic does all the time, so they are left out."""
+LATENCY_FLOOR_SECONDS = 0.001
+"""The stable's percentile is taken as at least this when dividing: a sub-millisecond stable
+would make any jitter look like a regression."""
+
+Labels = tuple[tuple[str, str], ...]
+SeriesKey = tuple[str, str, Labels]
+"""(source: the scraped URL or pod, sample name, labels)."""
+Series = dict[SeriesKey, float]
+
+
+def parse_exposition(source: str, text: str) -> Series:
+    """Every sample of one scrape, keyed by source, name and labels. ValueError on bad text."""
+    series: Series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series[(source, sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return series
+
+
+def merge(scrapes: Iterable[Series]) -> Series:
+    merged: Series = {}
+    for scrape in scrapes:
+        merged.update(scrape)
+    return merged
+
+
+def increase(before: Series | None, after: Series) -> Series:
+    """What each series of `after` gained since `before` (None: since the process started).
+    A series that went down was reset and gained its whole value."""
+    gained: Series = {}
+    for key, value in after.items():
+        previous = (before or {}).get(key, 0.0)
+        gained[key] = value - previous if value >= previous else value
+    return gained
+
+
+def total(window: Series, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (_, n, ls), v in window.items() if n == name and wanted <= set(ls))
+
+
+def histogram_buckets(window: Series, histogram: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of a histogram summed over sources, ascending."""
+    counts: dict[float, float] = {}
+    for (_, name, labels), value in window.items():
+        if name == f"{histogram}_bucket":
+            bound = float(dict(labels)["le"])
+            counts[bound] = counts.get(bound, 0.0) + value
+    return sorted(counts.items())
+
+
+def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile: linear within the bucket holding the q-th observation.
+    None without observations; the largest finite bound when it falls in the +Inf bucket."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return buckets[-1][0]
+
+
+@dataclass(frozen=True)
+class Window:
+    """The traffic one measurement covers: each revision's series gained since the last one."""
+
+    candidate: Series
+    stable: Series | None
+    """None: no stable revision serves (a first rollout); latencies are not compared."""
+
+    @classmethod
+    def between(cls, candidate_before: Series | None, candidate_now: Series,
+                stable_before: Series | None, stable_now: Series | None) -> Window:  # fmt: skip
+        stable = increase(stable_before, stable_now) if stable_now is not None else None
+        return cls(increase(candidate_before, candidate_now), stable)
+
+
+@dataclass(frozen=True)
+class QueryValue:
+    """A PromQL query's answer as the driver fetched it (value None: no data or an error)."""
+
+    name: str
+    value: float | None
+    error: str = ""
+
+
+Measurement = AnalysisOutcome
+"""One measurement: the verdict, every check's result, and the failing or missing checks with
+their numbers (a summary when all passed). Defined in rollout.py, which consumes it."""
+
+
+def _result(name: str, phase: AnalysisPhase, value: float | None, threshold: float | None, message: str,
+            failures: int, at: str) -> AnalysisResult:  # fmt: skip
+    return AnalysisResult(name=name, phase=phase, value=None if value is None else round(value, 6), threshold=threshold,
+                          failures=failures, message=message, measured_at=at)  # fmt: skip
+
+
+def measure(
+    spec: AnalysisSpec, window: Window, queries: Sequence[QueryValue], previous: Sequence[AnalysisResult], at: str
+) -> Measurement:
+    """One measurement of every enabled check; `previous` carries each check's failure count."""
+    failures = {r.name: r.failures for r in previous}
+    results = [_safety(window, failures.get("safety", 0), at)]
+    requests = total(window.candidate, REQUESTS)
+    if spec.error_ratio.enabled:
+        results.append(_error_ratio(spec, window, requests, failures.get("errorRatio", 0), at))
+    for name, histogram, check in (("ttft", TTFT, spec.ttft), ("itl", ITL, spec.itl)):
+        if check.enabled:
+            results.append(_latency(name, histogram, check, spec.min_requests, window, requests, failures.get(name, 0), at))
+    by_name = {q.name: q for q in queries}
+    for query in spec.queries:
+        results.append(_query(query, by_name.get(query.name), failures.get(query.name, 0), at))
+    return _verdict(spec, results)
+
+
+def _safety(window: Window, failures: int, at: str) -> AnalysisResult:
+    rose = {name: total(window.candidate, name) for name in LIVE_SAFETY_COUNTERS}
+    rose = {name: v for name, v in rose.items() if v > 0}
+    if rose:
+        detail = ", ".join(f"{name} +{v:g}" for name, v in sorted(rose.items()))
+        return _result("safety", "Failed", sum(rose.values()), 0, f"safety counters rose on the candidate: {detail}", failures + 1, at)
+    return _result("safety", "Successful", 0, 0, "no safety counter rose", failures, at)
+
+
+def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: int, at: str) -> AnalysisResult:
+    limit = spec.error_ratio.max_ratio
+    if requests < spec.min_requests:
+        return _result("errorRatio", "Inconclusive", None, limit, f"{requests:g} candidate requests ended, "
+                       f"{spec.min_requests} needed (spec.rollout.analysis.minRequests)", failures, at)  # fmt: skip
+    errors = sum(total(window.candidate, REQUESTS, outcome=o) for o in ERROR_OUTCOMES)
+    ratio = errors / requests
+    text = f"{errors:g} of {requests:g} candidate requests failed or aborted = {ratio:.3f} (max {limit:g})"
+    if ratio > limit:
+        return _result("errorRatio", "Failed", ratio, limit, text, failures + 1, at)
+    return _result("errorRatio", "Successful", ratio, limit, text, failures, at)
+
+
+def _latency(name: str, histogram: str, check: LatencyCheck, min_requests: int, window: Window, requests: float,
+             failures: int, at: str) -> AnalysisResult:  # fmt: skip
+    limit = check.max_ratio_to_stable
+    label = f"p{check.percentile * 100:g} {name.upper()}"
+    if window.stable is None:
+        return _result(name, "Successful", None, limit, f"{label}: no stable revision to compare with", failures, at)
+    if requests < min_requests:
+        return _result(name, "Inconclusive", None, limit, f"{requests:g} candidate requests ended, {min_requests} needed", failures, at)
+    candidate = quantile(check.percentile, histogram_buckets(window.candidate, histogram))
+    stable = quantile(check.percentile, histogram_buckets(window.stable, histogram))
+    if candidate is None or stable is None:
+        missing = "candidate" if candidate is None else "stable"
+        return _result(name, "Inconclusive", None, limit, f"{label}: no {histogram} observations from the {missing}", failures, at)
+    ratio = candidate / max(stable, LATENCY_FLOOR_SECONDS)
+    text = f"{label} {candidate:.4f} s vs stable {stable:.4f} s = {ratio:.2f}x (max {limit:g}x)"
+    if ratio > limit:
+        return _result(name, "Failed", ratio, limit, text, failures + 1, at)
+    return _result(name, "Successful", ratio, limit, text, failures, at)
+
+
+def _query(query: PrometheusQuery, answer: QueryValue | None, failures: int, at: str) -> AnalysisResult:
+    bound = query.max if query.max is not None else query.min
+    if answer is None or answer.value is None:
+        why = answer.error if answer and answer.error else "no data"
+        return _result(query.name, "Inconclusive" if not (answer and answer.error) else "Error", None, bound,
+                       f"{query.name}: {why}", failures, at)  # fmt: skip
+    value = answer.value
+    too_high = query.max is not None and value > query.max
+    too_low = query.min is not None and value < query.min
+    bounds = " and ".join(part for part in (f">= {query.min:g}" if query.min is not None else "",
+                                            f"<= {query.max:g}" if query.max is not None else "") if part)  # fmt: skip
+    text = f"{query.name} = {value:g} (must be {bounds})"
+    if too_high or too_low:
+        return _result(query.name, "Failed", value, query.max if too_high else query.min, text, failures + 1, at)
+    return _result(query.name, "Successful", value, bound, text, failures, at)
+
+
+def _limit(spec: AnalysisSpec, name: str) -> int:
+    if name in ("safety", "window", "scrape"):
+        return 0
+    checks: Mapping[str, int] = {"errorRatio": spec.error_ratio.failure_limit, "ttft": spec.ttft.failure_limit, "itl": spec.itl.failure_limit}
+    if name in checks:
+        return checks[name]
+    return next((q.failure_limit for q in spec.queries if q.name == name), 0)
+
+
+def _verdict(spec: AnalysisSpec, results: list[AnalysisResult]) -> Measurement:
+    over = [r for r in results if r.failures > _limit(spec, r.name)]
+    if over:
+        return Measurement("fail", tuple(results), "; ".join(f"{r.message} ({r.failures} failed measurement(s), "
+                                                             f"limit {_limit(spec, r.name)})" for r in over))  # fmt: skip
+    open_ = [r for r in results if r.phase != "Successful"]
+    if open_:
+        return Measurement("inconclusive", tuple(results), "; ".join(r.message for r in open_))
+    return Measurement("pass", tuple(results), "; ".join(r.message for r in results))

@@ -1,0 +1,137 @@
+"""The I/O half of the analysis (operator/analysis.py is the pure half): scrape a revision's routers
+and workers, ask Prometheus the spec's PromQL queries, and keep the previous scrape per model so
+each measurement covers only the traffic since the last one.
+
+Memory is per process. The first measurement of a candidate/stable pair in a process only takes
+the baseline (inconclusive, "the window starts now"): counters since each process began would
+include the canary's own probes (its deliberate aborts) and the stable's whole history. After an
+operator restart the rollout therefore holds one interval longer; it never passes on old data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvguard.operator.analysis import QueryValue, Series, Window, measure, merge, parse_exposition
+from kvguard.operator.api import AnalysisSpec, PrometheusQuery
+from kvguard.operator.canary.client import get_text
+from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, rfc3339
+
+SCRAPE_TIMEOUT_SECONDS = 10.0
+QUERY_TIMEOUT_SECONDS = 10.0
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+"""A /metrics body larger than this is refused, not parsed (bounded work per scrape)."""
+
+
+async def scrape_series(urls: Sequence[tuple[str, str]], timeout: float = SCRAPE_TIMEOUT_SECONDS) -> tuple[Series, list[str]]:
+    """Every sample of (name, /metrics URL) pairs; and the scrapes that failed, named."""
+    async with aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(get_text(session, url, timeout) for _, url in urls))
+    scrapes, errors = [], []
+    for (name, _), (status, body, error) in zip(urls, answers, strict=True):
+        if error or status != 200 or len(body) > MAX_METRICS_BYTES:
+            why = error or (f"HTTP {status}" if status != 200 else "metrics too large")
+            errors.append(f"{name}: {why}")
+            continue
+        try:
+            scrapes.append(parse_exposition(name, body))
+        except ValueError as exc:
+            errors.append(f"{name}: unparseable metrics ({exc})")
+    return merge(scrapes), errors
+
+
+def substitute(query: str, values: Mapping[str, str]) -> str:
+    """`$revision`, `$stable`, `$model`, `$namespace` -> their values (longest names first)."""
+    for name in sorted(values, key=len, reverse=True):
+        query = query.replace(f"${name}", values[name])
+    return query
+
+
+def scalar_of(answer: object) -> float | None:
+    """The one number of a Prometheus /api/v1/query answer (scalar, or a one-sample vector)."""
+    if not isinstance(answer, dict) or answer.get("status") != "success":
+        return None
+    data = answer.get("data") or {}
+    result = data.get("result")
+    if data.get("resultType") == "scalar" and isinstance(result, list) and len(result) == 2:
+        value = result[1]
+    elif data.get("resultType") == "vector" and isinstance(result, list) and len(result) == 1:
+        value = (result[0].get("value") or [None, None])[1]
+    else:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+async def query_values(base_url: str, queries: Sequence[PrometheusQuery], values: Mapping[str, str]) -> list[tuple[str, float | None, str]]:
+    """(name, value, error) of each query against `base_url`/api/v1/query."""
+    found = []
+    async with aiohttp.ClientSession() as session:
+        for query in queries:
+            url = f"{base_url.rstrip('/')}/api/v1/query"
+            try:
+                async with session.get(url, params={"query": substitute(query.query, values)},
+                                       timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)) as resp:  # fmt: skip
+                    body = await resp.text()
+                    status = resp.status
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                found.append((query.name, None, f"Prometheus unreachable: {type(exc).__name__}"))
+                continue
+            try:
+                value = scalar_of(json.loads(body)) if status == 200 else None
+            except ValueError:
+                value = None
+            found.append((query.name, value, "" if status == 200 else f"Prometheus answered HTTP {status}"))
+    return found
+
+
+@dataclass
+class AnalysisMemory:
+    """The last scrape of each model's candidate and stable, so the next window starts there."""
+
+    last: dict[tuple[str, str], tuple[str, str, Series, Series]] = field(default_factory=dict)
+
+    def before(self, key: tuple[str, str], candidate: str, stable: str) -> tuple[Series | None, Series | None]:
+        kept = self.last.get(key)
+        if kept is None or kept[:2] != (candidate, stable):
+            return None, None
+        return kept[2], kept[3]
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self.last.pop(key, None)
+
+
+async def measure_live_traffic(
+    key: tuple[str, str], spec: AnalysisSpec, candidate: tuple[str, Sequence[tuple[str, str]]],
+    stable: tuple[str, Sequence[tuple[str, str]]], previous: Sequence[AnalysisResult], memory: AnalysisMemory,
+    now_text: str | None = None, model: str = "", namespace: str = "",
+) -> AnalysisOutcome:  # fmt: skip
+    """One measurement: scrape both revisions (their routers' and workers' /metrics), query
+    Prometheus, judge. An unreachable candidate is an error result (inconclusive), not a pass."""
+    (cand_rev, cand_urls), (stable_rev, stable_urls) = candidate, stable
+    cand_now, cand_errors = await scrape_series(cand_urls)
+    stable_now, _ = await scrape_series(stable_urls)
+    at = now_text or rfc3339(dt.datetime.now(dt.UTC))
+    if cand_errors:  # part of the candidate unseen: no evidence either way, and the window keeps its start
+        why = "candidate metrics incomplete: " + "; ".join(cand_errors)
+        return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
+    cand_before, stable_before = memory.before(key, cand_rev, stable_rev)
+    memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
+    if cand_before is None:  # counters since each process began would count the canary's own probes (its aborts...)
+        why = "first scrape of these revisions by this operator process: the analysis window starts now"
+        return AnalysisOutcome("inconclusive", (AnalysisResult(name="window", phase="Inconclusive", message=why, measured_at=at),), why)
+    queries: list[QueryValue] = []
+    if spec.queries and spec.prometheus_url:
+        values = {"revision": cand_rev, "stable": stable_rev, "model": model, "namespace": namespace}
+        queries = [QueryValue(n, v, e) for n, v, e in await query_values(spec.prometheus_url, spec.queries, values)]
+    return measure(spec, Window.between(cand_before, cand_now, stable_before, stable_now), queries, previous, at)

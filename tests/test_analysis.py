@@ -1,0 +1,229 @@
+"""The analysis of a candidate's live traffic (operator/analysis.py) on real Prometheus text: the
+router's and workers' own registries, exposed by prometheus_client and parsed back."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvguard.operator.analysis import (
+    ITL,
+    TTFT,
+    QueryValue,
+    Window,
+    histogram_buckets,
+    increase,
+    measure,
+    merge,
+    parse_exposition,
+    quantile,
+)
+from kvguard.operator.api import AnalysisSpec
+from kvguard.workers.router import RouterMetrics
+from kvguard.workers.transfer.metrics import TransferMetrics
+
+AT = "2026-01-01T00:00:00Z"
+SPEC = AnalysisSpec(min_requests=10)
+
+
+class Revision:
+    """One revision's router and one worker's transfer metrics, as they would be scraped."""
+
+    def __init__(self) -> None:
+        self.router = RouterMetrics()
+        self.worker = TransferMetrics.create(worker := CollectorRegistry())
+        self.worker_registry = worker
+
+    def serve(self, finished: int, failed: int = 0, ttft: float = 0.05, itl: float = 0.01, tokens: int = 4) -> None:
+        for _ in range(finished):
+            self.router.requests.labels("finished").inc()
+            self.router.time_to_first_token.observe(ttft)
+            for _ in range(tokens):
+                self.router.inter_token_latency.observe(itl)
+        for _ in range(failed):
+            self.router.requests.labels("failed").inc()
+
+    def scrape(self) -> dict:
+        return merge([parse_exposition("router-0", generate_latest(self.router.registry).decode()),
+                      parse_exposition("decode-0", generate_latest(self.worker_registry).decode())])  # fmt: skip
+
+
+def measured(candidate: Revision, stable: Revision | None, spec: AnalysisSpec = SPEC, previous=(), before=None, queries=()):
+    window = Window.between(before[0] if before else None, candidate.scrape(),
+                            before[1] if before else None, stable.scrape() if stable else None)  # fmt: skip
+    return measure(spec, window, queries, previous, AT)
+
+
+def by_name(measurement) -> dict:
+    return {r.name: r for r in measurement.results}
+
+
+def test_a_healthy_candidate_passes_with_its_numbers() -> None:
+    candidate, stable = Revision(), Revision()
+    candidate.serve(20, ttft=0.05, itl=0.01)
+    stable.serve(200, ttft=0.05, itl=0.01)
+    m = measured(candidate, stable)
+    assert m.verdict == "pass", m.message
+    results = by_name(m)
+    assert set(results) == {"safety", "errorRatio", "ttft", "itl"}
+    assert results["errorRatio"].value == 0 and results["ttft"].value == pytest.approx(1.0)
+    assert "p95 TTFT" in results["ttft"].message and results["ttft"].measured_at == AT
+
+
+def test_errors_above_the_ratio_fail_at_the_first_measurement() -> None:
+    candidate, stable = Revision(), Revision()
+    candidate.serve(18, failed=2)  # 10% > 5%
+    stable.serve(100)
+    m = measured(candidate, stable)
+    assert m.verdict == "fail"
+    assert by_name(m)["errorRatio"].value == pytest.approx(0.1) and by_name(m)["errorRatio"].failures == 1
+    assert "2 of 20 candidate requests failed or aborted" in m.message
+
+
+def test_a_safety_counter_fails_at_once() -> None:
+    candidate, stable = Revision(), Revision()
+    candidate.serve(50)
+    stable.serve(50)
+    candidate.worker.checksum_failures.inc()
+    m = measured(candidate, stable)
+    assert m.verdict == "fail" and "kvguard_checksum_failures_total +1" in m.message
+
+
+def test_dropped_stale_writes_are_not_a_live_traffic_failure() -> None:
+    """S5 working: a client that hangs up mid-prefill leaves a late write that is dropped."""
+    candidate, stable = Revision(), Revision()
+    candidate.serve(50)
+    stable.serve(50)
+    candidate.worker.stale_writes_dropped.inc()
+    assert measured(candidate, stable).verdict == "pass"
+
+
+def test_latency_is_relative_to_stable_and_has_a_failure_limit() -> None:
+    candidate, stable = Revision(), Revision()
+    candidate.serve(20, ttft=2.0)
+    stable.serve(200, ttft=0.2)
+    first = measured(candidate, stable)
+    ttft = by_name(first)["ttft"]
+    assert ttft.phase == "Failed" and ttft.value > 1.5 and ttft.failures == 1
+    assert first.verdict == "inconclusive"  # failureLimit 1: one failed measurement is tolerated
+    before = (candidate.scrape(), stable.scrape())
+    candidate.serve(20, ttft=2.0)
+    stable.serve(200, ttft=0.2)
+    second = measured(candidate, stable, previous=first.results, before=before)
+    assert second.verdict == "fail" and by_name(second)["ttft"].failures == 2
+
+
+def test_too_few_requests_are_inconclusive() -> None:
+    candidate, stable = Revision(), Revision()
+    candidate.serve(3)
+    stable.serve(100)
+    m = measured(candidate, stable)
+    assert m.verdict == "inconclusive" and by_name(m)["errorRatio"].phase == "Inconclusive"
+    assert "3 candidate requests ended, 10 needed" in m.message
+
+
+def test_a_window_counts_only_what_happened_since_the_last_measurement() -> None:
+    candidate, stable = Revision(), Revision()
+    candidate.serve(0, failed=20)  # a bad start ...
+    stable.serve(100)
+    before = (candidate.scrape(), stable.scrape())
+    candidate.serve(30)  # ... then healthy
+    stable.serve(100)
+    assert measured(candidate, stable, before=before).verdict == "pass"
+
+
+def test_a_reset_counter_counts_from_zero() -> None:
+    before = parse_exposition("r", "# TYPE kvguard_requests_total counter\nkvguard_requests_total{outcome=\"failed\"} 50\n")
+    after = parse_exposition("r", "# TYPE kvguard_requests_total counter\nkvguard_requests_total{outcome=\"failed\"} 3\n")
+    assert list(increase(before, after).values()) == [3.0]
+
+
+def test_first_rollout_compares_no_latency() -> None:
+    candidate = Revision()
+    candidate.serve(20, ttft=5.0)
+    m = measured(candidate, None)
+    assert m.verdict == "pass" and "no stable revision" in by_name(m)["ttft"].message
+
+
+def test_quantile_matches_prometheus_interpolation() -> None:
+    registry = RouterMetrics()
+    for value in [0.003] * 50 + [0.04] * 50:
+        registry.time_to_first_token.observe(value)
+    buckets = histogram_buckets(parse_exposition("r", generate_latest(registry.registry).decode()), TTFT)
+    # 50 in (0.0025, 0.005], 50 in (0.025, 0.05]: the median is the top of the first, p75 halfway up the second
+    assert quantile(0.5, buckets) == pytest.approx(0.005)
+    assert quantile(0.75, buckets) == pytest.approx(0.0375)
+    assert quantile(0.5, histogram_buckets({}, ITL)) is None
+
+
+def test_queries_are_judged_against_their_bounds() -> None:
+    spec = AnalysisSpec.model_validate({"minRequests": 10, "prometheusURL": "http://prom:9090",
+                                        "queries": [{"name": "gpu-util", "query": "x", "max": 0.9},
+                                                    {"name": "tokens", "query": "y", "min": 1}]})  # fmt: skip
+    candidate, stable = Revision(), Revision()
+    candidate.serve(20)
+    stable.serve(20)
+    ok = measured(candidate, stable, spec, queries=[QueryValue("gpu-util", 0.5), QueryValue("tokens", 5)])
+    assert ok.verdict == "pass"
+    high = measured(candidate, stable, spec, queries=[QueryValue("gpu-util", 0.95), QueryValue("tokens", 5)])
+    assert high.verdict == "fail" and "gpu-util = 0.95 (must be <= 0.9)" in high.message
+    missing = measured(candidate, stable, spec, queries=[QueryValue("gpu-util", None, "HTTP 503"), QueryValue("tokens", 5)])
+    assert missing.verdict == "inconclusive" and by_name(missing)["gpu-util"].phase == "Error"
+
+
+# --- the I/O half: real /metrics over loopback HTTP ---------------------------------------------
+
+
+def test_prometheus_answers_and_substitution() -> None:
+    from kvguard.operator.backends.analysis_io import scalar_of, substitute
+
+    assert substitute('x{revision="$revision",stable="$stable"}', {"revision": "r2", "stable": "r1"}) == 'x{revision="r2",stable="r1"}'
+    assert scalar_of({"status": "success", "data": {"resultType": "scalar", "result": [1.0, "0.5"]}}) == 0.5
+    assert scalar_of({"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, "3"]}]}}) == 3.0
+    two = [{"metric": {}, "value": [1, "3"]}] * 2
+    assert scalar_of({"status": "success", "data": {"resultType": "vector", "result": two}}) is None  # not one number
+    assert scalar_of({"status": "success", "data": {"resultType": "vector", "result": [{"value": [1, "NaN"]}]}}) is None
+    assert scalar_of({"status": "error"}) is None
+
+
+async def test_measurements_scrape_real_metrics_and_start_with_a_baseline() -> None:
+    from aiohttp import web
+
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+
+    candidate, stable = Revision(), Revision()
+    candidate.serve(100, failed=50)  # before the window: e.g. the canary's own probes
+    stable.serve(100)
+
+    def exposition(registry: CollectorRegistry):  # noqa: ANN202
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(registry), content_type="text/plain")
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/candidate/metrics", exposition(candidate.router.registry))
+    app.router.add_get("/stable/metrics", exposition(stable.router.registry))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    base = f"http://127.0.0.1:{port}"
+    memory, key = AnalysisMemory(), ("models", "m")
+    try:
+        urls = (("r2", [("r2-router-0", f"{base}/candidate/metrics")]), ("r1", [("r1-router-0", f"{base}/stable/metrics")]))
+        first = await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)
+        assert first.verdict == "inconclusive" and "window starts now" in first.message
+        candidate.serve(30)
+        stable.serve(30)
+        second = await measure_live_traffic(key, SPEC, *urls, first.results, memory, now_text=AT)
+        assert second.verdict == "pass", second.message  # the 50 failures before the window do not count
+        gone = (("r2", [("r2-router-0", f"{base}/nowhere/metrics")]), urls[1])
+        candidate.serve(30)
+        third = await measure_live_traffic(key, SPEC, *gone, second.results, memory, now_text=AT)
+        assert third.verdict == "inconclusive" and "candidate metrics incomplete: r2-router-0: HTTP 404" in third.message
+        candidate.serve(0, failed=30)  # back in sight: the window still starts at the last good scrape
+        fourth = await measure_live_traffic(key, SPEC, *urls, second.results, memory, now_text=AT)
+        assert fourth.verdict == "fail" and "30 of 60 candidate requests failed" in fourth.message
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,124 @@
+"""The Kubernetes side of traffic in steps, against kmock (the API server stand-in) and real router,
+prefill and decode processes: the HTTPRoute's weights at each step, validated against the upstream
+Gateway API CRD, analysis on live traffic between steps, and the old revision kept running for
+scaleDownDelaySeconds before it is scaled to zero. Waits on conditions only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock as km
+import pytest
+import yaml
+from crd_admission import admit
+from kmock_api import ApiServer
+from operator_harness import (
+    CANARY_WAIT,
+    DEPLOYMENTS,
+    apply_model,
+    mark_ready,
+    objects_of,
+    patch_model,
+    promoted,
+    status_of,
+    tiny_model,
+    until,
+)
+
+from kvguard.operator.traffic import route_weights
+from kvguard.workers.launcher import LocalDeployment
+
+pytestmark = [pytest.mark.kmock(cls=ApiServer)]
+
+HTTPROUTES = km.resource("gateway.networking.k8s.io", "v1", "httproutes")
+UPSTREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "crds" / "gateway.networking.k8s.io_httproutes.yaml"
+if not UPSTREAM.is_file():
+    UPSTREAM = Path("/work/shared/reference/crds/gateway.networking.k8s.io_httproutes.yaml")
+
+
+def progressive_model() -> dict[str, Any]:
+    body = tiny_model()
+    body["spec"]["rollout"] = {
+        "trafficRouter": "gatewayAPI", "gateway": {"parentRefs": [{"name": "gw", "namespace": "gateway-system"}]},
+        "steps": [{"weight": 50}, {"weight": 100}],
+        # the same processes stand in for both revisions here, so their latencies are alike by construction
+        "analysis": {"intervalSeconds": 1, "minRequests": 1},
+        "bakeSeconds": 0, "scaleDownDelaySeconds": 4,
+    }  # fmt: skip
+    return body
+
+
+def route(cluster: Any) -> dict[str, Any] | None:
+    live = objects_of(cluster, HTTPROUTES).get("tiny")
+    return None if live is None else json.loads(json.dumps(live.raw))  # a plain copy of the stored object
+
+
+def valid_upstream(obj: dict[str, Any]) -> dict[str, Any]:
+    if not UPSTREAM.is_file():
+        return obj  # the weights are still checked; the schema comes from ../shared (absent here)
+    stored, rejections = admit(copy.deepcopy({k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec")}), yaml.safe_load(UPSTREAM.read_text()))
+    assert rejections == [], rejections
+    return stored
+
+
+@contextlib.asynccontextmanager
+async def live_traffic(serving: LocalDeployment) -> AsyncIterator[None]:
+    """Real completions through the router for as long as the block runs (what the analysis reads)."""
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{serving.router_url}/v1/models") as resp:
+                model = (await resp.json())["data"][0]["id"]
+            while not stop.is_set():
+                body = {"model": model, "prompt": "steps", "max_tokens": 4, "temperature": 0}
+                async with session.post(f"{serving.router_url}/v1/completions", json=body) as resp:
+                    await resp.read()
+
+    task = asyncio.create_task(client())
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
+async def test_http_route_weights_follow_the_steps_then_the_old_revision_scales_down_after_the_delay(
+    cluster: Any, serving: LocalDeployment
+) -> None:
+    await apply_model(progressive_model())
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await promoted(cluster, rev1)
+    first = await until(lambda: route(cluster), "the HTTPRoute", CANARY_WAIT)
+    assert route_weights(valid_upstream(first)) == {f"tiny-{rev1}-router": 100}  # a first rollout: all of it at once
+
+    async with live_traffic(serving):
+        await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+        rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+        await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
+        await mark_ready(cluster, rev2)
+        half = await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}-router") == 50 and r,
+                           "the HTTPRoute at step 1 (50%)", CANARY_WAIT)  # fmt: skip
+        assert route_weights(valid_upstream(half)) == {f"tiny-{rev1}-router": 50, f"tiny-{rev2}-router": 50}
+        assert status_of(cluster)["revision"] == rev1  # S8: stable until every step passed
+        await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted after its analysis", CANARY_WAIT)
+    await promoted(cluster, rev2)  # the promotion pass has acted (status is written before the actions)
+    status = status_of(cluster)
+    assert route_weights(valid_upstream(route(cluster))) == {f"tiny-{rev2}-router": 100}
+    assert {r["name"] for r in status["rollout"]["analysis"]} >= {"safety", "errorRatio", "ttft", "itl"}
+    assert all(r["phase"] == "Successful" for r in status["rollout"]["analysis"]), status["rollout"]["analysis"]
+    assert status["rollout"]["weight"] == 100 and status["rollout"]["scaleDownRevision"] == rev1
+    old = {n: d for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n}
+    assert all(d["spec"]["replicas"] > 0 for d in old.values()), "kept running for an instant rollback"
+    await until(lambda: all(d["spec"]["replicas"] == 0 for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n),
+                "rev1 scaled to zero after scaleDownDelaySeconds", 60)  # fmt: skip
+    assert "scaleDownRevision" not in status_of(cluster)["rollout"]

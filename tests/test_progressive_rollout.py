@@ -1,0 +1,208 @@
+"""Traffic in steps (rollout.py, state Shifting): the weight of each step, analysis between steps,
+S8 on a failed analysis, inconclusive holds, the bake at 100% and the delayed scale-down that makes
+kvguard.io/rollback-to instant. Driven on test_rollout's in-memory platform, the clock moved by hand
+(no sleeps)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+import yaml
+from test_rollout import EXAMPLES, READY, S, Sim, assert_stable_untouched, conditions, events
+
+from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.rollout import (
+    RETRY_ANNOTATION,
+    ROLLBACK_ANNOTATION,
+    AnalysisOutcome,
+    AnalysisResult,
+    Decision,
+    DeployRevision,
+    MeasureAnalysis,
+    RolloutStatus,
+    RouteTraffic,
+    ScaleRevision,
+    SetTrafficWeight,
+    step,
+)
+
+TINY = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]
+GATEWAY = {"parentRefs": [{"name": "gw"}]}
+
+
+def spec(**rollout: Any) -> InferenceModelSpec:
+    base = {"trafficRouter": "gatewayAPI", "gateway": GATEWAY, "steps": [{"weight": 10, "pause": 60}, {"weight": 50, "pause": 60}, {"weight": 100}],
+            "analysis": {"intervalSeconds": 30}, "bakeSeconds": 120, "scaleDownDelaySeconds": 300}  # fmt: skip
+    return InferenceModelSpec.model_validate({**TINY, "rollout": {**base, **rollout}})
+
+
+def outcome(verdict: str, message: str = "") -> AnalysisOutcome:
+    phase = {"pass": "Successful", "fail": "Failed", "inconclusive": "Inconclusive"}[verdict]
+    return AnalysisOutcome(verdict, (AnalysisResult(name="errorRatio", phase=phase, value=0.0, threshold=0.05, message=message or verdict),), message or verdict)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class StepSim(Sim):
+    """Sim plus the HTTPRoute's weight and an analysis that answers from a script."""
+
+    route: dict[str, int] = dataclasses.field(default_factory=dict)
+    verdicts: list[str] = dataclasses.field(default_factory=list)
+    measured: int = 0
+
+    def decide(self, **overrides: Any) -> Decision:
+        decision = super().decide(**overrides)
+        if decision.of_type(MeasureAnalysis):  # the driver measures, then steps again at once
+            verdict = self.verdicts.pop(0) if self.verdicts else "pass"
+            self.measured += 1
+            decision = step(self.spec, self.rollout, self.stable, self.world(analysis=outcome(verdict), **overrides))
+        return decision
+
+    def apply(self, decision: Decision) -> None:
+        for action in decision.actions:  # the HTTPRoute's backends, as the driver would apply them
+            if isinstance(action, SetTrafficWeight):
+                self.route = {action.stable: 100 - action.weight, action.candidate: action.weight}
+            elif isinstance(action, RouteTraffic):
+                self.route = {action.revision: 100}
+        super().apply(decision)
+
+    def later(self, seconds: float) -> Decision:
+        self.now += dt.timedelta(seconds=seconds)
+        return self.tick()
+
+
+def shifting_sim(**rollout: Any) -> StepSim:
+    """r1 serving; r2 has passed its canary and is about to take traffic in steps."""
+    sim = StepSim(spec=spec(**rollout))
+    sim.run_until(S.STABLE)
+    sim.canary = None
+    sim.target = "r2"
+    return sim
+
+
+def weights_over_time(sim: StepSim, seconds: int = 2000) -> list[tuple[int, int | None, str]]:
+    """(elapsed, weight, state) after every pass, moving the clock by what each decision asked."""
+    seen, elapsed = [], 0
+    for _ in range(200):
+        d = sim.tick()
+        seen.append((elapsed, d.rollout.weight, d.state.value))
+        if d.state in (S.STABLE, S.ROLLED_BACK) and d.rollout.revision == "r2":
+            break
+        wait = d.requeue_after if d.requeue_after is not None else 60.0
+        sim.now += dt.timedelta(seconds=wait)
+        elapsed += int(wait)
+        if elapsed > seconds:
+            break
+    return seen
+
+
+def test_each_step_holds_its_weight_for_its_pause_with_a_passing_analysis() -> None:
+    sim = shifting_sim()
+    d = sim.run_until(S.SHIFTING)
+    assert d.of_type(SetTrafficWeight) == [SetTrafficWeight("r1", "r2", 10)] and d.stable == "r1"
+    assert d.rollout.step == 0 and d.rollout.weight == 10 and sim.serving == "r1" and sim.route == {"r1": 90, "r2": 10}
+    history = weights_over_time(sim)
+    shifting = [(t, w) for t, w, state in history if state == "Shifting"]
+    first_at = {w: min(t for t, ww in shifting if ww == w) for w in (10, 50, 100)}
+    assert first_at[50] - first_at[10] >= 60 and first_at[100] - first_at[50] >= 60  # each pause held
+    stable_at = min(t for t, _, state in history if state == "Stable")
+    assert stable_at - first_at[100] >= 120  # bakeSeconds at 100% before r2 becomes stable
+    assert sim.stable == "r2" and sim.serving == "r2" and sim.measured >= 4
+
+
+def test_a_failed_analysis_sends_all_traffic_back_to_stable_at_once_S8() -> None:
+    sim = shifting_sim()
+    sim.verdicts = ["fail"]
+    sim.run_until(S.SHIFTING)
+    d = sim.later(30)
+    assert d.state in (S.FAILED, S.ROLLED_BACK) and d.stable == "r1" and d.rollout.weight == 0
+    assert d.of_type(SetTrafficWeight) == [SetTrafficWeight("r1", "r2", 0)]
+    assert ScaleRevision("r2", 0) in d.actions and RouteTraffic("r1") in d.actions
+    order = [type(a).__name__ for a in d.actions if isinstance(a, SetTrafficWeight | ScaleRevision)]
+    assert order[0] == "SetTrafficWeight", "the weight goes to 0 before the candidate is stopped"
+    assert "AnalysisFailed" in events(d) and conditions(d)["Degraded"] == ("True", "AnalysisFailed")
+    assert sim.revisions["r1"] == READY and sim.serving == "r1" and sim.route == {"r1": 100}
+
+
+def test_inconclusive_holds_the_step_and_says_so() -> None:
+    sim = shifting_sim()
+    sim.verdicts = ["inconclusive"] * 5
+    sim.run_until(S.SHIFTING)
+    for _ in range(5):
+        d = sim.later(30)
+        assert d.state == S.SHIFTING and d.rollout.weight == 10, "no data: the step holds"
+    assert conditions(d)["Progressing"] == ("True", "AnalysisInconclusive")
+    d = sim.later(30)  # data arrives and passes: the step completes (its pause is long over)
+    assert d.rollout.weight == 50
+
+
+def test_the_old_revision_is_scaled_down_only_after_the_delay() -> None:
+    sim = shifting_sim(steps=[{"weight": 50}, {"weight": 100}], bakeSeconds=0)
+    weights_over_time(sim, seconds=400)
+    d = sim.decisions[-1]
+    assert sim.stable == "r2" and d.rollout.scale_down_revision == "r1"
+    promoted = next(x for x in sim.decisions if x.promoted_from == "r1")
+    assert not [a for a in promoted.actions if isinstance(a, ScaleRevision) and a.revision == "r1"], "kept warm"
+    assert promoted.rollout.scale_down_at is not None and promoted.requeue_after == 300
+    assert sim.revisions["r1"] == READY
+    d = sim.later(299)
+    assert not [a for a in d.actions if isinstance(a, ScaleRevision) and a.revision == "r1"]
+    d = sim.later(1)
+    assert ScaleRevision("r1", 0) in d.actions and d.rollout.scale_down_revision is None
+    assert "PreviousRevisionScaledDown" in events(d)
+
+
+def test_rollback_within_the_window_starts_no_pods() -> None:
+    sim = shifting_sim(steps=[{"weight": 50}, {"weight": 100}], bakeSeconds=0)
+    weights_over_time(sim, seconds=400)
+    assert sim.stable == "r2" and sim.revisions["r1"] == READY
+    sim.annotations[ROLLBACK_ANNOTATION] = "r1"
+    before = len(sim.decisions)
+    d = sim.run_until(S.STABLE)
+    assert d.stable == "r1" and sim.serving == "r1" and sim.route == {"r1": 100}
+    rollback = [a for x in sim.decisions[before:] for a in x.actions]
+    assert DeployRevision("r1") not in rollback and ScaleRevision("r1", 0) not in rollback, "no new workloads for r1"
+    assert sim.revisions["r1"] == READY and len(sim.decisions) - before <= 3  # ready at once: verify pools, promote
+    assert d.rollout.scale_down_revision == "r2", "the revision rolled back from is kept warm in turn"
+
+
+def test_a_spec_change_mid_shift_returns_traffic_to_stable_before_retiring() -> None:
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    sim.target = "r3"
+    d = sim.tick()
+    assert_stable_untouched(d, "r1")
+    kinds = [type(a).__name__ for a in d.actions if isinstance(a, RouteTraffic | ScaleRevision) or type(a).__name__ == "DeleteRevision"]
+    assert kinds[0] == "RouteTraffic" and RouteTraffic("r1") in d.actions
+
+
+def test_resume_from_status_alone_mid_shift_S8() -> None:
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    saved = RolloutStatus.model_validate(sim.rollout.model_dump(by_alias=True))  # what status.rollout holds
+    first = step(sim.spec, saved, "r1", sim.world())
+    assert first == step(sim.spec, saved, "r1", sim.world())
+    assert first.of_type(SetTrafficWeight) == [SetTrafficWeight("r1", "r2", 10)] and first.stable == "r1"
+
+
+def test_one_step_of_100_through_a_service_is_todays_switch() -> None:
+    sim = StepSim(spec=InferenceModelSpec.model_validate({**TINY, "rollout": {"scaleDownDelaySeconds": 0}}))
+    sim.run_until(S.STABLE)
+    sim.canary, sim.target = None, "r2"
+    d = sim.run_until(S.STABLE)
+    assert not d.of_type(SetTrafficWeight) and RouteTraffic("r2") in d.actions and ScaleRevision("r1", 0) in d.actions
+    assert all(x.state != S.SHIFTING for x in sim.decisions)
+
+
+def test_a_retry_after_a_failed_analysis_starts_its_failure_counts_from_zero() -> None:
+    sim = shifting_sim()
+    sim.verdicts = ["fail"]
+    sim.run_until(S.SHIFTING)
+    sim.later(30)
+    sim.run_until(S.ROLLED_BACK)
+    sim.annotations[RETRY_ANNOTATION] = "1"
+    d = sim.run_until(S.SHIFTING)
+    assert d.rollout.analysis == [] and d.rollout.weight == 10
+    d = sim.later(30)  # a passing measurement: the earlier failure does not count against this attempt
+    assert d.state == S.SHIFTING and d.rollout.analysis_verdict == "pass"
