@@ -39,6 +39,7 @@ from kvguard.operator import metrics
 from kvguard.operator.api import InferencePolicy
 from kvguard.operator.backends.base import CanaryRunner, ForeignObjectError
 from kvguard.operator.backends.kubernetes import ChildIndex, KubernetesBackend, Resolver
+from kvguard.operator.backends.pod_gate import PodGate
 from kvguard.operator.driver import DriverMemory, PassResult, StatusConflict, model_ref, observe, requeue_delay, run_pass
 from kvguard.operator.kube import Kube, KubeError, ObjectRef
 from kvguard.operator.leader import LeaderElector, LeaseConfig
@@ -155,6 +156,8 @@ class Controller:
         self._failures: dict[ModelKey, int] = {}
         self._configmaps: dict[tuple[str, str], tuple[float, Mapping[str, Any] | None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.gate = PodGate(kube, lambda: list(self._policies()), self.enqueue)
+        """S7 while pods serve: the readiness gate of every engine pod (backends/pod_gate.py)."""
         self.elector = LeaderElector(kube, self.settings.identity, self.settings.lease, self._started_leading, self._stopped_leading)
         self._elector_task: asyncio.Task[None] | None = None
         self.passes = 0
@@ -183,6 +186,7 @@ class Controller:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
         self._tasks.append(loop.create_task(self._resync(), name="kvguard resync"))
+        self.gate.start()
         for key in list(self.models):
             self.queue.add(key)
 
@@ -192,6 +196,7 @@ class Controller:
 
     async def _stop_work(self) -> None:
         """Everything this replica runs for models stops now: another replica drives from here."""
+        await self.gate.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -222,7 +227,11 @@ class Controller:
         if owner is not None:
             self.enqueue(owner)
 
+    def pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        self.gate.pod_event(event_type, body)
+
     def policies_changed(self) -> None:
+        self.gate.recheck_all()
         for key in list(self.models):
             self.enqueue(key)
 
@@ -275,6 +284,7 @@ class Controller:
         observed = await observe(
             body, self.backend, self.runner, self.memory, policies=list(self._policies()),
             architecture_config=await self._architecture_config(body), fault_injection_allowed=fault_injection_allowed(),
+            pools=self.gate.pools(*key),
         )  # fmt: skip
 
         async def canary_done() -> None:

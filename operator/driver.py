@@ -29,6 +29,7 @@ from kvguard.operator.backends.base import (
     execute,
     scrape_workers,
 )
+from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ async def observe(
     policies: Sequence[InferencePolicy] = (),
     architecture_config: tuple[Mapping[str, Any] | None, str | None] = (None, None),
     fault_injection_allowed: bool = False,
+    pools: Sequence[PodPool] = (),
 ) -> Observed:
     """Everything reconcile looks at, read once: the backend's revisions and route, the scrape the
     previous decision asked for, objects still in the way, the canary's state."""
@@ -121,6 +123,7 @@ async def observe(
         worker_reports=reports, canary=runner.result(ref.key),
         canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
         fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
+        pools=tuple(pools),
     )  # fmt: skip
 
 

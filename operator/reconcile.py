@@ -40,6 +40,7 @@ from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_confi
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
 from kvguard.operator.policy import evaluate
+from kvguard.operator.pool_gate import PodPool, describe_kept_out, kept_out, status_pools
 from kvguard.operator.render import (
     Owner,
     RenderedRevision,
@@ -72,6 +73,8 @@ HISTORY_LIMIT = 10
 FAULTS_ANNOTATION = "kvguard.io/faults"
 """Test clusters only: KVGUARD_FAULTS for the spec's revision, honoured when the operator runs with
 KVGUARD_ALLOW_FAULT_INJECTION=true (manifests/testing/fault-injection); ignored otherwise."""
+POD_POOL_REASON = "PodKVPoolTooSmall"
+"""Degraded reason while the readiness gate keeps a pod out of rotation (pool_gate.py)."""
 FOREIGN_RECHECK_SECONDS = 10.0
 """How soon to look again at an object that blocks the rollout because someone else owns it."""
 
@@ -104,6 +107,9 @@ class Observed:
     foreign_objects: tuple[str, ...] = ()
     """Objects with the names of this model's children that it does not own (a pre-created
     transfer Secret, a squatted Deployment name): each one blocks the rollout, named."""
+    pools: tuple[PodPool, ...] = ()
+    """The readiness gate's verdict on every engine pod of the model that exists (S7 while pods
+    serve, backends/pod_gate.py); empty where no gate runs."""
 
 
 # --- outputs -----------------------------------------------------------------------------------
@@ -179,7 +185,25 @@ class _Run:
         return True
 
     def outcome(self, **kwargs: Any) -> Outcome:
-        return Outcome(status=status_patch(self.status), **kwargs)
+        events = self.apply_pool_gate()
+        return Outcome(status=status_patch(self.status), **{**kwargs, "events": [*kwargs.get("events", []), *events]})
+
+    def apply_pool_gate(self) -> list[EventSpec]:
+        """status.pools and, while any pod is kept out of rotation for its pool, Degraded naming
+        each pod and node (S7 while pods serve). Idempotent: the event is for a new message only."""
+        pools = self.observed.pools
+        self.status.pools = status_pools(pools)
+        out = kept_out(pools)
+        degraded = cond.find_condition(self.status.conditions, cond.DEGRADED)
+        if out:
+            message = describe_kept_out(out)
+            before = cond.find_condition(self.previous.conditions, cond.DEGRADED)
+            self.set(cond.DEGRADED, "True", POD_POOL_REASON, message)
+            repeated = before is not None and before.reason == POD_POOL_REASON and before.message == message
+            return [] if repeated else [EventSpec("Warning", POD_POOL_REASON, message)]
+        if degraded is not None and degraded.reason == POD_POOL_REASON and degraded.status == "True":
+            self.set(cond.DEGRADED, "False", "AsExpected", "every serving pod's KV pool meets the ratio")
+        return []
 
 
 def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) -> Outcome:
@@ -294,6 +318,7 @@ def _blocked(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str
     if new:
         events.insert(0, EventSpec("Warning", "KVPoolTooSmall", f"revision {revision}: {message}"))
     run.status.message = f"revision {revision} blocked: KV pool too small"
+    run.apply_pool_gate()  # (its event, if any, is in outcome.events already)
     return dataclasses.replace(outcome, status=status_patch(run.status), events=events, blocked_reason="KVPoolTooSmall")
 
 
