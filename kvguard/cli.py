@@ -24,6 +24,7 @@ COMMANDS: tuple[str, ...] = (
     "crds",
     "operator",
     "apply",
+    "status",
     "demo",
 )
 
