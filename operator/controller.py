@@ -119,6 +119,10 @@ class ApiModelStore:
     async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None:
         await self.kube.arecord_event(body, type_=event.type, reason=event.reason, message=event.message, now=now)
 
+    async def annotate(self, body: Mapping[str, Any], annotations: Mapping[str, str]) -> None:
+        meta = body["metadata"]
+        await self.kube.amerge_patch(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")), {"metadata": {"annotations": dict(annotations)}})
+
 
 def newer(candidate: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
     """Is `candidate` a later version than `current`? resourceVersions are opaque to clients, but
@@ -147,6 +151,8 @@ class Controller:
         self.kube = kube
         self.backend = KubernetesBackend(kube, children, resolver)
         self.runner = runner or CanaryRunner()
+        self.continuous = CanaryRunner(runner.suite) if runner is not None else CanaryRunner()
+        """The continuous canary's runs (spec.canary.continuous), apart from rollout canaries."""
         self.store = ApiModelStore(kube)
         self.memory = DriverMemory()
         self.queue = WorkQueue()
@@ -205,6 +211,7 @@ class Controller:
                 await task
         self.queue.clear()
         self.runner.cancel_all()
+        self.continuous.cancel_all()
         self.memory.clear()
         self._waits.clear()
         self._failures.clear()
@@ -284,15 +291,18 @@ class Controller:
         observed = await observe(
             body, self.backend, self.runner, self.memory, policies=list(self._policies()),
             architecture_config=await self._architecture_config(body), fault_injection_allowed=fault_injection_allowed(),
-            pools=self.gate.pools(*key),
+            pools=self.gate.pools(*key), continuous=self.continuous,
         )  # fmt: skip
 
         async def canary_done() -> None:
             self.enqueue(key)
 
-        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done)
+        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done,
+                                continuous=self.continuous)  # fmt: skip
         if result is not None:
             _count(result.outcome, key)
+            if result.outcome.continuous_verdict not in (None, "pass"):
+                metrics.CONTINUOUS_FAILURES.labels(key[0], key[1], result.outcome.continuous_verdict).inc()
         return result
 
     def _schedule(self, key: ModelKey, result: PassResult) -> None:
@@ -317,6 +327,7 @@ class Controller:
         """The model is gone: its metrics, canary, memory and timers go with it."""
         metrics.forget_model(*key)
         self.runner.forget((key[0] or "default", key[1]))
+        self.continuous.forget((key[0] or "default", key[1]))
         self.memory.forget(key)
         self.queue.forget(key)
         self._waits.pop(key, None)

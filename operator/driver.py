@@ -29,8 +29,10 @@ from kvguard.operator.backends.base import (
     execute,
     scrape_workers,
 )
+from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
+from kvguard.operator.rollout import ROLLBACK_ANNOTATION, RunCanary
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ class ModelStore(Protocol):
         ...
 
     async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None: ...
+
+    async def annotate(self, body: Mapping[str, Any], annotations: Mapping[str, str]) -> None:
+        """Set annotations on the model (the continuous canary's kvguard.io/rollback-to)."""
+        ...
 
 
 def model_ref(body: Mapping[str, Any]) -> ModelRef:
@@ -101,6 +107,7 @@ async def observe(
     architecture_config: tuple[Mapping[str, Any] | None, str | None] = (None, None),
     fault_injection_allowed: bool = False,
     pools: Sequence[PodPool] = (),
+    continuous: CanaryRunner | None = None,
 ) -> Observed:
     """Everything reconcile looks at, read once: the backend's revisions and route, the scrape the
     previous decision asked for, objects still in the way, the canary's state."""
@@ -117,13 +124,16 @@ async def observe(
         if not foreign:
             del memory.foreign[ref.key]
     rollout = (body.get("status") or {}).get("rollout") or {}
+    schedule = (body.get("status") or {}).get("continuous") or {}
+    continuous_running = continuous is not None and continuous.running(ref.key, str(schedule.get("revision")), str(schedule.get("nextRunAt")))
     return Observed(
         revisions=seen.revisions, serving=seen.serving, policies=tuple(policies),
         architecture_config=architecture_config[0], architecture_config_error=architecture_config[1],
         worker_reports=reports, canary=runner.result(ref.key),
         canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
         fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
-        pools=tuple(pools),
+        pools=tuple(pools), continuous=continuous.result(ref.key) if continuous is not None else None,
+        continuous_running=continuous_running,
     )  # fmt: skip
 
 
@@ -137,6 +147,7 @@ async def run_pass(
     *,
     clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     on_canary_done: Callable[[], Awaitable[None]] | None = None,
+    continuous: CanaryRunner | None = None,
 ) -> PassResult | None:
     """Decide once on `observed`, record, act. None: the model is gone. Raises StatusConflict
     after MAX_CONFLICTS stale writes, and whatever the backend raises (the caller backs off)."""
@@ -161,9 +172,27 @@ async def run_pass(
     if outcome.scrape is not None:
         memory.scrape[ref.key] = outcome.scrape
     await _act(ref, outcome, backend, runner, memory, on_canary_done)
+    if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
+        await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
+    if outcome.rollback_to is not None:  # action: rollback -- what a person would do, visible on the model
+        await store.annotate(body, {ROLLBACK_ANNOTATION: outcome.rollback_to})
     for event in outcome.events:
         await store.record_event(body, event, now)
     return PassResult(outcome, body, wrote)
+
+
+async def _start_continuous(
+    ref: ModelRef, run: tuple[str, str], spec: CanarySpec, backend: Backend, runner: CanaryRunner,
+    on_done: Callable[[], Awaitable[None]] | None,
+) -> None:  # fmt: skip
+    """The light probe set against the serving revision (continuous.py), off the reconcile path."""
+    revision, attempt = run
+    target = await backend.endpoints(ref, revision)
+    if target.router_url is None:
+        log.warning("continuous canary of %s/%s: revision %s has no router URL", *ref.key, revision)
+        return
+    runner.start(ref.key, RunCanary(revision, None, attempt), target.router_url, spec=spec.for_continuous(), baseline_url=None,
+                 metrics_urls=[w.metrics_url for w in target.workers], on_done=on_done)  # fmt: skip
 
 
 async def _act(

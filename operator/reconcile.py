@@ -35,6 +35,7 @@ from kvguard.operator.api import (
     Phase,
     RevisionRecord,
 )
+from kvguard.operator.continuous import step as continuous_step
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config
 from kvguard.operator.pd_parity import parity_problem
@@ -107,6 +108,10 @@ class Observed:
     foreign_objects: tuple[str, ...] = ()
     """Objects with the names of this model's children that it does not own (a pre-created
     transfer Secret, a squatted Deployment name): each one blocks the rollout, named."""
+    continuous: CanaryResult | None = None
+    """The last finished continuous-canary run of this model held in memory by the driver."""
+    continuous_running: bool = False
+    """A continuous-canary run of the current schedule is in progress."""
     pools: tuple[PodPool, ...] = ()
     """The readiness gate's verdict on every engine pod of the model that exists (S7 while pods
     serve, backends/pod_gate.py); empty where no gate runs."""
@@ -147,6 +152,12 @@ class Outcome:
     """Seconds until the awaited thing's progress deadline (a backing-off driver looks by then)."""
     plan: KVPlan | None = None
     blocked_reason: str | None = None
+    continuous_start: tuple[str, str] | None = None
+    """(revision, attempt) of a continuous-canary run to start (continuous.py)."""
+    continuous_verdict: str | None = None
+    """The verdict of a continuous-canary run recorded by this pass."""
+    rollback_to: str | None = None
+    """A failed continuous canary with action rollback: set kvguard.io/rollback-to to this revision."""
 
 
 # --- reconcile ---------------------------------------------------------------------------------
@@ -365,10 +376,24 @@ def _roll_out(
     workload = [a for a in decision.actions if not isinstance(a, SetCondition | RecordEvent | ScrapeMetrics)]
     events = [EventSpec(e.type, e.reason, e.message) for e in decision.of_type(RecordEvent)]
     scrape = next((a.revision for a in decision.of_type(ScrapeMetrics)), None)
+    kept = [r for r in world.previous_stables[: spec.revision_history_limit] if r in run.observed.revisions]
+    cont = continuous_step(spec.canary.continuous, run.previous.continuous, decision.stable,
+                           rollout.state == RolloutState.STABLE and rollout.revision == decision.stable,
+                           run.observed.continuous, run.observed.continuous_running, kept, run.now)  # fmt: skip
+    run.status.continuous = cont.status
+    if cont.degraded is not None:
+        run.set(cond.DEGRADED, "True", *cont.degraded)
+    events += [EventSpec(e.type, e.reason, e.message) for e in cont.events]
     return run.outcome(
         actions=workload, spec=spec, revision=revision, scrape=scrape, events=events,
-        requeue_after=decision.requeue_after, deadline_in=decision.deadline_in, plan=kv_plan,
+        requeue_after=_sooner(decision.requeue_after, cont.requeue_after), plan=kv_plan,
+        deadline_in=_sooner(decision.deadline_in, cont.requeue_after),  # the next run is due then: wake by then
+        continuous_start=cont.start, continuous_verdict=cont.recorded, rollback_to=cont.rollback_to,
     )  # fmt: skip
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _record_transition(run: _Run, decision: Decision, previous_state: RolloutState | None) -> None:
