@@ -103,8 +103,13 @@ def _continuous(continuous: Mapping[str, Any]) -> Node:
     last = continuous.get("lastRun")
     if isinstance(last, Mapping):
         text += f"  last {last.get('verdict', '?')} at {last.get('finishedAt') or last.get('startedAt') or '?'} on {_short(last.get('revision'))}"
-    children = [Node(f"probe {p.get('probe')}: {p.get('verdict')}  {p.get('message') or ''}".rstrip())
-                for p in (last or {}).get("probes") or [] if isinstance(p, Mapping)]  # fmt: skip
+    children = [Node(f"probe {p}: fail") for p in (last or {}).get("failedProbes") or []]
+    if isinstance(last, Mapping) and last.get("reason"):
+        children.insert(0, Node(str(last["reason"])))
+    pin = continuous.get("rollback")
+    if isinstance(pin, Mapping):
+        children.append(Node(f"rolled back to {_short(pin.get('toRevision'))} (from {_short(pin.get('fromRevision'))} at {pin.get('at', '?')}),"
+                             " held until the spec's revision changes"))  # fmt: skip
     return Node(text, children)
 
 

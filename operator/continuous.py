@@ -8,8 +8,11 @@ reconcile calls `step` (level-based: it looks only at the status and the runner'
 - not configured, or no resting stable revision: nothing (status.continuous cleared);
 - a finished run of the current schedule: recorded in status.continuous.lastRun, the next one
   scheduled; a failure raises `Degraded` (ContinuousCanaryFailed) and a Warning Event, and with
-  `action: rollback` names the newest kept previous revision for kvguard.io/rollback-to (the driver
-  writes the annotation, as a person would: the rollback is visible and undone by removing it);
+  `action: rollback` pins the newest kept previous revision in status.continuous.rollback: reconcile
+  then rolls back to it exactly as for kvguard.io/rollback-to (the operator writes only status,
+  never the user's object). The pin holds while the spec's revision is the one that failed, so
+  the failed revision is not rolled out again until the spec changes (or the user names another
+  revision with kvguard.io/rollback-to);
 - otherwise: start the run once its time has come, else wake up then.
 
 The Degraded condition follows the last recorded run (set while it failed, cleared by a pass), so
@@ -55,6 +58,17 @@ class ContinuousRun(_StatusModel):
     duration_seconds: float = 0.0
 
 
+class ContinuousRollback(_StatusModel):
+    """A rollback the continuous canary decided (action: rollback)."""
+
+    to_revision: str
+    """The kept previous revision rolled back to."""
+    from_revision: str
+    """The serving revision that failed: the pin holds while the spec's revision is this one."""
+    at: str
+    """RFC 3339 time of the decision."""
+
+
 class ContinuousStatus(_StatusModel):
     """status.continuous: the schedule and the last run of the continuous canary."""
 
@@ -66,8 +80,8 @@ class ContinuousStatus(_StatusModel):
     """RFC 3339 time of the next run (also the id of that run)."""
     last_run: ContinuousRun | None = None
     consecutive_failures: int = 0
-    rolled_back_to: str | None = None
-    """The revision the last failure rolled back to (action: rollback)."""
+    rollback: ContinuousRollback | None = None
+    """Set by a failure with action rollback; reconcile pins the rollout to `toRevision`."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,15 @@ class ContinuousDecision:
     recorded: str | None = None
     """The verdict of a run recorded in this pass (the operator counts failures)."""
     rollback_to: str | None = None
+    """The revision a failure recorded in this pass rolls back to (the next pass acts on the pin)."""
     events: list[ContinuousEvent] = field(default_factory=list)
+
+
+def rollback_pin(previous: ContinuousStatus | None, target: str) -> str | None:
+    """The revision the rollout is pinned to by an earlier failure, while the spec's revision is
+    still the one that failed."""
+    pin = previous.rollback if previous is not None else None
+    return pin.to_revision if pin is not None and pin.from_revision == target else None
 
 
 def rfc3339(moment: dt.datetime) -> str:
@@ -101,17 +123,21 @@ def _parse(text: str) -> dt.datetime:
 
 def step(
     spec: ContinuousSpec, previous: ContinuousStatus | None, stable: str | None, resting: bool,
-    result: CanaryResult | None, running: bool, kept: Sequence[str], now: dt.datetime,
+    result: CanaryResult | None, running: bool, kept: Sequence[str], now: dt.datetime, target: str,
 ) -> ContinuousDecision:  # fmt: skip
     """`resting`: the rollout is Stable on `stable`; `result`: the runner's last continuous result;
-    `kept`: previous stable revisions still kept (newest first)."""
+    `kept`: previous stable revisions still kept (newest first); `target`: the spec's revision."""
+    pinned = previous is not None and rollback_pin(previous, target) is not None
     if spec.interval_seconds is None or stable is None or not resting:
-        return ContinuousDecision(None)
+        return ContinuousDecision(previous if pinned and spec.interval_seconds is not None else None)  # the pin outlives the rollback
     interval = spec.interval_seconds
     current = previous
     if current is None or current.revision != stable or current.interval_seconds != interval or current.action != spec.action:
         current = ContinuousStatus(interval_seconds=interval, action=spec.action, revision=stable,
-                                   next_run_at=rfc3339(now + dt.timedelta(seconds=interval)))  # fmt: skip
+                                   next_run_at=rfc3339(now + dt.timedelta(seconds=interval)),
+                                   rollback=previous.rollback if pinned and previous is not None else None)  # fmt: skip
+    elif not pinned and current.rollback is not None:
+        current = current.model_copy(update={"rollback": None})  # the spec moved on: the pin is void
     if result is not None and result.revision == stable and result.attempt == current.next_run_at:
         return _record(spec, current, result, kept, now)
     decision = _degraded(current)
@@ -128,8 +154,9 @@ def _record(spec: ContinuousSpec, current: ContinuousStatus, result: CanaryResul
                         reason=result.reason, failed_probes=list(result.failed_probes), duration_seconds=result.duration_seconds)  # fmt: skip
     failures = 0 if run.verdict == "pass" else current.consecutive_failures + 1
     rollback_to = kept[0] if run.verdict == "fail" and spec.action == "rollback" and kept else None
+    pin = ContinuousRollback(to_revision=rollback_to, from_revision=run.revision, at=rfc3339(now)) if rollback_to else current.rollback
     status = current.model_copy(update={
-        "last_run": run, "consecutive_failures": failures, "rolled_back_to": rollback_to,
+        "last_run": run, "consecutive_failures": failures, "rollback": pin,
         "next_run_at": rfc3339(now + dt.timedelta(seconds=current.interval_seconds)),
     })  # fmt: skip
     events = []
@@ -141,7 +168,8 @@ def _record(spec: ContinuousSpec, current: ContinuousStatus, result: CanaryResul
         if run.verdict == "fail" and spec.action == "rollback":
             events.append(ContinuousEvent("Warning", "ContinuousCanaryRollback", f"rolling back to {rollback_to}" if rollback_to
                                           else "action rollback, but no previous revision is kept: alerting only"))  # fmt: skip
-    return ContinuousDecision(status, requeue_after=float(current.interval_seconds), degraded=_degraded(status),
+    requeue = 0.0 if rollback_to else float(current.interval_seconds)  # a rollback is acted on at once
+    return ContinuousDecision(status, requeue_after=requeue, degraded=_degraded(status),
                               recorded=run.verdict, rollback_to=rollback_to, events=events)  # fmt: skip
 
 
@@ -157,4 +185,5 @@ def _degraded(status: ContinuousStatus) -> tuple[str, str] | None:
     return (FAILED_REASON if run.verdict == "fail" else CANNOT_RUN_REASON), _message(run)
 
 
-__all__ = ["CANNOT_RUN_REASON", "FAILED_REASON", "ContinuousDecision", "ContinuousEvent", "ContinuousRun", "ContinuousStatus", "step"]
+__all__ = ["CANNOT_RUN_REASON", "FAILED_REASON", "ContinuousDecision", "ContinuousEvent", "ContinuousRollback", "ContinuousRun",
+           "ContinuousStatus", "rollback_pin", "step"]  # fmt: skip

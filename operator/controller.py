@@ -119,10 +119,6 @@ class ApiModelStore:
     async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None:
         await self.kube.arecord_event(body, type_=event.type, reason=event.reason, message=event.message, now=now)
 
-    async def annotate(self, body: Mapping[str, Any], annotations: Mapping[str, str]) -> None:
-        meta = body["metadata"]
-        await self.kube.amerge_patch(ObjectRef("InferenceModel", meta["name"], meta.get("namespace")), {"metadata": {"annotations": dict(annotations)}})
-
 
 def newer(candidate: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
     """Is `candidate` a later version than `current`? resourceVersions are opaque to clients, but

@@ -32,7 +32,7 @@ from kvguard.operator.backends.base import (
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
-from kvguard.operator.rollout import ROLLBACK_ANNOTATION, RunCanary
+from kvguard.operator.rollout import RunCanary
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ class ModelStore(Protocol):
         ...
 
     async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None: ...
-
-    async def annotate(self, body: Mapping[str, Any], annotations: Mapping[str, str]) -> None:
-        """Set annotations on the model (the continuous canary's kvguard.io/rollback-to)."""
-        ...
 
 
 def model_ref(body: Mapping[str, Any]) -> ModelRef:
@@ -174,8 +170,6 @@ async def run_pass(
     await _act(ref, outcome, backend, runner, memory, on_canary_done)
     if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
         await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
-    if outcome.rollback_to is not None:  # action: rollback -- what a person would do, visible on the model
-        await store.annotate(body, {ROLLBACK_ANNOTATION: outcome.rollback_to})
     for event in outcome.events:
         await store.record_event(body, event, now)
     return PassResult(outcome, body, wrote)

@@ -35,6 +35,7 @@ from kvguard.operator.api import (
     Phase,
     RevisionRecord,
 )
+from kvguard.operator.continuous import rollback_pin
 from kvguard.operator.continuous import step as continuous_step
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config
@@ -50,6 +51,7 @@ from kvguard.operator.render import (
 )
 from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
+    ROLLBACK_ANNOTATION,
     Action,
     CanaryResult,
     Decision,
@@ -156,8 +158,6 @@ class Outcome:
     """(revision, attempt) of a continuous-canary run to start (continuous.py)."""
     continuous_verdict: str | None = None
     """The verdict of a continuous-canary run recorded by this pass."""
-    rollback_to: str | None = None
-    """A failed continuous canary with action rollback: set kvguard.io/rollback-to to this revision."""
 
 
 # --- reconcile ---------------------------------------------------------------------------------
@@ -352,10 +352,14 @@ def _roll_out(
     """Feed the rollout state machine once and turn its decision into status, actions and events."""
     meta = run.body.get("metadata", {})
     stable = run.status.revision
+    annotations = dict(meta.get("annotations") or {})
+    pin = rollback_pin(run.previous.continuous, revision)
+    if pin is not None and not annotations.get(ROLLBACK_ANNOTATION):  # a person's own rollback-to wins
+        annotations[ROLLBACK_ANNOTATION] = pin  # the continuous canary's rollback, kept in status (continuous.py)
     world = World(
         target=revision, numerics=numerics_of(spec), now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=gate,
         revisions=dict(run.observed.revisions), serving=run.observed.serving,
-        previous_stables=previous_stables(run.status.history, stable), annotations=meta.get("annotations") or {},
+        previous_stables=previous_stables(run.status.history, stable), annotations=annotations,
         worker_reports=run.observed.worker_reports, canary=run.observed.canary, canary_running=run.observed.canary_running,
     )  # fmt: skip
     decision = step(spec, run.status.rollout, stable, world)
@@ -379,7 +383,7 @@ def _roll_out(
     kept = [r for r in world.previous_stables[: spec.revision_history_limit] if r in run.observed.revisions]
     cont = continuous_step(spec.canary.continuous, run.previous.continuous, decision.stable,
                            rollout.state == RolloutState.STABLE and rollout.revision == decision.stable,
-                           run.observed.continuous, run.observed.continuous_running, kept, run.now)  # fmt: skip
+                           run.observed.continuous, run.observed.continuous_running, kept, run.now, revision)  # fmt: skip
     run.status.continuous = cont.status
     if cont.degraded is not None:
         run.set(cond.DEGRADED, "True", *cont.degraded)
@@ -388,7 +392,7 @@ def _roll_out(
         actions=workload, spec=spec, revision=revision, scrape=scrape, events=events,
         requeue_after=_sooner(decision.requeue_after, cont.requeue_after), plan=kv_plan,
         deadline_in=_sooner(decision.deadline_in, cont.requeue_after),  # the next run is due then: wake by then
-        continuous_start=cont.start, continuous_verdict=cont.recorded, rollback_to=cont.rollback_to,
+        continuous_start=cont.start, continuous_verdict=cont.recorded,
     )  # fmt: skip
 
 

@@ -41,6 +41,10 @@ STATUS: dict[str, Any] = {
                 "analysis": [{"name": "errorRatio", "result": "Successful", "value": 0.01, "threshold": 0.05}],
                 "canary": {"revision": "bbb222", "verdict": "fail", "reason": "failed: isolation", "failedProbes": ["isolation"],
                            "durationSeconds": 3.5}},
+    "continuous": {"intervalSeconds": 300, "action": "rollback", "revision": "aaa111", "nextRunAt": "2026-01-01T00:10:00Z",
+                   "lastRun": {"revision": "aaa111", "attempt": "2026-01-01T00:05:00Z", "verdict": "fail", "finishedAt": "2026-01-01T00:05:09Z",
+                               "reason": "failed: over_length", "failedProbes": ["over_length"]},
+                   "rollback": {"toRevision": "zzz000", "fromRevision": "aaa111", "at": "2026-01-01T00:05:09Z"}},
     "pools": [{"pod": "tiny-aaa111-decode-a", "node": "node-80gb", "revision": "aaa111", "role": "decode", "poolTokens": 4096,
                "contextLength": 1024, "requiredRatio": 2.0, "required": 2048, "verified": True, "reason": "KVPoolVerified",
                "message": "ok"},
@@ -63,6 +67,9 @@ def test_the_tree_shows_revisions_step_weight_analysis_canary_and_every_pods_poo
     assert "│   ├── step 2/3  weight 50%" in lines
     assert "│   ├── analysis errorRatio  Successful  value=0.01  threshold=0.05" in lines
     assert "│   └── canary fail  3.5 s  failed: isolation" in lines and "│       └── probe isolation: fail" in lines
+    assert "├── continuous canary  every 300 s  action rollback  last fail at 2026-01-01T00:05:09Z on aaa111" in lines
+    assert "│   ├── probe over_length: fail" in lines
+    assert any("rolled back to zzz000 (from aaa111" in line for line in lines)
     stable = lines.index("├── revision aaa111  Stable, stable, serving")
     assert lines.index("└── revision bbb222  Candidate, target") > stable
     assert lines[stable + 1] == ("│   ├── pod tiny-aaa111-decode-a  decode  node node-80gb  pool 4096 / 2048 tokens (4.00x vs 2x)"

@@ -97,10 +97,6 @@ class LocalModelStore:
     async def reread(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return self.body()
 
-    async def annotate(self, body: Mapping[str, Any], annotations: Mapping[str, str]) -> None:
-        """For this run (a manifest's annotations are the user's: the next apply reads them again)."""
-        self._meta["annotations"] = {**self._meta["annotations"], **annotations}
-
     async def record_event(self, body: Mapping[str, Any], event: EventSpec, now: dt.datetime) -> None:
         self.events.append(RecordEvent(event.type, event.reason, event.message))  # type: ignore[arg-type]
         self.say(f"[{event.type}] {event.reason}: {event.message}")

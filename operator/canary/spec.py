@@ -286,8 +286,9 @@ class ContinuousSpec(_SpecModel):
     action: Literal["alert", "rollback"] = Field(
         "alert",
         description="On a failed run: alert (Degraded condition, Warning Event, the operator's "
-        "kvguard_operator_continuous_canary_failures_total counter) or rollback (the same, then "
-        "kvguard.io/rollback-to the newest kept previous revision, when one is kept).",
+        "kvguard_operator_continuous_canary_failures_total counter) or rollback (the same, then a rollback to the "
+        "newest kept previous revision, when one is kept, as with kvguard.io/rollback-to; recorded in "
+        "status.continuous.rollback and held until the spec's revision changes).",
     )
 
 
