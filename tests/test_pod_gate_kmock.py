@@ -14,6 +14,7 @@ is Ready only when every gate's condition is True), checked by e2e/ on a cluster
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +25,7 @@ from kmock_api import ApiServer
 from operator_harness import (
     CANARY_WAIT,
     DEPLOYMENTS,
+    EXAMPLES,
     NS,
     apply_model,
     condition,
@@ -54,7 +56,7 @@ def small_pool(tiny_model_dir: Path) -> Any:
     deployment.stop()
 
 
-def pod_from(deployment: Any, name: str, node: str, metrics_url: str) -> dict[str, Any]:
+def pod_from(deployment: Any, name: str, node: str, metrics_url: str, port_name: str = "metrics") -> dict[str, Any]:
     """What the ReplicaSet controller and the scheduler make of the Deployment's template: a pod
     bound to `node`, its engine's metrics port that of a real worker on loopback."""
     template = copy.deepcopy(deployment.raw["spec"]["template"])
@@ -62,7 +64,7 @@ def pod_from(deployment: Any, name: str, node: str, metrics_url: str) -> dict[st
     spec["nodeName"] = node
     port = urlsplit(metrics_url).port
     for container in spec["containers"]:
-        container["ports"] = [{**p, "containerPort": port} if p.get("name") == "metrics" else p for p in container.get("ports", [])]
+        container["ports"] = [{**p, "containerPort": port} if p.get("name") == port_name else p for p in container.get("ports", [])]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name, "namespace": NS}, "spec": spec}
 
 
@@ -145,3 +147,48 @@ async def test_S7_a_container_restart_takes_the_gate_away_until_the_pool_is_veri
     await kubelet_starts("tiny-decode-c", restarts=1)
     again = await until(lambda: (g := gate_of(cluster, "tiny-decode-c")) and g["status"] == "True" and g, "verified again")
     assert again["lastProbeTime"] >= first["lastProbeTime"]
+
+
+class _Raw:
+    """A rendered Deployment in the shape `pod_from` reads (kmock's stored objects have `.raw`)."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+
+
+def rendered_decode(example: str) -> Any:
+    """The decode Deployment the operator renders for an example (pure render, no rollout needed:
+    the gate judges any engine pod by its own labels and annotations)."""
+    import yaml
+
+    from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.planner import plan
+    from kvguard.operator.render import Owner, render_rollout_revision
+
+    body = yaml.safe_load((EXAMPLES / example).read_text())
+    body["spec"]["engine"].setdefault("image", "registry.example/engine:pinned")  # the example leaves these to the user
+    body["spec"]["model"].setdefault("source", {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"})
+    spec = InferenceModelSpec.model_validate(body["spec"])
+    rendered = render_rollout_revision(spec, plan(spec), Owner(name="big", namespace=NS, uid="uid-big"), "r9")
+    return _Raw(next(o for o in rendered.objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-decode")))
+
+
+@pytest.mark.parametrize("style", ["sglang", "vllm"])
+async def test_S7_gate_judges_sglang_and_vllm_pods_by_their_own_metrics(cluster: Any, style: str) -> None:
+    from test_canary_fakes import Behaviour, RunningServer
+
+    decode = rendered_decode("llama-3.1-8b-sglang-h100.yaml")
+    annotations = decode.raw["spec"]["template"]["metadata"]["annotations"]
+    context = int(annotations["kvguard.io/context-length"])
+    required = math.ceil(float(annotations["kvguard.io/min-kv-ratio"]) * context)
+    port_name = "http"  # SGLang and vLLM serve /metrics beside their API
+    with RunningServer(Behaviour(context_length=context, pool_tokens=required * 2, metrics_style=style)) as good, \
+         RunningServer(Behaviour(context_length=context, pool_tokens=required - 1, metrics_style=style)) as small:  # fmt: skip
+        for name, server, node in ((f"big-{style}-a", good, "h100-80gb"), (f"big-{style}-b", small, "a100-40gb")):
+            pod = pod_from(decode, name, node, server.metrics_url, port_name=port_name)
+            await http("POST", PODS, pod)
+            await kubelet_starts(name)
+        ok = await until(lambda: gate_of(cluster, f"big-{style}-a"), f"the gate of the good {style} pod")
+        bad = await until(lambda: gate_of(cluster, f"big-{style}-b"), f"the gate of the small {style} pod")
+    assert ok["status"] == "True" and ok["reason"] == "KVPoolVerified", ok
+    assert bad["status"] == "False" and bad["reason"] == "KVPoolTooSmall" and "a100-40gb" in bad["message"], bad
