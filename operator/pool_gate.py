@@ -282,10 +282,6 @@ def describe_kept_out(pools: Sequence[PodPool]) -> str:
     return "; ".join(p.message for p in pools)
 
 
-def required_tokens(requirement: PoolRequirement) -> int:
-    return math.ceil(requirement.ratio * requirement.context_length)
-
-
 __all__ = [
     "CONTEXT_ANNOTATION", "GATED_ROLES", "GATE_CONDITION", "RATIO_ANNOTATION", "Move", "PodFacts", "PodPool", "PoolRequirement",
     "Verdict", "condition_matches", "condition_patch", "declared_requirement", "describe_kept_out", "judge", "kept_out",

@@ -361,6 +361,7 @@ def _roll_out(
         revisions=dict(run.observed.revisions), serving=run.observed.serving,
         previous_stables=previous_stables(run.status.history, stable), annotations=annotations,
         worker_reports=run.observed.worker_reports, canary=run.observed.canary, canary_running=run.observed.canary_running,
+        gate_refusals=gate_refusals(run.observed.pools),
     )  # fmt: skip
     decision = step(spec, run.status.rollout, stable, world)
     previous_state = run.status.rollout.state if run.status.rollout else None
@@ -394,6 +395,15 @@ def _roll_out(
         deadline_in=_sooner(decision.deadline_in, cont.requeue_after),  # the next run is due then: wake by then
         continuous_start=cont.start, continuous_verdict=cont.recorded,
     )  # fmt: skip
+
+
+def gate_refusals(pools: Sequence[PodPool]) -> dict[str, tuple[str, ...]]:
+    """revision -> the readiness gate's message for each of its pods kept out for too small a pool."""
+    found: dict[str, list[str]] = {}
+    for pool in pools:
+        if pool.reason == "KVPoolTooSmall":
+            found.setdefault(pool.revision, []).append(pool.message)
+    return {rev: tuple(messages) for rev, messages in found.items()}
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:

@@ -265,6 +265,9 @@ class World:
     """The latest finished canary run of this model, if the driver has one."""
     canary_running: bool = False
     """A canary run for the candidate's current attempt is in progress."""
+    gate_refusals: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """revision -> why the readiness gate keeps its pods out of rotation (pool_gate.py, S7): such a
+    pod never becomes Ready, so the candidate fails now rather than at the progress deadline."""
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -605,9 +608,18 @@ class _Step:
     def _forget_pools(self) -> None:
         self.r.workers, self.r.measured_scale, self.r.scrape_attempts = [], None, 0
 
+    def _refused_by_the_gate(self) -> bool:
+        """S7: a candidate pod the readiness gate keeps out (too small a pool) fails the rollout."""
+        refused = self.world.gate_refusals.get(self.candidate)
+        if refused:
+            self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: " + "; ".join(refused))
+        return bool(refused)
+
     def _on_canary_deploying(self) -> None:
         self._policy_condition()
         if self._block_if_gates_fail():
+            return
+        if self._refused_by_the_gate():
             return
         self._deploy(self._verification_scale())
         view = self.view(self.candidate)
@@ -627,6 +639,8 @@ class _Step:
     def _on_canary_verifying(self) -> None:
         self._policy_condition()
         if self._block_if_gates_fail():
+            return
+        if self._refused_by_the_gate():
             return
         self._deploy(self._verification_scale())
         view = self.view(self.candidate)
