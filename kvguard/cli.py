@@ -25,6 +25,7 @@ COMMANDS: tuple[str, ...] = (
     "render",
     "operator",
     "apply",
+    "status",
     "demo",
 )
 

@@ -35,6 +35,8 @@ from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.conditions import Condition
+from kvguard.operator.continuous import ContinuousStatus
+from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.rollout import RolloutStatus, Scale
 
 API_GROUP = "kvguard.io"
@@ -1069,6 +1071,12 @@ class InferenceModelStatus(ApiModel):
     rollout: RolloutStatus | None = None
     """Every step of the current rollout (state, candidate, measured pools, canary verdict), so an
     operator restart resumes it exactly (S8)."""
+    continuous: ContinuousStatus | None = None
+    """The continuous canary against the serving revision (spec.canary.continuous): its schedule
+    and last run."""
+    pools: list[PodPool] = Field(default_factory=list)
+    """Every engine pod's reported KV pool against the ratio, as its readiness gate
+    kvguard.io/kv-pool-verified judged it (S7 for as long as a pod serves); unverified first."""
 
 
 class InferenceModel(ApiModel):

@@ -39,6 +39,7 @@ from kvguard.operator import metrics
 from kvguard.operator.api import InferencePolicy
 from kvguard.operator.backends.base import CanaryRunner, ForeignObjectError
 from kvguard.operator.backends.kubernetes import ChildIndex, KubernetesBackend, Resolver
+from kvguard.operator.backends.pod_gate import PodGate
 from kvguard.operator.driver import DriverMemory, PassResult, StatusConflict, model_ref, observe, requeue_delay, run_pass
 from kvguard.operator.kube import Kube, KubeError, ObjectRef
 from kvguard.operator.leader import LeaderElector, LeaseConfig
@@ -146,6 +147,8 @@ class Controller:
         self.kube = kube
         self.backend = KubernetesBackend(kube, children, resolver)
         self.runner = runner or CanaryRunner()
+        self.continuous = CanaryRunner(runner.suite) if runner is not None else CanaryRunner()
+        """The continuous canary's runs (spec.canary.continuous), apart from rollout canaries."""
         self.store = ApiModelStore(kube)
         self.memory = DriverMemory()
         self.queue = WorkQueue()
@@ -155,6 +158,8 @@ class Controller:
         self._failures: dict[ModelKey, int] = {}
         self._configmaps: dict[tuple[str, str], tuple[float, Mapping[str, Any] | None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.gate = PodGate(kube, lambda: list(self._policies()), self.enqueue)
+        """S7 while pods serve: the readiness gate of every engine pod (backends/pod_gate.py)."""
         self.elector = LeaderElector(kube, self.settings.identity, self.settings.lease, self._started_leading, self._stopped_leading)
         self._elector_task: asyncio.Task[None] | None = None
         self.passes = 0
@@ -183,6 +188,7 @@ class Controller:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
         self._tasks.append(loop.create_task(self._resync(), name="kvguard resync"))
+        self.gate.start()
         for key in list(self.models):
             self.queue.add(key)
 
@@ -192,6 +198,7 @@ class Controller:
 
     async def _stop_work(self) -> None:
         """Everything this replica runs for models stops now: another replica drives from here."""
+        await self.gate.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -200,6 +207,7 @@ class Controller:
                 await task
         self.queue.clear()
         self.runner.cancel_all()
+        self.continuous.cancel_all()
         self.memory.clear()
         self._waits.clear()
         self._failures.clear()
@@ -222,7 +230,11 @@ class Controller:
         if owner is not None:
             self.enqueue(owner)
 
+    def pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        self.gate.pod_event(event_type, body)
+
     def policies_changed(self) -> None:
+        self.gate.recheck_all()
         for key in list(self.models):
             self.enqueue(key)
 
@@ -275,14 +287,18 @@ class Controller:
         observed = await observe(
             body, self.backend, self.runner, self.memory, policies=list(self._policies()),
             architecture_config=await self._architecture_config(body), fault_injection_allowed=fault_injection_allowed(),
+            pools=self.gate.pools(*key), continuous=self.continuous,
         )  # fmt: skip
 
         async def canary_done() -> None:
             self.enqueue(key)
 
-        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done)
+        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done,
+                                continuous=self.continuous)  # fmt: skip
         if result is not None:
             _count(result.outcome, key)
+            if result.outcome.continuous_verdict not in (None, "pass"):
+                metrics.CONTINUOUS_FAILURES.labels(key[0], key[1], result.outcome.continuous_verdict).inc()
         return result
 
     def _schedule(self, key: ModelKey, result: PassResult) -> None:
@@ -307,6 +323,7 @@ class Controller:
         """The model is gone: its metrics, canary, memory and timers go with it."""
         metrics.forget_model(*key)
         self.runner.forget((key[0] or "default", key[1]))
+        self.continuous.forget((key[0] or "default", key[1]))
         self.memory.forget(key)
         self.queue.forget(key)
         self._waits.pop(key, None)

@@ -32,8 +32,10 @@ from kvguard.operator.backends.base import (
     execute,
     scrape_workers,
 )
+from kvguard.operator.canary.spec import CanarySpec
+from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
-from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis
+from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis, RunCanary
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ async def observe(
     policies: Sequence[InferencePolicy] = (),
     architecture_config: tuple[Mapping[str, Any] | None, str | None] = (None, None),
     fault_injection_allowed: bool = False,
+    pools: Sequence[PodPool] = (),
+    continuous: CanaryRunner | None = None,
 ) -> Observed:
     """Everything reconcile looks at, read once: the backend's revisions and route, the scrape the
     previous decision asked for, objects still in the way, the canary's state."""
@@ -131,6 +135,8 @@ async def observe(
     wanted = memory.measure.pop(ref.key, None)
     if wanted is not None:
         analysis = await _measure(body, ref, backend, memory, wanted, rollout)
+    schedule = (body.get("status") or {}).get("continuous") or {}
+    continuous_running = continuous is not None and continuous.running(ref.key, str(schedule.get("revision")), str(schedule.get("nextRunAt")))
     return Observed(
         analysis=analysis,
         revisions=seen.revisions, serving=seen.serving, policies=tuple(policies),
@@ -138,6 +144,8 @@ async def observe(
         worker_reports=reports, canary=runner.result(ref.key),
         canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
         fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
+        pools=tuple(pools), continuous=continuous.result(ref.key) if continuous is not None else None,
+        continuous_running=continuous_running,
     )  # fmt: skip
 
 
@@ -170,6 +178,7 @@ async def run_pass(
     *,
     clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     on_canary_done: Callable[[], Awaitable[None]] | None = None,
+    continuous: CanaryRunner | None = None,
 ) -> PassResult | None:
     """Decide once on `observed`, record, act. None: the model is gone. Raises StatusConflict
     after MAX_CONFLICTS stale writes, and whatever the backend raises (the caller backs off)."""
@@ -196,9 +205,25 @@ async def run_pass(
     if outcome.measure is not None:
         memory.measure[ref.key] = outcome.measure
     await _act(ref, outcome, backend, runner, memory, on_canary_done)
+    if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
+        await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
     for event in outcome.events:
         await store.record_event(body, event, now)
     return PassResult(outcome, body, wrote)
+
+
+async def _start_continuous(
+    ref: ModelRef, run: tuple[str, str], spec: CanarySpec, backend: Backend, runner: CanaryRunner,
+    on_done: Callable[[], Awaitable[None]] | None,
+) -> None:  # fmt: skip
+    """The light probe set against the serving revision (continuous.py), off the reconcile path."""
+    revision, attempt = run
+    target = await backend.endpoints(ref, revision)
+    if target.router_url is None:
+        log.warning("continuous canary of %s/%s: revision %s has no router URL", *ref.key, revision)
+        return
+    runner.start(ref.key, RunCanary(revision, None, attempt), target.router_url, spec=spec.for_continuous(), baseline_url=None,
+                 metrics_urls=[w.metrics_url for w in target.workers], on_done=on_done)  # fmt: skip
 
 
 async def _act(

@@ -8,7 +8,8 @@ keeps its indexes warm and serves the admission webhook. kopf's part:
   indexed by owning model (`kvguard_deployments`, ...): kopf runs no handler before every index
   has its initial listing, so the controller never decides on a half-read cluster;
 - watch events of InferenceModels, of those children and of InferencePolicies, each only
-  enqueues the models concerned (no API request is made in a handler).
+  enqueues the models concerned (no API request is made in a handler);
+- a label-selected watch of the engine pods, for their readiness gate (backends/pod_gate.py).
 Nothing here writes: no kopf finalizers, progress or diff-base annotations (only event handlers
 and indexes are registered), so kopf adds no requests per model.
 Environment: KVGUARD_METRICS_PORT (default 8080; 0 disables), and controller.ControllerSettings.
@@ -41,6 +42,7 @@ POLICIES = (API_GROUP, API_VERSION, "inferencepolicies")
 DEPLOYMENTS = ("apps", "v1", "deployments")
 SERVICES = ("", "v1", "services")
 NETWORK_POLICIES = ("networking.k8s.io", "v1", "networkpolicies")
+PODS = ("", "v1", "pods")
 CHILD_INDEXES = ("kvguard_deployments", "kvguard_services", "kvguard_networkpolicies")
 ENDPOINT_RESOLVER: list[Resolver] = []
 """Tests only: where revisions answer when there is no cluster DNS (kmock); empty in production."""
@@ -62,7 +64,7 @@ class KopfChildIndex:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     settings.peering.standalone = True  # leader election is the controller's Lease, not kopf peering
     settings.posting.level = logging.WARNING  # our own Events come from kube.record_event
-    for resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
+    for resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES, PODS):
         settings.watching.label_selectors[resource] = selector_string(MANAGED_BY)
     if not os.environ.get("KVGUARD_LOG_HANDLERS"):  # a line per watch event is noise (and CPU) at scale
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
@@ -115,6 +117,12 @@ async def _child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
 
 for _resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
     kopf.on.event(*_resource, labels=dict(MANAGED_BY), id=f"{_resource[-1]}_event")(_child_event)
+
+
+@kopf.on.event(*PODS, labels=dict(MANAGED_BY), id="pods_event")
+async def engine_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Every engine pod of every revision: the readiness gate kvguard.io/kv-pool-verified (S7)."""
+    memo["kvguard"].pod_event(type, dict(body))
 
 
 @kopf.on.event(*POLICIES)

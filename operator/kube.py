@@ -3,7 +3,8 @@
 Verbs used: get, list (always with a label selector where the objects are ours), create,
 server-side apply (field manager `kvguard`, so a field the operator stops rendering is removed by
 the API server), merge-patch (scaling; status with a resourceVersion precondition: a writer that
-read a stale object gets 409 and must re-read and decide again), delete. Requests go through the
+read a stale object gets 409 and must re-read and decide again), strategic-merge patch of pod
+status (the readiness gate's condition, merged by type), delete. Requests go through the
 `kubernetes` client's ApiClient with plain JSON bodies (the typed v37 APIs would round-trip every
 body through their own models).
 
@@ -41,6 +42,8 @@ from kvguard.operator.metrics import REGISTRY
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+"""Pod status: its conditions merge by `type`, so setting one leaves the kubelet's alone."""
 APPLY_PATCH = "application/apply-patch+yaml"
 FIELD_MANAGER = "kvguard"
 """Server-side apply owner of every field the operator renders into its children."""
@@ -234,6 +237,14 @@ class Kube:
         status, body = self._call("PATCH", path, dict(patch), content_type=MERGE_PATCH, query=query)
         return self._expect(status, body, ref)
 
+    def patch_pod_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """Strategic-merge patch of a pod's status (the readiness gate, pool_gate.py): the list of
+        conditions merges by type, unlike a JSON merge patch, which would replace the kubelet's."""
+        ref = ObjectRef("Pod", name, namespace)
+        status, body = self._call("PATCH", f"{ref.path}/status", dict(patch), content_type=STRATEGIC_MERGE_PATCH,
+                                  query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
+        return self._expect(status, body, ref)
+
     def delete(self, ref: ObjectRef) -> bool:
         """Delete with background propagation; False when it was already gone."""
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
@@ -318,6 +329,9 @@ class Kube:
 
     async def amerge_patch(self, ref: ObjectRef, patch: Mapping[str, Any], *, field_manager: str | None = None) -> dict[str, Any]:
         return await self._off_loop(lambda: self.merge_patch(ref, patch, field_manager=field_manager))
+
+    async def apatch_pod_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._off_loop(lambda: self.patch_pod_status(namespace, name, patch))
 
     async def adelete(self, ref: ObjectRef) -> bool:
         return await self._off_loop(lambda: self.delete(ref))

@@ -28,6 +28,12 @@ BLOCKED_PLANS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+CONTINUOUS_FAILURES = Counter(
+    "kvguard_operator_continuous_canary_failures",
+    "Continuous-canary runs against a serving revision that did not pass (verdict fail or cannot_run).",
+    ["namespace", "model", "verdict"],
+    registry=REGISTRY,
+)
 KV_RATIO = Gauge(
     "kvguard_operator_kv_ratio",
     "Planned KV pool / context length of the target revision, per model and role (S7).",
@@ -57,6 +63,11 @@ def forget_model(namespace: str, model: str) -> None:
     for role in ("prefill", "decode"):
         try:
             KV_RATIO.remove(namespace, model, role)
+        except KeyError:
+            pass
+    for verdict in ("fail", "cannot_run"):
+        try:
+            CONTINUOUS_FAILURES.remove(namespace, model, verdict)
         except KeyError:
             pass
 

@@ -152,6 +152,13 @@ def applies_to(policy: InferencePolicy, namespace: str, namespace_labels: Mappin
     return selector_matches(scope.namespace_selector, labels, known_keys=None)
 
 
+def policy_min_kv_ratio(namespace: str, policies: Sequence[InferencePolicy]) -> float | None:
+    """The highest minKVRatio of the InferencePolicies covering `namespace` (None: none covers it).
+    The readiness gate raises each pod's own ratio to it (S7 while a pod serves, pool_gate.py)."""
+    ratios = [p.spec.min_kv_ratio for p in policies if applies_to(p, namespace)]
+    return max(ratios) if ratios else None
+
+
 # --- rules ---------------------------------------------------------------------------------------
 
 Finding = tuple[str, str, str]  # (rule, field, message)

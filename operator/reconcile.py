@@ -35,11 +35,14 @@ from kvguard.operator.api import (
     Phase,
     RevisionRecord,
 )
+from kvguard.operator.continuous import rollback_pin
+from kvguard.operator.continuous import step as continuous_step
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_config
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
 from kvguard.operator.policy import evaluate
+from kvguard.operator.pool_gate import PodPool, describe_kept_out, kept_out, status_pools
 from kvguard.operator.render import (
     Owner,
     RenderedRevision,
@@ -48,6 +51,7 @@ from kvguard.operator.render import (
 )
 from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
+    ROLLBACK_ANNOTATION,
     Action,
     AnalysisOutcome,
     CanaryResult,
@@ -74,6 +78,8 @@ HISTORY_LIMIT = 10
 FAULTS_ANNOTATION = "kvguard.io/faults"
 """Test clusters only: KVGUARD_FAULTS for the spec's revision, honoured when the operator runs with
 KVGUARD_ALLOW_FAULT_INJECTION=true (manifests/testing/fault-injection); ignored otherwise."""
+POD_POOL_REASON = "PodKVPoolTooSmall"
+"""Degraded reason while the readiness gate keeps a pod out of rotation (pool_gate.py)."""
 FOREIGN_RECHECK_SECONDS = 10.0
 """How soon to look again at an object that blocks the rollout because someone else owns it."""
 
@@ -108,6 +114,13 @@ class Observed:
     foreign_objects: tuple[str, ...] = ()
     """Objects with the names of this model's children that it does not own (a pre-created
     transfer Secret, a squatted Deployment name): each one blocks the rollout, named."""
+    continuous: CanaryResult | None = None
+    """The last finished continuous-canary run of this model held in memory by the driver."""
+    continuous_running: bool = False
+    """A continuous-canary run of the current schedule is in progress."""
+    pools: tuple[PodPool, ...] = ()
+    """The readiness gate's verdict on every engine pod of the model that exists (S7 while pods
+    serve, backends/pod_gate.py); empty where no gate runs."""
 
 
 # --- outputs -----------------------------------------------------------------------------------
@@ -147,6 +160,10 @@ class Outcome:
     """Seconds until the awaited thing's progress deadline (a backing-off driver looks by then)."""
     plan: KVPlan | None = None
     blocked_reason: str | None = None
+    continuous_start: tuple[str, str] | None = None
+    """(revision, attempt) of a continuous-canary run to start (continuous.py)."""
+    continuous_verdict: str | None = None
+    """The verdict of a continuous-canary run recorded by this pass."""
 
 
 # --- reconcile ---------------------------------------------------------------------------------
@@ -185,7 +202,25 @@ class _Run:
         return True
 
     def outcome(self, **kwargs: Any) -> Outcome:
-        return Outcome(status=status_patch(self.status), **kwargs)
+        events = self.apply_pool_gate()
+        return Outcome(status=status_patch(self.status), **{**kwargs, "events": [*kwargs.get("events", []), *events]})
+
+    def apply_pool_gate(self) -> list[EventSpec]:
+        """status.pools and, while any pod is kept out of rotation for its pool, Degraded naming
+        each pod and node (S7 while pods serve). Idempotent: the event is for a new message only."""
+        pools = self.observed.pools
+        self.status.pools = status_pools(pools)
+        out = kept_out(pools)
+        degraded = cond.find_condition(self.status.conditions, cond.DEGRADED)
+        if out:
+            message = describe_kept_out(out)
+            before = cond.find_condition(self.previous.conditions, cond.DEGRADED)
+            self.set(cond.DEGRADED, "True", POD_POOL_REASON, message)
+            repeated = before is not None and before.reason == POD_POOL_REASON and before.message == message
+            return [] if repeated else [EventSpec("Warning", POD_POOL_REASON, message)]
+        if degraded is not None and degraded.reason == POD_POOL_REASON and degraded.status == "True":
+            self.set(cond.DEGRADED, "False", "AsExpected", "every serving pod's KV pool meets the ratio")
+        return []
 
 
 def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) -> Outcome:
@@ -300,6 +335,7 @@ def _blocked(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str
     if new:
         events.insert(0, EventSpec("Warning", "KVPoolTooSmall", f"revision {revision}: {message}"))
     run.status.message = f"revision {revision} blocked: KV pool too small"
+    run.apply_pool_gate()  # (its event, if any, is in outcome.events already)
     return dataclasses.replace(outcome, status=status_patch(run.status), events=events, blocked_reason="KVPoolTooSmall")
 
 
@@ -322,12 +358,17 @@ def _roll_out(
     """Feed the rollout state machine once and turn its decision into status, actions and events."""
     meta = run.body.get("metadata", {})
     stable = run.status.revision
+    annotations = dict(meta.get("annotations") or {})
+    pin = rollback_pin(run.previous.continuous, revision)
+    if pin is not None and not annotations.get(ROLLBACK_ANNOTATION):  # a person's own rollback-to wins
+        annotations[ROLLBACK_ANNOTATION] = pin  # the continuous canary's rollback, kept in status (continuous.py)
     world = World(
         target=revision, numerics=numerics_of(spec), now=run.now, plan_ok=plan_ok, plan_message=plan_message, policy=gate,
         revisions=dict(run.observed.revisions), serving=run.observed.serving,
-        previous_stables=previous_stables(run.status.history, stable), annotations=meta.get("annotations") or {},
+        previous_stables=previous_stables(run.status.history, stable), annotations=annotations,
         worker_reports=run.observed.worker_reports, canary=run.observed.canary, canary_running=run.observed.canary_running,
         analysis=run.observed.analysis,
+        gate_refusals=gate_refusals(run.observed.pools),
     )  # fmt: skip
     decision = step(spec, run.status.rollout, stable, world)
     previous_state = run.status.rollout.state if run.status.rollout else None
@@ -347,11 +388,34 @@ def _roll_out(
     workload = [a for a in decision.actions if not isinstance(a, SetCondition | RecordEvent | ScrapeMetrics | MeasureAnalysis)]
     events = [EventSpec(e.type, e.reason, e.message) for e in decision.of_type(RecordEvent)]
     scrape = next((a.revision for a in decision.of_type(ScrapeMetrics)), None)
+    kept = [r for r in world.previous_stables[: spec.revision_history_limit] if r in run.observed.revisions]
+    cont = continuous_step(spec.canary.continuous, run.previous.continuous, decision.stable,
+                           rollout.state == RolloutState.STABLE and rollout.revision == decision.stable,
+                           run.observed.continuous, run.observed.continuous_running, kept, run.now, revision)  # fmt: skip
+    run.status.continuous = cont.status
+    if cont.degraded is not None:
+        run.set(cond.DEGRADED, "True", *cont.degraded)
+    events += [EventSpec(e.type, e.reason, e.message) for e in cont.events]
     return run.outcome(
         actions=workload, spec=spec, revision=revision, scrape=scrape, events=events,
         measure=next(iter(decision.of_type(MeasureAnalysis)), None),
-        requeue_after=decision.requeue_after, deadline_in=decision.deadline_in, plan=kv_plan,
+        requeue_after=_sooner(decision.requeue_after, cont.requeue_after), plan=kv_plan,
+        deadline_in=_sooner(decision.deadline_in, cont.requeue_after),  # the next run is due then: wake by then
+        continuous_start=cont.start, continuous_verdict=cont.recorded,
     )  # fmt: skip
+
+
+def gate_refusals(pools: Sequence[PodPool]) -> dict[str, tuple[str, ...]]:
+    """revision -> the readiness gate's message for each of its pods kept out for too small a pool."""
+    found: dict[str, list[str]] = {}
+    for pool in pools:
+        if pool.reason == "KVPoolTooSmall":
+            found.setdefault(pool.revision, []).append(pool.message)
+    return {rev: tuple(messages) for rev, messages in found.items()}
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _record_transition(run: _Run, decision: Decision, previous_state: RolloutState | None) -> None:

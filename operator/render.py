@@ -34,6 +34,7 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.engine_support import kvguard_dtype_flag
+from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
 from kvguard.workers.args import WorkerArgs
 
@@ -599,11 +600,15 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         "containers": [container],
         "volumes": volumes,
     }
+    if ctx.role in GATED_ROLES:  # S7 while it serves: no traffic until the operator verified its pool (pool_gate.py)
+        pod_spec["readinessGates"] = [{"conditionType": GATE_CONDITION}]
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if placement.tolerations:
         pod_spec["tolerations"] = [t.to_wire() for t in placement.tolerations]
     pod_annotations = {"kvguard.io/revision": ctx.revision}
+    if ctx.role in GATED_ROLES:  # what the gate requires of this revision's pools (pool_gate.py)
+        pod_annotations |= {RATIO_ANNOTATION: f"{spec.min_kv_ratio:g}", CONTEXT_ANNOTATION: str(spec.context_length)}
     if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
         pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
     pod_labels = {**labels(ctx.owner.name, ctx.revision, ctx.role), LABEL_ENGINE: spec.engine.kind.value}

@@ -312,6 +312,9 @@ class World:
     """A canary run for the candidate's current attempt is in progress."""
     analysis: AnalysisOutcome | None = None
     """A fresh measurement of the candidate's live traffic (after MeasureAnalysis); None: not measured."""
+    gate_refusals: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """revision -> why the readiness gate keeps its pods out of rotation (pool_gate.py, S7): such a
+    pod never becomes Ready, so the candidate fails now rather than at the progress deadline."""
 
 
 @dataclass(frozen=True)
@@ -681,9 +684,18 @@ class _Step:
     def _forget_pools(self) -> None:
         self.r.workers, self.r.measured_scale, self.r.scrape_attempts = [], None, 0
 
+    def _refused_by_the_gate(self) -> bool:
+        """S7: a candidate pod the readiness gate keeps out (too small a pool) fails the rollout."""
+        refused = self.world.gate_refusals.get(self.candidate)
+        if refused:
+            self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: " + "; ".join(refused))
+        return bool(refused)
+
     def _on_canary_deploying(self) -> None:
         self._policy_condition()
         if self._block_if_gates_fail():
+            return
+        if self._refused_by_the_gate():
             return
         self._deploy(self._verification_scale())
         view = self.view(self.candidate)
@@ -703,6 +715,8 @@ class _Step:
     def _on_canary_verifying(self) -> None:
         self._policy_condition()
         if self._block_if_gates_fail():
+            return
+        if self._refused_by_the_gate():
             return
         self._deploy(self._verification_scale())
         view = self.view(self.candidate)
@@ -884,6 +898,10 @@ class _Step:
 
     def _on_shifting(self) -> None:
         stable, weight = self._stable_revision(), self.r.weight or 0
+        refused = self.world.gate_refusals.get(self.candidate)
+        if refused:  # S7: a candidate pod the readiness gate keeps out, found while it takes traffic
+            self._abort("ReportedPoolTooSmall", f"revision {self.candidate} at {weight}% of traffic: " + "; ".join(refused))
+            return
         view = self.view(self.candidate)
         if view is None or not view.ready:
             self._abort("CandidateNotReady", f"revision {self.candidate} lost readiness at {weight}% of traffic")

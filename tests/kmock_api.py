@@ -13,8 +13,20 @@ plain kmock lacks:
   replaced whole: right for a single manager that owns every list it sets, which is the operator's
   case (real SSA merges map-lists by key, which only matters with several managers).
 
+- strategic-merge patches (`application/strategic-merge-patch+json`) merge the lists the
+  operator patches by their merge key, as Kubernetes' patchMergeKey does: a pod's
+  `status.conditions` by `type` and `containerStatuses` by `name` (the readiness gate's condition
+  is set beside the kubelet's, not instead of them); other lists are replaced;
+- pods' `status` is a subresource as on a real API server: a patch of `pods/NAME` leaves the
+  status as it was, a patch of `pods/NAME/status` leaves the spec (so a readiness-gate condition
+  written to the wrong endpoint is lost here too); other kinds take both anywhere. What it does not
+  enforce: the kubelet's own rules (it never recomputes `Ready` from readiness gates: tests that
+  need `Ready` play the kubelet), admission of who may write `pods/status` (RBAC), and the fields a
+  status update may not touch besides `spec` (labels, annotations).
+
 It stays an emulator: no defaulting, no schema or CEL validation (tests/crd_admission.py), no
-garbage collection, no scheduler. Tests that depend on those say so.
+garbage collection, no scheduler, no kubelet (tests set pod conditions). Tests that depend on
+those say so.
 """
 
 from __future__ import annotations
@@ -38,6 +50,9 @@ from kmock._internal import rendering as kmock_rendering
 
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 APPLY_PATCH = "application/apply-patch+yaml"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+MERGE_KEYS = {"conditions": "type", "containerStatuses": "name"}
+"""patchMergeKey of the lists a strategic-merge patch merges (core/v1 PodStatus)."""
 
 
 def declare_kvguard_resources(kmock: Any, *, policies: bool = False) -> str:
@@ -132,6 +147,27 @@ def server_side_apply(live: Mapping[str, Any], previous: Mapping[str, Any] | Non
         if path[:1] != ("metadata",) or path[:2] in (("metadata", "labels"), ("metadata", "annotations")):
             _delete_path(result, path)
     return _merge(result, config)
+
+
+def strategic_merge(base: dict[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """A strategic-merge patch applied to `base` for the lists in MERGE_KEYS (entries merged by
+    their key, new keys appended); every other value as a JSON merge patch would."""
+    for key, value in patch.items():
+        merge_key = MERGE_KEYS.get(key)
+        if merge_key and isinstance(value, list) and isinstance(base.get(key), list):
+            merged = [copy.deepcopy(item) for item in base[key]]
+            for item in value:
+                at = next((i for i, old in enumerate(merged) if old.get(merge_key) == item.get(merge_key)), None)
+                if at is None:
+                    merged.append(copy.deepcopy(item))
+                else:
+                    merged[at] = strategic_merge(merged[at], item)
+            base[key] = merged
+        elif isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            strategic_merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
 
 
 def merge_patch_that_makes(live: Mapping[str, Any], target: Mapping[str, Any]) -> dict[str, Any]:
@@ -247,6 +283,7 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         live = None if stored is None or stored.deleted else copy.deepcopy(stored.raw)
         headers = {k.lower(): v for k, v in request.headers.items()}
         is_apply = headers.get("content-type", "").startswith(APPLY_PATCH)
+        is_strategic = headers.get("content-type", "").startswith(STRATEGIC_MERGE_PATCH)
         if is_apply:
             manager = request.params.get("fieldManager", "")
             if live is None:
@@ -267,8 +304,16 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
                 self.conflicts += 1
                 raise kmock_k8s.KubernetesError(409, "Conflict", f"the object has been modified (resourceVersion {current}, "
                                                 f"precondition {wanted}); please apply your changes to the latest version")  # fmt: skip
-            target = _merge(copy.deepcopy(live), {k: v for k, v in request.data.items()})
+            if is_strategic:
+                target = strategic_merge(copy.deepcopy(live), request.data)
+            else:
+                target = _merge(copy.deepcopy(live), {k: v for k, v in request.data.items()})
             target = _drop_nones(target)
+        if request.resource.plural == "pods":  # the status subresource, as a real API server keeps it
+            keep = "spec" if request.subresource == "status" else "status"
+            target[keep] = copy.deepcopy(live.get(keep))
+            if target[keep] is None:
+                del target[keep]
         meta = target.setdefault("metadata", {})
         meta["resourceVersion"] = self._next_version()
         if request.subresource is None and live.get("spec") != target.get("spec"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PURE = ("api", "planner", "estimates", "suggestions", "policy", "rollout", "reconcile", "render", "revision",
-        "conditions", "crdgen", "hf_config", "canary", "traffic", "analysis")  # fmt: skip
+        "conditions", "crdgen", "hf_config", "canary", "traffic", "analysis", "pool_gate", "continuous")  # fmt: skip
 
 
 def imported_modules(folder: Path) -> dict[Path, set[str]]:

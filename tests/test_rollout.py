@@ -664,3 +664,16 @@ def test_a_new_revision_without_decode_workers_is_blocked_at_once_and_stable_kee
     assert "spec.roles.decode.replicas: 0" in (d.rollout.message or "") and sim.serving == "r1"
     sim.spec = SCALED_SPEC
     assert sim.tick().state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING)
+
+
+def test_S7_a_candidate_pod_the_readiness_gate_keeps_out_fails_now_not_at_the_deadline() -> None:
+    sim = stable_sim(auto_ready=False)  # the gated pod never becomes Ready
+    sim.target = "r2"
+    sim.tick()
+    refusal = "pod r2-decode-x (decode, revision r2) on node node-40gb reports a KV pool of 1536 tokens < 2x required"
+    d = sim.tick(gate_refusals={"r2": (refusal,)})
+    assert d.state == S.FAILED and d.rollout.reason == "ReportedPoolTooSmall" and "node-40gb" in (d.rollout.message or "")
+    assert ScaleRevision("r2", 0) in d.actions and not d.of_type(RunCanary)
+    # A stable pod kept out is the gate's business (Degraded), never a rollout failure (S8).
+    sim = stable_sim()
+    assert sim.tick(gate_refusals={"r1": (refusal,)}).state == S.STABLE

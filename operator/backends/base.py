@@ -236,6 +236,10 @@ class CanaryRunner:
         if on_done is not None:
             asyncio.get_running_loop().create_task(on_done())
 
+    @property
+    def suite(self) -> SuiteRunner:
+        return self._suite
+
     def running(self, model: tuple[str, str], revision: str, attempt: str) -> bool:
         current = self._tasks.get(model)
         return current is not None and current[:2] == (revision, attempt) and not current[2].done()

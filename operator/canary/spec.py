@@ -269,6 +269,29 @@ class SafetyCountersSpec(_SpecModel):
     )
 
 
+CONTINUOUS_PROBES: tuple[ProbeName, ...] = (
+    ProbeName.CAPACITY, ProbeName.OVER_LENGTH, ProbeName.ISOLATION, ProbeName.SAFETY_COUNTERS,
+)  # fmt: skip
+"""The light probe set run periodically against the serving revision (no golden text, no aborts)."""
+
+
+class ContinuousSpec(_SpecModel):
+    """A periodic light canary against the serving revision, so that a stable revision that starts
+    leaking (a node, a driver, an engine bug hit by new traffic) is caught without a rollout."""
+
+    interval_seconds: int | None = Field(
+        None, ge=10, le=86400,
+        description="Seconds between runs against the serving revision; unset (the default): off.",
+    )
+    action: Literal["alert", "rollback"] = Field(
+        "alert",
+        description="On a failed run: alert (Degraded condition, Warning Event, the operator's "
+        "kvguard_operator_continuous_canary_failures_total counter) or rollback (the same, then a rollback to the "
+        "newest kept previous revision, when one is kept, as with kvguard.io/rollback-to; recorded in "
+        "status.continuous.rollback and held until the spec's revision changes).",
+    )
+
+
 class CanarySpec(_SpecModel):
     """Configuration of the canary coherence suite (part of the InferenceModel CRD)."""
 
@@ -308,6 +331,11 @@ class CanarySpec(_SpecModel):
     safety_counters: SafetyCountersSpec = Field(
         default_factory=SafetyCountersSpec, description="Safety-counter probe (S1, S3, S5)."
     )
+    continuous: ContinuousSpec = Field(
+        default_factory=ContinuousSpec,
+        description="Periodic light canary (capacity, over-length, isolation, safety counters) against the serving "
+        "revision; off by default.",
+    )
 
     @model_validator(mode="after")
     def _something_enabled(self) -> CanarySpec:
@@ -327,6 +355,11 @@ class CanarySpec(_SpecModel):
         False): the golden probe compares by logprobs instead of exact text."""
         golden = self.golden.model_copy(update={"baseline_match": "tolerant"})
         return self.model_copy(update={"golden": golden})
+
+    def for_continuous(self) -> CanarySpec:
+        """The periodic run's spec: the light probes this spec enables (all four if it enables none)."""
+        light = [p for p in CONTINUOUS_PROBES if self.probe_enabled(p)] or list(CONTINUOUS_PROBES)
+        return self.only(light)
 
     def only(self, names: list[ProbeName]) -> CanarySpec:
         """A copy with exactly `names` enabled (the CLI's --probes)."""

@@ -1,0 +1,164 @@
+"""kvguard status NAME: the rollout of one InferenceModel as a tree (also `kubectl kvguard status`).
+
+Revisions (stable, target, history), the current traffic step and weight and each analysis result
+when the status has them, the canary's verdict and failed probes, the continuous canary's last
+run, and every engine pod's measured KV pool against the ratio (S7):
+- on a cluster (KUBECONFIG, or in a pod its service account): the InferenceModel's status, where
+  the operator's readiness gate records each pod's pool (`status.pools`);
+- with --local --state-dir DIR: the state folder of `kvguard apply --local`, and every running
+  worker of every revision scraped now (its /metrics) and judged against the revision's ratio.
+--watch redraws every --interval seconds until interrupted. Installed also as `kubectl-kvguard`,
+so kubectl's plugin mechanism runs `kubectl kvguard status NAME`.
+Exit codes: 0 shown, 1 cannot reach the cluster, 2 bad input, 3 no such model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_UNREACHABLE, EXIT_BAD_INPUT, EXIT_NOT_FOUND = 0, 1, 2, 3
+
+
+class NotFound(Exception):
+    pass
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("status", help="show an InferenceModel's rollout as a tree (pods' pools, canary, steps)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("name", help="metadata.name of the InferenceModel")
+    parser.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's, else default)")
+    parser.add_argument("--watch", "-w", action="store_true", help="redraw every --interval seconds until interrupted")
+    parser.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between redraws (default 2)")
+    parser.add_argument("--local", action="store_true", help="read the local backend's state folder instead of a cluster")
+    parser.add_argument("--state-dir", type=Path, help="state folder (default: .kvguard/local/NAME)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        print("kvguard status: --interval must be > 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.state_dir is not None and not args.local:
+        print("kvguard status: --state-dir needs --local", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    show = _local_view(args.state_dir or Path(".kvguard/local") / args.name, args.name) if args.local else _cluster_view(args)
+    try:
+        while True:
+            text = show()
+            if args.watch and sys.stdout.isatty():
+                print("\x1b[2J\x1b[H", end="")
+            print(text, flush=True)
+            if not args.watch:
+                return EXIT_OK
+            time.sleep(args.interval)
+            if not sys.stdout.isatty():
+                print(flush=True)
+    except NotFound as exc:
+        print(f"kvguard status: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except _Unreachable as exc:
+        print(f"kvguard status: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+
+class _Unreachable(Exception):
+    pass
+
+
+def _cluster_view(args: argparse.Namespace) -> Any:
+    from kvguard.operator.kube import Kube, KubeError, ObjectRef
+    from kvguard.status_tree import render
+
+    namespace = args.namespace or _context_namespace()
+    kube = Kube(user_agent="kvguard-status")
+
+    def show() -> str:
+        try:
+            body = kube.get(ObjectRef("InferenceModel", args.name, namespace))
+        except KubeError as exc:
+            raise _Unreachable(str(exc)) from exc
+        if body is None:
+            raise NotFound(f"InferenceModel {namespace}/{args.name} not found")
+        status = body.get("status") or {}
+        return render(args.name, namespace, status, _pools(status.get("pools")))
+
+    return show
+
+
+def _context_namespace() -> str:
+    try:
+        from kubernetes import config
+
+        _, context = config.list_kube_config_contexts()
+        return str((context or {}).get("context", {}).get("namespace") or "default")
+    except Exception:  # noqa: BLE001 - no kubeconfig (in a pod, or tests): the default namespace
+        return "default"
+
+
+def _pools(raw: Any) -> list[Any]:
+    from pydantic import ValidationError
+
+    from kvguard.operator.pool_gate import PodPool
+
+    pools = []
+    for entry in raw or []:
+        try:
+            pools.append(PodPool.model_validate(entry))
+        except ValidationError:
+            continue  # written by another operator version: shown as far as it parses, never a crash
+    return pools
+
+
+def _local_view(state_dir: Path, name: str) -> Any:
+    from kvguard.operator.backends.local import StateStore
+    from kvguard.status_tree import render
+
+    def show() -> str:
+        if not (state_dir / "state.json").exists():
+            raise NotFound(f"{state_dir} holds no local rollout (run `kvguard apply --local` first)")
+        state = StateStore(state_dir).load()
+        if state.model and state.model != name:
+            raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
+        pools = asyncio.run(measure_local(state))
+        notes = {rev: "scaled to zero" for rev, r in state.revisions.items() if r.scaled_to_zero}
+        return render(name, "local", state.status, pools, serving=state.serving, notes=notes)
+
+    return show
+
+
+async def measure_local(state: Any) -> list[Any]:
+    """Every running engine worker of every revision, scraped now and judged against the ratio of
+    the spec last applied (S7)."""
+    import aiohttp
+
+    from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.backends.base import SCRAPE_TIMEOUT_SECONDS, worker_report
+    from kvguard.operator.canary.metrics import fetch_all
+    from kvguard.operator.pool_gate import PodFacts, PoolRequirement, judge
+
+    spec = InferenceModelSpec.model_validate(state.spec)  # as `kvguard apply --local` stored it
+    requirement = PoolRequirement(spec.min_kv_ratio, spec.context_length)
+    targets = [(rev, w) for rev, r in sorted(state.revisions.items()) if not r.scaled_to_zero for w in r.engine_workers()]
+    if not targets:
+        return []
+    async with aiohttp.ClientSession() as session:
+        snapshots = await fetch_all(session, [w.metrics_url for _, w in targets], SCRAPE_TIMEOUT_SECONDS)
+    now = dt.datetime.now(dt.UTC)
+    pools = []
+    for (rev, worker), snapshot in zip(targets, snapshots, strict=True):
+        pod = f"{state.model or 'model'}-{rev}-{worker.name}"
+        facts = PodFacts(name=pod, namespace="local", uid="", model=state.model or "", revision=rev, role=worker.role,
+                         node="local", ip="127.0.0.1", metrics_port=worker.metrics_port, gated=True, containers_ready=True,
+                         terminating=False, restarts=worker.restarts, gate=None)  # fmt: skip
+        report = worker_report(pod, worker.role, snapshot)
+        pools.append(judge(facts, requirement, report.pool_tokens, report.context_length, report.error, now, 1))
+    return pools

@@ -1,0 +1,76 @@
+"""The continuous canary's schedule and verdicts (operator/continuous.py, pure)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pydantic import ValidationError
+
+from kvguard.operator.canary.spec import CanarySpec, ContinuousSpec, ProbeName
+from kvguard.operator.continuous import FAILED_REASON, rollback_pin, step
+from kvguard.operator.rollout import CanaryResult
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+ALERT = ContinuousSpec(interval_seconds=60)
+ROLLBACK = ContinuousSpec(interval_seconds=60, action="rollback")
+
+
+def test_off_by_default_and_only_while_the_rollout_rests() -> None:
+    assert CanarySpec().continuous.interval_seconds is None
+    assert step(CanarySpec().continuous, None, "r1", True, None, False, [], T0, "r1").status is None
+    assert step(ALERT, None, "r1", False, None, False, [], T0, "r1").status is None  # mid-rollout: the rollout's canary runs
+    assert step(ALERT, None, None, True, None, False, [], T0, "r1").status is None
+    with pytest.raises(ValidationError):
+        ContinuousSpec(interval_seconds=1)  # bounded work: at most one run per 10 s per model
+
+
+def test_the_light_probe_set() -> None:
+    assert CanarySpec().for_continuous().enabled_probes() == [ProbeName.CAPACITY, ProbeName.OVER_LENGTH, ProbeName.ISOLATION,
+                                                              ProbeName.SAFETY_COUNTERS]  # fmt: skip
+    lean = CanarySpec.model_validate({"isolation": {"enabled": False}})
+    assert ProbeName.ISOLATION not in lean.for_continuous().enabled_probes()
+
+
+def test_schedule_run_record_and_wake_up() -> None:
+    first = step(ALERT, None, "r1", True, None, False, [], T0, "r1")
+    assert first.status is not None and first.status.next_run_at == "2026-01-01T00:01:00Z" and first.requeue_after == 60
+    assert first.start is None
+    due = step(ALERT, first.status, "r1", True, None, False, [], T0 + dt.timedelta(seconds=61), "r1")
+    assert due.start == ("r1", "2026-01-01T00:01:00Z")
+    assert step(ALERT, first.status, "r1", True, None, True, [], T0 + dt.timedelta(seconds=62), "r1").start is None  # running
+    ok = CanaryResult("r1", "2026-01-01T00:01:00Z", "pass", "all passed")
+    recorded = step(ALERT, first.status, "r1", True, ok, False, [], T0 + dt.timedelta(seconds=70), "r1")
+    assert recorded.recorded == "pass" and recorded.degraded is None and recorded.status is not None
+    assert recorded.status.last_run is not None and recorded.status.next_run_at == "2026-01-01T00:02:10Z"
+    # The same result again is not recorded twice (level-based: a pass that sees it again does nothing).
+    again = step(ALERT, recorded.status, "r1", True, ok, False, [], T0 + dt.timedelta(seconds=71), "r1")
+    assert again.recorded is None and again.status == recorded.status
+
+
+def test_a_failure_degrades_and_rolls_back_only_when_asked_and_kept() -> None:
+    schedule = step(ROLLBACK, None, "r2", True, None, False, [], T0, "r2").status
+    assert schedule is not None
+    bad = CanaryResult("r2", schedule.next_run_at, "fail", "failed: over_length", ("over_length",))
+    later = T0 + dt.timedelta(seconds=90)
+    failed = step(ROLLBACK, schedule, "r2", True, bad, False, ["r1"], later, "r2")
+    assert failed.degraded is not None and failed.degraded[0] == FAILED_REASON and "over_length" in failed.degraded[1]
+    assert failed.rollback_to == "r1" and [e.reason for e in failed.events] == [FAILED_REASON, "ContinuousCanaryRollback"]
+    assert failed.requeue_after == 0.0  # acted on at once
+    assert failed.status is not None and failed.status.rollback is not None
+    assert rollback_pin(failed.status, "r2") == "r1" and rollback_pin(failed.status, "r3") is None  # until the spec moves on
+    assert step(ROLLBACK, schedule, "r2", True, bad, False, [], later, "r2").rollback_to is None  # nothing kept: alert only
+    alert_schedule = schedule.model_copy(update={"action": "alert"})
+    assert step(ALERT, alert_schedule, "r2", True, bad, False, ["r1"], later, "r2").rollback_to is None
+    # Degraded holds on later passes (from status, not memory) until a run passes.
+    assert failed.status is not None
+    held = step(ROLLBACK, failed.status, "r2", True, bad, False, ["r1"], later + dt.timedelta(seconds=1), "r2")
+    assert held.degraded == failed.degraded and held.rollback_to is None
+    # The pin outlives the rollback's own rollout and the new schedule on the revision rolled back to.
+    rolling = step(ROLLBACK, failed.status, "r2", False, None, False, [], later, "r2")
+    assert rolling.status == failed.status
+    back = step(ROLLBACK, failed.status, "r1", True, None, False, [], later, "r2")
+    assert back.status is not None and back.status.revision == "r1" and rollback_pin(back.status, "r2") == "r1"
+    assert back.degraded is None  # r1 has not failed
+    moved_on = step(ROLLBACK, back.status, "r1", True, None, False, [], later, "r3")
+    assert moved_on.status is not None and moved_on.status.rollback is None

@@ -1,0 +1,160 @@
+"""`kvguard status NAME` (and `kubectl kvguard status NAME`): the rollout as a tree.
+
+Cluster: an InferenceModel with a status on kmock, read through the real client (kube.py) by the
+command run in-process. Local: a state folder whose revision's workers are real `kvguard`
+processes on loopback (the `serving` deployment), scraped by the command for real; the kubectl
+plugin test runs the real kubectl, which finds `kubectl-kvguard` on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kmock_api import ApiServer, client_configuration, declare_kvguard_resources
+from operator_harness import EXAMPLES, http
+
+from kvguard.cli import main
+from kvguard.commands.status import EXIT_NOT_FOUND, EXIT_OK
+from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWorker, StateStore
+from kvguard.status_tree import render
+from kvguard.workers.launcher import LocalDeployment
+
+BIN = Path(sys.executable).parent
+STATUS: dict[str, Any] = {
+    "phase": "Progressing", "revision": "aaa111", "targetRevision": "bbb222", "message": "analysing step 2",
+    "conditions": [{"type": "Ready", "status": "True", "reason": "StableRevisionServing", "message": "revision aaa111 is serving",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                   {"type": "Degraded", "status": "True", "reason": "PodKVPoolTooSmall", "message": "pod tiny-aaa111-decode-b too small",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+    "history": [{"revision": "bbb222", "state": "Candidate", "since": "2026-01-01T00:00:00Z"},
+                {"revision": "aaa111", "state": "Stable", "since": "2026-01-01T00:00:00Z"}],
+    "rollout": {"state": "CanaryVerifying", "revision": "bbb222", "reason": "AnalysisRunning", "message": "step 2 of 3",
+                "step": 2, "weight": 50, "steps": [{"weight": 10}, {"weight": 50}, {"weight": 100}],
+                "analysis": [{"name": "errorRatio", "result": "Successful", "value": 0.01, "threshold": 0.05}],
+                "canary": {"revision": "bbb222", "verdict": "fail", "reason": "failed: isolation", "failedProbes": ["isolation"],
+                           "durationSeconds": 3.5}},
+    "continuous": {"intervalSeconds": 300, "action": "rollback", "revision": "aaa111", "nextRunAt": "2026-01-01T00:10:00Z",
+                   "lastRun": {"revision": "aaa111", "attempt": "2026-01-01T00:05:00Z", "verdict": "fail", "finishedAt": "2026-01-01T00:05:09Z",
+                               "reason": "failed: over_length", "failedProbes": ["over_length"]},
+                   "rollback": {"toRevision": "zzz000", "fromRevision": "aaa111", "at": "2026-01-01T00:05:09Z"}},
+    "pools": [{"pod": "tiny-aaa111-decode-a", "node": "node-80gb", "revision": "aaa111", "role": "decode", "poolTokens": 4096,
+               "contextLength": 1024, "requiredRatio": 2.0, "required": 2048, "verified": True, "reason": "KVPoolVerified",
+               "message": "ok"},
+              {"pod": "tiny-aaa111-decode-b", "node": "node-40gb", "revision": "aaa111", "role": "decode", "poolTokens": 1536,
+               "contextLength": 1024, "requiredRatio": 2.0, "required": 2048, "verified": False, "reason": "KVPoolTooSmall",
+               "message": "pod tiny-aaa111-decode-b on node node-40gb: 1536 < 2048"},
+              {"bogus": "an entry of another operator version is skipped"}],
+}  # fmt: skip
+
+
+def test_the_tree_shows_revisions_step_weight_analysis_canary_and_every_pods_pool() -> None:
+    from kvguard.commands.status import _pools
+
+    text = render("tiny", "models", STATUS, _pools(STATUS["pools"]))
+    lines = text.splitlines()
+    assert lines[0] == "tiny  (namespace models)  Progressing  stable aaa111  target bbb222  - analysing step 2"
+    assert "├── conditions  Ready=True  Degraded=True" in lines
+    assert "│   └── Degraded: PodKVPoolTooSmall: pod tiny-aaa111-decode-b too small" in lines
+    assert any("rollout  CanaryVerifying  AnalysisRunning: step 2 of 3" in line for line in lines)
+    assert "│   ├── step 2/3  weight 50%" in lines
+    assert "│   ├── analysis errorRatio  Successful  value=0.01  threshold=0.05" in lines
+    assert "│   └── canary fail  3.5 s  failed: isolation" in lines and "│       └── probe isolation: fail" in lines
+    assert "├── continuous canary  every 300 s  action rollback  last fail at 2026-01-01T00:05:09Z on aaa111" in lines
+    assert "│   ├── probe over_length: fail" in lines
+    assert any("rolled back to zzz000 (from aaa111" in line for line in lines)
+    stable = lines.index("├── revision aaa111  Stable, stable, serving")
+    assert lines.index("└── revision bbb222  Candidate, target") > stable
+    assert lines[stable + 1] == ("│   ├── pod tiny-aaa111-decode-a  decode  node node-80gb  pool 4096 / 2048 tokens (4.00x vs 2x)"
+                                 "  verified")  # fmt: skip
+    assert lines[stable + 2].startswith("│   └── pod tiny-aaa111-decode-b  decode  node node-40gb  pool 1536 / 2048 tokens (1.50x vs 2x)"
+                                        "  TOO SMALL: out of rotation")  # fmt: skip
+    assert lines[stable + 3] == "│       └── pod tiny-aaa111-decode-b on node node-40gb: 1536 < 2048"
+
+
+@pytest.mark.kmock(cls=ApiServer)
+async def test_status_reads_the_model_from_the_cluster(kmock: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config: the process default (kmock) is used
+    url = declare_kvguard_resources(kmock)
+    from operator_harness import EMULATOR_URL
+
+    EMULATOR_URL.append(url)
+    client_configuration(url, make_default=True)
+    try:
+        body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+        body["metadata"] = {"name": "tiny", "namespace": "models"}
+        await http("POST", "/apis/kvguard.io/v1alpha1/namespaces/models/inferencemodels", body)
+        await http("PATCH", "/apis/kvguard.io/v1alpha1/namespaces/models/inferencemodels/tiny/status", {"status": STATUS},
+                   "application/merge-patch+json")  # fmt: skip
+        import asyncio
+
+        code = await asyncio.to_thread(main, ["status", "tiny", "-n", "models"])
+        out = capsys.readouterr().out
+        assert code == EXIT_OK, out
+        assert out.startswith("tiny  (namespace models)  Progressing  stable aaa111")
+        assert "pod tiny-aaa111-decode-b  decode  node node-40gb  pool 1536 / 2048 tokens" in out
+        code = await asyncio.to_thread(main, ["status", "nope", "-n", "models"])
+        assert code == EXIT_NOT_FOUND and "InferenceModel models/nope not found" in capsys.readouterr().err
+    finally:
+        EMULATOR_URL.pop()
+        import kubernetes
+
+        kubernetes.client.ApiClient.set_default(None)
+
+
+def local_state(folder: Path, serving: LocalDeployment) -> Path:
+    """A state folder as `kvguard apply --local` leaves it, its revision's workers the real processes."""
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    spec = InferenceModelSpec.model_validate(body["spec"]).to_wire()
+    workers = [LocalWorker(name=f"{role}-0", role=role, port=serving.ports[role], metrics_port=serving.ports[f"{role}-metrics"], argv=[])
+               for role in ("prefill", "decode")] + [LocalWorker(name="router", role="router", port=serving.ports["router"],
+                                                                  metrics_port=serving.ports["router-metrics"], argv=[])]  # fmt: skip
+    state = LocalState(model="tiny", serving="ccc333", spec=spec, revisions={
+        "ccc333": LocalRevision(revision="ccc333", model_dir="m", created_at="2026-01-01T00:00:00Z", workers=workers),
+        "ddd444": LocalRevision(revision="ddd444", model_dir="m", created_at="2026-01-01T00:00:00Z", scaled_to_zero=True),
+    }, status={"phase": "Ready", "revision": "ccc333", "targetRevision": "ccc333",
+               "history": [{"revision": "ccc333", "state": "Stable", "since": "2026-01-01T00:00:00Z"},
+                           {"revision": "ddd444", "state": "Superseded", "since": "2026-01-01T00:00:00Z"}]})  # fmt: skip
+    StateStore(folder).save(state)
+    return folder
+
+
+def test_status_local_scrapes_every_running_worker(serving: LocalDeployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = local_state(tmp_path / "state", serving)
+    assert main(["status", "tiny", "--local", "--state-dir", str(folder)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "revision ccc333  Stable, stable, serving" in out
+    assert "pod tiny-ccc333-decode-0  decode  node local  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
+    assert "pod tiny-ccc333-prefill-0  prefill  node local  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
+    assert "revision ddd444  Superseded  (scaled to zero)" in out
+    assert main(["status", "other", "--local", "--state-dir", str(folder)]) == EXIT_NOT_FOUND
+
+
+def test_kubectl_kvguard_status_watch_redraws(serving: LocalDeployment, tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl", path=str(BIN)) or shutil.which("kubectl")
+    if kubectl is None or not (BIN / "kubectl-kvguard").exists():
+        pytest.skip("kubectl or the kubectl-kvguard console script is not installed (make .venv/.installed)")
+    folder = local_state(tmp_path / "state", serving)
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen([kubectl, "kvguard", "status", "tiny", "--local", "--state-dir", str(folder), "--watch", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        frames = 0
+        assert proc.stdout is not None
+        for line in proc.stdout:  # blocks until a line comes; the test's timeout bounds it
+            frames += line.startswith("tiny  (namespace local)")
+            if frames == 2:
+                break
+        assert frames == 2, proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
