@@ -19,7 +19,7 @@ PYM := $(PY) -P -m
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test bench lint clean verify-engines
+.PHONY: demo test bench lint clean verify-engines model-check spin
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) scripts/install-kubectl.py $(VENV)
 	# promtool (tests/test_monitoring.py checks the alert rules) is in Debian's `prometheus` package (~12 s).
 	command -v promtool >/dev/null || ! command -v apt-get >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) || echo 'no promtool: the promtool tests will skip'
+	# spin (tests/test_formal_model.py model-checks formal/kvtransfer.pml) is Debian's `spin` package (~1 s).
+	$(MAKE) --no-print-directory spin
 	touch $(STAMP)
+
+# SPIN, for the model of the transfer protocol; gcc compiles its verifier (formal/README.md).
+spin:
+	@command -v spin >/dev/null || ! command -v apt-get >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends spin >/dev/null) || echo 'no spin: the model-check tests will skip'
+
+# The model of the KV transfer and abort protocol, exhaustive at its bounds, and every mutant
+# (each must produce a counterexample). ~70 s of CPU; `make test` runs the same in tests/test_formal_model.py.
+model-check: spin
+	$(PYTHON) formal/check.py
 
 demo: $(STAMP)
 	$(VENV)/bin/kvguard demo
@@ -61,4 +72,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info formal/build

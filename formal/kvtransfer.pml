@@ -13,11 +13,11 @@
  * Each worker is an asyncio event loop: an atomic block is the code between two awaits.
  * Names are the code's: RequestState (request_state), TransferState (transfer_state, prefixed T_
  * since OPEN is also a frame), FrameType (frame), FailureReason (failure_reason, in trail logs).
- * tests/test_formal.py fails if they drift from the Python enums.
+ * tests/test_formal_model.py fails if they drift from the Python enums.
  *
  * Layers: the core (pool, leases, chunked transfer with credit, manifest, intake, aborts, faults);
  * on top, the ticket layer of issue #11 (OPEN with a router-MAC'd ticket, frames MAC'd with a key
- * bound to the ticket nonce and the connection, boot epochs) -- the BOUND, TICKET_OK and EPOCH_OK
+ * bound to the ticket nonce and the connection, boot epochs) -- the BOUND, TICKET_ISSUED and EPOCH_CHECK
  * checks below.
  *
  * Invariants are assertions on globals named after them (SPIN reports "assertion violated S1"):
