@@ -247,7 +247,7 @@ class EngineBackend:
                 self._serial += 1
                 rid = f"b{self._serial}"
                 record.submit = now if due is None else start + due[position]
-                engine.add_request(rid, record.item.prompt_ids, SamplingParams(max_tokens=record.item.max_tokens, ignore_eos=True))
+                engine.add_request(rid, record.item.prompt_ids, SamplingParams(max_tokens=record.item.max_tokens, temperature=0, ignore_eos=True))
                 by_id[rid] = record
                 live += 1
             if not engine.has_work():

@@ -116,3 +116,30 @@ def test_engine_full_pool_requests_wait_and_all_finish(tiny_model_dir: Path) -> 
     assert peak <= e.pool.num_pages
     assert [r.output_ids for r in requests] == solo
     assert e.pool.used_pages == 0
+
+
+def test_decode_only_pages_outside_a_step_keep_fifo_and_max_running() -> None:
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, page_size=4, num_pages=16,
+                  dtype=torch.float32, device=torch.device("cpu"))
+    s = Scheduler(pool, max_running=2, max_prefill_tokens=1000)
+    first = _request("first", 5, 3)
+    first.mode = RequestMode.DECODE_ONLY
+    s.add(first)
+    assert s.admit_decode_only() == [first] and first.state == RequestState.PREALLOCATED
+    colocated, behind = _request("colocated", 2, 2), _request("behind", 5, 3)
+    behind.mode = RequestMode.DECODE_ONLY
+    s.add(colocated), s.add(behind)
+    assert s.admit_decode_only() == []  # a computing request is ahead: no jumping the queue
+    assert list(s.waiting) == [colocated, behind] and behind.lease is None
+    prefill, preallocated = s.admit()
+    assert prefill == [colocated] and preallocated == []  # max_running 2 reached
+    assert list(s.waiting) == [behind]
+    assert s.admit_decode_only() == [] and behind.lease is None  # now at the head, but max_running holds
+
+
+def test_engine_grants_decode_pages_at_intake(tiny_model_dir: Path) -> None:
+    e = engine(tiny_model_dir)
+    request = e.add_decode_request("d", [1, 2, 3], SamplingParams(max_tokens=4))
+    [out] = e.drain_outputs()  # no step needed: decode-only requests compute nothing to get pages
+    assert out.state == RequestState.PREALLOCATED and out.lease is request.lease is not None
+    assert out.request is request

@@ -2,13 +2,18 @@
 
 The engine is single-threaded; every call below is shipped to its thread as a command and
 applied between steps, so submit/abort/start_decode are safe from any event loop. Outputs are
-delivered to per-request `RequestStream`s. The pool's transfer hooks (`engine.pool.export_pages`,
+delivered to per-request `RequestStream`s, one hand-off per engine step and event loop (not one
+per token: each `call_soon_threadsafe` wakes the loop through its self-pipe, and at 16 requests a
+per-output hand-off was a tenth of a decode worker's time). Outputs a command produced (an abort,
+the first token after `start_decode`, a decode request's pages) go out when the command returns,
+without waiting for the next step. The pool's transfer hooks (`engine.pool.export_pages`,
 `import_pages`) are thread-safe and may be called directly (e.g. via `asyncio.to_thread`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -19,7 +24,14 @@ from typing import Any, TypeVar
 
 from kvguard.workers.engine import Engine
 from kvguard.workers.kv_pool import Lease
-from kvguard.workers.request import EngineError, RequestOutput, RequestState, SamplingParams, TokenLogprob
+from kvguard.workers.request import (
+    DuplicateRequestId,
+    Request,
+    RequestOutput,
+    RequestState,
+    SamplingParams,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,20 +50,30 @@ def _settle(future: Future[Any], result: Any = None, exc: BaseException | None =
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; ends after its final output (FINISHED,
-    ABORTED, DONE, or TRANSFERRING on a prefill worker)."""
+    """One request's outputs, in order, on its consumer's event loop; ends after its final output
+    (FINISHED, ABORTED, DONE, or TRANSFERRING on a prefill worker). Read one at a time
+    (`async for`, `next_output`) or everything that has arrived at once (`next_batch`)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._ended = False
+        self.loop = loop
+        self._outputs: collections.deque[RequestOutput] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False  # the final output was handed to the consumer
 
-    def _put_threadsafe(self, output: RequestOutput) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            pass
+    def _push(self, output: RequestOutput) -> None:
+        """On the consumer's loop (see `_deliver`)."""
+        self._outputs.append(output)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._outputs:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -59,19 +81,43 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._ended:
             raise StopAsyncIteration
-        output = await self._queue.get()
+        await self._wait()
+        output = self._outputs.popleft()
         self._ended = output.finished
         return output
 
     async def next_output(self) -> RequestOutput:
         return await self.__anext__()
 
+    async def next_batch(self) -> list[RequestOutput]:
+        """Every output that has arrived (at least one), up to and including the final one; [] once
+        the final output was read."""
+        if self._ended:
+            return []
+        await self._wait()
+        batch = []
+        while self._outputs and not self._ended:
+            output = self._outputs.popleft()
+            self._ended = output.finished
+            batch.append(output)
+        return batch
+
+
+def _log_failure(future: Future[Any]) -> None:
+    if (exc := future.exception()) is not None:  # e.g. the request was aborted before it ran
+        log.debug("posted engine command failed: %s", exc)
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On a consumer loop: one engine step's outputs for the streams of that loop."""
+    for stream, output in items:
+        stream._push(output)
+
 
 class AsyncEngine:
     def __init__(self, engine: Engine, integrity_interval: float = 1.0) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}  # touched only on the engine thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._integrity_interval = integrity_interval
@@ -99,6 +145,13 @@ class AsyncEngine:
         future: Future[T] = Future()
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run `fn()` on the engine thread between steps; nobody waits for it (errors are logged)."""
+        self.start()
+        future: Future[Any] = Future()
+        future.add_done_callback(_log_failure)
+        self._commands.put((fn, future))
 
     def _run(self) -> None:
         last_check = time.monotonic()
@@ -133,6 +186,8 @@ class AsyncEngine:
             _settle(future, exc=exc)
         else:
             _settle(future, result=result)
+        # What the command produced (an abort, a first token, pages) goes out now, not a step later.
+        self._dispatch(self.engine.drain_outputs())
 
     def _step(self) -> None:
         try:
@@ -145,13 +200,19 @@ class AsyncEngine:
         self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """One hand-off per consumer loop for all of these outputs."""
+        if not outputs:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            stream._put_threadsafe(output)
-            if output.finished:
-                del self._streams[output.request_id]
+            stream = output.request.sink if output.request is not None else None
+            if isinstance(stream, RequestStream):
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                pass
 
     def _check_integrity(self) -> None:
         try:
@@ -162,19 +223,13 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------------------- requests
 
-    async def _open(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
+    async def _open(self, request_id: str, add: Callable[[], Request]) -> RequestStream:
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
         def register() -> None:
-            if request_id in self._streams:
-                from kvguard.workers.request import DuplicateRequestId
+            if request_id in self.engine.requests:
                 raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            try:
-                add()
-            except EngineError:
-                del self._streams[request_id]
-                raise
+            add().sink = stream  # before any output of it can be dispatched (same thread)
 
         await self.call(register)
         return stream
@@ -183,11 +238,15 @@ class AsyncEngine:
         """Colocated request. Raises `EngineError` at intake (S2: nothing allocated, no stream)."""
         return await self._open(request_id, lambda: self.engine.add_request(request_id, prompt_ids, params))
 
+    async def open_prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Prefill-only, admitted (raises `EngineError` at intake): its stream's one output is the
+        TRANSFERRING one (first token, `lease` to export) or the ABORTED one. Call `release()`
+        after exporting."""
+        return await self._open(request_id, lambda: self.engine.add_prefill_request(request_id, prompt_ids, params))
+
     async def prefill(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestOutput:
-        """Prefill-only: waits for pages and the prefill; returns the TRANSFERRING output (first
-        token, `lease` to export) or the ABORTED one. Call `release()` after exporting."""
-        stream = await self._open(request_id, lambda: self.engine.add_prefill_request(request_id, prompt_ids, params))
-        return await stream.next_output()
+        """`open_prefill`, then its output."""
+        return await (await self.open_prefill(request_id, prompt_ids, params)).next_output()
 
     async def preallocate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
@@ -201,13 +260,16 @@ class AsyncEngine:
             return None, stream
         return first.lease, stream
 
-    async def mark_receiving(self, request_id: str) -> None:
-        await self.call(lambda: self.engine.mark_receiving(request_id))
+    def mark_receiving(self, request_id: str) -> None:
+        """The first KV chunk arrived (PREALLOCATED -> RECEIVING). Not awaited: the chunk's pages are
+        imported meanwhile, and a request aborted in between refuses them by its lease (S5)."""
+        self.post(lambda: self.engine.mark_receiving(request_id))
 
     async def start_decode(self, request_id: str, first_token: int, *, require_written: bool = True,
                            first_logprob: TokenLogprob | None = None) -> None:
         """S3 check then decode from `first_token` (with its logprobs as prefill computed them, when
-        known); raises `KVNotWritten` (request failed) if not all written."""
+        known); raises `KVNotWritten` (request failed) if not all written. The first token is on
+        the request's stream when this returns."""
         await self.call(lambda: self.engine.start_decode(request_id, first_token, require_written=require_written,
                                                          first_logprob=first_logprob))
 

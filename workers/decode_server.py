@@ -32,7 +32,7 @@ from kvguard.workers.protocol import (
     TokenEvent,
     TokenLogprob,
 )
-from kvguard.workers.request import EngineError, RequestState
+from kvguard.workers.request import EngineError, RequestOutput, RequestState
 from kvguard.workers.serving import Job, WorkerRuntime, current_task, engine_error, parse_body
 from kvguard.workers.transfer import (
     AbortCause,
@@ -69,14 +69,11 @@ class DecodeJob(Job):
     receiving: bool = False
 
     async def write_pages(self, page_ids: Sequence[int], generations: Sequence[int], payload: memoryview) -> WriteOutcome:
-        if self.lease is None:
+        if self.lease is None or self.lease.released:  # aborted meanwhile
             return WriteOutcome.UNKNOWN_REQUEST
         if not self.receiving:
             self.receiving = True
-            try:
-                await self.runtime.engine.mark_receiving(self.request_id)
-            except EngineError:  # aborted meanwhile
-                return WriteOutcome.UNKNOWN_REQUEST
+            self.runtime.engine.mark_receiving(self.request_id)
         data = self.pool.pages_from_bytes(payload)
         valid = self.pool.valid_tokens(self.lease, page_ids, self.plan.kv_tokens)
         result = self.pool.import_pages(self.lease, page_ids, generations, data, valid)
@@ -195,20 +192,15 @@ class DecodeServer:
         )
 
     async def _stream_tokens(self, response: web.StreamResponse, stream: RequestStream, prompt_tokens: int) -> str | None:
-        """Forward the engine's outputs; returns an abort cause if the request did not finish."""
-        completion_tokens = 0
-        async for output in stream:
-            if output.token_ids:
-                completion_tokens += len(output.token_ids)
-                logprobs = tuple(output.logprobs) if output.logprobs is not None else None
-                await _send(response, TokenEvent(token_ids=tuple(output.token_ids), text=output.text, logprobs=logprobs))
-            if output.state is RequestState.FINISHED:
-                reason = "length" if output.finish_reason == "length" else "stop"
-                await _send(response, FinishEvent(finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
-                return None
-            if output.error is not None:
-                await _send(response, ErrorEvent(status=output.error.status, code=output.error.code, message=output.error.message))
-                return None  # the engine already ended the request and freed its pages
+        """Forward the engine's outputs, everything that arrived since the last write in one write
+        (one per engine step, fewer when this loop falls behind); returns an abort cause if the
+        request did not finish."""
+        sent = 0
+        while batch := await stream.next_batch():
+            data, sent, ended = step_events(batch, prompt_tokens, sent)
+            await response.write(data)
+            if ended:
+                return None  # finished, or the engine already ended the request and freed its pages
         return AbortCause.DECODE_ERROR
 
     async def _release(self, job: DecodeJob, cause: str) -> None:
@@ -228,6 +220,35 @@ def first_logprob(first: FirstToken, wanted: int | None) -> TokenLogprob | None:
     if wanted is None or first.logprob is None:
         return None
     return TokenLogprob(token_id=first.token_id, logprob=first.logprob, top=first.top)
+
+
+def step_events(batch: Sequence[RequestOutput], prompt_tokens: int, sent: int) -> tuple[bytes, int, bool]:
+    """One request's consecutive outputs as NDJSON: their tokens as one TokenEvent, then the
+    FinishEvent or ErrorEvent that ended it, if one did. Returns (bytes, completion tokens sent
+    so far, whether the request ended)."""
+    token_ids: list[int] = []
+    text: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
+    end: BaseModel | None = None
+    for output in batch:
+        token_ids += output.token_ids
+        text.append(output.text)
+        if output.logprobs is not None:
+            logprobs = (logprobs or []) + output.logprobs
+        if output.state is RequestState.FINISHED:
+            reason = "length" if output.finish_reason == "length" else "stop"
+            end = FinishEvent(finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=sent + len(token_ids))
+        elif output.error is not None:
+            end = ErrorEvent(status=output.error.status, code=output.error.code, message=output.error.message)
+    lines = []
+    if token_ids:
+        # Built without validation: every field comes from this worker's engine.
+        event = TokenEvent.model_construct(token_ids=tuple(token_ids), text="".join(text),
+                                           logprobs=tuple(logprobs) if logprobs is not None else None)
+        lines.append(event.model_dump_json().encode())
+    if end is not None:
+        lines.append(end.model_dump_json().encode())
+    return b"".join(line + b"\n" for line in lines), sent + len(token_ids), end is not None
 
 
 async def _send(response: web.StreamResponse, event: BaseModel) -> None:

@@ -197,8 +197,11 @@ class Engine:
         return self._intake(request_id, prompt_ids, params, RequestMode.PREFILL_ONLY)
 
     def add_decode_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
-        """Decode-only request: a later step allocates its destination pages (PREALLOCATED output)."""
-        return self._intake(request_id, prompt_ids, params, RequestMode.DECODE_ONLY)
+        """Decode-only request: its destination pages are allocated now if they fit and nothing waits
+        ahead of it, else by a later step; either way a PREALLOCATED output tells where they are."""
+        request = self._intake(request_id, prompt_ids, params, RequestMode.DECODE_ONLY)
+        self._pending += [self._preallocated(r) for r in self.scheduler.admit_decode_only()]
+        return request
 
     def check_fits(self, prompt_tokens: int, max_tokens: int, mode: RequestMode = RequestMode.COLOCATED) -> None:
         """S2: raise `ContextLengthExceeded` if such a request can never run here."""
@@ -292,6 +295,10 @@ class Engine:
             first_logprob = TokenLogprob(token_id=first_token, logprob=None)
         self._pending.append(self._on_token(request, first_token, first_logprob))
 
+    @staticmethod
+    def _preallocated(request: Request) -> RequestOutput:
+        return RequestOutput(request.request_id, request.state, lease=request.lease, request=request)
+
     def _get(self, request_id: str, *states: RequestState) -> Request:
         request = self.requests.get(request_id)
         if request is None or request.state not in states:
@@ -309,7 +316,7 @@ class Engine:
         of every decoding request together. Returns what happened."""
         outputs, self._pending = self._pending, []
         prefill, preallocated = self.scheduler.admit()
-        outputs += [RequestOutput(r.request_id, r.state, lease=r.lease) for r in preallocated]
+        outputs += [self._preallocated(r) for r in preallocated]
         # Longest first: decode attention groups rows of similar length (model.length_groups).
         decode = sorted(self.scheduler.running, key=lambda r: r.num_tokens, reverse=True)
         if prefill or decode:
@@ -391,7 +398,8 @@ class Engine:
                 request.output_ids.append(token)
                 request.first_token_time = time.monotonic()
                 record = [logprobs[row]] if row in logprobs else None
-                outputs.append(RequestOutput(request.request_id, request.state, [token], lease=request.lease, logprobs=record))
+                outputs.append(RequestOutput(request.request_id, request.state, [token], lease=request.lease, logprobs=record,
+                                             request=request))
                 continue
             outputs.append(self._on_token(request, token, logprobs.get(row)))
         return outputs
@@ -416,11 +424,12 @@ class Engine:
             if request.state != S.DECODING:
                 request.move_to(S.DECODING)
                 self.scheduler.start_running(request)
-            return RequestOutput(request.request_id, request.state, [token], text, logprobs=records)
+            return RequestOutput(request.request_id, request.state, [token], text, logprobs=records, request=request)
         request.finish_reason = reason
         request.move_to(S.FINISHED)
         self._retire(request, outcome="finished")
-        return RequestOutput(request.request_id, request.state, [token], text, logprobs=records, finish_reason=reason)
+        return RequestOutput(request.request_id, request.state, [token], text, logprobs=records, finish_reason=reason,
+                             request=request)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         if token in request.end_token_ids and len(request.output_ids) > request.params.min_tokens:
@@ -446,7 +455,7 @@ class Engine:
         request.finish_reason = None
         request.move_to(S.ABORTED)
         self._retire(request, outcome=outcome)
-        return RequestOutput(request.request_id, S.ABORTED, error=error)
+        return RequestOutput(request.request_id, S.ABORTED, error=error, request=request)
 
     def _fail_now(self, request: Request, error: EngineError, outcome: str) -> None:
         """End a request outside a step; its ABORTED output goes out with the next step."""

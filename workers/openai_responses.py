@@ -10,6 +10,7 @@ shown as OpenAI shows it, `bytes:\\xe2\\x80`; chat logprobs carry its exact `byt
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,13 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from kvguard.workers.openai_api import sse
 from kvguard.workers.protocol import TokenLogprob
+
+# Stands for the text in the one frame built per choice (ResponseBuilder.text_chunk_sse); only
+# that frame is searched for it, never a model's text.
+_SPLICE = "\x00kvguard-text\x00"
+_SPLICE_JSON = json.dumps(_SPLICE).encode()
 
 FinishReason = Literal["stop", "length"]
 
@@ -204,6 +211,7 @@ class ResponseBuilder:
         self.echo = list(echo)  # per choice: the prompt text shown before the completion
         self.created = int(time.time())
         self._shapers: dict[int, LogprobShaper] = {}
+        self._text_frames: dict[int, tuple[bytes, bytes]] = {}  # per choice: a text chunk's SSE bytes around its text
 
     def _envelope(self) -> dict[str, object]:
         return {"id": self.request_id, "created": self.created, "model": self.model}
@@ -246,6 +254,20 @@ class ResponseBuilder:
         completion_logprobs = self._shaper(index).completion(records) if self.logprobs and records else None
         choice_c = CompletionChoice(index=index, text=shown, logprobs=completion_logprobs, finish_reason=finish_reason)
         return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude={"usage"})  # type: ignore[arg-type]
+
+    def text_chunk_sse(self, index: int, text: str, records: Sequence[TokenLogprob] = (), first: bool = False) -> bytes:
+        """`sse(chunk(index, text, records, first=first))`, byte for byte. Every chunk after a
+        choice's first one that carries only text differs from the others in its text alone, so
+        it is spliced into the choice's frame instead of building and dumping the models anew (the
+        router writes one per decode step per request)."""
+        if first or (self.logprobs and records):
+            return sse(self.chunk(index, text, records, first=first))
+        frame = self._text_frames.get(index)
+        if frame is None:
+            whole = sse(self.chunk(index, _SPLICE))
+            at = whole.index(_SPLICE_JSON)
+            frame = self._text_frames[index] = (whole[:at], whole[at + len(_SPLICE_JSON):])
+        return frame[0] + json.dumps(text).encode() + frame[1]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
         usage = Usage.of(prompt_tokens, completion_tokens).model_dump()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvguard.workers.protocol import SamplingParams, TokenLogprob
 
@@ -147,6 +147,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" on FINISHED
     error: EngineError | None = None  # set on ABORTED
     lease: Lease | None = None  # set on PREALLOCATED (where prefill must write) and TRANSFERRING (what to export)
+    request: Request | None = field(default=None, repr=False, compare=False)  # whose output this is
 
     @property
     def finished(self) -> bool:
@@ -171,6 +172,9 @@ class Request:
     logits_state: LogitsState | None = None  # penalty counts and bias, when the params change logits
     detokenizer: IncrementalDetokenizer | None = None
     stops: StopMatcher | None = None
+    # The consumer's handle for this request's outputs (AsyncEngine: its RequestStream), so a step's
+    # outputs reach their consumers without a second request-id map beside `Engine.requests`.
+    sink: Any = field(default=None, repr=False)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -75,6 +75,7 @@ T = TypeVar("T")
 # it must not carry control characters, spaces or bytes a log or header parser would misread.
 _LABEL = re.compile(r"[\x21-\x7e]{1,128}")
 _LABEL_KEY = "kvguard.correlation_label"
+UPSTREAM_CONNECTIONS = 2048  # to all workers together: keep-alive connections, reused across requests
 
 
 class ControlClient:
@@ -272,7 +273,10 @@ class Router:
         return app
 
     async def _start(self, _: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        # Every choice in flight holds two connections (decode's stream, prefill's call): aiohttp's
+        # default cap of 100 would queue the 51st concurrent request behind the others.
+        connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         self._discovery = asyncio.create_task(self._discover())
 
     async def _discover(self) -> None:
@@ -530,7 +534,7 @@ class Router:
                     is_first = index not in started
                     started.add(index)
                     if isinstance(event, TokenEvent):
-                        await response.write(sse(builder.chunk(index, event.text, event.logprobs or (), first=is_first)))
+                        await response.write(builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first))
                     else:
                         completion_tokens += event.completion_tokens
                         await response.write(sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first)))
@@ -579,14 +583,13 @@ class Router:
                             event.status, event.message, code=event.code
                         )
                     else:
-                        if prefill_task is not None:
-                            await prefill_task  # decode verified the KV; prefill must agree it sent it all
-                        if isinstance(event, TokenEvent):
-                            now = time.monotonic()
-                            histogram = self.metrics.inter_token_latency if tokens else self.metrics.time_to_first_token
-                            histogram.observe(now - (last_token if tokens else started))
-                            tokens, last_token = tokens + 1, now
+                        # Tokens flow as soon as decode verified the KV (S3): prefill's own answer
+                        # (that it sent it all) is only awaited before the request ends cleanly.
+                        if isinstance(event, TokenEvent) and event.token_ids:
+                            tokens, last_token = self._observe_latency(event, tokens, started, last_token)
                         if isinstance(event, FinishEvent):
+                            if prefill_task is not None:
+                                await prefill_task
                             # Settled before the yield: the consumer may close us right after it.
                             self.metrics.requests.labels("finished").inc()
                             cause = ""
@@ -609,6 +612,18 @@ class Router:
             self.metrics.request_duration.observe(time.monotonic() - started)
             if cause:
                 await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
+
+    def _observe_latency(self, event: TokenEvent, tokens: int, started: float, last: float) -> tuple[int, float]:
+        """TTFT for the first token; for later ones the gap since the last event, shared by the
+        tokens it carries (decode sends one event per request per step, several tokens only when
+        the stream fell behind). Returns (tokens so far, now)."""
+        now, count = time.monotonic(), len(event.token_ids)
+        if not tokens:
+            self.metrics.time_to_first_token.observe(now - started)
+            count -= 1
+        for _ in range(count):
+            self.metrics.inter_token_latency.observe((now - last) / max(1, len(event.token_ids)))
+        return tokens + len(event.token_ids), now
 
     def _ticket(self, request_id: str, event: BootstrapEvent) -> str:
         """S9: the ticket that lets prefill send this request's KV to exactly the decode worker,
@@ -735,6 +750,12 @@ _DONE = object()
 async def _merged(choices: Sequence[Choice], generate: Generate) -> AsyncIterator[tuple[int, TokenEvent | FinishEvent]]:
     """Every choice's events as (index, event), in arrival order; the first error ends all of them.
     Closing this generator cancels every choice, which aborts its legs (S4)."""
+    if len(choices) == 1:  # nothing to merge: no task and queue hop per event
+        only = choices[0]
+        async with contextlib.aclosing(generate(only.generate)) as events:
+            async for event in events:
+                yield only.index, event
+        return
     queue: asyncio.Queue[object] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:

@@ -42,13 +42,8 @@ class Scheduler:
             computes = request.mode != RequestMode.DECODE_ONLY
             if computes and prefill and prefill_tokens + len(request.prompt_ids) > self.max_prefill_tokens:
                 break
-            tokens = len(request.prompt_ids) if request.mode == RequestMode.PREFILL_ONLY else request.max_total_tokens
-            lease = self.pool.allocate(request.request_id, tokens)
-            if lease is None:
+            if not self._allocate_head():
                 break
-            self.waiting.popleft()
-            request.lease = lease
-            self.holding[request.request_id] = request
             if computes:
                 request.move_to(RequestState.PREFILLING)
                 prefill.append(request)
@@ -57,6 +52,29 @@ class Scheduler:
                 request.move_to(RequestState.PREALLOCATED)
                 preallocated.append(request)
         return prefill, preallocated
+
+    def admit_decode_only(self) -> list[Request]:
+        """Pages now, outside a step, for the decode-only requests at the head of the queue (FIFO
+        kept): they compute nothing, so waiting for the next step would only delay the bootstrap."""
+        preallocated: list[Request] = []
+        while self.waiting and self.waiting[0].mode == RequestMode.DECODE_ONLY and len(self.holding) < self.max_running:
+            request = self.waiting[0]
+            if not self._allocate_head():
+                break
+            request.move_to(RequestState.PREALLOCATED)
+            preallocated.append(request)
+        return preallocated
+
+    def _allocate_head(self) -> bool:
+        request = self.waiting[0]
+        tokens = len(request.prompt_ids) if request.mode == RequestMode.PREFILL_ONLY else request.max_total_tokens
+        lease = self.pool.allocate(request.request_id, tokens)
+        if lease is None:
+            return False
+        self.waiting.popleft()
+        request.lease = lease
+        self.holding[request.request_id] = request
+        return True
 
     def start_running(self, request: Request) -> None:
         self.running.append(request)

@@ -1,0 +1,81 @@
+"""The per-step streaming encoders (issue 14): what decode writes per engine step and what the
+router writes per decode event must say exactly what the per-token encoders said."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvguard.workers.decode_server import step_events
+from kvguard.workers.openai_api import sse
+from kvguard.workers.openai_responses import ResponseBuilder
+from kvguard.workers.protocol import DECODE_EVENT, ErrorEvent, FinishEvent, TokenEvent, TokenLogprob
+from kvguard.workers.request import RequestAborted, RequestOutput, RequestState
+
+TEXTS = ["", "a", "hello world", 'quote " and \\ backslash', "line\nbreak\ttab", "\x00nul", "héllo ☃ 𝄞", "end"]
+
+
+class _Bytes:
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id % 256])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_chunk_is_byte_for_byte_the_model_built_chunk(chat: bool) -> None:
+    builder = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=False, echo=["echoed ", "other"])
+    for index in (0, 1):
+        for first in (True, False):
+            for text in TEXTS:
+                assert builder.text_chunk_sse(index, text, first=first) == sse(builder.chunk(index, text, first=first))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_chunk_with_logprobs_keeps_its_records(chat: bool) -> None:
+    records = (TokenLogprob(token_id=97, logprob=-0.5, top=((97, -0.5), (98, -1.0))),)
+    fast = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=True)
+    slow = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=True)
+    for _ in range(2):  # the shaper's text offset advances the same way on both
+        assert fast.text_chunk_sse(0, "a", records) == sse(slow.chunk(0, "a", records))
+    assert fast.text_chunk_sse(0, "b") == sse(slow.chunk(0, "b"))
+
+
+def _lines(data: bytes) -> list[object]:
+    return [DECODE_EVENT.validate_json(line) for line in data.splitlines()]
+
+
+def test_a_steps_outputs_go_out_as_one_token_event() -> None:
+    batch = [RequestOutput("r", RequestState.DECODING, [5], "a"), RequestOutput("r", RequestState.DECODING, [6, 7], "bc")]
+    data, sent, ended = step_events(batch, prompt_tokens=3, sent=2)
+    assert (sent, ended) == (5, False)
+    assert _lines(data) == [TokenEvent(token_ids=(5, 6, 7), text="abc")]
+
+
+def test_the_finishing_step_carries_its_tokens_then_the_finish() -> None:
+    batch = [RequestOutput("r", RequestState.DECODING, [5], "a"),
+             RequestOutput("r", RequestState.FINISHED, [6], "b", finish_reason="length")]
+    data, sent, ended = step_events(batch, prompt_tokens=3, sent=1)
+    assert (sent, ended) == (3, True)
+    assert _lines(data) == [TokenEvent(token_ids=(5, 6), text="ab"),
+                            FinishEvent(finish_reason="length", prompt_tokens=3, completion_tokens=3)]
+
+
+def test_logprobs_of_every_token_in_the_step_are_kept() -> None:
+    one = TokenLogprob(token_id=5, logprob=-1.0)
+    two = TokenLogprob(token_id=6, logprob=-2.0, top=((6, -2.0),))
+    batch = [RequestOutput("r", RequestState.DECODING, [5], "a", logprobs=[one]),
+             RequestOutput("r", RequestState.DECODING, [6], "b", logprobs=[two])]
+    data, _, _ = step_events(batch, prompt_tokens=1, sent=0)
+    (event,) = _lines(data)
+    assert isinstance(event, TokenEvent) and event.logprobs == (one, two)
+
+
+def test_an_abort_ends_the_stream_with_its_error() -> None:
+    error = RequestAborted("client")
+    batch = [RequestOutput("r", RequestState.DECODING, [5], "a"), RequestOutput("r", RequestState.ABORTED, error=error)]
+    data, sent, ended = step_events(batch, prompt_tokens=1, sent=0)
+    assert (sent, ended) == (1, True)
+    token, end = _lines(data)
+    assert isinstance(token, TokenEvent) and isinstance(end, ErrorEvent)
+    assert (end.status, end.code) == (error.status, error.code)
+    assert json.loads(data.splitlines()[1])["message"] == error.message
