@@ -618,12 +618,14 @@ class Router:
         tokens it carries (decode sends one event per request per step, several tokens only when
         the stream fell behind). Returns (tokens so far, now)."""
         now, count = time.monotonic(), len(event.token_ids)
-        if not tokens:
+        if tokens:
+            rest, gap = count, (now - last) / count
+        else:  # the first event: its first token is the TTFT, any others arrived with it
             self.metrics.time_to_first_token.observe(now - started)
-            count -= 1
-        for _ in range(count):
-            self.metrics.inter_token_latency.observe((now - last) / max(1, len(event.token_ids)))
-        return tokens + len(event.token_ids), now
+            rest, gap = count - 1, 0.0
+        for _ in range(rest):
+            self.metrics.inter_token_latency.observe(gap)
+        return tokens + count, now
 
     def _ticket(self, request_id: str, event: BootstrapEvent) -> str:
         """S9: the ticket that lets prefill send this request's KV to exactly the decode worker,
