@@ -44,13 +44,17 @@ $(STAMP): pyproject.toml Makefile
 		else echo 'no promtool: the promtool tests will skip'; fi"
 	@# spin (tests/test_formal_model.py model-checks formal/kvtransfer.pml) is Debian's `spin` package (~1 s).
 	@$(STEP) 7/7 "spin (tests model-check the KV transfer protocol with it; from apt when missing, else those tests skip)" -- \
-		$(MAKE) --no-print-directory spin
+		sh -c "$(SPIN_INSTALL)"
 	@touch $(STAMP)
 	@echo "kvguard setup: done"
 
 # SPIN, for the model of the transfer protocol; gcc compiles its verifier (formal/README.md).
+SPIN_INSTALL := if command -v spin >/dev/null; then echo 'spin already installed'; \
+	elif ! command -v apt-get >/dev/null; then echo 'no apt-get: the model-check tests will skip'; \
+	elif apt-get update -qq && apt-get install -y -qq --no-install-recommends spin >/dev/null; then echo 'installed spin'; \
+	else echo 'no spin: the model-check tests will skip'; fi
 spin:
-	@command -v spin >/dev/null || ! command -v apt-get >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends spin >/dev/null) || echo 'no spin: the model-check tests will skip'
+	@sh -c "$(SPIN_INSTALL)"
 
 # The model of the KV transfer and abort protocol, exhaustive at its bounds, and every mutant
 # (each must produce a counterexample). ~70 s of CPU; `make test` runs the same in tests/test_formal_model.py.
@@ -61,7 +65,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvguard demo
 
 test: $(STAMP)
-	$(PYM) pytest -q -ra
+	$(PYM) pytest -q -ra --durations=15
 
 # SGLang and vLLM read from their own PyPI wheels (vLLM's is 336 MB, so CI uses it only when cached);
 # wheels go to ~/.cache/kvguard-engines. The last run's result is recorded in docs/engines.md.
