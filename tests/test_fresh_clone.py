@@ -10,6 +10,7 @@ takes minutes, so it is run by hand, not here.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -45,6 +46,13 @@ def test_every_path_the_readme_names_is_in_a_clone() -> None:
     assert not missing, f"README.md names paths a clone does not have: {missing}"
 
 
+def make_dry_run(target: str, clone: Path, *, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """`make -n TARGET` as a user runs it: not as a sub-make of CI's `make test` (whose MAKELEVEL
+    and MAKEFLAGS would add "Entering directory" lines and inherited flags)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    return subprocess.run(["make", "-n", target], cwd=clone, capture_output=True, text=True, timeout=60, check=check, env=env)
+
+
 def make_targets() -> list[str]:
     return sorted(set(re.findall(r"`make ([\w-]+)", README)))
 
@@ -57,14 +65,14 @@ def test_the_make_targets_the_readme_names_run_from_the_tracked_files_alone(tmp_
         shutil.copy2(REPO / name, clone / name)
     assert {"demo", "test"} <= set(make_targets())  # the two commands of "Set up"
     for target in make_targets():
-        done = subprocess.run(["make", "-n", target], cwd=clone, capture_output=True, text=True, timeout=60, check=False)
+        done = make_dry_run(target, clone)
         assert done.returncode == 0, f"make -n {target}: {done.stderr}"
         if target in ("demo", "test"):
             steps = re.findall(r"setup_step\.py (\d+)/(\d+)", done.stdout)
             total = len(steps)
             assert total >= 6 and steps == [(str(n), str(total)) for n in range(1, total + 1)], done.stdout  # .venv first, every step said out loud
             assert (clone / "scripts" / "setup_step.py").is_file()
-    last = subprocess.run(["make", "-n", "demo"], cwd=clone, capture_output=True, text=True, timeout=60, check=True)
+    last = make_dry_run("demo", clone, check=True)
     assert last.stdout.strip().splitlines()[-1] == ".venv/bin/kvguard demo"
 
 
