@@ -227,3 +227,14 @@ def test_a_worker_started_but_never_recorded_is_found_by_its_command_line() -> N
     finally:
         orphan.kill()
         orphan.wait()
+
+
+def test_the_ports_of_one_revision_are_all_distinct() -> None:
+    """Free ports are found by binding port 0; each stays bound until all are chosen, else the
+    kernel may return one twice and a worker of the revision cannot bind (restarted forever)."""
+    from kvguard.operator.backends.local import allocate_ports
+
+    for _ in range(50):
+        ports = allocate_ports([f"prefill-{i}" for i in range(4)] + [f"decode-{i}" for i in range(4)] + ["router"])
+        numbers = [p for triple in ports.values() for p in triple if p is not None]
+        assert len(numbers) == len(set(numbers)) == 4 * 2 + 4 * 3 + 2

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -281,14 +282,24 @@ WorkerPorts = tuple[int, int, int | None]
 
 def allocate_ports(names: list[str], old: Mapping[str, LocalWorker] | None = None) -> dict[str, WorkerPorts]:
     """Ports for every process: a worker that keeps running keeps its own (a resize, like a
-    Deployment's scale, leaves running pods alone)."""
+    Deployment's scale, leaves running pods alone). Each free port is found by binding port 0; the
+    sockets stay open until every port is chosen, or the kernel may hand the same port out twice
+    and two processes of one revision would fight over it (a router restarted forever on
+    "Address already in use")."""
     ports: dict[str, WorkerPorts] = {}
-    for name in names:
-        kept = (old or {}).get(name)
-        if kept is not None:
-            ports[name] = (kept.port, kept.metrics_port, kept.transfer_port or (free_port() if name.startswith("decode") else None))
-        else:
-            ports[name] = (free_port(), free_port(), free_port() if name.startswith("decode") else None)
+    with contextlib.ExitStack() as held:  # every new port stays bound until all are chosen: no duplicates
+
+        def fresh() -> int:
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+        for name in names:
+            kept = (old or {}).get(name)
+            if kept is not None:
+                ports[name] = (kept.port, kept.metrics_port, kept.transfer_port or (fresh() if name.startswith("decode") else None))
+            else:
+                ports[name] = (fresh(), fresh(), fresh() if name.startswith("decode") else None)
     return ports
 
 
@@ -297,14 +308,6 @@ def worker_names(spec: InferenceModelSpec, scale: Scale = "full") -> list[str]:
 
 
 # --- processes ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ProcessTable:
