@@ -454,8 +454,7 @@ async def test_client_disconnect_cancels_send_and_aborts_decode_s4() -> None:
     async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S)) as p:
         e = p.expect("r", ids, gens)
         task = asyncio.create_task(p.sender.send(e.ticket, _stalling("r", ids)))
-        while not p.sink.applied["r"]:
-            await asyncio.sleep(0.01)
+        await until(lambda: p.sink.applied["r"], "the first chunk applied", timeout=PATIENT_S)
         task.cancel()
         outcome = await asyncio.wait_for(e.wait(), PATIENT_S)
     assert outcome.reason is FailureReason.PEER_ABORT
@@ -699,8 +698,7 @@ async def test_abort_or_open_from_another_connection_cannot_touch_a_transfer_s9(
     async with make_pair(config=TransferConfig(stall_timeout_s=2 * PATIENT_S), sink=RecordingSink(gate=gate)) as p:
         victim = p.expect("victim", [0, 1], [1, 1])
         sending = asyncio.create_task(p.sender.send(victim.ticket, chunks_of("victim", [0, 1])))
-        while victim.transfer.state is not TransferState.OPEN:
-            await asyncio.sleep(0.01)
+        await until(lambda: victim.transfer.state is TransferState.OPEN, "the victim's transfer open", timeout=PATIENT_S)
         bare = await RawPeer.connect(p.dest)
         bare.abort("victim")  # never opened on this connection: its connection is closed
         assert await bare.closed_by_decode()
@@ -780,14 +778,13 @@ async def test_replayed_frames_on_the_same_connection_are_never_applied_again_s9
         replay = b"".join(data for kind, data in frames(tap.stream()) if kind is not FrameType.HELLO)
         tap.to_decode[0].write(replay)  # OPEN, CHUNK, CHUNK, MANIFEST of a finished transfer, again
         await tap.to_decode[0].drain()
-        while p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) < 4:
-            await asyncio.sleep(0.01)
+        await until(lambda: p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) >= 4,
+                    "the 4 replayed frames dropped as late", timeout=PATIENT_S)
         second = p.expect("second", [2, 3], [1, 1], dest=via)  # the same pooled connection still serves
         gate = asyncio.Event()
         p.sink.gate = gate
         sending = asyncio.create_task(p.sender.send(second.ticket, chunks_of("second", [2, 3])))
-        while len(frames(tap.stream())) < 5 + 2:  # first's 5 frames, then second's OPEN and CHUNK
-            await asyncio.sleep(0.01)
+        await until(lambda: len(frames(tap.stream())) >= 5 + 2, "first's 5 frames, then second's OPEN and CHUNK", timeout=PATIENT_S)
         chunk = next(data for kind, data in reversed(frames(tap.stream())) if kind is FrameType.CHUNK)
         tap.to_decode[0].write(chunk)  # an in-flight CHUNK injected a second time
         gate.set()
@@ -806,8 +803,7 @@ async def test_replayed_frames_on_another_connection_fail_verification_and_leave
         via = await tap.start()
         victim = p.expect("victim", [0, 1], [1, 1], dest=via)
         sending = asyncio.create_task(p.sender.send(victim.ticket, chunks_of("victim", [0, 1])))
-        while len(frames(tap.stream())) < 3:  # HELLO, OPEN, first CHUNK recorded
-            await asyncio.sleep(0.01)
+        await until(lambda: len(frames(tap.stream())) >= 3, "HELLO, OPEN, first CHUNK recorded", timeout=PATIENT_S)
         reader, writer = await asyncio.open_connection(*p.dest)  # the attacker's own connection
         writer.write(tap.stream())  # the victim's HELLO, OPEN, CHUNK verbatim
         await writer.drain()
