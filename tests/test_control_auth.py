@@ -86,4 +86,6 @@ def test_replay_cache_forgets_only_what_the_clock_already_refuses() -> None:
 def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:
     headers = auth_headers(KEYS.control, "GET", "http://10.0.0.1:8000/internal/info?verbose=1")
     verifier = ControlVerifier(KEYS.control)
-    verifier.verify("GET", "/internal/info?verbose=1", b"", headers[AUTH_HEADER])
+    verifier.verify("GET", "/internal/info?verbose=1", b"", headers[AUTH_HEADER])  # raises if it does not verify
+    with pytest.raises(AuthError, match="does not verify"):  # the query is part of what is signed
+        ControlVerifier(KEYS.control).verify("GET", "/internal/info?verbose=0", b"", headers[AUTH_HEADER])
