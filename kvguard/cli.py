@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "model",
     "serve",
     "worker",
+    "splitter",
     "canary",
     "crds",
     "render",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import yaml
 
 from kvguard.commands.apply import EXIT_CODES
@@ -94,8 +95,13 @@ class Story:
         return json.loads((self.state_dir / "state.json").read_text())
 
     def api_base(self, revision: str) -> str:
+        """The revision's own router (behind the splitter)."""
         router = next(w for w in self.state()["revisions"][revision]["workers"] if w["name"] == "router")
         return f"http://127.0.0.1:{router['port']}/v1"
+
+    def serving_url(self) -> str:
+        """The model's one URL: the splitter's, the same through every rollout."""
+        return f"http://127.0.0.1:{self.state()['splitter']['port']}/v1"
 
     def pids(self, revision: str) -> dict[str, int | None]:
         return {w["name"]: w["pid"] for w in self.state()["revisions"][revision]["workers"]}
@@ -142,13 +148,17 @@ def test_a_rollout_prints_a_line_per_wait_and_each_probe_as_it_finishes(story: S
     for probe in report.probes:  # each probe's row, printed under the header as it finished
         assert any(line.split()[:2] == [probe.name.value, probe.status.value] for line in out[header + 1:]), probe.name
     assert f"state: Stable  revision: {revision}  stable: {revision}" in out
-    assert out[-1] == f"serving: {story.api_base(revision)}"
+    assert out[-1] == f"serving: {story.serving_url()}"
+    assert story.state()["weights"] == {revision: 100}
+    answer = requests.get(f"{story.serving_url()}/models", timeout=30)
+    assert answer.status_code == 200 and answer.headers["x-kvguard-revision"] == revision
 
 
 @pytest.mark.slow
 def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Story, first: subprocess.CompletedProcess[str]) -> None:
     revision = story.state()["status"]["revision"]
-    before, revisions, url = story.pids(revision), set(story.state()["revisions"]), story.api_base(revision)
+    before, revisions, url = story.pids(revision), set(story.state()["revisions"]), story.serving_url()
+    router_url = story.api_base(revision)
     report = (story.state_dir / "revisions" / revision / "canary.json").read_text()
     body = copy.deepcopy(story.body)
     body["spec"]["roles"]["decode"]["replicas"] = 2
@@ -166,14 +176,15 @@ def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Sto
     assert after["decode-1"] is not None and after["router"] != before["router"]  # the router learns decode-1
     router = next(w for w in state["revisions"][revision]["workers"] if w["name"] == "router")
     assert sum(1 for arg in router["argv"] if arg == "--decode") == 2
-    assert out[-1] == f"serving: {url}" and story.api_base(revision) == url  # the router's port is kept
+    assert out[-1] == f"serving: {url}" and story.serving_url() == url
+    assert story.api_base(revision) == router_url  # the router restarted on its port
     story.body = body
 
 
 @pytest.mark.slow
 def test_a_rollback_prints_the_probe_table_and_the_reports_path(story: Story, first: subprocess.CompletedProcess[str]) -> None:
     stable = story.state()["status"]["revision"]
-    serving = story.api_base(stable)
+    serving = story.serving_url()
     body = copy.deepcopy(story.body)
     body["spec"]["engine"]["version"] = "0.2.0-incident-build"
     done = story.apply(body, "--faults", FAULTY_BUILD)

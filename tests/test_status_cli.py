@@ -118,7 +118,8 @@ def local_state(folder: Path, serving: LocalDeployment) -> Path:
     workers = [LocalWorker(name=f"{role}-0", role=role, port=serving.ports[role], metrics_port=serving.ports[f"{role}-metrics"], argv=[])
                for role in ("prefill", "decode")] + [LocalWorker(name="router", role="router", port=serving.ports["router"],
                                                                   metrics_port=serving.ports["router-metrics"], argv=[])]  # fmt: skip
-    state = LocalState(model="tiny", serving="ccc333", spec=spec, revisions={
+    splitter = LocalWorker(name="splitter", role="splitter", port=41234, metrics_port=41235, argv=[])
+    state = LocalState(model="tiny", serving="ccc333", spec=spec, splitter=splitter, weights={"ccc333": 100}, revisions={
         "ccc333": LocalRevision(revision="ccc333", model_dir="m", created_at="2026-01-01T00:00:00Z", workers=workers),
         "ddd444": LocalRevision(revision="ddd444", model_dir="m", created_at="2026-01-01T00:00:00Z", scaled_to_zero=True),
     }, status={"phase": "Ready", "revision": "ccc333", "targetRevision": "ccc333",
@@ -132,7 +133,7 @@ def test_status_local_scrapes_every_running_worker(serving: LocalDeployment, tmp
     folder = local_state(tmp_path / "state", serving)
     assert main(["status", "tiny", "--local", "--state-dir", str(folder)]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "revision ccc333  Stable, stable, serving" in out
+    assert "revision ccc333  Stable, stable, serving  (100% of traffic at http://127.0.0.1:41234/v1)" in out
     assert "pod tiny-ccc333-decode-0  decode  node local  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
     assert "pod tiny-ccc333-prefill-0  prefill  node local  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
     assert "revision ddd444  Superseded  (scaled to zero)" in out

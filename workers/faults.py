@@ -16,6 +16,7 @@ mechanism catches the failure it exists for. The value is a comma-separated list
 | ``no_tags``                     | engine          | page generation tags are not checked at read time     |
 | ``unsafe_reject_path``          | servers         | the incident: over-length becomes a placeholder token |
 | ``ignore_manifest``             | transfer recv.  | decode reports completion without checking the plan   |
+| ``fail_proxied_requests``       | router          | 500 to requests with X-Forwarded-For (live traffic)   |
 | ``seed=N``                      | all random ones | seed of the RNG behind ``corrupt_chunk``/``drop_chunk``|
 
 Probabilistic switches draw from ``Faults.rng()`` (a ``random.Random`` seeded with ``seed``), so a
@@ -55,6 +56,7 @@ class Faults(BaseModel):
     no_tags: bool = False
     unsafe_reject_path: bool = False
     ignore_manifest: bool = False
+    fail_proxied_requests: bool = False
     seed: int = 0
 
     def enabled(self) -> list[str]:

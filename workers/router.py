@@ -70,6 +70,8 @@ from kvguard.workers.transfer.tickets import MAX_TICKET_TTL_S, TicketAuthority
 log = logging.getLogger("kvguard.router")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+FORWARDED_FOR_HEADER = "X-Forwarded-For"
+"""Set by proxies in front of the router; read only by the fail_proxied_requests fault (never trusted)."""
 T = TypeVar("T")
 # A correlation label is 1..128 visible ASCII characters: it is echoed in a header and logged, so
 # it must not carry control characters, spaces or bytes a log or header parser would misread.
@@ -134,6 +136,7 @@ class RouterConfig:
     inline_bytes: int = 4096  # smaller prompts/bodies are tokenized/parsed on the loop (a thread hop costs more)
     propagate_aborts: bool = True  # False only under the no_abort_propagation fault
     unsafe_reject_path: bool = False  # the incident's engine: let over-length requests through
+    fail_proxied_requests: bool = False  # fault fail_proxied_requests: 500 to requests that came through a proxy
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -348,6 +351,7 @@ class Router:
         except OpenAIError as err:
             return self._error_response(err)
         try:
+            self._fail_if_injected(request)
             choices = self._plan(body, prompts, request_id, chat)
             builder = ResponseBuilder(
                 request_id, body.model, chat, self.encoder, logprobs=body.logprobs_wanted() is not None,
@@ -359,6 +363,14 @@ class Router:
             return await self._whole(choices, builder, prompt_tokens)
         except OpenAIError as err:
             return self._error_response(err)
+
+    def _fail_if_injected(self, request: web.Request) -> None:
+        """The fail_proxied_requests fault (test only): a revision that fails live traffic -- what
+        reaches it through a Gateway or the local splitter, which add X-Forwarded-For -- while the
+        canary's direct probes pass. The rollout's analysis must catch it at the first step."""
+        if self.config.fail_proxied_requests and FORWARDED_FOR_HEADER in request.headers:
+            self.metrics.requests.labels("failed").inc()
+            raise OpenAIError(500, "injected fault: fail_proxied_requests", code="engine_error")
 
     async def _parse(self, request: web.Request, kind: type[APIRequest]) -> APIRequest:
         """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter."""

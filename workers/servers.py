@@ -118,6 +118,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         max_body_bytes=args.max_body_bytes,
         propagate_aborts=not faults.no_abort_propagation,
         unsafe_reject_path=faults.unsafe_reject_path,
+        fail_proxied_requests=faults.fail_proxied_requests,
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
     return router.app(), router.metrics_app()

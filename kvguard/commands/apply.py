@@ -5,8 +5,9 @@ revision's router, prefill and decode run as processes on loopback, with their s
 ports, PIDs, the stable revision, the rollout status) in --state-dir. Running it again with a
 changed spec rolls the new revision out beside the stable one; a change of replicas only (not part
 of the revision) resizes the serving revision in place; running it again after an interruption
-resumes the recorded rollout (S8). The stable revision keeps running after the command exits; its
-API base URL is printed (`serving:`), and `--delete` stops everything. Every wait prints a line
+resumes the recorded rollout (S8). The stable revision keeps running after the command exits. Its
+API base URL is printed (`serving:`): a splitter's, the same through every rollout, that carries
+the weights of spec.rollout.steps (as the HTTPRoute does on a cluster). `--delete` stops everything. Every wait prints a line
 with the time waited; each canary probe prints its row as it finishes; the canary's report is
 saved as <state-dir>/revisions/<revision>/canary.json (printed as a table on a rollback).
 

@@ -130,6 +130,9 @@ def _local_view(state_dir: Path, name: str) -> Any:
             raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
         pools = asyncio.run(measure_local(state))
         notes = {rev: "scaled to zero" for rev, r in state.revisions.items() if r.scaled_to_zero}
+        for rev, weight in state.weights.items():  # the splitter's table: who gets what share of the one URL
+            share = f"{weight}% of traffic at {state.splitter.url}/v1" if state.splitter else f"{weight}% of traffic"
+            notes[rev] = f"{notes[rev]}; {share}" if rev in notes else share
         return render(name, "local", state.status, pools, serving=state.serving, notes=notes)
 
     return show

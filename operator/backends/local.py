@@ -9,11 +9,15 @@ from `status`. The folder::
     STATE_DIR/lock                             flock held by the one `kvguard apply` driving it
     STATE_DIR/revisions/<rev>/transfer.key     the revision's KV-transfer HMAC key (0600, never logged; S3)
     STATE_DIR/revisions/<rev>/<worker>.log     each worker's output
+    STATE_DIR/split.json                       the splitter's table: which revision's router gets what share
+    STATE_DIR/splitter.log                     the splitter's output
 
-Traffic: there is no proxy. The route users follow is `state.json`'s `serving` revision, whose
-router URL `kvguard apply` prints (`LocalBackend.serving_url()`); promotion switches the recorded
-route, and the old revision is stopped only after that (S8). A client pinned to an old URL gets a
-connection error rather than a different model.
+Traffic: one splitter process (`kvguard splitter`, workers/splitter.py) listens on a port chosen
+once per state folder and forwards every OpenAI API request to a revision's router by the weights
+in split.json. It stands where the Gateway and its HTTPRoute stand on a cluster: promotion
+(`route`) and the traffic steps (`split_traffic`) rewrite the table, never the URL
+`kvguard apply` prints (`LocalBackend.serving_url()`), so a client keeps one URL through every
+rollout. The old revision is stopped only after the table no longer sends it anything (S8).
 
 Workers are `python -m kvguard worker ...` processes in their own session, so a Ctrl-C aimed at
 `kvguard apply` does not kill a serving revision; a worker found dead is restarted on its ports
@@ -34,7 +38,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +58,17 @@ from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share
 from kvguard.workers.args import WorkerArgs
+from kvguard.workers.splitter import SPLIT_FILE, SplitBackend, SplitTable, write_table
 
 log = logging.getLogger("kvguard.local")
 
 STATE_FILE = "state.json"
+SPLITTER_LOG = "splitter.log"
 LOCK_FILE = "lock"
 FAULTS_ENV = "KVGUARD_FAULTS"
 TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
 HEALTH_TIMEOUT_S = 2.0
+SPLITTER_START_S = 120.0  # a python start on a loaded 2-core machine: seconds, rarely more
 STOP_TIMEOUT_S = 10.0
 # The kvguard engine loads unquantized checkpoints; these formats are a dtype it can load into.
 
@@ -151,6 +158,11 @@ class LocalState(_StateModel):
     server bumps it when a spec changes."""
     spec: dict = Field(default_factory=dict)  # type: ignore[type-arg]
     """The spec last applied (what `generation` counts changes of)."""
+    splitter: LocalWorker | None = None
+    """The weighted splitter in front of every revision's router: its port is the model's one URL,
+    chosen when the folder first serves and kept for its life (a restart takes the same port)."""
+    weights: dict[str, int] = Field(default_factory=dict)
+    """revision -> percent of user traffic: what split.json says (the HTTPRoute's backendRefs)."""
 
 
 class StateStore:
@@ -401,6 +413,16 @@ class ProcessTable:
                 child.wait(timeout=1.0)
 
 
+def _accepts(port: int, timeout_s: float, alive: Callable[[], bool]) -> bool:
+    """Whether 127.0.0.1:port accepts a connection within timeout_s (False at once if the process died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def healthy(worker: LocalWorker) -> bool:
     try:
         return requests.get(worker.metrics_url.removesuffix("/metrics") + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
@@ -484,6 +506,7 @@ class LocalBackend:
             self._resize(record, spec, kv_plan, scale)
         record.scaled_to_zero = False
         self._ensure_running(record)
+        self._ensure_splitter()  # starts beside the workers: listening long before traffic is routed
         self.save()
 
     def _create(self, revision: str, spec: InferenceModelSpec, kv_plan: KVPlan, faults: str, scale: Scale) -> LocalRevision:
@@ -525,19 +548,56 @@ class LocalBackend:
         env = worker_env(self.environ, self.store.transfer_key(record.revision), record.faults)
         folder = self.store.revision_dir(record.revision)
         for worker in record.workers:
-            if self.processes.alive(worker):
-                continue
-            orphan = self.processes.find(worker)
-            if orphan is not None:  # started by a driver killed before it could record the PID
-                log.warning("revision %s: adopting %s (pid %s), which runs unrecorded", record.revision, worker.name, orphan)
-                worker.pid = orphan
-                self.save()
-                continue
-            if worker.pid is not None:
-                worker.restarts += 1
-                log.warning("revision %s: %s (pid %s) is not running; restarting it", record.revision, worker.name, worker.pid)
-            worker.pid = self.processes.spawn(worker, env, folder / f"{worker.name}.log")
-            self.save()  # the PID is on disk before anything else can go wrong
+            self._keep_running(worker, env, folder / f"{worker.name}.log", f"revision {record.revision}")
+
+    def _keep_running(self, worker: LocalWorker, env: Mapping[str, str], log_path: Path, owner: str) -> None:
+        """Start the worker if it does not run (adopting an unrecorded one that does)."""
+        if self.processes.alive(worker):
+            return
+        orphan = self.processes.find(worker)
+        if orphan is not None:  # started by a driver killed before it could record the PID
+            log.warning("%s: adopting %s (pid %s), which runs unrecorded", owner, worker.name, orphan)
+            worker.pid = orphan
+            self.save()
+            return
+        if worker.pid is not None:
+            worker.restarts += 1
+            log.warning("%s: %s (pid %s) is not running; restarting it", owner, worker.name, worker.pid)
+        worker.pid = self.processes.spawn(worker, env, log_path)
+        self.save()  # the PID is on disk before anything else can go wrong
+
+    # --- traffic -----------------------------------------------------------------------------------
+    def _ensure_splitter(self, wait: bool = False) -> LocalWorker:
+        """The splitter process, created once per folder (its port is the model's URL) and
+        restarted on the same ports if it died. It holds no key and runs no faults. With `wait`,
+        returns once it accepts connections: a URL is printed only when it answers."""
+        if self.state.splitter is None:
+            (port, metrics_port, _), = allocate_ports(["splitter"]).values()
+            argv = [sys.executable, "-P", "-m", "kvguard", "splitter", "--table", str((self.store.root / SPLIT_FILE).resolve()),
+                    "--port", str(port), "--metrics-port", str(metrics_port)]  # fmt: skip
+            self.state.splitter = LocalWorker(name="splitter", role="splitter", port=port, metrics_port=metrics_port, argv=argv)
+            self.save()
+        env = {k: v for k, v in self.environ.items() if k not in (FAULTS_ENV, TRANSFER_KEY_ENV)}
+        splitter = self.state.splitter
+        self._keep_running(splitter, env, self.store.root / SPLITTER_LOG, "splitter")
+        if wait and not _accepts(splitter.port, SPLITTER_START_S, lambda: self.processes.alive(splitter)):
+            raise LocalBackendError(f"the splitter did not start listening on port {splitter.port} within "
+                                    f"{SPLITTER_START_S:g} s; see {self.store.root / SPLITTER_LOG}")  # fmt: skip
+        return splitter
+
+    def _write_split(self, weights: Mapping[str, int]) -> None:
+        """split.json (what the splitter follows from its next request on), then state.json."""
+        backends = tuple(SplitBackend(revision=r, url=self.state.revisions[r].router.url, weight=w)
+                         for r, w in weights.items() if r in self.state.revisions)  # fmt: skip
+        self.store.root.mkdir(parents=True, exist_ok=True)
+        write_table(self.store.root / SPLIT_FILE, SplitTable(backends=backends))
+        self.state.weights = {b.revision: b.weight for b in backends}
+        self.save()
+        self._ensure_splitter(wait=True)
+
+    def split(self, shares: Sequence[Share]) -> None:
+        """Send each revision its share of the traffic (the HTTPRoute's weights on a cluster)."""
+        self._write_split({share.revision: share.weight for share in shares})
 
     def scale(self, revision: str, replicas: int | None) -> None:
         """0 stops every process of the revision (its record, ports and key stay for a rollback);
@@ -558,6 +618,9 @@ class LocalBackend:
         record = self.state.revisions.get(revision)
         if record is None:
             return
+        rest = {r: w for r, w in self.state.weights.items() if r != revision}
+        if revision in self.state.weights and any(rest.values()):
+            self._write_split(rest)  # the splitter stops naming it before it goes
         self.processes.stop(record.workers)
         del self.state.revisions[revision]
         if self.state.serving == revision:
@@ -566,20 +629,26 @@ class LocalBackend:
 
     def stop_all(self) -> None:
         """Stop every process this folder records (the demo's and the tests' cleanup)."""
+        if self.state.splitter is not None:
+            self.processes.stop([self.state.splitter])
         for record in self.state.revisions.values():
             self.processes.stop(record.workers)
             record.scaled_to_zero = True
         self.save()
 
     def route(self, revision: str) -> None:
-        """Point user traffic at the revision: the recorded route `kvguard apply` prints."""
+        """All user traffic to the revision (the model Service's selector on a cluster)."""
         if self.state.serving != revision:
             self.state.serving = revision
             self.save()
+        if self.state.weights != {revision: 100} or self.state.splitter is None:
+            self._write_split({revision: 100})
 
     def serving_url(self) -> str | None:
-        record = self.state.revisions.get(self.state.serving or "")
-        return record.api_base if record is not None else None
+        """The model's one API base (…/v1): the splitter's, the same through every promotion."""
+        if self.state.serving is None or self.state.splitter is None:
+            return None
+        return f"{self.state.splitter.url}/v1"
 
     # --- observation -------------------------------------------------------------------------------
     def views(self, heal: bool = True) -> dict[str, object]:
@@ -588,6 +657,8 @@ class LocalBackend:
         from kvguard.operator.rollout import RevisionView
 
         views: dict[str, object] = {}
+        if heal and self.state.weights:
+            self._ensure_splitter()
         for revision, record in self.state.revisions.items():
             if record.scaled_to_zero:
                 running = [w.name for w in record.workers if self.processes.alive(w)]
@@ -643,11 +714,11 @@ class LocalBackend:
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         self._check_model(model)
-        self.route(revision)
+        await asyncio.to_thread(self.route, revision)
 
     async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
-        # refused up front by local_rollout._check_runnable; here only if someone bypasses it
-        raise LocalBackendError("spec.rollout.trafficRouter: the local backend has no weighted splitter yet; use service")
+        self._check_model(request.model)
+        await asyncio.to_thread(self.split, shares)
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
         return []  # nothing here is created by anyone else

@@ -111,9 +111,6 @@ def _check_runnable(backend: LocalBackend, spec: InferenceModelSpec, kv_plan: KV
     if kv_plan.verdict != "pass":
         return  # blocked: recorded as such, nothing starts
     problems = runnable_problems(spec)
-    if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
-        problems.append(f"spec.rollout.trafficRouter {spec.rollout.traffic_router.value}: traffic in steps "
-                        "needs a weighted splitter, which the local backend does not have yet; use trafficRouter service")  # fmt: skip
     if problems:
         raise LocalBackendError("; ".join(problems))
     model_dir = model_dir_for(spec, backend.models_root)
@@ -181,6 +178,9 @@ async def roll_out(
     kv_plan = plan(spec)
     _check_runnable(backend, spec, kv_plan)
     backend.claim(name)
+    if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
+        say(f"trafficRouter {spec.rollout.traffic_router.value}: locally the splitter in front of the revisions' routers "
+            "carries the steps' weights (spec.rollout.gateway is for a cluster's Gateway and is not used here)")  # fmt: skip
     resize = replica_change(backend, revision_of(spec, faults), spec)
     if resize:
         say(f"revision {backend.state.serving} serves; spec replicas changed ({describe_change(resize)}): resizing it in "

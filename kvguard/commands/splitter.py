@@ -1,0 +1,47 @@
+"""`kvguard splitter --table FILE --port P --metrics-port M`: the local backend's weighted splitter.
+
+One port for the whole life of a state folder: `kvguard apply --local` starts it and prints its
+URL, and writes the split table (FILE, split.json) that says which revision's router gets what
+share of the requests. Promotions, traffic steps and rollbacks change the table, never the URL
+(workers/splitter.py). Exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad flags or a busy port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("splitter", help="run the local backend's weighted traffic splitter (one stable URL)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--table", type=Path, required=True, metavar="FILE", help="the split table (split.json) to follow")
+    parser.add_argument("--port", type=int, required=True, help="the OpenAI API port clients use (0: any free one)")
+    parser.add_argument("--metrics-port", type=int, required=True, help="read-only /metrics and /health")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import socket
+
+    from kvguard.workers.args import bind_listener
+    from kvguard.workers.servers import serve
+    from kvguard.workers.splitter import Splitter, SplitterConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s splitter %(name)s %(levelname)s %(message)s")
+    sockets: list[socket.socket] = []
+    try:
+        for port in (args.port, args.metrics_port):
+            sockets.append(bind_listener(args.host, port))  # SO_REUSEADDR: a restart takes the same port back
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        print(f"kvguard splitter: cannot listen on {args.host}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    splitter = Splitter(SplitterConfig(table_path=args.table))
+    asyncio.run(serve([(splitter.app(), sockets[0]), (splitter.metrics_app(), sockets[1])]))
+    return 0

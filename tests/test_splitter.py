@@ -1,0 +1,225 @@
+"""The local backend's weighted splitter (workers/splitter.py): the one URL a client keeps through
+promotions and traffic steps (#17), in front of revisions' routers.
+
+The pure parts (the table, smooth weighted round-robin) are tested alone; the proxy runs on real
+loopback sockets with the same runner every worker uses (`servers.app_runner`), in front of two
+small aiohttp servers standing for two revisions' routers (the real routers behind it are in
+e2e/test_local_progressive.py). Waits are on conditions (tests/waiting.py), never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+from waiting import until
+
+from kvguard.workers.servers import app_runner
+from kvguard.workers.splitter import (
+    REVISION_HEADER,
+    SplitBackend,
+    SplitTable,
+    Splitter,
+    SplitterConfig,
+    TableSource,
+    WeightedTurns,
+    write_table,
+)
+
+
+def table(**weights: tuple[int, int]) -> SplitTable:
+    """revision=(port, weight) -> a table."""
+    return SplitTable(backends=tuple(SplitBackend(revision=r, url=f"http://127.0.0.1:{p}", weight=w) for r, (p, w) in weights.items()))
+
+
+# --- pure -----------------------------------------------------------------------------------------
+
+
+def test_smooth_weighted_round_robin_gives_exact_shares_in_every_window() -> None:
+    turns = WeightedTurns(table(stable=(1, 90), cand=(2, 10)))
+    picks = [turns.order()[0].revision for _ in range(300)]
+    for start in range(0, 300, 100):
+        assert picks[start:start + 100].count("cand") == 10  # exact per window of sum(weights), not on average
+    at = [i for i, p in enumerate(picks) if p == "cand"]
+    assert {b - a for a, b in zip(at, at[1:], strict=False)} == {10}  # spread out evenly, not ten in a row
+
+
+def test_fallback_order_and_weight_zero() -> None:
+    turns = WeightedTurns(table(stable=(1, 100), cand=(2, 0)))
+    assert [[b.revision for b in turns.order()] for _ in range(3)] == [["stable"]] * 3  # weight 0 gets nothing
+    turns = WeightedTurns(table(a=(1, 50), b=(2, 30), c=(3, 20)))
+    first = turns.order()
+    assert sorted(b.revision for b in first) == ["a", "b", "c"]  # every live backend is a fallback
+    assert WeightedTurns(SplitTable()).order() == []
+
+
+@pytest.mark.parametrize(
+    "backends, why",
+    [
+        ([{"revision": "a", "url": "http://10.0.0.1:80", "weight": 100}], "should match pattern"),  # loopback only
+        ([{"revision": "a", "url": "http://127.0.0.1:1", "weight": 60}, {"revision": "a", "url": "http://127.0.0.1:2", "weight": 40}], "twice"),
+        ([{"revision": "a", "url": "http://127.0.0.1:1", "weight": 0}], "every weight is 0"),
+        ([{"revision": "a", "url": "http://127.0.0.1:1", "weight": 101}], "less than or equal"),
+        ([{"revision": "A/../b", "url": "http://127.0.0.1:1", "weight": 1}], "should match pattern"),
+    ],
+)
+def test_a_bad_table_is_refused(backends: list[dict[str, object]], why: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        SplitTable.model_validate({"backends": backends})
+    assert why in str(caught.value)
+
+
+def test_table_source_follows_the_file_and_keeps_the_last_good_table(tmp_path: Path) -> None:
+    path = tmp_path / "split.json"
+    source = TableSource(path)
+    assert source.current().table == SplitTable()  # no file yet: nothing to route to
+    write_table(path, table(stable=(1, 100)))
+    assert source.current().table.weights() == {"stable": 100}
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    write_table(path, table(stable=(1, 90), cand=(2, 10)))
+    assert source.current().table.weights() == {"stable": 90, "cand": 10}
+    path.write_text('{"backends": [{"revision": "x", "url": "http://evil.example:80", "weight": 100}]}')
+    assert source.current().table.weights() == {"stable": 90, "cand": 10}  # refused: the last good one stays
+    path.write_text("{half a tab")
+    assert source.current().table.weights() == {"stable": 90, "cand": 10}
+
+
+# --- on loopback ----------------------------------------------------------------------------------
+
+
+class FakeRevisionRouter:
+    """A router's HTTP surface, enough to see where requests land and how they are relayed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[bytes] = []
+        self.release = asyncio.Event()
+        self.cancelled = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"served_by": self.name, "query": request.query_string, "xff": request.headers.get("X-Forwarded-For")},
+                                 headers={"x-request-id": "r1"})  # fmt: skip
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.read())
+        if request.headers.get("x-stream") != "1":
+            return web.json_response({"served_by": self.name}, status=201)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1  # the client went away: the router's handler is cancelled (S4)
+            raise
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+@asynccontextmanager
+async def listening(app: web.Application) -> AsyncIterator[int]:
+    runner = app_runner(app, 30.0)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def splitter_in_front(tmp_path: Path) -> AsyncIterator[tuple[Splitter, int, int, dict[str, FakeRevisionRouter]]]:
+    routers = {"stable": FakeRevisionRouter("stable"), "cand": FakeRevisionRouter("cand")}
+    splitter = Splitter(SplitterConfig(table_path=tmp_path / "split.json", max_body_bytes=1024, body_timeout_s=5))
+    async with listening(routers["stable"].app()) as p1, listening(routers["cand"].app()) as p2:
+        async with listening(splitter.app()) as api, listening(splitter.metrics_app()) as metrics:
+            splitter.ports = {"stable": p1, "cand": p2}  # type: ignore[attr-defined]
+            yield splitter, api, metrics, routers
+
+
+async def test_requests_follow_the_weights_exactly_and_say_who_served(tmp_path: Path) -> None:
+    async with splitter_in_front(tmp_path) as (splitter, api, metrics, routers), aiohttp.ClientSession() as http:
+        ports = splitter.ports  # type: ignore[attr-defined]
+        async with http.get(f"http://127.0.0.1:{api}/v1/models") as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_backend"  # no table yet
+        write_table(splitter.config.table_path, table(stable=(ports["stable"], 70), cand=(ports["cand"], 30)))
+        served = []
+        for i in range(20):
+            async with http.post(f"http://127.0.0.1:{api}/v1/completions", json={"i": i}) as resp:
+                body = await resp.json()
+                assert resp.status == 201  # the router's status, relayed
+                assert resp.headers[REVISION_HEADER] == body["served_by"]
+                served.append(body["served_by"])
+        assert served.count("cand") == 6 and served.count("stable") == 14
+        assert sorted(routers["stable"].bodies + routers["cand"].bodies) == sorted(f'{{"i": {i}}}'.encode() for i in range(20))
+        async with http.get(f"http://127.0.0.1:{api}/v1/models?x=1", headers={"X-Forwarded-For": "10.1.1.1"}) as resp:
+            seen = await resp.json()  # query and headers pass through; the splitter appends its client
+            assert seen["query"] == "x=1" and resp.headers["x-request-id"] == "r1" and seen["xff"] == "10.1.1.1, 127.0.0.1"
+        write_table(splitter.config.table_path, table(stable=(ports["stable"], 0), cand=(ports["cand"], 100)))
+        for _ in range(5):  # a new table is in force from the next request on
+            async with http.post(f"http://127.0.0.1:{api}/v1/completions", json={}) as resp:
+                assert resp.headers[REVISION_HEADER] == "cand"
+        async with http.get(f"http://127.0.0.1:{metrics}/metrics") as resp:
+            text = await resp.text()
+        counts = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+                  for s in f.samples if s.name == "kvguard_splitter_requests_total"}  # fmt: skip
+        assert counts[(("code", "201"), ("revision", "cand"))] == 11
+        async with http.get(f"http://127.0.0.1:{api}/metrics") as resp:
+            assert resp.status == 404  # one audience per port: metrics are not on the API port
+
+
+async def test_streams_are_relayed_as_they_come_and_a_disconnect_reaches_the_router(tmp_path: Path) -> None:
+    async with splitter_in_front(tmp_path) as (splitter, api, _, routers), aiohttp.ClientSession() as http:
+        ports = splitter.ports  # type: ignore[attr-defined]
+        write_table(splitter.config.table_path, table(stable=(ports["stable"], 100)))
+        async with http.post(f"http://127.0.0.1:{api}/v1/completions", json={}, headers={"x-stream": "1"}) as resp:
+            assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"  # before the router finished
+            routers["stable"].release.set()
+            assert await resp.content.read() == b"data: [DONE]\n\n"
+        routers["stable"].release.clear()
+        resp = await http.post(f"http://127.0.0.1:{api}/v1/completions", json={}, headers={"x-stream": "1"})
+        assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
+        resp.close()  # the client goes away mid-stream
+        await until(lambda: routers["stable"].cancelled == 1, "the router's handler to be cancelled by the disconnect")
+
+
+async def test_a_refused_connection_goes_to_the_next_revision_and_limits_hold(tmp_path: Path) -> None:
+    async with splitter_in_front(tmp_path) as (splitter, api, _, _routers), aiohttp.ClientSession() as http:
+        ports = splitter.ports  # type: ignore[attr-defined]
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        dead_port = dead.getsockname()[1]
+        try:
+            write_table(splitter.config.table_path, table(gone=(dead_port, 100), cand=(ports["cand"], 1)))
+            for _ in range(3):
+                async with http.post(f"http://127.0.0.1:{api}/v1/completions", json={}) as resp:
+                    assert resp.status == 201 and resp.headers[REVISION_HEADER] == "cand"
+            write_table(splitter.config.table_path, table(gone=(dead_port, 100)))
+            async with http.post(f"http://127.0.0.1:{api}/v1/completions", json={}) as resp:
+                assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_backend"
+        finally:
+            dead.close()
+        write_table(splitter.config.table_path, table(cand=(ports["cand"], 100)))
+        async with http.post(f"http://127.0.0.1:{api}/v1/completions", data=b"x" * 2048) as resp:
+            assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
+        async with http.get(f"http://127.0.0.1:{api}/health") as resp:
+            assert resp.status == 200 and (await resp.json())["weights"] == {"cand": 100}

@@ -1,0 +1,275 @@
+"""`kvguard splitter`: the local backend's weighted traffic splitter (what a Gateway is on a cluster).
+
+On Kubernetes an HTTPRoute splits user traffic between the stable and the candidate revision's
+routers (operator/traffic.py). On one machine this process does it: it listens on one port for
+the whole life of a state folder -- promotions, steps and rollbacks change where requests go, never
+the URL a client uses -- and forwards each OpenAI API request (`/v1/...`) to one revision's router,
+chosen by the weights in a split table (`split.json`) that the local backend writes
+(`LocalBackend.route` and `split_traffic`).
+
+What it does and does not do:
+- The table is re-read when the file changes (its stat), on the next request: a weight the driver
+  wrote is in force for every request that arrives after the write. A table that does not parse
+  is ignored (the last good one stays, and the error is logged): a half-written file never sends
+  traffic anywhere new. Writers replace it atomically anyway.
+- Backends are picked by smooth weighted round-robin (nginx's): over any run of 100 requests a
+  10% backend gets 10, not 10 on average -- the analysis' minimum request counts are reached at a
+  predictable rate, and tests count exactly.
+- A request whose chosen router refuses the connection (it has not started, or has just been
+  stopped) is sent to the next backend with weight: it never reached anyone, so it is safe to
+  send again. Once a router answered, its answer -- status, headers, streamed body -- is the
+  client's, byte for byte; the splitter adds `x-kvguard-revision` naming who served it, and
+  `X-Forwarded-For` on the way in, as every proxy does (the router never trusts it).
+- A client that disconnects closes the splitter's connection to the router, which aborts the
+  request on both prefill and decode (S4), exactly as a direct disconnect would.
+- Bounded work per request: the body is read in full (so that a refused connection can be
+  retried) up to `max_body_bytes` (413) within `body_timeout_s` (408), like the router's own limits.
+- One audience per port: the API port serves `/v1/...` and `/health` (is anything routable); the
+  metrics port serves `/metrics` (`kvguard_splitter_requests_total{revision,code}`) and `/health`.
+
+The splitter holds no key and sees no KV; the routers behind it are the trust boundary they are
+without it (docs/threat-model.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvguard.workers.openai_api import OpenAIError, error_middleware
+
+log = logging.getLogger("kvguard.splitter")
+
+SPLIT_FILE = "split.json"
+REVISION_HEADER = "x-kvguard-revision"
+FORWARDED_FOR = "X-Forwarded-For"
+MAX_BACKENDS = 8
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself for the forwarded message.
+_NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                            "transfer-encoding", "upgrade", "host", "content-length", "x-forwarded-for"})  # fmt: skip
+
+
+# --- the table: pure ------------------------------------------------------------------------------
+
+
+class SplitBackend(BaseModel):
+    """One revision's router and its share of the traffic."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    revision: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    url: str = Field(pattern=r"^http://127\.0\.0\.1:[0-9]{1,5}$")
+    """The router's base URL. Loopback only: the table names local processes, nothing else."""
+    weight: int = Field(ge=0, le=100)
+
+
+class SplitTable(BaseModel):
+    """split.json: where user traffic goes (written by the local backend, read by the splitter)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backends: tuple[SplitBackend, ...] = Field(default=(), max_length=MAX_BACKENDS)
+
+    @model_validator(mode="after")
+    def _one_entry_per_revision(self) -> SplitTable:
+        revisions = [b.revision for b in self.backends]
+        if len(set(revisions)) != len(revisions):
+            raise ValueError(f"a revision appears twice: {revisions}")
+        if self.backends and sum(b.weight for b in self.backends) == 0:
+            raise ValueError("every weight is 0: nothing would receive traffic")
+        return self
+
+    def weights(self) -> dict[str, int]:
+        return {b.revision: b.weight for b in self.backends}
+
+
+@dataclass
+class WeightedTurns:
+    """Smooth weighted round-robin over a table's backends with weight > 0 (nginx's algorithm):
+    each pick adds every backend's weight to its running score, takes the highest, and subtracts
+    the total from the winner. Exact shares over every window of sum(weights) picks, well mixed."""
+
+    table: SplitTable
+    _score: dict[str, int] = field(default_factory=dict)
+
+    def order(self) -> list[SplitBackend]:
+        """The backend for the next request first, then the others with weight as fallbacks
+        (heaviest first) for a connection that is refused; empty when nothing has weight."""
+        live = [b for b in self.table.backends if b.weight > 0]
+        if not live:
+            return []
+        total = sum(b.weight for b in live)
+        for b in live:
+            self._score[b.revision] = self._score.get(b.revision, 0) + b.weight
+        chosen = max(live, key=lambda b: self._score[b.revision])
+        self._score[chosen.revision] -= total
+        return [chosen] + sorted((b for b in live if b is not chosen), key=lambda b: -b.weight)
+
+
+# --- the table on disk ----------------------------------------------------------------------------
+
+
+def write_table(path: Path, table: SplitTable) -> None:
+    """Replace split.json atomically (write, fsync, rename), 0600: the splitter never sees half a table."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(table.model_dump_json(indent=2))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_table(path: Path) -> SplitTable | None:
+    """The table in `path`, None when there is none yet; ValueError when it does not parse."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return SplitTable.model_validate_json(text)
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {exc.errors()[0]['msg']}") from None
+
+
+class TableSource:
+    """The split table, re-read whenever the file's identity (inode, size, mtime) changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int, int] | None = None
+        self.turns = WeightedTurns(SplitTable())
+
+    def current(self) -> WeightedTurns:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                table = read_table(self.path) or SplitTable()
+            except (ValueError, OSError) as exc:
+                log.error("split table ignored, the last good one stays: %s", exc)
+            else:
+                if table != self.turns.table:
+                    log.info("split table: %s", table.weights() or "no backends")
+                    self.turns = WeightedTurns(table)
+        return self.turns
+
+
+# --- the proxy ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitterConfig:
+    table_path: Path
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+
+class Splitter:
+    """The aiohttp applications of `kvguard splitter`: the API port and the metrics port."""
+
+    def __init__(self, config: SplitterConfig) -> None:
+        self.config = config
+        self.source = TableSource(config.table_path)
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvguard_splitter_requests_total", "Requests forwarded, by revision and HTTP status",
+                                ["revision", "code"], registry=self.registry)  # fmt: skip
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
+        app.router.add_route("*", "/v1/{tail:.*}", self.forward)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    def metrics_app(self) -> web.Application:
+        app = web.Application(middlewares=[error_middleware])
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout, auto_decompress=False)
+
+    async def _stop(self, _: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def health(self, _: web.Request) -> web.Response:
+        weights = self.source.current().table.weights()
+        ok = any(w > 0 for w in weights.values())
+        return web.json_response({"status": "ok" if ok else "no_backend", "weights": weights}, status=200 if ok else 503)
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        candidates = self.source.current().order()
+        if not candidates:
+            raise OpenAIError(503, "no revision of this model is serving", code="no_backend")
+        for backend in candidates:
+            try:
+                return await self._relay(request, body, backend)
+            except aiohttp.ClientConnectorError as exc:  # never reached the router: safe to send elsewhere
+                log.warning("revision %s refused the connection (%s); trying the next backend", backend.revision, exc.os_error)
+            except aiohttp.ClientError as exc:  # reached it, no answer: sending again could run it twice
+                self.requests.labels(revision=backend.revision, code="502").inc()
+                raise OpenAIError(502, f"revision {backend.revision} did not answer ({type(exc).__name__})", code="bad_gateway") from None
+        self.requests.labels(revision="none", code="503").inc()
+        raise OpenAIError(503, "no revision of this model accepted the connection", code="no_backend")
+
+    async def _body(self, request: web.Request) -> bytes:
+        try:
+            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                              code="request_timeout") from None  # fmt: skip
+
+    async def _relay(self, request: web.Request, body: bytes, backend: SplitBackend) -> web.StreamResponse:
+        assert self.session is not None, "the splitter has not started"
+        headers = forwarded_headers(request.headers.items())
+        peer = request.remote or "unknown"
+        prior = request.headers.get(FORWARDED_FOR)
+        headers.append((FORWARDED_FOR, f"{prior}, {peer}" if prior else peer))  # what every proxy adds
+        async with self.session.request(request.method, backend.url + request.rel_url.raw_path_qs, headers=headers,
+                                        data=body if body else None, allow_redirects=False) as upstream:  # fmt: skip
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            response.headers.extend(forwarded_headers(upstream.headers.items()))
+            response.headers[REVISION_HEADER] = backend.revision
+            if upstream.headers.get("content-length") is not None:
+                response.content_length = int(upstream.headers["content-length"])
+            self.requests.labels(revision=backend.revision, code=str(upstream.status)).inc()
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)  # a client gone raises here; leaving closes the router's stream (S4)
+            except aiohttp.ClientError as exc:  # the router broke off mid-answer: so does the client's answer
+                log.warning("revision %s broke off a response (%s)", backend.revision, type(exc).__name__)
+                if request.transport is not None:
+                    request.transport.close()  # not a clean end: the client must not take a cut stream as whole
+                return response
+            await response.write_eof()
+            return response
+
+
+def forwarded_headers(items: Sequence[tuple[str, str]] | object) -> list[tuple[str, str]]:
+    """The end-to-end headers of a message (hop-by-hop ones and the framing aiohttp sets dropped)."""
+    return [(k, v) for k, v in items if k.lower() not in _NOT_FORWARDED]  # type: ignore[attr-defined]
