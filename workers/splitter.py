@@ -206,7 +206,11 @@ class Splitter:
 
     async def _start(self, _: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout, auto_decompress=False)
+        # force_close: a fresh loopback connection per request (a fraction of a millisecond), so a
+        # refused connection always means "never reached a router" and a router that restarted
+        # never leaves a dead pooled connection behind to fail the next request.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
     async def _stop(self, _: web.Application) -> None:
         if self.session is not None:
