@@ -14,7 +14,9 @@ requests to the model's one URL for the whole story. Each response says which re
    the canary, before the first: no user request ever reaches it);
 5. a candidate that fails live traffic (`fail_proxied_requests`: it answers 500 to what arrives
    through the splitter, while the canary's direct probes pass) is aborted at 10% by the error
-   ratio; all traffic is back on the stable revision, whose processes were never touched.
+   ratio; all traffic is back on the stable revision, whose processes were never touched;
+6. a stable decode worker restarted with a smaller pool is kept out of rotation by the router's
+   pool check (S7 while it serves): every request is answered, none by that worker.
 
 Local only: on a cluster the same steps are an HTTPRoute's weights, checked against the upstream
 schema with the real operator in tests/test_progressive_kmock.py.
@@ -26,6 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,13 +39,16 @@ from typing import Any
 
 import openai
 import pytest
+import requests
 import yaml
 from harness import NAME
 from harness_local import MAX_SECONDS, LocalHarness
+from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for
 
+from kvguard.commands.status import measure_local
 from kvguard.operator.api import InferenceModel
-from kvguard.operator.backends.local import LocalBackend
+from kvguard.operator.backends.local import LocalBackend, StateStore
 from kvguard.operator.backends.local_rollout import RolloutResult, roll_out
 from kvguard.operator.rollout import ROLLBACK_ANNOTATION, RolloutState
 from kvguard.workers.splitter import REVISION_HEADER
@@ -230,3 +238,52 @@ def test_a_candidate_failing_live_traffic_is_aborted_at_10_percent(story: Story,
     assert after_abort and all(a == (stable.revision, 200) for a in after_abort)  # all back on stable
     assert story.harness.pids(stable.revision) == before and story.weights()[stable.revision] == 100
     assert result.serving_url == first.serving_url
+
+
+def test_a_stable_worker_restarted_with_a_smaller_pool_is_kept_out_of_rotation_s7(story: Story, first: RolloutResult) -> None:
+    """The incident's sizing bug arriving without a spec change: a serving decode worker restarts
+    where it gets a smaller pool (here its recorded command line is edited, as a node with less
+    memory would size it). The router's pool check keeps it out; users are served by the other."""
+    body = body_at(story.harness, "0.1.0")
+    body["spec"]["roles"]["decode"]["replicas"] = 2  # resized in place: two decode workers serve
+    resized = story.apply(body)
+    stable = story.stable()
+    assert resized.stable == stable.revision and resized.resized, story.harness.log
+    victim = next(w for w in story.harness.state()["revisions"][stable.revision]["workers"] if w["name"] == "decode-1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{victim['pid']}").exists() or _zombie(victim["pid"]), "decode-1 to exit", MAX_SECONDS)
+    state = story.harness.state()
+    worker = next(w for w in state["revisions"][stable.revision]["workers"] if w["name"] == "decode-1")
+    at = worker["argv"].index("--kv-pool-tokens")
+    worker["argv"][at + 1] = "1024"  # 1x the 1,024-token context: below the 2x ratio
+    (story.harness.state_dir / "state.json").write_text(json.dumps(state))
+    healed = story.apply(body)  # the next pass restarts the dead worker, as a Deployment would
+    assert healed.state == RolloutState.STABLE and healed.stable == stable.revision, story.harness.log
+    decode = {w["name"]: w for w in story.harness.state()["revisions"][stable.revision]["workers"] if w["role"] == "decode"}
+    assert decode["decode-1"]["pid"] != victim["pid"] and decode["decode-1"]["restarts"] >= 1
+    router = next(w for w in story.harness.state()["revisions"][stable.revision]["workers"] if w["name"] == "router")
+    wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", role="decode") == 1,
+             "the router to keep decode-1 out of rotation", MAX_SECONDS)  # fmt: skip
+    served_before = {n: _sample(w["metrics_port"], "kvguard_requests_total") for n, w in decode.items()}
+    with Traffic(stable.url) as traffic:
+        wait_for(lambda: len(traffic.answers) >= 30, "30 answers", MAX_SECONDS)
+    assert {status for _, status in traffic.answers} == {200}, traffic.connection_errors[:3]
+    served = {n: _sample(w["metrics_port"], "kvguard_requests_total") - served_before[n] for n, w in decode.items()}
+    assert served["decode-1"] == 0 and served["decode-0"] >= 30, served  # no request reached the small worker
+    measured = asyncio.run(measure_local(StateStore(story.harness.state_dir).load()))
+    pools = {p.pod.removeprefix(f"{NAME}-{stable.revision}-"): p for p in measured if p.revision == stable.revision}
+    assert pools["decode-1"].reason == "KVPoolTooSmall" and pools["decode-0"].verified  # what `kvguard status --local` shows
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def _sample(metrics_port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on a worker's /metrics (those matching `labels`)."""
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip

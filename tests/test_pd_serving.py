@@ -246,6 +246,39 @@ def test_router_refuses_workers_whose_page_sizes_differ() -> None:
     assert Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 16)]).smallest_pool == 4096
 
 
+def test_the_router_keeps_a_worker_with_a_too_small_pool_out_of_rotation_s7() -> None:
+    """--min-kv-ratio (the local backend's readiness gate): a worker reporting a pool below the
+    ratio x its context is not paired with, and intake's limits are those of the workers that
+    serve; one that reports enough again comes back. No worker of a role left: 503 not_ready."""
+    from kvguard.workers.openai_api import OpenAIError
+    from kvguard.workers.protocol import Role, WorkerInfo
+    from kvguard.workers.router import Upstream, Upstreams
+
+    def info(role: Role, pool: int) -> WorkerInfo:
+        return WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=pool, page_size=16)
+
+    prefill = Upstream("http://p0", info(Role.PREFILL, 4096))
+    decode = [Upstream("http://d0", info(Role.DECODE, 4096)), Upstream("http://d1", info(Role.DECODE, 4096))]
+    upstreams = Upstreams([prefill], decode, min_kv_ratio=2.0)
+    assert {upstreams.pair()[1].url for _ in range(4)} == {"http://d0", "http://d1"}
+    change = upstreams.refresh(decode[1], info(Role.DECODE, 1024))  # restarted on a smaller node
+    assert change is not None and "1024 tokens = 1.00x context 1024 < 2x required (2048 tokens)" in change and "kept out" in change
+    assert {upstreams.pair()[1].url for _ in range(6)} == {"http://d0"}
+    assert upstreams.smallest_pool == 4096 and [u.url for u in upstreams.kept_out()] == ["http://d1"]
+    assert upstreams.refresh(decode[1], info(Role.DECODE, 1024)) is None  # no change, nothing to log
+    upstreams.refresh(decode[0], info(Role.DECODE, 2047))
+    with pytest.raises(OpenAIError) as refused:
+        upstreams.pair()
+    assert refused.value.status == 503 and refused.value.code == "not_ready"
+    assert "in rotation again" in (upstreams.refresh(decode[1], info(Role.DECODE, 2048)) or "")
+    assert upstreams.pair()[1].url == "http://d1"
+    assert "did not answer" in (upstreams.refresh(decode[1], None) or "")  # down or restarting: out until it answers
+    with pytest.raises(OpenAIError):
+        upstreams.pair()
+    assert upstreams.kept_out() == [decode[0]]  # (the gauge counts pool refusals only)
+    assert Upstreams([prefill], [Upstream("http://d", info(Role.DECODE, 1024))]).pair()[1].url == "http://d"  # no ratio: no gate
+
+
 def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: Path) -> None:
     """In a pod the router may start before the workers: it answers 503 `not_ready` until it has
     learned their limits, rather than crashing or guessing them (S2 needs them)."""

@@ -138,6 +138,11 @@ class WorkerArgs(BaseModel):
     request_timeout: float = Field(120.0, gt=0, json_schema_extra=_flag("router", "seconds a request may take end to end"))
     body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
+    min_kv_ratio: float | None = Field(
+        None, ge=1.0, allow_inf_nan=False,
+        json_schema_extra=_flag("router", "S7 per worker: keep a worker whose reported KV pool is below this x its context out "
+                                "of rotation, re-read every second (the local backend's readiness gate; default: off)"),
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _fits_the_role(self) -> WorkerArgs:
@@ -147,6 +152,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--prefill/--decode are router flags")
         if self.role != "decode" and self.transfer_port is not None:
             raise ValueError("--transfer-port is a decode flag")
+        if self.role != "router" and self.min_kv_ratio is not None:
+            raise ValueError("--min-kv-ratio is a router flag")
         if self.role == "router" and self.transfer_encryption != "none":
             raise ValueError("--transfer-encryption is a prefill and decode flag")
         return self

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -36,7 +36,7 @@ from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.control_auth import auth_headers
@@ -137,6 +137,8 @@ class RouterConfig:
     propagate_aborts: bool = True  # False only under the no_abort_propagation fault
     unsafe_reject_path: bool = False  # the incident's engine: let over-length requests through
     fail_proxied_requests: bool = False  # fault fail_proxied_requests: 500 to requests that came through a proxy
+    min_kv_ratio: float | None = None  # S7 per worker: keep out a worker whose pool is below this x its context
+    refresh_interval_s: float = 1.0  # how often (with min_kv_ratio) every worker's reported limits are read again
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -170,6 +172,10 @@ class RouterMetrics:
             "kvguard_router_time_to_first_token_seconds", "Generation start to its first verified token",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.kept_out = Gauge(
+            "kvguard_router_workers_kept_out", "Workers out of rotation because their KV pool is below the ratio (S7)",
+            ["role"], registry=self.registry,
+        )  # fmt: skip
         self.inter_token_latency = Histogram(
             "kvguard_router_inter_token_latency_seconds", "Time between consecutive verified tokens of a generation",
             buckets=LATENCY_BUCKETS, registry=self.registry,
@@ -180,30 +186,105 @@ class RouterMetrics:
 class Upstream:
     url: str
     info: WorkerInfo
+    reachable: bool = True
+    """False after a failed read of its limits (down, restarting): out of rotation until one succeeds."""
+
+
+def pool_problem(info: WorkerInfo, min_kv_ratio: float | None) -> str | None:
+    """Why a worker may not serve (S7: its own pool below min_kv_ratio x its context), else None."""
+    if min_kv_ratio is None:
+        return None
+    required = math.ceil(min_kv_ratio * info.context_length)
+    if info.kv_pool_tokens >= required:
+        return None
+    return (f"reports a KV pool of {info.kv_pool_tokens} tokens = {info.kv_pool_tokens / info.context_length:.2f}x context "
+            f"{info.context_length} < {min_kv_ratio:g}x required ({required} tokens)")  # fmt: skip
 
 
 class Upstreams:
-    """The workers behind the router, their reported limits, and round-robin pairing."""
+    """The workers behind the router, their reported limits, and round-robin pairing.
 
-    def __init__(self, prefill: Sequence[Upstream], decode: Sequence[Upstream]) -> None:
+    With `min_kv_ratio` the router is a readiness gate of its own (S7 while a worker serves): a
+    worker whose reported pool is below the ratio -- one restarted with a smaller pool -- is kept
+    out of the pairing until it reports enough again (`refresh`), and the limits intake checks
+    against are those of the workers that serve. A worker that refuses the connection (down,
+    restarting: a restart takes seconds, the reads are a second apart) is out until a read
+    succeeds, so a restarted worker is judged by what it reports now before it serves again; a
+    read that only times out changes nothing (a busy worker is not taken out). On Kubernetes the pod readiness gate
+    `kvguard.io/kv-pool-verified` does this per pod (the router there reaches Services)."""
+
+    def __init__(self, prefill: Sequence[Upstream], decode: Sequence[Upstream], min_kv_ratio: float | None = None) -> None:
         self.prefill = list(prefill)
         self.decode = list(decode)
+        self.min_kv_ratio = min_kv_ratio
         page_sizes = {u.info.page_size for u in self.prefill + self.decode}
         if len(page_sizes) > 1:  # KV moves page by page: a mismatch would misplace every token
             raise ValueError(f"prefill and decode workers disagree on the page size: {sorted(page_sizes)}")
-        self._prefill_turn = itertools.cycle(self.prefill)
-        self._decode_turn = itertools.cycle(self.decode)
+        self.page_size = page_sizes.pop()
+        self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
+
+    def serving(self, role: Role) -> list[Upstream]:
+        """The workers of a role that may take requests now."""
+        return [u for u in (self.prefill if role is Role.PREFILL else self.decode) if self.admits(u)]
+
+    def admits(self, upstream: Upstream) -> bool:
+        info = upstream.info
+        return upstream.reachable and info.page_size == self.page_size and pool_problem(info, self.min_kv_ratio) is None
+
+    def kept_out(self) -> list[Upstream]:
+        """Workers out of rotation for their pool (S7); unreachable ones are not counted here."""
+        return [u for u in self.prefill + self.decode if u.reachable and not self.admits(u)]
+
+    def refresh(self, upstream: Upstream, info: WorkerInfo | None) -> str | None:
+        """Take a worker's newly read limits (None: the read failed); a line to log when it
+        entered or left the rotation."""
+        was = self.admits(upstream)
+        upstream.reachable = info is not None
+        if info is not None:
+            upstream.info = info
+        now = self.admits(upstream)
+        if was == now:
+            return None
+        role = upstream.info.role.value
+        if now:
+            return f"{role} worker {upstream.url} is in rotation again: KV pool {upstream.info.kv_pool_tokens} tokens"
+        if info is None:
+            return f"{role} worker {upstream.url} did not answer: out of rotation until it reports its limits again"
+        why = pool_problem(info, self.min_kv_ratio) or f"page size {info.page_size}, not {self.page_size}"
+        return f"{role} worker {upstream.url} {why}: kept out of rotation (S7)"
 
     def pair(self) -> tuple[Upstream, Upstream]:
-        return next(self._prefill_turn), next(self._decode_turn)
+        chosen = []
+        for role in (Role.PREFILL, Role.DECODE):
+            serving = self.serving(role)
+            if not serving:
+                raise OpenAIError(503, f"no {role.value} worker passes its KV pool check (S7); the model is not serving",
+                                  code="not_ready")  # fmt: skip
+            chosen.append(serving[self._turns[role] % len(serving)])
+            self._turns[role] += 1
+        return chosen[0], chosen[1]
+
+    def _limits_of(self) -> list[Upstream]:
+        serving = self.serving(Role.PREFILL) + self.serving(Role.DECODE)
+        return serving or self.prefill + self.decode  # none serving: pair() refuses anyway
 
     @property
     def context_length(self) -> int:
-        return min(u.info.context_length for u in self.prefill + self.decode)
+        return min(u.info.context_length for u in self._limits_of())
 
     @property
     def smallest_pool(self) -> int:
-        return min(u.info.kv_pool_tokens for u in self.prefill + self.decode)
+        return min(u.info.kv_pool_tokens for u in self._limits_of())
+
+
+async def fetch_info(session: aiohttp.ClientSession, control: ControlClient, url: str, role: Role) -> WorkerInfo:
+    """A worker's reported limits; ValueError when the URL is a worker of another role."""
+    async with control.get(session, f"{url}/internal/info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        resp.raise_for_status()
+        worker = WorkerInfo.model_validate(await resp.json())
+    if worker.role is not role:
+        raise ValueError(f"{url} is a {worker.role.value} worker, expected {role.value}")
+    return worker
 
 
 async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig, control: ControlClient) -> Upstreams:
@@ -214,18 +295,13 @@ async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig, 
     async def info(url: str, role: Role) -> Upstream:
         while True:
             try:
-                async with control.get(session, f"{url}/internal/info") as resp:
-                    resp.raise_for_status()
-                    worker = WorkerInfo.model_validate(await resp.json())
-                if worker.role is not role:
-                    raise ValueError(f"{url} is a {worker.role.value} worker, expected {role.value}")
-                return Upstream(url, worker)
+                return Upstream(url, await fetch_info(session, control, url, role))
             except (TimeoutError, aiohttp.ClientError):
                 await asyncio.sleep(0.2)
 
     prefill = await asyncio.gather(*(info(u, Role.PREFILL) for u in config.prefill_urls))
     decode = await asyncio.gather(*(info(u, Role.DECODE) for u in config.decode_urls))
-    return Upstreams(prefill, decode)
+    return Upstreams(prefill, decode, config.min_kv_ratio)
 
 
 class Router:
@@ -241,6 +317,7 @@ class Router:
         self.ticket_ttl_s = min(config.request_timeout_s, MAX_TICKET_TTL_S)
         self._upstreams: Upstreams | None = None
         self._discovery: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -297,11 +374,37 @@ class Router:
                 self._upstreams.context_length,
                 self._upstreams.smallest_pool,
             )
+            for role in (Role.PREFILL, Role.DECODE):
+                self.metrics.kept_out.labels(role.value).set(sum(1 for u in upstreams.kept_out() if u.info.role is role))
+            for upstream in upstreams.kept_out():
+                log.warning("%s worker %s %s: kept out of rotation (S7)", upstream.info.role.value, upstream.url,
+                            pool_problem(upstream.info, upstreams.min_kv_ratio))  # fmt: skip
+            if self.config.min_kv_ratio is not None:
+                self._refresher = asyncio.create_task(self._keep_fresh(upstreams))
             return
 
+    async def _keep_fresh(self, upstreams: Upstreams) -> None:
+        """Read every worker's limits again every refresh interval: a worker restarted with a
+        smaller pool leaves the rotation, one that reports enough again comes back (S7)."""
+        while True:
+            await asyncio.sleep(self.config.refresh_interval_s)
+            for upstream in upstreams.prefill + upstreams.decode:
+                info: WorkerInfo | None
+                try:
+                    info = await fetch_info(self.http, self.control, upstream.url, upstream.info.role)
+                except aiohttp.ClientConnectorError:
+                    info = None  # down or restarting (refused): out until it answers, then judged by what it reports
+                except (TimeoutError, aiohttp.ClientError, ValueError, ValidationError):
+                    continue  # slow or garbled once: no verdict either way (a busy worker is not taken out)
+                if (change := upstreams.refresh(upstream, info)) is not None:
+                    log.warning("%s", change)
+                    self.metrics.kept_out.labels(upstream.info.role.value).set(
+                        sum(1 for u in upstreams.kept_out() if u.info.role is upstream.info.role))
+
     async def _stop(self, _: web.Application) -> None:
-        if self._discovery is not None:
-            self._discovery.cancel()
+        for task in (self._discovery, self._refresher):
+            if task is not None:
+                task.cancel()
         if self.session:
             await self.session.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -320,16 +423,20 @@ class Router:
         return web.json_response(card.model_dump(mode="json"))
 
     async def health(self, _: web.Request) -> web.Response:
-        """Ready when every worker answers its internal health check. Says which role failed,
-        never where the worker lives (this answer reaches the public)."""
-        for role, upstreams in (("prefill", self.upstreams.prefill), ("decode", self.upstreams.decode)):
-            for upstream in upstreams:
+        """Ready when every worker in rotation answers its internal health check, and each role
+        has one (workers kept out for S7 do not count). Says which role failed, never where the
+        worker lives (this answer reaches the public)."""
+        for role in (Role.PREFILL, Role.DECODE):
+            serving = self.upstreams.serving(role)
+            if not serving:
+                return web.json_response({"status": "kv_pool_too_small", "role": role.value}, status=503)
+            for upstream in serving:
                 try:
                     async with self.control.get(self.http, f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status != 200:
-                            return web.json_response({"status": "unhealthy", "role": role}, status=503)
+                            return web.json_response({"status": "unhealthy", "role": role.value}, status=503)
                 except (TimeoutError, aiohttp.ClientError):
-                    return web.json_response({"status": "unreachable", "role": role}, status=503)
+                    return web.json_response({"status": "unreachable", "role": role.value}, status=503)
         return web.json_response({"status": "ok"})
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:

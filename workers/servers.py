@@ -119,6 +119,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         propagate_aborts=not faults.no_abort_propagation,
         unsafe_reject_path=faults.unsafe_reject_path,
         fail_proxied_requests=faults.fail_proxied_requests,
+        min_kv_ratio=args.min_kv_ratio,
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
     return router.app(), router.metrics_app()

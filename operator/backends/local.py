@@ -282,8 +282,10 @@ def worker_argvs(
                                        transfer_port=transfer_port if role == "decode" else None))  # fmt: skip
             urls[role].append(f"http://127.0.0.1:{port}")
     port, metrics_port, _ = ports["router"]
+    # The router keeps a worker whose reported pool is below the ratio out of rotation (S7 while it
+    # serves): here, where no Service and no readiness gate stand between it and its workers.
     router = WorkerArgs(model=model_dir, model_name=spec.model.name, role="router", port=port, metrics_port=metrics_port,
-                        prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]))  # fmt: skip
+                        prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]), min_kv_ratio=spec.min_kv_ratio)  # fmt: skip
     workers.append(LocalWorker(name="router", role="router", port=port, metrics_port=metrics_port, argv=base + router.to_argv()))
     return workers
 
