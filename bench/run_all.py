@@ -91,6 +91,14 @@ def parse_transfer(output: str) -> Parsed:
     return out
 
 
+def parse_splitter(output: str) -> Parsed:
+    data = last_json(output) or {}
+    if "split_vs_direct" not in data:
+        return []
+    return [("through the local splitter / straight to the router, streamed requests/s", f"{data['split_vs_direct']:.3f}", "-"),
+            ("TTFT p50 added by the splitter", f"{data['ttft_added_ms_p50']:.1f} ms", "-")]
+
+
 def parse_planner(output: str) -> Parsed:
     return [(f"planner accuracy vs logged {m[1]} pools ({m[2]} rows), median / max |error|", f"{m[3]} / {m[4]}",
              "<= 3% / 10%")
@@ -115,6 +123,7 @@ BENCHMARKS = (
     Benchmark("tag_overhead_tiny", "tag_overhead.py", ("--model", "tiny", "--threads", "1", "--rounds", "8", "--decode", "64"),
               ("--model", "tiny", "--threads", "1", "--rounds", "4", "--decode", "64"), parse_tag_overhead, 600),
     Benchmark("transfer", "transfer.py", (), ("--rounds", "2", "--mib", "64"), parse_transfer, 900),
+    Benchmark("splitter_overhead", "splitter_overhead.py", (), ("--rounds", "2", "--requests", "60"), parse_splitter, 600),
     Benchmark("planner_accuracy", "planner_accuracy.py", (), (), parse_planner, 300),
     Benchmark("canary_detection", "canary_detection.py", (), (), parse_canary, 900),
 )

@@ -5,8 +5,8 @@ A real `kvguard serve` trio (router, prefill, decode) on the tiny model, and a r
 splitter` process whose table sends 100% to that router. Closed loop: CONCURRENCY aiohttp clients,
 each streaming completions of MAX_TOKENS greedy tokens, in alternating rounds (direct, split,
 direct, ...) so that drift of a shared machine hits both sides alike. Prints per-round figures,
-then one JSON line: `split_vs_direct` (request throughput ratio, goal >= 0.95) and
-`ttft_added_ms_p50` (TTFT p50 through the splitter minus direct).
+then one JSON line: `split_vs_direct` (request throughput ratio) and `ttft_added_ms_p50` (TTFT
+p50 through the splitter minus direct). Results: bench/README.md.
 
     .venv/bin/python -P bench/splitter_overhead.py [--rounds 3] [--requests 120] [--concurrency 8]
 """
