@@ -374,8 +374,7 @@ class Router:
                 self._upstreams.context_length,
                 self._upstreams.smallest_pool,
             )
-            for role in (Role.PREFILL, Role.DECODE):
-                self.metrics.kept_out.labels(role.value).set(sum(1 for u in upstreams.kept_out() if u.info.role is role))
+            self._count_kept_out(upstreams)
             for upstream in upstreams.kept_out():
                 log.warning("%s worker %s %s: kept out of rotation (S7)", upstream.info.role.value, upstream.url,
                             pool_problem(upstream.info, upstreams.min_kv_ratio))  # fmt: skip
@@ -398,8 +397,11 @@ class Router:
                     continue  # slow or garbled once: no verdict either way (a busy worker is not taken out)
                 if (change := upstreams.refresh(upstream, info)) is not None:
                     log.warning("%s", change)
-                    self.metrics.kept_out.labels(upstream.info.role.value).set(
-                        sum(1 for u in upstreams.kept_out() if u.info.role is upstream.info.role))
+            self._count_kept_out(upstreams)  # every pass, whatever path a worker took to where it is
+
+    def _count_kept_out(self, upstreams: Upstreams) -> None:
+        for role in (Role.PREFILL, Role.DECODE):
+            self.metrics.kept_out.labels(role.value).set(sum(1 for u in upstreams.kept_out() if u.info.role is role))
 
     async def _stop(self, _: web.Application) -> None:
         for task in (self._discovery, self._refresher):
