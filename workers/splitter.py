@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,6 +274,6 @@ class Splitter:
             return response
 
 
-def forwarded_headers(items: Sequence[tuple[str, str]] | object) -> list[tuple[str, str]]:
+def forwarded_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The end-to-end headers of a message (hop-by-hop ones and the framing aiohttp sets dropped)."""
-    return [(k, v) for k, v in items if k.lower() not in _NOT_FORWARDED]  # type: ignore[attr-defined]
+    return [(k, v) for k, v in items if k.lower() not in _NOT_FORWARDED]
