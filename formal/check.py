@@ -44,12 +44,15 @@ class Run:
 
 
 # The model as the code implements it: two requests under every row of BOUNDS (kvtransfer.pml) in
-# one search, and three requests competing for the same two decode pages without faults.
+# one search, three requests competing for the same two decode pages without faults, and a prefill
+# pool of two contexts, where prefill computes ahead of its tickets (the early budget is not 0).
 MODEL_RUNS: dict[str, Run] = {
     run.name: run
     for run in (
         Run("model", (), None, "2 requests, every row of BOUNDS"),
         Run("model_3req", ("-DNREQ=3", "-DROW=1"), None, "3 requests, row 1 (no faults; timers when idle)"),
+        Run("model_early", ("-DNPP=4", "-DROW=3"), None,
+            "a prefill pool of two contexts (S7), so both requests may compute before their ticket; row 3 (no timers)"),
     )
 }
 
@@ -70,6 +73,8 @@ MUTANTS: dict[str, Run] = {
             "frames accepted without their ticket nonce, on any connection (the protocol before #11)"),
         Run("router_ignores_prefill", ("-DWATCH_PREFILL=0", "-DROW=5"), "S4",
             "the router before this model: a prefill dead before OPEN leaves decode waiting for its stall timer"),
+        Run("unbounded_early", ("-DMUTANT_UNBOUNDED_EARLY", "-DROW=3"), "S4",
+            "prefill computes ahead of every ticket: its pool waits on decode's, decode's on prefill (the first overlap)"),
     )
 }
 

@@ -2,8 +2,10 @@
  * kvtransfer.pml -- the kvguard KV transfer and abort protocol, a Promela model for SPIN.
  *
  * One router, one prefill worker, one decode worker, NREQ concurrent requests; a decode pool of NDP
- * pages with generation tags (workers/kv_pool.py) and a prefill pool of NPP pages. Decode allocates
- * first and bootstraps; the router turns the bootstrap into a transfer ticket; prefill connects
+ * pages with generation tags (workers/kv_pool.py) and a prefill pool of NPP pages. The router starts
+ * both legs at once: prefill computes while decode allocates and bootstraps; the router turns the
+ * bootstrap into a transfer ticket and delivers it to prefill (POST /internal/ticket), which sends
+ * nothing and connects nowhere before it holds one; prefill connects
  * (HELLO/WELCOME: decode's boot epoch), OPENs the transfer with the ticket, sends one CHUNK per page
  * under a byte credit (S6) and a MANIFEST; decode answers ACK (credit) and RESULT. Aborts from every
  * side at every step, timeouts, connection resets, worker restarts, chunk loss and corruption, and
@@ -227,7 +229,7 @@ bool over[NREQ];                         /* prompt + max_tokens exceed the conte
 mtype:router_phase rphase[NREQ];
 bool rgone[NREQ];                        /* the router closed this request's decode stream */
 bool dbroken[NREQ];                      /* the decode stream broke (the decode worker died) */
-byte dq[NREQ], pq[NREQ];                 /* POST /internal/decode, POST /internal/prefill (ticket) */
+byte dq[NREQ], pq[NREQ], tq[NREQ];       /* POST /internal/decode, /internal/prefill, /internal/ticket */
 byte abort_d[NREQ], abort_p[NREQ];       /* POST /internal/abort to decode, to prefill */
 byte pres[NREQ];                         /* prefill's HTTP answer */
 chan dstream[NREQ] = [3] of { mtype:decode_event, byte };   /* event, bootstrap nonce */
@@ -256,6 +258,12 @@ byte rc_fnonce[NSLOT * NREQ];            /* the codec a connection remembers for
 byte p_epoch = 1;
 mtype:request_state ps[NREQ];
 byte pfree = NPP;
+byte pearly;                             /* EarlyBudget.held_pages: of requests without a ticket yet */
+#ifdef MUTANT_UNBOUNDED_EARLY            /* prefill computes ahead of every ticket: the pools deadlock */
+#define EARLY_LIMIT NPP
+#else
+#define EARLY_LIMIT (NPP - MAXNEED)      /* the pool less one full context */
+#endif
 byte plen[NREQ];
 mtype:transfer_state pxs[NREQ];          /* OutboundTransfer.state */
 byte presult[NREQ];
@@ -763,6 +771,25 @@ inline p_open() {
 inline p_free(r) {
   pfree = pfree + plen[r]; plen[r] = 0
 }
+/* PrefillServer._ticket_of: await job.arrival, the ticket (S9: before it, nothing is sent and
+ * nothing connected; KV computed ahead of it was computed on the router's signed call alone).
+ * P_GONE: a router that ended the request cancelled its prefill call, which closes the call's
+ * connection and so cancels this handler (aiohttp's handler_cancellation): the one way out when the
+ * router's abort overtook the call and was a no-op (found by this model when the legs were first
+ * started together). The ticket ends an early request's claim on the budget. */
+inline p_await_ticket() {
+  do
+  :: atomic { p_epoch == boot && tq[r] == MSG_SENT -> tq[r] = MSG_TAKEN; n = tk[r];
+       if
+       :: b_expire > 0 -> b_expire--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end  /* 403 invalid_ticket */
+       :: true -> pearly = pearly - early; early = 0
+       fi }; break
+  :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN;
+       p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
+  :: atomic { p_epoch == boot && rgone[r] -> p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* P_GONE */
+  :: p_epoch != boot -> goto end
+  od
+}
 inline p_state(r, st) {
   ps[r] = st; printf("MSC: r%d prefill %e\n", r, st)
 }
@@ -781,34 +808,39 @@ inline p_abort_frame() {
 
 proctype prefill_handler(byte r) {
   mtype:frame f_t; byte f_rid, f_nonce, f_cid, f_val;
-  byte boot, n, seq, tag; bool ok;
+  byte boot, n, seq, tag, early; bool ok;
 end_idle:
   do
   :: atomic { pq[r] != MSG_TAKEN && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_LOST }   /* abort first: a no-op */
-  :: atomic { pq[r] == MSG_SENT -> pq[r] = MSG_TAKEN; boot = p_epoch; n = tk[r];
-       /* S9: the ticket is verified before anything is computed or connected */
+  :: atomic { pq[r] == MSG_SENT -> pq[r] = MSG_TAKEN; boot = p_epoch;
+       p_state(r, RECEIVED);
+       if   /* 400, PREFILL_ERROR: no ticket yet, so only the router can tell decode (it does) */
+       :: over[r] && !UNSAFE_REJECT_PATH -> p_state(r, REJECTED); pres[r] = PRES_ERR; goto end
+       :: else -> p_state(r, ADMITTED)
+       fi;
+       /* EarlyBudget: compute ahead of the ticket only while requests without one hold at most
+        * the pool less one full context; past it, the ticket first. Without the bound the pools
+        * deadlock (prefill's pages wait for decode's, decode's for prefill: found by this model) */
        if
-       :: b_expire > 0 -> b_expire--; pres[r] = PRES_ERR; goto end   /* expired: 403 invalid_ticket */
-       :: true ->
-          p_state(r, RECEIVED);
-          if
-          :: over[r] && !UNSAFE_REJECT_PATH -> p_state(r, REJECTED); goto tell_decode   /* 400, PREFILL_ERROR */
-          :: else -> p_state(r, ADMITTED)
-          fi
+       :: pearly + PNEED(r) <= EARLY_LIMIT -> pearly = pearly + PNEED(r); early = PNEED(r)
+       :: else -> early = 0
        fi }; break
   od;
+  if :: early == 0 -> p_await_ticket() :: else -> skip fi;
   /* engine.prefill: wait for pages, compute, sample the first token (one await) */
   do
   :: atomic { p_epoch == boot && pfree >= PNEED(r) ->
        S2 = !CHECK_S2 || !over[r]; assert(S2);
        pfree = pfree - PNEED(r); plen[r] = PNEED(r); p_state(r, PREFILLING);
        if
-       :: b_perr > 0 -> b_perr--; p_free(r); p_state(r, ABORTED); goto tell_decode   /* prefill error */
+       :: b_perr > 0 -> b_perr--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end   /* prefill error */
        :: true -> p_state(r, TRANSFERRING)
        fi }; break
-  :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; p_state(r, ABORTED); goto tell_decode }
+  :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
+  :: atomic { p_epoch == boot && rgone[r] -> p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* P_GONE */
   :: p_epoch != boot -> goto end
   od;
+  if :: early > 0 -> p_await_ticket() :: else -> skip fi;
   /* KVSender.send(ticket, chunks, first) */
   p_open();
   if
@@ -867,7 +899,7 @@ tell_decode:                                             /* PrefillServer._abort
   :: else -> atomic { if :: p_epoch == boot -> pres[r] = PRES_ERR :: else -> skip fi }
   fi;
 end:
-  skip
+  atomic { if :: p_epoch == boot -> pearly = pearly - early :: else -> skip fi; early = 0 }
 }
 
 /* KVSender._read_replies: the pooled connection's reader. Its finally releases the connection's
@@ -927,6 +959,14 @@ inline abort_both() {
   :: else -> skip
   fi;
   if
+  :: tq[r] == MSG_SENT ->
+     if
+     :: tq[r] = MSG_WITHDRAWN
+     :: true -> skip
+     fi
+  :: else -> skip
+  fi;
+  if
   :: PROPAGATE -> abort_p[r] = MSG_SENT; abort_d[r] = MSG_SENT
   :: else -> skip
   fi
@@ -941,12 +981,12 @@ proctype router(byte r) {
     rphase[r] = R_INTAKE;
     if
     :: over[r] && !UNSAFE_REJECT_PATH -> r_end()       /* S2: 400 context_length_exceeded */
-    :: else -> dq[r] = MSG_SENT; rphase[r] = R_DECODE_LEG
+    :: else -> dq[r] = MSG_SENT; pq[r] = MSG_SENT; rphase[r] = R_DECODE_LEG   /* both legs at once */
     fi }
   do
   :: rphase[r] == R_ENDED -> break
-  :: atomic { dstream[r]?EV_BOOTSTRAP, nn ->            /* issue the ticket, start the prefill leg */
-       tk[r] = nn; pq[r] = MSG_SENT; rphase[r] = R_STREAMING }
+  :: atomic { dstream[r]?EV_BOOTSTRAP, nn ->            /* issue the ticket, deliver it to prefill */
+       tk[r] = nn; tq[r] = MSG_SENT; rphase[r] = R_STREAMING }
   :: atomic { dstream[r]?EV_TOKEN, nn ->
        if
        :: pq[r] != 0 -> rphase[r] = R_WAIT_PREFILL      /* awaits prefill_task before the first token */
@@ -956,7 +996,7 @@ proctype router(byte r) {
        S2 = !CHECK_S2 || !over[r]; assert(S2);          /* tokens reach the client */
        rphase[r] = R_STREAMING }
   :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_ERR -> abort_both(); r_end() }; break
-  :: atomic { WATCH_PREFILL && rphase[r] == R_STREAMING && pres[r] == PRES_ERR ->   /* _next_event */
+  :: atomic { WATCH_PREFILL && (rphase[r] == R_DECODE_LEG || rphase[r] == R_STREAMING) && pres[r] == PRES_ERR ->   /* _next_event */
        abort_both(); r_end() }; break
   :: atomic { rphase[r] != R_WAIT_PREFILL && rphase[r] != R_ENDED && dstream[r]?[EV_FINISH, 0] ->
        dstream[r]?EV_FINISH, nn; r_end() }; break
@@ -1020,7 +1060,7 @@ end_net:
   :: atomic { b_prestart > 0 && (pq[0] == MSG_TAKEN || pq[NREQ - 1] == MSG_TAKEN) ->
        b_prestart--; p_epoch++;                          /* prefill restarts */
        printf("MSC: the prefill worker restarts\n");
-       pfree = NPP; psending = 0; cred = 0; unacked = 0; pc_st = PC_NONE;
+       pfree = NPP; pearly = 0; psending = 0; cred = 0; unacked = 0; pc_st = PC_NONE;
        r = 0;
        do
        :: r == NREQ -> break
@@ -1090,7 +1130,7 @@ end_mon:
     :: p == NDP -> break
     :: else -> S4 = S4 && downer[p] == 0; p++
     od;
-    S4 = S4 && dfree == NDP && pfree == NPP && cred == 0 && psending == 0;
+    S4 = S4 && dfree == NDP && pfree == NPP && pearly == 0 && cred == 0 && psending == 0;
     assert(S4)
   }
 }

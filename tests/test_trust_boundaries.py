@@ -7,6 +7,7 @@ sign their calls as the router does (pd_harness.internal)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures as cf
 import json
@@ -28,10 +29,13 @@ from pd_harness import (
     ticket_for,
     wait_pools_empty,
 )
+from waiting import wait_for
 
 from kvguard.workers.control_auth import AUTH_HEADER
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.launcher import LocalDeployment
+from kvguard.workers.prefill_server import EarlyBudget
+from kvguard.workers.serving import Job, Jobs
 from kvguard.workers.transfer import TicketAuthority
 
 TIMEOUT_S = 30  # "no hang" (S4): every answer comes within this
@@ -147,7 +151,10 @@ def _unsigned(d: LocalDeployment, role: str, method: str, path: str, body: dict 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_internal_endpoints_refuse_calls_not_signed_by_the_router_s9(trio: LocalDeployment, role: str) -> None:
     leg = {"request_id": "cmpl-x", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 2}}
-    calls = [*CALLS, ("POST", "/internal/decode", leg) if role == "decode" else ("POST", "/internal/prefill", {**leg, "ticket": "AA"})]
+    own = [("POST", "/internal/decode", leg)] if role == "decode" else [
+        ("POST", "/internal/prefill", {**leg, "ticket": "AA"}), ("POST", "/internal/prefill", leg),
+        ("POST", "/internal/ticket", {"request_id": "cmpl-x", "ticket": "AA"})]  # fmt: skip
+    calls = [*CALLS, *own]
     before = metric(trio, role, "kvguard_control_auth_failures_total")
     for method, path, body in calls:
         for headers in ({}, {AUTH_HEADER: "v1 ts=1 nonce=" + "0" * 32 + " mac=" + "0" * 64}):
@@ -187,7 +194,7 @@ def test_the_metrics_port_serves_no_internal_endpoint_s9(trio: LocalDeployment) 
     """Issue 11, item 3: scrapers reach only /metrics and /health."""
     for role, metrics_url in trio.metrics_urls.items():
         base = metrics_url.removesuffix("/metrics")
-        for path in ("/internal/info", "/internal/health", "/internal/abort", "/internal/decode", "/internal/prefill"):
+        for path in ("/internal/info", "/internal/health", "/internal/abort", "/internal/decode", "/internal/prefill", "/internal/ticket"):
             for method in ("GET", "POST"):
                 signed = internal(trio, "decode", "/internal/info")  # a real router header, for the wrong port
                 got = requests.request(method, f"{base}{path}", json={}, headers={AUTH_HEADER: signed.request.headers[AUTH_HEADER]}, timeout=5)
@@ -265,6 +272,92 @@ def test_prefill_sends_nowhere_without_a_ticket_the_router_issued_s9(trio: Local
     assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="bad_mac") >= 2
     assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="mismatch") >= 1
     assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="expired") >= 1
+
+
+def test_prefill_computes_before_its_ticket_and_sends_nothing_until_one_verifies_s9(trio: LocalDeployment) -> None:
+    """The router starts prefill with decode (issue 14: prefill computes while decode allocates),
+    so the ticket follows in POST /internal/ticket. Computing needs the router's signed call;
+    sending needs a verified ticket: while none is here, prefill holds its KV and connects nowhere,
+    and a refused ticket ends the request (403 on both calls, pages freed)."""
+    spy = Spy()
+    leg = {"request_id": "cmpl-early", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}
+    attacker = TicketAuthority(RevisionKeys.derive(b"attacker-chosen-key-0123456789").ticket)
+    forged = attacker.issue("cmpl-early", spy.address, 7, bytes(16), 3, (0,), (1,), 30).text
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            computing = pool.submit(internal, trio, "prefill", "/internal/prefill", leg, timeout=TIMEOUT_S)
+            wait_for(lambda: pools_used(trio, ("prefill",))["prefill"] > 0, "prefill to hold the request's KV")
+            assert spy.connections == 0 and not computing.done(), "prefill sent or answered before any ticket"
+            delivery = {"request_id": "cmpl-early", "ticket": forged}
+            unsigned = _unsigned(trio, "prefill", "POST", "/internal/ticket", delivery)
+            assert unsigned.status_code == 401  # another pod cannot hand prefill a destination
+            refused = internal(trio, "prefill", "/internal/ticket", delivery)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "invalid_ticket", refused.text
+            answer = computing.result(TIMEOUT_S)
+        assert answer.status_code == 403 and answer.json()["error"]["code"] == "invalid_ticket", answer.text
+        wait_pools_empty(trio)
+    finally:
+        spy.close()
+    assert spy.connections == 0, "prefill connected somewhere without a ticket the router issued"
+
+
+def test_a_second_call_waits_for_the_job_it_names_until_its_deadline() -> None:
+    """Jobs.claimed, which the ticket call uses: the job once claimed, None past the deadline."""
+
+    async def scenario() -> None:
+        jobs = Jobs()
+        waiting = asyncio.ensure_future(jobs.claimed("r1", 30.0))
+        await asyncio.sleep(0)  # let it start waiting: the ticket overtook its request
+        job = Job("r1", asyncio.ensure_future(asyncio.sleep(0)))
+        jobs.claim(job)
+        assert await waiting is job
+        assert await jobs.claimed("r1", 0.0) is job  # already there: no wait
+        assert await jobs.claimed("nobody", 0.01) is None
+        assert not jobs._awaited, "a waiter that gave up left state behind"
+
+    asyncio.run(scenario())
+
+
+def test_the_early_budget_leaves_one_full_context_to_requests_with_a_ticket_s4() -> None:
+    """Prefill computes ahead of a ticket only within its budget (the pool less one context):
+    without it the pools deadlock (formal/README.md, mutant unbounded_early)."""
+    budget = EarlyBudget(limit_pages=4)  # e.g. 8 pages, a context of 4
+    assert budget.take(3) and not budget.take(2) and budget.take(1)
+    assert not budget.take(1)  # full: the next request waits for its ticket first
+    budget.give(3)
+    assert budget.take(2) and budget.held_pages == 3
+    assert not EarlyBudget(limit_pages=0).take(1)  # a pool of one context: the old protocol
+
+
+def test_a_ticket_that_overtakes_its_prefill_call_waits_for_it_s9(trio: LocalDeployment) -> None:
+    """The two calls travel on different connections: a ticket may arrive first (sent first here;
+    which one the worker reads first is up to the machine) and waits for its request, at most
+    until it expires. The KV goes where it says -- here a port that is not
+    a decode worker, so the transfer fails and both calls end cleanly. A ticket for a request
+    that never comes is refused when it expires; a second ticket for one request is refused."""
+    spy = Spy()
+    rid = "cmpl-overtaken"
+    leg = {"request_id": rid, "prompt_token_ids": [4, 5, 6], "sampling": {"max_tokens": 2}}
+    bootstrap = {"transfer_host": spy.address[0], "transfer_port": spy.address[1], "page_ids": [0], "generations": [1],
+                 "num_tokens": 3, "nonce": "33" * 16, "epoch": 7}  # fmt: skip
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            delivered = pool.submit(internal, trio, "prefill", "/internal/ticket",
+                                    {"request_id": rid, "ticket": ticket_for(trio, rid, bootstrap)}, timeout=TIMEOUT_S)  # fmt: skip
+            computing = pool.submit(internal, trio, "prefill", "/internal/prefill", leg, timeout=TIMEOUT_S)
+            accepted = delivered.result(TIMEOUT_S)
+            assert accepted.status_code == 200 and accepted.json() == {"accepted": True}, accepted.text
+            again = internal(trio, "prefill", "/internal/ticket", {"request_id": rid, "ticket": ticket_for(trio, rid, bootstrap)})
+            assert again.status_code in (404, 409), again.text  # a second ticket (or the request already ended)
+            answer = computing.result(TIMEOUT_S)
+        assert answer.status_code == 502 and answer.json()["error"]["code"].startswith("kv_transfer_"), answer.text
+        assert spy.connections >= 1, "prefill did not send where the genuine ticket said"
+        nobody = ticket_for(trio, "cmpl-never-sent", bootstrap, ttl_s=1.0)
+        late = internal(trio, "prefill", "/internal/ticket", {"request_id": "cmpl-never-sent", "ticket": nobody})
+        assert late.status_code == 404 and late.json()["error"]["code"] == "unknown_request", late.text
+        wait_pools_empty(trio)
+    finally:
+        spy.close()
 
 
 def test_aes_gcm_transfer_serves_the_same_outputs(tiny_model_dir: Path) -> None:

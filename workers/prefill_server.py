@@ -1,18 +1,32 @@
 """The prefill worker: compute a request's KV and send it, checked, into the pages decode granted.
 
 Request life on this side (kvguard.workers.request.RequestState):
-  ticket verified (else 403, nothing computed, no connection anywhere: S9) -> ADMITTED ->
-  PREFILLING -> TRANSFERRING (first token sampled, pages kept while they are sent) -> DONE (decode
-  verified everything; pages freed), and ABORTED from anywhere (router abort, router gone, prefill
-  error, transfer failure), which frees the pages and tells decode (S4).
+  ADMITTED -> PREFILLING -> TRANSFERRING (first token sampled, pages kept while they are sent) ->
+  DONE (decode verified everything; pages freed), and ABORTED from anywhere (router abort, router
+  gone, prefill error, refused ticket, transfer failure), which frees the pages and tells decode
+  (S4).
+
+The router starts this leg together with decode's, so the KV is computed while decode allocates
+its pages; the transfer ticket follows in `POST /internal/ticket` once decode's bootstrap reached
+the router. Computing needs only the router's signed call (S9: no one else can make this worker
+compute); sending needs the verified ticket: until it is here, nothing is sent and no connection
+is opened, and a refused ticket (403) ends the request. A request that carries its ticket has it
+verified before anything is computed.
+
+Computing ahead of the ticket is bounded (`EarlyBudget`): requests without a ticket hold at most
+the pool less one full context. Without that bound the two pools deadlock (found by the model,
+formal/README.md): prefill's pages held by requests waiting for decode's pages, decode's held by
+requests waiting for prefill to compute them. A request past the budget waits for its ticket
+first, as before the overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
@@ -20,7 +34,7 @@ from aiohttp import web
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.kv_pool import Lease
 from kvguard.workers.openai_api import OpenAIError
-from kvguard.workers.protocol import PrefillRequest, PrefillResult
+from kvguard.workers.protocol import PrefillRequest, PrefillResult, TicketDelivery
 from kvguard.workers.request import EngineError, RequestOutput, RequestState
 from kvguard.workers.serving import Job, WorkerRuntime, current_task, engine_error, parse_body
 from kvguard.workers.transfer import (
@@ -45,11 +59,46 @@ CHUNK_TARGET_BYTES = 512 * 1024
 PLACEHOLDER_TOKEN = 0
 
 
+@dataclass
+class EarlyBudget:
+    """Pages that requests still without a ticket may hold on this worker. The rest of the pool
+    (at least one full context) is always left to requests that have one, and those always make
+    progress -- decode holds their pages -- so neither pool can end up waiting on the other."""
+
+    limit_pages: int
+    held_pages: int = 0
+
+    def take(self, pages: int) -> bool:
+        if self.held_pages + pages > self.limit_pages:
+            return False
+        self.held_pages += pages
+        return True
+
+    def give(self, pages: int) -> None:
+        self.held_pages -= pages
+
+
 @dataclass(eq=False)
 class PrefillJob(Job):
-    """One request on this prefill worker: its verified ticket (where its KV may go)."""
+    """One request on this prefill worker and its ticket (where its KV may go), once verified:
+    given with the request, or delivered while the KV is computed."""
 
-    ticket: Ticket
+    arrival: asyncio.Future[Ticket] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def ticket(self) -> Ticket | None:
+        done = self.arrival.done() and not self.arrival.cancelled() and self.arrival.exception() is None
+        return self.arrival.result() if done else None
+
+    def deliver(self, ticket: Ticket) -> None:
+        if self.arrival.done():
+            raise OpenAIError(409, "this request already has its ticket", code="duplicate_ticket", param="ticket")
+        self.arrival.set_result(ticket)
+
+    def refuse(self, error: OpenAIError) -> None:
+        """A ticket the router sent for this request was refused: the request ends with that error."""
+        if not self.arrival.done():
+            self.arrival.set_exception(error)
 
 
 def first_token_record(output: RequestOutput) -> FirstToken:
@@ -68,28 +117,49 @@ class PrefillServer:
         self.tickets = TicketAuthority(keys.ticket)
         self.sender = KVSender(keys, runtime.transfer_metrics, transfer, runtime.faults)
         self.chunk_pages = max(1, min(CHUNK_TARGET_BYTES, transfer.max_transfer_batch) // self.pool.page_nbytes)
+        self.early = EarlyBudget(max(0, self.pool.num_pages - self.pool.pages_for(runtime.engine.engine.context_length)))
 
     async def close(self) -> None:
         await self.sender.close()
 
     async def prefill(self, request: web.Request) -> web.Response:
         body = await parse_body(request, PrefillRequest)
-        job = PrefillJob(body.request_id, current_task(), self._verified_ticket(body))
+        job = PrefillJob(body.request_id, current_task())
+        if body.ticket is not None:
+            job.deliver(self._verified_ticket(body.request_id, body.ticket))
         self.runtime.jobs.claim(job)
         try:
             return await self._prefill(job, body)
         finally:
             self.runtime.jobs.release(job)
 
-    def _verified_ticket(self, body: PrefillRequest) -> Ticket:
-        """S9: the ticket the router issued for this very request, unexpired -- checked before any
-        compute, and the only place prefill will ever send this request's KV."""
+    async def ticket(self, request: web.Request) -> web.Response:
+        """The ticket for a request this worker computes (or is about to: the two calls travel on
+        different connections, so this one may arrive first and waits for its job, at most until
+        the ticket expires)."""
+        body = await parse_body(request, TicketDelivery)
         try:
-            ticket = self.tickets.verify_text(body.ticket)
+            ticket = self._verified_ticket(body.request_id, body.ticket)
+        except OpenAIError as err:
+            job = self.runtime.jobs.get(body.request_id)
+            if isinstance(job, PrefillJob):
+                job.refuse(err)
+            raise
+        job = await self.runtime.jobs.claimed(body.request_id, ticket.expires_at_ms / 1000 - time.time())
+        if not isinstance(job, PrefillJob):
+            raise OpenAIError(404, f"no request {body.request_id!r} is in flight here", code="unknown_request")
+        job.deliver(ticket)
+        return web.json_response({"accepted": True})
+
+    def _verified_ticket(self, request_id: str, text: str) -> Ticket:
+        """S9: the ticket the router issued for this very request, unexpired -- the only place
+        prefill will ever send this request's KV."""
+        try:
+            ticket = self.tickets.verify_text(text)
         except TicketError as exc:
             self.runtime.transfer_metrics.ticket_rejections.labels(reason=exc.reason).inc()
             raise OpenAIError(403, f"transfer ticket refused: {exc}", code="invalid_ticket", param="ticket") from None
-        if ticket.request_id != body.request_id:
+        if ticket.request_id != request_id:
             self.runtime.transfer_metrics.ticket_rejections.labels(reason="mismatch").inc()
             raise OpenAIError(403, "the transfer ticket is for another request", code="invalid_ticket", param="ticket")
         return ticket
@@ -103,7 +173,16 @@ class PrefillServer:
             prompt = (PLACEHOLDER_TOKEN,)
         cause: str = AbortCause.CLIENT_DISCONNECT
         tell_decode = True  # until the sender owns the transfer: it sends its own ABORT on failure
+        early = self.pool.pages_for(len(prompt)) if job.ticket is None else 0
+        if early and not self.early.take(early):
+            early = 0
         try:
+            if not early:  # it carried its ticket, or there is no room to compute ahead (EarlyBudget)
+                try:
+                    await self._ticket_of(job)
+                except OpenAIError:
+                    cause = AbortCause.PREFILL_ERROR
+                    raise
             try:
                 output = await engine.prefill(rid, prompt, body.sampling)
             except EngineError as err:  # S2 at this worker's intake: nothing allocated
@@ -114,8 +193,16 @@ class PrefillServer:
                 error = output.error
                 raise OpenAIError(500, error.message if error else "prefill failed", code=error.code if error else "prefill_failed")
             assert output.lease is not None
+            try:
+                ticket = await self._ticket_of(job)  # S9: nothing is sent, nowhere connected, before it
+            except OpenAIError:
+                cause = AbortCause.PREFILL_ERROR
+                raise
+            if early:
+                self.early.give(early)
+                early = 0
             tell_decode = False
-            outcome = await self._send(job.ticket, output.lease, len(prompt), first_token_record(output))
+            outcome = await self._send(ticket, output.lease, len(prompt), first_token_record(output))
             if not outcome.ok:
                 cause = ""  # decode gave the verdict (or is unreachable): nothing to tell it
                 self.runtime.count_abort(abort_cause(outcome.reason))
@@ -126,8 +213,17 @@ class PrefillServer:
             result = PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes)
             return web.json_response(result.model_dump(mode="json"))
         finally:
+            if early:
+                self.early.give(early)
             if cause:
-                await asyncio.shield(self._abort(job.ticket, cause, tell_decode))
+                await asyncio.shield(self._abort(rid, job.ticket, cause, tell_decode))
+
+    @staticmethod
+    async def _ticket_of(job: PrefillJob) -> Ticket:
+        """The request's verified ticket, once the router delivered it; raises the refusal (403)
+        if the router's ticket was refused. A cancellation (router abort, router gone) ends only
+        this wait, not the future a late delivery would find."""
+        return await asyncio.shield(job.arrival)
 
     async def _send(self, ticket: Ticket, lease: Lease, kv_tokens: int, first: FirstToken) -> TransferOutcome:
         pages = self.pool.pages_for(kv_tokens)
@@ -148,11 +244,12 @@ class PrefillServer:
             payload = pages.reshape(-1).view(torch.uint8).cpu().numpy()
             yield KVChunk(destination[start:end], memoryview(payload))
 
-    async def _abort(self, ticket: Ticket, cause: str, tell_decode: bool) -> None:
-        """Free this side and tell decode (S4); the router tells decode too, so either suffices."""
-        if await self.runtime.engine.abort(ticket.request_id, cause):
+    async def _abort(self, request_id: str, ticket: Ticket | None, cause: str, tell_decode: bool) -> None:
+        """Free this side and tell decode (S4); the router tells decode too, so either suffices
+        (and is the only one to, before the ticket says where decode is)."""
+        if await self.runtime.engine.abort(request_id, cause):
             self.runtime.count_abort(cause)
-        if not tell_decode:
+        if not tell_decode or ticket is None:
             return
         try:
             await self.sender.abort(ticket, cause)

@@ -10,11 +10,17 @@ router's own unguessable internal id, never a client's:
    and into which pages prefill must write, the nonce, decode's boot epoch), then, once every page
    was received and verified (S3), :class:`TokenEvent` s and one :class:`FinishEvent` -- or an
    :class:`ErrorEvent` at any point.
-2. router -> prefill  ``POST /internal/prefill`` with a :class:`PrefillRequest`: the same request
-   plus the transfer ticket the router issued from the bootstrap (workers/transfer/tickets.py).
-   Prefill verifies the ticket, runs its own intake check, computes the KV, sends it where the
-   ticket says over the checked transfer channel and answers with a :class:`PrefillResult`.
-3. router -> both     ``POST /internal/abort`` with an :class:`AbortRequest` whenever either leg
+2. router -> prefill  ``POST /internal/prefill`` with a :class:`PrefillRequest`, sent together with
+   step 1 (as SGLang's router does), so prefill computes while decode allocates. Prefill runs its
+   own intake check (S2) and computes the KV; it sends nothing and connects nowhere until it holds
+   a verified transfer ticket (S9). Then it sends the KV where the ticket says over the checked
+   transfer channel and answers with a :class:`PrefillResult`.
+3. router -> prefill  ``POST /internal/ticket`` with a :class:`TicketDelivery` once decode's bootstrap
+   arrived: the transfer ticket the router issued from it (workers/transfer/tickets.py). Prefill
+   verifies it (403 ``invalid_ticket`` otherwise, and the request fails) and hands it to the
+   request's job. A :class:`PrefillRequest` may instead carry the ticket itself (then prefill
+   verifies it before computing anything, the pre-overlap protocol; tests use it).
+4. router -> both     ``POST /internal/abort`` with an :class:`AbortRequest` whenever either leg
    fails or the client goes away (S4). Aborting an unknown or finished id is a no-op.
 
 Every worker also serves ``GET /internal/info`` (:class:`WorkerInfo`) and ``GET /internal/health``;
@@ -133,8 +139,18 @@ class Bootstrap(_Message):
 MAX_TICKET_TEXT = 12 << 20
 
 
+TicketText = Annotated[str, Field(min_length=1, max_length=MAX_TICKET_TEXT, description="the router's transfer ticket (base64url)")]
+
+
 class PrefillRequest(GenerateRequest):
-    ticket: str = Field(min_length=1, max_length=MAX_TICKET_TEXT, description="the router's transfer ticket (base64url)")
+    ticket: TicketText | None = None  # None: it follows in a TicketDelivery
+
+
+class TicketDelivery(_Message):
+    """The ticket for a prefill that is already computing (step 3 above)."""
+
+    request_id: str = Field(min_length=1, max_length=128)
+    ticket: TicketText
 
 
 class PrefillResult(_Message):

@@ -1,8 +1,9 @@
 """The router: the OpenAI-compatible front door that pairs each request with a prefill and a decode worker.
 
 Per request (see kvguard.workers.protocol for the messages):
-  internal id -> parse -> tokenize -> intake check (S2) -> decode bootstrap -> ticket -> prefill ->
-  stream tokens. A request with `n` > 1 or a batch of prompts runs one such pair of legs per choice.
+  internal id -> parse -> tokenize -> intake check (S2) -> both legs at once (prefill computes
+  while decode allocates) -> decode's bootstrap -> ticket to prefill -> KV sent, verified -> stream
+  tokens. A request with `n` > 1 or a batch of prompts runs one such pair of legs per choice.
 The internal id is the router's own, unguessable (`secrets`); a client's `X-Request-Id` is only a
 correlation label (validated, echoed in the response header and logged), never a key, so no client
 can address another's work, even through another router (S9). Every call to a worker is signed with
@@ -61,6 +62,7 @@ from kvguard.workers.protocol import (
     GenerateRequest,
     PrefillRequest,
     Role,
+    TicketDelivery,
     TokenEvent,
     WorkerInfo,
 )
@@ -685,11 +687,14 @@ class Router:
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
         """
         prefill, decode = self.upstreams.pair()
-        prefill_task: asyncio.Task[None] | None = None
         cause = "client_disconnect"
         started = last_token = time.monotonic()
         tokens = 0
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
+        # Both legs start now: prefill computes while decode allocates, and gets the ticket (S9:
+        # nothing is sent without it) once decode's bootstrap is here.
+        ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        prefill_task = asyncio.create_task(self._prefill(prefill.url, PrefillRequest(**request.model_dump()), ticket))
         try:
             async with self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout) as resp:
                 if resp.status != 200:
@@ -697,10 +702,12 @@ class Router:
                 events = _decode_events(resp)
                 while (event := await _next_event(events, prefill_task)) is not None:
                     if isinstance(event, BootstrapEvent):
-                        prefill_request = PrefillRequest(**request.model_dump(), ticket=self._ticket(request.request_id, event))
-                        prefill_task = asyncio.create_task(self._prefill(prefill.url, prefill_request))
+                        if ticket.done():
+                            raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
+                        ticket.set_result(self._ticket(request.request_id, event))
                     elif isinstance(event, ErrorEvent):
-                        raise await _prefill_error_first(prefill_task) or OpenAIError(
+                        # Before the ticket, prefill cannot have caused decode's failure.
+                        raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
                             event.status, event.message, code=event.code
                         )
                     else:
@@ -709,15 +716,14 @@ class Router:
                         if isinstance(event, TokenEvent) and event.token_ids:
                             tokens, last_token = self._observe_latency(event, tokens, started, last_token)
                         if isinstance(event, FinishEvent):
-                            if prefill_task is not None:
-                                await prefill_task
+                            await prefill_task
                             # Settled before the yield: the consumer may close us right after it.
                             self.metrics.requests.labels("finished").inc()
                             cause = ""
                         yield event
                         if not cause:
                             return
-                raise await _prefill_error_first(prefill_task) or OpenAIError(
+                raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
                     502, "the decode worker closed the stream before finishing", code="decode_failed"
                 )
         except OpenAIError as err:
@@ -759,11 +765,33 @@ class Router:
         )  # fmt: skip
         return ticket.text
 
-    async def _prefill(self, url: str, request: PrefillRequest) -> None:
+    async def _prefill(self, url: str, request: PrefillRequest, ticket: asyncio.Future[str]) -> None:
+        """The prefill leg: the request, and its ticket as soon as there is one (two calls, so the
+        KV is computed while decode allocates). Either call failing fails the leg."""
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
-        async with self.control.post(self.http, f"{url}/internal/prefill", request, timeout=timeout) as resp:
-            if resp.status != 200:
-                raise await _upstream_error(resp)
+
+        async def compute() -> None:
+            async with self.control.post(self.http, f"{url}/internal/prefill", request, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise await _upstream_error(resp)
+
+        async def deliver() -> None:
+            delivery = TicketDelivery(request_id=request.request_id, ticket=await ticket)
+            async with self.control.post(self.http, f"{url}/internal/ticket", delivery, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise await _upstream_error(resp)
+
+        calls = (asyncio.ensure_future(compute()), asyncio.ensure_future(deliver()))
+        try:
+            await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            # The computing call's error first: a refused ticket also fails the request there.
+            for call in calls:
+                if call.done() and (error := call.exception()) is not None:
+                    raise error
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
 
     async def _abort_both(
         self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[None] | None, cause: str
@@ -840,12 +868,12 @@ async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
         return OpenAIError(502, f"a worker answered HTTP {resp.status}", code="worker_failed")
 
 
-async def _prefill_error_first(task: asyncio.Task[None] | None) -> OpenAIError | None:
-    """When decode fails because prefill did, the prefill error is the one worth showing."""
-    if task is None:
-        return None
-    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-        await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
+async def _prefill_error_first(task: asyncio.Task[None], wait: bool) -> OpenAIError | None:
+    """When decode fails because prefill did, the prefill error is the one worth showing (waited
+    for a moment when `wait`: prefill's answer may be on its way)."""
+    if wait:
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
     error = task.exception() if task.done() and not task.cancelled() else None
     return error if isinstance(error, OpenAIError) else None
 

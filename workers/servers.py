@@ -183,6 +183,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         prefill = PrefillServer(runtime, keys, transfer)
         runtime.internal_routes(app, runtime.info)
         app.router.add_post("/internal/prefill", prefill.prefill)
+        app.router.add_post("/internal/ticket", prefill.ticket)
         app.on_cleanup.append(lambda _: prefill.close())
 
     async def start_engine(_: web.Application) -> None:

@@ -45,13 +45,32 @@ class Jobs:
     are refused, never merged (the router's ids are unique; a duplicate is a bug or a replay)."""
 
     by_id: dict[str, Job] = field(default_factory=dict)
+    _awaited: dict[str, asyncio.Event] = field(default_factory=dict)  # ids a caller waits to see claimed
 
     def claim(self, job: Job) -> None:
         if job.request_id in self.by_id:
             raise OpenAIError(409, f"request id {job.request_id!r} is already in flight here", code="duplicate_request_id")
         self.by_id[job.request_id] = job
+        if (claimed := self._awaited.pop(job.request_id, None)) is not None:
+            claimed.set()
 
     def get(self, request_id: str) -> Job | None:
+        return self.by_id.get(request_id)
+
+    async def claimed(self, request_id: str, timeout_s: float) -> Job | None:
+        """The job for `request_id`, waiting up to `timeout_s` for it to be claimed: a second call
+        for a request (prefill's ticket) may overtake the call that starts it on another
+        connection. Only signed calls get here, and each waits at most `timeout_s`."""
+        if (job := self.by_id.get(request_id)) is not None or timeout_s <= 0:
+            return job
+        claimed = self._awaited.setdefault(request_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(claimed.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            if self._awaited.get(request_id) is claimed and not claimed.is_set():
+                del self._awaited[request_id]
         return self.by_id.get(request_id)
 
     def release(self, job: Job) -> None:
