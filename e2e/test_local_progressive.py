@@ -16,7 +16,9 @@ requests to the model's one URL for the whole story. Each response says which re
    through the splitter, while the canary's direct probes pass) is aborted at 10% by the error
    ratio; all traffic is back on the stable revision, whose processes were never touched;
 6. a stable decode worker restarted with a smaller pool is kept out of rotation by the router's
-   pool check (S7 while it serves): every request is answered, none by that worker.
+   pool check (S7 while it serves): every request is answered, none by that worker; the model's
+   status (as the driver records it, and `kvguard status --local`) says Degraded naming it, and
+   clears once it is back with its planned pool.
 
 Local only: on a cluster the same steps are an HTTPRoute's weights, checked against the upstream
 schema with the real operator in tests/test_progressive_kmock.py.
@@ -250,17 +252,19 @@ def test_a_stable_worker_restarted_with_a_smaller_pool_is_kept_out_of_rotation_s
     stable = story.stable()
     assert resized.stable == stable.revision and resized.resized, story.harness.log
     victim = next(w for w in story.harness.state()["revisions"][stable.revision]["workers"] if w["name"] == "decode-1")
-    os.kill(victim["pid"], signal.SIGKILL)
-    wait_for(lambda: not Path(f"/proc/{victim['pid']}").exists() or _zombie(victim["pid"]), "decode-1 to exit", MAX_SECONDS)
-    state = story.harness.state()
-    worker = next(w for w in state["revisions"][stable.revision]["workers"] if w["name"] == "decode-1")
-    at = worker["argv"].index("--kv-pool-tokens")
-    worker["argv"][at + 1] = "1024"  # 1x the 1,024-token context: below the 2x ratio
-    (story.harness.state_dir / "state.json").write_text(json.dumps(state))
+    full_pool = _restart_with_pool(story, stable.revision, "decode-1", "1024")  # 1x the 1,024-token context: below 2x
     healed = story.apply(body)  # the next pass restarts the dead worker, as a Deployment would
     assert healed.state == RolloutState.STABLE and healed.stable == stable.revision, story.harness.log
     decode = {w["name"]: w for w in story.harness.state()["revisions"][stable.revision]["workers"] if w["role"] == "decode"}
     assert decode["decode-1"]["pid"] != victim["pid"] and decode["decode-1"]["restarts"] >= 1
+    # The status the driver recorded says Degraded, naming the worker by role, port and PID, as the
+    # operator's names the pod and node (the same rule: pool_gate.judge, reconcile.pool_gate_degraded).
+    small = f"{NAME}-{stable.revision}-decode-1 (decode, revision {stable.revision}) on node local:{decode['decode-1']['port']} (pid {decode['decode-1']['pid']})"
+    recorded = _degraded(healed.status.model_dump(by_alias=True))
+    assert recorded["status"] == "True" and recorded["reason"] == "PodKVPoolTooSmall" and small in recorded["message"], recorded
+    assert "kept out of rotation" in recorded["message"] and "decode-0" not in recorded["message"]
+    wait_for(lambda: "Degraded=True" in _status_text(story) and small in _status_text(story),
+             "`kvguard status --local` to show Degraded naming decode-1", MAX_SECONDS)  # fmt: skip
     router = next(w for w in story.harness.state()["revisions"][stable.revision]["workers"] if w["name"] == "router")
     wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", role="decode") == 1,
              "the router to keep decode-1 out of rotation", MAX_SECONDS)  # fmt: skip
@@ -273,6 +277,42 @@ def test_a_stable_worker_restarted_with_a_smaller_pool_is_kept_out_of_rotation_s
     measured = asyncio.run(measure_local(StateStore(story.harness.state_dir).load()))
     pools = {p.pod.removeprefix(f"{NAME}-{stable.revision}-"): p for p in measured if p.revision == stable.revision}
     assert pools["decode-1"].reason == "KVPoolTooSmall" and pools["decode-0"].verified  # what `kvguard status --local` shows
+
+    # Back with the planned pool (restarted where it fits again): Degraded clears, it serves again.
+    _restart_with_pool(story, stable.revision, "decode-1", full_pool)
+    back = story.apply(body)
+    assert back.state == RolloutState.STABLE and back.stable == stable.revision, story.harness.log
+    cleared = _degraded(back.status.model_dump(by_alias=True))
+    assert cleared["status"] == "False" and cleared["reason"] == "AsExpected", cleared
+    assert all(p.verified for p in back.status.pools if p.revision == stable.revision), back.status.pools
+    wait_for(lambda: "Degraded=False" in _status_text(story), "`kvguard status --local` to show Degraded=False", MAX_SECONDS)
+    wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", role="decode") == 0,
+             "the router to take decode-1 back into rotation", MAX_SECONDS)  # fmt: skip
+
+
+def _restart_with_pool(story: Story, revision: str, name: str, pool: str) -> str:
+    """Kill worker `name` and edit its recorded command line to `pool` KV tokens (as a node with
+    another amount of memory would size it); the next pass restarts it. Returns the pool it had."""
+    victim = next(w for w in story.harness.state()["revisions"][revision]["workers"] if w["name"] == name)
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{victim['pid']}").exists() or _zombie(victim["pid"]), f"{name} to exit", MAX_SECONDS)
+    state = story.harness.state()
+    worker = next(w for w in state["revisions"][revision]["workers"] if w["name"] == name)
+    at = worker["argv"].index("--kv-pool-tokens")
+    before, worker["argv"][at + 1] = worker["argv"][at + 1], pool
+    (story.harness.state_dir / "state.json").write_text(json.dumps(state))
+    return str(before)
+
+
+def _degraded(status: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in status.get("conditions") or [] if c["type"] == "Degraded")
+
+
+def _status_text(story: Story) -> str:
+    """What `kvguard status --local` prints now (its view, run in-process)."""
+    from kvguard.commands.status import _local_view
+
+    return str(_local_view(story.harness.state_dir, NAME)())
 
 
 def _zombie(pid: int) -> bool:
