@@ -18,6 +18,9 @@ Needs (see e2e/test_local_rollouts.py for how to run it):
 - kubectl (.venv/bin/kubectl from scripts/install-kubectl.py, or on PATH).
 Optional: KVGUARD_E2E_NAMESPACE (default kvguard-e2e, created if missing), KVGUARD_E2E_MODEL_PVC
 (default kvguard-e2e-models, created if missing), KVGUARD_E2E_OPERATOR_NAMESPACE (kvguard-system).
+The progressive-delivery scenarios (e2e/test_local_progressive.py, through progressive_cluster.py)
+also need a Gateway: `kubectl apply -k e2e/install/gateway` after a Gateway API implementation
+(docs/rollouts.md, "End-to-end scenarios on a cluster").
 """
 
 from __future__ import annotations

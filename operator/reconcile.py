@@ -72,7 +72,8 @@ from kvguard.operator.rollout import (
 from kvguard.operator.suggestions import change_summary
 from kvguard.operator.workloads import DeploymentState, deployment_state, owned_by, revision_views
 
-__all__ = ["DeploymentState", "Observed", "Outcome", "deployment_state", "owned_by", "reconcile", "revision_views"]
+__all__ = ["DeploymentState", "Observed", "Outcome", "deployment_state", "owned_by", "pool_gate_degraded", "reconcile",
+           "revision_views", "with_pool_gate"]
 
 HISTORY_LIMIT = 10
 FAULTS_ANNOTATION = "kvguard.io/faults"
@@ -210,17 +211,43 @@ class _Run:
         each pod and node (S7 while pods serve). Idempotent: the event is for a new message only."""
         pools = self.observed.pools
         self.status.pools = status_pools(pools)
-        out = kept_out(pools)
-        degraded = cond.find_condition(self.status.conditions, cond.DEGRADED)
-        if out:
-            message = describe_kept_out(out)
-            before = cond.find_condition(self.previous.conditions, cond.DEGRADED)
-            self.set(cond.DEGRADED, "True", POD_POOL_REASON, message)
-            repeated = before is not None and before.reason == POD_POOL_REASON and before.message == message
-            return [] if repeated else [EventSpec("Warning", POD_POOL_REASON, message)]
-        if degraded is not None and degraded.reason == POD_POOL_REASON and degraded.status == "True":
-            self.set(cond.DEGRADED, "False", "AsExpected", "every serving pod's KV pool meets the ratio")
-        return []
+        change = pool_gate_degraded(pools, cond.find_condition(self.status.conditions, cond.DEGRADED))
+        if change is None:
+            return []
+        self.set(cond.DEGRADED, *change)
+        if change[0] != "True":
+            return []
+        before = cond.find_condition(self.previous.conditions, cond.DEGRADED)
+        repeated = before is not None and before.reason == POD_POOL_REASON and before.message == change[2]
+        return [] if repeated else [EventSpec("Warning", POD_POOL_REASON, change[2])]
+
+
+def pool_gate_degraded(pools: Sequence[PodPool], degraded: cond.Condition | None) -> tuple[cond.ConditionStatus, str, str] | None:
+    """The Degraded condition the readiness gate's verdicts call for, as (status, reason, message):
+    True naming every pod (or local worker) kept out of rotation for its pool; False again once
+    none is, if the gate had set it; None: leave Degraded as it is (another cause owns it)."""
+    out = kept_out(pools)
+    if out:
+        return "True", POD_POOL_REASON, describe_kept_out(out)
+    if degraded is not None and degraded.reason == POD_POOL_REASON and degraded.status == "True":
+        return "False", "AsExpected", "every serving pod's KV pool meets the ratio"
+    return None
+
+
+def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.datetime) -> dict[str, Any]:
+    """`status` (as stored) with `pools` and the Degraded condition they call for, by the rule
+    reconcile applies (`pool_gate_degraded`): what `kvguard status --local` shows from a live scrape
+    while no driver runs (a worker restarted after `kvguard apply` returned is seen at once)."""
+    shown = dict(status)
+    conditions = [cond.Condition.model_validate(c) for c in status.get("conditions") or [] if isinstance(c, Mapping)
+                  and c.get("type") and c.get("status") in ("True", "False", "Unknown") and c.get("reason")]  # fmt: skip
+    change = pool_gate_degraded(pools, cond.find_condition(conditions, cond.DEGRADED))
+    if change is not None:
+        generation = status.get("observedGeneration")
+        new = cond.make_condition(cond.DEGRADED, *change, now=now, generation=generation if isinstance(generation, int) else None)
+        shown["conditions"] = [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in cond.set_condition(conditions, new)]
+    shown["pools"] = [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in status_pools(pools)]
+    return shown
 
 
 def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) -> Outcome:

@@ -219,7 +219,9 @@ class KvguardAdapter:
             "port": HTTP_PORT, "metrics_port": METRICS_PORT,
         }  # fmt: skip
         if ctx.role == "router":
-            args = WorkerArgs(**common, prefill=(ctx.service_url("prefill"),), decode=(ctx.service_url("decode"),))
+            # --revision-id: every answer names its revision (x-kvguard-revision), through any Gateway.
+            args = WorkerArgs(**common, prefill=(ctx.service_url("prefill"),), decode=(ctx.service_url("decode"),),
+                              revision_id=ctx.revision)  # fmt: skip
             return ["kvguard", "worker", *args.to_argv()]
         args = WorkerArgs(
             **common,

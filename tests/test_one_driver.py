@@ -62,6 +62,12 @@ async def test_the_operator_and_kvguard_apply_local_write_the_same_status(operat
         finally:
             backend.stop_all()
     assert result.promoted and result.revision == rev
+    # status.pools is the readiness gate's verdict on every engine pod (S7 while it serves): the
+    # local gate judged the real worker processes; the emulated cluster has Deployments but no
+    # pods to judge, so its list is empty. Everything else is the same, field for field.
+    local_pools, cluster_pools = local.pop("pools", []), on_cluster.pop("pools", [])
+    assert cluster_pools == [] and sorted(p["pod"] for p in local_pools) == [f"tiny-{rev}-decode-0", f"tiny-{rev}-prefill-0"]
+    assert all(p["verified"] and p["reason"] == "KVPoolVerified" for p in local_pools), local_pools
     assert without_volatile(local) == without_volatile(on_cluster)
     assert local["observedGeneration"] == on_cluster["observedGeneration"] == 1
     assert [h["state"] for h in local["history"]] == ["Stable"]

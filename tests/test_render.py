@@ -107,6 +107,9 @@ def test_kvguard_commands_are_accepted_by_our_own_worker_cli() -> None:
     assert flag(decode["command"], "--advertise-host") == "$(KVGUARD_POD_IP)"
     pod_ip = next(e for e in decode["env"] if e["name"] == "KVGUARD_POD_IP")
     assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # The router names its revision on every answer (x-kvguard-revision): behind a Gateway that is
+    # how a client, and e2e's traffic recorder, tell which revision served it.
+    assert flag(command(objs, "router"), "--revision-id") == "r1"
 
 
 def test_engine_limits_become_field_errors() -> None:

@@ -223,3 +223,37 @@ async def test_a_refused_connection_goes_to_the_next_revision_and_limits_hold(tm
             assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
         async with http.get(f"http://127.0.0.1:{api}/health") as resp:
             assert resp.status == 200 and (await resp.json())["weights"] == {"cand": 100}
+
+
+# --- the router names its revision itself (what a Gateway, unlike the splitter, does not add) -----
+
+
+@pytest.mark.parametrize("revision", ["abc123", None])
+async def test_the_router_names_its_revision_on_every_api_response(revision: str | None) -> None:
+    """Behind a cluster's Gateway nothing else tells revisions apart: the router started with
+    `--revision-id` (as the operator renders it) names it in `x-kvguard-revision` on every answer of
+    its public API, errors included. Here the router's workers are not up: it answers 503
+    not_ready, named all the same; without the flag it names nothing (a plain `kvguard serve`)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvguard.workers.args import WorkerArgs
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.router import Router, RouterConfig
+
+    nobody = socket.socket()
+    nobody.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{nobody.getsockname()[1]}"  # bound, never listening: refused at once
+    config = RouterConfig(prefill_urls=(url,), decode_urls=(url,), model_name="m", revision=revision)
+    router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
+    try:
+        async with TestClient(TestServer(router.app())) as client:
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+                async with client.request(method, path, json={"model": "m", "prompt": "x"}) as resp:
+                    assert resp.status == 503
+                    assert resp.headers.get(REVISION_HEADER) == revision
+    finally:
+        nobody.close()
+    argv = WorkerArgs(role="router", model=Path("/m"), prefill=(url,), decode=(url,), revision_id="abc123").to_argv()
+    assert argv[argv.index("--revision-id") + 1] == "abc123"
+    with pytest.raises(ValidationError, match="router flag"):
+        WorkerArgs(role="decode", model=Path("/m"), revision_id="abc123")

@@ -134,8 +134,11 @@ def test_status_local_scrapes_every_running_worker(serving: LocalDeployment, tmp
     assert main(["status", "tiny", "--local", "--state-dir", str(folder)]) == EXIT_OK
     out = capsys.readouterr().out
     assert "revision ccc333  Stable, stable, serving  (100% of traffic at http://127.0.0.1:41234/v1)" in out
-    assert "pod tiny-ccc333-decode-0  decode  node local  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
-    assert "pod tiny-ccc333-prefill-0  prefill  node local  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
+    # A worker is named by the port its router addresses it by (and its PID, when recorded) in place of a node.
+    decode, prefill = serving.ports["decode"], serving.ports["prefill"]
+    assert f"pod tiny-ccc333-decode-0  decode  node local:{decode}  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
+    assert f"pod tiny-ccc333-prefill-0  prefill  node local:{prefill}  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
+    assert "Degraded" not in out  # every pool meets the ratio: the gate sets nothing
     assert "revision ddd444  Superseded  (scaled to zero)" in out
     assert main(["status", "other", "--local", "--state-dir", str(folder)]) == EXIT_NOT_FOUND
 

@@ -144,6 +144,12 @@ class WorkerArgs(BaseModel):
                                 "of rotation, re-read every second (the local backend's readiness gate; default: off)"),
     )  # fmt: skip
 
+    revision_id: str | None = Field(
+        None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
+        json_schema_extra=_flag("router", "the revision this router serves, named in every API response's x-kvguard-revision "
+                                "header (so a client behind a Gateway or splitter can tell which revision answered)"),
+    )  # fmt: skip
+
     @model_validator(mode="after")
     def _fits_the_role(self) -> WorkerArgs:
         if self.role == "router" and (not self.prefill or not self.decode):
@@ -154,6 +160,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--transfer-port is a decode flag")
         if self.role != "router" and self.min_kv_ratio is not None:
             raise ValueError("--min-kv-ratio is a router flag")
+        if self.role != "router" and self.revision_id is not None:
+            raise ValueError("--revision-id is a router flag")
         if self.role == "router" and self.transfer_encryption != "none":
             raise ValueError("--transfer-encryption is a prefill and decode flag")
         return self

@@ -15,6 +15,10 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+REVISION_HEADER = "x-kvguard-revision"
+"""Names the revision that answered, on every response of the public API: set by the router
+itself (`--revision-id`), so a client behind a Gateway can tell who served it as it can behind the
+local splitter (which sets it too, to the same value)."""
 JSON_DEPTH_LIMIT = 200  # pydantic-core's JSON parser refuses deeper nesting ("recursion limit exceeded")
 
 

@@ -44,6 +44,7 @@ from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
 from kvguard.workers.openai_api import (
+    REVISION_HEADER,
     SSE_DONE,
     OpenAIError,
     context_length_exceeded,
@@ -141,6 +142,7 @@ class RouterConfig:
     fail_proxied_requests: bool = False  # fault fail_proxied_requests: 500 to requests that came through a proxy
     min_kv_ratio: float | None = None  # S7 per worker: keep out a worker whose pool is below this x its context
     refresh_interval_s: float = 1.0  # how often (with min_kv_ratio) every worker's reported limits are read again
+    revision: str | None = None  # named in every API response's x-kvguard-revision header (--revision-id)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -343,6 +345,8 @@ class Router:
         app.router.add_get("/v1/models/{model_id:.+}", self.model_card)
         app.router.add_get("/health", self.health)
         app.on_response_prepare.append(_echo_label)
+        if self.config.revision is not None:
+            app.on_response_prepare.append(self._name_revision)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -820,6 +824,12 @@ class Router:
                 log.warning("abort of %s at %s failed: %s", request_id, url, exc)
 
         await asyncio.gather(*(one(u) for u in urls))
+
+    async def _name_revision(self, _: web.Request, response: web.StreamResponse) -> None:
+        """Every API response, errors included, says which revision answered: what a client (and
+        e2e's traffic recorder) reads behind a Gateway, where nothing else tells the revisions apart."""
+        assert self.config.revision is not None
+        response.headers[REVISION_HEADER] = self.config.revision
 
 
 async def _echo_label(request: web.Request, response: web.StreamResponse) -> None:

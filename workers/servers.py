@@ -120,6 +120,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         unsafe_reject_path=faults.unsafe_reject_path,
         fail_proxied_requests=faults.fail_proxied_requests,
         min_kv_ratio=args.min_kv_ratio,
+        revision=args.revision_id,
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
     return router.app(), router.metrics_app()

@@ -18,7 +18,8 @@ What it does and does not do:
 - A request whose chosen router refuses the connection (it has not started, or has just been
   stopped) is sent to the next backend with weight: it never reached anyone, so it is safe to
   send again. Once a router answered, its answer -- status, headers, streamed body -- is the
-  client's, byte for byte; the splitter adds `x-kvguard-revision` naming who served it, and
+  client's, byte for byte; the splitter adds `x-kvguard-revision` naming who served it (as the
+  router itself does when started with `--revision-id`: behind a Gateway, too), and
   `X-Forwarded-For` on the way in, as every proxy does (the router never trusts it).
 - A client that disconnects closes the splitter's connection to the router, which aborts the
   request on both prefill and decode (S4), exactly as a direct disconnect would.
@@ -45,12 +46,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvguard.workers.openai_api import OpenAIError, error_middleware
+from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, error_middleware
 
 log = logging.getLogger("kvguard.splitter")
 
 SPLIT_FILE = "split.json"
-REVISION_HEADER = "x-kvguard-revision"
 FORWARDED_FOR = "X-Forwarded-For"
 MAX_BACKENDS = 8
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself for the forwarded message.

@@ -6,7 +6,8 @@ run, and every engine pod's measured KV pool against the ratio (S7):
 - on a cluster (KUBECONFIG, or in a pod its service account): the InferenceModel's status, where
   the operator's readiness gate records each pod's pool (`status.pools`);
 - with --local --state-dir DIR: the state folder of `kvguard apply --local`, and every running
-  worker of every revision scraped now (its /metrics) and judged against the revision's ratio.
+  worker of every revision scraped now (its /metrics) and judged against the revision's ratio;
+  a worker kept out of rotation for its pool raises Degraded naming it (local:<port>, pid).
 --watch redraws every --interval seconds until interrupted. Installed also as `kubectl-kvguard`,
 so kubectl's plugin mechanism runs `kubectl kvguard status NAME`.
 Exit codes: 0 shown, 1 cannot reach the cluster, 2 bad input, 3 no such model.
@@ -120,6 +121,7 @@ def _pools(raw: Any) -> list[Any]:
 
 def _local_view(state_dir: Path, name: str) -> Any:
     from kvguard.operator.backends.local import StateStore
+    from kvguard.operator.reconcile import with_pool_gate
     from kvguard.status_tree import render
 
     def show() -> str:
@@ -129,39 +131,21 @@ def _local_view(state_dir: Path, name: str) -> Any:
         if state.model and state.model != name:
             raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
         pools = asyncio.run(measure_local(state))
+        # The recorded status with the Degraded condition this scrape calls for (reconcile's rule):
+        # a worker restarted after `kvguard apply` returned is named at once, and cleared once back.
+        status = with_pool_gate(state.status, pools, dt.datetime.now(dt.UTC))
         notes = {rev: "scaled to zero" for rev, r in state.revisions.items() if r.scaled_to_zero}
         for rev, weight in state.weights.items():  # the splitter's table: who gets what share of the one URL
             share = f"{weight}% of traffic at {state.splitter.url}/v1" if state.splitter else f"{weight}% of traffic"
             notes[rev] = f"{notes[rev]}; {share}" if rev in notes else share
-        return render(name, "local", state.status, pools, serving=state.serving, notes=notes)
+        return render(name, "local", status, pools, serving=state.serving, notes=notes)
 
     return show
 
 
 async def measure_local(state: Any) -> list[Any]:
-    """Every running engine worker of every revision, scraped now and judged against the ratio of
-    the spec last applied (S7)."""
-    import aiohttp
+    """Every running engine worker of every revision, scraped now and judged against its
+    revision's ratio (S7), by the gate the local driver runs (backends/local_gate.py)."""
+    from kvguard.operator.backends.local_gate import LocalPoolGate
 
-    from kvguard.operator.api import InferenceModelSpec
-    from kvguard.operator.backends.base import SCRAPE_TIMEOUT_SECONDS, worker_report
-    from kvguard.operator.canary.metrics import fetch_all
-    from kvguard.operator.pool_gate import PodFacts, PoolRequirement, judge
-
-    spec = InferenceModelSpec.model_validate(state.spec)  # as `kvguard apply --local` stored it
-    requirement = PoolRequirement(spec.min_kv_ratio, spec.context_length)
-    targets = [(rev, w) for rev, r in sorted(state.revisions.items()) if not r.scaled_to_zero for w in r.engine_workers()]
-    if not targets:
-        return []
-    async with aiohttp.ClientSession() as session:
-        snapshots = await fetch_all(session, [w.metrics_url for _, w in targets], SCRAPE_TIMEOUT_SECONDS)
-    now = dt.datetime.now(dt.UTC)
-    pools = []
-    for (rev, worker), snapshot in zip(targets, snapshots, strict=True):
-        pod = f"{state.model or 'model'}-{rev}-{worker.name}"
-        facts = PodFacts(name=pod, namespace="local", uid="", model=state.model or "", revision=rev, role=worker.role,
-                         node="local", ip="127.0.0.1", metrics_port=worker.metrics_port, gated=True, containers_ready=True,
-                         terminating=False, restarts=worker.restarts, gate=None)  # fmt: skip
-        report = worker_report(pod, worker.role, snapshot)
-        pools.append(judge(facts, requirement, report.pool_tokens, report.context_length, report.error, now, 1))
-    return pools
+    return await LocalPoolGate().pools(state)

@@ -55,6 +55,7 @@ from kvguard.operator.backends.base import (
     WorkerEndpoint,
 )
 from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag
+from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share
 from kvguard.workers.args import WorkerArgs
@@ -121,6 +122,16 @@ class LocalRevision(_StateModel):
     scaled_to_zero: bool = False
     created_at: str
     workers: list[LocalWorker] = Field(default_factory=list)
+    context_length: int | None = None
+    min_kv_ratio: float | None = None
+    """The revision's own pool requirement (spec.contextLength, spec.minKVRatio when it was
+    created): its workers are judged by it, as a pod by its annotations (local_gate.py). None in
+    folders written before it was recorded."""
+
+    def requirement(self) -> PoolRequirement | None:
+        if self.context_length is None or self.min_kv_ratio is None:
+            return None
+        return PoolRequirement(self.min_kv_ratio, self.context_length)
 
     def worker(self, name: str) -> LocalWorker:
         return next(w for w in self.workers if w.name == name)
@@ -258,6 +269,7 @@ def worker_argvs(
     model_dir: Path,
     ports: Mapping[str, WorkerPorts],
     scale: Scale = "full",
+    revision: str | None = None,
 ) -> list[LocalWorker]:
     """The command line of every process of a revision (mirrors the Kubernetes kvguard adapter)."""
     base = [sys.executable, "-P", "-m", "kvguard", "worker"]
@@ -285,7 +297,8 @@ def worker_argvs(
     # The router keeps a worker whose reported pool is below the ratio out of rotation (S7 while it
     # serves): here, where no Service and no readiness gate stand between it and its workers.
     router = WorkerArgs(model=model_dir, model_name=spec.model.name, role="router", port=port, metrics_port=metrics_port,
-                        prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]), min_kv_ratio=spec.min_kv_ratio)  # fmt: skip
+                        prefill=tuple(urls["prefill"]), decode=tuple(urls["decode"]), min_kv_ratio=spec.min_kv_ratio,
+                        revision_id=revision)  # fmt: skip
     workers.append(LocalWorker(name="router", role="router", port=port, metrics_port=metrics_port, argv=base + router.to_argv()))
     return workers
 
@@ -521,7 +534,8 @@ class LocalBackend:
         ports = allocate_ports(worker_names(spec, scale))
         record = LocalRevision(
             revision=revision, model_dir=str(model_dir), faults=faults, scale=scale, created_at=now_rfc3339(),
-            workers=worker_argvs(spec, kv_plan, model_dir, ports, scale),
+            workers=worker_argvs(spec, kv_plan, model_dir, ports, scale, revision),
+            context_length=spec.context_length, min_kv_ratio=spec.min_kv_ratio,
         )  # fmt: skip
         if faults:
             log.warning("FAULT INJECTION: revision %s runs with %s=%s (test/demo use only)", revision, FAULTS_ENV, faults)
@@ -535,7 +549,7 @@ class LocalBackend:
         restarts, because its worker list changed."""
         old = {w.name: w for w in record.workers}
         ports = allocate_ports(worker_names(spec, scale), old)
-        new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, scale)
+        new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, scale, record.revision)
         for worker in new:
             previous = old.get(worker.name)
             if previous is not None and previous.argv == worker.argv:

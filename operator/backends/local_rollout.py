@@ -13,6 +13,7 @@ Blocked or Paused).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,12 +21,23 @@ from typing import Any
 
 from kvguard.operator.api import GROUP_VERSION, InferenceModelSpec, InferenceModelStatus, InferencePolicy, KVPlan, TrafficRouter
 from kvguard.operator.backends.base import CanaryRunner
-from kvguard.operator.backends.local import LocalBackend, LocalBackendError, instances, model_dir_for, runnable_problems
+from kvguard.operator.backends.local import (
+    LocalBackend,
+    LocalBackendError,
+    LocalWorker,
+    healthy,
+    instances,
+    model_dir_for,
+    runnable_problems,
+)
+from kvguard.operator.backends.local_gate import LocalPoolGate
 from kvguard.operator.backends.local_progress import WaitReporter
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.planner import plan
+from kvguard.operator.policy import policy_min_kv_ratio
+from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, EventSpec, Observed
 from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import RecordEvent, RolloutState
@@ -148,6 +160,18 @@ def unsettled(observed: Observed, status: InferenceModelStatus, spec: InferenceM
     return f"revision {revision}: waiting for {waiting}"
 
 
+def unjudged(observed: Observed, status: InferenceModelStatus) -> str | None:
+    """Which of the spec's serving revision's workers still wait for the gate's verdict on their
+    pool (S7): a rollout rests only once each is verified or kept out, so the status it leaves names
+    every worker kept out (Degraded), as the operator's does once its gate has judged the pods."""
+    revision = status.revision
+    if revision is None or revision != status.target_revision:
+        return None  # pinned to another revision (rollback-to), or nothing serves: as `unsettled`
+    pending = [p.pod for p in observed.pools if p.revision == revision and (p.reason == "Verifying"
+               or (p.reason == "KVPoolUnreadable" and p.unreadable_scrapes < MAX_UNREADABLE_ATTEMPTS))]  # fmt: skip
+    return f"revision {revision}: waiting for the KV pool of {', '.join(pending)} to be verified" if pending else None
+
+
 def progressing(status: InferenceModelStatus) -> tuple[str, str] | None:
     """(reason, message) of the Progressing condition while it is True: what the rollout waits for."""
     condition = next((c for c in status.conditions if c.type == "Progressing"), None)
@@ -205,12 +229,21 @@ async def roll_out(
         return report
 
     runner, memory = CanaryRunner(suite=suite), DriverMemory()
+
+    def ready(worker: LocalWorker) -> bool:
+        return backend.processes.alive(worker) and healthy(worker)
+
+    # S7 while a worker serves: the router keeps a small worker out of rotation; the gate's
+    # verdicts on every running worker go into the status as the operator's pod gate's do.
+    gate, policy_ratio = LocalPoolGate(ready=ready), policy_min_kv_ratio(namespace, policies)
     loop = asyncio.get_running_loop()
     deadline = None if max_seconds is None else loop.time() + max_seconds
     previous_state: RolloutState | None = None
     while True:
         body = store.body()
         observed = await observe(body, backend, runner, memory, policies=policies, fault_injection_allowed=bool(faults))
+        # Judged after observe: its look at the revisions restarted any dead worker and checked health.
+        observed = dataclasses.replace(observed, pools=tuple(await gate.pools(backend.state, policy_ratio)))
         result = await run_pass(body, observed, store, backend, runner, memory)
         assert result is not None  # a state folder's model never disappears mid-run
         status = InferenceModelStatus.model_validate(result.body["status"] or {})
@@ -220,7 +253,7 @@ async def roll_out(
             say(f"rollout: {previous_state.value if previous_state else '-'} -> {state.value}")
             previous_state = state
         busy = rollout is not None and runner.running((namespace, name), rollout.revision or "", rollout.attempt)
-        settling = unsettled(observed, status, spec) if state == RolloutState.STABLE else None
+        settling = (unsettled(observed, status, spec) or unjudged(observed, status)) if state == RolloutState.STABLE else None
         if state in RESTING and not busy and result.outcome.scrape is None and settling is None:
             reporter.waiting(None)
             if resize:

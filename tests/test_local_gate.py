@@ -1,0 +1,151 @@
+"""S7 while a local worker serves: the local backend's pool verdicts reach the model's status.
+
+Workers here are small HTTP servers on loopback that report a KV pool on /metrics in the kvguard
+engine's metric names (what the gate reads from a real worker); the gate scrapes them for real,
+judges with the cluster's `pool_gate.judge`, and reconcile's rule turns the verdicts into
+`status.pools` and `Degraded` naming the worker by role, port and PID, cleared once the worker is
+back with a pool that meets the ratio. The whole path with real worker processes is
+e2e/test_local_progressive.py's last scenario.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvguard.operator import conditions as cond
+from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWorker
+from kvguard.operator.backends.local_gate import LocalPoolGate, worker_node
+from kvguard.operator.pool_gate import PodPool
+from kvguard.operator.reconcile import POD_POOL_REASON, pool_gate_degraded, with_pool_gate
+
+CONTEXT = 1024
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+class FakeWorker:
+    """/metrics with the pool a worker reports, and /health; `pool` can change (a restart)."""
+
+    def __init__(self, pool: int) -> None:
+        self.pool = pool
+        self.scrapes = 0
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        self.server = TestServer(app, host="127.0.0.1")
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        self.scrapes += 1
+        text = ("# TYPE kvguard_kv_pool_capacity_tokens gauge\n"
+                f"kvguard_kv_pool_capacity_tokens {self.pool}\n"
+                "# TYPE kvguard_context_length_tokens gauge\n"
+                f"kvguard_context_length_tokens {CONTEXT}\n")  # fmt: skip
+        return web.Response(text=text, content_type="text/plain")
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[dict[str, FakeWorker]]:
+    fakes = {"decode-0": FakeWorker(4096), "decode-1": FakeWorker(4096), "prefill-0": FakeWorker(4096)}
+    for fake in fakes.values():
+        await fake.server.start_server()
+    yield fakes
+    for fake in fakes.values():
+        await fake.server.close()
+
+
+def state_of(fakes: dict[str, FakeWorker], pids: dict[str, int]) -> LocalState:
+    workers = [LocalWorker(name=name, role=name.split("-")[0], port=40000 + i, metrics_port=fake.server.port or 0, argv=[],
+                           pid=pids[name]) for i, (name, fake) in enumerate(fakes.items())]  # fmt: skip
+    workers.append(LocalWorker(name="router", role="router", port=41000, metrics_port=41001, argv=[], pid=1))
+    revision = LocalRevision(revision="aaa111", model_dir="m", created_at="2026-01-01T00:00:00Z", workers=workers,
+                             context_length=CONTEXT, min_kv_ratio=2.0)  # fmt: skip
+    return LocalState(model="tiny", serving="aaa111", revisions={"aaa111": revision},
+                      status={"revision": "aaa111", "conditions": [{"type": "Ready", "status": "True", "reason": "StableRevisionServing",
+                                                                    "lastTransitionTime": "2026-01-01T00:00:00Z"}]})  # fmt: skip
+
+
+def degraded(status: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), None)
+
+
+async def test_a_worker_below_the_ratio_raises_degraded_naming_it_and_it_clears_once_back_s7(workers: dict[str, FakeWorker]) -> None:
+    pids = {"decode-0": 100, "decode-1": 101, "prefill-0": 102}
+    gate = LocalPoolGate(ready=lambda _: True)
+    pools = await gate.pools(state_of(workers, pids))
+    assert [p.reason for p in pools] == ["KVPoolVerified"] * 3
+    assert pool_gate_degraded(pools, None) is None  # nothing kept out, nothing set
+
+    # decode-1 restarts (a new PID) with a 1x pool, as on a node with less memory.
+    workers["decode-1"].pool, pids["decode-1"] = CONTEXT, 202
+    state = state_of(workers, pids)
+    pools = await gate.pools(state)
+    small = next(p for p in pools if p.pod == "tiny-aaa111-decode-1")
+    assert small.reason == "KVPoolTooSmall" and not small.verified and small.node == "local:40001 (pid 202)"
+    shown = with_pool_gate(state.status, pools, NOW)
+    condition = degraded(shown)
+    assert condition is not None and condition["status"] == "True" and condition["reason"] == POD_POOL_REASON
+    assert "tiny-aaa111-decode-1 (decode, revision aaa111) on node local:40001 (pid 202)" in condition["message"]
+    assert "1024 tokens = 1.00x context 1024 < 2x required (2048 tokens); kept out of rotation" in condition["message"]
+    assert "decode-0" not in condition["message"]
+    assert [p["pod"] for p in shown["pools"]][0] == "tiny-aaa111-decode-1"  # unverified first, as on a cluster
+    assert degraded(state.status) is None  # the stored status is left as it was (a view, not a write)
+
+    # Back with a pool that meets the ratio (another restart): Degraded clears.
+    workers["decode-1"].pool, pids["decode-1"] = 4096, 303
+    state = state_of(workers, pids)
+    state.status = shown  # as if the status last recorded said Degraded
+    pools = await gate.pools(state)
+    cleared = degraded(with_pool_gate(state.status, pools, NOW))
+    assert all(p.verified for p in pools)
+    assert cleared is not None and cleared["status"] == "False" and cleared["reason"] == "AsExpected"
+
+
+async def test_a_verdict_holds_for_the_process_it_was_made_on(workers: dict[str, FakeWorker]) -> None:
+    """One scrape per process incarnation, as the cluster's gate checks a pod once per restart count:
+    the pool of a running process does not change, so a driver polling every 0.3 s does not re-read it."""
+    pids = {"decode-0": 100, "decode-1": 101, "prefill-0": 102}
+    gate = LocalPoolGate(ready=lambda _: True)
+    await gate.pools(state_of(workers, pids))
+    await gate.pools(state_of(workers, pids))
+    assert {n: f.scrapes for n, f in workers.items()} == {"decode-0": 1, "decode-1": 1, "prefill-0": 1}
+    pids["decode-0"] = 200  # restarted: judged again
+    await gate.pools(state_of(workers, pids))
+    assert workers["decode-0"].scrapes == 2 and workers["decode-1"].scrapes == 1
+
+
+async def test_a_worker_not_up_yet_is_verifying_never_unreadable(workers: dict[str, FakeWorker]) -> None:
+    """A worker still starting (no /health yet) is out of rotation until judged, but a slow start
+    never counts towards KVPoolUnreadable (which would raise Degraded after five scrapes)."""
+    pids = {"decode-0": 100, "decode-1": 101, "prefill-0": 102}
+    gate = LocalPoolGate(ready=lambda w: w.name != "decode-1")
+    for _ in range(6):
+        pools = await gate.pools(state_of(workers, pids))
+    starting = next(p for p in pools if p.pod.endswith("decode-1"))
+    assert starting.reason == "Verifying" and starting.unreadable_scrapes == 0 and workers["decode-1"].scrapes == 0
+    assert pool_gate_degraded(pools, None) is None
+
+
+async def test_a_revision_is_judged_by_its_own_requirement_raised_by_policy(workers: dict[str, FakeWorker]) -> None:
+    pids = {"decode-0": 100, "decode-1": 101, "prefill-0": 102}
+    pools = await LocalPoolGate(ready=lambda _: True).pools(state_of(workers, pids), policy_ratio=5.0)
+    assert {p.reason for p in pools} == {"KVPoolTooSmall"} and {p.required for p in pools} == {5 * CONTEXT}
+
+
+def test_the_gates_rule_leaves_a_degraded_of_another_cause_alone() -> None:
+    other = cond.make_condition("Degraded", "True", "RolloutFailed", "canary failed", now=NOW, generation=1)
+    fine = PodPool(pod="p", revision="r", role="decode", required_ratio=2.0, verified=True, reason="KVPoolVerified")
+    assert pool_gate_degraded([fine], other) is None
+
+
+def test_a_worker_is_named_by_port_and_pid_in_place_of_a_node() -> None:
+    worker = LocalWorker(name="decode-1", role="decode", port=4321, metrics_port=4322, argv=[], pid=77)
+    assert worker_node(worker) == "local:4321 (pid 77)"
+    assert worker_node(worker.model_copy(update={"pid": None})) == "local:4321"
