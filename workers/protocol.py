@@ -11,9 +11,10 @@ router's own unguessable internal id, never a client's:
    was received and verified (S3), :class:`TokenEvent` s and one :class:`FinishEvent` -- or an
    :class:`ErrorEvent` at any point.
 2. router -> prefill  ``POST /internal/prefill`` with a :class:`PrefillRequest`, sent together with
-   step 1 (as SGLang's router does), so prefill computes while decode allocates. Prefill runs its
-   own intake check (S2) and computes the KV; it sends nothing and connects nowhere until it holds
-   a verified transfer ticket (S9). Then it sends the KV where the ticket says over the checked
+   step 1 (SGLang's router sends both at once too; its prefill then waits for decode's allocation
+   before computing), so prefill computes while decode allocates, within its early budget
+   (workers/prefill_server.py). Prefill runs its own intake check (S2) and computes the KV; it
+   sends nothing and connects nowhere until it holds a verified transfer ticket (S9). Then it sends the KV where the ticket says over the checked
    transfer channel and answers with a :class:`PrefillResult`.
 3. router -> prefill  ``POST /internal/ticket`` with a :class:`TicketDelivery` once decode's bootstrap
    arrived: the transfer ticket the router issued from it (workers/transfer/tickets.py). Prefill
