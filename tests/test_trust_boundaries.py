@@ -307,8 +307,9 @@ def test_a_second_call_waits_for_the_job_it_names_until_its_deadline() -> None:
     async def scenario() -> None:
         jobs = Jobs()
         waiting = asyncio.ensure_future(jobs.claimed("r1", 30.0))
-        await asyncio.sleep(0)  # let it start waiting: the ticket overtook its request
-        job = Job("r1", asyncio.ensure_future(asyncio.sleep(0)))
+        while "r1" not in jobs._awaited:  # until it waits: the ticket overtook its request
+            await asyncio.sleep(0)
+        job = Job("r1", waiting)  # any task stands for the handler's
         jobs.claim(job)
         assert await waiting is job
         assert await jobs.claimed("r1", 0.0) is job  # already there: no wait
