@@ -34,7 +34,8 @@ from waiting import wait_for
 from kvguard.workers.control_auth import AUTH_HEADER
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.launcher import LocalDeployment
-from kvguard.workers.prefill_server import EarlyBudget
+from kvguard.workers.openai_api import OpenAIError
+from kvguard.workers.prefill_server import EarlyBudget, PrefillJob
 from kvguard.workers.serving import Job, Jobs
 from kvguard.workers.transfer import TicketAuthority
 
@@ -330,12 +331,28 @@ def test_the_early_budget_leaves_one_full_context_to_requests_with_a_ticket_s4()
     assert not EarlyBudget(limit_pages=0).take(1)  # a pool of one context: the old protocol
 
 
+def test_a_request_takes_one_ticket() -> None:
+    """A second ticket for a request in flight is refused (409), whatever it says."""
+
+    async def scenario() -> None:
+        job = PrefillJob("r1", asyncio.ensure_future(asyncio.sleep(0)))
+        ticket = TicketAuthority(RevisionKeys.derive(b"k" * 32).ticket).verify_text(
+            TicketAuthority(RevisionKeys.derive(b"k" * 32).ticket).issue("r1", ("127.0.0.1", 9), 1, bytes(16), 3, (0,), (1,), 30).text)
+        job.deliver(ticket)
+        with pytest.raises(OpenAIError) as second:
+            job.deliver(ticket)
+        assert second.value.status == 409 and job.ticket == ticket
+        await job.task
+
+    asyncio.run(scenario())
+
+
 def test_a_ticket_that_overtakes_its_prefill_call_waits_for_it_s9(trio: LocalDeployment) -> None:
     """The two calls travel on different connections: a ticket may arrive first (sent first here;
     which one the worker reads first is up to the machine) and waits for its request, at most
     until it expires. The KV goes where it says -- here a port that is not
     a decode worker, so the transfer fails and both calls end cleanly. A ticket for a request
-    that never comes is refused when it expires; a second ticket for one request is refused."""
+    that is not (or no longer) here is refused when it expires."""
     spy = Spy()
     rid = "cmpl-overtaken"
     leg = {"request_id": rid, "prompt_token_ids": [4, 5, 6], "sampling": {"max_tokens": 2}}
@@ -348,14 +365,12 @@ def test_a_ticket_that_overtakes_its_prefill_call_waits_for_it_s9(trio: LocalDep
             computing = pool.submit(internal, trio, "prefill", "/internal/prefill", leg, timeout=TIMEOUT_S)
             accepted = delivered.result(TIMEOUT_S)
             assert accepted.status_code == 200 and accepted.json() == {"accepted": True}, accepted.text
-            again = internal(trio, "prefill", "/internal/ticket", {"request_id": rid, "ticket": ticket_for(trio, rid, bootstrap)})
-            assert again.status_code in (404, 409), again.text  # a second ticket (or the request already ended)
             answer = computing.result(TIMEOUT_S)
         assert answer.status_code == 502 and answer.json()["error"]["code"].startswith("kv_transfer_"), answer.text
         assert spy.connections >= 1, "prefill did not send where the genuine ticket said"
-        nobody = ticket_for(trio, "cmpl-never-sent", bootstrap, ttl_s=1.0)
-        late = internal(trio, "prefill", "/internal/ticket", {"request_id": "cmpl-never-sent", "ticket": nobody})
-        assert late.status_code == 404 and late.json()["error"]["code"] == "unknown_request", late.text
+        for late_rid in (rid, "cmpl-never-sent"):  # ended, and never here: refused once it expires
+            late = internal(trio, "prefill", "/internal/ticket", {"request_id": late_rid, "ticket": ticket_for(trio, late_rid, bootstrap, ttl_s=1.0)})
+            assert late.status_code == 404 and late.json()["error"]["code"] == "unknown_request", late.text
         wait_pools_empty(trio)
     finally:
         spy.close()
