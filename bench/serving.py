@@ -8,7 +8,11 @@ its drawn number of tokens):
   (b) tfserve   `transformers serve` (its default, no continuous batching) over HTTP;
   (c) engine    kvguard's `Engine` in this process, driven by one loop that submits requests as
                 they arrive and steps the engine;
-  (d) http      `kvguard serve` (router + prefill + decode processes) over HTTP.
+  (d) http      `kvguard serve` (router + prefill + decode processes) over HTTP, every token its
+                own streamed event (the default, and what the headline ratios measure);
+  (e) http-si   the same with `--stream-interval N` (default 8): the first token at once, then one
+                event per N tokens. Fewer, larger events are a trade a user sees, so it has its own
+                rows and `*_si` ratios; its ITL is the gap between events, as a client sees it.
 HTTP backends are driven by the official `openai` async client with streaming completions.
 
 Workload: prompt lengths 8-512 and output lengths 8-256, log-uniform (many short requests, some
@@ -338,8 +342,9 @@ def server_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_kvguard(model_dir: Path, pool_tokens: int) -> tuple[Server, str]:
-    argv = [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(model_dir), "--kv-pool-tokens", str(pool_tokens)]
+def start_kvguard(model_dir: Path, pool_tokens: int, stream_interval: int = 1) -> tuple[Server, str]:
+    argv = [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(model_dir), "--kv-pool-tokens", str(pool_tokens),
+            "--stream-interval", str(stream_interval)]
     server = Server(argv, server_env())
     assert server.popen.stdout is not None
     line = server.popen.stdout.readline()  # the JSON line once every worker is healthy
@@ -491,7 +496,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None, help="requests per scenario (default 64; 24 with --quick)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backends", default="hf,tfserve,engine,http", help="comma-separated subset")
+    parser.add_argument("--backends", default="hf,tfserve,engine,http,http-si", help="comma-separated subset; http-si is "
+                        "kvguard serve with --stream-interval (its own rows and *_si ratios, never the headline's)")
+    parser.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed event for http-si (default 8)")
     parser.add_argument("--tfserve-scenarios", default=None,
                         help=f"scenarios for transformers serve (default: {MIXED} only with --quick, else all closed loops)")
     parser.add_argument("--scenarios", default=None, help="comma-separated subset, e.g. closed-1,closed-16")
@@ -530,6 +537,10 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
         startup["http_ready_s"] = time.perf_counter() - t0
         startup["http_first_answer_s"] = startup["http_ready_s"] + wait_answering(url, model_dir.name, [BOS_ID, 65])
         live["http"] = HTTPBackend("http", server, url, model_dir.name, token_prompts=True)
+    if "http-si" in backends:
+        server, url = start_kvguard(model_dir, pool_tokens, args.stream_interval)
+        servers.append(server)
+        live["http-si"] = HTTPBackend("http-si", server, url, model_dir.name, token_prompts=True)
     if "tfserve" in backends:
         t0 = time.perf_counter()
         server, url = start_transformers(model_dir)
@@ -547,7 +558,7 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
     plan = [s for s in scenarios(items, args.quick, rates) if not args.scenarios or s.name in args.scenarios.split(",")]
     tf_only = (args.tfserve_scenarios or (MIXED if args.quick else "closed-1,closed-16,closed-64")).split(",")
     results: dict[tuple[str, str], list[Result]] = {}
-    order = [b for b in ("hf", "engine", "http", "tfserve") if b in live]
+    order = [b for b in ("hf", "engine", "http", "http-si", "tfserve") if b in live]
     for rep in range(reps):
         for scenario in plan:
             for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
@@ -586,7 +597,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
                  for r in res.records if r.output_ids is not None}
     checks = {}
     for (backend, scenario), runs in results.items():
-        if backend in ("engine", "http"):
+        if backend in ("engine", "http", "http-si"):
             equal, compared = parity(reference, runs[0], tokenizer)
             checks[f"{backend}/{scenario}"] = f"{equal}/{compared}"
     print("greedy parity with hf:", ", ".join(f"{k} {v}" for k, v in checks.items()))
@@ -595,7 +606,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         return round(a / b, 3) if a and b else None
 
     summary = {k: median_summary(v) for k, v in results.items()}
-    ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in ("engine", "http")}
+    ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in ("engine", "http", "http-si")}
     headline = {
         "http_vs_hf": ratio(tok_s("http", MIXED), tok_s("hf", MIXED)),
         "http_vs_inprocess": ratio(tok_s("http", MIXED), tok_s("engine", MIXED)),
@@ -607,6 +618,11 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "http_vs_hf_64": ratio(tok_s("http", "closed-64"), tok_s("hf", MIXED)),
         "tfserve_vs_hf": ratio(tok_s("tfserve", MIXED), tok_s("hf", MIXED)),
         "http_vs_tfserve": ratio(tok_s("http", MIXED), tok_s("tfserve", MIXED)),
+        # --stream-interval N: fewer, larger events (a user-visible trade), so its own keys.
+        "stream_interval": args.stream_interval if "http-si" in results_backends(results) else None,
+        "http_si_vs_hf": ratio(tok_s("http-si", MIXED), tok_s("hf", MIXED)),
+        "http_si_vs_inprocess": ratio(tok_s("http-si", MIXED), tok_s("engine", MIXED)),
+        "ttft_ratio_si": ratio(ttft["http-si"], ttft["engine"]),
         "ttft_p50_ms": {b: round(v, 1) if v else None for b, v in ttft.items()},
         "poisson_rates": rates,
         "parity": checks,
@@ -622,6 +638,10 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
     return 0
 
 
+def results_backends(results: dict[tuple[str, str], list[Result]]) -> set[str]:
+    return {backend for backend, _ in results}
+
+
 def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str) -> None:
     """Throughput against concurrency, and TTFT / inter-token latency CDFs at 16 concurrent."""
     import matplotlib
@@ -631,7 +651,7 @@ def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str)
 
     folder.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for backend in ("hf", "tfserve", "engine", "http"):
+    for backend in ("hf", "tfserve", "engine", "http", "http-si"):
         points = [(c, median_summary(results[(backend, f"closed-{c}")])["tok_s"]) for c in (1, 16, 64)
                   if (backend, f"closed-{c}") in results]
         if points:
@@ -643,7 +663,7 @@ def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str)
     fig.savefig(folder / f"serving_throughput_{model}.png", dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for backend in ("hf", "tfserve", "engine", "http"):
+    for backend in ("hf", "tfserve", "engine", "http", "http-si"):
         runs = results.get((backend, MIXED))
         if not runs:
             continue

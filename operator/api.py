@@ -393,6 +393,11 @@ class EngineSpec(ApiModel):
     required for vllm (e.g. an image with vllm-router)."""
     kv_canary: SGLangKVCanary | None = None
     """SGLang's own read-time KV canary, on prefill and decode (sglang only)."""
+    stream_interval: int | None = Field(None, ge=1, le=1024)
+    """Tokens per streamed event, rendered as `--stream-interval` on decode workers (kvguard,
+    SGLang and vLLM name and mean it alike). The first token always goes at once; then one event
+    per N tokens. Unset: the engine's default, 1, every token as soon as it is made. Larger trades
+    smoothness for less per-event CPU in decode, router and client."""
 
 
 class HardwareSpec(ApiModel):

@@ -235,6 +235,7 @@ class KvguardAdapter:
             max_transfer_batch=spec.kv_transfer.max_batch,
             transfer_timeout=spec.kv_transfer.timeout_seconds,
             transfer_encryption=spec.kv_transfer.encryption,
+            stream_interval=(spec.engine.stream_interval or 1) if ctx.role == "decode" else 1,
         )
         return ["kvguard", "worker", *args.to_argv(), *spec.engine.extra_args]
 
@@ -328,6 +329,13 @@ def _sglang_data_parallel_args(spec: InferenceModelSpec, role: WorkerRole) -> li
     return ["--dp-size", "1", "--attn-dp-size", str(role.data_parallel)]
 
 
+def _stream_interval_args(ctx: RoleContext) -> list[str]:
+    """SGLang's and vLLM's `--stream-interval` (the same name and meaning as kvguard's): where
+    tokens stream from in PD serving, the decode workers."""
+    interval = ctx.spec.engine.stream_interval
+    return ["--stream-interval", str(interval)] if interval is not None and ctx.role == "decode" else []
+
+
 def _sglang_kv_canary_args(canary: SGLangKVCanary | None) -> list[str]:
     """sglang 0.5.22/0.5.23 srt/arg_groups/fields/observability.py (`--kv-canary`,
     `--kv-canary-sweep-interval`) and srt/server_args.py (`--kv-canary-real-data`)."""
@@ -377,7 +385,7 @@ class SGLangAdapter:
             args += ["--max-total-tokens", str(cap)]
         if spec.kv_transfer.checksum:
             args.append(SGLANG_KV_CHECKSUM_FLAG)  # both roles: on one side only SGLang skips the check
-        args += _sglang_kv_canary_args(spec.engine.kv_canary)
+        args += _sglang_kv_canary_args(spec.engine.kv_canary) + _stream_interval_args(ctx)
         return args + list(spec.engine.extra_args) + list(role.extra_args or [])
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
@@ -441,6 +449,7 @@ class VLLMAdapter:
         ]  # fmt: skip
         if role.expert_parallel > 1:
             args.append("--enable-expert-parallel")
+        args += _stream_interval_args(ctx)
         return args + list(spec.engine.extra_args) + list(role.extra_args or [])
 
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:

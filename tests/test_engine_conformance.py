@@ -85,7 +85,8 @@ def _spec(kind: str, version: str, **changes: Any) -> InferenceModelSpec:
 def rendered_commands(kind: str, version: str) -> list[list[str]]:
     """Prefill and decode command lines for specs that switch on every option the adapter knows."""
     dp_attention = {"tensorParallel": 8, "dataParallel": 8, "dataParallelAttention": True, "expertParallel": 8}
-    variants = [_spec(kind, version), _spec(kind, version, roles={"prefill": dp_attention, "decode": dp_attention})]
+    variants = [_spec(kind, version), _spec(kind, version, roles={"prefill": dp_attention, "decode": dp_attention}),
+                _spec(kind, version, engine={"kind": kind, "image": "img", "version": version, "streamInterval": 4})]
     if kind == "sglang":
         variants.append(_spec(kind, version, kvTransfer={"checksum": True, "backend": "nixl"},
                               engine={"kind": kind, "image": "i", "version": version,
@@ -114,6 +115,7 @@ def test_sglang_every_rendered_flag_exists(version: str) -> None:
     missing = sorted(emitted - set(src.flags))
     assert not missing, f"sglang {version} has no {missing}"
     assert "--kv-canary" in emitted and "--attn-dp-size" in emitted and "--disaggregation-enable-kv-checksum" in emitted
+    assert "--stream-interval" in emitted
     # The deprecated spelling still parses in these releases (the renderer uses it below 0.5.22 only).
     assert "--enable-dp-attention" in src.flags and src.flags["--enable-dp-attention"].where.startswith("sglang/srt/server_args.py")
 
@@ -188,6 +190,7 @@ def test_vllm_every_rendered_flag_and_value_exists(version: str) -> None:
     missing = sorted(emitted - set(src.flags))
     assert not missing, f"vllm {version} has no {missing}"
     assert all(c[:2] == ["vllm", "serve"] for c in commands)
+    assert "--stream-interval" in emitted
     assert 'name = "serve"' in src.text("vllm/entrypoints/cli/serve.py")
     dtypes = src.module_list("vllm/config/cache.py", "CacheDType")
     assert set(_VLLM_KV_DTYPES.values()) <= set(dtypes)

@@ -64,6 +64,17 @@ def test_worker_command_lines_follow_the_plan() -> None:
     router = workers["router"].argv
     assert router.count("--decode") == 2 and "http://127.0.0.1:1003" in router
     assert "--kv-pool-tokens" not in router
+    assert "--stream-interval" not in decode  # unset: the engine's default, 1
+
+
+def test_stream_interval_reaches_the_local_decode_workers_only() -> None:
+    body = tiny_body()
+    body["spec"].setdefault("engine", {})["streamInterval"] = 5
+    spec = spec_of(body)
+    ports = {"prefill-0": (1001, 3001, None), "decode-0": (1002, 3002, 2002), "router": (1004, 3004, None)}
+    workers = {w.name: w.argv for w in worker_argvs(spec, plan(spec), Path("/models/tiny"), ports)}
+    assert workers["decode-0"][workers["decode-0"].index("--stream-interval") + 1] == "5"
+    assert "--stream-interval" not in workers["prefill-0"] and "--stream-interval" not in workers["router"]
 
 
 @pytest.mark.parametrize(

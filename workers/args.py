@@ -123,6 +123,12 @@ class WorkerArgs(BaseModel):
     context_length: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "served context (default: the model's maximum)"))
     page_size: int = Field(16, ge=1, json_schema_extra=_flag("prefill and decode", "tokens per KV page"))
     max_running_requests: int = Field(64, ge=1, json_schema_extra=_flag("prefill and decode", "requests holding pages at once"))
+    stream_interval: int = Field(
+        1, ge=1, le=1024,
+        json_schema_extra=_flag("decode", "tokens per streamed event: the first token always goes at once, then one event per "
+                                "N tokens (and the rest at the end). 1 (default): every step's token as soon as it is made; "
+                                "larger trades smoothness for less per-event work in decode, router and client"),
+    )  # fmt: skip
 
     transfer_port: ListenSpec | None = Field(None, json_schema_extra=_flag("KV transfer", "decode: the port receiving KV chunks (default: a free one)"))
     advertise_host: str | None = Field(None, json_schema_extra=_flag("KV transfer", "decode: the address prefill connects to (the pod IP)"))
@@ -160,6 +166,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--transfer-port is a decode flag")
         if self.role != "router" and self.min_kv_ratio is not None:
             raise ValueError("--min-kv-ratio is a router flag")
+        if self.role != "decode" and self.stream_interval != 1:
+            raise ValueError("--stream-interval is a decode flag")
         if self.role != "router" and self.revision_id is not None:
             raise ValueError("--revision-id is a router flag")
         if self.role == "router" and self.transfer_encryption != "none":

@@ -89,8 +89,10 @@ class DecodeJob(Job):
 class DecodeServer:
     """The HTTP side of a decode worker and its transfer receiver."""
 
-    def __init__(self, runtime: WorkerRuntime, keys: RevisionKeys, transfer: TransferConfig, advertise_host: str) -> None:
+    def __init__(self, runtime: WorkerRuntime, keys: RevisionKeys, transfer: TransferConfig, advertise_host: str,
+                 stream_interval: int = 1) -> None:
         self.runtime = runtime
+        self.stream_interval = stream_interval
         self.pool = runtime.engine.engine.pool
         self.advertise_host = advertise_host
         self.receiver = KVReceiver(keys, runtime.transfer_metrics, self._transfer_of, transfer, runtime.faults)
@@ -193,11 +195,14 @@ class DecodeServer:
 
     async def _stream_tokens(self, response: web.StreamResponse, stream: RequestStream, prompt_tokens: int) -> str | None:
         """Forward the engine's outputs, everything that arrived since the last write in one write
-        (one per engine step, fewer when this loop falls behind); returns an abort cause if the
-        request did not finish."""
+        (one per engine step, fewer when this loop falls behind, or once per `stream_interval`
+        tokens: see `StreamInterval`); returns an abort cause if the request did not finish."""
+        interval = StreamInterval(self.stream_interval)
         sent = 0
         while batch := await stream.next_batch():
-            data, sent, ended = step_events(batch, prompt_tokens, sent)
+            if not interval.due(batch):
+                continue
+            data, sent, ended = step_events(interval.take(), prompt_tokens, sent)
             await response.write(data)
             if ended:
                 return None  # finished, or the engine already ended the request and freed its pages
@@ -213,6 +218,31 @@ class DecodeServer:
             job.transfer.cancel(f"decode ended the request: {cause}")
         if await self.runtime.engine.abort(job.request_id, str(cause)):
             self.runtime.count_abort(cause)
+
+
+class StreamInterval:
+    """Which outputs go out now (vLLM's and SGLang's --stream-interval): the first token at once
+    (TTFT is never traded), then whenever `every` tokens are held, and whatever ended the request
+    with everything held before it. Pure; one per request."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._held: list[RequestOutput] = []
+        self._held_tokens = 0
+        self._first_sent = False
+
+    def due(self, batch: Sequence[RequestOutput]) -> bool:
+        """Hold `batch`; True when what is held should be sent now (then call `take`)."""
+        self._held += batch
+        self._held_tokens += sum(len(output.token_ids) for output in batch)
+        if self._held[-1].finished or self._held_tokens >= self.every:
+            return True
+        return not self._first_sent and self._held_tokens > 0
+
+    def take(self) -> list[RequestOutput]:
+        held, self._held, self._held_tokens = self._held, [], 0
+        self._first_sent = self._first_sent or any(output.token_ids for output in held)
+        return held
 
 
 def first_logprob(first: FirstToken, wanted: int | None) -> TokenLogprob | None:

@@ -60,6 +60,7 @@ class LocalServeConfig:
     max_transfer_batch: int = 4 * 1024 * 1024
     transfer_timeout_s: float = 5.0
     transfer_encryption: TransferEncryption = "none"
+    stream_interval: int = 1  # decode: tokens per streamed event after the first
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
@@ -159,7 +160,7 @@ class LocalDeployment:
             args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"))
         else:
             args = WorkerArgs(**common, **engine, port=self._fd("decode"), metrics_port=self._fd("decode-metrics"),
-                              transfer_port=self._fd("decode-transfer"))  # fmt: skip
+                              transfer_port=self._fd("decode-transfer"), stream_interval=c.stream_interval)  # fmt: skip
         fds = tuple(self.sockets[n].fileno() for n in self.sockets if n == role or n.startswith(f"{role}-"))
         # -P: the working directory may hold this repo, whose operator/ folder would shadow the
         # standard library's `operator` module.

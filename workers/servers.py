@@ -169,7 +169,8 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
     app = web.Application(middlewares=[error_middleware, auth], client_max_size=256 * 1024 * 1024)
     if runtime.role is Role.DECODE:
         assert listeners.transfer is not None
-        decode = DecodeServer(runtime, keys, transfer, advertise_host=args.advertise_host or args.host)
+        decode = DecodeServer(runtime, keys, transfer, advertise_host=args.advertise_host or args.host,
+                              stream_interval=args.stream_interval)  # fmt: skip
         runtime.internal_routes(app, lambda: runtime.info(decode.transfer_address))
         app.router.add_post("/internal/decode", decode.decode)
         transfer_socket = listeners.transfer

@@ -42,7 +42,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
     parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
                         help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
+    parser.add_argument("--stream-interval", type=_stream_interval, default=1,
+                        help="tokens per streamed event after the first (which always goes at once); default 1")
     parser.set_defaults(func=run)
+
+
+def _stream_interval(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"must be 1..1024, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 max_transfer_batch=args.max_transfer_batch,
                 transfer_timeout_s=args.transfer_timeout,
                 transfer_encryption=args.transfer_encryption,
+                stream_interval=args.stream_interval,
             )
         )
     except SmallPoolError as exc:

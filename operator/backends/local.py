@@ -288,6 +288,7 @@ def worker_argvs(
                 max_transfer_batch=spec.kv_transfer.max_batch, transfer_timeout=spec.kv_transfer.timeout_seconds,
                 transfer_encryption=spec.kv_transfer.encryption,
                 transfer_port=transfer_port if role == "decode" else None,
+                stream_interval=(spec.engine.stream_interval or 1) if role == "decode" else 1,
             )  # fmt: skip
             argv = base + args.to_argv() + list(spec.engine.extra_args)
             workers.append(LocalWorker(name=name, role=role, port=port, metrics_port=metrics_port, argv=argv,
