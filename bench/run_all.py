@@ -57,6 +57,10 @@ def parse_serving(output: str) -> Parsed:
         ("in-process engine / HF generate, 1 request", data.get("inprocess_vs_hf_1"), ">= 1.0"),
         ("TTFT p50 HTTP / in-process, 16 concurrent", data.get("ttft_ratio"), "<= 2.0"),
         ("kvguard serve / transformers serve, 16 concurrent", data.get("http_vs_tfserve"), "-"),
+        (f"kvguard serve --stream-interval {data.get('stream_interval')} / HF generate, mixed", data.get("http_si_vs_hf"), "-"),
+        (f"kvguard serve --stream-interval {data.get('stream_interval')} / in-process, 16 concurrent",
+         data.get("http_si_vs_inprocess"), "-"),
+        (f"TTFT p50 --stream-interval {data.get('stream_interval')} / in-process, 16 concurrent", data.get("ttft_ratio_si"), "-"),
     ]
     return [(h, f"{v:.2f}x", g) for h, v, g in rows if v is not None]
 
