@@ -776,7 +776,8 @@ inline p_free(r) {
  * P_GONE: a router that ended the request cancelled its prefill call, which closes the call's
  * connection and so cancels this handler (aiohttp's handler_cancellation): the one way out when the
  * router's abort overtook the call and was a no-op (found by this model when the legs were first
- * started together). The ticket ends an early request's claim on the budget. */
+ * started together). A router that hangs without closing is prefill's own bootstrap timer's
+ * (`--bootstrap-timeout`). The ticket ends an early request's claim on the budget. */
 inline p_await_ticket() {
   do
   :: atomic { p_epoch == boot && tq[r] == MSG_SENT -> tq[r] = MSG_TAKEN; n = tk[r];
@@ -787,6 +788,7 @@ inline p_await_ticket() {
   :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN;
        p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
   :: atomic { p_epoch == boot && rgone[r] -> p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* P_GONE */
+  :: atomic { p_epoch == boot && QUIET_TIMER -> p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* --bootstrap-timeout: 504 */
   :: p_epoch != boot -> goto end
   od
 }
@@ -987,22 +989,20 @@ proctype router(byte r) {
   :: rphase[r] == R_ENDED -> break
   :: atomic { dstream[r]?EV_BOOTSTRAP, nn ->            /* issue the ticket, deliver it to prefill */
        tk[r] = nn; tq[r] = MSG_SENT; rphase[r] = R_STREAMING }
-  :: atomic { dstream[r]?EV_TOKEN, nn ->
-       if
-       :: pq[r] != 0 -> rphase[r] = R_WAIT_PREFILL      /* awaits prefill_task before the first token */
-       :: else -> skip
-       fi }
-  :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_OK ->
-       S2 = !CHECK_S2 || !over[r]; assert(S2);          /* tokens reach the client */
+  :: atomic { dstream[r]?EV_TOKEN, nn ->                /* decode verified the KV (S3) */
+       S2 = !CHECK_S2 || !over[r]; assert(S2);          /* tokens reach the client at once */
        rphase[r] = R_STREAMING }
+  /* _generate: prefill's own answer is awaited only before the request ends cleanly */
+  :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_OK -> r_end() }; break
   :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_ERR -> abort_both(); r_end() }; break
   :: atomic { WATCH_PREFILL && (rphase[r] == R_DECODE_LEG || rphase[r] == R_STREAMING) && pres[r] == PRES_ERR ->   /* _next_event */
        abort_both(); r_end() }; break
   :: atomic { rphase[r] != R_WAIT_PREFILL && rphase[r] != R_ENDED && dstream[r]?[EV_FINISH, 0] ->
-       dstream[r]?EV_FINISH, nn; r_end() }; break
+       dstream[r]?EV_FINISH, nn; rphase[r] = R_WAIT_PREFILL }   /* then `await prefill_task` */
   :: atomic { rphase[r] != R_WAIT_PREFILL && rphase[r] != R_ENDED && dstream[r]?[EV_ERROR, 0] ->
        dstream[r]?EV_ERROR, nn; abort_both(); r_end() }; break
-  :: atomic { rphase[r] != R_ENDED && dbroken[r] && empty(dstream[r]) -> abort_both(); r_end() }; break
+  :: atomic { rphase[r] != R_ENDED && rphase[r] != R_WAIT_PREFILL && dbroken[r] && empty(dstream[r]) ->
+       abort_both(); r_end() }; break                   /* (after FINISH decode's stream is not read) */
   :: atomic { rphase[r] != R_ENDED && b_disc > 0 -> b_disc--;
        printf("MSC: r%d the client disconnects\n", r); abort_both(); r_end() }; break
   :: atomic { rphase[r] != R_ENDED && QUIET_TIMER -> abort_both(); r_end() }; break   /* request_timeout_s */

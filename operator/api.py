@@ -524,8 +524,9 @@ class KVTransferSpec(ApiModel):
     """A transfer that makes no progress for this long aborts its request on both sides (S4;
     Mooncake `MC_TRANSFER_TIMEOUT`, SGLang `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`)."""
     bootstrap_timeout_seconds: PositiveInt = 300
-    """How long prefill waits for decode's destination pages (SGLang
-    `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`)."""
+    """How long prefill waits for decode's destination pages before it aborts the request and
+    frees its pages (kvguard `--bootstrap-timeout` on prefill: no transfer ticket in time is a 504
+    `bootstrap_timeout`; SGLang `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`)."""
     port: int = Field(default=9000, ge=1024, le=65535)
     """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it."""
     backend: Literal["mooncake", "nixl"] = "mooncake"

@@ -272,3 +272,14 @@ def test_encryption_is_refused_for_engines_that_cannot_render_it(engine: str) ->
     with pytest.raises(RenderError) as err:
         objects(m)
     assert err.value.field == "spec.kvTransfer.encryption"
+
+
+def test_kvguard_prefill_gets_the_bootstrap_timeout_and_only_prefill() -> None:
+    """spec.kvTransfer.bootstrapTimeoutSeconds bounds how long prefill holds a request whose ticket
+    never comes (S4); at the default (300 s, the worker's own) no flag is rendered."""
+    spec_model = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"]
+    source = {**spec_model, "source": {"pvc": {"claimName": "models", "path": "tiny"}}}
+    objs = objects(model("tiny-cpu.yaml", model=source, kvTransfer={"bootstrapTimeoutSeconds": 60}))
+    assert float(flag(command(objs, "prefill"), "--bootstrap-timeout")) == 60
+    assert all("--bootstrap-timeout" not in command(objs, role) for role in ("decode", "router"))
+    assert "--bootstrap-timeout" not in command(objects(model("tiny-cpu.yaml", model=source)), "prefill")

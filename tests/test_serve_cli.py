@@ -111,3 +111,12 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def test_bootstrap_timeout_is_prefills_flag(tmp_path: Path) -> None:
+    from kvguard.workers.args import WorkerArgs, parse_argv
+
+    prefill = WorkerArgs(role="prefill", model=tmp_path, bootstrap_timeout=5)
+    assert parse_argv(prefill.to_argv()) == prefill
+    with pytest.raises(ValueError, match="--bootstrap-timeout is a prefill flag"):
+        parse_argv(["--role", "decode", "--model", str(tmp_path), "--bootstrap-timeout", "5"])

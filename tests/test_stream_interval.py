@@ -138,3 +138,4 @@ def test_a_real_stream_has_the_same_text_in_fewer_chunks(tiny_model_dir: Path) -
     assert per_chunk == [1, 4, 4, 4, 4, 2]
     assert "".join(p.text for p in pieces) == reference_text(tiny_model_dir, prompt, max_tokens)
     assert [c for c in chunks if c.usage][-1].usage.completion_tokens == max_tokens  # type: ignore[union-attr]
+

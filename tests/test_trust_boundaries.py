@@ -376,6 +376,21 @@ def test_a_ticket_that_overtakes_its_prefill_call_waits_for_it_s9(trio: LocalDep
         spy.close()
 
 
+def test_a_ticket_that_never_comes_ends_the_request_at_prefills_own_deadline_s4(tiny_model_dir: Path) -> None:
+    """A router that hangs without closing its call (so no connection close cancels the handler)
+    must not hold prefill's pages for ever: past --bootstrap-timeout the request is aborted, its
+    pages freed, and the call answers 504 bootstrap_timeout (SGLang's bootstrap timeout does the
+    same)."""
+    with deployment(tiny_model_dir, bootstrap_timeout_s=1.0) as d:
+        leg = {"request_id": "cmpl-no-ticket", "prompt_token_ids": [7, 8, 9], "sampling": {"max_tokens": 2}}
+        answer = internal(d, "prefill", "/internal/prefill", leg, timeout=TIMEOUT_S)
+        assert answer.status_code == 504 and answer.json()["error"]["code"] == "bootstrap_timeout", answer.text
+        wait_pools_empty(d, roles=("prefill",))
+        assert metric(d, "prefill", "kvguard_aborts_total", cause="bootstrap_timeout") == 1
+        late = internal(d, "prefill", "/internal/ticket", {"request_id": "cmpl-no-ticket", "ticket": "x"}, timeout=TIMEOUT_S)
+        assert late.status_code == 403  # the request is gone; a ticket for it changes nothing
+
+
 def test_aes_gcm_transfer_serves_the_same_outputs(tiny_model_dir: Path) -> None:
     """kvTransfer.encryption: aes-gcm end to end: the same greedy outputs as the colocated engine."""
     with deployment(tiny_model_dir, transfer_encryption="aes-gcm") as d:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,10 @@ class WorkerArgs(BaseModel):
     advertise_host: str | None = Field(None, json_schema_extra=_flag("KV transfer", "decode: the address prefill connects to (the pod IP)"))
     max_transfer_batch: int = Field(4 * 1024 * 1024, ge=1, json_schema_extra=_flag("KV transfer", "bytes in flight per prefill->decode pair (S6)"))
     transfer_timeout: float = Field(5.0, gt=0, json_schema_extra=_flag("KV transfer", "seconds a stalled transfer may wait (S4)"))
+    bootstrap_timeout: float = Field(
+        DEFAULT_BOOTSTRAP_TIMEOUT_S, gt=0, json_schema_extra=_flag("KV transfer", "prefill: seconds a request may wait for its transfer ticket "
+                                             "(decode's destination pages); then it is aborted and its pages freed (S4)")
+    )  # fmt: skip
     transfer_encryption: TransferEncryption = Field(
         "none", json_schema_extra=_flag("KV transfer", "prefill and decode: none (HMAC + checksum) or aes-gcm (KV payloads "
                                         "encrypted per request); both roles of a revision must agree")
@@ -166,6 +171,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--transfer-port is a decode flag")
         if self.role != "router" and self.min_kv_ratio is not None:
             raise ValueError("--min-kv-ratio is a router flag")
+        if self.role != "prefill" and self.bootstrap_timeout != DEFAULT_BOOTSTRAP_TIMEOUT_S:
+            raise ValueError("--bootstrap-timeout is a prefill flag")
         if self.role != "decode" and self.stream_interval != 1:
             raise ValueError("--stream-interval is a decode flag")
         if self.role != "router" and self.revision_id is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from kvguard.workers.args import Listen, TransferEncryption, WorkerArgs, bind_listener
+from kvguard.workers.args import DEFAULT_BOOTSTRAP_TIMEOUT_S, Listen, TransferEncryption, WorkerArgs, bind_listener
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import TRANSFER_KEY_ENV, RevisionKeys, load_revision_key
 
@@ -61,6 +61,7 @@ class LocalServeConfig:
     transfer_timeout_s: float = 5.0
     transfer_encryption: TransferEncryption = "none"
     stream_interval: int = 1  # decode: tokens per streamed event after the first
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: how long a request may wait for its ticket
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
@@ -157,7 +158,8 @@ class LocalDeployment:
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
                               prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],))  # fmt: skip
         elif role == "prefill":
-            args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"))
+            args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"),
+                              bootstrap_timeout=c.bootstrap_timeout_s)  # fmt: skip
         else:
             args = WorkerArgs(**common, **engine, port=self._fd("decode"), metrics_port=self._fd("decode-metrics"),
                               transfer_port=self._fd("decode-transfer"), stream_interval=c.stream_interval)  # fmt: skip

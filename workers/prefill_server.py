@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from kvguard.workers.args import DEFAULT_BOOTSTRAP_TIMEOUT_S
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.kv_pool import Lease
 from kvguard.workers.openai_api import OpenAIError
@@ -84,6 +86,7 @@ class PrefillJob(Job):
     given with the request, or delivered while the KV is computed."""
 
     arrival: asyncio.Future[Ticket] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    deadline: float = math.inf  # event-loop time by which the ticket must have come (--bootstrap-timeout)
 
     @property
     def ticket(self) -> Ticket | None:
@@ -111,8 +114,10 @@ def first_token_record(output: RequestOutput) -> FirstToken:
 
 
 class PrefillServer:
-    def __init__(self, runtime: WorkerRuntime, keys: RevisionKeys, transfer: TransferConfig) -> None:
+    def __init__(self, runtime: WorkerRuntime, keys: RevisionKeys, transfer: TransferConfig,
+                 bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S) -> None:
         self.runtime = runtime
+        self.bootstrap_timeout_s = bootstrap_timeout_s
         self.pool = runtime.engine.engine.pool
         self.tickets = TicketAuthority(keys.ticket)
         self.sender = KVSender(keys, runtime.transfer_metrics, transfer, runtime.faults)
@@ -124,7 +129,7 @@ class PrefillServer:
 
     async def prefill(self, request: web.Request) -> web.Response:
         body = await parse_body(request, PrefillRequest)
-        job = PrefillJob(body.request_id, current_task())
+        job = PrefillJob(body.request_id, current_task(), deadline=asyncio.get_running_loop().time() + self.bootstrap_timeout_s)
         if body.ticket is not None:
             job.deliver(self._verified_ticket(body.request_id, body.ticket))
         self.runtime.jobs.claim(job)
@@ -180,8 +185,8 @@ class PrefillServer:
             if not early:  # it carried its ticket, or there is no room to compute ahead (EarlyBudget)
                 try:
                     await self._ticket_of(job)
-                except OpenAIError:
-                    cause = AbortCause.PREFILL_ERROR
+                except OpenAIError as err:
+                    cause = _ticket_failure(err)
                     raise
             try:
                 output = await engine.prefill(rid, prompt, body.sampling)
@@ -195,8 +200,8 @@ class PrefillServer:
             assert output.lease is not None
             try:
                 ticket = await self._ticket_of(job)  # S9: nothing is sent, nowhere connected, before it
-            except OpenAIError:
-                cause = AbortCause.PREFILL_ERROR
+            except OpenAIError as err:
+                cause = _ticket_failure(err)
                 raise
             if early:
                 self.early.give(early)
@@ -218,12 +223,20 @@ class PrefillServer:
             if cause:
                 await asyncio.shield(self._abort(rid, job.ticket, cause, tell_decode))
 
-    @staticmethod
-    async def _ticket_of(job: PrefillJob) -> Ticket:
+    async def _ticket_of(self, job: PrefillJob) -> Ticket:
         """The request's verified ticket, once the router delivered it; raises the refusal (403)
-        if the router's ticket was refused. A cancellation (router abort, router gone) ends only
-        this wait, not the future a late delivery would find."""
-        return await asyncio.shield(job.arrival)
+        if the router's ticket was refused, and 504 `bootstrap_timeout` if none came before the
+        job's deadline (a router that hangs without closing its call: the pages are freed, S4).
+        A cancellation (router abort, router gone) ends only this wait, not the future a late
+        delivery would find."""
+        remaining = job.deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.arrival), max(0.0, remaining))
+        except TimeoutError:
+            if job.arrival.done():  # delivered (or refused) at the last moment: that answer stands
+                return job.arrival.result()
+            raise OpenAIError(504, f"no transfer ticket within {self.bootstrap_timeout_s:g} s of the request "
+                              "(decode's pages never came)", code="bootstrap_timeout") from None
 
     async def _send(self, ticket: Ticket, lease: Lease, kv_tokens: int, first: FirstToken) -> TransferOutcome:
         pages = self.pool.pages_for(kv_tokens)
@@ -255,3 +268,8 @@ class PrefillServer:
             await self.sender.abort(ticket, cause)
         except (OSError, TimeoutError) as exc:
             log.warning("could not tell decode at %s to abort %s: %s", ticket.address, ticket.request_id, exc)
+
+
+def _ticket_failure(error: OpenAIError) -> AbortCause:
+    """The abort cause of a request whose ticket never came (timed out) or was refused."""
+    return AbortCause.BOOTSTRAP_TIMEOUT if error.code == "bootstrap_timeout" else AbortCause.PREFILL_ERROR

@@ -182,7 +182,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         app.on_startup.append(start_receiver)
         app.on_cleanup.append(lambda _: decode.close())
     else:
-        prefill = PrefillServer(runtime, keys, transfer)
+        prefill = PrefillServer(runtime, keys, transfer, bootstrap_timeout_s=args.bootstrap_timeout)
         runtime.internal_routes(app, runtime.info)
         app.router.add_post("/internal/prefill", prefill.prefill)
         app.router.add_post("/internal/ticket", prefill.ticket)

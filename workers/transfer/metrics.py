@@ -23,6 +23,7 @@ class AbortCause(enum.StrEnum):
     STALE_LEASE = "stale_lease"
     PEER_ABORT = "peer_abort"
     WORKER_DIED = "worker_died"
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"  # prefill: no ticket (decode's pages) within --bootstrap-timeout
 
 
 _CAUSE_OF_REASON = {
