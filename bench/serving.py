@@ -619,7 +619,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "tfserve_vs_hf": ratio(tok_s("tfserve", MIXED), tok_s("hf", MIXED)),
         "http_vs_tfserve": ratio(tok_s("http", MIXED), tok_s("tfserve", MIXED)),
         # --stream-interval N: fewer, larger events (a user-visible trade), so its own keys.
-        "stream_interval": args.stream_interval if "http-si" in results_backends(results) else None,
+        "stream_interval": args.stream_interval if any(b == "http-si" for b, _ in results) else None,
         "http_si_vs_hf": ratio(tok_s("http-si", MIXED), tok_s("hf", MIXED)),
         "http_si_vs_inprocess": ratio(tok_s("http-si", MIXED), tok_s("engine", MIXED)),
         "ttft_ratio_si": ratio(ttft["http-si"], ttft["engine"]),
@@ -636,10 +636,6 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         plot(args.plot_dir, results, args.model)
     print(json.dumps(headline))
     return 0
-
-
-def results_backends(results: dict[tuple[str, str], list[Result]]) -> set[str]:
-    return {backend for backend, _ in results}
 
 
 def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str) -> None:

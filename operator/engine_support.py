@@ -21,6 +21,16 @@ KVGUARD_WEIGHT_DTYPES = {Quantization.FP32: "fp32", Quantization.BF16: "bf16", Q
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def kvguard_role_options(spec: InferenceModelSpec, role: str) -> dict[str, float]:
+    """`WorkerArgs` fields that belong to one role (the others keep the worker's defaults):
+    decode streams (`--stream-interval`), prefill waits for tickets (`--bootstrap-timeout`)."""
+    if role == "decode":
+        return {"stream_interval": spec.engine.stream_interval or 1}
+    if role == "prefill":
+        return {"bootstrap_timeout": spec.kv_transfer.bootstrap_timeout_seconds}
+    return {}
+
+
 def kvguard_dtype_flag(spec: InferenceModelSpec) -> str:
     """`kvguard worker --dtype` for the spec's weights: the format it names, else the checkpoint's (auto)."""
     quant = spec.weights.quantization

@@ -33,10 +33,10 @@ from kvguard.operator.api import (
     SGLangKVCanary,
     WorkerRole,
 )
-from kvguard.operator.engine_support import kvguard_dtype_flag
+from kvguard.operator.engine_support import kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
-from kvguard.workers.args import DEFAULT_BOOTSTRAP_TIMEOUT_S, WorkerArgs
+from kvguard.workers.args import WorkerArgs
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
@@ -235,8 +235,7 @@ class KvguardAdapter:
             max_transfer_batch=spec.kv_transfer.max_batch,
             transfer_timeout=spec.kv_transfer.timeout_seconds,
             transfer_encryption=spec.kv_transfer.encryption,
-            stream_interval=(spec.engine.stream_interval or 1) if ctx.role == "decode" else 1,
-            bootstrap_timeout=spec.kv_transfer.bootstrap_timeout_seconds if ctx.role == "prefill" else DEFAULT_BOOTSTRAP_TIMEOUT_S,
+            **kvguard_role_options(spec, ctx.role),
         )
         return ["kvguard", "worker", *args.to_argv(), *spec.engine.extra_args]
 

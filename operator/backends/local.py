@@ -54,11 +54,11 @@ from kvguard.operator.backends.base import (
     RevisionRequest,
     WorkerEndpoint,
 )
-from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag
+from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share
-from kvguard.workers.args import DEFAULT_BOOTSTRAP_TIMEOUT_S, WorkerArgs
+from kvguard.workers.args import WorkerArgs
 from kvguard.workers.splitter import SPLIT_FILE, SplitBackend, SplitTable, write_table
 
 log = logging.getLogger("kvguard.local")
@@ -288,8 +288,7 @@ def worker_argvs(
                 max_transfer_batch=spec.kv_transfer.max_batch, transfer_timeout=spec.kv_transfer.timeout_seconds,
                 transfer_encryption=spec.kv_transfer.encryption,
                 transfer_port=transfer_port if role == "decode" else None,
-                stream_interval=(spec.engine.stream_interval or 1) if role == "decode" else 1,
-                bootstrap_timeout=spec.kv_transfer.bootstrap_timeout_seconds if role == "prefill" else DEFAULT_BOOTSTRAP_TIMEOUT_S,
+                **kvguard_role_options(spec, role),
             )  # fmt: skip
             argv = base + args.to_argv() + list(spec.engine.extra_args)
             workers.append(LocalWorker(name=name, role=role, port=port, metrics_port=metrics_port, argv=argv,
