@@ -53,6 +53,8 @@ MODEL_RUNS: dict[str, Run] = {
         Run("model_3req", ("-DNREQ=3", "-DROW=1"), None, "3 requests, row 1 (no faults; timers when idle)"),
         Run("model_early", ("-DNPP=4", "-DROW=3"), None,
             "a prefill pool of two contexts (S7), so both requests may compute before their ticket; row 3 (no timers)"),
+        Run("model_onpath", ("-DONPATH", "-DROW=8"), None,
+            "an on-path adversary that injects captured frames into prefill's own connection; row 8 (replays)"),
     )
 }
 
@@ -75,6 +77,8 @@ MUTANTS: dict[str, Run] = {
             "the router before this model: a prefill dead before OPEN leaves decode waiting for its stall timer"),
         Run("unbounded_early", ("-DMUTANT_UNBOUNDED_EARLY", "-DROW=3"), "S4",
             "prefill computes ahead of every ticket: its pool waits on decode's, decode's on prefill (the first overlap)"),
+        Run("no_conn_seq", ("-DMUTANT_NO_CONN_SEQ", "-DONPATH", "-DROW=8"), "S6",
+            "wire v2: frames carry no connection number, so a frame injected back into its own connection verifies"),
     )
 }
 

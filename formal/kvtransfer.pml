@@ -107,13 +107,15 @@
 #else
 #define ON_PATH 0
 #endif
-/* FIX_CONN_SEQ: every prefill->decode frame carries a per-connection sequence number (MAC'd); decode
- * closes a connection whose numbers do not increase. The fix proposed for the S6 finding of
- * formal/README.md (a replayed CHUNK earns credit). */
-#ifdef FIX_CONN_SEQ
-#define CONN_SEQ 1
-#else
+/* Frame numbers (wire v3, workers/transfer/channel.py FrameReader/FrameWriter): every frame's MAC
+ * covers its place on its connection (counted by both ends, not sent), so decode closes a
+ * connection on a frame that is not the next one: a copy, even on prefill's own connection, fails
+ * verification. MUTANT_NO_CONN_SEQ is wire v2, where a copied-back frame verified again: with
+ * ONPATH it earns credit for bytes still in flight (S6; formal/README.md). */
+#ifdef MUTANT_NO_CONN_SEQ
 #define CONN_SEQ 0
+#else
+#define CONN_SEQ 1
 #endif
 
 /* The router watches the prefill leg while it waits for decode's events (Router._next_event): a
@@ -527,7 +529,7 @@ inline on_open(c) {
 
 inline dispatch(c) {
   if
-  :: CONN_SEQ && f_cs <= rc_seq[c] -> rc_abandon(c, PROTOCOL_ERROR)       /* the fix: a replay */
+  :: CONN_SEQ && f_cs != rc_seq[c] + 1 -> rc_abandon(c, PROTOCOL_ERROR)  /* v3: not the next frame */
   :: else ->
      rc_seq[c] = f_cs;
      if

@@ -36,7 +36,7 @@ from kvguard.workers.transfer import (
     WriteOutcome,
     abort_cause,
 )
-from kvguard.workers.transfer.channel import RequestCodec, read_raw, write_frame, write_sealed
+from kvguard.workers.transfer.channel import FrameReader, FrameWriter, RequestCodec
 from kvguard.workers.transfer.receiver import DuplicateRequestError
 from kvguard.workers.transfer.wire import (
     PREFIX,
@@ -51,8 +51,9 @@ from kvguard.workers.transfer.wire import (
     Result,
     Welcome,
     decode,
+    encode_head,
+    frame_tag,
     parse_prefix,
-    seal_parts,
     verify,
 )
 
@@ -219,15 +220,16 @@ class RawPeer:
     """Speaks the wire protocol by hand, to send what a buggy or hostile prefill would. It holds
     the revision key: the worst case short of being the router."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, welcome: Welcome, keys: RevisionKeys) -> None:
+    def __init__(self, reader: FrameReader, writer: FrameWriter, welcome: Welcome, keys: RevisionKeys) -> None:
         self.reader, self.writer, self.welcome, self.keys = reader, writer, welcome, keys
         self.codecs: dict[str, list[RequestCodec]] = defaultdict(list)  # every OPEN's keys
 
     @classmethod
     async def connect(cls, dest: tuple[str, int], keys: RevisionKeys = KEYS) -> RawPeer:
-        reader, writer = await asyncio.open_connection(*dest)
-        write_frame(writer, keys.hello, Hello(os.urandom(16), Encryption.NONE))
-        raw = await asyncio.wait_for(read_raw(reader, 0), PATIENT_S)
+        stream_reader, stream_writer = await asyncio.open_connection(*dest)
+        reader, writer = FrameReader(stream_reader, 0), FrameWriter(stream_writer)
+        writer.send_frame(keys.hello, Hello(os.urandom(16), Encryption.NONE))
+        raw = await asyncio.wait_for(reader.read(), PATIENT_S)
         assert raw is not None
         verify(raw, keys.hello)
         welcome = decode(raw)
@@ -246,10 +248,11 @@ class RawPeer:
 
     def chunk(self, rid: str, seq: int, pages: Sequence[int], gens: Sequence[int], corrupt: bool = False) -> None:
         payload = b"".join(page_bytes(rid, pg) for pg in pages)
-        head, tag, wire = self.codec(rid).seal_chunk(rid, seq, tuple(pages), tuple(gens), memoryview(payload))
+        codec = self.codec(rid)
+        head, wire = codec.seal_chunk(rid, seq, tuple(pages), tuple(gens), memoryview(payload))
         if corrupt:
             wire = bytes([wire[0] ^ 0x40]) + bytes(wire[1:])
-        write_sealed(self.writer, head, tag, wire)
+        codec.send(self.writer, head, wire)
 
     def manifest(self, rid: str, chunks: int, pages: Sequence[int], gens: Sequence[int]) -> None:
         self.codec(rid).write_manifest(self.writer, Manifest(rid, chunks, len(pages) * PAGE, tuple(pages), tuple(gens)))
@@ -266,7 +269,7 @@ class RawPeer:
             while True:
                 wanted = not set(request_ids) <= set(out)
                 try:
-                    raw = await (read_raw(self.reader, 0) if wanted else asyncio.wait_for(read_raw(self.reader, 0), STALL_S))
+                    raw = await (self.reader.read() if wanted else asyncio.wait_for(self.reader.read(), STALL_S))
                 except TimeoutError:
                     return out  # quiet after everything wanted arrived
                 if raw is None:
@@ -279,7 +282,7 @@ class RawPeer:
 
     async def closed_by_decode(self) -> bool:
         with contextlib.suppress(TimeoutError, ConnectionError):
-            while await asyncio.wait_for(self.reader.read(1 << 16), PATIENT_S):
+            while await asyncio.wait_for(self.reader.source.read(1 << 16), PATIENT_S):
                 pass
             return True
         return False
@@ -529,7 +532,7 @@ async def test_late_and_unknown_frames_are_dropped_and_counted_class_g() -> None
 
 async def _closed_soon(peer: RawPeer) -> bool:
     with contextlib.suppress(TimeoutError):
-        return await asyncio.wait_for(peer.reader.read(1), 0.3) == b""
+        return await asyncio.wait_for(peer.reader.source.read(1), 0.3) == b""
     return False
 
 
@@ -769,7 +772,10 @@ def frames(stream: bytes) -> list[tuple[FrameType, bytes]]:
     return out
 
 
-async def test_replayed_frames_on_the_same_connection_are_never_applied_again_s9() -> None:
+async def test_replayed_frames_on_the_same_connection_fail_verification_and_close_it_s6_s9() -> None:
+    """Wire v3: every frame's HMAC covers its number on its connection, so an authentic frame
+    copied back into its own connection (an on-path injector: formal/README.md, ONPATH) fails
+    verification and closes it -- it is never applied again and never earns credit (S6)."""
     async with make_pair() as p:
         tap = Tap(p.dest)
         via = await tap.start()
@@ -778,22 +784,24 @@ async def test_replayed_frames_on_the_same_connection_are_never_applied_again_s9
         replay = b"".join(data for kind, data in frames(tap.stream()) if kind is not FrameType.HELLO)
         tap.to_decode[0].write(replay)  # OPEN, CHUNK, CHUNK, MANIFEST of a finished transfer, again
         await tap.to_decode[0].drain()
-        await until(lambda: p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) >= 4,
-                    "the 4 replayed frames dropped as late", timeout=PATIENT_S)
-        second = p.expect("second", [2, 3], [1, 1], dest=via)  # the same pooled connection still serves
+        await until(lambda: p.recv_metric("kvguard_hmac_failures_total") == 1, "the replayed OPEN refused", timeout=PATIENT_S)
+        second = p.expect("second", [2, 3], [1, 1], dest=via)  # served on a new connection
         gate = asyncio.Event()
         p.sink.gate = gate
         sending = asyncio.create_task(p.sender.send(second.ticket, chunks_of("second", [2, 3])))
-        await until(lambda: len(frames(tap.stream())) >= 5 + 2, "first's 5 frames, then second's OPEN and CHUNK", timeout=PATIENT_S)
-        chunk = next(data for kind, data in reversed(frames(tap.stream())) if kind is FrameType.CHUNK)
-        tap.to_decode[0].write(chunk)  # an in-flight CHUNK injected a second time
+        await until(lambda: len(frames(tap.stream(1))) >= 3, "HELLO, second's OPEN and CHUNK", timeout=PATIENT_S)
+        chunk = next(data for kind, data in frames(tap.stream(1)) if kind is FrameType.CHUNK)
+        tap.to_decode[1].write(chunk)  # an in-flight CHUNK injected a second time
         gate.set()
         outcome = await sending
+        await until(lambda: p.recv_metric("kvguard_hmac_failures_total") == 2, "the injected CHUNK refused", timeout=PATIENT_S)
         tap.close()
-    assert len(tap.recorded) == 1
+    assert len(tap.recorded) == 2, "the connection the replay was sent on was not closed"
     assert p.sink.writes["first"] == 2, "a replayed chunk was applied"
-    assert p.sink.writes["second"] <= 2 and outcome.reason in (None, FailureReason.PLAN_MISMATCH)
-    assert p.recv_metric("kvguard_hmac_failures_total") == 0
+    assert p.sink.writes["second"] <= 2, "the injected chunk was applied"
+    # Decode read the copy after the transfer (then it had already answered) or within it.
+    assert outcome.ok or outcome.reason is FailureReason.CONNECTION_LOST, outcome
+    assert p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) == 0
 
 
 async def test_replayed_frames_on_another_connection_fail_verification_and_leave_the_victim_alone_s9() -> None:
@@ -893,8 +901,8 @@ def test_frame_keys_are_bound_to_ticket_and_connection() -> None:
     nonce, other = os.urandom(16), os.urandom(16)
     keys = {KEYS.request(n, c).mac for n in (nonce, other) for c in (a, b)}
     assert len(keys) == 4
-    head, tag = seal_parts(KEYS.request(nonce, a).mac, Abort("r", "x"))
-    raw = RawFrame(FrameType.ABORT, 0, head, tag, b"")
+    head = encode_head(Abort("r", "x"))
+    raw = RawFrame(FrameType.ABORT, 0, head, frame_tag(KEYS.request(nonce, a).mac, 0, head), b"")
     verify(raw, KEYS.request(nonce, a).mac)
     with pytest.raises(HmacError):
         verify(raw, KEYS.request(nonce, b).mac)

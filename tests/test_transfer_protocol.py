@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -107,6 +108,25 @@ def test_any_flipped_header_byte_is_detected_s3(offset: int) -> None:
     sealed[offset] ^= 0x01
     with pytest.raises(ProtocolError):
         verify(_raw(bytes(sealed)), KEY)
+
+
+def test_a_frame_verifies_only_as_its_own_number_on_the_connection_s6_s9() -> None:
+    """Wire v3: the tag covers the frame's place on its connection (counted, not sent), so the
+    same bytes read as any other frame of the connection -- replayed, or after a dropped or an
+    injected one -- fail like a forged frame."""
+    chunk = ChunkHeader("req", 1, bytes(16), (1, 2), (5, 6))
+    sealed = seal(KEY, chunk, 10, number=7)
+    verify(replace(_raw(sealed), number=7), KEY)
+    for elsewhere in (0, 6, 8, 2**64 - 1):
+        with pytest.raises(HmacError, match=f"frame {elsewhere} on this connection"):
+            verify(replace(_raw(sealed), number=elsewhere), KEY)
+
+
+def test_version_2_peers_are_refused_at_the_first_frame() -> None:
+    """A v2 peer's tags would not verify under v3's numbering: say so at the prefix instead."""
+    assert VERSION == 3
+    with pytest.raises(ProtocolError, match="unsupported protocol version 2"):
+        parse_prefix(PREFIX.pack(MAGIC, 2, FrameType.HELLO, 0, 17, 0), MAX_PAYLOAD)
 
 
 def test_wrong_key_fails_hmac_s3() -> None:

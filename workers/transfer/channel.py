@@ -1,4 +1,6 @@
-"""Frame I/O shared by both ends: reading raw frames, and sealing/opening one request's frames."""
+"""Frame I/O shared by both ends: each direction of a connection numbers its frames (wire v3:
+`FrameWriter` and `FrameReader` are the only way frames are written and read), and
+`RequestCodec` seals and opens one request's frames."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from kvguard.workers.transfer.wire import (
     RawFrame,
     decode_first_token,
     encode_first_token,
+    encode_head,
+    frame_tag,
     parse_prefix,
     payload_checksum,
-    seal_parts,
     verify,
 )
 
@@ -49,10 +52,14 @@ class FrameSink(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def transport(self) -> asyncio.WriteTransport: ...
 
-async def read_raw(reader: FrameSource, max_payload: int) -> RawFrame | None:
-    """Read one frame, unverified; None on a clean end of stream between frames. Raises
-    ProtocolError. The payload may be a view into the reader's buffer, valid until the next read."""
+
+async def read_raw(reader: FrameSource, max_payload: int, number: int = 0) -> RawFrame | None:
+    """Read one frame, unverified, as frame `number` of its connection; None on a clean end of
+    stream between frames. Raises ProtocolError. The payload may be a view into the reader's
+    buffer, valid until the next read."""
     try:
         prefix = bytes(await reader.readexactly(PREFIX.size))
     except asyncio.IncompleteReadError as exc:
@@ -65,22 +72,60 @@ async def read_raw(reader: FrameSource, max_payload: int) -> RawFrame | None:
         payload = await reader.readexactly(payload_len) if payload_len else b""
     except asyncio.IncompleteReadError:
         raise ProtocolError("stream ended inside a frame") from None
-    return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], payload)
+    return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], payload, number)
 
 
-def write_sealed(writer: FrameSink, head: bytes, tag: bytes, payload: bytes | memoryview = b"") -> None:
-    """Queue one whole frame. Synchronous, so frames of concurrent requests never interleave."""
-    if len(payload) < _JOIN_BELOW:
-        writer.write(head + tag + payload if payload else head + tag)
-    else:
-        # Two writes instead of writelines(): 3.11's writelines joins, copying the payload.
-        writer.write(head + tag)
-        writer.write(payload)
+class FrameReader:
+    """The receiving direction of one connection: counts the frames it reads, so each is verified
+    as the frame of that number (a replayed or injected one then fails its HMAC)."""
+
+    def __init__(self, source: FrameSource, max_payload: int) -> None:
+        self.source = source
+        self.max_payload = max_payload
+        self.received = 0
+
+    async def read(self) -> RawFrame | None:
+        raw = await read_raw(self.source, self.max_payload, self.received)
+        self.received += 1
+        return raw
 
 
-def write_frame(writer: FrameSink, key: bytes | None, frame: Frame) -> None:
-    """A frame without payload (HELLO, WELCOME, ACK, OPEN, ABORT, RESULT)."""
-    write_sealed(writer, *seal_parts(key, frame))
+class FrameWriter:
+    """The sending direction of one connection: numbers each frame as it is written, and MACs the
+    number with it. Tags are made here, at write time, because frames of concurrent requests are
+    sealed in one order and may be written in another (a chunk waits for credit)."""
+
+    def __init__(self, sink: FrameSink) -> None:
+        self.sink = sink
+        self.sent = 0
+
+    def send(self, key: bytes | None, head: bytes, payload: bytes | memoryview = b"") -> None:
+        """Queue one whole frame. Synchronous, so frames of concurrent requests never interleave."""
+        tag = frame_tag(key, self.sent, head)
+        self.sent += 1
+        if len(payload) < _JOIN_BELOW:
+            self.sink.write(head + tag + payload if payload else head + tag)
+        else:
+            # Two writes instead of writelines(): 3.11's writelines joins, copying the payload.
+            self.sink.write(head + tag)
+            self.sink.write(payload)
+
+    def send_frame(self, key: bytes | None, frame: Frame) -> None:
+        """A frame without payload (HELLO, WELCOME, ACK, OPEN, ABORT, RESULT)."""
+        self.send(key, encode_head(frame))
+
+    async def drain(self) -> None:
+        await self.sink.drain()
+
+    def buffered(self) -> int:
+        """Bytes queued and not yet taken by the kernel."""
+        return self.sink.transport.get_write_buffer_size()
+
+    def is_closing(self) -> bool:
+        return self.sink.is_closing()
+
+    def close(self) -> None:
+        self.sink.close()
 
 
 class RequestCodec:
@@ -92,27 +137,31 @@ class RequestCodec:
         self.mac = keys.mac if keys is not None else None
         self.cipher = PayloadCipher(keys.cipher) if keys is not None and encryption is Encryption.AES_GCM else None
 
-    def write(self, writer: FrameSink, frame: Frame) -> None:
-        write_frame(writer, self.mac, frame)
+    def write(self, writer: FrameWriter, frame: Frame) -> None:
+        writer.send_frame(self.mac, frame)
 
     def seal_chunk(self, request_id: str, seq: int, page_ids: tuple[int, ...], generations: tuple[int, ...],
-                   payload: memoryview) -> tuple[bytes, bytes, bytes | memoryview]:
-        """(head, tag, payload as it goes on the wire) of one CHUNK: checksummed, or encrypted."""
+                   payload: memoryview) -> tuple[bytes, bytes | memoryview]:
+        """(head, payload as it goes on the wire) of one CHUNK, checksummed or encrypted, for
+        `send` (which adds the tag)."""
         if self.cipher is not None:
             header = ChunkHeader(request_id, seq, NO_CHECKSUM, page_ids, generations)
-            head, tag = seal_parts(self.mac, header, len(payload) + GCM_TAG_BYTES, FLAG_ENCRYPTED)
-            return head, tag, self.cipher.seal(FrameType.CHUNK, seq, head, payload)
+            head = encode_head(header, len(payload) + GCM_TAG_BYTES, FLAG_ENCRYPTED)
+            return head, self.cipher.seal(FrameType.CHUNK, seq, head, payload)
         checksum = payload_checksum(payload) if self.mac is not None else NO_CHECKSUM
-        head, tag = seal_parts(self.mac, ChunkHeader(request_id, seq, checksum, page_ids, generations), len(payload))
-        return head, tag, payload
+        return encode_head(ChunkHeader(request_id, seq, checksum, page_ids, generations), len(payload)), payload
 
-    def write_manifest(self, writer: FrameSink, manifest: Manifest) -> None:
+    def send(self, writer: FrameWriter, head: bytes, payload: bytes | memoryview) -> None:
+        """Write a frame sealed by `seal_chunk`."""
+        writer.send(self.mac, head, payload)
+
+    def write_manifest(self, writer: FrameWriter, manifest: Manifest) -> None:
         record = encode_first_token(manifest.first)
         if self.cipher is not None:
-            head, tag = seal_parts(self.mac, manifest, len(record) + GCM_TAG_BYTES, FLAG_ENCRYPTED)
-            write_sealed(writer, head, tag, self.cipher.seal(FrameType.MANIFEST, 0, head, record))
+            head = encode_head(manifest, len(record) + GCM_TAG_BYTES, FLAG_ENCRYPTED)
+            writer.send(self.mac, head, self.cipher.seal(FrameType.MANIFEST, 0, head, record))
         else:
-            write_sealed(writer, *seal_parts(self.mac, manifest, len(record)), record)
+            writer.send(self.mac, encode_head(manifest, len(record)), record)
 
     def verify(self, raw: RawFrame) -> None:
         verify(raw, self.mac)
@@ -135,4 +184,4 @@ class RequestCodec:
             raise ProtocolError(f"{raw.kind.name} is {'' if raw.encrypted else 'not '}encrypted, unlike this transfer")
 
 
-__all__ = ["DecryptError", "FrameSink", "FrameSource", "RequestCodec", "read_raw", "write_frame", "write_sealed"]
+__all__ = ["DecryptError", "FrameReader", "FrameSink", "FrameSource", "FrameWriter", "RequestCodec", "read_raw"]

@@ -35,11 +35,11 @@ from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.stream_buffer import BufferedStreamProtocol
 from kvguard.workers.transfer.channel import (
     DecryptError,
+    FrameReader,
     FrameSink,
     FrameSource,
+    FrameWriter,
     RequestCodec,
-    read_raw,
-    write_frame,
 )
 from kvguard.workers.transfer.config import DEFAULT_CONFIG, FailureReason, TransferConfig, TransferOutcome
 from kvguard.workers.transfer.lifecycle import TERMINAL, TransferState, advance
@@ -133,7 +133,7 @@ TransferLookup = Callable[[str], "InboundTransfer | None"]
 
 
 class _InboundConnection:
-    def __init__(self, writer: FrameSink, conn_id: bytes, ack_key: bytes | None, remembered: int) -> None:
+    def __init__(self, writer: FrameWriter, conn_id: bytes, ack_key: bytes | None, remembered: int) -> None:
         self.writer = writer
         self.conn_id = conn_id
         self.ack_key = ack_key
@@ -220,9 +220,10 @@ class KVReceiver:
         self._conn_tasks.add(task)
         conn: _InboundConnection | None = None
         reason, detail = FailureReason.CONNECTION_LOST, "prefill connection closed"
+        frames_in, frames_out = FrameReader(reader, self._config.max_payload_bytes), FrameWriter(writer)
         try:
-            conn = await self._handshake(reader, writer)
-            while conn is not None and (raw := await read_raw(reader, self._config.max_payload_bytes)):
+            conn = await self._handshake(frames_in, frames_out)
+            while conn is not None and (raw := await frames_in.read()):
                 await self._dispatch(conn, raw)
                 await writer.drain()
         except HmacError as exc:
@@ -240,10 +241,10 @@ class KVReceiver:
             writer.close()
             self._conn_tasks.discard(task)
 
-    async def _handshake(self, reader: FrameSource, writer: FrameSink) -> _InboundConnection | None:
+    async def _handshake(self, reader: FrameReader, writer: FrameWriter) -> _InboundConnection | None:
         """HELLO in, WELCOME out: the connection's id is both nonces (keys.py)."""
         async with asyncio.timeout(self._config.connect_timeout_s):
-            raw = await read_raw(reader, 0)
+            raw = await reader.read()
         if raw is None:
             return None
         if raw.kind is not FrameType.HELLO:
@@ -252,7 +253,7 @@ class KVReceiver:
         hello = decode(raw)
         assert isinstance(hello, Hello)
         welcome = Welcome(hello.nonce, secrets.token_bytes(NONCE_BYTES), self.epoch, self._config.encryption)
-        write_frame(writer, self._hello_key, welcome)
+        writer.send_frame(self._hello_key, welcome)
         if hello.encryption is not self._config.encryption:
             raise ProtocolError(f"prefill sends with encryption {hello.encryption}, decode expects {self._config.encryption}")
         ack_key = self._keys.connection(welcome.conn_id) if self._config.verify_integrity else None
@@ -430,7 +431,7 @@ class KVReceiver:
         conn.flush_scheduled = False
         if conn.pending_credit and not conn.writer.is_closing():
             conn.acks_sent += 1
-            write_frame(conn.writer, conn.ack_key, Ack(conn.acks_sent, conn.pending_credit))
+            conn.writer.send_frame(conn.ack_key, Ack(conn.acks_sent, conn.pending_credit))
         conn.pending_credit = 0
 
     # -- terminal transitions -------------------------------------------------------------------

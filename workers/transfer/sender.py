@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvguard.workers.faults import NO_FAULTS, Faults
 from kvguard.workers.keys import RevisionKeys
-from kvguard.workers.transfer.channel import RequestCodec, read_raw, write_frame, write_sealed
+from kvguard.workers.transfer.channel import FrameReader, FrameWriter, RequestCodec
 from kvguard.workers.transfer.config import DEFAULT_CONFIG, FailureReason, TransferConfig, TransferOutcome, failure_reason
 from kvguard.workers.transfer.lifecycle import TransferState, advance
 from kvguard.workers.transfer.metrics import TransferMetrics
@@ -149,7 +149,7 @@ class _Peer:
 
 
 class _OutboundConnection:
-    def __init__(self, peer: _Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    def __init__(self, peer: _Peer, reader: FrameReader, writer: FrameWriter,
                  welcome: Welcome, ack_key: bytes | None) -> None:  # fmt: skip
         self.peer = peer
         self.reader = reader
@@ -311,7 +311,7 @@ class KVSender:
         faults = self._faults
         if faults.delay_chunk_ms:
             await asyncio.sleep(faults.delay_chunk_ms / 1000)
-        head, tag, wire = codec.seal_chunk(rid, seq, page_ids, gens, payload)
+        head, wire = codec.seal_chunk(rid, seq, page_ids, gens, payload)
         if faults.corrupt_chunk and self._rng.random() < faults.corrupt_chunk:
             wire = self._corrupted(wire)  # after sealing: decode must catch it (S3)
         dropped = faults.drop_chunk and self._rng.random() < faults.drop_chunk
@@ -326,10 +326,10 @@ class KVSender:
             credit.release(n)
         else:
             conn.unacked += n
-            write_sealed(conn.writer, head, tag, wire)
+            codec.send(conn.writer, head, wire)
             self._bytes_out.inc(n)
             self._chunks_out.observe(n)
-            if conn.writer.transport.get_write_buffer_size():
+            if conn.writer.buffered():
                 async with asyncio.timeout(self._config.stall_timeout_s):
                     await conn.writer.drain()
         self._chunks_sent += 1
@@ -352,7 +352,7 @@ class KVSender:
         # The hook returned (tests): die as far as the peers can tell, without any ABORT.
         for peer in self._peers.values():
             for conn in peer.conns:
-                conn.writer.transport.abort()
+                conn.writer.sink.transport.abort()
         raise PrefillCrashed("crash_prefill_after_chunks fired")
 
     def _abort(self, conn: _OutboundConnection, transfer: OutboundTransfer, reason: str) -> None:
@@ -382,11 +382,12 @@ class KVSender:
         """Connect, HELLO, and check decode's WELCOME (fresh: it echoes our nonce)."""
         async with asyncio.timeout(self._config.connect_timeout_s):
             reader, writer = await asyncio.open_connection(*peer.dest)
+        frames_in, frames_out = FrameReader(reader, 0), FrameWriter(writer)
         try:
             nonce = secrets.token_bytes(NONCE_BYTES)
-            write_frame(writer, self._hello_key, Hello(nonce, self._config.encryption))
+            frames_out.send_frame(self._hello_key, Hello(nonce, self._config.encryption))
             async with asyncio.timeout(self._config.connect_timeout_s):
-                raw = await read_raw(reader, 0)
+                raw = await frames_in.read()
             if raw is None or raw.kind is not FrameType.WELCOME:
                 raise ProtocolError("decode did not answer HELLO with WELCOME")
             verify(raw, self._hello_key)
@@ -400,12 +401,12 @@ class KVSender:
             writer.close()
             raise
         ack_key = self._keys.connection(welcome.conn_id) if self._config.verify_integrity else None
-        return _OutboundConnection(peer, reader, writer, welcome, ack_key)
+        return _OutboundConnection(peer, frames_in, frames_out, welcome, ack_key)
 
     async def _read_replies(self, conn: _OutboundConnection) -> None:
         detail = "decode closed the connection"
         try:
-            while (raw := await read_raw(conn.reader, 0)) is not None:
+            while (raw := await conn.reader.read()) is not None:
                 self._on_reply(conn, raw)
         except HmacError as exc:
             self._metrics.hmac_failures.inc()

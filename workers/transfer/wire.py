@@ -1,18 +1,25 @@
-"""KV transfer wire format (version 2): pure encoding and decoding, no I/O.
+"""KV transfer wire format (version 3): pure encoding and decoding, no I/O.
 
 Every frame in either direction has the same layout (little-endian)::
 
     | offset | bytes | field                                                                  |
     | ------ | ----- | ---------------------------------------------------------------------- |
     | 0      | 4     | magic ``b"KVGT"`` (garbage on the port is detected at once)            |
-    | 4      | 1     | version (2)                                                            |
+    | 4      | 1     | version (3)                                                            |
     | 5      | 1     | frame type (``FrameType``)                                             |
     | 6      | 2     | flags: bit 0 ENCRYPTED (CHUNK/MANIFEST payload is AES-GCM), rest 0     |
     | 8      | 4     | header length H (bounded per type, ``MAX_HEADER_BYTES``)               |
     | 12     | 4     | payload length P (CHUNK, MANIFEST only; bounded; else 0)               |
     | 16     | H     | type-specific header (below)                                           |
-    | 16+H   | 32    | HMAC-SHA256(frame key, bytes[0 : 16+H]) -- prefix and header           |
+    | 16+H   | 32    | HMAC-SHA256(frame key, u64 frame number + bytes[0 : 16+H])             |
     | 48+H   | P     | payload                                                                |
+
+Frame numbers (new in version 3). Every frame is numbered by its place in its direction of its
+connection: 0 is HELLO (prefill->decode) and WELCOME (decode->prefill), then 1, 2, ... The number
+is not sent -- both ends count -- but the HMAC covers it, so a frame replayed, dropped, reordered
+or injected on the same connection fails verification and the connection closes. Version 2 tags
+covered the bytes alone: a frame copied back into its own connection verified again, and an
+on-path injector could earn transfer credit with it (S6; formal/README.md, ONPATH).
 
 The frame key depends on the type (workers/keys.py): HELLO/WELCOME use the revision's hello key;
 ACK the connection key; OPEN, CHUNK, MANIFEST, ABORT and RESULT the request key, derived from the
@@ -51,7 +58,7 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"KVGT"
-VERSION = 2
+VERSION = 3
 PREFIX = struct.Struct("<4sBBHII")
 TAG_BYTES = 32
 CHECKSUM_BYTES = 16
@@ -312,24 +319,29 @@ def encode_first_token(first: FirstToken | None) -> bytes:
     return b"".join(out)
 
 
-def seal_parts(key: bytes | None, frame: Frame, payload_len: int = 0, flags: int = 0) -> tuple[bytes, bytes]:
-    """(prefix + header, HMAC tag) for ``frame``; the payload (if any) is written after them.
-
-    ``key=None`` gives an all-zero tag: only for benchmarking integrity off (both ends agree).
-    """
+def encode_head(frame: Frame, payload_len: int = 0, flags: int = 0) -> bytes:
+    """Prefix + header of ``frame``: what its tag covers, with its number (``frame_tag``)."""
     ftype = _TYPE_OF[type(frame)]
     header = encode_header(frame)
     if len(header) > MAX_HEADER_BYTES[ftype]:
         raise ValueError(f"{ftype.name} header of {len(header)} bytes exceeds the bound")
     if (payload_len or flags) and ftype not in _PAYLOAD_FRAMES:
         raise ValueError(f"{ftype.name} frames carry no payload")
-    head = PREFIX.pack(MAGIC, VERSION, ftype, flags, len(header), payload_len) + header
-    return head, (hmac.digest(key, head, "sha256") if key is not None else _NO_TAG)
+    return PREFIX.pack(MAGIC, VERSION, ftype, flags, len(header), payload_len) + header
 
 
-def seal(key: bytes | None, frame: Frame, payload_len: int = 0, flags: int = 0) -> bytes:
-    head, tag = seal_parts(key, frame, payload_len, flags)
-    return head + tag
+def frame_tag(key: bytes | None, number: int, head: bytes) -> bytes:
+    """The HMAC of frame ``number`` of its direction of its connection, whose bytes are ``head``.
+
+    ``key=None`` gives an all-zero tag: only for benchmarking integrity off (both ends agree).
+    """
+    return hmac.digest(key, U64.pack(number) + head, "sha256") if key is not None else _NO_TAG
+
+
+def seal(key: bytes | None, frame: Frame, payload_len: int = 0, flags: int = 0, number: int = 0) -> bytes:
+    """Head and tag of ``frame`` sent as frame ``number`` (the payload, if any, follows them)."""
+    head = encode_head(frame, payload_len, flags)
+    return head + frame_tag(key, number, head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,9 +354,10 @@ class RawFrame:
 
     kind: FrameType
     flags: int
-    head: bytes  # prefix + header: what the HMAC (and, encrypted, the GCM tag) covers
+    head: bytes  # prefix + header: what the HMAC (with `number`) and, encrypted, the GCM tag cover
     tag: bytes
     payload: bytes | memoryview
+    number: int = 0  # its place on its connection, as the reader counted it (not sent: v3)
 
     @property
     def header(self) -> bytes:
@@ -377,9 +390,11 @@ def parse_prefix(prefix: bytes, max_payload_bytes: int) -> tuple[FrameType, int,
 
 
 def verify(raw: RawFrame, key: bytes | None) -> None:
-    """Check the HMAC over prefix+header with ``key`` (None: integrity off, nothing checked)."""
-    if key is not None and not hmac.compare_digest(hmac.digest(key, raw.head, "sha256"), raw.tag):
-        raise HmacError(f"{raw.kind.name} frame failed HMAC verification")
+    """Check the HMAC over the frame's number and its prefix+header with ``key`` (None: integrity
+    off, nothing checked). A frame that is authentic but out of its place on the connection
+    (replayed, or one before it was dropped or injected) fails like a forged one."""
+    if key is not None and not hmac.compare_digest(frame_tag(key, raw.number, raw.head), raw.tag):
+        raise HmacError(f"{raw.kind.name} frame {raw.number} on this connection failed HMAC verification")
 
 
 def decode(raw: RawFrame) -> Frame:
