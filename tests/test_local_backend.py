@@ -30,6 +30,7 @@ from kvguard.operator.backends.local import (
     worker_argvs,
     worker_env,
 )
+from kvguard.operator.backends.restart_backoff import RestartBackoff
 from kvguard.operator.planner import plan
 from kvguard.operator.revision import revision_of
 
@@ -249,3 +250,73 @@ def test_the_ports_of_one_revision_are_all_distinct() -> None:
         ports = allocate_ports([f"prefill-{i}" for i in range(4)] + [f"decode-{i}" for i in range(4)] + ["router"])
         numbers = [p for triple in ports.values() for p in triple if p is not None]
         assert len(numbers) == len(set(numbers)) == 4 * 2 + 4 * 3 + 2
+
+
+# -- CrashLoopBackOff -------------------------------------------------------------------------------
+
+
+def test_restart_backoff_follows_the_kubelet_after_an_immediate_first_restart() -> None:
+    backoff = RestartBackoff()
+    assert [backoff.delay_s(n) for n in range(1, 9)] == [0, 10, 20, 40, 80, 160, 300, 300]
+    assert backoff.streak(0, ran_for_s=None) == 1  # adopted, or recorded by an older version
+    assert backoff.streak(3, ran_for_s=5.0) == 4  # died soon after starting: the streak goes on
+    assert backoff.streak(6, ran_for_s=600.0) == 1  # ran 10 minutes: a fresh start
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_worker_that_keeps_dying_is_restarted_with_crash_loop_backoff(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Real processes, a controlled clock: killed once, decode is back at once; killed again soon
+    after, it waits 10 s, then 20 s, and the revision says why; after 10 minutes of running, a
+    death is restarted at once again."""
+    spec = spec_of(tiny_body(str(tiny_model_dir)))
+    revision = revision_of(spec)
+    clock = Clock()
+    with LocalBackend(tmp_path / "state", clock=clock) as backend:
+        try:
+            backend.claim("tiny")
+            backend.deploy(revision, spec, plan(spec))
+            decode = backend.state.revisions[revision].worker("decode-0")
+
+            def kill() -> int:
+                pid = decode.pid
+                assert pid is not None and backend.processes.alive(decode)
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: not backend.processes.alive(decode), "the killed worker gone", 30.0, 0.05)
+                return pid
+
+            def view() -> Any:
+                return backend.views()[revision]
+
+            killed = kill()
+            view()
+            assert decode.pid != killed and backend.processes.alive(decode) and decode.restarts == 1
+
+            for delay in (10, 20):
+                clock.now += 5  # dies 5 s after its start: the streak goes on
+                killed = kill()
+                waiting = view().waiting
+                assert decode.pid == killed and not backend.processes.alive(decode), "restarted without back-off"
+                assert any("decode-0 in CrashLoopBackOff" in w and f"restarting in {delay} s" in w for w in waiting), waiting
+                clock.now += delay - 1
+                view()
+                assert not backend.processes.alive(decode), "restarted before its back-off ran out"
+                on_disk = StateStore(tmp_path / "state").load().revisions[revision].worker("decode-0")
+                assert on_disk.restart_at == clock.now + 1  # a new driver would wait it out too
+                clock.now += 1
+                view()
+                assert backend.processes.alive(decode) and decode.pid != killed
+
+            clock.now += 600  # ran 10 minutes: the next death starts a new streak
+            killed = kill()
+            view()
+            assert backend.processes.alive(decode) and decode.pid != killed
+            assert decode.restarts == 4 and decode.deaths_in_a_row == 1
+        finally:
+            backend.stop_all()

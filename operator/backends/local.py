@@ -21,7 +21,9 @@ rollout. The old revision is stopped only after the table no longer sends it any
 
 Workers are `python -m kvguard worker ...` processes in their own session, so a Ctrl-C aimed at
 `kvguard apply` does not kill a serving revision; a worker found dead is restarted on its ports
-(a Deployment replacing its pod). This module starts processes; it never imports torch.
+(a Deployment replacing its pod), at once the first time and then with the kubelet's
+CrashLoopBackOff (`restart_backoff.py`) while it keeps dying. This module starts processes; it
+never imports torch.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvguard.operator.backends.base import (
     RevisionRequest,
     WorkerEndpoint,
 )
+from kvguard.operator.backends.restart_backoff import KUBELET, RestartBackoff
 from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
@@ -100,6 +103,12 @@ class LocalWorker(_StateModel):
     """Decode's KV-transfer port (kept when the revision is resized)."""
     pid: int | None = None
     restarts: int = 0
+    started_at: float | None = None
+    """Wall-clock time of its last start (None: adopted, or recorded by an older version)."""
+    deaths_in_a_row: int = 0
+    """Deaths within `RestartBackoff.reset_after_s` of starting, in a row (CrashLoopBackOff)."""
+    restart_at: float | None = None
+    """Set while it is dead and waiting out its back-off: when it starts again."""
 
     @property
     def url(self) -> str:
@@ -470,11 +479,14 @@ class LocalBackend:
     next one can resume from.
     """
 
-    def __init__(self, state_dir: Path, models_root: Path = Path("."), environ: Mapping[str, str] | None = None) -> None:
-        """revision -> KVGUARD_FAULTS for its processes when this backend creates it (test/demo only)."""
+    def __init__(self, state_dir: Path, models_root: Path = Path("."), environ: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.time, backoff: RestartBackoff = KUBELET) -> None:  # fmt: skip
+        """`clock`: wall time (the state folder outlives drivers); `backoff`: when a dead worker restarts."""
         self.store = StateStore(state_dir)
         self.models_root = models_root
         self.environ = dict(os.environ if environ is None else environ)
+        self.clock = clock
+        self.backoff = backoff
         self.processes = ProcessTable()
         self.state = LocalState()
         self._lock: contextlib.ExitStack | None = None
@@ -555,6 +567,8 @@ class LocalBackend:
             previous = old.get(worker.name)
             if previous is not None and previous.argv == worker.argv:
                 worker.pid, worker.restarts = previous.pid, previous.restarts
+                worker.started_at, worker.deaths_in_a_row = previous.started_at, previous.deaths_in_a_row
+                worker.restart_at = previous.restart_at
                 del old[worker.name]
         self.processes.stop(list(old.values()))
         log.info("revision %s: %s scale, %d processes", record.revision, scale, len(new))
@@ -577,11 +591,29 @@ class LocalBackend:
             worker.pid = orphan
             self.save()
             return
-        if worker.pid is not None:
+        now = self.clock()
+        if worker.pid is not None:  # it ran, and died
+            if self._backing_off(worker, now, owner, log_path):
+                return
             worker.restarts += 1
             log.warning("%s: %s (pid %s) is not running; restarting it", owner, worker.name, worker.pid)
         worker.pid = self.processes.spawn(worker, env, log_path)
+        worker.started_at, worker.restart_at = now, None
         self.save()  # the PID is on disk before anything else can go wrong
+
+    def _backing_off(self, worker: LocalWorker, now: float, owner: str, log_path: Path) -> bool:
+        """True while a dead worker waits out its CrashLoopBackOff (`restart_backoff.py`). The
+        death is counted once, when it is first seen; the wait is on disk, so a new driver keeps it."""
+        if worker.restart_at is None:
+            ran_for = now - worker.started_at if worker.started_at is not None else None
+            worker.deaths_in_a_row = self.backoff.streak(worker.deaths_in_a_row, ran_for)
+            worker.restart_at = now + self.backoff.delay_s(worker.deaths_in_a_row)
+            self.save()
+            if worker.restart_at > now:
+                log.warning("%s: %s died %d times in a row within %.0f s of starting; CrashLoopBackOff: "
+                            "restarting it in %.0f s (log: %s)", owner, worker.name, worker.deaths_in_a_row,
+                            self.backoff.reset_after_s, worker.restart_at - now, log_path)  # fmt: skip
+        return now < worker.restart_at
 
     # --- traffic -----------------------------------------------------------------------------------
     def _ensure_splitter(self, wait: bool = False) -> LocalWorker:
@@ -684,12 +716,18 @@ class LocalBackend:
                 continue
             if heal:
                 self._ensure_running(record)
-            waiting = tuple(f"{w.name} not ready" for w in record.workers if not (self.processes.alive(w) and healthy(w)))
+            waiting = tuple(self._not_ready(w) for w in record.workers if not (self.processes.alive(w) and healthy(w)))
             views[revision] = RevisionView(
                 ready=not waiting, scaled_to_zero=False, worker_replicas=len(record.engine_workers()), waiting=waiting,
                 scale=record.scale,
             )  # fmt: skip
         return views
+
+    def _not_ready(self, worker: LocalWorker) -> str:
+        if worker.restart_at is not None and worker.restart_at > self.clock():
+            return (f"{worker.name} in CrashLoopBackOff: died {worker.deaths_in_a_row} times in a row, "
+                    f"restarting in {worker.restart_at - self.clock():.0f} s")  # fmt: skip
+        return f"{worker.name} not ready"
 
     def metrics_urls(self, revision: str) -> dict[str, str]:
         """worker name -> /metrics URL of every prefill and decode process of the revision."""
