@@ -318,5 +318,11 @@ def test_a_worker_that_keeps_dying_is_restarted_with_crash_loop_backoff(tmp_path
             view()
             assert backend.processes.alive(decode) and decode.pid != killed
             assert decode.restarts == 4 and decode.deaths_in_a_row == 1
+
+            clock.now += 1  # dies again at once, but its command line changed meanwhile: a new pod
+            killed = kill()
+            decode.argv = [*decode.argv, "--header-timeout", "29"]
+            view()
+            assert backend.processes.alive(decode) and decode.pid != killed and decode.deaths_in_a_row == 1
         finally:
             backend.stop_all()

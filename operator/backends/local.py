@@ -105,6 +105,8 @@ class LocalWorker(_StateModel):
     restarts: int = 0
     started_at: float | None = None
     """Wall-clock time of its last start (None: adopted, or recorded by an older version)."""
+    started_argv: list[str] | None = None
+    """The command line of its last start: another one is another pod, with no back-off to inherit."""
     deaths_in_a_row: int = 0
     """Deaths within `RestartBackoff.reset_after_s` of starting, in a row (CrashLoopBackOff)."""
     restart_at: float | None = None
@@ -568,6 +570,7 @@ class LocalBackend:
             if previous is not None and previous.argv == worker.argv:
                 worker.pid, worker.restarts = previous.pid, previous.restarts
                 worker.started_at, worker.deaths_in_a_row = previous.started_at, previous.deaths_in_a_row
+                worker.started_argv = previous.started_argv
                 worker.restart_at = previous.restart_at
                 del old[worker.name]
         self.processes.stop(list(old.values()))
@@ -598,14 +601,15 @@ class LocalBackend:
             worker.restarts += 1
             log.warning("%s: %s (pid %s) is not running; restarting it", owner, worker.name, worker.pid)
         worker.pid = self.processes.spawn(worker, env, log_path)
-        worker.started_at, worker.restart_at = now, None
+        worker.started_at, worker.started_argv, worker.restart_at = now, list(worker.argv), None
         self.save()  # the PID is on disk before anything else can go wrong
 
     def _backing_off(self, worker: LocalWorker, now: float, owner: str, log_path: Path) -> bool:
         """True while a dead worker waits out its CrashLoopBackOff (`restart_backoff.py`). The
         death is counted once, when it is first seen; the wait is on disk, so a new driver keeps it."""
         if worker.restart_at is None:
-            ran_for = now - worker.started_at if worker.started_at is not None else None
+            same_pod = worker.started_at is not None and worker.started_argv == worker.argv
+            ran_for = now - worker.started_at if same_pod and worker.started_at is not None else None
             worker.deaths_in_a_row = self.backoff.streak(worker.deaths_in_a_row, ran_for)
             worker.restart_at = now + self.backoff.delay_s(worker.deaths_in_a_row)
             self.save()

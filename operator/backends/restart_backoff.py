@@ -25,8 +25,9 @@ class RestartBackoff:
 
     def streak(self, previous: int, ran_for_s: float | None) -> int:
         """The deaths in a row, counting this one: a worker that died within `reset_after_s` of
-        its start continues its streak; one that ran longer (or whose start is unknown: it was
-        adopted, or recorded by an older version) starts a new one."""
+        its start continues its streak; one that ran longer starts a new one, as does one whose
+        start is unknown (`ran_for_s=None`: it was adopted, recorded by an older version, or its
+        command line changed since, which on a cluster would be a new pod)."""
         if ran_for_s is None or ran_for_s >= self.reset_after_s:
             return 1
         return previous + 1
