@@ -61,6 +61,8 @@ def parse_serving(output: str) -> Parsed:
         (f"kvguard serve --stream-interval {data.get('stream_interval')} / in-process, 16 concurrent",
          data.get("http_si_vs_inprocess"), "-"),
         (f"TTFT p50 --stream-interval {data.get('stream_interval')} / in-process, 16 concurrent", data.get("ttft_ratio_si"), "-"),
+        ("kvguard serve, minimal client (diagnostic) / in-process, 16 concurrent", data.get("http_raw_vs_inprocess"), "-"),
+        ("TTFT p50 minimal client (diagnostic) / in-process, 16 concurrent", data.get("ttft_ratio_raw"), "-"),
     ]
     return [(h, f"{v:.2f}x", g) for h, v, g in rows if v is not None]
 

@@ -12,8 +12,11 @@ its drawn number of tokens):
                 own streamed event (the default, and what the headline ratios measure);
   (e) http-si   the same with `--stream-interval N` (default 8): the first token at once, then one
                 event per N tokens. Fewer, larger events are a trade a user sees, so it has its own
-                rows and `*_si` ratios; its ITL is the gap between events, as a client sees it.
-HTTP backends are driven by the official `openai` async client with streaming completions.
+                rows and `*_si` ratios; its ITL is the gap between events, as a client sees it;
+  (f) http-raw  (d)'s server, driven by a minimal aiohttp SSE client (one `json.loads` per event)
+                instead of the openai client: a diagnostic of how much of (d)'s gap to (c) is the
+                client's own CPU on this shared machine, in `*_raw` keys, never the headline's.
+HTTP backends (a)-(e) are driven by the official `openai` async client with streaming completions.
 
 Workload: prompt lengths 8-512 and output lengths 8-256, log-uniform (many short requests, some
 long ones), from `--seed`. Prompts are printable ASCII bytes after BOS, so the byte-level
@@ -394,11 +397,15 @@ class HTTPBackend:
         wall = time.perf_counter() - start
         return Result(self.name, scenario.name, records, wall, self.server.cpu() - cpu, time.process_time() - client_cpu)
 
-    async def _drive(self, scenario: Scenario) -> list[Record]:
+    def _client(self) -> Any:
+        """The async context manager `_one` sends through."""
         from openai import AsyncOpenAI
 
+        return AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=600)
+
+    async def _drive(self, scenario: Scenario) -> list[Record]:
         records = [Record(i) for i in scenario.items]
-        async with AsyncOpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=600) as client:
+        async with self._client() as client:
             if scenario.rate:
                 start = time.perf_counter()
 
@@ -434,6 +441,37 @@ class HTTPBackend:
                 pieces += 1
             if chunk.usage is not None:
                 record.tokens = chunk.usage.completion_tokens
+        record.tokens = record.tokens or pieces
+
+
+class RawHTTPBackend(HTTPBackend):
+    """(f): the same requests as `HTTPBackend`, through aiohttp and `json.loads`, nothing else."""
+
+    def _client(self) -> Any:
+        import aiohttp
+
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600))
+
+    async def _one(self, client: Any, record: Record) -> None:
+        item = record.item
+        record.submit = time.perf_counter()
+        body = {"model": self.model, "prompt": list(item.prompt_ids), "max_tokens": item.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+        pieces = 0
+        async with client.post(f"{self.base_url}/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    raise RuntimeError(f"stream failed: {chunk['error']}")
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    record.token_times.append(time.perf_counter())
+                    record.text += chunk["choices"][0]["text"]
+                    pieces += 1
+                if chunk.get("usage"):
+                    record.tokens = chunk["usage"]["completion_tokens"]
         record.tokens = record.tokens or pieces
 
 
@@ -496,8 +534,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None, help="requests per scenario (default 64; 24 with --quick)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backends", default="hf,tfserve,engine,http,http-si", help="comma-separated subset; http-si is "
-                        "kvguard serve with --stream-interval (its own rows and *_si ratios, never the headline's)")
+    parser.add_argument("--backends", default="hf,tfserve,engine,http,http-si,http-raw", help="comma-separated subset; "
+                        "http-si is kvguard serve with --stream-interval, http-raw the http server driven by a minimal "
+                        "client (each its own rows and *_si / *_raw ratios, never the headline's)")
     parser.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed event for http-si (default 8)")
     parser.add_argument("--tfserve-scenarios", default=None,
                         help=f"scenarios for transformers serve (default: {MIXED} only with --quick, else all closed loops)")
@@ -530,13 +569,16 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
     startup: dict[str, float] = {}
     live: dict[str, Any] = {}
     # Servers first: they start (in parallel with each other) while HF and the engine load.
-    if "http" in backends:
+    if "http" in backends or "http-raw" in backends:
         t0 = time.perf_counter()
         server, url = start_kvguard(model_dir, pool_tokens)
         servers.append(server)
         startup["http_ready_s"] = time.perf_counter() - t0
         startup["http_first_answer_s"] = startup["http_ready_s"] + wait_answering(url, model_dir.name, [BOS_ID, 65])
-        live["http"] = HTTPBackend("http", server, url, model_dir.name, token_prompts=True)
+        if "http" in backends:
+            live["http"] = HTTPBackend("http", server, url, model_dir.name, token_prompts=True)
+        if "http-raw" in backends:  # the same server: only the client differs
+            live["http-raw"] = RawHTTPBackend("http-raw", server, url, model_dir.name, token_prompts=True)
     if "http-si" in backends:
         server, url = start_kvguard(model_dir, pool_tokens, args.stream_interval)
         servers.append(server)
@@ -558,7 +600,7 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
     plan = [s for s in scenarios(items, args.quick, rates) if not args.scenarios or s.name in args.scenarios.split(",")]
     tf_only = (args.tfserve_scenarios or (MIXED if args.quick else "closed-1,closed-16,closed-64")).split(",")
     results: dict[tuple[str, str], list[Result]] = {}
-    order = [b for b in ("hf", "engine", "http", "http-si", "tfserve") if b in live]
+    order = [b for b in ("hf", "engine", "http", "http-si", "http-raw", "tfserve") if b in live]
     for rep in range(reps):
         for scenario in plan:
             for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
@@ -597,7 +639,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
                  for r in res.records if r.output_ids is not None}
     checks = {}
     for (backend, scenario), runs in results.items():
-        if backend in ("engine", "http", "http-si"):
+        if backend in ("engine", "http", "http-si", "http-raw"):
             equal, compared = parity(reference, runs[0], tokenizer)
             checks[f"{backend}/{scenario}"] = f"{equal}/{compared}"
     print("greedy parity with hf:", ", ".join(f"{k} {v}" for k, v in checks.items()))
@@ -606,7 +648,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         return round(a / b, 3) if a and b else None
 
     summary = {k: median_summary(v) for k, v in results.items()}
-    ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in ("engine", "http", "http-si")}
+    ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in ("engine", "http", "http-si", "http-raw")}
     headline = {
         "http_vs_hf": ratio(tok_s("http", MIXED), tok_s("hf", MIXED)),
         "http_vs_inprocess": ratio(tok_s("http", MIXED), tok_s("engine", MIXED)),
@@ -623,6 +665,10 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "http_si_vs_hf": ratio(tok_s("http-si", MIXED), tok_s("hf", MIXED)),
         "http_si_vs_inprocess": ratio(tok_s("http-si", MIXED), tok_s("engine", MIXED)),
         "ttft_ratio_si": ratio(ttft["http-si"], ttft["engine"]),
+        # The http server with a minimal client: how much of the gap is the openai client's CPU.
+        "http_raw_vs_hf": ratio(tok_s("http-raw", MIXED), tok_s("hf", MIXED)),
+        "http_raw_vs_inprocess": ratio(tok_s("http-raw", MIXED), tok_s("engine", MIXED)),
+        "ttft_ratio_raw": ratio(ttft["http-raw"], ttft["engine"]),
         "ttft_p50_ms": {b: round(v, 1) if v else None for b, v in ttft.items()},
         "poisson_rates": rates,
         "parity": checks,
@@ -647,7 +693,7 @@ def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str)
 
     folder.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for backend in ("hf", "tfserve", "engine", "http", "http-si"):
+    for backend in ("hf", "tfserve", "engine", "http", "http-si", "http-raw"):
         points = [(c, median_summary(results[(backend, f"closed-{c}")])["tok_s"]) for c in (1, 16, 64)
                   if (backend, f"closed-{c}") in results]
         if points:
@@ -659,7 +705,7 @@ def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str)
     fig.savefig(folder / f"serving_throughput_{model}.png", dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for backend in ("hf", "tfserve", "engine", "http", "http-si"):
+    for backend in ("hf", "tfserve", "engine", "http", "http-si", "http-raw"):
         runs = results.get((backend, MIXED))
         if not runs:
             continue
