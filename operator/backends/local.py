@@ -608,7 +608,7 @@ class LocalBackend:
         """True while a dead worker waits out its CrashLoopBackOff (`restart_backoff.py`). The
         death is counted once, when it is first seen; the wait is on disk, so a new driver keeps it."""
         if worker.restart_at is None:
-            same_pod = worker.started_at is not None and worker.started_argv == worker.argv
+            same_pod = worker.started_argv == worker.argv  # else: a new pod, with no back-off to inherit
             ran_for = now - worker.started_at if same_pod and worker.started_at is not None else None
             worker.deaths_in_a_row = self.backoff.streak(worker.deaths_in_a_row, ran_for)
             worker.restart_at = now + self.backoff.delay_s(worker.deaths_in_a_row)
@@ -728,9 +728,9 @@ class LocalBackend:
         return views
 
     def _not_ready(self, worker: LocalWorker) -> str:
-        if worker.restart_at is not None and worker.restart_at > self.clock():
-            return (f"{worker.name} in CrashLoopBackOff: died {worker.deaths_in_a_row} times in a row, "
-                    f"restarting in {worker.restart_at - self.clock():.0f} s")  # fmt: skip
+        wait_s = worker.restart_at - self.clock() if worker.restart_at is not None else 0.0
+        if wait_s > 0:
+            return f"{worker.name} in CrashLoopBackOff: died {worker.deaths_in_a_row} times in a row, restarting in {wait_s:.0f} s"
         return f"{worker.name} not ready"
 
     def metrics_urls(self, revision: str) -> dict[str, str]:
