@@ -56,25 +56,6 @@ class FrameSink(Protocol):
     def transport(self) -> asyncio.WriteTransport: ...
 
 
-async def read_raw(reader: FrameSource, max_payload: int, number: int = 0) -> RawFrame | None:
-    """Read one frame, unverified, as frame `number` of its connection; None on a clean end of
-    stream between frames. Raises ProtocolError. The payload may be a view into the reader's
-    buffer, valid until the next read."""
-    try:
-        prefix = bytes(await reader.readexactly(PREFIX.size))
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise ProtocolError("stream ended inside a frame prefix") from None
-    kind, flags, header_len, payload_len = parse_prefix(prefix, max_payload)
-    try:
-        header_and_tag = bytes(await reader.readexactly(header_len + TAG_BYTES))
-        payload = await reader.readexactly(payload_len) if payload_len else b""
-    except asyncio.IncompleteReadError:
-        raise ProtocolError("stream ended inside a frame") from None
-    return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], payload, number)
-
-
 class FrameReader:
     """The receiving direction of one connection: counts the frames it reads, so each is verified
     as the frame of that number (a replayed or injected one then fails its HMAC)."""
@@ -85,9 +66,23 @@ class FrameReader:
         self.received = 0
 
     async def read(self) -> RawFrame | None:
-        raw = await read_raw(self.source, self.max_payload, self.received)
-        self.received += 1
-        return raw
+        """The next frame, unverified; None on a clean end of stream between frames. Raises
+        ProtocolError. The payload may be a view into the source's buffer, valid until the next
+        read."""
+        try:
+            prefix = bytes(await self.source.readexactly(PREFIX.size))
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise ProtocolError("stream ended inside a frame prefix") from None
+        kind, flags, header_len, payload_len = parse_prefix(prefix, self.max_payload)
+        try:
+            header_and_tag = bytes(await self.source.readexactly(header_len + TAG_BYTES))
+            payload = await self.source.readexactly(payload_len) if payload_len else b""
+        except asyncio.IncompleteReadError:
+            raise ProtocolError("stream ended inside a frame") from None
+        number, self.received = self.received, self.received + 1
+        return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], payload, number)
 
 
 class FrameWriter:
@@ -184,4 +179,4 @@ class RequestCodec:
             raise ProtocolError(f"{raw.kind.name} is {'' if raw.encrypted else 'not '}encrypted, unlike this transfer")
 
 
-__all__ = ["DecryptError", "FrameReader", "FrameSink", "FrameSource", "FrameWriter", "RequestCodec", "read_raw"]
+__all__ = ["DecryptError", "FrameReader", "FrameSink", "FrameSource", "FrameWriter", "RequestCodec"]
