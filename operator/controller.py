@@ -45,7 +45,7 @@ from kvguard.operator.kube import Kube, KubeError, ObjectRef
 from kvguard.operator.leader import LeaderElector, LeaseConfig
 from kvguard.operator.reconcile import EventSpec, Outcome
 from kvguard.operator.workloads import owner_key
-from kvguard.operator.workqueue import Backoff, WorkQueue
+from kvguard.operator.workqueue import Backoff, WorkQueue, stop_workers
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +200,7 @@ class Controller:
         """Everything this replica runs for models stops now: another replica drives from here."""
         await self.gate.stop()
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_workers(tasks)
         self.queue.clear()
         self.runner.cancel_all()
         self.continuous.cancel_all()

@@ -691,11 +691,14 @@ class _Step:
             self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: " + "; ".join(refused))
         return bool(refused)
 
-    def _on_canary_deploying(self) -> None:
+    def _stopped_by_a_gate(self) -> bool:
+        """Every check a deployed candidate passes again on each pass: policy and the gates (else
+        BLOCKED), and the readiness gate's pool check (else failed, S7)."""
         self._policy_condition()
-        if self._block_if_gates_fail():
-            return
-        if self._refused_by_the_gate():
+        return self._block_if_gates_fail() or self._refused_by_the_gate()
+
+    def _on_canary_deploying(self) -> None:
+        if self._stopped_by_a_gate():
             return
         self._deploy(self._verification_scale())
         view = self.view(self.candidate)
@@ -713,10 +716,7 @@ class _Step:
         self.wait()
 
     def _on_canary_verifying(self) -> None:
-        self._policy_condition()
-        if self._block_if_gates_fail():
-            return
-        if self._refused_by_the_gate():
+        if self._stopped_by_a_gate():
             return
         self._deploy(self._verification_scale())
         view = self.view(self.candidate)

@@ -1,4 +1,5 @@
-"""A keyed work queue with delayed requeues, and the backoff that spaces them (asyncio, no I/O).
+"""A keyed work queue with delayed requeues, the backoff that spaces them, and how its workers stop
+(asyncio, no I/O).
 
 The controller's shape (as client-go's workqueue): events add a model's key; a key waits in the
 queue at most once however many events arrive (bursts coalesce); a key being processed is never
@@ -10,9 +11,10 @@ how a model that waits for something is looked at again without any event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -107,3 +109,12 @@ class WorkQueue:
     @property
     def timers(self) -> int:
         return len(self._timers)
+
+
+async def stop_workers(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Cancel a queue's worker tasks and wait until each has ended (a pass in flight ends at its next await)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

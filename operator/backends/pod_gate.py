@@ -22,7 +22,6 @@ their True condition meanwhile; only a container restart takes it away, see pool
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +50,7 @@ from kvguard.operator.pool_gate import (
     unverified,
 )
 from kvguard.operator.render import LABEL_MODEL, LABEL_REVISION, LABEL_ROLE
-from kvguard.operator.workqueue import Backoff, WorkQueue
+from kvguard.operator.workqueue import Backoff, WorkQueue, stop_workers
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +90,7 @@ class PodGate:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_workers(tasks)
         self.queue.clear()
         self.verdicts.clear()
 
