@@ -70,6 +70,10 @@ MODELS: dict[str, dict[str, Any] | None] = {
                "head_dim": 64, "intermediate_size": 1536},
 }
 PAD_ID = 258  # <|pad|> in the tiny tokenizer
+# Every backend, in the order a repetition runs them (each repetition rotates who goes first), and
+# kvguard's own among them (greedy parity and TTFT are reported for these).
+BACKENDS = ("hf", "engine", "http", "http-si", "http-raw", "tfserve")
+KVGUARD_BACKENDS = ("engine", "http", "http-si", "http-raw")
 HF_BATCH = 16
 MIXED = "closed-16"
 
@@ -534,7 +538,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None, help="requests per scenario (default 64; 24 with --quick)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backends", default="hf,tfserve,engine,http,http-si,http-raw", help="comma-separated subset; "
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset; "
                         "http-si is kvguard serve with --stream-interval, http-raw the http server driven by a minimal "
                         "client (each its own rows and *_si / *_raw ratios, never the headline's)")
     parser.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed event for http-si (default 8)")
@@ -600,7 +604,7 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
     plan = [s for s in scenarios(items, args.quick, rates) if not args.scenarios or s.name in args.scenarios.split(",")]
     tf_only = (args.tfserve_scenarios or (MIXED if args.quick else "closed-1,closed-16,closed-64")).split(",")
     results: dict[tuple[str, str], list[Result]] = {}
-    order = [b for b in ("hf", "engine", "http", "http-si", "http-raw", "tfserve") if b in live]
+    order = [b for b in BACKENDS if b in live]
     for rep in range(reps):
         for scenario in plan:
             for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
@@ -639,7 +643,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
                  for r in res.records if r.output_ids is not None}
     checks = {}
     for (backend, scenario), runs in results.items():
-        if backend in ("engine", "http", "http-si", "http-raw"):
+        if backend in KVGUARD_BACKENDS:
             equal, compared = parity(reference, runs[0], tokenizer)
             checks[f"{backend}/{scenario}"] = f"{equal}/{compared}"
     print("greedy parity with hf:", ", ".join(f"{k} {v}" for k, v in checks.items()))
@@ -648,7 +652,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         return round(a / b, 3) if a and b else None
 
     summary = {k: median_summary(v) for k, v in results.items()}
-    ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in ("engine", "http", "http-si", "http-raw")}
+    ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in KVGUARD_BACKENDS}
     headline = {
         "http_vs_hf": ratio(tok_s("http", MIXED), tok_s("hf", MIXED)),
         "http_vs_inprocess": ratio(tok_s("http", MIXED), tok_s("engine", MIXED)),
@@ -693,7 +697,7 @@ def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str)
 
     folder.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for backend in ("hf", "tfserve", "engine", "http", "http-si", "http-raw"):
+    for backend in BACKENDS:
         points = [(c, median_summary(results[(backend, f"closed-{c}")])["tok_s"]) for c in (1, 16, 64)
                   if (backend, f"closed-{c}") in results]
         if points:
@@ -705,7 +709,7 @@ def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str)
     fig.savefig(folder / f"serving_throughput_{model}.png", dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for backend in ("hf", "tfserve", "engine", "http", "http-si", "http-raw"):
+    for backend in BACKENDS:
         runs = results.get((backend, MIXED))
         if not runs:
             continue
