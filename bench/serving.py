@@ -148,6 +148,7 @@ class Result:
     wall_s: float
     cpu_s: float  # the serving side's CPU
     client_cpu_s: float = 0.0
+    decode_batch: float | None = None  # mean requests per decode step (kvguard_step_requests), kvguard only
 
     @property
     def tokens(self) -> int:
@@ -157,12 +158,32 @@ class Result:
         ttft = [r.token_times[0] - r.submit for r in self.records if r.token_times]
         itl = [b - a for r in self.records for a, b in zip(r.token_times, r.token_times[1:])]
         return {
+            "decode_batch": float("nan") if self.decode_batch is None else self.decode_batch,
             "tok_s": self.tokens / self.wall_s,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
             "cpu_ms_per_tok": 1e3 * self.cpu_s / max(1, self.tokens),
             "client_cpu_ms_per_tok": 1e3 * self.client_cpu_s / max(1, self.tokens),
         }
+
+
+def decode_steps(exposition: str) -> tuple[float, float]:
+    """(requests decoded, decode steps) so far, from an engine's Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"sum": 0.0, "count": 0.0}
+    for family in text_string_to_metric_families(exposition):
+        if family.name == "kvguard_step_requests":
+            for sample in family.samples:
+                kind = sample.name.rsplit("_", 1)[-1]
+                if sample.labels.get("phase") == "decode" and kind in found:
+                    found[kind] = sample.value
+    return found["sum"], found["count"]
+
+
+def mean_batch(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    steps = after[1] - before[1]
+    return (after[0] - before[0]) / steps if steps else None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -240,10 +261,13 @@ class EngineBackend:
         self.run(Scenario("warmup", (WorkItem(-1, (BOS_ID, 65, 66), 2),), concurrency=1))
 
     def run(self, scenario: Scenario) -> Result:
+        from prometheus_client import generate_latest
+
         from kvguard.workers.device import synchronize
         from kvguard.workers.request import SamplingParams
 
         engine = self.engine
+        steps_before = decode_steps(generate_latest(engine.metrics.registry).decode())
         records = [Record(i, output_ids=[]) for i in scenario.items]
         due = scenario.arrivals() if scenario.rate else None
         waiting = list(range(len(records)))[::-1]  # a stack: next to submit on top
@@ -274,7 +298,9 @@ class EngineBackend:
                     record.output_ids += out.token_ids  # type: ignore[operator]
                 live -= out.finished
         synchronize(engine.device)
-        return Result(self.name, scenario.name, records, time.perf_counter() - start, time.process_time() - cpu)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        batch = mean_batch(steps_before, decode_steps(generate_latest(engine.metrics.registry).decode()))
+        return Result(self.name, scenario.name, records, wall, cpu, decode_batch=batch)
 
 
 # ------------------------------------------------------------------------------ HTTP servers
@@ -322,6 +348,14 @@ class Server:
         self.started = time.perf_counter()
         self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.pids: list[int] = [self.popen.pid]
+        self.decode_metrics: str | None = None  # kvguard serve's decode worker /metrics
+
+    def decode_steps(self) -> tuple[float, float] | None:
+        if self.decode_metrics is None:
+            return None
+        import requests
+
+        return decode_steps(requests.get(self.decode_metrics, timeout=10).text)
 
     def refresh_pids(self) -> None:
         self.pids = process_tree(self.popen.pid)
@@ -357,7 +391,9 @@ def start_kvguard(model_dir: Path, pool_tokens: int, stream_interval: int = 1) -
     line = server.popen.stdout.readline()  # the JSON line once every worker is healthy
     if not line:
         raise RuntimeError(f"kvguard serve exited with {server.popen.wait()} before it was ready")
-    return server, json.loads(line)["router"]
+    ready = json.loads(line)
+    server.decode_metrics = ready["metrics"]["decode"]
+    return server, ready["router"]
 
 
 def start_transformers(model_dir: Path) -> tuple[Server, str]:
@@ -395,11 +431,15 @@ class HTTPBackend:
 
     def run(self, scenario: Scenario) -> Result:
         self.server.refresh_pids()
+        steps_before = self.server.decode_steps()
         cpu, client_cpu = self.server.cpu(), time.process_time()
         start = time.perf_counter()
         records = asyncio.run(self._drive(scenario))
         wall = time.perf_counter() - start
-        return Result(self.name, scenario.name, records, wall, self.server.cpu() - cpu, time.process_time() - client_cpu)
+        result = Result(self.name, scenario.name, records, wall, self.server.cpu() - cpu, time.process_time() - client_cpu)
+        if steps_before is not None:
+            result.decode_batch = mean_batch(steps_before, self.server.decode_steps() or steps_before)
+        return result
 
     def _client(self) -> Any:
         """The async context manager `_one` sends through."""
@@ -517,13 +557,14 @@ def model_folder(kind: str, root: Path) -> Path:
 
 def print_table(results: dict[tuple[str, str], list[Result]], baseline: Callable[[str], float | None]) -> None:
     print(f"{'backend':8} {'scenario':15} {'tok/s':>8} {'x hf':>6} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
-          f"{'p99':>7} {'CPU ms/tok':>10} {'client':>7}")
+          f"{'p99':>7} {'CPU ms/tok':>10} {'client':>7} {'batch':>5}")
     for (backend, scenario), runs in results.items():
         s = median_summary(runs)
         base = baseline(scenario)
         ratio = f"{s['tok_s'] / base:6.2f}" if base else "     -"
+        batch = f"{s['decode_batch']:5.1f}" if s["decode_batch"] == s["decode_batch"] else "    -"  # nan: not kvguard
         print(f"{backend:8} {scenario:15} {s['tok_s']:8.1f} {ratio} {s['ttft_p50_ms']:7.1f}ms {s['ttft_p99_ms']:6.0f}ms "
-              f"{s['itl_p50_ms']:6.1f}ms {s['itl_p99_ms']:5.0f}ms {s['cpu_ms_per_tok']:10.3f} {s['client_cpu_ms_per_tok']:7.3f}")
+              f"{s['itl_p50_ms']:6.1f}ms {s['itl_p99_ms']:5.0f}ms {s['cpu_ms_per_tok']:10.3f} {s['client_cpu_ms_per_tok']:7.3f} {batch}")
 
 
 def median_summary(runs: list[Result]) -> dict[str, float]:
@@ -653,11 +694,15 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
 
     summary = {k: median_summary(v) for k, v in results.items()}
     ttft = {b: summary.get((b, MIXED), {}).get("ttft_p50_ms") for b in KVGUARD_BACKENDS}
+    bound, floor = goal_limits(summary)
     headline = {
         "http_vs_hf": ratio(tok_s("http", MIXED), tok_s("hf", MIXED)),
         "http_vs_inprocess": ratio(tok_s("http", MIXED), tok_s("engine", MIXED)),
         "inprocess_vs_hf": ratio(tok_s("engine", MIXED), tok_s("hf", MIXED)),
         "ttft_ratio": ratio(ttft["http"], ttft["engine"]),
+        # What this machine allows those two goals at best (see goal_limits).
+        "http_vs_inprocess_bound": bound,
+        "ttft_ratio_floor": floor,
         "inprocess_vs_hf_1": ratio(tok_s("engine", "closed-1"), tok_s("hf", "closed-1")),
         "http_vs_hf_1": ratio(tok_s("http", "closed-1"), tok_s("hf", "closed-1")),
         "inprocess_vs_hf_64": ratio(tok_s("engine", "closed-64"), tok_s("hf", MIXED)),
@@ -674,6 +719,10 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "http_raw_vs_inprocess": ratio(tok_s("http-raw", MIXED), tok_s("engine", MIXED)),
         "ttft_ratio_raw": ratio(ttft["http-raw"], ttft["engine"]),
         "ttft_p50_ms": {b: round(v, 1) if v else None for b, v in ttft.items()},
+        # Mean requests per decode step at 16 concurrent: the HTTP path's requests spend part of
+        # their life outside decode (router, prefill, transfer), so its batches run emptier.
+        "decode_batch": {b: round(v, 2) if v == v else None for b in KVGUARD_BACKENDS
+                         if (v := summary.get((b, MIXED), {}).get("decode_batch", math.nan)) is not None},
         "poisson_rates": rates,
         "parity": checks,
         "startup_s": {k: round(v, 2) for k, v in startup.items()},
@@ -686,6 +735,25 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         plot(args.plot_dir, results, args.model)
     print(json.dumps(headline))
     return 0
+
+
+def goal_limits(summary: dict[tuple[str, str], dict[str, float]]) -> tuple[float | None, float | None]:
+    """The best `http_vs_inprocess` and `ttft_ratio` any HTTP server could reach in this run.
+
+    Bound: every core busy, the servers spending no more CPU per token than the in-process engine
+    does (the same model work, no HTTP at all), the client its measured CPU per token (the openai
+    client's work per streamed event is not the server's to cut). Floor: the HTTP path's TTFT
+    with nothing queued (one client) against the in-process TTFT at 16 clients. A goal beyond
+    these is out of reach on this machine whatever the servers do."""
+    engine, http, idle = (summary.get(key) for key in (("engine", MIXED), ("http", MIXED), ("http", "closed-1")))
+    bound = floor = None
+    if engine and http:
+        cores = len(os.sched_getaffinity(0))
+        best_tok_s = cores * 1e3 / (engine["cpu_ms_per_tok"] + http["client_cpu_ms_per_tok"])
+        bound = round(best_tok_s / engine["tok_s"], 3)
+    if engine and idle and engine["ttft_p50_ms"]:
+        floor = round(idle["ttft_p50_ms"] / engine["ttft_p50_ms"], 3)
+    return bound, floor
 
 
 def plot(folder: Path, results: dict[tuple[str, str], list[Result]], model: str) -> None:

@@ -292,6 +292,11 @@ def test_metrics_contract(eng: Engine) -> None:
     assert value[("kvguard_generation_tokens_total", ())] == 5
     assert value[("kvguard_time_to_first_token_seconds_count", ())] == 1
     assert value[("kvguard_inter_token_latency_seconds_count", ())] == 4
+    # One pass prefilled the prompt (and sampled the first token), four decoded one request each.
+    assert value[("kvguard_step_requests_count", (("phase", "prefill"),))] == 1
+    assert value[("kvguard_step_requests_sum", (("phase", "prefill"),))] == 1
+    assert value[("kvguard_step_requests_count", (("phase", "decode"),))] == 4
+    assert value[("kvguard_step_requests_sum", (("phase", "decode"),))] == 4
 
 
 def test_seeded_sampling_disaggregated_equals_colocated(tiny_model_dir: Path) -> None:

@@ -222,6 +222,12 @@ def test_metrics_of_every_process_parse_and_name_the_contract(trio: LocalDeploym
         for name in SAFETY_COUNTERS:
             assert metric(trio, role, name) == before[role, name], name
     assert metric(trio, "decode", "kvguard_kv_transfer_bytes_total") > 0
+    # Disaggregated for real: prefill's forward passes only compute prompts, decode's only
+    # generate (kvguard_step_requests, the batch occupancy a dashboard panel shows).
+    steps = {(role, phase): metric(trio, role, "kvguard_step_requests_count", phase=phase)
+             for role in ("prefill", "decode") for phase in ("prefill", "decode")}
+    assert steps["prefill", "prefill"] > 0 and steps["decode", "decode"] > 0
+    assert steps["prefill", "decode"] == 0 and steps["decode", "prefill"] == 0
     assert metric(trio, "router", "kvguard_requests_total", outcome="finished") > 0
     # What a progressive rollout's analysis compares between revisions (operator/analysis.py).
     for name in ("kvguard_router_request_duration_seconds", "kvguard_router_time_to_first_token_seconds",

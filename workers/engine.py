@@ -321,6 +321,10 @@ class Engine:
         decode = sorted(self.scheduler.running, key=lambda r: r.num_tokens, reverse=True)
         if prefill or decode:
             outputs += self._run_batch(prefill, decode)
+            if prefill:
+                self.metrics.step_prompts.observe(len(prefill))
+            if decode:
+                self.metrics.step_decodes.observe(len(decode))
         self.metrics.running_requests.set(len(self.scheduler.holding))
         self.metrics.waiting_requests.set(len(self.scheduler.waiting))
         return outputs

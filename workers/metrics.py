@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# Requests in one forward pass: a decode worker whose batches run well below its concurrent
+# requests is waiting on the request path (prefill, transfer, the router), not on its model.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -42,6 +45,10 @@ class EngineMetrics:
             "kvguard_running_requests", "Requests holding KV pages.", registry=r)
         self.waiting_requests = Gauge(
             "kvguard_waiting_requests", "Admitted requests waiting for KV pages.", registry=r)
+        step_requests = Histogram(
+            "kvguard_step_requests", "Requests in one forward pass, by phase (prefill: prompts computed; "
+            "decode: one token generated for each).", ["phase"], buckets=BATCH_BUCKETS, registry=r)
+        self.step_prompts, self.step_decodes = step_requests.labels("prefill"), step_requests.labels("decode")
 
     def exposition(self) -> bytes:
         """The Prometheus text format of this registry."""
