@@ -167,7 +167,7 @@ class Result:
         }
 
 
-def decode_steps(exposition: str) -> tuple[float, float]:
+def decode_step_totals(exposition: str) -> tuple[float, float]:
     """(requests decoded, decode steps) so far, from an engine's Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -267,7 +267,7 @@ class EngineBackend:
         from kvguard.workers.request import SamplingParams
 
         engine = self.engine
-        steps_before = decode_steps(generate_latest(engine.metrics.registry).decode())
+        steps_before = decode_step_totals(generate_latest(engine.metrics.registry).decode())
         records = [Record(i, output_ids=[]) for i in scenario.items]
         due = scenario.arrivals() if scenario.rate else None
         waiting = list(range(len(records)))[::-1]  # a stack: next to submit on top
@@ -299,7 +299,7 @@ class EngineBackend:
                 live -= out.finished
         synchronize(engine.device)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        batch = mean_batch(steps_before, decode_steps(generate_latest(engine.metrics.registry).decode()))
+        batch = mean_batch(steps_before, decode_step_totals(generate_latest(engine.metrics.registry).decode()))
         return Result(self.name, scenario.name, records, wall, cpu, decode_batch=batch)
 
 
@@ -355,7 +355,7 @@ class Server:
             return None
         import requests
 
-        return decode_steps(requests.get(self.decode_metrics, timeout=10).text)
+        return decode_step_totals(requests.get(self.decode_metrics, timeout=10).text)
 
     def refresh_pids(self) -> None:
         self.pids = process_tree(self.popen.pid)
@@ -437,8 +437,9 @@ class HTTPBackend:
         records = asyncio.run(self._drive(scenario))
         wall = time.perf_counter() - start
         result = Result(self.name, scenario.name, records, wall, self.server.cpu() - cpu, time.process_time() - client_cpu)
-        if steps_before is not None:
-            result.decode_batch = mean_batch(steps_before, self.server.decode_steps() or steps_before)
+        steps_after = self.server.decode_steps()
+        if steps_before is not None and steps_after is not None:
+            result.decode_batch = mean_batch(steps_before, steps_after)
         return result
 
     def _client(self) -> Any:

@@ -4,14 +4,17 @@ the asyncio loop and the metrics contract."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.workers.async_engine import AsyncEngine
 from kvguard.workers.config import EngineConfig
 from kvguard.workers.engine import Engine
+from kvguard.workers.model import AttentionBatch
 from kvguard.workers.request import (
     ContextLengthExceeded,
     KVNotWritten,
@@ -104,6 +107,69 @@ def test_extreme_but_valid_sampling_numbers_sample_without_failing_the_batch(eng
     done = eng.generate(prompts, [neighbour, tiny_temperature, tiny_penalty])
     assert [len(r.output_ids) for r in done] == [8, 8, 8]
     assert done[1].output_ids == eng.generate([prompts[1]], GREEDY)[0].output_ids[:8]
+
+
+def poison_forward(e: Engine, monkeypatch: pytest.MonkeyPatch, poisoned: Callable[[list[int]], bool]) -> list[int]:
+    """Make the model's forward pass raise whenever `poisoned(its input ids)`, as a bug tripped by
+    one tenant's input would. Returns the batch size of every pass tried."""
+    real, sizes = e.model.forward, []
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor) -> torch.Tensor:
+        sizes.append(len(batch.cu_seqlens or [0]) - 1 + (0 if batch.seq_lens is None else len(batch.seq_lens)))
+        if poisoned(input_ids.tolist()):
+            raise RuntimeError("injected: this input trips a bug")
+        return real(input_ids, positions, batch, kv)
+
+    monkeypatch.setattr(e.model, "forward", forward)
+    return sizes
+
+
+def test_a_pass_that_fails_on_one_request_ends_that_request_alone(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [ids(eng, p) for p in PROMPTS]
+    solo = [eng.generate([p], GREEDY)[0].output_ids for p in prompts]
+    used = {t for seq in prompts + solo for t in seq}
+    poison = next(t for t in ids(eng, "~}|{zyxwvu") if t not in used)  # in no prompt, no greedy output
+    bad = prompts[1] + [poison]
+    sizes = poison_forward(eng, monkeypatch, lambda tokens: poison in tokens)
+    requests = eng.generate(prompts[:2] + [bad] + prompts[2:], GREEDY)
+    # Six prompts in one pass; halves of it until the bad one runs alone: [p0 p1 bad] [p0] [p1 bad]
+    # [p1] [bad], then [p2 p3 p4]. Every later pass runs the five healthy requests together.
+    assert sizes[:7] == [6, 3, 1, 2, 1, 1, 3] and set(sizes[7:]) <= {5, 4, 3, 2, 1}
+    failed = requests.pop(2)
+    assert failed.state is RequestState.ABORTED and failed.error is not None
+    assert (failed.error.code, failed.error.status) == ("engine_error", 500)
+    # Everyone else finished, with exactly what each gets alone (nothing lost, nothing doubled).
+    assert [r.state for r in requests] == [RequestState.FINISHED] * 5
+    assert [r.output_ids for r in requests] == solo
+    assert eng.pool.used_pages == 0
+    eng.check_integrity()
+    families = {f.name: f for f in text_string_to_metric_families(eng.metrics.exposition().decode())}
+    failed_count = [s.value for s in families["kvguard_requests"].samples if s.labels.get("outcome") == "failed"]
+    assert failed_count == [1.0]
+
+
+def test_a_pass_that_always_fails_ends_each_request_and_the_engine_serves_on(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    poison_forward(eng, monkeypatch, lambda tokens: True)  # e.g. a device that has gone away
+    requests = eng.generate([ids(eng, p) for p in PROMPTS], GREEDY)
+    assert {(r.state, r.error.code if r.error else None) for r in requests} == {(RequestState.ABORTED, "engine_error")}
+    assert eng.pool.used_pages == 0
+    monkeypatch.undo()
+    assert eng.generate([ids(eng, PROMPTS[0])], GREEDY)[0].state is RequestState.FINISHED
+
+
+def test_a_request_whose_token_bookkeeping_fails_ends_alone(eng: Engine) -> None:
+    class BrokenDetokenizer:
+        def push(self, token: int) -> str:
+            raise ValueError("injected: this token trips the detokenizer")
+
+    live = [eng.add_request(f"r{i}", ids(eng, p), GREEDY) for i, p in enumerate(PROMPTS)]
+    eng.step()  # every prompt's first token
+    live[1].detokenizer = BrokenDetokenizer()  # type: ignore[assignment]
+    run(eng)
+    assert live[1].state is RequestState.ABORTED and live[1].error is not None
+    assert live[1].error.code == "engine_error"
+    assert [r.state for i, r in enumerate(live) if i != 1] == [RequestState.FINISHED] * 4
+    assert eng.pool.used_pages == 0
 
 
 def test_stop_string_and_stop_token_and_length(eng: Engine) -> None:

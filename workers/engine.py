@@ -18,6 +18,7 @@ Not thread-safe: drive it from one thread (see `async_engine.py`).
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from kvguard.workers.request import (
     RequestOutput,
     RequestState,
     SamplingParams,
+    StepFailed,
     TagViolation,
     TokenLogprob,
 )
@@ -52,7 +54,27 @@ from kvguard.workers.stops import StopMatcher
 from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 S = RequestState
+log = logging.getLogger("kvguard.engine")
 GROUP_OVERHEAD_ELEMENTS = 32768
+
+
+@dataclass(frozen=True)
+class Picks:
+    """What one forward pass decided, on the host (the step's single host sync): per row the
+    sampled token, whether its lease held (S1), and the logprob record of the rows that asked."""
+
+    tokens: list[int]
+    ok: list[bool]
+    logprobs: dict[int, TokenLogprob]
+
+    @classmethod
+    def of(cls, sampled: Sampled, ok: torch.Tensor | None) -> Picks:
+        tokens = sampled.tokens
+        if ok is None:
+            token_list, ok_list = tokens.tolist(), [True] * tokens.shape[0]
+        else:
+            token_list, ok_list = torch.stack((tokens, ok.to(tokens.dtype))).tolist()
+        return cls(token_list, [bool(fine) for fine in ok_list], sampled.logprob_records(token_list))
 
 
 def plan_pool_pages(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device, weight_bytes: int) -> int:
@@ -320,7 +342,7 @@ class Engine:
         # Longest first: decode attention groups rows of similar length (model.length_groups).
         decode = sorted(self.scheduler.running, key=lambda r: r.num_tokens, reverse=True)
         if prefill or decode:
-            outputs += self._run_batch(prefill, decode)
+            outputs += self._run_isolating(prefill, decode)
             if prefill:
                 self.metrics.step_prompts.observe(len(prefill))
             if decode:
@@ -329,10 +351,37 @@ class Engine:
         self.metrics.waiting_requests.set(len(self.scheduler.waiting))
         return outputs
 
-    def _run_batch(self, prefill: list[Request], decode: list[Request]) -> list[RequestOutput]:
+    def _run_isolating(self, prefill: list[Request], decode: list[Request]) -> list[RequestOutput]:
+        """One forward pass and its outputs. When the pass raises, the same requests run again in
+        two halves, recursively, so that only a request whose pass fails on its own ends
+        (`StepFailed`): one tenant's input that trips a bug, or a batch too large for the device,
+        does not end everyone's request. A failed pass leaves nothing a retry could trip over: a
+        page is stamped written (S5) only after the pass wrote it, so no read of a half-written
+        page passes S1 and a retry writes the same K/V again; and no request's state has changed
+        yet (`_collect` runs once, after a pass that returned). At most 2B - 1 passes for
+        B requests, and only on failure. A retried request samples what it would have: sampling is
+        seeded per token index (`sampling.token_seed`)."""
+        try:
+            picks = self._run_batch(prefill, decode)
+        except Exception as exc:
+            requests = prefill + decode
+            if len(requests) == 1:
+                log.exception("forward pass failed for request %s alone; it ends", requests[0].request_id)
+                error = StepFailed(f"the engine failed on this request ({type(exc).__name__})")
+                return [self._end_with_error(requests[0], error, outcome="failed")]
+            log.warning("forward pass of %d requests failed (%s: %s); retrying in halves", len(requests),
+                        type(exc).__name__, exc)
+            half = len(requests) // 2  # of `prefill + decode`, each half keeping that order
+            cut = max(0, half - len(prefill))
+            outputs = self._run_isolating(prefill[:half], decode[:cut])
+            return outputs + self._run_isolating(prefill[half:], decode[cut:])
+        return self._collect(prefill + decode, picks)
+
+    def _run_batch(self, prefill: list[Request], decode: list[Request]) -> Picks:
         """One forward pass: prompts first (causal within each), then decode tokens (paged reads).
         Decode requests do not wait while others prefill: on a Python-bound model a separate
-        prefill pass costs about as much as a decode step, once per admitted request."""
+        prefill pass costs about as much as a decode step, once per admitted request. Changes no
+        request's state: `_collect` applies what it picked."""
         step = StepInputs.build(prefill, decode, self.pool.page_size, self.pool.scratch_page)
         requests = prefill + decode
         # Host lists go to the device in three transfers: per token, per row, per stamp.
@@ -355,9 +404,10 @@ class Engine:
         sampled = sample(self.model.logits(last), requests)
         if ok is not None:
             self._stamp(step, ok, bool(prefill))
+        picks = Picks.of(sampled, ok)
         if prefill:
             self.metrics.prompt_tokens.inc(step.cu_seqlens[-1])
-        return self._collect(requests, sampled, ok)
+        return picks
 
     def _tensor(self, columns: list[list[int]]) -> torch.Tensor:
         return torch.tensor(columns, dtype=torch.int64, device=self.device)
@@ -381,32 +431,34 @@ class Engine:
         table, granted = self._tensor([ids, gens])
         return table, granted
 
-    def _collect(self, requests: list[Request], sampled: Sampled, ok: torch.Tensor | None) -> list[RequestOutput]:
-        """The step's single host sync: sampled tokens and verification results in one transfer
-        (and, only when a request in the batch asked, its logprobs)."""
-        tokens = sampled.tokens
-        if ok is None:
-            token_list, ok_list = tokens.tolist(), [True] * len(requests)
-        else:
-            token_list, ok_list = torch.stack((tokens, ok.to(tokens.dtype))).tolist()
-        logprobs = sampled.logprob_records(token_list)
+    def _collect(self, requests: list[Request], picks: Picks) -> list[RequestOutput]:
+        """Apply one pass's picks to its requests, in row order. A request whose bookkeeping
+        raises (a bug on its token: the detokenizer, a stop string) ends alone, like a failed
+        pass."""
         outputs = []
-        for row, (request, token, fine) in enumerate(zip(requests, token_list, ok_list)):
-            if not fine:
-                self.metrics.tag_violations.inc()
-                error = TagViolation(f"request {request.request_id}: KV page lease is stale (S1); request failed")
-                outputs.append(self._end_with_error(request, error, outcome="failed"))
-                continue
-            if request.state == S.PREFILLING and request.mode == RequestMode.PREFILL_ONLY:
-                request.move_to(S.TRANSFERRING)
-                request.output_ids.append(token)
-                request.first_token_time = time.monotonic()
-                record = [logprobs[row]] if row in logprobs else None
-                outputs.append(RequestOutput(request.request_id, request.state, [token], lease=request.lease, logprobs=record,
-                                             request=request))
-                continue
-            outputs.append(self._on_token(request, token, logprobs.get(row)))
+        for row, request in enumerate(requests):
+            try:
+                outputs.append(self._apply(request, picks.tokens[row], picks.ok[row], picks.logprobs.get(row)))
+            except Exception as exc:
+                log.exception("request %s failed on its token", request.request_id)
+                if self.requests.get(request.request_id) is request:  # not already retired
+                    error = StepFailed(f"the engine failed on this request ({type(exc).__name__})")
+                    outputs.append(self._end_with_error(request, error, outcome="failed"))
         return outputs
+
+    def _apply(self, request: Request, token: int, fine: bool, logprob: TokenLogprob | None) -> RequestOutput:
+        if not fine:
+            self.metrics.tag_violations.inc()
+            error = TagViolation(f"request {request.request_id}: KV page lease is stale (S1); request failed")
+            return self._end_with_error(request, error, outcome="failed")
+        if request.state == S.PREFILLING and request.mode == RequestMode.PREFILL_ONLY:
+            request.move_to(S.TRANSFERRING)
+            request.output_ids.append(token)
+            request.first_token_time = time.monotonic()
+            record = [logprob] if logprob is not None else None
+            return RequestOutput(request.request_id, request.state, [token], lease=request.lease, logprobs=record,
+                                 request=request)
+        return self._on_token(request, token, logprob)
 
     # ------------------------------------------------------------------- tokens and finishing
 

@@ -123,6 +123,14 @@ class KVNotWritten(EngineError):
     status = 500
 
 
+class StepFailed(EngineError):
+    """The forward pass failed with this request in it, and again with it alone: it ends, the
+    requests it shared the pass with do not (`Engine._run_isolating`)."""
+
+    code = "engine_error"
+    status = 500
+
+
 class RequestAborted(EngineError):
     code = "aborted"
     status = 499
