@@ -193,7 +193,9 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception:  # a bug must not kill the worker: fail what is live, keep serving
-            log.exception("engine step failed; aborting live requests")
+            # (A failing forward pass never gets here: the engine isolates the requests that
+            # fail it, Engine._run_isolating. This is a bug in the step's own bookkeeping.)
+            log.exception("engine step failed outside a forward pass; aborting live requests")
             for request_id in list(self.engine.requests):
                 self.engine.abort(request_id, "engine_error")
             outputs = self.engine.drain_outputs()
