@@ -132,7 +132,10 @@ def test_rollback_to_within_the_scale_down_window_is_immediate(story: Story, fir
     assert result.state == RolloutState.STABLE and result.stable == first.revision, story.log
     assert story.workload_ids(first.revision) == warm  # nothing new started: the same ones serve again
     assert not result.canary_ran and not result.reasons("TrafficStep"), result.events
-    assert all(a == (first.revision, 200) for a in traffic.since(settled)), traffic.served()
+    # On failure: who answered, with what status, from just before the switch on (seen once in a
+    # CI run, 2026-12-03, with only the per-revision totals to go by; not reproduced since).
+    after = traffic.since(max(0, settled - 3))
+    assert all(a == (first.revision, 200) for a in traffic.since(settled)), (traffic.served(), after, story.log[-8:])
     assert result.url == first.url and story.weights() == {first.revision: 100}
 
 
