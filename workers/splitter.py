@@ -132,34 +132,43 @@ def write_table(path: Path, table: SplitTable) -> None:
 def read_table(path: Path) -> SplitTable | None:
     """The table in `path`, None when there is none yet; ValueError when it does not parse."""
     try:
-        text = path.read_text()
+        return parse_table(path, path.read_bytes())
     except FileNotFoundError:
         return None
+
+
+def parse_table(path: Path, raw: bytes) -> SplitTable:
     try:
-        return SplitTable.model_validate_json(text)
+        return SplitTable.model_validate_json(raw)
     except ValidationError as exc:
         raise ValueError(f"{path}: {exc.errors()[0]['msg']}") from None
 
 
 class TableSource:
-    """The split table, re-read whenever the file's identity (inode, size, mtime) changes."""
+    """The split table, re-read whenever the file's bytes change. Not by its (inode, size,
+    mtime): each atomic rewrite's new file can take the inode number the one before it freed, a
+    table naming another revision has the same size, and two rewrites can land within one tick of
+    the filesystem's clock, so a changed table could look like the one already followed. The file
+    is a few hundred bytes: reading it on each request costs microseconds."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int, int] | None = None
+        self._raw: bytes | None = None
         self.turns = WeightedTurns(SplitTable())
 
     def current(self) -> WeightedTurns:
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            raw = self.path.read_bytes()
         except FileNotFoundError:
-            stamp = None
-        if stamp != self._stamp:
-            self._stamp = stamp
+            raw = b""
+        except OSError as exc:
+            log.error("split table unreadable, the last good one stays: %s", exc)
+            return self.turns
+        if raw != self._raw:
+            self._raw = raw
             try:
-                table = read_table(self.path) or SplitTable()
-            except (ValueError, OSError) as exc:
+                table = parse_table(self.path, raw) if raw else SplitTable()
+            except ValueError as exc:
                 log.error("split table ignored, the last good one stays: %s", exc)
             else:
                 if table != self.turns.table:
