@@ -169,13 +169,18 @@ def test_a_reused_request_id_is_only_a_label_never_merged_or_refused_class_g_s9(
 def test_client_disconnect_mid_stream_frees_both_pools_s4(trio: LocalDeployment) -> None:
     """Class B: a streaming client that goes away ends both legs; nothing is left allocated."""
     api, model = client(trio), served_model(trio)
-    before = metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect")
+    before = {(role, cause): metric(trio, role, "kvguard_aborts_total", cause=cause)
+              for role in ("router", "decode") for cause in ("client_disconnect", "decode_error")}
     stream = api.completions.create(model=model, prompt="disconnect me", max_tokens=900, temperature=0, stream=True)
     next(iter(stream))
     assert pools_used(trio)["decode"] > 0
     stream.close()
     wait_pools_empty(trio)
-    assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
+    assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before["router", "client_disconnect"] + 1
+    # Decode saw its client go away mid-stream: a disconnect, never a decode failure (the abort
+    # alert leaves disconnects out; a decode_error here would page someone for a closed browser tab).
+    assert metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect") == before["decode", "client_disconnect"] + 1
+    assert metric(trio, "decode", "kvguard_aborts_total", cause="decode_error") == before["decode", "decode_error"]
     assert complete(trio, PROMPTS[0], 8)
 
 

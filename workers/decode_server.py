@@ -167,7 +167,11 @@ class DecodeServer:
         except EngineError as err:  # e.g. S3: not every page written -- this request only
             await _send(response, ErrorEvent(status=err.status, code=err.code, message=err.message))
             return response
-        except ConnectionResetError:  # the router went away between two writes
+        except (ConnectionResetError, asyncio.CancelledError):
+            # The router went away (between two writes, or its connection closed and cancelled this
+            # handler) or aborted the request (which cancels it too): not a decode failure, whatever
+            # phase it came in. Counted as such, it would page on-call (KvguardAbortsHigh leaves
+            # client disconnects out) and it would escape the no_abort_propagation fault.
             cause = AbortCause.CLIENT_DISCONNECT
             raise
         finally:
