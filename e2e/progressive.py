@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,6 +150,8 @@ class Traffic:
         self.url = url
         self.answers: list[tuple[str | None, int]] = []
         """(revision that served it, HTTP status; 0 = no connection) per request, in order."""
+        self.sent_at: list[float] = []
+        """time.monotonic() when each answered request was sent, in the order of `answers`."""
         self.connection_errors: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -158,6 +161,7 @@ class Traffic:
         client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=120,
                                default_headers=dict([FORWARDED_FOR]))  # fmt: skip
         while not self._stop.is_set():
+            sent = time.monotonic()
             try:
                 raw = client.completions.with_raw_response.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
                 raw.parse()
@@ -167,11 +171,12 @@ class Traffic:
             except openai.APIConnectionError as exc:
                 answer = (None, 0)
                 self.connection_errors.append(repr(exc.__cause__ or exc))
-            self.record(*answer)
+            self.record(*answer, sent_at=sent)
 
-    def record(self, revision: str | None, status: int) -> None:
+    def record(self, revision: str | None, status: int, sent_at: float | None = None) -> None:
         with self._lock:
             self.answers.append((revision, status))
+            self.sent_at.append(time.monotonic() if sent_at is None else sent_at)
 
     def __enter__(self) -> Traffic:
         for thread in self._threads:
@@ -192,6 +197,13 @@ class Traffic:
     def since(self, index: int) -> list[tuple[str | None, int]]:
         with self._lock:
             return list(self.answers[index:])
+
+    def sent_since(self, moment: float) -> list[tuple[str | None, int]]:
+        """Answers to the requests sent at or after `moment` (time.monotonic()). A request in flight
+        when the traffic moved may be answered by either side, and after any number of newer
+        requests; one sent after the move must be answered by where it moved to."""
+        with self._lock:
+            return [answer for answer, sent in zip(self.answers, self.sent_at) if sent >= moment]
 
     def served(self) -> dict[str | None, int]:
         """revision -> requests it answered."""

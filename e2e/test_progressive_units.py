@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -152,4 +153,5 @@ def test_traffic_records_who_answered_each_request_by_its_revision_header(router
     assert set(traffic.by("stable")) == {200} and set(traffic.by("cand")) == {500}  # errors are counted, named
     assert traffic.by(None) == [] and not traffic.connection_errors
     assert traffic.since(len(traffic.answers)) == [] and traffic.since(0) == traffic.answers
+    assert traffic.sent_since(0.0) == traffic.answers and traffic.sent_since(time.monotonic()) == []
     assert set(_Routers.forwarded) == {FORWARDED_FOR[1]}  # every client request says it came through a proxy
