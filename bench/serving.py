@@ -181,6 +181,11 @@ def decode_step_totals(exposition: str) -> tuple[float, float]:
     return found["sum"], found["count"]
 
 
+def known(value: float) -> float | None:
+    """`value` rounded, None for the nan a backend without a decode batch reports."""
+    return round(value, 2) if value == value else None
+
+
 def mean_batch(before: tuple[float, float], after: tuple[float, float]) -> float | None:
     steps = after[1] - before[1]
     return (after[0] - before[0]) / steps if steps else None
@@ -722,8 +727,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "ttft_p50_ms": {b: round(v, 1) if v else None for b, v in ttft.items()},
         # Mean requests per decode step at 16 concurrent: the HTTP path's requests spend part of
         # their life outside decode (router, prefill, transfer), so its batches run emptier.
-        "decode_batch": {b: round(v, 2) if v == v else None for b in KVGUARD_BACKENDS
-                         if (v := summary.get((b, MIXED), {}).get("decode_batch", math.nan)) is not None},
+        "decode_batch": {b: known(summary.get((b, MIXED), {}).get("decode_batch", math.nan)) for b in KVGUARD_BACKENDS},
         "poisson_rates": rates,
         "parity": checks,
         "startup_s": {k: round(v, 2) for k, v in startup.items()},

@@ -173,10 +173,10 @@ class Traffic:
                 self.connection_errors.append(repr(exc.__cause__ or exc))
             self.record(*answer, sent_at=sent)
 
-    def record(self, revision: str | None, status: int, sent_at: float | None = None) -> None:
+    def record(self, revision: str | None, status: int, sent_at: float) -> None:
         with self._lock:
             self.answers.append((revision, status))
-            self.sent_at.append(time.monotonic() if sent_at is None else sent_at)
+            self.sent_at.append(sent_at)
 
     def __enter__(self) -> Traffic:
         for thread in self._threads:

@@ -367,8 +367,7 @@ class Engine:
             requests = prefill + decode
             if len(requests) == 1:
                 log.exception("forward pass failed for request %s alone; it ends", requests[0].request_id)
-                error = StepFailed(f"the engine failed on this request ({type(exc).__name__})")
-                return [self._end_with_error(requests[0], error, outcome="failed")]
+                return [self._end_with_error(requests[0], StepFailed.of(exc), outcome="failed")]
             log.warning("forward pass of %d requests failed (%s: %s); retrying in halves", len(requests),
                         type(exc).__name__, exc)
             half = len(requests) // 2  # of `prefill + decode`, each half keeping that order
@@ -442,8 +441,7 @@ class Engine:
             except Exception as exc:
                 log.exception("request %s failed on its token", request.request_id)
                 if self.requests.get(request.request_id) is request:  # not already retired
-                    error = StepFailed(f"the engine failed on this request ({type(exc).__name__})")
-                    outputs.append(self._end_with_error(request, error, outcome="failed"))
+                    outputs.append(self._end_with_error(request, StepFailed.of(exc), outcome="failed"))
         return outputs
 
     def _apply(self, request: Request, token: int, fine: bool, logprob: TokenLogprob | None) -> RequestOutput:

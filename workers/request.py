@@ -130,6 +130,10 @@ class StepFailed(EngineError):
     code = "engine_error"
     status = 500
 
+    @classmethod
+    def of(cls, exc: BaseException) -> StepFailed:
+        return cls(f"the engine failed on this request ({type(exc).__name__})")
+
 
 class RequestAborted(EngineError):
     code = "aborted"

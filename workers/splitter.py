@@ -129,15 +129,8 @@ def write_table(path: Path, table: SplitTable) -> None:
     os.replace(tmp, path)
 
 
-def read_table(path: Path) -> SplitTable | None:
-    """The table in `path`, None when there is none yet; ValueError when it does not parse."""
-    try:
-        return parse_table(path, path.read_bytes())
-    except FileNotFoundError:
-        return None
-
-
 def parse_table(path: Path, raw: bytes) -> SplitTable:
+    """The table in `raw` (the bytes of `path`); ValueError naming `path` when it does not parse."""
     try:
         return SplitTable.model_validate_json(raw)
     except ValidationError as exc:
