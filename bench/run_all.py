@@ -73,7 +73,11 @@ def _serving_rows(data: dict) -> Parsed:
         ("kvguard serve, minimal client (diagnostic) / in-process, 16 concurrent", data.get("http_raw_vs_inprocess"), "-"),
         ("TTFT p50 minimal client (diagnostic) / in-process, 16 concurrent", data.get("ttft_ratio_raw"), "-"),
     ]
-    return [(h, f"{v:.2f}x", g) for h, v, g in rows if v is not None]
+    out = [(h, f"{v:.2f}x", g) for h, v, g in rows if v is not None]
+    startup = data.get("startup_s", {}).get("serve_default_first_answer_s")
+    if startup is not None:
+        out.append(("`kvguard serve --model DIR`: start to first answer", f"{startup:.1f} s", "< 5 s"))
+    return out
 
 
 def parse_tag_overhead(output: str) -> Parsed:

@@ -59,6 +59,8 @@ def test_serving_prints_issue_14s_headline_keys_and_run_all_reads_them() -> None
     # Each engine reports its decode batch: one request at a time decodes alone.
     assert set(headline["decode_batch"]) >= {"engine", "http"}
     assert headline["startup_s"]["http_first_answer_s"] > 0
+    assert headline["startup_s"]["serve_default_first_answer_s"] > 0  # `kvguard serve` as a user starts it
     rows = {head: (value, goal) for head, value, goal in run_all().parse_serving(output)}
+    assert rows["`kvguard serve --model DIR`: start to first answer"][1] == "< 5 s"
     assert rows["kvguard serve (HTTP) / HF generate, mixed, 16 concurrent"][1] == ">= 2.0"
     assert rows["TTFT p50 HTTP / in-process, 16 concurrent"][1] == "<= 2.0"

@@ -246,6 +246,33 @@ def test_without_tags_the_same_bug_reads_another_requests_kv(tiny_model_dir: Pat
     assert victim.state == RequestState.FINISHED and victim.output_ids != solo
 
 
+def test_a_tenants_non_finite_kv_does_not_reach_the_next_owner_of_its_pages(tiny_model_dir: Path) -> None:
+    """Decode attention reads whole pages and weighs the slots past a request's length by 0, and
+    0 x NaN is NaN. Non-finite K/V a tenant left in its pages (an fp16 overflow, say), or in the
+    scratch page that takes stale writes, must not turn another request's output into NaN noise:
+    pages are zeroed when handed out, and padding reads the all-zero pad page."""
+    e = engine(tiny_model_dir, kv_pool_tokens=256, page_size=8)
+    prompts = [ids(e, PROMPTS[2]), ids(e, PROMPTS[3])]  # different lengths: the short row is padded
+    solo = [e.generate([p], GREEDY)[0].output_ids for p in prompts]
+    e.pool.kv[:, :, : e.pool.num_pages + 1] = float("nan")  # every page the last tenants used, and scratch
+    batched = e.generate(prompts, GREEDY)
+    assert [r.output_ids for r in batched] == solo
+    assert not e.pool.kv[:, :, e.pool.pad_page].any()
+
+
+def test_without_tags_reused_pages_keep_the_previous_owners_bytes(tiny_model_dir: Path) -> None:
+    """The incident's engine (`no_tags`) scrubbed nothing; the fault keeps that, or the canary
+    could not show the leak it exists to show. Pages never handed out are still zeroed."""
+    e = engine(tiny_model_dir, kv_pool_tokens=64, page_size=8, tags=False)
+    first = e.pool.allocate("first", 16)
+    assert first is not None and not e.pool.kv[:, :, list(first.page_ids)].any()
+    e.pool.kv[:, :, list(first.page_ids)] = 7.0
+    e.pool.free(first)
+    again = e.pool.allocate("again", 16)
+    assert again is not None and set(again.page_ids) == set(first.page_ids)
+    assert bool((e.pool.kv[:, :, list(again.page_ids)] == 7.0).all())
+
+
 def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: list[int], params: SamplingParams,
                    import_pages: bool = True) -> None:
     d_req = decode.add_decode_request(rid, prompt, params)

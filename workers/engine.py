@@ -419,9 +419,9 @@ class Engine:
 
     def _lease_tables(self, requests: list[Request], pages: list[int], generations: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, P] page ids and (if asked) granted generations, padded with (scratch page, 0): such
+        """[B, P] page ids and (if asked) granted generations, padded with (pad page, 0): such
         padding passes `verify_reads` by construction and decode attention masks it."""
-        width, pad = max(pages), self.pool.scratch_page
+        width, pad = max(pages), self.pool.pad_page
         leases = [r.lease for r in requests]
         ids = [list(lease.page_ids[:n]) + [pad] * (width - n) for lease, n in zip(leases, pages)]  # type: ignore[union-attr]
         if not generations:

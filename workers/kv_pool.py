@@ -1,10 +1,17 @@
 """The paged KV pool and its generation tags (S1, S3, S5).
 
 One owner for page state. K/V of every layer live in one tensor
-`kv[layers, 2, pages + 1, page_size, kv_heads, head_dim]`; the extra last page is a scratch page
-that is never allocated: writes of a request whose lease failed verification are redirected there,
-so a stale request never touches another request's page (and no GPU->CPU sync is needed to drop
-them).
+`kv[layers, 2, pages + 2, page_size, kv_heads, head_dim]`; the two extra pages are never allocated.
+The scratch page takes the writes of a request whose lease failed verification, so a stale request
+never touches another request's page (and no GPU->CPU sync is needed to drop them); nothing reads
+it. The pad page is all zeros, always: batches read it where a shorter request's page table is
+padded to the longest one's (masked slots, like every slot past a request's length).
+
+A page is zeroed each time it is handed out (with tags off, only the first time: the incident's
+engine, which the `no_tags` fault reproduces, left the previous owner's bytes). So a request's pages
+hold its own K/V or zeros: never an earlier tenant's bytes, not even in slots it reads only masked
+(attention multiplies those by 0, and 0 x NaN is NaN: one tenant's non-finite K/V would otherwise
+poison the next owner of its pages), and not in the unwritten tail of a page that prefill sends.
 
 Tags, per page, on the pool's device:
 - `generation`: bumped on every allocation and every free. A lease is current while the
@@ -76,12 +83,18 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.num_pages, self.dtype, self.device = page_size, num_pages, dtype, device
         self.tags = tags
-        self.scratch_page = num_pages
-        shape = (num_layers, 2, num_pages + 1, page_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        # The three tag arrays share one [3, pages + 1] tensor, so a read check gathers all of a
+        self.scratch_page, self.pad_page = num_pages, num_pages + 1
+        shape = (num_layers, 2, num_pages + 2, page_size, num_kv_heads, head_dim)
+        # Pages are zeroed when handed out (`_scrub`), not all at once here: zeroing the whole of a
+        # default-sized CPU pool touched every byte of it (1.7 GB for the tiny model: 1.6 s per
+        # worker, 5 s of `kvguard serve`'s start-up with both workers at it together), so the
+        # memory is now committed as the pool is first used.
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        self.kv[:, :, num_pages:].zero_()
+        self._fresh = 0  # pages [0, _fresh) have been zeroed; the free stack hands the others out in order
+        # The three tag arrays share one [3, pages + 2] tensor, so a read check gathers all of a
         # batch's tags in one op. Rows: generation, written_generation, written_tokens.
-        self._tags = torch.zeros(3, num_pages + 1, dtype=torch.int64, device=device)
+        self._tags = torch.zeros(3, num_pages + 2, dtype=torch.int64, device=device)
         self.generation, self.written_generation, self.written_tokens = self._tags.unbind(0)
         self.written_generation.fill_(-1)
         self._page_starts = torch.arange(num_pages + 1, dtype=torch.int64, device=device) * page_size  # per lease column
@@ -134,11 +147,22 @@ class KVPool:
                 self._owner[page] = serial
                 generations.append(self._host_generation[page])
             ids_t = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            self._scrub(ids_t, max(pages))
             gens_t = torch.tensor(generations, dtype=torch.int64, device=self.device)
             self.generation[ids_t] = gens_t
             lease = Lease(request_id, tuple(pages), tuple(generations), num_tokens, serial, ids_t, gens_t)
             self._leases[serial] = lease
             return lease
+
+    def _scrub(self, ids_t: torch.Tensor, top: int) -> None:
+        """Zero the pages being handed out (see the module doc); with tags off, only those never
+        handed out before. Fresh pages leave the free stack in increasing order, below every freed
+        one, so those are the range [_fresh, top]."""
+        if self.tags:
+            self.kv.index_fill_(2, ids_t, 0)
+        elif top >= self._fresh:
+            self.kv[:, :, self._fresh : top + 1].zero_()
+        self._fresh = max(self._fresh, top + 1)
 
     def free(self, lease: Lease) -> int:
         """Release the pages the lease still owns; returns how many. Idempotent. Pages that were
@@ -202,8 +226,8 @@ class KVPool:
 
         page_table / granted: [B, P] page ids and the generations the leases were granted;
         read_tokens[b]: token positions [0, n) request b reads. Padding beyond `num_pages[b]` is
-        ignored; with `num_pages=None` the caller pads with (`scratch_page`, 0) instead, which
-        passes by construction (the scratch page's generation is always 0 and no read position
+        ignored; with `num_pages=None` the caller pads with (`pad_page`, 0) instead, which
+        passes by construction (the pad page's generation is always 0 and no read position
         falls in a padding column) and saves the masking. Every page must be current for the lease;
         pages holding read positions must have been written in that generation up to the slots
         read. Returns bool [B]: request b may proceed.
