@@ -368,6 +368,32 @@ async def test_async_engine_streams_aborts_and_rejects(tiny_model_dir: Path) -> 
     assert loop.integrity_error is None
 
 
+def test_idle_integrity_check_runs_only_after_the_pool_changed(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle engine thread checks integrity once per interval, but a check of a pool nothing
+    touched since it last held finds nothing new (and cost ~50 ms per second on a default pool)."""
+    checks: list[int] = []  # the pool's change count at each check
+    real_check = eng.check_integrity
+
+    def counted_check() -> None:
+        checks.append(eng.pool.changes)
+        real_check()
+
+    def broken_pool() -> None:
+        raise AssertionError("broken")
+
+    monkeypatch.setattr(eng, "check_integrity", counted_check)
+    loop = AsyncEngine(eng)  # not started: its idle check is called directly, as `_run` does
+    loop._check_integrity(), loop._check_integrity()
+    assert len(checks) == 1
+    eng.generate([ids(eng, "hello")], GREEDY)  # allocates, writes, frees
+    loop._check_integrity(), loop._check_integrity()
+    assert len(checks) == 2 and checks[1] > checks[0]
+    monkeypatch.setattr(eng.pool, "check_integrity", broken_pool)
+    eng.pool.changes += 1
+    loop._check_integrity(), loop._check_integrity()  # a failed check is not taken as holding: retried
+    assert len(checks) == 4 and str(loop.integrity_error) == "broken"
+
+
 def test_metrics_contract(eng: Engine) -> None:
     eng.generate([ids(eng, "hello")], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     with pytest.raises(ContextLengthExceeded):

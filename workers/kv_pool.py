@@ -107,6 +107,9 @@ class KVPool:
         self._lock = threading.RLock()
         self.stale_writes_dropped = 0
         self.stale_frees = 0
+        # Bumped by every allocation, free, write stamp and import: what could break integrity.
+        # An idle engine re-checks integrity only after it moved (`AsyncEngine._check_integrity`).
+        self.changes = 0
 
     # ------------------------------------------------------------------------------- capacity
 
@@ -152,6 +155,7 @@ class KVPool:
             self.generation[ids_t] = gens_t
             lease = Lease(request_id, tuple(pages), tuple(generations), num_tokens, serial, ids_t, gens_t)
             self._leases[serial] = lease
+            self.changes += 1
             return lease
 
     def _scrub(self, ids_t: torch.Tensor, top: int) -> None:
@@ -182,6 +186,7 @@ class KVPool:
                 ids_t = torch.tensor(owned, dtype=torch.int64, device=self.device)
                 self.generation[ids_t] += 1
             self._free.extend(reversed(owned))
+            self.changes += 1
             return len(owned)
 
     def is_current(self, lease: Lease) -> bool:
@@ -217,6 +222,7 @@ class KVPool:
             grown = torch.where(start <= have, torch.maximum(have, end), have)
             self.written_generation[target] = generations
             self.written_tokens[target] = grown
+            self.changes += 1
             return ok
 
     def verify_reads(
@@ -317,6 +323,7 @@ class KVPool:
                     ids_t, torch.tensor(list(generations), dtype=torch.int64, device=self.device),
                     torch.zeros_like(ids_t), torch.tensor(valid, dtype=torch.int64, device=self.device),
                 )
+            self.changes += 1
             return ImportResult(True)
 
     # ------------------------------------------------------------------------------ integrity
