@@ -1,8 +1,9 @@
 """Analysis of a candidate's live traffic between traffic steps (pure: no I/O, no clock).
 
 Inputs are Prometheus text already scraped from the candidate's and the stable revision's routers
-and workers (parsed here with prometheus_client), at the previous measurement and now; the
-measurement covers the traffic in between. Output: pass, fail or inconclusive, with every
+and workers (parsed here with prometheus_client), at the start of the window and now; the
+measurement covers the traffic in between. Each scrape is named `role/name` (`source_name`): the
+routers and the engines both count `kvguard_requests_total`, and a request is the router's. Output: pass, fail or inconclusive, with every
 check's numbers for status.rollout.analysis.
 
 Checks (spec.rollout.analysis):
@@ -16,7 +17,10 @@ Checks (spec.rollout.analysis):
 - queries: PromQL values fetched by the driver from prometheusURL, within [min, max].
 A check that fails more than its failureLimit measurements in a rollout fails the analysis. Fewer
 than minRequests candidate requests in the window make the router checks inconclusive: the step
-holds (a candidate nobody talks to is not evidence).
+holds (a candidate nobody talks to is not evidence), and the window stays open
+(`needs_more_traffic`) until it holds enough, so a candidate at low traffic that fails every
+request is still judged. At 100% the stable gets no traffic: latencies are compared with its last
+window that had some (`Window.stable_reference`).
 
 Counters are per series: one that went down was reset (a restarted pod) and counts from zero.
 """
@@ -48,10 +52,17 @@ LATENCY_FLOOR_SECONDS = 0.001
 """The stable's percentile is taken as at least this when dividing: a sub-millisecond stable
 would make any jitter look like a regression."""
 
+ROUTER = "router"
+
 Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, str, Labels]
-"""(source: the scraped URL or pod, sample name, labels)."""
+"""(source: `role/name` of the scraped process, sample name, labels)."""
 Series = dict[SeriesKey, float]
+
+
+def source_name(role: str, name: str) -> str:
+    """The source of a scrape: its role first, so the analysis can tell a router's series."""
+    return f"{role}/{name}"
 
 
 def parse_exposition(source: str, text: str) -> Series:
@@ -80,10 +91,18 @@ def increase(before: Series | None, after: Series) -> Series:
     return gained
 
 
-def total(window: Series, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels`."""
+def total(window: Series, name: str, *, role: str | None = None, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (from `role`'s sources only,
+    when given)."""
     wanted = set(labels.items())
-    return sum(v for (_, n, ls), v in window.items() if n == name and wanted <= set(ls))
+    prefix = None if role is None else f"{role}/"
+    return sum(v for (source, n, ls), v in window.items()
+               if n == name and wanted <= set(ls) and (prefix is None or source.startswith(prefix)))  # fmt: skip
+
+
+def requests_ended(window: Series, **labels: str) -> float:
+    """Requests the routers ended (the engines count their halves of the same requests too)."""
+    return total(window, REQUESTS, role=ROUTER, **labels)
 
 
 def histogram_buckets(window: Series, histogram: str) -> list[tuple[float, float]]:
@@ -121,12 +140,26 @@ class Window:
     candidate: Series
     stable: Series | None
     """None: no stable revision serves (a first rollout); latencies are not compared."""
+    stable_reference: Series | None = None
+    """The stable's latest window that had router traffic: what latencies are compared with when
+    this window has none from the stable (at 100% it gets no traffic at all)."""
 
     @classmethod
     def between(cls, candidate_before: Series | None, candidate_now: Series,
-                stable_before: Series | None, stable_now: Series | None) -> Window:  # fmt: skip
+                stable_before: Series | None, stable_now: Series | None,
+                stable_reference: Series | None = None) -> Window:  # fmt: skip
         stable = increase(stable_before, stable_now) if stable_now is not None else None
-        return cls(increase(candidate_before, candidate_now), stable)
+        return cls(increase(candidate_before, candidate_now), stable, stable_reference)
+
+
+def served_traffic(series: Series | None) -> bool:
+    """Whether a revision's window holds any first-token observation of its routers."""
+    return series is not None and total(series, f"{TTFT}_count") > 0
+
+
+def needs_more_traffic(spec: AnalysisSpec, window: Window) -> bool:
+    """Too few candidate requests to judge: the next measurement should cover this window too."""
+    return requests_ended(window.candidate) < spec.min_requests
 
 
 @dataclass(frozen=True)
@@ -155,7 +188,7 @@ def measure(
     """One measurement of every enabled check; `previous` carries each check's failure count."""
     failures = {r.name: r.failures for r in previous}
     results = [_safety(window, failures.get("safety", 0), at)]
-    requests = total(window.candidate, REQUESTS)
+    requests = requests_ended(window.candidate)
     if spec.error_ratio.enabled:
         results.append(_error_ratio(spec, window, requests, failures.get("errorRatio", 0), at))
     for name, histogram, check in (("ttft", TTFT, spec.ttft), ("itl", ITL, spec.itl)):
@@ -176,12 +209,16 @@ def _safety(window: Window, failures: int, at: str) -> AnalysisResult:
     return _result("safety", "Successful", 0, 0, "no safety counter rose", failures, at)
 
 
+def _too_few(requests: float, min_requests: int) -> str:
+    """One text for every router check short of requests (the hold message names it once)."""
+    return f"{requests:g} candidate requests ended, {min_requests} needed (spec.rollout.analysis.minRequests)"
+
+
 def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: int, at: str) -> AnalysisResult:
     limit = spec.error_ratio.max_ratio
     if requests < spec.min_requests:
-        return _result("errorRatio", "Inconclusive", None, limit, f"{requests:g} candidate requests ended, "
-                       f"{spec.min_requests} needed (spec.rollout.analysis.minRequests)", failures, at)  # fmt: skip
-    errors = sum(total(window.candidate, REQUESTS, outcome=o) for o in ERROR_OUTCOMES)
+        return _result("errorRatio", "Inconclusive", None, limit, _too_few(requests, spec.min_requests), failures, at)
+    errors = sum(requests_ended(window.candidate, outcome=o) for o in ERROR_OUTCOMES)
     ratio = errors / requests
     text = f"{errors:g} of {requests:g} candidate requests failed or aborted = {ratio:.3f} (max {limit:g})"
     if ratio > limit:
@@ -196,14 +233,18 @@ def _latency(name: str, histogram: str, check: LatencyCheck, min_requests: int, 
     if window.stable is None:
         return _result(name, "Successful", None, limit, f"{label}: no stable revision to compare with", failures, at)
     if requests < min_requests:
-        return _result(name, "Inconclusive", None, limit, f"{requests:g} candidate requests ended, {min_requests} needed", failures, at)
+        return _result(name, "Inconclusive", None, limit, _too_few(requests, min_requests), failures, at)
     candidate = quantile(check.percentile, histogram_buckets(window.candidate, histogram))
     stable = quantile(check.percentile, histogram_buckets(window.stable, histogram))
+    stable_from = "stable"
+    if stable is None and window.stable_reference is not None:
+        stable = quantile(check.percentile, histogram_buckets(window.stable_reference, histogram))
+        stable_from = "stable (its last window with traffic)"
     if candidate is None or stable is None:
         missing = "candidate" if candidate is None else "stable"
         return _result(name, "Inconclusive", None, limit, f"{label}: no {histogram} observations from the {missing}", failures, at)
     ratio = candidate / max(stable, LATENCY_FLOOR_SECONDS)
-    text = f"{label} {candidate:.4f} s vs stable {stable:.4f} s = {ratio:.2f}x (max {limit:g}x)"
+    text = f"{label} {candidate:.4f} s vs {stable_from} {stable:.4f} s = {ratio:.2f}x (max {limit:g}x)"
     if ratio > limit:
         return _result(name, "Failed", ratio, limit, text, failures + 1, at)
     return _result(name, "Successful", ratio, limit, text, failures, at)
@@ -242,5 +283,5 @@ def _verdict(spec: AnalysisSpec, results: list[AnalysisResult]) -> Measurement:
                                                              f"limit {_limit(spec, r.name)})" for r in over))  # fmt: skip
     open_ = [r for r in results if r.phase != "Successful"]
     if open_:
-        return Measurement("inconclusive", tuple(results), "; ".join(r.message for r in open_))
+        return Measurement("inconclusive", tuple(results), "; ".join(dict.fromkeys(r.message for r in open_)))
     return Measurement("pass", tuple(results), "; ".join(r.message for r in results))

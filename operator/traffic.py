@@ -151,11 +151,18 @@ def desired_objects(
     then gives the candidate `weight` percent (default: the first step's). Raises PlanInputError,
     RenderError or ValueError on a spec the operator would refuse.
     """
+    from kvguard.operator.engine_support import engine_problems
+    from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import plan
     from kvguard.operator.render import render_model_service, render_revision, secret_name
     from kvguard.operator.revision import revision_of
 
+    # What reconcile refuses before it renders anything (InvalidSpec, PDParityMismatch).
+    if problems := engine_problems(spec):
+        raise ValueError("; ".join(problems))
     kv_plan = plan(spec)
+    if (mismatch := parity_problem(spec, kv_plan)) is not None:
+        raise ValueError(mismatch)
     revision = revision_of(spec, faults)
     serving = stable or revision
     share = spec.rollout.steps[0].weight if weight is None else weight

@@ -17,8 +17,10 @@ from kvguard.operator.analysis import (
     merge,
     parse_exposition,
     quantile,
+    source_name,
 )
 from kvguard.operator.api import AnalysisSpec
+from kvguard.workers.metrics import EngineMetrics
 from kvguard.workers.router import RouterMetrics
 from kvguard.workers.transfer.metrics import TransferMetrics
 
@@ -27,25 +29,33 @@ SPEC = AnalysisSpec(min_requests=10)
 
 
 class Revision:
-    """One revision's router and one worker's transfer metrics, as they would be scraped."""
+    """One revision's router and its prefill and decode workers' metrics, as they would be scraped.
+
+    The engines count `kvguard_requests_total` too (their halves of each request that reached
+    them): the analysis must count a request once, at the router."""
 
     def __init__(self) -> None:
         self.router = RouterMetrics()
         self.worker = TransferMetrics.create(worker := CollectorRegistry())
         self.worker_registry = worker
+        self.decode_engine = EngineMetrics(worker)
+        self.prefill_engine = EngineMetrics()
 
     def serve(self, finished: int, failed: int = 0, ttft: float = 0.05, itl: float = 0.01, tokens: int = 4) -> None:
         for _ in range(finished):
             self.router.requests.labels("finished").inc()
+            for engine in (self.prefill_engine, self.decode_engine):
+                engine.requests.labels("finished").inc()
             self.router.time_to_first_token.observe(ttft)
             for _ in range(tokens):
                 self.router.inter_token_latency.observe(itl)
         for _ in range(failed):
-            self.router.requests.labels("failed").inc()
+            self.router.requests.labels("failed").inc()  # failed at the router: no engine saw it
 
     def scrape(self) -> dict:
-        return merge([parse_exposition("router-0", generate_latest(self.router.registry).decode()),
-                      parse_exposition("decode-0", generate_latest(self.worker_registry).decode())])  # fmt: skip
+        return merge([parse_exposition(source_name("router", "router-0"), generate_latest(self.router.registry).decode()),
+                      parse_exposition(source_name("prefill", "prefill-0"), generate_latest(self.prefill_engine.registry).decode()),
+                      parse_exposition(source_name("decode", "decode-0"), generate_latest(self.worker_registry).decode())])  # fmt: skip
 
 
 def measured(candidate: Revision, stable: Revision | None, spec: AnalysisSpec = SPEC, previous=(), before=None, queries=()):
@@ -119,7 +129,16 @@ def test_too_few_requests_are_inconclusive() -> None:
     stable.serve(100)
     m = measured(candidate, stable)
     assert m.verdict == "inconclusive" and by_name(m)["errorRatio"].phase == "Inconclusive"
-    assert "3 candidate requests ended, 10 needed" in m.message
+    assert m.message == "3 candidate requests ended, 10 needed (spec.rollout.analysis.minRequests)"  # said once, not per check
+
+
+def test_a_request_counts_once_though_router_and_engines_all_count_it() -> None:
+    """Engines count the requests that reached them too: summing every source would count a
+    success three times and a router failure once, diluting the error ratio."""
+    candidate, stable = Revision(), Revision()
+    candidate.serve(18, failed=2)
+    stable.serve(100)
+    assert "2 of 20 candidate requests failed or aborted = 0.100" in measured(candidate, stable).message
 
 
 def test_a_window_counts_only_what_happened_since_the_last_measurement() -> None:
@@ -133,8 +152,8 @@ def test_a_window_counts_only_what_happened_since_the_last_measurement() -> None
 
 
 def test_a_reset_counter_counts_from_zero() -> None:
-    before = parse_exposition("r", "# TYPE kvguard_requests_total counter\nkvguard_requests_total{outcome=\"failed\"} 50\n")
-    after = parse_exposition("r", "# TYPE kvguard_requests_total counter\nkvguard_requests_total{outcome=\"failed\"} 3\n")
+    before = parse_exposition("router/r", "# TYPE kvguard_requests_total counter\nkvguard_requests_total{outcome=\"failed\"} 50\n")
+    after = parse_exposition("router/r", "# TYPE kvguard_requests_total counter\nkvguard_requests_total{outcome=\"failed\"} 3\n")
     assert list(increase(before, after).values()) == [3.0]
 
 
@@ -149,7 +168,7 @@ def test_quantile_matches_prometheus_interpolation() -> None:
     registry = RouterMetrics()
     for value in [0.003] * 50 + [0.04] * 50:
         registry.time_to_first_token.observe(value)
-    buckets = histogram_buckets(parse_exposition("r", generate_latest(registry.registry).decode()), TTFT)
+    buckets = histogram_buckets(parse_exposition("router/r", generate_latest(registry.registry).decode()), TTFT)
     # 50 in (0.0025, 0.005], 50 in (0.025, 0.05]: the median is the top of the first, p75 halfway up the second
     assert quantile(0.5, buckets) == pytest.approx(0.005)
     assert quantile(0.75, buckets) == pytest.approx(0.0375)
@@ -211,19 +230,86 @@ async def test_measurements_scrape_real_metrics_and_start_with_a_baseline() -> N
     base = f"http://127.0.0.1:{port}"
     memory, key = AnalysisMemory(), ("models", "m")
     try:
-        urls = (("r2", [("r2-router-0", f"{base}/candidate/metrics")]), ("r1", [("r1-router-0", f"{base}/stable/metrics")]))
+        urls = (("r2", [("router", "r2-router-0", f"{base}/candidate/metrics")]), ("r1", [("router", "r1-router-0", f"{base}/stable/metrics")]))
         first = await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)
         assert first.verdict == "inconclusive" and "window starts now" in first.message
         candidate.serve(30)
         stable.serve(30)
         second = await measure_live_traffic(key, SPEC, *urls, first.results, memory, now_text=AT)
         assert second.verdict == "pass", second.message  # the 50 failures before the window do not count
-        gone = (("r2", [("r2-router-0", f"{base}/nowhere/metrics")]), urls[1])
+        gone = (("r2", [("router", "r2-router-0", f"{base}/nowhere/metrics")]), urls[1])
         candidate.serve(30)
         third = await measure_live_traffic(key, SPEC, *gone, second.results, memory, now_text=AT)
         assert third.verdict == "inconclusive" and "candidate metrics incomplete: r2-router-0: HTTP 404" in third.message
         candidate.serve(0, failed=30)  # back in sight: the window still starts at the last good scrape
         fourth = await measure_live_traffic(key, SPEC, *urls, second.results, memory, now_text=AT)
         assert fourth.verdict == "fail" and "30 of 60 candidate requests failed" in fourth.message
+    finally:
+        await runner.cleanup()
+
+
+async def _serving(candidate: Revision, stable: Revision):  # noqa: ANN202
+    """Both revisions' router /metrics on a loopback server; yields the (revision, sources) pairs."""
+    from aiohttp import web
+
+    app = web.Application()
+    for name, revision in (("candidate", candidate), ("stable", stable)):
+        async def handler(_: web.Request, registry: CollectorRegistry = revision.router.registry) -> web.Response:
+            return web.Response(body=generate_latest(registry), content_type="text/plain")
+        app.router.add_get(f"/{name}/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    urls = (("r2", [("router", "r2-router-0", f"{base}/candidate/metrics")]), ("r1", [("router", "r1-router-0", f"{base}/stable/metrics")]))
+    return runner, urls
+
+
+async def test_a_window_with_too_few_requests_stays_open_until_it_can_be_judged() -> None:
+    """At low traffic no single window reaches minRequests: a candidate failing every request must
+    still be aborted once enough of its requests have ended, not held at its first step forever."""
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+
+    candidate, stable = Revision(), Revision()
+    runner, urls = await _serving(candidate, stable)
+    memory, key, previous = AnalysisMemory(), ("models", "m"), ()
+    try:
+        first = await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)
+        assert "window starts now" in first.message
+        for ended in (4, 8):
+            candidate.serve(0, failed=4)
+            stable.serve(30)
+            held = await measure_live_traffic(key, SPEC, *urls, previous, memory, now_text=AT)
+            assert held.verdict == "inconclusive" and held.message.startswith(f"{ended} candidate requests ended, 10 needed")
+            previous = held.results
+        candidate.serve(0, failed=4)
+        judged = await measure_live_traffic(key, SPEC, *urls, previous, memory, now_text=AT)
+        assert judged.verdict == "fail" and "12 of 12 candidate requests failed" in judged.message
+    finally:
+        await runner.cleanup()
+
+
+async def test_at_full_weight_latency_is_compared_with_the_stables_last_traffic() -> None:
+    """At 100% the stable gets no requests: its latest window with traffic is the reference, or
+    the last step would hold forever on "no observations from the stable"."""
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+
+    candidate, stable = Revision(), Revision()
+    runner, urls = await _serving(candidate, stable)
+    memory, key = AnalysisMemory(), ("models", "m")
+    try:
+        first = await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)
+        candidate.serve(20, ttft=0.05)
+        stable.serve(20, ttft=0.05)  # a step below 100%: both serve
+        split = await measure_live_traffic(key, SPEC, *urls, first.results, memory, now_text=AT)
+        assert split.verdict == "pass", split.message
+        candidate.serve(40, ttft=0.05)  # 100%: only the candidate
+        full = await measure_live_traffic(key, SPEC, *urls, split.results, memory, now_text=AT)
+        assert full.verdict == "pass", full.message
+        assert "vs stable (its last window with traffic)" in by_name(full)["ttft"].message
+        candidate.serve(40, ttft=2.0)  # and a regression at 100% is still caught
+        slow = await measure_live_traffic(key, SPEC, *urls, full.results, memory, now_text=AT)
+        assert by_name(slow)["ttft"].phase == "Failed"
     finally:
         await runner.cleanup()

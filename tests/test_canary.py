@@ -108,6 +108,18 @@ async def test_s2_sglang_flat_error_body_counts_as_clean_rejection(server: Runni
     assert any("without code context_length_exceeded" in n for n in notes)
 
 
+@pytest.mark.parametrize("server", [Behaviour(serves_chat=False)], indirect=True)
+async def test_s2_an_endpoint_the_server_lacks_is_noted_and_proves_nothing(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.OVER_LENGTH]))
+    result = report.probe(ProbeName.OVER_LENGTH)
+    assert result is not None and result.status == ProbeStatus.PASS, result.reason
+    assert result.reason.startswith("6 over-length requests rejected")  # /v1/completions only: 3 cases x 2
+    assert any("not served" in getattr(e, "message", "") for e in result.evidence)
+    chat_only = spec(overLength={"apis": ["chat"]}).only([ProbeName.OVER_LENGTH])
+    result = (await run(server, chat_only)).probe(ProbeName.OVER_LENGTH)
+    assert result is not None and result.status == ProbeStatus.SKIPPED and "no endpoint tested is served" in result.reason
+
+
 @pytest.mark.parametrize("server", [Behaviour(stream_error_frame_over_length=True)], indirect=True)
 async def test_s2_streamed_200_with_error_frame_fails(server: RunningServer) -> None:
     report = await run(server, spec(overLength={"apis": ["completions"]}))
@@ -240,17 +252,34 @@ async def test_s7_unreachable_worker_fails_capacity(server: RunningServer) -> No
     assert result is not None and result.status == ProbeStatus.FAIL and "did not report" in result.reason
 
 
-@pytest.mark.parametrize("server", [Behaviour(metrics_style="none")], indirect=True)
-async def test_metric_probes_skip_with_reason_when_no_metrics(server: RunningServer) -> None:
-    report = await run(server, spec().only([ProbeName.CAPACITY, ProbeName.SAFETY_COUNTERS, ProbeName.DETERMINISM]))
+async def test_metric_probes_skip_with_reason_when_no_metrics_url_is_given(server: RunningServer) -> None:
+    report = await run_suite(server.url, spec().only([ProbeName.CAPACITY, ProbeName.SAFETY_COUNTERS, ProbeName.DETERMINISM]))
     assert report.verdict == Verdict.PASS
-    assert "no metrics URL is reachable" in report.probe(ProbeName.CAPACITY).reason  # type: ignore[union-attr]
+    assert "no metrics URLs given" in report.probe(ProbeName.CAPACITY).reason  # type: ignore[union-attr]
     assert status(report, ProbeName.SAFETY_COUNTERS) == ProbeStatus.SKIPPED
+
+
+@pytest.mark.parametrize("server", [Behaviour(metrics_style="none")], indirect=True)
+async def test_s7_metrics_urls_given_but_none_answering_cannot_run(server: RunningServer) -> None:
+    """A wrong --metrics-url must not turn into a pass without the pool check (S7)."""
+    report = await run(server, spec().only([ProbeName.CAPACITY, ProbeName.SAFETY_COUNTERS, ProbeName.DETERMINISM]))
+    assert report.verdict == Verdict.CANNOT_RUN and not report.probes
+    assert report.reason.startswith("no metrics URL answers: ") and server.metrics_url in report.reason
 
 
 async def test_unreachable_target_cannot_run() -> None:
     report = await run_suite("http://127.0.0.1:1", spec())
     assert report.verdict == Verdict.CANNOT_RUN and "/v1/models" in report.reason and not report.probes
+
+
+@pytest.mark.parametrize("server", [Behaviour(serves_completions=False)], indirect=True)
+async def test_a_server_without_the_probes_api_cannot_run_and_says_which(server: RunningServer) -> None:
+    """A chat-only server is not broken: the spec asks for the wrong API (exit 2, not a rollback)."""
+    report = await run(server, spec().only([ProbeName.DETERMINISM]))
+    assert report.verdict == Verdict.CANNOT_RUN and not report.probes
+    assert "POST /v1/completions answers HTTP 404" in report.reason and "api: chat" in report.reason
+    chat = await run(server, spec(api="chat").only([ProbeName.DETERMINISM, ProbeName.OVER_LENGTH]))
+    assert chat.verdict == Verdict.PASS, chat.reason
 
 
 async def test_every_probe_skipped_cannot_run(server: RunningServer) -> None:
@@ -297,6 +326,11 @@ def test_cli_exit_2_reasons(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "isolation.tenant: Extra inputs are not permitted" in err and "maxTokens" in err
     assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--probes", "isolaton"]) == 2
     assert "unknown probe 'isolaton'" in capsys.readouterr().err
+    # An engine log that is not there would read as "no violation logged": a typo is not a pass.
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--engine-log", str(tmp_path / "missing.log")]) == 2
+    assert "missing.log does not exist" in capsys.readouterr().err
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--engine-log", str(tmp_path)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
 
 
 def test_cli_reads_canary_section_of_an_inference_model(server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,6 +41,8 @@ class Behaviour:
     bump_tag_violations: bool = False
     fail_models: bool = False
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
+    serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
+    serves_completions: bool = True  # False: no /v1/completions route (a chat-only server)
 
 
 class FakeEngine:
@@ -62,8 +64,10 @@ class FakeEngine:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.completions)
+        if self.b.serves_completions:
+            app.router.add_post("/v1/completions", self.completions)
+        if self.b.serves_chat:
+            app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/health", self.health)

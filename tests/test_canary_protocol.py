@@ -19,8 +19,8 @@ from kvguard.operator.canary import CanarySpec, ProbeName, ProbeStatus, Verdict,
 from kvguard.operator.canary.client import Completion, EngineClient, premature_length_finish
 from kvguard.operator.canary.discovery import ContextReading, choose_context_length, context_notes, readings_from_sglang_info
 from kvguard.operator.canary.engine_logs import appended_text, log_offsets, parse_violations
-from kvguard.operator.canary.logprob_compare import compare, judge
-from kvguard.operator.canary.responses import parse_body, token_logprobs
+from kvguard.operator.canary.logprob_compare import compare, judge, text_contradiction
+from kvguard.operator.canary.responses import TokenLogprob, parse_body, token_logprobs
 
 # --- SSE, as the OpenAI clients read it ---------------------------------------------------------
 
@@ -231,6 +231,22 @@ def test_a_numerics_change_is_within_tolerance_and_another_requests_output_is_no
     assert (same.token_agreement, same.mean_logprob_divergence, same.divergence) == (1.0, 0.0, None)
 
 
+def test_tolerant_matching_checks_the_text_where_the_tokens_agree() -> None:
+    """Logprobs that agree do not excuse a text that differs: it was changed after sampling."""
+    tokens = [TokenLogprob(token=t, logprob=-0.5, top={t: -0.5, "x": -0.6}) for t in ("The", " cat", " sat", " down")]
+    text = "The cat sat down"
+    same = compare(tokens, tokens, 0.5)
+    assert text_contradiction(text, text, tokens, tokens, same) is None
+    problem = text_contradiction("The cat sat dowN", text, tokens, tokens, same)
+    assert problem == "all 4 tokens agree with the baseline's but the text differs"
+    # A near-tie divergence at token 2: the first two tokens agree, so the texts must agree there.
+    other = [*tokens[:2], TokenLogprob(token="x", logprob=-0.6, top={"x": -0.6, " sat": -0.7}), tokens[3]]
+    tie = compare(other, tokens, 0.5)
+    assert tie.divergence is not None and tie.divergence.near_tie
+    assert text_contradiction("The catx down", text, other, tokens, tie) is None
+    assert "within the first 2 tokens" in (text_contradiction("The dogx down", text, other, tokens, tie) or "")
+
+
 def test_an_inference_model_gives_its_canary_the_declared_context_length() -> None:
     import yaml
 
@@ -251,7 +267,8 @@ async def test_tolerant_golden_without_logprobs_says_it_could_not_compare() -> N
         prompts = [{"prompt": "alpha beta", "expectSubstring": "alpha"}]
         expected = CanarySpec.model_validate({"golden": {**tolerant, "prompts": prompts}}).only([ProbeName.GOLDEN])
         checked = await run_suite(target.url, expected, baseline_url=baseline.url)
-    assert bare.verdict == Verdict.CANNOT_RUN and "returned logprobs" in bare.probe(ProbeName.GOLDEN).reason  # type: ignore[union-attr]
+    assert bare.verdict == Verdict.CANNOT_RUN
+    assert "the baseline and the candidate returned no logprobs" in bare.probe(ProbeName.GOLDEN).reason  # type: ignore[union-attr]
     result = checked.probe(ProbeName.GOLDEN)
     assert result is not None and result.status == ProbeStatus.PASS
     assert result.reason == "1 prompt(s): 1 expectation(s) met; 1 not compared with the baseline (no logprobs returned)"

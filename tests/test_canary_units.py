@@ -48,12 +48,22 @@ def test_abort_finish_reason_is_an_error_even_with_http_200() -> None:
         (500, "", 0, "expected a 4xx"),
         (None, "", 0, "no HTTP response"),
         (400, "tok", 1, "text was generated"),
+        (422, "", 0, None),
+        (401, "", 0, "refuses the caller, not the length"),
+        (429, "", 0, "refuses the caller, not the length"),
+        (404, "", 0, None),  # not served: a note, and no proof (see the next test)
     ],
 )
 def test_s2_rejection_judgement(status: int | None, text: str, chunks: int, problem: str | None) -> None:
     result = Completion(label="case", status=status, text=text, chunks=chunks, error="x", body='{"error":{"code":"context_length_exceeded"}}')
     found, _ = judge_rejection(result)
     assert (found is None) if problem is None else (problem in (found or ""))
+
+
+def test_s2_an_endpoint_that_is_not_served_is_noted_not_counted_as_a_rejection() -> None:
+    for status in (404, 405):
+        problem, note = judge_rejection(Completion(label="case", status=status, error=f"HTTP {status}"))
+        assert problem is None and "not served" in (note or "")
 
 
 def test_prompt_sizing_bounds_hold_for_byte_level_and_bpe() -> None:

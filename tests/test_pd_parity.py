@@ -104,6 +104,22 @@ def test_reconcile_refuses_a_mismatch_and_deploys_nothing() -> None:
     assert "engine build (image): prefill sglang:1, decode sglang:2" in outcome.status["message"]
 
 
+def test_render_and_plan_refuse_what_admission_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvguard render` prints what the operator would create, and it creates nothing for a
+    mismatched spec; `kvguard plan` would otherwise pass a spec `kubectl apply` is refused."""
+    from kvguard.cli import main as cli_main
+
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump({**admission_body(spec_data(roles={"decode": {"extraArgs": ["--page-size", "16"]}})), "metadata": {"name": "m"}}))
+    for command in ("render", "plan"):
+        assert cli_main([command, "-f", str(manifest)]) == 2
+        err = capsys.readouterr().err
+        assert f"kvguard {command}: " in err and "page size: prefill 1, decode 16" in err and "sglang#19398" in err
+    manifest.write_text(yaml.safe_dump({**admission_body(spec_data()), "metadata": {"name": "m"}}))
+    assert cli_main(["render", "-f", str(manifest)]) == 0
+    capsys.readouterr()
+
+
 # --- SGLang's own switches in the renderer ---------------------------------------------------
 
 

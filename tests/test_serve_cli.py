@@ -14,7 +14,7 @@ import requests
 from waiting import wait_for
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_dir: Path, signum: int) -> None:
     serve = subprocess.Popen(
         [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(tiny_model_dir),
@@ -39,6 +39,39 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_workers_stop_by_themselves_when_serve_is_killed(tiny_model_dir: Path) -> None:
+    """SIGKILL (or the OOM killer) gives serve no chance to stop its workers: they must notice
+    (the lifeline pipe) and stop, not keep serving and holding every port."""
+    serve = subprocess.Popen(
+        [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(tiny_model_dir),
+         "--kv-pool-tokens", "2048", "--context-length", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert serve.stdout is not None
+        urls = json.loads(serve.stdout.readline())
+        workers = _children(serve.pid)
+        assert len(workers) == 3
+        serve.kill()
+        serve.wait(timeout=30)
+        wait_for(lambda: not [pid for pid in workers if _running(pid)], "every orphaned worker stopped",
+                 timeout=60, detail=lambda: [pid for pid in workers if _running(pid)])  # fmt: skip
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{urls['router']}/models", timeout=5)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _assert_one_audience_per_port(urls: dict) -> None:
@@ -68,6 +101,31 @@ def test_serve_refuses_a_pool_below_twice_the_context_before_starting_anything(t
     done = _run_serve("--model", str(tiny_model_dir), "--kv-pool-tokens", "512", "--context-length", "1024")
     assert done.returncode == 3 and done.stdout == ""
     assert "0.50x the context length" in done.stderr and "--kv-pool-tokens to at least 2048" in done.stderr
+
+
+def test_serve_pool_advice_counts_whole_pages_and_never_rounds_up_to_the_ratio(tiny_model_dir: Path) -> None:
+    done = _run_serve("--model", str(tiny_model_dir), "--kv-pool-tokens", "2047", "--context-length", "1024", "--page-size", "1")
+    assert done.returncode == 3 and "1.99x the context length" in done.stderr
+    # 2048 tokens in pages of 1000 is a pool of 2000: the advice names the whole pages that pass.
+    done = _run_serve("--model", str(tiny_model_dir), "--kv-pool-tokens", "2048", "--context-length", "1024", "--page-size", "1000")
+    assert done.returncode == 3 and "pool (2000 tokens)" in done.stderr and "at least 3000" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "99999"], "--port: must be a TCP port 0..65535"),
+        (["--transfer-port", "-1"], "--transfer-port: must be a TCP port 0..65535"),
+        (["--kv-pool-tokens", "-5", "--context-length", "10"], "--kv-pool-tokens: must be at least 1"),
+        (["--context-length", "8192"], "--context-length 8192 exceeds the model's maximum 4096"),
+        (["--device", "foo"], "--device: String should match pattern"),
+        (["--transfer-timeout", "nan"], "--transfer-timeout: Input should be greater than 0"),
+    ],
+)
+def test_serve_bad_flags_exit_2_with_one_line_before_any_worker_starts(tiny_model_dir: Path, flags: list[str], message: str) -> None:
+    done = _run_serve("--model", str(tiny_model_dir), *flags)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr and "listening on" not in done.stderr
 
 
 def test_serve_reports_a_busy_port_at_once_naming_its_flag(tiny_model_dir: Path) -> None:

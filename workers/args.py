@@ -35,6 +35,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
+# A local launcher (workers/launcher.py) hands each worker the read end of a pipe whose write end
+# only the launcher holds, and names its descriptor here: EOF on it means the launcher is gone.
+LIFELINE_FD_ENV = "KVGUARD_LIFELINE_FD"
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,12 @@ class WorkerArgs(BaseModel):
                                             "may sit idle between requests (slow-header clients are cut off)")
     )
 
-    device: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, cpu, cuda or cuda:N"))
-    dtype: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))
+    # Checked here as well as where torch resolves them (workers/device.py), so a typo fails at once,
+    # not after the other processes have started.
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        json_schema_extra=_flag("prefill and decode", "auto, cpu, cuda or cuda:N"))  # fmt: skip
+    dtype: str = Field("auto", pattern=r"^(auto|float32|bfloat16|float16)$",
+                       json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))  # fmt: skip
     kv_pool_tokens: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "KV pool size; default: from memory"))
     kv_memory_fraction: float = Field(0.85, gt=0, le=1, json_schema_extra=_flag("prefill and decode", "share of device memory for weights + KV"))
     context_length: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "served context (default: the model's maximum)"))

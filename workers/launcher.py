@@ -14,7 +14,9 @@ decode internal + metrics + KV transfer.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -28,7 +30,14 @@ from pathlib import Path
 
 import requests
 
-from kvguard.workers.args import DEFAULT_BOOTSTRAP_TIMEOUT_S, Listen, TransferEncryption, WorkerArgs, bind_listener
+from kvguard.workers.args import (
+    DEFAULT_BOOTSTRAP_TIMEOUT_S,
+    LIFELINE_FD_ENV,
+    Listen,
+    TransferEncryption,
+    WorkerArgs,
+    bind_listener,
+)
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import TRANSFER_KEY_ENV, RevisionKeys, load_revision_key
 
@@ -80,13 +89,31 @@ class LocalServeConfig:
         }
 
     def small_pool_problem(self, pool_tokens: int, context_length: int) -> str | None:
-        if pool_tokens >= self.min_kv_ratio * context_length:
+        needed = self.min_kv_ratio * context_length
+        if pool_tokens >= needed:
             return None
+        # The pool is whole pages (a request for 2048 tokens in pages of 1000 holds 2000), and the
+        # ratio shown is rounded down: 1.999x must not read as the 2.00x it misses.
+        at_least = math.ceil(needed / self.page_size) * self.page_size
+        ratio = math.floor(pool_tokens / context_length * 100) / 100
         return (
-            f"the KV pool ({pool_tokens} tokens) is {pool_tokens / context_length:.2f}x the context length "
-            f"({context_length} tokens), below the safe ratio {self.min_kv_ratio:g}x: raise --kv-pool-tokens to at "
-            f"least {int(self.min_kv_ratio * context_length)} or lower --context-length (--allow-small-pool serves it anyway)"
+            f"the KV pool ({pool_tokens} tokens) is {ratio:.2f}x the context length ({context_length} tokens), "
+            f"below the safe ratio {self.min_kv_ratio:g}x: raise --kv-pool-tokens to at least {at_least} "
+            f"(whole pages of {self.page_size}) or lower --context-length (--allow-small-pool serves it anyway)"
         )
+
+    def context_problem(self) -> str | None:
+        """A --context-length above the model's own maximum, found before any process starts
+        (the engine checks it too, but only once the other workers are up)."""
+        if self.context_length is None:
+            return None
+        try:
+            limit = json.loads((self.model_dir / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return None  # the engine reports an unreadable config itself
+        if isinstance(limit, int) and self.context_length > limit:
+            return f"--context-length {self.context_length} exceeds the model's maximum {limit} (max_position_embeddings)"
+        return None
 
 
 def open_listeners(config: LocalServeConfig) -> dict[str, socket.socket]:
@@ -128,8 +155,11 @@ class LocalDeployment:
 
     def __post_init__(self) -> None:
         c = self.config
+        if (problem := c.context_problem()) is not None:
+            raise ValueError(problem)
         if c.kv_pool_tokens is not None and c.context_length is not None and not c.allow_small_pool:
-            if (problem := c.small_pool_problem(c.kv_pool_tokens, c.context_length)) is not None:
+            whole_pages = c.kv_pool_tokens // c.page_size * c.page_size  # what the engine allocates (plan_pool_pages)
+            if (problem := c.small_pool_problem(whole_pages, c.context_length)) is not None:
                 raise SmallPoolError(problem)
         self.sockets = open_listeners(c)
         self.ports = {name: int(sock.getsockname()[1]) for name, sock in self.sockets.items()}
@@ -137,6 +167,9 @@ class LocalDeployment:
         # One fresh revision key per deployment, for every process (the router included).
         self._env = {**os.environ, TRANSFER_KEY_ENV: secrets.token_hex(32), **dict(c.extra_env)}
         self.keys = RevisionKeys.derive(load_revision_key(self._env))
+        # Only this process holds the write end: when it dies, however it dies, every worker
+        # reads EOF and stops (workers/servers.py watch_lifeline) instead of keeping the ports.
+        self._lifeline = os.pipe()
 
     @property
     def env(self) -> dict[str, str]:
@@ -212,10 +245,11 @@ class LocalDeployment:
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             stdout = open(self.config.log_dir / f"{process.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        lifeline = self._lifeline[0]
         process.popen = subprocess.Popen(
             process.argv,
-            env=self._env,
-            pass_fds=process.fds,
+            env={**self._env, LIFELINE_FD_ENV: str(lifeline)},
+            pass_fds=(*process.fds, lifeline),
             stdout=stdout if self.config.log_dir else None,  # type: ignore[arg-type]
             stderr=subprocess.STDOUT if self.config.log_dir else None,
             start_new_session=True,  # a Ctrl-C in the terminal reaches serve, which stops us in order
@@ -287,6 +321,10 @@ class LocalDeployment:
                 process.popen.wait()
         for sock in self.sockets.values():
             sock.close()
+        for fd in self._lifeline:
+            if fd >= 0:
+                os.close(fd)
+        self._lifeline = (-1, -1)  # stop() may run twice (a failed start, then __exit__)
 
     def __enter__(self) -> LocalDeployment:
         return self.start()

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvguard.workers.args import WorkerArgs
+from kvguard.workers.args import LIFELINE_FD_ENV, WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
 from kvguard.workers.keys import RevisionKeys
 
@@ -88,6 +90,7 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    watch_lifeline(loop, stop)
     runners: list[web.AppRunner] = []
     try:
         for app, sock in sites:
@@ -100,6 +103,33 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+def watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Stop when the local launcher that started this process dies (`LIFELINE_FD_ENV`).
+
+    `kvguard serve` stops its workers on SIGINT/SIGTERM/SIGHUP, but a launcher killed outright
+    (SIGKILL, OOM) cannot: without this its workers would keep serving and holding every port.
+    The launcher never writes to the pipe, so the first readable event is EOF. Pods have no
+    lifeline (the variable is unset): the kubelet owns their lifetime.
+    """
+    raw = os.environ.pop(LIFELINE_FD_ENV, None)
+    if raw is None:
+        return
+    try:
+        fd = int(raw)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise OSError(f"descriptor {fd} is not a pipe")
+    except (ValueError, OSError) as exc:
+        log.warning("ignoring %s=%r: %s", LIFELINE_FD_ENV, raw, exc)
+        return
+
+    def launcher_gone() -> None:
+        loop.remove_reader(fd)
+        log.warning("the launcher that started this worker is gone; stopping")
+        stop.set()
+
+    loop.add_reader(fd, launcher_gone)
 
 
 def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web.Application]:

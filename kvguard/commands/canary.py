@@ -1,8 +1,8 @@
 """`kvguard canary`: run the canary coherence suite against an OpenAI-compatible deployment.
 
 Exit status: 0 every enabled probe passed (or was skipped with a reason), 1 a probe failed,
-2 the suite cannot run (unreachable target or baseline, bad spec file, unknown probe, or every probe
-skipped) - with the reason on stderr.
+2 the suite cannot run (unreachable target, baseline or metrics URLs, an --engine-log that is not a
+readable file, bad spec file, unknown probe, or every probe skipped) - with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if args.context_length is not None and args.context_length < 16:
         print("kvguard canary: cannot run: --context-length must be at least 16", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    if (problem := _unreadable_log(args.engine_log)) is not None:
+        print(f"kvguard canary: cannot run: {problem}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     if args.baseline_match:
         spec = spec.model_copy(update={"golden": spec.golden.model_copy(update={"baseline_match": args.baseline_match})})
     table = args.output == "table"
@@ -90,6 +93,21 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_PASS if report.verdict == Verdict.PASS else EXIT_FAIL
 
 
+def _unreadable_log(paths: list[Path]) -> str | None:
+    """Why an --engine-log cannot be read, or None. A log that is not there would read as "no
+    violation logged": a typo in its path must not turn into a pass."""
+    for path in paths:
+        if not path.is_file():
+            what = "is not a regular file" if path.exists() else "does not exist"
+            return f"--engine-log {path} {what}"
+        try:
+            with path.open("rb"):
+                pass
+        except OSError as exc:
+            return f"--engine-log {path}: {exc.strerror or exc}"
+    return None
+
+
 def _load_spec(path: Path | None, probes: str | None) -> Any:
     """The spec from YAML (field-level messages on error) with --probes applied."""
     import yaml
@@ -102,7 +120,7 @@ def _load_spec(path: Path | None, probes: str | None) -> Any:
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{path}: {exc}") from None
+            raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None  # one line: it ends a report
         if isinstance(data, dict) and data.get("kind") == "InferenceModel":
             data = (data.get("spec") or {}).get("canary") or {}
     try:

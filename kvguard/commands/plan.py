@@ -94,6 +94,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def run(args: argparse.Namespace) -> int:
     from kvguard.operator.api import InferenceModel
+    from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import PlanInputError, plan
 
     notes: list[str] = []
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         manifest = _apply_overrides(_read_manifest(Path(args.file)), args, notes)
         model = InferenceModel.model_validate(manifest)
         result = plan(model.spec)
+        if (mismatch := parity_problem(model.spec, result)) is not None:  # admission refuses it (sglang#19398)
+            raise BadInput(mismatch)
     except BadInput as exc:
         return _bad_input(str(exc))
     except ValidationError as exc:

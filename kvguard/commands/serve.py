@@ -21,30 +21,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run a router, a prefill and a decode worker on loopback",
         description="Start all three processes; print one JSON line with the API base URL (router), every "
         "/metrics URL (metrics: role -> URL) and the internal control APIs (internal: role -> base URL), then "
-        "logs; stop them all on SIGINT/SIGTERM. Every port defaults to a free one. Exit 1: a worker failed to "
+        "logs; stop them all on SIGINT/SIGTERM/SIGHUP (and the workers stop themselves if serve is killed). Every port defaults to a free one. Exit 1: a worker failed to "
         "start; 2: bad flags or a port in use; 3: the KV pool is below 2x the context (see --allow-small-pool).",
     )
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
-    parser.add_argument("--port", type=int, default=0, help="router port: the OpenAI API")
-    parser.add_argument("--metrics-port", type=int, default=0, help="the router's /metrics")
-    parser.add_argument("--prefill-port", type=int, default=0, help="prefill's internal control API")
-    parser.add_argument("--prefill-metrics-port", type=int, default=0, help="prefill's /metrics")
-    parser.add_argument("--decode-port", type=int, default=0, help="decode's internal control API")
-    parser.add_argument("--decode-metrics-port", type=int, default=0, help="decode's /metrics")
-    parser.add_argument("--transfer-port", type=int, default=0, help="decode's KV transfer listener")
-    parser.add_argument("--kv-pool-tokens", type=int, default=None, help="KV pool size (default: from memory)")
-    parser.add_argument("--context-length", type=int, default=None, help="served context (default: the model's)")
+    parser.add_argument("--port", type=_port, default=0, help="router port: the OpenAI API")
+    parser.add_argument("--metrics-port", type=_port, default=0, help="the router's /metrics")
+    parser.add_argument("--prefill-port", type=_port, default=0, help="prefill's internal control API")
+    parser.add_argument("--prefill-metrics-port", type=_port, default=0, help="prefill's /metrics")
+    parser.add_argument("--decode-port", type=_port, default=0, help="decode's internal control API")
+    parser.add_argument("--decode-metrics-port", type=_port, default=0, help="decode's /metrics")
+    parser.add_argument("--transfer-port", type=_port, default=0, help="decode's KV transfer listener")
+    parser.add_argument("--kv-pool-tokens", type=_positive, default=None, help="KV pool size (default: from memory)")
+    parser.add_argument("--context-length", type=_positive, default=None, help="served context (default: the model's)")
     parser.add_argument("--allow-small-pool", action="store_true",
                         help="serve even if the KV pool is below 2x the context length (unsafe; logged loudly)")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    parser.add_argument("--max-transfer-batch", type=int, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
+    parser.add_argument("--max-transfer-batch", type=_positive, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
     parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
                         help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
     parser.add_argument("--stream-interval", type=_stream_interval, default=1,
                         help="tokens per streamed event after the first (which always goes at once); default 1")
     parser.set_defaults(func=run)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 0..65535 (0: a free one), got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _stream_interval(text: str) -> int:
@@ -55,6 +69,8 @@ def _stream_interval(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from kvguard.workers.launcher import LocalDeployment, LocalServeConfig, SmallPoolError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -86,11 +102,16 @@ def run(args: argparse.Namespace) -> int:
     except SmallPoolError as exc:
         print(f"kvguard serve: refusing to start: {exc}", file=sys.stderr)
         return EXIT_SMALL_POOL
+    except ValidationError as exc:  # a flag the workers' own argument model refuses
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            print(f"kvguard serve: {'--' + where.replace('_', '-') + ': ' if where else ''}{error['msg']}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (OSError, ValueError) as exc:
         print(f"kvguard serve: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
         signal.signal(signum, lambda *_: stop.set())
     try:
         deployment.start()

@@ -6,6 +6,8 @@ Memory is per process. The first measurement of a candidate/stable pair in a pro
 the baseline (inconclusive, "the window starts now"): counters since each process began would
 include the canary's own probes (its deliberate aborts) and the stable's whole history. After an
 operator restart the rollout therefore holds one interval longer; it never passes on old data.
+A window with too few candidate requests stays open (its start is kept), and the stable's latest
+window with traffic is kept as the latency reference for steps where it gets none.
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvguard.operator.analysis import QueryValue, Series, Window, measure, merge, parse_exposition
+from kvguard.operator.analysis import (
+    QueryValue,
+    Series,
+    Window,
+    measure,
+    merge,
+    needs_more_traffic,
+    parse_exposition,
+    served_traffic,
+    source_name,
+)
 from kvguard.operator.api import AnalysisSpec, PrometheusQuery
 from kvguard.operator.canary.client import get_text
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, rfc3339
@@ -30,18 +42,18 @@ MAX_METRICS_BYTES = 8 * 1024 * 1024
 """A /metrics body larger than this is refused, not parsed (bounded work per scrape)."""
 
 
-async def scrape_series(urls: Sequence[tuple[str, str]], timeout: float = SCRAPE_TIMEOUT_SECONDS) -> tuple[Series, list[str]]:
-    """Every sample of (name, /metrics URL) pairs; and the scrapes that failed, named."""
+async def scrape_series(urls: Sequence[tuple[str, str, str]], timeout: float = SCRAPE_TIMEOUT_SECONDS) -> tuple[Series, list[str]]:
+    """Every sample of (role, name, /metrics URL) triples; and the scrapes that failed, named."""
     async with aiohttp.ClientSession() as session:
-        answers = await asyncio.gather(*(get_text(session, url, timeout) for _, url in urls))
+        answers = await asyncio.gather(*(get_text(session, url, timeout) for _, _, url in urls))
     scrapes, errors = [], []
-    for (name, _), (status, body, error) in zip(urls, answers, strict=True):
+    for (role, name, _), (status, body, error) in zip(urls, answers, strict=True):
         if error or status != 200 or len(body) > MAX_METRICS_BYTES:
             why = error or (f"HTTP {status}" if status != 200 else "metrics too large")
             errors.append(f"{name}: {why}")
             continue
         try:
-            scrapes.append(parse_exposition(name, body))
+            scrapes.append(parse_exposition(source_name(role, name), body))
         except ValueError as exc:
             errors.append(f"{name}: unparseable metrics ({exc})")
     return merge(scrapes), errors
@@ -100,6 +112,8 @@ class AnalysisMemory:
     """The last scrape of each model's candidate and stable, so the next window starts there."""
 
     last: dict[tuple[str, str], tuple[str, str, Series, Series]] = field(default_factory=dict)
+    stable_reference: dict[tuple[str, str], tuple[str, Series]] = field(default_factory=dict)
+    """(stable revision, its latest window with router traffic), per model."""
 
     def before(self, key: tuple[str, str], candidate: str, stable: str) -> tuple[Series | None, Series | None]:
         kept = self.last.get(key)
@@ -107,13 +121,18 @@ class AnalysisMemory:
             return None, None
         return kept[2], kept[3]
 
+    def reference(self, key: tuple[str, str], stable: str) -> Series | None:
+        kept = self.stable_reference.get(key)
+        return kept[1] if kept is not None and kept[0] == stable else None
+
     def forget(self, key: tuple[str, str]) -> None:
         self.last.pop(key, None)
+        self.stable_reference.pop(key, None)
 
 
 async def measure_live_traffic(
-    key: tuple[str, str], spec: AnalysisSpec, candidate: tuple[str, Sequence[tuple[str, str]]],
-    stable: tuple[str, Sequence[tuple[str, str]]], previous: Sequence[AnalysisResult], memory: AnalysisMemory,
+    key: tuple[str, str], spec: AnalysisSpec, candidate: tuple[str, Sequence[tuple[str, str, str]]],
+    stable: tuple[str, Sequence[tuple[str, str, str]]], previous: Sequence[AnalysisResult], memory: AnalysisMemory,
     now_text: str | None = None, model: str = "", namespace: str = "",
 ) -> AnalysisOutcome:  # fmt: skip
     """One measurement: scrape both revisions (their routers' and workers' /metrics), query
@@ -126,12 +145,19 @@ async def measure_live_traffic(
         why = "candidate metrics incomplete: " + "; ".join(cand_errors)
         return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
     cand_before, stable_before = memory.before(key, cand_rev, stable_rev)
-    memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
     if cand_before is None:  # counters since each process began would count the canary's own probes (its aborts...)
+        memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
+        if served_traffic(stable_now):  # the stable's life so far: a reference until a window has traffic
+            memory.stable_reference[key] = (stable_rev, stable_now)
         why = "first scrape of these revisions by this operator process: the analysis window starts now"
         return AnalysisOutcome("inconclusive", (AnalysisResult(name="window", phase="Inconclusive", message=why, measured_at=at),), why)
     queries: list[QueryValue] = []
     if spec.queries and spec.prometheus_url:
         values = {"revision": cand_rev, "stable": stable_rev, "model": model, "namespace": namespace}
         queries = [QueryValue(n, v, e) for n, v, e in await query_values(spec.prometheus_url, spec.queries, values)]
-    return measure(spec, Window.between(cand_before, cand_now, stable_before, stable_now), queries, previous, at)
+    window = Window.between(cand_before, cand_now, stable_before, stable_now, memory.reference(key, stable_rev))
+    if served_traffic(window.stable):
+        memory.stable_reference[key] = (stable_rev, window.stable)  # type: ignore[assignment]
+    if not needs_more_traffic(spec, window):  # else the window stays open: its start is kept
+        memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
+    return measure(spec, window, queries, previous, at)

@@ -107,9 +107,9 @@ class RevisionEndpoints:
     routers: tuple[WorkerEndpoint, ...] = ()
     """Every router process (pod) and its /metrics: what the analysis of live traffic reads."""
 
-    def metrics_urls(self) -> tuple[tuple[str, str], ...]:
-        """(name, /metrics URL) of every router and worker of the revision."""
-        return tuple((e.name, e.metrics_url) for e in (*self.routers, *self.workers))
+    def metrics_urls(self) -> tuple[tuple[str, str, str], ...]:
+        """(role, name, /metrics URL) of every router and worker of the revision."""
+        return tuple((e.role, e.name, e.metrics_url) for e in (*self.routers, *self.workers))
 
 
 @dataclass(frozen=True)

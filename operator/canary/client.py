@@ -29,7 +29,7 @@ from kvguard.operator.canary.report import HttpExchange, clip
 from kvguard.operator.canary.responses import ModelList, TokenLogprob, parse_body, parse_json_text, sse_data
 from kvguard.operator.canary.spec import ApiKind
 
-_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+API_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @dataclass
@@ -133,7 +133,7 @@ class EngineClient:
         try:
             return ModelList.model_validate(payload), None, True
         except ValueError as exc:
-            return None, f"GET /v1/models: unexpected shape: {clip(str(exc), 300)}", True
+            return None, f"GET /v1/models: unexpected shape: {clip(' '.join(str(exc).split()), 300)}", True
 
     async def complete(
         self,
@@ -153,7 +153,7 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
         try:
             async with self.session.post(
-                f"{self.base_url}{_PATHS[api]}", json=body, timeout=timeout
+                f"{self.base_url}{API_PATHS[api]}", json=body, timeout=timeout
             ) as resp:
                 result.status = resp.status
                 if stream and resp.status == 200 and _is_event_stream(resp):

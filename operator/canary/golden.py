@@ -31,6 +31,7 @@ class _Tally:
     exact_equal: int = 0
     tolerant_within: int = 0
     tolerant_unavailable: int = 0
+    without_logprobs: set[str] = field(default_factory=set)  # "candidate" / "baseline"
     problems: list[str] = field(default_factory=list)
     evidence: list[Evidence] = field(default_factory=list)
 
@@ -63,8 +64,9 @@ class GoldenProbe(Probe):
         if tally.problems:
             return failed(f"{len(tally.problems)} golden check(s) failed; first: {tally.problems[0]}", tally.evidence)
         if use_baseline and tally.tolerant_unavailable == len(checkable) and not tally.expectations:
+            who = " and the ".join(sorted(tally.without_logprobs))
             raise ProbeSkipped(
-                "baselineMatch is tolerant but neither the candidate nor the baseline returned logprobs, "
+                f"baselineMatch is tolerant, the outputs differ, but the {who} returned no logprobs, "
                 "and no prompt has expected text"
             )
         return passed(tally.reason(len(checkable)), tally.evidence)
@@ -117,12 +119,14 @@ def _judge_tolerant(ctx: RunContext, label: str, out: Completion, ref: Completio
     if not out.logprobs or not ref.logprobs:
         missing = [who for who, c in (("candidate", out), ("baseline", ref)) if not c.logprobs]
         tally.tolerant_unavailable += 1
+        tally.without_logprobs.update(missing)
         tally.evidence.append(Note(message=f"{label}: outputs differ but {' and '.join(missing)} returned no logprobs; "
                                            "the baseline comparison was not possible"))
         return
     tolerance = ctx.spec.golden.logprob_tolerance
     agreement = logprob_compare.compare(out.logprobs, ref.logprobs, tolerance.max_logprob_divergence)
     problem = logprob_compare.judge(agreement, tolerance.min_token_agreement, tolerance.max_logprob_divergence)
+    problem = problem or logprob_compare.text_contradiction(out.text, ref.text, out.logprobs, ref.logprobs, agreement)
     if problem is None:
         tally.tolerant_within += 1
         tally.evidence.append(Note(message=f"{label}: {agreement.describe()}"))

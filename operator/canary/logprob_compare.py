@@ -15,6 +15,10 @@ the first divergence and asks:
   it cannot be judged and count as agreeing. Any other divergence counts every position from it on
   as disagreeing.
 
+Logprobs only say which tokens were chosen; the text is what users get. So where the tokens agree,
+the texts must too (`text_contradiction`): a text that differs under identical tokens was changed
+after sampling (detokenization, streaming), which no numerics change explains.
+
 Inputs are the OpenAI logprobs shapes (`responses.token_logprobs`), as vLLM and SGLang return them.
 """
 
@@ -93,4 +97,28 @@ def judge(agreement: LogprobAgreement, min_token_agreement: float, max_logprob_d
     mean = agreement.mean_logprob_divergence
     if mean is not None and mean > max_logprob_divergence:
         return f"mean logprob divergence {mean:.3f} > {max_logprob_divergence:g} nats: {agreement.describe()}"
+    return None
+
+
+def text_contradiction(
+    candidate_text: str,
+    baseline_text: str,
+    candidate: list[TokenLogprob],
+    baseline: list[TokenLogprob],
+    agreement: LogprobAgreement,
+) -> str | None:
+    """Why the texts contradict the token comparison, or None (called when the texts differ).
+
+    - Every token agrees and both have as many: the texts must be equal.
+    - Otherwise the agreed tokens, joined, are a prefix of the baseline's text (when they are: an
+      engine that shows a split UTF-8 character as `bytes:...` makes them not), so they must be a
+      prefix of the candidate's too.
+    """
+    if candidate_text == baseline_text:
+        return None
+    if agreement.divergence is None and len(candidate) == len(baseline):
+        return f"all {len(candidate)} tokens agree with the baseline's but the text differs"
+    agreed = "".join(t.token for t in baseline[: agreement.agreed_prefix])
+    if agreed and baseline_text.startswith(agreed) and not candidate_text.startswith(agreed):
+        return f"the text differs from the baseline's within the first {agreement.agreed_prefix} tokens, where the tokens agree"
     return None

@@ -6,9 +6,15 @@ Each goes to every configured endpoint, streamed and not. The verdict per reques
 - any HTTP 200 fails, whatever the body says (the incident's engine answered 200 with another
   user's text; an SSE error frame after a 200 means the request was admitted);
 - a 5xx, a timeout or a dropped connection fails (not a clean intake rejection);
-- a 4xx passes if it carries no generated text. The nested OpenAI/vLLM body
-  `{"error": {...}}` and SGLang's flat `{"object": "error", ...}` are both accepted; a code other
-  than `context_length_exceeded` is noted, not failed, since other engines use other codes.
+- a 400, 413 or 422 passes if it carries no generated text: the statuses engines refuse a request
+  with for what it asks (OpenAI, vLLM, SGLang and ours: 400; TGI: 422; a body limit in front:
+  413). The nested OpenAI/vLLM body `{"error": {...}}` and SGLang's flat `{"object": "error", ...}`
+  are both accepted; a code other than `context_length_exceeded` is noted, not failed, since other
+  engines use other codes;
+- a 404 or 405 says the endpoint is not served at all: nothing to reject there, so it is noted and
+  proves nothing (a probe in which every request got one is skipped);
+- any other 4xx (401, 403, 429, ...) refused the caller, not the length: it fails, since it says
+  nothing about what the engine does with an over-length prompt.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from kvguard.operator.canary.report import Evidence, Note
 from kvguard.operator.canary.spec import ProbeName
 
 OVER_LENGTH_MAX_TOKENS = 4
+LENGTH_REJECTION_STATUSES = frozenset({400, 413, 422})
+NOT_SERVED_STATUSES = frozenset({404, 405})
 
 
 @dataclass(frozen=True)
@@ -73,11 +81,14 @@ class OverLengthProbe(Probe):
             return failed(f"{len(problems)} of {len(results)} over-length request(s) not rejected cleanly; first: {problems[0]}", evidence + notes)
         if not results:
             raise ProbeSkipped("every case was over maxPromptBytes")
+        rejected = sum(r.status in LENGTH_REJECTION_STATUSES for r in results)
+        if not rejected:
+            raise ProbeSkipped(f"no endpoint tested is served (HTTP {sorted({r.status for r in results})}): set overLength.apis")
         what = "; ".join(case.describe() for case in cases)
         endpoints = f"{'/'.join(ctx.spec.over_length.apis)} x stream={'/'.join(str(x).lower() for x in ctx.spec.over_length.streaming)}"
         source = ctx.info.context_length_source
         return passed(
-            f"{len(results)} over-length requests rejected with 4xx and no tokens ({endpoints}; context {context:,} "
+            f"{rejected} over-length requests rejected with 4xx and no tokens ({endpoints}; context {context:,} "
             f"from {source}): {what}", notes,
         )
 
@@ -119,6 +130,13 @@ def judge_rejection(result: Completion) -> tuple[str | None, str | None]:
         return f"{result.label}: HTTP {result.status}, expected a 4xx rejection", None
     if result.text or result.chunks:
         return f"{result.label}: HTTP {result.status} but text was generated", None
+    if result.status in NOT_SERVED_STATUSES:
+        return None, f"{result.label}: HTTP {result.status}: the endpoint is not served, nothing was tested there"
+    if result.status not in LENGTH_REJECTION_STATUSES:
+        return (
+            f"{result.label}: HTTP {result.status} refuses the caller, not the length "
+            f"(expected {'/'.join(map(str, sorted(LENGTH_REJECTION_STATUSES)))})"
+        ), None
     if result.error and "context_length_exceeded" not in result.body:
         return None, f"{result.label}: rejected with HTTP {result.status} ({result.error}) without code context_length_exceeded"
     return None, None

@@ -2,8 +2,8 @@
 
 Order: capacity (metrics only), golden, determinism (short prompts), over-length (rejections are
 cheap), isolation, abort, and the safety counters last, so their before/after window spans every
-other probe. A preflight that cannot reach the target (or the baseline) yields `cannot_run`, as
-does a run in which every probe was skipped: nothing was proven.
+other probe. A preflight that cannot reach the target, the baseline or any of the metrics URLs
+yields `cannot_run`, as does a run in which every probe was skipped: nothing was proven.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import aiohttp
 from kvguard.operator.canary.abort import AbortProbe
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext
 from kvguard.operator.canary.capacity import CapacityProbe
-from kvguard.operator.canary.client import EngineClient
+from kvguard.operator.canary.client import API_PATHS, EngineClient
 from kvguard.operator.canary.determinism import DeterminismProbe
 from kvguard.operator.canary.discovery import (
     ContextReading,
@@ -43,7 +43,7 @@ from kvguard.operator.canary.report import (
     Verdict,
 )
 from kvguard.operator.canary.safety_counters import SafetyCountersProbe
-from kvguard.operator.canary.spec import CanarySpec, ProbeName
+from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
 
 PROBES: dict[ProbeName, type[Probe]] = {
     ProbeName.CAPACITY: CapacityProbe,
@@ -106,9 +106,10 @@ async def run_suite(
             ctx = await _prepare(session, spec, info, baseline_url, deadline, configured)
             ctx.engine_logs = logs
         except CannotRun as exc:
+            took = round(time.monotonic() - started, 3)
             return CanaryReport(
                 verdict=Verdict.CANNOT_RUN, reason=str(exc), target=info, started_at=started_at,
-                duration_seconds=round(time.monotonic() - started, 3),
+                duration_seconds=took, time_to_verdict_seconds=took,
             )
         results, first_failure = await _run_probes(ctx, started, deadline, progress)
     duration = time.monotonic() - started
@@ -140,6 +141,10 @@ async def _prepare(
         baseline.model, _ = await _identify(baseline, spec.model, "baseline")
     facts = await discover_from_target(session, target.base_url, timeout)
     snapshots = await fetch_all(session, info.metrics_urls, timeout)
+    if snapshots and not any(s.reachable for s in snapshots):
+        # Metrics were asked for (S7 on every worker, the safety counters) and none answer: a
+        # wrong URL, as with an unreachable baseline, must not quietly drop those checks.
+        raise CannotRun("no metrics URL answers: " + "; ".join(f"{s.url}: {s.error}" for s in snapshots))
     readings = [ContextReading("/v1/models max_model_len", max_model_len)] if max_model_len else []
     readings += facts.readings + _metric_contexts(snapshots)
     chosen = choose_context_length(configured, readings)
@@ -155,7 +160,7 @@ async def _prepare(
         spec=spec, session=session, target=target, baseline=baseline,
         metrics_urls=info.metrics_urls, info=info, start_snapshots=snapshots,
     )
-    ctx.estimate = await _calibrate(target, deadline)
+    ctx.estimate = await _calibrate(target, spec.api, deadline)
     return ctx
 
 
@@ -203,22 +208,30 @@ def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot], engine_fr
     info.min_pool_tokens = int(min(capacities)) if capacities else None
 
 
-async def _calibrate(target: EngineClient, deadline: float | None) -> TokenEstimate:
+async def _calibrate(target: EngineClient, api: ApiKind, deadline: float | None) -> TokenEstimate:
     """Tokens per filler word from usage.prompt_tokens, when the server reports usage.
 
     Best effort: a failure here only leaves the estimate unknown (worst-case bounds); the probes
-    judge the target. It may use at most a quarter of the remaining suite budget.
+    judge the target. One exception: an endpoint the server does not have (404/405) would fail
+    every generation probe, which is a wrong spec.api, not a broken server, so it cannot run.
+    It may use at most a quarter of the remaining suite budget.
     """
     budget = target.timeout_seconds
     if deadline is not None:
         budget = min(budget, max(0.1, (deadline - time.monotonic()) / 4))
     try:
         probe = await asyncio.wait_for(
-            target.complete(filler_text(CALIBRATION_WORDS, seed=7), max_tokens=1, label="calibration"),
+            target.complete(filler_text(CALIBRATION_WORDS, seed=7), api=api, max_tokens=1, label="calibration"),
             timeout=budget,
         )
     except TimeoutError:
         return TokenEstimate()
+    if probe.status in (404, 405):
+        other = "chat" if api == "completions" else "completions"
+        raise CannotRun(
+            f"target {target.base_url}: POST {API_PATHS[api]} answers HTTP {probe.status}: the server does not serve "
+            f"the {api} API the probes use (spec.canary.api: {other}?)"
+        )
     return TokenEstimate.from_usage(probe.prompt_tokens if probe.ok else None)
 
 
