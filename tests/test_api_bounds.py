@@ -208,6 +208,21 @@ def test_huge_prompts_are_refused_before_tokenizing_and_stall_nobody(trio: Local
     assert answers and {a.status_code for a in answers} <= {400, 413}
 
 
+def test_a_million_tiny_prompts_or_messages_are_refused_before_any_template_or_tokenizer_work(
+    trio: LocalDeployment, model: str
+) -> None:
+    """One request of 1,000,000 one-word prompts was tokenized prompt by prompt on the event loop
+    before the 16-choice limit was checked (7-9 s; other tenants timed out with 502s); 200,000
+    empty chat messages were rendered on the loop (their text counts 0 bytes)."""
+    prompts = {"model": model, "prompt": ["a"] * 1_000_000, "max_tokens": 1}
+    messages = {"model": model, "messages": [{"role": "user", "content": ""}] * 200_000, "max_tokens": 1}
+    turn = iter(range(10**9))
+    with attacking(lambda: post(trio, prompts) if next(turn) % 2 == 0 else post(trio, messages, "chat/completions")) as answers:
+        assert max(victim_latencies(trio, model, 5)) < VICTIM_DEADLINE_S
+    assert answers and all(a.status_code == 400 for a in answers)
+    assert {a.json()["error"]["param"] for a in answers} <= {"prompt", "messages"}
+
+
 # ----------------------------------------------------------- slow clients: header and body time
 
 

@@ -52,6 +52,32 @@ def test_operator_with_an_unreachable_api_server_says_where_it_looked(tmp_path: 
     assert "cannot reach the Kubernetes API server at http://127.0.0.1:1" in lines[0]
 
 
+def test_a_malformed_kubeconfig_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "kubeconfig"
+    config.write_text("garbage: [")
+    env = no_cluster_env(tmp_path, KUBECONFIG=str(config))
+    for args in (("operator",), ("status", "tiny")):
+        done = kvguard(*args, env=env)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 1 and len(lines) == 1, (args, done.stderr)
+        assert "kubeconfig" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_status_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path: Path) -> None:
+    """`kvguard status NAME | head -1`: the closed pipe is the reader's choice, not an error."""
+    import json
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text(json.dumps({"name": "tiny"}))
+    reader = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "status", "tiny", "--local", "--state-dir", str(state)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert reader.stdout is not None
+    reader.stdout.close()  # the reader is gone before status writes anything
+    _, err = reader.communicate(timeout=120)
+    assert b"BrokenPipeError" not in err and b"Traceback" not in err, err
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 @pytest.mark.parametrize(
     ("variables", "expected"),

@@ -89,3 +89,68 @@ def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:
     verifier.verify("GET", "/internal/info?verbose=1", b"", headers[AUTH_HEADER])  # raises if it does not verify
     with pytest.raises(AuthError, match="does not verify"):  # the query is part of what is signed
         ControlVerifier(KEYS.control).verify("GET", "/internal/info?verbose=0", b"", headers[AUTH_HEADER])
+
+
+# --- the middleware on a real listener: nothing is uploaded before the header passes -------------
+
+
+async def _internal_app(body_timeout_s: float = 30.0):  # noqa: ANN202
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    from kvguard.workers.control_auth import auth_failures_counter, control_auth_middleware
+    from kvguard.workers.openai_api import error_middleware
+
+    key = RevisionKeys.derive(b"k" * 32).control
+    auth = control_auth_middleware(ControlVerifier(key), auth_failures_counter(CollectorRegistry()),
+                                   body_timeout_s=body_timeout_s, max_body_bytes=1024 * 1024)  # fmt: skip
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response({"got": len(await request.read())})
+
+    app = web.Application(middlewares=[error_middleware, auth], client_max_size=1024 * 1024)
+    app.router.add_post("/internal/abort", echo)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)  # the refused uploads' connections need no grace
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1], key  # type: ignore[union-attr]
+
+
+async def _exchange(port: int, head: bytes, body: bytes = b"") -> bytes:
+    """Send a request's head (and part of a body), then read the answer the server gives."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + body)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(4096), timeout=20)
+    writer.close()
+    return answer
+
+
+async def test_an_unsigned_or_oversized_upload_is_refused_before_its_body_is_read() -> None:
+    """A pod that can reach the port but has no key used to upload 256 MiB before its 401."""
+    import time
+
+    runner, port, key = await _internal_app()
+    try:
+        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n"
+        assert (await _exchange(port, head)).startswith(b"HTTP/1.1 401")  # no body was sent at all
+        fresh = f"v1 ts={int(time.time() * 1000)} nonce={'0' * 32} mac={'0' * 64}".encode()
+        forged = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n" + AUTH_HEADER.encode() + b": " + fresh + b"\r\n\r\n"
+        assert (await _exchange(port, forged)).startswith(b"HTTP/1.1 413")  # larger than any internal body
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_signed_looking_body_that_never_arrives_is_cut_off() -> None:
+    import time
+
+    runner, port, _ = await _internal_app(body_timeout_s=0.5)
+    try:
+        fresh = f"v1 ts={int(time.time() * 1000)} nonce={'1' * 32} mac={'0' * 64}".encode()
+        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n" + AUTH_HEADER.encode() + b": " + fresh + b"\r\n\r\n"
+        assert (await _exchange(port, head, b"0123456789")).startswith(b"HTTP/1.1 408")
+    finally:
+        await runner.cleanup()

@@ -177,6 +177,23 @@ def test_tiny_tokenizer_round_trips_and_renders_chat(tiny_model_dir: Path) -> No
     assert tok.encode_chat([{"role": "user", "content": "hi"}])[:2] == [256, 260]
 
 
+def test_the_last_token_releases_bytes_that_never_completed_a_character(tiny_model_dir: Path) -> None:
+    """A completion that ends inside a UTF-8 character still returns those bytes (as U+FFFD, as
+    the tokenizer decodes them): its text is the decode of its tokens, never silently shorter."""
+    from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    assert tok is not None
+    ids = tok.encode("a€")[1:]  # skip BOS: 'a', then the euro sign's three bytes
+    held = IncrementalDetokenizer(tok)
+    assert [held.push(i) for i in ids[:3]] == ["a", "", ""]  # an incomplete character is held back
+    ends = IncrementalDetokenizer(tok)
+    text = "".join(ends.push(i, final=n == 2) for n, i in enumerate(ids[:3]))
+    assert text == tok.decode(ids[:3]) and text.startswith("a\ufffd")
+    whole = IncrementalDetokenizer(tok)
+    assert "".join(whole.push(i, final=n == 3) for n, i in enumerate(ids)) == "a€"
+
+
 def test_length_groups_split_only_where_padding_costs_more_than_a_group() -> None:
     assert length_groups([10, 10, 9, 9], overhead_pages=8) == [(0, 4, 10)]  # padding saved is small
     assert length_groups([40, 38, 5, 4, 3], overhead_pages=8) == [(0, 2, 40), (2, 5, 5)]

@@ -244,6 +244,17 @@ def test_types_are_as_strict_as_openais_schema(trio: LocalDeployment, model: str
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
 
 
+@pytest.mark.parametrize(("path", "budget"), [("completions", "max_tokens"), ("chat/completions", "max_tokens"),
+                                               ("chat/completions", "max_completion_tokens")])  # fmt: skip
+def test_min_tokens_above_the_budget_is_refused_as_vllm_refuses_it(trio: LocalDeployment, model: str, path: str, budget: str) -> None:
+    body = {"model": model, budget: 2, "min_tokens": 5}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    answer = post(trio, path, body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "min_tokens" and error["message"] == f"min_tokens (5) must be at most {budget} (2)"
+
+
 def test_a_missing_model_is_refused_as_openai_refuses_it(trio: LocalDeployment) -> None:
     answer = post(trio, "completions", {"prompt": "hi", "max_tokens": 2})
     assert answer.status_code == 400

@@ -150,6 +150,16 @@ def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert main(["plan", "-f", str(typo)]) == 2
     err = capsys.readouterr().err
     assert "spec.contextLenght" in err and "spec.contextLength" in err  # unknown field and missing one
+    for name, content, says in (
+        ("deep.yaml", "a: " + "[" * 2000 + "]" * 2000, "nested too deeply"),
+        ("latin1.yaml", b"spec: caf\xe9\n", "is not UTF-8 text"),
+        ("pod.yaml", "apiVersion: v1\nkind: Pod\nspec: {}\n", "kind: 'Pod', expected InferenceModel"),
+    ):
+        odd = tmp_path / name
+        odd.write_bytes(content if isinstance(content, bytes) else content.encode())
+        for command in ("plan", "render"):
+            assert main([command, "-f", str(odd)]) == 2
+            assert says in capsys.readouterr().err, (command, name)
     bad_config = tmp_path / "config.json"
     bad_config.write_text('{"hidden_size": 64}')
     assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--hf-config", str(bad_config)]) == 2

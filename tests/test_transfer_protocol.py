@@ -273,3 +273,17 @@ def test_plan_tracker_names_the_ticket_pages_in_order() -> None:
     plan = PlanTracker([3, 4], [7, 8])
     assert plan.is_plan((3, 4), (7, 8))
     assert not plan.is_plan((4, 3), (8, 7)) and not plan.is_plan((3, 4), (7, 9)) and not plan.is_plan((3,), (7,))
+
+
+async def test_a_handshake_refuses_another_frame_type_from_its_prefix_s9() -> None:
+    """Before the HELLO is verified nothing about the peer is known: a CHUNK prefix declaring a
+    64 MiB payload is refused from its 16 bytes, not buffered first (16 such connections once held
+    1.4 GB on decode for the handshake's 2 s)."""
+    import asyncio
+
+    from kvguard.workers.transfer.channel import FrameReader
+
+    source = asyncio.StreamReader()
+    source.feed_data(PREFIX.pack(MAGIC, VERSION, FrameType.CHUNK, 0, 10, 64 << 20))  # the payload never comes
+    with pytest.raises(ProtocolError, match="expected HELLO, got CHUNK"):
+        await asyncio.wait_for(FrameReader(source, 64 << 20).read(expect=FrameType.HELLO), timeout=10)

@@ -19,6 +19,8 @@ Pure logic (signing, verification, the cache) is separate from the aiohttp middl
 
 from __future__ import annotations
 
+import asyncio
+
 import collections
 import hashlib
 import hmac
@@ -101,19 +103,24 @@ class ControlVerifier:
     replay: ReplayCache = field(default_factory=ReplayCache)
     clock: Callable[[], float] = time.time
 
-    def verify(self, method: str, path: str, body: bytes, header: str | None) -> None:
+    def precheck(self, header: str | None) -> tuple[str, str, str]:
+        """(ts, nonce, mac) of a header that is present, well formed and fresh. Checked before
+        the body is read: a caller without even that is refused without uploading anything."""
         if not header:
             raise AuthError("missing", f"internal endpoint: the {AUTH_HEADER} header is required")
         match = _HEADER.fullmatch(header.strip())
         if match is None:
             raise AuthError("malformed", f"malformed {AUTH_HEADER} header")
         ts, nonce, mac = match.groups()
+        if abs(self.clock() - int(ts) / 1000) > self.max_skew_s:
+            raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
+        return ts, nonce, mac
+
+    def verify(self, method: str, path: str, body: bytes, header: str | None) -> None:
+        ts, nonce, mac = self.precheck(header)
         if not hmac.compare_digest(_mac(self.key, method, path, body, ts, nonce), mac):
             raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
-        now = self.clock()
-        if abs(now - int(ts) / 1000) > self.max_skew_s:
-            raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
-        self.replay.add(nonce, now)
+        self.replay.add(nonce, self.clock())
 
 
 def auth_failures_counter(registry: CollectorRegistry) -> Counter:
@@ -127,21 +134,47 @@ def auth_failures_counter(registry: CollectorRegistry) -> Counter:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def control_auth_middleware(verifier: ControlVerifier, failures: Counter) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+INTERNAL_MAX_BODY_BYTES = 32 * 1024 * 1024
+"""The largest /internal/* body: a prompt's token ids at a 1M-token context are ~8 MB of JSON."""
+INTERNAL_BODY_TIMEOUT_S = 30.0
+
+
+def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_timeout_s: float = INTERNAL_BODY_TIMEOUT_S,
+                            max_body_bytes: int = INTERNAL_MAX_BODY_BYTES) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:  # fmt: skip
     """aiohttp middleware: every ``/internal/*`` call must carry a valid header (see module doc).
 
-    Must sit inside ``error_middleware`` so the refusal is an OpenAI-shaped 401."""
+    The header is checked twice: its form and freshness before a byte of the body is read (so an
+    unauthenticated upload is refused at once), its MAC once the body is in, which must arrive
+    within `body_timeout_s` and hold at most `max_body_bytes` (the app's client_max_size, for a
+    body without Content-Length). Must sit inside
+    ``error_middleware`` so the refusal is an OpenAI-shaped 401."""
+
+    def refuse(exc: AuthError) -> OpenAIError:
+        failures.labels(reason=exc.reason).inc()
+        status = 503 if exc.reason == "replay_cache_full" else 401
+        return OpenAIError(status, str(exc), code="unauthenticated")
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(INTERNAL_PREFIX):
-            body = await request.read()  # aiohttp caches it: the handler reads the same bytes
+            header = request.headers.get(AUTH_HEADER)
             try:
-                verifier.verify(request.method, request.raw_path, body, request.headers.get(AUTH_HEADER))
+                verifier.precheck(header)
             except AuthError as exc:
-                failures.labels(reason=exc.reason).inc()
-                status = 503 if exc.reason == "replay_cache_full" else 401
-                raise OpenAIError(status, str(exc), code="unauthenticated") from None
+                raise refuse(exc) from None
+            if request.content_length is not None and request.content_length > max_body_bytes:
+                raise OpenAIError(413, f"the request body is larger than the limit of {max_body_bytes} bytes",
+                                  code="request_too_large")  # fmt: skip
+            try:
+                async with asyncio.timeout(body_timeout_s):
+                    body = await request.read()  # aiohttp caches it: the handler reads the same bytes
+            except TimeoutError:
+                raise OpenAIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
+                                  code="request_timeout") from None  # fmt: skip
+            try:
+                verifier.verify(request.method, request.raw_path, body, header)
+            except AuthError as exc:
+                raise refuse(exc) from None
         return await handler(request)
 
     return middleware

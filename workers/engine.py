@@ -499,7 +499,7 @@ class Engine:
         if request.detokenizer is None or request.stops is None:
             return "", False
         armed = len(request.output_ids) > request.params.min_tokens
-        text = request.stops.feed(request.detokenizer.push(token), armed=armed, final=final)
+        text = request.stops.feed(request.detokenizer.push(token, final=final), armed=armed, final=final)
         if text:
             request.emitted.append(text)
         return text, request.stops.stopped

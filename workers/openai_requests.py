@@ -26,6 +26,7 @@ from kvguard.workers.protocol import (
 )
 
 MAX_N = 128  # OpenAI's schema; the router's own max_choices is usually lower
+MAX_MESSAGES = 4096  # a conversation longer than this is refused: each message is template work, even empty
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's schema for the completions API
 MAX_CHAT_TOP_LOGPROBS = 20
 _TOKEN_ID_KEY = re.compile(r"\d{1,10}")
@@ -128,6 +129,10 @@ class _Request(_Strict):
                 raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
             if self.stream_options.include_obfuscation:
                 raise _refuse("stream_options.include_obfuscation", "stream chunks are not padded")
+        budget = self.completion_budget()
+        if self.min_tokens and budget is not None and self.min_tokens > budget:  # vLLM refuses it too
+            raise OpenAIError(400, f"min_tokens ({self.min_tokens}) must be at most {self.budget_param()} ({budget})",
+                              param="min_tokens")  # fmt: skip
 
     @property
     def choices_per_prompt(self) -> int:
@@ -144,6 +149,10 @@ class _Request(_Strict):
     def completion_budget(self) -> int | None:
         """max_tokens as asked; None means the rest of the context (OpenAI and vLLM)."""
         return self.max_tokens
+
+    def budget_param(self) -> str:
+        """The parameter `completion_budget` came from, for messages."""
+        return "max_tokens"
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token the client wants with logprobs; None: no logprobs."""
@@ -288,7 +297,7 @@ def _text_format(value: Any) -> bool:
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
@@ -336,6 +345,9 @@ class ChatCompletionRequest(_Request):
 
     def completion_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def budget_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

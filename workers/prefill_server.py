@@ -212,7 +212,10 @@ class PrefillServer:
                 cause = ""  # decode gave the verdict (or is unreachable): nothing to tell it
                 self.runtime.count_abort(abort_cause(outcome.reason))
                 await engine.abort(rid, str(outcome.reason))
-                raise OpenAIError(502, f"KV transfer failed: {outcome.reason}: {outcome.detail}", code=f"kv_transfer_{outcome.reason}")
+                # The detail names decode's address and configuration: for the operator's log, not
+                # for the client this error reaches through the router.
+                log.warning("request %s: KV transfer failed: %s: %s", rid, outcome.reason, outcome.detail)
+                raise OpenAIError(502, f"KV transfer failed: {outcome.reason}", code=f"kv_transfer_{outcome.reason}")
             await engine.release(rid)
             cause = ""
             result = PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes)

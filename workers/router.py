@@ -81,6 +81,7 @@ T = TypeVar("T")
 _LABEL = re.compile(r"[\x21-\x7e]{1,128}")
 _LABEL_KEY = "kvguard.correlation_label"
 UPSTREAM_CONNECTIONS = 2048  # to all workers together: keep-alive connections, reused across requests
+CHAT_MESSAGE_RENDER_BYTES = 64  # the template work one message costs, counted when choosing to render off the loop
 
 
 class ControlClient:
@@ -462,6 +463,7 @@ class Router:
             upstreams = self.upstreams  # not ready: 503 before anything else
             request_id = self._claim_id(request, chat)
             body = await self._parse(request, kind)
+            self._check_choices(body)  # before any tokenizing: a million one-word prompts is refused for free
             prompts = await self._tokenize(body, upstreams)
         except OpenAIError as err:
             return self._error_response(err)
@@ -531,7 +533,10 @@ class Router:
             size = sum(len(m.text().encode()) for m in body.messages)
             if size > limit:
                 raise request_too_large("messages", size, limit, upstreams.context_length)
-            return [Prompt(await self._encode_chat(body, size))]
+            # The template adds text per message: an empty message still costs a render, so the
+            # off-loop decision counts it (the limit above stays on what the client sent).
+            work = size + CHAT_MESSAGE_RENDER_BYTES * len(body.messages)
+            return [Prompt(await self._encode_chat(body, work))]
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, list):
@@ -573,13 +578,19 @@ class Router:
             log.info("request %s: %s %s", request_id, REQUEST_ID_HEADER, label)
         return request_id
 
-    def _plan(self, body: APIRequest, prompts: list[Prompt], request_id: str, chat: bool) -> list[Choice]:
-        """One Choice per (prompt, n): S2 at intake for each prompt, then a seed per choice."""
+    def _check_choices(self, body: APIRequest) -> None:
+        """At most max_choices generations per request (prompts x n)."""
         n = body.choices_per_prompt
-        if len(prompts) * n > self.config.max_choices:
+        prompts = 1 if isinstance(body, ChatCompletionRequest) else len(body.prompts())
+        if prompts * n > self.config.max_choices:
             param = "n" if n > 1 else "prompt"
-            raise OpenAIError(400, f"{param}: {len(prompts)} prompt(s) x n={n} asks for more than "
+            raise OpenAIError(400, f"{param}: {prompts} prompt(s) x n={n} asks for more than "
                               f"{self.config.max_choices} choices per request", param=param)
+
+    def _plan(self, body: APIRequest, prompts: list[Prompt], request_id: str, chat: bool) -> list[Choice]:
+        """One Choice per (prompt, n) (`_check_choices` bounded them): S2 at intake for each
+        prompt, then a seed per choice."""
+        n = body.choices_per_prompt
         base = body.sampling()
         choices = []
         for p, prompt in enumerate(prompts):

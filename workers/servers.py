@@ -161,7 +161,12 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
 
     from kvguard.workers.async_engine import AsyncEngine
     from kvguard.workers.config import EngineConfig
-    from kvguard.workers.control_auth import ControlVerifier, auth_failures_counter, control_auth_middleware
+    from kvguard.workers.control_auth import (
+        INTERNAL_MAX_BODY_BYTES,
+        ControlVerifier,
+        auth_failures_counter,
+        control_auth_middleware,
+    )
     from kvguard.workers.decode_server import DecodeServer
     from kvguard.workers.engine import Engine
     from kvguard.workers.openai_api import error_middleware
@@ -196,7 +201,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
                               encryption=Encryption(args.transfer_encryption))  # fmt: skip
     # S9: /internal/* answers only calls signed with the revision's control key (the router).
     auth = control_auth_middleware(ControlVerifier(keys.control), auth_failures_counter(registry))
-    app = web.Application(middlewares=[error_middleware, auth], client_max_size=256 * 1024 * 1024)
+    app = web.Application(middlewares=[error_middleware, auth], client_max_size=INTERNAL_MAX_BODY_BYTES)
     if runtime.role is Role.DECODE:
         assert listeners.transfer is not None
         decode = DecodeServer(runtime, keys, transfer, advertise_host=args.advertise_host or args.host,

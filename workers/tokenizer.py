@@ -121,7 +121,9 @@ MAX_HELD_TOKENS = 8
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8
     sequences (byte-level tokens) until they decode cleanly -- for at most MAX_HELD_TOKENS tokens,
-    so each token's work is bounded whatever the model generates."""
+    so each token's work is bounded whatever the model generates. The last token (`final`)
+    releases whatever is held, as the tokenizer decodes it (U+FFFD for bytes that never completed
+    a character): the text of a finished completion is the decode of its tokens, as in vLLM."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
@@ -129,12 +131,12 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
 
-    def push(self, token_id: int) -> str:
+    def push(self, token_id: int, final: bool = False) -> str:
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
         new_text = self._tok.decode(self._ids[self._prefix :])
         overdue = len(self._ids) - self._prefix > MAX_HELD_TOKENS
-        if overdue or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
+        if final or overdue or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
             self._prefix, self._read = self._read, len(self._ids)
             return new_text[len(prefix_text) :]
         return ""

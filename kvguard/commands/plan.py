@@ -138,13 +138,20 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     except OSError as exc:
         raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path} is not UTF-8 text (byte {exc.start})") from exc
     except yaml.YAMLError as exc:
         raise BadInput(f"{path} is not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise BadInput(f"{path}: YAML nested too deeply to be a manifest") from None
     models = [d for d in documents if isinstance(d, dict) and d.get("kind") == "InferenceModel"]
     if len(models) == 1:
         return models[0]
     if not models and len(documents) == 1 and isinstance(documents[0], dict):
-        return documents[0]  # let validation name what is wrong with it (kind, apiVersion...)
+        kind = documents[0].get("kind")
+        if kind is not None:
+            raise BadInput(f"{path}: kind: {kind!r}, expected InferenceModel")
+        return documents[0]  # let validation name what is wrong with it (apiVersion, spec...)
     raise BadInput(f"{path} must hold exactly one InferenceModel document, found {len(models)}")
 
 

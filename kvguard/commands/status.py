@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.state_dir is not None and not args.local:
         print("kvguard status: --state-dir needs --local", file=sys.stderr)
         return EXIT_BAD_INPUT
-    show = _local_view(args.state_dir or Path(".kvguard/local") / args.name, args.name) if args.local else _cluster_view(args)
     try:
+        show = _local_view(args.state_dir or Path(".kvguard/local") / args.name, args.name) if args.local else _cluster_view(args)
         while True:
             text = show()
             if args.watch and sys.stdout.isatty():
@@ -69,6 +69,18 @@ def run(args: argparse.Namespace) -> int:
     except _Unreachable as exc:
         print(f"kvguard status: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except BrokenPipeError:  # `kvguard status NAME | head`: the reader has what it wanted
+        _silence_stdout()
+        return EXIT_OK
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush does not raise again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 class _Unreachable(Exception):
@@ -80,7 +92,11 @@ def _cluster_view(args: argparse.Namespace) -> Any:
     from kvguard.status_tree import render
 
     namespace = args.namespace or _context_namespace()
-    kube = Kube(user_agent="kvguard-status")
+    try:
+        kube = Kube(user_agent="kvguard-status")
+    except Exception as exc:  # noqa: BLE001 - the kubernetes client raises YAML, key and type errors for a bad kubeconfig
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _Unreachable(f"no usable kubeconfig ({type(exc).__name__}: {reason}); check KUBECONFIG or ~/.kube/config") from None
 
     def show() -> str:
         try:

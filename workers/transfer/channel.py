@@ -65,10 +65,11 @@ class FrameReader:
         self.max_payload = max_payload
         self.received = 0
 
-    async def read(self) -> RawFrame | None:
+    async def read(self, expect: FrameType | None = None) -> RawFrame | None:
         """The next frame, unverified; None on a clean end of stream between frames. Raises
         ProtocolError. The payload may be a view into the source's buffer, valid until the next
-        read."""
+        read. `expect`: the only type allowed here (a handshake), refused from its 16-byte prefix,
+        so an unauthenticated peer cannot make us buffer a large frame of another type first."""
         try:
             prefix = bytes(await self.source.readexactly(PREFIX.size))
         except asyncio.IncompleteReadError as exc:
@@ -76,6 +77,8 @@ class FrameReader:
                 return None
             raise ProtocolError("stream ended inside a frame prefix") from None
         kind, flags, header_len, payload_len = parse_prefix(prefix, self.max_payload)
+        if expect is not None and kind is not expect:
+            raise ProtocolError(f"expected {expect.name}, got {kind.name}")
         try:
             header_and_tag = bytes(await self.source.readexactly(header_len + TAG_BYTES))
             payload = await self.source.readexactly(payload_len) if payload_len else b""

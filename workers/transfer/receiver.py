@@ -244,11 +244,9 @@ class KVReceiver:
     async def _handshake(self, reader: FrameReader, writer: FrameWriter) -> _InboundConnection | None:
         """HELLO in, WELCOME out: the connection's id is both nonces (keys.py)."""
         async with asyncio.timeout(self._config.connect_timeout_s):
-            raw = await reader.read()
+            raw = await reader.read(expect=FrameType.HELLO)
         if raw is None:
             return None
-        if raw.kind is not FrameType.HELLO:
-            raise ProtocolError(f"expected HELLO, got {raw.kind.name}")
         verify(raw, self._hello_key)
         hello = decode(raw)
         assert isinstance(hello, Hello)

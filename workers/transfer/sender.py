@@ -387,7 +387,7 @@ class KVSender:
             nonce = secrets.token_bytes(NONCE_BYTES)
             frames_out.send_frame(self._hello_key, Hello(nonce, self._config.encryption))
             async with asyncio.timeout(self._config.connect_timeout_s):
-                raw = await frames_in.read()
+                raw = await frames_in.read(expect=FrameType.WELCOME)
             if raw is None or raw.kind is not FrameType.WELCOME:
                 raise ProtocolError("decode did not answer HELLO with WELCOME")
             verify(raw, self._hello_key)
