@@ -56,8 +56,11 @@ def _short(revision: Any) -> str:
 def _conditions(status: Mapping[str, Any]) -> Node:
     conds = {str(c.get("type")): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
     order = [t for t in CONDITION_ORDER if t in conds] + sorted(t for t in conds if t not in CONDITION_ORDER)
-    bad = [t for t in order if (conds[t].get("status") == "True") == (t == "Degraded")]  # Degraded=True, others not True
-    children = [Node(f"{t}: {conds[t].get('reason', '')}: {conds[t].get('message', '')}") for t in bad]
+    # What needs a reader's eye: Degraded=True, any other condition not True, and what a rollout in
+    # progress is doing now (Progressing=True: e.g. AnalysisInconclusive, why a step holds).
+    shown = [t for t in order if (conds[t].get("status") == "True") == (t == "Degraded")
+             or (t == "Progressing" and conds[t].get("status") == "True" and conds[t].get("reason"))]  # fmt: skip
+    children = [Node(f"{t}: {conds[t].get('reason', '')}: {conds[t].get('message', '')}") for t in shown]
     text = "conditions  " + "  ".join(f"{t}={conds[t].get('status')}" for t in order)
     return Node(text, children)
 
@@ -79,15 +82,15 @@ def _analysis(entry: Mapping[str, Any]) -> Node:
     return Node(text + (f"  {entry['message']}" if entry.get("message") else ""))
 
 
-def _rollout(rollout: Mapping[str, Any]) -> Node:
+def _rollout(rollout: Mapping[str, Any], steps: int | None) -> Node:
     text = f"rollout  {rollout.get('state', '?')}"
     if rollout.get("reason") or rollout.get("message"):
         text += f"  {rollout.get('reason') or ''}: {rollout.get('message') or ''}"
     children: list[Node] = []
-    steps = rollout.get("steps")
     if rollout.get("step") is not None or rollout.get("weight") is not None:
-        of = f"/{len(steps)}" if isinstance(steps, list) else ""
-        step = f"step {rollout['step']}{of}  " if rollout.get("step") is not None else ""
+        index = rollout.get("step")  # from 0 in the status; counted from 1 here, as the events say it
+        of = f"/{steps}" if steps else ""
+        step = f"step {index + 1}{of}  " if isinstance(index, int) else ""
         weight = f"weight {rollout['weight']}%" if rollout.get("weight") is not None else ""
         children.append(Node(f"{step}{weight}".strip()))
     analysis = rollout.get("analysis")
@@ -154,10 +157,11 @@ def _revision(status: Mapping[str, Any], rev: str, serving: str | None, pools: S
 
 
 def status_tree(name: str, namespace: str, status: Mapping[str, Any], pools: Sequence[PodPool], *,
-                serving: str | None = None, notes: Mapping[str, str] | None = None) -> Node:  # fmt: skip
+                serving: str | None = None, notes: Mapping[str, str] | None = None, steps: int | None = None) -> Node:  # fmt: skip
     """The tree of one model. `pools`: every pod's measured pool (status.pools on a cluster, a live
     scrape locally); `serving`: the revision traffic goes to when known apart from the status;
-    `notes`: a word per revision from the backend (e.g. `scaled to zero`)."""
+    `notes`: a word per revision from the backend (e.g. `scaled to zero`); `steps`: how many traffic
+    steps the spec has (the status names only the current one)."""
     notes = notes or {}
     head = (f"{name}  (namespace {namespace})  {status.get('phase') or 'Unknown'}  stable {_short(status.get('revision'))}"
             f"  target {_short(status.get('targetRevision'))}")  # fmt: skip
@@ -165,7 +169,7 @@ def status_tree(name: str, namespace: str, status: Mapping[str, Any], pools: Seq
         head += f"  - {status['message']}"
     children = [_conditions(status)]
     if isinstance(status.get("rollout"), Mapping):
-        children.append(_rollout(status["rollout"]))
+        children.append(_rollout(status["rollout"], steps))
     if isinstance(status.get("continuous"), Mapping):
         children.append(_continuous(status["continuous"]))
     serving = serving or status.get("revision")

@@ -326,3 +326,25 @@ def test_a_worker_that_keeps_dying_is_restarted_with_crash_loop_backoff(tmp_path
             assert backend.processes.alive(decode) and decode.pid != killed and decode.deaths_in_a_row == 1
         finally:
             backend.stop_all()
+
+
+def test_traffic_waits_out_the_splitters_back_off_instead_of_failing(tmp_path: Path) -> None:
+    """The splitter killed twice in a row is in CrashLoopBackOff: a split (an apply, a rollback)
+    waits for its restart and succeeds, rather than saying it "did not start listening" at once."""
+    backoff = RestartBackoff(initial_s=1.0, cap_s=1.0)
+    with LocalBackend(tmp_path / "state", backoff=backoff) as backend:
+        backend.claim("tiny")
+        try:
+            backend.split([])
+            splitter = backend.state.splitter
+            assert splitter is not None
+            for _ in range(2):
+                pid = splitter.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+                backend.split([])  # restarted at once the first time, after its 1 s back-off the second
+                assert backend.processes.alive(splitter) and splitter.pid != pid
+            assert splitter.deaths_in_a_row == 2
+        finally:
+            backend.processes.stop([splitter] if (splitter := backend.state.splitter) else [])

@@ -283,3 +283,22 @@ def test_a_model_card_by_id(api: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         api.models.retrieve("someone-else/model")
     assert missing.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_with_include_usage_every_chunk_carries_usage_null_and_the_last_the_totals(trio: LocalDeployment, model: str, path: str) -> None:
+    """OpenAI: "All other chunks will also include a usage field, but with a null value"."""
+    import json
+
+    body: dict = {"model": model, "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    with requests.post(f"{trio.api_base}/{path}", json=body, timeout=60, stream=True) as answer:
+        frames = [line.removeprefix("data: ") for line in answer.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    plain = {k: v for k, v in body.items() if k != "stream_options"}
+    with requests.post(f"{trio.api_base}/{path}", json=plain, timeout=60, stream=True) as answer:
+        frames = [line.removeprefix("data: ") for line in answer.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert all("usage" not in json.loads(f) for f in frames[:-1])  # without it: no usage key at all, as before

@@ -227,14 +227,20 @@ def _render(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_kvguard_render_prints_every_object(tmp_path: Path) -> None:
-    result = _render("-f", str(EXAMPLE), "--revision", "old", "--weight", "50")
+    result = _render("-f", str(EXAMPLE), "--revision", "0123abcdef", "--weight", "50")
     assert result.returncode == 0, result.stderr
     objects = [d for d in yaml.safe_load_all(result.stdout) if d]
     spec = InferenceModel.model_validate(example()).spec
-    expected = desired_objects(spec, Owner(OWNER.name, "default", "<assigned-by-the-api-server>"), stable="old", weight=50)
+    expected = desired_objects(spec, Owner(OWNER.name, "default", "<assigned-by-the-api-server>"), stable="0123abcdef", weight=50)
     assert objects == list(expected.objects)
     assert "never printed" in result.stdout and "kv-transfer" in result.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(with_rollout(steps=[{"weight": 10}, {"weight": 100}])))
     refused = _render("-f", str(bad))
     assert refused.returncode == 2 and "spec.rollout" in refused.stderr and "cannot split" in refused.stderr
+    # --revision names a revision: anything else would become object names like "tiny-a/b-router".
+    for revision in ("a/b", "", "OLD", "0" * 80):
+        refused = _render("-f", str(EXAMPLE), "--revision", revision)
+        assert refused.returncode == 2 and "--revision: must be a revision id" in refused.stderr, revision
+    refused = _render("-f", str(EXAMPLE), "--weight", "50")
+    assert refused.returncode == 2 and "--weight: needs --revision" in refused.stderr

@@ -20,7 +20,6 @@ Pure logic (signing, verification, the cache) is separate from the aiohttp middl
 from __future__ import annotations
 
 import asyncio
-
 import collections
 import hashlib
 import hmac

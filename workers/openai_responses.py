@@ -205,9 +205,11 @@ class ResponseBuilder:
     """Shapes one request's choices as a completion or a chat completion, whole or as SSE chunks."""
 
     def __init__(self, request_id: str, model: str, chat: bool, vocab: Vocabulary, *, logprobs: bool,
-                 echo: Sequence[str] = ()) -> None:
+                 echo: Sequence[str] = (), include_usage: bool = False) -> None:
         self.request_id, self.model, self.chat, self.vocab = request_id, model, chat, vocab
         self.logprobs = logprobs
+        # stream_options.include_usage: OpenAI sends `"usage": null` on every chunk but the last.
+        self._chunk_exclude: set[str] = set() if include_usage else {"usage"}
         self.echo = list(echo)  # per choice: the prompt text shown before the completion
         self.created = int(time.time())
         self._shapers: dict[int, LogprobShaper] = {}
@@ -247,13 +249,13 @@ class ResponseBuilder:
             delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text if text or not finish_reason else None)
             logprobs = self._shaper(index).chat(records) if self.logprobs and records else None
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-            body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude={"usage"})  # type: ignore[arg-type]
+            body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude=self._chunk_exclude)  # type: ignore[arg-type]
             body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             return body
         shown = (self._echo(index) if first else "") + text
         completion_logprobs = self._shaper(index).completion(records) if self.logprobs and records else None
         choice_c = CompletionChoice(index=index, text=shown, logprobs=completion_logprobs, finish_reason=finish_reason)
-        return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude={"usage"})  # type: ignore[arg-type]
+        return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude=self._chunk_exclude)  # type: ignore[arg-type]
 
     def text_chunk_sse(self, index: int, text: str, records: Sequence[TokenLogprob] = (), first: bool = False) -> bytes:
         """`sse(chunk(index, text, records, first=first))`, byte for byte. Every chunk after a

@@ -472,7 +472,7 @@ class Router:
             choices = self._plan(body, prompts, request_id, chat)
             builder = ResponseBuilder(
                 request_id, body.model, chat, self.encoder, logprobs=body.logprobs_wanted() is not None,
-                echo=[p.text for p in prompts for _ in range(body.choices_per_prompt)],
+                echo=[p.text for p in prompts for _ in range(body.choices_per_prompt)], include_usage=body.include_usage,
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
             if body.streaming:

@@ -14,6 +14,7 @@ is named in a comment and never printed. Exit status: 0, or 2 with a message nam
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,16 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.operator.api import InferenceModel
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.render import Owner, RenderError
+    from kvguard.operator.revision import REVISION_LENGTH
     from kvguard.operator.traffic import desired_objects
 
     if args.weight is not None and not 0 <= args.weight <= 100:
         return _bad_input(f"--weight: must be 0..100, got {args.weight}")
+    if args.weight is not None and args.revision is None:
+        return _bad_input("--weight: needs --revision (the stable revision the spec's revision shares traffic with)")
+    if args.revision is not None and not re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", args.revision):
+        return _bad_input(f"--revision: must be a revision id ({REVISION_LENGTH} lowercase hex characters, "
+                          f"as `kvguard status` shows), got {args.revision[:80]!r}")  # fmt: skip
     try:
         model = InferenceModel.model_validate(_read_manifest(Path(args.file)))
         namespace = args.namespace or model.metadata.namespace or "default"

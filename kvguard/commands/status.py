@@ -106,9 +106,15 @@ def _cluster_view(args: argparse.Namespace) -> Any:
         if body is None:
             raise NotFound(f"InferenceModel {namespace}/{args.name} not found")
         status = body.get("status") or {}
-        return render(args.name, namespace, status, _pools(status.get("pools")))
+        return render(args.name, namespace, status, _pools(status.get("pools")), steps=_step_count(body.get("spec")))
 
     return show
+
+
+def _step_count(spec: Any) -> int | None:
+    """How many traffic steps a (wire) spec has; None when it has none or is unreadable."""
+    steps = ((spec or {}).get("rollout") or {}).get("steps") if isinstance(spec, dict) else None
+    return len(steps) if isinstance(steps, list) and steps else None
 
 
 def _context_namespace() -> str:
@@ -136,7 +142,7 @@ def _pools(raw: Any) -> list[Any]:
 
 
 def _local_view(state_dir: Path, name: str) -> Any:
-    from kvguard.operator.backends.local import StateStore
+    from kvguard.operator.backends.local import ProcessTable, StateStore
     from kvguard.operator.reconcile import with_pool_gate
     from kvguard.status_tree import render
 
@@ -151,10 +157,14 @@ def _local_view(state_dir: Path, name: str) -> Any:
         # a worker restarted after `kvguard apply` returned is named at once, and cleared once back.
         status = with_pool_gate(state.status, pools, dt.datetime.now(dt.UTC))
         notes = {rev: "scaled to zero" for rev, r in state.revisions.items() if r.scaled_to_zero}
+        # The one URL answers only while the splitter runs: a dead one is said, not shown as serving.
+        splitter_down = state.splitter is not None and not ProcessTable().alive(state.splitter)
         for rev, weight in state.weights.items():  # the splitter's table: who gets what share of the one URL
             share = f"{weight}% of traffic at {state.splitter.url}/v1" if state.splitter else f"{weight}% of traffic"
+            if splitter_down:
+                share += "; the splitter is not running: that URL refuses connections until the next apply"
             notes[rev] = f"{notes[rev]}; {share}" if rev in notes else share
-        return render(name, "local", status, pools, serving=state.serving, notes=notes)
+        return render(name, "local", status, pools, serving=state.serving, notes=notes, steps=_step_count(state.spec))
 
     return show
 

@@ -632,11 +632,19 @@ class LocalBackend:
             self.save()
         env = {k: v for k, v in self.environ.items() if k not in (FAULTS_ENV, TRANSFER_KEY_ENV)}
         splitter = self.state.splitter
-        self._keep_running(splitter, env, self.store.root / SPLITTER_LOG, "splitter")
-        if wait and not _accepts(splitter.port, SPLITTER_START_S, lambda: self.processes.alive(splitter)):
-            raise LocalBackendError(f"the splitter did not start listening on port {splitter.port} within "
-                                    f"{SPLITTER_START_S:g} s; see {self.store.root / SPLITTER_LOG}")  # fmt: skip
-        return splitter
+        deadline = time.monotonic() + SPLITTER_START_S
+        while True:
+            self._keep_running(splitter, env, self.store.root / SPLITTER_LOG, "splitter")
+            alive = self.processes.alive(splitter)
+            if not wait or (alive and _accepts(splitter.port, max(0.0, deadline - time.monotonic()), lambda: self.processes.alive(splitter))):
+                return splitter
+            if time.monotonic() >= deadline:
+                break
+            if not alive:  # waiting out its CrashLoopBackOff (a splitter killed twice in a row), then started again
+                time.sleep(min(1.0, max(0.05, (splitter.restart_at or 0.0) - self.clock())))
+        backing_off = f" (CrashLoopBackOff: died {splitter.deaths_in_a_row} times in a row)" if splitter.restart_at else ""
+        raise LocalBackendError(f"the splitter did not start listening on port {splitter.port} within "
+                                f"{SPLITTER_START_S:g} s{backing_off}; see {self.store.root / SPLITTER_LOG}")  # fmt: skip
 
     def _write_split(self, weights: Mapping[str, int]) -> None:
         """split.json (what the splitter follows from its next request on), then state.json."""
