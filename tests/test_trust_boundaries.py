@@ -200,6 +200,7 @@ def test_the_metrics_port_serves_no_internal_endpoint_s9(trio: LocalDeployment) 
                 signed = internal(trio, "decode", "/internal/info")  # a real router header, for the wrong port
                 got = requests.request(method, f"{base}{path}", json={}, headers={AUTH_HEADER: signed.request.headers[AUTH_HEADER]}, timeout=5)
                 assert got.status_code in (404, 405), (role, method, path)
+                assert "error" in got.json(), (role, method, path)  # an OpenAI error body on every listener
         assert requests.post(f"{base}/v1/completions", json={"prompt": "hi"}, timeout=5).status_code == 404
 
 

@@ -6,7 +6,9 @@ each child its sockets as inherited file descriptors (`--port fd:N`): a busy por
 once, naming its flag, and no other program can take a port between choosing and binding it. A
 worker that dies is restarted on the same sockets (the way a Deployment replaces a pod; clients
 queue in the socket's backlog meanwhile), so the deployment heals while the requests it held get
-clean errors (S4).
+clean errors (S4). Every worker also holds the read end of a pipe only this process writes to
+(`LIFELINE_FD_ENV`): if this process dies without stopping them (SIGKILL, the OOM killer), they
+read EOF and stop, instead of serving on with every port held.
 
 Listeners per process (workers/args.py): router API + router metrics; prefill internal + metrics;
 decode internal + metrics + KV transfer.

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.async_engine import AsyncEngine
 from kvguard.workers.faults import Faults
-from kvguard.workers.openai_api import OpenAIError, validation_error
+from kvguard.workers.openai_api import OpenAIError, error_middleware, validation_error
 from kvguard.workers.protocol import AbortRequest, Role, WorkerInfo
 from kvguard.workers.request import EngineError
 from kvguard.workers.transfer import AbortCause, TransferMetrics
@@ -149,7 +149,7 @@ class WorkerRuntime:
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-        app = web.Application()
+        app = web.Application(middlewares=[error_middleware])  # a 404 here is JSON too, as on the router's
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
         return app
