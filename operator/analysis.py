@@ -3,8 +3,8 @@
 Inputs are Prometheus text already scraped from the candidate's and the stable revision's routers
 and workers (parsed here with prometheus_client), at the start of the window and now; the
 measurement covers the traffic in between. Each scrape is named `role/name` (`source_name`): the
-routers and the engines both count `kvguard_requests_total`, and a request is the router's. Output: pass, fail or inconclusive, with every
-check's numbers for status.rollout.analysis.
+routers and the engines both count `kvguard_requests_total`, and a request is the router's.
+Output: pass, fail or inconclusive, with every check's numbers for status.rollout.analysis.
 
 Checks (spec.rollout.analysis):
 - safety: any increase of a safety counter on the candidate (tag violations S1, KV checksum and
