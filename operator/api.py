@@ -137,6 +137,37 @@ ResourceQuantity = Annotated[str, Field(pattern=K8S_QUANTITY_PATTERN, max_length
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
+MAX_INT32 = 2**31 - 1
+Replicas = Annotated[int, Field(ge=0, le=MAX_INT32)]
+"""A Deployment's replicas: an int32 on the API server."""
+Image = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")]
+"""A container image reference: no whitespace (the API server refuses `" img:1 "`)."""
+
+_DECIMAL_SUFFIXES = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_RESOURCE_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+))?([KMGTPE]i|[numkMGTPE])?")
+
+
+def quantity_value(text: str) -> float:
+    """A resource.Quantity as a number (`500m` -> 0.5, `64Gi` -> 2^36), for comparing two of them."""
+    match = _RESOURCE_QUANTITY.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity")
+    number, exponent, suffix = match.groups()
+    scale = _QUANTITY_SUFFIXES[suffix] if suffix and suffix.endswith("i") else _DECIMAL_SUFFIXES[suffix or ""]
+    return float(number) * (10 ** int(exponent) if exponent else 1) * scale
+
+
+# Label keys and values, and resource names, as the API server checks them (apimachinery validation).
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_QUALIFIED_NAME = re.compile(rf"(({_DNS_SUBDOMAIN})/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def _qualified_name_problem(key: str) -> str | None:
+    prefix, _, name = key.rpartition("/")
+    if not _QUALIFIED_NAME.fullmatch(key) or len(prefix) > 253 or len(name) > 63:
+        return f"{key!r} is not a qualified name (an optional DNS prefix and '/', then 1-63 of [A-Za-z0-9-_.])"
+    return None
 
 
 # --- Enumerations --------------------------------------------------------------------------------
@@ -382,13 +413,13 @@ class EngineSpec(ApiModel):
 
     kind: EngineKind = EngineKind.KVGUARD
     """`kvguard` (our tagged engine), `sglang` or `vllm`."""
-    image: str | None = None
+    image: Image | None = None
     """Container image; defaults to the kvguard worker image for `kvguard`."""
     version: str | None = None
     """Engine version, recorded in status and used to pick version-specific defaults."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed to every worker of the engine, verbatim."""
-    router_image: str | None = None
+    router_image: Image | None = None
     """Image of the router. Default: the engine image (kvguard; SGLang images ship sglang_router);
     required for vllm (e.g. an image with vllm-router)."""
     kv_canary: SGLangKVCanary | None = None
@@ -433,6 +464,16 @@ class Toleration(ApiModel):
     toleration_seconds: NonNegativeInt | None = None
     """For NoExecute: how long the pod stays bound after the taint appears."""
 
+    @model_validator(mode="after")
+    def _as_the_api_server_checks_it(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("value must be empty when operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds applies only to effect NoExecute")
+        if self.key and (problem := _qualified_name_problem(self.key)) is not None:
+            raise ValueError(f"key: {problem}")
+        return self
+
 
 class ResourceRequirements(ApiModel):
     """Extra container resources (core/v1 ResourceRequirements). GPUs come from gpuCount, not here."""
@@ -441,6 +482,17 @@ class ResourceRequirements(ApiModel):
     """Requested quantities, e.g. {cpu: "8", memory: 64Gi}."""
     limits: dict[str, ResourceQuantity] = Field(default_factory=dict)
     """Limits, e.g. {memory: 96Gi}."""
+
+    @model_validator(mode="after")
+    def _as_the_api_server_checks_it(self) -> ResourceRequirements:
+        for name in {**self.requests, **self.limits}:
+            if (problem := _qualified_name_problem(name)) is not None:
+                raise ValueError(f"resource name {problem}")
+        for name, request in self.requests.items():
+            limit = self.limits.get(name)
+            if limit is not None and quantity_value(request) > quantity_value(limit):
+                raise ValueError(f"requests.{name} ({request}) must not exceed limits.{name} ({limit})")
+        return self
 
 
 class PodPlacement(ApiModel):
@@ -460,12 +512,21 @@ class PodPlacement(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the pods tolerate (GPU nodes are often tainted)."""
 
+    @model_validator(mode="after")
+    def _node_selector_is_labels(self) -> PodPlacement:
+        for key, value in self.node_selector.items():
+            if (problem := _qualified_name_problem(key)) is not None:
+                raise ValueError(f"nodeSelector key {problem}")
+            if not _LABEL_VALUE.fullmatch(value):
+                raise ValueError(f"nodeSelector[{key}]: {value!r} is not a label value (0-63 of [A-Za-z0-9-_.])")
+        return self
+
 
 
 class WorkerRole(PodPlacement):
     """One disaggregated role (prefill or decode): how many engine instances, how each is split."""
 
-    replicas: NonNegativeInt = 1
+    replicas: Replicas = 1
     """Engine instances of this role. Each has its own KV pool."""
     tensor_parallel: PositiveInt = 1
     """GPUs that shard every layer of one instance (SGLang `--tp-size`, vLLM `-tp`)."""
@@ -486,7 +547,7 @@ class WorkerRole(PodPlacement):
     """Arguments for this role only, after engine.extraArgs (sglang and vllm). Prefill and decode
     must still agree on everything their KV exchange depends on (P/D parity, sglang#19398): model
     revision, KV dtype, page size, transfer backend, KV checksum and engine build."""
-    image: str | None = None
+    image: Image | None = None
     """Container image for this role only (sglang and vllm); default engine.image. Prefill and
     decode must run the same build (P/D parity)."""
 
@@ -494,7 +555,7 @@ class WorkerRole(PodPlacement):
 class RouterRole(PodPlacement):
     """The request router in front of prefill and decode."""
 
-    replicas: PositiveInt = 1
+    replicas: Replicas = Field(1, gt=0)
     """Router instances."""
 
 
@@ -513,6 +574,10 @@ class RolesSpec(ApiModel):
         return {"prefill": self.prefill, "decode": self.decode}
 
 
+WORKER_PORTS = {8000: "API port", 8001: "metrics port"}
+"""The ports every rendered worker container listens on (render.HTTP_PORT, render.METRICS_PORT)."""
+
+
 class KVTransferSpec(ApiModel):
     """How prefill sends KV to decode. Rendered as worker flags (kvguard), environment (SGLang's
     PD and Mooncake variables) or the KV-transfer config (vLLM)."""
@@ -528,7 +593,8 @@ class KVTransferSpec(ApiModel):
     frees its pages (kvguard `--bootstrap-timeout` on prefill: no transfer ticket in time is a 504
     `bootstrap_timeout`; SGLang `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`)."""
     port: int = Field(default=9000, ge=1024, le=65535)
-    """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it."""
+    """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it. Not
+    8000 or 8001: every worker listens there already (its control API and its metrics)."""
     backend: Literal["mooncake", "nixl"] = "mooncake"
     """Transfer backend for SGLang (`--disaggregation-transfer-backend`); vLLM always uses NIXL."""
     checksum: bool = False
@@ -540,6 +606,12 @@ class KVTransferSpec(ApiModel):
     ticket) and checksums payloads but sends KV readable; `aes-gcm` also encrypts each request's
     KV with its own key. Turn it on when prefill-to-decode traffic crosses a network you do not
     trust (nodes, zones, shared tenancy) and no mesh encrypts it (docs/threat-model.md)."""
+
+    @model_validator(mode="after")
+    def _port_is_free_on_decode(self) -> KVTransferSpec:
+        if self.port in WORKER_PORTS:
+            raise ValueError(f"port: {self.port} is decode's {WORKER_PORTS[self.port]} already; pick another (default 9000)")
+        return self
 
 
 STARTUP_PROBE_SECONDS = 10 * 180
@@ -1085,6 +1157,23 @@ class InferenceModelStatus(ApiModel):
     kvguard.io/kv-pool-verified judged it (S7 for as long as a pod serves); unverified first."""
 
 
+MODEL_NAME_MAX = 40
+"""Child objects are named `<model>-<revision>-<role>` (render.object_name): 40 + 1 + 10 + 1 +
+7 + the longest suffix stays a valid Service name (63)."""
+MODEL_NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+"""A DNS-1035 label, as Service names must be: a lowercase letter first, no dots."""
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why an InferenceModel name would make child objects the API server refuses (None: fine)."""
+    if len(name) > MODEL_NAME_MAX:
+        return f"metadata.name: at most {MODEL_NAME_MAX} characters (child objects append -<revision>-<role>)"
+    if not re.fullmatch(MODEL_NAME_PATTERN[1:-1], name):
+        return (f"metadata.name: {name!r} must be lowercase letters, digits and '-', start with a letter and end with a "
+                "letter or digit (child Services are named after it)")  # fmt: skip
+    return None
+
+
 class InferenceModel(ApiModel):
     """An LLM served behind kvguard's safety gates (namespaced, kind InferenceModel)."""
 
@@ -1093,6 +1182,12 @@ class InferenceModel(ApiModel):
     metadata: ObjectMeta
     spec: InferenceModelSpec
     status: InferenceModelStatus | None = None
+
+    @model_validator(mode="after")
+    def _name_makes_valid_children(self) -> InferenceModel:
+        if (problem := model_name_problem(self.metadata.name)) is not None:
+            raise ValueError(problem)
+        return self
 
 
 # --- InferencePolicy (cluster-scoped; enforced by the rollout/admission layer) -------------------

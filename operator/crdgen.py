@@ -27,6 +27,8 @@ from pydantic_core import core_schema
 from kvguard.operator.api import (
     API_GROUP,
     API_VERSION,
+    MODEL_NAME_MAX,
+    MODEL_NAME_PATTERN,
     InferenceModelSpec,
     InferenceModelStatus,
     InferencePolicySpec,
@@ -38,8 +40,11 @@ _SCHEMA_KEYS = {"items", "additionalProperties", "anyOf", "allOf", "oneOf", "not
 
 # CEL rules (x-kubernetes-validations) that need more than one field; keyed by schema path.
 _MODEL_RULES: list[dict[str, str]] = [
-    {"rule": "self.metadata.name.size() <= 40",
-     "message": "metadata.name: at most 40 characters (child objects append -<revision>-<role>)"},
+    {"rule": f"self.metadata.name.size() <= {MODEL_NAME_MAX}",
+     "message": f"metadata.name: at most {MODEL_NAME_MAX} characters (child objects append -<revision>-<role>)"},
+    {"rule": f"self.metadata.name.matches('{MODEL_NAME_PATTERN}')",
+     "message": "metadata.name: lowercase letters, digits and '-', a letter first and a letter or digit last "
+                "(child Services are named after it)"},
 ]  # fmt: skip
 # Every optional field a rule reads is guarded with has(): the defaults make them present on a real
 # API server, but a rule must never fail with "no such key" on an object an older CRD stored.

@@ -14,6 +14,8 @@ local backend. Same reconcile, same status. Nothing here imports kopf or kuberne
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from kvguard.operator.backends.base import (
     scrape_workers,
 )
 from kvguard.operator.canary.spec import CanarySpec
+from kvguard.operator.kube import KubeError
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis, RunCanary
@@ -78,6 +81,9 @@ class DriverMemory:
     """Revision whose workers to scrape at the model's next pass (the last decision asked)."""
     foreign: dict[ModelKey, tuple[ForeignObjectError, ...]] = field(default_factory=dict)
     """Objects that blocked the model's last actions because someone else owns them."""
+    refused: dict[ModelKey, tuple[str, str]] = field(default_factory=dict)
+    """(digest of the spec, the API server's message) of a child object it refused (422) for
+    that spec: reported until the spec changes, instead of retried forever unseen."""
     measure: dict[ModelKey, MeasureAnalysis] = field(default_factory=dict)
     """Candidate and stable whose live traffic to measure at the model's next pass."""
     analysis: AnalysisMemory = field(default_factory=AnalysisMemory)
@@ -86,12 +92,14 @@ class DriverMemory:
     def forget(self, key: ModelKey) -> None:
         self.scrape.pop(key, None)
         self.foreign.pop(key, None)
+        self.refused.pop(key, None)
         self.measure.pop(key, None)
         self.analysis.forget(key)
 
     def clear(self) -> None:
         self.scrape.clear()
         self.foreign.clear()
+        self.refused.clear()
         self.measure.clear()
         self.analysis.last.clear()
 
@@ -130,6 +138,10 @@ async def observe(
         memory.foreign[ref.key] = foreign
         if not foreign:
             del memory.foreign[ref.key]
+    refused = memory.refused.get(ref.key)
+    if refused is not None and refused[0] != spec_digest(body):
+        del memory.refused[ref.key]  # a new spec: let the API server judge it afresh
+        refused = None
     rollout = (body.get("status") or {}).get("rollout") or {}
     analysis = None
     wanted = memory.measure.pop(ref.key, None)
@@ -144,6 +156,7 @@ async def observe(
         worker_reports=reports, canary=runner.result(ref.key),
         canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
         fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
+        refused_object=refused[1] if refused is not None else None,
         pools=tuple(pools), continuous=continuous.result(ref.key) if continuous is not None else None,
         continuous_running=continuous_running,
     )  # fmt: skip
@@ -204,7 +217,12 @@ async def run_pass(
         memory.scrape[ref.key] = outcome.scrape
     if outcome.measure is not None:
         memory.measure[ref.key] = outcome.measure
-    await _act(ref, outcome, backend, runner, memory, on_canary_done)
+    try:
+        await _act(ref, outcome, backend, runner, memory, on_canary_done)
+    except KubeError as exc:
+        if exc.status == 422:  # the spec renders an object the API server refuses: the next pass says so
+            memory.refused[ref.key] = (spec_digest(body), str(exc))
+        raise
     if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
         await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
     for event in outcome.events:
@@ -241,6 +259,11 @@ async def _act(
         log.warning("%s/%s: %s", *ref.key, exc.description)
         memory.foreign[ref.key] = (*memory.foreign.get(ref.key, ()), exc)
         raise
+
+
+def spec_digest(body: Mapping[str, Any]) -> str:
+    """What identifies the spec a refusal was for (generation is not stored by every API server)."""
+    return hashlib.sha256(json.dumps(body.get("spec"), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def requeue_delay(outcome: Outcome, waits: int, *, base: float, cap: float, jitter: Callable[[float], float]) -> float | None:

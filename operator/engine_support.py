@@ -7,14 +7,16 @@ deploy: the webhook refuses it (422) and reconcile reports `InvalidSpec` naming 
 kvguard (the CPU/GPU engine in `workers/`): one device per engine instance, weights loaded in
 fp32, bf16 or fp16, the KV cache in the weights' dtype. Data parallelism is supported the way it is
 rendered: each DP rank is a worker (a pod on Kubernetes, a process locally) with its own pool.
-SGLang and vLLM take every field as a flag (render.py), so nothing is refused here for them.
+SGLang and vLLM take every field as a flag (render.py); what is refused for them is what their
+rendered deployment cannot do correctly (SGLang's router reaching prefill through one Service).
+On every engine, GPU fields on a CPU spec are refused: the pods would hold GPUs they never use.
 
 Pure: pydantic models in, strings out.
 """
 
 from __future__ import annotations
 
-from kvguard.operator.api import EngineKind, InferenceModelSpec, KVCacheDtype, Quantization
+from kvguard.operator.api import DeviceKind, EngineKind, InferenceModelSpec, KVCacheDtype, Quantization
 
 KVGUARD_WEIGHT_DTYPES = {Quantization.FP32: "fp32", Quantization.BF16: "bf16", Quantization.FP16: "fp16"}
 """Weight formats the kvguard engine loads (as a dtype: `--dtype`)."""
@@ -45,8 +47,39 @@ _ONE_DEVICE_FIELDS = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
 
 def engine_problems(spec: InferenceModelSpec) -> list[str]:
     """`field: why` for every field the spec's engine would not run as written (empty: it runs)."""
-    if spec.engine.kind != EngineKind.KVGUARD:
+    problems = _device_problems(spec)
+    if spec.engine.kind == EngineKind.SGLANG:
+        problems += _sglang_problems(spec)
+    if spec.engine.kind == EngineKind.KVGUARD:
+        problems += _kvguard_problems(spec)
+    return problems
+
+
+def _device_problems(spec: InferenceModelSpec) -> list[str]:
+    if spec.hardware.device != DeviceKind.CPU:
         return []
+    problems = []
+    for name, role in {**spec.roles.worker_roles(), "router": spec.roles.router}.items():
+        if role.gpu_count:
+            problems.append(f"spec.roles.{name}.gpuCount: hardware.device is cpu: the pods would hold {role.gpu_count} "
+                            "GPU(s) they never use")  # fmt: skip
+        if role.gpu_type:
+            problems.append(f"spec.roles.{name}.gpuType: hardware.device is cpu: no GPU product to land on")
+    return problems
+
+
+def _sglang_problems(spec: InferenceModelSpec) -> list[str]:
+    if spec.roles.prefill.replicas <= 1:
+        return []
+    # sglang_router is given prefill's Service URL and bootstrap port, and tells decode to fetch
+    # the KV from that host: with several prefill pods behind it, decode may reach another pod's
+    # bootstrap server than the one that computed the prompt.
+    return ["spec.roles.prefill.replicas: SGLang's router reaches prefill through one Service, so with more than one "
+            "prefill pod decode may fetch KV from the wrong pod (kvguard does not render per-pod discovery yet); "
+            "use 1 replica with dataParallel for more ranks"]  # fmt: skip
+
+
+def _kvguard_problems(spec: InferenceModelSpec) -> list[str]:
     problems = []
     for name, role in spec.roles.worker_roles().items():
         for field in _ONE_DEVICE_FIELDS:
@@ -65,4 +98,7 @@ def engine_problems(spec: InferenceModelSpec) -> list[str]:
     kv = spec.kv_cache_dtype
     if kv != KVCacheDtype.AUTO and dtype is not None and kv not in _KV_ALIASES.get(dtype, set()):
         problems.append(f"spec.kvCacheDtype: the kvguard engine keeps KV in the weights' dtype ({dtype}); use auto or {dtype}")
+    if "backend" in spec.kv_transfer.model_fields_set and spec.kv_transfer.backend != "mooncake":
+        problems.append(f"spec.kvTransfer.backend: {spec.kv_transfer.backend} is SGLang's transfer backend; the kvguard "
+                        "engine has its own (leave it unset)")  # fmt: skip
     return problems

@@ -34,6 +34,7 @@ from kvguard.operator.api import (
     KVPlan,
     Phase,
     RevisionRecord,
+    model_name_problem,
 )
 from kvguard.operator.continuous import rollback_pin
 from kvguard.operator.continuous import step as continuous_step
@@ -115,6 +116,9 @@ class Observed:
     foreign_objects: tuple[str, ...] = ()
     """Objects with the names of this model's children that it does not own (a pre-created
     transfer Secret, a squatted Deployment name): each one blocks the rollout, named."""
+    refused_object: str | None = None
+    """The API server's 422 for a child object this spec renders (a node selector, toleration or
+    resource it refuses): the rollout halts, Degraded names it, until the spec changes."""
     continuous: CanaryResult | None = None
     """The last finished continuous-canary run of this model held in memory by the driver."""
     continuous_running: bool = False
@@ -261,6 +265,8 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
         return _invalid(run, "InvalidSpec", field_errors(exc))
     if not meta.get("uid"):
         return _invalid(run, "MissingUID", "metadata.uid: the API server did not assign one; cannot own children")
+    if (bad_name := model_name_problem(str(meta.get("name") or ""))) is not None:  # stored before the CEL rule existed
+        return _invalid(run, "InvalidName", bad_name)
     spec, problem = resolve_architecture(spec, observed)
     if problem is not None:
         return _invalid(run, "ArchitectureUnavailable", problem)
@@ -276,9 +282,12 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
     faults, fault_problem = injected_faults(meta.get("annotations") or {}, run.observed.fault_injection_allowed)
     if fault_problem is not None:
         return _invalid(run, "InvalidFaults", fault_problem)
+    if observed.refused_object is not None:
+        return _invalid(run, "ObjectRefused", f"the API server refused an object of this spec: {observed.refused_object}")
     if observed.foreign_objects:  # S3: never run beside (or with the key of) an object someone else made
         message = "; ".join(observed.foreign_objects)
         return _invalid(run, "ForeignObject", message, requeue_after=FOREIGN_RECHECK_SECONDS)
+    _clear_spec_degraded(run)
     revision = revision_of(spec, faults)
     run.status.plan = kv_plan
     run.status.target_revision = revision
@@ -334,6 +343,18 @@ def _fault_events(run: _Run, faults: str, meta: Mapping[str, Any]) -> list[Event
         return [EventSpec("Warning", "FaultInjectionIgnored", f"{FAULTS_ANNOTATION} is ignored: the operator does not "
                           "run with KVGUARD_ALLOW_FAULT_INJECTION=true")]  # fmt: skip
     return []
+
+
+SPEC_DEGRADED_REASONS = frozenset({"InvalidSpec", "MissingUID", "InvalidName", "ArchitectureUnavailable", "InvalidPlanInput",
+                                   "PDParityMismatch", "InvalidFaults", "ObjectRefused", "ForeignObject"})  # fmt: skip
+"""Degraded reasons `_invalid` sets: they describe the spec (or what stood in its way), so a pass
+that gets past every one of those checks clears them at once, not only when a rollout completes."""
+
+
+def _clear_spec_degraded(run: _Run) -> None:
+    degraded = cond.find_condition(run.previous.conditions, cond.DEGRADED)
+    if degraded is not None and degraded.status == "True" and degraded.reason in SPEC_DEGRADED_REASONS:
+        run.set(cond.DEGRADED, "False", "SpecAccepted", f"resolved: {degraded.reason}")
 
 
 def _invalid(run: _Run, reason: str, message: str, requeue_after: float | None = None) -> Outcome:

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 from kvguard.operator.api import (
     GROUP_VERSION,
     STARTUP_PROBE_SECONDS,
+    WORKER_PORTS,
     DeviceKind,
     EngineKind,
     InferenceModelSpec,
@@ -45,6 +46,7 @@ Manifest = dict[str, Any]
 HTTP_PORT = 8000
 """kvguard: the router's public API and the workers' internal control API; SGLang/vLLM: everything."""
 METRICS_PORT = 8001
+assert set(WORKER_PORTS) == {HTTP_PORT, METRICS_PORT}  # what spec.kvTransfer.port may not collide with
 """kvguard only: read-only /metrics and /health (probes, scrapers)."""
 DNS_PORT = 53
 SGLANG_BOOTSTRAP_PORT = 8998

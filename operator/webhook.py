@@ -38,7 +38,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferencePolicy
+from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferencePolicy, model_name_problem
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.pd_parity import parity_problem
@@ -82,6 +82,8 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
         return
     if operation == "UPDATE" and not spec_changed(old, body):
         return  # metadata-only: never lock an existing model out of its own bookkeeping
+    if (bad_name := model_name_problem(str(meta.get("name") or ""))) is not None and meta.get("name"):
+        raise AdmissionDenied(bad_name, INVALID)  # (the CRD's CEL rule says it too, where the webhook is off)
     spec = parse_spec(body.get("spec"))
     check_plannable(spec, name=str(meta.get("name") or "model"), namespace=str(meta.get("namespace") or ""))
     verdict = evaluate(spec, str(meta.get("namespace") or ""), policies)

@@ -33,6 +33,38 @@ def openapi_schema(crd: dict[str, Any]) -> dict[str, Any]:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
+ROOT_FIELDS_KEPT = ("apiVersion", "kind", "metadata")
+"""What pruning leaves at the root whatever the schema says (ObjectMeta is validated on its own)."""
+
+
+def prune_unknown(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """structuralpruning.Prune: drop every field the schema does not declare (in place), except
+    under `x-kubernetes-preserve-unknown-fields` and in maps (`additionalProperties`). Returns the
+    dropped paths (kubectl's default strict field validation refuses them; other clients get a
+    warning and the object stored without them)."""
+    dropped: list[str] = []
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return dropped
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for name in list(value):
+            where = f"{path}.{name}" if path else name
+            if path == "" and name in ROOT_FIELDS_KEPT:
+                continue
+            if name in properties:
+                dropped += prune_unknown(value[name], properties[name], where)
+            elif isinstance(extra, dict):
+                dropped += prune_unknown(value[name], extra, where)
+            elif extra is not True:
+                del value[name]
+                dropped.append(where)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            dropped += prune_unknown(item, schema["items"], f"{path}[{i}]")
+    return dropped
+
+
 def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
     """structuraldefaulting.Default: set missing properties that have a default, then recurse
     into every present property (defaults included), list item and map value."""
@@ -102,7 +134,9 @@ def _rule_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[Rejection]
 def admit(obj: dict[str, Any], crd: dict[str, Any]) -> tuple[dict[str, Any], list[Rejection]]:
     """(the object as stored, every rejection). Empty rejections: the API server stores it."""
     schema = openapi_schema(crd)
-    stored = apply_defaults(copy.deepcopy(obj), schema)
+    stored = copy.deepcopy(obj)
+    prune_unknown(stored, schema)
+    stored = apply_defaults(stored, schema)
     schema_errors = _schema_errors(stored, schema)
     if schema_errors:
         return stored, schema_errors  # CEL runs only on objects that pass the schema

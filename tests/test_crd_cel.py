@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from crd_admission import Rejection, admit, all_rules, apply_defaults, evaluate_rule, openapi_schema, rule_paths_exist
+from crd_admission import Rejection, admit, all_rules, apply_defaults, evaluate_rule, openapi_schema, prune_unknown, rule_paths_exist
 
 from kvguard.operator.api import InferenceModel, parse_byte_quantity
 from kvguard.operator.crdgen import _SPEC_RULES, all_files, inference_model_crd, inference_policy_crd
@@ -89,6 +89,7 @@ def rejected(body: dict[str, Any]) -> list[Rejection]:
     return rejections
 
 
+NAME_RULE = "metadata.name: lowercase letters, digits and '-', a letter first and a letter or digit last (child Services are named after it)"
 INVALID = {
     "cpu with sglang": (minimal(engine={"kind": "sglang", "image": "i"}, hardware={"device": "cpu", "memoryPerDevice": "1Gi"}),
                         "spec", "spec.hardware.device: cpu runs only with engine kind kvguard"),
@@ -101,6 +102,8 @@ INVALID = {
     "no source kind": (minimal(model={"name": "m", "source": {"revision": "r1"}}), "spec.model.source", "set exactly one of huggingFace or pvc"),
     "long name": ({**minimal(), "metadata": {"name": "m" * 41}}, "",
                   "metadata.name: at most 40 characters (child objects append -<revision>-<role>)"),
+    "digit first": ({**minimal(), "metadata": {"name": "1model"}}, "", NAME_RULE),
+    "dotted name": ({**minimal(), "metadata": {"name": "my.model"}}, "", NAME_RULE),
 }  # fmt: skip
 
 
@@ -155,3 +158,17 @@ def test_generated_files_have_no_yaml_anchors() -> None:
     for name, text in all_files().items():
         assert "&id" not in text and "*id" not in text, name
         yaml.safe_load(text)
+
+
+def test_unknown_fields_are_pruned_as_the_api_server_prunes_them() -> None:
+    """A typo'd field is not stored (kubectl's strict field validation refuses it outright): the
+    operator never sees `spec.bogusField` or `roles.prefill.replica`, so it cannot act on them."""
+    body = minimal()
+    body["spec"]["bogusField"] = 1
+    body["spec"].setdefault("roles", {}).setdefault("prefill", {})["replica"] = 3
+    body["metadata"]["labels"] = {"kept": "yes"}
+    dropped = prune_unknown(copy.deepcopy(body), openapi_schema(CRDS["InferenceModel"]))
+    assert dropped == ["spec.bogusField", "spec.roles.prefill.replica"]
+    stored, rejections = admit(body, CRDS["InferenceModel"])
+    assert rejections == [] and "bogusField" not in stored["spec"] and "replica" not in stored["spec"]["roles"]["prefill"]
+    assert stored["metadata"]["labels"] == {"kept": "yes"}  # ObjectMeta is not the CRD schema's to prune

@@ -234,6 +234,7 @@ def test_kvguard_render_prints_every_object(tmp_path: Path) -> None:
     expected = desired_objects(spec, Owner(OWNER.name, "default", "<assigned-by-the-api-server>"), stable="0123abcdef", weight=50)
     assert objects == list(expected.objects)
     assert "never printed" in result.stdout and "kv-transfer" in result.stdout
+    assert "&id" not in result.stdout and "*id" not in result.stdout  # shared probes are written out, not aliased
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(with_rollout(steps=[{"weight": 10}, {"weight": 100}])))
     refused = _render("-f", str(bad))

@@ -98,6 +98,55 @@ def test_a_schema_error_is_denied_with_the_wire_field_name() -> None:
     assert exc is not None and exc.code == INVALID and "spec.contextLenght" in str(exc)
 
 
+def _set(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    node = body
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return body
+
+
+# What a real API server refuses in the rendered Deployments (or what would run wrongly), refused
+# here with the field named, rather than left to a 422 on a child object the model never reports.
+REFUSED_FIELDS = [
+    ("metadata.name", "1model", "metadata.name: '1model' must be lowercase letters"),
+    ("metadata.name", "my.model", "metadata.name: 'my.model' must be lowercase letters"),
+    ("spec.roles.decode.nodeSelector", {"bad key!": "x"}, "nodeSelector key 'bad key!' is not a qualified name"),
+    ("spec.roles.decode.nodeSelector", {"zone": "not a value"}, "is not a label value"),
+    ("spec.roles.decode.tolerations", [{"key": "gpu", "operator": "Exists", "value": "x"}], "value must be empty when operator is Exists"),
+    ("spec.roles.decode.tolerations", [{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 5}],
+     "tolerationSeconds applies only to effect NoExecute"),
+    ("spec.engine.image", " img:1 ", "spec.engine.image"),
+    ("spec.roles.decode.resources", {"limits": {"not a resource!": "1"}}, "resource name 'not a resource!' is not a qualified name"),
+    ("spec.roles.decode.resources", {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}},
+     "requests.memory (2Gi) must not exceed limits.memory (1Gi)"),
+    ("spec.roles.decode.replicas", 10**12, "spec.roles.decode.replicas"),
+    ("spec.kvTransfer.port", 8001, "port: 8001 is decode's metrics port already"),
+    ("spec.roles.decode.gpuCount", 4, "spec.roles.decode.gpuCount: hardware.device is cpu"),
+    ("spec.roles.prefill.gpuType", "NVIDIA-H100", "spec.roles.prefill.gpuType: hardware.device is cpu"),
+    ("spec.kvTransfer.backend", "nixl", "spec.kvTransfer.backend: nixl is SGLang's transfer backend"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "says"), REFUSED_FIELDS, ids=[f"{p}={v!r}"[:60] for p, v, _ in REFUSED_FIELDS])
+def test_fields_a_real_api_server_or_the_engine_would_refuse_are_denied_by_name(path: str, value: Any, says: str) -> None:
+    exc = denial(_set(tiny_model(), path, value), [])
+    assert exc is not None and exc.code == INVALID and says in str(exc), exc
+
+
+def test_sglang_with_several_prefill_pods_is_denied() -> None:
+    """sglang_router reaches prefill through one Service: decode could fetch KV from another pod."""
+    body = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())
+    body["metadata"] = {"name": "llama", "namespace": NS}
+    body["spec"]["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
+    body["spec"]["engine"]["image"] = "lmsysorg/sglang:v0.5.23"
+    assert denial(body, []) is None
+    body["spec"]["roles"]["prefill"]["replicas"] = 3
+    exc = denial(body, [])
+    assert exc is not None and "spec.roles.prefill.replicas: SGLang's router reaches prefill through one Service" in str(exc)
+
+
 def test_a_blocked_plan_is_left_to_reconcile_when_no_policy_applies() -> None:
     body = tiny_model()
     body["spec"]["minKVRatio"] = 8.0  # the 4,096-token pool is 4x: blocked, reported by reconcile

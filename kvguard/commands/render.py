@@ -35,7 +35,6 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
     from pydantic import ValidationError
 
     from kvguard.commands.plan import BadInput, _describe_error, _read_manifest
@@ -69,9 +68,21 @@ def run(args: argparse.Namespace) -> int:
     out = [f"# kvguard render: revision {desired.revision} of {namespace}/{model.metadata.name}\n"]
     for kind, name in desired.secret_refs:
         out.append(f"# also created by the operator: {kind} {namespace}/{name} (a fresh random KV-transfer key; never printed)\n")
-    out.append("---\n".join(yaml.safe_dump(o, sort_keys=False) for o in desired.objects))
+    out.append("---\n".join(plain_yaml(o) for o in desired.objects))
     sys.stdout.write("".join(out))
     return 0
+
+
+def plain_yaml(obj: Any) -> str:
+    """YAML without anchors and aliases: objects that share a probe or a port list are written out
+    in full each time, as a reviewer reads and diffs them (`&id001` / `*id001` otherwise)."""
+    import yaml
+
+    class Plain(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump(obj, Dumper=Plain, sort_keys=False)
 
 
 def _bad_input(*lines: str) -> int:
