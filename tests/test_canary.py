@@ -86,6 +86,14 @@ async def test_s1_leak_of_previous_request_fails_isolation_naming_the_nonce(serv
     assert "output_mismatch" in evidence_kinds(report, ProbeName.ISOLATION)
 
 
+@pytest.mark.parametrize("server", [Behaviour(context_length=48, pool_tokens=512)], indirect=True)
+async def test_s1_isolation_sizes_its_tenants_to_a_short_context(server: RunningServer) -> None:
+    """64-word tenants at a 48-token context were refused with 400s, and a healthy server failed."""
+    report = await run(server, spec().only([ProbeName.ISOLATION]))
+    result = report.probe(ProbeName.ISOLATION)
+    assert result is not None and result.status == ProbeStatus.PASS, result.reason
+
+
 @pytest.mark.parametrize("server", [Behaviour(accept_over_length=True)], indirect=True)
 async def test_s2_over_length_answered_with_200_fails(server: RunningServer) -> None:
     report = await run(server, spec(overLength={"streaming": [False, True]}))

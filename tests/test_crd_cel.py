@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import yaml
-from crd_admission import Rejection, admit, all_rules, apply_defaults, evaluate_rule, openapi_schema, prune_unknown, rule_paths_exist
+from crd_admission import (
+    Rejection,
+    admit,
+    all_rules,
+    apply_defaults,
+    evaluate_rule,
+    openapi_schema,
+    prune_unknown,
+    rule_paths_exist,
+)
 
 from kvguard.operator.api import InferenceModel, parse_byte_quantity
 from kvguard.operator.crdgen import _SPEC_RULES, all_files, inference_model_crd, inference_policy_crd

@@ -210,6 +210,25 @@ def test_abort_in_every_state_frees_everything(eng: Engine) -> None:
     small.check_integrity()
 
 
+def test_running_and_waiting_gauges_are_true_whenever_scraped(eng: Engine) -> None:
+    """They were set once per step, so a worker that stopped stepping (all aborted, or the head of
+    the queue waiting for pages) reported requests it no longer held."""
+    small = engine(eng.config.model_dir, kv_pool_tokens=64, page_size=8)
+
+    def gauges() -> tuple[float | None, float | None]:
+        read = small.metrics.registry.get_sample_value
+        return read("kvguard_running_requests"), read("kvguard_waiting_requests")
+
+    small.add_request("running", ids(small, "hello"), GREEDY)
+    small.add_request("waiting", ids(small, "hello there"), GREEDY)  # does not fit while "running" holds pages
+    assert gauges() == (0.0, 2.0)  # queued before any step
+    small.step()
+    assert gauges() == (1.0, 1.0)
+    small.abort("waiting", "client"), small.abort("running", "client")
+    small.step()
+    assert gauges() == (0.0, 0.0) and not small.has_work()  # no further step will come to reset them
+
+
 def test_s1_stale_lease_fails_only_its_request(tiny_model_dir: Path) -> None:
     """A page freed and reallocated to another request while its first owner still runs (the
     2026 bug class): caught at read time, that request fails, the others finish unchanged."""

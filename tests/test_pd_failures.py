@@ -83,6 +83,11 @@ def test_stalled_transfer_times_out_and_frees_both_sides_s4(tiny_model_dir: Path
         assert kind == "error" and code == "kv_transfer_timeout"
         assert STALL_TIMEOUT_S <= took < CHUNK_DELAY_S / 2  # by the timeout, long before the chunk could come
         wait_pools_empty(d)
+        # Every side counts the abort for what it was: prefill's call was cancelled by the router's
+        # abort, which names the cause (cancelled first, it read as a client disconnect: paging
+        # rules that leave disconnects out never saw it).
+        assert metric(d, "prefill", "kvguard_aborts_total", cause="client_disconnect") == 0
+        assert metric(d, "prefill", "kvguard_aborts_total", cause="kv_transfer_timeout") == 1
 
 
 def test_prefill_dying_mid_transfer_fails_the_client_and_frees_decode_s4(tiny_model_dir: Path) -> None:

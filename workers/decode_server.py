@@ -171,8 +171,9 @@ class DecodeServer:
             # The router went away (between two writes, or its connection closed and cancelled this
             # handler) or aborted the request (which cancels it too): not a decode failure, whatever
             # phase it came in. Counted as such, it would page on-call (KvguardAbortsHigh leaves
-            # client disconnects out) and it would escape the no_abort_propagation fault.
-            cause = AbortCause.CLIENT_DISCONNECT
+            # client disconnects out) and it would escape the no_abort_propagation fault. A router
+            # abort names its cause (a transfer timeout, a prefill error): that is what is counted.
+            cause = job.cancel_cause or AbortCause.CLIENT_DISCONNECT
             raise
         finally:
             if cause:

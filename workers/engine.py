@@ -196,6 +196,10 @@ class Engine:
         self.metrics.pool_capacity_tokens.set(self.pool.capacity_tokens)
         self.metrics.context_length_tokens.set(self.context_length)
         self.metrics.pool_used_tokens.set_function(lambda: self.pool.used_tokens)
+        # Read when scraped, like the pool: an idle worker (released after its transfer, or waiting
+        # because the head of the queue does not fit) does not step, so a value set per step goes stale.
+        self.metrics.running_requests.set_function(lambda: len(self.scheduler.holding))
+        self.metrics.waiting_requests.set_function(lambda: len(self.scheduler.waiting))
         eos = set(self.args.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -347,8 +351,6 @@ class Engine:
                 self.metrics.step_prompts.observe(len(prefill))
             if decode:
                 self.metrics.step_decodes.observe(len(decode))
-        self.metrics.running_requests.set(len(self.scheduler.holding))
-        self.metrics.waiting_requests.set(len(self.scheduler.waiting))
         return outputs
 
     def _run_isolating(self, prefill: list[Request], decode: list[Request]) -> list[RequestOutput]:

@@ -220,6 +220,10 @@ class PrefillServer:
             cause = ""
             result = PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes)
             return web.json_response(result.model_dump(mode="json"))
+        except asyncio.CancelledError:
+            # The router aborted the request (naming why) or went away (a client disconnect).
+            cause = job.cancel_cause or AbortCause.CLIENT_DISCONNECT
+            raise
         finally:
             if early:
                 self.early.give(early)

@@ -162,7 +162,7 @@ class PrefillResult(_Message):
 
 class AbortRequest(_Message):
     request_id: str
-    cause: str = "client_disconnect"
+    cause: str = Field("client_disconnect", max_length=64, pattern=r"^[a-z0-9_]+$")  # a metric label value
 
 
 class BootstrapEvent(_Message):

@@ -813,14 +813,17 @@ class Router:
     ) -> None:
         self.metrics.aborts.labels(cause).inc()
         self.metrics.requests.labels("aborted" if cause == "client_disconnect" else "failed").inc()
-        if prefill_task is not None:
-            prefill_task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(prefill_task)  # retrieve its outcome; the error already reached the client
-        if not self.config.propagate_aborts:
-            return
-        # Shielded: the handler may be being cancelled (client gone) and the aborts must still go out.
-        await asyncio.shield(self._send_aborts(request_id, (prefill_url, decode_url), cause))
+        try:
+            if self.config.propagate_aborts:
+                # The aborts first, so each worker ends the request with its cause; cancelling the
+                # prefill call first would read there as a client disconnect. Shielded: the handler
+                # may be being cancelled (client gone) and the aborts must still go out.
+                await asyncio.shield(self._send_aborts(request_id, (prefill_url, decode_url), cause))
+        finally:
+            if prefill_task is not None:
+                prefill_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(prefill_task)  # retrieve its outcome; the error already reached the client
 
     async def _send_aborts(self, request_id: str, urls: Sequence[str], cause: str) -> None:
         body = AbortRequest(request_id=request_id, cause=cause)

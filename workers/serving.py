@@ -37,6 +37,9 @@ class Job:
 
     request_id: str
     task: asyncio.Task[object]
+    cancel_cause: str | None = field(default=None, kw_only=True)
+    """Why the router cancelled it (`/internal/abort`): the cause counted, rather than the
+    cancellation's default reading, a client disconnect."""
 
 
 @dataclass
@@ -77,10 +80,11 @@ class Jobs:
         if self.by_id.get(job.request_id) is job:
             del self.by_id[job.request_id]
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, cause: str | None = None) -> bool:
         job = self.by_id.get(request_id)
         if job is None or job.task.done():
             return False
+        job.cancel_cause = cause
         job.task.cancel()
         return True
 
@@ -134,7 +138,7 @@ class WorkerRuntime:
             if self.faults.no_abort_propagation:
                 log.warning("FAULT no_abort_propagation: ignoring abort of %s", body.request_id)
                 return web.json_response({"aborted": False})
-            return web.json_response({"aborted": self.jobs.cancel(body.request_id)})
+            return web.json_response({"aborted": self.jobs.cancel(body.request_id, body.cause)})
 
         app.router.add_get("/internal/health", health)
         app.router.add_get("/internal/info", info_endpoint)

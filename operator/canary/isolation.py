@@ -84,8 +84,11 @@ class IsolationProbe(Probe):
     ) -> None:
         spec = ctx.spec.isolation
         nonces = [make_nonce(spec.nonce_length) for _ in range(spec.tenants)]
+        # At most tenantPromptWords, and never more than one request may hold: a healthy server with
+        # a short context refuses longer ones (a 400 is not isolation failing).
+        words = min(spec.tenant_prompt_words, ctx.estimate.words_at_most(ctx.admissible_tokens(ctx.spec.max_tokens)))
         prompts = [
-            filler_text(spec.tenant_prompt_words, ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
+            filler_text(max(1, words), ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
             for i, nonce in enumerate(nonces)
         ]
         results = await asyncio.gather(
