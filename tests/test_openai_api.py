@@ -275,6 +275,9 @@ def test_over_length_chat_names_messages(api: openai.OpenAI, model: str) -> None
     with pytest.raises(openai.BadRequestError) as too_much:
         api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2000)
     assert too_much.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as newer:  # the parameter the client used is the one named
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_completion_tokens=2000)
+    assert newer.value.param == "max_completion_tokens"
 
 
 def test_a_model_card_by_id(api: openai.OpenAI, model: str) -> None:

@@ -93,16 +93,17 @@ def _param_path(loc: list[str]) -> str:
 
 
 def context_length_exceeded(
-    prompt_tokens: int, max_tokens: int, limit: int, what: str, prompt_param: str = "prompt"
+    prompt_tokens: int, max_tokens: int, limit: int, what: str, prompt_param: str = "prompt", budget_param: str = "max_tokens"
 ) -> OpenAIError:
     """S2: the one error every over-length request gets, wherever on its path it is caught.
-    `prompt_param` is "prompt" for completions and "messages" for chat."""
+    `prompt_param` is "prompt" for completions and "messages" for chat; `budget_param` the
+    parameter the completion budget came from (chat's max_completion_tokens, else max_tokens)."""
     return OpenAIError(
         400,
         f"This request needs {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {prompt_param}, "
         f"{max_tokens} for the completion), more than the {what} of {limit} tokens.",
         code="context_length_exceeded",
-        param="max_tokens" if prompt_tokens < limit else prompt_param,
+        param=budget_param if prompt_tokens < limit else prompt_param,
     )
 
 

@@ -594,7 +594,8 @@ class Router:
         base = body.sampling()
         choices = []
         for p, prompt in enumerate(prompts):
-            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, "messages" if chat else "prompt")
+            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, "messages" if chat else "prompt",
+                                                   body.budget_param())
             for j in range(n):
                 index = p * n + j
                 seed = choice_seed(base.seed, j) if base.seed is not None else None
@@ -605,7 +606,7 @@ class Router:
                 )))  # fmt: skip
         return choices
 
-    def _intake(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> tuple[int, bool]:
+    def _intake(self, prompt_tokens: int, max_tokens: int | None, prompt_param: str, budget_param: str = "max_tokens") -> tuple[int, bool]:
         """S2: reject what the context or the smallest KV pool on the path cannot hold, before any work.
         Resolves an absent max_tokens to the rest of the context (OpenAI, vLLM).
 
@@ -624,7 +625,7 @@ class Router:
                     return max_tokens, True
                 self.metrics.rejected.labels("context_length_exceeded").inc()
                 self.metrics.requests.labels("rejected").inc()
-                raise context_length_exceeded(prompt_tokens, max_tokens, limit, what, prompt_param)
+                raise context_length_exceeded(prompt_tokens, max_tokens, limit, what, prompt_param, budget_param)
         return max_tokens, False
 
     async def _whole(self, choices: list[Choice], builder: ResponseBuilder, prompt_tokens: int) -> web.Response:
