@@ -7,9 +7,9 @@ deploy: the webhook refuses it (422) and reconcile reports `InvalidSpec` naming 
 kvguard (the CPU/GPU engine in `workers/`): one device per engine instance, weights loaded in
 fp32, bf16 or fp16, the KV cache in the weights' dtype. Data parallelism is supported the way it is
 rendered: each DP rank is a worker (a pod on Kubernetes, a process locally) with its own pool.
-SGLang and vLLM take every field as a flag (render.py); what is refused for them is what their
-rendered deployment cannot do correctly (SGLang's router reaching prefill through one Service).
-On every engine, GPU fields on a CPU spec are refused: the pods would hold GPUs they never use.
+SGLang and vLLM take every field as a flag (render.py), so nothing engine-specific is refused
+here for them. On every engine, GPU fields on a CPU spec are refused: the pods would hold GPUs
+they never use.
 
 Pure: pydantic models in, strings out.
 """
@@ -48,8 +48,6 @@ _ONE_DEVICE_FIELDS = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
 def engine_problems(spec: InferenceModelSpec) -> list[str]:
     """`field: why` for every field the spec's engine would not run as written (empty: it runs)."""
     problems = _device_problems(spec)
-    if spec.engine.kind == EngineKind.SGLANG:
-        problems += _sglang_problems(spec)
     if spec.engine.kind == EngineKind.KVGUARD:
         problems += _kvguard_problems(spec)
     return problems
@@ -66,17 +64,6 @@ def _device_problems(spec: InferenceModelSpec) -> list[str]:
         if role.gpu_type:
             problems.append(f"spec.roles.{name}.gpuType: hardware.device is cpu: no GPU product to land on")
     return problems
-
-
-def _sglang_problems(spec: InferenceModelSpec) -> list[str]:
-    if spec.roles.prefill.replicas <= 1:
-        return []
-    # sglang_router is given prefill's Service URL and bootstrap port, and tells decode to fetch
-    # the KV from that host: with several prefill pods behind it, decode may reach another pod's
-    # bootstrap server than the one that computed the prompt.
-    return ["spec.roles.prefill.replicas: SGLang's router reaches prefill through one Service, so with more than one "
-            "prefill pod decode may fetch KV from the wrong pod (kvguard does not render per-pod discovery yet); "
-            "use 1 replica with dataParallel for more ranks"]  # fmt: skip
 
 
 def _kvguard_problems(spec: InferenceModelSpec) -> list[str]:

@@ -128,7 +128,9 @@ async def promoted(k8s: Any, revision: str) -> None:
 def fast_settings(**changes: Any) -> ControllerSettings:
     """The controller's settings with test-sized Lease timing (a standby takes over in seconds)."""
     base = ControllerSettings.from_env()
-    lease = dataclasses.replace(base.lease, duration=3.0, renew_deadline=2.0, retry_period=0.3)
+    # 6 s: a leader's thread stalled for a few seconds on a loaded machine must not hand the Lease
+    # over behind a test's back (the takeovers the tests make happen are forced, not waited for).
+    lease = dataclasses.replace(base.lease, duration=6.0, renew_deadline=4.0, retry_period=0.3)
     values: dict[str, Any] = {"lease": lease, "wait": Backoff(0.5, 5.0, 0.2), "errors": Backoff(0.2, 5.0, 0.2), **changes}
     return dataclasses.replace(base, **values)
 

@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from ports import reserved_port
 from tokenizers import Tokenizer
 
 FAULT_MODES: tuple[str, ...] = (
@@ -70,18 +70,15 @@ def transformers_serve_available() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PeerServer:
     """`transformers serve MODEL --device cpu` on a free loopback port, offline; stopped with SIGTERM."""
 
     def __init__(self, model_dir: Path, *, start_timeout: float = 180.0) -> None:
         self.model_dir = model_dir
-        self.port = free_port()
+        # Held (bound, never listening) until stop(): picking a free port and closing it before
+        # uvicorn binds it is a window another process may take it in (tests/ports.py).
+        self._port = contextlib.ExitStack()
+        self.port = self._port.enter_context(reserved_port())
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
         self.log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)
@@ -130,6 +127,7 @@ class PeerServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._port.close()
 
     def __enter__(self) -> PeerServer:
         return self

@@ -125,6 +125,24 @@ async def test_router_ends_both_legs_when_prefill_fails_before_open_s4() -> None
     assert closed.is_set()  # the decode read was cancelled, not left behind
 
 
+async def test_router_raises_a_prefill_failure_that_came_before_it_looked_s4() -> None:
+    """The same counterexample when prefill fails before the router's read starts (while it still
+    waits for decode's response headers), or in the same loop turn as a decode event: the failure
+    must come at the next read, not after decode's stall timer."""
+    started, closed = asyncio.Event(), asyncio.Event()
+    events = _decode_waiting_for_kv(started, closed)
+    failure = OpenAIError(502, "prefill failed", code="prefill_error")
+
+    async def prefill_leg() -> None:
+        raise failure
+
+    prefill_task = asyncio.create_task(prefill_leg())
+    await asyncio.wait({prefill_task})  # failed already
+    with pytest.raises(OpenAIError) as raised:
+        await asyncio.wait_for(_next_event(events, prefill_task), timeout=60)  # type: ignore[arg-type]
+    assert raised.value is failure and not started.is_set()  # decode's stream was never waited on
+
+
 async def test_router_waits_for_decode_once_prefill_succeeded() -> None:
     async def stream() -> AsyncIterator[str]:
         await prefill_task

@@ -164,6 +164,17 @@ def test_apply_input_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert not (tmp_path / "s" / "revisions").exists()  # refused before anything started
 
 
+def test_apply_of_a_spec_refused_by_field_exits_2_at_once(tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPUs asked for on a cpu spec: refused by field before anything starts, never waited on."""
+    body = tiny_body(str(tiny_model_dir))
+    body["spec"]["roles"]["decode"]["gpuCount"] = 1
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    assert main(["apply", "-f", str(manifest), "--local", "--state-dir", str(tmp_path / "s")]) == 2
+    assert "spec.roles.decode.gpuCount: hardware.device is cpu" in capsys.readouterr().err
+    assert not (tmp_path / "s" / "revisions").exists()
+
+
 def test_apply_blocked_plan_exits_3_and_starts_nothing(tmp_path: Path) -> None:
     state = tmp_path / "state"
     assert main(["apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(state)]) == 3

@@ -134,8 +134,13 @@ def test_a_real_stream_has_the_same_text_in_fewer_chunks(tiny_model_dir: Path) -
         chunks = list(stream)
     pieces = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.tokens]
     per_chunk = [len(p.logprobs.tokens) for p in pieces]  # type: ignore[union-attr]
-    # The first token alone, then chunks of `every` tokens, the last one shorter: 1 + 4 + 4 + 4 + 4 + 2.
-    assert per_chunk == [1, 4, 4, 4, 4, 2]
+    # The first token at once, then chunks of at least `every` tokens, the last one what is left:
+    # 1 + 4 + 4 + 4 + 4 + 2 on an idle machine. Under load decode's loop may fall behind and send
+    # what has arrived in one write ([2, 4, 4, 4, 4, 1] was seen), so the rule is asserted, not
+    # one timing of it (the exact split is StreamInterval's, tested alone above).
+    assert sum(per_chunk) == max_tokens and per_chunk[0] >= 1, per_chunk
+    assert all(n >= every for n in per_chunk[1:-1]), per_chunk
+    assert len(per_chunk) <= 1 + -(-(max_tokens - 1) // every), per_chunk  # never more chunks than the interval allows
     assert "".join(p.text for p in pieces) == reference_text(tiny_model_dir, prompt, max_tokens)
     assert [c for c in chunks if c.usage][-1].usage.completion_tokens == max_tokens  # type: ignore[union-attr]
 

@@ -101,8 +101,9 @@ def test_a_tenant_reusing_anothers_request_id_through_another_router_cannot_abor
         b = _whole(other, "tenant B", 6, label="shared-trace-id")
         assert b.status_code == 200 and b.headers["X-Request-Id"] == "shared-trace-id"
         assert b.json()["choices"][0]["text"] == reference_text(tiny_model_dir, "tenant B", 6)
-        with pytest.raises(requests.exceptions.ReadTimeout):  # B leaves: router 2 aborts B's legs
-            _whole(other, "tenant B leaves", 400, label="shared-trace-id", timeout=0.3)
+        leaving = _stream(other, "tenant B leaves", 400, label="shared-trace-id")
+        assert isinstance(next(_events(leaving)), dict)
+        leaving.close()  # B leaves mid-stream (whatever the machine's speed): router 2 aborts B's legs
         assert _finish(events, first) == reference_text(tiny_model_dir, PROMPT_A, 300)
         assert first["id"] != "shared-trace-id"  # the response id is the router's internal id
     wait_pools_empty(trio)

@@ -135,18 +135,6 @@ def test_fields_a_real_api_server_or_the_engine_would_refuse_are_denied_by_name(
     assert exc is not None and exc.code == INVALID and says in str(exc), exc
 
 
-def test_sglang_with_several_prefill_pods_is_denied() -> None:
-    """sglang_router reaches prefill through one Service: decode could fetch KV from another pod."""
-    body = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())
-    body["metadata"] = {"name": "llama", "namespace": NS}
-    body["spec"]["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
-    body["spec"]["engine"]["image"] = "lmsysorg/sglang:v0.5.23"
-    assert denial(body, []) is None
-    body["spec"]["roles"]["prefill"]["replicas"] = 3
-    exc = denial(body, [])
-    assert exc is not None and "spec.roles.prefill.replicas: SGLang's router reaches prefill through one Service" in str(exc)
-
-
 def test_a_blocked_plan_is_left_to_reconcile_when_no_policy_applies() -> None:
     body = tiny_model()
     body["spec"]["minKVRatio"] = 8.0  # the 4,096-token pool is 4x: blocked, reported by reconcile

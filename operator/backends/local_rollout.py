@@ -38,7 +38,7 @@ from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_p
 from kvguard.operator.planner import plan
 from kvguard.operator.policy import policy_min_kv_ratio
 from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS
-from kvguard.operator.reconcile import FAULTS_ANNOTATION, EventSpec, Observed
+from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed
 from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import RecordEvent, RolloutState
 
@@ -247,6 +247,10 @@ async def roll_out(
         result = await run_pass(body, observed, store, backend, runner, memory)
         assert result is not None  # a state folder's model never disappears mid-run
         status = InferenceModelStatus.model_validate(result.body["status"] or {})
+        if result.outcome.blocked_reason in SPEC_DEGRADED_REASONS:
+            # Refused by field before any rollout (the reconcile's own spec checks): nothing will
+            # change until the spec does, so waiting for the rollout to rest would wait forever.
+            raise LocalBackendError(status.message or str(result.outcome.blocked_reason))
         rollout = status.rollout
         state = rollout.state if rollout is not None else RolloutState.PLANNING
         if state != previous_state:
