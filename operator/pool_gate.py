@@ -238,11 +238,12 @@ def judge(
                    message=f"{verdict} < {requirement.ratio:g}x required ({required} tokens); kept out of rotation")  # fmt: skip
 
 
-def unverified(facts: PodFacts, requirement: PoolRequirement, now: dt.datetime) -> PodPool:
-    """The record of a pod whose containers restarted: out of rotation until scraped again."""
+def unverified(facts: PodFacts, requirement: PoolRequirement, now: dt.datetime, why: str = "container restarted") -> PodPool:
+    """The record of a pod not ready to be judged (its containers restarted; locally, a process
+    starting or not running): out of rotation until scraped again."""
     return PodPool(pod=facts.name, node=facts.node, revision=facts.revision, role=facts.role,
                    required_ratio=requirement.ratio, reason="Verifying", checked_at=rfc3339(now),
-                   message=f"pod {facts.name}: container restarted; its KV pool is verified again once it is ready")  # fmt: skip
+                   message=f"pod {facts.name}: {why}; its KV pool is verified again once it is ready")  # fmt: skip
 
 
 def condition_patch(pool: PodPool, previous: Mapping[str, Any] | None, now: dt.datetime) -> dict[str, Any]:

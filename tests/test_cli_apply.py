@@ -179,6 +179,12 @@ def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Sto
     assert out[-1] == f"serving: {url}" and story.serving_url() == url
     assert story.api_base(revision) == router_url  # the router restarted on its port
     story.body = body
+    # Down to no decode worker in place: refused by field (it crashed the router's start), nothing changes.
+    emptied = copy.deepcopy(body)
+    emptied["spec"]["roles"]["decode"]["replicas"] = 0
+    refused = story.apply(emptied)
+    assert refused.returncode == 2 and "spec.roles.decode.replicas: 0 would leave the serving revision" in refused.stderr
+    assert "Traceback" not in refused.stderr and story.pids(revision) == after
 
 
 @pytest.mark.slow

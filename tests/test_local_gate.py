@@ -125,12 +125,17 @@ async def test_a_worker_not_up_yet_is_verifying_never_unreadable(workers: dict[s
     """A worker still starting (no /health yet) is out of rotation until judged, but a slow start
     never counts towards KVPoolUnreadable (which would raise Degraded after five scrapes)."""
     pids = {"decode-0": 100, "decode-1": 101, "prefill-0": 102}
-    gate = LocalPoolGate(ready=lambda w: w.name != "decode-1")
+    gate = LocalPoolGate(ready=lambda w: w.name != "decode-1", alive=lambda _: True)  # (the fakes' pids are made up)
     for _ in range(6):
         pools = await gate.pools(state_of(workers, pids))
     starting = next(p for p in pools if p.pod.endswith("decode-1"))
     assert starting.reason == "Verifying" and starting.unreadable_scrapes == 0 and workers["decode-1"].scrapes == 0
     assert pool_gate_degraded(pools, None) is None
+    # Whether it is starting or its process died is said (`status --local` called a dead one "restarted").
+    assert starting.message.endswith("decode-1: starting; its KV pool is verified again once it is ready")
+    gone = LocalPoolGate(ready=lambda w: w.name != "decode-1", alive=lambda w: w.name != "decode-1")
+    dead = next(p for p in await gone.pools(state_of(workers, pids)) if p.pod.endswith("decode-1"))
+    assert "decode-1: process not running (the next `kvguard apply` restarts it)" in dead.message
 
 
 async def test_a_revision_is_judged_by_its_own_requirement_raised_by_policy(workers: dict[str, FakeWorker]) -> None:

@@ -146,6 +146,7 @@ def test_status_local_scrapes_every_running_worker(serving: LocalDeployment, tmp
     assert "Degraded" not in out  # every pool meets the ratio: the gate sets nothing
     assert "revision ddd444  Superseded  (scaled to zero)" in out
     assert main(["status", "other", "--local", "--state-dir", str(folder)]) == EXIT_NOT_FOUND
+    assert main(["status", "tiny", "--local", "--state-dir", str(folder / "state.json")]) == 2  # a file, not a folder
 
 
 def test_kubectl_kvguard_status_watch_redraws(serving: LocalDeployment, tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.state_dir is not None and not args.local:
         print("kvguard status: --state-dir needs --local", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.state_dir is not None and args.state_dir.exists() and not args.state_dir.is_dir():
+        print(f"kvguard status: --state-dir {args.state_dir} is not a folder", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         show = _local_view(args.state_dir or Path(".kvguard/local") / args.name, args.name) if args.local else _cluster_view(args)
         while True:

@@ -29,7 +29,7 @@ import aiohttp
 
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.base import SCRAPE_TIMEOUT_SECONDS, worker_report
-from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWorker, healthy
+from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWorker, ProcessTable, healthy
 from kvguard.operator.canary.metrics import fetch_all
 from kvguard.operator.pool_gate import PodFacts, PodPool, PoolRequirement, Verdict, judge, unverified
 
@@ -79,6 +79,8 @@ class LocalPoolGate:
     """The verdicts on one state folder's workers; keep one per driver (a fresh one judges anew)."""
 
     ready: Ready = healthy
+    alive: Ready = field(default_factory=lambda: ProcessTable().alive)
+    """Whether the worker's process runs at all (a dead one is said so, not "restarted")."""
     clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)
     verdicts: dict[tuple[str, str], Verdict] = field(default_factory=dict)
     """(revision, worker name) -> the last verdict on it."""
@@ -101,7 +103,8 @@ class LocalPoolGate:
         scrape = [t for t, up in zip(stale, ready, strict=True) if up]
         for (revision, worker, facts, requirement), up in zip(stale, ready, strict=True):
             if not up:  # starting (or stopping): out of rotation until judged, like a pod not ready
-                self.verdicts[(revision, worker.name)] = Verdict(facts.uid, facts.restarts, requirement, unverified(facts, requirement, now))
+                why = "starting" if self.alive(worker) else "process not running (the next `kvguard apply` restarts it)"
+                self.verdicts[(revision, worker.name)] = Verdict(facts.uid, facts.restarts, requirement, unverified(facts, requirement, now, why))
         await self._judge(scrape, now)
         return [self.verdicts[(r, w.name)].pool for r, w, _, _ in targets]
 

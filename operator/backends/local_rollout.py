@@ -206,6 +206,12 @@ async def roll_out(
         say(f"trafficRouter {spec.rollout.traffic_router.value}: locally the splitter in front of the revisions' routers "
             "carries the steps' weights (spec.rollout.gateway is for a cluster's Gateway and is not used here)")  # fmt: skip
     resize = replica_change(backend, revision_of(spec, faults), spec)
+    if emptied := [role for role, (_, after) in resize.items() if after == 0]:
+        # What a new revision without them is refused for (NoWorkers), refused in place too: the
+        # serving revision's router cannot run without a prefill and a decode worker.
+        fields = ", ".join(f"spec.roles.{role}.replicas" for role in emptied)
+        raise LocalBackendError(f"{fields}: 0 would leave the serving revision {backend.state.serving} without "
+                                f"{' and '.join(emptied)} workers; it keeps serving as it is (scale it up, or `kvguard apply --delete`)")  # fmt: skip
     if resize:
         say(f"revision {backend.state.serving} serves; spec replicas changed ({describe_change(resize)}): resizing it in "
             "place, as a Deployment scales (running workers keep their processes; the router restarts on its port "
@@ -235,7 +241,7 @@ async def roll_out(
 
     # S7 while a worker serves: the router keeps a small worker out of rotation; the gate's
     # verdicts on every running worker go into the status as the operator's pod gate's do.
-    gate, policy_ratio = LocalPoolGate(ready=ready), policy_min_kv_ratio(namespace, policies)
+    gate, policy_ratio = LocalPoolGate(ready=ready, alive=backend.processes.alive), policy_min_kv_ratio(namespace, policies)
     loop = asyncio.get_running_loop()
     deadline = None if max_seconds is None else loop.time() + max_seconds
     previous_state: RolloutState | None = None
