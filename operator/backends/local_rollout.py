@@ -202,6 +202,9 @@ async def roll_out(
     kv_plan = plan(spec)
     _check_runnable(backend, spec, kv_plan)
     backend.claim(name)
+    if spec.roles.router.replicas > 1:
+        say(f"spec.roles.router.replicas: {spec.roles.router.replicas} is for a cluster; locally each revision runs one "
+            "router process (it holds no state a second one would share)")  # fmt: skip
     if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
         say(f"trafficRouter {spec.rollout.traffic_router.value}: locally the splitter in front of the revisions' routers "
             "carries the steps' weights (spec.rollout.gateway is for a cluster's Gateway and is not used here)")  # fmt: skip
