@@ -948,7 +948,7 @@ class _Step:
         since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
         interval = float(self.spec.rollout.analysis.interval_seconds)
         if self.r.analysis_verdict == "inconclusive":
-            open_ = "; ".join(r.message for r in self.r.analysis if r.phase != "Successful")
+            open_ = "; ".join(dict.fromkeys(r.message for r in self.r.analysis if r.phase != "Successful"))  # each reason once
             self.condition("Progressing", "True", "AnalysisInconclusive", f"revision {self.candidate} holds at {self.r.weight}%: {open_}")
         else:
             self.condition("Progressing", "True", "TrafficStep", self.r.message or "")
