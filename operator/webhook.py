@@ -82,10 +82,11 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
         return
     if operation == "UPDATE" and not spec_changed(old, body):
         return  # metadata-only: never lock an existing model out of its own bookkeeping
-    if (bad_name := model_name_problem(str(meta.get("name") or ""))) is not None and meta.get("name"):
+    name = meta.get("name")
+    if name and (bad_name := model_name_problem(str(name))) is not None:
         raise AdmissionDenied(bad_name, INVALID)  # (the CRD's CEL rule says it too, where the webhook is off)
     spec = parse_spec(body.get("spec"))
-    check_plannable(spec, name=str(meta.get("name") or "model"), namespace=str(meta.get("namespace") or ""))
+    check_plannable(spec, name=str(name or "model"), namespace=str(meta.get("namespace") or ""))
     verdict = evaluate(spec, str(meta.get("namespace") or ""), policies)
     if not verdict.compliant:
         raise AdmissionDenied(describe_violations(verdict.violations), FORBIDDEN)

@@ -73,7 +73,8 @@ VALID = {
 
 @pytest.mark.parametrize("name", list(VALID))
 def test_valid_specs_are_stored(name: str) -> None:
-    admitted(copy.deepcopy(VALID[name]))
+    body = copy.deepcopy(VALID[name])
+    assert admitted(body)["kind"] == body["kind"]  # stored without a rejection, and readable (admitted asserts both)
 
 
 def test_the_first_rule_failed_on_a_minimal_spec_before_defaults_and_guards() -> None:

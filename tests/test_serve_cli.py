@@ -3,10 +3,12 @@ all three processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +18,7 @@ from waiting import wait_for
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_dir: Path, signum: int) -> None:
-    serve = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(tiny_model_dir),
-         "--kv-pool-tokens", "2048", "--context-length", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        assert serve.stdout is not None
-        urls = json.loads(serve.stdout.readline())
+    with _serving(tiny_model_dir) as (serve, urls):
         assert set(urls["metrics"]) == {"router", "prefill", "decode"}
         assert set(urls["internal"]) == {"prefill", "decode"}
         _assert_one_audience_per_port(urls)
@@ -36,6 +31,20 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
         assert serve.wait(timeout=120) == 0
         wait_for(lambda: not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "every worker process gone",
                  detail=lambda: [pid for pid in workers if Path(f"/proc/{pid}").exists()])  # fmt: skip
+
+
+@contextlib.contextmanager
+def _serving(model_dir: Path) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+    """`kvguard serve` as a user starts it, and the URLs of its first output line; killed at the end
+    if the test left it running."""
+    serve = subprocess.Popen(
+        [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(model_dir),
+         "--kv-pool-tokens", "2048", "--context-length", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert serve.stdout is not None
+        yield serve, json.loads(serve.stdout.readline())
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -44,14 +53,7 @@ def test_serve_prints_its_urls_and_stops_every_process_on_a_signal(tiny_model_di
 def test_workers_stop_by_themselves_when_serve_is_killed(tiny_model_dir: Path) -> None:
     """SIGKILL (or the OOM killer) gives serve no chance to stop its workers: they must notice
     (the lifeline pipe) and stop, not keep serving and holding every port."""
-    serve = subprocess.Popen(
-        [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(tiny_model_dir),
-         "--kv-pool-tokens", "2048", "--context-length", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        assert serve.stdout is not None
-        urls = json.loads(serve.stdout.readline())
+    with _serving(tiny_model_dir) as (serve, urls):
         workers = _children(serve.pid)
         assert len(workers) == 3
         serve.kill()
@@ -60,9 +62,6 @@ def test_workers_stop_by_themselves_when_serve_is_killed(tiny_model_dir: Path) -
                  timeout=60, detail=lambda: [pid for pid in workers if _running(pid)])  # fmt: skip
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{urls['router']}/models", timeout=5)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
 
 
 def _running(pid: int) -> bool:

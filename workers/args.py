@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
@@ -225,6 +225,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name in ("prefill", "decode"):
             kwargs["action"] = "append"
         group.add_argument(flag, **kwargs)
+
+
+def flag_errors(exc: ValidationError) -> list[str]:
+    """`--flag: why` for each error of a WorkerArgs validation (field `foo_bar` is `--foo-bar`)."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"])
+        lines.append(f"{'--' + where.replace('_', '-') + ': ' if where else ''}{error['msg']}")
+    return lines
 
 
 def from_namespace(namespace: argparse.Namespace) -> WorkerArgs:

@@ -867,13 +867,11 @@ async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.
     comes first and is raised at once (S4). A prefill that failed or died before its OPEN reached
     decode leaves decode waiting for KV that never comes: without this, both legs would end only
     when decode's stall timer fired (found by the model, formal/README.md)."""
-    if prefill_task is not None and prefill_task.done():
-        # Failed before this call (while the router still waited for decode's headers, or in the
-        # same loop turn as the last event): raised now, not after decode's stall timer.
-        if not prefill_task.cancelled() and (failed := prefill_task.exception()) is not None:
+    if prefill_task is None or prefill_task.done():
+        # One that failed before this call (while the router still waited for decode's headers,
+        # or in the same loop turn as the last event) is raised now, not after the stall timer.
+        if prefill_task is not None and not prefill_task.cancelled() and (failed := prefill_task.exception()) is not None:
             raise failed
-        return await anext(events, None)
-    if prefill_task is None:
         return await anext(events, None)
     following = asyncio.ensure_future(anext(events, None))
     try:

@@ -71,6 +71,7 @@ def _stream_interval(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from kvguard.workers.args import flag_errors
     from kvguard.workers.launcher import LocalDeployment, LocalServeConfig, SmallPoolError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -103,9 +104,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvguard serve: refusing to start: {exc}", file=sys.stderr)
         return EXIT_SMALL_POOL
     except ValidationError as exc:  # a flag the workers' own argument model refuses
-        for error in exc.errors():
-            where = ".".join(str(p) for p in error["loc"])
-            print(f"kvguard serve: {'--' + where.replace('_', '-') + ': ' if where else ''}{error['msg']}", file=sys.stderr)
+        for line in flag_errors(exc):
+            print(f"kvguard serve: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (OSError, ValueError) as exc:
         print(f"kvguard serve: {exc}", file=sys.stderr)

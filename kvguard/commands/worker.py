@@ -23,14 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from kvguard.workers.args import from_namespace
+    from kvguard.workers.args import flag_errors, from_namespace
     from kvguard.workers.servers import run_worker
 
     try:
         worker_args = from_namespace(args)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        print(f"kvguard worker: {'--' + where.replace('_', '-') + ': ' if where else ''}{first['msg']}", file=sys.stderr)
+        print(f"kvguard worker: {flag_errors(exc)[0]}", file=sys.stderr)
         return 2
     return run_worker(worker_args)
