@@ -74,6 +74,7 @@ def test_models_endpoint_reports_the_context_length(trio: LocalDeployment) -> No
     cards = client(trio).models.list().data
     assert len(cards) == 1
     assert cards[0].model_extra is not None and cards[0].model_extra["max_model_len"] == 1024
+    assert abs(cards[0].created - time.time()) < 3600  # when the router started, not 0
 
 
 def test_concurrent_requests_each_get_their_solo_output(trio: LocalDeployment, tiny_model_dir: Path) -> None:
@@ -145,6 +146,32 @@ def test_malformed_json_is_a_400(trio: LocalDeployment) -> None:
     response = requests.post(f"{trio.api_base}/completions", data=b"{not json", timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_only_uncompressed_json_bodies_are_read(trio: LocalDeployment) -> None:
+    """No listener inflates a body (a gzip bomb never is); a compressed body, whatever its coding,
+    is a 415 naming it -- not a 500, a JSON error or a plain-text parser answer -- and so is a form
+    or text/plain body (what a browser may send cross-site). JSON, labelled or not, is served."""
+    import gzip
+
+    body = json.dumps({"model": served_model(trio), "prompt": "hi", "max_tokens": 2}).encode()
+    url = f"{trio.api_base}/completions"
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of spaces in ~64 KiB
+    for coding, data in (("gzip", gzip.compress(body)), ("gzip", bomb), ("deflate", body), ("br", body), ("zstd", body), ("x", body)):
+        answer = requests.post(url, data=data, headers={"Content-Type": "application/json", "Content-Encoding": coding}, timeout=30)
+        assert answer.status_code == 415 and answer.json()["error"]["code"] == "unsupported_media_type", (coding, answer.text)
+        assert repr(coding) in answer.json()["error"]["message"]
+    for media in ("application/x-www-form-urlencoded", "text/plain"):
+        answer = requests.post(url, data=body, headers={"Content-Type": media}, timeout=30)
+        assert answer.status_code == 415 and media in answer.json()["error"]["message"]
+    for headers in ({}, {"Content-Type": "application/json; charset=utf-8"}, {"Content-Encoding": "identity"}):
+        assert requests.post(url, data=body, headers=headers, timeout=30).status_code == 200, headers
+
+
+def test_a_lone_surrogate_is_named_in_the_json_error(trio: LocalDeployment) -> None:
+    body = json.dumps({"model": served_model(trio), "prompt": "\ud800", "max_tokens": 2})  # what json.dumps writes for it
+    answer = requests.post(f"{trio.api_base}/completions", data=body, timeout=30)
+    assert answer.status_code == 400 and "surrogate" in answer.json()["error"]["message"]
 
 
 def test_a_reused_request_id_is_only_a_label_never_merged_or_refused_class_g_s9(trio: LocalDeployment, tiny_model_dir: Path) -> None:
@@ -255,6 +282,20 @@ def test_router_refuses_workers_whose_page_sizes_differ() -> None:
     with pytest.raises(ValueError, match="page size"):
         Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 32)])
     assert Upstreams([worker(Role.PREFILL, 16)], [worker(Role.DECODE, 16)]).smallest_pool == 4096
+
+
+def test_the_request_limit_is_the_context_or_a_smaller_pool() -> None:
+    """What /v1/models reports as max_model_len and what an absent max_tokens fills up to: the
+    context, unless a worker's pool is smaller (--allow-small-pool), so a client sizing prompts
+    from the card is never refused by the pool."""
+    from kvguard.workers.protocol import Role, WorkerInfo
+    from kvguard.workers.router import Upstream, Upstreams
+
+    def worker(role: Role, pool: int) -> Upstream:
+        return Upstream(f"http://{role.value}", WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=pool, page_size=16))
+
+    assert Upstreams([worker(Role.PREFILL, 4096)], [worker(Role.DECODE, 4096)]).request_limit == 1024
+    assert Upstreams([worker(Role.PREFILL, 4096)], [worker(Role.DECODE, 592)]).request_limit == 592
 
 
 def test_the_router_keeps_a_worker_with_a_too_small_pool_out_of_rotation_s7() -> None:

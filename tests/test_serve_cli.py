@@ -119,6 +119,8 @@ def test_serve_pool_advice_counts_whole_pages_and_never_rounds_up_to_the_ratio(t
         (["--context-length", "8192"], "--context-length 8192 exceeds the model's maximum 4096"),
         (["--device", "foo"], "--device: String should match pattern"),
         (["--transfer-timeout", "nan"], "--transfer-timeout: Input should be greater than 0"),
+        (["--port", "23999", "--metrics-port", "23999"], "--port and --metrics-port both ask for port 23999"),
+        (["--model-name", ""], "--model-name: String should have at least 1 character"),
     ],
 )
 def test_serve_bad_flags_exit_2_with_one_line_before_any_worker_starts(tiny_model_dir: Path, flags: list[str], message: str) -> None:
@@ -139,6 +141,14 @@ def test_serve_reports_a_busy_port_at_once_naming_its_flag(tiny_model_dir: Path)
         assert "listening on" not in done.stderr and "worker ready" not in done.stderr  # found before any worker started
     finally:
         busy.close()
+
+
+def test_the_served_name_is_the_model_folders_even_as_a_relative_path(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvguard.workers.args import WorkerArgs
+
+    monkeypatch.chdir(tiny_model_dir)
+    assert WorkerArgs(role="prefill", model=Path(".")).served_model_name() == tiny_model_dir.resolve().name  # not ""
+    assert WorkerArgs(role="prefill", model=Path("."), model_name="m-1").served_model_name() == "m-1"
 
 
 def test_worker_args_round_trip_through_the_command_line() -> None:

@@ -106,7 +106,8 @@ class WorkerArgs(BaseModel):
 
     role: WorkerRoleName = Field(json_schema_extra=_flag("common", "which process to run"))
     model: Path = Field(json_schema_extra=_flag("common", "Hugging Face model folder"))
-    model_name: str | None = Field(None, json_schema_extra=_flag("common", "name served in the API (default: the folder name)"))
+    model_name: str | None = Field(None, min_length=1, max_length=256,
+                                   json_schema_extra=_flag("common", "name served in the API (default: the folder name)"))  # fmt: skip
     host: str = Field("127.0.0.1", json_schema_extra=_flag("common", "address to bind (0.0.0.0 in a pod)"))
     port: ListenSpec = Field(
         Listen(), json_schema_extra=_flag("common", "router: the public OpenAI API; prefill/decode: the internal control API "
@@ -187,6 +188,11 @@ class WorkerArgs(BaseModel):
         if self.role == "router" and self.transfer_encryption != "none":
             raise ValueError("--transfer-encryption is a prefill and decode flag")
         return self
+
+    def served_model_name(self) -> str:
+        """The name the API serves: --model-name, else the model folder's own name (resolved, so
+        `--model .` serves the folder's name, not an empty one)."""
+        return self.model_name or self.model.resolve().name
 
     def to_argv(self) -> list[str]:
         """The flags that reproduce this value, for `kvguard worker`. Defaults are left out, except

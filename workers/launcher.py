@@ -57,6 +57,7 @@ class SmallPoolError(ValueError):
 @dataclass(frozen=True)
 class LocalServeConfig:
     model_dir: Path
+    model_name: str | None = None  # the name served in the API; None: the model folder's name
     port: int = 0  # router API port; 0 picks a free one (as do the ports below)
     metrics_port: int = 0  # the router's /metrics
     prefill_port: int = 0  # prefill's internal control API
@@ -103,6 +104,16 @@ class LocalServeConfig:
             f"below the safe ratio {self.min_kv_ratio:g}x: raise --kv-pool-tokens to at least {at_least} "
             f"(whole pages of {self.page_size}) or lower --context-length (--allow-small-pool serves it anyway)"
         )
+
+    def port_clash(self) -> str | None:
+        """Two flags asking for the same fixed port: one line naming both, before anything binds
+        (else the second bind reads as if another program held the port)."""
+        taken: dict[int, str] = {}
+        for port, flag in self.listener_ports().values():
+            if port and port in taken:
+                return f"{taken[port]} and {flag} both ask for port {port}; give each listener its own"
+            taken.setdefault(port, flag)
+        return None
 
     def context_problem(self) -> str | None:
         """A --context-length above the model's own maximum, found before any process starts
@@ -157,7 +168,7 @@ class LocalDeployment:
 
     def __post_init__(self) -> None:
         c = self.config
-        if (problem := c.context_problem()) is not None:
+        if (problem := c.port_clash() or c.context_problem()) is not None:
             raise ValueError(problem)
         if c.kv_pool_tokens is not None and c.context_length is not None and not c.allow_small_pool:
             whole_pages = c.kv_pool_tokens // c.page_size * c.page_size  # what the engine allocates (plan_pool_pages)
@@ -188,7 +199,7 @@ class LocalDeployment:
             "context_length": c.context_length, "max_transfer_batch": c.max_transfer_batch,
             "transfer_timeout": c.transfer_timeout_s, "transfer_encryption": c.transfer_encryption,
         }  # fmt: skip
-        common: dict[str, object] = {"role": role, "model": c.model_dir, "host": HOST}
+        common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST}
         if role == "router":
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
                               prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],))  # fmt: skip

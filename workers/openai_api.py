@@ -73,7 +73,10 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     if kind == "json_invalid":
         if "recursion limit" in msg:
             return OpenAIError(400, f"the request body nests JSON more than {JSON_DEPTH_LIMIT} levels deep", code="invalid_json")
-        return OpenAIError(400, f"the request body is not valid JSON: {msg.removeprefix('Invalid JSON: ')}", code="invalid_json")
+        detail = msg.removeprefix("Invalid JSON: ")
+        if "hex escape" in detail:  # what the parser says of a lone surrogate, which json.dumps writes
+            detail += " (a \\ud800-\\udfff escape must be one half of a surrogate pair: a lone one is not Unicode)"
+        return OpenAIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
     if kind == "model_type" and not loc:
         return OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
     if kind == "extra_forbidden":

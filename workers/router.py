@@ -30,7 +30,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
@@ -281,6 +281,12 @@ class Upstreams:
     def smallest_pool(self) -> int:
         return min(u.info.kv_pool_tokens for u in self._limits_of())
 
+    @property
+    def request_limit(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the context, or a smaller pool
+        (only under --allow-small-pool). What /v1/models reports as max_model_len."""
+        return min(self.context_length, self.smallest_pool)
+
 
 async def fetch_info(session: aiohttp.ClientSession, control: ControlClient, url: str, role: Role) -> WorkerInfo:
     """A worker's reported limits; ValueError when the URL is a worker of another role."""
@@ -320,6 +326,7 @@ class Router:
         self.control = ControlClient(keys)
         self.tickets = TicketAuthority(keys.ticket)
         self.ticket_ttl_s = min(config.request_timeout_s, MAX_TICKET_TTL_S)
+        self._started = int(time.time())  # a model card's `created`: when this router began serving it
         self._upstreams: Upstreams | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
@@ -420,7 +427,7 @@ class Router:
 
     # -- endpoints -------------------------------------------------------------------------
     def _card(self) -> ModelCard:
-        return ModelCard(id=self.config.model_name, max_model_len=self.upstreams.context_length)
+        return ModelCard(id=self.config.model_name, created=self._started, max_model_len=self.upstreams.request_limit)
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response(ModelList(data=[self._card()]).model_dump(mode="json"))
@@ -504,6 +511,7 @@ class Router:
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             self._too_large()  # refused from its headers: not a byte of it is read
+        _check_body_headers(request.headers)
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 return await request.read()
@@ -613,7 +621,7 @@ class Router:
         Returns max_tokens and whether the request is over-length (only possible under the
         unsafe_reject_path fault)."""
         if max_tokens is None:
-            room = min(self.upstreams.context_length, self.upstreams.smallest_pool) - prompt_tokens
+            room = self.upstreams.request_limit - prompt_tokens
             max_tokens = max(1, room)
         needed = prompt_tokens + max_tokens
         for limit, what in (
@@ -905,6 +913,21 @@ async def _prefill_error_first(task: asyncio.Task[None], wait: bool) -> OpenAIEr
             await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
     error = task.exception() if task.done() and not task.cancelled() else None
     return error if isinstance(error, OpenAIError) else None
+
+
+def _check_body_headers(headers: Mapping[str, str]) -> None:
+    """The body must be JSON as sent: uncompressed, and JSON or unlabelled (as FastAPI, and so vLLM,
+    reads a body). No listener decompresses (`servers.app_runner`), so a compressed body is refused
+    here by name -- not a JSON error or a 500 -- and no decompression bomb is ever inflated. A form
+    or text/plain body is what a browser may send cross-site without a preflight: refused too."""
+    encoding = headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise OpenAIError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
+                          code="unsupported_media_type")  # fmt: skip
+    media = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise OpenAIError(415, f"Content-Type {media[:60]!r} is not accepted: send the body as application/json",
+                          code="unsupported_media_type")  # fmt: skip
 
 
 def _unknown_model(name: str) -> OpenAIError:

@@ -80,8 +80,11 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
     keepalive_timeout: aiohttp arms it when a connection opens and re-arms it only after a
     response, and closes a connection still waiting for a complete request when it fires -- so it
     bounds how long a client may take to send its headers (slowloris) as well as idle keep-alive
-    time. aiohttp's own default is an hour. Bodies are bounded by the handlers (the router: 408)."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=header_timeout_s)
+    time. aiohttp's own default is an hour. Bodies are bounded by the handlers (the router: 408).
+    auto_decompress off: no listener inflates a Content-Encoding body (a gzip bomb, or a parser
+    error before any handler runs); the router refuses one with a 415 (router._check_body_headers)."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=header_timeout_s,
+                         auto_decompress=False)  # fmt: skip
 
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0) -> None:
@@ -142,7 +145,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
     config = RouterConfig(
         prefill_urls=tuple(args.prefill),
         decode_urls=tuple(args.decode),
-        model_name=args.model_name or args.model.name,
+        model_name=args.served_model_name(),
         request_timeout_s=args.request_timeout,
         body_timeout_s=args.body_timeout,
         max_body_bytes=args.max_body_bytes,
@@ -191,7 +194,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
     engine = AsyncEngine(Engine(config, registry))
     runtime = WorkerRuntime(
         role=Role(args.role),
-        model_name=args.model_name or args.model.name,
+        model_name=args.served_model_name(),
         engine=engine,
         registry=registry,
         transfer_metrics=TransferMetrics.create(registry),

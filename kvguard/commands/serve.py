@@ -25,6 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "start; 2: bad flags or a port in use; 3: the KV pool is below 2x the context (see --allow-small-pool).",
     )
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
+    parser.add_argument("--model-name", default=None, help="name served in the API (default: the model folder's name)")
     parser.add_argument("--port", type=_port, default=0, help="router port: the OpenAI API")
     parser.add_argument("--metrics-port", type=_port, default=0, help="the router's /metrics")
     parser.add_argument("--prefill-port", type=_port, default=0, help="prefill's internal control API")
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         deployment = LocalDeployment(
             LocalServeConfig(
                 model_dir=args.model,
+                model_name=args.model_name,
                 port=args.port,
                 metrics_port=args.metrics_port,
                 prefill_port=args.prefill_port,
