@@ -9,8 +9,11 @@ Output: pass, fail or inconclusive, with every check's numbers for status.rollou
 Checks (spec.rollout.analysis):
 - safety: any increase of a safety counter on the candidate (tag violations S1, KV checksum and
   HMAC failures S3) fails the analysis at once, whatever the failure limits.
-- errorRatio: (failed + aborted) / all ended requests of the candidate's routers
-  (kvguard_requests_total{outcome}), at most maxRatio.
+- errorRatio: failed / the candidate routers' ended requests (kvguard_requests_total{outcome}),
+  at most maxRatio. Requests the client abandoned (`aborted`: it disconnected) are left out of
+  both: a user pressing stop, or a tenant hanging up on purpose, says nothing about the revision.
+  A revision that hangs is not hidden by this: its requests end `failed` at the router's request
+  timeout, and while none end otherwise the window holds too few requests to pass.
 - ttft, itl: a percentile of kvguard_router_time_to_first_token_seconds /
   kvguard_router_inter_token_latency_seconds of the candidate, at most maxRatioToStable times the
   stable's over the same window (no stable revision: not compared).
@@ -38,9 +41,11 @@ from kvguard.operator.canary.spec import DEFAULT_ABORT_TOLERANT_COUNTERS, DEFAUL
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisPhase, AnalysisResult
 
 REQUESTS = "kvguard_requests_total"
-ERROR_OUTCOMES = ("failed", "aborted")
-"""kvguard_requests_total outcomes that count as errors: 5xx answers and aborted responses
-(`rejected` is a 4xx the client caused, e.g. an over-length prompt)."""
+ERROR_OUTCOMES = ("failed",)
+"""kvguard_requests_total outcomes that count as errors: 5xx answers and responses the revision
+broke off (`rejected` is a 4xx the client caused, e.g. an over-length prompt)."""
+ABANDONED = "aborted"
+"""The outcome of a request whose client disconnected: not judged either way."""
 TTFT = "kvguard_router_time_to_first_token_seconds"
 ITL = "kvguard_router_inter_token_latency_seconds"
 REQUEST_DURATION = "kvguard_router_request_duration_seconds"
@@ -105,6 +110,11 @@ def requests_ended(window: Series, **labels: str) -> float:
     return total(window, REQUESTS, role=ROUTER, **labels)
 
 
+def requests_judged(window: Series) -> float:
+    """Requests that ended by the revision's doing: all but those whose client hung up."""
+    return requests_ended(window) - requests_ended(window, outcome=ABANDONED)
+
+
 def histogram_buckets(window: Series, histogram: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of a histogram summed over sources, ascending."""
     counts: dict[float, float] = {}
@@ -159,7 +169,7 @@ def served_traffic(series: Series | None) -> bool:
 
 def needs_more_traffic(spec: AnalysisSpec, window: Window) -> bool:
     """Too few candidate requests to judge: the next measurement should cover this window too."""
-    return requests_ended(window.candidate) < spec.min_requests
+    return requests_judged(window.candidate) < spec.min_requests
 
 
 @dataclass(frozen=True)
@@ -188,7 +198,7 @@ def measure(
     """One measurement of every enabled check; `previous` carries each check's failure count."""
     failures = {r.name: r.failures for r in previous}
     results = [_safety(window, failures.get("safety", 0), at)]
-    requests = requests_ended(window.candidate)
+    requests = requests_judged(window.candidate)
     if spec.error_ratio.enabled:
         results.append(_error_ratio(spec, window, requests, failures.get("errorRatio", 0), at))
     for name, histogram, check in (("ttft", TTFT, spec.ttft), ("itl", ITL, spec.itl)):
@@ -220,7 +230,9 @@ def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: 
         return _result("errorRatio", "Inconclusive", None, limit, _too_few(requests, spec.min_requests), failures, at)
     errors = sum(requests_ended(window.candidate, outcome=o) for o in ERROR_OUTCOMES)
     ratio = errors / requests
-    text = f"{errors:g} of {requests:g} candidate requests failed or aborted = {ratio:.3f} (max {limit:g})"
+    text = f"{errors:g} of {requests:g} candidate requests failed = {ratio:.3f} (max {limit:g})"
+    if abandoned := requests_ended(window.candidate, outcome=ABANDONED):
+        text += f"; {abandoned:g} abandoned by their clients, not counted"
     if ratio > limit:
         return _result("errorRatio", "Failed", ratio, limit, text, failures + 1, at)
     return _result("errorRatio", "Successful", ratio, limit, text, failures, at)

@@ -331,12 +331,6 @@ def _require_arch(spec: InferenceModelSpec) -> ModelArchitecture:
     return spec.model.architecture
 
 
-def _require_arch(spec: InferenceModelSpec) -> ModelArchitecture:
-    if spec.model.architecture is None:
-        raise PlanInputError([("spec.model.architecture", "is required to plan (write it, or pass --hf-config)")])
-    return spec.model.architecture
-
-
 def memory_fraction(spec: InferenceModelSpec, role: WorkerRole) -> float:
     if role.memory_fraction is not None:
         return role.memory_fraction

@@ -213,6 +213,9 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
             km.action.UPDATE: kmock_rendering.Response.guess(self._serve_update),
             km.action.DELETE: kmock_rendering.Response.guess(self._serve_delete),
         }
+        # The kubernetes client's VersionApi asks for "/version/" (a real API server answers both);
+        # `kvguard operator` checks its credentials with it before it starts.
+        self.fallback["get /version/"] << self._serve_server_version
         self._versions = itertools.count(1)
         self._applied: dict[tuple[Any, str], dict[str, Any]] = {}
         self.conflicts = 0

@@ -87,7 +87,7 @@ def test_errors_above_the_ratio_fail_at_the_first_measurement() -> None:
     m = measured(candidate, stable)
     assert m.verdict == "fail"
     assert by_name(m)["errorRatio"].value == pytest.approx(0.1) and by_name(m)["errorRatio"].failures == 1
-    assert "2 of 20 candidate requests failed or aborted" in m.message
+    assert "2 of 20 candidate requests failed" in m.message
 
 
 def test_a_safety_counter_fails_at_once() -> None:
@@ -138,7 +138,27 @@ def test_a_request_counts_once_though_router_and_engines_all_count_it() -> None:
     candidate, stable = Revision(), Revision()
     candidate.serve(18, failed=2)
     stable.serve(100)
-    assert "2 of 20 candidate requests failed or aborted = 0.100" in measured(candidate, stable).message
+    assert "2 of 20 candidate requests failed = 0.100" in measured(candidate, stable).message
+
+
+def test_requests_the_clients_abandoned_are_not_judged() -> None:
+    """A client that disconnects (a user pressing stop, a tenant hanging up on purpose) ends its
+    request `aborted`: not the revision's error, and not a request it served either -- so a wave
+    of hang-ups can neither fail a candidate nor dilute its real failures."""
+    candidate, stable = Revision(), Revision()
+    candidate.serve(19, failed=1)
+    for _ in range(30):
+        candidate.router.requests.labels("aborted").inc()
+    stable.serve(100)
+    m = measured(candidate, stable)
+    result = by_name(m)["errorRatio"]
+    assert m.verdict == "pass" and result.value == pytest.approx(0.05)
+    assert "1 of 20 candidate requests failed = 0.050" in result.message and "30 abandoned by their clients, not counted" in result.message
+
+    only_abandoned = Revision()
+    for _ in range(30):
+        only_abandoned.router.requests.labels("aborted").inc()
+    assert measured(only_abandoned, stable).verdict == "inconclusive"  # a hung candidate is not passed either
 
 
 def test_a_window_counts_only_what_happened_since_the_last_measurement() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -103,6 +104,19 @@ def test_prefill_dying_mid_transfer_fails_the_client_and_frees_decode_s4(tiny_mo
         assert _outcome(d, "third request") == ("ok", reference_text(tiny_model_dir, "third request", 12))
 
 
+def test_decode_counts_a_failed_prefill_by_its_cause_not_as_a_client_disconnect(tiny_model_dir: Path) -> None:
+    """Requests waiting on a prefill that crashes fail with the router's cause on every process:
+    the router keeps decode's stream open until its abort has gone out. (It closed the stream
+    first once, and decode counted 10 of 12 as client disconnects, which paging rules leave out.)"""
+    with deployment(tiny_model_dir, "crash_prefill_after_chunks=2") as d:
+        with cf.ThreadPoolExecutor(12) as pool:
+            outcomes = list(pool.map(lambda i: _outcome(d, f"request {i} " * 5)[0], range(12)))
+        assert "error" in outcomes
+        wait_pools_empty(d, roles=("decode",))
+        assert metric(d, "decode", "kvguard_aborts_total") >= 1
+        assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == 0
+
+
 def test_decode_dying_mid_request_fails_the_client_and_frees_prefill_s4(tiny_model_dir: Path) -> None:
     with deployment(tiny_model_dir) as d:
         api = client(d)
@@ -176,3 +190,24 @@ def test_soak_with_random_aborts_every_output_equals_its_solo_reference(tiny_mod
         wait_pools_empty(d)
         for role in ("prefill", "decode"):
             assert metric(d, role, "kvguard_tag_violations_total") == 0
+
+
+def test_sigterm_stops_a_prefill_whose_requests_wait_for_tickets_within_the_grace(tiny_model_dir: Path) -> None:
+    """Decode's pool holds 4 of these requests; prefill computes the rest ahead and waits for their
+    tickets. SIGTERM must still stop prefill within its grace (servers.SHUTDOWN_GRACE_S), not
+    aiohttp's 60 s: past a pod's 30 s termination grace it would be SIGKILLed."""
+    from kvguard.workers.servers import SHUTDOWN_GRACE_S
+
+    with deployment(tiny_model_dir, kv_pool_tokens=4096, context_length=1024) as d:
+        with cf.ThreadPoolExecutor(6) as pool:
+            for i in range(6):
+                pool.submit(_outcome, d, f"long request {i} " * 3, 900)
+            wait_for(lambda: metric(d, "decode", "kvguard_running_requests") >= 4 and metric(d, "prefill", "kvguard_running_requests") >= 1,
+                     "decode's pool full, prefill holding the rest", 120)  # fmt: skip
+            prefill = d.processes["prefill"].popen
+            assert prefill is not None
+            started = time.monotonic()
+            prefill.send_signal(signal.SIGTERM)
+            prefill.wait(timeout=60)
+            assert prefill.returncode == 0 and time.monotonic() - started < SHUTDOWN_GRACE_S + 20
+            d.stop()

@@ -719,37 +719,42 @@ class Router:
         # nothing is sent without it) once decode's bootstrap is here.
         ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         prefill_task = asyncio.create_task(self._prefill(prefill.url, PrefillRequest(**request.model_dump()), ticket))
+        stack = contextlib.AsyncExitStack()
         try:
-            async with self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise await _upstream_error(resp)
-                events = _decode_events(resp)
-                while (event := await _next_event(events, prefill_task)) is not None:
-                    if isinstance(event, BootstrapEvent):
-                        if ticket.done():
-                            raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
-                        ticket.set_result(self._ticket(request.request_id, event))
-                    elif isinstance(event, ErrorEvent):
-                        # Before the ticket, prefill cannot have caused decode's failure.
-                        raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
-                            event.status, event.message, code=event.code
-                        )
-                    else:
-                        # Tokens flow as soon as decode verified the KV (S3): prefill's own answer
-                        # (that it sent it all) is only awaited before the request ends cleanly.
-                        if isinstance(event, TokenEvent) and event.token_ids:
-                            tokens, last_token = self._observe_latency(event, tokens, started, last_token)
-                        if isinstance(event, FinishEvent):
-                            await prefill_task
-                            # Settled before the yield: the consumer may close us right after it.
-                            self.metrics.requests.labels("finished").inc()
-                            cause = ""
-                        yield event
-                        if not cause:
-                            return
-                raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
-                    502, "the decode worker closed the stream before finishing", code="decode_failed"
-                )
+            # Decode's stream stays open until the aborts have gone out (the finally below):
+            # closing it first would read on decode as a client disconnect, whatever the cause.
+            resp = await stack.enter_async_context(
+                self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout)
+            )
+            if resp.status != 200:
+                raise await _upstream_error(resp)
+            events = _decode_events(resp)
+            while (event := await _next_event(events, prefill_task)) is not None:
+                if isinstance(event, BootstrapEvent):
+                    if ticket.done():
+                        raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
+                    ticket.set_result(self._ticket(request.request_id, event))
+                elif isinstance(event, ErrorEvent):
+                    # Before the ticket, prefill cannot have caused decode's failure.
+                    raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
+                        event.status, event.message, code=event.code
+                    )
+                else:
+                    # Tokens flow as soon as decode verified the KV (S3): prefill's own answer
+                    # (that it sent it all) is only awaited before the request ends cleanly.
+                    if isinstance(event, TokenEvent) and event.token_ids:
+                        tokens, last_token = self._observe_latency(event, tokens, started, last_token)
+                    if isinstance(event, FinishEvent):
+                        await prefill_task
+                        # Settled before the yield: the consumer may close us right after it.
+                        self.metrics.requests.labels("finished").inc()
+                        cause = ""
+                    yield event
+                    if not cause:
+                        return
+            raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
+                502, "the decode worker closed the stream before finishing", code="decode_failed"
+            )
         except OpenAIError as err:
             cause = err.code or "error"
             raise
@@ -760,9 +765,12 @@ class Router:
             cause = "worker_unreachable"
             raise OpenAIError(502, f"a worker failed: {exc}", code="worker_failed") from None
         finally:
-            self.metrics.request_duration.observe(time.monotonic() - started)
-            if cause:
-                await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
+            try:
+                self.metrics.request_duration.observe(time.monotonic() - started)
+                if cause:
+                    await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
+            finally:
+                await stack.aclose()
 
     def _observe_latency(self, event: TokenEvent, tokens: int, started: float, last: float) -> tuple[int, float]:
         """TTFT for the first token; for later ones the gap since the last event, shared by the

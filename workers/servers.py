@@ -72,6 +72,9 @@ def run_worker(args: WorkerArgs) -> int:
     return 0
 
 
+SHUTDOWN_GRACE_S = 5.0
+
+
 def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
     """The runner every listener uses.
 
@@ -82,9 +85,12 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
     bounds how long a client may take to send its headers (slowloris) as well as idle keep-alive
     time. aiohttp's own default is an hour. Bodies are bounded by the handlers (the router: 408).
     auto_decompress off: no listener inflates a Content-Encoding body (a gzip bomb, or a parser
-    error before any handler runs); the router refuses one with a 415 (router._check_body_headers)."""
+    error before any handler runs); the router refuses one with a 415 (router._check_body_headers).
+    shutdown_timeout: on SIGTERM, requests in flight get this long to end before their handlers are
+    cancelled (which aborts them, S4). aiohttp's 60 s kept a prefill whose requests wait for their
+    tickets alive past a pod's 30 s grace period, to be SIGKILLed."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=header_timeout_s,
-                         auto_decompress=False)  # fmt: skip
+                         auto_decompress=False, shutdown_timeout=SHUTDOWN_GRACE_S)  # fmt: skip
 
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0) -> None:

@@ -175,7 +175,8 @@ class KubernetesBackend:
             log.info("scaled %s to %s", ref_of(live), patch["spec"]["replicas"])
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
-        names = {object_name(model.name, revision, role) for role in ROLES} | {network_policy_name(model.name, revision)}
+        names = {object_name(model.name, revision, role) for role in ROLES}
+        names |= {network_policy_name(model.name, revision, role) for role in ROLES}
         doomed = [o for o in self._owned(model) if o["metadata"]["name"] in names]
         secret = ObjectRef("Secret", secret_name(model.name, revision), model.namespace)
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
