@@ -130,27 +130,33 @@ async def _exchange(port: int, head: bytes, body: bytes = b"") -> bytes:
 
 
 async def test_an_unsigned_or_oversized_upload_is_refused_before_its_body_is_read() -> None:
-    """A pod that can reach the port but has no key used to upload 256 MiB before its 401."""
+    """A pod that can reach the port but has no key used to upload 256 MiB before its 401, and
+    then (v1 headers: form and freshness checked first, the MAC after the body) 32 MiB per
+    connection. The v2 header's MAC covers the body's digest, so it is checked from the head."""
     import time
 
     runner, port, key = await _internal_app()
     try:
-        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n"
+        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n\r\n"
         assert (await _exchange(port, head)).startswith(b"HTTP/1.1 401")  # no body was sent at all
-        fresh = f"v1 ts={int(time.time() * 1000)} nonce={'0' * 32} mac={'0' * 64}".encode()
-        forged = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n" + AUTH_HEADER.encode() + b": " + fresh + b"\r\n\r\n"
-        assert (await _exchange(port, forged)).startswith(b"HTTP/1.1 413")  # larger than any internal body
+        fresh = f"v2 ts={int(time.time() * 1000)} nonce={'0' * 32} sha256={'0' * 64} mac={'0' * 64}".encode()
+        forged = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n" + AUTH_HEADER.encode() + b": " + fresh + b"\r\n\r\n"
+        assert (await _exchange(port, forged, b"x" * 1000)).startswith(b"HTTP/1.1 401")  # refused with the body unread
+        signed = sign(key, "POST", "/internal/abort", b"x" * 50_000_000).encode()
+        huge = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n"
+        assert (await _exchange(port, huge)).startswith(b"HTTP/1.1 413")  # even a key holder: larger than any internal body
     finally:
         await runner.cleanup()
 
 
-async def test_a_signed_looking_body_that_never_arrives_is_cut_off() -> None:
-    import time
-
-    runner, port, _ = await _internal_app(body_timeout_s=0.5)
+async def test_a_signed_body_that_never_arrives_is_cut_off_and_a_swapped_one_refused() -> None:
+    runner, port, key = await _internal_app(body_timeout_s=0.5)
     try:
-        fresh = f"v1 ts={int(time.time() * 1000)} nonce={'1' * 32} mac={'0' * 64}".encode()
-        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n" + AUTH_HEADER.encode() + b": " + fresh + b"\r\n\r\n"
+        signed = sign(key, "POST", "/internal/abort", b"0" * 100).encode()
+        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n"
         assert (await _exchange(port, head, b"0123456789")).startswith(b"HTTP/1.1 408")
+        signed = sign(key, "POST", "/internal/abort", b"0" * 10).encode()
+        head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n"
+        assert (await _exchange(port, head, b"1" * 10)).startswith(b"HTTP/1.1 401")  # not the body that was signed
     finally:
         await runner.cleanup()

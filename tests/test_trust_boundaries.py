@@ -11,6 +11,7 @@ import asyncio
 import base64
 import concurrent.futures as cf
 import json
+import secrets
 import socket
 import threading
 import time
@@ -159,7 +160,8 @@ def test_internal_endpoints_refuse_calls_not_signed_by_the_router_s9(trio: Local
     calls = [*CALLS, *own]
     before = metric(trio, role, "kvguard_control_auth_failures_total")
     for method, path, body in calls:
-        for headers in ({}, {AUTH_HEADER: "v1 ts=1 nonce=" + "0" * 32 + " mac=" + "0" * 64}):
+        forged = f"v2 ts={int(time.time() * 1000)} nonce={secrets.token_hex(16)} sha256={'0' * 64} mac={'0' * 64}"
+        for headers in ({}, {AUTH_HEADER: forged}):  # well formed and fresh, without the key
             refused = _unsigned(trio, role, method, path, body, headers)
             assert refused.status_code == 401, (method, path, refused.text)
             assert refused.json()["error"]["code"] == "unauthenticated"

@@ -3,9 +3,15 @@
 NetworkPolicies keep other pods away from a worker's internal control API where the cluster
 enforces them; this check holds where it does not. Every router -> worker call carries::
 
-    X-Kvguard-Auth: v1 ts=<unix ms> nonce=<32 hex> mac=<64 hex>
-    mac = HMAC-SHA256(control key, "kvguard-control-v1" \\n METHOD \\n raw path+query \\n
-                      hex(SHA-256(body)) \\n ts \\n nonce)
+    X-Kvguard-Auth: v2 ts=<unix ms> nonce=<32 hex> sha256=<64 hex> mac=<64 hex>
+    sha256 = hex(SHA-256(body))
+    mac = HMAC-SHA256(control key, "kvguard-control-v2" \\n METHOD \\n raw path+query \\n
+                      sha256 \\n ts \\n nonce)
+
+The header names the body's digest, so the MAC is verified from the head alone, before a byte of
+the body is read: a pod without the key cannot make a worker buffer an upload (v1 signed the
+body itself, and anyone could write a well-formed v1 header and hold 32 MiB per connection until
+the MAC failed). The body, once read, must match the digest.
 
 The worker refuses (401, OpenAI-shaped, code ``unauthenticated``) a call whose header is missing
 or malformed, whose MAC does not verify (wrong key, or method, path or body changed), whose
@@ -39,8 +45,8 @@ from kvguard.workers.openai_api import OpenAIError
 AUTH_HEADER = "X-Kvguard-Auth"
 REPLAY_CACHE_ENTRIES = 1 << 20
 INTERNAL_PREFIX = "/internal/"
-_VERSION = "v1"
-_HEADER = re.compile(r"v1 ts=(\d{1,16}) nonce=([0-9a-f]{32}) mac=([0-9a-f]{64})")
+_VERSION = "v2"
+_HEADER = re.compile(r"v2 ts=(\d{1,16}) nonce=([0-9a-f]{32}) sha256=([0-9a-f]{64}) mac=([0-9a-f]{64})")
 
 
 class AuthError(Exception):
@@ -51,16 +57,27 @@ class AuthError(Exception):
         self.reason = reason
 
 
-def _mac(key: bytes, method: str, path: str, body: bytes, ts: str, nonce: str) -> str:
-    message = "\n".join(("kvguard-control-v1", method.upper(), path, hashlib.sha256(body).hexdigest(), ts, nonce))
+def _mac(key: bytes, method: str, path: str, digest: str, ts: str, nonce: str) -> str:
+    message = "\n".join(("kvguard-control-v2", method.upper(), path, digest, ts, nonce))
     return hmac.new(key, message.encode(), "sha256").hexdigest()
+
+
+@dataclass(frozen=True)
+class SignedHead:
+    """A well-formed, fresh header's fields."""
+
+    ts: str
+    nonce: str
+    digest: str  # hex SHA-256 of the body the caller signed
+    mac: str
 
 
 def sign(key: bytes, method: str, path: str, body: bytes = b"", *, now: float | None = None, nonce: str | None = None) -> str:
     """The ``X-Kvguard-Auth`` value for one call. ``path`` is the raw path with its query."""
     ts = str(int((time.time() if now is None else now) * 1000))
     nonce = nonce or secrets.token_hex(16)
-    return f"{_VERSION} ts={ts} nonce={nonce} mac={_mac(key, method, path, body, ts, nonce)}"
+    digest = hashlib.sha256(body).hexdigest()
+    return f"{_VERSION} ts={ts} nonce={nonce} sha256={digest} mac={_mac(key, method, path, digest, ts, nonce)}"
 
 
 def auth_headers(key: bytes, method: str, url: str, body: bytes = b"") -> dict[str, str]:
@@ -102,24 +119,31 @@ class ControlVerifier:
     replay: ReplayCache = field(default_factory=ReplayCache)
     clock: Callable[[], float] = time.time
 
-    def precheck(self, header: str | None) -> tuple[str, str, str]:
-        """(ts, nonce, mac) of a header that is present, well formed and fresh. Checked before
-        the body is read: a caller without even that is refused without uploading anything."""
+    def verify_head(self, method: str, path: str, header: str | None) -> SignedHead:
+        """The head of a call from a key holder: header present, well formed, fresh, its MAC
+        valid for this method and path and the body digest it names, its nonce not seen before.
+        Checked before the body is read: nobody without the key makes a worker read a body."""
         if not header:
             raise AuthError("missing", f"internal endpoint: the {AUTH_HEADER} header is required")
         match = _HEADER.fullmatch(header.strip())
         if match is None:
             raise AuthError("malformed", f"malformed {AUTH_HEADER} header")
-        ts, nonce, mac = match.groups()
-        if abs(self.clock() - int(ts) / 1000) > self.max_skew_s:
+        head = SignedHead(*match.groups())
+        if abs(self.clock() - int(head.ts) / 1000) > self.max_skew_s:
             raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
-        return ts, nonce, mac
+        if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce), head.mac):
+            raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
+        self.replay.add(head.nonce, self.clock())  # only calls whose MAC verified: only a key holder fills it
+        return head
+
+    @staticmethod
+    def verify_body(head: SignedHead, body: bytes) -> None:
+        if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), head.digest):
+            raise AuthError("bad_mac", f"the body does not match the digest its {AUTH_HEADER} header signed")
 
     def verify(self, method: str, path: str, body: bytes, header: str | None) -> None:
-        ts, nonce, mac = self.precheck(header)
-        if not hmac.compare_digest(_mac(self.key, method, path, body, ts, nonce), mac):
-            raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
-        self.replay.add(nonce, self.clock())
+        """Head and body together (a call whose body is already in hand)."""
+        self.verify_body(self.verify_head(method, path, header), body)
 
 
 def auth_failures_counter(registry: CollectorRegistry) -> Counter:
@@ -142,10 +166,10 @@ def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_t
                             max_body_bytes: int = INTERNAL_MAX_BODY_BYTES) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:  # fmt: skip
     """aiohttp middleware: every ``/internal/*`` call must carry a valid header (see module doc).
 
-    The header is checked twice: its form and freshness before a byte of the body is read (so an
-    unauthenticated upload is refused at once), its MAC once the body is in, which must arrive
-    within `body_timeout_s` and hold at most `max_body_bytes` (the app's client_max_size, for a
-    body without Content-Length). Must sit inside
+    The head (form, freshness, MAC over the declared body digest, replay) is verified before a
+    byte of the body is read, so only a key holder's upload is read at all; the body must then
+    arrive within `body_timeout_s`, hold at most `max_body_bytes` (the app's client_max_size, for
+    a body without Content-Length) and match its digest. Must sit inside
     ``error_middleware`` so the refusal is an OpenAI-shaped 401."""
 
     def refuse(exc: AuthError) -> OpenAIError:
@@ -156,9 +180,8 @@ def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_t
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(INTERNAL_PREFIX):
-            header = request.headers.get(AUTH_HEADER)
             try:
-                verifier.precheck(header)
+                head = verifier.verify_head(request.method, request.raw_path, request.headers.get(AUTH_HEADER))
             except AuthError as exc:
                 raise refuse(exc) from None
             if request.content_length is not None and request.content_length > max_body_bytes:
@@ -171,7 +194,7 @@ def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_t
                 raise OpenAIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
                                   code="request_timeout") from None  # fmt: skip
             try:
-                verifier.verify(request.method, request.raw_path, body, header)
+                verifier.verify_body(head, body)
             except AuthError as exc:
                 raise refuse(exc) from None
         return await handler(request)
