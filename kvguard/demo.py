@@ -215,7 +215,9 @@ def write_tiny_model(folder: Path, say: Callable[[str], None]) -> Path:
     quiet machine, tens on a busy one, so a line every HEARTBEAT_S while it runs."""
     argv = [sys.executable, "-P", "-m", "kvguard", "model", "tiny", str(folder)]
     began = time.monotonic()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=folder.parent)  # noqa: S603 - our own argv
+    # Its own session: a terminal's Ctrl-C reaches only the demo, whose cleanup below stops the
+    # child, instead of also printing the child's KeyboardInterrupt traceback (from inside torch).
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=folder.parent, start_new_session=True)  # noqa: S603 - our own argv
     try:
         while True:
             try:

@@ -72,6 +72,41 @@ def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:
     assert out[-1] == "serving: nothing" and "canary report" not in done.stdout  # no canary ran
 
 
+@pytest.mark.parametrize("flags", [["--state-dir", "{file}"], ["--state-dir", "{file}/sub"], ["--timeout", "-1"], ["--timeout", "nan"]])
+def test_an_unusable_state_dir_or_timeout_is_one_line_and_exit_2(tmp_path: Path, flags: list[str]) -> None:
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    flags = [f.format(file=in_the_way) for f in flags]
+    if "--state-dir" not in flags:
+        flags += ["--state-dir", str(tmp_path / "s")]
+    done = kvguard("apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", *flags)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvguard apply")]
+    assert len(errors) == 1 and ("state folder" in errors[0] or "--timeout" in errors[0]), done.stderr  # argparse adds usage lines
+    assert not (tmp_path / "s").exists()  # refused before anything was made
+
+
+def test_sigterm_stops_apply_as_ctrl_c_does(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """One line and exit 130 (not death by the signal), the state folder kept for a resume."""
+    import signal
+
+    body = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "local", "path": str(tiny_model_dir)}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(body))
+    state = tmp_path / "state"
+    apply = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "apply", "-f", str(tmp_path / "m.yaml"), "--local",
+                              "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert apply.stdout is not None and apply.stdout.readline().startswith("kvguard apply --local:")
+        apply.send_signal(signal.SIGTERM)
+        _, err = apply.communicate(timeout=120)
+        assert apply.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    finally:
+        if apply.poll() is None:
+            apply.kill()
+        kvguard("apply", "--local", "--delete", "--state-dir", str(state))
+
+
 # --- real rollouts --------------------------------------------------------------------------------
 
 

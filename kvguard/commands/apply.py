@@ -38,7 +38,7 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_ROLLED_BACK, "rolled back (readiness, a reported KV pool or the canary failed): the new revision is "
                        "stopped, the stable one (if any) serves unchanged; the probe table and the report's path are printed"),
     (EXIT_PAUSED, "paused by kvguard.io/pause: \"true\"; nothing changed"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C); started workers keep running: run it again to resume, or --delete"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); started workers keep running: run it again to resume, or --delete"),
 )
 """The one exit-code table: `--help` prints it, README.md carries the same rows (a test checks)."""
 
@@ -69,9 +69,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--namespace", default="default", help="namespace the policies see (default: default)")
     parser.add_argument("--faults", default="", metavar="SPEC",
                         help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=900.0, metavar="S", help="give up after S seconds")
+    parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds")
     parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it")
     parser.set_defaults(func=run)
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):  # NaN fails `> 0` too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
+    from kvguard.demo import sigterm_as_interrupt  # SIGTERM stops a rollout as Ctrl-C does: one line, exit 130
     from kvguard.operator.backends.local import LocalBackend, LocalBackendError
     from kvguard.operator.backends.local_rollout import roll_out
     from kvguard.operator.planner import PlanInputError
@@ -105,7 +113,7 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
     print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
     probes = _ProbeRows(sys.stdout)
     try:
-        with LocalBackend(state_dir, models_root=args.models_root) as backend:
+        with sigterm_as_interrupt(), LocalBackend(state_dir, models_root=args.models_root) as backend:
             result = asyncio.run(
                 roll_out(
                     backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,

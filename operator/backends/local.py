@@ -197,8 +197,11 @@ class StateStore:
     @contextlib.contextmanager
     def locked(self) -> Iterator[StateStore]:
         """Hold the folder's lock: two drivers must never act on the same revisions at once."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError as exc:  # a file in the way, a read-only or missing parent: bad input, one line
+            raise LocalBackendError(f"{self.root}: cannot use it as a state folder ({exc.strerror or exc})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
