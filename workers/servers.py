@@ -75,6 +75,24 @@ def run_worker(args: WorkerArgs) -> int:
 SHUTDOWN_GRACE_S = 5.0
 
 
+class MalformedRequestFilter(logging.Filter):
+    """Drops aiohttp's log record of a client's malformed HTTP (oversized or too many headers,
+    Content-Length with Transfer-Encoding, a bad request line): the client got its 400 and nothing
+    here failed, yet aiohttp logs each at ERROR with a traceback -- ~570 bytes of log for a
+    ~60-byte request, a cheap way to flood the logs. Anything else it logs is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
+
+
+def quiet_malformed_requests() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestFilter) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestFilter())
+
+
 def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
     """The runner every listener uses.
 
@@ -95,6 +113,7 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0) -> None:
     """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse."""
+    quiet_malformed_requests()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

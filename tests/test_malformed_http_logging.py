@@ -1,0 +1,51 @@
+"""A client's malformed HTTP is answered 400 by aiohttp's parser and must not flood the logs: aiohttp
+logs each at ERROR with a traceback (~570 bytes per ~60-byte request) unless
+`servers.quiet_malformed_requests` filters it. Real listener, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from aiohttp import web
+
+from kvguard.workers.servers import app_runner, quiet_malformed_requests
+
+MALFORMED = [
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",  # a header over aiohttp's 8190 bytes
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",  # smuggling shape
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+]
+
+
+async def _answer(port: int, raw: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(200), timeout=20)
+    writer.close()
+    return answer
+
+
+async def test_malformed_requests_get_a_400_and_leave_no_error_log(caplog: pytest.LogCaptureFixture) -> None:
+    quiet_malformed_requests()
+    app = web.Application()
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/", ok)
+    runner = app_runner(app, 30.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            for raw in MALFORMED:
+                answer = await _answer(port, raw)
+                assert b" 400 " in answer.split(b"\r\n", 1)[0], (raw[:40], answer[:80])
+            assert (await _answer(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        assert not [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
+    finally:
+        await runner.cleanup()
