@@ -23,6 +23,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -154,7 +155,9 @@ def quantity_value(text: str) -> float:
         raise ValueError(f"{text!r} is not a Kubernetes quantity")
     number, exponent, suffix = match.groups()
     scale = _QUANTITY_SUFFIXES[suffix] if suffix and suffix.endswith("i") else _DECIMAL_SUFFIXES[suffix or ""]
-    return float(number) * (10 ** int(exponent) if exponent else 1) * scale
+    # float() of the whole decimal, not float x 10**exponent: `1e400` is then inf, where the int
+    # power would raise OverflowError, which pydantic passes on as a traceback, not a field error.
+    return float(f"{number}e{exponent or 0}") * scale
 
 
 # Label keys and values, and resource names, as the API server checks them (apimachinery validation).
@@ -168,6 +171,31 @@ def _qualified_name_problem(key: str) -> str | None:
     if not _QUALIFIED_NAME.fullmatch(key) or len(prefix) > 253 or len(name) > 63:
         return f"{key!r} is not a qualified name (an optional DNS prefix and '/', then 1-63 of [A-Za-z0-9-_.])"
     return None
+
+
+def _label_value_problem(value: str) -> str | None:
+    if not _LABEL_VALUE.fullmatch(value):
+        return f"{value!r} is not a label value (0-63 of [A-Za-z0-9-_.])"
+    return None
+
+
+def _gpu_product_label(value: str) -> str:
+    # Rendered as the nodeSelector value of nvidia.com/gpu.product: the API server refuses a
+    # Deployment whose selector value is not a label value, so the model could never run.
+    if (problem := _label_value_problem(value)) is not None:
+        raise ValueError(f"{problem}: it is the node label nvidia.com/gpu.product, so use the label's form, "
+                         "e.g. NVIDIA-H100-80GB-HBM3 (`kubectl get nodes -L nvidia.com/gpu.product`)")  # fmt: skip
+    return value
+
+
+GPUProduct = Annotated[str, AfterValidator(_gpu_product_label)]
+"""A GPU product as the node label nvidia.com/gpu.product spells it (a label value)."""
+
+MAX_KV_RATIO = 100.0
+"""The largest minKVRatio: 100 contexts per pool is far past any real need, and an unbounded
+ratio (1e308) makes minKVRatio x contextLength infinite, which the planner cannot round to tokens."""
+KVRatio = Annotated[float, Field(ge=1.0, le=MAX_KV_RATIO, allow_inf_nan=False)]
+"""A pool-to-context ratio (spec.minKVRatio, InferencePolicy spec.minKVRatio)."""
 
 
 # --- Enumerations --------------------------------------------------------------------------------
@@ -446,7 +474,7 @@ class HardwareSpec(ApiModel):
     minus this. vLLM: its "non-torch memory" (NCCL, custom all-reduce, cuBLAS workspaces; the CUDA
     context is not counted, vLLM measures from after it). Omitted: the planner uses a conservative
     per-engine estimate and says so (0 on cpu)."""
-    gpu_product: str | None = None
+    gpu_product: GPUProduct | None = None
     """GPU product name (e.g. NVIDIA-H100-80GB-HBM3); informational."""
 
 
@@ -466,13 +494,23 @@ class Toleration(ApiModel):
 
     @model_validator(mode="after")
     def _as_the_api_server_checks_it(self) -> Toleration:
-        if self.operator == "Exists" and self.value:
-            raise ValueError("value must be empty when operator is Exists")
-        if self.toleration_seconds is not None and self.effect != "NoExecute":
-            raise ValueError("tolerationSeconds applies only to effect NoExecute")
-        if self.key and (problem := _qualified_name_problem(self.key)) is not None:
-            raise ValueError(f"key: {problem}")
+        if (problem := self._problem()) is not None:
+            raise ValueError(problem)
         return self
+
+    def _problem(self) -> str | None:
+        # core/v1 ValidateTolerations: the API server refuses a Deployment carrying any of these.
+        if self.operator == "Exists" and self.value:
+            return "value must be empty when operator is Exists"
+        if self.operator == "Equal" and not self.key:
+            return "key is required when operator is Equal (the default); an empty key with operator Exists tolerates every taint"
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            return "tolerationSeconds applies only to effect NoExecute"
+        if self.key and (problem := _qualified_name_problem(self.key)) is not None:
+            return f"key: {problem}"
+        if self.value and (problem := _label_value_problem(self.value)) is not None:
+            return f"value: {problem}"
+        return None
 
 
 class ResourceRequirements(ApiModel):
@@ -485,21 +523,68 @@ class ResourceRequirements(ApiModel):
 
     @model_validator(mode="after")
     def _as_the_api_server_checks_it(self) -> ResourceRequirements:
+        # core/v1 ValidateResourceRequirements: the API server refuses a Deployment breaking any.
         for name in {**self.requests, **self.limits}:
-            if (problem := _qualified_name_problem(name)) is not None:
-                raise ValueError(f"resource name {problem}")
+            if (problem := _resource_name_problem(name)) is not None:
+                raise ValueError(problem)
+        for kind, quantities in (("requests", self.requests), ("limits", self.limits)):
+            for name, quantity in quantities.items():
+                if (problem := _quantity_problem(name, quantity)) is not None:
+                    raise ValueError(f"{kind}.{name}: {problem}")
         for name, request in self.requests.items():
-            limit = self.limits.get(name)
-            if limit is not None and quantity_value(request) > quantity_value(limit):
-                raise ValueError(f"requests.{name} ({request}) must not exceed limits.{name} ({limit})")
+            if (problem := _request_limit_problem(name, request, self.limits.get(name))) is not None:
+                raise ValueError(problem)
         return self
+
+
+_STANDARD_CONTAINER_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage"})
+
+
+def _is_extended_resource(name: str) -> bool:
+    # Kubernetes' IsNativeResource: no '/', or a kubernetes.io/ prefix. Anything else with a '/'
+    # (nvidia.com/gpu, example.com/foo) is an extended resource: counted, never overcommitted.
+    return "/" in name and "kubernetes.io/" not in name
+
+
+def _resource_name_problem(name: str) -> str | None:
+    """The API server's check of a container resource name (validateContainerResourceName)."""
+    if (problem := _qualified_name_problem(name)) is not None:
+        return f"resource name {problem}"
+    if "/" not in name and name not in _STANDARD_CONTAINER_RESOURCES and not name.startswith("hugepages-"):
+        return (f"resource name {name!r} is not a standard container resource (cpu, memory, ephemeral-storage, "
+                "hugepages-<size>) nor an extended one with a domain (example.com/foo)")  # fmt: skip
+    if _is_extended_resource(name) and name.startswith("requests."):
+        return f"resource name {name!r}: an extended resource name must not begin with 'requests.'"
+    return None
+
+
+def _quantity_problem(name: str, quantity: str) -> str | None:
+    value = quantity_value(quantity)
+    if value < 0:
+        return f"{quantity} must not be negative"
+    if _is_extended_resource(name) and math.isfinite(value) and not value.is_integer():
+        return f"{quantity} must be a whole number (extended resources are counted in units)"
+    return None
+
+
+def _request_limit_problem(name: str, request: str, limit: str | None) -> str | None:
+    # Extended resources and hugepages cannot be overcommitted (Kubernetes IsOvercommitAllowed):
+    # a request needs a limit, and the two must be equal.
+    exact = _is_extended_resource(name) or name.startswith("hugepages-")
+    if limit is None:
+        return f"requests.{name} ({request}) needs limits.{name}: it cannot be overcommitted" if exact else None
+    if exact and quantity_value(request) != quantity_value(limit):
+        return f"requests.{name} ({request}) must equal limits.{name} ({limit}): it cannot be overcommitted"
+    if quantity_value(request) > quantity_value(limit):
+        return f"requests.{name} ({request}) must not exceed limits.{name} ({limit})"
+    return None
 
 
 class PodPlacement(ApiModel):
     """Where and with what the pods of one role run. Only gpuType and gpuCount change the plan's
     revision; the rest is applied to the running revision in place."""
 
-    gpu_type: str | None = None
+    gpu_type: GPUProduct | None = None
     """GPU product the pods must land on (node label nvidia.com/gpu.product), e.g.
     NVIDIA-H100-80GB-HBM3. Default: spec.hardware.gpuProduct."""
     gpu_count: NonNegativeInt | None = None
@@ -517,8 +602,8 @@ class PodPlacement(ApiModel):
         for key, value in self.node_selector.items():
             if (problem := _qualified_name_problem(key)) is not None:
                 raise ValueError(f"nodeSelector key {problem}")
-            if not _LABEL_VALUE.fullmatch(value):
-                raise ValueError(f"nodeSelector[{key}]: {value!r} is not a label value (0-63 of [A-Za-z0-9-_.])")
+            if (problem := _label_value_problem(value)) is not None:
+                raise ValueError(f"nodeSelector[{key}]: {problem}")
         return self
 
 
@@ -926,7 +1011,7 @@ class InferenceModelSpec(ApiModel):
     """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`). Pools are whole pages."""
     context_length: PositiveInt
     """Longest request (prompt + completion) the service accepts, in tokens."""
-    min_kv_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    min_kv_ratio: KVRatio = 2.0
     """Every role's KV pool must hold at least this many times contextLength tokens (S7)."""
     kv_pool_tokens: PositiveInt | None = None
     """Explicit cap on the KV pool per engine instance (kvguard `--kv-pool-tokens`, SGLang
@@ -1231,7 +1316,7 @@ class InferencePolicySpec(ApiModel):
     """Namespaces the policy applies to, by label; empty means all. The operator sees a namespace's
     name only (the label kubernetes.io/metadata.name), not its other labels: a requirement on any
     other label is treated as matching (the policy applies). Prefer `namespaces` for exact scoping."""
-    min_kv_ratio: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    min_kv_ratio: KVRatio = 2.0
     """Floor for spec.minKVRatio: every role's KV pool must hold this many contexts (S7)."""
     min_engine_versions: dict[str, str] = Field(default_factory=dict)
     """Oldest allowed engine version per engine kind, e.g. {sglang: 0.5.22, vllm: 0.11.0}; compared

@@ -326,7 +326,10 @@ class Controller:
         self._failures.pop(key, None)
 
     async def _architecture_config(self, body: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str | None]:
-        model = (body.get("spec") or {}).get("model") or {}
+        spec = body.get("spec")
+        model = spec.get("model") if isinstance(spec, Mapping) else None
+        if not isinstance(model, Mapping):  # not an object: reconcile reports the spec Degraded, naming the field
+            return None, None
         ref = model.get("architectureConfigMap")
         if not isinstance(ref, Mapping) or model.get("architecture") or not ref.get("name"):
             return None, None

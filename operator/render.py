@@ -225,10 +225,13 @@ class KvguardAdapter:
             args = WorkerArgs(**common, prefill=(ctx.service_url("prefill"),), decode=(ctx.service_url("decode"),),
                               revision_id=ctx.revision)  # fmt: skip
             return ["kvguard", "worker", *args.to_argv()]
+        pool_tokens = ctx.plan.roles[ctx.role].pool_tokens
+        if pool_tokens < 1:  # the weights leave no memory for KV: the plan blocks it; nothing to run
+            raise RenderError(f"spec.roles.{ctx.role}", f"the {ctx.role} KV pool is {pool_tokens} tokens: the weights leave no memory for it")
         args = WorkerArgs(
             **common,
             context_length=spec.context_length,
-            kv_pool_tokens=ctx.plan.roles[ctx.role].pool_tokens,
+            kv_pool_tokens=pool_tokens,
             page_size=spec.page_size,
             device=spec.hardware.device.value,
             dtype=kvguard_dtype_flag(spec),

@@ -110,7 +110,9 @@ def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> N
         return
     try:
         kv_plan = plan(spec)
-        if spec.model.source is not None:
+        if spec.model.source is not None and kv_plan.verdict != "blocked":
+            # Reconcile renders only a plan that passes; a blocked one (even a pool of 0 tokens,
+            # weights larger than the device) is admitted and reported as Blocked, never rendered.
             render_revision(spec, kv_plan, Owner(name=name, namespace=namespace, uid="admission"), "admission")
     except (PlanInputError, RenderError) as exc:
         raise AdmissionDenied(str(exc), INVALID) from None
