@@ -138,12 +138,6 @@ async def test_a_worker_not_up_yet_is_verifying_never_unreadable(workers: dict[s
     assert "decode-1: process not running (the next `kvguard apply` restarts it)" in dead.message
 
 
-async def test_a_revision_is_judged_by_its_own_requirement_raised_by_policy(workers: dict[str, FakeWorker]) -> None:
-    pids = {"decode-0": 100, "decode-1": 101, "prefill-0": 102}
-    pools = await LocalPoolGate(ready=lambda _: True).pools(state_of(workers, pids), policy_ratio=5.0)
-    assert {p.reason for p in pools} == {"KVPoolTooSmall"} and {p.required for p in pools} == {5 * CONTEXT}
-
-
 def test_the_gates_rule_leaves_a_degraded_of_another_cause_alone() -> None:
     other = cond.make_condition("Degraded", "True", "RolloutFailed", "canary failed", now=NOW, generation=1)
     fine = PodPool(pod="p", revision="r", role="decode", required_ratio=2.0, verified=True, reason="KVPoolVerified")

@@ -57,14 +57,16 @@ def worker_facts(model: str | None, revision: str, worker: LocalWorker) -> PodFa
     )  # fmt: skip
 
 
-def revision_requirement(record: LocalRevision, applied_spec: PoolRequirement | None, policy_ratio: float | None) -> PoolRequirement | None:
+def revision_requirement(record: LocalRevision, applied_spec: PoolRequirement | None) -> PoolRequirement | None:
     """The revision's own requirement (recorded when it was created, as a pod's annotations are
-    on a cluster), raised by the policies' ratio; for a revision recorded before it was kept, the
-    spec last applied. None: nothing to judge against."""
-    declared = record.requirement() or applied_spec
-    if declared is None:
-        return None
-    return PoolRequirement(max(declared.ratio, policy_ratio or 0.0), declared.context_length)
+    on a cluster); for a revision recorded before it was kept, the spec last applied. None:
+    nothing to judge against.
+
+    Not raised by an InferencePolicy tightened since, as the cluster's gate raises it: the local
+    router enforces the ratio its revision started with (`--min-kv-ratio`), so a verdict against a
+    higher one would report workers "kept out of rotation" that still serve. The stricter policy
+    applies to the next revision, whose plan it blocks."""
+    return record.requirement() or applied_spec
 
 
 def applied_requirement(state: LocalState) -> PoolRequirement | None:
@@ -85,12 +87,12 @@ class LocalPoolGate:
     verdicts: dict[tuple[str, str], Verdict] = field(default_factory=dict)
     """(revision, worker name) -> the last verdict on it."""
 
-    async def pools(self, state: LocalState, policy_ratio: float | None = None) -> list[PodPool]:
+    async def pools(self, state: LocalState) -> list[PodPool]:
         """The verdict on every engine worker of every revision that runs (status.pools)."""
         applied = applied_requirement(state)
         targets: list[tuple[str, LocalWorker, PodFacts, PoolRequirement]] = []
         for revision, record in sorted(state.revisions.items()):
-            requirement = revision_requirement(record, applied, policy_ratio)
+            requirement = revision_requirement(record, applied)
             if record.scaled_to_zero or requirement is None:
                 continue
             targets += [(revision, w, worker_facts(state.model, revision, w), requirement) for w in record.engine_workers()]

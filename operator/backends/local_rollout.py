@@ -36,7 +36,6 @@ from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.planner import plan
-from kvguard.operator.policy import policy_min_kv_ratio
 from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed
 from kvguard.operator.revision import revision_of
@@ -244,7 +243,7 @@ async def roll_out(
 
     # S7 while a worker serves: the router keeps a small worker out of rotation; the gate's
     # verdicts on every running worker go into the status as the operator's pod gate's do.
-    gate, policy_ratio = LocalPoolGate(ready=ready, alive=backend.processes.alive), policy_min_kv_ratio(namespace, policies)
+    gate = LocalPoolGate(ready=ready, alive=backend.processes.alive)
     loop = asyncio.get_running_loop()
     deadline = None if max_seconds is None else loop.time() + max_seconds
     previous_state: RolloutState | None = None
@@ -252,7 +251,7 @@ async def roll_out(
         body = store.body()
         observed = await observe(body, backend, runner, memory, policies=policies, fault_injection_allowed=bool(faults))
         # Judged after observe: its look at the revisions restarted any dead worker and checked health.
-        observed = dataclasses.replace(observed, pools=tuple(await gate.pools(backend.state, policy_ratio)))
+        observed = dataclasses.replace(observed, pools=tuple(await gate.pools(backend.state)))
         result = await run_pass(body, observed, store, backend, runner, memory)
         assert result is not None  # a state folder's model never disappears mid-run
         status = InferenceModelStatus.model_validate(result.body["status"] or {})
