@@ -53,6 +53,17 @@ def test_the_mac_binds_method_path_and_body(method: str, path: str, body: bytes)
     assert _reason(_verifier(clock), method, path, body, header) == "bad_mac"
 
 
+def test_a_header_sent_ahead_with_another_body_does_not_use_up_the_real_calls_nonce() -> None:
+    """Someone who sees a signed header on the wire and races it with a swapped body is refused,
+    and the real call (header and its own body) still verifies: only whole calls enter the cache."""
+    clock = Clock()
+    verifier = _verifier(clock)
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)
+    assert _reason(verifier, "POST", "/internal/abort", BODY.replace(b"cmpl-1", b"cmpl-2"), header) == "bad_mac"
+    verifier.verify("POST", "/internal/abort", BODY, header)
+    assert _reason(verifier, "POST", "/internal/abort", BODY, header) == "replay"
+
+
 def test_missing_malformed_and_foreign_headers_are_refused() -> None:
     clock = Clock()
     verifier = _verifier(clock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,13 @@ def test_only_uncompressed_json_bodies_are_read(trio: LocalDeployment) -> None:
         assert answer.status_code == 415 and media in answer.json()["error"]["message"]
     for headers in ({}, {"Content-Type": "application/json; charset=utf-8"}, {"Content-Encoding": "identity"}):
         assert requests.post(url, data=body, headers=headers, timeout=30).status_code == 200, headers
+    # Two Content-Encoding lines, the second naming gzip: every line counts, not the first.
+    host, port = trio.api_base.removeprefix("http://").split("/", 1)[0].split(":")
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Encoding: identity\r\n"
+           b"Content-Encoding: gzip\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(raw)
+        assert conn.recv(64).startswith(b"HTTP/1.1 415")
 
 
 def test_a_lone_surrogate_is_named_in_the_json_error(trio: LocalDeployment) -> None:

@@ -121,8 +121,10 @@ class ControlVerifier:
 
     def verify_head(self, method: str, path: str, header: str | None) -> SignedHead:
         """The head of a call from a key holder: header present, well formed, fresh, its MAC
-        valid for this method and path and the body digest it names, its nonce not seen before.
-        Checked before the body is read: nobody without the key makes a worker read a body."""
+        valid for this method and path and the body digest it names. Checked before the body is
+        read: nobody without the key makes a worker read a body. The nonce is checked against the
+        replay cache, and entered, only by `verify_body`: a header seen on the wire and sent ahead
+        with another body must not use up the real call's nonce."""
         if not header:
             raise AuthError("missing", f"internal endpoint: the {AUTH_HEADER} header is required")
         match = _HEADER.fullmatch(header.strip())
@@ -133,13 +135,12 @@ class ControlVerifier:
             raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
         if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce), head.mac):
             raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
-        self.replay.add(head.nonce, self.clock())  # only calls whose MAC verified: only a key holder fills it
         return head
 
-    @staticmethod
-    def verify_body(head: SignedHead, body: bytes) -> None:
+    def verify_body(self, head: SignedHead, body: bytes) -> None:
         if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), head.digest):
             raise AuthError("bad_mac", f"the body does not match the digest its {AUTH_HEADER} header signed")
+        self.replay.add(head.nonce, self.clock())  # only calls that verified whole: only a key holder fills it
 
     def verify(self, method: str, path: str, body: bytes, header: str | None) -> None:
         """Head and body together (a call whose body is already in hand)."""

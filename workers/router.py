@@ -30,13 +30,14 @@ import math
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
@@ -330,6 +331,9 @@ class Router:
         self._upstreams: Upstreams | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._aborts_in_flight: set[asyncio.Task[None]] = set()
+        """Aborts still being sent (shielded from their handler's cancellation): on shutdown they
+        go out before the session closes, so the workers learn each request's cause."""
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -421,6 +425,8 @@ class Router:
         for task in (self._discovery, self._refresher):
             if task is not None:
                 task.cancel()
+        if self._aborts_in_flight:  # the handlers cancelled by the shutdown have just sent theirs
+            await asyncio.wait(set(self._aborts_in_flight), timeout=self.config.abort_timeout_s)
         if self.session:
             await self.session.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -835,7 +841,10 @@ class Router:
                 # The aborts first, so each worker ends the request with its cause; cancelling the
                 # prefill call first would read there as a client disconnect. Shielded: the handler
                 # may be being cancelled (client gone) and the aborts must still go out.
-                await asyncio.shield(self._send_aborts(request_id, (prefill_url, decode_url), cause))
+                sending = asyncio.create_task(self._send_aborts(request_id, (prefill_url, decode_url), cause))
+                self._aborts_in_flight.add(sending)
+                sending.add_done_callback(self._aborts_in_flight.discard)
+                await asyncio.shield(sending)
         finally:
             if prefill_task is not None:
                 prefill_task.cancel()
@@ -850,8 +859,9 @@ class Router:
             try:
                 async with self.control.post(self.http, f"{url}/internal/abort", body, timeout=timeout):
                     pass
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.
+                # (RuntimeError: the session closed under a shutdown that outlasted the wait for it.)
                 log.warning("abort of %s at %s failed: %s", request_id, url, exc)
 
         await asyncio.gather(*(one(u) for u in urls))
@@ -923,13 +933,14 @@ async def _prefill_error_first(task: asyncio.Task[None], wait: bool) -> OpenAIEr
     return error if isinstance(error, OpenAIError) else None
 
 
-def _check_body_headers(headers: Mapping[str, str]) -> None:
+def _check_body_headers(headers: CIMultiDictProxy[str]) -> None:
     """The body must be JSON as sent: uncompressed, and JSON or unlabelled (as FastAPI, and so vLLM,
     reads a body). No listener decompresses (`servers.app_runner`), so a compressed body is refused
     here by name -- not a JSON error or a 500 -- and no decompression bomb is ever inflated. A form
     or text/plain body is what a browser may send cross-site without a preflight: refused too."""
-    encoding = headers.get("Content-Encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
+    # Every Content-Encoding line: a second line (`identity`, then `gzip`) must not slip past.
+    encoding = ", ".join(v.strip().lower() for v in headers.getall("Content-Encoding", []) if v.strip())
+    if encoding.replace(" ", "") not in ("", "identity"):
         raise OpenAIError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
                           code="unsupported_media_type")  # fmt: skip
     media = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()

@@ -77,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):  # NaN fails `> 0` too
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
     return value
 
 
