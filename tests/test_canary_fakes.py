@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import threading
 from dataclasses import dataclass
 
@@ -43,6 +44,13 @@ class Behaviour:
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
     serves_completions: bool = True  # False: no /v1/completions route (a chat-only server)
+    # A leak only one path shows: "stream" or "chat" answers open with the newest secret nonce
+    # (16 hex characters) seen in another request's prompt; plain completions stay clean.
+    leak_nonce_on: str | None = None
+    empty_text: bool = False  # answers carry `text: null` / `content: null` (usage still counts tokens)
+    model_id: str = "fake-model"
+    advertised_context: int | None = None  # max_model_len sent instead of context_length (a lying server)
+    error_message: str | None = None  # every generation fails with HTTP 500 and this message
 
 
 class FakeEngine:
@@ -50,6 +58,7 @@ class FakeEngine:
         self.b = behaviour
         self.used_tokens = 0
         self.previous_first_word: str | None = None
+        self.nonces_seen: list[str] = []
         self.calls = 0
         self.tag_violations = 0
         self.registry = CollectorRegistry()
@@ -80,8 +89,9 @@ class FakeEngine:
         if self.b.fail_models:
             return web.Response(status=500, text="internal error")
         return web.json_response(
-            {"object": "list", "data": [{"id": "fake-model", "object": "model",
-                                         **({"max_model_len": self.b.context_length} if self.b.advertise_context else {})}]}
+            {"object": "list", "data": [{"id": self.b.model_id, "object": "model",
+                                         **({"max_model_len": self.b.advertised_context or self.b.context_length}
+                                            if self.b.advertise_context else {})}]}
         )
 
     def generate(self, prompt: str, max_tokens: int) -> list[str]:
@@ -117,6 +127,8 @@ class FakeEngine:
             return web.Response(text="{not json", content_type="application/json")
         if self.b.error_in_200:
             return web.json_response({"error": {"message": "engine exploded", "type": "server_error"}})
+        if self.b.error_message is not None:
+            return web.json_response({"error": {"message": self.b.error_message}}, status=500)
         if prompt_tokens + max_tokens > self.b.context_length and not self.b.accept_over_length:
             message = f"The input ({prompt_tokens} tokens) is longer than the model's context length ({self.b.context_length} tokens)."
             if stream and self.b.stream_error_frame_over_length:
@@ -126,6 +138,14 @@ class FakeEngine:
             self._violations.inc()
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
 
+    def leaked_nonce(self, prompt: str, stream: bool, chat: bool) -> str | None:
+        """The newest nonce of another prompt, when this path is the leaking one (leak_nonce_on)."""
+        mine = set(re.findall(r"\b[0-9a-f]{16}\b", prompt))
+        others = [n for n in self.nonces_seen if n not in mine]
+        self.nonces_seen += sorted(mine - set(self.nonces_seen))
+        leaking = (self.b.leak_nonce_on == "stream" and stream) or (self.b.leak_nonce_on == "chat" and chat)
+        return others[-1] if leaking and others else None
+
     async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat) -> web.StreamResponse:
         reserved = prompt_tokens + max_tokens
         self.used_tokens += reserved
@@ -133,6 +153,8 @@ class FakeEngine:
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
             tokens = self.generate(prompt, max_tokens)
+            if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
+                tokens[0] = nonce
             if not stream:
                 return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens)))
             return await self._stream(request, tokens, chat)
@@ -150,10 +172,11 @@ class FakeEngine:
 
     def _body(self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int) -> dict:
         choice = {"index": 0, "finish_reason": "length"}
+        content = None if self.b.empty_text else text
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": content}
         else:
-            choice["text"] = text
+            choice["text"] = content
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
         return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
 
@@ -164,7 +187,7 @@ class FakeEngine:
             if self.b.stream_dies_after is not None and i >= self.b.stream_dies_after:
                 request.transport.close()  # type: ignore[union-attr]
                 return resp
-            piece = token if i == 0 else " " + token
+            piece = None if self.b.empty_text else token if i == 0 else " " + token
             delta = {"delta": {"content": piece}} if chat else {"text": piece}
             frame = {"choices": [{"index": 0, **delta, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(frame)}\n\n".encode())

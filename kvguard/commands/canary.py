@@ -2,18 +2,21 @@
 
 Exit status: 0 every enabled probe passed (or was skipped with a reason), 1 a probe failed,
 2 the suite cannot run (unreachable target, baseline or metrics URLs, an --engine-log that is not a
-readable file, bad spec file, unknown probe, or every probe skipped) - with the reason on stderr.
+readable file, bad spec file, unknown probe, a --timeout or --context-length out of range, or every
+probe skipped) - with the reason on stderr; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EVIDENCE_ROWS = 4  # per failing probe in the table; -o json has all of it
 
 
@@ -60,13 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvguard canary: cannot run: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    if args.timeout is not None and args.timeout <= 0:
-        print("kvguard canary: cannot run: --timeout must be positive", file=sys.stderr)
-        return EXIT_CANNOT_RUN
-    if args.context_length is not None and args.context_length < 16:
-        print("kvguard canary: cannot run: --context-length must be at least 16", file=sys.stderr)
-        return EXIT_CANNOT_RUN
-    if (problem := _unreadable_log(args.engine_log)) is not None:
+    if (problem := _bad_numbers(args) or _unreadable_log(args.engine_log)) is not None:
         print(f"kvguard canary: cannot run: {problem}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     if args.baseline_match:
@@ -76,13 +73,17 @@ def run(args: argparse.Namespace) -> int:
     printer = _ProgressPrinter(progress_stream) if progress_stream else None
     if printer:
         printer.header(args.url)
-    report = asyncio.run(
-        run_suite(
-            args.url, spec, baseline_url=args.baseline_url, metrics_urls=args.metrics_url,
-            progress=printer.on_event if printer else None, timeout_seconds=args.timeout,
-            context_length=args.context_length, engine_logs=args.engine_log,
+    try:
+        report = asyncio.run(
+            run_suite(
+                args.url, spec, baseline_url=args.baseline_url, metrics_urls=args.metrics_url,
+                progress=printer.on_event if printer else None, timeout_seconds=args.timeout,
+                context_length=args.context_length, engine_logs=args.engine_log,
+            )
         )
-    )
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's convention, not a traceback
+        print("\nkvguard canary: interrupted; no verdict", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if table:
         _print_verdict(report, sys.stdout)
     else:
@@ -91,6 +92,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvguard canary: cannot run: {report.reason}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     return EXIT_PASS if report.verdict == Verdict.PASS else EXIT_FAIL
+
+
+def _bad_numbers(args: argparse.Namespace) -> str | None:
+    """Why --timeout or --context-length is unusable, or None. `nan` and `inf` parse as floats: nan
+    made every request time out at once, inf overflowed the timers."""
+    from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MAX_TIMEOUT_SECONDS, MIN_CONTEXT_TOKENS
+
+    if args.timeout is not None and not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_SECONDS):
+        return f"--timeout must be a positive number of seconds, at most {MAX_TIMEOUT_SECONDS:g}"
+    if args.context_length is not None and not MIN_CONTEXT_TOKENS <= args.context_length <= MAX_CONTEXT_TOKENS:
+        return f"--context-length must be between {MIN_CONTEXT_TOKENS} and {MAX_CONTEXT_TOKENS:,} tokens"
+    return None
 
 
 def _unreadable_log(paths: list[Path]) -> str | None:
@@ -151,9 +164,14 @@ def probe_row(result: Any) -> str:
 
 def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
     """The evidence lines under a failed probe's row (the first EVIDENCE_ROWS pieces)."""
+    from kvguard.operator.canary.report import one_line
+
     if result.status.value != "fail":
         return []
-    rows = [f"{'':<16} {text}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)]
+    # one_line: evidence quotes server text (error messages, notes); each row stays one clean line.
+    rows = [
+        f"{'':<16} {one_line(text)}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)
+    ]
     if len(result.evidence) > EVIDENCE_ROWS:
         rows.append(f"{'':<16} ... {len(result.evidence) - EVIDENCE_ROWS} more piece(s) of evidence ({where_more})")
     return rows
@@ -198,10 +216,10 @@ def describe_evidence(evidence: Any) -> list[str]:
             f"  {'':<{len(evidence.request)}}  got {_short(evidence.actual)}",
         ]
     if kind == "http":
-        status = evidence.status if evidence.status is not None else "no response"
+        status = f"HTTP {evidence.status}" if evidence.status is not None else "no HTTP response"
         detail = evidence.error or _short(evidence.body)
         finish = f", finish_reason {evidence.finish_reason}" if evidence.finish_reason else ""
-        return [f"- {evidence.request}: HTTP {status}, {evidence.tokens_received} chunk(s){finish}: {detail}"]
+        return [f"- {evidence.request}: {status}, {evidence.tokens_received} chunk(s){finish}: {detail}"]
     if kind == "nonce_leak":
         return [f"- nonce of {evidence.owner} found in {evidence.found_in}: {_short(evidence.output)}"]
     if kind == "counters":
@@ -222,16 +240,19 @@ def _short(text: str, limit: int = 100) -> str:
 
 def describe_target(target: Any) -> list[str]:
     """The target facts the probes were sized from, one line each (pure)."""
+    from kvguard.operator.canary.report import one_line
+
     context = f"{target.context_length:,} tokens ({target.context_length_source})" if target.context_length else "unknown"
     pool = f"{target.min_pool_tokens:,} tokens" if target.min_pool_tokens is not None else "not reported"
     if target.engines:
         engines = ", ".join(target.engines) + (f" {target.engine_version}" if target.engine_version else "")
     else:
         engines = "not recognised (no engine metrics" + (")" if not target.metrics_urls else " at the metrics URLs)")
-    lines = [f"target: model {target.model}; context {context}; smallest KV pool {pool}; engine {engines}"]
+    model = one_line(target.model, 200) if target.model is not None else "not identified"  # the server names it
+    lines = [f"target: model {model}; context {context}; smallest KV pool {pool}; engine {engines}"]
     if target.metrics_without_engine:
         lines.append(f"  metrics without engine series (router?): {', '.join(target.metrics_without_engine)}")
-    lines += [f"  note: {note}" for note in target.context_notes]
+    lines += [f"  note: {one_line(note)}" for note in target.context_notes]
     return lines
 
 

@@ -8,25 +8,45 @@ it within a deadline: `poolRecoveryTimeoutSeconds`, and also `poolRecoveryFracti
 request would have needed to finish (its remaining tokens x the gap between its streamed chunks),
 never less than 1 s. The second bound keeps the probe sharp on fast hardware, where a whole
 generation may take less than the fixed timeout. Finally request B must still give its solo
-output (an aborted request's pages were reused safely, S5).
+output (an aborted request's pages were reused safely, S5), and no answer heard during the probe
+(the cut streams included) may carry another request's nonce.
+
+The reason counts only the disconnects that happened: a cut planned after N chunks of a stream
+that ended sooner, or a prefill cut after the server already answered, is "not exercised"; with
+none exercised the probe is skipped, since nothing about aborts was shown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
-from kvguard.operator.canary.base import Outcome, Probe, RunContext, failed, passed
+from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
-from kvguard.operator.canary.isolation import check_b
+from kvguard.operator.canary.isolation import check_b, report_leaks
 from kvguard.operator.canary.metrics import counter_totals, total_used_tokens
 from kvguard.operator.canary.prompts import filler_text
-from kvguard.operator.canary.report import Evidence, Note, PoolUsage
+from kvguard.operator.canary.report import Evidence, NonceLeak, Note, PoolUsage
 from kvguard.operator.canary.spec import ProbeName
 
 POLL_INTERVAL_SECONDS = 0.05
 MIN_RECOVERY_SECONDS = 1.0  # a correct engine frees within one scheduler step; scrapes add a little
 SHORT_PROMPT_WORDS = 32
+
+
+@dataclass
+class Cuts:
+    """Which planned disconnects really happened: a fast server may answer before the cut, and a
+    reason must not claim a disconnect that was never exercised."""
+
+    decode: int = 0
+    prefill: int = 0
+    missed: list[str] = field(default_factory=list)
+
+    @property
+    def exercised(self) -> int:
+        return self.decode + self.prefill
 
 
 class AbortProbe(Probe):
@@ -35,36 +55,41 @@ class AbortProbe(Probe):
     async def run(self, ctx: RunContext) -> Outcome:
         counter_names = ctx.spec.safety_counters.counters
         before = await ctx.snapshots()
+        mark = len(ctx.heard)
         problems: list[str] = []
         evidence: list[Evidence] = []
         if total_used_tokens(before) is None:
             evidence.append(Note(message="pool usage not checked: no reachable metrics report KV usage"))
-        seconds_per_token = await self._disconnect_mid_decode(ctx, problems, evidence)
-        await self._disconnect_mid_prefill(ctx, seconds_per_token, problems, evidence)
-        if ctx.spec.abort.check_isolation_after:
-            await self._isolation_after(ctx, problems, evidence)
+        cuts = Cuts()
+        seconds_per_token = await self._disconnect_mid_decode(ctx, cuts, problems, evidence)
+        await self._disconnect_mid_prefill(ctx, seconds_per_token, cuts, problems, evidence)
+        b_compared = await self._isolation_after(ctx, problems, evidence) if ctx.spec.abort.check_isolation_after else False
         ctx.abort_window = (counter_totals(before, counter_names), counter_totals(await ctx.snapshots(), counter_names))
+        report_leaks(ctx, mark, problems, evidence)  # the cut streams' text too
         if problems:
+            evidence.sort(key=_rank)  # causes first: the table shows only a few rows
             return failed(problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
-        return passed(self._summary(ctx, evidence), evidence)
+        if not cuts.exercised:
+            raise ProbeSkipped(f"no disconnect exercised: {'; '.join(cuts.missed) or 'none planned'}")
+        return passed(self._summary(cuts, b_compared, evidence), evidence)
 
-    def _summary(self, ctx: RunContext, evidence: list[Evidence]) -> str:
-        spec = ctx.spec.abort
+    def _summary(self, cuts: Cuts, b_compared: bool, evidence: list[Evidence]) -> str:
         recoveries = [e for e in evidence if isinstance(e, PoolUsage)]
-        cuts = f"{len(spec.stream_disconnect_after_tokens)} mid-decode and {len(spec.prefill_disconnect_after_seconds)} mid-prefill disconnect(s)"
+        done = f"{cuts.decode} mid-decode and {cuts.prefill} mid-prefill disconnect(s)"
+        missed = f" ({len(cuts.missed)} planned cut(s) not exercised: the server answered first)" if cuts.missed else ""
         pool = (
             f"KV pool back to its baseline after {len(recoveries)} of them (slowest {max(r.waited_seconds for r in recoveries):.2f} s)"
             if recoveries else "pool usage not checked (no metrics report KV usage)"
         )
-        after = "; B still gives its solo output" if spec.check_isolation_after else ""
-        return f"{cuts}: {pool}{after}"
+        after = "; B still gives its solo output" if b_compared else ""
+        return f"{done}{missed}: {pool}{after}"
 
     def _long_generation(self, ctx: RunContext, prompt_tokens: int) -> int:
         """As many tokens as fit after the prompt: a non-propagated abort then holds pages for long."""
         return max(ctx.spec.max_tokens, ctx.admissible_tokens(0) - prompt_tokens - 32)
 
     async def _disconnect_mid_decode(
-        self, ctx: RunContext, problems: list[str], evidence: list[Evidence]
+        self, ctx: RunContext, cuts: Cuts, problems: list[str], evidence: list[Evidence]
     ) -> float | None:
         """Cut streams mid-decode; returns the measured seconds per streamed chunk, if any."""
         seconds_per_token: float | None = None
@@ -82,15 +107,17 @@ class AbortProbe(Probe):
                 evidence.append(out.evidence())
                 continue
             if not out.disconnected:
-                evidence.append(Note(message=f"{out.label}: stream finished before the cut ({out.chunks} chunks)"))
+                cuts.missed.append(f"{out.label}: stream finished before the cut ({out.chunks} chunks)")
+                evidence.append(Note(message=cuts.missed[-1]))
                 continue
+            cuts.decode += 1
             seconds_per_token = out.seconds_per_chunk() or seconds_per_token
             natural = _natural_remaining_seconds(out, max_tokens)
             await self._await_recovery(ctx, out.label, baseline, natural, problems, evidence)
         return seconds_per_token
 
     async def _disconnect_mid_prefill(
-        self, ctx: RunContext, seconds_per_token: float | None, problems: list[str], evidence: list[Evidence]
+        self, ctx: RunContext, seconds_per_token: float | None, cuts: Cuts, problems: list[str], evidence: list[Evidence]
     ) -> None:
         spec = ctx.spec.abort
         prompt_tokens = int(ctx.admissible_tokens(ctx.spec.max_tokens) * spec.prefill_prompt_fraction)
@@ -109,19 +136,26 @@ class AbortProbe(Probe):
                     problems.append(f"long request failed before the cut: {out.describe_failure()}")
                     evidence.append(out.evidence())
                 else:
-                    evidence.append(Note(message=f"{out.label}: answered before the cut; prefill abort not exercised"))
+                    cuts.missed.append(f"{out.label}: answered before the cut; prefill abort not exercised")
+                    evidence.append(Note(message=cuts.missed[-1]))
                 continue
+            cuts.prefill += 1
             await self._await_recovery(ctx, out.label, baseline, natural, problems, evidence)
 
-    async def _isolation_after(self, ctx: RunContext, problems: list[str], evidence: list[Evidence]) -> None:
+    async def _isolation_after(self, ctx: RunContext, problems: list[str], evidence: list[Evidence]) -> bool:
+        """B after the aborts must equal B alone; True when it was compared (an empty B proves nothing)."""
         prompt = ctx.spec.isolation.probe_prompt
         reference = await ctx.solo(prompt)
         if not reference.ok:
             problems.append(f"B failed: {reference.describe_failure()}")
             evidence.append(reference.evidence())
-            return
+            return False
         after = await ctx.target.complete(prompt, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label="B after the aborts")
+        if not reference.text and after.ok and not after.text:
+            evidence.append(Note(message=f"B not compared: {empty_answer(reference)}"))
+            return False
         check_b(after, reference, {}, problems, evidence)
+        return True
 
     async def _used(self, ctx: RunContext) -> float | None:
         return total_used_tokens(await ctx.snapshots()) if ctx.metrics_urls else None
@@ -160,8 +194,16 @@ class AbortProbe(Probe):
                 break
             await asyncio.sleep(POLL_INTERVAL_SECONDS)
         evidence.append(
-            PoolUsage(baseline_tokens=baseline, final_tokens=used, waited_seconds=round(time.monotonic() - started, 3), samples=samples[-40:])
+            PoolUsage(
+                baseline_tokens=round(baseline), final_tokens=round(used),
+                waited_seconds=round(time.monotonic() - started, 3), samples=[(t, round(u)) for t, u in samples[-40:]],
+            )
         )
+
+
+def _rank(evidence: Evidence) -> int:
+    """Leaks first (the gravest), notes last; the order within a rank is kept."""
+    return 0 if isinstance(evidence, NonceLeak) else 2 if isinstance(evidence, Note) else 1
 
 
 def _natural_remaining_seconds(out: Completion, max_tokens: int) -> float | None:

@@ -11,8 +11,8 @@ import aiohttp
 from kvguard.operator.canary.client import Completion, EngineClient
 from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
-from kvguard.operator.canary.prompts import FALLBACK_PROMPT_TOKENS, TokenEstimate, admissible_prompt_tokens
-from kvguard.operator.canary.report import Evidence, ProbeStatus, TargetInfo
+from kvguard.operator.canary.prompts import FALLBACK_PROMPT_TOKENS, TokenEstimate, admissible_prompt_tokens, make_nonce
+from kvguard.operator.canary.report import Evidence, NonceLeak, ProbeStatus, TargetInfo
 from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
 
 
@@ -35,6 +35,27 @@ def failed(reason: str, evidence: list[Evidence] | None = None) -> Outcome:
     return Outcome(ProbeStatus.FAIL, reason, evidence or [])
 
 
+def empty_answer(result: Completion) -> str:
+    """Why an answer without text cannot be judged (for a skip reason). Identical empty outputs
+    cannot show a stale-KV read and no text can carry a nonce, so passing on them would claim what
+    was not seen; failing would blame a server whose greedy output decodes to nothing (special
+    tokens only), so the probes that judge text skip instead."""
+    usage = f", usage says {result.completion_tokens} completion token(s)" if result.completion_tokens else ""
+    return (
+        f"{result.label}: the answer carries no text (finish_reason {result.finish_reason}{usage}, "
+        f"max_tokens={result.max_tokens}): empty outputs prove nothing"
+    )
+
+
+@dataclass(frozen=True)
+class Heard:
+    """One answer received while secret nonces were out, and the nonces its own prompt carried."""
+
+    label: str
+    text: str
+    owned: frozenset[str]
+
+
 @dataclass
 class RunContext:
     """State shared by the probes of one suite run."""
@@ -51,7 +72,31 @@ class RunContext:
     abort_window: tuple[dict[str, float], dict[str, float]] | None = None
     # Engine logs, each marked when the suite started (SGLang's KV canary, `engine_logs`).
     engine_logs: list[EngineLog] = field(default_factory=list)
-    _solo: dict[tuple[str, str, int], Completion] = field(default_factory=dict)
+    _solo: dict[tuple[str, str, int, bool], Completion] = field(default_factory=dict)
+    # Every nonce handed out (nonce -> the request it belongs to), and every answer heard since the
+    # first one: any answer carrying a nonce its prompt did not is a cross-request leak (S1).
+    nonce_owners: dict[str, str] = field(default_factory=dict)
+    heard: list[Heard] = field(default_factory=list)
+
+    def issue_nonce(self, length: int, owner: str) -> str:
+        nonce = make_nonce(length)
+        self.nonce_owners[nonce] = owner
+        return nonce
+
+    def observe(self, prompt: str, result: Completion) -> None:
+        """EngineClient observer: keep answers' text while nonces are out (none can leak before)."""
+        if self.nonce_owners and result.text:
+            owned = frozenset(n for n in self.nonce_owners if n in prompt)
+            self.heard.append(Heard(result.label, result.text, owned))
+
+    def foreign_nonces(self, since: int = 0, reported: set[tuple[str, str]] | None = None) -> list[NonceLeak]:
+        """Leaks in the answers heard from index `since` on, minus (nonce, request) pairs already reported."""
+        leaks = []
+        for heard in self.heard[since:]:
+            for nonce, owner in self.nonce_owners.items():
+                if nonce not in heard.owned and nonce in heard.text and (nonce, heard.label) not in (reported or set()):
+                    leaks.append(NonceLeak(nonce=nonce, owner=owner, found_in=heard.label, output=heard.text))
+        return leaks
 
     @property
     def metrics_reachable(self) -> bool:
@@ -76,14 +121,17 @@ class RunContext:
             parts.append(f"smallest KV pool {pool:,}")
         return "sized from " + " and ".join(parts)
 
-    async def solo(self, prompt: str, *, api: ApiKind | None = None, max_tokens: int | None = None) -> Completion:
+    async def solo(
+        self, prompt: str, *, api: ApiKind | None = None, max_tokens: int | None = None, stream: bool = False
+    ) -> Completion:
         """The reference output of `prompt` run alone (cached: first successful answer wins)."""
         api = api or self.spec.api
         max_tokens = max_tokens or self.spec.max_tokens
-        key = (prompt, api, max_tokens)
+        key = (prompt, api, max_tokens, stream)
         if key not in self._solo:
+            streamed = ", streamed" if stream else ""
             result = await self.target.complete(
-                prompt, api=api, max_tokens=max_tokens, label=f"{api}: reference (alone)"
+                prompt, api=api, max_tokens=max_tokens, stream=stream, label=f"{api}{streamed}: reference (alone)"
             )
             if not result.ok:
                 return result
@@ -92,7 +140,7 @@ class RunContext:
 
     def remember_solo(self, prompt: str, api: ApiKind, max_tokens: int, result: Completion) -> None:
         if result.ok:
-            self._solo.setdefault((prompt, api, max_tokens), result)
+            self._solo.setdefault((prompt, api, max_tokens, False), result)
 
 
 class Probe(abc.ABC):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,10 @@ from kvguard.operator.canary.responses import ModelList, TokenLogprob, parse_bod
 from kvguard.operator.canary.spec import ApiKind
 
 API_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+# Called with (prompt, outcome) after every generation, so the suite can check all text it ever
+# received for other requests' secrets, whichever probe sent it.
+Observer = Callable[[str, "Completion"], None]
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Completion:
         return self.error is None and self.status == 200
 
     def describe_failure(self) -> str:
-        status = f"HTTP {self.status}" if self.status is not None else "no response"
+        status = f"HTTP {self.status}" if self.status is not None else "no HTTP response"
         return f"{self.label}: {status}: {self.error or 'unexpected status'}"
 
     def evidence(self) -> HttpExchange:
@@ -98,6 +103,7 @@ class EngineClient:
         self.seed = seed
         self.timeout_seconds = timeout_seconds
         self.context_length = context_length  # for the finish_reason "length" check; None: unknown
+        self.observer: Observer | None = None
 
     def request_body(
         self, api: ApiKind, prompt: str, max_tokens: int, stream: bool, top_logprobs: int | None = None
@@ -168,7 +174,12 @@ class EngineClient:
             result.error = f"HTTP {result.status}"
         if result.error is None and result.status == 200:
             result.error = premature_length_finish(result, self.context_length)
+        self._observe(prompt, result)
         return result
+
+    def _observe(self, prompt: str, result: Completion) -> None:
+        if self.observer is not None:
+            self.observer(prompt, result)
 
     async def disconnect_during_prefill(
         self, prompt: str, *, api: ApiKind, max_tokens: int, after_seconds: float, label: str
@@ -190,6 +201,7 @@ class EngineClient:
             if done:
                 finished = task.result()
                 finished.label, finished.disconnected = label, False
+                self._observe(prompt, finished)  # the private client has no observer
                 return finished
             task.cancel()
             try:

@@ -6,7 +6,7 @@ reused page (S5) typically makes the output depend on what ran before, so repeat
 
 from __future__ import annotations
 
-from kvguard.operator.canary.base import Outcome, Probe, RunContext, failed, passed
+from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.report import Evidence, OutputMismatch
 from kvguard.operator.canary.spec import ProbeName
 
@@ -31,6 +31,8 @@ class DeterminismProbe(Probe):
         ]
         if evidence:
             return failed(f"{len(evidence)} of {len(runs) - 1} repeat(s) differ from run 1", evidence)
+        if not runs[0].text:
+            raise ProbeSkipped(empty_answer(runs[0]))  # identical empty answers prove nothing
         if spec.compare_streaming:
             streamed = await ctx.target.complete(
                 spec.prompt, api=api, max_tokens=max_tokens, stream=True, label="streamed run"

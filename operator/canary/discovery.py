@@ -27,6 +27,7 @@ import aiohttp
 
 from kvguard.operator.canary.client import get_text
 from kvguard.operator.canary.responses import parse_json_text
+from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 # (current name, deprecated name): both served by sglang 0.5.22/0.5.23 (`http_server.py`).
 SGLANG_INFO_PATHS: tuple[tuple[str, str], ...] = (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info"))
@@ -53,6 +54,19 @@ def choose_context_length(configured: ContextReading | None, readings: list[Cont
     if configured is not None:
         return configured
     return readings[0] if readings else None
+
+
+def bounded_readings(readings: list[ContextReading]) -> tuple[list[ContextReading], list[str]]:
+    """(plausible readings, a note per dropped one). A server's number is not trusted blindly: the
+    probes build prompts of that size in memory, so one outside the bounds of
+    spec.contextLength is ignored."""
+    kept = [r for r in readings if MIN_CONTEXT_TOKENS <= r.tokens <= MAX_CONTEXT_TOKENS]
+    notes = [
+        f"{r.source} says {r.tokens} tokens: ignored, outside {MIN_CONTEXT_TOKENS}..{MAX_CONTEXT_TOKENS:,}"
+        for r in readings
+        if r not in kept
+    ]
+    return kept, notes
 
 
 def context_notes(chosen: ContextReading | None, readings: list[ContextReading]) -> list[str]:

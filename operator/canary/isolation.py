@@ -9,17 +9,42 @@ stale read: still a failure, since a correct engine has nothing to catch).
 Concurrent part: N tenants with distinct nonces at once; no output may contain another's nonce.
 With a random-weights model outputs are gibberish: the checks are about equality and absence of
 nonces, never about meaning.
+
+Every B runs on each path an answer can take: spec.api, the same streamed, and the other endpoint
+when the server serves it (a chat template may be missing: then it is noted, not failed); tenants
+take turns over those paths. Finally every answer the suite heard since the first nonce went out,
+from any probe, is searched for a nonce its own prompt did not carry. A B alone with no text skips
+the probe: empty outputs are trivially identical and carry no nonce, so they prove nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
-from kvguard.operator.canary.base import Outcome, Probe, RunContext, failed, passed
+from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
-from kvguard.operator.canary.prompts import filler_text, make_nonce
+from kvguard.operator.canary.prompts import filler_text
 from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch
-from kvguard.operator.canary.spec import ProbeName
+from kvguard.operator.canary.spec import ApiKind, ProbeName
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One way an answer reaches a client, with B's solo answer on it. A leak may show on only one:
+    a stream path or the chat endpoint can share less code with the plain completion than expected."""
+
+    api: ApiKind
+    stream: bool
+    reference: Completion
+    main: bool = False
+
+    def describe(self) -> str:
+        return f"{self.api}{', streamed' if self.stream else ''}"
+
+    def label(self, base: str) -> str:
+        """Request labels on the main channel stay as they were; others name their path."""
+        return base if self.main else f"{base} ({self.describe()})"
 
 
 class IsolationProbe(Probe):
@@ -30,39 +55,62 @@ class IsolationProbe(Probe):
         reference = await ctx.solo(spec.probe_prompt)
         if not reference.ok:
             return failed(f"B alone failed: {reference.describe_failure()}", [reference.evidence()])
+        if not reference.text:
+            raise ProbeSkipped(empty_answer(reference))
+        mark = len(ctx.heard)
         problems: list[str] = []
         evidence: list[Evidence] = []
+        channels = await self._channels(ctx, Channel(ctx.spec.api, False, reference, main=True), evidence)
         sizes: list[int] = []
         for round_index, fraction in enumerate(spec.long_request_fractions):
-            words = await self._long_round(ctx, round_index, fraction, reference, problems, evidence)
-            sizes.append(words)
             if problems and ctx.spec.stop_on_failure:
                 break
+            sizes.append(await self._long_round(ctx, round_index, fraction, channels, problems, evidence))
         if spec.tenants and not (problems and ctx.spec.stop_on_failure):
-            await self._tenants(ctx, reference, problems, evidence)
+            await self._tenants(ctx, channels, problems, evidence)
+        report_leaks(ctx, mark, problems, evidence)
         if problems:
             return failed(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
         tokens = "/".join(ctx.estimate.tokens_for(w) for w in sizes)
         tenants = f" and {spec.tenants} concurrent tenants" if spec.tenants else ""
+        paths = "; ".join(c.describe() for c in channels)
         reason = (
             f"B ({len(reference.text)} chars) identical to B alone after {len(sizes)} long request(s) A of "
-            f"{'/'.join(map(str, sizes))} words ({tokens} tokens; {ctx.sizing_basis()}){tenants}; no nonce crossed requests"
+            f"{'/'.join(map(str, sizes))} words ({tokens} tokens; {ctx.sizing_basis()}){tenants}, on {paths}; "
+            "no nonce crossed requests in any answer"
         )
-        return passed(reason, [Note(message=f"long requests of {sizes} filler words; {ctx.sizing_basis()}")])
+        notes = [e for e in evidence if isinstance(e, Note)]
+        return passed(reason, [Note(message=f"long requests of {sizes} filler words; {ctx.sizing_basis()}"), *notes])
+
+    async def _channels(self, ctx: RunContext, main: Channel, evidence: list[Evidence]) -> list[Channel]:
+        """The main channel, its streamed twin and the other endpoint, each with B's solo answer."""
+        channels = [main]
+        other: ApiKind = "chat" if main.api == "completions" else "completions"
+        for api, stream in ((main.api, True), (other, False)):
+            reference = await ctx.solo(ctx.spec.isolation.probe_prompt, api=api, stream=stream)
+            channel = Channel(api, stream, reference)
+            if reference.ok and reference.text:
+                channels.append(channel)
+                continue
+            # Not a failure: a base model has no chat template (vLLM: 400), some servers do not
+            # stream; determinism judges streaming. Said in the evidence, and left out of the reason.
+            why = empty_answer(reference) if reference.ok else reference.describe_failure()
+            evidence.append(Note(message=f"{channel.describe()} not checked: {why}"))
+        return channels
 
     async def _long_round(
         self,
         ctx: RunContext,
         round_index: int,
         fraction: float,
-        reference: Completion,
+        channels: list[Channel],
         problems: list[str],
         evidence: list[Evidence],
     ) -> int:
         spec = ctx.spec.isolation
         budget = ctx.admissible_tokens(spec.long_request_max_tokens)
         words = ctx.estimate.words_at_most(max(16, int(budget * fraction)))
-        nonce = make_nonce(spec.nonce_length)
+        nonce = ctx.issue_nonce(spec.nonce_length, f"A #{round_index + 1}")
         label_a = f"A #{round_index + 1} ({words} words, nonce {nonce})"
         prompt_a = filler_text(words, ctx.spec.seed + 1000 + round_index, nonce, spec.nonce_every_words)
         a = await ctx.target.complete(
@@ -71,19 +119,30 @@ class IsolationProbe(Probe):
         if not a.ok:
             problems.append(f"long request {label_a} failed: {a.error}")
             evidence.append(a.evidence())
-        check_b(await self._b(ctx, f"B after A #{round_index + 1}"), reference, {nonce: label_a}, problems, evidence)
+        await self._b_everywhere(ctx, channels, f"B after A #{round_index + 1}", {nonce: label_a}, problems, evidence)
         return words
 
-    async def _b(self, ctx: RunContext, label: str) -> Completion:
-        return await ctx.target.complete(
-            ctx.spec.isolation.probe_prompt, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label=label
-        )
+    async def _b_everywhere(
+        self,
+        ctx: RunContext,
+        channels: list[Channel],
+        label: str,
+        owners: dict[str, str],
+        problems: list[str],
+        evidence: list[Evidence],
+    ) -> None:
+        for channel in channels:
+            b = await ctx.target.complete(
+                ctx.spec.isolation.probe_prompt, api=channel.api, max_tokens=ctx.spec.max_tokens,
+                stream=channel.stream, label=channel.label(label),
+            )
+            check_b(b, channel.reference, owners, problems, evidence)
 
     async def _tenants(
-        self, ctx: RunContext, reference: Completion, problems: list[str], evidence: list[Evidence]
+        self, ctx: RunContext, channels: list[Channel], problems: list[str], evidence: list[Evidence]
     ) -> None:
         spec = ctx.spec.isolation
-        nonces = [make_nonce(spec.nonce_length) for _ in range(spec.tenants)]
+        nonces = [ctx.issue_nonce(spec.nonce_length, f"tenant {i + 1}") for i in range(spec.tenants)]
         # At most tenantPromptWords, and never more than one request may hold: a healthy server with
         # a short context refuses longer ones (a 400 is not isolation failing).
         words = min(spec.tenant_prompt_words, ctx.estimate.words_at_most(ctx.admissible_tokens(ctx.spec.max_tokens)))
@@ -91,11 +150,9 @@ class IsolationProbe(Probe):
             filler_text(max(1, words), ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
             for i, nonce in enumerate(nonces)
         ]
+        # Tenants take turns over the channels, so concurrent streams and chats are covered too.
         results = await asyncio.gather(
-            *(
-                ctx.target.complete(p, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label=f"tenant {i + 1}")
-                for i, p in enumerate(prompts)
-            )
+            *(self._tenant(ctx, channels[i % len(channels)], i, p) for i, p in enumerate(prompts))
         )
         for i, result in enumerate(results):
             if not result.ok:
@@ -107,7 +164,22 @@ class IsolationProbe(Probe):
                     problems.append(f"tenant {i + 1}'s output contains tenant {j + 1}'s nonce")
                     evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
-        check_b(await self._b(ctx, "B after the tenants"), reference, owners, problems, evidence)
+        await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
+
+    async def _tenant(self, ctx: RunContext, channel: Channel, index: int, prompt: str) -> Completion:
+        return await ctx.target.complete(
+            prompt, api=channel.api, max_tokens=ctx.spec.max_tokens, stream=channel.stream,
+            label=channel.label(f"tenant {index + 1}"),
+        )
+
+
+def report_leaks(ctx: RunContext, since: int, problems: list[str], evidence: list[Evidence]) -> None:
+    """Fail on any answer heard since `since` (any probe, any path) that carries another request's
+    nonce and was not already reported by a probe's own check."""
+    reported = {(e.nonce, e.found_in) for e in evidence if isinstance(e, NonceLeak)}
+    for leak in ctx.foreign_nonces(since, reported):
+        problems.append(f"{leak.found_in}: output contains the secret nonce of {leak.owner}")
+        evidence.append(leak)
 
 
 def check_b(

@@ -14,6 +14,8 @@ import random
 import secrets
 from dataclasses import dataclass
 
+from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS
+
 WORD_LETTERS = "bcdfghjklmnpqrstvwxz"  # no hex letters a-f: filler can never spell part of a nonce
 WORD_LENGTH = 4
 BYTES_PER_WORD = WORD_LENGTH + 1  # the leading space
@@ -74,8 +76,9 @@ def admissible_prompt_tokens(
 ) -> int:
     """The longest prompt every node should accept, leaving `reserve_tokens` for generation.
 
-    Without any known limit, FALLBACK_PROMPT_TOKENS.
+    Without any known limit, FALLBACK_PROMPT_TOKENS; never above MAX_CONTEXT_TOKENS (a pool a
+    server reports can be any number, and the prompt is built in memory).
     """
     limits = [int(x) for x in (context_length, min_pool_tokens) if x]
-    limit = min(limits) if limits else FALLBACK_PROMPT_TOKENS
+    limit = min(min(limits), MAX_CONTEXT_TOKENS) if limits else FALLBACK_PROMPT_TOKENS
     return max(16, limit - reserve_tokens - 16)

@@ -8,9 +8,11 @@ leaked nonce, counter deltas, pool usage over time, one worker's capacity, or a 
 from __future__ import annotations
 
 import enum
+import re
+import unicodedata
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import ProbeName
@@ -23,6 +25,21 @@ def clip(text: str, limit: int = EVIDENCE_TEXT_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... [{len(text) - limit} more characters]"
+
+
+# A reason is one table row and one stderr line; server text inside it must not break either.
+REASON_LIMIT = 1000
+_ANSI_SEQUENCE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def one_line(text: str, limit: int = REASON_LIMIT) -> str:
+    """`text` as one printable line: whitespace runs (newlines included) become one space, control
+    and format characters (ANSI escapes, bidi overrides) are dropped, and it is cut at `limit`.
+    Servers supply part of what reasons quote (error messages, HTML bodies, model ids), and a
+    crafted one must not fake a verdict line or recolour the terminal."""
+    kept = "".join(c for c in _ANSI_SEQUENCE.sub("", text) if c.isspace() or unicodedata.category(c) not in ("Cc", "Cf"))
+    flat = " ".join(kept.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 class _ReportModel(BaseModel):
@@ -77,10 +94,11 @@ class CounterDeltas(_ReportModel):
 
 class PoolUsage(_ReportModel):
     kind: Literal["pool_usage"] = "pool_usage"
-    baseline_tokens: float
-    final_tokens: float
+    # Whole tokens: a usage read as a fraction x capacity (vLLM) is rounded, not shown as 0.0.
+    baseline_tokens: int
+    final_tokens: int
     waited_seconds: float
-    samples: list[tuple[float, float]] = Field(
+    samples: list[tuple[float, int]] = Field(
         default_factory=list, description="(seconds since the aborts, used tokens) pairs."
     )
 
@@ -112,6 +130,11 @@ class ProbeResult(_ReportModel):
     reason: str = Field("", description="One line: why it failed or was skipped, or what passed.")
     duration_seconds: float = 0.0
     evidence: list[Evidence] = Field(default_factory=list)
+
+    @field_validator("reason")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        return one_line(value)
 
 
 class TargetInfo(_ReportModel):
@@ -147,6 +170,11 @@ class CanaryReport(_ReportModel):
         0.0, description="Seconds until the verdict was known: the first failure, else the end."
     )
     probes: list[ProbeResult] = Field(default_factory=list)
+
+    @field_validator("reason")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        return one_line(value)
 
     def probe(self, name: ProbeName) -> ProbeResult | None:
         return next((p for p in self.probes if p.name == name), None)

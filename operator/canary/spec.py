@@ -41,9 +41,19 @@ class ProbeName(str, enum.Enum):
 ApiKind = Literal["completions", "chat"]
 
 
+# Larger than any served model's context (2025: 10M at most), small enough that prompts sized from
+# it fit in memory: a typo or a server advertising 99999999999 must be bad input, not a MemoryError.
+MAX_CONTEXT_TOKENS = 16 * 1024 * 1024
+MIN_CONTEXT_TOKENS = 16
+# A timeout beyond a day is a typo; aiohttp and asyncio overflow on huge or infinite ones.
+MAX_TIMEOUT_SECONDS = 86400.0
+
+
 class _SpecModel(BaseModel):
+    # allow_inf_nan=False: `.inf` or `.nan` in YAML is bad input (it crashed the timers, or made
+    # every comparison false) rather than a value; it leaves the JSON schema (the CRD) unchanged.
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, allow_inf_nan=False
     )
 
 
@@ -226,6 +236,20 @@ class AbortSpec(_SpecModel):
         True, description="After the aborts, request B must still give its solo output."
     )
 
+    @field_validator("pool_recovery_timeout_seconds")
+    @classmethod
+    def _recovery_bounded(cls, value: float) -> float:
+        if value > MAX_TIMEOUT_SECONDS:
+            raise ValueError(f"must be at most {MAX_TIMEOUT_SECONDS:g} seconds")
+        return value
+
+    @field_validator("prefill_disconnect_after_seconds")
+    @classmethod
+    def _delays_bounded(cls, value: list[float]) -> list[float]:
+        if any(not 0 <= d <= MAX_TIMEOUT_SECONDS for d in value):
+            raise ValueError(f"each delay must be between 0 and {MAX_TIMEOUT_SECONDS:g} seconds")
+        return value
+
 
 class CapacitySpec(_SpecModel):
     enabled: bool = Field(True, description="Run the capacity probe (needs metrics).")
@@ -336,6 +360,21 @@ class CanarySpec(_SpecModel):
         description="Periodic light canary (capacity, over-length, isolation, safety counters) against the serving "
         "revision; off by default.",
     )
+
+    @field_validator("context_length")
+    @classmethod
+    def _context_bounded(cls, value: int | None) -> int | None:
+        # A validator, not `le=`: the bound stays out of the CRD schema (generated from this model).
+        if value is not None and value > MAX_CONTEXT_TOKENS:
+            raise ValueError(f"must be at most {MAX_CONTEXT_TOKENS:,} tokens")
+        return value
+
+    @field_validator("request_timeout_seconds", "suite_timeout_seconds")
+    @classmethod
+    def _timeout_bounded(cls, value: float | None) -> float | None:
+        if value is not None and value > MAX_TIMEOUT_SECONDS:
+            raise ValueError(f"must be at most {MAX_TIMEOUT_SECONDS:g} seconds")
+        return value
 
     @model_validator(mode="after")
     def _something_enabled(self) -> CanarySpec:

@@ -25,6 +25,7 @@ from kvguard.operator.canary.client import API_PATHS, EngineClient
 from kvguard.operator.canary.determinism import DeterminismProbe
 from kvguard.operator.canary.discovery import (
     ContextReading,
+    bounded_readings,
     choose_context_length,
     context_notes,
     discover_from_target,
@@ -43,7 +44,7 @@ from kvguard.operator.canary.report import (
     Verdict,
 )
 from kvguard.operator.canary.safety_counters import SafetyCountersProbe
-from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
+from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, ApiKind, CanarySpec, ProbeName
 
 PROBES: dict[ProbeName, type[Probe]] = {
     ProbeName.CAPACITY: CapacityProbe,
@@ -99,10 +100,10 @@ async def run_suite(
     limit = timeout_seconds or spec.suite_timeout_seconds
     deadline = started + limit if limit else None
     async with aiohttp.ClientSession() as session:
-        configured = _configured_context(spec, context_length)
         logs = [FileLog(log) if isinstance(log, Path) else log for log in engine_logs]
         await asyncio.gather(*(log.mark() for log in logs))  # before any request: every line after is this run's
         try:
+            configured = _configured_context(spec, context_length)
             ctx = await _prepare(session, spec, info, baseline_url, deadline, configured)
             ctx.engine_logs = logs
         except CannotRun as exc:
@@ -146,11 +147,11 @@ async def _prepare(
         # wrong URL, as with an unreachable baseline, must not quietly drop those checks.
         raise CannotRun("no metrics URL answers: " + "; ".join(f"{s.url}: {s.error}" for s in snapshots))
     readings = [ContextReading("/v1/models max_model_len", max_model_len)] if max_model_len else []
-    readings += facts.readings + _metric_contexts(snapshots)
+    readings, implausible = bounded_readings(readings + facts.readings + _metric_contexts(snapshots))
     chosen = choose_context_length(configured, readings)
     info.context_length = chosen.tokens if chosen else None
     info.context_length_source = chosen.source if chosen else None
-    info.context_notes = context_notes(chosen, readings)
+    info.context_notes = context_notes(chosen, readings) + implausible
     info.engine_version = facts.engine_version
     _absorb_metrics(info, snapshots, facts.engine)
     target.context_length = info.context_length
@@ -160,6 +161,7 @@ async def _prepare(
         spec=spec, session=session, target=target, baseline=baseline,
         metrics_urls=info.metrics_urls, info=info, start_snapshots=snapshots,
     )
+    target.observer = ctx.observe  # every answer from here on is searched for foreign nonces
     ctx.estimate = await _calibrate(target, spec.api, deadline)
     return ctx
 
@@ -183,6 +185,8 @@ async def _identify(client: EngineClient, model: str | None, role: str) -> tuple
 
 def _configured_context(spec: CanarySpec, override: int | None) -> ContextReading | None:
     if override is not None:
+        if not MIN_CONTEXT_TOKENS <= override <= MAX_CONTEXT_TOKENS:  # prompts are sized (and built) from it
+            raise CannotRun(f"context length {override} is outside {MIN_CONTEXT_TOKENS}..{MAX_CONTEXT_TOKENS:,} tokens")
         return ContextReading("--context-length", override)
     if spec.context_length is not None:
         return ContextReading("spec.canary.contextLength", spec.context_length)
@@ -244,6 +248,8 @@ async def _run_probes(
     for name in ctx.spec.enabled_probes():
         if stop_reason is not None:
             results.append(ProbeResult(name=name, status=ProbeStatus.SKIPPED, reason=stop_reason))
+            # A row for it too: a table that drops it would hide that it never ran.
+            _notify(progress, ProgressEvent("finished", name, time.monotonic() - started, results[-1]))
             continue
         _notify(progress, ProgressEvent("started", name, time.monotonic() - started))
         result = await _run_one(PROBES[name](), ctx, deadline)

@@ -1,0 +1,213 @@
+"""Findings of the second outside probe of `kvguard canary`, one test each.
+
+Leaks only a stream or the chat endpoint shows, answers with no text, abort reasons that claimed
+cuts that never happened, unbounded context lengths and timeouts, server text that broke the
+table's lines, probes missing from the table, Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_canary_fakes import Behaviour, RunningServer
+
+from kvguard.cli import main as cli_main
+from kvguard.commands import canary as canary_command
+from kvguard.operator.canary import CanaryReport, CanarySpec, ProbeName, ProbeStatus, Verdict, run_suite
+from kvguard.operator.canary.report import PoolUsage, one_line
+
+FAST = {"abort": {"poolRecoveryTimeoutSeconds": 1.0}, "requestTimeoutSeconds": 60}
+
+
+def spec(**overrides: object) -> CanarySpec:
+    return CanarySpec.model_validate({**FAST, **overrides})
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    with RunningServer(getattr(request, "param", Behaviour())) as running:
+        yield running
+
+
+async def run(server: RunningServer, canary: CanarySpec | None = None, **kwargs: object) -> CanaryReport:
+    return await run_suite(server.url, canary or spec(), metrics_urls=[server.metrics_url], **kwargs)  # type: ignore[arg-type]
+
+
+def result(report: CanaryReport, name: ProbeName):  # type: ignore[no-untyped-def]
+    found = report.probe(name)
+    assert found is not None, f"{name} missing"
+    return found
+
+
+# 1. isolation covers streamed answers and the chat endpoint; every answer is searched -------------
+
+
+@pytest.mark.parametrize(
+    ("server", "path"),
+    [(Behaviour(leak_nonce_on="stream"), "streamed"), (Behaviour(leak_nonce_on="chat"), "(chat)")],
+    indirect=["server"],
+)
+async def test_a_leak_on_one_path_only_fails_isolation(server: RunningServer, path: str) -> None:
+    report = await run(server, spec().only([ProbeName.ISOLATION]))
+    isolation = result(report, ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "secret nonce" in isolation.reason and path in isolation.reason
+    leaks = [e for e in isolation.evidence if e.kind == "nonce_leak"]
+    assert leaks and all(leak.nonce in leak.output for leak in leaks)
+
+
+async def test_a_clean_server_passes_isolation_on_every_path(server: RunningServer) -> None:
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
+    assert "completions; completions, streamed; chat" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(serves_chat=False)], indirect=True)
+async def test_a_server_without_chat_is_noted_not_failed(server: RunningServer) -> None:
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
+    assert any("chat not checked: " in getattr(e, "message", "") for e in isolation.evidence)
+
+
+@pytest.mark.parametrize("server", [Behaviour(leak_nonce_on="stream")], indirect=True)
+async def test_the_abort_probe_searches_its_cut_streams_for_nonces(server: RunningServer) -> None:
+    report = await run(server, spec(isolation={"tenants": 0}).only([ProbeName.ISOLATION, ProbeName.ABORT]))
+    abort = result(report, ProbeName.ABORT)
+    assert abort.status == ProbeStatus.FAIL and "stream cut after" in abort.reason and "secret nonce" in abort.reason
+    assert abort.evidence[0].kind == "nonce_leak"  # the cause first: the table shows only a few rows
+
+
+# 2. answers without text prove nothing ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("server", [Behaviour(empty_text=True)], indirect=True)
+async def test_empty_answers_do_not_pass_determinism_or_isolation(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.DETERMINISM, ProbeName.ISOLATION]))
+    for name in (ProbeName.DETERMINISM, ProbeName.ISOLATION):
+        probe = result(report, name)
+        assert probe.status == ProbeStatus.SKIPPED, probe.reason
+        assert "no text" in probe.reason and "finish_reason length" in probe.reason
+    assert report.verdict == Verdict.CANNOT_RUN  # nothing was proven
+
+
+# 3. the abort reason says what happened --------------------------------------------------------
+
+
+async def test_abort_counts_only_the_cuts_that_happened(server: RunningServer) -> None:
+    # A cut after more chunks than the stream has, and a prefill cut long after the answer came.
+    canary = spec(abort={"poolRecoveryTimeoutSeconds": 1.0, "streamDisconnectAfterTokens": [100000],
+                         "prefillDisconnectAfterSeconds": [0.0, 30.0]}).only([ProbeName.ABORT])
+    abort = result(await run(server, canary), ProbeName.ABORT)
+    assert abort.status == ProbeStatus.PASS, abort.reason
+    assert abort.reason.startswith("0 mid-decode and 1 mid-prefill disconnect(s) (2 planned cut(s) not exercised")
+
+
+async def test_abort_with_no_cut_exercised_is_skipped(server: RunningServer) -> None:
+    canary = spec(abort={"streamDisconnectAfterTokens": [100000], "prefillDisconnectAfterSeconds": [30.0]})
+    abort = result(await run(server, canary.only([ProbeName.ABORT])), ProbeName.ABORT)
+    assert abort.status == ProbeStatus.SKIPPED and abort.reason.startswith("no disconnect exercised: ")
+    assert "stream finished before the cut" in abort.reason and "answered before the cut" in abort.reason
+
+
+# 4 and 5. bounded context lengths, finite timeouts ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"contextLength": 99_999_999_999}, {"requestTimeoutSeconds": float("inf")}, {"suiteTimeoutSeconds": float("nan")},
+     {"requestTimeoutSeconds": 1e300}, {"abort": {"prefillDisconnectAfterSeconds": [float("inf")]}}],
+)
+def test_unbounded_numbers_are_bad_specs(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        CanarySpec.model_validate(bad)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--timeout", "nan"), ("--timeout", "inf"), ("--timeout", "-1"), ("--context-length", "99999999999")]
+)
+def test_cli_rejects_unusable_numbers_in_one_line(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvguard canary: cannot run: {flag} must") and err.count("\n") == 1
+
+
+def test_a_yaml_infinity_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "inf.yaml"
+    path.write_text("requestTimeoutSeconds: .inf\n")
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--spec", str(path)]) == 2
+    assert "requestTimeoutSeconds: Input should be a finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("server", [Behaviour(advertised_context=99_999_999_999, metrics_style="none")], indirect=True)
+async def test_a_huge_advertised_context_is_ignored_with_a_note(server: RunningServer) -> None:
+    report = await run_suite(server.url, spec().only([ProbeName.DETERMINISM]))
+    assert report.verdict == Verdict.PASS and report.target.context_length is None
+    assert any("99999999999" in note and "ignored" in note for note in report.target.context_notes)
+
+
+async def test_run_suite_refuses_a_huge_configured_context(server: RunningServer) -> None:
+    report = await run_suite(server.url, spec(), context_length=99_999_999_999)
+    assert report.verdict == Verdict.CANNOT_RUN and "outside" in report.reason
+
+
+# 6. server text never breaks a line ------------------------------------------------------------
+
+
+def test_one_line_strips_controls_ansi_and_newlines() -> None:
+    assert one_line("fake\nverdict: PASS\x1b[32m  x\u202ey\r\n") == "fake verdict: PASS xy"
+    assert len(one_line("x" * 5000)) == 1000
+
+
+@pytest.mark.parametrize(
+    "server", [Behaviour(model_id="fake\nverdict: PASS (7 probe(s) passed)\x1b[32m", error_message="one\ntwo\nthree")],
+    indirect=True,
+)
+def test_server_strings_cannot_add_lines_or_escapes(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["canary", "--url", server.url, "--probes", "determinism,isolation"]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and sum(line.startswith("verdict:") for line in out.splitlines()) == 1
+    assert "HTTP 500: one two three" in out
+    rows = [line for line in out.splitlines() if line.startswith(("determinism", "isolation", " "))]
+    assert all(line.strip() for line in rows)  # no continuation lines without a row
+
+
+# 7. the table lists probes that were not run ---------------------------------------------------
+
+
+@pytest.mark.parametrize("server", [Behaviour(error_message="boom")], indirect=True)
+def test_table_shows_probes_not_run(server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "stop.yaml"
+    path.write_text("stopOnFailure: true\n")
+    assert cli_main(["canary", "--url", server.url, "--spec", str(path), "--probes", "determinism,isolation,abort"]) == 1
+    out = capsys.readouterr().out
+    for name in ("isolation", "abort"):
+        assert any(line.startswith(name) and "not run: determinism failed" in line for line in out.splitlines()), out
+
+
+# 8. nits ----------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(coro: object) -> None:
+        coro.close()  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(canary_command.asyncio, "run", interrupted)
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "-o", "json"]) == 130
+    assert capsys.readouterr().err.strip() == "kvguard canary: interrupted; no verdict"
+
+
+def test_cannot_run_target_line_and_evidence_wording() -> None:
+    target = CanaryReport.model_validate(
+        {"verdict": "cannot_run", "target": {"url": "http://x"}, "startedAt": "now"}
+    ).target
+    assert canary_command.describe_target(target)[0].startswith("target: model not identified;")
+    http = canary_command.describe_evidence(
+        CanaryReport.model_validate({"verdict": "fail", "target": {"url": "u"}, "startedAt": "t", "probes": [
+            {"name": "determinism", "status": "fail", "evidence": [{"kind": "http", "request": "r", "error": "timed out"}]}
+        ]}).probes[0].evidence[0]
+    )
+    assert http == ["- r: no HTTP response, 0 chunk(s): timed out"]
+    assert PoolUsage(baseline_tokens=round(12.6), final_tokens=0, waited_seconds=0.1).model_dump()["baseline_tokens"] == 13
