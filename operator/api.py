@@ -1343,7 +1343,8 @@ class InferencePolicyStatus(ApiModel):
     observed_generation: int | None = None
     """metadata.generation this status describes."""
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra=CONDITIONS_LIST_MAP)
-    """Ready when the policy is loaded by the operator."""
+    """Reserved: the operator does not write it. Whether a policy applies, and what it refuses,
+    shows on each InferenceModel it covers (the PolicyCompliant condition)."""
 
 
 class InferencePolicy(ApiModel):

@@ -161,6 +161,7 @@ class Controller:
         self.gate = PodGate(kube, lambda: list(self._policies()), self.enqueue)
         """S7 while pods serve: the readiness gate of every engine pod (backends/pod_gate.py)."""
         self.elector = LeaderElector(kube, self.settings.identity, self.settings.lease, self._started_leading, self._stopped_leading)
+        kube.write_guard = self._write_guard
         self._elector_task: asyncio.Task[None] | None = None
         self.passes = 0
         """Passes run by this process (tests and the scale benchmark read it)."""
@@ -183,6 +184,12 @@ class Controller:
     def leading(self) -> bool:
         return self.elector.leading
 
+    def _write_guard(self, _method: str, path: str) -> str | None:
+        """Only the holder of a fresh Lease writes (the Lease itself is the elector's to write)."""
+        if "/leases" in path or self.elector.holds_lease():
+            return None
+        return "this replica does not hold a fresh Lease (another replica may lead)"
+
     async def _started_leading(self) -> None:
         metrics.LEADER.set(1)
         loop = asyncio.get_running_loop()
@@ -204,6 +211,7 @@ class Controller:
         self.queue.clear()
         self.runner.cancel_all()
         self.continuous.cancel_all()
+        metrics.forget_all_models()
         self.memory.clear()
         self._waits.clear()
         self._failures.clear()

@@ -170,6 +170,11 @@ class Kube:
         # urllib3's pool must hold as many connections as there are threads, or they queue on it.
         self._api.rest_client.pool_manager.connection_pool_kw["maxsize"] = concurrency
         self._executor = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="kube")
+        self.write_guard: Callable[[str, str], str | None] | None = None
+        """Asked before every write with (method, path): a reason to refuse it, or None. The
+        operator sets it to its leadership check (Controller._write_guard): a replica paused past
+        its renew deadline (SIGSTOP, a stalled node) may have a successor by the time it runs on,
+        and must not write what it had in hand."""
 
     # --- the verbs ------------------------------------------------------------------------------
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
@@ -358,6 +363,8 @@ class Kube:
         accept: str = "application/json",
         query: list[tuple[str, str]] | None = None,
     ) -> tuple[int, Any]:
+        if method != "GET" and self.write_guard is not None and (why := self.write_guard(method, path)) is not None:
+            raise KubeError(0, f"{method} {path} not sent: {why}")
         status, raw = self._transport(method, path, body, content_type=content_type, accept=accept, query=query)
         try:
             return status, json.loads(raw) if raw else {}

@@ -143,6 +143,12 @@ class LeaderElector:
         elif self.leading and (held is False or now - self._last_renewal > self.config.renew_deadline):
             await self._stop("another replica holds the Lease" if held is False else "renew deadline passed")
 
+    def holds_lease(self) -> bool:
+        """Leading, with a renewal within renew_deadline on this clock. `leading` alone is not
+        enough: a holder paused past the deadline still says True until its next attempt runs,
+        and a standby may have taken over meanwhile."""
+        return self.leading and self._clock() - self._last_renewal <= self.config.renew_deadline
+
     async def _stop(self, why: str) -> None:
         self.leading, self._held = False, None
         log.warning("leader election: %s stops leading: %s", self.identity, why)

@@ -72,6 +72,13 @@ def forget_model(namespace: str, model: str) -> None:
             pass
 
 
+def forget_all_models() -> None:
+    """A replica that stops leading exports no per-model series: the leader's are the truth, and
+    a standby's would outlive the models deleted after it stepped down (alerts on ghosts)."""
+    KV_RATIO.clear()
+    CONTINUOUS_FAILURES.clear()
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> None:
     """Start the /metrics HTTP server on a daemon thread."""
     start_http_server(port, addr=addr, registry=REGISTRY)

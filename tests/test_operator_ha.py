@@ -103,12 +103,31 @@ async def test_two_electors_one_leader_takeover_only_after_the_lease_is_stale(km
     clock.now += 2  # the holder stopped renewing 16 s ago (standby's clock)
     await standby.attempt()
     assert standby.leading
+    # Paused past its renew deadline (SIGSTOP, a stalled node), the old holder still says `leading`
+    # until its next attempt runs; whatever it had in hand must not be written meanwhile.
+    assert leader.leading and not leader.holds_lease() and standby.holds_lease()
     await leader.attempt()  # it sees another holder: stops at once, before doing anything else
     assert not leader.leading and events[-2:] == [f"{standby.identity} leads", f"{leader.identity} stops"]
     lease = kmock.objects[LEASES, "kvguard-system", "kvguard-operator"]
     assert lease["spec"]["holderIdentity"] == standby.identity and lease["spec"]["leaseTransitions"] == 1
     await standby.release()
     assert not standby.leading and "holderIdentity" not in kmock.objects[LEASES, "kvguard-system", "kvguard-operator"]["spec"]
+
+
+def test_a_write_the_guard_refuses_is_never_sent() -> None:
+    """The operator's Kube asks its write guard (Controller._write_guard: a fresh Lease) before
+    every write; reads go through. Nothing listens at this address: a sent call would fail as a
+    transport error, not with the guard's reason."""
+    from kvguard.operator.kube import KubeError, ObjectRef
+
+    kube = Kube(kubernetes.client.ApiClient(client_configuration("http://127.0.0.1:9")))
+    kube.write_guard = lambda method, path: None if "/leases" in path else "no fresh Lease"
+    for write in (lambda: kube.delete(ObjectRef("Secret", "s", "ns")), lambda: kube.create({"apiVersion": "v1", "kind": "Secret",
+                                                                                          "metadata": {"name": "s", "namespace": "ns"}})):  # fmt: skip
+        with pytest.raises(KubeError, match="not sent: no fresh Lease"):
+            write()
+    with pytest.raises(KubeError, match="transport error"):
+        kube.get(ObjectRef("Secret", "s", "ns"))  # reads are not guarded
 
 
 async def test_two_operators_one_promotion_no_lost_status_write_and_the_old_leader_stops(
