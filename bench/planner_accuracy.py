@@ -223,9 +223,15 @@ def spec_from_row(row: dict[str, str], figures: dict[str, float], zeros: bool = 
         memory_fraction=_number(row["mem_fraction_or_util"]) or 0.9,  # vLLM's default when not stated
         reserve=_gib(reserve),
         engine=EngineSpec(kind=EngineKind.VLLM if vllm else EngineKind.SGLANG, version=version.group(0) if version else None),
-        hardware=HardwareSpec(memory_per_device=_gib(memory), device_overhead=_gib(overhead), gpu_product=row["gpu"]),
+        hardware=HardwareSpec(memory_per_device=_gib(memory), device_overhead=_gib(overhead), gpu_product=_gpu_label(row["gpu"])),
         roles=RolesSpec(prefill=role, decode=role),
     )
+
+
+def _gpu_label(name: str) -> str:
+    """The logs name GPUs as people do ("RTX 3090"); the spec takes the node label's form
+    (nvidia.com/gpu.product values: "NVIDIA-GeForce-RTX-3090"), as it renders a nodeSelector."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-_.")[:63]
 
 
 def _zeros_spec(row: dict[str, str], figures: dict[str, float]) -> InferenceModelSpec:
