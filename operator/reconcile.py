@@ -474,12 +474,24 @@ def _record_transition(run: _Run, decision: Decision, previous_state: RolloutSta
         if old_stable:
             run.record(old_stable, "Superseded", f"replaced by {decision.stable}")
         run.record(decision.stable, "Stable", None, None if rollout.rollback else run.status.kv_ratio)
-    elif rollout.state == RolloutState.CANARY_DEPLOYING and previous_state != RolloutState.CANARY_DEPLOYING:
-        run.record(rollout.revision or "", "Candidate", None, run.status.kv_ratio)
+    elif rollout.state == RolloutState.CANARY_DEPLOYING:
+        _record_candidate(run, rollout.revision or "", fresh=previous_state != RolloutState.CANARY_DEPLOYING)
     elif rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and previous_state not in (
         RolloutState.FAILED, RolloutState.ROLLED_BACK
     ):
         run.record(rollout.revision or "", "Failed", rollout.message)
+
+
+def _record_candidate(run: _Run, revision: str, fresh: bool) -> None:
+    """A canary starts -- or a newer spec replaced the candidate mid-canary (the state stays
+    CanaryDeploying): the replaced one is Superseded, never left reading Candidate."""
+    head = run.status.history[0] if run.status.history else None
+    replaced = head is not None and head.state == "Candidate" and head.revision != revision
+    if replaced:
+        assert head is not None
+        run.record(head.revision, "Superseded", f"replaced by {revision} before it served")
+    if fresh or replaced:
+        run.record(revision, "Candidate", None, run.status.kv_ratio)
 
 
 def _canary_summary(rollout: RolloutStatus) -> str:
