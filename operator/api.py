@@ -819,8 +819,9 @@ class InferencePoolOptions(ApiModel):
 
 
 class ErrorRatioCheck(ApiModel):
-    """The candidate's share of failed requests (5xx and aborted responses), from its routers'
-    kvguard_requests_total, per measurement."""
+    """The candidate's share of failed requests (5xx answers and streams it broke off), from its
+    routers' kvguard_requests_total, per measurement. Requests whose client disconnected are not
+    counted either way."""
 
     enabled: bool = True
     """Run the check (kvguard engine; other engines' routers do not export the counter)."""
