@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_webhook import set_path
 
 from kvguard.cli import main as cli_main
 from kvguard.operator.api import MAX_KV_RATIO, HardwareSpec, InferencePolicy, ResourceRequirements
@@ -114,15 +115,6 @@ def test_the_crd_schemas_carry_the_maximum(build: Any) -> None:
 # --- 2: what the API server would refuse in the rendered Deployments ------------------------------------
 
 
-def _set(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    node = body
-    *parents, last = path.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[last] = value
-    return body
-
-
 REFUSED = [
     ("spec.hardware.gpuProduct", "NVIDIA H100", "spec.hardware.gpuProduct: Value error, 'NVIDIA H100' is not a label value"),
     ("spec.hardware.gpuProduct", "H" * 64, "spec.hardware.gpuProduct"),
@@ -147,7 +139,7 @@ REFUSED = [
 
 @pytest.mark.parametrize(("path", "value", "says"), REFUSED, ids=[f"{p}={v!r}"[:60] for p, v, _ in REFUSED])
 def test_children_the_api_server_would_refuse_are_denied_by_field(path: str, value: Any, says: str) -> None:
-    exc = denial(_set(tiny_model(), path, value))
+    exc = denial(set_path(tiny_model(), path, value))
     assert exc is not None and exc.code == INVALID and says in str(exc), exc
 
 
@@ -162,7 +154,7 @@ ADMITTED = [
 
 @pytest.mark.parametrize(("path", "value"), ADMITTED, ids=[f"{p}={v!r}"[:60] for p, v in ADMITTED])
 def test_what_the_api_server_accepts_is_still_admitted(path: str, value: Any) -> None:
-    assert denial(_set(tiny_model(), path, value)) is None
+    assert denial(set_path(tiny_model(), path, value)) is None
 
 
 def test_a_gpu_product_in_the_label_form_is_accepted() -> None:

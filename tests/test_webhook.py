@@ -98,7 +98,8 @@ def test_a_schema_error_is_denied_with_the_wire_field_name() -> None:
     assert exc is not None and exc.code == INVALID and "spec.contextLenght" in str(exc)
 
 
-def _set(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+def set_path(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """`body` with the dotted `path` set to `value` (missing parents created)."""
     node = body
     *parents, last = path.split(".")
     for key in parents:
@@ -131,7 +132,7 @@ REFUSED_FIELDS = [
 
 @pytest.mark.parametrize(("path", "value", "says"), REFUSED_FIELDS, ids=[f"{p}={v!r}"[:60] for p, v, _ in REFUSED_FIELDS])
 def test_fields_a_real_api_server_or_the_engine_would_refuse_are_denied_by_name(path: str, value: Any, says: str) -> None:
-    exc = denial(_set(tiny_model(), path, value), [])
+    exc = denial(set_path(tiny_model(), path, value), [])
     assert exc is not None and exc.code == INVALID and says in str(exc), exc
 
 
