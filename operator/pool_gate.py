@@ -166,7 +166,10 @@ def declared_requirement(annotations: Mapping[str, Any]) -> PoolRequirement | No
 
 def requirement_for(facts: PodFacts, policy_ratio: float | None) -> PoolRequirement | None:
     """The pod's revision's requirement, its ratio raised by the InferencePolicies covering its
-    namespace (a policy tightened after the rollout applies to pods that start from now on)."""
+    namespace. A policy tightened after the rollout applies to every pod judged from then on,
+    serving ones included: a verdict under another requirement no longer covers the pod
+    (`Verdict.covers`), so it is judged again and, below the new ratio, kept out of rotation.
+    (The local gate does not raise it: its router keeps the ratio it started with.)"""
     if facts.declared is None:
         return None
     return PoolRequirement(max(facts.declared.ratio, policy_ratio or 0.0), facts.declared.context_length)
