@@ -19,17 +19,18 @@ import asyncio
 import contextlib
 import io
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kvguard.interrupts import sigterm_as_interrupt
 
 FAULTY_BUILD = "unsafe_reject_path,no_tags"
 PROMPTS = ("The capital of France is", "Once upon a time,", "1, 2, 3, 4,")
@@ -233,20 +234,6 @@ def write_tiny_model(folder: Path, say: Callable[[str], None]) -> Path:
         raise subprocess.CalledProcessError(code, argv)
     say(f"  tiny model written in {time.monotonic() - began:.1f} s")
     return folder
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so the cleanup below runs either way."""
-
-    def handler(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_demo(examples: Path, keep: bool = False) -> int:

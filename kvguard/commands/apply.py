@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
-    from kvguard.demo import sigterm_as_interrupt  # SIGTERM stops a rollout as Ctrl-C does: one line, exit 130
+    from kvguard.interrupts import sigterm_as_interrupt  # SIGTERM stops a rollout as Ctrl-C does: one line, exit 130
     from kvguard.operator.backends.local import LocalBackend, LocalBackendError
     from kvguard.operator.backends.local_rollout import roll_out
     from kvguard.operator.planner import PlanInputError
