@@ -938,9 +938,10 @@ def _check_body_headers(headers: CIMultiDictProxy[str]) -> None:
     reads a body). No listener decompresses (`servers.app_runner`), so a compressed body is refused
     here by name -- not a JSON error or a 500 -- and no decompression bomb is ever inflated. A form
     or text/plain body is what a browser may send cross-site without a preflight: refused too."""
-    # Every Content-Encoding line: a second line (`identity`, then `gzip`) must not slip past.
-    encoding = ", ".join(v.strip().lower() for v in headers.getall("Content-Encoding", []) if v.strip())
-    if encoding.replace(" ", "") not in ("", "identity"):
+    # Every coding of every Content-Encoding line: a second line (`identity`, then `gzip`) must not slip past.
+    codings = [c.strip().lower() for line in headers.getall("Content-Encoding", []) for c in line.split(",") if c.strip()]
+    if codings not in ([], ["identity"]):
+        encoding = ", ".join(codings)
         raise OpenAIError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
                           code="unsupported_media_type")  # fmt: skip
     media = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()

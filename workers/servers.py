@@ -89,10 +89,11 @@ class MalformedRequestFilter(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
 
 
+_MALFORMED_REQUESTS = MalformedRequestFilter()
+
+
 def quiet_malformed_requests() -> None:
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, MalformedRequestFilter) for f in server_log.filters):
-        server_log.addFilter(MalformedRequestFilter())
+    logging.getLogger("aiohttp.server").addFilter(_MALFORMED_REQUESTS)  # a filter it holds is not added twice
 
 
 def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
