@@ -307,6 +307,8 @@ async def test_a_deleted_models_metrics_are_cleared(cluster: Any) -> None:
     await until(lambda: metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", labels) == 4.0, "the kv_ratio gauge")
     await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
     await until(lambda: metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", labels) is None, "the gauge removed")
+    for role in ("prefill", "decode"):
+        assert metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", {**labels, "role": role}) is None
 
 
 async def test_every_list_and_watch_of_children_carries_a_label_selector(cluster: Any) -> None:
