@@ -30,11 +30,12 @@ from pydantic import (
     Field,
     PlainSerializer,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
 
-from kvguard.operator.canary.spec import CanarySpec
+from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, CanarySpec
 from kvguard.operator.conditions import Condition
 from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.pool_gate import PodPool
@@ -1041,11 +1042,22 @@ class InferenceModelSpec(ApiModel):
     revision_history_limit: NonNegativeInt = 2
     """Previous stable revisions kept (scaled to zero) as targets for kvguard.io/rollback-to."""
 
+    @field_validator("context_length")
+    @classmethod
+    def _context_bounded(cls, value: int) -> int:
+        # The canary, which gates every revision, sizes its requests from it and reads no server's
+        # context above this bound (canary/discovery.py). A validator, as canary.contextLength's.
+        if value > MAX_CONTEXT_TOKENS:
+            raise ValueError(f"must be at most {MAX_CONTEXT_TOKENS:,} tokens")
+        return value
+
     @model_validator(mode="after")
     def _canary_knows_the_context(self) -> InferenceModelSpec:
         # The canary sizes its long and over-length requests from the context length; servers that
         # do not advertise one (no max_model_len) are judged against the declared contextLength.
-        if self.canary.context_length is None:
+        # Copied only where canary.contextLength itself would accept it: the stored spec must
+        # validate again as it was dumped (`kvguard apply --local` re-reads its state folder).
+        if self.canary.context_length is None and self.context_length >= MIN_CONTEXT_TOKENS:
             self.__dict__["canary"] = self.canary.model_copy(update={"context_length": self.context_length})
         return self
 

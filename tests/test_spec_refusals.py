@@ -19,7 +19,7 @@ import yaml
 from test_webhook import set_path
 
 from kvguard.cli import main as cli_main
-from kvguard.operator.api import MAX_KV_RATIO, HardwareSpec, InferencePolicy, ResourceRequirements
+from kvguard.operator.api import MAX_KV_RATIO, HardwareSpec, InferenceModelSpec, InferencePolicy, ResourceRequirements
 from kvguard.operator.controller import Controller
 from kvguard.operator.crdgen import inference_model_crd, inference_policy_crd
 from kvguard.operator.reconcile import Observed, reconcile
@@ -134,6 +134,7 @@ REFUSED = [
     ("spec.roles.decode.resources", {"requests": {"hugepages-2Mi": "1Gi"}, "limits": {"hugepages-2Mi": "2Gi"}},
      "requests.hugepages-2Mi (1Gi) must equal limits.hugepages-2Mi (2Gi)"),
     ("spec.roles.decode.resources", {"requests": {"cpu": "1e400"}, "limits": {"cpu": "1"}}, "requests.cpu (1e400) must not exceed"),
+    ("spec.contextLength", 99_999_999_999, "spec.contextLength: Value error, must be at most 16,777,216 tokens"),
 ]  # fmt: skip
 
 
@@ -180,3 +181,30 @@ def test_the_controller_reaches_reconcile_with_a_non_object_spec(spec: Any) -> N
     # Before reconcile, the controller looks for spec.model.architectureConfigMap to read it.
     body = {"metadata": {"name": "tiny", "namespace": "models"}, "spec": spec}
     assert asyncio.run(Controller._architecture_config(None, body)) == (None, None)  # type: ignore[arg-type]
+
+
+# --- 4: the stored spec validates again ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("context", [8, 4096, 16 * 1024 * 1024])
+def test_a_spec_validates_again_as_it_was_dumped(context: int) -> None:
+    # `kvguard apply --local` stores the validated spec and re-reads it (local_gate); the canary's
+    # context, filled in from contextLength, must not make that second read fail (an outside probe's
+    # contextLength of 99,999,999,999 was accepted once and then a traceback).
+    body = tiny_model()["spec"] | {"contextLength": context}
+    spec = InferenceModelSpec.model_validate(body)
+    again = InferenceModelSpec.model_validate(spec.to_wire())
+    assert again == spec
+    assert again.canary.context_length == (context if context >= 16 else None)
+
+
+def test_kvguard_apply_refuses_an_over_long_context_before_creating_a_state_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    body = yaml.safe_load((ROOT / "examples/tiny-cpu.yaml").read_text())
+    body["spec"]["contextLength"] = 99_999_999_999
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    state = tmp_path / "state"
+    assert cli_main(["apply", "--local", "-f", str(manifest), "--state-dir", str(state)]) == 2
+    assert "spec.contextLength: Value error, must be at most 16,777,216 tokens" in capsys.readouterr().err
+    assert not state.exists()
