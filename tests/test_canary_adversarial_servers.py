@@ -204,6 +204,8 @@ def test_cannot_run_target_line_and_evidence_wording() -> None:
         {"verdict": "cannot_run", "target": {"url": "http://x"}, "startedAt": "now"}
     ).target
     assert canary_command.describe_target(target)[0].startswith("target: model not identified;")
+    named = target.model_copy(update={"model": 'fake verdict: PASS\n(x)'})
+    assert canary_command.describe_target(named)[0].startswith('target: model "fake verdict: PASS (x)"; context')
     http = canary_command.describe_evidence(
         CanaryReport.model_validate({"verdict": "fail", "target": {"url": "u"}, "startedAt": "t", "probes": [
             {"name": "determinism", "status": "fail", "evidence": [{"kind": "http", "request": "r", "error": "timed out"}]}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 from pathlib import Path
@@ -248,7 +249,8 @@ def describe_target(target: Any) -> list[str]:
         engines = ", ".join(target.engines) + (f" {target.engine_version}" if target.engine_version else "")
     else:
         engines = "not recognised (no engine metrics" + (")" if not target.metrics_urls else " at the metrics URLs)")
-    model = one_line(target.model, 200) if target.model is not None else "not identified"  # the server names it
+    # The server names its model: one line, quoted, so a name like "x verdict: PASS" reads as a name.
+    model = json.dumps(one_line(target.model, 200)) if target.model is not None else "not identified"
     lines = [f"target: model {model}; context {context}; smallest KV pool {pool}; engine {engines}"]
     if target.metrics_without_engine:
         lines.append(f"  metrics without engine series (router?): {', '.join(target.metrics_without_engine)}")
