@@ -364,6 +364,8 @@ def _invalid(run: _Run, reason: str, message: str, requeue_after: float | None =
     run.status.message = message
     run.set(cond.DEGRADED, "True", reason, message)
     run.set(cond.KV_POOL_SUFFICIENT, "Unknown", reason, "the spec could not be planned: " + message)
+    # Not left saying what an earlier, valid spec was judged: this one cannot be judged.
+    run.set(cond.POLICY_COMPLIANT, "Unknown", reason, "the spec could not be checked against policies: " + message)
     run.set(cond.PROGRESSING, "False", reason, "rollout halted until the spec is fixed")
     _set_ready(run, run.status.revision)
     previous_degraded = cond.find_condition(run.previous.conditions, cond.DEGRADED)

@@ -208,3 +208,17 @@ def test_kvguard_apply_refuses_an_over_long_context_before_creating_a_state_fold
     assert cli_main(["apply", "--local", "-f", str(manifest), "--state-dir", str(state)]) == 2
     assert "spec.contextLength: Value error, must be at most 16,777,216 tokens" in capsys.readouterr().err
     assert not state.exists()
+
+
+def test_an_invalid_spec_does_not_leave_the_last_policy_verdict_standing() -> None:
+    body = tiny_model()
+    first = reconcile(body, Observed(), now=NOW)
+    assert condition(first.status, "PolicyCompliant")["status"] == "True"
+    body["status"] = first.status
+    body["spec"]["pageSize"] = 0
+    body["metadata"]["generation"] = 2
+    outcome = reconcile(body, Observed(), now=NOW)
+    assert condition(outcome.status, "Degraded")["reason"] == "InvalidSpec"
+    policy = condition(outcome.status, "PolicyCompliant")
+    assert (policy["status"], policy["reason"]) == ("Unknown", "InvalidSpec")
+    assert policy["message"].startswith("the spec could not be checked against policies: spec.pageSize")
