@@ -244,6 +244,24 @@ def test_types_are_as_strict_as_openais_schema(trio: LocalDeployment, model: str
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
 
 
+CODED = [  # the `code` OpenAI's API answers for the same mistake, which clients branch on
+    ({"max_tokens": "5"}, "invalid_type"),
+    ({"stream": "yes"}, "invalid_type"),
+    ({"temperature": 5}, "decimal_above_max_value"),
+    ({"top_p": 0}, "decimal_below_min_value"),
+    ({"n": 0}, "integer_below_min_value"),
+    ({"logprobs": 6}, "integer_above_max_value"),
+    ({"stop": ["a"] * 5}, "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("override, code", CODED, ids=[c for _, c in CODED])
+def test_invalid_parameters_carry_openais_error_code(api: openai.OpenAI, model: str, override: dict, code: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=model, prompt="hi", max_tokens=2, extra_body=override)
+    assert caught.value.code == code and caught.value.param == next(iter(override)), caught.value.body
+
+
 @pytest.mark.parametrize(("path", "budget"), [("completions", "max_tokens"), ("chat/completions", "max_tokens"),
                                                ("chat/completions", "max_completion_tokens")])  # fmt: skip
 def test_min_tokens_above_the_budget_is_refused_as_vllm_refuses_it(trio: LocalDeployment, model: str, path: str, budget: str) -> None:

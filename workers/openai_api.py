@@ -84,7 +84,27 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     if kind == "missing" and param == "model":
         return OpenAIError(400, "you must provide a model parameter", code="missing_required_parameter", param="model")
     msg = msg.removeprefix("Value error, ")
-    return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param)
+    return OpenAIError(400, f"{param}: {msg}" if param else msg, code=_validation_code(kind, first.get("ctx")), param=param)
+
+
+# pydantic error types -> the `code` OpenAI's API answers for the same mistake (a client branches
+# on it: `invalid_type`, `integer_above_max_value`, ...); anything else is `invalid_value`.
+_TYPE_CODES = {"missing": "missing_required_parameter", "too_long": "array_above_max_length",
+               "too_short": "array_below_min_length", "string_too_long": "string_above_max_length",
+               "string_too_short": "string_below_min_length"}  # fmt: skip
+_BOUND_CODES = {"greater_than": "below_min_value", "greater_than_equal": "below_min_value",
+                "less_than": "above_max_value", "less_than_equal": "above_max_value"}  # fmt: skip
+
+
+def _validation_code(kind: str, ctx: dict[str, Any] | None) -> str:
+    if kind in _TYPE_CODES:
+        return _TYPE_CODES[kind]
+    if kind in _BOUND_CODES:  # the bound's type is the field's: temperature's 2.0, n's 128
+        number = "decimal" if any(isinstance(bound, float) for bound in (ctx or {}).values()) else "integer"
+        return f"{number}_{_BOUND_CODES[kind]}"
+    if kind.endswith(("_type", "_parsing")) or kind in ("model_attributes_type", "dict_type", "list_type"):
+        return "invalid_type"
+    return "invalid_value"
 
 
 def _param_path(loc: list[str]) -> str:
