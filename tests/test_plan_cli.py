@@ -138,6 +138,15 @@ def test_bad_input_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str], 
     assert field in captured.err and captured.out == ""
 
 
+def test_a_bad_flag_value_is_named_by_its_flag_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--kv-pool-tokens", "0", "--page-size", "-3"]) == 2
+    assert sorted(capsys.readouterr().err.splitlines()) == [
+        "kvguard plan: --kv-pool-tokens 0: Input should be greater than 0 (sets spec.kvPoolTokens, "
+        "spec.roles.prefill.kvPoolTokens, spec.roles.decode.kvPoolTokens)",
+        "kvguard plan: --page-size -3: Input should be greater than 0 (sets spec.pageSize)",
+    ]
+
+
 def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["plan", "-f", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err

@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.operator.planner import PlanInputError, plan
 
     notes: list[str] = []
+    set_by: dict[str, str] = {}  # field location -> the what-if flag that wrote it
     try:
-        manifest = _apply_overrides(_read_manifest(Path(args.file)), args, notes)
+        manifest = _apply_overrides(_read_manifest(Path(args.file)), args, notes, set_by)
         model = InferenceModel.model_validate(manifest)
         result = plan(model.spec)
         if (mismatch := parity_problem(model.spec, result)) is not None:  # admission refuses it (sglang#19398)
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     except BadInput as exc:
         return _bad_input(str(exc))
     except ValidationError as exc:
-        return _bad_input(*(_describe_error(e) for e in exc.errors()))
+        return _bad_input(*_describe_errors(exc.errors(), set_by))
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except (OverflowError, ValueError) as exc:  # a value too large for arithmetic (e.g. a 400-digit contextLength)
@@ -127,9 +128,18 @@ def _bad_input(*lines: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _describe_error(error: Any) -> str:
-    location = ".".join(str(part) for part in error["loc"]) or "(manifest)"
-    return f"{location}: {error['msg']}"
+def _describe_errors(errors: list[Any], set_by: dict[str, str]) -> list[str]:
+    """One line per field error; a value a what-if flag wrote is named by the flag (once per flag and
+    message, with every field it wrote), not as if the manifest held it."""
+    lines: list[str] = []
+    by_flag: dict[str, list[str]] = {}  # "--flag value: message" -> the fields it wrote
+    for error in errors:
+        location = ".".join(str(part) for part in error["loc"]) or "(manifest)"
+        if (flag := set_by.get(location)) is not None:
+            by_flag.setdefault(f"{flag}: {error['msg']}", []).append(location)
+        else:
+            lines.append(f"{location}: {error['msg']}")
+    return [f"{head} (sets {', '.join(fields)})" for head, fields in by_flag.items()] + lines
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -155,8 +165,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     raise BadInput(f"{path} must hold exactly one InferenceModel document, found {len(models)}")
 
 
-def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
-    """The manifest with flag values written into its spec (validated later with the rest)."""
+def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: list[str],
+                     set_by: dict[str, str] | None = None) -> dict[str, Any]:
+    """The manifest with flag values written into its spec (validated later with the rest);
+    `set_by` records which flag wrote each field."""
+    set_by = {} if set_by is None else set_by
     spec = manifest.setdefault("spec", {})
     if not isinstance(spec, dict):
         return manifest  # validation reports it
@@ -165,14 +178,20 @@ def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: 
         value = getattr(args, dest, None)
         if value is not None:
             _set_path(spec, path, value)
+            set_by[".".join(("spec", *path))] = _flag(dest, value)
     for dest, (roles, field) in _ROLE_OVERRIDES.items():
         value = getattr(args, dest, None)
         if value is not None:
             for role in roles:
                 _set_path(spec, ("roles", role, field), value)
+                set_by[f"spec.roles.{role}.{field}"] = _flag(dest, value)
     if getattr(args, "hf_config", None):
         _fill_from_hf_config(spec, Path(args.hf_config))
     return manifest
+
+
+def _flag(dest: str, value: Any) -> str:
+    return f"--{dest.replace('_', '-')} {value}"
 
 
 def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> None:

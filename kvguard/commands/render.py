@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from kvguard.commands.plan import BadInput, _describe_error, _read_manifest
+    from kvguard.commands.plan import BadInput, _describe_errors, _read_manifest
     from kvguard.operator.api import InferenceModel
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.render import Owner, RenderError
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except BadInput as exc:
         return _bad_input(str(exc))
     except ValidationError as exc:
-        return _bad_input(*(_describe_error(e) for e in exc.errors()))
+        return _bad_input(*_describe_errors(exc.errors(), {}))
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except (RenderError, ValueError) as exc:
