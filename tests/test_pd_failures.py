@@ -91,6 +91,35 @@ def test_stalled_transfer_times_out_and_frees_both_sides_s4(tiny_model_dir: Path
         assert metric(d, "prefill", "kvguard_aborts_total", cause="kv_transfer_timeout") == 1
 
 
+def test_the_router_ends_a_request_that_waits_too_long_for_a_token_s4(tiny_model_dir: Path) -> None:
+    """The router's --request-timeout bounds waiting: KV that never comes (transfer timeout set far
+    longer) ends the request with a 504 by the router's timeout, and both legs are aborted."""
+    request_timeout = 1.5
+    with deployment(tiny_model_dir, f"delay_chunk_ms={CHUNK_DELAY_S * 1000}", transfer_timeout_s=CHUNK_DELAY_S / 2,
+                    request_timeout_s=request_timeout) as d:  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(d).completions.create(model=served_model(d), prompt="stalled", max_tokens=4)
+        took = time.monotonic() - started
+        assert (caught.value.status_code, caught.value.code) == (504, "timeout")
+        assert request_timeout <= took < CHUNK_DELAY_S / 4
+        wait_pools_empty(d)
+        assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
+
+
+def test_a_generation_that_keeps_producing_outlives_the_request_timeout(tiny_model_dir: Path) -> None:
+    """--request-timeout is not a cap on a generation's length: an outside probe found every
+    generation longer than 120 s cut off with a 504 (max_tokens defaults to the rest of the context)."""
+    request_timeout = 0.3
+    with deployment(tiny_model_dir, request_timeout_s=request_timeout) as d:
+        started = time.monotonic()
+        answer = client(d).completions.create(model=served_model(d), prompt="long", max_tokens=900, temperature=0,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        took = time.monotonic() - started
+        assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 900  # type: ignore[union-attr]
+        assert took > request_timeout  # ran past it (900 tokens over HTTP take about a second here)
+
+
 def test_prefill_dying_mid_transfer_fails_the_client_and_frees_decode_s4(tiny_model_dir: Path) -> None:
     """Class C (vllm#46283): prefill crashes after sending its second chunk (the second request's
     only chunk), before the manifest; the restarted prefill serves the third request."""

@@ -154,7 +154,9 @@ class WorkerArgs(BaseModel):
 
     prefill: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a prefill worker's internal base URL (repeatable)"))
     decode: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a decode worker's internal base URL (repeatable)"))
-    request_timeout: float = Field(120.0, gt=0, json_schema_extra=_flag("router", "seconds a request may take end to end"))
+    request_timeout: float = Field(120.0, gt=0, json_schema_extra=_flag(
+        "router", "seconds a request may wait for its next token (its first: queueing, prefill and transfer "
+        "included) before it ends with 504; a generation that keeps producing tokens runs to its end"))
     body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
     min_kv_ratio: float | None = Field(

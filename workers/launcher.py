@@ -74,6 +74,7 @@ class LocalServeConfig:
     transfer_encryption: TransferEncryption = "none"
     stream_interval: int = 1  # decode: tokens per streamed event after the first
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: how long a request may wait for its ticket
+    request_timeout_s: float = 120.0  # router: how long a request may wait for its next token (504)
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
@@ -202,7 +203,8 @@ class LocalDeployment:
         common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST}
         if role == "router":
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
-                              prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],))  # fmt: skip
+                              prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],),
+                              request_timeout=c.request_timeout_s)  # fmt: skip
         elif role == "prefill":
             args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"),
                               bootstrap_timeout=c.bootstrap_timeout_s)  # fmt: skip

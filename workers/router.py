@@ -720,7 +720,10 @@ class Router:
         cause = "client_disconnect"
         started = last_token = time.monotonic()
         tokens = 0
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
+        # A bound on waiting, not on generating: no event from decode for request_timeout_s (no
+        # first token: queueing, prefill, transfer; or no next token) ends the request with a 504,
+        # while a long generation that keeps producing runs to its max_tokens.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
         # Both legs start now: prefill computes while decode allocates, and gets the ticket (S9:
         # nothing is sent without it) once decode's bootstrap is here.
         ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -805,8 +808,10 @@ class Router:
 
     async def _prefill(self, url: str, request: PrefillRequest, ticket: asyncio.Future[str]) -> None:
         """The prefill leg: the request, and its ticket as soon as there is one (two calls, so the
-        KV is computed while decode allocates). Either call failing fails the leg."""
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_connect=5)
+        KV is computed while decode allocates). Either call failing fails the leg. No timeout of its
+        own: the decode leg's bounds the request, and ending the request cancels this leg (a second
+        timer raced the first, and the client could get prefill's abort as a 502 instead of the 504)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
 
         async def compute() -> None:
             async with self.control.post(self.http, f"{url}/internal/prefill", request, timeout=timeout) as resp:

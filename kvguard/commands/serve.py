@@ -41,6 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     parser.add_argument("--max-transfer-batch", type=_positive, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds a request may wait for its next token, the first included (504); default 120")
     parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
                         help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
     parser.add_argument("--stream-interval", type=_stream_interval, default=1,
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 transfer_timeout_s=args.transfer_timeout,
                 transfer_encryption=args.transfer_encryption,
                 stream_interval=args.stream_interval,
+                request_timeout_s=args.request_timeout,
             )
         )
     except SmallPoolError as exc:
