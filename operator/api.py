@@ -29,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -36,6 +37,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, CanarySpec
+from kvguard.operator.json_numbers import numbers_only
 from kvguard.operator.conditions import Condition
 from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.pool_gate import PodPool
@@ -66,6 +68,11 @@ class ApiModel(BaseModel):
         use_attribute_docstrings=True,
         validate_assignment=True,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return numbers_only(cls, value, info)  # `true` or "32" where a number belongs is refused
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON-ready camelCase dict Kubernetes stores (unset optional fields omitted)."""

@@ -135,6 +135,13 @@ REFUSED = [
      "requests.hugepages-2Mi (1Gi) must equal limits.hugepages-2Mi (2Gi)"),
     ("spec.roles.decode.resources", {"requests": {"cpu": "1e400"}, "limits": {"cpu": "1"}}, "requests.cpu (1e400) must not exceed"),
     ("spec.contextLength", 99_999_999_999, "spec.contextLength: Value error, must be at most 16,777,216 tokens"),
+    # YAML's yes/true and quoted numbers: lax parsing read them as 1 and 32 (contextLength: true
+    # planned the incident's blocked configuration as a passing 1-token context).
+    ("spec.contextLength", True, "spec.contextLength: Input should be a valid integer"),
+    ("spec.model.architecture.numLayers", "32", "spec.model.architecture.numLayers: Input should be a valid integer"),
+    ("spec.minKVRatio", True, "spec.minKVRatio: Input should be a valid number"),
+    ("spec.roles.decode.replicas", "2", "spec.roles.decode.replicas: Input should be a valid integer"),
+    ("spec.canary.isolation.longRequestFractions", [0.5, True], "spec.canary.isolation.longRequestFractions: Input should be"),
 ]  # fmt: skip
 
 
@@ -150,6 +157,8 @@ ADMITTED = [
     ("spec.roles.decode.resources", {"requests": {"cpu": "500m", "memory": "1Gi", "ephemeral-storage": "1Gi"}, "limits": {"memory": "2Gi"}}),
     ("spec.roles.decode.resources", {"requests": {"example.com/foo": "2"}, "limits": {"example.com/foo": "2"}}),
     ("spec.roles.decode.resources", {"limits": {"example.com/foo": "1"}}),  # a limit alone: the request defaults to it
+    ("spec.roles.decode.replicas", 2.0),  # a whole JSON number is an integer to the API server too
+    ("spec.minKVRatio", 3),
 ]  # fmt: skip
 
 

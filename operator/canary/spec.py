@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from kvguard.operator.json_numbers import numbers_only
 
 
 class ProbeName(str, enum.Enum):
@@ -55,6 +57,11 @@ class _SpecModel(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return numbers_only(cls, value, info)  # `true` or "32" where a number belongs is refused
 
 
 class GoldenPrompt(_SpecModel):
