@@ -37,9 +37,9 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, CanarySpec
-from kvguard.operator.json_numbers import numbers_only
 from kvguard.operator.conditions import Condition
 from kvguard.operator.continuous import ContinuousStatus
+from kvguard.operator.json_numbers import numbers_only
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.rollout import RolloutStatus, Scale
 
