@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -59,9 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run one command. Ctrl-C that a command does not handle itself (e.g. while it still imports)
+    ends it with one line and 130, not a traceback; a closed stdout (`kvguard plan ... | head`) ends
+    it quietly."""
+    command = next((a for a in (sys.argv[1:] if argv is None else argv) if a in COMMANDS), "")
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"kvguard {command}: interrupted" if command else "kvguard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away: nothing more can be said on stdout, and Python's flush at exit
+        # would raise again (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.estimates import Figure, GiB
+from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
 
 # What the renderer writes on the command line when the spec sets no fraction (so these are facts,
 # not guesses at the engines' own auto values).
@@ -411,7 +412,7 @@ def plan_role(spec: InferenceModelSpec, role: WorkerRole) -> RolePlan:
         pool_tokens=pool,
         capped_by="kvPoolTokens" if capped else "memory",
         ratio=round(pool / spec.context_length, 4),
-        sufficient=pool >= spec.min_kv_ratio * spec.context_length,
+        sufficient=pool >= required_pool_tokens(spec.min_kv_ratio, spec.context_length),
         kv_budget_bytes=safe,
         optimistic_pool_tokens=optimistic,
         estimates=memory.estimates,
@@ -446,7 +447,7 @@ def plan(spec: InferenceModelSpec) -> KVPlan:
 
 def needed_tokens(spec: InferenceModelSpec) -> int:
     """The smallest pool that passes: minKVRatio x contextLength, in whole pages."""
-    needed = math.ceil(spec.min_kv_ratio * spec.context_length)
+    needed = required_pool_tokens(spec.min_kv_ratio, spec.context_length)
     return math.ceil(needed / spec.page_size) * spec.page_size
 
 
@@ -479,7 +480,7 @@ def _reasons(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[s
         else:
             capped = f" (capped by kvPoolTokens; memory allows {r.memory_pool_tokens:,})" if r.capped_by == "kvPoolTokens" else ""
             yield (
-                f"{name}: pool {r.pool_tokens:,} tokens = {r.ratio:.2f}x contextLength {spec.context_length:,}, "
+                f"{name}: pool {r.pool_tokens:,} tokens = {ratio_text(r.pool_tokens, spec.context_length)} contextLength {spec.context_length:,}, "
                 f"below minKVRatio {spec.min_kv_ratio:g}{capped}"
             )
 

@@ -33,6 +33,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
+
 GATE_CONDITION = "kvguard.io/kv-pool-verified"
 """The pod condition (and readiness gate) type."""
 RATIO_ANNOTATION = "kvguard.io/min-kv-ratio"
@@ -223,7 +225,7 @@ def judge(
 ) -> PodPool:  # fmt: skip
     """The verdict on one scrape: the smallest pool the pod reports against ratio x context."""
     context = max(requirement.context_length, context_length or 0)
-    required = math.ceil(requirement.ratio * context)
+    required = required_pool_tokens(requirement.ratio, context)
     base = {"pod": facts.name, "node": facts.node, "revision": facts.revision, "role": facts.role, "context_length": context,
             "required_ratio": requirement.ratio, "required": required, "checked_at": rfc3339(now)}  # fmt: skip
     where = f"pod {facts.name} ({facts.role}, revision {facts.revision}) on node {facts.node or 'unknown'}"
@@ -232,8 +234,7 @@ def judge(
         tries = f" ({unreadable} of {MAX_UNREADABLE_ATTEMPTS} scrapes)" if unreadable else ""
         return PodPool(**base, reason="KVPoolUnreadable", unreadable_scrapes=unreadable,
                        message=f"{where}: no KV pool reported: {why}{tries}")  # fmt: skip
-    ratio = pool_tokens / context
-    verdict = f"{where} reports a KV pool of {pool_tokens:g} tokens = {ratio:.2f}x context {context}"
+    verdict = f"{where} reports a KV pool of {pool_tokens:g} tokens = {ratio_text(pool_tokens, context)} context {context}"
     if pool_tokens >= required:
         return PodPool(**base, pool_tokens=pool_tokens, verified=True, reason="KVPoolVerified",
                        message=f"{verdict} >= {requirement.ratio:g}x required")  # fmt: skip

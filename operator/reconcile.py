@@ -72,6 +72,7 @@ from kvguard.operator.rollout import (
 )
 from kvguard.operator.suggestions import change_summary
 from kvguard.operator.workloads import DeploymentState, deployment_state, owned_by, revision_views
+from kvguard.workers.pool_ratio import ratio_text
 
 __all__ = ["DeploymentState", "Observed", "Outcome", "deployment_state", "owned_by", "pool_gate_degraded", "reconcile",
            "revision_views", "with_pool_gate"]
@@ -539,7 +540,7 @@ def resolve_architecture(spec: InferenceModelSpec, observed: Observed) -> tuple[
 
 def describe_pools(kv_plan: KVPlan) -> str:
     parts = [
-        f"{name}: {r.pool_tokens:,} tokens = {r.ratio:.2f}x context {kv_plan.context_length:,}"
+        f"{name}: {r.pool_tokens:,} tokens = {ratio_text(r.pool_tokens, kv_plan.context_length)} context {kv_plan.context_length:,}"
         + ("" if r.sufficient else f" < {kv_plan.min_ratio:g}x required")
         for name, r in kv_plan.roles.items()
     ]

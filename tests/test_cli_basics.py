@@ -109,3 +109,26 @@ def test_the_demo_states_one_duration_everywhere() -> None:
     assert f"About {DEMO_SECONDS} s on 2 CPU cores" in " ".join(kvguard("demo", "--help").stdout.split())
     assert f"in about {DEMO_SECONDS} s" in " ".join(kvguard("--help").stdout.split())  # the one-line help
     assert DURATION.startswith(f"about {DEMO_SECONDS} s on 2 CPU cores")
+
+
+def test_an_early_ctrl_c_is_one_line_and_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A SIGINT while the command still imports (before its own handler) was a traceback.
+    from kvguard import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["canary", "--url", "http://127.0.0.1:1"]) == cli.EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "kvguard canary: interrupted\n"
+
+
+def test_a_closed_stdout_ends_a_command_quietly() -> None:
+    # `kvguard plan ... | head -1`: the reader leaves, and the rest must not be a BrokenPipeError traceback.
+    plan = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "plan", "-f", str(REPO / "examples/incident.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert plan.stdout is not None and plan.stderr is not None
+    plan.stdout.close()  # before it writes anything: its every write hits a closed pipe
+    plan.wait(timeout=120)
+    assert plan.stderr.read() == b""
+    plan.stderr.close()

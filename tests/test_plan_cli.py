@@ -44,7 +44,7 @@ def test_table_output_shows_roles_verdict_and_suggestions(capsys: pytest.Capture
     assert main(["plan", "-f", str(EXAMPLES / "incident.yaml")]) == 3
     out = capsys.readouterr().out
     assert "prefill" in out and "decode" in out and "681,280 (cap)" in out
-    assert "verdict: BLOCKED" in out and "decode: pool 1,361,728 tokens = 1.30x" in out
+    assert "verdict: BLOCKED" in out and "decode: pool 1,361,728 tokens = 1.29x" in out
     assert "spec.kvCacheDtype=fp8_e4m3, spec.roles.prefill.kvPoolTokens=2097152" in out  # the whole change
     assert "(and raise kvPoolTokens: prefill to 2,097,152)" in out
     assert "note: estimated weight memory per GPU" in out
@@ -230,3 +230,21 @@ def test_tiny_cpu_example_matches_the_engines_tiny_model(tmp_path: Path, capsys:
     status, from_config = plan_json(capsys, "-f", str(example), "--hf-config", str(tmp_path / "tiny"))
     assert status == 0
     assert from_config["roles"] == from_file["roles"]
+
+
+def test_a_pool_exactly_at_a_decimal_ratio_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1.1 x 50 is 55.000000000000001 in floats: a 55-token pool was judged below 1.1x (an outside probe).
+    args = ["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--context-length", "50", "--page-size", "1"]
+    assert main([*args, "--min-ratio", "1.1", "--kv-pool-tokens", "55"]) == 0
+    assert main([*args, "--min-ratio", "1.1", "--kv-pool-tokens", "54"]) == 3
+    assert main([*args, "--min-ratio", "1.12", "--context-length", "25", "--kv-pool-tokens", "28"]) == 0
+    capsys.readouterr()
+
+
+def test_a_shortfall_never_reads_as_the_ratio_it_misses(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--kv-cache-dtype", "fp8", "--kv-pool-tokens", "2097088"]  # 1.99994x of 1 Mi
+    assert main(["plan", "-f", str(EXAMPLES / "incident.yaml"), *flags]) == 3
+    out = capsys.readouterr().out
+    assert "prefill: pool 2,097,088 tokens = 1.99x contextLength 1,048,576, below minKVRatio 2" in out
+    row = next(line for line in out.splitlines() if line.startswith("prefill "))
+    assert row.split()[-2:] == ["1.99", "NO"]

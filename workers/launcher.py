@@ -42,6 +42,7 @@ from kvguard.workers.args import (
 )
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import TRANSFER_KEY_ENV, RevisionKeys, load_revision_key
+from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
 
 log = logging.getLogger("kvguard.launcher")
 
@@ -93,15 +94,13 @@ class LocalServeConfig:
         }
 
     def small_pool_problem(self, pool_tokens: int, context_length: int) -> str | None:
-        needed = self.min_kv_ratio * context_length
+        needed = required_pool_tokens(self.min_kv_ratio, context_length)
         if pool_tokens >= needed:
             return None
-        # The pool is whole pages (a request for 2048 tokens in pages of 1000 holds 2000), and the
-        # ratio shown is rounded down: 1.999x must not read as the 2.00x it misses.
+        # The pool is whole pages (a request for 2048 tokens in pages of 1000 holds 2000).
         at_least = math.ceil(needed / self.page_size) * self.page_size
-        ratio = math.floor(pool_tokens / context_length * 100) / 100
         return (
-            f"the KV pool ({pool_tokens} tokens) is {ratio:.2f}x the context length ({context_length} tokens), "
+            f"the KV pool ({pool_tokens} tokens) is {ratio_text(pool_tokens, context_length)} the context length ({context_length} tokens), "
             f"below the safe ratio {self.min_kv_ratio:g}x: raise --kv-pool-tokens to at least {at_least} "
             f"(whole pages of {self.page_size}) or lower --context-length (--allow-small-pool serves it anyway)"
         )

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import re
 import secrets
 import time
@@ -55,6 +54,7 @@ from kvguard.workers.openai_api import (
 )
 from kvguard.workers.openai_requests import APIRequest, ChatCompletionRequest, CompletionRequest, request_too_large
 from kvguard.workers.openai_responses import ChoiceResult, ModelCard, ModelList, ResponseBuilder
+from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
 from kvguard.workers.protocol import (
     DECODE_EVENT,
     AbortRequest,
@@ -200,10 +200,10 @@ def pool_problem(info: WorkerInfo, min_kv_ratio: float | None) -> str | None:
     """Why a worker may not serve (S7: its own pool below min_kv_ratio x its context), else None."""
     if min_kv_ratio is None:
         return None
-    required = math.ceil(min_kv_ratio * info.context_length)
+    required = required_pool_tokens(min_kv_ratio, info.context_length)
     if info.kv_pool_tokens >= required:
         return None
-    return (f"reports a KV pool of {info.kv_pool_tokens} tokens = {info.kv_pool_tokens / info.context_length:.2f}x context "
+    return (f"reports a KV pool of {info.kv_pool_tokens} tokens = {ratio_text(info.kv_pool_tokens, info.context_length)} context "
             f"{info.context_length} < {min_kv_ratio:g}x required ({required} tokens)")  # fmt: skip
 
 

@@ -265,6 +265,7 @@ def _gib(value: int) -> str:
 def render_table(name: str, result: Any) -> str:
     """A readable report of a KVPlan."""
     from kvguard.operator.suggestions import change_summary
+    from kvguard.workers.pool_ratio import ratio_text
 
     header = (
         f"InferenceModel {name}: engine {result.engine.value}, context {result.context_length:,} tokens, "
@@ -275,7 +276,7 @@ def render_table(name: str, result: Any) -> str:
     for role, r in result.roles.items():
         rows.append((
             role, str(r.instances), str(r.gpus_per_instance), _gib(r.weights_bytes_per_gpu), _gib(r.kv_bytes_per_gpu),
-            f"{r.bytes_per_token:,}", _pool_cell(r), f"{r.ratio:.2f}", "yes" if r.sufficient else "NO",
+            f"{r.bytes_per_token:,}", _pool_cell(r), ratio_text(r.pool_tokens, result.context_length)[:-1], "yes" if r.sufficient else "NO",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = [header, ""]
