@@ -43,7 +43,9 @@ async def test_a_requeue_replaces_the_older_timer_and_none_cancels_it() -> None:
     queue = WorkQueue()
     queue.requeue("m", 30.0)
     queue.requeue("m", 0.05)  # a newer pass's wish wins
-    assert (queue.timer_of("m") or 99) < 1
+    # No await since the requeue, so the timer cannot have fired; 0.0 once 50 ms passed (load).
+    remaining = queue.timer_of("m")
+    assert remaining is not None and remaining < 1
     assert await asyncio.wait_for(queue.get(), 5) == "m"
     queue.done("m")
     queue.requeue("m", 0.05)
