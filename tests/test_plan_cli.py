@@ -173,6 +173,12 @@ def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     bad_config.write_text('{"hidden_size": 64}')
     assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--hf-config", str(bad_config)]) == 2
     assert "--hf-config" in (err := capsys.readouterr().err) and "num_attention_heads" in err
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 0, "hidden_size": 512,
+              "vocab_size": 1000, "max_position_embeddings": 4096, "intermediate_size": 1024}  # fmt: skip
+    bad_config.write_text(json.dumps(config))
+    assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--hf-config", str(bad_config)]) == 2
+    assert capsys.readouterr().err == (f"kvguard plan: --hf-config {bad_config}: "
+                                       "spec.model.architecture.numKVHeads: Input should be greater than 0\n")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -242,8 +242,18 @@ def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
     try:
         config = load_hf_config(path)
         architecture = architecture_from_hf_config(config)
-    except (HFConfigError, ValidationError) as exc:
+    except HFConfigError as exc:
         raise BadInput(f"--hf-config {path}: {exc}") from exc
+    except ValidationError as exc:  # what it read, checked as spec.model.architecture: one line per field
+        from kvguard.operator.api import ModelArchitecture
+
+        def wire(part: Any) -> Any:  # built from Python names; the manifest's names are camelCase
+            field = ModelArchitecture.model_fields.get(str(part))
+            return field.alias if field is not None and field.alias else part
+
+        located = [{**e, "loc": ("spec.model.architecture", *map(wire, e["loc"]))} for e in exc.errors()]
+        fields = "; ".join(_describe_errors(located, {}))
+        raise BadInput(f"--hf-config {path}: {fields}") from exc
     _set_path(spec, ("model", "architecture"), architecture.to_wire())
     quantization = quantization_from_hf_config(config)
     weights = spec.get("weights") if isinstance(spec.get("weights"), dict) else {}
