@@ -93,6 +93,20 @@ def test_table_source_follows_the_file_and_keeps_the_last_good_table(tmp_path: P
     assert source.current().table.weights() == {"stable": 90, "cand": 10}
 
 
+def test_a_table_another_user_could_write_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The table routes every client's request: one group- or world-writable is not followed.
+    path = tmp_path / "split.json"
+    source = TableSource(path)
+    write_table(path, table(stable=(1, 100)))
+    assert source.current().table.weights() == {"stable": 100}
+    write_table(path, table(cand=(2, 100)))
+    os.chmod(path, 0o622)
+    assert source.current().table.weights() == {"stable": 100}  # the last good one stays
+    assert "writable by it alone" in caplog.text and "-rw--w--w-" in caplog.text
+    os.chmod(path, 0o644)  # readable by others is fine: the table holds no secret
+    assert source.current().table.weights() == {"cand": 100}
+
+
 def test_table_source_sees_a_rewrite_that_keeps_inode_size_and_mtime(tmp_path: Path) -> None:
     """The rewrite a stat-based check misses: the new file takes the inode number of the one before
     (atomic replace alternates between two), names another revision (same size), and lands in the

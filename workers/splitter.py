@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,18 @@ def parse_table(path: Path, raw: bytes) -> SplitTable:
         raise ValueError(f"{path}: {exc.errors()[0]['msg']}") from None
 
 
+def _read_own_file(path: Path) -> bytes:
+    """The file's bytes, if this user owns it and nobody else may write it: the table decides where
+    every client's request goes, so a table another local user could have written (group- or
+    world-writable, or theirs) is refused (PermissionError) and the last good one stays."""
+    with open(path, "rb") as fh:
+        st = os.fstat(fh.fileno())  # of the file read, not of whatever the name points at later
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{path}: must be owned by uid {os.geteuid()} and writable by it alone "
+                                  f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})")  # fmt: skip
+        return fh.read()
+
+
 class TableSource:
     """The split table, re-read whenever the file's bytes change. Not by its (inode, size,
     mtime): each atomic rewrite's new file can take the inode number the one before it freed, a
@@ -151,10 +164,10 @@ class TableSource:
 
     def current(self) -> WeightedTurns:
         try:
-            raw = self.path.read_bytes()
+            raw = _read_own_file(self.path)
         except FileNotFoundError:
             raw = b""
-        except OSError as exc:
+        except OSError as exc:  # PermissionError included: a table someone else could write
             log.error("split table unreadable, the last good one stays: %s", exc)
             return self.turns
         if raw != self._raw:
