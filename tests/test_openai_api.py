@@ -217,6 +217,13 @@ def test_what_is_not_implemented_is_refused_naming_it(trio: LocalDeployment, mod
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and param.split("[")[0] in error["message"]
+    assert error["code"] in ("unsupported_parameter", "unknown_parameter", "invalid_value"), error  # never null
+
+
+def test_parallel_tool_calls_false_asks_for_nothing_and_is_served(api: openai.OpenAI, model: str) -> None:
+    answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         parallel_tool_calls=False)  # fmt: skip
+    assert answer.choices[0].message.content is not None
 
 
 STRICT = [

@@ -89,7 +89,7 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 
 # pydantic error types -> the `code` OpenAI's API answers for the same mistake (a client branches
 # on it: `invalid_type`, `integer_above_max_value`, ...); anything else is `invalid_value`.
-_TYPE_CODES = {"missing": "missing_required_parameter", "too_long": "array_above_max_length",
+_TYPE_CODES = {"missing": "missing_required_parameter", "unsupported_parameter": "unsupported_parameter", "too_long": "array_above_max_length",
                "too_short": "array_below_min_length", "string_too_long": "string_above_max_length",
                "string_too_short": "string_below_min_length"}  # fmt: skip
 _BOUND_CODES = {"greater_than": "below_min_value", "greater_than_equal": "below_min_value",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import (
@@ -126,13 +127,13 @@ class _Request(_Strict):
                 raise _refuse(param, why)
         if self.stream_options is not None:
             if not self.stream:
-                raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+                raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
             if self.stream_options.include_obfuscation:
                 raise _refuse("stream_options.include_obfuscation", "stream chunks are not padded")
         budget = self.completion_budget()
         if self.min_tokens and budget is not None and self.min_tokens > budget:  # vLLM refuses it too
             raise OpenAIError(400, f"min_tokens ({self.min_tokens}) must be at most {self.budget_param()} ({budget})",
-                              param="min_tokens")  # fmt: skip
+                              param="min_tokens", code="invalid_value")  # fmt: skip
 
     @property
     def choices_per_prompt(self) -> int:
@@ -261,8 +262,9 @@ class ChatMessage(_Strict):
         for i, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise ValueError(f"part {i} must be an object with a type")
-            if part["type"] != "text":
-                raise ValueError(f"part {i} is of type {part['type'][:40]!r}: only text parts are supported")
+            if part["type"] != "text":  # a feature this server lacks (images, audio), named as such
+                raise PydanticCustomError("unsupported_parameter", "part {i} is of type {kind}: only text parts are supported",
+                                          {"i": i, "kind": repr(part["type"][:40])})  # fmt: skip
             if set(part) != {"type", "text"} or not isinstance(part["text"], str):
                 raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": string}}")
         return content
@@ -289,7 +291,7 @@ def _messages_supported(messages: list[ChatMessage]) -> None:
             if getattr(message, field) is not None:
                 raise _refuse(f"messages[{i}].{field}", "only text messages are supported")
         if message.content is None:
-            raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
+            raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content", code="missing_required_parameter")
 
 
 def _text_format(value: Any) -> bool:
@@ -325,7 +327,8 @@ class ChatCompletionRequest(_Request):
         "tool_choice": (lambda v: v in (None, "none"), "tools and function calling are not implemented"),
         "functions": (lambda v: not v, "tools and function calling are not implemented"),
         "function_call": (lambda v: v in (None, "none"), "tools and function calling are not implemented"),
-        "parallel_tool_calls": (_unset, "tools and function calling are not implemented"),
+        # false asks for nothing (no tools, so no parallel calls); clients such as LangChain send it.
+        "parallel_tool_calls": (lambda v: v in (None, False), "tools and function calling are not implemented"),
         "audio": (_unset, "audio output is not implemented"),
         "modalities": (lambda v: v in (None, ["text"]), "only text output"),
         "prediction": (_unset, "predicted outputs are not implemented"),
@@ -341,7 +344,7 @@ class ChatCompletionRequest(_Request):
         super().check_supported()
         _messages_supported(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
-            raise OpenAIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+            raise OpenAIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
 
     def completion_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -562,7 +562,7 @@ class Router:
                 raise request_too_large("prompt", size, limit, upstreams.context_length)
             ids = await self._off_loop(size, self.encoder.encode, prompt)
             if not ids:
-                raise OpenAIError(400, "prompt: the prompt is empty", param="prompt")
+                raise OpenAIError(400, "prompt: the prompt is empty", param="prompt", code="invalid_value")
             prompts.append(Prompt(ids, prompt if body.echo else ""))
         return prompts
 
@@ -572,9 +572,9 @@ class Router:
         try:
             ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages())
         except (TemplateError, ValueError) as exc:  # the model's template refused these messages
-            raise OpenAIError(400, f"messages: {exc}", param="messages") from None
+            raise OpenAIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
         if not ids:
-            raise OpenAIError(400, "messages: the rendered prompt is empty", param="messages")
+            raise OpenAIError(400, "messages: the rendered prompt is empty", param="messages", code="invalid_value")
         return ids
 
     def _claim_id(self, request: web.Request, chat: bool) -> str:
@@ -599,7 +599,7 @@ class Router:
         if prompts * n > self.config.max_choices:
             param = "n" if n > 1 else "prompt"
             raise OpenAIError(400, f"{param}: {prompts} prompt(s) x n={n} asks for more than "
-                              f"{self.config.max_choices} choices per request", param=param)
+                              f"{self.config.max_choices} choices per request", param=param, code="invalid_value")
 
     def _plan(self, body: APIRequest, prompts: list[Prompt], request_id: str, chat: bool) -> list[Choice]:
         """One Choice per (prompt, n) (`_check_choices` bounded them): S2 at intake for each

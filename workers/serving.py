@@ -170,7 +170,7 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         return model.model_validate_json(await request.read())
     except ValidationError as exc:
         if exc.errors()[0]["type"] == "json_invalid":
-            raise OpenAIError(400, "the request body is not valid JSON") from None
+            raise OpenAIError(400, "the request body is not valid JSON", code="invalid_json") from None
         raise validation_error(exc) from None
 
 
