@@ -152,11 +152,40 @@ def test_decode_dying_mid_request_fails_the_client_and_frees_prefill_s4(tiny_mod
         stream = api.completions.create(model=served_model(d), prompt="victim", max_tokens=900, temperature=0, stream=True)
         next(iter(stream))
         d.kill("decode")
-        with pytest.raises(openai.APIError):
+        with pytest.raises(openai.APIError) as caught:
             list(stream)
+        # What happened, not aiohttp's wording ("Response payload is not completed: <TransferEncodingError: 400 ...>")
+        assert "payload" not in caught.value.message and "Error" not in caught.value.message, caught.value.message
         wait_pools_empty(d, roles=("prefill",))
         wait_healthy(d)
         assert complete(d, "after the restart", 8) == reference_text(tiny_model_dir, "after the restart", 8)
+
+
+def test_a_hung_decode_leaves_the_rotation_and_comes_back_when_it_answers(tiny_model_dir: Path) -> None:
+    """A SIGSTOPped decode answers nothing, and is not dead: requests sent to it waited for the
+    request timeout. After MAX_SILENT_READS timed-out reads the router refuses at once (503), and
+    serves again once the worker answers."""
+    with deployment(tiny_model_dir) as d:
+        assert complete(d, "before", 4)
+        model = served_model(d)
+        decode = d.processes["decode"].popen
+        assert decode is not None
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            def refused_at_once() -> bool:
+                try:  # until it is out of rotation, a request waits on the hung worker: give up on it soon
+                    client(d, timeout=5).completions.create(model=model, prompt="while hung", max_tokens=4)
+                except openai.APITimeoutError:
+                    return False
+                except openai.APIStatusError as err:
+                    return (err.status_code, err.code) == (503, "not_ready")
+                return False
+
+            wait_for(refused_at_once, "the router to take the hung decode out of rotation", 120)
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        wait_for(lambda: _outcome(d, "after")[0] == "ok", "the decode worker back in rotation", 60, 0.5)
+        assert complete(d, "after", 8) == reference_text(tiny_model_dir, "after", 8)
 
 
 def test_abort_during_transfer_ends_both_legs_s4(tiny_model_dir: Path) -> None:

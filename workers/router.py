@@ -194,6 +194,15 @@ class Upstream:
     info: WorkerInfo
     reachable: bool = True
     """False after a failed read of its limits (down, restarting): out of rotation until one succeeds."""
+    silent_reads: int = 0
+    """Reads in a row that timed out: one is a busy worker, MAX_SILENT_READS a hung one."""
+
+
+MAX_SILENT_READS = 3
+"""Timed-out reads of a worker's limits in a row (a read waits 5 s, a second apart: ~18 s) that take
+it out of rotation: a worker that answers nothing for that long (SIGSTOPped, wedged) would hold every
+request sent to it until the request timeout (an outside probe: 120 s each, with /health already
+saying it was unreachable). One slow read still changes nothing: a busy worker is not taken out."""
 
 
 def pool_problem(info: WorkerInfo, min_kv_ratio: float | None) -> str | None:
@@ -264,8 +273,8 @@ class Upstreams:
         for role in (Role.PREFILL, Role.DECODE):
             serving = self.serving(role)
             if not serving:
-                raise OpenAIError(503, f"no {role.value} worker passes its KV pool check (S7); the model is not serving",
-                                  code="not_ready")  # fmt: skip
+                raise OpenAIError(503, f"no {role.value} worker is serving: none answers, or none passes its KV pool "
+                                  "check (S7); the model is not serving", code="not_ready")  # fmt: skip
             chosen.append(serving[self._turns[role] % len(serving)])
             self._turns[role] += 1
         return chosen[0], chosen[1]
@@ -396,13 +405,14 @@ class Router:
             for upstream in upstreams.kept_out():
                 log.warning("%s worker %s %s: kept out of rotation (S7)", upstream.info.role.value, upstream.url,
                             pool_problem(upstream.info, upstreams.min_kv_ratio))  # fmt: skip
-            if self.config.min_kv_ratio is not None:
-                self._refresher = asyncio.create_task(self._keep_fresh(upstreams))
+            # Always, S7 gate or not: a worker that is down or hung must leave the rotation.
+            self._refresher = asyncio.create_task(self._keep_fresh(upstreams))
             return
 
     async def _keep_fresh(self, upstreams: Upstreams) -> None:
         """Read every worker's limits again every refresh interval: a worker restarted with a
-        smaller pool leaves the rotation, one that reports enough again comes back (S7)."""
+        smaller pool leaves the rotation, one that reports enough again comes back (S7); one that
+        is down, or hung for MAX_SILENT_READS reads, is out until it answers."""
         while True:
             await asyncio.sleep(self.config.refresh_interval_s)
             for upstream in upstreams.prefill + upstreams.decode:
@@ -411,8 +421,15 @@ class Router:
                     info = await fetch_info(self.http, self.control, upstream.url, upstream.info.role)
                 except aiohttp.ClientConnectorError:
                     info = None  # down or restarting (refused): out until it answers, then judged by what it reports
-                except (TimeoutError, aiohttp.ClientError, ValueError, ValidationError):
-                    continue  # slow or garbled once: no verdict either way (a busy worker is not taken out)
+                except TimeoutError:
+                    upstream.silent_reads += 1
+                    if upstream.silent_reads < MAX_SILENT_READS:
+                        continue  # slow once: no verdict either way (a busy worker is not taken out)
+                    info = None  # silent for MAX_SILENT_READS reads: hung, out until it answers
+                except (aiohttp.ClientError, ValueError, ValidationError):
+                    continue  # garbled once: no verdict either way
+                else:
+                    upstream.silent_reads = 0
                 if (change := upstreams.refresh(upstream, info)) is not None:
                     log.warning("%s", change)
             self._count_kept_out(upstreams)  # every pass, whatever path a worker took to where it is
@@ -772,7 +789,9 @@ class Router:
             raise OpenAIError(504, "the request timed out", code="timeout") from None
         except aiohttp.ClientError as exc:
             cause = "worker_unreachable"
-            raise OpenAIError(502, f"a worker failed: {exc}", code="worker_failed") from None
+            # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
+            log.warning("request %s: a worker failed: %r", request.request_id, exc)
+            raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
         finally:
             try:
                 self.metrics.request_duration.observe(time.monotonic() - started)
@@ -867,7 +886,7 @@ class Router:
             except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.
                 # (RuntimeError: the session closed under a shutdown that outlasted the wait for it.)
-                log.warning("abort of %s at %s failed: %s", request_id, url, exc)
+                log.warning("abort of %s at %s failed: %s", request_id, url, str(exc) or type(exc).__name__)
 
         await asyncio.gather(*(one(u) for u in urls))
 
@@ -917,6 +936,14 @@ async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.
             await following
         raise failure
     return await following
+
+
+def _worker_failure(exc: aiohttp.ClientError) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "a worker could not be reached; try again"
+    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+        return "a worker's connection broke off mid-request (it failed or restarted); try again"
+    return "a worker failed; try again"
 
 
 async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
