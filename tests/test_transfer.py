@@ -570,6 +570,27 @@ async def test_in_flight_bytes_never_exceed_the_cap_with_a_slow_sink_s6() -> Non
     assert credit.in_use == 0
 
 
+async def test_a_cap_below_one_page_lets_one_page_at_a_time_through_s6() -> None:
+    # KV moves in whole pages, so a cap smaller than a page cannot be kept to the byte; what holds
+    # (and what prefill warns of at start-up) is one page in flight at a time.
+    config = TransferConfig(stall_timeout_s=30, max_transfer_batch=PAGE // 2)
+    async with make_pair(config=config, sink=RecordingSink(delay_s=0.002)) as p:
+        observed: list[float] = []
+
+        def in_flight() -> None:
+            sent = p.send_registry.get_sample_value("kvguard_kv_transfer_bytes_total", {"direction": "sent"}) or 0.0
+            observed.append(sent - p.sink.applied_bytes)
+
+        p.sink.on_write.append(in_flight)
+        ids, gens = plan(8)
+        e = p.expect("r", ids, gens)
+        assert (await p.sender.send(e.ticket, chunks_of("r", ids, 1))).ok
+        assert (await e.wait()).ok
+        credit = p.sender.credit(p.dest)
+    assert len(observed) == 8 and max(observed) <= PAGE
+    assert credit.max_in_use <= PAGE and credit.in_use == 0
+
+
 async def test_garbage_on_the_port_closes_that_connection_only() -> None:
     async with make_pair() as p:
         for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n",

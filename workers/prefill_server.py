@@ -122,6 +122,12 @@ class PrefillServer:
         self.tickets = TicketAuthority(keys.ticket)
         self.sender = KVSender(keys, runtime.transfer_metrics, transfer, runtime.faults)
         self.chunk_pages = max(1, min(CHUNK_TARGET_BYTES, transfer.max_transfer_batch) // self.pool.page_nbytes)
+        if self.pool.page_nbytes > transfer.max_transfer_batch:
+            # KV moves in whole pages: the sender lets one chunk above the cap through when nothing
+            # else is in flight (sender.ByteCredit), so in effect the cap is one page (S6 bound).
+            log.warning("one KV page is %d bytes, more than --max-transfer-batch %d: at most one page is in flight "
+                        "per prefill->decode pair (S6 in effect bounds bytes in flight by one page)",
+                        self.pool.page_nbytes, transfer.max_transfer_batch)  # fmt: skip
         self.early = EarlyBudget(max(0, self.pool.num_pages - self.pool.pages_for(runtime.engine.engine.context_length)))
 
     async def close(self) -> None:
