@@ -132,6 +132,12 @@ def test_a_bad_request_id_label_is_a_400_naming_it(trio: LocalDeployment, label:
     assert "X-Request-Id" not in answer.headers  # an invalid label is never echoed
 
 
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)])
+def test_a_label_is_echoed_on_answers_no_handler_gave(trio: LocalDeployment, method: str, path: str, status: int) -> None:
+    answer = requests.request(method, f"{trio.router_url}{path}", headers={"X-Request-Id": "t-404"}, timeout=TIMEOUT_S)
+    assert answer.status_code == status and answer.headers["X-Request-Id"] == "t-404"
+
+
 def test_without_a_label_the_response_header_carries_the_internal_id(trio: LocalDeployment) -> None:
     answer = _whole(trio.api_base, "no label", 2)
     assert answer.status_code == 200 and answer.headers["X-Request-Id"] == answer.json()["id"]

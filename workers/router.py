@@ -898,8 +898,12 @@ class Router:
 
 
 async def _echo_label(request: web.Request, response: web.StreamResponse) -> None:
-    """Every response carries the request's correlation label (the client's, else the id)."""
-    if (label := request.get(_LABEL_KEY)) is not None:
+    """Every response carries the request's correlation label (the client's, else the id); one
+    that ended before any id was claimed (404, 405, a refused body) echoes a valid client label."""
+    label = request.get(_LABEL_KEY)
+    if label is None and (sent := request.headers.get(REQUEST_ID_HEADER)) is not None and _LABEL.fullmatch(sent):
+        label = sent
+    if label is not None:
         response.headers[REQUEST_ID_HEADER] = label
 
 
