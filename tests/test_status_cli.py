@@ -168,3 +168,9 @@ def test_kubectl_kvguard_status_watch_redraws(serving: LocalDeployment, tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("local", [[], ["--local"]])
+def test_a_name_no_inferencemodel_can_have_is_bad_input(local: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "BAD_NAME!", *local]) == 2  # not "unreachable" (1) or "not found" (3)
+    assert "metadata.name: 'BAD_NAME!' must be lowercase letters" in capsys.readouterr().err

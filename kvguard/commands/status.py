@@ -43,6 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvguard.operator.api import model_name_problem
+
+    if (problem := model_name_problem(args.name)) is not None:  # no InferenceModel can have it: say so, not 404
+        print(f"kvguard status: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.interval <= 0:
         print("kvguard status: --interval must be > 0", file=sys.stderr)
         return EXIT_BAD_INPUT
