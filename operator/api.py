@@ -36,7 +36,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, CanarySpec
+from kvguard.operator.canary.spec import MIN_CONTEXT_TOKENS, CanarySpec, context_within_bound
 from kvguard.operator.conditions import Condition
 from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.json_numbers import numbers_only
@@ -1053,10 +1053,8 @@ class InferenceModelSpec(ApiModel):
     @classmethod
     def _context_bounded(cls, value: int) -> int:
         # The canary, which gates every revision, sizes its requests from it and reads no server's
-        # context above this bound (canary/discovery.py). A validator, as canary.contextLength's.
-        if value > MAX_CONTEXT_TOKENS:
-            raise ValueError(f"must be at most {MAX_CONTEXT_TOKENS:,} tokens")
-        return value
+        # context above the bound (canary/discovery.py).
+        return context_within_bound(value)
 
     @model_validator(mode="after")
     def _canary_knows_the_context(self) -> InferenceModelSpec:

@@ -47,6 +47,17 @@ ApiKind = Literal["completions", "chat"]
 # it fit in memory: a typo or a server advertising 99999999999 must be bad input, not a MemoryError.
 MAX_CONTEXT_TOKENS = 16 * 1024 * 1024
 MIN_CONTEXT_TOKENS = 16
+
+
+def context_within_bound(value: int) -> int:
+    """A context length the canary can size its requests from (this model's and the
+    InferenceModel's contextLength). A validator, not `le=`: the bound stays out of the CRD schema
+    (generated from these models)."""
+    if value > MAX_CONTEXT_TOKENS:
+        raise ValueError(f"must be at most {MAX_CONTEXT_TOKENS:,} tokens")
+    return value
+
+
 # A timeout beyond a day is a typo; aiohttp and asyncio overflow on huge or infinite ones.
 MAX_TIMEOUT_SECONDS = 86400.0
 
@@ -371,10 +382,7 @@ class CanarySpec(_SpecModel):
     @field_validator("context_length")
     @classmethod
     def _context_bounded(cls, value: int | None) -> int | None:
-        # A validator, not `le=`: the bound stays out of the CRD schema (generated from this model).
-        if value is not None and value > MAX_CONTEXT_TOKENS:
-            raise ValueError(f"must be at most {MAX_CONTEXT_TOKENS:,} tokens")
-        return value
+        return None if value is None else context_within_bound(value)
 
     @field_validator("request_timeout_seconds", "suite_timeout_seconds")
     @classmethod
