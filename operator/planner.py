@@ -411,7 +411,7 @@ def plan_role(spec: InferenceModelSpec, role: WorkerRole) -> RolePlan:
         memory_pool_tokens=memory_tokens,
         pool_tokens=pool,
         capped_by="kvPoolTokens" if capped else "memory",
-        ratio=round(pool / spec.context_length, 4),
+        ratio=math.floor(pool / spec.context_length * 10_000) / 10_000,  # down: a shortfall never reads as the minimum
         sufficient=pool >= required_pool_tokens(spec.min_kv_ratio, spec.context_length),
         kv_budget_bytes=safe,
         optimistic_pool_tokens=optimistic,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import requests
 from pd_harness import (
     client,
     complete,
@@ -182,6 +183,8 @@ def test_a_hung_decode_leaves_the_rotation_and_comes_back_when_it_answers(tiny_m
                 return False
 
             wait_for(refused_at_once, "the router to take the hung decode out of rotation", 120)
+            health = requests.get(f"{d.router_url}/health", timeout=30)
+            assert (health.status_code, health.json()) == (503, {"status": "unreachable", "role": "decode"})
         finally:
             decode.send_signal(signal.SIGCONT)
         wait_for(lambda: _outcome(d, "after")[0] == "ok", "the decode worker back in rotation", 60, 0.5)

@@ -254,3 +254,6 @@ def test_a_shortfall_never_reads_as_the_ratio_it_misses(capsys: pytest.CaptureFi
     assert "prefill: pool 2,097,088 tokens = 1.99x contextLength 1,048,576, below minKVRatio 2" in out
     row = next(line for line in out.splitlines() if line.startswith("prefill "))
     assert row.split()[-2:] == ["1.99", "NO"]
+    assert main(["plan", "-f", str(EXAMPLES / "incident.yaml"), *flags, "-o", "json"]) == 3
+    prefill = json.loads(capsys.readouterr().out)["roles"]["prefill"]
+    assert (prefill["ratio"], prefill["sufficient"]) == (1.9999, False)  # rounded down, never 2.0

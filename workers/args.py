@@ -154,7 +154,7 @@ class WorkerArgs(BaseModel):
 
     prefill: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a prefill worker's internal base URL (repeatable)"))
     decode: tuple[str, ...] = Field((), json_schema_extra=_flag("router", "a decode worker's internal base URL (repeatable)"))
-    request_timeout: float = Field(120.0, gt=0, json_schema_extra=_flag(
+    request_timeout: float = Field(120.0, gt=0, le=86_400, json_schema_extra=_flag(
         "router", "seconds a request may wait for its next token (its first: queueing, prefill and transfer "
         "included) before it ends with 504; a generation that keeps producing tokens runs to its end"))
     body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))

@@ -467,8 +467,10 @@ class Router:
         worker lives (this answer reaches the public)."""
         for role in (Role.PREFILL, Role.DECODE):
             serving = self.upstreams.serving(role)
-            if not serving:
-                return web.json_response({"status": "kv_pool_too_small", "role": role.value}, status=503)
+            if not serving:  # out of rotation: for its pool (S7) if any answers, else because none does
+                workers = self.upstreams.prefill if role is Role.PREFILL else self.upstreams.decode
+                why = "kv_pool_too_small" if any(u.reachable for u in workers) else "unreachable"
+                return web.json_response({"status": why, "role": role.value}, status=503)
             for upstream in serving:
                 try:
                     async with self.control.get(self.http, f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
