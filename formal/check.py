@@ -41,11 +41,14 @@ class Run:
     defines: tuple[str, ...]
     violates: str | None  # None: must verify; else the invariant the counterexample must break
     why: str
+    min_states: int = 100_000  # a model run that stores fewer did not run its rows
 
 
 # The model as the code implements it: two requests under every row of BOUNDS (kvtransfer.pml) in
 # one search, three requests competing for the same two decode pages without faults, and a prefill
-# pool of two contexts, where prefill computes ahead of its tickets (the early budget is not 0).
+# pool of two contexts, where prefill computes ahead of its tickets (the early budget is not 0):
+# with decode's engine errors in any state (row 12), and behind a router that lets over-length requests through
+# (row 11: the workers' own intake checks hold S2; the incident's shape).
 MODEL_RUNS: dict[str, Run] = {
     run.name: run
     for run in (
@@ -53,6 +56,9 @@ MODEL_RUNS: dict[str, Run] = {
         Run("model_3req", ("-DNREQ=3", "-DROW=1"), None, "3 requests, row 1 (no faults; timers when idle)"),
         Run("model_early", ("-DNPP=4", "-DROW=3"), None,
             "a prefill pool of two contexts (S7), so both requests may compute before their ticket; row 3 (no timers)"),
+        Run("model_early_intake", ("-DNPP=4", "-DROW=11"), None,
+            "a prefill pool of two contexts behind a router without its intake check; row 11 (the workers reject)",
+            min_states=5_000),
         Run("model_onpath", ("-DONPATH", "-DROW=8"), None,
             "an on-path adversary that injects captured frames into prefill's own connection; row 8 (replays)"),
     )
@@ -79,6 +85,16 @@ MUTANTS: dict[str, Run] = {
             "prefill computes ahead of every ticket: its pool waits on decode's, decode's on prefill (the first overlap)"),
         Run("no_conn_seq", ("-DMUTANT_NO_CONN_SEQ", "-DONPATH", "-DROW=8"), "S6",
             "wire v2: frames carry no connection number, so a frame injected back into its own connection verifies"),
+        # Single guards: each removes exactly one check of the code (formal/README.md lists the
+        # guards whose removal alone another guard covers, which therefore have no mutant here).
+        Run("no_generation_check", ("-DONLY_NO_GEN_CHECK", "-DROW=12"), "S5",
+            "the pool applies a write without the lease/generation check: a CHUNK lands in pages the engine freed "
+            "when a step failed (AsyncEngine._step) while the transfer was live"),
+        Run("decode_admits_overlength", ("-DMUTANT_DECODE_ADMITS_OVERLEN", "-DROW=11"), "S2",
+            "decode's intake does not reject an over-length request the router let through: it allocates pages"),
+        Run("prefill_admits_overlength", ("-DMUTANT_PREFILL_ADMITS_OVERLEN", "-DNPP=4", "-DROW=11"), "S2",
+            "the incident's shape: router and prefill let an over-length request through, decode rejects it, "
+            "but prefill already computed it ahead of its ticket (needs the early budget: NPP=4)"),
     )
 }
 

@@ -54,7 +54,10 @@
  *   disc     the router ends a request at any moment: the client went away (or request_timeout_s
  *            ran out early)
  *   perr     prefill fails computing, or its chunk source raises
- *   derr     decode's engine fails a request while decoding
+ *   derr     decode's engine fails: a forward pass fails a request while it decodes (the engine
+ *            isolates it), or a step fails outside the forward pass (AsyncEngine._step), which
+ *            aborts a live request in any state -- waiting for pages, PREALLOCATED or RECEIVING:
+ *            its pages are freed while its transfer may still be writing into them
  *   reset    prefill's connection to decode is reset (RST)
  *   drop     prefill drops a chunk (the drop_chunk fault: a silent loss)
  *   corrupt  a chunk's payload is corrupted in flight
@@ -82,7 +85,12 @@
      prompt = pr; b_disc = disc; b_perr = perr; b_derr = derr; b_reset = reset; b_drop = drop; \
      b_corrupt = corrupt; b_drestart = drest; b_prestart = prest; b_replay = replay; \
      b_expire = expire; b_tmo = tmo; printf("MSC: bounds row %d\n", n)
-/*            row prompt disc  perr  derr reset  drop corrupt drest prest replay expire tmo */
+/*            row prompt disc  perr  derr reset  drop corrupt drest prest replay expire tmo
+ * Row 11 is row 1 behind a router whose intake check is off (a router of another revision, or a
+ * misconfigured one): over-length requests reach both workers, whose own checks must hold S2.
+ * Row 12's engine error may come in any state (derr_any), not only while decoding. Its own row: an
+ * unspent fault that is enabled in a waiting state keeps the model from quiescence, so it would
+ * hide a deadlock of the waiting states (the unbounded_early mutant's, row 3) until it fires. */
 #define BOUNDS \
   BOUNDS_ROW( 1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 2,    1,    1,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0); \
@@ -93,7 +101,9 @@
   BOUNDS_ROW( 7,    1,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 8,    0,    0,    0,    0,    0,    0,    0,    0,    0,    2,    0,    0); \
   BOUNDS_ROW( 9,    0,    0,    0,    0,    0,    0,    1,    0,    0,    0,    1,    0); \
-  BOUNDS_ROW(10,    0,    0,    0,    0,    0,    1,    0,    0,    0,    0,    0,    1)
+  BOUNDS_ROW(10,    0,    0,    0,    0,    0,    1,    0,    0,    0,    0,    0,    1); \
+  BOUNDS_ROW(11,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); router_intake = false; \
+  BOUNDS_ROW(12,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0,    0); derr_any = true
 
 #define TIMERS_OK (!prompt || silent_fault)
 #define TIMER (b_tmo > 0 || (timeout && TIMERS_OK))
@@ -147,12 +157,17 @@
 #else
 #define GEN_CHECK 1
 #endif
-#ifdef MUTANT_DONE_WITHOUT_MANIFEST      /* C/D: "done" taken without checking the manifest or the
-                                            written pages (vllm#50754, sglang#23797) */
+/* C/D: "done" taken without checking the manifest or the written pages (vllm#50754, sglang#23797);
+ * ONLY_NO_MANIFEST_CHECK / ONLY_NO_VERIFY_WRITTEN remove one of the two alone (each verifies: the
+ * other covers it, formal/README.md) */
+#if defined(MUTANT_DONE_WITHOUT_MANIFEST) || defined(ONLY_NO_MANIFEST_CHECK)
 #define CHECK_MANIFEST 0
-#define VERIFY_WRITTEN 0
 #else
 #define CHECK_MANIFEST 1
+#endif
+#if defined(MUTANT_DONE_WITHOUT_MANIFEST) || defined(ONLY_NO_VERIFY_WRITTEN)
+#define VERIFY_WRITTEN 0
+#else
 #define VERIFY_WRITTEN 1
 #endif
 #ifdef MUTANT_NO_TICKET_BINDING          /* G/S9: frames accepted without their ticket nonce: MAC'd with the
@@ -165,6 +180,43 @@
 #define EPOCH_CHECK 0
 #else
 #define EPOCH_CHECK 1
+#endif
+/* Single guards, each removable alone (formal/README.md: which must fail, which another guard covers) */
+#ifdef MUTANT_DECODE_ADMITS_OVERLEN      /* decode's intake (engine.check_fits) does not reject */
+#define D_INTAKE 0
+#else
+#define D_INTAKE 1
+#endif
+#ifdef MUTANT_PREFILL_ADMITS_OVERLEN     /* prefill's intake does not reject */
+#define P_INTAKE 0
+#else
+#define P_INTAKE 1
+#endif
+#ifdef NO_PLAN_CHECK                     /* PlanTracker.check_chunk: planned page and generation, order, once */
+#define PLAN_CHECK 0
+#else
+#define PLAN_CHECK 1
+#endif
+#ifdef NO_OPEN_NONCE                     /* _refusal: the ticket's nonce is the transfer's */
+#define OPEN_NONCE 0
+#else
+#define OPEN_NONCE 1
+#endif
+#ifdef NO_RESULT_NONCE                   /* prefill's reader: a RESULT's nonce is its ticket's */
+#define RESULT_NONCE 0
+#else
+#define RESULT_NONCE 1
+#endif
+#ifdef NO_ACK_CLAMP                      /* prefill's reader: an ACK never returns more than was sent */
+#define ACK_CLAMP 0
+#else
+#define ACK_CLAMP 1
+#endif
+#ifdef NO_START_STATE_CHECK              /* engine.start_decode's _get: the request is still PREALLOCATED
+                                            or RECEIVING (not aborted by the engine meanwhile) */
+#define START_STATE_CHECK 0
+#else
+#define START_STATE_CHECK 1
 #endif
 #ifdef NO_S2_ASSERT                      /* lets the incident mutant run on to the leak it causes (S1) */
 #define CHECK_S2 0
@@ -290,6 +342,8 @@ mtype:frame adv_t;
 byte adv_rid, adv_nonce, adv_cid, adv_seq, adv_page, adv_gen, adv_tag, adv_cs;
 
 bool prompt;                             /* this row's timers: see Bounds */
+bool router_intake = true;               /* the router rejects over-length requests (row 11: it does not) */
+bool derr_any;                           /* derr also while waiting for pages, PREALLOCATED, RECEIVING (row 12) */
 byte b_disc, b_perr, b_derr, b_reset, b_drop, b_corrupt, b_drestart, b_prestart, b_replay, b_expire, b_tmo;
 
 inline spend_timer() {
@@ -455,12 +509,16 @@ inline on_chunk(c) {
      fi
   od;
   if
-  :: !found || f_seq < xnext[r] || (xw[r] & BIT(k)) -> x_end(r, T_FAILED, true, PLAN_MISMATCH)
+  :: PLAN_CHECK && (!found || f_seq < xnext[r] || (xw[r] & BIT(k))) -> x_end(r, T_FAILED, true, PLAN_MISMATCH)
   :: else ->
      if
      :: f_tag == GARBAGE -> x_end(r, T_FAILED, true, CHECKSUM)
      :: else ->
-        /* DecodeServer.write_pages -> KVPool.import_pages (S5) */
+        /* DecodeServer.write_pages -> KVPool.import_pages (S5). write_pages' own `lease.released`
+         * test is not a guard here: the engine thread (AsyncEngine._step's abort, or the abort the
+         * handler awaits) may free the lease between it and import_pages, whose check under the
+         * pool's lock is the one that holds; the model takes that order (a refused write fails the
+         * transfer either way, UNKNOWN_REQUEST or STALE). */
         if
         :: !djob[r] -> x_end(r, T_FAILED, true, UNKNOWN_REQUEST)
         :: else ->
@@ -513,7 +571,7 @@ inline on_open(c) {
      :: true -> skip
      fi;
      if
-     :: !found && (!EPOCH_CHECK || tk_epoch[f_nonce] == d_epoch) && djob[r] && xnonce[r] == f_nonce &&
+     :: !found && (!EPOCH_CHECK || tk_epoch[f_nonce] == d_epoch) && djob[r] && (!OPEN_NONCE || xnonce[r] == f_nonce) &&
         xstate[r] == T_EXPECTED ->
         NOREPLAY = !f_adv; assert(NOREPLAY);
         xstate[r] = T_OPEN; xslot[r] = c; rc_open[c] = rc_open[c] | BIT(r);
@@ -616,7 +674,7 @@ end_idle:
   :: atomic { dq[r] == MSG_SENT -> dq[r] = MSG_TAKEN; boot = d_epoch; d_state(r, RECEIVED);
        /* intake (S2): the engine's check_fits */
        if
-       :: over[r] && !UNSAFE_REJECT_PATH -> d_state(r, REJECTED);
+       :: over[r] && !UNSAFE_REJECT_PATH && D_INTAKE -> d_state(r, REJECTED);
           if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0 :: else -> skip fi; goto end   /* HTTP 400 */
        :: else -> d_state(r, ADMITTED)
        fi }; break
@@ -645,16 +703,20 @@ end_idle:
      break
   :: atomic { d_epoch == boot && abort_d[r] == MSG_SENT && PROPAGATE ->
        abort_d[r] = MSG_TAKEN; d_state(r, ABORTED); goto end }
+  :: atomic { d_epoch == boot && derr_any && b_derr > 0 -> b_derr--;   /* AsyncEngine._step fails: engine.abort */
+       d_state(r, ABORTED);                              /* preallocate returns no lease: 503 aborted */
+       if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0 :: else -> skip fi; goto end }
   :: d_epoch != boot -> goto end
   od;
   /* handle.wait(): the transfer's outcome, or an abort */
   do
   :: atomic { d_epoch == boot && xstate[r] == T_COMPLETE ->
-       /* engine.start_decode: S3 */
+       /* engine.start_decode: the request is still PREALLOCATED/RECEIVING (_get; else
+        * InvalidRequest), and S3 */
        lease_written(r, ok);
        if
-       :: VERIFY_WRITTEN && !(UNSAFE_REJECT_PATH && over[r]) && !ok ->
-          d_state(r, ABORTED);                           /* KVNotWritten: this request only */
+       :: (START_STATE_CHECK && ds[r] == ABORTED) || (VERIFY_WRITTEN && !(UNSAFE_REJECT_PATH && over[r]) && !ok) ->
+          d_state(r, ABORTED);                           /* InvalidRequest or KVNotWritten: this request only */
           if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0; d_release(r) :: else -> d_gone(r) fi;
           goto end
        :: else ->
@@ -677,6 +739,14 @@ end_idle:
      atomic { djob[r] = false; x_end(r, T_FAILED, true, CANCELLED); goto end }   /* (mutant) the cancel, later */
   :: atomic { d_epoch == boot && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN) && TIMER ->
        spend_timer(); x_end(r, T_FAILED, true, TIMEOUT) }                         /* the stall timer */
+  :: atomic { d_epoch == boot && derr_any && b_derr > 0 && ds[r] != ABORTED -> b_derr--;
+       /* AsyncEngine._step fails outside a forward pass: engine.abort of every live request, this
+        * one PREALLOCATED or RECEIVING: its pages are freed (and may be granted to another request
+        * at once) while its transfer stays open. Nobody tells the handler, which awaits the
+        * transfer on: the next CHUNK is refused (write_pages / import_pages: S5), a MANIFEST
+        * completes it and start_decode refuses the request, or the router's abort or a timer ends
+        * it; each fails the transfer with a RESULT to prefill. */
+       d_free(r); d_state(r, ABORTED) }
   :: d_epoch != boot -> goto end
   od;
   /* DECODING: every step reads the request's pages */
@@ -819,7 +889,7 @@ end_idle:
   :: atomic { pq[r] == MSG_SENT -> pq[r] = MSG_TAKEN; boot = p_epoch;
        p_state(r, RECEIVED);
        if   /* 400, PREFILL_ERROR: no ticket yet, so only the router can tell decode (it does) */
-       :: over[r] && !UNSAFE_REJECT_PATH -> p_state(r, REJECTED); pres[r] = PRES_ERR; goto end
+       :: over[r] && !UNSAFE_REJECT_PATH && P_INTAKE -> p_state(r, REJECTED); pres[r] = PRES_ERR; goto end
        :: else -> p_state(r, ADMITTED)
        fi;
        /* EarlyBudget: compute ahead of the ticket only while requests without one hold at most
@@ -929,14 +999,14 @@ end_pr:
   do
   :: atomic { pc_st == PC_UP && ackq[pc_slot] > 0 && nst[pc_slot] != NET_RST ->   /* ACK */
        m = ackq[pc_slot]; ackq[pc_slot] = 0;
-       if :: m > unacked -> m = unacked :: else -> skip fi;   /* never more than was sent on it */
+       if :: ACK_CLAMP && m > unacked -> m = unacked :: else -> skip fi;   /* never more than was sent on it */
        unacked = unacked - m; cred = cred - m }
   :: atomic { pc_st == PC_UP && nempty(d2p[pc_slot]) && nst[pc_slot] != NET_RST ->
        d2p[pc_slot]?f_t, f_rid, f_nonce, f_cid, f_val;
        if
        :: f_t == RESULT ->
           if
-          :: (psending & BIT(f_rid)) && f_cid == pc_cid && f_nonce == tk[f_rid] ->
+          :: (psending & BIT(f_rid)) && f_cid == pc_cid && (!RESULT_NONCE || f_nonce == tk[f_rid]) ->
              if :: presult[f_rid] == 0 -> presult[f_rid] = f_val :: else -> skip fi
           :: else -> skip                                /* no longer sending it: dropped */
           fi
@@ -984,7 +1054,7 @@ proctype router(byte r) {
   atomic {
     rphase[r] = R_INTAKE;
     if
-    :: over[r] && !UNSAFE_REJECT_PATH -> r_end()       /* S2: 400 context_length_exceeded */
+    :: over[r] && !UNSAFE_REJECT_PATH && router_intake -> r_end()   /* S2: 400 context_length_exceeded */
     :: else -> dq[r] = MSG_SENT; pq[r] = MSG_SENT; rphase[r] = R_DECODE_LEG   /* both legs at once */
     fi }
   do

@@ -3,7 +3,10 @@
 - The model verifies exhaustively at its stated bounds (S1, S2, S3, S4, S5, S6, no replayed or
   foreign frame applied, no invalid end state).
 - Every mutant mirroring a real bug produces a counterexample for the invariant it breaks, so the
-  model cannot silently become vacuous.
+  model cannot silently become vacuous; and so does every single-guard mutant, which removes
+  exactly ONE check of the code (a mutant removing several at once would hide a guard that the
+  model never exercises). Guards whose removal alone another guard covers are listed, with the
+  guard that covers them, in formal/README.md; they have no mutant.
 - The model's state and message names are the code's enums: a test fails if they drift.
 - The interleaving the model found in the router (prefill dead before OPEN) is a deterministic test.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -75,7 +79,7 @@ def test_model_verifies_exhaustively_at_its_bounds_s1_to_s6(spin: None, tmp_path
     result = check.check(check.MODEL_RUNS[name], tmp_path)
     assert result.errors == 0, result.output[-3000:]
     assert result.complete, f"search not exhaustive:\n{result.output[-3000:]}"
-    assert result.states > 100_000  # the rows ran: two requests without faults alone is ~1,500 states
+    assert result.states > check.MODEL_RUNS[name].min_states  # the rows ran (row 1 alone is ~3,500 states)
 
 
 @pytest.mark.parametrize("name", sorted(check.MUTANTS))
@@ -85,6 +89,35 @@ def test_mutant_of_a_real_bug_has_a_counterexample(spin: None, tmp_path: Path, n
     assert result.errors > 0, f"mutant {name} verified: the model no longer catches {run.why}"
     assert result.violated == run.violates, result.output[-3000:]
     assert any(f"assert({run.violates})" in line for line in result.trail), "\n".join(result.trail)
+
+
+# Mutants that remove exactly one guard: one -D switch (besides the row and the pool size), and that
+# switch turns off one check in the model.
+SINGLE_GUARD_MUTANTS = ("no_generation_check", "decode_admits_overlength", "prefill_admits_overlength")
+
+
+@pytest.mark.parametrize("name", SINGLE_GUARD_MUTANTS)
+def test_single_guard_mutant_removes_exactly_one_guard(name: str) -> None:
+    switches = [d for d in check.MUTANTS[name].defines if not d.startswith(("-DROW=", "-DNPP="))]
+    assert len(switches) == 1, switches
+    macro = switches[0].removeprefix("-D")
+    conditionals = [line for line in MODEL.read_text().splitlines()
+                    if line.startswith("#if") and re.search(rf"\b{macro}\b", line)]  # fmt: skip
+    assert len(conditionals) == 1, conditionals  # it sets one guard's switch, nothing else
+
+
+def test_guards_listed_as_redundant_exist_in_the_model() -> None:
+    """formal/README.md's table of guards whose removal alone the model does not detect names each
+    by its -D switch: the switch must still exist (the table cannot drift from the model)."""
+    readme = (FORMAL / "README.md").read_text()
+    section = readme.split("whose removal alone the model does not detect", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    switches = [m.group(1) for line in rows if (m := re.match(r"\| `-D(\w+)`", line))]
+    assert len(switches) >= 5, rows
+    model = MODEL.read_text()
+    for switch in switches:
+        assert re.search(rf"^#if.*\b{switch}\b", model, flags=re.M), switch
+        assert switch not in {d.removeprefix("-D") for run in check.MUTANTS.values() for d in run.defines}
 
 
 # -- the interleaving the model found: a prefill leg that fails before its OPEN reaches decode -----
