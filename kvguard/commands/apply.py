@@ -110,18 +110,21 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
     if args.faults:
         print(f"!!! FAULT INJECTION: the new revision's workers run with KVGUARD_FAULTS={args.faults} "
               "(test/demo only; never in production) !!!", file=sys.stderr, flush=True)  # fmt: skip
-    print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
     probes = _ProbeRows(sys.stdout)
     try:
-        with sigterm_as_interrupt(), LocalBackend(state_dir, models_root=args.models_root) as backend:
-            result = asyncio.run(
-                roll_out(
-                    backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
-                    annotations=model.metadata.annotations, faults=args.faults,
-                    say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
-                    generation=model.metadata.generation, max_seconds=args.timeout,
-                )
-            )  # fmt: skip
+        # The handler first, then the first line: a SIGTERM sent on seeing that line (a supervisor,
+        # a test) must take the Ctrl-C path, not kill the process (it did, under load).
+        with sigterm_as_interrupt():
+            print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
+            with LocalBackend(state_dir, models_root=args.models_root) as backend:
+                result = asyncio.run(
+                    roll_out(
+                        backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
+                        annotations=model.metadata.annotations, faults=args.faults,
+                        say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
+                        generation=model.metadata.generation, max_seconds=args.timeout,
+                    )
+                )  # fmt: skip
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except LocalBackendError as exc:
