@@ -166,10 +166,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: list[str],
-                     set_by: dict[str, str] | None = None) -> dict[str, Any]:
+                     set_by: dict[str, str]) -> dict[str, Any]:
     """The manifest with flag values written into its spec (validated later with the rest);
     `set_by` records which flag wrote each field."""
-    set_by = {} if set_by is None else set_by
     spec = manifest.setdefault("spec", {})
     if not isinstance(spec, dict):
         return manifest  # validation reports it
