@@ -220,6 +220,12 @@ def test_what_is_not_implemented_is_refused_naming_it(trio: LocalDeployment, mod
     assert error["code"] in ("unsupported_parameter", "unknown_parameter", "invalid_value"), error  # never null
 
 
+def test_parallel_tool_calls_is_a_boolean(trio: LocalDeployment, model: str) -> None:
+    body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "no"}
+    error = post(trio, "chat/completions", body).json()["error"]
+    assert (error["param"], error["code"]) == ("parallel_tool_calls", "invalid_type"), error
+
+
 def test_parallel_tool_calls_false_asks_for_nothing_and_is_served(api: openai.OpenAI, model: str) -> None:
     answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                          parallel_tool_calls=False)  # fmt: skip
@@ -259,6 +265,8 @@ CODED = [  # the `code` OpenAI's API answers for the same mistake, which clients
     ({"n": 0}, "integer_below_min_value"),
     ({"logprobs": 6}, "integer_above_max_value"),
     ({"stop": ["a"] * 5}, "invalid_value"),
+    ({"n": 17}, "integer_above_max_value"),  # the router's max_choices (16), not the schema's 128
+    ({"prompt": ["p"] * 17}, "array_above_max_length"),
 ]
 
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
 from kvguard.workers.openai_api import OpenAIError
@@ -308,7 +308,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: JsonValue = None
     functions: JsonValue = None
     function_call: JsonValue = None
-    parallel_tool_calls: JsonValue = None
+    parallel_tool_calls: StrictBool | None = None  # strict: "no" is a type error, not False
     audio: JsonValue = None
     modalities: JsonValue = None
     prediction: JsonValue = None

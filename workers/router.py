@@ -617,8 +617,10 @@ class Router:
         prompts = 1 if isinstance(body, ChatCompletionRequest) else len(body.prompts())
         if prompts * n > self.config.max_choices:
             param = "n" if n > 1 else "prompt"
+            # the code of the one number a client would lower: n alone, the prompt list alone, or their product
+            code = "integer_above_max_value" if prompts == 1 else "array_above_max_length" if n == 1 else "invalid_value"
             raise OpenAIError(400, f"{param}: {prompts} prompt(s) x n={n} asks for more than "
-                              f"{self.config.max_choices} choices per request", param=param, code="invalid_value")
+                              f"{self.config.max_choices} choices per request", param=param, code=code)
 
     def _plan(self, body: APIRequest, prompts: list[Prompt], request_id: str, chat: bool) -> list[Choice]:
         """One Choice per (prompt, n) (`_check_choices` bounded them): S2 at intake for each
