@@ -88,7 +88,8 @@ fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=explore $(PYM) pytest -q -ra tests/test_api_fuzz.py tests/test_kv_pool.py tests/test_stops.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check operator workers kvguard tests e2e bench
+	$(VENV)/bin/ruff check operator workers kvguard tests e2e bench scripts
+	$(PY) scripts/typecheck.py
 
 bench: $(STAMP)
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

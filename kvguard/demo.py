@@ -72,6 +72,7 @@ class Demo:
 
     # --- step 1 ------------------------------------------------------------------------------------
     def plan_incident(self) -> bool:
+        from kvguard.cli import build_parser
         from kvguard.commands.plan import EXIT_BLOCKED
         from kvguard.commands.plan import run as plan_run
 
@@ -79,7 +80,7 @@ class Demo:
         began = time.monotonic()
         buffer = io.StringIO()
         with contextlib.redirect_stdout(buffer):
-            code = plan_run(_Args(file=str(self.examples / "incident.yaml")))
+            code = plan_run(build_parser().parse_args(["plan", "-f", str(self.examples / "incident.yaml")]))
         print(buffer.getvalue().rstrip(), file=self.out, flush=True)
         return self.record("plan the incident", "blocked, with numbers and fixes", f"kvguard plan exit {code} "
                            f"({'blocked' if code == EXIT_BLOCKED else 'not blocked'})", code == EXIT_BLOCKED, began)  # fmt: skip
@@ -168,18 +169,6 @@ class Demo:
 
     stable: str | None = None
     stable_url: str | None = None
-
-
-@dataclass
-class _Args:
-    """The argparse namespace `kvguard plan` expects, without its parser."""
-
-    file: str
-    output: str = "table"
-    hf_config: None = None
-
-    def __getattr__(self, name: str) -> None:  # every what-if flag: unset
-        return None
 
 
 def _evidence_line(evidence: Any) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AfterValidator,
@@ -43,9 +43,10 @@ from kvguard.operator.json_numbers import numbers_only
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.rollout import RolloutStatus, Scale
 
-API_GROUP = "kvguard.io"
-API_VERSION = "v1alpha1"
-GROUP_VERSION = f"{API_GROUP}/{API_VERSION}"
+API_GROUP: Final = "kvguard.io"
+API_VERSION: Final = "v1alpha1"
+GROUP_VERSION: Final = "kvguard.io/v1alpha1"  # spelled out, not joined, so that it types as the Literal below
+assert GROUP_VERSION == f"{API_GROUP}/{API_VERSION}"
 
 GiB = 1024**3
 
@@ -960,7 +961,7 @@ def check_steps(router: TrafficRouter, steps: list[RolloutStep]) -> None:
 class RolloutSpec(ApiModel):
     """How a new revision is brought up beside the stable one, and how traffic moves to it."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _ROLLOUT_RULES})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{**rule} for rule in _ROLLOUT_RULES]})
 
     canary_replicas: PositiveInt = 1
     """Replicas of each prefill and decode role (and one router) while the candidate is verified,

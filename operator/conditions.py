@@ -83,8 +83,8 @@ def make_condition(
         status=status,
         reason=reason,
         message=message,
-        lastTransitionTime=rfc3339(now),
-        observedGeneration=generation,
+        last_transition_time=rfc3339(now),
+        observed_generation=generation,
     )
 
 

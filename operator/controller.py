@@ -151,7 +151,7 @@ class Controller:
         """The continuous canary's runs (spec.canary.continuous), apart from rollout canaries."""
         self.store = ApiModelStore(kube)
         self.memory = DriverMemory()
-        self.queue = WorkQueue()
+        self.queue: WorkQueue[ModelKey] = WorkQueue()
         self.models: dict[ModelKey, Mapping[str, Any]] = {}
         self._policies = policies
         self._waits: dict[ModelKey, int] = {}
@@ -251,7 +251,7 @@ class Controller:
         while True:
             key = await self.queue.get()
             try:
-                await self.process(key)  # type: ignore[arg-type]
+                await self.process(key)
             finally:
                 self.queue.done(key)
 

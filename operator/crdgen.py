@@ -163,7 +163,7 @@ def _crd(kind: str, plural: str, scope: str, short: list[str], version: dict[str
 
 
 def inference_model_crd() -> dict[str, Any]:
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Revision", "type": "string", "jsonPath": ".status.revision"},
         {"name": "KV Ratio", "type": "number", "jsonPath": ".status.kvRatio", "format": "float"},

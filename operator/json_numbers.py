@@ -29,10 +29,7 @@ def numbers_only(model: type[BaseModel], value: Any, info: ValidationInfo) -> An
     (`Input should be a valid integer`) when it is a boolean or text and the field holds numbers."""
     if info.field_name is None or not isinstance(value, (bool, str, bytes, list, tuple)):
         return value
-    field = model.model_fields[info.field_name]
-    if any(isinstance(item, _PARSERS) for item in field.metadata):
-        return value
-    kind, in_list = _number_kind(field.annotation)
+    kind, in_list = _field_number_kind(model, info.field_name)
     if kind is None:
         return value
     items = value if in_list and isinstance(value, (list, tuple)) else [] if in_list else [value]
@@ -42,6 +39,13 @@ def numbers_only(model: type[BaseModel], value: Any, info: ValidationInfo) -> An
 
 
 @functools.cache
+def _field_number_kind(model: type[BaseModel], name: str) -> tuple[type | None, bool]:
+    field = model.model_fields[name]
+    if any(isinstance(item, _PARSERS) for item in field.metadata):
+        return None, False
+    return _number_kind(field.annotation)
+
+
 def _number_kind(annotation: Any) -> tuple[type | None, bool]:
     """(int or float, whether a list of them) when every non-None form of `annotation` is that
     number (or a list of it) without a parser of its own; (None, False) otherwise."""

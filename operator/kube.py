@@ -21,6 +21,7 @@ ever read as metadata (`get_metadata`).
 from __future__ import annotations
 
 import asyncio
+import builtins  # `list` inside Kube is its method: annotations there name the type as builtins.list
 import concurrent.futures
 import datetime as dt
 import hashlib
@@ -319,7 +320,7 @@ class Kube:
     async def aget_metadata(self, ref: ObjectRef) -> dict[str, Any] | None:
         return await self._off_loop(lambda: self.get_metadata(ref))
 
-    async def alist(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> list[dict[str, Any]]:
+    async def alist(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> builtins.list[dict[str, Any]]:
         return await self._off_loop(lambda: self.list(kind, namespace, labels))
 
     async def apod_log(self, namespace: str, name: str, container: str, *, since_seconds: int, limit_bytes: int) -> str:
@@ -361,7 +362,7 @@ class Kube:
         *,
         content_type: str = "application/json",
         accept: str = "application/json",
-        query: list[tuple[str, str]] | None = None,
+        query: builtins.list[tuple[str, str]] | None = None,
     ) -> tuple[int, Any]:
         if method != "GET" and self.write_guard is not None and (why := self.write_guard(method, path)) is not None:
             raise KubeError(0, f"{method} {path} not sent: {why}")
@@ -379,7 +380,7 @@ class Kube:
         *,
         content_type: str,
         accept: str,
-        query: list[tuple[str, str]] | None,
+        query: builtins.list[tuple[str, str]] | None,
     ) -> tuple[int, bytes]:
         """One request: its status and raw body (TransportError when no answer came)."""
         headers = {"Accept": accept, "Content-Type": content_type}

@@ -104,7 +104,7 @@ def _commands(spec: InferenceModelSpec, kv_plan: KVPlan) -> dict[str, list[str]]
         placeholder = ModelSource(pvc=PVCSource(claim_name="parity-check"))
         spec = spec.model_copy(update={"model": spec.model.model_copy(update={"source": placeholder})})
     adapter = ADAPTERS[spec.engine.kind]
-    return {role: adapter.command(RoleContext(spec, kv_plan, owner, "parity", role)) for role in ("prefill", "decode")}  # type: ignore[arg-type]
+    return {role: adapter.command(RoleContext(spec, kv_plan, owner, "parity", role)) for role in ("prefill", "decode")}
 
 
 def mismatches(spec: InferenceModelSpec, kv_plan: KVPlan) -> list[Mismatch]:

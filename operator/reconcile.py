@@ -200,7 +200,7 @@ class _Run:
         if head is not None and head.revision == revision and head.state == state:
             return False
         entry = RevisionRecord(
-            revision=revision, state=state, since=cond.rfc3339(self.now),  # type: ignore[arg-type]
+            revision=revision, state=state, since=cond.rfc3339(self.now),
             generation=self.generation, kv_ratio=kv_ratio, message=message,
         )  # fmt: skip
         rest = [h for h in self.status.history if not (h.revision == revision and h.state in ("Candidate", "Blocked"))]

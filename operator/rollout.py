@@ -278,7 +278,7 @@ class CanaryResult:
     @classmethod
     def from_report(cls, report: CanaryReport, revision: str, attempt: str) -> CanaryResult:
         return cls(
-            revision=revision, attempt=attempt, verdict=report.verdict.value,  # type: ignore[arg-type]
+            revision=revision, attempt=attempt, verdict=report.verdict.value,
             reason=report.reason, failed_probes=tuple(p.value for p in report.failed_probes()),
             duration_seconds=report.duration_seconds,
         )  # fmt: skip

@@ -143,7 +143,7 @@ async def current_policies() -> list[InferencePolicy]:
     return parse_policies(await _KUBE[0].alist("InferencePolicy", None))
 
 
-async def validate_inference_model(body: kopf.Body, old: kopf.Body | None, operation: str | None, **_: Any) -> None:
+async def validate_inference_model(body: kopf.Body, old: kopf.Body | None = None, operation: str | None = None, **_: Any) -> None:
     """kopf admission handler: raising kopf.AdmissionError denies the request with its message."""
     try:
         policies = await current_policies()

@@ -16,6 +16,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,21 @@ class Backoff:
         return max(0.0, seconds * (1.0 - self.jitter + 2.0 * self.jitter * rng()))
 
 
-class WorkQueue:
+Key = TypeVar("Key", bound=Hashable)
+
+
+class WorkQueue(Generic[Key]):
     """Keys to reconcile, each at most once in the queue and in process (see the module doc)."""
 
     def __init__(self) -> None:
-        self._order: deque[Hashable] = deque()
-        self._queued: set[Hashable] = set()
-        self._processing: set[Hashable] = set()
-        self._dirty: set[Hashable] = set()
-        self._timers: dict[Hashable, asyncio.TimerHandle] = {}
+        self._order: deque[Key] = deque()
+        self._queued: set[Key] = set()
+        self._processing: set[Key] = set()
+        self._dirty: set[Key] = set()
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._ready = asyncio.Event()
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: Key) -> None:
         if key in self._processing:
             self._dirty.add(key)
         elif key not in self._queued:
@@ -54,7 +58,7 @@ class WorkQueue:
             self._order.append(key)
             self._ready.set()
 
-    def requeue(self, key: Hashable, delay: float | None) -> None:
+    def requeue(self, key: Key, delay: float | None) -> None:
         """Look at `key` again after `delay` seconds (replacing its earlier timer); None: don't."""
         timer = self._timers.pop(key, None)
         if timer is not None:
@@ -66,11 +70,11 @@ class WorkQueue:
             return
         self._timers[key] = asyncio.get_running_loop().call_later(delay, self._fire, key)
 
-    def _fire(self, key: Hashable) -> None:
+    def _fire(self, key: Key) -> None:
         self._timers.pop(key, None)
         self.add(key)
 
-    async def get(self) -> Hashable:
+    async def get(self) -> Key:
         while not self._order:
             self._ready.clear()
             await self._ready.wait()
@@ -79,13 +83,13 @@ class WorkQueue:
         self._processing.add(key)
         return key
 
-    def done(self, key: Hashable) -> None:
+    def done(self, key: Key) -> None:
         self._processing.discard(key)
         if key in self._dirty:
             self._dirty.discard(key)
             self.add(key)
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: Key) -> None:
         self.requeue(key, None)
 
     def clear(self) -> None:
@@ -97,7 +101,7 @@ class WorkQueue:
         self._queued.clear()
         self._dirty.clear()
 
-    def timer_of(self, key: Hashable) -> float | None:
+    def timer_of(self, key: Key) -> float | None:
         """Seconds until the key's timer fires (None: no timer)."""
         timer = self._timers.get(key)
         return None if timer is None else max(0.0, timer.when() - asyncio.get_running_loop().time())

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter
 
 from kvguard.workers.keys import MAX_CLOCK_SKEW_S
@@ -164,7 +165,7 @@ INTERNAL_BODY_TIMEOUT_S = 30.0
 
 
 def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_timeout_s: float = INTERNAL_BODY_TIMEOUT_S,
-                            max_body_bytes: int = INTERNAL_MAX_BODY_BYTES) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:  # fmt: skip
+                            max_body_bytes: int = INTERNAL_MAX_BODY_BYTES) -> Middleware:  # fmt: skip
     """aiohttp middleware: every ``/internal/*`` call must carry a valid header (see module doc).
 
     The head (form, freshness, MAC over the declared body digest, replay) is verified before a

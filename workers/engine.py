@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -410,8 +411,9 @@ class Engine:
             self.metrics.prompt_tokens.inc(step.cu_seqlens[-1])
         return picks
 
-    def _tensor(self, columns: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(columns, dtype=torch.int64, device=self.device)
+    def _tensor(self, ints: list[Any]) -> torch.Tensor:
+        """int64 on the engine's device, from a list of ints or (equally long) nested lists of them."""
+        return torch.tensor(ints, dtype=torch.int64, device=self.device)
 
     def _stamp(self, step: StepInputs, ok: torch.Tensor, has_prompts: bool) -> None:
         """S5: record what this pass wrote, where each row's lease was still current."""

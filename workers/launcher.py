@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import requests
 
@@ -255,7 +256,7 @@ class LocalDeployment:
         return self
 
     def _spawn(self, process: _Process) -> None:
-        stdout: int | object = subprocess.DEVNULL
+        stdout: BinaryIO | None = None  # None: the child writes to our own stdout and stderr
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             stdout = open(self.config.log_dir / f"{process.name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -264,8 +265,8 @@ class LocalDeployment:
             process.argv,
             env={**self._env, LIFELINE_FD_ENV: str(lifeline)},
             pass_fds=(*process.fds, lifeline),
-            stdout=stdout if self.config.log_dir else None,  # type: ignore[arg-type]
-            stderr=subprocess.STDOUT if self.config.log_dir else None,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
             start_new_session=True,  # a Ctrl-C in the terminal reaches serve, which stops us in order
         )
 

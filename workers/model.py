@@ -87,7 +87,7 @@ class ModelArgs:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelArgs:
+    def from_dir(cls, model_dir: Path | str) -> ModelArgs:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -484,6 +484,7 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
         layer.self_attn.fuse()
         layer.mlp.fuse()
     return model.eval().requires_grad_(False)

@@ -273,7 +273,7 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         assert isinstance(self.content, list)
-        return "".join(str(part["text"]) for part in self.content if isinstance(part, dict))  # type: ignore[index]
+        return "".join(str(part["text"]) for part in self.content if isinstance(part, dict))
 
     def template_fields(self) -> dict[str, str]:
         """What the chat template sees. `developer` is OpenAI's newer name for `system`."""

@@ -235,13 +235,13 @@ class ResponseBuilder:
                            logprobs=self._shaper(c.index).chat(c.logprobs) if self.logprobs else None)
                 for c in ordered
             ]
-            return ChatCompletion(**self._envelope(), choices=chat_choices, usage=usage).model_dump(mode="json")  # type: ignore[arg-type]
+            return ChatCompletion(**self._envelope(), choices=chat_choices, usage=usage).model_dump(mode="json")
         completion_choices = [
             CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
                              logprobs=self._shaper(c.index).completion(c.logprobs) if self.logprobs else None)
             for c in ordered
         ]
-        return Completion(**self._envelope(), choices=completion_choices, usage=usage).model_dump(mode="json")  # type: ignore[arg-type]
+        return Completion(**self._envelope(), choices=completion_choices, usage=usage).model_dump(mode="json")
 
     def chunk(self, index: int, text: str, records: Sequence[TokenLogprob] = (), finish_reason: FinishReason | None = None,
               first: bool = False) -> dict[str, object]:
@@ -249,13 +249,13 @@ class ResponseBuilder:
             delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text if text or not finish_reason else None)
             logprobs = self._shaper(index).chat(records) if self.logprobs and records else None
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-            body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude=self._chunk_exclude)  # type: ignore[arg-type]
+            body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude=self._chunk_exclude)
             body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             return body
         shown = (self._echo(index) if first else "") + text
         completion_logprobs = self._shaper(index).completion(records) if self.logprobs and records else None
         choice_c = CompletionChoice(index=index, text=shown, logprobs=completion_logprobs, finish_reason=finish_reason)
-        return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude=self._chunk_exclude)  # type: ignore[arg-type]
+        return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude=self._chunk_exclude)
 
     def text_chunk_sse(self, index: int, text: str, records: Sequence[TokenLogprob] = (), first: bool = False) -> bytes:
         """`sse(chunk(index, text, records, first=first))`, byte for byte. Every chunk after a

@@ -268,7 +268,7 @@ class PrefillServer:
             end = start + self.chunk_pages
             pages = self.pool.export_pages(lease, source[start:end])  # refuses a stale lease (S5)
             payload = pages.reshape(-1).view(torch.uint8).cpu().numpy()
-            yield KVChunk(destination[start:end], memoryview(payload))
+            yield KVChunk(destination[start:end], payload.data)
 
     async def _abort(self, request_id: str, ticket: Ticket | None, cause: str, tell_decode: bool) -> None:
         """Free this side and tell decode (S4); the router tells decode too, so either suffices

@@ -29,7 +29,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
@@ -66,6 +66,7 @@ from kvguard.workers.protocol import (
     Role,
     TicketDelivery,
     TokenEvent,
+    TokenLogprob,
     WorkerInfo,
 )
 from kvguard.workers.seeding import choice_seed
@@ -77,6 +78,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 FORWARDED_FOR_HEADER = "X-Forwarded-For"
 """Set by proxies in front of the router; read only by the fail_proxied_requests fault (never trusted)."""
 T = TypeVar("T")
+RequestKind = TypeVar("RequestKind", CompletionRequest, ChatCompletionRequest)
 # A correlation label is 1..128 visible ASCII characters: it is echoed in a header and logged, so
 # it must not carry control characters, spaces or bytes a log or header parser would misread.
 _LABEL = re.compile(r"[\x21-\x7e]{1,128}")
@@ -490,7 +492,7 @@ class Router:
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
     # -- one request -----------------------------------------------------------------------
-    async def _serve(self, request: web.Request, kind: type[APIRequest], chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
         try:
             upstreams = self.upstreams  # not ready: 503 before anything else
             request_id = self._claim_id(request, chat)
@@ -521,7 +523,7 @@ class Router:
             self.metrics.requests.labels("failed").inc()
             raise OpenAIError(500, "injected fault: fail_proxied_requests", code="engine_error")
 
-    async def _parse(self, request: web.Request, kind: type[APIRequest]) -> APIRequest:
+    async def _parse(self, request: web.Request, kind: type[RequestKind]) -> RequestKind:
         """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter."""
         raw = await self._read_body(request)
         try:
@@ -677,7 +679,7 @@ class Router:
 
     async def _run_choice(self, choice: Choice) -> ChoiceResult:
         pieces: list[str] = []
-        records = []
+        records: list[TokenLogprob] = []
         async with contextlib.aclosing(self._generate(choice.generate)) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
@@ -731,7 +733,7 @@ class Router:
         return response
 
     # -- the two legs ----------------------------------------------------------------------
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
         Whatever way this generator ends early -- an error, a timeout, the client disconnecting
@@ -1006,11 +1008,11 @@ def _first_openai_error(group: BaseExceptionGroup) -> BaseException:
     return group
 
 
-Generate = Callable[[GenerateRequest], AsyncIterator[TokenEvent | FinishEvent]]
+Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
 _DONE = object()
 
 
-async def _merged(choices: Sequence[Choice], generate: Generate) -> AsyncIterator[tuple[int, TokenEvent | FinishEvent]]:
+async def _merged(choices: Sequence[Choice], generate: Generate) -> AsyncGenerator[tuple[int, TokenEvent | FinishEvent], None]:
     """Every choice's events as (index, event), in arrival order; the first error ends all of them.
     Closing this generator cancels every choice, which aborts its legs (S4)."""
     if len(choices) == 1:  # nothing to merge: no task and queue hop per event

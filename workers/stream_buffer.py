@@ -17,7 +17,8 @@ size; when it is full the transport stops reading, so TCP flow control holds pre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 INITIAL_BYTES = 1 << 20
 
@@ -128,7 +129,7 @@ class TransportWriter:
         self.transport.close()
 
 
-Handler = Callable[[BufferedStreamReader, TransportWriter], Awaitable[None]]
+Handler = Callable[[BufferedStreamReader, TransportWriter], Coroutine[Any, Any, None]]
 
 
 class BufferedStreamProtocol(asyncio.BufferedProtocol):
@@ -141,12 +142,14 @@ class BufferedStreamProtocol(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._lost = False
+        self._task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.reader.attach(transport)
         writer = TransportWriter(transport, self)
-        asyncio.get_running_loop().create_task(self._handler(self.reader, writer))
+        # Held here, as asyncio's StreamReaderProtocol holds its handler: the loop keeps only weak references to tasks.
+        self._task = asyncio.get_running_loop().create_task(self._handler(self.reader, writer))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.free_space()

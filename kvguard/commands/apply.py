@@ -50,7 +50,7 @@ def exit_code_table(width: int = 100) -> str:
     return "exit status:\n" + "\n".join(rows)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "apply",
         help="roll an InferenceModel out locally (plan, canary, promote or roll back)",

@@ -21,7 +21,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EVIDENCE_ROWS = 4  # per failing probe in the table; -o json has all of it
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "canary",
         help="prove a deployment's outputs are coherent and isolated",

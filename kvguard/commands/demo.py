@@ -17,7 +17,7 @@ DEMO_SECONDS = 40
 DEFAULT_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="the whole story in about 40 s: blocked plan, canary-gated rollout, caught incident build",
         description=__doc__,

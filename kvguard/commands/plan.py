@@ -57,7 +57,7 @@ class BadInput(Exception):
     """Input `kvguard plan` cannot use; the message names the file, flag or field."""
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="check that every role's KV pool holds minKVRatio x contextLength (exit 0 pass, 3 blocked, 2 bad input)",
@@ -218,9 +218,14 @@ def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, 
     notes.append(f"measuredBytesPerDevice taken as measured over {shards} GPUs (the manifest's split) and scaled to the new one")
 
 
+def _mapping(value: object) -> dict[str, Any]:
+    """A manifest section that should be a mapping, or {} where it is absent or not one."""
+    return value if isinstance(value, dict) else {}
+
+
 def _split_of(spec: dict[str, Any], role: str) -> int:
-    roles = spec.get("roles") if isinstance(spec.get("roles"), dict) else {}
-    shape = roles.get(role) if isinstance(roles.get(role), dict) else {}
+    roles = _mapping(spec.get("roles"))
+    shape = _mapping(roles.get(role))
     tp, pp = shape.get("tensorParallel", 1), shape.get("pipelineParallel", 1)
     return tp * pp if isinstance(tp, int) and isinstance(pp, int) else 0
 
@@ -255,7 +260,7 @@ def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
         raise BadInput(f"--hf-config {path}: {fields}") from exc
     _set_path(spec, ("model", "architecture"), architecture.to_wire())
     quantization = quantization_from_hf_config(config)
-    weights = spec.get("weights") if isinstance(spec.get("weights"), dict) else {}
+    weights = _mapping(spec.get("weights"))
     if quantization and not weights.get("quantization"):
         _set_path(spec, ("weights", "quantization"), quantization)
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("splitter", help="run the local backend's weighted traffic splitter (one stable URL)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--table", type=Path, required=True, metavar="FILE", help="the split table (split.json) to follow")

@@ -30,7 +30,7 @@ class NotFound(Exception):
     pass
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("status", help="show an InferenceModel's rollout as a tree (pods' pools, canary, steps)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("name", help="metadata.name of the InferenceModel")

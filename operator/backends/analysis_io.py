@@ -87,7 +87,7 @@ def scalar_of(answer: object) -> float | None:
 
 async def query_values(base_url: str, queries: Sequence[PrometheusQuery], values: Mapping[str, str]) -> list[tuple[str, float | None, str]]:
     """(name, value, error) of each query against `base_url`/api/v1/query."""
-    found = []
+    found: list[tuple[str, float | None, str]] = []
     async with aiohttp.ClientSession() as session:
         for query in queries:
             url = f"{base_url.rstrip('/')}/api/v1/query"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -180,7 +180,7 @@ async def scrape_workers(endpoints: RevisionEndpoints, timeout: float = SCRAPE_T
     return [worker_report(w.name, w.role, s) for w, s in zip(endpoints.workers, snapshots, strict=True)]
 
 
-SuiteRunner = Callable[..., Awaitable[CanaryReport]]
+SuiteRunner = Callable[..., Coroutine[Any, Any, CanaryReport]]
 
 
 class CanaryRunner:
@@ -192,6 +192,7 @@ class CanaryRunner:
         self._suite = suite
         self._tasks: dict[tuple[str, str], tuple[str, str, asyncio.Task[CanaryReport]]] = {}
         self._results: dict[tuple[str, str], CanaryResult] = {}
+        self._callbacks: set[asyncio.Future[None]] = set()  # on_done calls in flight (the loop holds tasks weakly)
 
     def start(
         self,
@@ -234,7 +235,9 @@ class CanaryRunner:
             log.info("canary of %s/%s revision %s: %s (%s)", *model, run.revision, report.verdict.value, report.reason)
         self._results[model] = result
         if on_done is not None:
-            asyncio.get_running_loop().create_task(on_done())
+            callback = asyncio.ensure_future(on_done())
+            self._callbacks.add(callback)
+            callback.add_done_callback(self._callbacks.discard)
 
     @property
     def suite(self) -> SuiteRunner:

@@ -198,8 +198,8 @@ class KubernetesBackend:
             return await self._resolver(model, revision)
         router = f"http://{object_name(model.name, revision, 'router')}.{model.namespace}.svc:{HTTP_PORT}"
         pods = await self.kube.alist("Pod", model.namespace, {LABEL_MODEL: model.name, LABEL_REVISION: revision})
-        workers = []
-        routers = []
+        workers: list[WorkerEndpoint] = []
+        routers: list[WorkerEndpoint] = []
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             role = labels.get(LABEL_ROLE)

@@ -168,7 +168,7 @@ class LocalState(_StateModel):
     revisions: dict[str, LocalRevision] = Field(default_factory=dict)
     serving: str | None = None
     """The revision user traffic goes to (the model Service's selector on Kubernetes)."""
-    status: dict = Field(default_factory=dict)  # type: ignore[type-arg]
+    status: dict = Field(default_factory=dict)
     """The InferenceModel's status as the driver (`driver.run_pass`) wrote it, as the operator
     writes it on a cluster: stable revision, rollout status, conditions, history."""
     status_version: int = 0
@@ -178,7 +178,7 @@ class LocalState(_StateModel):
     generation: int = 0
     """metadata.generation: bumped when the applied spec differs from the last one, as the API
     server bumps it when a spec changes."""
-    spec: dict = Field(default_factory=dict)  # type: ignore[type-arg]
+    spec: dict = Field(default_factory=dict)
     """The spec last applied (what `generation` counts changes of)."""
     splitter: LocalWorker | None = None
     """The weighted splitter in front of every revision's router: its port is the model's one URL,
@@ -296,7 +296,7 @@ def worker_argvs(
             name = f"{role}-{i}"
             port, metrics_port, transfer_port = ports[name]
             args = WorkerArgs(
-                **common, role=role, port=port, metrics_port=metrics_port,  # type: ignore[arg-type]
+                **common, role=role, port=port, metrics_port=metrics_port,
                 kv_pool_tokens=kv_plan.roles[role].pool_tokens, page_size=spec.page_size,
                 device=spec.hardware.device.value, dtype=dtype,
                 max_transfer_batch=spec.kv_transfer.max_batch, transfer_timeout=spec.kv_transfer.timeout_seconds,

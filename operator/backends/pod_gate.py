@@ -78,7 +78,7 @@ class PodGate:
         self.pods: dict[PodKey, Mapping[str, Any]] = {}
         """Every labelled pod as last seen on the watch (kept while not leading: warm cache)."""
         self.verdicts: dict[PodKey, Verdict] = {}
-        self.queue = WorkQueue()
+        self.queue: WorkQueue[PodKey] = WorkQueue()
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -129,9 +129,9 @@ class PodGate:
         while True:
             key = await self.queue.get()
             try:
-                await self.check(key)  # type: ignore[arg-type]
+                await self.check(key)
             except Exception as exc:  # noqa: BLE001 - a failed check is retried like an unreadable pool
-                log.warning("readiness gate of pod %s/%s failed (%s); retrying", *key, exc)  # type: ignore[str-format]
+                log.warning("readiness gate of pod %s/%s failed (%s); retrying", *key, exc)
                 self.queue.requeue(key, self._retry.delay(3))
             finally:
                 self.queue.done(key)

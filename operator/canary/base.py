@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,12 +28,12 @@ class Outcome:
     evidence: list[Evidence] = field(default_factory=list)
 
 
-def passed(reason: str, evidence: list[Evidence] | None = None) -> Outcome:
-    return Outcome(ProbeStatus.PASS, reason, evidence or [])
+def passed(reason: str, evidence: Sequence[Evidence] = ()) -> Outcome:
+    return Outcome(ProbeStatus.PASS, reason, list(evidence))
 
 
-def failed(reason: str, evidence: list[Evidence] | None = None) -> Outcome:
-    return Outcome(ProbeStatus.FAIL, reason, evidence or [])
+def failed(reason: str, evidence: Sequence[Evidence] = ()) -> Outcome:
+    return Outcome(ProbeStatus.FAIL, reason, list(evidence))
 
 
 def empty_answer(result: Completion) -> str:

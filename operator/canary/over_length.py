@@ -83,7 +83,7 @@ class OverLengthProbe(Probe):
             raise ProbeSkipped("every case was over maxPromptBytes")
         rejected = sum(r.status in LENGTH_REJECTION_STATUSES for r in results)
         if not rejected:
-            raise ProbeSkipped(f"no endpoint tested is served (HTTP {sorted({r.status for r in results})}): set overLength.apis")
+            raise ProbeSkipped(f"no endpoint tested is served (HTTP {sorted({r.status for r in results if r.status is not None})}): set overLength.apis")
         what = "; ".join(case.describe() for case in cases)
         endpoints = f"{'/'.join(ctx.spec.over_length.apis)} x stream={'/'.join(str(x).lower() for x in ctx.spec.over_length.streaming)}"
         source = ctx.info.context_length_source

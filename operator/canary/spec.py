@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -75,6 +75,12 @@ class _SpecModel(BaseModel):
         return numbers_only(cls, value, info)  # `true` or "32" where a number belongs is refused
 
 
+class _ProbeSpec(_SpecModel):
+    """A probe's section: each one can be turned off (each says what it runs in its own description)."""
+
+    enabled: bool = True
+
+
 class GoldenPrompt(_SpecModel):
     prompt: str = Field(min_length=1, description="Prompt text (the user message for chat).")
     expect_substring: str | None = Field(
@@ -125,7 +131,7 @@ class LogprobTolerance(_SpecModel):
     )
 
 
-class GoldenSpec(_SpecModel):
+class GoldenSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the golden-output probe.")
     prompts: list[GoldenPrompt] = Field(
         default_factory=_default_golden_prompts,
@@ -150,7 +156,7 @@ class GoldenSpec(_SpecModel):
     )
 
 
-class DeterminismSpec(_SpecModel):
+class DeterminismSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the determinism probe.")
     prompt: str = Field(
         "Once upon a time, in a small village by the sea,",
@@ -163,7 +169,7 @@ class DeterminismSpec(_SpecModel):
     )
 
 
-class IsolationSpec(_SpecModel):
+class IsolationSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the isolation probe.")
     probe_prompt: str = Field(
         "Tell me about the weather today.",
@@ -191,7 +197,7 @@ class IsolationSpec(_SpecModel):
     tenant_prompt_words: int = Field(64, ge=1, description="Filler words in each tenant's prompt.")
 
 
-class OverLengthSpec(_SpecModel):
+class OverLengthSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the over-length probe.")
     context_factor: float = Field(
         1.25,
@@ -206,7 +212,7 @@ class OverLengthSpec(_SpecModel):
         True, description="Also send a short prompt with max_tokens above the context length."
     )
     apis: list[ApiKind] = Field(
-        default_factory=lambda: ["completions", "chat"],
+        default_factory=lambda: list(get_args(ApiKind)),
         min_length=1,
         description="Endpoints to test (/v1/completions, /v1/chat/completions).",
     )
@@ -220,7 +226,7 @@ class OverLengthSpec(_SpecModel):
     )
 
 
-class AbortSpec(_SpecModel):
+class AbortSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the abort probe.")
     stream_disconnect_after_tokens: list[int] = Field(
         default_factory=lambda: [4],
@@ -269,7 +275,7 @@ class AbortSpec(_SpecModel):
         return value
 
 
-class CapacitySpec(_SpecModel):
+class CapacitySpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the capacity probe (needs metrics).")
     min_ratio: float = Field(
         2.0, gt=0.0, description="Every worker's reported KV pool must be >= this x context length (S7)."
@@ -298,7 +304,7 @@ DEFAULT_ABORT_TOLERANT_COUNTERS: tuple[str, ...] = (
 )
 
 
-class SafetyCountersSpec(_SpecModel):
+class SafetyCountersSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the safety-counter probe (needs metrics).")
     counters: list[str] = Field(
         default_factory=lambda: list(DEFAULT_SAFETY_COUNTERS),
@@ -398,7 +404,7 @@ class CanarySpec(_SpecModel):
         return self
 
     def probe_enabled(self, name: ProbeName) -> bool:
-        section: _SpecModel = getattr(self, name.value)
+        section: _ProbeSpec = getattr(self, name.value)
         return bool(section.enabled)
 
     def enabled_probes(self) -> list[ProbeName]:

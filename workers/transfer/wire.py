@@ -464,7 +464,7 @@ class Cursor:
         return out
 
     def unpack(self, st: struct.Struct) -> int:
-        return st.unpack(self.take(st.size))[0]  # type: ignore[no-any-return]
+        return st.unpack(self.take(st.size))[0]
 
     def utf8(self, n: int) -> str:
         try:
