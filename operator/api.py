@@ -335,13 +335,24 @@ class ModelArchitecture(ApiModel):
         return self.hidden_size // self.num_attention_heads if self.hidden_size else None
 
 
+# A path inside the model volume: no `..` segment (RE2 and ECMA both lack lookahead, so the segment
+# forms are spelled out: not starting with a dot, a dot and one more, or `..` and more).
+_PATH_SEGMENT = r"(?:[^./\n][^/\n]*|\.[^./\n][^/\n]*|\.\.[^/\n]+)"
+_VOLUME_PATH = rf"^/?$|^/?[^./\n][^/\n]*(?:/{_PATH_SEGMENT})*/?$"
+# Both go onto the engine's command line as values (`--model-path ID --revision REV`): neither may
+# start with `-`, or it would be read as a flag (`huggingFace: --num-gpu-blocks-override=9`).
+_HF_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
+_REVISION = r"^$|^[^\s-][^\n]*$"
+
+
 class PVCSource(ApiModel):
     """Weights on a PersistentVolumeClaim in the model's namespace, mounted read-only."""
 
     claim_name: str = Field(min_length=1, max_length=253)
     """Name of the PersistentVolumeClaim."""
-    path: str = Field(default="", max_length=4096, pattern=r"^[^.][^\n]*$|^$")
-    """Directory of the model inside the volume (config.json, tokenizer, safetensors)."""
+    path: str = Field(default="", max_length=4096, pattern=_VOLUME_PATH)
+    """Directory of the model inside the volume (config.json, tokenizer, safetensors); no `..`
+    segment (it would leave the volume's mount)."""
 
 
 class ModelSource(ApiModel):
@@ -356,12 +367,12 @@ class ModelSource(ApiModel):
         }
     )
 
-    hugging_face: str | None = Field(default=None, min_length=1, max_length=256)
+    hugging_face: str | None = Field(default=None, min_length=1, max_length=256, pattern=_HF_REPO_ID)
     """Hugging Face repository id, e.g. meta-llama/Llama-3.1-8B-Instruct (sglang and vllm only:
     the kvguard engine loads from a directory)."""
     pvc: PVCSource | None = None
     """A directory on a PersistentVolumeClaim."""
-    revision: str | None = Field(default=None, max_length=256)
+    revision: str | None = Field(default=None, max_length=256, pattern=_REVISION)
     """Weights revision: a Hugging Face commit or tag, or any label naming the volume's contents.
     A new value makes a new rollout revision."""
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvguard.operator import estimates
+from kvguard.operator import engine_flags, estimates
 from kvguard.operator.api import (
     DeviceKind,
     EngineKind,
@@ -141,33 +141,15 @@ def _spec_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
         yield from _role_problems(f"spec.roles.{name}", role, arch)
 
 
-# engine.extraArgs that would change the pool behind the plan's back: the renderer writes each one
-# from the spec field named here, and a second copy later on the command line wins over it.
-_OVERRIDING_FLAGS: dict[EngineKind, dict[str, str]] = {
-    EngineKind.SGLANG: {
-        "--mem-fraction-static": "spec.memoryFraction", "--max-total-tokens": "spec.kvPoolTokens",
-        "--kv-cache-dtype": "spec.kvCacheDtype", "--page-size": "spec.pageSize", "--context-length": "spec.contextLength",
-        "--tp-size": "spec.roles.*.tensorParallel", "--tp": "spec.roles.*.tensorParallel",
-        "--pp-size": "spec.roles.*.pipelineParallel", "--dp-size": "spec.roles.*.dataParallel",
-    },
-    EngineKind.VLLM: {
-        "--gpu-memory-utilization": "spec.memoryFraction", "--kv-cache-dtype": "spec.kvCacheDtype",
-        "--block-size": "spec.pageSize", "--max-model-len": "spec.contextLength",
-        "--tensor-parallel-size": "spec.roles.*.tensorParallel", "-tp": "spec.roles.*.tensorParallel",
-        "--pipeline-parallel-size": "spec.roles.*.pipelineParallel", "-pp": "spec.roles.*.pipelineParallel",
-        "--kv-cache-memory-bytes": "spec.kvPoolTokens", "--num-gpu-blocks-override": "spec.kvPoolTokens",
-    },
-    EngineKind.KVGUARD: {
-        "--kv-pool-tokens": "spec.kvPoolTokens", "--page-size": "spec.pageSize", "--context-length": "spec.contextLength",
-    },
-}  # fmt: skip
-
-
 def _engine_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
     path = "spec.engine.extraArgs"
-    for flag, field in _OVERRIDING_FLAGS[spec.engine.kind].items():
-        if estimates.has_engine_flag(spec, flag):
-            yield path, f"{flag} overrides {field}, which the plan and the rendered command already use: set {field}"
+    # S7: a flag the renderer writes from the spec, written again by hand, wins over it (engine_flags.py).
+    owned = engine_flags.OWNED[spec.engine.kind]
+    sources = [(path, "*", spec.engine.extra_args)]
+    sources += [(f"spec.roles.{name}.extraArgs", name, role.extra_args or []) for name, role in spec.roles.worker_roles().items()]
+    for where, role_name, args in sources:
+        for token, flag, owner in engine_flags.overrides(args, owned):
+            yield where, engine_flags.override_message(token, flag, owner.replace("spec.roles.*", f"spec.roles.{role_name}"))
     if spec.engine.kind is not EngineKind.VLLM:
         return
     for flag in ("--max-num-seqs", "--max-num-batched-tokens"):

@@ -15,6 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Every role (router included) reads the revision key from the environment variable "
         "KVGUARD_TRANSFER_KEY (hex or text, 16+ bytes; mounted from a Secret in Kubernetes): it authenticates "
         "internal calls, transfer tickets and KV frames (docs/threat-model.md). Test-only faults: KVGUARD_FAULTS.",
+        # `--kv-pool 5` must not quietly mean --kv-pool-tokens: a worker's command line says exactly what it runs.
+        allow_abbrev=False,
     )
     add_arguments(parser)
     parser.set_defaults(func=run)

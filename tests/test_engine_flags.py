@@ -1,0 +1,123 @@
+"""S7 at admission: extraArgs cannot re-set what the spec already sets on the engine's command line
+(context length, pool, memory fraction, page size, parallelism, KV dtype, model, wiring). A later
+copy of a flag wins in argparse, so the engine would run a configuration the planner never saw.
+
+The cases are an outside probe's: per-role extraArgs were not checked at all, and abbreviations
+(`--context-len`), aliases (`--tensor-parallel-size`), vLLM's underscores and most `kvguard worker`
+flags went through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvguard.operator import engine_flags
+from kvguard.operator.api import EngineKind, InferenceModelSpec
+from kvguard.operator.planner import plan
+from kvguard.operator.render import ADAPTERS, Owner, RoleContext
+from kvguard.operator.webhook import INVALID, AdmissionDenied, check_admission
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec_data(kind: str) -> dict[str, Any]:
+    if kind == "kvguard":
+        data = yaml.safe_load((ROOT / "examples/tiny-cpu.yaml").read_text())["spec"]
+        data["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
+        return data
+    data = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]
+    data["engine"] = {"kind": kind, "image": f"{kind}:1", "version": "0.5.23" if kind == "sglang" else "0.33.0"}
+    data["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
+    return data
+
+
+def admit(spec: dict[str, Any]) -> None:
+    body = {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m", "namespace": "ns", "uid": "u"}, "spec": spec}
+    check_admission(body, None, "CREATE", [])
+
+
+def with_args(kind: str, where: str, args: list[str]) -> dict[str, Any]:
+    data = spec_data(kind)
+    if where == "engine":
+        data["engine"]["extraArgs"] = args
+    else:
+        data.setdefault("roles", {}).setdefault(where, {})["extraArgs"] = args
+    return data
+
+
+REFUSED = [
+    # (engine, where, args, field named in the message)
+    ("sglang", "decode", ["--context-length", "999999"], "spec.contextLength"),  # per-role: never checked before
+    ("sglang", "decode", ["--mem-fraction-static", "0.99"], "spec.memoryFraction"),
+    ("vllm", "prefill", ["--max-model-len", "999999"], "spec.contextLength"),
+    ("vllm", "decode", ["--gpu-memory-utilization=0.99"], "spec.memoryFraction"),
+    ("sglang", "engine", ["--context-len", "999999"], "spec.contextLength"),  # argparse abbreviations
+    ("sglang", "engine", ["--mem-fraction", "0.99"], "spec.memoryFraction"),
+    ("vllm", "engine", ["--max-model", "999999"], "spec.contextLength"),
+    ("vllm", "engine", ["--kv-cache-memory", "80G"], "spec.kvPoolTokens"),
+    ("vllm", "engine", ["--max_model_len=999999"], "spec.contextLength"),  # vLLM reads _ as -
+    ("sglang", "engine", ["--tensor-parallel-size", "2"], "spec.roles.*.tensorParallel"),  # an alias
+    ("sglang", "decode", ["--tp", "2"], "spec.roles.decode.tensorParallel"),
+    ("vllm", "engine", ["-tp=2"], "spec.roles.*.tensorParallel"),
+    ("vllm", "engine", ["--model", "other/model"], "spec.model.source"),
+    ("sglang", "prefill", ["--disaggregation-mode", "decode"], "the operator"),
+    ("vllm", "engine", ["--kv-transfer-config", "{}"], "spec.kvTransfer"),
+    ("kvguard", "engine", ["--kv-pool", "5"], "spec.kvPoolTokens"),
+    ("kvguard", "engine", ["--kv-memory-fraction", "0.99"], "spec.memoryFraction"),
+    ("kvguard", "engine", ["--min-kv-ratio", "0.01"], "minKVRatio"),
+    ("kvguard", "engine", ["--transfer-encryption", "none"], "spec.kvTransfer.encryption"),
+    ("kvguard", "engine", ["--role", "router"], "the operator"),
+    ("kvguard", "engine", ["--device=cuda"], "spec.hardware.device"),
+]
+
+
+@pytest.mark.parametrize("kind, where, args, field", REFUSED, ids=[f"{k}-{w}-{a[0]}" for k, w, a, _ in REFUSED])
+def test_an_extra_arg_naming_a_flag_the_spec_sets_is_refused_by_field(kind: str, where: str, args: list[str], field: str) -> None:
+    with pytest.raises(AdmissionDenied) as denied:
+        admit(with_args(kind, where, args))
+    path = "spec.engine.extraArgs" if where == "engine" else f"spec.roles.{where}.extraArgs"
+    assert denied.value.code == INVALID
+    assert f"{path}: {args[0]}" in str(denied.value) and field in str(denied.value), str(denied.value)
+
+
+ALLOWED = [
+    ("sglang", "engine", ["--schedule-policy=lpm", "--chunked-prefill-size", "-1"]),  # -1: a value, not a flag
+    ("sglang", "engine", ["--disaggregation-enable-kv-checksum"]),  # adds a safety check: policy's business
+    ("sglang", "decode", ["--enable-metrics"]),
+    ("vllm", "engine", ["--max-num-seqs", "64", "--enforce-eager"]),
+    ("kvguard", "engine", ["--max-running-requests", "4", "--header-timeout=3"]),
+]
+
+
+@pytest.mark.parametrize("kind, where, args", ALLOWED, ids=[f"{k}-{w}-{a[0]}" for k, w, a in ALLOWED])
+def test_tuning_flags_the_spec_does_not_set_are_admitted(kind: str, where: str, args: list[str]) -> None:
+    data = with_args(kind, where, args)
+    if where != "engine" and kind != "kvguard":  # the same on both sides: P/D parity
+        data["roles"]["prefill" if where == "decode" else "decode"] = dict(data["roles"][where])
+    admit(data)
+
+
+SAFETY_FLAGS = {"--disaggregation-enable-kv-checksum", "--kv-canary", "--kv-canary-real-data", "--kv-canary-sweep-interval",
+                "--enable-metrics"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm", "kvguard"])
+def test_every_flag_the_renderer_writes_on_a_worker_is_owned(kind: str) -> None:
+    """The owned lists cannot fall behind the adapters: each flag of a worker's rendered command
+    (with every optional part on) is owned, or an additive safety flag."""
+    data = spec_data(kind)
+    data["engine"]["streamInterval"] = 4
+    if kind == "sglang":
+        data["engine"]["kvCanary"] = {"mode": "log"}
+        data["kvTransfer"] = {**data.get("kvTransfer", {}), "checksum": True}
+    spec = InferenceModelSpec.model_validate(data)
+    kv_plan = plan(spec)
+    owned = engine_flags.OWNED[EngineKind(kind)]
+    for role in ("prefill", "decode"):
+        command = ADAPTERS[spec.engine.kind].command(RoleContext(spec, kv_plan, Owner("m", "ns", "u"), "r1", role))
+        engine_args = command[3:] if command[:2] == ["python3", "-m"] else command  # not the interpreter's -m
+        flags = {name for token in engine_args if (name := engine_flags.flag_name(token)) is not None}
+        assert flags - owned.keys() - SAFETY_FLAGS == set(), (role, command)
