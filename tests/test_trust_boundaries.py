@@ -333,12 +333,22 @@ def test_a_second_call_waits_for_the_job_it_names_until_its_deadline() -> None:
 def test_the_early_budget_leaves_one_full_context_to_requests_with_a_ticket_s4() -> None:
     """Prefill computes ahead of a ticket only within its budget (the pool less one context):
     without it the pools deadlock (formal/README.md, mutant unbounded_early)."""
-    budget = EarlyBudget(limit_pages=4)  # e.g. 8 pages, a context of 4
+    budget = EarlyBudget(limit_pages=4, limit_requests=10)  # e.g. 8 pages, a context of 4
     assert budget.take(3) and not budget.take(2) and budget.take(1)
     assert not budget.take(1)  # full: the next request waits for its ticket first
     budget.give(3)
     assert budget.take(2) and budget.held_pages == 3
-    assert not EarlyBudget(limit_pages=0).take(1)  # a pool of one context: the old protocol
+    assert not EarlyBudget(limit_pages=0, limit_requests=10).take(1)  # a pool of one context: the old protocol
+
+
+def test_the_early_budget_leaves_one_running_slot_to_requests_with_a_ticket_s4() -> None:
+    """The same for the engine's max_running slots: one-page requests without tickets must not take
+    every slot (a burst deadlocked prefill's 64 slots against decode's 64, well within the pages)."""
+    budget = EarlyBudget(limit_pages=100, limit_requests=2)  # max_running 3
+    assert budget.take(1) and budget.take(1) and not budget.take(1)
+    budget.give(1)
+    assert budget.take(1) and (budget.held_pages, budget.held_requests) == (2, 2)
+    assert not EarlyBudget(limit_pages=100, limit_requests=0).take(1)  # max_running 1: no computing ahead
 
 
 def test_a_request_takes_one_ticket() -> None:

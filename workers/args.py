@@ -158,7 +158,12 @@ class WorkerArgs(BaseModel):
         "router", "seconds a request may wait for its next token (its first: queueing, prefill and transfer "
         "included) before it ends with 504; a generation that keeps producing tokens runs to its end"))
     body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))
+    write_timeout: float = Field(30.0, gt=0, le=86400, json_schema_extra=_flag(
+        "router", "seconds a client may read none of its answer before its connection is closed (its generation aborted)"))
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
+    max_inflight_choices: int = Field(512, ge=1, le=100_000, json_schema_extra=_flag(
+        "router", "generations with calls open to workers at once; more wait in the router, holding no KV, "
+                  "within --request-timeout (504)"))  # fmt: skip
     min_kv_ratio: float | None = Field(
         None, ge=1.0, allow_inf_nan=False,
         json_schema_extra=_flag("router", "S7 per worker: keep a worker whose reported KV pool is below this x its context out "

@@ -75,8 +75,11 @@ class LocalServeConfig:
     transfer_timeout_s: float = 5.0
     transfer_encryption: TransferEncryption = "none"
     stream_interval: int = 1  # decode: tokens per streamed event after the first
+    max_running_requests: int = 64  # prefill and decode: requests holding pages at once
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: how long a request may wait for its ticket
     request_timeout_s: float = 120.0  # router: how long a request may wait for its next token (504)
+    max_inflight_choices: int = 512  # router: generations with worker calls open at once (more wait in the router)
+    write_timeout_s: float = 30.0  # router: a client that reads none of its answer this long loses the connection
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
@@ -199,12 +202,14 @@ class LocalDeployment:
             "device": c.device, "page_size": c.page_size, "kv_pool_tokens": c.kv_pool_tokens,
             "context_length": c.context_length, "max_transfer_batch": c.max_transfer_batch,
             "transfer_timeout": c.transfer_timeout_s, "transfer_encryption": c.transfer_encryption,
+            "max_running_requests": c.max_running_requests,
         }  # fmt: skip
         common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST}
         if role == "router":
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
                               prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],),
-                              request_timeout=c.request_timeout_s)  # fmt: skip
+                              request_timeout=c.request_timeout_s, max_inflight_choices=c.max_inflight_choices,
+                              write_timeout=c.write_timeout_s)  # fmt: skip
         elif role == "prefill":
             args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"),
                               bootstrap_timeout=c.bootstrap_timeout_s)  # fmt: skip

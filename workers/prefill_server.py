@@ -63,21 +63,31 @@ PLACEHOLDER_TOKEN = 0
 
 @dataclass
 class EarlyBudget:
-    """Pages that requests still without a ticket may hold on this worker. The rest of the pool
-    (at least one full context) is always left to requests that have one, and those always make
-    progress -- decode holds their pages -- so neither pool can end up waiting on the other."""
+    """Pages, and running slots, that requests still without a ticket may hold on this worker. The
+    rest (at least one full context of pages, and one of the engine's max_running slots) is always
+    left to requests that have one, and those always make progress -- decode holds their pages --
+    so neither side can end up waiting on the other.
+
+    Both bounds are needed: a burst of 1,000 one-page requests filled all 64 running slots of
+    prefill with requests decode had not admitted, while decode's 64 held pages for requests
+    prefill could no longer admit, well within the page bound: every request then waited until
+    its timeout."""
 
     limit_pages: int
+    limit_requests: int
     held_pages: int = 0
+    held_requests: int = 0
 
     def take(self, pages: int) -> bool:
-        if self.held_pages + pages > self.limit_pages:
+        if self.held_pages + pages > self.limit_pages or self.held_requests + 1 > self.limit_requests:
             return False
         self.held_pages += pages
+        self.held_requests += 1
         return True
 
     def give(self, pages: int) -> None:
         self.held_pages -= pages
+        self.held_requests -= 1
 
 
 @dataclass(eq=False)
@@ -128,7 +138,9 @@ class PrefillServer:
             log.warning("one KV page is %d bytes, more than --max-transfer-batch %d: at most one page is in flight "
                         "per prefill->decode pair (S6 in effect bounds bytes in flight by one page)",
                         self.pool.page_nbytes, transfer.max_transfer_batch)  # fmt: skip
-        self.early = EarlyBudget(max(0, self.pool.num_pages - self.pool.pages_for(runtime.engine.engine.context_length)))
+        engine = runtime.engine.engine
+        self.early = EarlyBudget(limit_pages=max(0, self.pool.num_pages - self.pool.pages_for(engine.context_length)),
+                                 limit_requests=engine.config.max_running_requests - 1)  # fmt: skip
 
     async def close(self) -> None:
         await self.sender.close()

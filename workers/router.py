@@ -83,7 +83,14 @@ RequestKind = TypeVar("RequestKind", CompletionRequest, ChatCompletionRequest)
 # it must not carry control characters, spaces or bytes a log or header parser would misread.
 _LABEL = re.compile(r"[\x21-\x7e]{1,128}")
 _LABEL_KEY = "kvguard.correlation_label"
-UPSTREAM_CONNECTIONS = 2048  # to all workers together: keep-alive connections, reused across requests
+# A generation in flight holds up to 5 connections to workers at once: decode's stream, prefill's
+# call and its ticket delivery, and while ending, the two aborts. The pool is sized so that no call
+# ever waits in aiohttp's queue: a queued prefill call let decode's stall timer fire on pages it had
+# already allocated, and a queued call went out with a signature older than the workers accept (S9),
+# so a burst of 1,000 requests failed a third of them. Generations beyond max_inflight_choices wait
+# in the router instead, before any KV is allocated.
+CONNECTIONS_PER_CHOICE = 5
+SPARE_CONNECTIONS = 64  # discovery, the limits refresher
 CHAT_MESSAGE_RENDER_BYTES = 64  # the template work one message costs, counted when choosing to render off the loop
 
 
@@ -138,7 +145,9 @@ class RouterConfig:
     abort_timeout_s: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413
     body_timeout_s: float = 30.0  # a body that takes longer to arrive: 408 (slow-body clients)
+    write_timeout_s: float = 30.0  # a client that reads none of its answer for this long loses the connection
     max_choices: int = 16  # n x prompts per request
+    max_inflight_choices: int = 512  # generations with worker calls open; more wait here (within request_timeout_s)
     tokenizer_threads: int = 2
     inline_bytes: int = 4096  # smaller prompts/bodies are tokenized/parsed on the loop (a thread hop costs more)
     propagate_aborts: bool = True  # False only under the no_abort_propagation fault
@@ -169,6 +178,11 @@ class RouterMetrics:
         )
         self.aborts = Counter(
             "kvguard_aborts_total", "Requests aborted, by cause", ["cause"], registry=self.registry
+        )
+        self.waiting_choices = Gauge(
+            "kvguard_router_waiting_choices",
+            "Generations waiting for one of the router's max_inflight_choices slots (nothing allocated on workers yet)",
+            registry=self.registry,
         )
         # What a progressive rollout's analysis compares between the candidate's and the stable's
         # routers (operator/analysis.py): measured per generation (one per choice), as a client sees it.
@@ -343,6 +357,7 @@ class Router:
         self._discovery: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._aborts_in_flight: set[asyncio.Task[None]] = set()
+        self._inflight = asyncio.Semaphore(config.max_inflight_choices)
         """Aborts still being sent (shielded from their handler's cancellation): on shutdown they
         go out before the session closes, so the workers learn each request's cause."""
         self.session: aiohttp.ClientSession | None = None
@@ -382,9 +397,8 @@ class Router:
         return app
 
     async def _start(self, _: web.Application) -> None:
-        # Every choice in flight holds two connections (decode's stream, prefill's call): aiohttp's
-        # default cap of 100 would queue the 51st concurrent request behind the others.
-        connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS)
+        # Never the bottleneck (CONNECTIONS_PER_CHOICE): aiohttp's default cap of 100 queued the 21st generation.
+        connector = aiohttp.TCPConnector(limit=CONNECTIONS_PER_CHOICE * self.config.max_inflight_choices + SPARE_CONNECTIONS)
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         self._discovery = asyncio.create_task(self._discover())
 
@@ -511,9 +525,34 @@ class Router:
             prompt_tokens = sum(len(p.ids) for p in prompts)
             if body.streaming:
                 return await self._stream(request, choices, builder, body, prompt_tokens)
-            return await self._whole(choices, builder, prompt_tokens)
+            return await self._send(request, await self._whole(choices, builder, prompt_tokens))
         except OpenAIError as err:
             return self._error_response(err)
+        except _ClientStalled:
+            log.info("request %s: the client read nothing for %gs; its connection is closed", request_id, self.config.write_timeout_s)
+            raise
+
+    async def _send(self, request: web.Request, response: web.Response) -> web.Response:
+        """A whole answer, sent within write_timeout_s (`_write`'s bound for a body as a whole)."""
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            _drop_connection(request)
+            raise _ClientStalled from None
+        return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """One write of a stream. A client that reads nothing for write_timeout_s loses the
+        connection: it would otherwise hold it, and the output buffered for it, for ever (a full
+        receive window blocks the write; nothing else times out)."""
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await response.write(data)
+        except TimeoutError:
+            _drop_connection(request)
+            raise _ClientStalled from None
 
     def _fail_if_injected(self, request: web.Request) -> None:
         """The fail_proxied_requests fault (test only): a revision that fails live traffic -- what
@@ -710,17 +749,18 @@ class Router:
                     is_first = index not in started
                     started.add(index)
                     if isinstance(event, TokenEvent):
-                        await response.write(builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first))
+                        chunk = builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first)
                     else:
                         completion_tokens += event.completion_tokens
-                        await response.write(sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first)))
+                        chunk = sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first))
+                    await self._write(request, response, chunk)
                     item = await anext(events, None)
                 if body.include_usage:
-                    await response.write(sse(builder.usage_chunk(prompt_tokens, completion_tokens)))
-                await response.write(SSE_DONE)
+                    await self._write(request, response, sse(builder.usage_chunk(prompt_tokens, completion_tokens)))
+                await self._write(request, response, SSE_DONE)
             except OpenAIError as err:
                 # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
-                await response.write(sse(err.body()))
+                await self._write(request, response, sse(err.body()))
         await response.write_eof()
         return response
 
@@ -734,6 +774,25 @@ class Router:
 
     # -- the two legs ----------------------------------------------------------------------
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        """`_legs` once one of max_inflight_choices slots is free: a burst waits here, holding nothing
+        on the workers, rather than in the connection pool with decode's pages allocated."""
+        self.metrics.waiting_choices.inc()
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                await self._inflight.acquire()
+        except TimeoutError:
+            self.metrics.requests.labels("failed").inc()
+            raise OpenAIError(504, "the request timed out waiting for the router's capacity", code="timeout") from None
+        finally:
+            self.metrics.waiting_choices.dec()
+        try:
+            async with contextlib.aclosing(self._legs(request)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._inflight.release()
+
+    async def _legs(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
         Whatever way this generator ends early -- an error, a timeout, the client disconnecting
@@ -956,13 +1015,29 @@ def _worker_failure(exc: aiohttp.ClientError) -> str:
     return "a worker failed; try again"
 
 
+class _ClientStalled(Exception):
+    """The client read none of its answer for write_timeout_s; its connection is gone."""
+
+
+def _drop_connection(request: web.Request) -> None:
+    # abort, not close: close would wait to flush what the client is not reading. With
+    # handler_cancellation (servers.app_runner) the handler is then cancelled; its legs are aborted (S4).
+    if request.transport is not None:
+        request.transport.abort()
+
+
 async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
     """A worker's error answer as the client's error: workers speak the same OpenAI error shape."""
     try:
         error = (await resp.json())["error"]
-        return OpenAIError(resp.status, error["message"], code=error.get("code"), param=error.get("param"))
     except (aiohttp.ContentTypeError, json.JSONDecodeError, KeyError, TypeError):
         return OpenAIError(502, f"a worker answered HTTP {resp.status}", code="worker_failed")
+    if resp.status in (401, 403):
+        # The worker refused the router's own signed call (S9: a stale or bad X-Kvguard-Auth): the
+        # router's failure, not the client's credentials. The log has the worker's words.
+        log.warning("a worker refused the router's call to %s: %s", resp.url.path, error.get("message"))
+        return OpenAIError(502, "a worker refused the router's internal call", code="worker_failed")
+    return OpenAIError(resp.status, error["message"], code=error.get("code"), param=error.get("param"))
 
 
 async def _prefill_error_first(task: asyncio.Task[None], wait: bool) -> OpenAIError | None:
@@ -1021,7 +1096,9 @@ async def _merged(choices: Sequence[Choice], generate: Generate) -> AsyncGenerat
             async for event in events:
                 yield only.index, event
         return
-    queue: asyncio.Queue[object] = asyncio.Queue()
+    # Bounded: a client that reads slowly holds back decode's streams (as with one choice), rather
+    # than every choice's whole output piling up here.
+    queue: asyncio.Queue[object] = asyncio.Queue(maxsize=4 * len(choices))
 
     async def pump(choice: Choice) -> None:
         try:

@@ -43,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
     parser.add_argument("--request-timeout", type=float, default=120.0,
                         help="seconds a request may wait for its next token, the first included (504); default 120")
+    parser.add_argument("--max-inflight-choices", type=_positive, default=512,
+                        help="generations the router runs at once (n counts each); more wait in the router, "
+                        "holding no KV, within --request-timeout; default 512")
     parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
                         help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
     parser.add_argument("--stream-interval", type=_stream_interval, default=1,
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
                 transfer_encryption=args.transfer_encryption,
                 stream_interval=args.stream_interval,
                 request_timeout_s=args.request_timeout,
+                max_inflight_choices=args.max_inflight_choices,
             )
         )
     except SmallPoolError as exc:

@@ -1,0 +1,120 @@
+"""The router's own bounds under a burst and against a client that stops reading (S4, S9), on a real
+router + prefill + decode trio. From an outside probe: 1,000 concurrent requests failed a third of
+themselves (legs queued in the connection pool while decode's pages waited: a transfer stall; calls
+signed long before they went out: refused as stale and shown to the tenant as a 401), and a client
+that never read its stream kept its connection, and everything generated for it, for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures as cf
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+import requests
+from pd_harness import deployment, metric, served_model, wait_pools_empty
+from waiting import wait_for
+
+from kvguard.workers.launcher import LocalDeployment
+
+WRITE_TIMEOUT_S = 3.0
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def narrow(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    """Four generations at a time, and a short write timeout (the defaults are 512 and 30 s)."""
+    with deployment(tiny_model_dir, max_inflight_choices=SLOTS, write_timeout_s=WRITE_TIMEOUT_S) as running:
+        yield running
+
+
+def completion(d: LocalDeployment, prompt: str, **extra: object) -> requests.Response:
+    body = {"model": served_model(d), "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+    return requests.post(f"{d.api_base}/completions", json=body, timeout=60)
+
+
+def test_a_burst_beyond_the_slots_waits_in_the_router_and_every_request_is_served(narrow: LocalDeployment) -> None:
+    """24 requests of 2 choices against 4 slots: each generation waits its turn holding nothing on
+    the workers; all 24 answer 200 with their 2 choices (before, a burst past the connection pool
+    ended in 502s and 401s)."""
+    with cf.ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(lambda i: completion(narrow, f"burst {i}", n=2), range(24)))
+    assert [a.status_code for a in answers] == [200] * 24, [a.text for a in answers if a.status_code != 200][:2]
+    assert all(len(a.json()["choices"]) == 2 for a in answers)
+    assert metric(narrow, "router", "kvguard_router_waiting_choices") == 0
+    wait_pools_empty(narrow)
+
+
+def stalled_stream(d: LocalDeployment) -> socket.socket:
+    """A streaming request from a socket that reads nothing: a tiny receive window, so that the
+    router's writes block once the kernel's and aiohttp's buffers are full."""
+    url = urlsplit(d.router_url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((url.hostname, url.port))
+    # 20 alternatives per token, 4 choices: ~5 MB in all, more than the kernel's send buffer (up to 4 MB
+    # by default) and aiohttp's hold
+    body = json.dumps({"model": served_model(d), "messages": [{"role": "user", "content": "never read"}], "max_tokens": 900,
+                       "temperature": 0, "logprobs": True, "top_logprobs": 20, "n": SLOTS, "stream": True}).encode()  # fmt: skip
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    assert sock.recv(1, socket.MSG_PEEK) == b"H"  # the answer has begun: its choices hold the slots
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    received = b""
+    sock.settimeout(30)
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except ConnectionResetError:
+        pass  # the router aborts the connection: a reset once the buffered bytes are read
+    return received
+
+
+def test_a_client_that_reads_nothing_loses_its_connection_and_its_slots(narrow: LocalDeployment) -> None:
+    stalled = stalled_stream(narrow)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(completion, narrow, "the next tenant")
+            # Every slot is the stalled stream's: the next request waits in the router...
+            wait_for(lambda: metric(narrow, "router", "kvguard_router_waiting_choices") == 1, "the next request to wait for the slot")
+            # ...until the stalled client's write has waited WRITE_TIMEOUT_S: its connection is dropped, its generation aborted.
+            answer = waiting.result(timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert metric(narrow, "router", "kvguard_aborts_total", cause="client_disconnect") >= 1
+        received = read_all(stalled)
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received  # cut off, not finished
+    finally:
+        stalled.close()
+    wait_pools_empty(narrow)
+
+
+def test_a_burst_past_both_workers_running_slots_is_served_s4(tiny_model_dir: Path) -> None:
+    """Prefill computes ahead of a request's ticket only in slots it leaves free for requests that
+    have one (EarlyBudget). Without the slot bound, a burst on fresh connections (which reach prefill
+    and decode in different orders) deadlocked: prefill's slots held requests decode had not admitted,
+    decode's held requests prefill could not admit, and most requests waited for their timeout (1,000
+    requests at 8 slots: 800 of them, 3 runs in 3, before the fix)."""
+    with deployment(tiny_model_dir, max_running_requests=8, request_timeout_s=60.0) as small:
+        model = served_model(small)
+
+        async def burst() -> list[int]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                async def one(i: int) -> int:
+                    body = {"model": model, "prompt": f"slot {i}", "max_tokens": 1}
+                    async with session.post(f"{small.api_base}/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+                        return r.status
+
+                return await asyncio.gather(*(one(i) for i in range(1000)))
+
+        statuses = asyncio.run(burst())
+        assert collections.Counter(statuses) == {200: 1000}
+        wait_pools_empty(small)
