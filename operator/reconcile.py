@@ -67,6 +67,7 @@ from kvguard.operator.rollout import (
     SetCondition,
     WorkerReport,
     World,
+    NEVER_SERVED,
     previous_stables,
     step,
 )
@@ -492,7 +493,7 @@ def _record_candidate(run: _Run, revision: str, fresh: bool) -> None:
     replaced = head is not None and head.state == "Candidate" and head.revision != revision
     if replaced:
         assert head is not None
-        run.record(head.revision, "Superseded", f"replaced by {revision} before it served")
+        run.record(head.revision, "Superseded", f"replaced by {revision} {NEVER_SERVED}")
     if fresh or replaced:
         run.record(revision, "Candidate", None, run.status.kv_ratio)
 

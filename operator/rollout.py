@@ -1086,12 +1086,20 @@ def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
 # --- helpers for drivers --------------------------------------------------------------------------
 
 
+NEVER_SERVED = "before it served"
+"""The end of a Superseded record's message when the revision was a candidate replaced mid-canary
+(reconcile._record_candidate): it never served, so it is no rollback target and nothing of it is kept."""
+
+
 def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, ...]:
-    """Revisions that served before `stable`, newest first (status.history records, newest first)."""
+    """Revisions that served before `stable`, newest first (status.history records, newest first).
+    A candidate superseded before it served is not one: an operator restarted mid-change kept its
+    Deployments for ever as if it were a rollback target."""
     seen: list[str] = []
     for record in history:
         revision, state = record.revision, record.state
-        if state in ("Stable", "Superseded") and revision != stable and revision not in seen:
+        never_served = state == "Superseded" and (record.message or "").endswith(NEVER_SERVED)
+        if state in ("Stable", "Superseded") and not never_served and revision != stable and revision not in seen:
             seen.append(revision)
     return tuple(seen)
 

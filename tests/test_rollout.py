@@ -534,6 +534,15 @@ def test_previous_stables_come_from_history_newest_first() -> None:
     assert previous_stables(history, "r3") == ("r2", "r1")
 
 
+def test_a_candidate_superseded_before_it_served_is_no_previous_stable() -> None:
+    """An outside probe: an operator killed while 40 models changed revision kept the replaced
+    candidates' Deployments for ever (cleanup keeps previous stables as rollback targets)."""
+    history = [RevisionRecord(revision="r3", state="Candidate", since="t"),
+               RevisionRecord(revision="r2", state="Superseded", since="t", message="replaced by r3 before it served"),
+               RevisionRecord(revision="r2", state="Candidate", since="t"),
+               RevisionRecord(revision="r1", state="Stable", since="t")]  # fmt: skip
+    assert previous_stables(history, "r1") == ()
+
 # --- canary replicas, then full scale ---------------------------------------------------------------
 
 SCALED_SPEC = SPEC.model_copy(update={"roles": SPEC.roles.model_validate({"prefill": {"replicas": 2}, "decode": {"replicas": 3}, "router": {"replicas": 2}})})
