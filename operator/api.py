@@ -376,6 +376,14 @@ class ModelSource(ApiModel):
     """Weights revision: a Hugging Face commit or tag, or any label naming the volume's contents.
     A new value makes a new rollout revision."""
 
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelSource:
+        # The CEL rule above, for where no API server runs it (kvguard plan/render/apply --local);
+        # with both, the renderer silently took the volume.
+        if (self.hugging_face is None) == (self.pvc is None):
+            raise ValueError("set exactly one of huggingFace or pvc")
+        return self
+
 
 class ConfigMapKeySelector(ApiModel):
     """A key of a ConfigMap in the model's namespace."""
@@ -1277,6 +1285,9 @@ MODEL_NAME_MAX = 40
 7 + the longest suffix stays a valid Service name (63)."""
 MODEL_NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 """A DNS-1035 label, as Service names must be: a lowercase letter first, no dots."""
+REVISION_SEGMENT = "-[0-9a-f]{10}(-|$)"
+"""How a child object names its revision (revision.REVISION_LENGTH hex digits): a model named
+`tiny-89c0e86f3e-decode` would be model `tiny`'s decode Service, so no model name contains one."""
 
 
 def model_name_problem(name: str) -> str | None:
@@ -1286,6 +1297,9 @@ def model_name_problem(name: str) -> str | None:
     if not re.fullmatch(MODEL_NAME_PATTERN[1:-1], name):
         return (f"metadata.name: {name!r} must be lowercase letters, digits and '-', start with a letter and end with a "
                 "letter or digit (child Services are named after it)")  # fmt: skip
+    if re.search(REVISION_SEGMENT, name):
+        return ("metadata.name: no part of 10 hex digits (child objects name their revision so: <model>-<revision>-<role>); "
+                f"{name!r} could be another model's object")  # fmt: skip
     return None
 
 

@@ -29,6 +29,7 @@ from kvguard.operator.api import (
     API_VERSION,
     MODEL_NAME_MAX,
     MODEL_NAME_PATTERN,
+    REVISION_SEGMENT,
     InferenceModelSpec,
     InferenceModelStatus,
     InferencePolicySpec,
@@ -45,6 +46,8 @@ _MODEL_RULES: list[dict[str, str]] = [
     {"rule": f"self.metadata.name.matches('{MODEL_NAME_PATTERN}')",
      "message": "metadata.name: lowercase letters, digits and '-', a letter first and a letter or digit last "
                 "(child Services are named after it)"},
+    {"rule": f"!self.metadata.name.matches('{REVISION_SEGMENT}')",
+     "message": "metadata.name: no part of 10 hex digits (child objects name their revision so: <model>-<revision>-<role>)"},
 ]  # fmt: skip
 # Every optional field a rule reads is guarded with has(): the defaults make them present on a real
 # API server, but a rule must never fail with "no such key" on an object an older CRD stored.

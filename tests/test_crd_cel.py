@@ -6,6 +6,7 @@ ones are refused with the rule's own message. kmock enforces none of this; a rea
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,8 @@ INVALID = {
                   "metadata.name: at most 40 characters (child objects append -<revision>-<role>)"),
     "digit first": ({**minimal(), "metadata": {"name": "1model"}}, "", NAME_RULE),
     "dotted name": ({**minimal(), "metadata": {"name": "my.model"}}, "", NAME_RULE),
+    "another model's object": ({**minimal(), "metadata": {"name": "tiny-89c0e86f3e-decode"}}, "",
+                               "metadata.name: no part of 10 hex digits (child objects name their revision so: <model>-<revision>-<role>)"),
 }  # fmt: skip
 
 
@@ -182,3 +185,11 @@ def test_unknown_fields_are_pruned_as_the_api_server_prunes_them() -> None:
     stored, rejections = admit(body, CRDS["InferenceModel"])
     assert rejections == [] and "bogusField" not in stored["spec"] and "replica" not in stored["spec"]["roles"]["prefill"]
     assert stored["metadata"]["labels"] == {"kept": "yes"}  # ObjectMeta is not the CRD schema's to prune
+
+
+@pytest.mark.parametrize("name", ["another model's object", "both sources", "no source kind"])
+def test_the_models_refuse_what_these_rules_refuse_where_no_api_server_runs_them(name: str) -> None:
+    """kvguard plan/render/apply --local and the webhook read the pydantic models, not the CEL."""
+    body, _, message = INVALID[name]
+    with pytest.raises(ValueError, match=re.escape(message.removeprefix("metadata.name: ")[:20])):
+        InferenceModel.model_validate(body)
