@@ -52,6 +52,7 @@ from kvguard.operator.render import (
 )
 from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
+    NEVER_SERVED,
     ROLLBACK_ANNOTATION,
     Action,
     AnalysisOutcome,
@@ -67,7 +68,6 @@ from kvguard.operator.rollout import (
     SetCondition,
     WorkerReport,
     World,
-    NEVER_SERVED,
     previous_stables,
     step,
 )
