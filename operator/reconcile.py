@@ -43,7 +43,7 @@ from kvguard.operator.hf_config import HFConfigError, architecture_from_hf_confi
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
 from kvguard.operator.policy import evaluate
-from kvguard.operator.pool_gate import PodPool, describe_kept_out, kept_out, status_pools
+from kvguard.operator.pool_gate import GATED_ROLES, PodPool, describe_kept_out, kept_out, status_pools
 from kvguard.operator.render import (
     Owner,
     RenderedRevision,
@@ -240,18 +240,39 @@ def pool_gate_degraded(pools: Sequence[PodPool], degraded: cond.Condition | None
     return None
 
 
-def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.datetime) -> dict[str, Any]:
+def roles_out_of_rotation(pools: Sequence[PodPool], revision: str) -> list[str]:
+    """The engine roles of `revision` with no worker in rotation (each one down, starting or kept
+    out): the revision answers nothing (its router says 503) until one is back."""
+    mine = [p for p in pools if p.revision == revision]
+    return [role for role in GATED_ROLES if mine and not any(p.role == role and p.verified for p in mine)]
+
+
+NO_WORKER_REASON = "NoWorkerInRotation"
+
+
+def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.datetime, serving: str | None = None) -> dict[str, Any]:
     """`status` (as stored) with `pools` and the Degraded condition they call for, by the rule
     reconcile applies (`pool_gate_degraded`): what `kvguard status --local` shows from a live scrape
-    while no driver runs (a worker restarted after `kvguard apply` returned is seen at once)."""
+    while no driver runs (a worker restarted after `kvguard apply` returned is seen at once). And if
+    the `serving` revision has a role with no worker in rotation, it is said, not shown as Ready."""
     shown = dict(status)
     conditions = [cond.Condition.model_validate(c) for c in status.get("conditions") or [] if isinstance(c, Mapping)
                   and c.get("type") and c.get("status") in ("True", "False", "Unknown") and c.get("reason")]  # fmt: skip
+    stored_generation = status.get("observedGeneration")
+    generation = stored_generation if isinstance(stored_generation, int) else None
     change = pool_gate_degraded(pools, cond.find_condition(conditions, cond.DEGRADED))
     if change is not None:
-        generation = status.get("observedGeneration")
-        new = cond.make_condition(cond.DEGRADED, *change, now=now, generation=generation if isinstance(generation, int) else None)
-        shown["conditions"] = [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in cond.set_condition(conditions, new)]
+        conditions = cond.set_condition(conditions, cond.make_condition(cond.DEGRADED, *change, now=now, generation=generation))
+    missing = roles_out_of_rotation(pools, serving) if serving is not None else []
+    if missing:
+        why = "; ".join(p.message for p in pools if p.revision == serving and p.role in missing and not p.verified)
+        message = f"revision {serving} has no {' or '.join(missing)} worker in rotation, so it answers 503: {why}"
+        for type_ in (cond.DEGRADED, cond.READY):
+            status_of: cond.ConditionStatus = "True" if type_ == cond.DEGRADED else "False"
+            conditions = cond.set_condition(conditions, cond.make_condition(type_, status_of, NO_WORKER_REASON, message, now=now, generation=generation))
+        shown["phase"] = Phase.DEGRADED.value
+    if change is not None or missing:
+        shown["conditions"] = [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in conditions]
     shown["pools"] = [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in status_pools(pools)]
     return shown
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -23,6 +25,8 @@ from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWork
 from kvguard.operator.backends.local_gate import LocalPoolGate, worker_node
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import POD_POOL_REASON, pool_gate_degraded, with_pool_gate
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CONTEXT = 1024
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -148,3 +152,22 @@ def test_a_worker_is_named_by_port_and_pid_in_place_of_a_node() -> None:
     worker = LocalWorker(name="decode-1", role="decode", port=4321, metrics_port=4322, argv=[], pid=77)
     assert worker_node(worker) == "local:4321 (pid 77)"
     assert worker_node(worker.model_copy(update={"pid": None})) == "local:4321"
+
+
+def test_a_rollout_rests_when_s7_keeps_the_serving_revisions_only_worker_out() -> None:
+    """An outside probe: with the stable's only decode worker kept out for its pool, `kvguard
+    apply` printed `waiting for router not ready` until it was killed: a kept-out worker stays out
+    until its pool changes, so the rollout rests (Degraded names it) instead of waiting."""
+    from kvguard.operator.api import InferenceModelSpec, InferenceModelStatus
+    from kvguard.operator.backends.local_rollout import unsettled
+    from kvguard.operator.reconcile import Observed
+    from kvguard.operator.rollout import RevisionView
+
+    spec = InferenceModelSpec.model_validate(yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"])
+    status = InferenceModelStatus(revision="r1", target_revision="r1")
+    view = RevisionView(ready=False, worker_replicas=2, waiting=("router not ready",))
+    small = PodPool(pod="tiny-r1-decode-0", revision="r1", role="decode", required_ratio=2.0, reason="KVPoolTooSmall",
+                    message="pool 1024 below 2x")  # fmt: skip
+    starting = small.model_copy(update={"reason": "Verifying", "message": "starting"})
+    assert unsettled(Observed(revisions={"r1": view}, pools=(starting,)), status, spec) == "revision r1: waiting for router not ready"
+    assert unsettled(Observed(revisions={"r1": view}, pools=(small,)), status, spec) is None

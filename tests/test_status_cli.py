@@ -174,3 +174,21 @@ def test_kubectl_kvguard_status_watch_redraws(serving: LocalDeployment, tmp_path
 def test_a_name_no_inferencemodel_can_have_is_bad_input(local: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "BAD_NAME!", *local]) == 2  # not "unreachable" (1) or "not found" (3)
     assert "metadata.name: 'BAD_NAME!' must be lowercase letters" in capsys.readouterr().err
+
+
+def test_status_local_says_when_the_serving_revision_has_no_worker_of_a_role(serving: LocalDeployment, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """An outside probe: with the stable's only decode worker killed, every request got a 503 while
+    `kvguard status --local` said Ready. The state here names a decode worker nothing listens for."""
+    folder = local_state(tmp_path / "state", serving)
+    state = StateStore(folder).load()
+    dead = serving.ports["decode"] + 1  # a port nothing of this deployment listens on
+    for worker in state.revisions["ccc333"].workers:
+        if worker.role == "decode":
+            worker.metrics_port = dead
+    StateStore(folder).save(state)
+    assert main(["status", "tiny", "--local", "--state-dir", str(folder)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("tiny  (namespace local)  Degraded"), out
+    assert "conditions  Ready=False  Degraded=True" in out
+    assert "revision ccc333 has no decode worker in rotation, so it answers 503" in out

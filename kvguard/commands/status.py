@@ -163,7 +163,7 @@ def _local_view(state_dir: Path, name: str) -> Any:
         pools = asyncio.run(measure_local(state))
         # The recorded status with the Degraded condition this scrape calls for (reconcile's rule):
         # a worker restarted after `kvguard apply` returned is named at once, and cleared once back.
-        status = with_pool_gate(state.status, pools, dt.datetime.now(dt.UTC))
+        status = with_pool_gate(state.status, pools, dt.datetime.now(dt.UTC), serving=state.serving)
         notes = {rev: "scaled to zero" for rev, r in state.revisions.items() if r.scaled_to_zero}
         # The one URL answers only while the splitter runs: a dead one is said, not shown as serving.
         splitter_down = state.splitter is not None and not ProcessTable().alive(state.splitter)

@@ -36,7 +36,7 @@ from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.planner import plan
-from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS
+from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS, kept_out
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed
 from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import RecordEvent, RolloutState
@@ -153,10 +153,16 @@ def unsettled(observed: Observed, status: InferenceModelStatus, spec: InferenceM
         return None  # pinned to another revision (rollback-to), or nothing serves
     view = observed.revisions.get(revision)
     wanted = sum(instances(spec, role) for role in ENGINE_ROLES)
-    if view is not None and view.ready and view.worker_replicas == wanted:
+    if view is not None and view.worker_replicas == wanted and (view.ready or _kept_out(observed, revision)):
+        # Every process runs. One that S7 keeps out (its pool too small) stays out until its pool
+        # changes: waiting for the router to be ready would never end; Degraded names it.
         return None
     waiting = ", ".join(view.waiting) if view is not None and view.waiting else f"{wanted} worker process(es) to start"
     return f"revision {revision}: waiting for {waiting}"
+
+
+def _kept_out(observed: Observed, revision: str) -> bool:
+    return any(p.revision == revision for p in kept_out(observed.pools))
 
 
 def unjudged(observed: Observed, status: InferenceModelStatus) -> str | None:
