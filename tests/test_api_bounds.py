@@ -296,3 +296,39 @@ def test_a_slow_body_gets_a_408_and_the_connection_closes(strict_router: str, mo
     assert b'"code": "request_timeout"' in received
     answer = requests.post(f"{strict_router}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert answer.status_code == 200
+
+
+# ------------------------------------------------------- a fourth outside probe: fidelity nits
+
+
+def test_an_assistant_turn_with_tool_calls_and_null_content_names_the_tool_calls(trio: LocalDeployment, model: str) -> None:
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]  # fmt: skip
+    error = assert_openai_error(post(trio, {"model": model, "messages": messages, "max_tokens": 2}, "chat/completions"), 400,
+                                "messages[1].tool_calls")  # fmt: skip
+    assert error["code"] == "unsupported_parameter"
+
+
+def test_an_empty_list_of_content_parts_is_an_empty_array(trio: LocalDeployment, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": []}], "max_tokens": 2}
+    assert assert_openai_error(post(trio, body, "chat/completions"), 400, "messages[0].content")["code"] == "empty_array"
+
+
+def test_unknown_model_and_out_of_vocabulary_ids_carry_openais_type_and_code(trio: LocalDeployment, model: str) -> None:
+    unknown = assert_openai_error(post(trio, {"model": "nope", "prompt": "x"}), 404)
+    assert (unknown["type"], unknown["code"]) == ("invalid_request_error", "model_not_found")
+    vocab = assert_openai_error(post(trio, {"model": model, "prompt": [99999], "max_tokens": 2}), 400, "prompt")
+    assert vocab["code"] == "invalid_value"
+
+
+def test_expect_100_continue_for_a_body_too_large_gets_the_413_not_an_invitation(trio: LocalDeployment) -> None:
+    host, port = trio.router_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10485760\r\nExpect: 100-continue\r\n\r\n")  # fmt: skip
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head[:80]
+    with socket.create_connection((host, int(port)), timeout=20) as sock:  # a body within the limit is invited
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nExpect: 100-continue\r\n\r\n")  # fmt: skip
+        assert sock.recv(4096).startswith(b"HTTP/1.1 100 Continue")

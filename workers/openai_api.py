@@ -53,8 +53,7 @@ class OpenAIError(Exception):
 
 
 def _error_type(status: int) -> str:
-    if status == 404:
-        return "not_found_error"
+    # A 404 (unknown model or path) is an invalid_request_error at OpenAI; clients branch on `code`.
     if status == 409:
         return "conflict_error"
     if status == 429:
@@ -89,7 +88,8 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 
 # pydantic error types -> the `code` OpenAI's API answers for the same mistake (a client branches
 # on it: `invalid_type`, `integer_above_max_value`, ...); anything else is `invalid_value`.
-_TYPE_CODES = {"missing": "missing_required_parameter", "unsupported_parameter": "unsupported_parameter", "too_long": "array_above_max_length",
+_TYPE_CODES = {"missing": "missing_required_parameter", "unsupported_parameter": "unsupported_parameter",
+               "empty_array": "empty_array", "too_long": "array_above_max_length",
                "too_short": "array_below_min_length", "string_too_long": "string_above_max_length",
                "string_too_short": "string_below_min_length"}  # fmt: skip
 _BOUND_CODES = {"greater_than": "below_min_value", "greater_than_equal": "below_min_value",

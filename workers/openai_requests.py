@@ -253,12 +253,16 @@ class ChatMessage(_Strict):
 
     @field_validator("content", mode="plain")
     @classmethod
-    def _text_only(cls, content: Any) -> str | list[dict[str, str]]:
-        """A string, or a list of text parts (the only kind of part this model reads)."""
-        if isinstance(content, str):
+    def _text_only(cls, content: Any) -> str | list[dict[str, str]] | None:
+        """A string, or a list of text parts (the only kind of part this model reads). None is
+        left to `_messages_supported`: an assistant turn with tool_calls has null content, and the
+        tool calls are what to name."""
+        if content is None or isinstance(content, str):
             return content
         if not isinstance(content, list):
             raise ValueError("must be a string or a list of content parts")
+        if not content:
+            raise PydanticCustomError("empty_array", "empty array: expected at least one content part")
         for i, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise ValueError(f"part {i} must be an object with a type")

@@ -81,7 +81,7 @@ class EngineError(Exception):
 
 
 class InvalidRequest(EngineError):
-    code = "invalid_request"
+    code = "invalid_value"  # what OpenAI answers for a value out of range (an id outside the vocabulary)
     status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:

@@ -36,6 +36,7 @@ from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 100-continue answer
 from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -377,8 +378,8 @@ class Router:
     # -- lifecycle -------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model_card)
         app.router.add_get("/health", self.health)
@@ -574,6 +575,16 @@ class Router:
             raise _unknown_model(body.model)
         return body
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl's default for large bodies): a body its Content-Length
+        already refuses gets the 413 instead of an invitation to upload it."""
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            response = self._error_response(_too_large_error(self.config.max_body_bytes))
+            response.force_close()  # the client holds the body back: nothing of it is on the connection to skip
+            return response
+        await _default_expect_handler(request)
+        return None
+
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             self._too_large()  # refused from its headers: not a byte of it is read
@@ -588,8 +599,7 @@ class Router:
             self._too_large()
 
     def _too_large(self) -> NoReturn:
-        raise OpenAIError(413, f"the request body is larger than the limit of {self.config.max_body_bytes} bytes",
-                          code="request_too_large") from None
+        raise _too_large_error(self.config.max_body_bytes) from None
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""
@@ -1013,6 +1023,10 @@ def _worker_failure(exc: aiohttp.ClientError) -> str:
     if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
         return "a worker's connection broke off mid-request (it failed or restarted); try again"
     return "a worker failed; try again"
+
+
+def _too_large_error(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
 
 
 class _ClientStalled(Exception):
