@@ -517,6 +517,9 @@ def image_for(spec: InferenceModelSpec, role: Role) -> str:
     engine = spec.engine
     if role == "router" and engine.router_image:
         return engine.router_image
+    if role == "router" and engine.kind == EngineKind.VLLM:
+        # vllm-router is its own project (vllm-project/router): the vllm/vllm-openai image has no such command.
+        raise RenderError("spec.engine.routerImage", "required for vllm: an image with vllm-router (vllm-project/router)")
     if role != "router" and getattr(spec.roles, role).image:
         return str(getattr(spec.roles, role).image)
     if engine.image:

@@ -30,6 +30,8 @@ def spec_data(kind: str) -> dict[str, Any]:
         return data
     data = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]
     data["engine"] = {"kind": kind, "image": f"{kind}:1", "version": "0.5.23" if kind == "sglang" else "0.33.0"}
+    if kind == "vllm":
+        data["engine"]["routerImage"] = "vllm-router:1"
     data["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
     return data
 
@@ -121,3 +123,13 @@ def test_every_flag_the_renderer_writes_on_a_worker_is_owned(kind: str) -> None:
         engine_args = command[3:] if command[:2] == ["python3", "-m"] else command  # not the interpreter's -m
         flags = {name for token in engine_args if (name := engine_flags.flag_name(token)) is not None}
         assert flags - owned.keys() - SAFETY_FLAGS == set(), (role, command)
+
+
+def test_vllm_without_a_router_image_is_refused_naming_it() -> None:
+    """The field's description says required for vllm (vllm-router is not in the vllm image); an
+    outside probe found it admitted, rendering `vllm-router` in an image that has no such command."""
+    data = spec_data("vllm")
+    del data["engine"]["routerImage"]
+    with pytest.raises(AdmissionDenied) as denied:
+        admit(data)
+    assert "spec.engine.routerImage: required for vllm" in str(denied.value)

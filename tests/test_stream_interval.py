@@ -116,7 +116,7 @@ def test_spec_engine_stream_interval_renders_the_engines_own_flag_on_decode(kind
     # checks the flag exists in their release code).
     example = "llama-3.1-8b-sglang-h100.yaml"
     spec = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
-    commands = rendered_commands(example, engine={**spec["engine"], "kind": kind, "image": "img:1", "streamInterval": 4},
+    commands = rendered_commands(example, engine={**spec["engine"], "kind": kind, "image": "img:1", "routerImage": "router:1", "streamInterval": 4},
                                  model={**spec["model"], "source": {"huggingFace": "org/m", "revision": "r1"}})  # fmt: skip
     assert commands["decode"][commands["decode"].index("--stream-interval") + 1] == "4"
     assert "--stream-interval" not in commands["prefill"]
