@@ -38,7 +38,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_ROLLED_BACK, "rolled back (readiness, a reported KV pool or the canary failed): the new revision is "
                        "stopped, the stable one (if any) serves unchanged; the probe table and the report's path are printed"),
     (EXIT_PAUSED, "paused by kvguard.io/pause: \"true\"; nothing changed"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); started workers keep running: run it again to resume, or --delete"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); started workers keep running and traffic stays split as it was, "
+                       "with no analysis watching the candidate: run it again to resume (at the recorded step), or --delete"),
 )
 """The one exit-code table: `--help` prints it, README.md carries the same rows (a test checks)."""
 
@@ -134,8 +135,8 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("kvguard apply: interrupted; the state folder records where it stopped and started workers keep "
-              f"running: run it again to resume, or `kvguard apply --delete --state-dir {state_dir}`",
-              file=sys.stderr)  # fmt: skip
+              "running (traffic stays split as it was, with nothing analysing the candidate): run it again to resume, "
+              f"or `kvguard apply --delete --state-dir {state_dir}`", file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
     if result.state == RolloutState.BLOCKED and result.plan.verdict == "blocked":
         _print_plan(model.metadata.name, result.plan, args.file)
