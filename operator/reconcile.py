@@ -309,7 +309,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
         return _invalid(run, "ObjectRefused", f"the API server refused an object of this spec: {observed.refused_object}")
     if observed.foreign_objects:  # S3: never run beside (or with the key of) an object someone else made
         message = "; ".join(observed.foreign_objects)
-        return _invalid(run, "ForeignObject", message, requeue_after=FOREIGN_RECHECK_SECONDS)
+        return _invalid(run, "ForeignObject", message, requeue_after=FOREIGN_RECHECK_SECONDS, in_spec=False)
     _clear_spec_degraded(run)
     revision = revision_of(spec, faults)
     run.status.plan = kv_plan
@@ -380,16 +380,22 @@ def _clear_spec_degraded(run: _Run) -> None:
         run.set(cond.DEGRADED, "False", "SpecAccepted", f"resolved: {degraded.reason}")
 
 
-def _invalid(run: _Run, reason: str, message: str, requeue_after: float | None = None) -> Outcome:
+def _invalid(run: _Run, reason: str, message: str, requeue_after: float | None = None, in_spec: bool = True) -> Outcome:
     """A spec the operator cannot act on: say why, keep everything running as it is (S8).
-    Nothing is awaited (a spec change is an event), unless the cause is outside the spec."""
+    Nothing is awaited (a spec change is an event), unless the cause is outside the spec
+    (`in_spec` False: an object in the way; the conditions then do not send anyone to the spec)."""
     run.status.phase = Phase.DEGRADED
     run.status.message = message
     run.set(cond.DEGRADED, "True", reason, message)
-    run.set(cond.KV_POOL_SUFFICIENT, "Unknown", reason, "the spec could not be planned: " + message)
     # Not left saying what an earlier, valid spec was judged: this one cannot be judged.
-    run.set(cond.POLICY_COMPLIANT, "Unknown", reason, "the spec could not be checked against policies: " + message)
-    run.set(cond.PROGRESSING, "False", reason, "rollout halted until the spec is fixed")
+    if in_spec:
+        planned, checked, halted = "the spec could not be planned: ", "the spec could not be checked against policies: ", "until the spec is fixed"
+    else:
+        planned = checked = "not judged while the rollout is halted: "
+        halted = "until the object in the way is gone"
+    run.set(cond.KV_POOL_SUFFICIENT, "Unknown", reason, planned + message)
+    run.set(cond.POLICY_COMPLIANT, "Unknown", reason, checked + message)
+    run.set(cond.PROGRESSING, "False", reason, f"rollout halted {halted}")
     _set_ready(run, run.status.revision)
     previous_degraded = cond.find_condition(run.previous.conditions, cond.DEGRADED)
     repeated = previous_degraded is not None and previous_degraded.status == "True" and previous_degraded.message == message

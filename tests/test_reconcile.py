@@ -153,6 +153,10 @@ def test_a_foreign_object_blocks_by_name_and_is_looked_at_again() -> None:
     degraded = next(c for c in out.status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "ForeignObject" and "Secret ns/tiny-cpu-x-kv-transfer" in degraded["message"]
     assert out.actions == [] and out.requeue_after and out.status["revision"] == b["status"]["revision"]  # S8
+    # The spec is fine: no condition sends anyone to it (an outside probe read "until the spec is fixed").
+    messages = {c["type"]: c["message"] for c in out.status["conditions"]}
+    assert not any("spec" in messages[t] for t in ("KVPoolSufficient", "PolicyCompliant", "Progressing")), messages
+    assert messages["Progressing"] == "rollout halted until the object in the way is gone"
 
 
 def test_a_waiting_rollout_says_when_its_deadline_falls() -> None:
