@@ -132,6 +132,23 @@ def test_a_bad_request_id_label_is_a_400_naming_it(trio: LocalDeployment, label:
     assert "X-Request-Id" not in answer.headers  # an invalid label is never echoed
 
 
+def test_two_request_id_labels_are_a_400_not_the_first_silently(trio: LocalDeployment) -> None:
+    import http.client
+
+    host, port = trio.router_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
+    body = json.dumps({"model": _model(trio.api_base), "prompt": "hi", "max_tokens": 2})
+    connection.putrequest("POST", "/v1/completions")
+    for header, value in (("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                          ("X-Request-Id", "first"), ("X-Request-Id", "second")):  # fmt: skip
+        connection.putheader(header, value)
+    connection.endheaders(body.encode())
+    answer = connection.getresponse()
+    error = json.loads(answer.read())["error"]
+    assert answer.status == 400 and error["code"] == "invalid_request_id" and answer.getheader("X-Request-Id") is None
+    connection.close()
+
+
 @pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)])
 def test_a_label_is_echoed_on_answers_no_handler_gave(trio: LocalDeployment, method: str, path: str, status: int) -> None:
     answer = requests.request(method, f"{trio.router_url}{path}", headers={"X-Request-Id": "t-404"}, timeout=TIMEOUT_S)

@@ -651,11 +651,12 @@ class Router:
         """A fresh internal id (S9). The client's X-Request-Id is only a label: validated, echoed and
         logged beside the id, never used to find, merge or abort anything, so a retry that keeps
         its label is just a new request, and no client can reach another's work by naming it."""
-        label = request.headers.get(REQUEST_ID_HEADER)
-        if label is not None and not _LABEL.fullmatch(label):
+        labels = request.headers.getall(REQUEST_ID_HEADER, [])
+        label = labels[0] if labels else None
+        if len(labels) > 1 or (label is not None and not _LABEL.fullmatch(label)):
             self.metrics.rejected.labels("invalid_request_id").inc()
-            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be 1-128 visible ASCII characters", code="invalid_request_id",
-                              param=REQUEST_ID_HEADER)  # fmt: skip
+            raise OpenAIError(400, f"{REQUEST_ID_HEADER} must be one header of 1-128 visible ASCII characters",
+                              code="invalid_request_id", param=REQUEST_ID_HEADER)  # fmt: skip
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
         request[_LABEL_KEY] = label or request_id
         if label is not None:
@@ -976,8 +977,9 @@ async def _echo_label(request: web.Request, response: web.StreamResponse) -> Non
     """Every response carries the request's correlation label (the client's, else the id); one
     that ended before any id was claimed (404, 405, a refused body) echoes a valid client label."""
     label = request.get(_LABEL_KEY)
-    if label is None and (sent := request.headers.get(REQUEST_ID_HEADER)) is not None and _LABEL.fullmatch(sent):
-        label = sent
+    sent = request.headers.getall(REQUEST_ID_HEADER, [])
+    if label is None and len(sent) == 1 and _LABEL.fullmatch(sent[0]):
+        label = sent[0]
     if label is not None:
         response.headers[REQUEST_ID_HEADER] = label
 
