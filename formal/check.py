@@ -48,7 +48,14 @@ class Run:
 # one search, three requests competing for the same two decode pages without faults, and a prefill
 # pool of two contexts, where prefill computes ahead of its tickets (the early budget is not 0):
 # with decode's engine errors in any state (row 12), and behind a router that lets over-length requests through
-# (row 11: the workers' own intake checks hold S2; the incident's shape).
+# (row 11: the workers' own intake checks hold S2; the incident's shape); and three requests on
+# workers with few running slots (max_running_requests: 2 on prefill, 1 on decode), which reach
+# the two workers in any order, without timers (row 13): the early budget's count bound.
+#
+# model_slots' configuration (the mutant early_takes_every_slot uses it too): the running slots bind,
+# the pages do not (prefill's pool holds two contexts, decode's one slot is the request's own).
+SLOTS = ("-DNREQ=3", "-DNPP=4", "-DPRUN=2", "-DDRUN=1", "-DROW=13")
+
 MODEL_RUNS: dict[str, Run] = {
     run.name: run
     for run in (
@@ -61,6 +68,9 @@ MODEL_RUNS: dict[str, Run] = {
             min_states=5_000),
         Run("model_onpath", ("-DONPATH", "-DROW=8"), None,
             "an on-path adversary that injects captured frames into prefill's own connection; row 8 (replays)"),
+        Run("model_slots", SLOTS, None,
+            "3 requests, 2 running slots on prefill and 1 on decode, prefill pool of two contexts (pages never "
+            "the bound); row 13 (no faults, no timers): a request with a ticket always finds a prefill slot"),
     )
 }
 
@@ -95,6 +105,9 @@ MUTANTS: dict[str, Run] = {
         Run("prefill_admits_overlength", ("-DMUTANT_PREFILL_ADMITS_OVERLEN", "-DNPP=4", "-DROW=11"), "S2",
             "the incident's shape: router and prefill let an over-length request through, decode rejects it, "
             "but prefill already computed it ahead of its ticket (needs the early budget: NPP=4)"),
+        Run("early_takes_every_slot", ("-DMUTANT_EARLY_TAKES_EVERY_SLOT", *SLOTS), "S4",
+            "EarlyBudget without limit_requests (only pages bounded): prefill computes ahead of tickets in every "
+            "running slot, its slots wait on tickets, decode's on prefill (the 1,000-request burst deadlock)"),
     )
 }
 

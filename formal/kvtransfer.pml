@@ -2,7 +2,8 @@
  * kvtransfer.pml -- the kvguard KV transfer and abort protocol, a Promela model for SPIN.
  *
  * One router, one prefill worker, one decode worker, NREQ concurrent requests; a decode pool of NDP
- * pages with generation tags (workers/kv_pool.py) and a prefill pool of NPP pages. The router starts
+ * pages with generation tags (workers/kv_pool.py) and a prefill pool of NPP pages; each worker's
+ * scheduler runs at most DRUN / PRUN requests holding pages (running slots). The router starts
  * both legs at once: prefill computes while decode allocates and bootstraps; the router turns the
  * bootstrap into a transfer ticket and delivers it to prefill (POST /internal/ticket), which sends
  * nothing and connects nowhere before it holds one; prefill connects
@@ -42,6 +43,17 @@
 #endif
 #ifndef CAP
 #define CAP 1                            /* S6: max_transfer_batch, in chunks (1 chunk = 1 page) */
+#endif
+/* Running slots: the engine's scheduler admits at most max_running_requests requests holding pages
+ * (workers/scheduler.py `max_running`); a prefill request holds its slot from its pages to their
+ * release (computed, waiting for its ticket, sending), a decode request from its allocation at
+ * bootstrap to its end. By default one more slot than requests: never a bound (the state counts of
+ * the runs without it are those of the model before it). model_slots sets PRUN=2 DRUN=1. */
+#ifndef PRUN
+#define PRUN (NREQ + 1)                  /* prefill's max_running_requests */
+#endif
+#ifndef DRUN
+#define DRUN (NREQ + 1)                  /* decode's max_running_requests */
 #endif
 #define NSLOT 3                          /* TCP connections over a run: 0, 1 prefill's, 2 the adversary's */
 #define PSLOTS 2
@@ -90,7 +102,9 @@
  * misconfigured one): over-length requests reach both workers, whose own checks must hold S2.
  * Row 12's engine error may come in any state (derr_any), not only while decoding. Its own row: an
  * unspent fault that is enabled in a waiting state keeps the model from quiescence, so it would
- * hide a deadlock of the waiting states (the unbounded_early mutant's, row 3) until it fires. */
+ * hide a deadlock of the waiting states (the unbounded_early mutant's, row 3) until it fires.
+ * Row 13 is row 1 with no timers: any wait that nothing ends is a deadlock (S4). model_slots runs it
+ * with 3 requests and few running slots (PRUN, DRUN), the early_takes_every_slot mutant too. */
 #define BOUNDS \
   BOUNDS_ROW( 1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 2,    1,    1,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0); \
@@ -103,7 +117,8 @@
   BOUNDS_ROW( 9,    0,    0,    0,    0,    0,    0,    1,    0,    0,    0,    1,    0); \
   BOUNDS_ROW(10,    0,    0,    0,    0,    0,    1,    0,    0,    0,    0,    0,    1); \
   BOUNDS_ROW(11,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); router_intake = false; \
-  BOUNDS_ROW(12,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0,    0); derr_any = true
+  BOUNDS_ROW(12,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0,    0); derr_any = true; \
+  BOUNDS_ROW(13,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0)
 
 #define TIMERS_OK (!prompt || silent_fault)
 #define TIMER (b_tmo > 0 || (timeout && TIMERS_OK))
@@ -302,6 +317,7 @@ bool dlease[NREQ];
 byte lpage[NREQ * MAXNEED], lgen[NREQ * MAXNEED];      /* the lease: page ids, granted generations */
 byte dgen[NDP], dwgen[NDP], downer[NDP], dcont[NDP];   /* generation, written_generation, owner, ghost bytes */
 byte dfree = NDP;
+byte drun;                               /* Scheduler.holding: requests holding a slot (a lease) */
 mtype:transfer_state xstate[NREQ];       /* InboundTransfer.state */
 byte xnonce[NREQ], xslot[NREQ], xplan[NREQ];
 byte xn[NREQ], xw[NREQ], xnext[NREQ];    /* PlanTracker: chunks, written pages (bits), next seq */
@@ -312,11 +328,23 @@ byte rc_fnonce[NSLOT * NREQ];            /* the codec a connection remembers for
 byte p_epoch = 1;
 mtype:request_state ps[NREQ];
 byte pfree = NPP;
+byte prun;                               /* Scheduler.holding: requests holding a slot (pages) */
 byte pearly;                             /* EarlyBudget.held_pages: of requests without a ticket yet */
+byte pearly_n;                           /* EarlyBudget.held_requests: how many requests those are */
 #ifdef MUTANT_UNBOUNDED_EARLY            /* prefill computes ahead of every ticket: the pools deadlock */
 #define EARLY_LIMIT NPP
 #else
 #define EARLY_LIMIT (NPP - MAXNEED)      /* the pool less one full context */
+#endif
+/* EarlyBudget.limit_requests: max_running_requests - 1, so a request with its ticket always finds
+ * a running slot. Without it (the code before this bound: only pages were bounded) a burst filled
+ * prefill's slots with requests computed ahead whose tickets never came -- decode's slots held
+ * requests waiting for prefill -- well within the page bound (found by a burst probe, not by the
+ * model, which had no slots then: formal/README.md) */
+#ifdef MUTANT_EARLY_TAKES_EVERY_SLOT
+#define EARLY_REQS NREQ
+#else
+#define EARLY_REQS (PRUN - 1)
 #endif
 byte plen[NREQ];
 mtype:transfer_state pxs[NREQ];          /* OutboundTransfer.state */
@@ -355,7 +383,8 @@ inline spend_timer() {
 
 /* ------------------------------------------------------------------------------ decode's pool */
 
-/* KVPool.allocate: the lowest free pages; each page's generation is bumped and granted. */
+/* KVPool.allocate: the lowest free pages; each page's generation is bumped and granted. The lease
+ * holds one of the scheduler's running slots (Scheduler._allocate_head) until it is freed. */
 inline d_alloc(r) {
   i = 0; k = 0;
   do
@@ -369,10 +398,11 @@ inline d_alloc(r) {
      fi;
      i++
   od;
-  dfree = dfree - NEED(r); dlease[r] = true
+  dfree = dfree - NEED(r); dlease[r] = true; drun++
 }
 
-/* KVPool.free: release what the lease still owns; a freed page is stale for every old lease. */
+/* KVPool.free: release what the lease still owns; a freed page is stale for every old lease.
+ * Scheduler.remove: the slot goes with it. */
 inline d_free(r) {
   if
   :: dlease[r] ->
@@ -387,7 +417,7 @@ inline d_free(r) {
         fi;
         k++
      od;
-     dlease[r] = false
+     dlease[r] = false; drun--
   :: else -> skip
   fi
 }
@@ -679,9 +709,9 @@ end_idle:
        :: else -> d_state(r, ADMITTED)
        fi }; break
   od;
-  /* engine.preallocate: wait for pages (FIFO in code; in any order here) */
+  /* engine.preallocate: wait for pages and a running slot (FIFO in code; in any order here) */
   do
-  :: atomic { d_epoch == boot && dfree >= NEED(r) ->
+  :: atomic { d_epoch == boot && dfree >= NEED(r) && drun < DRUN ->
        S2 = !CHECK_S2 || !over[r]; assert(S2);           /* an over-length request allocates nothing */
        d_alloc(r); djob[r] = true; d_state(r, PREALLOCATED);
        printf("MSC: r%d decode lease pages %d,%d gen %d,%d\n", r, lpage[r * MAXNEED], lpage[r * MAXNEED + 1],
@@ -840,8 +870,14 @@ inline p_open() {
 
 /* ------------------------------------------------------------------------------ prefill: the handler */
 
-inline p_free(r) {
+inline p_free(r) {                       /* engine.abort / engine.release: pages and slot */
+  if :: plen[r] > 0 -> prun-- :: else -> skip fi;
   pfree = pfree + plen[r]; plen[r] = 0
+}
+/* EarlyBudget.give: an early request's claim ends (its ticket came, or it ended) */
+inline early_give() {
+  if :: early > 0 -> pearly = pearly - early; pearly_n-- :: else -> skip fi;
+  early = 0
 }
 /* PrefillServer._ticket_of: await job.arrival, the ticket (S9: before it, nothing is sent and
  * nothing connected; KV computed ahead of it was computed on the router's signed call alone).
@@ -855,7 +891,7 @@ inline p_await_ticket() {
   :: atomic { p_epoch == boot && tq[r] == MSG_SENT -> tq[r] = MSG_TAKEN; n = tk[r];
        if
        :: b_expire > 0 -> b_expire--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end  /* 403 invalid_ticket */
-       :: true -> pearly = pearly - early; early = 0
+       :: true -> early_give()
        fi }; break
   :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN;
        p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
@@ -892,20 +928,24 @@ end_idle:
        :: over[r] && !UNSAFE_REJECT_PATH && P_INTAKE -> p_state(r, REJECTED); pres[r] = PRES_ERR; goto end
        :: else -> p_state(r, ADMITTED)
        fi;
-       /* EarlyBudget: compute ahead of the ticket only while requests without one hold at most
-        * the pool less one full context; past it, the ticket first. Without the bound the pools
-        * deadlock (prefill's pages wait for decode's, decode's for prefill: found by this model) */
+       /* EarlyBudget.take, before the engine: compute ahead of the ticket only while requests
+        * without one hold at most the pool less one full context, and at most max_running - 1 of
+        * them; past either, the ticket first. Without the page bound the pools deadlock
+        * (prefill's pages wait for decode's, decode's for prefill: found by this model); without
+        * the count bound, the running slots (found by a burst probe). The claim counts from here,
+        * while the request still waits for its pages and slot in the engine. */
        if
-       :: pearly + PNEED(r) <= EARLY_LIMIT -> pearly = pearly + PNEED(r); early = PNEED(r)
+       :: pearly + PNEED(r) <= EARLY_LIMIT && pearly_n + 1 <= EARLY_REQS ->
+          pearly = pearly + PNEED(r); pearly_n++; early = PNEED(r)
        :: else -> early = 0
        fi }; break
   od;
   if :: early == 0 -> p_await_ticket() :: else -> skip fi;
-  /* engine.prefill: wait for pages, compute, sample the first token (one await) */
+  /* engine.prefill: wait for pages and a running slot, compute, sample the first token (one await) */
   do
-  :: atomic { p_epoch == boot && pfree >= PNEED(r) ->
+  :: atomic { p_epoch == boot && pfree >= PNEED(r) && prun < PRUN ->
        S2 = !CHECK_S2 || !over[r]; assert(S2);
-       pfree = pfree - PNEED(r); plen[r] = PNEED(r); p_state(r, PREFILLING);
+       pfree = pfree - PNEED(r); plen[r] = PNEED(r); prun++; p_state(r, PREFILLING);
        if
        :: b_perr > 0 -> b_perr--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end   /* prefill error */
        :: true -> p_state(r, TRANSFERRING)
@@ -973,7 +1013,7 @@ tell_decode:                                             /* PrefillServer._abort
   :: else -> atomic { if :: p_epoch == boot -> pres[r] = PRES_ERR :: else -> skip fi }
   fi;
 end:
-  atomic { if :: p_epoch == boot -> pearly = pearly - early :: else -> skip fi; early = 0 }
+  atomic { if :: p_epoch == boot -> early_give() :: else -> early = 0 fi }
 }
 
 /* KVSender._read_replies: the pooled connection's reader. Its finally releases the connection's
@@ -1112,7 +1152,7 @@ end_net:
        :: j == NDP -> break
        :: else -> dgen[j] = 0; dwgen[j] = 0; downer[j] = 0; dcont[j] = 0; j++
        od;
-       dfree = NDP;
+       dfree = NDP; drun = 0;
        r = 0;
        do
        :: r == NREQ -> break
@@ -1132,7 +1172,7 @@ end_net:
   :: atomic { b_prestart > 0 && (pq[0] == MSG_TAKEN || pq[NREQ - 1] == MSG_TAKEN) ->
        b_prestart--; p_epoch++;                          /* prefill restarts */
        printf("MSC: the prefill worker restarts\n");
-       pfree = NPP; pearly = 0; psending = 0; cred = 0; unacked = 0; pc_st = PC_NONE;
+       pfree = NPP; prun = 0; pearly = 0; pearly_n = 0; psending = 0; cred = 0; unacked = 0; pc_st = PC_NONE;
        r = 0;
        do
        :: r == NREQ -> break
@@ -1202,7 +1242,8 @@ end_mon:
     :: p == NDP -> break
     :: else -> S4 = S4 && downer[p] == 0; p++
     od;
-    S4 = S4 && dfree == NDP && pfree == NPP && pearly == 0 && cred == 0 && psending == 0;
+    S4 = S4 && dfree == NDP && pfree == NPP && drun == 0 && prun == 0 && pearly == 0 && pearly_n == 0 &&
+         cred == 0 && psending == 0;
     assert(S4)
   }
 }

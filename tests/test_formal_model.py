@@ -91,14 +91,15 @@ def test_mutant_of_a_real_bug_has_a_counterexample(spin: None, tmp_path: Path, n
     assert any(f"assert({run.violates})" in line for line in result.trail), "\n".join(result.trail)
 
 
-# Mutants that remove exactly one guard: one -D switch (besides the row and the pool size), and that
-# switch turns off one check in the model.
-SINGLE_GUARD_MUTANTS = ("no_generation_check", "decode_admits_overlength", "prefill_admits_overlength")
+# Mutants that remove exactly one guard: one -D switch (besides the row and the bounds: requests,
+# pool size, running slots), and that switch turns off one check in the model.
+SINGLE_GUARD_MUTANTS = ("no_generation_check", "decode_admits_overlength", "prefill_admits_overlength", "early_takes_every_slot")
+BOUND_DEFINES = ("-DROW=", "-DNPP=", "-DNREQ=", "-DPRUN=", "-DDRUN=")
 
 
 @pytest.mark.parametrize("name", SINGLE_GUARD_MUTANTS)
 def test_single_guard_mutant_removes_exactly_one_guard(name: str) -> None:
-    switches = [d for d in check.MUTANTS[name].defines if not d.startswith(("-DROW=", "-DNPP="))]
+    switches = [d for d in check.MUTANTS[name].defines if not d.startswith(BOUND_DEFINES)]
     assert len(switches) == 1, switches
     macro = switches[0].removeprefix("-D")
     conditionals = [line for line in MODEL.read_text().splitlines()
