@@ -358,9 +358,10 @@ class Router:
         self._discovery: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._aborts_in_flight: set[asyncio.Task[None]] = set()
-        self._inflight = asyncio.Semaphore(config.max_inflight_choices)
         """Aborts still being sent (shielded from their handler's cancellation): on shutdown they
         go out before the session closes, so the workers learn each request's cause."""
+        self._inflight = asyncio.Semaphore(config.max_inflight_choices)
+        """One per generation with calls open to workers (`_generate`)."""
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -529,9 +530,6 @@ class Router:
             return await self._send(request, await self._whole(choices, builder, prompt_tokens))
         except OpenAIError as err:
             return self._error_response(err)
-        except _ClientStalled:
-            log.info("request %s: the client read nothing for %gs; its connection is closed", request_id, self.config.write_timeout_s)
-            raise
 
     async def _send(self, request: web.Request, response: web.Response) -> web.Response:
         """A whole answer, sent within write_timeout_s (`_write`'s bound for a body as a whole)."""
@@ -540,7 +538,7 @@ class Router:
                 await response.prepare(request)
                 await response.write_eof()
         except TimeoutError:
-            _drop_connection(request)
+            self._drop_connection(request)
             raise _ClientStalled from None
         return response
 
@@ -552,8 +550,17 @@ class Router:
             async with asyncio.timeout(self.config.write_timeout_s):
                 await response.write(data)
         except TimeoutError:
-            _drop_connection(request)
+            self._drop_connection(request)
             raise _ClientStalled from None
+
+    def _drop_connection(self, request: web.Request) -> None:
+        # abort, not close: close would wait to flush what the client is not reading. With
+        # handler_cancellation (servers.app_runner) the handler is then cancelled, and the legs of
+        # its generations are aborted as for a disconnect (S4).
+        log.info("request %s: the client read nothing for %gs; its connection is closed",
+                 request.get(_LABEL_KEY), self.config.write_timeout_s)  # fmt: skip
+        if request.transport is not None:
+            request.transport.abort()
 
     def _fail_if_injected(self, request: web.Request) -> None:
         """The fail_proxied_requests fault (test only): a revision that fails live traffic -- what
@@ -1033,13 +1040,6 @@ def _too_large_error(limit: int) -> OpenAIError:
 
 class _ClientStalled(Exception):
     """The client read none of its answer for write_timeout_s; its connection is gone."""
-
-
-def _drop_connection(request: web.Request) -> None:
-    # abort, not close: close would wait to flush what the client is not reading. With
-    # handler_cancellation (servers.app_runner) the handler is then cancelled; its legs are aborted (S4).
-    if request.transport is not None:
-        request.transport.abort()
 
 
 async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
