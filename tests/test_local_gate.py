@@ -171,3 +171,24 @@ def test_a_rollout_rests_when_s7_keeps_the_serving_revisions_only_worker_out() -
     starting = small.model_copy(update={"reason": "Verifying", "message": "starting"})
     assert unsettled(Observed(revisions={"r1": view}, pools=(starting,)), status, spec) == "revision r1: waiting for router not ready"
     assert unsettled(Observed(revisions={"r1": view}, pools=(small,)), status, spec) is None
+
+
+def test_apply_does_not_exit_0_for_a_promoted_revision_that_answers_503() -> None:
+    """The same probe, after the fix above: apply rested, then said exit 0 ("the spec's revision
+    serves") while every request got a 503. A promoted revision with no worker of a role in
+    rotation is exit 1, naming the roles."""
+    from kvguard.commands.apply import EXIT_ERROR, EXIT_OK, exit_code
+    from kvguard.operator.api import InferenceModelStatus
+    from kvguard.operator.backends.local_rollout import RolloutResult
+    from kvguard.operator.rollout import RolloutState
+
+    small = PodPool(pod="tiny-r1-decode-0", revision="r1", role="decode", required_ratio=2.0, reason="KVPoolTooSmall", message="small")
+    fine = PodPool(pod="tiny-r1-prefill-0", revision="r1", role="prefill", required_ratio=2.0, verified=True, reason="KVPoolVerified")
+
+    def result(*pools: PodPool) -> RolloutResult:
+        return RolloutResult(revision="r1", state=RolloutState.STABLE, stable="r1", serving_url=None, plan=None,  # type: ignore[arg-type]
+                             status=InferenceModelStatus(revision="r1", pools=list(pools)))  # fmt: skip
+
+    assert result(fine, small).roles_out_of_rotation == ["decode"] and exit_code(result(fine, small)) == EXIT_ERROR
+    verified = small.model_copy(update={"verified": True, "reason": "KVPoolVerified"})
+    assert exit_code(result(fine, verified)) == EXIT_OK

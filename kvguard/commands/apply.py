@@ -31,7 +31,8 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "the spec's revision serves (promoted, already serving, or resized in place)"),
     (EXIT_ERROR, "not carried out: still rolling after --timeout, or the spec's revision does not serve "
-                 "(kvguard.io/rollback-to pins another); run it again to resume"),
+                 "(kvguard.io/rollback-to pins another, or it has no worker of a role in rotation: S7 keeps it out); "
+                 "run it again to resume"),
     (EXIT_BAD_INPUT, "bad input (manifest, --policy, --faults, a spec the local backend cannot run, a busy "
                      "state folder); nothing started"),
     (EXIT_BLOCKED, "blocked by the planner (its report is printed) or a policy; nothing of the new revision started"),
@@ -149,7 +150,7 @@ def exit_code(result: Any) -> int:
     from kvguard.operator.rollout import RolloutState
 
     if result.state == RolloutState.STABLE:
-        return EXIT_OK if result.promoted else EXIT_ERROR
+        return EXIT_OK if result.promoted and not result.roles_out_of_rotation else EXIT_ERROR
     codes = {RolloutState.BLOCKED: EXIT_BLOCKED, RolloutState.ROLLED_BACK: EXIT_ROLLED_BACK, RolloutState.PAUSED: EXIT_PAUSED}
     return codes.get(result.state, EXIT_ERROR)
 
@@ -160,6 +161,9 @@ def _print_result(result: Any, state_dir: Path) -> None:
     print(f"state: {result.state.value}  revision: {result.revision}  stable: {result.stable or '-'}")
     if result.status.message:
         print(f"message: {result.status.message}")
+    if missing := result.roles_out_of_rotation:
+        print(f"not serving: revision {result.revision} has no {' or '.join(missing)} worker in rotation (requests get 503); "
+              "`kvguard status` names each worker and why")  # fmt: skip
     report_path = state_dir / "revisions" / result.revision / "canary.json"
     report = result.canary_reports.get(result.revision) or _read_report(report_path)
     if result.state == RolloutState.ROLLED_BACK:

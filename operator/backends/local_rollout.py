@@ -37,7 +37,7 @@ from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.planner import plan
 from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS, kept_out
-from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed
+from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed, roles_out_of_rotation
 from kvguard.operator.revision import revision_of
 from kvguard.operator.rollout import RecordEvent, RolloutState
 
@@ -70,6 +70,12 @@ class RolloutResult:
     @property
     def promoted(self) -> bool:
         return self.state == RolloutState.STABLE and self.stable == self.revision
+
+    @property
+    def roles_out_of_rotation(self) -> list[str]:
+        """Roles of the spec's revision with no worker in rotation: it is promoted but answers 503
+        (S7 keeps its only worker of a role out, say). Not "serves", for `kvguard apply`'s exit."""
+        return roles_out_of_rotation(self.status.pools, self.revision) if self.promoted else []
 
 
 def _drop_nones(value: Any) -> Any:
