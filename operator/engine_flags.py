@@ -12,7 +12,10 @@ A token names an owned flag the way the engine's parser would read it:
   on by default in SGLang's and vLLM's parsers, resolves it to the flag when unique, and refuses
   to start when not, so a prefix is refused either way;
 - vLLM also reads `--max_model_len` as `--max-model-len` (its FlexibleArgumentParser), so
-  underscores are read as hyphens (for every engine: refusing more is the safe side).
+  underscores are read as hyphens (for every engine: refusing more is the safe side), and
+  `--kv-transfer-config.kv_role=x` as a JSON value of `--kv-transfer-config` that replaces the
+  rendered one, so a dotted name is read as the name before the dot;
+- a single-dash prefix (`-t` for `-tp`) as argparse resolves it.
 
 Flags that only add a safety feature (SGLang's KV checksum and KV canary) are not owned: adding
 them is how a spec meets a policy, and InferencePolicy checks them (policy.py).
@@ -27,6 +30,10 @@ from kvguard.workers.args import WorkerArgs
 
 _OPERATOR = "the operator (it wires each role)"
 _SOURCE = "spec.model.source"
+_ARGUMENT_FILE = "a file of arguments"  # vLLM's --config YAML: anything, where no check can read it
+# Not on the rendered command line, but what the plan sizes KV per token from (the model's shape and
+# dtype, with kvCacheDtype auto): the engine would otherwise read them from the checkpoint.
+_PLAN_ONLY = {"--dtype", "--hf-overrides", "--hf-config-path", "--json-model-override-args"}
 
 SGLANG_OWNED: Mapping[str, str] = {
     "--model-path": _SOURCE, "--model": _SOURCE, "--revision": "spec.model.source.revision",
@@ -43,6 +50,7 @@ SGLANG_OWNED: Mapping[str, str] = {
     "--enable-dp-attention": "spec.roles.*.dataParallelAttention",
     "--ep-size": "spec.roles.*.expertParallel", "--expert-parallel-size": "spec.roles.*.expertParallel",
     "--stream-interval": "spec.engine.streamInterval",
+    "--dtype": "spec.model.architecture.dtype", "--json-model-override-args": "spec.model.architecture",
 }  # fmt: skip
 
 VLLM_OWNED: Mapping[str, str] = {
@@ -56,11 +64,23 @@ VLLM_OWNED: Mapping[str, str] = {
     "--data-parallel-size": "spec.roles.*.dataParallel", "-dp": "spec.roles.*.dataParallel",
     "--enable-expert-parallel": "spec.roles.*.expertParallel",
     "--stream-interval": "spec.engine.streamInterval",
+    # KV bytes per token follow the model's shape and dtype (kvCacheDtype auto): the plan's, from the spec
+    "--dtype": "spec.model.architecture.dtype", "--hf-overrides": "spec.model.architecture",
+    "--hf-config-path": "spec.model.architecture", "--config": _ARGUMENT_FILE,
+}  # fmt: skip
+
+# Flags the plan itself reads from spec.engine.extraArgs (vLLM's profile run sizes the activation
+# reserve from them: estimates.vllm_batch_limits). In a role's extraArgs they would change one
+# role's reserve behind the plan's back, so they belong to the engine's list.
+PLANNER_READ: Mapping[EngineKind, tuple[str, ...]] = {
+    EngineKind.VLLM: ("--max-num-batched-tokens", "--max-num-seqs", "--enforce-eager", "--enable-chunked-prefill",
+                      "--no-enable-chunked-prefill"),
 }  # fmt: skip
 
 # `kvguard worker`: every flag but these few tunables is written by the renderer from the spec, or
 # is a safety setting (`--min-kv-ratio` is S7's own bar; `--transfer-encryption` the spec's choice).
 _KVGUARD_TUNABLE = {"header_timeout", "max_running_requests"}
+KVGUARD_TUNABLE_FLAGS = tuple(sorted("--" + name.replace("_", "-") for name in _KVGUARD_TUNABLE))
 _KVGUARD_FIELDS = {
     "context_length": "spec.contextLength", "kv_pool_tokens": "spec.kvPoolTokens", "page_size": "spec.pageSize",
     "kv_memory_fraction": "spec.memoryFraction", "device": "spec.hardware.device", "dtype": "spec.weights.quantization",
@@ -85,16 +105,31 @@ def flag_name(token: str) -> str | None:
     if not token.startswith("-") or token == "-" or _is_number(token):
         return None
     name = token.split("=", 1)[0]
-    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+    if not name.startswith("--"):
+        return name
+    return "--" + name[2:].split(".", 1)[0].replace("_", "-")
 
 
-def owned_flag(name: str, owned: Mapping[str, str]) -> str | None:
-    """The owned flag `name` stands for: itself, or the first owned long flag it abbreviates."""
+def owned_flag(name: str, owned: Mapping[str, str] | Sequence[str]) -> str | None:
+    """The owned flag `name` stands for: itself, or the first owned flag of its kind (long or
+    single-dash) it abbreviates."""
     if name in owned:
         return name
-    if name.startswith("--") and len(name) > 2:
-        return next((flag for flag in sorted(owned) if flag.startswith(name)), None)
+    long = name.startswith("--")
+    if len(name) > (2 if long else 1):
+        return next((flag for flag in sorted(owned) if flag.startswith(name) and flag.startswith("--") == long), None)
     return None
+
+
+def canonical(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """`args` with each token that names one of `flags` spelled as that flag (`--max_num_seqs=8`
+    -> `--max-num-seqs=8`), so a reader of the arguments sees what the engine's parser sees."""
+    spelled = []
+    for token in args:
+        name = flag_name(token)
+        flag = owned_flag(name, flags) if name is not None else None
+        spelled.append(token if flag is None else flag + (token[token.index("="):] if "=" in token else ""))
+    return spelled
 
 
 def overrides(args: Sequence[str], owned: Mapping[str, str]) -> Iterator[tuple[str, str, str]]:
@@ -107,6 +142,10 @@ def overrides(args: Sequence[str], owned: Mapping[str, str]) -> Iterator[tuple[s
 
 def override_message(token: str, flag: str, owner: str) -> str:
     spelled = "" if token.split("=", 1)[0] == flag else f" (read as {flag})"
+    if flag in _PLAN_ONLY:
+        return f"{token}{spelled} changes {owner}, which the plan sizes the KV pool from: set {owner}"
+    if owner == _ARGUMENT_FILE:
+        return f"{token}{spelled} passes {owner} that no admission check can read: put them in extraArgs"
     if owner.startswith("spec."):
         return f"{token}{spelled} overrides {owner}, which the plan and the rendered command already use: set {owner}"
     return f"{token}{spelled} is set by {owner}: it cannot be overridden"

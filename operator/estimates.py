@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass
 
 from kvguard.operator.api import DeviceKind, EngineKind, EstimatedInput, InferenceModelSpec, WorkerRole
+from kvguard.operator.engine_flags import canonical
 
 GiB = 1024**3
 
@@ -101,9 +102,10 @@ def engine_version(spec: InferenceModelSpec) -> tuple[int, int] | None:
 
 
 def engine_flag(spec: InferenceModelSpec, name: str) -> str | None:
-    """The value of `name` in engine.extraArgs (`--x=v` or `--x v`; the last one wins, as in argparse)."""
+    """The value of `name` in engine.extraArgs (`--x=v` or `--x v`; the last one wins, as in argparse),
+    read as the engine's parser reads it (`--x_y`, abbreviations: engine_flags.canonical)."""
     value: str | None = None
-    args = spec.engine.extra_args
+    args = canonical(spec.engine.extra_args, (name,))
     for i, arg in enumerate(args):
         if arg == name and i + 1 < len(args):
             value = args[i + 1]
@@ -113,7 +115,7 @@ def engine_flag(spec: InferenceModelSpec, name: str) -> str | None:
 
 
 def has_engine_flag(spec: InferenceModelSpec, name: str) -> bool:
-    return any(arg == name or arg.startswith(name + "=") for arg in spec.engine.extra_args)
+    return any(arg == name or arg.startswith(name + "=") for arg in canonical(spec.engine.extra_args, (name,)))
 
 
 def _gib(value: float) -> str:

@@ -143,13 +143,7 @@ def _spec_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
 
 def _engine_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
     path = "spec.engine.extraArgs"
-    # S7: a flag the renderer writes from the spec, written again by hand, wins over it (engine_flags.py).
-    owned = engine_flags.OWNED[spec.engine.kind]
-    sources = [(path, "*", spec.engine.extra_args)]
-    sources += [(f"spec.roles.{name}.extraArgs", name, role.extra_args or []) for name, role in spec.roles.worker_roles().items()]
-    for where, role_name, args in sources:
-        for token, flag, owner in engine_flags.overrides(args, owned):
-            yield where, engine_flags.override_message(token, flag, owner.replace("spec.roles.*", f"spec.roles.{role_name}"))
+    yield from _extra_args_problems(spec)
     if spec.engine.kind is not EngineKind.VLLM:
         return
     for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
@@ -162,6 +156,31 @@ def _engine_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
             f"is required for vLLM {spec.engine.version}: the V0 engine's activation profile is not modelled "
             "(set the activation peak from its startup log: peak torch memory minus weights)"
         )
+
+
+def _extra_args_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
+    """S7: a flag the renderer writes from the spec, written again by hand, wins over it
+    (engine_flags.py); so do the flags the plan reads, in a role's list; and for the kvguard
+    engine, whose parser is ours, any flag but its tunables stops the worker."""
+    path = "spec.engine.extraArgs"
+    owned = engine_flags.OWNED[spec.engine.kind]
+    sources = [(path, "*", spec.engine.extra_args)]
+    sources += [(f"spec.roles.{name}.extraArgs", name, role.extra_args or []) for name, role in spec.roles.worker_roles().items()]
+    read_by_plan = engine_flags.PLANNER_READ.get(spec.engine.kind, ())
+    for where, role_name, args in sources:
+        overriding = list(engine_flags.overrides(args, owned))
+        for token, flag, owner in overriding:
+            yield where, engine_flags.override_message(token, flag, owner.replace("spec.roles.*", f"spec.roles.{role_name}"))
+        if where != path:  # the plan reads these from the engine's list only
+            for token, _, _ in engine_flags.overrides(args, dict.fromkeys(read_by_plan, "")):
+                yield where, f"{token} sizes vLLM's activation reserve, which the plan reads from spec.engine.extraArgs: set it there"
+        if spec.engine.kind is EngineKind.KVGUARD:  # our own parser: every other flag would stop the worker
+            said = {token for token, _, _ in overriding}
+            for token in args:  # as written: kvguard's parser reads no `_` for `-` and no abbreviation
+                name = engine_flags.flag_name(token) and token.split("=", 1)[0]
+                if name and token not in said and name not in engine_flags.KVGUARD_TUNABLE_FLAGS:
+                    yield where, (f"{token} is not a kvguard worker flag it may set (only "
+                                  f"{' and '.join(engine_flags.KVGUARD_TUNABLE_FLAGS)}): the worker would not start")
 
 
 def _architecture_problems(arch: ModelArchitecture, needs_parameters: bool) -> Iterator[tuple[str, str]]:

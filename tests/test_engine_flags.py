@@ -73,6 +73,16 @@ REFUSED = [
     ("kvguard", "engine", ["--transfer-encryption", "none"], "spec.kvTransfer.encryption"),
     ("kvguard", "engine", ["--role", "router"], "the operator"),
     ("kvguard", "engine", ["--device=cuda"], "spec.hardware.device"),
+    # a regression probe of the above: vLLM's dotted JSON arguments, single-dash prefixes, the model's shape
+    ("vllm", "decode", ["--kv-transfer-config.kv_load_failure_policy=recompute"], "spec.kvTransfer"),
+    ("vllm", "engine", ["-t", "2"], "spec.roles.*.tensorParallel"),
+    ("vllm", "engine", ["--dtype", "float32"], "spec.model.architecture.dtype"),
+    ("vllm", "engine", ["--hf-overrides", "{}"], "spec.model.architecture"),
+    ("vllm", "engine", ["--config", "args.yaml"], "a file of arguments"),
+    ("sglang", "engine", ["--json-model-override-args", "{}"], "spec.model.architecture"),
+    ("vllm", "decode", ["--max-num-batched-tokens", "196608"], "spec.engine.extraArgs"),  # read by the plan, there only
+    ("kvguard", "engine", ["--max_running_requests", "4"], "--max-running-requests"),  # the worker's own parser refuses it
+    ("kvguard", "engine", ["-h"], "not a kvguard worker flag"),
 ]
 
 
@@ -123,6 +133,17 @@ def test_every_flag_the_renderer_writes_on_a_worker_is_owned(kind: str) -> None:
         engine_args = command[3:] if command[:2] == ["python3", "-m"] else command  # not the interpreter's -m
         flags = {name for token in engine_args if (name := engine_flags.flag_name(token)) is not None}
         assert flags - owned.keys() - SAFETY_FLAGS == set(), (role, command)
+
+
+def test_the_flags_the_plan_reads_are_read_as_vllm_reads_them() -> None:
+    """`--max_num_batched_tokens` (and abbreviations) changed vLLM's activation reserve while the plan
+    read only the hyphenated spelling: a blocked spec passed (a regression probe)."""
+    with pytest.raises(AdmissionDenied) as denied:
+        admit(with_args("vllm", "engine", ["--max_num_seqs", "0"]))
+    assert "--max-num-seqs needs a positive integer, got '0'" in str(denied.value)
+    spelled = plan(InferenceModelSpec.model_validate(with_args("vllm", "engine", ["--max-num-batched-tokens", "196608"])))
+    underscored = plan(InferenceModelSpec.model_validate(with_args("vllm", "engine", ["--max_num_batched_tokens", "196608"])))
+    assert spelled.roles["decode"].pool_tokens == underscored.roles["decode"].pool_tokens
 
 
 def test_vllm_without_a_router_image_is_refused_naming_it() -> None:
