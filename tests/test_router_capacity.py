@@ -11,6 +11,7 @@ import collections
 import concurrent.futures as cf
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -95,6 +96,32 @@ def test_a_client_that_reads_nothing_loses_its_connection_and_its_slots(narrow: 
     finally:
         stalled.close()
     wait_pools_empty(narrow)
+
+
+def test_a_client_that_reads_slowly_is_not_a_client_that_reads_nothing(narrow: LocalDeployment) -> None:
+    """The first write timeout bounded each write, so a steady reader of 1-16 kB/s was cut off after
+    30 s (a regression probe): here the client reads 8 kB every 0.2 s for three write timeouts,
+    then the rest at once, and gets the whole stream."""
+    slow = stalled_stream(narrow)
+    received = b""
+    try:
+        deadline = time.monotonic() + 3 * WRITE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            received += slow.recv(8192)
+            time.sleep(0.2)  # the client's own pace (it is the slow reader), not a wait for the server
+        slow.settimeout(30)
+        while b"data: [DONE]" not in received and (chunk := slow.recv(1 << 16)):  # the rest at once
+            received += chunk
+    finally:
+        slow.close()
+    assert b"data: [DONE]" in received, received[-200:]  # the whole stream, chunked framing and all
+
+
+def test_more_choices_than_the_router_runs_at_once_is_a_400(narrow: LocalDeployment) -> None:
+    """A request takes all its slots together: one with more choices than slots could never start
+    (taken one by one, its own running choices held the slots its last one waited for)."""
+    answer = completion(narrow, "too many", n=SLOTS + 1)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n", answer.text
 
 
 def test_a_burst_past_both_workers_running_slots_is_served_s4(tiny_model_dir: Path) -> None:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
@@ -41,6 +42,7 @@ from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvguard.workers.backpressure import Slots, StallWatch, drop
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
@@ -360,8 +362,8 @@ class Router:
         self._aborts_in_flight: set[asyncio.Task[None]] = set()
         """Aborts still being sent (shielded from their handler's cancellation): on shutdown they
         go out before the session closes, so the workers learn each request's cause."""
-        self._inflight = asyncio.Semaphore(config.max_inflight_choices)
-        """One per generation with calls open to workers (`_generate`)."""
+        self._slots = Slots(config.max_inflight_choices)
+        """One per generation with calls open to workers, taken per request (`_take_slots`)."""
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -525,42 +527,60 @@ class Router:
                 echo=[p.text for p in prompts for _ in range(body.choices_per_prompt)], include_usage=body.include_usage,
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
-            if body.streaming:
-                return await self._stream(request, choices, builder, body, prompt_tokens)
-            return await self._send(request, await self._whole(choices, builder, prompt_tokens))
+            first_token_by = await self._take_slots(len(choices))
+            try:
+                generate = functools.partial(self._generate, first_token_by=first_token_by)
+                if body.streaming:
+                    return await self._stream(request, choices, builder, body, prompt_tokens, generate)
+                return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
+            finally:
+                self._slots.release(len(choices))
         except OpenAIError as err:
             return self._error_response(err)
 
-    async def _send(self, request: web.Request, response: web.Response) -> web.Response:
-        """A whole answer, sent within write_timeout_s (`_write`'s bound for a body as a whole)."""
+    async def _take_slots(self, count: int) -> float:
+        """One slot per generation, all at once (`backpressure.Slots`), before any worker allocates
+        anything; returns the loop time by which the first token must come: the request waits
+        --request-timeout in all, here and on the workers."""
+        if count > self._slots.capacity:
+            raise OpenAIError(400, f"n: {count} choices are more than this router runs at once "
+                              f"(--max-inflight-choices {self._slots.capacity})", param="n", code="integer_above_max_value")  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        self.metrics.waiting_choices.inc(count)
         try:
-            async with asyncio.timeout(self.config.write_timeout_s):
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire(count)
+        except TimeoutError:
+            self.metrics.requests.labels("failed").inc()
+            raise OpenAIError(504, "the request timed out waiting for the router's capacity", code="timeout") from None
+        finally:
+            self.metrics.waiting_choices.dec(count)
+        return deadline
+
+    def _watch(self, request: web.Request) -> StallWatch:
+        """A client that reads none of its answer for write_timeout_s loses the connection: it would
+        otherwise hold it, and the output buffered for it, for ever (a full receive window blocks a
+        write; nothing else times out). Reading slowly is not stalling (`backpressure.StallWatch`)."""
+
+        def drop_connection() -> None:
+            # With handler_cancellation (servers.app_runner) the handler is then cancelled, and the
+            # legs of its generations are aborted as for a disconnect (S4).
+            log.info("request %s: the client read nothing for %gs; its connection is reset",
+                     request.get(_LABEL_KEY), self.config.write_timeout_s)  # fmt: skip
+            drop(request.transport)
+
+        return StallWatch(request.transport, self.config.write_timeout_s, drop_connection)
+
+    async def _send(self, request: web.Request, response: web.Response) -> web.Response:
+        """A whole answer, under the same watch as a stream's writes."""
+        watch = self._watch(request)
+        try:
+            with watch:
                 await response.prepare(request)
                 await response.write_eof()
-        except TimeoutError:
-            self._drop_connection(request)
-            raise _ClientStalled from None
+        finally:
+            watch.close()
         return response
-
-    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        """One write of a stream. A client that reads nothing for write_timeout_s loses the
-        connection: it would otherwise hold it, and the output buffered for it, for ever (a full
-        receive window blocks the write; nothing else times out)."""
-        try:
-            async with asyncio.timeout(self.config.write_timeout_s):
-                await response.write(data)
-        except TimeoutError:
-            self._drop_connection(request)
-            raise _ClientStalled from None
-
-    def _drop_connection(self, request: web.Request) -> None:
-        # abort, not close: close would wait to flush what the client is not reading. With
-        # handler_cancellation (servers.app_runner) the handler is then cancelled, and the legs of
-        # its generations are aborted as for a disconnect (S4).
-        log.info("request %s: the client read nothing for %gs; its connection is closed",
-                 request.get(_LABEL_KEY), self.config.write_timeout_s)  # fmt: skip
-        if request.transport is not None:
-            request.transport.abort()
 
     def _fail_if_injected(self, request: web.Request) -> None:
         """The fail_proxied_requests fault (test only): a revision that fails live traffic -- what
@@ -722,64 +742,70 @@ class Router:
                 raise context_length_exceeded(prompt_tokens, max_tokens, limit, what, prompt_param, budget_param)
         return max_tokens, False
 
-    async def _whole(self, choices: list[Choice], builder: ResponseBuilder, prompt_tokens: int) -> web.Response:
+    async def _whole(self, choices: list[Choice], builder: ResponseBuilder, prompt_tokens: int, generate: Generate) -> web.Response:
         if len(choices) == 1:
-            results = [await self._run_choice(choices[0])]
+            results = [await _run_choice(choices[0], generate)]
         else:
             try:  # one failed choice ends the others (their legs are aborted) and is the answer
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._run_choice(c)) for c in choices]
+                    tasks = [group.create_task(_run_choice(c, generate)) for c in choices]
             except ExceptionGroup as failed:
                 raise _first_openai_error(failed) from None
             results = [t.result() for t in tasks]
         return web.json_response(builder.whole(results, prompt_tokens))
 
-    async def _run_choice(self, choice: Choice) -> ChoiceResult:
-        pieces: list[str] = []
-        records: list[TokenLogprob] = []
-        async with contextlib.aclosing(self._generate(choice.generate)) as events:
-            async for event in events:
-                if isinstance(event, TokenEvent):
-                    pieces.append(event.text)
-                    records.extend(event.logprobs or ())
-                else:
-                    return ChoiceResult(choice.index, "".join(pieces), event.finish_reason, event.completion_tokens, records)
-        raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
-
     async def _stream(
-        self, request: web.Request, choices: list[Choice], builder: ResponseBuilder, body: APIRequest, prompt_tokens: int
+        self, request: web.Request, choices: list[Choice], builder: ResponseBuilder, body: APIRequest, prompt_tokens: int,
+        generate: Generate,
     ) -> web.StreamResponse:
         # aclosing: if the client goes away while a token is being written, every choice's legs are
         # still aborted now (S4), not at garbage collection.
-        async with contextlib.aclosing(_merged(choices, self._generate)) as events:
+        async with contextlib.aclosing(_merged(choices, generate)) as events:
             # Headers go out with the first token, so an error before it is still a proper status.
             first = await anext(events, None)
             if first is None:
                 raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
-            started: set[int] = set()
-            completion_tokens = 0
-            item: tuple[int, TokenEvent | FinishEvent] | None = first
+            watch = self._watch(request)
             try:
-                while item is not None:
-                    index, event = item
-                    is_first = index not in started
-                    started.add(index)
-                    if isinstance(event, TokenEvent):
-                        chunk = builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first)
-                    else:
-                        completion_tokens += event.completion_tokens
-                        chunk = sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first))
-                    await self._write(request, response, chunk)
-                    item = await anext(events, None)
-                if body.include_usage:
-                    await self._write(request, response, sse(builder.usage_chunk(prompt_tokens, completion_tokens)))
-                await self._write(request, response, SSE_DONE)
-            except OpenAIError as err:
-                # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
-                await self._write(request, response, sse(err.body()))
-        await response.write_eof()
+                return await self._relay(response, events, first, watch, builder, body, prompt_tokens)
+            finally:
+                watch.close()
+
+    async def _relay(
+        self, response: web.StreamResponse, events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]],
+        first: tuple[int, TokenEvent | FinishEvent], watch: StallWatch, builder: ResponseBuilder, body: APIRequest,
+        prompt_tokens: int,
+    ) -> web.StreamResponse:
+        """The stream's events as SSE chunks, each write under `watch`."""
+
+        async def write(data: bytes) -> None:
+            with watch:
+                await response.write(data)
+
+        started: set[int] = set()
+        completion_tokens = 0
+        item: tuple[int, TokenEvent | FinishEvent] | None = first
+        try:
+            while item is not None:
+                index, event = item
+                is_first = index not in started
+                started.add(index)
+                if isinstance(event, TokenEvent):
+                    await write(builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first))
+                else:
+                    completion_tokens += event.completion_tokens
+                    await write(sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first)))
+                item = await anext(events, None)
+            if body.include_usage:
+                await write(sse(builder.usage_chunk(prompt_tokens, completion_tokens)))
+            await write(SSE_DONE)
+        except OpenAIError as err:
+            # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
+            await write(sse(err.body()))
+        with contextlib.suppress(ConnectionResetError):  # the client left after the last event: nothing to end
+            await response.write_eof()
         return response
 
     def _error_response(self, err: OpenAIError) -> web.Response:
@@ -791,26 +817,7 @@ class Router:
         return response
 
     # -- the two legs ----------------------------------------------------------------------
-    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
-        """`_legs` once one of max_inflight_choices slots is free: a burst waits here, holding nothing
-        on the workers, rather than in the connection pool with decode's pages allocated."""
-        self.metrics.waiting_choices.inc()
-        try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                await self._inflight.acquire()
-        except TimeoutError:
-            self.metrics.requests.labels("failed").inc()
-            raise OpenAIError(504, "the request timed out waiting for the router's capacity", code="timeout") from None
-        finally:
-            self.metrics.waiting_choices.dec()
-        try:
-            async with contextlib.aclosing(self._legs(request)) as events:
-                async for event in events:
-                    yield event
-        finally:
-            self._inflight.release()
-
-    async def _legs(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+    async def _generate(self, request: GenerateRequest, first_token_by: float) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
         Whatever way this generator ends early -- an error, a timeout, the client disconnecting
@@ -838,7 +845,9 @@ class Router:
             if resp.status != 200:
                 raise await _upstream_error(resp)
             events = _decode_events(resp)
-            while (event := await _next_event(events, prefill_task)) is not None:
+            # Until the first token, the request's whole wait (its slot included) is bounded by first_token_by.
+            while (event := await (_next_event(events, prefill_task) if tokens else
+                                   _by(first_token_by, _next_event(events, prefill_task)))) is not None:  # fmt: skip
                 if isinstance(event, BootstrapEvent):
                     if ticket.done():
                         raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
@@ -1000,6 +1009,12 @@ async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[DecodeEv
 DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent
 
 
+async def _by(deadline: float, waiting: Awaitable[T]) -> T:
+    """`waiting`, or TimeoutError at loop time `deadline`."""
+    async with asyncio.timeout_at(deadline):
+        return await waiting
+
+
 async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.Task[None] | None) -> DecodeEvent | None:
     """The decode leg's next event (None at its end); while the prefill leg still runs, its failure
     comes first and is raised at once (S4). A prefill that failed or died before its OPEN reached
@@ -1036,10 +1051,6 @@ def _worker_failure(exc: aiohttp.ClientError) -> str:
 
 def _too_large_error(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
-
-
-class _ClientStalled(Exception):
-    """The client read none of its answer for write_timeout_s; its connection is gone."""
 
 
 async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:
@@ -1100,6 +1111,19 @@ def _first_openai_error(group: BaseExceptionGroup) -> BaseException:
 
 
 Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
+
+
+async def _run_choice(choice: Choice, generate: Generate) -> ChoiceResult:
+    pieces: list[str] = []
+    records: list[TokenLogprob] = []
+    async with contextlib.aclosing(generate(choice.generate)) as events:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                pieces.append(event.text)
+                records.extend(event.logprobs or ())
+            else:
+                return ChoiceResult(choice.index, "".join(pieces), event.finish_reason, event.completion_tokens, records)
+    raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
 _DONE = object()
 
 

@@ -1,0 +1,126 @@
+"""What one client can hold in the router: generation slots, and writes that must make progress.
+
+`Slots`: the router runs at most N generations at once. A request takes the slots of all its
+generations together, first come first served: taken one by one, a request of `n: 4` behind
+three free slots held three while its fourth waited for a slot that only its own three could
+free (a regression probe: a 504 mid-stream), and a big request could starve behind small ones.
+
+`StallWatch`: a write to a client may take as long as it likes while the client reads;
+the client loses its connection only once it has read nothing for the timeout. A timeout around
+each write cut off steady slow readers (1-16 KB/s) after 30 s: one write of a chunk can wait that
+long while the buffers drain slowly. Progress is the bytes still to deliver -- the transport's
+buffer and, on Linux, the kernel's unsent queue (SIOCOUTQ) -- going down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import fcntl
+import socket
+import struct
+import termios
+from collections.abc import Callable
+
+
+class Slots:
+    """A counting semaphore whose holders take several units at once, in arrival order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = capacity
+        self._queue: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Units asked for by the holders still waiting."""
+        return sum(count for count, _ in self._queue)
+
+    async def acquire(self, count: int) -> None:
+        assert 0 < count <= self.capacity, (count, self.capacity)
+        if not self._queue and self.free >= count:
+            self.free -= count
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((count, granted))
+        try:
+            await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.release(count)  # granted just as the waiter was cancelled: give it back
+            else:
+                self._queue.remove((count, granted))
+                self._grant()  # the head may have been this waiter: the next ones may fit now
+            raise
+
+    def release(self, count: int) -> None:
+        self.free += count
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._queue and self._queue[0][0] <= self.free:
+            count, granted = self._queue.popleft()
+            self.free -= count
+            granted.set_result(None)
+
+
+def unsent_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to `transport` that the peer has not received yet (its buffer, plus the
+    kernel's send queue where the platform says)."""
+    pending = transport.get_write_buffer_size() if isinstance(transport, asyncio.WriteTransport) else 0
+    sock = transport.get_extra_info("socket")
+    if sock is not None and hasattr(termios, "TIOCOUTQ"):
+        with contextlib.suppress(OSError):
+            pending += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return pending
+
+
+class StallWatch:
+    """Drops a client's connection once a write to it has waited `timeout_s` with nothing of what
+    was written delivered (checked every half timeout: dropped within 1.5x). Costs a flag per write
+    and a timer per connection, not a timer per write: a stream writes once per token."""
+
+    def __init__(self, transport: asyncio.BaseTransport | None, timeout_s: float, on_stall: Callable[[], None]) -> None:
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.on_stall = on_stall
+        self.write_began: float | None = None  # loop time the write in progress began; None: none is
+        self._seen: tuple[float, int, float] | None = None  # (that write's start, bytes undelivered, since when)
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(timeout_s / 2, self._check)
+
+    def __enter__(self) -> StallWatch:
+        self.write_began = self._loop.time()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.write_began = None
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        began = self.write_began
+        if began is not None and self.transport is not None:
+            now, undelivered = self._loop.time(), unsent_bytes(self.transport)
+            if self._seen is None or self._seen[0] != began:  # a write this check has not seen yet
+                self._seen = (began, undelivered, began)
+            elif undelivered < self._seen[1]:  # the client read some: the clock starts again
+                self._seen = (began, undelivered, now)
+            if now - self._seen[2] >= self.timeout_s:
+                self.on_stall()
+                return
+        self._timer = self._loop.call_later(self.timeout_s / 2, self._check)
+
+
+def drop(transport: asyncio.Transport | None) -> None:
+    """Close at once, discarding what the client did not read: a reset (SO_LINGER 0), not a FIN
+    behind megabytes the kernel would keep sending."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
