@@ -332,3 +332,8 @@ def test_expect_100_continue_for_a_body_too_large_gets_the_413_not_an_invitation
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 2\r\nExpect: 100-continue\r\n\r\n")  # fmt: skip
         assert sock.recv(4096).startswith(b"HTTP/1.1 100 Continue")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:  # any other expectation: OpenAI's shape
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nExpect: foo\r\n\r\n")  # fmt: skip
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 417") and b'"code": "expectation_failed"' in answer, answer

@@ -605,12 +605,16 @@ class Router:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (curl's default for large bodies): a body its Content-Length
         already refuses gets the 413 instead of an invitation to upload it."""
-        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+        if request.headers.get("Expect", "").lower() != "100-continue":  # aiohttp's answer is plain text
+            response = self._error_response(OpenAIError(417, "the only Expect this server meets is 100-continue",
+                                                        code="expectation_failed", param="Expect"))  # fmt: skip
+        elif request.content_length is not None and request.content_length > self.config.max_body_bytes:
             response = self._error_response(_too_large_error(self.config.max_body_bytes))
-            response.force_close()  # the client holds the body back: nothing of it is on the connection to skip
-            return response
-        await _default_expect_handler(request)
-        return None
+        else:
+            await _default_expect_handler(request)
+            return None
+        response.force_close()  # the client holds the body back: nothing of it is on the connection to skip
+        return response
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
