@@ -3,48 +3,61 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
 from kvguard.workers.backpressure import Slots
 
 
+async def until(condition: Callable[[], bool], what: str, turns: int = 100) -> None:
+    """Let the other tasks run until `condition` holds (a few loop turns), else fail naming `what`."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)  # one loop turn: the tasks under test run their next step
+    pytest.fail(f"{what} did not happen within {turns} loop turns")
+
+
+async def queued(slots: Slots, count: int) -> asyncio.Future[None]:
+    """A holder asking for `count` units, once it waits in the queue."""
+    before = slots.waiting
+    holder = asyncio.ensure_future(slots.acquire(count))
+    await until(lambda: slots.waiting == before + count, f"a holder of {count} to queue")
+    return holder
+
+
 async def test_a_holder_takes_its_units_together_and_in_arrival_order() -> None:
     slots = Slots(4)
     await slots.acquire(3)
-    big = asyncio.ensure_future(slots.acquire(4))  # waits for all four
-    await asyncio.sleep(0)
-    small = asyncio.ensure_future(slots.acquire(1))  # fits now, but arrived after `big`: waits behind it
-    await asyncio.sleep(0)
+    big = await queued(slots, 4)  # waits for all four
+    small = await queued(slots, 1)  # fits now, but arrived after `big`: waits behind it
     assert not big.done() and not small.done() and slots.waiting == 5
     slots.release(3)
-    await asyncio.sleep(0)
-    assert big.done() and not small.done() and slots.free == 0
+    await until(big.done, "the big holder's grant")
+    assert not small.done() and slots.free == 0
     slots.release(4)
-    await asyncio.sleep(0)
-    assert small.done() and slots.free == 3 and slots.waiting == 0
+    await until(small.done, "the small holder's grant")
+    assert slots.free == 3 and slots.waiting == 0
 
 
 async def test_a_waiter_that_gives_up_lets_the_next_ones_in() -> None:
     slots = Slots(2)
     await slots.acquire(1)
-    head = asyncio.ensure_future(slots.acquire(2))
-    await asyncio.sleep(0)
-    behind = asyncio.ensure_future(slots.acquire(1))
-    await asyncio.sleep(0)
+    head = await queued(slots, 2)
+    behind = await queued(slots, 1)
     assert not behind.done()
     head.cancel()  # its request timed out waiting
     with pytest.raises(asyncio.CancelledError):
         await head
-    await asyncio.sleep(0)
-    assert behind.done() and slots.free == 0 and slots.waiting == 0
+    await until(behind.done, "the holder behind to be granted")
+    assert slots.free == 0 and slots.waiting == 0
 
 
 async def test_units_granted_to_a_waiter_cancelled_meanwhile_come_back() -> None:
     slots = Slots(1)
     await slots.acquire(1)
-    waiter = asyncio.ensure_future(slots.acquire(1))
-    await asyncio.sleep(0)
+    waiter = await queued(slots, 1)
     slots.release(1)  # granted...
     waiter.cancel()  # ...and cancelled before it ran
     with pytest.raises(asyncio.CancelledError):

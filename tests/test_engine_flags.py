@@ -36,6 +36,10 @@ def spec_data(kind: str) -> dict[str, Any]:
     return data
 
 
+def worker_command(spec: InferenceModelSpec, role: str) -> list[str]:
+    return ADAPTERS[spec.engine.kind].command(RoleContext(spec, plan(spec), Owner("m", "ns", "u"), "r1", role))  # type: ignore[arg-type]
+
+
 def admit(spec: dict[str, Any]) -> None:
     body = {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m", "namespace": "ns", "uid": "u"}, "spec": spec}
     check_admission(body, None, "CREATE", [])
@@ -109,7 +113,8 @@ def test_tuning_flags_the_spec_does_not_set_are_admitted(kind: str, where: str, 
     data = with_args(kind, where, args)
     if where != "engine" and kind != "kvguard":  # the same on both sides: P/D parity
         data["roles"]["prefill" if where == "decode" else "decode"] = dict(data["roles"][where])
-    admit(data)
+    admit(data)  # raises AdmissionDenied on a refusal
+    assert worker_command(InferenceModelSpec.model_validate(data), "decode")[-len(args):] == args  # rendered as written, last
 
 
 SAFETY_FLAGS = {"--disaggregation-enable-kv-checksum", "--kv-canary", "--kv-canary-real-data", "--kv-canary-sweep-interval",
@@ -126,10 +131,9 @@ def test_every_flag_the_renderer_writes_on_a_worker_is_owned(kind: str) -> None:
         data["engine"]["kvCanary"] = {"mode": "log"}
         data["kvTransfer"] = {**data.get("kvTransfer", {}), "checksum": True}
     spec = InferenceModelSpec.model_validate(data)
-    kv_plan = plan(spec)
     owned = engine_flags.OWNED[EngineKind(kind)]
     for role in ("prefill", "decode"):
-        command = ADAPTERS[spec.engine.kind].command(RoleContext(spec, kv_plan, Owner("m", "ns", "u"), "r1", role))
+        command = worker_command(spec, role)
         engine_args = command[3:] if command[:2] == ["python3", "-m"] else command  # not the interpreter's -m
         flags = {name for token in engine_args if (name := engine_flags.flag_name(token)) is not None}
         assert flags - owned.keys() - SAFETY_FLAGS == set(), (role, command)

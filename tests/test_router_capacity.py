@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
+import contextlib
 import json
 import socket
 import time
@@ -72,11 +73,9 @@ def stalled_stream(d: LocalDeployment) -> socket.socket:
 def read_all(sock: socket.socket) -> bytes:
     received = b""
     sock.settimeout(30)
-    try:
+    with contextlib.suppress(ConnectionResetError):  # the router resets the connection once the buffered bytes are read
         while chunk := sock.recv(1 << 16):
             received += chunk
-    except ConnectionResetError:
-        pass  # the router aborts the connection: a reset once the buffered bytes are read
     return received
 
 
