@@ -768,7 +768,7 @@ end_idle:
        fi };
      atomic { djob[r] = false; x_end(r, T_FAILED, true, CANCELLED); goto end }   /* (mutant) the cancel, later */
   :: atomic { d_epoch == boot && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN) && TIMER ->
-       spend_timer(); x_end(r, T_FAILED, true, TIMEOUT) }                         /* the stall timer */
+       spend_timer(); x_end(r, T_FAILED, true, TIMEOUT) }          /* the open timer (EXPECTED), the stall timer (OPEN) */
   :: atomic { d_epoch == boot && derr_any && b_derr > 0 && ds[r] != ABORTED -> b_derr--;
        /* AsyncEngine._step fails outside a forward pass: engine.abort of every live request, this
         * one PREALLOCATED or RECEIVING: its pages are freed (and may be granted to another request

@@ -700,11 +700,14 @@ class KVTransferSpec(ApiModel):
     `--max-transfer-batch`)."""
     timeout_seconds: PositiveInt = 30
     """A transfer that makes no progress for this long aborts its request on both sides (S4;
-    Mooncake `MC_TRANSFER_TIMEOUT`, SGLang `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`)."""
+    kvguard `--transfer-timeout`, from prefill's OPEN on; Mooncake `MC_TRANSFER_TIMEOUT`)."""
     bootstrap_timeout_seconds: PositiveInt = 300
     """How long prefill waits for decode's destination pages before it aborts the request and
     frees its pages (kvguard `--bootstrap-timeout` on prefill: no transfer ticket in time is a 504
-    `bootstrap_timeout`; SGLang `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`)."""
+    `bootstrap_timeout`; SGLang `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`), and how long decode's
+    granted pages wait for prefill to open the transfer (kvguard `--bootstrap-timeout` on decode,
+    SGLang `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`: prefill sends only after computing the prompt,
+    so this bounds its queue and compute; `timeoutSeconds` governs once the transfer is open)."""
     port: int = Field(default=9000, ge=1024, le=65535)
     """Decode's KV-transfer port (kvguard); the NetworkPolicy admits only prefill pods to it. Not
     8000 or 8001: every worker listens there already (its control API and its metrics)."""

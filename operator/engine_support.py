@@ -25,9 +25,11 @@ _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def kvguard_role_options(spec: InferenceModelSpec, role: str) -> dict[str, float]:
     """`WorkerArgs` fields that belong to one role (the others keep the worker's defaults):
-    decode streams (`--stream-interval`), prefill waits for tickets (`--bootstrap-timeout`)."""
+    decode streams (`--stream-interval`); prefill waits for tickets and decode for prefill to
+    open a transfer, each at most `--bootstrap-timeout`."""
     if role == "decode":
-        return {"stream_interval": spec.engine.stream_interval or 1}
+        return {"stream_interval": spec.engine.stream_interval or 1,
+                "bootstrap_timeout": spec.kv_transfer.bootstrap_timeout_seconds}  # fmt: skip
     if role == "prefill":
         return {"bootstrap_timeout": spec.kv_transfer.bootstrap_timeout_seconds}
     return {}

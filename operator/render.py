@@ -399,7 +399,9 @@ class SGLangAdapter:
         transfer = ctx.spec.kv_transfer
         return [
             {"name": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "value": str(transfer.bootstrap_timeout_seconds)},
-            {"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": str(transfer.timeout_seconds)},
+            # Decode's wait for the KV from its allocation on: prefill's queue and compute included,
+            # so the bootstrap bound, not the stall one (as kvguard decode's --bootstrap-timeout).
+            {"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": str(transfer.bootstrap_timeout_seconds)},
             {"name": "MC_TRANSFER_TIMEOUT", "value": str(transfer.timeout_seconds)},
             {"name": "MC_TCP_ENABLE_CONNECTION_POOL", "value": "1"},
         ]

@@ -92,6 +92,33 @@ def test_stalled_transfer_times_out_and_frees_both_sides_s4(tiny_model_dir: Path
         assert metric(d, "prefill", "kvguard_aborts_total", cause="kv_transfer_timeout") == 1
 
 
+def test_a_prefill_slower_than_the_transfer_timeout_still_serves_s4(tiny_model_dir: Path) -> None:
+    """A long prompt on a large model computes for longer than a transfer may stall. Decode's stall
+    timer runs from prefill's OPEN, which comes once the KV exists: before, it ran from decode's
+    bootstrap and failed every such request with a 502 kv_transfer_timeout."""
+    stall, prefill_s = 0.3, 1.5
+    with deployment(tiny_model_dir, f"delay_prefill_ms={prefill_s * 1000:.0f}", transfer_timeout_s=stall) as d:
+        started = time.monotonic()
+        assert complete(d, "a slow prefill", max_tokens=8) == reference_text(tiny_model_dir, "a slow prefill", 8)
+        assert time.monotonic() - started >= prefill_s
+        wait_pools_empty(d)
+        assert metric(d, "decode", "kvguard_aborts_total") == 0
+
+
+def test_a_transfer_prefill_never_opens_ends_at_the_bootstrap_timeout_s4(tiny_model_dir: Path) -> None:
+    """Decode's granted pages wait for prefill's OPEN at most --bootstrap-timeout (rendered from
+    spec.kvTransfer.bootstrapTimeoutSeconds); then the request fails and both sides are freed."""
+    bootstrap = 1.0
+    with deployment(tiny_model_dir, f"delay_prefill_ms={CHUNK_DELAY_S * 1000}", bootstrap_timeout_s=bootstrap) as d:
+        started = time.monotonic()
+        kind, code = _outcome(d, "never opened")
+        took = time.monotonic() - started
+        assert (kind, code) == ("error", "kv_transfer_timeout")
+        assert bootstrap <= took < CHUNK_DELAY_S / 2
+        wait_pools_empty(d)
+        assert metric(d, "decode", "kvguard_aborts_total", cause="transfer_timeout") == 1
+
+
 def test_the_router_ends_a_request_that_waits_too_long_for_a_token_s4(tiny_model_dir: Path) -> None:
     """The router's --request-timeout bounds waiting: KV that never comes (transfer timeout set far
     longer) ends the request with a 504 by the router's timeout, and both legs are aborted."""

@@ -274,12 +274,14 @@ def test_encryption_is_refused_for_engines_that_cannot_render_it(engine: str) ->
     assert err.value.field == "spec.kvTransfer.encryption"
 
 
-def test_kvguard_prefill_gets_the_bootstrap_timeout_and_only_prefill() -> None:
+def test_kvguard_engine_roles_get_the_bootstrap_timeout_and_not_the_router() -> None:
     """spec.kvTransfer.bootstrapTimeoutSeconds bounds how long prefill holds a request whose ticket
-    never comes (S4); at the default (300 s, the worker's own) no flag is rendered."""
+    never comes, and how long decode holds pages that prefill never opens a transfer to (S4); at
+    the default (300 s, the worker's own) no flag is rendered."""
     spec_model = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"]
     source = {**spec_model, "source": {"pvc": {"claimName": "models", "path": "tiny"}}}
     objs = objects(model("tiny-cpu.yaml", model=source, kvTransfer={"bootstrapTimeoutSeconds": 60}))
-    assert float(flag(command(objs, "prefill"), "--bootstrap-timeout")) == 60
-    assert all("--bootstrap-timeout" not in command(objs, role) for role in ("decode", "router"))
-    assert "--bootstrap-timeout" not in command(objects(model("tiny-cpu.yaml", model=source)), "prefill")
+    assert all(float(flag(command(objs, role), "--bootstrap-timeout")) == 60 for role in ("prefill", "decode"))
+    assert "--bootstrap-timeout" not in command(objs, "router")
+    defaults = objects(model("tiny-cpu.yaml", model=source))
+    assert all("--bootstrap-timeout" not in command(defaults, role) for role in ("prefill", "decode"))

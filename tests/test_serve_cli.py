@@ -180,10 +180,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_bootstrap_timeout_is_prefills_flag(tmp_path: Path) -> None:
+def test_bootstrap_timeout_is_an_engine_flag(tmp_path: Path) -> None:
     from kvguard.workers.args import WorkerArgs, parse_argv
 
-    prefill = WorkerArgs(role="prefill", model=tmp_path, bootstrap_timeout=5)
-    assert parse_argv(prefill.to_argv()) == prefill
-    with pytest.raises(ValueError, match="--bootstrap-timeout is a prefill flag"):
-        parse_argv(["--role", "decode", "--model", str(tmp_path), "--bootstrap-timeout", "5"])
+    for role in ("prefill", "decode"):
+        args = WorkerArgs(role=role, model=tmp_path, bootstrap_timeout=5)
+        assert parse_argv(args.to_argv()) == args
+    with pytest.raises(ValueError, match="--bootstrap-timeout is a prefill and decode flag"):
+        parse_argv(["--role", "router", "--model", str(tmp_path), "--prefill", "http://p", "--decode", "http://d",
+                    "--bootstrap-timeout", "5"])  # fmt: skip

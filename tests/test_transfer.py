@@ -142,9 +142,10 @@ class Pair:
     recv_metrics: TransferMetrics
 
     def expect(self, rid: str, ids: Sequence[int], gens: Sequence[int], *, stall_timeout_s: float | None = None,
-               dest: tuple[str, int] | None = None) -> Expected:  # fmt: skip
+               open_timeout_s: float | None = None, dest: tuple[str, int] | None = None) -> Expected:  # fmt: skip
         """Decode's bootstrap and the router's ticket, as in production."""
-        transfer = self.receiver.expect(rid, ids, gens, self.sink.for_request(rid), stall_timeout_s=stall_timeout_s)
+        transfer = self.receiver.expect(rid, ids, gens, self.sink.for_request(rid), stall_timeout_s=stall_timeout_s,
+                                        open_timeout_s=open_timeout_s)  # fmt: skip
         self.table[rid] = transfer
         return Expected(transfer, issue(self.tickets, transfer, dest or self.dest, len(ids) * 16))
 
@@ -343,7 +344,7 @@ async def test_wrong_revision_key_cannot_even_connect_s3_s9() -> None:
     config = FAST
     other = RevisionKeys.derive(b"not-the-deployment-key-!!!!!!!!!")
     async with make_pair(config=config, sender_keys=other) as p:
-        e = p.expect("r", ids, gens, stall_timeout_s=STALL_S)  # only r's timer may fire
+        e = p.expect("r", ids, gens, open_timeout_s=STALL_S)  # only r's timer may fire: it is never opened
         forged = issue(TicketAuthority(other.ticket), e.transfer, p.dest, 32)  # its own "router"
         sent = await p.sender.send(forged, chunks_of("r", ids))
         outcome = await e.wait()
@@ -354,6 +355,7 @@ async def test_wrong_revision_key_cannot_even_connect_s3_s9() -> None:
         await good.close()
     assert sent.reason is FailureReason.PROTOCOL_ERROR  # decode hung up on its HELLO
     assert outcome.reason is FailureReason.TIMEOUT  # nothing it sent was trusted: only the timer ends it
+    assert "did not open the transfer" in outcome.detail
     assert p.recv_metric("kvguard_hmac_failures_total") == 1
     assert "r" not in p.sink.applied
 
@@ -423,6 +425,35 @@ async def test_stalled_sender_times_out_on_the_receiver_class_h() -> None:
     assert outcome.reason is FailureReason.TIMEOUT
     assert elapsed >= 0.25  # by its own short timer, not before it
     assert p.receiver.active_requests == 0
+
+
+async def test_a_prefill_slower_than_a_stall_still_delivers_s4() -> None:
+    """Prefill opens a transfer only once it has computed the prompt, and may queue before that.
+    Decode's stall timer governs from OPEN on; before it, the (much longer) open timeout does. A
+    stall timer armed at bootstrap failed every request whose prefill outlasted one stall."""
+    ids, gens = plan(3)
+    async with make_pair() as p:
+        e = p.expect("r", ids, gens, stall_timeout_s=STALL_S, open_timeout_s=PATIENT_S)
+        loop = asyncio.get_running_loop()
+        late = loop.time() + 4 * STALL_S
+        while loop.time() < late:  # prefill still computing: four stalls pass without a frame
+            await asyncio.sleep(STALL_S / 4)
+        assert not e.transfer.done() and e.transfer.state is TransferState.EXPECTED
+        assert (await p.sender.send(e.ticket, chunks_of("r", ids))).ok
+        assert (await e.wait()).ok
+    assert p.sink.applied["r"][0] == page_bytes("r", 0)
+
+
+async def test_a_transfer_never_opened_ends_at_the_open_timeout_s4() -> None:
+    """Pages granted to a request that prefill never opens (it died, or its ticket was lost) are
+    given back when the open timeout runs out, with a reason that says which clock ran out."""
+    ids, gens = plan(2)
+    async with make_pair() as p:
+        e = p.expect("r", ids, gens, stall_timeout_s=PATIENT_S, open_timeout_s=STALL_S)
+        outcome = await asyncio.wait_for(e.wait(), PATIENT_S)
+        assert p.receiver.active_requests == 0
+    assert outcome.reason is FailureReason.TIMEOUT
+    assert outcome.detail == f"prefill did not open the transfer within {STALL_S:g}s"
 
 
 async def test_stalled_receiver_times_out_on_the_sender_class_h() -> None:
@@ -859,7 +890,7 @@ async def test_frames_captured_before_a_decode_restart_are_refused_after_it_epoc
         tap.close()
     async with make_pair() as new_boot:
         assert new_boot.receiver.epoch != old_epoch
-        again = new_boot.expect("same-id", [0, 1], [1, 1], stall_timeout_s=STALL_S)  # only this timer may fire
+        again = new_boot.expect("same-id", [0, 1], [1, 1], open_timeout_s=STALL_S)  # only this timer may fire: nothing opens it
         reader, writer = await asyncio.open_connection(*new_boot.dest)
         writer.write(recorded)
         await writer.drain()

@@ -144,8 +144,10 @@ class WorkerArgs(BaseModel):
     max_transfer_batch: int = Field(4 * 1024 * 1024, ge=1, json_schema_extra=_flag("KV transfer", "bytes in flight per prefill->decode pair (S6)"))
     transfer_timeout: float = Field(5.0, gt=0, json_schema_extra=_flag("KV transfer", "seconds a stalled transfer may wait (S4)"))
     bootstrap_timeout: float = Field(
-        DEFAULT_BOOTSTRAP_TIMEOUT_S, gt=0, json_schema_extra=_flag("KV transfer", "prefill: seconds a request may wait for its transfer ticket "
-                                             "(decode's destination pages); then it is aborted and its pages freed (S4)")
+        DEFAULT_BOOTSTRAP_TIMEOUT_S, gt=0, json_schema_extra=_flag(
+            "KV transfer", "prefill: seconds a request may wait for its transfer ticket (decode's destination pages); "
+            "decode: seconds a request's pages may wait for prefill to open its transfer (prefill queues and computes "
+            "meanwhile; --transfer-timeout governs from then on). Then it is aborted and its pages freed (S4)")
     )  # fmt: skip
     transfer_encryption: TransferEncryption = Field(
         "none", json_schema_extra=_flag("KV transfer", "prefill and decode: none (HMAC + checksum) or aes-gcm (KV payloads "
@@ -186,8 +188,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--transfer-port is a decode flag")
         if self.role != "router" and self.min_kv_ratio is not None:
             raise ValueError("--min-kv-ratio is a router flag")
-        if self.role != "prefill" and self.bootstrap_timeout != DEFAULT_BOOTSTRAP_TIMEOUT_S:
-            raise ValueError("--bootstrap-timeout is a prefill flag")
+        if self.role == "router" and self.bootstrap_timeout != DEFAULT_BOOTSTRAP_TIMEOUT_S:
+            raise ValueError("--bootstrap-timeout is a prefill and decode flag")
         if self.role != "decode" and self.stream_interval != 1:
             raise ValueError("--stream-interval is a decode flag")
         if self.role != "router" and self.revision_id is not None:

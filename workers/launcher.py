@@ -76,7 +76,7 @@ class LocalServeConfig:
     transfer_encryption: TransferEncryption = "none"
     stream_interval: int = 1  # decode: tokens per streamed event after the first
     max_running_requests: int = 64  # prefill and decode: requests holding pages at once
-    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: how long a request may wait for its ticket
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: wait for a ticket; decode: for prefill's OPEN
     request_timeout_s: float = 120.0  # router: how long a request may wait for its next token (504)
     max_inflight_choices: int = 512  # router: generations with worker calls open at once (more wait in the router)
     write_timeout_s: float = 30.0  # router: a client that reads none of its answer this long loses the connection
@@ -202,7 +202,7 @@ class LocalDeployment:
             "device": c.device, "page_size": c.page_size, "kv_pool_tokens": c.kv_pool_tokens,
             "context_length": c.context_length, "max_transfer_batch": c.max_transfer_batch,
             "transfer_timeout": c.transfer_timeout_s, "transfer_encryption": c.transfer_encryption,
-            "max_running_requests": c.max_running_requests,
+            "max_running_requests": c.max_running_requests, "bootstrap_timeout": c.bootstrap_timeout_s,
         }  # fmt: skip
         common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST}
         if role == "router":
@@ -211,8 +211,7 @@ class LocalDeployment:
                               request_timeout=c.request_timeout_s, max_inflight_choices=c.max_inflight_choices,
                               write_timeout=c.write_timeout_s)  # fmt: skip
         elif role == "prefill":
-            args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"),
-                              bootstrap_timeout=c.bootstrap_timeout_s)  # fmt: skip
+            args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"))
         else:
             args = WorkerArgs(**common, **engine, port=self._fd("decode"), metrics_port=self._fd("decode-metrics"),
                               transfer_port=self._fd("decode-transfer"), stream_interval=c.stream_interval)  # fmt: skip

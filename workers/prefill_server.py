@@ -206,6 +206,8 @@ class PrefillServer:
                 except OpenAIError as err:
                     cause = _ticket_failure(err)
                     raise
+            if delay_ms := self.runtime.faults.delay_prefill_ms:  # FAULT: a prompt that takes long to compute
+                await asyncio.sleep(delay_ms / 1000)
             try:
                 output = await engine.prefill(rid, prompt, body.sampling)
             except EngineError as err:  # S2 at this worker's intake: nothing allocated

@@ -231,7 +231,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         faults=faults,
     )
     transfer = TransferConfig(max_transfer_batch=args.max_transfer_batch, stall_timeout_s=args.transfer_timeout,
-                              encryption=Encryption(args.transfer_encryption))  # fmt: skip
+                              open_timeout_s=args.bootstrap_timeout, encryption=Encryption(args.transfer_encryption))  # fmt: skip
     # S9: /internal/* answers only calls signed with the revision's control key (the router).
     auth = control_auth_middleware(ControlVerifier(keys.control), auth_failures_counter(registry))
     app = web.Application(middlewares=[error_middleware, auth], client_max_size=INTERNAL_MAX_BODY_BYTES)

@@ -13,7 +13,12 @@ class TransferConfig:
     """Knobs shared by sender and receiver (both ends of a revision must agree on ``encryption``)."""
 
     max_transfer_batch: int = 16 << 20  # S6: bytes in flight per prefill->decode pair
-    stall_timeout_s: float = 5.0  # no progress for this long ends the transfer (S4)
+    stall_timeout_s: float = 5.0  # no progress for this long ends the transfer, once OPEN (S4)
+    # Decode: how long a request's granted pages wait for prefill's OPEN. Prefill opens only after
+    # it has computed the prompt, and may queue first, so this is a bound on queue + compute (as
+    # SGLang's decode-side waiting timeout), not a stall timeout; the router's --request-timeout
+    # and its abort usually end such a request sooner (S4).
+    open_timeout_s: float = 300.0
     connect_timeout_s: float = 2.0  # TCP connect and the HELLO/WELCOME handshake, each
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_connections_per_peer: int = 2
@@ -24,7 +29,7 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.max_transfer_batch <= 0:
             raise ValueError("max_transfer_batch must be > 0 bytes")
-        if self.stall_timeout_s <= 0 or self.connect_timeout_s <= 0:
+        if min(self.stall_timeout_s, self.connect_timeout_s, self.open_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0 seconds")
         if not 0 < self.max_payload_bytes <= 1 << 30:
             raise ValueError("max_payload_bytes must be in (0, 1 GiB]")

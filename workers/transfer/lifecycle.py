@@ -4,8 +4,9 @@ Decode (``InboundTransfer``)::
 
     EXPECTED --OPEN with a matching ticket, on one connection--> OPEN
     OPEN --MANIFEST matching the plan, every planned page written (S3)--> COMPLETE
-    EXPECTED | OPEN --checksum/plan/manifest mismatch, stale lease, peer ABORT, local cancel,
-                      stall timeout, connection lost/protocol error--> FAILED
+    EXPECTED --no OPEN within the open timeout, local cancel, peer ABORT--> FAILED
+    OPEN --checksum/plan/manifest mismatch, stale lease, peer ABORT, local cancel,
+           stall timeout, connection lost/protocol error--> FAILED
 
 Prefill (``OutboundTransfer``)::
 

@@ -98,13 +98,14 @@ class InboundTransfer:
     """Decode's state of one request's transfer (see lifecycle.py for its states)."""
 
     def __init__(self, receiver: KVReceiver, request_id: str, tracker: PlanTracker, sink: KVSink,
-                 stall_timeout_s: float) -> None:  # fmt: skip
+                 stall_timeout_s: float, open_timeout_s: float) -> None:  # fmt: skip
         self.request_id = request_id
         self.nonce = secrets.token_bytes(NONCE_BYTES)  # the ticket must carry it (S9)
         self.state = TransferState.EXPECTED
         self.tracker = tracker
         self.sink = sink
         self.stall_timeout_s = stall_timeout_s
+        self.open_timeout_s = open_timeout_s
         self.future: asyncio.Future[TransferOutcome] = asyncio.get_running_loop().create_future()
         self.conn: _InboundConnection | None = None
         self.codec: RequestCodec | None = None
@@ -199,17 +200,22 @@ class KVReceiver:
         return len(self._live)
 
     def expect(self, request_id: str, page_ids: Sequence[int], generations: Sequence[int], sink: KVSink,
-               *, stall_timeout_s: float | None = None) -> InboundTransfer:  # fmt: skip
+               *, stall_timeout_s: float | None = None, open_timeout_s: float | None = None) -> InboundTransfer:  # fmt: skip
         """Plan a request's transfer (at bootstrap, before prefill learns the destination) and
-        draw its ticket nonce. The caller keeps the transfer where ``lookup`` finds it."""
+        draw its ticket nonce. The caller keeps the transfer where ``lookup`` finds it.
+
+        Two clocks bound it (S4): until OPEN, the open timeout (prefill may still be queueing or
+        computing: it opens only once the prompt's KV exists); from OPEN on, the stall timeout
+        (no frame for that long). A stall timer armed here would fail every request whose
+        prefill takes longer than a stall, e.g. a long prompt on a large model."""
         validate_request_id(request_id)
         if (existing := self._lookup(request_id)) is not None and existing.state not in TERMINAL:
             raise DuplicateRequestError(f"request id {request_id!r} is already expected")
         transfer = InboundTransfer(self, request_id, PlanTracker(page_ids, generations), sink,
-                                   stall_timeout_s or self._config.stall_timeout_s)  # fmt: skip
+                                   stall_timeout_s or self._config.stall_timeout_s,
+                                   open_timeout_s or self._config.open_timeout_s)  # fmt: skip
         self._live.add(transfer)
-        self._touch(transfer)
-        transfer.timer = asyncio.get_running_loop().call_at(transfer.deadline, self._on_timer, transfer)
+        self._arm(transfer, transfer.open_timeout_s)
         return transfer
 
     # -- connection loop ----------------------------------------------------------------------
@@ -317,7 +323,7 @@ class KVReceiver:
         transfer.state = advance(transfer.state, TransferState.OPEN)
         transfer.conn, transfer.codec = conn, codec
         conn.opened[transfer.request_id] = transfer
-        self._touch(transfer)
+        self._arm(transfer, transfer.stall_timeout_s)  # the open timeout's deadline may lie far later
 
     def _refusal(self, conn: _InboundConnection, ticket: Ticket, transfer: InboundTransfer | None) -> tuple[str, str] | None:
         """Why this (authentic) ticket does not open ``transfer`` here, or None. Never changes it."""
@@ -434,14 +440,25 @@ class KVReceiver:
 
     # -- terminal transitions -------------------------------------------------------------------
 
+    def _arm(self, transfer: InboundTransfer, timeout_s: float) -> None:
+        """Set the transfer's deadline `timeout_s` from now and its timer to fire then."""
+        loop = asyncio.get_running_loop()
+        transfer.deadline = loop.time() + timeout_s
+        if transfer.timer is not None:
+            transfer.timer.cancel()
+        transfer.timer = loop.call_at(transfer.deadline, self._on_timer, transfer)
+
     def _touch(self, transfer: InboundTransfer) -> None:
+        """Progress on an open transfer: push its stall deadline (the timer re-arms lazily)."""
         transfer.deadline = asyncio.get_running_loop().time() + transfer.stall_timeout_s
 
     def _on_timer(self, transfer: InboundTransfer) -> None:
         if transfer.done():
             return
         loop = asyncio.get_running_loop()
-        if loop.time() >= transfer.deadline:
+        if loop.time() >= transfer.deadline and transfer.state is TransferState.EXPECTED:
+            self._fail(transfer, FailureReason.TIMEOUT, f"prefill did not open the transfer within {transfer.open_timeout_s:g}s")
+        elif loop.time() >= transfer.deadline:
             self._fail(transfer, FailureReason.TIMEOUT, f"no transfer progress for {transfer.stall_timeout_s:g}s")
         else:  # progress since arming: re-arm lazily instead of once per chunk
             transfer.timer = loop.call_at(transfer.deadline, self._on_timer, transfer)
