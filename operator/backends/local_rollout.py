@@ -191,6 +191,41 @@ def progressing(status: InferenceModelStatus) -> tuple[str, str] | None:
     return condition.reason, condition.message or condition.reason
 
 
+def _say_what_is_for_a_cluster(spec: InferenceModelSpec, say: Say) -> None:
+    """Spec fields that mean something only on a cluster: said once, then ignored."""
+    if spec.roles.router.replicas > 1:
+        say(f"spec.roles.router.replicas: {spec.roles.router.replicas} is for a cluster; locally each revision runs one "
+            "router process (it holds no state a second one would share)")  # fmt: skip
+    if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
+        say(f"trafficRouter {spec.rollout.traffic_router.value}: locally the splitter in front of the revisions' routers "
+            "carries the steps' weights (spec.rollout.gateway is for a cluster's Gateway and is not used here)")  # fmt: skip
+
+
+def _in_place_resize(backend: LocalBackend, spec: InferenceModelSpec, faults: str, say: Say) -> dict[str, tuple[int, int]]:
+    """The serving revision's replica changes this spec asks for (role -> (before, after)), said;
+    raises LocalBackendError if one would leave it without a role's workers."""
+    resize = replica_change(backend, revision_of(spec, faults), spec)
+    if emptied := [role for role, (_, after) in resize.items() if after == 0]:
+        # What a new revision without them is refused for (NoWorkers), refused in place too: the
+        # serving revision's router cannot run without a prefill and a decode worker.
+        fields = ", ".join(f"spec.roles.{role}.replicas" for role in emptied)
+        raise LocalBackendError(f"{fields}: 0 would leave the serving revision {backend.state.serving} without "
+                                f"{' and '.join(emptied)} workers; it keeps serving as it is (scale it up, or `kvguard apply --delete`)")  # fmt: skip
+    if resize:
+        say(f"revision {backend.state.serving} serves; spec replicas changed ({describe_change(resize)}): resizing it in "
+            "place, as a Deployment scales (running workers keep their processes; the router restarts on its port "
+            "with the new worker list)")  # fmt: skip
+    return resize
+
+
+def _with_faults(annotations: Mapping[str, str] | None, faults: str) -> dict[str, str]:
+    """The model's annotations, the fault annotation replaced by `faults` when given."""
+    wanted = {k: v for k, v in (annotations or {}).items() if k != FAULTS_ANNOTATION or not faults}
+    if faults:
+        wanted[FAULTS_ANNOTATION] = faults
+    return wanted
+
+
 async def roll_out(
     backend: LocalBackend,
     name: str,
@@ -213,27 +248,9 @@ async def roll_out(
     kv_plan = plan(spec)
     _check_runnable(backend, spec, kv_plan)
     backend.claim(name)
-    if spec.roles.router.replicas > 1:
-        say(f"spec.roles.router.replicas: {spec.roles.router.replicas} is for a cluster; locally each revision runs one "
-            "router process (it holds no state a second one would share)")  # fmt: skip
-    if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
-        say(f"trafficRouter {spec.rollout.traffic_router.value}: locally the splitter in front of the revisions' routers "
-            "carries the steps' weights (spec.rollout.gateway is for a cluster's Gateway and is not used here)")  # fmt: skip
-    resize = replica_change(backend, revision_of(spec, faults), spec)
-    if emptied := [role for role, (_, after) in resize.items() if after == 0]:
-        # What a new revision without them is refused for (NoWorkers), refused in place too: the
-        # serving revision's router cannot run without a prefill and a decode worker.
-        fields = ", ".join(f"spec.roles.{role}.replicas" for role in emptied)
-        raise LocalBackendError(f"{fields}: 0 would leave the serving revision {backend.state.serving} without "
-                                f"{' and '.join(emptied)} workers; it keeps serving as it is (scale it up, or `kvguard apply --delete`)")  # fmt: skip
-    if resize:
-        say(f"revision {backend.state.serving} serves; spec replicas changed ({describe_change(resize)}): resizing it in "
-            "place, as a Deployment scales (running workers keep their processes; the router restarts on its port "
-            "with the new worker list)")  # fmt: skip
-    wanted = {k: v for k, v in (annotations or {}).items() if k != FAULTS_ANNOTATION or not faults}
-    if faults:
-        wanted[FAULTS_ANNOTATION] = faults
-    store = LocalModelStore(backend, name, namespace, spec, wanted, generation, say)
+    _say_what_is_for_a_cluster(spec, say)
+    resize = _in_place_resize(backend, spec, faults, say)
+    store = LocalModelStore(backend, name, namespace, spec, _with_faults(annotations, faults), generation, say)
     reports: dict[str, CanaryReport] = {}
 
     def on_probe(event: ProgressEvent) -> None:
