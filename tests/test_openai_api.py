@@ -13,7 +13,7 @@ import pytest
 import requests
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from pd_harness import _engine, client, deployment, served_model
+from pd_harness import _engine, client, deployment, metric, served_model
 
 from kvguard.workers.launcher import LocalDeployment
 from kvguard.workers.request import SamplingParams
@@ -338,3 +338,39 @@ def test_with_include_usage_every_chunk_carries_usage_null_and_the_last_the_tota
     with requests.post(f"{trio.api_base}/{path}", json=plain, timeout=60, stream=True) as answer:
         frames = [line.removeprefix("data: ") for line in answer.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert all("usage" not in json.loads(f) for f in frames[:-1])  # without it: no usage key at all, as before
+
+
+# ------------------------------------------------------------------------------ token ids (S2 at the router)
+
+VOCAB = 320  # the tiny model's (workers/tiny.py)
+OUT_OF_VOCAB = [
+    ("prompt", {"prompt": [[72, 105], [VOCAB + 5]]}),  # the second prompt of a batch: the first must not run either
+    ("stop_token_ids", {"prompt": "hi", "stop_token_ids": [3, VOCAB]}),
+    ("logit_bias", {"prompt": "hi", "logit_bias": {str(VOCAB * 2): 5}}),
+]
+
+
+@pytest.mark.parametrize(("param", "body"), OUT_OF_VOCAB, ids=[p for p, _ in OUT_OF_VOCAB])
+def test_a_token_id_outside_the_vocabulary_is_refused_before_any_worker_runs(trio: LocalDeployment, model: str,
+                                                                             param: str, body: dict) -> None:
+    """The router knows the workers' vocabulary (WorkerInfo.vocab_size): an id outside it is the
+    client's 400, counted `rejected`, not `failed` (what a rollout's error ratio reads), and no
+    sibling prompt of the same request is prefilled or sent before the refusal."""
+    before = {outcome: metric(trio, "router", "kvguard_requests_total", outcome=outcome) for outcome in ("rejected", "failed")}
+    prefilled = metric(trio, "prefill", "kvguard_requests_total")
+    answer = post(trio, "completions", {"model": model, "max_tokens": 2, **body})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == {"message": f"{param}: token ids must be in [0, {VOCAB})", "type": "invalid_request_error",
+                                      "param": param, "code": "invalid_value"}  # fmt: skip
+    assert metric(trio, "router", "kvguard_requests_total", outcome="rejected") == before["rejected"] + 1
+    assert metric(trio, "router", "kvguard_requests_total", outcome="failed") == before["failed"]
+    assert metric(trio, "prefill", "kvguard_requests_total") == prefilled  # no worker saw any of it
+
+
+def test_min_tokens_above_the_rest_of_the_context_is_refused(trio: LocalDeployment, model: str) -> None:
+    """With max_tokens absent the budget is the rest of the context; min_tokens beyond it could not be
+    honoured (vLLM refuses it too)."""
+    answer = post(trio, "completions", {"model": model, "prompt": [1] * (CONTEXT - 10), "min_tokens": 11})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "min_tokens" and error["message"] == "min_tokens (11) must be at most the 10 tokens left in the context after the prompt"

@@ -117,6 +117,8 @@ def test_a_transfer_prefill_never_opens_ends_at_the_bootstrap_timeout_s4(tiny_mo
         assert bootstrap <= took < CHUNK_DELAY_S / 2
         wait_pools_empty(d)
         assert metric(d, "decode", "kvguard_aborts_total", cause="transfer_timeout") == 1
+        # Prefill was still computing (its engine had not seen the request): the abort counts there too.
+        wait_for(lambda: metric(d, "prefill", "kvguard_aborts_total") == 1, "prefill to count the abort", timeout=30)
 
 
 def test_the_router_ends_a_request_that_waits_too_long_for_a_token_s4(tiny_model_dir: Path) -> None:

@@ -196,6 +196,7 @@ class PrefillServer:
             prompt = (PLACEHOLDER_TOKEN,)
         cause: str = AbortCause.CLIENT_DISCONNECT
         tell_decode = True  # until the sender owns the transfer: it sends its own ABORT on failure
+        offered = False  # the engine saw the request (it counts its own aborts and rejections from then on)
         early = self.pool.pages_for(len(prompt)) if job.ticket is None else 0
         if early and not self.early.take(early):
             early = 0
@@ -209,6 +210,7 @@ class PrefillServer:
             if delay_ms := self.runtime.faults.delay_prefill_ms:  # FAULT: a prompt that takes long to compute
                 await asyncio.sleep(delay_ms / 1000)
             try:
+                offered = True
                 output = await engine.prefill(rid, prompt, body.sampling)
             except EngineError as err:  # S2 at this worker's intake: nothing allocated
                 cause = AbortCause.PREFILL_ERROR
@@ -248,7 +250,7 @@ class PrefillServer:
             if early:
                 self.early.give(early)
             if cause:
-                await asyncio.shield(self._abort(rid, job.ticket, cause, tell_decode))
+                await asyncio.shield(self._abort(rid, job.ticket, cause, tell_decode, offered))
 
     async def _ticket_of(self, job: PrefillJob) -> Ticket:
         """The request's verified ticket, once the router delivered it; raises the refusal (403)
@@ -284,10 +286,12 @@ class PrefillServer:
             payload = pages.reshape(-1).view(torch.uint8).cpu().numpy()
             yield KVChunk(destination[start:end], payload.data)
 
-    async def _abort(self, request_id: str, ticket: Ticket | None, cause: str, tell_decode: bool) -> None:
+    async def _abort(self, request_id: str, ticket: Ticket | None, cause: str, tell_decode: bool, offered: bool) -> None:
         """Free this side and tell decode (S4); the router tells decode too, so either suffices
-        (and is the only one to, before the ticket says where decode is)."""
-        if await self.runtime.engine.abort(request_id, cause):
+        (and is the only one to, before the ticket says where decode is). Counted once: here when
+        the engine never saw the request (aborted while it waited for its ticket or a slot), else
+        only if the engine still held it (one it rejected at intake is a rejection, not an abort)."""
+        if await self.runtime.engine.abort(request_id, cause) or not offered:
             self.runtime.count_abort(cause)
         if not tell_decode or ticket is None:
             return

@@ -207,3 +207,4 @@ class WorkerInfo(_Message):
     page_size: int
     transfer_host: str | None = None
     transfer_port: int | None = None
+    vocab_size: int | None = None  # token ids the model knows; the router refuses others before any work

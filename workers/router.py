@@ -311,6 +311,12 @@ class Upstreams:
         return min(u.info.kv_pool_tokens for u in self._limits_of())
 
     @property
+    def vocab_size(self) -> int | None:
+        """The smallest vocabulary among the workers (None: none reports one)."""
+        sizes = [u.info.vocab_size for u in self._limits_of() if u.info.vocab_size is not None]
+        return min(sizes) if sizes else None
+
+    @property
     def request_limit(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context, or a smaller pool
         (only under --allow-small-pool). What /v1/models reports as max_model_len."""
@@ -655,6 +661,7 @@ class Router:
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, list):
+                self._check_token_ids("prompt", prompt, upstreams)
                 text = await self._off_loop(len(prompt), self.encoder.decode, prompt) if body.echo else ""
                 prompts.append(Prompt(prompt, text))
                 continue
@@ -666,6 +673,16 @@ class Router:
                 raise OpenAIError(400, "prompt: the prompt is empty", param="prompt", code="invalid_value")
             prompts.append(Prompt(ids, prompt if body.echo else ""))
         return prompts
+
+    def _check_token_ids(self, param: str, ids: Sequence[int], upstreams: Upstreams) -> None:
+        """A token id the model does not have is the client's error, refused here: a worker would
+        refuse it too, but only after the request's other prompts had been prefilled and sent, and
+        the router would count the request failed (a rollout's error ratio) instead of rejected."""
+        vocab = upstreams.vocab_size
+        if vocab is not None and ids and max(ids) >= vocab:
+            self.metrics.rejected.labels("invalid_value").inc()
+            self.metrics.requests.labels("rejected").inc()
+            raise OpenAIError(400, f"{param}: token ids must be in [0, {vocab})", param=param, code="invalid_value")
 
     async def _encode_chat(self, body: ChatCompletionRequest, size: int) -> list[int]:
         from jinja2 import TemplateError
@@ -710,10 +727,16 @@ class Router:
         prompt, then a seed per choice."""
         n = body.choices_per_prompt
         base = body.sampling()
+        self._check_token_ids("stop_token_ids", base.stop_token_ids, self.upstreams)
+        self._check_token_ids("logit_bias", [t for t, _ in base.logit_bias], self.upstreams)
         choices = []
         for p, prompt in enumerate(prompts):
-            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, "messages" if chat else "prompt",
-                                                   body.budget_param())
+            prompt_param = "messages" if chat else "prompt"
+            self._check_token_ids(prompt_param, prompt.ids, self.upstreams)  # a tokenizer larger than the model's
+            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, prompt_param, body.budget_param())
+            if base.min_tokens > max_tokens:  # max_tokens was absent: the rest of the context (vLLM refuses it too)
+                raise OpenAIError(400, f"min_tokens ({base.min_tokens}) must be at most the {max_tokens} tokens "
+                                  f"left in the context after the prompt", param="min_tokens", code="invalid_value")  # fmt: skip
             for j in range(n):
                 index = p * n + j
                 seed = choice_seed(base.seed, j) if base.seed is not None else None
@@ -828,7 +851,7 @@ class Router:
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
         """
         prefill, decode = self.upstreams.pair()
-        cause = "client_disconnect"
+        cause, outcome = "client_disconnect", "aborted"
         started = last_token = time.monotonic()
         tokens = 0
         # A bound on waiting, not on generating: no event from decode for request_timeout_s (no
@@ -879,12 +902,13 @@ class Router:
             )
         except OpenAIError as err:
             cause = err.code or "error"
+            outcome = "rejected" if err.status == 400 else "failed"  # a worker refused the request itself
             raise
         except TimeoutError:
-            cause = "timeout"
+            cause, outcome = "timeout", "failed"
             raise OpenAIError(504, "the request timed out", code="timeout") from None
         except aiohttp.ClientError as exc:
-            cause = "worker_unreachable"
+            cause, outcome = "worker_unreachable", "failed"
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
@@ -892,7 +916,7 @@ class Router:
             try:
                 self.metrics.request_duration.observe(time.monotonic() - started)
                 if cause:
-                    await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause)
+                    await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause, outcome)
             finally:
                 await stack.aclose()
 
@@ -952,10 +976,11 @@ class Router:
             await asyncio.gather(*calls, return_exceptions=True)
 
     async def _abort_both(
-        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[None] | None, cause: str
+        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[None] | None,
+        cause: str, outcome: str,
     ) -> None:
         self.metrics.aborts.labels(cause).inc()
-        self.metrics.requests.labels("aborted" if cause == "client_disconnect" else "failed").inc()
+        self.metrics.requests.labels(outcome).inc()
         try:
             if self.config.propagate_aborts:
                 # The aborts first, so each worker ends the request with its cause; cancelling the

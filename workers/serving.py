@@ -117,6 +117,7 @@ class WorkerRuntime:
             page_size=engine.pool.page_size,
             transfer_host=transfer[0] if transfer else None,
             transfer_port=transfer[1] if transfer else None,
+            vocab_size=engine.args.vocab_size,
         )
 
     def healthy(self) -> web.Response:
