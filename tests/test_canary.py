@@ -193,6 +193,16 @@ async def test_suite_timeout_fails_the_running_probe_and_skips_the_rest(server: 
     assert all("suite timeout" in p.reason for p in report.probes if p.status == ProbeStatus.SKIPPED and p.name != ProbeName.GOLDEN)
 
 
+@pytest.mark.parametrize("server", [Behaviour(hang_models=True)], indirect=True)
+async def test_the_suite_timeout_bounds_the_preflight_too(server: RunningServer) -> None:
+    """`kvguard canary --timeout 1` against a server that never answers /v1/models: cannot run, in
+    about a second, not after requestTimeoutSeconds."""
+    report = await run(server, spec(requestTimeoutSeconds=60), timeout_seconds=1.0)
+    assert report.verdict == Verdict.CANNOT_RUN
+    assert report.reason == "the suite's time limit ran out before the target answered its preflight (model list, context length, metrics)"
+    assert report.duration_seconds < 30
+
+
 @pytest.mark.parametrize(
     ("server", "expected"),
     [

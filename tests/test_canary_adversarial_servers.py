@@ -64,6 +64,27 @@ async def test_a_clean_server_passes_isolation_on_every_path(server: RunningServ
     assert "completions; completions, streamed; chat" in isolation.reason
 
 
+@pytest.mark.parametrize("server", [Behaviour(swap_concurrent=True)], indirect=True)
+async def test_concurrent_tenants_given_each_others_answers_fail_isolation(server: RunningServer) -> None:
+    """No nonce is echoed (the fake's answers only start with the prompt's first word): the crossing
+    shows only as a tenant getting the answer another tenant gets alone."""
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "not its own (outputs crossed between requests)" in isolation.reason
+    crossed = [e for e in isolation.evidence if e.kind == "output_mismatch" and e.expected_from.startswith("tenant ")]
+    assert crossed and all(e.expected != e.actual for e in crossed)
+
+
+def test_a_concurrent_answer_is_attributed_to_the_solo_answer_it_is_most_like() -> None:
+    from kvguard.operator.canary.isolation import whose_answer
+
+    solos = ["own 1a2b3 4c5d6 7e8f9", "two 0f1e2 d3c4b a5968", "three 77777 88888 99999", None]
+    assert whose_answer(solos[0], solos) == 0
+    assert whose_answer("own 0f1e2 d3c4b a5968", solos) == 1  # its own first token, then tenant 2's rows
+    assert whose_answer("own 1a2b3 4c5d6 7e8f0", solos) == 0  # diverged at the end: still its own
+    assert whose_answer("nothing like any of them", solos) is None and whose_answer("", solos) is None
+
+
 @pytest.mark.parametrize("server", [Behaviour(serves_chat=False)], indirect=True)
 async def test_a_server_without_chat_is_noted_not_failed(server: RunningServer) -> None:
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
@@ -90,6 +111,21 @@ async def test_empty_answers_do_not_pass_determinism_or_isolation(server: Runnin
         assert probe.status == ProbeStatus.SKIPPED, probe.reason
         assert "no text" in probe.reason and "finish_reason length" in probe.reason
     assert report.verdict == Verdict.CANNOT_RUN  # nothing was proven
+
+
+@pytest.mark.parametrize("server", [Behaviour(empty_text=True)], indirect=True)
+async def test_the_whole_suite_does_not_pass_a_server_whose_answers_have_no_text(server: RunningServer) -> None:
+    """Capacity, over-length, abort and the counters pass (they read statuses, pools and metrics):
+    without a probe that read the output, the verdict is not PASS."""
+    report = await run(server)
+    assert report.verdict == Verdict.CANNOT_RUN, report.reason
+    assert report.reason.startswith("no probe could check what the server outputs: golden: ")
+    assert result(report, ProbeName.OVER_LENGTH).status == ProbeStatus.PASS
+
+
+async def test_a_suite_without_content_probes_is_judged_on_what_it_ran(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.CAPACITY, ProbeName.OVER_LENGTH]))
+    assert report.verdict == Verdict.PASS and report.reason == "2 probe(s) passed"
 
 
 # 3. the abort reason says what happened --------------------------------------------------------

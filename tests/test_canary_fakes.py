@@ -41,6 +41,7 @@ class Behaviour:
     hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
     bump_tag_violations: bool = False
     fail_models: bool = False
+    hang_models: bool = False  # GET /v1/models accepts the connection and never answers
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
     serves_completions: bool = True  # False: no /v1/completions route (a chat-only server)
@@ -51,6 +52,10 @@ class Behaviour:
     model_id: str = "fake-model"
     advertised_context: int | None = None  # max_model_len sent instead of context_length (a lying server)
     error_message: str | None = None  # every generation fails with HTTP 500 and this message
+    # Requests that overlap get each other's answers (a server whose decode batch rows are crossed):
+    # after its own first token, each answer goes on with the tokens generated for the next prompt
+    # in flight. Alone, every answer is right.
+    swap_concurrent: bool = False
 
 
 class FakeEngine:
@@ -61,6 +66,7 @@ class FakeEngine:
         self.nonces_seen: list[str] = []
         self.calls = 0
         self.tag_violations = 0
+        self.in_flight: list[str] = []
         self.registry = CollectorRegistry()
         self._capacity = Gauge("kvguard_kv_pool_capacity_tokens", "pool", ["role"], registry=self.registry)
         self._used = Gauge("kvguard_kv_pool_used_tokens", "used", ["role"], registry=self.registry)
@@ -88,6 +94,8 @@ class FakeEngine:
     async def models(self, _request: web.Request) -> web.Response:
         if self.b.fail_models:
             return web.Response(status=500, text="internal error")
+        if self.b.hang_models:
+            await asyncio.sleep(3600)
         return web.json_response(
             {"object": "list", "data": [{"id": self.b.model_id, "object": "model",
                                          **({"max_model_len": self.b.advertised_context or self.b.context_length}
@@ -153,6 +161,8 @@ class FakeEngine:
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
             tokens = self.generate(prompt, max_tokens)
+            if (other := await self._crossed(prompt)) != prompt:  # its own first token, then another's rows
+                tokens = tokens[:1] + self.generate(other, max_tokens)[1:]
             if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
                 tokens[0] = nonce
             if not stream:
@@ -166,6 +176,18 @@ class FakeEngine:
                 asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved)
             else:
                 self._release(reserved)
+
+    async def _crossed(self, prompt: str) -> str:
+        """The prompt whose answer this request gets: its own, unless swap_concurrent and others overlap."""
+        if not self.b.swap_concurrent:
+            return prompt
+        self.in_flight.append(prompt)
+        try:
+            await asyncio.sleep(0.05)  # long enough for requests sent together to overlap
+            mine = self.in_flight.index(prompt)
+            return self.in_flight[(mine + 1) % len(self.in_flight)]
+        finally:
+            self.in_flight.remove(prompt)
 
     def _release(self, tokens: int) -> None:
         self.used_tokens -= tokens

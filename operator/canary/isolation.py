@@ -6,9 +6,13 @@ contain the nonce. Sizes vary so freed pages are reused at different offsets. A 
 shows up either as a different B (it read A's stale KV) or as an error on B (page tags caught the
 stale read: still a failure, since a correct engine has nothing to catch).
 
-Concurrent part: N tenants with distinct nonces at once; no output may contain another's nonce.
-With a random-weights model outputs are gibberish: the checks are about equality and absence of
-nonces, never about meaning.
+Concurrent part: N tenants with distinct nonces, each first alone (its solo answer), then all at
+once. No output may contain another's nonce, and no tenant may get another's answer: a server that
+hands tenant 1 the text generated for tenant 2 leaks without ever echoing a nonce. A concurrent
+answer is attributed to the solo answer it is most alike; one that is another tenant's fails. One that merely differs from its own solo answer is noted, not failed: batched
+kernels may break a near tie differently from a batch of one (vLLM on GPUs does). With a
+random-weights model outputs are gibberish: the checks are about equality and absence of nonces,
+never about meaning.
 
 Every B runs on each path an answer can take: spec.api, the same streamed, and the other endpoint
 when the server serves it (a chat template may be missing: then it is noted, not failed); tenants
@@ -20,6 +24,7 @@ the probe: empty outputs are trivially identical and carry no nonce, so they pro
 from __future__ import annotations
 
 import asyncio
+import difflib
 from dataclasses import dataclass
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
@@ -72,7 +77,7 @@ class IsolationProbe(Probe):
         if problems:
             return failed(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
         tokens = "/".join(ctx.estimate.tokens_for(w) for w in sizes)
-        tenants = f" and {spec.tenants} concurrent tenants" if spec.tenants else ""
+        tenants = f" and {spec.tenants} concurrent tenants, none given another's answer" if spec.tenants else ""
         paths = "; ".join(c.describe() for c in channels)
         reason = (
             f"B ({len(reference.text)} chars) identical to B alone after {len(sizes)} long request(s) A of "
@@ -151,9 +156,9 @@ class IsolationProbe(Probe):
             for i, nonce in enumerate(nonces)
         ]
         # Tenants take turns over the channels, so concurrent streams and chats are covered too.
-        results = await asyncio.gather(
-            *(self._tenant(ctx, channels[i % len(channels)], i, p) for i, p in enumerate(prompts))
-        )
+        paths = [channels[i % len(channels)] for i in range(len(prompts))]
+        solos = [await ctx.solo(p, api=c.api, stream=c.stream) for p, c in zip(prompts, paths)]
+        results = await asyncio.gather(*(self._tenant(ctx, c, i, p) for i, (p, c) in enumerate(zip(prompts, paths))))
         for i, result in enumerate(results):
             if not result.ok:
                 problems.append(f"concurrent {result.describe_failure()}")
@@ -163,6 +168,7 @@ class IsolationProbe(Probe):
                 if j != i and nonce in result.text:
                     problems.append(f"tenant {i + 1}'s output contains tenant {j + 1}'s nonce")
                     evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
+            check_own_answer(i, result, [s.text if s.ok else None for s in solos], problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
 
@@ -203,3 +209,47 @@ def check_b(
         evidence.append(
             OutputMismatch(request=b.label, expected_from="B alone", expected=reference.text, actual=b.text)
         )
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def likeness(a: str, b: str) -> float:
+    """How alike two answers are, 0-1 (difflib's ratio: matching characters over both lengths).
+    Answers are at most max_tokens long, so the quadratic worst case stays small."""
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def whose_answer(text: str, solos: list[str | None]) -> int | None:
+    """The index of the solo answer `text` is most like (more than half alike, and strictly the
+    most); None when none is, or two tie. Likeness, not a shared prefix: rows crossed after the
+    first token (which prefill computed) keep the own first token and then read as another's."""
+    scores = [likeness(text, s) if s else 0.0 for s in solos]
+    best = max(scores, default=0.0)
+    if best <= 0.5 or scores.count(best) > 1:
+        return None
+    return scores.index(best)
+
+
+def check_own_answer(
+    index: int, result: Completion, solos: list[str | None], problems: list[str], evidence: list[Evidence]
+) -> None:
+    """Tenant `index`'s concurrent answer must be its own: another tenant's answer fails (outputs
+    crossed between requests); a different one that is still closest to its own is noted."""
+    own = solos[index]
+    if own is None or result.text == own:
+        return  # (no solo answer: the nonce checks are all there is for this tenant)
+    owner = whose_answer(result.text, solos)
+    if owner is not None and owner != index and solos[owner] != own:
+        problems.append(f"{result.label}: the answer is tenant {owner + 1}'s, not its own (outputs crossed between requests)")
+        evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone",
+                                       expected=own, actual=result.text))  # fmt: skip
+        return
+    evidence.append(Note(message=f"{result.label}: differs from its answer alone after {common_prefix(result.text, own)} "
+                                 "characters, and is no other tenant's (batched kernels may break a near tie differently)"))  # fmt: skip

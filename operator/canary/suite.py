@@ -9,10 +9,11 @@ yields `cannot_run`, as does a run in which every probe was skipped: nothing was
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,22 @@ async def run_suite(
     )
 
 
+@contextlib.asynccontextmanager
+async def _preflight_by(deadline: float | None) -> AsyncIterator[None]:
+    """The preflight under the suite's time limit too: a server that accepts connections and never
+    answers /v1/models would otherwise hold it for requestTimeoutSeconds per call."""
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    timer = asyncio.timeout(remaining)
+    try:
+        async with timer:
+            yield
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        raise CannotRun("the suite's time limit ran out before the target answered its preflight "
+                        "(model list, context length, metrics)") from None
+
+
 async def _prepare(
     session: aiohttp.ClientSession,
     spec: CanarySpec,
@@ -134,14 +151,15 @@ async def _prepare(
     """Preflight: model and context length, the baseline, start-of-run metrics, token calibration."""
     timeout = spec.request_timeout_seconds
     target = EngineClient(session, info.url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
-    info.model, max_model_len = await _identify(target, spec.model, "target")
-    target.model = info.model
     baseline = None
-    if baseline_url:
-        baseline = EngineClient(session, baseline_url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
-        baseline.model, _ = await _identify(baseline, spec.model, "baseline")
-    facts = await discover_from_target(session, target.base_url, timeout)
-    snapshots = await fetch_all(session, info.metrics_urls, timeout)
+    async with _preflight_by(deadline):
+        info.model, max_model_len = await _identify(target, spec.model, "target")
+        target.model = info.model
+        if baseline_url:
+            baseline = EngineClient(session, baseline_url, model=spec.model, seed=spec.seed, timeout_seconds=timeout)
+            baseline.model, _ = await _identify(baseline, spec.model, "baseline")
+        facts = await discover_from_target(session, target.base_url, timeout)
+        snapshots = await fetch_all(session, info.metrics_urls, timeout)
     if snapshots and not any(s.reachable for s in snapshots):
         # Metrics were asked for (S7 on every worker, the safety counters) and none answer: a
         # wrong URL, as with an unreachable baseline, must not quietly drop those checks.
@@ -292,6 +310,15 @@ def _notify(progress: ProgressCallback | None, event: ProgressEvent) -> None:
         progress(event)
 
 
+CONTENT_PROBES = frozenset({ProbeName.GOLDEN, ProbeName.DETERMINISM, ProbeName.ISOLATION})
+"""The probes that judge output text."""
+TEXT_ALWAYS_CHECKED = frozenset({ProbeName.DETERMINISM, ProbeName.ISOLATION})
+"""Content probes that need no configuration: when one of them ran and no content probe passed
+(answers with no text; golden without expectations or a baseline), nothing about what the server
+outputs was proven, and the verdict is not PASS. A suite that leaves both out (golden alone, or
+none) is judged on what it chose to run."""
+
+
 def _verdict(results: list[ProbeResult]) -> tuple[Verdict, str]:
     failed = [r.name.value for r in results if r.status == ProbeStatus.FAIL]
     if failed:
@@ -299,6 +326,14 @@ def _verdict(results: list[ProbeResult]) -> tuple[Verdict, str]:
     if not any(r.status == ProbeStatus.PASS for r in results):
         return Verdict.CANNOT_RUN, "every probe was skipped: " + "; ".join(
             f"{r.name.value}: {r.reason}" for r in results
+        )
+    content = [r for r in results if r.name in CONTENT_PROBES]
+    needs_text = any(r.name in TEXT_ALWAYS_CHECKED for r in results)
+    if needs_text and not any(r.status == ProbeStatus.PASS for r in content):
+        # The incident passed every check of status and speed: a verdict that the outputs are
+        # right needs at least one probe that read them.
+        return Verdict.CANNOT_RUN, "no probe could check what the server outputs: " + "; ".join(
+            f"{r.name.value}: {r.reason}" for r in content
         )
     passed_count = sum(r.status == ProbeStatus.PASS for r in results)
     return Verdict.PASS, f"{passed_count} probe(s) passed"
