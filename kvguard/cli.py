@@ -70,16 +70,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in (sys.argv[1:] if argv is None else argv) if a in COMMANDS), "")
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # stdout on a full disk fails here, in the handlers below, not at exit
+        return code
     except KeyboardInterrupt:
         print(f"kvguard {command}: interrupted" if command else "kvguard: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away: nothing more can be said on stdout, and Python's flush at exit
         # would raise again (https://docs.python.org/3/library/signal.html#note-on-sigpipe).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _drop_stdout()
         return 1
+    except OSError as exc:
+        # A file or folder the command was told to write that cannot be (`crds -o /etc/passwd/x`,
+        # `plan > /dev/full`): one line naming it, not a traceback.
+        try:
+            sys.stdout.flush()  # what was printed before the failure, unless stdout is what failed
+        except OSError:
+            _drop_stdout()
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"kvguard {command or ''}: {exc.strerror or exc}{where}".replace("kvguard : ", "kvguard: "), file=sys.stderr)
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for it cannot be written, and the
+    interpreter's flush at exit would raise again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # not a real file (a test's capture): nothing to point
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
 
 
 if __name__ == "__main__":

@@ -156,8 +156,15 @@ def default_api_client() -> k8s.ApiClient:
     elif os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
         k8s_config.load_kube_config(client_configuration=configuration)
     else:
-        return k8s.ApiClient()
+        default = k8s.ApiClient()
+        if not default.configuration.host:  # no kubeconfig and no process default: every call would fail obscurely
+            raise NoCluster("no Kubernetes cluster configured: not in a pod, KUBECONFIG is unset and ~/.kube/config does not exist")
+        return default
     return k8s.ApiClient(configuration)
+
+
+class NoCluster(Exception):
+    """Nothing says where the API server is (no service account, no kubeconfig)."""
 
 
 class Kube:

@@ -48,6 +48,7 @@ from kvguard.operator.planner import (
     plan_roles,
     pool_cap,
 )
+from kvguard.workers.pool_ratio import ratio_text
 
 MAX_SUGGESTED_FRACTION = 0.95
 MAX_TENSOR_PARALLEL = 64
@@ -304,7 +305,7 @@ def _verified(spec: InferenceModelSpec, changes: Changes, message: str) -> PlanS
     pools = plan_roles(candidate)
     if not all(r.sufficient for r in pools.values()):
         return None
-    ratios = ", ".join(f"{name} {r.ratio:.2f}x" for name, r in pools.items())
+    ratios = ", ".join(f"{name} {ratio_text(r.pool_tokens, candidate.context_length)}" for name, r in pools.items())
     roles = {_role_of(c) for c in changes}
     first = changes[0]
     return PlanSuggestion(

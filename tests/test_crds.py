@@ -88,3 +88,18 @@ def test_crds_validate_as_kubernetes_objects() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for text in all_files().values():
         kubernetes_validate.validate(yaml.safe_load(text), "1.30", strict=True)
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crds", "-o", "/etc/passwd/x"]) == 1
+    assert capsys.readouterr().err == "kvguard crds: Not a directory: /etc/passwd/x\n"
+
+
+def test_stdout_on_a_full_disk_is_one_line_not_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-P", "-m", "kvguard", "plan", "-f", str(ROOT / "examples" / "tiny-cpu.yaml")],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and done.stderr == "kvguard plan: No space left on device\n"

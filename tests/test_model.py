@@ -160,6 +160,30 @@ def test_tiny_model_is_deterministic_per_seed(tmp_path: Path) -> None:
             config["vocab_size"], config["max_position_embeddings"]) == (64, 2, 4, 2, 16, 128, 320, 4096)
 
 
+def test_tiny_model_keeps_what_a_folder_already_holds_unless_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvguard.cli import main
+
+    folder = tmp_path / "real-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 4096}')
+    (folder / "notes.txt").write_text("mine")
+    assert main(["model", "tiny", str(folder)]) == 2
+    assert "already holds config.json with other content; nothing was written (--force replaces them)" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "notes.txt"]  # not one file written
+    assert main(["model", "tiny", str(folder), "--force"]) == 0
+    assert json.loads((folder / "config.json").read_text())["hidden_size"] == 64 and (folder / "notes.txt").read_text() == "mine"
+    assert main(["model", "tiny", str(folder)]) == 0  # the same files again: nothing to protect
+    assert main(["model", "tiny", str(folder), "--seed", "3"]) == 2  # other weights
+    assert "model.safetensors" in capsys.readouterr().err
+
+
+def test_an_unwritable_folder_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvguard.cli import main
+
+    assert main(["model", "tiny", "/etc/passwd/x"]) == 1
+    assert capsys.readouterr().err == "kvguard model: Not a directory: /etc/passwd/x\n"
+
+
 def test_tiny_model_loads_in_transformers_with_same_logits(tiny_model_dir: Path) -> None:
     hf = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     _assert_parity(hf, tiny_model_dir, prompt_len=9, decode_steps=4)

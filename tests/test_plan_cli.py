@@ -147,6 +147,34 @@ def test_a_bad_flag_value_is_named_by_its_flag_once(capsys: pytest.CaptureFixtur
     ]
 
 
+def test_yaml_mistakes_are_one_line_naming_file_line_and_column(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys silently and words errors over several lines naming
+    "<unicode string>": here a repeated key is refused and every error is one line."""
+    tiny = (EXAMPLES / "tiny-cpu.yaml").read_text()
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(tiny.replace("  contextLength: 1024\n", "  contextLength: 1024\n  contextLength: 4096\n"))
+    line = tiny.splitlines().index("  contextLength: 1024") + 2
+    cases = (
+        (twice, f"kvguard plan: {twice} is not valid YAML (line {line}, column 3): key 'contextLength' repeats the one on line {line - 1}\n"),
+        (tmp_path / "open.yaml", f"kvguard plan: {tmp_path / 'open.yaml'} is not valid YAML (line 2, column 1): while parsing a flow "
+                                 "node expected the node content, but found '<stream end>'\n"),
+        (tmp_path / "list.yaml", f"kvguard plan: {tmp_path / 'list.yaml'}: the document is a list, expected an InferenceModel mapping\n"),
+    )  # fmt: skip
+    (tmp_path / "open.yaml").write_text("spec: [1,\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    for path, says in cases:
+        assert main(["plan", "-f", str(path)]) == 2
+        assert capsys.readouterr().err == says
+
+
+def test_plan_reads_the_manifest_from_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO((EXAMPLES / "tiny-cpu.yaml").read_text()))
+    assert main(["plan", "-f", "-"]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+
+
 def test_bad_files_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["plan", "-f", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err

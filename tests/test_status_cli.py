@@ -21,7 +21,7 @@ from kmock_api import ApiServer, client_configuration, declare_kvguard_resources
 from operator_harness import EXAMPLES, http
 
 from kvguard.cli import main
-from kvguard.commands.status import EXIT_NOT_FOUND, EXIT_OK
+from kvguard.commands.status import EXIT_NOT_FOUND, EXIT_OK, EXIT_UNREACHABLE
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWorker, StateStore
 from kvguard.status_tree import render
@@ -192,3 +192,13 @@ def test_status_local_says_when_the_serving_revision_has_no_worker_of_a_role(ser
     assert out.startswith("tiny  (namespace local)  Degraded"), out
     assert "conditions  Ready=False  Degraded=True" in out
     assert "revision ccc333 has no decode worker in rotation, so it answers 503" in out
+
+
+def test_no_kubeconfig_is_one_line_naming_what_is_missing(tmp_path: Path) -> None:
+    """A real process (no kmock default in it): no service account, no KUBECONFIG, no ~/.kube/config."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-P", "-m", "kvguard", "status", "tiny"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_UNREACHABLE and done.stdout == ""
+    assert done.stderr == ("kvguard status: no Kubernetes cluster configured: not in a pod, KUBECONFIG is unset and "
+                           "~/.kube/config does not exist; set KUBECONFIG or create ~/.kube/config\n")  # no warning, no traceback

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save as save_bytes
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -115,19 +116,11 @@ def write_random_model(model_dir: Path | str, overrides: dict, seed: int = 0) ->
     return model_dir
 
 
-def write_tiny_model(model_dir: Path | str, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
-    generation_config.json for the tiny model into `model_dir` (created if missing)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
+def tiny_model_files(seed: int = 0) -> dict[str, bytes]:
+    """The tiny model's folder, file name -> content: config.json, generation_config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json. Same seed, same bytes."""
     config = {**TINY_CONFIG, "bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, END_ID]}
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (model_dir / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, END_ID]}, indent=2) + "\n"
-    )
     weights = {k: t.contiguous() for k, t in random_weights(config, seed).items()}
-    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    build_tokenizer().save(str(model_dir / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -136,5 +129,23 @@ def write_tiny_model(model_dir: Path | str, seed: int = 0) -> Path:
         "model_max_length": config["max_position_embeddings"],
         "chat_template": CHAT_TEMPLATE,
     }
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+
+    def as_json(value: object) -> bytes:
+        return (json.dumps(value, indent=2) + "\n").encode()
+
+    return {
+        "config.json": as_json(config),
+        "generation_config.json": as_json({"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, END_ID]}),
+        "model.safetensors": save_bytes(weights, metadata={"format": "pt"}),
+        "tokenizer.json": build_tokenizer().to_str(pretty=True).encode(),
+        "tokenizer_config.json": as_json(tok_config),
+    }
+
+
+def write_tiny_model(model_dir: Path | str, seed: int = 0) -> Path:
+    """Write the tiny model's files (`tiny_model_files`) into `model_dir` (created if missing)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in tiny_model_files(seed).items():
+        (model_dir / name).write_bytes(content)
     return model_dir

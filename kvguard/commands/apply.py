@@ -262,15 +262,15 @@ def _load_model(args: argparse.Namespace) -> Any:
 
 
 def _load_policies(path: Path) -> list[Any]:
-    import yaml
     from pydantic import ValidationError
 
     from kvguard.operator.api import InferencePolicy
+    from kvguard.yaml_files import YAMLFileError, load_all
 
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--policy {path}: {exc}") from None
+        docs = load_all(path)
+    except YAMLFileError as exc:
+        raise ValueError(f"--policy {exc}") from None
     policies = []
     for doc in docs:
         if not isinstance(doc, dict) or doc.get("kind") != "InferencePolicy":

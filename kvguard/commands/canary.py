@@ -124,17 +124,17 @@ def _unreadable_log(paths: list[Path]) -> str | None:
 
 def _load_spec(path: Path | None, probes: str | None) -> Any:
     """The spec from YAML (field-level messages on error) with --probes applied."""
-    import yaml
     from pydantic import ValidationError
 
     from kvguard.operator.canary import CanarySpec, ProbeName
+    from kvguard.yaml_files import load_all
 
     data: Any = {}
     if path is not None:
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None  # one line: it ends a report
+        documents = load_all(path)  # YAMLFileError is a ValueError: one line, naming the file and line
+        if len(documents) > 1:
+            raise ValueError(f"{path}: {len(documents)} YAML documents; a canary spec is one")
+        data = documents[0] if documents else {}
         if isinstance(data, dict) and data.get("kind") == "InferenceModel":
             data = (data.get("spec") or {}).get("canary") or {}
     try:

@@ -1,9 +1,13 @@
-"""`kvguard model tiny DIR [--seed N]`: write a small random model in Hugging Face folder format."""
+"""`kvguard model tiny DIR [--seed N] [--force]`: write a small random model in Hugging Face folder format."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+EXIT_EXISTS = 2  # the folder holds other files of the same names: nothing was written
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -12,12 +16,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny = actions.add_parser("tiny", help="write a deterministic random LlamaForCausalLM (config, safetensors, tokenizer)")
     tiny.add_argument("dir", help="output folder (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0); same seed, same files")
+    tiny.add_argument("--force", action="store_true",
+                      help="replace files of the same names that hold something else (another model, another seed)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvguard.workers.tiny import write_tiny_model
+    from kvguard.workers.tiny import tiny_model_files
 
-    path = write_tiny_model(args.dir, seed=args.seed)
-    print(json.dumps({"model_dir": str(path), "seed": args.seed}))
+    folder = Path(args.dir)
+    files = tiny_model_files(seed=args.seed)
+    # Writing the same bytes again is harmless (same seed, same files); replacing a real model's
+    # config.json or weights is not, unless asked for.
+    differing = [name for name, content in files.items() if (folder / name).exists() and (folder / name).read_bytes() != content]
+    if differing and not args.force:
+        print(f"kvguard model: {folder} already holds {', '.join(differing)} with other content; "
+              "nothing was written (--force replaces them)", file=sys.stderr)  # fmt: skip
+        return EXIT_EXISTS
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    print(json.dumps({"model_dir": str(folder), "seed": args.seed}))
     return 0

@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
+
+from kvguard.yaml_files import YAMLFileError, load_all
 
 EXIT_PASS = 0
 EXIT_BAD_INPUT = 2
@@ -145,24 +146,24 @@ def _describe_errors(errors: list[Any], set_by: dict[str, str]) -> list[str]:
 def _read_manifest(path: Path) -> dict[str, Any]:
     """The single InferenceModel document of a YAML file."""
     try:
-        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except OSError as exc:
-        raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise BadInput(f"{path} is not UTF-8 text (byte {exc.start})") from exc
-    except yaml.YAMLError as exc:
-        raise BadInput(f"{path} is not valid YAML: {exc}") from exc
-    except RecursionError:
-        raise BadInput(f"{path}: YAML nested too deeply to be a manifest") from None
+        documents = load_all(path)
+    except YAMLFileError as exc:
+        raise BadInput(str(exc)) from None
     models = [d for d in documents if isinstance(d, dict) and d.get("kind") == "InferenceModel"]
     if len(models) == 1:
         return models[0]
-    if not models and len(documents) == 1 and isinstance(documents[0], dict):
+    if not models and len(documents) == 1:
+        if not isinstance(documents[0], dict):
+            raise BadInput(f"{path}: the document is a {_yaml_kind(documents[0])}, expected an InferenceModel mapping")
         kind = documents[0].get("kind")
         if kind is not None:
             raise BadInput(f"{path}: kind: {kind!r}, expected InferenceModel")
         return documents[0]  # let validation name what is wrong with it (apiVersion, spec...)
     raise BadInput(f"{path} must hold exactly one InferenceModel document, found {len(models)}")
+
+
+def _yaml_kind(value: object) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), type(value).__name__)
 
 
 def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: list[str],

@@ -96,12 +96,14 @@ class _Unreachable(Exception):
 
 
 def _cluster_view(args: argparse.Namespace) -> Any:
-    from kvguard.operator.kube import Kube, KubeError, ObjectRef
+    from kvguard.operator.kube import Kube, KubeError, NoCluster, ObjectRef
     from kvguard.status_tree import render
 
     namespace = args.namespace or _context_namespace()
     try:
         kube = Kube(user_agent="kvguard-status")
+    except NoCluster as exc:
+        raise _Unreachable(f"{exc}; set KUBECONFIG or create ~/.kube/config") from None
     except Exception as exc:  # noqa: BLE001 - the kubernetes client raises YAML, key and type errors for a bad kubeconfig
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise _Unreachable(f"no usable kubeconfig ({type(exc).__name__}: {reason}); check KUBECONFIG or ~/.kube/config") from None

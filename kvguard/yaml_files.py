@@ -1,0 +1,68 @@
+"""Reading the YAML files users hand the CLI (manifests, policies, canary specs), strictly.
+
+PyYAML's safe loader keeps the last of two equal keys in a mapping without a word: a manifest with
+`contextLength` twice is planned on a value its author may not have meant. Here a repeated key is
+an error naming both lines, and every error is one line naming the file, line and column (PyYAML's
+own text spans several lines and calls the input "<unicode string>").
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class YAMLFileError(ValueError):
+    """A file that is not the YAML it should be; the message is one line naming where."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own error says so
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} repeats the one on line {first.start_mark.line + 1}", key_node.start_mark
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+
+
+def load_all(path: Path) -> list[Any]:
+    """Every non-empty document of the file (`-`: standard input). Raises YAMLFileError (one line) for a file that cannot
+    be read, is not UTF-8, is not YAML, repeats a key, or nests too deeply."""
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()  # `-f -`, as kubectl reads it
+    except OSError as exc:
+        raise YAMLFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise YAMLFileError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        return [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]  # noqa: S506 - a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        raise YAMLFileError(f"{path} is not valid YAML{_where(exc)}: {_what(exc)}") from None
+    except yaml.YAMLError as exc:
+        raise YAMLFileError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise YAMLFileError(f"{path}: YAML nested too deeply") from None
+
+
+def _where(exc: yaml.MarkedYAMLError) -> str:
+    mark = exc.problem_mark or exc.context_mark
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+
+def _what(exc: yaml.MarkedYAMLError) -> str:
+    parts = [exc.context, exc.problem]
+    return " ".join(" ".join(p.split()) for p in parts if p) or "not valid YAML"
