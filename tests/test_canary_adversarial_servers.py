@@ -128,6 +128,13 @@ async def test_a_suite_without_content_probes_is_judged_on_what_it_ran(server: R
     assert report.verdict == Verdict.PASS and report.reason == "2 probe(s) passed"
 
 
+@pytest.mark.parametrize("server", [Behaviour(usage_extra_tokens=3)], indirect=True)
+async def test_usage_above_max_tokens_fails(server: RunningServer) -> None:
+    determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
+    assert determinism.status == ProbeStatus.FAIL
+    assert "usage says 11 completion tokens, more than max_tokens=8" in determinism.reason
+
+
 # 3. the abort reason says what happened --------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ class Behaviour:
     bump_tag_violations: bool = False
     fail_models: bool = False
     hang_models: bool = False  # GET /v1/models accepts the connection and never answers
+    usage_extra_tokens: int = 0  # usage.completion_tokens reports this many more than were generated
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
     serves_completions: bool = True  # False: no /v1/completions route (a chat-only server)
@@ -199,7 +200,7 @@ class FakeEngine:
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens + self.b.usage_extra_tokens}
         return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
 
     async def _stream(self, request: web.Request, tokens: list[str], chat: bool) -> web.StreamResponse:

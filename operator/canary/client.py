@@ -13,7 +13,8 @@ finish reason, [DONE]) so a report never claims more than the wire showed.
 
 One more consistency check, on every answer: `finish_reason: "length"` promises that the generation
 stopped at max_tokens (or at the context length). An answer that says so with fewer completion
-tokens than that is an aborted request reported as finished (sglang#33507) and is an error.
+tokens than that is an aborted request reported as finished (sglang#33507) and is an error. So is
+usage claiming more completion tokens than max_tokens allowed.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class EngineClient:
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         if result.error is None and result.status == 200:
-            result.error = premature_length_finish(result, self.context_length)
+            result.error = premature_length_finish(result, self.context_length) or over_budget(result)
         self._observe(prompt, result)
         return result
 
@@ -297,6 +298,15 @@ def premature_length_finish(result: Completion, context_length: int | None) -> s
         f"finish_reason 'length' after {result.completion_tokens} of max_tokens={result.max_tokens} "
         f"completion tokens{where}{context}: an aborted or truncated request reported as finished (sglang#33507)"
     )
+
+
+def over_budget(result: Completion) -> str | None:
+    """More completion tokens than max_tokens allowed, by the server's own usage: the budget was
+    not enforced (or usage counts another request's tokens). None when consistent or not reported."""
+    if result.completion_tokens is None or result.max_tokens is None or result.completion_tokens <= result.max_tokens:
+        return None
+    return (f"usage says {result.completion_tokens} completion tokens, more than max_tokens={result.max_tokens}: "
+            "the budget was not enforced, or usage counts tokens that are not this answer's")  # fmt: skip
 
 
 def _read_json(raw: str, result: Completion) -> None:

@@ -6,8 +6,8 @@ contain the nonce. Sizes vary so freed pages are reused at different offsets. A 
 shows up either as a different B (it read A's stale KV) or as an error on B (page tags caught the
 stale read: still a failure, since a correct engine has nothing to catch).
 
-Concurrent part: N tenants with distinct nonces, each first alone (its solo answer), then all at
-once. No output may contain another's nonce, and no tenant may get another's answer: a server that
+Concurrent part: N tenants whose prompts share their first half and carry distinct nonces in the
+second, each first alone (its solo answer), then all at once. No output may contain another's nonce, and no tenant may get another's answer: a server that
 hands tenant 1 the text generated for tenant 2 leaks without ever echoing a nonce. A concurrent
 answer is attributed to the solo answer it is most alike; one that is another tenant's fails. One that merely differs from its own solo answer is noted, not failed: batched
 kernels may break a near tie differently from a batch of one (vLLM on GPUs does). With a
@@ -77,7 +77,7 @@ class IsolationProbe(Probe):
         if problems:
             return failed(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), evidence)
         tokens = "/".join(ctx.estimate.tokens_for(w) for w in sizes)
-        tenants = f" and {spec.tenants} concurrent tenants, none given another's answer" if spec.tenants else ""
+        tenants = f" and {spec.tenants} concurrent tenants sharing a prefix, none given another's answer" if spec.tenants else ""
         paths = "; ".join(c.describe() for c in channels)
         reason = (
             f"B ({len(reference.text)} chars) identical to B alone after {len(sizes)} long request(s) A of "
@@ -151,8 +151,13 @@ class IsolationProbe(Probe):
         # At most tenantPromptWords, and never more than one request may hold: a healthy server with
         # a short context refuses longer ones (a 400 is not isolation failing).
         words = min(spec.tenant_prompt_words, ctx.estimate.words_at_most(ctx.admissible_tokens(ctx.spec.max_tokens)))
+        # The first half is the same for every tenant: a prefix cache (vLLM's blocks, SGLang's radix
+        # tree) serves it to all of them, so a cache that hands one tenant's pages past the shared
+        # part to another shows here. Each tenant's own half carries its nonce.
+        own = max(1, words - words // 2)
+        shared = filler_text(words // 2, ctx.spec.seed + 1999) + " " if words // 2 else ""
         prompts = [
-            filler_text(max(1, words), ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
+            shared + filler_text(own, ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
             for i, nonce in enumerate(nonces)
         ]
         # Tenants take turns over the channels, so concurrent streams and chats are covered too.
