@@ -167,6 +167,11 @@ def _context_length(spec: InferenceModelSpec, roles: dict[str, RolePlan], failin
             break
         longest = math.floor(min(r.pool_tokens for r in pools.values()) / spec.min_kv_ratio)
     message = f"the longest safe context with these pools is {longest:,} tokens (now {spec.context_length:,})"
+    trained = spec.model.architecture.max_position_embeddings if spec.model.architecture else None
+    if trained is not None and longest > trained:  # the pools allow more than the model was built for
+        longest = trained
+        message = (f"the model's max_position_embeddings, {trained:,} tokens (now {spec.context_length:,}); "
+                   "these pools would hold a longer one")  # fmt: skip
     return _verified(spec, [FieldChange(field="spec.contextLength", value=longest)], message)
 
 

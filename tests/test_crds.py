@@ -103,3 +103,11 @@ def test_stdout_on_a_full_disk_is_one_line_not_a_traceback() -> None:
         done = subprocess.run([sys.executable, "-P", "-m", "kvguard", "plan", "-f", str(ROOT / "examples" / "tiny-cpu.yaml")],
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and done.stderr == "kvguard plan: No space left on device\n"
+
+
+def test_check_names_a_missing_folder_and_missing_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crds", "--check", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"kvguard crds: --check {tmp_path / 'nope'}: no such folder\n"
+    assert main(["crds", "--check", str(tmp_path)]) == 1
+    assert f"{tmp_path / 'kvguard.io_inferencemodels.yaml'}: missing; run `kvguard crds -o {tmp_path}`" in capsys.readouterr().err
+

@@ -416,6 +416,16 @@ def test_suggestions_are_the_smallest_changes() -> None:
     assert plan(spec.model_copy(update={"context_length": longest + 1})).verdict == "blocked"
 
 
+def test_the_context_suggestion_never_exceeds_what_the_model_was_built_for() -> None:
+    """The pools of make_spec(240_000) hold ~220,000 tokens of context safely: a model built for
+    200,000 positions is offered its own limit, not a context it was never trained on."""
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(max_position_embeddings=200_000)), context_length=240_000)
+    context = next(s for s in plan(spec).suggestions if s.field == "spec.contextLength")
+    assert context.value == 200_000 and context.message.startswith("the model's max_position_embeddings, 200,000 tokens (now 240,000)")
+    unbounded = next(s for s in plan(make_spec(context_length=240_000)).suggestions if s.field == "spec.contextLength")
+    assert 200_000 < unbounded.value < 240_000
+
+
 def test_fraction_is_never_suggested_above_0_95() -> None:
     # 0.96 would pass, but leaves activations and CUDA graphs no room: not a fix.
     spec = make_spec(context_length=245_000, memory_fraction=0.5)

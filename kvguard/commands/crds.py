@@ -2,7 +2,7 @@
 
     kvguard crds                 # both CRDs on stdout, as one multi-document YAML stream
     kvguard crds -o crds/        # one file per CRD (what the repository ships)
-    kvguard crds --check crds/   # exit 1 when the files differ from the models
+    kvguard crds --check crds/   # exit 1 when the files differ from the models (2: no such folder)
 """
 
 from __future__ import annotations
@@ -25,10 +25,14 @@ def run(args: argparse.Namespace) -> int:
 
     files = all_files()
     if args.check:
-        stale = [n for n, text in files.items() if not (args.check / n).is_file() or (args.check / n).read_text() != text]
-        for name in stale:
-            print(f"{args.check / name}: out of date; run `kvguard crds -o {args.check}`", file=sys.stderr)
-        return 1 if stale else 0
+        if not args.check.is_dir():
+            print(f"kvguard crds: --check {args.check}: no such folder", file=sys.stderr)
+            return 2
+        problems = [f"{args.check / name}: {why}; run `kvguard crds -o {args.check}`"
+                    for name, text in files.items() if (why := _stale(args.check / name, text))]  # fmt: skip
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 1 if problems else 0
     if args.output_dir:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
@@ -37,3 +41,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write("---\n".join(files.values()))
     return 0
+
+
+def _stale(path: Path, text: str) -> str | None:
+    """Why the file at `path` is not `text` (missing, out of date), or None."""
+    if not path.is_file():
+        return "missing"
+    return "out of date" if path.read_text() != text else None

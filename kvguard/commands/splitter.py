@@ -34,14 +34,14 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s splitter %(name)s %(levelname)s %(message)s")
     sockets: list[socket.socket] = []
-    try:
-        for port in (args.port, args.metrics_port):
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        try:
             sockets.append(bind_listener(args.host, port))  # SO_REUSEADDR: a restart takes the same port back
-    except OSError as exc:
-        for sock in sockets:
-            sock.close()
-        print(f"kvguard splitter: cannot listen on {args.host}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            print(f"kvguard splitter: {flag} {port}: cannot listen on {args.host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     splitter = Splitter(SplitterConfig(table_path=args.table))
     asyncio.run(serve([(splitter.app(), sockets[0]), (splitter.metrics_app(), sockets[1])]))
     return 0
