@@ -75,6 +75,21 @@ async def test_concurrent_tenants_given_each_others_answers_fail_isolation(serve
     assert crossed and all(e.expected != e.actual for e in crossed)
 
 
+@pytest.mark.parametrize("server", [Behaviour(crossed_list=True)], indirect=True)
+async def test_a_prompt_list_whose_choices_are_crossed_fails_isolation(server: RunningServer) -> None:
+    """Alone and concurrently every answer is right: only the one batch a prompt list makes shows it."""
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("prompt list, choice 0 (tenant 1's prompt): the answer is tenant 2's, not its own")
+
+
+@pytest.mark.parametrize("server", [Behaviour(serves_completions=False)], indirect=True)
+async def test_a_server_without_prompt_lists_is_noted_not_failed(server: RunningServer) -> None:
+    isolation = result(await run(server, spec(api="chat").only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
+    assert any(getattr(e, "message", "").startswith("prompt list not checked: ") for e in isolation.evidence)
+
+
 def test_a_concurrent_answer_is_attributed_to_the_solo_answer_it_is_most_like() -> None:
     from kvguard.operator.canary.isolation import whose_answer
 

@@ -43,6 +43,9 @@ class Behaviour:
     fail_models: bool = False
     hang_models: bool = False  # GET /v1/models accepts the connection and never answers
     usage_extra_tokens: int = 0  # usage.completion_tokens reports this many more than were generated
+    # A prompt list is answered (one choice per prompt); with crossed_list, choice i goes on, after
+    # its own first token, with the tokens of prompt i+1 (a batch whose rows are crossed).
+    crossed_list: bool = False
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
     serves_completions: bool = True  # False: no /v1/completions route (a chat-only server)
@@ -127,6 +130,8 @@ class FakeEngine:
         body = await request.json()
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if isinstance(prompt, list):
+            return self._prompt_list(prompt, int(body.get("max_tokens") or 16))
         max_tokens = int(body.get("max_tokens") or 16)
         stream = bool(body.get("stream"))
         prompt_tokens = len(prompt.split())
@@ -146,6 +151,14 @@ class FakeEngine:
         if self.b.bump_tag_violations:
             self._violations.inc()
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
+
+    def _prompt_list(self, prompts: list[str], max_tokens: int) -> web.Response:
+        answers = [self.generate(p, max_tokens) for p in prompts]
+        if self.b.crossed_list:
+            answers = [a[:1] + answers[(i + 1) % len(answers)][1:] for i, a in enumerate(answers)]
+        choices = [{"index": i, "text": " ".join(a), "finish_reason": "length"} for i, a in enumerate(answers)]
+        usage = {"prompt_tokens": sum(len(p.split()) for p in prompts), "completion_tokens": sum(map(len, answers))}
+        return web.json_response({"id": "x", "object": "text_completion", "choices": choices, "usage": usage})
 
     def leaked_nonce(self, prompt: str, stream: bool, chat: bool) -> str | None:
         """The newest nonce of another prompt, when this path is the leaking one (leak_nonce_on)."""

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from kvguard.operator.canary.report import HttpExchange, clip
-from kvguard.operator.canary.responses import ModelList, TokenLogprob, parse_body, parse_json_text, sse_data
+from kvguard.operator.canary.responses import ModelList, TokenLogprob, choice_texts, parse_body, parse_json_text, sse_data
 from kvguard.operator.canary.spec import ApiKind
 
 API_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -177,6 +177,31 @@ class EngineClient:
             result.error = premature_length_finish(result, self.context_length) or over_budget(result)
         self._observe(prompt, result)
         return result
+
+    async def complete_list(self, prompts: list[str], *, max_tokens: int, label: str) -> tuple[Completion, dict[int, str]]:
+        """One completions request carrying a list of prompts (one batch on the server): the
+        exchange, and each choice's text by index. Not observed: its prompt is every prompt, so
+        the caller checks each choice against the others itself."""
+        result = Completion(label=label, max_tokens=max_tokens * len(prompts))
+        body = {**self.request_body("completions", "", max_tokens, stream=False), "prompt": prompts}
+        started = time.monotonic()
+        try:
+            async with self.session.post(f"{self.base_url}{API_PATHS['completions']}", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
+                result.status = resp.status
+                result.body = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            result.error = _transport_error(exc, self.timeout_seconds)
+        finally:
+            result.seconds = time.monotonic() - started
+        texts: dict[int, str] = {}
+        if result.error is None:
+            payload, result.error = parse_json_text(result.body)
+            if result.error is None:
+                texts, result.error = choice_texts(payload)
+        if result.error is None and result.status != 200:
+            result.error = f"HTTP {result.status}"
+        return result, texts
 
     def _observe(self, prompt: str, result: Completion) -> None:
         if self.observer is not None:

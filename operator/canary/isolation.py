@@ -7,7 +7,8 @@ shows up either as a different B (it read A's stale KV) or as an error on B (pag
 stale read: still a failure, since a correct engine has nothing to catch).
 
 Concurrent part: N tenants whose prompts share their first half and carry distinct nonces in the
-second, each first alone (its solo answer), then all at once. No output may contain another's nonce, and no tenant may get another's answer: a server that
+second, each first alone (its solo answer), then all at once, then as one request with a prompt
+list (one batch by construction; choice i must be tenant i's answer). No output may contain another's nonce, and no tenant may get another's answer: a server that
 hands tenant 1 the text generated for tenant 2 leaks without ever echoing a nonce. A concurrent
 answer is attributed to the solo answer it is most alike; one that is another tenant's fails. One that merely differs from its own solo answer is noted, not failed: batched
 kernels may break a near tie differently from a batch of one (vLLM on GPUs does). With a
@@ -174,8 +175,38 @@ class IsolationProbe(Probe):
                     problems.append(f"tenant {i + 1}'s output contains tenant {j + 1}'s nonce")
                     evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
             check_own_answer(i, result, [s.text if s.ok else None for s in solos], problems, evidence)
+        await self._prompt_list(ctx, prompts, nonces, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
+
+    async def _prompt_list(
+        self, ctx: RunContext, prompts: list[str], nonces: list[str], problems: list[str], evidence: list[Evidence]
+    ) -> None:
+        """The tenants' prompts again, as one completions request with a prompt list: the server
+        batches them by construction, and choice i must be tenant i's answer alone. A server that
+        takes no lists (or no completions) is noted, not failed."""
+        if len(prompts) < 2:
+            return
+        solos = [await ctx.solo(p, api="completions") for p in prompts]
+        if not all(s.ok for s in solos):
+            evidence.append(Note(message="prompt list not checked: the completions endpoint did not answer each prompt alone"))
+            return
+        batch, texts = await ctx.target.complete_list(prompts, max_tokens=ctx.spec.max_tokens, label="prompt list")
+        if not batch.ok:
+            evidence.append(Note(message=f"prompt list not checked: {batch.describe_failure()}"))
+            return
+        alone: list[str | None] = [s.text for s in solos]
+        for i in range(len(prompts)):
+            answer = Completion(label=f"prompt list, choice {i} (tenant {i + 1}'s prompt)", status=200, text=texts.get(i, ""))
+            if i not in texts:
+                problems.append(f"{answer.label}: missing from the {len(texts)} choice(s) returned")
+                evidence.append(batch.evidence())
+                continue
+            for j, nonce in enumerate(nonces):
+                if j != i and nonce in answer.text:
+                    problems.append(f"{answer.label}: output contains tenant {j + 1}'s nonce")
+                    evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=answer.label, output=answer.text))
+            check_own_answer(i, answer, alone, problems, evidence)
 
     async def _tenant(self, ctx: RunContext, channel: Channel, index: int, prompt: str) -> Completion:
         return await ctx.target.complete(

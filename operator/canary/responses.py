@@ -99,6 +99,7 @@ def token_logprobs(raw: Any) -> list[TokenLogprob] | None:
 
 
 class Choice(_Lenient):
+    index: int | None = None
     text: str | None = None
     message: ChatMessage | None = None
     delta: ChatMessage | None = None
@@ -195,6 +196,16 @@ def parse_body(payload: Any) -> ParsedBody:
         completion_tokens=body.usage.completion_tokens if body.usage else None,
         logprobs=logprobs or None,
     )
+
+
+def choice_texts(payload: Any) -> tuple[dict[int, str], str | None]:
+    """Each choice's text by its `index` (its position when a server sends none), or the error the
+    body carries. For answers with several choices (a prompt list), which `parse_body` joins."""
+    parsed = parse_body(payload)
+    if parsed.error is not None:
+        return {}, parsed.error
+    body = CompletionBody.model_validate(payload)  # parse_body accepted it
+    return {c.index if c.index is not None else i: c.content() for i, c in enumerate(body.choices)}, None
 
 
 def parse_json_text(raw: str) -> tuple[Any, str | None]:
