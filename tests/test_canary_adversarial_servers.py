@@ -150,6 +150,13 @@ async def test_usage_above_max_tokens_fails(server: RunningServer) -> None:
     assert "usage says 11 completion tokens, more than max_tokens=8" in determinism.reason
 
 
+@pytest.mark.parametrize("server", [Behaviour(prompt_tokens_drift=True)], indirect=True)
+async def test_the_same_prompt_counted_differently_fails(server: RunningServer) -> None:
+    determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
+    assert determinism.status == ProbeStatus.FAIL
+    assert determinism.reason.startswith("usage.prompt_tokens differs for the same prompt (run 1 ")
+
+
 # 3. the abort reason says what happened --------------------------------------------------------
 
 

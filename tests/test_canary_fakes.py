@@ -46,6 +46,7 @@ class Behaviour:
     # A prompt list is answered (one choice per prompt); with crossed_list, choice i goes on, after
     # its own first token, with the tokens of prompt i+1 (a batch whose rows are crossed).
     crossed_list: bool = False
+    prompt_tokens_drift: bool = False  # usage.prompt_tokens grows by one per request (counted from others)
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
     serves_completions: bool = True  # False: no /v1/completions route (a chat-only server)
@@ -213,7 +214,8 @@ class FakeEngine:
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens + self.b.usage_extra_tokens}
+        drift = self.calls if self.b.prompt_tokens_drift else 0
+        usage = {"prompt_tokens": prompt_tokens + drift, "completion_tokens": completion_tokens + self.b.usage_extra_tokens}
         return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
 
     async def _stream(self, request: web.Request, tokens: list[str], chat: bool) -> web.StreamResponse:

@@ -1,12 +1,15 @@
 """Determinism probe: the same greedy request gives the same text every time, streamed or not.
 
 A request that reads KV it does not own (S1), a corrupted transfer (S3) or a late write into a
-reused page (S5) typically makes the output depend on what ran before, so repeats differ.
+reused page (S5) typically makes the output depend on what ran before, so repeats differ. The
+same prompt must also be counted the same (`usage.prompt_tokens`): a count that changes between
+runs is usage attributed from another request.
 """
 
 from __future__ import annotations
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
+from kvguard.operator.canary.client import Completion
 from kvguard.operator.canary.report import Evidence, OutputMismatch
 from kvguard.operator.canary.spec import ProbeName
 
@@ -31,6 +34,8 @@ class DeterminismProbe(Probe):
         ]
         if evidence:
             return failed(f"{len(evidence)} of {len(runs) - 1} repeat(s) differ from run 1", evidence)
+        if miscounted := prompt_token_disagreement(runs):
+            return failed(miscounted, [r.evidence() for r in runs])
         if not runs[0].text:
             raise ProbeSkipped(empty_answer(runs[0]))  # identical empty answers prove nothing
         if spec.compare_streaming:
@@ -47,3 +52,12 @@ class DeterminismProbe(Probe):
         extra = " plus a streamed run" if spec.compare_streaming else ""
         sample = runs[0].text if len(runs[0].text) <= 40 else runs[0].text[:37] + "..."
         return passed(f"{len(runs)} identical runs{extra} ({api}, max_tokens={max_tokens}): {sample!r}")
+
+
+def prompt_token_disagreement(runs: list[Completion]) -> str | None:
+    """Why the runs' `usage.prompt_tokens` disagree (the same prompt each time), or None."""
+    counts = {r.prompt_tokens for r in runs if r.prompt_tokens is not None}
+    if len(counts) <= 1:
+        return None
+    by_run = ", ".join(f"{r.label} {r.prompt_tokens}" for r in runs if r.prompt_tokens is not None)
+    return f"usage.prompt_tokens differs for the same prompt ({by_run}): usage counted from another request"
