@@ -638,6 +638,8 @@ class _Step:
         reason, message = problem
         self.move(RolloutState.BLOCKED, reason, f"revision {self.candidate} blocked: {message}")
         self.event("Warning", reason, self.r.message or "")
+        # The conditions speak of the target revision: an earlier revision's pass must not read as this one's.
+        self.condition("CanaryPassed", "Unknown", "CanaryNotRun", f"revision {self.candidate} is blocked before its canary: {reason}")
         return True
 
     # --- states -----------------------------------------------------------------------------------

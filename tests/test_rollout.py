@@ -227,6 +227,8 @@ def test_S7_blocked_gates_deploy_nothing_and_clear_when_fixed(setup: dict[str, A
     assert workload(d) == [] and sim.serving == "r1"
     if condition:
         assert conditions(d)[condition[0]] == condition[1]
+    # r1's pass is not r2's: the condition speaks of the target, which was never canaried
+    assert conditions(d)["CanaryPassed"] == ("Unknown", "CanaryNotRun")
     assert events(sim.tick()) == []  # one Warning per block, not one per reconcile
     sim.plan_ok, sim.policy = True, PolicyGate()
     d = sim.tick()
