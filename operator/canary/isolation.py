@@ -170,11 +170,7 @@ class IsolationProbe(Probe):
                 problems.append(f"concurrent {result.describe_failure()}")
                 evidence.append(result.evidence())
                 continue
-            for j, nonce in enumerate(nonces):
-                if j != i and nonce in result.text:
-                    problems.append(f"tenant {i + 1}'s output contains tenant {j + 1}'s nonce")
-                    evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
-            check_own_answer(i, result, [s.text if s.ok else None for s in solos], problems, evidence)
+            check_tenant_answer(i, result, nonces, [s.text if s.ok else None for s in solos], problems, evidence)
         await self._prompt_list(ctx, prompts, nonces, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
@@ -202,11 +198,7 @@ class IsolationProbe(Probe):
                 problems.append(f"{answer.label}: missing from the {len(texts)} choice(s) returned")
                 evidence.append(batch.evidence())
                 continue
-            for j, nonce in enumerate(nonces):
-                if j != i and nonce in answer.text:
-                    problems.append(f"{answer.label}: output contains tenant {j + 1}'s nonce")
-                    evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=answer.label, output=answer.text))
-            check_own_answer(i, answer, alone, problems, evidence)
+            check_tenant_answer(i, answer, nonces, alone, problems, evidence)
 
     async def _tenant(self, ctx: RunContext, channel: Channel, index: int, prompt: str) -> Completion:
         return await ctx.target.complete(
@@ -271,6 +263,17 @@ def whose_answer(text: str, solos: list[str | None]) -> int | None:
     if best <= 0.5 or scores.count(best) > 1:
         return None
     return scores.index(best)
+
+
+def check_tenant_answer(
+    index: int, result: Completion, nonces: list[str], solos: list[str | None], problems: list[str], evidence: list[Evidence]
+) -> None:
+    """Tenant `index`'s answer carries no other tenant's nonce and is its own (`check_own_answer`)."""
+    for j, nonce in enumerate(nonces):
+        if j != index and nonce in result.text:
+            problems.append(f"{result.label}: output contains tenant {j + 1}'s nonce")
+            evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
+    check_own_answer(index, result, solos, problems, evidence)
 
 
 def check_own_answer(
