@@ -198,7 +198,14 @@ class FakeEngine:
             return prompt
         self.in_flight.append(prompt)
         try:
-            await asyncio.sleep(0.05)  # long enough for requests sent together to overlap
+            # Requests sent together overlap here: wait for a second one (a request sent alone
+            # waits the whole half second and keeps its own answer). A condition, not a fixed
+            # sleep: on a loaded machine the second may arrive late.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 0.5
+            while len(self.in_flight) < 2 and loop.time() < until:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # and the rest of those sent together
             mine = self.in_flight.index(prompt)
             return self.in_flight[(mine + 1) % len(self.in_flight)]
         finally:

@@ -13,7 +13,7 @@ import pytest
 import requests
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from pd_harness import _engine, client, deployment, metric, served_model
+from pd_harness import _engine, client, deployment, metric, served_model, wait_pools_empty
 
 from kvguard.workers.launcher import LocalDeployment
 from kvguard.workers.request import SamplingParams
@@ -356,6 +356,7 @@ def test_a_token_id_outside_the_vocabulary_is_refused_before_any_worker_runs(tri
     """The router knows the workers' vocabulary (WorkerInfo.vocab_size): an id outside it is the
     client's 400, counted `rejected`, not `failed` (what a rollout's error ratio reads), and no
     sibling prompt of the same request is prefilled or sent before the refusal."""
+    wait_pools_empty(trio)  # every earlier request has ended, and is counted, on every process
     before = {outcome: metric(trio, "router", "kvguard_requests_total", outcome=outcome) for outcome in ("rejected", "failed")}
     prefilled = metric(trio, "prefill", "kvguard_requests_total")
     answer = post(trio, "completions", {"model": model, "max_tokens": 2, **body})
