@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             _drop_stdout()
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"kvguard {command or ''}: {exc.strerror or exc}{where}".replace("kvguard : ", "kvguard: "), file=sys.stderr)
+        print(f"{f'kvguard {command}' if command else 'kvguard'}: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
 
 

@@ -72,6 +72,7 @@ class FakeEngine:
         self.calls = 0
         self.tag_violations = 0
         self.in_flight: list[str] = []
+        self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
         self.registry = CollectorRegistry()
         self._capacity = Gauge("kvguard_kv_pool_capacity_tokens", "pool", ["role"], registry=self.registry)
         self._used = Gauge("kvguard_kv_pool_used_tokens", "used", ["role"], registry=self.registry)
@@ -100,7 +101,7 @@ class FakeEngine:
         if self.b.fail_models:
             return web.Response(status=500, text="internal error")
         if self.b.hang_models:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # a request that is never answered
         return web.json_response(
             {"object": "list", "data": [{"id": self.b.model_id, "object": "model",
                                          **({"max_model_len": self.b.advertised_context or self.b.context_length}
@@ -137,7 +138,7 @@ class FakeEngine:
         stream = bool(body.get("stream"))
         prompt_tokens = len(prompt.split())
         if self.b.hang_completions:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # a request that is never answered
         if self.b.malformed_completions:
             return web.Response(text="{not json", content_type="application/json")
         if self.b.error_in_200:
@@ -193,23 +194,23 @@ class FakeEngine:
                 self._release(reserved)
 
     async def _crossed(self, prompt: str) -> str:
-        """The prompt whose answer this request gets: its own, unless swap_concurrent and others overlap."""
+        """The prompt whose answer this request gets: its own, unless swap_concurrent and another
+        request is in flight with it (requests sent together; one sent alone waits at most half a
+        second for company, then keeps its own answer)."""
         if not self.b.swap_concurrent:
             return prompt
-        self.in_flight.append(prompt)
-        try:
-            # Requests sent together overlap here: wait for a second one (a request sent alone
-            # waits the whole half second and keeps its own answer). A condition, not a fixed
-            # sleep: on a loaded machine the second may arrive late.
-            loop = asyncio.get_running_loop()
-            until = loop.time() + 0.5
-            while len(self.in_flight) < 2 and loop.time() < until:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)  # and the rest of those sent together
+        async with self.arrivals:
+            self.in_flight.append(prompt)
+            self.arrivals.notify_all()
+            try:
+                async with asyncio.timeout(0.5):
+                    await self.arrivals.wait_for(lambda: len(self.in_flight) >= 2)
+            except TimeoutError:
+                pass
             mine = self.in_flight.index(prompt)
-            return self.in_flight[(mine + 1) % len(self.in_flight)]
-        finally:
+            other = self.in_flight[(mine + 1) % len(self.in_flight)]
             self.in_flight.remove(prompt)
+            return other
 
     def _release(self, tokens: int) -> None:
         self.used_tokens -= tokens

@@ -731,9 +731,8 @@ class Router:
         self._check_token_ids("logit_bias", [t for t, _ in base.logit_bias], self.upstreams)
         choices = []
         for p, prompt in enumerate(prompts):
-            prompt_param = "messages" if chat else "prompt"
-            self._check_token_ids(prompt_param, prompt.ids, self.upstreams)  # a tokenizer larger than the model's
-            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, prompt_param, body.budget_param())
+            max_tokens, over_length = self._intake(len(prompt.ids), base.max_tokens, "messages" if chat else "prompt",
+                                                   body.budget_param())
             if base.min_tokens > max_tokens:  # max_tokens was absent: the rest of the context (vLLM refuses it too)
                 raise OpenAIError(400, f"min_tokens ({base.min_tokens}) must be at most the {max_tokens} tokens "
                                   f"left in the context after the prompt", param="min_tokens", code="invalid_value")  # fmt: skip

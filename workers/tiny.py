@@ -144,8 +144,13 @@ def tiny_model_files(seed: int = 0) -> dict[str, bytes]:
 
 def write_tiny_model(model_dir: Path | str, seed: int = 0) -> Path:
     """Write the tiny model's files (`tiny_model_files`) into `model_dir` (created if missing)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    for name, content in tiny_model_files(seed).items():
-        (model_dir / name).write_bytes(content)
-    return model_dir
+    return write_files(model_dir, tiny_model_files(seed))
+
+
+def write_files(folder: Path | str, files: dict[str, bytes]) -> Path:
+    """Each file name -> content into `folder` (created if missing)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    return folder

@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvguard.workers.tiny import tiny_model_files
+    from kvguard.workers.tiny import tiny_model_files, write_files
 
     folder = Path(args.dir)
     files = tiny_model_files(seed=args.seed)
@@ -33,8 +33,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvguard model: {folder} already holds {', '.join(differing)} with other content; "
               "nothing was written (--force replaces them)", file=sys.stderr)  # fmt: skip
         return EXIT_EXISTS
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        (folder / name).write_bytes(content)
+    write_files(folder, files)
     print(json.dumps({"model_dir": str(folder), "seed": args.seed}))
     return 0

@@ -8,12 +8,13 @@ stale read: still a failure, since a correct engine has nothing to catch).
 
 Concurrent part: N tenants whose prompts share their first half and carry distinct nonces in the
 second, each first alone (its solo answer), then all at once, then as one request with a prompt
-list (one batch by construction; choice i must be tenant i's answer). No output may contain another's nonce, and no tenant may get another's answer: a server that
-hands tenant 1 the text generated for tenant 2 leaks without ever echoing a nonce. A concurrent
-answer is attributed to the solo answer it is most alike; one that is another tenant's fails. One that merely differs from its own solo answer is noted, not failed: batched
-kernels may break a near tie differently from a batch of one (vLLM on GPUs does). With a
-random-weights model outputs are gibberish: the checks are about equality and absence of nonces,
-never about meaning.
+list (one batch by construction; choice i must be tenant i's answer). No output may contain
+another's nonce, and no tenant may get another's answer: a server that hands tenant 1 the text
+generated for tenant 2 leaks without ever echoing a nonce. An answer is attributed to the solo
+answer it is most alike; one that is another tenant's fails. One that merely differs from its own
+solo answer is noted, not failed: batched kernels may break a near tie differently from a batch of
+one (vLLM on GPUs does). With a random-weights model outputs are gibberish: the checks are about
+equality and absence of nonces, never about meaning.
 
 Every B runs on each path an answer can take: spec.api, the same streamed, and the other endpoint
 when the server serves it (a chat template may be missing: then it is noted, not failed); tenants
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import os
 from dataclasses import dataclass
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
@@ -239,15 +241,6 @@ def check_b(
         )
 
 
-def common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def likeness(a: str, b: str) -> float:
     """How alike two answers are, 0-1 (difflib's ratio: matching characters over both lengths).
     Answers are at most max_tokens long, so the quadratic worst case stays small."""
@@ -290,5 +283,5 @@ def check_own_answer(
         evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone",
                                        expected=own, actual=result.text))  # fmt: skip
         return
-    evidence.append(Note(message=f"{result.label}: differs from its answer alone after {common_prefix(result.text, own)} "
+    evidence.append(Note(message=f"{result.label}: differs from its answer alone after {len(os.path.commonprefix([result.text, own]))} "
                                  "characters, and is no other tenant's (batched kernels may break a near tie differently)"))  # fmt: skip
