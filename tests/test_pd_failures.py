@@ -137,6 +137,46 @@ def test_the_router_ends_a_request_that_waits_too_long_for_a_token_s4(tiny_model
         assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
 
 
+def test_the_504_for_a_hung_worker_does_not_wait_for_its_abort_to_be_acknowledged_s4(tiny_model_dir: Path) -> None:
+    """A decode worker that hangs mid-generation (SIGSTOP) cannot acknowledge the router's abort.
+    The client's 504 comes at --request-timeout all the same: it used to wait for the abort too, up
+    to --abort-timeout longer (here far longer than the client waits). Once the worker runs again
+    the abort reaches it with the router's cause, not as a client disconnect, and both pools drain.
+    Until then the request keeps its router slot (its pages are still held there): with one slot,
+    the next request waits for it, and is served once the abort went through."""
+    request_timeout, abort_timeout = 4.0, 600.0
+    with deployment(tiny_model_dir, request_timeout_s=request_timeout, abort_timeout_s=abort_timeout,
+                    max_inflight_choices=1) as d:  # fmt: skip
+        decode = d.processes["decode"].popen
+        assert decode is not None
+        stream = client(d, timeout=abort_timeout / 4).completions.create(
+            model=served_model(d), prompt="hung", max_tokens=900, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        events = iter(stream)
+        next(events)
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.APIError) as caught:
+                for _ in events:
+                    pass
+            took = time.monotonic() - started
+            with cf.ThreadPoolExecutor(1) as pool:
+                following = pool.submit(complete, d, "next", 4)
+                wait_for(lambda: metric(d, "router", "kvguard_router_waiting_choices") == 1, "the next request to wait for the slot")
+                assert not following.done()
+                decode.send_signal(signal.SIGCONT)
+                assert following.result() == reference_text(tiny_model_dir, "next", 4)
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        assert caught.value.code == "timeout", caught.value.message
+        assert took < abort_timeout / 10  # about request_timeout: nothing waited on the hung worker
+        wait_pools_empty(d)
+        assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
+        wait_for(lambda: metric(d, "decode", "kvguard_aborts_total", cause="timeout") == 1, "decode to count the abort")
+        assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == 0
+
+
 def test_a_generation_that_keeps_producing_outlives_the_request_timeout(tiny_model_dir: Path) -> None:
     """--request-timeout is not a cap on a generation's length: an outside probe found every
     generation longer than 120 s cut off with a 504 (max_tokens defaults to the rest of the context)."""

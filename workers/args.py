@@ -35,6 +35,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
+DEFAULT_ABORT_TIMEOUT_S = 2.0  # router: a worker that takes longer to acknowledge an abort frees the pages by its own timers
 # A local launcher (workers/launcher.py) hands each worker the read end of a pipe whose write end
 # only the launcher holds, and names its descriptor here: EOF on it means the launcher is gone.
 LIFELINE_FD_ENV = "KVGUARD_LIFELINE_FD"
@@ -159,6 +160,9 @@ class WorkerArgs(BaseModel):
     request_timeout: float = Field(120.0, gt=0, le=86_400, json_schema_extra=_flag(
         "router", "seconds a request may wait for its next token (its first: queueing, prefill and transfer "
         "included) before it ends with 504; a generation that keeps producing tokens runs to its end"))
+    abort_timeout: float = Field(DEFAULT_ABORT_TIMEOUT_S, gt=0, le=600, json_schema_extra=_flag(
+        "router", "seconds a worker may take to acknowledge an abort; the request's slots are held meanwhile "
+        "(its client already has its answer)"))
     body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))
     write_timeout: float = Field(30.0, gt=0, le=86400, json_schema_extra=_flag(
         "router", "seconds a client may read none of its answer before its connection is closed (its generation aborted)"))
@@ -192,6 +196,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--bootstrap-timeout is a prefill and decode flag")
         if self.role != "decode" and self.stream_interval != 1:
             raise ValueError("--stream-interval is a decode flag")
+        if self.role != "router" and self.abort_timeout != DEFAULT_ABORT_TIMEOUT_S:
+            raise ValueError("--abort-timeout is a router flag")
         if self.role != "router" and self.revision_id is not None:
             raise ValueError("--revision-id is a router flag")
         if self.role == "router" and self.transfer_encryption != "none":

@@ -34,6 +34,7 @@ from typing import BinaryIO
 import requests
 
 from kvguard.workers.args import (
+    DEFAULT_ABORT_TIMEOUT_S,
     DEFAULT_BOOTSTRAP_TIMEOUT_S,
     LIFELINE_FD_ENV,
     Listen,
@@ -79,6 +80,7 @@ class LocalServeConfig:
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: wait for a ticket; decode: for prefill's OPEN
     request_timeout_s: float = 120.0  # router: how long a request may wait for its next token (504)
     max_inflight_choices: int = 512  # router: generations with worker calls open at once (more wait in the router)
+    abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S  # router: how long a worker may take to acknowledge an abort
     write_timeout_s: float = 30.0  # router: a client that reads none of its answer this long loses the connection
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
@@ -209,7 +211,7 @@ class LocalDeployment:
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
                               prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],),
                               request_timeout=c.request_timeout_s, max_inflight_choices=c.max_inflight_choices,
-                              write_timeout=c.write_timeout_s)  # fmt: skip
+                              write_timeout=c.write_timeout_s, abort_timeout=c.abort_timeout_s)  # fmt: skip
         elif role == "prefill":
             args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"))
         else:

@@ -42,6 +42,7 @@ from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S
 from kvguard.workers.backpressure import Slots, StallWatch, drop
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
@@ -145,7 +146,7 @@ class RouterConfig:
     decode_urls: tuple[str, ...]
     model_name: str
     request_timeout_s: float = 120.0
-    abort_timeout_s: float = 2.0
+    abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S  # how long a worker may take to acknowledge an abort (the client does not wait for it)
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413
     body_timeout_s: float = 30.0  # a body that takes longer to arrive: 408 (slow-body clients)
     write_timeout_s: float = 30.0  # a client that reads none of its answer for this long loses the connection
@@ -366,8 +367,8 @@ class Router:
         self._discovery: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._aborts_in_flight: set[asyncio.Task[None]] = set()
-        """Aborts still being sent (shielded from their handler's cancellation): on shutdown they
-        go out before the session closes, so the workers learn each request's cause."""
+        """Generations' legs being ended (`_end_legs`), each in a task of its own: on shutdown their
+        aborts go out before the session closes, so the workers learn each request's cause."""
         self._slots = Slots(config.max_inflight_choices)
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
         self.session: aiohttp.ClientSession | None = None
@@ -534,13 +535,14 @@ class Router:
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
             first_token_by = await self._take_slots(len(choices))
+            ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate = functools.partial(self._generate, first_token_by=first_token_by)
+                generate = functools.partial(self._generate, first_token_by=first_token_by, ending=ending)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
             finally:
-                self._slots.release(len(choices))
+                self._release_slots_after(len(choices), ending)
         except OpenAIError as err:
             return self._error_response(err)
 
@@ -562,6 +564,25 @@ class Router:
         finally:
             self.metrics.waiting_choices.dec(count)
         return deadline
+
+    def _release_slots_after(self, count: int, ending: Sequence[asyncio.Task[None]]) -> None:
+        """The request's slots go back once every leg it aborted has ended: until a worker has
+        acknowledged an abort (or the wait for it timed out), the request still holds its pages
+        there, and the slots bound what the workers hold (`backpressure.Slots`)."""
+        pending = [task for task in ending if not task.done()]
+        if not pending:
+            self._slots.release(count)
+            return
+        left = len(pending)
+
+        def one_ended(_: asyncio.Task[None]) -> None:
+            nonlocal left
+            left -= 1
+            if not left:
+                self._slots.release(count)
+
+        for task in pending:
+            task.add_done_callback(one_ended)
 
     def _watch(self, request: web.Request) -> StallWatch:
         """A client that reads none of its answer for write_timeout_s loses the connection: it would
@@ -843,11 +864,14 @@ class Router:
         return response
 
     # -- the two legs ----------------------------------------------------------------------
-    async def _generate(self, request: GenerateRequest, first_token_by: float) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+    async def _generate(
+        self, request: GenerateRequest, first_token_by: float, ending: list[asyncio.Task[None]]
+    ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
         Whatever way this generator ends early -- an error, a timeout, the client disconnecting
-        (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4).
+        (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4), by a
+        task appended to `ending` (`_end_legs`): the client's error does not wait for the workers.
         """
         prefill, decode = self.upstreams.pair()
         cause, outcome = "client_disconnect", "aborted"
@@ -912,11 +936,10 @@ class Router:
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
         finally:
-            try:
-                self.metrics.request_duration.observe(time.monotonic() - started)
-                if cause:
-                    await self._abort_both(request.request_id, prefill.url, decode.url, prefill_task, cause, outcome)
-            finally:
+            self.metrics.request_duration.observe(time.monotonic() - started)
+            if cause:
+                ending.append(self._end_legs(request.request_id, (prefill.url, decode.url), prefill_task, stack, cause, outcome))
+            else:
                 await stack.aclose()
 
     def _observe_latency(self, event: TokenEvent, tokens: int, started: float, last: float) -> tuple[int, float]:
@@ -974,26 +997,32 @@ class Router:
                 call.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
 
-    async def _abort_both(
-        self, request_id: str, prefill_url: str, decode_url: str, prefill_task: asyncio.Task[None] | None,
-        cause: str, outcome: str,
-    ) -> None:
+    def _end_legs(
+        self, request_id: str, urls: Sequence[str], prefill_task: asyncio.Task[None],
+        decode_stream: contextlib.AsyncExitStack, cause: str, outcome: str,
+    ) -> asyncio.Task[None]:
+        """S4 for a generation that ended early: abort both legs, then cancel the prefill call and
+        close decode's stream -- in that order, so each worker ends the request with this cause
+        (cancelled or closed first, a leg reads as a client disconnect, which paging rules leave
+        out). In a task of its own: the client's error goes out now, not once the workers have
+        acknowledged (a hung worker held a 504 back by the whole abort timeout), and a handler
+        being cancelled (its client gone) cannot stop the aborts. Shutdown waits for these tasks."""
         self.metrics.aborts.labels(cause).inc()
         self.metrics.requests.labels(outcome).inc()
-        try:
-            if self.config.propagate_aborts:
-                # The aborts first, so each worker ends the request with its cause; cancelling the
-                # prefill call first would read there as a client disconnect. Shielded: the handler
-                # may be being cancelled (client gone) and the aborts must still go out.
-                sending = asyncio.create_task(self._send_aborts(request_id, (prefill_url, decode_url), cause))
-                self._aborts_in_flight.add(sending)
-                sending.add_done_callback(self._aborts_in_flight.discard)
-                await asyncio.shield(sending)
-        finally:
-            if prefill_task is not None:
+
+        async def end() -> None:
+            try:
+                if self.config.propagate_aborts:
+                    await self._send_aborts(request_id, urls, cause)
+            finally:
                 prefill_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(prefill_task)  # retrieve its outcome; the error already reached the client
+                await asyncio.gather(prefill_task, return_exceptions=True)  # its error already reached the client
+                await decode_stream.aclose()
+
+        task = asyncio.create_task(end())
+        self._aborts_in_flight.add(task)
+        task.add_done_callback(self._aborts_in_flight.discard)
+        return task
 
     async def _send_aborts(self, request_id: str, urls: Sequence[str], cause: str) -> None:
         body = AbortRequest(request_id=request_id, cause=cause)

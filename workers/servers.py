@@ -175,6 +175,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         decode_urls=tuple(args.decode),
         model_name=args.served_model_name(),
         request_timeout_s=args.request_timeout,
+        abort_timeout_s=args.abort_timeout,
         body_timeout_s=args.body_timeout,
         write_timeout_s=args.write_timeout,
         max_body_bytes=args.max_body_bytes,
