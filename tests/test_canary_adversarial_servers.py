@@ -83,6 +83,31 @@ async def test_a_prompt_list_whose_choices_are_crossed_fails_isolation(server: R
     assert isolation.reason.startswith("prompt list, choice 0 (tenant 1's prompt): the answer is tenant 2's, not its own")
 
 
+@pytest.mark.parametrize("server", [Behaviour(crossed_forks=True)], indirect=True)
+async def test_a_second_choice_forked_from_another_prompt_fails_isolation(server: RunningServer) -> None:
+    """Every first choice is right: only a prompt's second choice (`n` = 2, its KV forked from the
+    prompt's) goes on with the next prompt's answer -- the fork copied another sequence's pages."""
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("prompt list, choice 1 (tenant 1's prompt): the answer is tenant 2's, not its own")
+
+
+@pytest.mark.parametrize("server", [Behaviour(refuse_n=True)], indirect=True)
+async def test_a_server_that_refuses_n_is_checked_with_one_choice_per_prompt_and_noted(server: RunningServer) -> None:
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
+    notes = [getattr(e, "message", "") for e in isolation.evidence]
+    assert any(m.startswith("n: 2 not checked: prompt list: HTTP 400") for m in notes), notes
+    assert not any(m.startswith("prompt list not checked") for m in notes), notes
+
+
+@pytest.mark.parametrize("server", [Behaviour(refuse_n=True, crossed_list=True)], indirect=True)
+async def test_crossed_rows_fail_on_a_server_that_refuses_n(server: RunningServer) -> None:
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("prompt list, choice 0 (tenant 1's prompt): the answer is tenant 2's, not its own")
+
+
 @pytest.mark.parametrize("server", [Behaviour(serves_completions=False)], indirect=True)
 async def test_a_server_without_prompt_lists_is_noted_not_failed(server: RunningServer) -> None:
     isolation = result(await run(server, spec(api="chat").only([ProbeName.ISOLATION])), ProbeName.ISOLATION)

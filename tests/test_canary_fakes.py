@@ -43,9 +43,13 @@ class Behaviour:
     fail_models: bool = False
     hang_models: bool = False  # GET /v1/models accepts the connection and never answers
     usage_extra_tokens: int = 0  # usage.completion_tokens reports this many more than were generated
-    # A prompt list is answered (one choice per prompt); with crossed_list, choice i goes on, after
-    # its own first token, with the tokens of prompt i+1 (a batch whose rows are crossed).
+    # A prompt list is answered (`n` choices per prompt); with crossed_list, prompt i's choices go
+    # on, after their own first token, with the tokens of prompt i+1 (a batch whose rows are crossed).
     crossed_list: bool = False
+    # With `n` > 1, a prompt's further choices go on, after their own first token, with the next
+    # prompt's tokens (a fork that copied another sequence's KV); refuse_n: 400 for `n` > 1.
+    crossed_forks: bool = False
+    refuse_n: bool = False
     prompt_tokens_drift: bool = False  # usage.prompt_tokens grows by one per request (counted from others)
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
@@ -133,7 +137,9 @@ class FakeEngine:
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if isinstance(prompt, list):
-            return self._prompt_list(prompt, int(body.get("max_tokens") or 16))
+            if int(body.get("n") or 1) > 1 and self.b.refuse_n:
+                return self.error_response(400, "n must be 1 when using greedy sampling", "invalid_value")
+            return self._prompt_list(prompt, int(body.get("max_tokens") or 16), int(body.get("n") or 1))
         max_tokens = int(body.get("max_tokens") or 16)
         stream = bool(body.get("stream"))
         prompt_tokens = len(prompt.split())
@@ -154,10 +160,13 @@ class FakeEngine:
             self._violations.inc()
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
 
-    def _prompt_list(self, prompts: list[str], max_tokens: int) -> web.Response:
-        answers = [self.generate(p, max_tokens) for p in prompts]
-        if self.b.crossed_list:
-            answers = [a[:1] + answers[(i + 1) % len(answers)][1:] for i, a in enumerate(answers)]
+    def _prompt_list(self, prompts: list[str], max_tokens: int, n: int) -> web.Response:
+        own = [self.generate(p, max_tokens) for p in prompts]
+        answers = [own[i] for i in range(len(prompts)) for _ in range(n)]  # choice k is prompt k // n's
+        for k, answer in enumerate(answers):
+            i, fork = divmod(k, n)
+            if self.b.crossed_list or (self.b.crossed_forks and fork):
+                answers[k] = answer[:1] + own[(i + 1) % len(own)][1:]
         choices = [{"index": i, "text": " ".join(a), "finish_reason": "length"} for i, a in enumerate(answers)]
         usage = {"prompt_tokens": sum(len(p.split()) for p in prompts), "completion_tokens": sum(map(len, answers))}
         return web.json_response({"id": "x", "object": "text_completion", "choices": choices, "usage": usage})

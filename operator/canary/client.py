@@ -178,12 +178,17 @@ class EngineClient:
         self._observe(prompt, result)
         return result
 
-    async def complete_list(self, prompts: list[str], *, max_tokens: int, label: str) -> tuple[Completion, dict[int, str]]:
-        """One completions request carrying a list of prompts (one batch on the server): the
-        exchange, and each choice's text by index. Not observed: its prompt is every prompt, so
-        the caller checks each choice against the others itself."""
-        result = Completion(label=label, max_tokens=max_tokens * len(prompts))
+    async def complete_list(
+        self, prompts: list[str], *, max_tokens: int, label: str, n: int = 1
+    ) -> tuple[Completion, dict[int, str]]:
+        """One completions request carrying a list of prompts (one batch on the server), `n`
+        choices each: the exchange, and each choice's text by index (prompt i's are i*n .. i*n+n-1,
+        as OpenAI numbers them). Not observed: its prompt is every prompt, so the caller checks each
+        choice against the others itself."""
+        result = Completion(label=label, max_tokens=max_tokens * len(prompts) * n)
         body = {**self.request_body("completions", "", max_tokens, stream=False), "prompt": prompts}
+        if n > 1:
+            body["n"] = n
         started = time.monotonic()
         try:
             async with self.session.post(f"{self.base_url}{API_PATHS['completions']}", json=body,

@@ -8,7 +8,8 @@ stale read: still a failure, since a correct engine has nothing to catch).
 
 Concurrent part: N tenants whose prompts share their first half and carry distinct nonces in the
 second, each first alone (its solo answer), then all at once, then as one request with a prompt
-list (one batch by construction; choice i must be tenant i's answer). No output may contain
+list and two choices per prompt (one batch by construction, and each prompt's KV forked for its
+second choice, as vLLM and SGLang do for `n`; both of prompt i's choices must be tenant i's answer). No output may contain
 another's nonce, and no tenant may get another's answer: a server that hands tenant 1 the text
 generated for tenant 2 leaks without ever echoing a nonce. An answer is attributed to the solo
 answer it is most alike; one that is another tenant's fails. One that merely differs from its own
@@ -35,6 +36,9 @@ from kvguard.operator.canary.client import Completion
 from kvguard.operator.canary.prompts import filler_text
 from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch
 from kvguard.operator.canary.spec import ApiKind, ProbeName
+
+CHOICES_PER_PROMPT = 2
+"""`n` of the tenants' prompt list: a second choice makes the server fork each prompt's KV."""
 
 
 @dataclass(frozen=True)
@@ -180,23 +184,31 @@ class IsolationProbe(Probe):
     async def _prompt_list(
         self, ctx: RunContext, prompts: list[str], nonces: list[str], problems: list[str], evidence: list[Evidence]
     ) -> None:
-        """The tenants' prompts again, as one completions request with a prompt list: the server
-        batches them by construction, and choice i must be tenant i's answer alone. A server that
-        takes no lists (or no completions) is noted, not failed."""
+        """The tenants' prompts again, as one completions request with a prompt list and `n` =
+        CHOICES_PER_PROMPT: the server batches them by construction and forks each prompt's KV for
+        its further choices; every choice of prompt i must be tenant i's answer alone (greedy: the
+        choices of one prompt are the same answer). A server that refuses `n` > 1 is checked with
+        one choice each and noted; one that takes no lists (or no completions) is noted, not failed."""
         if len(prompts) < 2:
             return
         solos = [await ctx.solo(p, api="completions") for p in prompts]
         if not all(s.ok for s in solos):
             evidence.append(Note(message="prompt list not checked: the completions endpoint did not answer each prompt alone"))
             return
-        batch, texts = await ctx.target.complete_list(prompts, max_tokens=ctx.spec.max_tokens, label="prompt list")
+        n = CHOICES_PER_PROMPT
+        batch, texts = await ctx.target.complete_list(prompts, max_tokens=ctx.spec.max_tokens, label="prompt list", n=n)
+        if not batch.ok and batch.status is not None and 400 <= batch.status < 500:
+            evidence.append(Note(message=f"n: {n} not checked: {batch.describe_failure()}"))
+            n = 1
+            batch, texts = await ctx.target.complete_list(prompts, max_tokens=ctx.spec.max_tokens, label="prompt list")
         if not batch.ok:
             evidence.append(Note(message=f"prompt list not checked: {batch.describe_failure()}"))
             return
         alone: list[str | None] = [s.text for s in solos]
-        for i in range(len(prompts)):
-            answer = Completion(label=f"prompt list, choice {i} (tenant {i + 1}'s prompt)", status=200, text=texts.get(i, ""))
-            if i not in texts:
+        for k in range(len(prompts) * n):
+            i = k // n
+            answer = Completion(label=f"prompt list, choice {k} (tenant {i + 1}'s prompt)", status=200, text=texts.get(k, ""))
+            if k not in texts:
                 problems.append(f"{answer.label}: missing from the {len(texts)} choice(s) returned")
                 evidence.append(batch.evidence())
                 continue
