@@ -107,11 +107,18 @@ def _validation_code(kind: str, ctx: dict[str, Any] | None) -> str:
     return "invalid_value"
 
 
+MAX_PARAM_PART_CHARS = 64
+"""A parameter name is the client's text (an unknown key, a logit_bias key): echoed at most this long."""
+
+
 def _param_path(loc: list[str]) -> str:
-    """('messages', '0', 'content') -> 'messages[0].content'."""
+    """('messages', '0', 'content') -> 'messages[0].content', each part clipped: a 4 MiB unknown
+    key was echoed whole in both `message` and `param`."""
     path = ""
     for part in loc:
-        path += f"[{part}]" if part.isdigit() and path else (f".{part}" if path else part)
+        if len(part) > MAX_PARAM_PART_CHARS:
+            part = part[: MAX_PARAM_PART_CHARS - 3] + "..."
+        path += f"[{part}]" if part.isascii() and part.isdigit() and path else (f".{part}" if path else part)
     return path
 
 

@@ -30,7 +30,8 @@ MAX_N = 128  # OpenAI's schema; the router's own max_choices is usually lower
 MAX_MESSAGES = 4096  # a conversation longer than this is refused: each message is template work, even empty
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's schema for the completions API
 MAX_CHAT_TOP_LOGPROBS = 20
-_TOKEN_ID_KEY = re.compile(r"\d{1,10}")
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical ASCII decimal: "03" and "٣" would alias "3"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default (OpenAI, vLLM, SGLang); chat's is the rest of the context
 
 TokenIds = list[Annotated[int, Field(ge=0, lt=2**31)]]
 
@@ -107,7 +108,7 @@ class _Request(_Strict):
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
         for key, value in bias.items():
             if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= 2**31:
-                raise ValueError(f"keys are token ids (decimal strings), got {key[:40]!r}")
+                raise ValueError(f"keys are token ids (decimal strings without leading zeros), got {key[:40]!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"bias values are in [-100, 100], got {value} for token {key}")
         return bias
@@ -148,7 +149,7 @@ class _Request(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def completion_budget(self) -> int | None:
-        """max_tokens as asked; None means the rest of the context (OpenAI and vLLM)."""
+        """max_tokens as asked; None means the rest of the context (chat's default in OpenAI and vLLM)."""
         return self.max_tokens
 
     def budget_param(self) -> str:
@@ -236,6 +237,12 @@ class CompletionRequest(_Request):
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    def completion_budget(self) -> int | None:
+        """max_tokens as asked, else 16: OpenAI's legacy completions default (vLLM's and SGLang's too).
+        It used to be the rest of the context, as chat's: a client that left max_tokens out got
+        thousands of tokens per choice where every other server gives 16."""
+        return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+
 
 def _is_token_id(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**31
@@ -277,7 +284,8 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         assert isinstance(self.content, list)
-        return "".join(str(part["text"]) for part in self.content if isinstance(part, dict))
+        # One text, its parts a line apart: vLLM's rendering of text parts for string templates.
+        return "\n".join(str(part["text"]) for part in self.content if isinstance(part, dict))
 
     def template_fields(self) -> dict[str, str]:
         """What the chat template sees. `developer` is OpenAI's newer name for `system`."""
@@ -308,10 +316,12 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     response_format: JsonValue = None
-    tools: JsonValue = None
-    tool_choice: JsonValue = None
-    functions: JsonValue = None
-    function_call: JsonValue = None
+    # Typed as OpenAI's schema has them, so a wrong type is a 400 invalid_type and the refusals
+    # below see only well-typed values (`"tools": 0` passed `not v` once).
+    tools: list[JsonValue] | None = None
+    tool_choice: JsonValue = None  # a string or an object (`_string_or_object`)
+    functions: list[JsonValue] | None = None
+    function_call: JsonValue = None  # a string or an object
     parallel_tool_calls: StrictBool | None = None  # strict: "no" is a type error, not False
     audio: JsonValue = None
     modalities: JsonValue = None
@@ -319,11 +329,18 @@ class ChatCompletionRequest(_Request):
     reasoning_effort: JsonValue = None
     web_search_options: JsonValue = None
     verbosity: JsonValue = None
-    store: JsonValue = None
+    store: bool | None = None
     metadata: JsonValue = None
     service_tier: JsonValue = None
     prompt_cache_key: str | None = None  # a caching hint: accepted, changes no output
     safety_identifier: str | None = None  # an end-user label, like `user`
+
+    @field_validator("tool_choice", "function_call", mode="plain")
+    @classmethod
+    def _string_or_object(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str | dict):
+            raise PydanticCustomError("string_or_object_type", "must be a string or an object")
+        return value
 
     REFUSED: ClassVar[dict[str, Refusal]] = {
         "response_format": (_text_format, "only {\"type\": \"text\"}: JSON mode and structured outputs are not implemented"),
