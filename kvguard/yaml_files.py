@@ -19,10 +19,15 @@ class YAMLFileError(ValueError):
     """A file that is not the YAML it should be; the message is one line naming where."""
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue  # `<<: *defaults` (a merge key): defaults the mapping's own keys override, not repeats
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)
@@ -33,10 +38,20 @@ class _StrictLoader(yaml.SafeLoader):
                     None, None, f"key {key!r} repeats the one on line {first.start_mark.line + 1}", key_node.start_mark
                 )
             seen[key] = key_node
+        self.flatten_mapping(node)  # the merge keys' pairs first, so the mapping's own win
         return super().construct_mapping(node, deep=deep)
+
+    def construct_sexagesimal_as_text(self, node: yaml.ScalarNode) -> Any:
+        """YAML 1.1 reads `17:04` as the base-60 number 1024; the API server's YAML reader (and
+        YAML 1.2) reads the string it looks like. So here: the field then refuses a string."""
+        if ":" in str(node.value):
+            return self.construct_scalar(node)
+        return super().construct_yaml_int(node) if node.tag.endswith(":int") else super().construct_yaml_float(node)
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_sexagesimal_as_text)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_sexagesimal_as_text)
 
 
 def load_all(path: Path) -> list[Any]:

@@ -150,6 +150,13 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 MAX_INT32 = 2**31 - 1
 Replicas = Annotated[int, Field(ge=0, le=MAX_INT32)]
 """A Deployment's replicas: an int32 on the API server."""
+Int32Seconds = Annotated[int, Field(ge=0, le=MAX_INT32)]
+"""A duration the API server (or the rollout's clock) holds as an int32 of seconds (68 years): an
+unbounded one overflowed the date arithmetic of a promotion, which then failed on every pass."""
+MAX_PARALLEL = 65536
+"""Bound of every parallel size: far beyond any real deployment, small enough that products of them
+stay within the API server's integers."""
+ParallelSize = Annotated[int, Field(gt=0, le=MAX_PARALLEL)]
 Image = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")]
 """A container image reference: no whitespace (the API server refuses `" img:1 "`)."""
 
@@ -397,8 +404,9 @@ class ConfigMapKeySelector(ApiModel):
 class ModelSpec(ApiModel):
     """Which model is served and what it looks like."""
 
-    name: str = Field(min_length=1)
-    """Model name clients send (usually the Hugging Face id, e.g. meta-llama/Llama-3.1-8B-Instruct)."""
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[^\s-][^\s]*$")
+    """Model name clients send (usually the Hugging Face id, e.g. meta-llama/Llama-3.1-8B-Instruct):
+    at most 256 characters, no whitespace, not starting with `-` (it is a worker flag's value)."""
     architecture: ModelArchitecture | None = None
     """Shape of the model. Required for planning; `kvguard plan --hf-config` can supply it."""
     extra_draft_layers: NonNegativeInt = 0
@@ -517,7 +525,7 @@ class Toleration(ApiModel):
     """Taint value to match with operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect to match; empty matches every effect."""
-    toleration_seconds: NonNegativeInt | None = None
+    toleration_seconds: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None  # an int64 on the API server
     """For NoExecute: how long the pod stays bound after the taint appears."""
 
     @model_validator(mode="after")
@@ -641,16 +649,16 @@ class WorkerRole(PodPlacement):
 
     replicas: Replicas = 1
     """Engine instances of this role. Each has its own KV pool."""
-    tensor_parallel: PositiveInt = 1
+    tensor_parallel: ParallelSize = 1
     """GPUs that shard every layer of one instance (SGLang `--tp-size`, vLLM `-tp`)."""
-    pipeline_parallel: PositiveInt = 1
+    pipeline_parallel: ParallelSize = 1
     """Pipeline stages; each GPU holds layers / stages of the KV cache."""
-    data_parallel: PositiveInt = 1
+    data_parallel: ParallelSize = 1
     """Data-parallel ranks (SGLang `--dp-size`, vLLM `-dp`). Each rank has its own KV pool."""
     data_parallel_attention: bool = False
     """SGLang `--enable-dp-attention`: the DP ranks split the tensor-parallel group for attention
     (attention TP = tensorParallel / dataParallel) and each keeps the full KV heads."""
-    expert_parallel: PositiveInt = 1
+    expert_parallel: ParallelSize = 1
     """Expert-parallel size: MoE experts are sharded over max(tensorParallel, expertParallel) GPUs."""
     memory_fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     """Overrides spec.memoryFraction for this role."""
@@ -663,6 +671,17 @@ class WorkerRole(PodPlacement):
     image: Image | None = None
     """Container image for this role only (sglang and vllm); default engine.image. Prefill and
     decode must run the same build (P/D parity)."""
+
+    @model_validator(mode="after")
+    def _fits_its_pods(self) -> WorkerRole:
+        if self.replicas * self.data_parallel > MAX_INT32:  # the kvguard engine renders a pod per DP rank
+            raise ValueError(f"replicas x dataParallel ({self.replicas * self.data_parallel}) is more pods than a "
+                             f"Deployment holds ({MAX_INT32})")  # fmt: skip
+        split = self.tensor_parallel * self.pipeline_parallel
+        if self.gpu_count and self.gpu_count < split:
+            raise ValueError(f"gpuCount {self.gpu_count} is below tensorParallel x pipelineParallel ({split}): "
+                             "one engine instance needs that many GPUs in its pod")  # fmt: skip
+        return self
 
 
 class RouterRole(PodPlacement):
@@ -989,7 +1008,7 @@ class RolloutSpec(ApiModel):
     """Replicas of each prefill and decode role (and one router) while the candidate is verified,
     capped at the role's replicas. Before traffic moves, the candidate is scaled to full replicas
     and every worker's reported KV pool is measured again (S7: every node)."""
-    progress_deadline_seconds: PositiveInt = DEFAULT_PROGRESS_DEADLINE_SECONDS
+    progress_deadline_seconds: Annotated[int, Field(gt=0, le=MAX_INT32)] = DEFAULT_PROGRESS_DEADLINE_SECONDS
     """How long the candidate's workloads may take to become ready (at canary scale, and again at
     full scale) before the rollout fails. The default covers the workers' startup probe (30 min of
     weight loading) plus image pulls; lower it for small models to fail faster."""
@@ -1007,10 +1026,10 @@ class RolloutSpec(ApiModel):
     """Settings of the per-revision InferencePools (trafficRouter inferencePool)."""
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
     """Checks on the candidate's live traffic between steps and while it bakes."""
-    bake_seconds: NonNegativeInt = 0
+    bake_seconds: Int32Seconds = 0
     """After the last step (100%): how long the analysis goes on before the candidate becomes the
     stable revision; a failure in this time still sends traffic back to the old one."""
-    scale_down_delay_seconds: NonNegativeInt = 300
+    scale_down_delay_seconds: Int32Seconds = 300
     """How long the old revision keeps running after the candidate became stable, so that
     kvguard.io/rollback-to it is instant (no new pods); then it is scaled to zero."""
 
@@ -1211,7 +1230,8 @@ class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=253)
-    namespace: str | None = None
+    namespace: str | None = Field(None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """A DNS-1123 label, as the API server requires of a namespace."""
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
     generation: int | None = None

@@ -65,6 +65,8 @@ def _device_problems(spec: InferenceModelSpec) -> list[str]:
                             "GPU(s) they never use")  # fmt: skip
         if role.gpu_type:
             problems.append(f"spec.roles.{name}.gpuType: hardware.device is cpu: no GPU product to land on")
+    if spec.hardware.gpu_product is not None:
+        problems.append("spec.hardware.gpuProduct: hardware.device is cpu: no GPU product to land on")
     return problems
 
 
@@ -87,7 +89,7 @@ def _kvguard_problems(spec: InferenceModelSpec) -> list[str]:
     kv = spec.kv_cache_dtype
     if kv != KVCacheDtype.AUTO and dtype is not None and kv not in _KV_ALIASES.get(dtype, set()):
         problems.append(f"spec.kvCacheDtype: the kvguard engine keeps KV in the weights' dtype ({dtype}); use auto or {dtype}")
-    if "backend" in spec.kv_transfer.model_fields_set and spec.kv_transfer.backend != "mooncake":
+    if "backend" in spec.kv_transfer.model_fields_set:
         problems.append(f"spec.kvTransfer.backend: {spec.kv_transfer.backend} is SGLang's transfer backend; the kvguard "
                         "engine has its own (leave it unset)")  # fmt: skip
     return problems

@@ -50,6 +50,10 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
         raise HFConfigError("(file)", f"{file} does not exist") from exc
     except json.JSONDecodeError as exc:
         raise HFConfigError("(file)", f"{file} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # a config.json is a few levels deep; thousands are an attack or an accident
+        raise HFConfigError("(file)", f"{file} nests JSON too deeply") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts (int_max_str_digits)
+        raise HFConfigError("(file)", f"{file}: {str(exc).split(';')[0]}") from exc
     if not isinstance(data, dict):
         raise HFConfigError("(file)", f"{file} does not hold a JSON object")
     return data

@@ -15,10 +15,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     tiny = actions.add_parser("tiny", help="write a deterministic random LlamaForCausalLM (config, safetensors, tokenizer)")
     tiny.add_argument("dir", help="output folder (created if missing)")
-    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0); same seed, same files")
+    tiny.add_argument("--seed", type=_seed, default=0, help="weight seed, 0..2**63-1 (default 0); same seed, same files")
     tiny.add_argument("--force", action="store_true",
                       help="replace files of the same names that hold something else (another model, another seed)")
     parser.set_defaults(func=run)
+
+
+def _seed(text: str) -> int:
+    """A seed torch's generator takes (a 64-bit integer; larger ones were a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1, got {text[:40]}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

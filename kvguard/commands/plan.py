@@ -95,6 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvguard.operator.api import InferenceModel
+    from kvguard.operator.engine_support import engine_problems
     from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import PlanInputError, plan
 
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         manifest = _apply_overrides(_read_manifest(Path(args.file)), args, notes, set_by)
         model = InferenceModel.model_validate(manifest)
+        if problems := engine_problems(model.spec):  # what render, apply and admission refuse (engine_support.py)
+            raise BadInput("; ".join(problems))
         result = plan(model.spec)
         if (mismatch := parity_problem(model.spec, result)) is not None:  # admission refuses it (sglang#19398)
             raise BadInput(mismatch)

@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         return _bad_input(f"--weight: must be 0..100, got {args.weight}")
     if args.weight is not None and args.revision is None:
         return _bad_input("--weight: needs --revision (the stable revision the spec's revision shares traffic with)")
+    if args.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
+        return _bad_input(f"--namespace: must be a DNS-1123 label (at most 63 lowercase letters, digits and '-'), "
+                          f"got {args.namespace[:80]!r}")  # fmt: skip
     if args.revision is not None and not re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", args.revision):
         return _bad_input(f"--revision: must be a revision id ({REVISION_LENGTH} lowercase hex characters, "
                           f"as `kvguard status` shows), got {args.revision[:80]!r}")  # fmt: skip

@@ -1,0 +1,126 @@
+"""What an outside probe of the offline CLI found (2026-12-04): values the API server or the rollout's
+clock cannot hold, specs `plan` passed that render, apply and admission refuse, and inputs that
+ended in a traceback. Each is now refused by field with exit 2, or read as the API server reads it."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from kvguard.cli import main
+from kvguard.operator.api import MAX_INT32, InferenceModel
+from kvguard.yaml_files import load_all
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TINY: dict[str, Any] = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+SGLANG: dict[str, Any] = yaml.safe_load((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text())
+
+
+def with_spec(base: dict[str, Any], path: str, value: object) -> dict[str, Any]:
+    manifest = copy.deepcopy(base)
+    *parents, leaf = path.split(".")
+    node = manifest
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return manifest
+
+
+def refused_at(manifest: dict[str, Any]) -> list[str]:
+    with pytest.raises(ValidationError) as caught:
+        InferenceModel.model_validate(manifest)
+    return [".".join(map(str, e["loc"])) for e in caught.value.errors()]
+
+
+@pytest.mark.parametrize(("path", "value", "sane"), [
+    ("spec.rollout.scaleDownDelaySeconds", 400_000_000_000, MAX_INT32),  # promotion overflowed its date arithmetic
+    ("spec.rollout.bakeSeconds", MAX_INT32 + 1, 0),
+    ("spec.rollout.progressDeadlineSeconds", 10**12, MAX_INT32),  # an int32 in every Deployment
+    ("spec.roles.decode.dataParallel", 10**11, 3),
+    ("spec.roles.decode.tensorParallel", 10**6, 2),
+])  # fmt: skip
+def test_numbers_beyond_what_the_api_server_and_the_clock_hold_are_refused_by_field(path: str, value: int, sane: int) -> None:
+    base = with_spec(SGLANG, "spec.rollout", {}) if path.startswith("spec.rollout") else SGLANG
+    assert any(loc.startswith(path) for loc in refused_at(with_spec(base, path, value)))
+    assert InferenceModel.model_validate(with_spec(base, path, sane))
+
+
+def test_pods_per_deployment_and_gpus_per_pod_are_checked_per_role() -> None:
+    many = with_spec(SGLANG, "spec.roles.decode", {"replicas": 2_000_000, "dataParallel": 3000})
+    assert refused_at(many) == ["spec.roles.decode"]
+    short = with_spec(SGLANG, "spec.roles.decode", {"tensorParallel": 4, "gpuCount": 1})  # --tp-size 4 on 1 GPU: never starts
+    assert refused_at(short) == ["spec.roles.decode"]
+    assert InferenceModel.model_validate(with_spec(SGLANG, "spec.roles.decode", {"tensorParallel": 4, "gpuCount": 4}))
+
+
+def test_a_toleration_second_count_is_an_int64() -> None:
+    toleration = {"key": "k", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 10**30}
+    assert any("tolerations" in loc for loc in refused_at(with_spec(SGLANG, "spec.roles.decode.tolerations", [toleration])))
+
+
+@pytest.mark.parametrize("name", ["--context-length=999999", "has space", "x" * 300])
+def test_a_served_model_name_is_one_flag_value(name: str) -> None:
+    """Rendered as `--model-name NAME`: a leading `-` made the worker read a flag and crash-loop."""
+    assert refused_at(with_spec(TINY, "spec.model.name", name)) == ["spec.model.name"]
+
+
+def test_a_namespace_is_a_dns_label(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert refused_at(with_spec(TINY, "metadata.namespace", "Bad_NS")) == ["metadata.namespace"]
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(with_spec(TINY, "spec.model.source", {"pvc": {"claimName": "tiny"}})))
+    assert main(["render", "-f", str(manifest), "-n", "Bad_NS"]) == 2
+    assert "--namespace: must be a DNS-1123 label" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("path", "value", "field"), [
+    ("spec.roles.decode.tensorParallel", 2, "spec.roles.decode.tensorParallel"),
+    ("spec.weights", {"quantization": "awq"}, "spec.weights.quantization"),
+    ("spec.kvTransfer", {"backend": "mooncake"}, "spec.kvTransfer.backend"),  # any backend: the kvguard engine has its own
+    ("spec.hardware.gpuProduct", "NVIDIA-H100-80GB-HBM3", "spec.hardware.gpuProduct"),  # a cpu spec
+])  # fmt: skip
+def test_plan_refuses_what_render_apply_and_admission_refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             path: str, value: object, field: str) -> None:  # fmt: skip
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(with_spec(TINY, path, value)))
+    assert main(["plan", "-f", str(manifest)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvguard plan: {field}: ") and len(err.splitlines()) == 1, err
+
+
+def test_a_deeply_nested_hf_config_is_bad_input_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    deep = tmp_path / "config.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(with_spec(TINY, "spec.model.architecture", None)))
+    assert main(["plan", "-f", str(manifest), "--hf-config", str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert "nests JSON too deeply" in err and "Traceback" not in err
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"hidden_size": 1}).replace("1", "9" * 5000))
+    assert main(["plan", "-f", str(manifest), "--hf-config", str(huge)]) == 2
+    err = capsys.readouterr().err
+    assert f"--hf-config {huge}" in err and "set_int_max_str_digits" not in err, err
+
+
+def test_yaml_merge_keys_work_and_base_60_numbers_are_text(tmp_path: Path) -> None:
+    """`<<: *defaults` is YAML kubectl reads (the mapping's own keys override the merged ones, and
+    are no repeats); `17:04` is the string the API server reads, not YAML 1.1's 1024."""
+    file = tmp_path / "m.yaml"
+    file.write_text("base: &w {replicas: 1, gpuCount: 2}\nrole: {<<: *w, replicas: 3}\nctx: 17:04\nn: 42\n")
+    assert load_all(file) == [{"base": {"replicas": 1, "gpuCount": 2}, "role": {"replicas": 3, "gpuCount": 2}, "ctx": "17:04", "n": 42}]
+    file.write_text("role: {replicas: 1, replicas: 2}\n")
+    with pytest.raises(ValueError, match="repeats"):
+        load_all(file)
+
+
+def test_model_tiny_takes_a_seed_torch_takes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["model", "tiny", str(tmp_path / "m"), "--seed", "9" * 23])
+    assert caught.value.code == 2 and "must be in 0..2**63-1" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
