@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.operator.api import InferenceModelSpec, RolloutSpec, TrafficRouter
+from kvguard.operator.api import InferenceModelSpec, KVPlan, RolloutSpec, TrafficRouter
 from kvguard.operator.render import HTTP_PORT, Manifest, Owner, object_name, owned_metadata, selector
 
 GATEWAY_GROUP = "gateway.networking.k8s.io"
@@ -140,6 +140,8 @@ class DesiredObjects:
     secret_refs: tuple[tuple[str, str], ...]
     """(kind, name) of the per-revision transfer Secrets: created with a fresh random key each,
     so they are named but never rendered (S3)."""
+    plan: KVPlan
+    """The planner's verdict the objects were rendered with: a blocked one is never deployed (S7)."""
 
 
 def desired_objects(
@@ -169,4 +171,4 @@ def desired_objects(
     backends = traffic_split(serving, revision, share)
     objects = [*render_revision(spec, kv_plan, owner, revision, "full", faults), render_model_service(owner, serving)]
     objects += render_traffic(spec, owner, backends)
-    return DesiredObjects(revision, tuple(objects), (("Secret", secret_name(owner.name, revision)),))
+    return DesiredObjects(revision, tuple(objects), (("Secret", secret_name(owner.name, revision)),), kv_plan)

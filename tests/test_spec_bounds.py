@@ -124,3 +124,17 @@ def test_model_tiny_takes_a_seed_torch_takes(tmp_path: Path, capsys: pytest.Capt
         main(["model", "tiny", str(tmp_path / "m"), "--seed", "9" * 23])
     assert caught.value.code == 2 and "must be in 0..2**63-1" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_render_prints_nothing_for_a_spec_the_planner_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """S7: the operator deploys nothing for a blocked spec, so `render` (which a user may pipe into
+    kubectl) prints nothing either: exit 3 as `plan`, the reasons on stderr. It printed the
+    Deployments with a pool of 1x the context, exit 0."""
+    blocked = with_spec(with_spec(TINY, "spec.model.source", {"pvc": {"claimName": "tiny"}}), "spec.kvPoolTokens", 1024)
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(blocked))
+    assert main(["render", "-f", str(manifest)]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == "" and "blocked (S7): decode: pool 1,024 tokens = 1.00x contextLength 1,024" in captured.err
+    manifest.write_text(yaml.safe_dump(with_spec(blocked, "spec.kvPoolTokens", 4096)))
+    assert main(["render", "-f", str(manifest)]) == 0 and "kind: Deployment" in capsys.readouterr().out

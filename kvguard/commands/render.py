@@ -8,7 +8,9 @@
 Objects: each role's Deployment, Service and NetworkPolicy at full scale, the model Service, and,
 with trafficRouter gatewayAPI / inferencePool, the HTTPRoute (and one InferencePool per revision in
 the split). The revision's KV-transfer Secret holds a fresh random key made by the operator, so it
-is named in a comment and never printed. Exit status: 0, or 2 with a message naming the field.
+is named in a comment and never printed. Exit status: 0; 2 with a message naming the field; 3 when
+the planner blocks the spec (S7: the operator deploys nothing for it, so nothing is printed; the
+reasons go to stderr, and `kvguard plan` says what to change).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_BAD_INPUT = 2
+EXIT_BLOCKED = 3  # as `kvguard plan`
 
 
 def add_parser(subparsers: Any) -> None:
@@ -68,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except (RenderError, ValueError) as exc:
         return _bad_input(str(exc))
+    if desired.plan.verdict != "pass":
+        for reason in desired.plan.reasons or ["the KV pool plan is blocked"]:
+            print(f"kvguard render: blocked (S7): {reason}", file=sys.stderr)
+        print(f"kvguard render: nothing rendered: the operator deploys nothing for this spec (see `kvguard plan -f {args.file}`)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_BLOCKED
     out = [f"# kvguard render: revision {desired.revision} of {namespace}/{model.metadata.name}\n"]
     for kind, name in desired.secret_refs:
         out.append(f"# also created by the operator: {kind} {namespace}/{name} (a fresh random KV-transfer key; never printed)\n")
