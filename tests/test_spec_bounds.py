@@ -138,3 +138,20 @@ def test_render_prints_nothing_for_a_spec_the_planner_blocks(tmp_path: Path, cap
     assert captured.out == "" and "blocked (S7): decode: pool 1,024 tokens = 1.00x contextLength 1,024" in captured.err
     manifest.write_text(yaml.safe_dump(with_spec(blocked, "spec.kvPoolTokens", 4096)))
     assert main(["render", "-f", str(manifest)]) == 0 and "kind: Deployment" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    ("", "holds no InferencePolicy"),  # an empty file was no policy at all, silently
+    ("spec: {minEngineVersions: {sglang: banana}}", "spec.minEngineVersions.sglang: "),
+    ("spec: {minEngineVersions: {tgi: '1.0'}}", "spec.minEngineVersions.tgi: not an engine kind"),
+    ("spec: {requiredCanaryProbes: [isolation, foo]}", "spec.requiredCanaryProbes[1]: unknown probe 'foo'"),
+])  # fmt: skip
+def test_apply_refuses_a_policy_it_cannot_read_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                      policy: str, message: str) -> None:  # fmt: skip
+    """Unreadable rules failed closed only when a model was judged; now the file is bad input."""
+    file = tmp_path / "policy.yaml"
+    file.write_text(f"apiVersion: kvguard.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: p}}\n{policy}\n" if policy else "")
+    state = tmp_path / "state"
+    assert main(["apply", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--local", "--policy", str(file), "--state-dir", str(state)]) == 2
+    assert message in capsys.readouterr().err
+    assert not state.exists()

@@ -271,14 +271,21 @@ def _load_policies(path: Path) -> list[Any]:
         docs = load_all(path)
     except YAMLFileError as exc:
         raise ValueError(f"--policy {exc}") from None
+    from kvguard.operator.policy import rule_problems
+
+    if not docs:
+        raise ValueError(f"--policy {path}: holds no InferencePolicy")
     policies = []
     for doc in docs:
         if not isinstance(doc, dict) or doc.get("kind") != "InferencePolicy":
             raise ValueError(f"--policy {path}: every document must be an InferencePolicy")
         try:
-            policies.append(InferencePolicy.model_validate(doc))
+            policy = InferencePolicy.model_validate(doc)
         except ValidationError as exc:
             raise ValueError(f"--policy {path}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+        if problems := rule_problems(policy):
+            raise ValueError(f"--policy {path}: " + "; ".join(problems))
+        policies.append(policy)
     return policies
 
 
