@@ -89,7 +89,8 @@ def _kvguard_problems(spec: InferenceModelSpec) -> list[str]:
     kv = spec.kv_cache_dtype
     if kv != KVCacheDtype.AUTO and dtype is not None and kv not in _KV_ALIASES.get(dtype, set()):
         problems.append(f"spec.kvCacheDtype: the kvguard engine keeps KV in the weights' dtype ({dtype}); use auto or {dtype}")
-    if "backend" in spec.kv_transfer.model_fields_set:
+    # The default (mooncake) is accepted when written out: a spec dumped whole and read back has it.
+    if "backend" in spec.kv_transfer.model_fields_set and spec.kv_transfer.backend != "mooncake":
         problems.append(f"spec.kvTransfer.backend: {spec.kv_transfer.backend} is SGLang's transfer backend; the kvguard "
                         "engine has its own (leave it unset)")  # fmt: skip
     return problems

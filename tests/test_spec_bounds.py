@@ -81,7 +81,7 @@ def test_a_namespace_is_a_dns_label(tmp_path: Path, capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(("path", "value", "field"), [
     ("spec.roles.decode.tensorParallel", 2, "spec.roles.decode.tensorParallel"),
     ("spec.weights", {"quantization": "awq"}, "spec.weights.quantization"),
-    ("spec.kvTransfer", {"backend": "mooncake"}, "spec.kvTransfer.backend"),  # any backend: the kvguard engine has its own
+    ("spec.kvTransfer", {"backend": "nixl"}, "spec.kvTransfer.backend"),  # SGLang's: the kvguard engine has its own
     ("spec.hardware.gpuProduct", "NVIDIA-H100-80GB-HBM3", "spec.hardware.gpuProduct"),  # a cpu spec
 ])  # fmt: skip
 def test_plan_refuses_what_render_apply_and_admission_refuse(tmp_path: Path, capsys: pytest.CaptureFixture[str],
