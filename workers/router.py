@@ -569,20 +569,10 @@ class Router:
         """The request's slots go back once every leg it aborted has ended: until a worker has
         acknowledged an abort (or the wait for it timed out), the request still holds its pages
         there, and the slots bound what the workers hold (`backpressure.Slots`)."""
-        pending = [task for task in ending if not task.done()]
-        if not pending:
+        if pending := [task for task in ending if not task.done()]:
+            asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: self._slots.release(count))
+        else:
             self._slots.release(count)
-            return
-        left = len(pending)
-
-        def one_ended(_: asyncio.Task[None]) -> None:
-            nonlocal left
-            left -= 1
-            if not left:
-                self._slots.release(count)
-
-        for task in pending:
-            task.add_done_callback(one_ended)
 
     def _watch(self, request: web.Request) -> StallWatch:
         """A client that reads none of its answer for write_timeout_s loses the connection: it would
