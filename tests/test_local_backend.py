@@ -3,8 +3,10 @@ status record, `kvguard apply` input errors, and healing a killed worker (real p
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import yaml
 from waiting import wait_for
 
@@ -252,15 +255,88 @@ def test_a_worker_started_but_never_recorded_is_found_by_its_command_line() -> N
         orphan.wait()
 
 
-def test_the_ports_of_one_revision_are_all_distinct() -> None:
-    """Free ports are found by binding port 0; each stays bound until all are chosen, else the
-    kernel may return one twice and a worker of the revision cannot bind (restarted forever)."""
-    from kvguard.operator.backends.local import allocate_ports
+def _bind_client_on(port: int) -> None:
+    """What an outgoing connection does when the kernel gives it `port` as its ephemeral port."""
+    with socket.socket() as client:
+        client.bind(("127.0.0.1", port))
 
-    for _ in range(50):
-        ports = allocate_ports([f"prefill-{i}" for i in range(4)] + [f"decode-{i}" for i in range(4)] + ["router"])
-        numbers = [p for triple in ports.values() for p in triple if p is not None]
-        assert len(numbers) == len(set(numbers)) == 4 * 2 + 4 * 3 + 2
+
+def test_the_ports_of_one_revision_are_all_distinct_and_held_until_handed_down() -> None:
+    """Free ports are found by binding port 0, and each stays bound until its process has it:
+    else the kernel may return one twice, or give it to an outgoing connection as its ephemeral
+    port, which keeps the worker's listener off it even with SO_REUSEADDR (a router restarted in
+    CrashLoopBackOff on "Address already in use" for a whole rollout, seen in CI)."""
+    from kvguard.operator.backends.local import HeldPorts, allocate_ports
+
+    held = HeldPorts()
+    try:
+        for _ in range(50):
+            ports = allocate_ports([f"prefill-{i}" for i in range(4)] + [f"decode-{i}" for i in range(4)] + ["router"], held)
+            numbers = [p for triple in ports.values() for p in triple if p is not None]
+            assert len(numbers) == len(set(numbers)) == 4 * 2 + 4 * 3 + 2
+        router_port = ports["router"][0]
+        with pytest.raises(OSError) as taken:
+            _bind_client_on(router_port)
+        assert taken.value.errno == errno.EADDRINUSE
+        handed = held.take([router_port])
+        assert list(handed) == [router_port]
+        assert held.take([router_port])[router_port] is not handed[router_port]  # bound afresh: a restart
+    finally:
+        held.close()
+
+
+def test_a_worker_listens_on_the_socket_held_for_its_port(tmp_path: Path) -> None:
+    """The splitter (a real `kvguard splitter`) started with its held sockets serves on them; the
+    port was never free from the choice on, so no stray client socket could take it meanwhile."""
+    from kvguard.operator.backends.local import HeldPorts
+
+    held, table = HeldPorts(), ProcessTable()
+    port, metrics_port = held.new(), held.new()
+    argv = [sys.executable, "-P", "-m", "kvguard", "splitter", "--table", str(tmp_path / "split.json"),
+            "--port", str(port), "--metrics-port", str(metrics_port)]  # fmt: skip
+    worker = LocalWorker(name="splitter", role="splitter", port=port, metrics_port=metrics_port, argv=argv)
+    listeners = held.take([port, metrics_port])
+    try:
+        worker.pid = table.spawn(worker, os.environ, tmp_path / "splitter.log", listeners)
+    finally:
+        for sock in listeners.values():
+            sock.close()
+    try:
+        with pytest.raises(OSError):
+            _bind_client_on(port)  # the child holds it now
+        for listening in (port, metrics_port):  # 503: no split table yet, but an answer from the splitter
+            wait_for(lambda p=listening: _health(p) == 503, f"the splitter's /health on the socket handed down for {listening}",
+                     detail=lambda: (tmp_path / "splitter.log").read_text())  # fmt: skip
+    finally:
+        table.stop([worker])
+        held.close()
+
+
+def _health(port: int) -> int | None:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
+    except requests.RequestException:
+        return None
+
+
+def test_open_listener_adopts_only_the_socket_handed_down_for_its_port() -> None:
+    from kvguard.workers.args import INHERITED_LISTENERS_ENV, open_listener, reserve_port
+
+    with reserve_port("127.0.0.1", 0) as parent_copy:
+        port = parent_copy.getsockname()[1]
+        child_fd = os.dup(parent_copy.fileno())  # what the child inherits
+        sock = open_listener("127.0.0.1", port, {INHERITED_LISTENERS_ENV: f"{port}:{child_fd}"})
+        with sock, socket.create_connection(("127.0.0.1", port), timeout=5):
+            assert sock.fileno() == child_fd  # adopted and listening, not a second bind
+        with reserve_port("127.0.0.1", 0) as other:
+            other_fd = os.dup(other.fileno())
+            try:  # a descriptor bound elsewhere is never taken for this port
+                with pytest.raises(OSError, match="not 1"):
+                    open_listener("127.0.0.1", 1, {INHERITED_LISTENERS_ENV: f"1:{other_fd}"})
+            finally:
+                os.close(other_fd)
+    with pytest.raises(OSError, match=INHERITED_LISTENERS_ENV):
+        open_listener("127.0.0.1", 1, {INHERITED_LISTENERS_ENV: "1:x"})
 
 
 # -- CrashLoopBackOff -------------------------------------------------------------------------------

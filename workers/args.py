@@ -19,13 +19,16 @@ Every worker listens on ports with one audience each (docs/threat-model.md, S9):
 A listener is a TCP port (`8000`; `0` picks a free one) or `fd:N`, a socket the parent already
 bound and passed down. The local launcher binds every socket itself before starting a child, so a
 busy port is found at once and no other process can take a port between the check and the bind.
+The local backend keeps a worker's recorded port numbers on its command line (they name the
+process) and hands the sockets down by port in `KVGUARD_LISTEN_FDS` (`open_listener`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -39,6 +42,10 @@ DEFAULT_ABORT_TIMEOUT_S = 2.0  # router: a worker that takes longer to acknowled
 # A local launcher (workers/launcher.py) hands each worker the read end of a pipe whose write end
 # only the launcher holds, and names its descriptor here: EOF on it means the launcher is gone.
 LIFELINE_FD_ENV = "KVGUARD_LIFELINE_FD"
+# `PORT:FD,...`: sockets a parent bound to these ports and passed down (the local backend, which
+# holds every port it chose until the process it chose it for listens on it).
+INHERITED_LISTENERS_ENV = "KVGUARD_LISTEN_FDS"
+LISTEN_BACKLOG = 512
 
 
 @dataclass(frozen=True)
@@ -72,25 +79,69 @@ class Listen:
     def open(self, host: str) -> socket.socket:
         """The listening socket: adopted from the parent, or bound here."""
         if self.fd is not None:
-            sock = socket.socket(fileno=self.fd)
-            sock.setblocking(False)
-            return sock
-        return bind_listener(host, self.port)
+            return adopt_listener(self.fd)
+        return open_listener(host, self.port)
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); OSError (e.g. EADDRINUSE) if the port is taken."""
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening yet: the port is ours (no port-0 choice
+    and no outgoing connection's ephemeral port can take it) until a listener adopts it.
+    SO_REUSEADDR: a restart takes its port back past the old process's TIME_WAIT connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); OSError (e.g. EADDRINUSE) if the port is taken."""
+    sock = reserve_port(host, port)
+    try:
+        sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise
     sock.setblocking(False)
     return sock
+
+
+def adopt_listener(fd: int, port: int | None = None) -> socket.socket:
+    """The inherited socket `fd`, listening; OSError if it is not a TCP socket (bound to `port`)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            raise OSError(f"descriptor {fd} is not a TCP socket")
+        if port is not None and sock.getsockname()[1] != port:
+            raise OSError(f"descriptor {fd} is bound to port {sock.getsockname()[1]}, not {port}")
+        sock.listen(LISTEN_BACKLOG)  # a no-op but for the backlog if the parent already listens
+    except OSError:
+        sock.detach()  # not ours to close: the descriptor stays as it came
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def inherited_listeners(environ: Mapping[str, str]) -> dict[int, int]:
+    """`INHERITED_LISTENERS_ENV` as {port: fd}; OSError naming the variable if it is malformed."""
+    text = environ.get(INHERITED_LISTENERS_ENV, "").strip()
+    found: dict[int, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        port_text, _, fd_text = item.partition(":")
+        if not (port_text.isascii() and port_text.isdigit() and fd_text.isascii() and fd_text.isdigit()):
+            raise OSError(f"{INHERITED_LISTENERS_ENV}: expected PORT:FD,..., got {item[:40]!r}")
+        found[int(port_text)] = int(fd_text)
+    return found
+
+
+def open_listener(host: str, port: int, environ: Mapping[str, str] = os.environ) -> socket.socket:
+    """A listening socket on `port`: the one the parent handed down for it, if any, else bound here."""
+    fd = inherited_listeners(environ).get(port) if port else None
+    return bind_listener(host, port) if fd is None else adopt_listener(fd, port)
 
 
 ListenSpec = Annotated[Listen, BeforeValidator(Listen.parse), PlainSerializer(str, return_type=str)]

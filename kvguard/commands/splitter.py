@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import socket
 
-    from kvguard.workers.args import bind_listener
+    from kvguard.workers.args import open_listener
     from kvguard.workers.servers import serve
     from kvguard.workers.splitter import Splitter, SplitterConfig
 
@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     sockets: list[socket.socket] = []
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         try:
-            sockets.append(bind_listener(args.host, port))  # SO_REUSEADDR: a restart takes the same port back
+            # The local backend hands the socket down (it held the port since choosing it); else bound here,
+            # with SO_REUSEADDR: a restart takes the same port back.
+            sockets.append(open_listener(args.host, port))
         except OSError as exc:
             for sock in sockets:
                 sock.close()

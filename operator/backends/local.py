@@ -61,7 +61,7 @@ from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag,
 from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share
-from kvguard.workers.args import WorkerArgs
+from kvguard.workers.args import INHERITED_LISTENERS_ENV, WorkerArgs, reserve_port
 from kvguard.workers.splitter import SPLIT_FILE, SplitBackend, SplitTable, write_table
 
 log = logging.getLogger("kvguard.local")
@@ -322,26 +322,60 @@ WorkerPorts = tuple[int, int, int | None]
 """A process's (main, metrics, transfer) ports; transfer only for decode."""
 
 
-def allocate_ports(names: list[str], old: Mapping[str, LocalWorker] | None = None) -> dict[str, WorkerPorts]:
+class HeldPorts:
+    """Ports this driver chose for processes it has not started yet, each held by a bound socket
+    until the process it is for starts with that socket as an inherited descriptor
+    (`INHERITED_LISTENERS_ENV`). A port let go of between the choice and the worker's own bind can
+    be taken in that gap: by another choice of port 0 (the splitter's, made while the workers
+    start) or as an outgoing connection's ephemeral port, which keeps a listener off it even with
+    SO_REUSEADDR for as long as the connection or its TIME_WAIT lasts (a router restarted in
+    CrashLoopBackOff on "Address already in use" for a whole rollout)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._held: dict[int, socket.socket] = {}
+
+    def new(self) -> int:
+        """A free port, held until `take` hands it to a process."""
+        sock = reserve_port(self.host, 0)
+        port = int(sock.getsockname()[1])
+        self._held[port] = sock
+        return port
+
+    def take(self, ports: Sequence[int]) -> dict[int, socket.socket]:
+        """A bound socket for each port, which the caller closes once the process has it: the one
+        held since the port was chosen, else bound now (a restart on the recorded port). A port
+        that cannot be bound now is left out: the process fails to listen and says so in its log."""
+        sockets: dict[int, socket.socket] = {}
+        for port in ports:
+            held = self._held.pop(port, None)
+            if held is None:
+                try:
+                    held = reserve_port(self.host, port)
+                except OSError as exc:
+                    log.warning("port %d is taken (%s); the process will fail to listen on it", port, exc.strerror or exc)
+                    continue
+            sockets[port] = held
+        return sockets
+
+    def close(self) -> None:
+        for sock in self._held.values():
+            sock.close()
+        self._held.clear()
+
+
+def allocate_ports(names: list[str], held: HeldPorts, old: Mapping[str, LocalWorker] | None = None) -> dict[str, WorkerPorts]:
     """Ports for every process: a worker that keeps running keeps its own (a resize, like a
-    Deployment's scale, leaves running pods alone). Each free port is found by binding port 0; the
-    sockets stay open until every port is chosen, or the kernel may hand the same port out twice
-    and two processes of one revision would fight over it (a router restarted forever on
-    "Address already in use")."""
+    Deployment's scale, leaves running pods alone); every new one is chosen by `held` and stays
+    bound until its process starts, so no two processes (of this revision or another, or the
+    splitter) are ever given one port."""
     ports: dict[str, WorkerPorts] = {}
-    with contextlib.ExitStack() as held:  # every new port stays bound until all are chosen: no duplicates
-
-        def fresh() -> int:
-            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
-
-        for name in names:
-            kept = (old or {}).get(name)
-            if kept is not None:
-                ports[name] = (kept.port, kept.metrics_port, kept.transfer_port or (fresh() if name.startswith("decode") else None))
-            else:
-                ports[name] = (fresh(), fresh(), fresh() if name.startswith("decode") else None)
+    for name in names:
+        kept = (old or {}).get(name)
+        if kept is not None:
+            ports[name] = (kept.port, kept.metrics_port, kept.transfer_port or (held.new() if name.startswith("decode") else None))
+        else:
+            ports[name] = (held.new(), held.new(), held.new() if name.startswith("decode") else None)
     return ports
 
 
@@ -363,10 +397,16 @@ class ProcessTable:
     def __init__(self) -> None:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
-    def spawn(self, worker: LocalWorker, env: Mapping[str, str], log_path: Path) -> int:
+    def spawn(self, worker: LocalWorker, env: Mapping[str, str], log_path: Path,
+              listeners: Mapping[int, socket.socket] | None = None) -> int:
+        """Start the worker; `listeners` ({port: bound socket}) are handed down for it to listen on."""
+        env = {k: v for k, v in env.items() if k != INHERITED_LISTENERS_ENV}
+        if listeners:
+            env[INHERITED_LISTENERS_ENV] = ",".join(f"{port}:{sock.fileno()}" for port, sock in listeners.items())
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(  # noqa: S603 - our own argv
-                worker.argv, env=dict(env), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                worker.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=tuple(sock.fileno() for sock in (listeners or {}).values()),
                 cwd=log_path.parent,  # with -P: the repo's operator/ folder never shadows the stdlib
                 start_new_session=True,  # Ctrl-C on the driver must not take a serving revision down
             )  # fmt: skip
@@ -493,6 +533,7 @@ class LocalBackend:
         self.clock = clock
         self.backoff = backoff
         self.processes = ProcessTable()
+        self.ports = HeldPorts()  # chosen and not yet handed to a process
         self.state = LocalState()
         self._lock: contextlib.ExitStack | None = None
 
@@ -505,6 +546,7 @@ class LocalBackend:
         return self
 
     def close(self) -> None:
+        self.ports.close()
         if self._lock is not None:
             self._lock.close()
             self._lock = None
@@ -549,7 +591,7 @@ class LocalBackend:
         model_dir = model_dir_for(spec, self.models_root).resolve()
         if not (model_dir / "config.json").is_file():
             raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
-        ports = allocate_ports(worker_names(spec, scale))
+        ports = allocate_ports(worker_names(spec, scale), self.ports)
         record = LocalRevision(
             revision=revision, model_dir=str(model_dir), faults=faults, scale=scale, created_at=now_rfc3339(),
             workers=worker_argvs(spec, kv_plan, model_dir, ports, scale, revision),
@@ -566,7 +608,7 @@ class LocalBackend:
         Like a Deployment's scale, running workers keep their processes and ports; only the router
         restarts, because its worker list changed."""
         old = {w.name: w for w in record.workers}
-        ports = allocate_ports(worker_names(spec, scale), old)
+        ports = allocate_ports(worker_names(spec, scale), self.ports, old)
         new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, scale, record.revision)
         for worker in new:
             previous = old.get(worker.name)
@@ -603,7 +645,12 @@ class LocalBackend:
                 return
             worker.restarts += 1
             log.warning("%s: %s (pid %s) is not running; restarting it", owner, worker.name, worker.pid)
-        worker.pid = self.processes.spawn(worker, env, log_path)
+        listeners = self.ports.take([p for p in (worker.port, worker.metrics_port, worker.transfer_port) if p is not None])
+        try:
+            worker.pid = self.processes.spawn(worker, env, log_path, listeners)
+        finally:
+            for sock in listeners.values():  # the child has its own copies
+                sock.close()
         worker.started_at, worker.started_argv, worker.restart_at = now, list(worker.argv), None
         self.save()  # the PID is on disk before anything else can go wrong
 
@@ -628,7 +675,7 @@ class LocalBackend:
         restarted on the same ports if it died. It holds no key and runs no faults. With `wait`,
         returns once it accepts connections: a URL is printed only when it answers."""
         if self.state.splitter is None:
-            (port, metrics_port, _), = allocate_ports(["splitter"]).values()
+            (port, metrics_port, _), = allocate_ports(["splitter"], self.ports).values()
             argv = [sys.executable, "-P", "-m", "kvguard", "splitter", "--table", str((self.store.root / SPLIT_FILE).resolve()),
                     "--port", str(port), "--metrics-port", str(metrics_port)]  # fmt: skip
             self.state.splitter = LocalWorker(name="splitter", role="splitter", port=port, metrics_port=metrics_port, argv=argv)
