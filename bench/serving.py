@@ -220,17 +220,18 @@ class StepTimes:
 class HFBackend:
     name = "hf"
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
         self._config = GenerationConfig
         self.run_batch([WorkItem(-1, (BOS_ID, 65, 66), 2)])  # warm-up
 
     def run_batch(self, items: Sequence[WorkItem]) -> list[Record]:
         width = max(len(i.prompt_ids) for i in items)
-        ids = torch.tensor([[PAD_ID] * (width - len(i.prompt_ids)) + list(i.prompt_ids) for i in items])
-        mask = torch.tensor([[0] * (width - len(i.prompt_ids)) + [1] * len(i.prompt_ids) for i in items])
+        ids = torch.tensor([[PAD_ID] * (width - len(i.prompt_ids)) + list(i.prompt_ids) for i in items], device=self.device)
+        mask = torch.tensor([[0] * (width - len(i.prompt_ids)) + [1] * len(i.prompt_ids) for i in items], device=self.device)
         new = max(i.max_tokens for i in items)
         # eos_token_id=None: never stop early, like ignore_eos on the kvguard side.
         config = self._config(do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
@@ -257,11 +258,11 @@ class HFBackend:
 class EngineBackend:
     name = "engine"
 
-    def __init__(self, model_dir: Path, pool_tokens: int) -> None:
+    def __init__(self, model_dir: Path, pool_tokens: int, device: str) -> None:
         from kvguard.workers.config import EngineConfig
         from kvguard.workers.engine import Engine
 
-        self.engine = Engine(EngineConfig(model_dir, device="auto", kv_pool_tokens=pool_tokens, max_running_requests=64))
+        self.engine = Engine(EngineConfig(model_dir, device=device, kv_pool_tokens=pool_tokens, max_running_requests=64))
         self._serial = 0
         self.run(Scenario("warmup", (WorkItem(-1, (BOS_ID, 65, 66), 2),), concurrency=1))
 
@@ -388,12 +389,12 @@ def server_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_kvguard(model_dir: Path, pool_tokens: int | None, stream_interval: int = 1) -> tuple[Server, str]:
+def start_kvguard(model_dir: Path, pool_tokens: int | None, device: str, stream_interval: int = 1) -> tuple[Server, str]:
     """`kvguard serve` with a `pool_tokens` pool, or (None) the pool it sizes itself, as a user
     who passes only `--model` gets."""
     pool = ["--kv-pool-tokens", str(pool_tokens)] if pool_tokens is not None else []
     argv = [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(model_dir), *pool,
-            "--stream-interval", str(stream_interval)]
+            "--stream-interval", str(stream_interval), "--device", device]
     server = Server(argv, server_env())
     assert server.popen.stdout is not None
     line = server.popen.stdout.readline()  # the JSON line once every worker is healthy
@@ -404,10 +405,10 @@ def start_kvguard(model_dir: Path, pool_tokens: int | None, stream_interval: int
     return server, ready["router"]
 
 
-def start_transformers(model_dir: Path) -> tuple[Server, str]:
+def start_transformers(model_dir: Path, device: str) -> tuple[Server, str]:
     port = free_port()
     exe = Path(sys.executable).with_name("transformers")
-    argv = [str(exe), "serve", str(model_dir), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [str(exe), "serve", str(model_dir), "--device", device, "--host", "127.0.0.1", "--port", str(port)]
     server = Server(argv, server_env())
     return server, f"http://127.0.0.1:{port}/v1"
 
@@ -428,12 +429,12 @@ def wait_answering(base_url: str, model: str, prompt: str | list[int], timeout_s
     raise TimeoutError(f"{base_url} did not answer within {timeout_s:.0f} s")
 
 
-def time_default_serve(model_dir: Path) -> float:
+def time_default_serve(model_dir: Path, device: str) -> float:
     """Seconds from starting `kvguard serve --model DIR` (every other flag at its default, the
     pool sized from the memory budget) to its first answer, with nothing else running: issue 14's
     start-up goal, as a user meets it."""
     t0 = time.perf_counter()
-    server, url = start_kvguard(model_dir, None)
+    server, url = start_kvguard(model_dir, None, device)
     try:
         return time.perf_counter() - t0 + wait_answering(url, model_dir.name, [BOS_ID, 65])
     finally:
@@ -609,6 +610,8 @@ def main() -> int:
     parser.add_argument("--scenarios", default=None, help="comma-separated subset, e.g. closed-1,closed-16")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write throughput/latency PNGs here")
     parser.add_argument("--json-out", type=Path, default=None, help="also write every result as JSON here")
+    parser.add_argument("--device", default="cpu", help="where every backend runs: cpu (default) or cuda[:N] "
+                        "(HF and the engine in this process, `kvguard serve --device`, `transformers serve --device`)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     count = args.requests or (24 if args.quick else 64)
@@ -636,9 +639,9 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
     live: dict[str, Any] = {}
     # Servers first: they start (in parallel with each other) while HF and the engine load.
     if "http" in backends or "http-raw" in backends:
-        startup["serve_default_first_answer_s"] = time_default_serve(model_dir)  # alone, before the rest
+        startup["serve_default_first_answer_s"] = time_default_serve(model_dir, args.device)  # alone, before the rest
         t0 = time.perf_counter()
-        server, url = start_kvguard(model_dir, pool_tokens)
+        server, url = start_kvguard(model_dir, pool_tokens, args.device)
         servers.append(server)
         startup["http_ready_s"] = time.perf_counter() - t0
         startup["http_first_answer_s"] = startup["http_ready_s"] + wait_answering(url, model_dir.name, [BOS_ID, 65])
@@ -647,19 +650,19 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
         if "http-raw" in backends:  # the same server: only the client differs
             live["http-raw"] = RawHTTPBackend("http-raw", server, url, model_dir.name, token_prompts=True)
     if "http-si" in backends:
-        server, url = start_kvguard(model_dir, pool_tokens, args.stream_interval)
+        server, url = start_kvguard(model_dir, pool_tokens, args.device, args.stream_interval)
         servers.append(server)
         live["http-si"] = HTTPBackend("http-si", server, url, model_dir.name, token_prompts=True)
     if "tfserve" in backends:
         t0 = time.perf_counter()
-        server, url = start_transformers(model_dir)
+        server, url = start_transformers(model_dir, args.device)
         servers.append(server)
         startup["tfserve_first_answer_s"] = wait_answering(url, str(model_dir), "AB")
         live["tfserve"] = HTTPBackend("tfserve", server, url, str(model_dir), token_prompts=False)
     if "hf" in backends:
-        live["hf"] = HFBackend(model_dir)
+        live["hf"] = HFBackend(model_dir, args.device)
     if "engine" in backends:
-        live["engine"] = EngineBackend(model_dir, pool_tokens)
+        live["engine"] = EngineBackend(model_dir, pool_tokens, args.device)
     print(f"model {args.model} ({sum(p.numel() for p in live['engine'].engine.model.parameters()) / 1e6:.2f}M params)"
           if "engine" in live else f"model {args.model}", f"requests {len(items)}, reps {reps}, torch threads 1 per process; "
           f"start-up: {', '.join(f'{k} {v:.1f}' for k, v in startup.items())}", flush=True)

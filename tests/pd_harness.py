@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import requests
+from engine_device import TEST_DEVICE
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for
 
@@ -122,7 +123,7 @@ def _engine(model_dir: Path, kv_pool_tokens: int, context_length: int):  # type:
     from kvguard.workers.config import EngineConfig
     from kvguard.workers.engine import Engine
 
-    return Engine(EngineConfig(model_dir=model_dir, device="cpu", kv_pool_tokens=kv_pool_tokens, context_length=context_length))
+    return Engine(EngineConfig(model_dir=model_dir, device=TEST_DEVICE, kv_pool_tokens=kv_pool_tokens, context_length=context_length))
 
 
 def reference_text(model_dir: Path, prompt: str, max_tokens: int = 16, kv_pool_tokens: int = 4096, context_length: int = 1024) -> str:

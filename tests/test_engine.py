@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_device import TEST_DEVICE
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.workers.async_engine import AsyncEngine
@@ -30,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def engine(model_dir: Path, **kw) -> Engine:
-    return Engine(EngineConfig(model_dir, device="cpu", **{"kv_pool_tokens": 1024, "page_size": 8,
+    return Engine(EngineConfig(model_dir, device=TEST_DEVICE, **{"kv_pool_tokens": 1024, "page_size": 8,
                                                            "context_length": 256, **kw}))
 
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from engine_device import TEST_DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,7 @@ PAGE = 4
 
 def make_pool(pages: int = 8, tags: bool = True) -> KVPool:
     return KVPool(num_layers=2, num_kv_heads=2, head_dim=3, page_size=PAGE, num_pages=pages,
-                  dtype=torch.float32, device=torch.device("cpu"), tags=tags)
+                  dtype=torch.float32, device=torch.device(TEST_DEVICE), tags=tags)
 
 
 def write_tokens(pool: KVPool, lease, start: int, end: int, fill: float = 1.0) -> torch.Tensor:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_device import TEST_DEVICE
 from pydantic import ValidationError
 
 from kvguard.workers.config import EngineConfig
@@ -24,7 +25,7 @@ from kvguard.workers.scheduler import Scheduler
 
 
 def engine(model_dir: Path, **kw) -> Engine:
-    return Engine(EngineConfig(model_dir, device="cpu", **{"kv_pool_tokens": 256, "context_length": 128, **kw}))
+    return Engine(EngineConfig(model_dir, device=TEST_DEVICE, **{"kv_pool_tokens": 256, "context_length": 128, **kw}))
 
 
 def test_s2_over_context_length_is_rejected_before_any_allocation(tiny_model_dir: Path) -> None:
