@@ -47,8 +47,8 @@ def decode_round(engine: Engine, tags: bool, batch: int, prompt: int, decode: in
                            SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))
         for i in range(batch)
     ]
-    while any(r.state != RequestState.DECODING for r in requests):
-        engine.step()
+    while any(r.state not in (RequestState.DECODING, RequestState.FINISHED) for r in requests):
+        engine.step()  # (a request that finished before the last was admitted just decodes no more)
     synchronize(engine.device)
     decoded_before = sum(len(r.output_ids) for r in requests)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -68,8 +68,12 @@ def tag_work_per_step(engine: Engine, batch: int, prompt: int, iterations: int =
     `Engine._run_batch` makes for decode rows)."""
     engine.pool.tags = True
     gen = torch.Generator().manual_seed(1)
+    # Long enough that the first admitted are still decoding when the last is admitted (a batch
+    # over max_prefill_tokens takes several steps to admit; with 2 tokens, --batch 128 never ended).
+    admit_steps = -(-batch * prompt // engine.config.max_prefill_tokens)
     requests = [engine.add_request(f"micro-{i}", torch.randint(0, VOCAB, (prompt,), generator=gen).tolist(),
-                                   SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) for i in range(batch)]
+                                   SamplingParams(max_tokens=admit_steps + 2, temperature=0, ignore_eos=True))
+                for i in range(batch)]  # fmt: skip
     while any(r.state != RequestState.DECODING for r in requests):
         engine.step()
     pool = engine.pool

@@ -450,6 +450,7 @@ def test_seeded_sampling_disaggregated_equals_colocated(tiny_model_dir: Path) ->
     assert [t for o in outputs for t in o.token_ids] == expected
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the configured CPU budget; a GPU sizes from its own memory")
 def test_pool_size_from_memory_budget(tiny_model_dir: Path) -> None:
     budget = 64 * 1024**2
     e = engine(tiny_model_dir, kv_pool_tokens=None, cpu_memory_bytes=budget, kv_memory_fraction=0.5)
@@ -458,6 +459,38 @@ def test_pool_size_from_memory_budget(tiny_model_dir: Path) -> None:
     expected_pages = int((budget - weights - budget * 0.5) // (per_token * 8))
     assert e.pool.num_pages == expected_pages
     assert e.metrics.pool_capacity_tokens._value.get() == expected_pages * 8
+
+
+GiB = 1024**3
+
+
+def test_engines_sharing_one_gpu_each_size_their_pool_from_their_share(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvguard serve` puts prefill and decode on one GPU. SGLang's rule alone (keep total x (1 -
+    fraction) free) gives the first engine up the whole fraction and leaves the second nothing:
+    on an H200 the second failed to start. With device_share 0.5 each gets the same pool, in
+    either order; alone (share 1) the rule is SGLang's, as before. Memory figures stand in for
+    torch.cuda.mem_get_info: the development machine has no GPU (scripts/device_check.sh runs
+    it on one)."""
+    from kvguard.workers import engine as engine_module
+    from kvguard.workers.model import ModelArgs
+
+    args = ModelArgs.from_dir(tiny_model_dir)
+    page_bytes = args.kv_bytes_per_token(torch.float32) * 16
+    total, weights, cuda = 140 * GiB, 1 * GiB, torch.device("cuda")
+
+    def pages(free: float, share: float) -> int:
+        monkeypatch.setattr(engine_module.dev, "memory_info", lambda _device, _cpu: (int(free), total))
+        config = EngineConfig(tiny_model_dir, kv_memory_fraction=0.85, device_share=share)
+        return engine_module.plan_pool_pages(config, args, torch.float32, cuda, weights)
+
+    alone = pages(total - weights, 1.0)
+    assert alone == int((total - weights - total * 0.15) // page_bytes)  # SGLang's rule, unchanged
+    with pytest.raises(ValueError, match="no memory left"):
+        pages(total - weights - alone * page_bytes - weights, 1.0)  # the second engine, before shares
+    first = pages(total - weights, 0.5)
+    second = pages(total - weights - first * page_bytes - weights, 0.5)
+    assert first == second == int((total * 0.85 / 2 - weights) // page_bytes)
+    assert 2 * (first * page_bytes + weights) <= total * 0.85
 
 
 def test_config_and_device_errors_are_clear(tiny_model_dir: Path, tmp_path: Path) -> None:

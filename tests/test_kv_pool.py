@@ -26,17 +26,18 @@ def write_tokens(pool: KVPool, lease, start: int, end: int, fill: float = 1.0) -
     pool.kv.view(2, 2, -1, 2, 3)[:, :, slots] = fill
     pages = sorted({p for p in range(start // PAGE, (end - 1) // PAGE + 1)})
     ids = lease.page_ids_t[pages]
-    first = torch.tensor([max(start - p * PAGE, 0) for p in pages])
-    last = torch.tensor([min(end - p * PAGE, PAGE) for p in pages])
+    first = torch.tensor([max(start - p * PAGE, 0) for p in pages], device=pool.device)
+    last = torch.tensor([min(end - p * PAGE, PAGE) for p in pages], device=pool.device)
     return pool.stamp_written(ids, lease.generations_t[pages], first, last)
 
 
 def reads_ok(pool: KVPool, leases: list, read_tokens: list[int]) -> list[bool]:
     pages = [pool.pages_for(max(n, 1)) for n in read_tokens]
     width = max(pages)
-    table = torch.tensor([list(lease.page_ids[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)])
-    granted = torch.tensor([list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)])
-    return pool.verify_reads(table, granted, torch.tensor(pages), torch.tensor(read_tokens)).tolist()
+    table = torch.tensor([list(lease.page_ids[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)], device=pool.device)
+    granted = torch.tensor([list(lease.generations[:n]) + [0] * (width - n) for lease, n in zip(leases, pages)], device=pool.device)
+    return pool.verify_reads(table, granted, torch.tensor(pages, device=pool.device),
+                             torch.tensor(read_tokens, device=pool.device)).tolist()
 
 
 def test_allocate_returns_none_when_full_and_free_recycles() -> None:
@@ -97,12 +98,12 @@ def test_export_import_round_trip_between_pools() -> None:
     src, dst = make_pool(), make_pool()
     a = src.allocate("r", 7)
     write_tokens(src, a, 0, 7)
-    src.kv[:, :, list(a.page_ids)] = torch.randn(2, 2, 2, PAGE, 2, 3)
+    src.kv[:, :, list(a.page_ids)] = torch.randn(2, 2, 2, PAGE, 2, 3, device=src.device)
     data = src.export_pages(a)
     assert data.shape == (2, 2, 2, PAGE, 2, 3) and data.is_contiguous()
     d = dst.allocate("r", 7)
     assert not dst.lease_written(d, 7)  # S3 precondition fails before the transfer
-    payload = data.numpy().tobytes()
+    payload = data.cpu().numpy().tobytes()  # what crosses the wire
     assert len(payload) == 2 * dst.page_nbytes
     result = dst.import_pages(d, d.page_ids, d.generations, dst.pages_from_bytes(payload),
                               dst.valid_tokens(d, d.page_ids, 7))
@@ -114,14 +115,15 @@ def test_export_import_round_trip_between_pools() -> None:
 def test_s5_import_for_a_stale_lease_is_dropped_and_counted() -> None:
     pool = make_pool(pages=2)
     a = pool.allocate("a", 8)
-    data = torch.full((2, 2, 2, PAGE, 2, 3), 5.0)
+    data = torch.full((2, 2, 2, PAGE, 2, 3), 5.0, device=pool.device)
     pool.free(a)  # a aborted while its chunk was in flight
     b = pool.allocate("b", 8)
     before = pool.kv.clone()
     result = pool.import_pages(a, a.page_ids, a.generations, data)
     assert not result.applied and set(result.stale_pages) == set(a.page_ids)
     assert pool.stale_writes_dropped == 1
-    assert torch.equal(pool.kv, before)  # b's pages untouched
+    # Bytes, not values: never-written memory (torch.empty, e.g. on CUDA) may hold NaN, unequal to itself.
+    assert torch.equal(pool.kv.view(torch.uint8), before.view(torch.uint8))  # b's pages untouched
     # Right lease, wrong generation claimed by the sender: also dropped.
     wrong = pool.import_pages(b, b.page_ids, [g - 1 for g in b.generations], data)
     assert not wrong.applied and pool.stale_writes_dropped == 2

@@ -181,6 +181,10 @@ class WorkerArgs(BaseModel):
                        json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))  # fmt: skip
     kv_pool_tokens: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "KV pool size; default: from memory"))
     kv_memory_fraction: float = Field(0.85, gt=0, le=1, json_schema_extra=_flag("prefill and decode", "share of device memory for weights + KV"))
+    device_share: float = Field(
+        1.0, gt=0, le=1, json_schema_extra=_flag("prefill and decode", "the part of the CUDA device this worker's weights + KV may "
+                                                 "take when workers share one GPU (`kvguard serve`: 0.5 each); ignored on CPU")
+    )
     context_length: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "served context (default: the model's maximum)"))
     page_size: int = Field(16, ge=1, json_schema_extra=_flag("prefill and decode", "tokens per KV page"))
     max_running_requests: int = Field(64, ge=1, json_schema_extra=_flag("prefill and decode", "requests holding pages at once"))

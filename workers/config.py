@@ -25,6 +25,7 @@ class EngineConfig:
     page_size: int = 16
     kv_pool_tokens: int | None = None
     kv_memory_fraction: float = 0.85
+    device_share: float = 1.0  # of one CUDA device, where several engines share it (plan_pool_pages)
     cpu_memory_bytes: int = DEFAULT_CPU_MEMORY_BYTES
     context_length: int | None = None
     max_running_requests: int = 64
@@ -46,6 +47,8 @@ class EngineConfig:
             )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        if not 0.0 < self.device_share <= 1.0:
+            raise ValueError(f"device_share: must be in (0, 1], got {self.device_share}")
         if self.cpu_memory_bytes <= 0:
             raise ValueError(f"cpu_memory_bytes: must be > 0, got {self.cpu_memory_bytes}")
         if self.context_length is not None and self.context_length < 1:

@@ -82,13 +82,21 @@ def plan_pool_pages(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, d
     """KV pool pages: `kv_pool_tokens` if given, else SGLang's rule
     `(free_after_weights - total * (1 - fraction)) / bytes_per_token`, rounded down to pages.
     On CUDA the weights are already loaded (free is measured after them); on CPU they are
-    subtracted from the configured budget."""
+    subtracted from the configured budget.
+
+    Engines sharing one GPU (`kvguard serve` runs prefill and decode on it) each take their
+    `device_share` of it: weights + KV within `total * fraction * share`, leaving their share of
+    the headroom free. SGLang's rule alone lets the first engine up take the whole fraction, and
+    the second, finding nothing left, fails to start; with shares neither depends on which
+    measured first."""
     if config.kv_pool_tokens is not None:
         return config.kv_pool_tokens // config.page_size
     free, total = dev.memory_info(device, config.cpu_memory_bytes)
-    if device.type == "cpu":
-        free -= weight_bytes
-    budget = free - total * (1 - config.kv_memory_fraction)
+    if device.type == "cpu":  # a configured budget per process: no device to share
+        budget = free - weight_bytes - total * (1 - config.kv_memory_fraction)
+    else:
+        share = config.device_share
+        budget = min(total * config.kv_memory_fraction * share - weight_bytes, free - total * (1 - config.kv_memory_fraction) * share)
     pages = int(budget // (args.kv_bytes_per_token(dtype) * config.page_size))
     if pages < 1:
         raise ValueError(f"no memory left for a KV pool: budget {budget:.0f} bytes after weights")

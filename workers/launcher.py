@@ -205,6 +205,8 @@ class LocalDeployment:
             "context_length": c.context_length, "max_transfer_batch": c.max_transfer_batch,
             "transfer_timeout": c.transfer_timeout_s, "transfer_encryption": c.transfer_encryption,
             "max_running_requests": c.max_running_requests, "bootstrap_timeout": c.bootstrap_timeout_s,
+            # Prefill and decode share the one device: on a GPU each sizes its pool from half of it.
+            "device_share": 1.0 if c.device == "cpu" else 0.5,
         }  # fmt: skip
         common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST}
         if role == "router":

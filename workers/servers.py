@@ -218,6 +218,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         page_size=args.page_size,
         kv_pool_tokens=args.kv_pool_tokens,
         kv_memory_fraction=args.kv_memory_fraction,
+        device_share=args.device_share,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         tags=not faults.no_tags,
