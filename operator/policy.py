@@ -33,6 +33,7 @@ from kvguard.operator.api import (
     EngineKind,
     InferenceModelSpec,
     InferencePolicy,
+    InferencePolicySpec,
     KVPlan,
     LabelSelector,
     LabelSelectorRequirement,
@@ -192,13 +193,13 @@ def check_min_kv_ratio(spec: InferenceModelSpec, minimum: float, kv_plan: KVPlan
             )
 
 
-def rule_problems(policy: InferencePolicy) -> list[str]:
+def rule_problems(spec: InferencePolicySpec) -> list[str]:
     """`field: why` for every rule of the policy that cannot be read. Each fails closed when a model
     is judged (a blocking finding on every model it covers); this names them where the policy is
     loaded, before anything runs."""
     problems = []
     kinds = {kind.value for kind in EngineKind}
-    for kind, minimum in policy.spec.min_engine_versions.items():
+    for kind, minimum in spec.min_engine_versions.items():
         if kind not in kinds:
             problems.append(f"spec.minEngineVersions.{kind}: not an engine kind ({', '.join(sorted(kinds))})")
             continue
@@ -206,7 +207,7 @@ def rule_problems(policy: InferencePolicy) -> list[str]:
             version_key(minimum)
         except ValueError as exc:
             problems.append(f"spec.minEngineVersions.{kind}: {exc}")
-    for i, name in enumerate(policy.spec.required_canary_probes):
+    for i, name in enumerate(spec.required_canary_probes):
         try:
             ProbeName.parse(name)
         except ValueError as exc:

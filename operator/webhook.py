@@ -1,4 +1,5 @@
-"""The validating admission webhook for InferenceModels (kopf), and the InferencePolicy index.
+"""The validating admission webhooks for InferenceModels and InferencePolicies (kopf), and the
+InferencePolicy index.
 
 Registered by importing this module (`kvguard.operator.handlers` does). On CREATE and UPDATE of an
 InferenceModel the API server sends an AdmissionReview here; the model is rejected, with a
@@ -7,6 +8,12 @@ or when an applicable InferencePolicy says no (`kvguard.operator.policy`, S7). A
 leaves the spec unchanged (labels, annotations, finalizers: kopf's own bookkeeping included) and
 an object being deleted are always admitted: a model that became non-compliant after a policy
 change is reported by reconcile, not locked or killed.
+
+On CREATE and UPDATE of an InferencePolicy a policy whose spec does not parse, or one with a rule
+that cannot be read (an unknown engine kind or unreadable version in minEngineVersions, an unknown
+probe in requiredCanaryProbes: `policy.rule_problems`), is refused, naming the field. Admitted, such
+a rule would fail closed on every model it covers, a blocking finding on each, at the next
+reconcile: the author should hear it when writing the policy.
 
 TLS (docs/webhook.md): kopf's `WebhookServer` serves HTTPS with the certificate in
 KVGUARD_WEBHOOK_CERT_DIR (`tls.crt`, `tls.key`, optional `ca.crt`: a mounted Secret written by
@@ -38,12 +45,19 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from kvguard.operator.api import API_GROUP, API_VERSION, InferenceModelSpec, InferencePolicy, model_name_problem
+from kvguard.operator.api import (
+    API_GROUP,
+    API_VERSION,
+    InferenceModelSpec,
+    InferencePolicy,
+    InferencePolicySpec,
+    model_name_problem,
+)
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, plan
-from kvguard.operator.policy import describe_violations, evaluate
+from kvguard.operator.policy import describe_violations, evaluate, rule_problems
 from kvguard.operator.reconcile import field_errors
 from kvguard.operator.render import Owner, RenderError, render_revision
 
@@ -54,6 +68,8 @@ POLICIES = (API_GROUP, API_VERSION, "inferencepolicies")
 WEBHOOK_ID = "validate-inferencemodel"
 """kopf's handler id, which is also the URL path the webhook configuration must call
 (`/validate-inferencemodel`): kopf routes a request to the handler named by its path."""
+POLICY_WEBHOOK_ID = "validate-inferencepolicy"
+"""The InferencePolicy handler's id and path (`/validate-inferencepolicy`)."""
 DEFAULT_PORT = 9443
 INVALID = 422  # the spec cannot be planned or rendered
 FORBIDDEN = 403  # a policy forbids it
@@ -120,6 +136,23 @@ def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> N
         raise AdmissionDenied(mismatch, INVALID)
 
 
+def check_policy_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str | None) -> None:
+    """Raise AdmissionDenied when the InferencePolicy `body` must not be admitted: its spec does
+    not parse, or a rule cannot be read. Metadata-only updates and deletions are admitted, as for
+    models: a policy written before this check never gets stuck."""
+    meta = body.get("metadata") or {}
+    if operation not in ("CREATE", "UPDATE") or meta.get("deletionTimestamp"):
+        return
+    if operation == "UPDATE" and not spec_changed(old, body):
+        return
+    try:
+        spec = InferencePolicySpec.model_validate(body.get("spec") if body.get("spec") is not None else {})
+    except ValidationError as exc:
+        raise AdmissionDenied(field_errors(exc), INVALID) from None
+    if problems := rule_problems(spec):
+        raise AdmissionDenied("; ".join(problems), INVALID)
+
+
 def parse_policies(raw: Iterable[Mapping[str, Any]]) -> list[InferencePolicy]:
     """InferencePolicy objects as stored; one the models reject (schema skew) is logged and skipped."""
     policies = []
@@ -151,6 +184,14 @@ async def validate_inference_model(body: kopf.Body, old: kopf.Body | None = None
         raise kopf.AdmissionError(f"cannot read InferencePolicies to check this model ({exc}); retry", code=503) from exc
     try:
         check_admission(body, old, operation, policies)
+    except AdmissionDenied as exc:
+        raise kopf.AdmissionError(str(exc), code=exc.code) from None
+
+
+async def validate_inference_policy(body: kopf.Body, old: kopf.Body | None = None, operation: str | None = None, **_: Any) -> None:
+    """kopf admission handler for InferencePolicies (no API reads: the policy alone is judged)."""
+    try:
+        check_policy_admission(body, old, operation)
     except AdmissionDenied as exc:
         raise kopf.AdmissionError(str(exc), code=exc.code) from None
 
@@ -205,6 +246,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
     """Register the webhook, its settings and the policy index (done on import for kopf's default
     registry; tests use their own so that their login handlers stay apart)."""
     kopf.on.validate(*MODELS, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"], registry=registry)(validate_inference_model)
+    kopf.on.validate(*POLICIES, id=POLICY_WEBHOOK_ID, operations=["CREATE", "UPDATE"], registry=registry)(validate_inference_policy)
     kopf.index(*POLICIES, registry=registry)(inference_policies)
     kopf.on.startup(registry=registry)(configure_webhook)
 

@@ -159,6 +159,47 @@ def test_metadata_only_updates_and_deletions_are_admitted_even_when_non_complian
     assert exc is not None and "spec.contextLength" in str(exc) and "rule maxContextLength" in str(exc)
 
 
+def policy_denial(body: dict[str, Any], *, old: dict[str, Any] | None = None, operation: str = "CREATE") -> AdmissionDenied | None:
+    try:
+        webhook.check_policy_admission(body, old, operation)
+    except AdmissionDenied as exc:
+        return exc
+    return None
+
+
+def test_a_readable_policy_is_admitted() -> None:
+    body = policy_body("prod", minKVRatio=2.5, minEngineVersions={"sglang": "0.5.22", "vllm": "v0.11.0rc1"},
+                       requiredCanaryProbes=["isolation", "over-length", "overLength"], maxContextLength=4096)  # fmt: skip
+    assert policy_denial(body) is None
+    assert policy_denial(policy_body("empty")) is None
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ({"minEngineVersions": {"sglng": "0.5.22"}}, "spec.minEngineVersions.sglng: not an engine kind"),
+    ({"minEngineVersions": {"vllm": "latest"}}, "spec.minEngineVersions.vllm: 'latest' is not a version"),
+    ({"requiredCanaryProbes": ["isolation", "isolaton"]}, "spec.requiredCanaryProbes[1]: unknown probe 'isolaton'"),
+    ({"minKVRatio": 0.5}, "spec.minKVRatio:"),
+    ({"maxContextLength": 0}, "spec.maxContextLength:"),
+    ({"sglangKVCanary": "warn"}, "spec.sglangKVCanary:"),
+])  # fmt: skip
+def test_a_policy_with_a_rule_that_cannot_be_read_is_denied_naming_the_field(spec: dict[str, Any], says: str) -> None:
+    """Admitted, such a rule would fail closed on every model it covers at the next reconcile."""
+    denied = policy_denial(policy_body("bad", **spec))
+    assert denied is not None and denied.code == INVALID
+    assert says in str(denied)
+
+
+def test_policy_metadata_updates_and_deletions_are_admitted_even_when_unreadable() -> None:
+    bad = policy_body("old", minEngineVersions={"tgi": "1.0"})  # written before this check existed
+    relabel = copy.deepcopy(bad)
+    relabel["metadata"]["labels"] = {"team": "platform"}
+    assert policy_denial(relabel, old=bad, operation="UPDATE") is None
+    assert policy_denial(bad, operation="DELETE") is None
+    fixed = policy_body("old", minEngineVersions={"sglang": "0.5.22"})
+    assert policy_denial(fixed, old=bad, operation="UPDATE") is None
+    assert policy_denial(bad, old=fixed, operation="UPDATE") is not None  # a spec change is checked
+
+
 def test_unreadable_policies_are_skipped_not_fatal() -> None:
     good = policy_body("good", maxContextLength=2048)
     bad = policy_body("bad", maxContextLength=-1)
@@ -348,6 +389,27 @@ async def test_https_round_trip_allows_and_denies(https_webhook: str, tmp_path: 
     relabel["metadata"]["labels"] = {"team": "a"}
     ok = (await post_review(https_webhook, ca, admission_review(relabel, "UPDATE", too_long)))["response"]
     assert ok["allowed"] is True
+
+
+async def test_https_round_trip_for_an_inference_policy(https_webhook: str, tmp_path: Path) -> None:
+    """The policy webhook through kopf's server at its own path, as the API server calls it."""
+    ca = tmp_path / "ca.crt"
+    good = policy_body("prod", minEngineVersions={"sglang": "0.5.22"})
+    review = policy_review(good)
+    allowed = await post_review(https_webhook, ca, review, path=webhook.POLICY_WEBHOOK_ID)
+    assert allowed["response"]["uid"] == review["request"]["uid"] and allowed["response"]["allowed"] is True
+    bad = policy_body("prod", requiredCanaryProbes=["isolaton"])
+    denied = (await post_review(https_webhook, ca, policy_review(bad), path=webhook.POLICY_WEBHOOK_ID))["response"]
+    assert denied["allowed"] is False and denied["status"]["code"] == INVALID
+    assert denied["status"]["message"].startswith("spec.requiredCanaryProbes[0]: unknown probe 'isolaton'")
+
+
+def policy_review(body: dict[str, Any]) -> dict[str, Any]:
+    """What the API server sends for a CREATE of a (cluster-scoped) InferencePolicy."""
+    review = admission_review({**body, "metadata": {**body["metadata"], "namespace": ""}})
+    review["request"]["kind"] = {"group": "kvguard.io", "version": "v1alpha1", "kind": "InferencePolicy"}
+    review["request"]["resource"] = {"group": "kvguard.io", "version": "v1alpha1", "resource": "inferencepolicies"}
+    return review
 
 
 async def test_https_planner_error_and_untrusted_clients(https_webhook: str, tmp_path: Path) -> None:

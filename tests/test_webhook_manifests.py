@@ -40,12 +40,16 @@ def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 def test_registration_points_at_the_handler_through_the_service() -> None:
     objs = render("manifests")
     config = one(objs, "ValidatingWebhookConfiguration", "kvguard-inferencemodels")
-    (hook,) = config["webhooks"]
-    service_ref = hook["clientConfig"]["service"]
-    assert service_ref["path"] == f"/{webhook.WEBHOOK_ID}"  # kopf routes by handler id: a wrong path admits everything
-    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
-    assert hook["rules"] == [{"apiGroups": ["kvguard.io"], "apiVersions": ["v1alpha1"], "resources": ["inferencemodels"],
-                              "operations": ["CREATE", "UPDATE"], "scope": "Namespaced"}]  # fmt: skip
+    models, policies = config["webhooks"]
+    for hook, path, resource, scope in ((models, webhook.WEBHOOK_ID, "inferencemodels", "Namespaced"),
+                                        (policies, webhook.POLICY_WEBHOOK_ID, "inferencepolicies", "Cluster")):  # fmt: skip
+        # kopf routes by handler id: a wrong path admits everything
+        assert hook["clientConfig"]["service"]["path"] == f"/{path}"
+        assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+        assert hook["rules"] == [{"apiGroups": ["kvguard.io"], "apiVersions": ["v1alpha1"], "resources": [resource],
+                                  "operations": ["CREATE", "UPDATE"], "scope": scope}]  # fmt: skip
+    assert policies["clientConfig"]["service"] == {**models["clientConfig"]["service"], "path": f"/{webhook.POLICY_WEBHOOK_ID}"}
+    service_ref = models["clientConfig"]["service"]
     service = one(objs, "Service", service_ref["name"])
     assert service["metadata"]["namespace"] == service_ref["namespace"] == "kvguard-system"
     (port,) = [p for p in service["spec"]["ports"] if p["port"] == service_ref["port"]]

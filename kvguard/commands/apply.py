@@ -283,7 +283,7 @@ def _load_policies(path: Path) -> list[Any]:
             policy = InferencePolicy.model_validate(doc)
         except ValidationError as exc:
             raise ValueError(f"--policy {path}: " + "; ".join(_describe(e) for e in exc.errors())) from None
-        if problems := rule_problems(policy):
+        if problems := rule_problems(policy.spec):
             raise ValueError(f"--policy {path}: " + "; ".join(problems))
         policies.append(policy)
     return policies

@@ -23,7 +23,8 @@ kubectl -n "$NAMESPACE" create secret generic kvguard-webhook-tls \
   --from-file=tls.crt="$DIR/tls.crt" --from-file=tls.key="$DIR/tls.key" --from-file=ca.crt="$DIR/ca.crt" \
   --dry-run=client -o yaml | kubectl apply -f -
 CA_BUNDLE=$(base64 < "$DIR/ca.crt" | tr -d '\n')
-kubectl patch validatingwebhookconfiguration kvguard-inferencemodels --type=json \
-  -p "[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$CA_BUNDLE\"}]"
+PATCH=""  # every webhook of the configuration (InferenceModels, InferencePolicies) trusts the CA
+for i in 0 1; do PATCH="$PATCH${PATCH:+,}{\"op\":\"add\",\"path\":\"/webhooks/$i/clientConfig/caBundle\",\"value\":\"$CA_BUNDLE\"}"; done
+kubectl patch validatingwebhookconfiguration kvguard-inferencemodels --type=json -p "[$PATCH]"
 rm -rf "$DIR"
 kubectl -n "$NAMESPACE" rollout restart deployment/kvguard-operator   # pick up the Secret if it was new
