@@ -144,3 +144,27 @@ def test_a_burst_past_both_workers_running_slots_is_served_s4(tiny_model_dir: Pa
         statuses = asyncio.run(burst())
         assert collections.Counter(statuses) == {200: 1000}
         wait_pools_empty(small)
+
+
+def test_a_generation_that_times_out_waiting_for_capacity_counts_once_per_choice(tiny_model_dir: Path) -> None:
+    """kvguard_requests_total counts generations (a rollout's errorRatio divides its outcomes): an
+    outside probe saw a request of n=2 that timed out waiting for the router's slots counted once,
+    while every other outcome counts each choice."""
+    with deployment(tiny_model_dir, max_inflight_choices=2, request_timeout_s=2.0) as d:
+        stalled = socket.socket()  # holds both slots: a stream of 2 choices whose client reads nothing
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        url = urlsplit(d.router_url)
+        stalled.connect((url.hostname, url.port))
+        body = json.dumps({"model": served_model(d), "messages": [{"role": "user", "content": "hold"}], "max_tokens": 900,
+                           "temperature": 0, "logprobs": True, "top_logprobs": 20, "n": 2, "stream": True}).encode()  # fmt: skip
+        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        try:
+            assert stalled.recv(1, socket.MSG_PEEK) == b"H"  # its choices hold the slots
+            failed = metric(d, "router", "kvguard_requests_total", outcome="failed")
+            answer = completion(d, "waits for a slot", n=2)
+            assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout", answer.text
+            assert metric(d, "router", "kvguard_requests_total", outcome="failed") == failed + 2
+        finally:
+            stalled.close()
+        wait_pools_empty(d)

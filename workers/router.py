@@ -172,7 +172,8 @@ class RouterMetrics:
 
     def __post_init__(self) -> None:
         self.requests = Counter(
-            "kvguard_requests_total", "Requests by final outcome", ["outcome"], registry=self.registry
+            "kvguard_requests_total", "Generations (a request's choices of each prompt) by final outcome; a request "
+            "refused at intake counts once, as rejected", ["outcome"], registry=self.registry
         )
         self.rejected = Counter(
             "kvguard_rejected_requests_total",
@@ -559,7 +560,7 @@ class Router:
             async with asyncio.timeout_at(deadline):
                 await self._slots.acquire(count)
         except TimeoutError:
-            self.metrics.requests.labels("failed").inc()
+            self.metrics.requests.labels("failed").inc(count)  # per generation, as every leg that ends counts
             raise OpenAIError(504, "the request timed out waiting for the router's capacity", code="timeout") from None
         finally:
             self.metrics.waiting_choices.dec(count)
