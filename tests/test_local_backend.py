@@ -435,3 +435,35 @@ def test_traffic_waits_out_the_splitters_back_off_instead_of_failing(tmp_path: P
             assert splitter.deaths_in_a_row == 2
         finally:
             backend.processes.stop([splitter] if (splitter := backend.state.splitter) else [])
+
+
+def test_the_models_url_is_not_called_serving_while_nothing_of_ours_answers_there(tmp_path: Path) -> None:
+    """An outside probe: `kvguard apply` printed `serving: URL` and exited 0 with the splitter in
+    CrashLoopBackOff (nothing listening) or its port held by another process (clients reached
+    that process). The front door is now waited for, and a taken port is named."""
+    backoff = RestartBackoff(initial_s=1.0, cap_s=1.0)
+    with LocalBackend(tmp_path / "state", backoff=backoff) as backend:
+        backend.claim("tiny")
+        try:
+            backend.split([])
+            splitter = backend.state.splitter
+            assert splitter is not None
+            backend.state.serving = "r1"  # what a promotion records
+            for _ in range(2):  # the second death waits out a back-off: still serving once it ends
+                pid = splitter.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+                assert backend.front_door_problem() is None
+                assert backend.processes.alive(splitter) and _health(splitter.port) == 503  # ours, no backend yet
+            os.kill(splitter.pid or 0, signal.SIGKILL)
+            wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+            with socket.socket() as squatter:
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                squatter.bind(("127.0.0.1", splitter.port))
+                squatter.listen()
+                problem = backend.front_door_problem()
+            assert problem is not None and f"port {splitter.port}, the model's URL, is taken by another process" in problem
+            assert not backend.processes.alive(splitter)  # not started into a port it cannot have
+        finally:
+            backend.processes.stop([splitter] if (splitter := backend.state.splitter) else [])

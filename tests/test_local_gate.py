@@ -10,6 +10,7 @@ e2e/test_local_progressive.py's last scenario.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -192,3 +193,6 @@ def test_apply_does_not_exit_0_for_a_promoted_revision_that_answers_503() -> Non
     assert result(fine, small).roles_out_of_rotation == ["decode"] and exit_code(result(fine, small)) == EXIT_ERROR
     verified = small.model_copy(update={"verified": True, "reason": "KVPoolVerified"})
     assert exit_code(result(fine, verified)) == EXIT_OK
+    # ... nor while nothing of ours answers at the model's URL (the splitter down, its port taken).
+    door_shut = dataclasses.replace(result(fine, verified), front_door_problem="port 1, the model's URL, is taken")
+    assert exit_code(door_shut) == EXIT_ERROR

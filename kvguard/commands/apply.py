@@ -31,7 +31,8 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "the spec's revision serves (promoted, already serving, or resized in place)"),
     (EXIT_ERROR, "not carried out: still rolling after --timeout, or the spec's revision does not serve "
-                 "(kvguard.io/rollback-to pins another, or it has no worker of a role in rotation: S7 keeps it out); "
+                 "(kvguard.io/rollback-to pins another, or it has no worker of a role in rotation: S7 keeps it out), "
+                 "or nothing answers at the model's URL (its splitter is down or its port is taken: `not serving:`); "
                  "run it again to resume"),
     (EXIT_BAD_INPUT, "bad input (manifest, --policy, --faults, a spec the local backend cannot run, a busy "
                      "state folder); nothing started"),
@@ -149,6 +150,8 @@ def exit_code(result: Any) -> int:
     """The exit status of a rollout that came to rest (EXIT_CODES)."""
     from kvguard.operator.rollout import RolloutState
 
+    if result.front_door_problem is not None:
+        return EXIT_ERROR  # nothing of ours answers at the printed URL, whatever the rollout's state
     if result.state == RolloutState.STABLE:
         return EXIT_OK if result.promoted and not result.roles_out_of_rotation else EXIT_ERROR
     codes = {RolloutState.BLOCKED: EXIT_BLOCKED, RolloutState.ROLLED_BACK: EXIT_ROLLED_BACK, RolloutState.PAUSED: EXIT_PAUSED}
@@ -176,6 +179,10 @@ def _print_result(result: Any, state_dir: Path) -> None:
             print_probe_table(report, sys.stdout, indent="  ", where_more="in the canary report")
     if report is not None:
         print(f"canary report: {report_path}")
+    if result.front_door_problem is not None:
+        print(f"not serving: {result.front_door_problem}", flush=True)
+        print("serving: nothing", flush=True)
+        return
     print(f"serving: {result.serving_url or 'nothing'}", flush=True)
 
 

@@ -493,6 +493,15 @@ def _accepts(port: int, timeout_s: float, alive: Callable[[], bool]) -> bool:
     return False
 
 
+def _port_taken(port: int) -> str | None:
+    """Why this driver cannot bind 127.0.0.1:port (another process holds it), or None."""
+    try:
+        reserve_port("127.0.0.1", port).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def healthy(worker: LocalWorker) -> bool:
     try:
         return requests.get(worker.metrics_url.removesuffix("/metrics") + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
@@ -684,6 +693,9 @@ class LocalBackend:
         splitter = self.state.splitter
         deadline = time.monotonic() + SPLITTER_START_S
         while True:
+            if wait and not self.processes.alive(splitter) and (holder := _port_taken(splitter.port)):
+                raise LocalBackendError(f"port {splitter.port}, the model's URL, is taken by another process ({holder}); "
+                                        "free it, then run `kvguard apply` again")  # fmt: skip
             self._keep_running(splitter, env, self.store.root / SPLITTER_LOG, "splitter")
             alive = self.processes.alive(splitter)
             if not wait or (alive and _accepts(splitter.port, max(0.0, deadline - time.monotonic()), lambda: self.processes.alive(splitter))):
@@ -695,6 +707,18 @@ class LocalBackend:
         backing_off = f" (CrashLoopBackOff: died {splitter.deaths_in_a_row} times in a row)" if splitter.restart_at else ""
         raise LocalBackendError(f"the splitter did not start listening on port {splitter.port} within "
                                 f"{SPLITTER_START_S:g} s{backing_off}; see {self.store.root / SPLITTER_LOG}")  # fmt: skip
+
+    def front_door_problem(self) -> str | None:
+        """Why the model's one URL does not answer now, None when the splitter serves it. Waits
+        while it starts or waits out a CrashLoopBackOff (up to SPLITTER_START_S): a URL is printed
+        as serving only when something of ours listens there."""
+        if self.state.serving is None:
+            return None
+        try:
+            self._ensure_splitter(wait=True)
+        except LocalBackendError as exc:
+            return str(exc)
+        return None
 
     def _write_split(self, weights: Mapping[str, int]) -> None:
         """split.json (what the splitter follows from its next request on), then state.json."""

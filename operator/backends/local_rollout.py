@@ -66,6 +66,8 @@ class RolloutResult:
     events: list[RecordEvent] = field(default_factory=list)
     resized: dict[str, tuple[int, int]] = field(default_factory=dict)
     """role -> (processes before, after) when this run resized the serving revision in place."""
+    front_door_problem: str | None = None
+    """Why the serving URL does not answer (the splitter is down or its port taken), else None."""
 
     @property
     def promoted(self) -> bool:
@@ -302,7 +304,7 @@ async def roll_out(
             return RolloutResult(
                 revision=status.target_revision or revision_of(spec, faults), state=state, stable=status.revision,
                 serving_url=backend.serving_url(), plan=kv_plan, status=status, canary_reports=reports, events=store.events,
-                resized=resize,
+                resized=resize, front_door_problem=backend.front_door_problem(),
             )  # fmt: skip
         waits = ("Resizing" if resize else "Restarting", settling) if settling is not None else progressing(status)
         reporter.waiting(*(waits or (None,)))
