@@ -132,3 +132,15 @@ def test_a_closed_stdout_ends_a_command_quietly() -> None:
     plan.wait(timeout=120)
     assert plan.stderr.read() == b""
     plan.stderr.close()
+
+
+@pytest.mark.parametrize("text", ['{"revisions": 5', "[]", "", '{"revisions": {"r1": {"workers": 3}}}'])
+def test_status_of_an_unreadable_state_folder_is_one_line_and_exit_2(tmp_path: Path, text: str) -> None:
+    """An outside probe: a truncated state.json gave a traceback and exit 1 ("cannot reach the cluster")."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text(text)
+    done = kvguard("status", "tiny", "--local", "--state-dir", str(state))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "unreadable state" in lines[0] and "Traceback" not in done.stderr

@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     except NotFound as exc:
         print(f"kvguard status: {exc}", file=sys.stderr)
         return EXIT_NOT_FOUND
+    except BadState as exc:
+        print(f"kvguard status: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return EXIT_OK
     except _Unreachable as exc:
@@ -93,6 +96,10 @@ def _silence_stdout() -> None:
 
 class _Unreachable(Exception):
     pass
+
+
+class BadState(Exception):
+    """The local state folder cannot be read (bad input, exit 2)."""
 
 
 def _cluster_view(args: argparse.Namespace) -> Any:
@@ -152,14 +159,17 @@ def _pools(raw: Any) -> list[Any]:
 
 
 def _local_view(state_dir: Path, name: str) -> Any:
-    from kvguard.operator.backends.local import ProcessTable, StateStore
+    from kvguard.operator.backends.local import LocalBackendError, ProcessTable, StateStore
     from kvguard.operator.reconcile import with_pool_gate
     from kvguard.status_tree import render
 
     def show() -> str:
         if not (state_dir / "state.json").exists():
             raise NotFound(f"{state_dir} holds no local rollout (run `kvguard apply --local` first)")
-        state = StateStore(state_dir).load()
+        try:
+            state = StateStore(state_dir).load()
+        except LocalBackendError as exc:
+            raise BadState(str(exc)) from None
         if state.model and state.model != name:
             raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
         pools = asyncio.run(measure_local(state))

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan
 from kvguard.operator.backends.base import (
@@ -221,7 +221,13 @@ class StateStore:
             return LocalState()
         try:
             return LocalState.model_validate_json(path.read_text())
-        except ValueError as exc:
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "the file"
+            more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+            raise LocalBackendError(f"{path}: unreadable state ({where}: {first['msg']}{more}); "
+                                    "move it away to start afresh") from None  # fmt: skip
+        except (ValueError, OSError) as exc:
             raise LocalBackendError(f"{path}: unreadable state ({exc}); move it away to start afresh") from None
 
     def save(self, state: LocalState) -> None:
