@@ -248,13 +248,17 @@ def roles_out_of_rotation(pools: Sequence[PodPool], revision: str) -> list[str]:
 
 
 NO_WORKER_REASON = "NoWorkerInRotation"
+NOT_LISTENING_REASON = "NotListening"  # local: the splitter or the serving revision's router is not running
 
 
-def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.datetime, serving: str | None = None) -> dict[str, Any]:
+def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.datetime, serving: str | None = None,
+                   front_door: str | None = None) -> dict[str, Any]:  # fmt: skip
     """`status` (as stored) with `pools` and the Degraded condition they call for, by the rule
     reconcile applies (`pool_gate_degraded`): what `kvguard status --local` shows from a live scrape
     while no driver runs (a worker restarted after `kvguard apply` returned is seen at once). And if
-    the `serving` revision has a role with no worker in rotation, it is said, not shown as Ready."""
+    the `serving` revision has a role with no worker in rotation, or `front_door` says why the
+    model's URL does not answer (a local splitter or router not running), it is said, not shown as
+    Ready."""
     shown = dict(status)
     conditions = [cond.Condition.model_validate(c) for c in status.get("conditions") or [] if isinstance(c, Mapping)
                   and c.get("type") and c.get("status") in ("True", "False", "Unknown") and c.get("reason")]  # fmt: skip
@@ -264,14 +268,17 @@ def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.
     if change is not None:
         conditions = cond.set_condition(conditions, cond.make_condition(cond.DEGRADED, *change, now=now, generation=generation))
     missing = roles_out_of_rotation(pools, serving) if serving is not None else []
-    if missing:
-        why = "; ".join(p.message for p in pools if p.revision == serving and p.role in missing and not p.verified)
-        message = f"revision {serving} has no {' or '.join(missing)} worker in rotation, so it answers 503: {why}"
+    why = "; ".join(p.message for p in pools if p.revision == serving and p.role in missing and not p.verified)
+    for reason, message in ((NO_WORKER_REASON, f"revision {serving} has no {' or '.join(missing)} worker in rotation, "
+                                                f"so it answers 503: {why}" if missing else None),
+                            (NOT_LISTENING_REASON, front_door)):  # fmt: skip
+        if message is None:
+            continue
         for type_ in (cond.DEGRADED, cond.READY):
             status_of: cond.ConditionStatus = "True" if type_ == cond.DEGRADED else "False"
-            conditions = cond.set_condition(conditions, cond.make_condition(type_, status_of, NO_WORKER_REASON, message, now=now, generation=generation))
+            conditions = cond.set_condition(conditions, cond.make_condition(type_, status_of, reason, message, now=now, generation=generation))
         shown["phase"] = Phase.DEGRADED.value
-    if change is not None or missing:
+    if change is not None or missing or front_door:
         shown["conditions"] = [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in conditions]
     shown["pools"] = [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in status_pools(pools)]
     return shown

@@ -113,6 +113,21 @@ async def test_a_worker_below_the_ratio_raises_degraded_naming_it_and_it_clears_
     assert cleared is not None and cleared["status"] == "False" and cleared["reason"] == "AsExpected"
 
 
+def test_a_model_whose_url_does_not_answer_is_degraded_not_ready() -> None:
+    """An outside probe: with the local router or splitter killed (the URL refused connections, or
+    answered 503) `kvguard status` said Ready. `front_door` names what is down."""
+    stored = {"phase": "Ready", "conditions": [
+        {"type": "Ready", "status": "True", "reason": "Serving", "message": "ok", "lastTransitionTime": "2026-12-04T00:00:00Z"},
+        {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": "", "lastTransitionTime": "2026-12-04T00:00:00Z"},
+    ]}  # fmt: skip
+    assert with_pool_gate(stored, [], NOW, serving="r1")["phase"] == "Ready"
+    shown = with_pool_gate(stored, [], NOW, serving="r1", front_door="the splitter (port 1, the model's URL) is not running")
+    assert shown["phase"] == "Degraded"
+    by_type = {c["type"]: c for c in shown["conditions"]}
+    assert by_type["Degraded"]["status"] == "True" and by_type["Ready"]["status"] == "False"
+    assert by_type["Degraded"]["reason"] == "NotListening" and "splitter (port 1" in by_type["Degraded"]["message"]
+
+
 async def test_a_verdict_holds_for_the_process_it_was_made_on(workers: dict[str, FakeWorker]) -> None:
     """One scrape per process incarnation, as the cluster's gate checks a pod once per restart count:
     the pool of a running process does not change, so a driver polling every 0.3 s does not re-read it."""

@@ -173,12 +173,15 @@ def _local_view(state_dir: Path, name: str) -> Any:
         if state.model and state.model != name:
             raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
         pools = asyncio.run(measure_local(state))
+        # The one URL answers only while the splitter and the serving revision's router run: one
+        # that is down is said, not shown as serving.
+        processes = ProcessTable()
+        splitter_down = state.splitter is not None and not processes.alive(state.splitter)
         # The recorded status with the Degraded condition this scrape calls for (reconcile's rule):
         # a worker restarted after `kvguard apply` returned is named at once, and cleared once back.
-        status = with_pool_gate(state.status, pools, dt.datetime.now(dt.UTC), serving=state.serving)
+        status = with_pool_gate(state.status, pools, dt.datetime.now(dt.UTC), serving=state.serving,
+                                front_door=_front_door(state, processes, splitter_down))  # fmt: skip
         notes = {rev: "scaled to zero" for rev, r in state.revisions.items() if r.scaled_to_zero}
-        # The one URL answers only while the splitter runs: a dead one is said, not shown as serving.
-        splitter_down = state.splitter is not None and not ProcessTable().alive(state.splitter)
         for rev, weight in state.weights.items():  # the splitter's table: who gets what share of the one URL
             share = f"{weight}% of traffic at {state.splitter.url}/v1" if state.splitter else f"{weight}% of traffic"
             if splitter_down:
@@ -187,6 +190,17 @@ def _local_view(state_dir: Path, name: str) -> Any:
         return render(name, "local", status, pools, serving=state.serving, notes=notes, steps=_step_count(state.spec))
 
     return show
+
+
+def _front_door(state: Any, processes: Any, splitter_down: bool) -> str | None:
+    """Why the model's URL does not answer now: its splitter or the serving revision's router down."""
+    down = []
+    if splitter_down:
+        down.append(f"the splitter (port {state.splitter.port}, the model's URL) is not running")
+    record = state.revisions.get(state.serving) if state.serving else None
+    if record is not None and not record.scaled_to_zero and not processes.alive(record.router):
+        down.append(f"revision {state.serving}'s router (port {record.router.port}) is not running")
+    return "; ".join(down) + "; the next `kvguard apply` restarts it" if down else None
 
 
 async def measure_local(state: Any) -> list[Any]:

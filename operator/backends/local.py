@@ -499,6 +499,15 @@ def _accepts(port: int, timeout_s: float, alive: Callable[[], bool]) -> bool:
     return False
 
 
+def _answers_as_splitter(port: int) -> bool:
+    """Whether 127.0.0.1:port answers /health as `kvguard splitter` does (200 or 503, with its weights)."""
+    try:
+        answer = requests.get(f"http://127.0.0.1:{port}/health", timeout=HEALTH_TIMEOUT_S)
+        return answer.status_code in (200, 503) and "weights" in answer.json()
+    except (requests.RequestException, ValueError, TypeError):
+        return False
+
+
 def _port_taken(port: int) -> str | None:
     """Why this driver cannot bind 127.0.0.1:port (another process holds it), or None."""
     try:
@@ -704,7 +713,12 @@ class LocalBackend:
                                         "free it, then run `kvguard apply` again")  # fmt: skip
             self._keep_running(splitter, env, self.store.root / SPLITTER_LOG, "splitter")
             alive = self.processes.alive(splitter)
-            if not wait or (alive and _accepts(splitter.port, max(0.0, deadline - time.monotonic()), lambda: self.processes.alive(splitter))):
+            if not wait:
+                return splitter
+            # Ours answering, not merely something accepting: a process that took the port
+            # accepts too, while the splitter started into it is still dying.
+            if alive and _accepts(splitter.port, max(0.0, deadline - time.monotonic()), lambda: self.processes.alive(splitter)) \
+                    and _answers_as_splitter(splitter.port):
                 return splitter
             if time.monotonic() >= deadline:
                 break
