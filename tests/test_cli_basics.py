@@ -144,3 +144,17 @@ def test_status_of_an_unreadable_state_folder_is_one_line_and_exit_2(tmp_path: P
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "unreadable state" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_a_worker_on_a_busy_port_names_the_port_and_its_flag(tiny_model_dir: Path) -> None:
+    """An outside probe: a restarted router's log said only "cannot listen on 127.0.0.1: Address
+    already in use", so a user could not tell which port another process held."""
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        done = kvguard("worker", "--role", "router", "--model", str(tiny_model_dir), "--port", str(port),
+                       "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2")  # fmt: skip
+    assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port} (--port): " in done.stderr, done.stderr

@@ -37,15 +37,16 @@ class Listeners:
     @classmethod
     def open(cls, args: WorkerArgs) -> Listeners:
         opened: list[socket.socket] = []
-        try:
-            for listen in (args.port, args.metrics_port):
+        wanted = [("--port", args.port), ("--metrics-port", args.metrics_port)]
+        if args.role == "decode":
+            wanted.append(("--transfer-port", args.transfer_port or type(args.port)()))
+        for flag, listen in wanted:
+            try:
                 opened.append(listen.open(args.host))
-            if args.role == "decode":
-                opened.append((args.transfer_port or type(args.port)()).open(args.host))
-        except OSError as exc:
-            for sock in opened:
-                sock.close()
-            raise OSError(f"cannot listen on {args.host}: {exc.strerror or exc}") from None
+            except OSError as exc:
+                for sock in opened:
+                    sock.close()
+                raise OSError(f"cannot listen on {args.host}:{listen} ({flag}): {exc.strerror or exc}") from None
         return cls(*opened)
 
     def close(self) -> None:
