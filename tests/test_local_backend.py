@@ -467,3 +467,31 @@ def test_the_models_url_is_not_called_serving_while_nothing_of_ours_answers_ther
             assert not backend.processes.alive(splitter)  # not started into a port it cannot have
         finally:
             backend.processes.stop([splitter] if (splitter := backend.state.splitter) else [])
+
+
+def test_a_state_file_kvguard_did_not_write_is_refused(tmp_path: Path) -> None:
+    """An outside probe: `{}` was read as an empty state, and the next apply started a second
+    deployment beside the first one's untracked processes."""
+    from kvguard.operator.backends.local import UnreadableState
+
+    (tmp_path / "state.json").write_text("{}")
+    with pytest.raises(UnreadableState, match="no version: not written by kvguard"):
+        StateStore(tmp_path).load()
+
+
+def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: Path) -> None:
+    """An outside probe: `apply --delete` refused a truncated state.json, and its advice (move it
+    away) left the workers running with no command to stop them. Every process a folder starts
+    logs into it: those are stopped, and the folder removed."""
+    state = tmp_path / "state"
+    (state / "revisions" / "r1").mkdir(parents=True)
+    (state / "state.json").write_text('{"version": 2, "revisions": {"r1": ')  # truncated
+    with open(state / "revisions" / "r1" / "router.log", "ab") as log:
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert main(["apply", "--delete", "--local", "--state-dir", str(state)]) == 0
+        assert worker.wait(timeout=30) is not None and not state.exists()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

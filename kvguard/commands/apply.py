@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import shutil
 import sys
@@ -224,7 +225,7 @@ class _ProbeRows:
 
 
 def _delete(state_dir: Path) -> int:
-    from kvguard.operator.backends.local import LocalBackend, LocalBackendError
+    from kvguard.operator.backends.local import LocalBackend, LocalBackendError, UnreadableState
 
     if not state_dir.exists():
         print(f"kvguard apply --delete: {state_dir} does not exist; nothing to stop")
@@ -232,11 +233,50 @@ def _delete(state_dir: Path) -> int:
     try:
         with LocalBackend(state_dir) as backend:
             backend.stop_all()
+    except UnreadableState as exc:
+        # The record is gone, not the processes: stop what logs into the folder instead.
+        try:
+            stopped = _stop_unrecorded(state_dir)
+        except LocalBackendError as busy:
+            return _bad_input(str(busy))
+        print(f"kvguard apply --delete: {exc}", file=sys.stderr)
+        print(f"stopped {stopped} process(es) logging into {state_dir} (its state was unreadable) and removed it")
+        shutil.rmtree(state_dir)
+        return EXIT_OK
     except LocalBackendError as exc:
         return _bad_input(str(exc))
     shutil.rmtree(state_dir)
     print(f"stopped every process of {state_dir} and removed it")
     return EXIT_OK
+
+
+def _stop_unrecorded(state_dir: Path) -> int:
+    """SIGTERM, then SIGKILL, every process whose stdout is a log in `state_dir`, under its lock."""
+    import os
+    import signal
+    import time
+
+    from kvguard.operator.backends.local import ProcessTable, StateStore
+
+    with StateStore(state_dir).locked():
+        found = ProcessTable.logging_into(state_dir)
+        running = list(found)
+        for signum in (signal.SIGTERM, signal.SIGKILL):  # the kill only for what outlived the term
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + 10.0
+            while (running := [p for p in running if _running(p)]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return len(found)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a process ended but not yet reaped by its parent is gone for us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _bad_input(*lines: str) -> int:

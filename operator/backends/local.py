@@ -68,6 +68,7 @@ log = logging.getLogger("kvguard.local")
 
 STATE_FILE = "state.json"
 SPLITTER_LOG = "splitter.log"
+AFRESH = "move it away to start afresh (`kvguard apply --delete` stops the processes that log into it and removes it)"
 LOCK_FILE = "lock"
 FAULTS_ENV = "KVGUARD_FAULTS"
 TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
@@ -79,6 +80,10 @@ STOP_TIMEOUT_S = 10.0
 
 class LocalBackendError(Exception):
     """A spec the local backend cannot run, or a state folder it cannot use; names the field."""
+
+
+class UnreadableState(LocalBackendError):
+    """state.json is not a state kvguard wrote, or no longer parses (truncated, edited)."""
 
 
 # --- the state folder -----------------------------------------------------------------------------
@@ -220,15 +225,17 @@ class StateStore:
         if not path.exists():
             return LocalState()
         try:
-            return LocalState.model_validate_json(path.read_text())
+            state = LocalState.model_validate_json(path.read_text())
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"]) or "the file"
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-            raise LocalBackendError(f"{path}: unreadable state ({where}: {first['msg']}{more}); "
-                                    "move it away to start afresh") from None  # fmt: skip
+            raise UnreadableState(f"{path}: unreadable state ({where}: {first['msg']}{more}); {AFRESH}") from None
         except (ValueError, OSError) as exc:
-            raise LocalBackendError(f"{path}: unreadable state ({exc}); move it away to start afresh") from None
+            raise UnreadableState(f"{path}: unreadable state ({exc}); {AFRESH}") from None
+        if "version" not in state.model_fields_set:  # every state kvguard writes has one (`{}` read as empty leaked a deployment)
+            raise UnreadableState(f"{path}: unreadable state (no version: not written by kvguard); {AFRESH}")
+        return state
 
     def save(self, state: LocalState) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -438,6 +445,19 @@ class ProcessTable:
             return False
         return True
 
+    @staticmethod
+    def logging_into(folder: Path) -> list[int]:
+        """PIDs of the live processes whose stdout is a file in `folder`: every worker and splitter
+        a state folder started logs there, so they are found even when state.json is unreadable
+        (`kvguard apply --delete`). Empty off Linux."""
+        root, found = folder.resolve(), []
+        for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                with contextlib.suppress(OSError):
+                    if Path(os.readlink(entry / "fd" / "1")).is_relative_to(root):
+                        found.append(int(entry.name))
+        return found
+
     def find(self, worker: LocalWorker) -> int | None:
         """A live process running exactly the worker's recorded command line (its ports make it
         unique), whatever PID was recorded: a driver killed between starting a worker and saving
@@ -565,8 +585,12 @@ class LocalBackend:
     def open(self) -> LocalBackend:
         stack = contextlib.ExitStack()
         stack.enter_context(self.store.locked())
+        try:
+            self.state = self.store.load()
+        except BaseException:
+            stack.close()  # the lock too: an unreadable folder is not left locked by this process
+            raise
         self._lock = stack
-        self.state = self.store.load()
         return self
 
     def close(self) -> None:
