@@ -269,14 +269,16 @@ def with_pool_gate(status: Mapping[str, Any], pools: Sequence[PodPool], now: dt.
         conditions = cond.set_condition(conditions, cond.make_condition(cond.DEGRADED, *change, now=now, generation=generation))
     missing = roles_out_of_rotation(pools, serving) if serving is not None else []
     why = "; ".join(p.message for p in pools if p.revision == serving and p.role in missing and not p.verified)
-    for reason, message in ((NO_WORKER_REASON, f"revision {serving} has no {' or '.join(missing)} worker in rotation, "
-                                                f"so it answers 503: {why}" if missing else None),
-                            (NOT_LISTENING_REASON, front_door)):  # fmt: skip
-        if message is None:
-            continue
+    problems = [(reason, message) for reason, message in (
+        (NOT_LISTENING_REASON, front_door),
+        (NO_WORKER_REASON, f"revision {serving} has no {' or '.join(missing)} worker in rotation, so it answers 503: {why}"
+                           if missing else None),
+    ) if message is not None]  # fmt: skip
+    if problems:  # one condition per type: the first reason, every message
+        message = "; ".join(message for _, message in problems)
         for type_ in (cond.DEGRADED, cond.READY):
             status_of: cond.ConditionStatus = "True" if type_ == cond.DEGRADED else "False"
-            conditions = cond.set_condition(conditions, cond.make_condition(type_, status_of, reason, message, now=now, generation=generation))
+            conditions = cond.set_condition(conditions, cond.make_condition(type_, status_of, problems[0][0], message, now=now, generation=generation))
         shown["phase"] = Phase.DEGRADED.value
     if change is not None or missing or front_door:
         shown["conditions"] = [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in conditions]

@@ -143,7 +143,11 @@ def test_status_local_scrapes_every_running_worker(serving: LocalDeployment, tmp
     decode, prefill = serving.ports["decode"], serving.ports["prefill"]
     assert f"pod tiny-ccc333-decode-0  decode  node local:{decode}  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
     assert f"pod tiny-ccc333-prefill-0  prefill  node local:{prefill}  pool 4096 / 2048 tokens (4.00x vs 2x)  verified" in out
-    assert "Degraded" not in out  # every pool meets the ratio: the gate sets nothing
+    # Nothing runs for the state's splitter and router (recorded without a process): the model's URL
+    # does not answer, so it is Degraded for that (an outside probe saw Ready); every pool meets the
+    # ratio, so the pool gate adds nothing.
+    assert "Degraded: NotListening: the splitter (port 41234, the model's URL) is not running; revision ccc333's router" in out
+    assert "out of rotation" not in out
     assert "revision ddd444  Superseded  (scaled to zero)" in out
     assert main(["status", "other", "--local", "--state-dir", str(folder)]) == EXIT_NOT_FOUND
     assert main(["status", "tiny", "--local", "--state-dir", str(folder / "state.json")]) == 2  # a file, not a folder
