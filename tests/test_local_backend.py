@@ -415,6 +415,16 @@ def test_a_worker_that_keeps_dying_is_restarted_with_crash_loop_backoff(tmp_path
             backend.stop_all()
 
 
+def _kill_splitter(backend: LocalBackend) -> int:
+    """SIGKILL the folder's splitter and wait until it is gone; its PID."""
+    splitter = backend.state.splitter
+    assert splitter is not None and splitter.pid is not None
+    pid = splitter.pid
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+    return pid
+
+
 def test_traffic_waits_out_the_splitters_back_off_instead_of_failing(tmp_path: Path) -> None:
     """The splitter killed twice in a row is in CrashLoopBackOff: a split (an apply, a rollback)
     waits for its restart and succeeds, rather than saying it "did not start listening" at once."""
@@ -426,10 +436,7 @@ def test_traffic_waits_out_the_splitters_back_off_instead_of_failing(tmp_path: P
             splitter = backend.state.splitter
             assert splitter is not None
             for _ in range(2):
-                pid = splitter.pid
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-                wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+                pid = _kill_splitter(backend)
                 backend.split([])  # restarted at once the first time, after its 1 s back-off the second
                 assert backend.processes.alive(splitter) and splitter.pid != pid
             assert splitter.deaths_in_a_row == 2
@@ -450,14 +457,10 @@ def test_the_models_url_is_not_called_serving_while_nothing_of_ours_answers_ther
             assert splitter is not None
             backend.state.serving = "r1"  # what a promotion records
             for _ in range(2):  # the second death waits out a back-off: still serving once it ends
-                pid = splitter.pid
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-                wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+                _kill_splitter(backend)
                 assert backend.front_door_problem() is None
                 assert backend.processes.alive(splitter) and _health(splitter.port) == 503  # ours, no backend yet
-            os.kill(splitter.pid or 0, signal.SIGKILL)
-            wait_for(lambda: not backend.processes.alive(splitter), "the killed splitter gone", 30.0, 0.05)
+            _kill_splitter(backend)
             with socket.socket() as squatter:
                 squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 squatter.bind(("127.0.0.1", splitter.port))
