@@ -13,7 +13,10 @@ its drawn number of tokens):
   (e) http-si   the same with `--stream-interval N` (default 8): the first token at once, then one
                 event per N tokens. Fewer, larger events are a trade a user sees, so it has its own
                 rows and `*_si` ratios; its ITL is the gap between events, as a client sees it;
-  (f) http-raw  (d)'s server, driven by a minimal aiohttp SSE client (one `json.loads` per event)
+  (f) http-perreq  `kvguard serve --token-channel off`: decode's tokens on a stream per request
+                instead of one token channel per decode worker (the design before issue 14's last
+                step), for a same-run A/B of the channel: `channel_gain` is http / http-perreq;
+  (g) http-raw  (d)'s server, driven by a minimal aiohttp SSE client (one `json.loads` per event)
                 instead of the openai client: a diagnostic of how much of (d)'s gap to (c) is the
                 client's own CPU on this shared machine, in `*_raw` keys, never the headline's.
 HTTP backends (a)-(e) are driven by the official `openai` async client with streaming completions.
@@ -72,8 +75,8 @@ MODELS: dict[str, dict[str, Any] | None] = {
 PAD_ID = 258  # <|pad|> in the tiny tokenizer
 # Every backend, in the order a repetition runs them (each repetition rotates who goes first), and
 # kvguard's own among them (greedy parity and TTFT are reported for these).
-BACKENDS = ("hf", "engine", "http", "http-si", "http-raw", "tfserve")
-KVGUARD_BACKENDS = ("engine", "http", "http-si", "http-raw")
+BACKENDS = ("hf", "engine", "http", "http-perreq", "http-si", "http-raw", "tfserve")
+KVGUARD_BACKENDS = ("engine", "http", "http-perreq", "http-si", "http-raw")
 HF_BATCH = 16
 MIXED = "closed-16"
 
@@ -389,12 +392,13 @@ def server_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_kvguard(model_dir: Path, pool_tokens: int | None, device: str, stream_interval: int = 1) -> tuple[Server, str]:
+def start_kvguard(model_dir: Path, pool_tokens: int | None, device: str, stream_interval: int = 1,
+                  token_channel: str = "on") -> tuple[Server, str]:
     """`kvguard serve` with a `pool_tokens` pool, or (None) the pool it sizes itself, as a user
     who passes only `--model` gets."""
     pool = ["--kv-pool-tokens", str(pool_tokens)] if pool_tokens is not None else []
     argv = [sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(model_dir), *pool,
-            "--stream-interval", str(stream_interval), "--device", device]
+            "--stream-interval", str(stream_interval), "--device", device, "--token-channel", token_channel]
     server = Server(argv, server_env())
     assert server.popen.stdout is not None
     line = server.popen.stdout.readline()  # the JSON line once every worker is healthy
@@ -602,7 +606,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset; "
-                        "http-si is kvguard serve with --stream-interval, http-raw the http server driven by a minimal "
+                        "http-si is kvguard serve with --stream-interval, http-perreq with --token-channel off, http-raw "
+                        "the http server driven by a minimal "
                         "client (each its own rows and *_si / *_raw ratios, never the headline's)")
     parser.add_argument("--stream-interval", type=int, default=8, help="tokens per streamed event for http-si (default 8)")
     parser.add_argument("--tfserve-scenarios", default=None,
@@ -649,6 +654,10 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
             live["http"] = HTTPBackend("http", server, url, model_dir.name, token_prompts=True)
         if "http-raw" in backends:  # the same server: only the client differs
             live["http-raw"] = RawHTTPBackend("http-raw", server, url, model_dir.name, token_prompts=True)
+    if "http-perreq" in backends:
+        server, url = start_kvguard(model_dir, pool_tokens, args.device, token_channel="off")
+        servers.append(server)
+        live["http-perreq"] = HTTPBackend("http-perreq", server, url, model_dir.name, token_prompts=True)
     if "http-si" in backends:
         server, url = start_kvguard(model_dir, pool_tokens, args.device, args.stream_interval)
         servers.append(server)
@@ -734,6 +743,10 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "http_vs_hf_64": ratio(tok_s("http", "closed-64"), tok_s("hf", MIXED)),
         "tfserve_vs_hf": ratio(tok_s("tfserve", MIXED), tok_s("hf", MIXED)),
         "http_vs_tfserve": ratio(tok_s("http", MIXED), tok_s("tfserve", MIXED)),
+        # The token channel against a stream per request, same run (--token-channel off).
+        "channel_gain": ratio(tok_s("http", MIXED), tok_s("http-perreq", MIXED)),
+        "http_perreq_vs_inprocess": ratio(tok_s("http-perreq", MIXED), tok_s("engine", MIXED)),
+        "ttft_ratio_perreq": ratio(ttft["http-perreq"], ttft["engine"]),
         # --stream-interval N: fewer, larger events (a user-visible trade), so its own keys.
         "stream_interval": args.stream_interval if any(b == "http-si" for b, _ in results) else None,
         "http_si_vs_hf": ratio(tok_s("http-si", MIXED), tok_s("hf", MIXED)),

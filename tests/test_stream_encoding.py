@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kvguard.workers.decode_server import step_events
 from kvguard.workers.openai_api import sse
 from kvguard.workers.openai_responses import ResponseBuilder
 from kvguard.workers.protocol import DECODE_EVENT, ErrorEvent, FinishEvent, TokenEvent, TokenLogprob
 from kvguard.workers.request import RequestAborted, RequestOutput, RequestState
+from kvguard.workers.stream_events import step_events
 
 TEXTS = ["", "a", "hello world", 'quote " and \\ backslash', "line\nbreak\ttab", "\x00nul", "héllo ☃ 𝄞", "end"]
 

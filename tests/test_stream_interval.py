@@ -17,8 +17,8 @@ from kvguard.operator.api import InferenceModel
 from kvguard.operator.planner import plan
 from kvguard.operator.render import Owner, render_revision
 from kvguard.workers.args import WorkerArgs, parse_argv
-from kvguard.workers.decode_server import StreamInterval, step_events
 from kvguard.workers.request import EngineError, RequestOutput, RequestState
+from kvguard.workers.stream_events import StreamInterval, step_events
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

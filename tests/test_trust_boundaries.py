@@ -177,7 +177,7 @@ def _unsigned(d: LocalDeployment, role: str, method: str, path: str, body: dict 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_internal_endpoints_refuse_calls_not_signed_by_the_router_s9(trio: LocalDeployment, role: str) -> None:
     leg = {"request_id": "cmpl-x", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 2}}
-    own = [("POST", "/internal/decode", leg)] if role == "decode" else [
+    own = [("POST", "/internal/decode", leg), ("POST", "/internal/stream", {})] if role == "decode" else [
         ("POST", "/internal/prefill", {**leg, "ticket": "AA"}), ("POST", "/internal/prefill", leg),
         ("POST", "/internal/ticket", {"request_id": "cmpl-x", "ticket": "AA"})]  # fmt: skip
     calls = [*CALLS, *own]
@@ -221,7 +221,8 @@ def test_the_metrics_port_serves_no_internal_endpoint_s9(trio: LocalDeployment) 
     """Issue 11, item 3: scrapers reach only /metrics and /health."""
     for role, metrics_url in trio.metrics_urls.items():
         base = metrics_url.removesuffix("/metrics")
-        for path in ("/internal/info", "/internal/health", "/internal/abort", "/internal/decode", "/internal/prefill", "/internal/ticket"):
+        for path in ("/internal/info", "/internal/health", "/internal/abort", "/internal/decode", "/internal/stream",
+                     "/internal/prefill", "/internal/ticket"):
             for method in ("GET", "POST"):
                 signed = internal(trio, "decode", "/internal/info")  # a real router header, for the wrong port
                 got = requests.request(method, f"{base}{path}", json={}, headers={AUTH_HEADER: signed.request.headers[AUTH_HEADER]}, timeout=5)

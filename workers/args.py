@@ -231,6 +231,10 @@ class WorkerArgs(BaseModel):
                                 "of rotation, re-read every second (the local backend's readiness gate; default: off)"),
     )  # fmt: skip
 
+    token_channel: Literal["on", "off"] = Field(
+        "on", json_schema_extra=_flag("router", "on (default): each decode worker's tokens reach this router on one stream "
+                                      "for all its requests, a write per engine step; off: a stream per request")
+    )
     revision_id: str | None = Field(
         None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
         json_schema_extra=_flag("router", "the revision this router serves, named in every API response's x-kvguard-revision "
@@ -253,6 +257,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--stream-interval is a decode flag")
         if self.role != "router" and self.abort_timeout != DEFAULT_ABORT_TIMEOUT_S:
             raise ValueError("--abort-timeout is a router flag")
+        if self.role != "router" and self.token_channel != "on":
+            raise ValueError("--token-channel is a router flag")
         if self.role != "router" and self.revision_id is not None:
             raise ValueError("--revision-id is a router flag")
         if self.role == "router" and self.transfer_encryption != "none":

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvguard.workers.engine import Engine
 from kvguard.workers.kv_pool import Lease
@@ -49,17 +49,39 @@ def _settle(future: Future[Any], result: Any = None, exc: BaseException | None =
         pass
 
 
+class StepRelay(Protocol):
+    """Where the outputs of streams forwarded to it go instead (decode's token channel): it is
+    handed each output of an engine step, then told the step's outputs are all in (`flush`), so it
+    can send them together."""
+
+    def add(self, stream: RequestStream, output: RequestOutput) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class RequestStream:
     """One request's outputs, in order, on its consumer's event loop; ends after its final output
     (FINISHED, ABORTED, DONE, or TRANSFERRING on a prefill worker). Read one at a time
-    (`async for`, `next_output`) or everything that has arrived at once (`next_batch`)."""
+    (`async for`, `next_output`) or everything that has arrived at once (`next_batch`), or have
+    them forwarded to a `StepRelay` (`forward_to`)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.relay: StepRelay | None = None
         self._outputs: collections.deque[RequestOutput] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._ended = False  # the final output was handed to the consumer
+
+    def forward_to(self, relay: StepRelay) -> None:
+        """From now on every output goes to `relay` (those not yet read first), not to a reader.
+        On the consumer's loop."""
+        self.relay = relay
+        while self._outputs and not self._ended:
+            output = self._outputs.popleft()
+            self._ended = output.finished
+            relay.add(self, output)
+        relay.flush()
 
     def _push(self, output: RequestOutput) -> None:
         """On the consumer's loop (see `_deliver`)."""
@@ -109,9 +131,17 @@ def _log_failure(future: Future[Any]) -> None:
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    """On a consumer loop: one engine step's outputs for the streams of that loop."""
+    """On a consumer loop: one engine step's outputs for the streams of that loop, each relay told
+    once that the step's outputs are in."""
+    relays: dict[int, StepRelay] = {}
     for stream, output in items:
-        stream._push(output)
+        if stream.relay is None:
+            stream._push(output)
+        else:
+            stream.relay.add(stream, output)
+            relays[id(stream.relay)] = stream.relay
+    for relay in relays.values():
+        relay.flush()
 
 
 class AsyncEngine:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,17 +24,21 @@ from pydantic import BaseModel
 from kvguard.workers.async_engine import RequestStream
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.kv_pool import KVPool, Lease
+from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import (
     Bootstrap,
     BootstrapEvent,
+    ChannelOpened,
+    ChannelRequest,
+    DecodeRequest,
     ErrorEvent,
-    FinishEvent,
-    GenerateRequest,
-    TokenEvent,
+    HandoffEvent,
     TokenLogprob,
 )
-from kvguard.workers.request import EngineError, RequestOutput, RequestState
+from kvguard.workers.request import EngineError
 from kvguard.workers.serving import Job, WorkerRuntime, current_task, engine_error, parse_body
+from kvguard.workers.stream_events import StreamInterval, step_events
+from kvguard.workers.token_channel import MAX_CHANNELS, TokenChannel
 from kvguard.workers.transfer import (
     AbortCause,
     FirstToken,
@@ -97,6 +102,7 @@ class DecodeServer:
         self.advertise_host = advertise_host
         self.receiver = KVReceiver(keys, runtime.transfer_metrics, self._transfer_of, transfer, runtime.faults)
         self.transfer_address: tuple[str, int] | None = None
+        self.channels: dict[str, TokenChannel] = {}  # open token channels by the id this worker drew
 
     async def start(self, sock: socket.socket) -> None:
         _, bound = await self.receiver.start(sock=sock)
@@ -104,6 +110,11 @@ class DecodeServer:
 
     async def close(self) -> None:
         await self.receiver.close()
+
+    async def close_channels(self) -> None:
+        """At shutdown: every channel ends (its requests are aborted) rather than holding it open."""
+        for channel in self.channels.values():
+            channel.close(AbortCause.CLIENT_DISCONNECT)
 
     @property
     def epoch(self) -> int:
@@ -114,16 +125,39 @@ class DecodeServer:
         return job.transfer if isinstance(job, DecodeJob) else None
 
     # -- HTTP --------------------------------------------------------------------------------
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """``POST /internal/stream``: open a token channel and keep it until the router goes away
+        (or this worker shuts down), which ends every request on it."""
+        await parse_body(request, ChannelRequest)
+        if len(self.channels) >= MAX_CHANNELS:
+            raise OpenAIError(503, f"this decode worker has {MAX_CHANNELS} token channels open", code="too_many_channels")
+        channel = TokenChannel(secrets.token_hex(16), self.stream_interval)
+        self.channels[channel.id] = channel
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await response.prepare(request)
+            await _send(response, ChannelOpened(channel=channel.id))
+            await channel.serve(response.write)
+            return response
+        except ConnectionResetError:  # the router went away between two writes
+            return response
+        finally:
+            del self.channels[channel.id]
+            channel.close(AbortCause.CLIENT_DISCONNECT)
+
     async def decode(self, request: web.Request) -> web.StreamResponse:
-        body = await parse_body(request, GenerateRequest)
+        body = await parse_body(request, DecodeRequest)
+        channel = None
+        if body.channel is not None and (channel := self.channels.get(body.channel)) is None:
+            raise OpenAIError(409, "no token channel of that id is open on this decode worker", code="unknown_channel")
         job = DecodeJob(body.request_id, current_task(), self.runtime, self.pool, self._plan(body))
         self.runtime.jobs.claim(job)
         try:
-            return await self._decode(request, body, job)
+            return await self._decode(request, body, job, channel)
         finally:
             self.runtime.jobs.release(job)
 
-    def _plan(self, body: GenerateRequest) -> _Plan:
+    def _plan(self, body: DecodeRequest) -> _Plan:
         faults = self.runtime.faults
         prompt = body.prompt_token_ids
         if body.over_length and faults.unsafe_reject_path:
@@ -134,7 +168,8 @@ class DecodeServer:
             return _Plan(prompt[: max(1, fit)], kv_tokens=1, verify_written=False)
         return _Plan(prompt, len(prompt), verify_written=not faults.ignore_manifest)
 
-    async def _decode(self, request: web.Request, body: GenerateRequest, job: DecodeJob) -> web.StreamResponse:
+    async def _decode(self, request: web.Request, body: DecodeRequest, job: DecodeJob,
+                      channel: TokenChannel | None) -> web.StreamResponse:
         engine, rid, plan = self.runtime.engine, body.request_id, job.plan
         # Until the request ends normally, any exit -- including a cancellation while it still
         # waits for pages -- must abort it here, or it would hold its pages forever (S4).
@@ -160,9 +195,15 @@ class DecodeServer:
                 return response
             cause = AbortCause.DECODE_ERROR
             assert job.first is not None
+            # On a channel, routed there before the first token can be output.
+            ended = channel.attach(stream, len(body.prompt_token_ids)) if channel is not None else None
             await engine.start_decode(rid, job.first.token_id, require_written=plan.verify_written,
                                       first_logprob=first_logprob(job.first, body.sampling.logprobs))
-            cause = await self._stream_tokens(response, stream, len(body.prompt_token_ids)) or ""
+            if ended is None:
+                cause = await self._stream_tokens(response, stream, len(body.prompt_token_ids)) or ""
+            else:
+                await _send(response, HandoffEvent())
+                cause = await ended
             return response
         except EngineError as err:  # e.g. S3: not every page written -- this request only
             await _send(response, ErrorEvent(status=err.status, code=err.code, message=err.message))
@@ -176,6 +217,8 @@ class DecodeServer:
             cause = job.cancel_cause or AbortCause.CLIENT_DISCONNECT
             raise
         finally:
+            if channel is not None:  # its abort, if any, is not news to the router
+                channel.detach(rid)
             if cause:
                 await asyncio.shield(self._release(job, cause))
 
@@ -225,65 +268,11 @@ class DecodeServer:
             self.runtime.count_abort(cause)
 
 
-class StreamInterval:
-    """Which outputs go out now (vLLM's and SGLang's --stream-interval): the first token at once
-    (TTFT is never traded), then whenever `every` tokens are held, and whatever ended the request
-    with everything held before it. Pure; one per request."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self._held: list[RequestOutput] = []
-        self._held_tokens = 0
-        self._first_sent = False
-
-    def due(self, batch: Sequence[RequestOutput]) -> bool:
-        """Hold `batch`; True when what is held should be sent now (then call `take`)."""
-        self._held += batch
-        self._held_tokens += sum(len(output.token_ids) for output in batch)
-        if self._held[-1].finished or self._held_tokens >= self.every:
-            return True
-        return not self._first_sent and self._held_tokens > 0
-
-    def take(self) -> list[RequestOutput]:
-        held, self._held, self._held_tokens = self._held, [], 0
-        self._first_sent = self._first_sent or any(output.token_ids for output in held)
-        return held
-
-
 def first_logprob(first: FirstToken, wanted: int | None) -> TokenLogprob | None:
     """The first token's logprobs as prefill computed them (from the manifest), when asked for."""
     if wanted is None or first.logprob is None:
         return None
     return TokenLogprob(token_id=first.token_id, logprob=first.logprob, top=first.top)
-
-
-def step_events(batch: Sequence[RequestOutput], prompt_tokens: int, sent: int) -> tuple[bytes, int, bool]:
-    """One request's consecutive outputs as NDJSON: their tokens as one TokenEvent, then the
-    FinishEvent or ErrorEvent that ended it, if one did. Returns (bytes, completion tokens sent
-    so far, whether the request ended)."""
-    token_ids: list[int] = []
-    text: list[str] = []
-    logprobs: list[TokenLogprob] | None = None
-    end: BaseModel | None = None
-    for output in batch:
-        token_ids += output.token_ids
-        text.append(output.text)
-        if output.logprobs is not None:
-            logprobs = (logprobs or []) + output.logprobs
-        if output.state is RequestState.FINISHED:
-            reason = "length" if output.finish_reason == "length" else "stop"
-            end = FinishEvent(finish_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=sent + len(token_ids))
-        elif output.error is not None:
-            end = ErrorEvent(status=output.error.status, code=output.error.code, message=output.error.message)
-    lines = []
-    if token_ids:
-        # Built without validation: every field comes from this worker's engine.
-        event = TokenEvent.model_construct(token_ids=tuple(token_ids), text="".join(text),
-                                           logprobs=tuple(logprobs) if logprobs is not None else None)
-        lines.append(event.model_dump_json().encode())
-    if end is not None:
-        lines.append(end.model_dump_json().encode())
-    return b"".join(line + b"\n" for line in lines), sent + len(token_ids), end is not None
 
 
 async def _send(response: web.StreamResponse, event: BaseModel) -> None:

@@ -76,6 +76,7 @@ class LocalServeConfig:
     transfer_timeout_s: float = 5.0
     transfer_encryption: TransferEncryption = "none"
     stream_interval: int = 1  # decode: tokens per streamed event after the first
+    token_channel: bool = True  # router: decode's tokens on one channel for all requests (False: a stream each)
     max_running_requests: int = 64  # prefill and decode: requests holding pages at once
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: wait for a ticket; decode: for prefill's OPEN
     request_timeout_s: float = 120.0  # router: how long a request may wait for its next token (504)
@@ -213,7 +214,8 @@ class LocalDeployment:
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
                               prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],),
                               request_timeout=c.request_timeout_s, max_inflight_choices=c.max_inflight_choices,
-                              write_timeout=c.write_timeout_s, abort_timeout=c.abort_timeout_s)  # fmt: skip
+                              write_timeout=c.write_timeout_s, abort_timeout=c.abort_timeout_s,
+                              token_channel="on" if c.token_channel else "off")  # fmt: skip
         elif role == "prefill":
             args = WorkerArgs(**common, **engine, port=self._fd("prefill"), metrics_port=self._fd("prefill-metrics"))
         else:

@@ -21,7 +21,14 @@ router's own unguessable internal id, never a client's:
    verifies it (403 ``invalid_ticket`` otherwise, and the request fails) and hands it to the
    request's job. A :class:`PrefillRequest` may instead carry the ticket itself (then prefill
    verifies it before computing anything, the pre-overlap protocol; tests use it).
-4. router -> both     ``POST /internal/abort`` with an :class:`AbortRequest` whenever either leg
+4. router -> decode   ``POST /internal/stream`` (:class:`ChannelRequest`), once per router and decode
+   worker, kept open: decode's token channel. Its first line is a :class:`ChannelOpened` naming the
+   channel (an id decode drew); a :class:`DecodeRequest` that names it gets, after its bootstrap,
+   every later event on the channel instead of its own stream, as :class:`ChannelEvent` lines --
+   one write per engine step for every request on the channel, not one per request (issue 14). The
+   request's own stream stays open until it ends: closing it still aborts it (S4), and a channel
+   that closes ends every request on it on both sides.
+5. router -> both     ``POST /internal/abort`` with an :class:`AbortRequest` whenever either leg
    fails or the client goes away (S4). Aborting an unknown or finished id is a no-op.
 
 Every worker also serves ``GET /internal/info`` (:class:`WorkerInfo`) and ``GET /internal/health``;
@@ -123,6 +130,25 @@ class GenerateRequest(_Message):
     over_length: bool = False
 
 
+ChannelId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
+class DecodeRequest(GenerateRequest):
+    """What the router sends decode: the request and, when it reads decode's token channel, which
+    one (None: every event on this request's own stream)."""
+
+    channel: ChannelId | None = None
+
+
+class ChannelRequest(_Message):
+    """Opens a token channel (``POST /internal/stream``); it carries nothing yet."""
+
+
+class ChannelOpened(_Message):
+    event: Literal["channel"] = "channel"
+    channel: ChannelId
+
+
 class Bootstrap(_Message):
     """Decode's grant for one request: where prefill must write, the pages and generations it
     allocated (S3, S5), and what the router binds into the ticket (S9)."""
@@ -193,10 +219,28 @@ class ErrorEvent(_Message):
     message: str
 
 
+class HandoffEvent(_Message):
+    """On a request's own stream: every later event of it comes on the token channel it named."""
+
+    event: Literal["handoff"] = "handoff"
+
+
 DecodeEvent = Annotated[
-    BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent, Field(discriminator="event")
+    BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent | HandoffEvent, Field(discriminator="event")
 ]
 DECODE_EVENT = TypeAdapter(DecodeEvent)
+
+ChannelPayload = Annotated[TokenEvent | FinishEvent | ErrorEvent, Field(discriminator="event")]
+
+
+class ChannelEvent(_Message):
+    """One request's event on a token channel."""
+
+    request_id: str
+    event: ChannelPayload
+
+
+CHANNEL_EVENT = TypeAdapter(ChannelEvent)
 
 
 class WorkerInfo(_Message):

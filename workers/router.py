@@ -44,6 +44,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S
 from kvguard.workers.backpressure import Slots, StallWatch, drop
+from kvguard.workers.channel_reader import ChannelLost, ChannelPayload, ChannelReader
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
@@ -63,9 +64,12 @@ from kvguard.workers.protocol import (
     DECODE_EVENT,
     AbortRequest,
     BootstrapEvent,
+    ChannelRequest,
+    DecodeRequest,
     ErrorEvent,
     FinishEvent,
     GenerateRequest,
+    HandoffEvent,
     PrefillRequest,
     Role,
     TicketDelivery,
@@ -160,6 +164,7 @@ class RouterConfig:
     min_kv_ratio: float | None = None  # S7 per worker: keep out a worker whose pool is below this x its context
     refresh_interval_s: float = 1.0  # how often (with min_kv_ratio) every worker's reported limits are read again
     revision: str | None = None  # named in every API response's x-kvguard-revision header (--revision-id)
+    token_channel: bool = True  # decode's tokens on one channel per decode worker (False: a stream per request)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -372,6 +377,8 @@ class Router:
         aborts go out before the session closes, so the workers learn each request's cause."""
         self._slots = Slots(config.max_inflight_choices)
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
+        self._channels: dict[str, ChannelReader] = {}
+        """Decode worker URL -> the token channel to it (with `token_channel`)."""
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -472,6 +479,8 @@ class Router:
                 task.cancel()
         if self._aborts_in_flight:  # the handlers cancelled by the shutdown have just sent theirs
             await asyncio.wait(set(self._aborts_in_flight), timeout=self.config.abort_timeout_s)
+        for reader in self._channels.values():
+            await reader.close()
         if self.session:
             await self.session.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -877,15 +886,25 @@ class Router:
         ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         prefill_task = asyncio.create_task(self._prefill(prefill.url, PrefillRequest(**request.model_dump()), ticket))
         stack = contextlib.AsyncExitStack()
+        reader = self._channel_reader(decode.url)
         try:
+            call: DecodeRequest | GenerateRequest = request
+            inbox: asyncio.Queue[ChannelPayload | ChannelLost] | None = None
+            if reader is not None:
+                call = DecodeRequest.model_construct(**dict(request), channel=await _by(first_token_by, _open(reader)))
+                inbox = reader.subscribe(request.request_id)
+                # The request's own stream is read only until the handoff, within first_token_by;
+                # after it, the bound between two events applies to the inbox (_channel_events).
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
             # Decode's stream stays open until the aborts have gone out (the finally below):
             # closing it first would read on decode as a client disconnect, whatever the cause.
             resp = await stack.enter_async_context(
-                self.control.post(self.http, f"{decode.url}/internal/decode", request, timeout=timeout)
+                self.control.post(self.http, f"{decode.url}/internal/decode", call, timeout=timeout)
             )
             if resp.status != 200:
                 raise await _upstream_error(resp)
-            events = _decode_events(resp)
+            events = (_decode_events(resp) if inbox is None else
+                      _channel_events(resp, inbox, self.config.request_timeout_s))  # fmt: skip
             # Until the first token, the request's whole wait (its slot included) is bounded by first_token_by.
             while (event := await (_next_event(events, prefill_task) if tokens else
                                    _by(first_token_by, _next_event(events, prefill_task)))) is not None:  # fmt: skip
@@ -893,6 +912,8 @@ class Router:
                     if ticket.done():
                         raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
                     ticket.set_result(self._ticket(request.request_id, event))
+                elif isinstance(event, HandoffEvent):  # only a request that names a channel is handed over
+                    raise OpenAIError(502, "decode handed the request to a token channel it did not name", code="decode_failed")
                 elif isinstance(event, ErrorEvent):
                     # Before the ticket, prefill cannot have caused decode's failure.
                     raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
@@ -927,11 +948,23 @@ class Router:
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
         finally:
+            if reader is not None:
+                reader.unsubscribe(request.request_id)
             self.metrics.request_duration.observe(time.monotonic() - started)
             if cause:
                 ending.append(self._end_legs(request.request_id, (prefill.url, decode.url), prefill_task, stack, cause, outcome))
             else:
                 await stack.aclose()
+
+    def _channel_reader(self, decode_url: str) -> ChannelReader | None:
+        if not self.config.token_channel:
+            return None
+        if (reader := self._channels.get(decode_url)) is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)  # open for as long as both run
+            reader = ChannelReader(lambda: self.control.post(self.http, f"{decode_url}/internal/stream", ChannelRequest(),
+                                                             timeout=timeout))  # fmt: skip
+            self._channels[decode_url] = reader
+        return reader
 
     def _observe_latency(self, event: TokenEvent, tokens: int, started: float, last: float) -> tuple[int, float]:
         """TTFT for the first token; for later ones the gap since the last event, shared by the
@@ -1054,7 +1087,37 @@ async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[DecodeEv
             yield DECODE_EVENT.validate_json(line)
 
 
-DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent
+DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent | HandoffEvent
+
+
+async def _open(reader: ChannelReader) -> str:
+    try:
+        return await reader.channel()
+    except ChannelLost as exc:
+        raise OpenAIError(502, str(exc), code="worker_failed") from None
+
+
+async def _channel_events(
+    resp: aiohttp.ClientResponse, inbox: asyncio.Queue[ChannelPayload | ChannelLost], idle_s: float
+) -> AsyncIterator[DecodeEvent]:
+    """One request's events when it names a token channel: its own stream until decode hands it
+    over (the bootstrap, or a failure before the first token), then its inbox, each event within
+    `idle_s` of the last, until the one that ends it. Its own stream ending first ends them."""
+    async for event in _decode_events(resp):
+        if not isinstance(event, HandoffEvent):
+            yield event
+            continue
+        while True:
+            if inbox.empty():
+                async with asyncio.timeout(idle_s):
+                    item = await inbox.get()
+            else:
+                item = inbox.get_nowait()
+            if isinstance(item, ChannelLost):
+                raise OpenAIError(502, str(item), code="worker_failed")
+            yield item
+            if not isinstance(item, TokenEvent):
+                return
 
 
 async def _by(deadline: float, waiting: Awaitable[T]) -> T:

@@ -186,6 +186,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         fail_proxied_requests=faults.fail_proxied_requests,
         min_kv_ratio=args.min_kv_ratio,
         revision=args.revision_id,
+        token_channel=args.token_channel == "on",
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
     return router.app(), router.metrics_app()
@@ -244,6 +245,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
                               stream_interval=args.stream_interval)  # fmt: skip
         runtime.internal_routes(app, lambda: runtime.info(decode.transfer_address))
         app.router.add_post("/internal/decode", decode.decode)
+        app.router.add_post("/internal/stream", decode.stream)
         transfer_socket = listeners.transfer
 
         async def start_receiver(_: web.Application) -> None:
@@ -251,6 +253,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
             log.info("decode worker: KV transfer port %s", decode.transfer_address)
 
         app.on_startup.append(start_receiver)
+        app.on_shutdown.append(lambda _: decode.close_channels())
         app.on_cleanup.append(lambda _: decode.close())
     else:
         prefill = PrefillServer(runtime, keys, transfer, bootstrap_timeout_s=args.bootstrap_timeout)

@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
     parser.add_argument("--stream-interval", type=_stream_interval, default=1,
                         help="tokens per streamed event after the first (which always goes at once); default 1")
+    parser.add_argument("--token-channel", choices=("on", "off"), default="on",
+                        help="on (default): decode's tokens reach the router on one stream for all requests, one write "
+                        "per engine step; off: a stream per request")
     parser.set_defaults(func=run)
 
 
@@ -105,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                 transfer_timeout_s=args.transfer_timeout,
                 transfer_encryption=args.transfer_encryption,
                 stream_interval=args.stream_interval,
+                token_channel=args.token_channel == "on",
                 request_timeout_s=args.request_timeout,
                 max_inflight_choices=args.max_inflight_choices,
             )

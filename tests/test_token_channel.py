@@ -1,0 +1,218 @@
+"""Decode's token channel (issue 14): one stream per router and decode worker carries every
+request's events after its handoff. Checked on real processes: outputs equal to the per-request
+streams', the channel only for the router (S9), a request naming no open channel refused before
+any page, and a channel that closes ending its requests and freeing their pages (S4). The pure
+pieces (the envelope, decode's routing, the router's reader) are checked alone at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from aiohttp import web
+from pd_harness import (
+    client,
+    deployment,
+    internal,
+    metric,
+    pools_used,
+    reference_text,
+    second_router,
+    served_model,
+    ticket_for,
+    wait_pools_empty,
+)
+from waiting import wait_for
+
+from kvguard.workers.async_engine import RequestStream
+from kvguard.workers.channel_reader import ChannelLost, ChannelReader
+from kvguard.workers.launcher import LocalDeployment
+from kvguard.workers.protocol import CHANNEL_EVENT, ErrorEvent, FinishEvent, TokenEvent
+from kvguard.workers.request import RequestAborted, RequestOutput, RequestState
+from kvguard.workers.stream_events import step_events
+from kvguard.workers.token_channel import TokenChannel
+
+PROMPTS = ["the channel carries", "every request's tokens", "x" * 40, "short"]
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    with deployment(tiny_model_dir) as d:
+        yield d
+
+
+def _streamed(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
+    import openai
+
+    api = openai.OpenAI(base_url=base_url, api_key="none", timeout=60, max_retries=0)
+    stream = api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    return "".join(chunk.choices[0].text for chunk in stream)
+
+
+def test_the_channel_gives_what_a_stream_per_request_gives(trio: LocalDeployment, tiny_model_dir: Path) -> None:
+    """The same prompts, concurrently, through the default router (channel) and a second router with
+    --token-channel off: streamed and whole texts equal each other and the engine alone."""
+    model = served_model(trio)
+    with second_router(trio, tiny_model_dir, token_channel="off") as per_request:
+        with cf.ThreadPoolExecutor(8) as pool:
+            jobs = [(prompt, max_tokens, pool.submit(_streamed, base, model, prompt, max_tokens))
+                    for prompt in PROMPTS for max_tokens in (1, 24)
+                    for base in (trio.api_base, per_request)]  # fmt: skip
+            for prompt, max_tokens, job in jobs:
+                assert job.result() == reference_text(tiny_model_dir, prompt, max_tokens), (prompt, max_tokens)
+    whole = client(trio).completions.create(model=model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert whole.choices[0].text == reference_text(tiny_model_dir, PROMPTS[0], 24)
+    assert whole.usage is not None and whole.usage.completion_tokens == 24
+    wait_pools_empty(trio)
+
+
+def test_only_the_router_opens_a_channel_s9(trio: LocalDeployment) -> None:
+    unsigned = requests.post(f"{trio.internal_urls['decode']}/internal/stream", json={}, timeout=10)
+    assert unsigned.status_code == 401 and unsigned.json()["error"]["code"] == "unauthenticated"
+    metrics_base = trio.metrics_urls["decode"].removesuffix("/metrics")
+    assert requests.post(f"{metrics_base}/internal/stream", json={}, timeout=10).status_code == 404
+
+
+def test_a_request_naming_no_open_channel_is_refused_before_any_page(trio: LocalDeployment) -> None:
+    leg = {"request_id": "cmpl-nochannel", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4},
+           "channel": secrets.token_hex(16)}  # fmt: skip
+    refused = internal(trio, "decode", "/internal/decode", leg)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "unknown_channel"
+    malformed = internal(trio, "decode", "/internal/decode", {**leg, "channel": "../x"})
+    assert malformed.status_code == 400
+    assert pools_used(trio) == {"prefill": 0, "decode": 0}
+
+
+def _lines(response: requests.Response) -> Iterator[dict]:
+    for line in response.iter_lines():
+        if line:
+            yield json.loads(line)
+
+
+def test_a_channel_that_closes_ends_its_requests_and_frees_their_pages_s4(trio: LocalDeployment) -> None:
+    """Playing the router: open a channel, send a long request on it, see its first tokens arrive
+    on the channel (not on its own stream), then close the channel. Decode aborts the request (its
+    own stream ends without a finish) and frees its pages, as for a router that went away."""
+    before = metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect")
+    rid = f"cmpl-{secrets.token_hex(16)}"
+    leg = {"request_id": rid, "prompt_token_ids": [1, *range(40, 60)], "sampling": {"max_tokens": 900, "temperature": 0,
+           "ignore_eos": True}}  # fmt: skip
+    with internal(trio, "decode", "/internal/stream", {}, stream=True, timeout=60) as channel:
+        channel_lines = _lines(channel)
+        opened = next(channel_lines)
+        assert opened["event"] == "channel"
+        with internal(trio, "decode", "/internal/decode", {**leg, "channel": opened["channel"]}, stream=True, timeout=60) as own:
+            own_lines = _lines(own)
+            bootstrap = next(own_lines)["bootstrap"]
+            sent = internal(trio, "prefill", "/internal/prefill", {**leg, "ticket": ticket_for(trio, rid, bootstrap)}, timeout=60)
+            assert sent.status_code == 200, sent.text
+            assert next(own_lines) == {"event": "handoff"}
+            first = next(channel_lines)
+            assert first["request_id"] == rid and first["event"]["event"] == "token"
+            channel.close()  # the router goes away (its channel with it)
+            rest = list(own_lines)  # decode ends the request's own stream too
+            assert all(event["event"] != "finish" for event in rest), rest
+    wait_pools_empty(trio)
+    wait_for(lambda: metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect") == before + 1,
+             "decode to count the request's abort")  # fmt: skip
+
+
+# -- the pieces alone -------------------------------------------------------------------------------
+
+
+def _output(rid: str, state: RequestState, tokens: list[int], **more: object) -> RequestOutput:
+    return RequestOutput(rid, state, token_ids=tokens, text="".join(chr(65 + t % 26) for t in tokens), **more)  # type: ignore[arg-type]
+
+
+def test_the_channel_envelope_is_a_channel_event() -> None:
+    batch = [_output('q"1', RequestState.DECODING, [1, 2]), _output('q"1', RequestState.FINISHED, [3], finish_reason="length")]
+    data, sent, ended = step_events(batch, prompt_tokens=5, sent=0, channel_request='q"1')
+    events = [CHANNEL_EVENT.validate_json(line) for line in data.splitlines()]
+    assert [e.request_id for e in events] == ['q"1', 'q"1']
+    assert isinstance(events[0].event, TokenEvent) and events[0].event.token_ids == (1, 2, 3)
+    assert events[1].event == FinishEvent(finish_reason="length", prompt_tokens=5, completion_tokens=3)
+    assert (sent, ended) == (3, True)
+
+
+def test_decode_routes_a_step_into_one_write_and_ends_its_requests_when_closed() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        channel = TokenChannel("c" * 32)
+        writes: list[bytes] = []
+
+        async def write(data: bytes) -> None:
+            writes.append(data)
+
+        serving = asyncio.create_task(channel.serve(write))
+        a, b, c = (RequestStream(rid, loop) for rid in ("a", "b", "c"))
+        ended = {s.request_id: channel.attach(s, prompt_tokens=2) for s in (a, b, c)}
+        channel.add(a, _output("a", RequestState.DECODING, [1]))
+        channel.add(b, _output("b", RequestState.FINISHED, [2], finish_reason="stop"))
+        channel.add(c, _output("c", RequestState.ABORTED, [], error=RequestAborted("x")))
+        channel.flush()
+        await asyncio.sleep(0)  # the writer's turn
+        assert len(writes) == 1 and [CHANNEL_EVENT.validate_json(x).request_id for x in writes[0].splitlines()] == ["a", "b", "b", "c"]
+        assert (ended["b"].result(), ended["c"].result()) == ("", "")  # the engine ended both
+        assert isinstance(CHANNEL_EVENT.validate_json(writes[0].splitlines()[3]).event, ErrorEvent)
+        channel.detach("a")
+        channel.add(a, _output("a", RequestState.DECODING, [5]))  # after its handler let go: dropped
+        d = RequestStream("d", loop)
+        ended["d"] = channel.attach(d, prompt_tokens=1)
+        channel.close("client_disconnect")
+        await asyncio.wait_for(serving, 5)
+        assert ended["d"].result() == "client_disconnect" and not ended["a"].done()
+        late = channel.attach(RequestStream("e", loop), prompt_tokens=1)  # closed: ends at once
+        assert late.result() == "client_disconnect" and len(writes) == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_channel_breaks() -> None:
+    """A real HTTP channel on loopback: two requests' events reach their own inboxes, one nobody
+    waits for is dropped, and an unreadable line ends the channel for every request on it (in
+    words, no parser's) -- the next request opens a new one."""
+
+    async def scenario() -> None:
+        opened = 0
+
+        async def stream(request: web.Request) -> web.StreamResponse:
+            nonlocal opened
+            opened += 1
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(json.dumps({"event": "channel", "channel": f"{opened:032x}"}).encode() + b"\n")
+            token = {"event": "token", "token_ids": [7], "text": "h"}
+            for rid in ("r1", "nobody", "r2"):
+                await response.write(json.dumps({"request_id": rid, "event": token}).encode() + b"\n")
+            await response.write(b'{"request_id": "r1", "event": {"event": "bogus"}}\n')
+            return response
+
+        app = web.Application()
+        app.router.add_post("/internal/stream", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            reader = ChannelReader(lambda: session.post(f"http://127.0.0.1:{port}/internal/stream", json={}))
+            inboxes = {rid: reader.subscribe(rid) for rid in ("r1", "r2")}  # as the router does: before the request
+            assert await reader.channel() == f"{1:032x}"
+            r1 = [await asyncio.wait_for(inboxes["r1"].get(), 5) for _ in range(2)]
+            r2 = [await asyncio.wait_for(inboxes["r2"].get(), 5) for _ in range(2)]
+            for got in (r1, r2):
+                assert got[0] == TokenEvent(token_ids=(7,), text="h")
+                assert isinstance(got[1], ChannelLost) and "unreadable" in str(got[1]) and "Error" not in str(got[1])
+            assert await reader.channel() == f"{2:032x}"  # opened again
+            await reader.close()
+        await runner.cleanup()
+
+    asyncio.run(scenario())

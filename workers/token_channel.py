@@ -1,0 +1,104 @@
+"""Decode's token channel: one long-lived stream per router and decode worker that carries, after
+their bootstraps, the events of every request the router sent there (workers/protocol.py, step 4).
+
+Why (issue 14): with a stream per request, decode's event loop woke a coroutine and wrote a socket
+once per request per engine step, and the router read each of those sockets -- per-token work on
+the GIL decode's engine thread needs. On a channel an engine step is one hand-off, one encoding
+pass and one write for all of its requests, and one read at the router.
+
+What does not change: a request's own stream stays open until it ends, so a router that closes it
+or calls /internal/abort still aborts the request (S4); the bootstrap and any failure before the
+first token still go on it. A channel that closes ends every request on it, on both sides (S4).
+
+This is decode's end (`TokenChannel`); workers/channel_reader.py is the router's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvguard.workers.async_engine import RequestStream
+from kvguard.workers.request import RequestOutput
+from kvguard.workers.stream_events import StreamInterval, step_events
+
+MAX_CHANNELS = 64  # per decode worker: one per router replica is the expected number
+
+
+@dataclass
+class _Route:
+    interval: StreamInterval
+    prompt_tokens: int
+    ended: asyncio.Future[str]  # "" when the engine ended the request, else the cause to abort it with
+    sent: int = 0  # completion tokens sent so far
+
+
+@dataclass(eq=False)
+class TokenChannel:
+    """Decode's end of one channel: the requests routed to it and the bytes their last engine step
+    produced, written by `serve` in one write per step (per several, when the router reads slowly
+    and the writes wait on it). A `StepRelay` for the requests' streams."""
+
+    id: str
+    stream_interval: int = 1
+    _routes: dict[str, _Route] = field(default_factory=dict)
+    _pending: list[bytes] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _closed: str | None = None  # the cause, once closed
+
+    def attach(self, stream: RequestStream, prompt_tokens: int) -> asyncio.Future[str]:
+        """Route `stream`'s outputs here from now on. The future resolves once the request ended:
+        "" if the engine ended it (finished, or failed and freed), else the cause to abort it with
+        (the channel closed)."""
+        ended = asyncio.get_running_loop().create_future()
+        if self._closed is not None:
+            ended.set_result(self._closed)
+            return ended
+        self._routes[stream.request_id] = _Route(StreamInterval(self.stream_interval), prompt_tokens, ended)
+        stream.forward_to(self)
+        return ended
+
+    def detach(self, request_id: str) -> None:
+        """Its handler is done with the request: later outputs of it (its abort) are dropped."""
+        self._routes.pop(request_id, None)
+
+    def add(self, stream: RequestStream, output: RequestOutput) -> None:
+        route = self._routes.get(stream.request_id)
+        if route is None or not route.interval.due((output,)):
+            return
+        data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
+                                              channel_request=stream.request_id)  # fmt: skip
+        if data:
+            self._pending.append(data)
+        if ended:
+            self._end(stream.request_id, "")
+
+    def flush(self) -> None:
+        if self._pending:
+            self._wake.set()
+
+    def close(self, cause: str) -> None:
+        """Every request still routed here ends with `cause`; `serve` writes what is pending, then returns."""
+        self._closed = self._closed or cause
+        for request_id in list(self._routes):
+            self._end(request_id, cause)
+        self._wake.set()
+
+    async def serve(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        """Write the pending bytes, all of them in one write, whenever a step added some; until
+        closed (or a write fails: the router is gone)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._pending:
+                data = b"".join(self._pending)
+                self._pending.clear()
+                await write(data)
+            if self._closed is not None:
+                return
+
+    def _end(self, request_id: str, cause: str) -> None:
+        route = self._routes.pop(request_id)
+        if not route.ended.done():  # its handler may have been cancelled while waiting on it
+            route.ended.set_result(cause)
