@@ -66,6 +66,7 @@ def _serving_rows(data: dict) -> Parsed:
          data.get("http_vs_inprocess_bound"), "-"),
         ("TTFT p50 HTTP with nothing queued (1 client) / in-process at 16", data.get("ttft_ratio_floor"), "-"),
         ("kvguard serve / transformers serve, 16 concurrent", data.get("http_vs_tfserve"), "-"),
+        ("token channel / a stream per request (--token-channel off), 16 concurrent", data.get("channel_gain"), "-"),
         (f"kvguard serve --stream-interval {data.get('stream_interval')} / HF generate, mixed", data.get("http_si_vs_hf"), "-"),
         (f"kvguard serve --stream-interval {data.get('stream_interval')} / in-process, 16 concurrent",
          data.get("http_si_vs_inprocess"), "-"),

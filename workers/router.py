@@ -98,7 +98,7 @@ _LABEL_KEY = "kvguard.correlation_label"
 # so a burst of 1,000 requests failed a third of them. Generations beyond max_inflight_choices wait
 # in the router instead, before any KV is allocated.
 CONNECTIONS_PER_CHOICE = 5
-SPARE_CONNECTIONS = 64  # discovery, the limits refresher
+SPARE_CONNECTIONS = 64  # discovery, the limits refresher, one token channel per decode worker
 CHAT_MESSAGE_RENDER_BYTES = 64  # the template work one message costs, counted when choosing to render off the loop
 
 
