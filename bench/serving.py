@@ -37,6 +37,7 @@ serving designs, not of how many cores each grabs on a shared 2-core machine.
 
     .venv/bin/python bench/serving.py --quick            # < 5 min; last line: one JSON object
     .venv/bin/python bench/serving.py [--model medium] [--reps 3] [--plot-dir bench/plots]
+    .venv/bin/python bench/serving.py --client-procs 4   # many cores: the client split over 4 processes
 
 `--model tiny` is the 0.5 MB test model (Python-bound: measures the serving machinery);
 `--model medium` a random ~25M-parameter Llama (hidden 512, 8 layers) where compute matters.
@@ -48,6 +49,7 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -59,6 +61,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +120,7 @@ class Scenario:
     items: tuple[WorkItem, ...]
     concurrency: int | None = None
     rate: float | None = None
+    offsets: list[float] | None = None  # a share's own arrival offsets (`--client-procs`), else drawn
 
     def arrivals(self, seed: int = 1) -> list[float]:
         """Poisson: offsets in seconds from the start at which each request arrives."""
@@ -448,24 +452,53 @@ def time_default_serve(model_dir: Path, device: str) -> float:
 class HTTPBackend:
     """A server driven by the official openai async client, streaming completions."""
 
-    def __init__(self, name: str, server: Server, base_url: str, model: str, token_prompts: bool) -> None:
+    def __init__(self, name: str, server: Server, base_url: str, model: str, token_prompts: bool,
+                 client_procs: int = 1) -> None:
         import openai  # noqa: F401 - imported now: its ~1 s import must not land in the first timed run
 
         self.name, self.server, self.base_url, self.model, self.token_prompts = name, server, base_url, model, token_prompts
+        self._pool: ProcessPoolExecutor | None = None
+        if client_procs > 1:  # spawned once and warmed (imports) before anything is timed
+            self._pool = ProcessPoolExecutor(client_procs, mp_context=multiprocessing.get_context("spawn"))
+            list(self._pool.map(_warm_client, range(client_procs)))
+        self.client_procs = client_procs
         self.run(Scenario("warmup", (WorkItem(-1, (BOS_ID, 65, 66), 2),), concurrency=1))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def run(self, scenario: Scenario) -> Result:
         self.server.refresh_pids()
         steps_before = self.server.decode_steps()
-        cpu, client_cpu = self.server.cpu(), time.process_time()
+        cpu = self.server.cpu()
         start = time.perf_counter()
-        records = asyncio.run(self._drive(scenario))
+        records, client_cpu = self._drive_everywhere(scenario)
         wall = time.perf_counter() - start
-        result = Result(self.name, scenario.name, records, wall, self.server.cpu() - cpu, time.process_time() - client_cpu)
+        result = Result(self.name, scenario.name, records, wall, self.server.cpu() - cpu, client_cpu)
         steps_after = self.server.decode_steps()
         if steps_before is not None and steps_after is not None:
             result.decode_batch = mean_batch(steps_before, steps_after)
         return result
+
+    def _drive_everywhere(self, scenario: Scenario) -> tuple[list[Record], float]:
+        """The scenario's records and the clients' CPU seconds: driven here, or with
+        `--client-procs N` split across N client processes (item k to process k mod N, each with
+        its share of the closed loop's clients), so that one Python process's CPU does not bound
+        what a many-core server is measured at."""
+        if self._pool is None or len(scenario.items) < 2:
+            cpu = time.process_time()
+            return asyncio.run(self._drive(scenario)), time.process_time() - cpu
+        n = min(self.client_procs, len(scenario.items))
+        shares = []
+        for k in range(n):
+            concurrency = None if scenario.concurrency is None else max(1, round(scenario.concurrency / n))
+            offsets = scenario.arrivals()[k::n] if scenario.rate else None
+            shares.append(Scenario(scenario.name, scenario.items[k::n], concurrency, scenario.rate, offsets))
+        settings = (type(self), self.name, self.base_url, self.model, self.token_prompts)
+        done = list(self._pool.map(_drive_share, [settings] * n, shares))
+        by_index = {record.item.index: record for records, _ in done for record in records}
+        return [by_index[item.index] for item in scenario.items], sum(cpu for _, cpu in done)
 
     def _client(self) -> Any:
         """The async context manager `_one` sends through."""
@@ -483,7 +516,7 @@ class HTTPBackend:
                     await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
                     await self._one(client, record)
 
-                await asyncio.gather(*(at(r, t) for r, t in zip(records, scenario.arrivals())))
+                await asyncio.gather(*(at(r, t) for r, t in zip(records, scenario.offsets or scenario.arrivals())))
             else:
                 queue = iter(records)
 
@@ -512,6 +545,20 @@ class HTTPBackend:
             if chunk.usage is not None:
                 record.tokens = chunk.usage.completion_tokens
         record.tokens = record.tokens or pieces
+
+
+def _warm_client(_: int) -> None:
+    import openai  # noqa: F401 - in a client process, before anything is timed
+
+
+def _drive_share(settings: tuple[type[HTTPBackend], str, str, str, bool], scenario: Scenario) -> tuple[list[Record], float]:
+    """In a client process: drive one share of a scenario; its records and this process's CPU."""
+    cls, name, base_url, model, token_prompts = settings
+    backend = cls.__new__(cls)  # no server, no warm-up: the parent did both
+    backend.name, backend.base_url, backend.model, backend.token_prompts = name, base_url, model, token_prompts
+    cpu = time.process_time()
+    records = asyncio.run(backend._drive(scenario))
+    return records, time.process_time() - cpu
 
 
 class RawHTTPBackend(HTTPBackend):
@@ -613,6 +660,9 @@ def main() -> int:
     parser.add_argument("--tfserve-scenarios", default=None,
                         help=f"scenarios for transformers serve (default: {MIXED} only with --quick, else all closed loops)")
     parser.add_argument("--scenarios", default=None, help="comma-separated subset, e.g. closed-1,closed-16")
+    parser.add_argument("--client-procs", type=int, default=1,
+                        help="client processes driving each HTTP backend (default 1): on a many-core machine one Python "
+                        "client process can itself be the bound; the items and closed-loop clients are split among them")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write throughput/latency PNGs here")
     parser.add_argument("--json-out", type=Path, default=None, help="also write every result as JSON here")
     parser.add_argument("--device", default="cpu", help="where every backend runs: cpu (default) or cuda[:N] "
@@ -651,29 +701,29 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
         startup["http_ready_s"] = time.perf_counter() - t0
         startup["http_first_answer_s"] = startup["http_ready_s"] + wait_answering(url, model_dir.name, [BOS_ID, 65])
         if "http" in backends:
-            live["http"] = HTTPBackend("http", server, url, model_dir.name, token_prompts=True)
+            live["http"] = HTTPBackend("http", server, url, model_dir.name, token_prompts=True, client_procs=args.client_procs)
         if "http-raw" in backends:  # the same server: only the client differs
-            live["http-raw"] = RawHTTPBackend("http-raw", server, url, model_dir.name, token_prompts=True)
+            live["http-raw"] = RawHTTPBackend("http-raw", server, url, model_dir.name, token_prompts=True, client_procs=args.client_procs)
     if "http-perreq" in backends:
         server, url = start_kvguard(model_dir, pool_tokens, args.device, token_channel="off")
         servers.append(server)
-        live["http-perreq"] = HTTPBackend("http-perreq", server, url, model_dir.name, token_prompts=True)
+        live["http-perreq"] = HTTPBackend("http-perreq", server, url, model_dir.name, token_prompts=True, client_procs=args.client_procs)
     if "http-si" in backends:
         server, url = start_kvguard(model_dir, pool_tokens, args.device, args.stream_interval)
         servers.append(server)
-        live["http-si"] = HTTPBackend("http-si", server, url, model_dir.name, token_prompts=True)
+        live["http-si"] = HTTPBackend("http-si", server, url, model_dir.name, token_prompts=True, client_procs=args.client_procs)
     if "tfserve" in backends:
         t0 = time.perf_counter()
         server, url = start_transformers(model_dir, args.device)
         servers.append(server)
         startup["tfserve_first_answer_s"] = wait_answering(url, str(model_dir), "AB")
-        live["tfserve"] = HTTPBackend("tfserve", server, url, str(model_dir), token_prompts=False)
+        live["tfserve"] = HTTPBackend("tfserve", server, url, str(model_dir), token_prompts=False, client_procs=args.client_procs)
     if "hf" in backends:
         live["hf"] = HFBackend(model_dir, args.device)
     if "engine" in backends:
         live["engine"] = EngineBackend(model_dir, pool_tokens, args.device)
     print(f"model {args.model} ({sum(p.numel() for p in live['engine'].engine.model.parameters()) / 1e6:.2f}M params)"
-          if "engine" in live else f"model {args.model}", f"requests {len(items)}, reps {reps}, torch threads 1 per process; "
+          if "engine" in live else f"model {args.model}", f"requests {len(items)}, reps {reps}, torch threads 1 per process, client processes {args.client_procs}; "
           f"start-up: {', '.join(f'{k} {v:.1f}' for k, v in startup.items())}", flush=True)
     rates = rates_from_capacity(live, items, args.quick)
     plan = [s for s in scenarios(items, args.quick, rates) if not args.scenarios or s.name in args.scenarios.split(",")]
@@ -690,6 +740,9 @@ def run(args: argparse.Namespace, items: list[WorkItem], reps: int, backends: li
                 result = live[name].run(scenario)
                 results.setdefault((name, scenario.name), []).append(result)
                 print(f"  rep {rep} {name:8} {scenario.name:15} {result.summary()['tok_s']:8.1f} tok/s", flush=True)
+    for backend in live.values():
+        if isinstance(backend, HTTPBackend):
+            backend.close()
     return report(args, results, tokenizer, startup, rates)
 
 
@@ -763,6 +816,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], list[Result]
         "poisson_rates": rates,
         "parity": checks,
         "startup_s": {k: round(v, 2) for k, v in startup.items()},
+        "client_procs": args.client_procs,
         "model": args.model,
     }
     if args.json_out:

@@ -83,6 +83,9 @@ class ChannelReader:
         except (aiohttp.ClientError, OSError) as exc:
             reason = "the connection to the decode worker broke (it failed or restarted)"
             log.warning("token channel: %r", exc)
+        except Exception:  # a bug here must still end the requests on the channel, not hang them
+            reason = "the router failed reading it"
+            log.exception("token channel: reading failed")
         finally:
             if not opened.done():
                 opened.set_exception(ChannelLost(f"no token channel to the decode worker: {reason}; try again"))
