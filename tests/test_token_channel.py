@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import json
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
+import openai
 import pytest
 import requests
 from aiohttp import web
@@ -31,10 +34,13 @@ from pd_harness import (
 from waiting import wait_for
 
 from kvguard.workers.async_engine import RequestStream
-from kvguard.workers.channel_reader import ChannelLost, ChannelReader
+from kvguard.workers.channel_reader import MAX_LINE_BYTES, ChannelLost, ChannelReader, LineTooLong, read_lines
+from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.launcher import LocalDeployment
-from kvguard.workers.protocol import CHANNEL_EVENT, ErrorEvent, FinishEvent, TokenEvent
+from kvguard.workers.openai_api import OpenAIError
+from kvguard.workers.protocol import CHANNEL_EVENT, ErrorEvent, FinishEvent, GenerateRequest, SamplingParams, TokenEvent
 from kvguard.workers.request import RequestAborted, RequestOutput, RequestState
+from kvguard.workers.router import Router, RouterConfig
 from kvguard.workers.stream_events import step_events
 from kvguard.workers.token_channel import TokenChannel
 
@@ -48,8 +54,6 @@ def trio(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
 
 
 def _streamed(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
-    import openai
-
     api = openai.OpenAI(base_url=base_url, api_key="none", timeout=60, max_retries=0)
     stream = api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
     return "".join(chunk.choices[0].text for chunk in stream)
@@ -123,6 +127,25 @@ def test_a_channel_that_closes_ends_its_requests_and_frees_their_pages_s4(trio: 
              "decode to count the request's abort")  # fmt: skip
 
 
+def test_an_event_over_aiohttps_line_bound_reaches_the_client_on_both_paths(tiny_model_dir: Path) -> None:
+    """Outside probe: `--stream-interval 1024` with 20 logprob alternatives per token makes one
+    event over 512 KiB, aiohttp's readline bound. With a stream per request the router's read
+    raised past every handler and the client's stream stayed open, with no error and no end, for
+    as long as the client waited. Both paths now read lines of up to 8 MiB."""
+    with deployment(tiny_model_dir, stream_interval=1024, context_length=4096, kv_pool_tokens=8192) as d:
+        model = served_model(d)
+        with second_router(d, tiny_model_dir, token_channel="off") as per_request:
+            for base in (d.api_base, per_request):
+                api = openai.OpenAI(base_url=base, api_key="none", timeout=120, max_retries=0)
+                stream = api.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "big events"}], max_tokens=2048, temperature=0,
+                    logprobs=True, top_logprobs=20, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+                chunks = [c for c in stream if c.choices]
+                tokens = sum(len(c.choices[0].logprobs.content or ()) for c in chunks if c.choices[0].logprobs)
+                assert tokens == 2048 and chunks[-1].choices[0].finish_reason == "length", base
+        wait_pools_empty(d)
+
+
 # -- the pieces alone -------------------------------------------------------------------------------
 
 
@@ -179,7 +202,7 @@ def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_c
     words, no parser's) -- the next request opens a new one."""
 
     async def scenario() -> None:
-        opened = 0
+        opened, subscribed = 0, asyncio.Event()
 
         async def stream(request: web.Request) -> web.StreamResponse:
             nonlocal opened
@@ -187,32 +210,120 @@ def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_c
             response = web.StreamResponse()
             await response.prepare(request)
             await response.write(json.dumps({"event": "channel", "channel": f"{opened:032x}"}).encode() + b"\n")
+            await subscribed.wait()  # as decode: no request's event before the router sent it
             token = {"event": "token", "token_ids": [7], "text": "h"}
             for rid in ("r1", "nobody", "r2"):
                 await response.write(json.dumps({"request_id": rid, "event": token}).encode() + b"\n")
             await response.write(b'{"request_id": "r1", "event": {"event": "bogus"}}\n')
             return response
 
-        app = web.Application()
-        app.router.add_post("/internal/stream", stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        import aiohttp
-
-        async with aiohttp.ClientSession() as session:
-            reader = ChannelReader(lambda: session.post(f"http://127.0.0.1:{port}/internal/stream", json={}))
-            inboxes = {rid: reader.subscribe(rid) for rid in ("r1", "r2")}  # as the router does: before the request
-            assert await reader.channel() == f"{1:032x}"
-            r1 = [await asyncio.wait_for(inboxes["r1"].get(), 5) for _ in range(2)]
-            r2 = [await asyncio.wait_for(inboxes["r2"].get(), 5) for _ in range(2)]
-            for got in (r1, r2):
+        async with _serving({"/internal/stream": stream}) as base, aiohttp.ClientSession() as session:
+            reader = ChannelReader(lambda: session.post(f"{base}/internal/stream", json={}))
+            channel = await reader.channel()
+            assert channel.id == f"{1:032x}"
+            inboxes = {rid: channel.subscribe(rid) for rid in ("r1", "r2")}
+            subscribed.set()
+            for inbox in inboxes.values():
+                got = [await asyncio.wait_for(inbox.get(), 5) for _ in range(2)]
                 assert got[0] == TokenEvent(token_ids=(7,), text="h")
                 assert isinstance(got[1], ChannelLost) and "unreadable" in str(got[1]) and "Error" not in str(got[1])
-            assert await reader.channel() == f"{2:032x}"  # opened again
+            late = channel.subscribe("r3")  # on a channel already lost: told at once
+            assert isinstance(late.get_nowait(), ChannelLost)
+            assert (await reader.channel()).id == f"{2:032x}"  # opened again
             await reader.close()
-        await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_call_naming_a_channel_decode_no_longer_knows_is_made_again_on_a_new_one() -> None:
+    """Outside probe: decode SIGKILLed and restarted while requests were queued for it -- their
+    calls named the old process's channel and reached the new one, which refused them (409
+    `unknown_channel`, before any page), and clients got that 409. The router now drops the stale
+    channel, opens a new one and calls once more; a second refusal is a 502 in words."""
+
+    async def scenario(known_from: int) -> tuple[list[str | None], str | None]:
+        opened, calls = 0, []
+
+        async def stream(request: web.Request) -> web.StreamResponse:
+            nonlocal opened
+            opened += 1
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(json.dumps({"event": "channel", "channel": f"{opened:032x}"}).encode() + b"\n")
+            await asyncio.Event().wait()  # open until the router closes it
+            return response
+
+        async def decode(request: web.Request) -> web.StreamResponse:
+            channel = (await request.json())["channel"]
+            calls.append(channel)
+            if int(channel, 16) < known_from:
+                return web.json_response({"error": {"message": "no token channel of that id is open on this decode "
+                                                     "worker", "type": "conflict_error", "code": "unknown_channel"}}, status=409)  # fmt: skip
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(b'{"event": "handoff"}\n')
+            return response
+
+        config = RouterConfig(prefill_urls=("http://unused",), decode_urls=("http://unused",), model_name="m")
+        router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
+        async with _serving({"/internal/stream": stream, "/internal/decode": decode}) as base:
+            router.session = aiohttp.ClientSession()
+            request = GenerateRequest(request_id="cmpl-x", prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2))
+            failure = None
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    _, channel = await router._call_decode(request, base, asyncio.get_running_loop().time() + 10, stack)
+                    assert channel is not None and channel.id == calls[-1]
+            except OpenAIError as err:
+                failure = f"{err.status} {err.code}: {err.message}"
+            for reader in router._channels.values():
+                await reader.close()
+            await router.session.close()
+        return calls, failure
+
+    calls, failure = asyncio.run(scenario(known_from=2))
+    assert calls == [f"{1:032x}", f"{2:032x}"] and failure is None
+    calls, failure = asyncio.run(scenario(known_from=99))
+    assert len(calls) == 2 and failure == "502 worker_failed: the decode worker restarted while the request was sent; try again"
+
+
+@contextlib.asynccontextmanager
+async def _serving(routes: dict) -> AsyncIterator[str]:
+    """A plain aiohttp server on loopback with these POST routes; yields its base URL."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)  # handlers that wait forever end
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def test_decode_stream_lines_are_bounded_but_not_by_aiohttps_readline() -> None:
+    async def lines_of(chunks: list[bytes]) -> list[bytes]:
+        content = aiohttp.StreamReader(_Protocol(), limit=2**16, loop=asyncio.get_running_loop())
+        for chunk in chunks:
+            content.feed_data(chunk)
+        content.feed_eof()
+        return [line async for line in read_lines(content)]
+
+    big = b"x" * (600 << 10)  # over aiohttp's 512 KiB readline bound
+    assert asyncio.run(lines_of([b'{"a"', b': 1}\n\n', big[:1000], big[1000:] + b"\n"])) == [b'{"a": 1}', big]
+    with pytest.raises(LineTooLong):
+        asyncio.run(lines_of([b"y" * (MAX_LINE_BYTES + 1)]))
+    with pytest.raises(LineTooLong):
+        asyncio.run(lines_of([b'{"cut": "off']))
+
+
+class _Protocol:
+    """What aiohttp's StreamReader asks of its protocol, for feeding it by hand."""
+
+    _reading_paused = False
+
+    def pause_reading(self, **_: object) -> None: ...
+
+    def resume_reading(self, **_: object) -> None: ...

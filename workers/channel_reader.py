@@ -19,13 +19,51 @@ from kvguard.workers.protocol import CHANNEL_EVENT, ChannelOpened, ErrorEvent, F
 
 log = logging.getLogger("kvguard.router")
 
-MAX_LINE_BYTES = 1 << 20  # a channel line is one request's event; far below this with every limit applied
+# A sanity bound, not a size any legitimate line nears: one request's event is at most
+# --stream-interval (<= 1024) tokens with 20 logprob alternatives each, well under 1 MiB.
+MAX_LINE_BYTES = 8 << 20
 
 ChannelPayload = TokenEvent | FinishEvent | ErrorEvent
 
 
 class ChannelLost(Exception):
     """The channel closed or broke while the request was on it."""
+
+
+Inbox = asyncio.Queue[ChannelPayload | ChannelLost]
+
+
+@dataclass(eq=False)
+class OpenChannel:
+    """One channel while it is open: its id (decode's) and the inboxes of the requests on it. Each
+    opening has its own, so a request that moves to a new channel is never ended by the old one."""
+
+    id: str
+    _inboxes: dict[str, Inbox] = field(default_factory=dict)
+    _lost: ChannelLost | None = None
+
+    def subscribe(self, request_id: str) -> Inbox:
+        """The request's inbox (before its decode call, so no event can come first)."""
+        inbox: Inbox = asyncio.Queue()
+        if self._lost is not None:
+            inbox.put_nowait(self._lost)
+        else:
+            self._inboxes[request_id] = inbox
+        return inbox
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._inboxes.pop(request_id, None)
+
+    def hand_over(self, line: bytes) -> None:
+        routed = CHANNEL_EVENT.validate_json(line)
+        if (inbox := self._inboxes.get(routed.request_id)) is not None:
+            inbox.put_nowait(routed.event)
+
+    def lose(self, lost: ChannelLost) -> None:
+        self._lost = lost
+        for inbox in self._inboxes.values():
+            inbox.put_nowait(lost)
+        self._inboxes.clear()
 
 
 @dataclass(eq=False)
@@ -35,24 +73,23 @@ class ChannelReader:
     first) are dropped; a request's id is the router's own, never a client's."""
 
     open_stream: Callable[[], AbstractAsyncContextManager[aiohttp.ClientResponse]]
-    _inboxes: dict[str, asyncio.Queue[ChannelPayload | ChannelLost]] = field(default_factory=dict)
-    _opened: asyncio.Future[str] | None = None  # the channel's id, once decode named it
+    _opened: asyncio.Future[OpenChannel] | None = None  # the channel, once decode named it
     _task: asyncio.Task[None] | None = None
 
-    async def channel(self) -> str:
-        """The open channel's id, opening it first if there is none (the callers' bound applies)."""
-        if self._opened is None or (self._opened.done() and self._opened.exception() is not None):
+    async def channel(self) -> OpenChannel:
+        """The open channel, opening one first if there is none (the callers' bound applies)."""
+        if self._opened is None:
             self._opened = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._run(self._opened))
         return await asyncio.shield(self._opened)
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[ChannelPayload | ChannelLost]:
-        inbox: asyncio.Queue[ChannelPayload | ChannelLost] = asyncio.Queue()
-        self._inboxes[request_id] = inbox
-        return inbox
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._inboxes.pop(request_id, None)
+    def forget(self, channel: OpenChannel) -> None:
+        """Decode does not know `channel` (it restarted before this reader saw the old connection
+        break): drop it, so the next `channel()` opens a new one."""
+        if self._opened is not None and self._opened.done() and not self._opened.exception() and self._opened.result() is channel:
+            self._opened = None
+            if self._task is not None:
+                self._task.cancel()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -60,20 +97,22 @@ class ChannelReader:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _run(self, opened: asyncio.Future[str]) -> None:
+    async def _run(self, opened: asyncio.Future[OpenChannel]) -> None:
         # What the clients hear is what happened, in words; the log has aiohttp's.
         reason = "the decode worker ended it"
+        channel: OpenChannel | None = None
         try:
             async with self.open_stream() as resp:
                 if resp.status != 200:
                     raise ChannelLost(f"the decode worker refused it (HTTP {resp.status})")
-                lines = _lines(resp.content)
+                lines = read_lines(resp.content)
                 first = await anext(lines, b"")
-                opened.set_result(ChannelOpened.model_validate_json(first).channel)
+                channel = OpenChannel(ChannelOpened.model_validate_json(first).channel)
+                opened.set_result(channel)
                 async for line in lines:
-                    self._hand_over(line)
+                    channel.hand_over(line)
         except asyncio.CancelledError:
-            reason = "the router is shutting down"
+            reason = "the router is shutting down, or the decode worker restarted"
             raise
         except ChannelLost as exc:
             reason = str(exc)
@@ -89,29 +128,28 @@ class ChannelReader:
         finally:
             if not opened.done():
                 opened.set_exception(ChannelLost(f"no token channel to the decode worker: {reason}; try again"))
-            self._opened = None if self._opened is opened else self._opened
-            lost = ChannelLost(f"the decode worker's token channel closed: {reason}; try again")
-            for inbox in self._inboxes.values():
-                inbox.put_nowait(lost)
-            self._inboxes.clear()
-
-    def _hand_over(self, line: bytes) -> None:
-        routed = CHANNEL_EVENT.validate_json(line)
-        if (inbox := self._inboxes.get(routed.request_id)) is not None:
-            inbox.put_nowait(routed.event)
+            if self._opened is opened:
+                self._opened = None
+            if channel is not None:
+                channel.lose(ChannelLost(f"the decode worker's token channel closed: {reason}; try again"))
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The stream's lines, read in whatever chunks arrive (one read per write decode made, not one
-    per line); a line longer than MAX_LINE_BYTES fails the channel."""
+class LineTooLong(ValueError):
+    pass
+
+
+async def read_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """A decode stream's non-empty lines, read in whatever chunks arrive (one read per write decode
+    made, not one per line). A line longer than MAX_LINE_BYTES, or a stream that ends inside one,
+    raises `LineTooLong` (a ValueError)."""
     buffer = b""
     async for chunk in content.iter_any():
         buffer += chunk
         *complete, buffer = buffer.split(b"\n")
         for line in complete:
-            if line:
+            if line.strip():
                 yield line
         if len(buffer) > MAX_LINE_BYTES:
-            raise ChannelLost("the decode worker sent a line over the size bound")
+            raise LineTooLong(f"a line over {MAX_LINE_BYTES} bytes")
     if buffer.strip():
-        raise ChannelLost("it ended inside a line")
+        raise LineTooLong("the stream ended inside a line")

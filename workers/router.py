@@ -44,7 +44,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S
 from kvguard.workers.backpressure import Slots, StallWatch, drop
-from kvguard.workers.channel_reader import ChannelLost, ChannelPayload, ChannelReader
+from kvguard.workers.channel_reader import ChannelLost, ChannelReader, Inbox, OpenChannel, read_lines
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
@@ -851,6 +851,9 @@ class Router:
         except OpenAIError as err:
             # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
             await write(sse(err.body()))
+        except Exception:  # a bug: still an error frame and the end of the stream, never a stream left open
+            log.exception("request %s: failed mid-stream", response.headers.get(REQUEST_ID_HEADER))
+            await write(sse(OpenAIError(500, "internal error", code="internal_error").body()))
         with contextlib.suppress(ConnectionResetError):  # the client left after the last event: nothing to end
             await response.write_eof()
         return response
@@ -877,34 +880,14 @@ class Router:
         cause, outcome = "client_disconnect", "aborted"
         started = last_token = time.monotonic()
         tokens = 0
-        # A bound on waiting, not on generating: no event from decode for request_timeout_s (no
-        # first token: queueing, prefill, transfer; or no next token) ends the request with a 504,
-        # while a long generation that keeps producing runs to its max_tokens.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
         # Both legs start now: prefill computes while decode allocates, and gets the ticket (S9:
         # nothing is sent without it) once decode's bootstrap is here.
         ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         prefill_task = asyncio.create_task(self._prefill(prefill.url, PrefillRequest(**request.model_dump()), ticket))
         stack = contextlib.AsyncExitStack()
-        reader = self._channel_reader(decode.url)
+        channel: OpenChannel | None = None
         try:
-            call: DecodeRequest | GenerateRequest = request
-            inbox: asyncio.Queue[ChannelPayload | ChannelLost] | None = None
-            if reader is not None:
-                call = DecodeRequest.model_construct(**dict(request), channel=await _by(first_token_by, _open(reader)))
-                inbox = reader.subscribe(request.request_id)
-                # The request's own stream is read only until the handoff, within first_token_by;
-                # after it, the bound between two events applies to the inbox (_channel_events).
-                timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-            # Decode's stream stays open until the aborts have gone out (the finally below):
-            # closing it first would read on decode as a client disconnect, whatever the cause.
-            resp = await stack.enter_async_context(
-                self.control.post(self.http, f"{decode.url}/internal/decode", call, timeout=timeout)
-            )
-            if resp.status != 200:
-                raise await _upstream_error(resp)
-            events = (_decode_events(resp) if inbox is None else
-                      _channel_events(resp, inbox, self.config.request_timeout_s))  # fmt: skip
+            events, channel = await self._call_decode(request, decode.url, first_token_by, stack)
             # Until the first token, the request's whole wait (its slot included) is bounded by first_token_by.
             while (event := await (_next_event(events, prefill_task) if tokens else
                                    _by(first_token_by, _next_event(events, prefill_task)))) is not None:  # fmt: skip
@@ -947,14 +930,60 @@ class Router:
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
+        except ValueError as exc:  # an event line that does not parse, or is over its bound
+            cause, outcome = "decode_failed", "failed"
+            log.warning("request %s: decode sent an unreadable event: %s", request.request_id, exc)
+            raise OpenAIError(502, "the decode worker sent an unreadable event", code="decode_failed") from None
         finally:
-            if reader is not None:
-                reader.unsubscribe(request.request_id)
+            if channel is not None:
+                channel.unsubscribe(request.request_id)
             self.metrics.request_duration.observe(time.monotonic() - started)
             if cause:
                 ending.append(self._end_legs(request.request_id, (prefill.url, decode.url), prefill_task, stack, cause, outcome))
             else:
                 await stack.aclose()
+
+    async def _call_decode(
+        self, request: GenerateRequest, url: str, first_token_by: float, stack: contextlib.AsyncExitStack
+    ) -> tuple[AsyncIterator[DecodeEvent], OpenChannel | None]:
+        """The decode leg's call, and its events: on its own stream, or after the handoff on the
+        token channel to that worker (and that channel). Decode's answer stays open on `stack` until
+        the aborts have gone out: closing it first would read on decode as a client disconnect,
+        whatever the cause. Its headers come once decode has the pages: within first_token_by."""
+        reader = self._channel_reader(url)
+        if reader is None:
+            # A bound on waiting, not on generating: no event from decode for request_timeout_s (no
+            # first token: queueing, prefill, transfer; or no next token) ends the request with a
+            # 504, while a long generation that keeps producing runs to its max_tokens.
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
+            call = self.control.post(self.http, f"{url}/internal/decode", request, timeout=timeout)
+            resp = await _by(first_token_by, stack.enter_async_context(call))
+            if resp.status != 200:
+                raise await _upstream_error(resp)
+            return _decode_events(resp), None
+        # The request's own stream is read only until the handoff; after it, the bound between two
+        # events applies to its inbox (_channel_events).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        for _ in range(2):
+            channel = await _by(first_token_by, _open(reader))
+            inbox = channel.subscribe(request.request_id)  # before the call: no event can come first
+            try:
+                call = self.control.post(self.http, f"{url}/internal/decode",
+                                         DecodeRequest.model_construct(**dict(request), channel=channel.id), timeout=timeout)  # fmt: skip
+                resp = await _by(first_token_by, stack.enter_async_context(call))
+                if resp.status == 200:
+                    return _channel_events(resp, inbox, self.config.request_timeout_s), channel
+                error = await _upstream_error(resp)
+            except BaseException:
+                channel.unsubscribe(request.request_id)
+                raise
+            channel.unsubscribe(request.request_id)
+            if error.code != "unknown_channel":
+                raise error
+            # Decode restarted after this channel opened (the reader has not seen the old connection
+            # break yet) and refused before allocating anything: once more, on a new channel.
+            reader.forget(channel)
+        raise OpenAIError(502, "the decode worker restarted while the request was sent; try again", code="worker_failed")
 
     def _channel_reader(self, decode_url: str) -> ChannelReader | None:
         if not self.config.token_channel:
@@ -1082,24 +1111,23 @@ async def _echo_label(request: web.Request, response: web.StreamResponse) -> Non
 
 
 async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[DecodeEvent]:
-    async for line in resp.content:
-        if line.strip():
-            yield DECODE_EVENT.validate_json(line)
+    # Not aiohttp's readline: its 512 KiB bound is below a legitimate event (1024 tokens of
+    # --stream-interval with 20 logprob alternatives each), and it raised past every handler.
+    async for line in read_lines(resp.content):
+        yield DECODE_EVENT.validate_json(line)
 
 
 DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent | HandoffEvent
 
 
-async def _open(reader: ChannelReader) -> str:
+async def _open(reader: ChannelReader) -> OpenChannel:
     try:
         return await reader.channel()
     except ChannelLost as exc:
         raise OpenAIError(502, str(exc), code="worker_failed") from None
 
 
-async def _channel_events(
-    resp: aiohttp.ClientResponse, inbox: asyncio.Queue[ChannelPayload | ChannelLost], idle_s: float
-) -> AsyncIterator[DecodeEvent]:
+async def _channel_events(resp: aiohttp.ClientResponse, inbox: Inbox, idle_s: float) -> AsyncIterator[DecodeEvent]:
     """One request's events when it names a token channel: its own stream until decode hands it
     over (the bootstrap, or a failure before the first token), then its inbox, each event within
     `idle_s` of the last, until the one that ends it. Its own stream ending first ends them."""
