@@ -327,3 +327,14 @@ class _Protocol:
     def pause_reading(self, **_: object) -> None: ...
 
     def resume_reading(self, **_: object) -> None: ...
+
+
+def test_a_worker_killed_mid_call_is_named_as_such_not_as_a_failure() -> None:
+    """Outside probe (decode churn): a reset while a call was in flight read "a worker failed";
+    the client should hear the worker's connection broke (it failed or restarted)."""
+    from kvguard.workers.router import _worker_failure
+
+    reset = aiohttp.ClientOSError(104, "Connection reset by peer")
+    assert _worker_failure(reset) == "a worker's connection broke off mid-request (it failed or restarted); try again"
+    unreachable = aiohttp.ClientConnectorError(None, OSError(111, "refused"))  # type: ignore[arg-type]
+    assert _worker_failure(unreachable) == "a worker could not be reached; try again"

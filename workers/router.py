@@ -1183,7 +1183,8 @@ async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.
 def _worker_failure(exc: aiohttp.ClientError) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):
         return "a worker could not be reached; try again"
-    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+    # ClientOSError: a reset while the call was being sent or answered (the worker was killed).
+    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
         return "a worker's connection broke off mid-request (it failed or restarted); try again"
     return "a worker failed; try again"
 
