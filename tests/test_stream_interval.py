@@ -30,11 +30,11 @@ def out(*tokens: int, state: RequestState = RequestState.DECODING, error: Engine
 # -- the pure rule ---------------------------------------------------------------------------------
 
 
-def sent_groups(every: int, batches: list[list[RequestOutput]]) -> list[list[int]]:
-    """The token ids of each event decode would write for these engine batches."""
+def sent_groups(every: int, batches: list[list[RequestOutput]], step_s: float = 0.01) -> list[list[int]]:
+    """The token ids of each event decode would write for these engine batches, `step_s` apart."""
     interval, groups = StreamInterval(every), []
-    for batch in batches:
-        if interval.due(batch):
+    for i, batch in enumerate(batches):
+        if interval.due(batch, now=i * step_s):
             groups.append([t for output in interval.take() for t in output.token_ids])
     return groups
 
@@ -50,9 +50,9 @@ def test_the_end_of_a_request_flushes_what_is_held() -> None:
     assert sent_groups(8, steps) == [[0], [1, 2, 3]]
     aborted = [[out(0)], [out(1)], [out(state=RequestState.ABORTED, error=EngineError("gone"))]]
     interval = StreamInterval(8)
-    assert interval.due(aborted[0]) and len(interval.take()) == 1
-    assert not interval.due(aborted[1])
-    assert interval.due(aborted[2])
+    assert interval.due(aborted[0], 0.0) and len(interval.take()) == 1
+    assert not interval.due(aborted[1], 0.1)
+    assert interval.due(aborted[2], 0.2)
     data, sent, ended = step_events(interval.take(), prompt_tokens=3, sent=1)
     assert ended and sent == 2 and data.count(b"\n") == 2  # the held token, then the error
 
@@ -65,8 +65,23 @@ def test_a_batch_that_fell_behind_is_one_event_and_counts_whole() -> None:
 def test_an_empty_first_output_does_not_count_as_the_first_token() -> None:
     # e.g. a step that produced no token for this request: the first real token still goes at once.
     interval = StreamInterval(4)
-    assert interval.due([out()]) is False
-    assert interval.due([out(7)]) and [o.token_ids for o in interval.take()] == [[], [7]]
+    assert interval.due([out()], 0.0) is False
+    assert interval.due([out(7)], 0.0) and [o.token_ids for o in interval.take()] == [[], [7]]
+
+
+def test_held_tokens_go_out_once_the_oldest_waited_max_hold() -> None:
+    """Outside probe: with --stream-interval 1024 a healthy request making ~300 tokens/s sent an
+    event every ~3.5 s, and the router's --request-timeout 2 (the bound between two events) ended
+    every such request with 504. Held tokens now go out once the oldest has waited MAX_HOLD_S."""
+    steps = [[out(i)] for i in range(10)]
+    assert sent_groups(1024, steps, step_s=0.4) == [[0], [1, 2, 3, 4], [5, 6, 7, 8]]  # 1 s after the first held
+    assert sent_groups(1024, steps, step_s=0.01) == [[0]]  # fast steps: the interval rules
+    interval = StreamInterval(1024, max_hold_s=1.0)
+    assert interval.due([out(0)], 0.0) and interval.take()
+    assert not interval.due([out()], 5.0)  # an output without a token starts no clock
+    assert not interval.due([out(1)], 5.5)
+    assert not interval.due([out(2)], 6.0)
+    assert interval.due([out(3)], 6.5) and [t for o in interval.take() for t in o.token_ids] == [1, 2, 3]
 
 
 # -- the flag --------------------------------------------------------------------------------------

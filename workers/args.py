@@ -191,7 +191,7 @@ class WorkerArgs(BaseModel):
     stream_interval: int = Field(
         1, ge=1, le=1024,
         json_schema_extra=_flag("decode", "tokens per streamed event: the first token always goes at once, then one event per "
-                                "N tokens (and the rest at the end). 1 (default): every step's token as soon as it is made; "
+                                "N tokens, or sooner once one has waited 1 s (and the rest at the end). 1 (default): every step's token as soon as it is made; "
                                 "larger trades smoothness for less per-event work in decode, router and client"),
     )  # fmt: skip
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -248,7 +249,7 @@ class DecodeServer:
         interval = StreamInterval(self.stream_interval)
         sent = 0
         while batch := await stream.next_batch():
-            if not interval.due(batch):
+            if not interval.due(batch, time.monotonic()):
                 continue
             data, sent, ended = step_events(interval.take(), prompt_tokens, sent)
             await response.write(data)

@@ -12,23 +12,37 @@ from pydantic import BaseModel
 from kvguard.workers.protocol import ErrorEvent, FinishEvent, TokenEvent, TokenLogprob
 from kvguard.workers.request import RequestOutput, RequestState
 
+MAX_HOLD_S = 1.0
+"""The longest decode holds tokens for an interval before sending them anyway: the router's
+--request-timeout bounds the wait between two events, so a healthy but slow generation (N tokens
+taking longer than that timeout) must still send at least one event per this long."""
+
 
 class StreamInterval:
     """Which outputs go out now (vLLM's and SGLang's --stream-interval): the first token at once
-    (TTFT is never traded), then whenever `every` tokens are held, and whatever ended the request
-    with everything held before it. Pure; one per request."""
+    (TTFT is never traded), then whenever `every` tokens are held or the oldest held has waited
+    `max_hold_s`, and whatever ended the request with everything held before it. Pure (the caller
+    gives the time); one per request."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, max_hold_s: float = MAX_HOLD_S) -> None:
         self.every = every
+        self.max_hold_s = max_hold_s
         self._held: list[RequestOutput] = []
         self._held_tokens = 0
+        self._held_since = 0.0  # when the oldest held token came
         self._first_sent = False
 
-    def due(self, batch: Sequence[RequestOutput]) -> bool:
-        """Hold `batch`; True when what is held should be sent now (then call `take`)."""
+    def due(self, batch: Sequence[RequestOutput], now: float) -> bool:
+        """Hold `batch` (arrived at monotonic time `now`); True when what is held should be sent
+        now (then call `take`)."""
+        tokens = sum(len(output.token_ids) for output in batch)
+        if self._held_tokens == 0 and tokens:
+            self._held_since = now
         self._held += batch
-        self._held_tokens += sum(len(output.token_ids) for output in batch)
+        self._held_tokens += tokens
         if self._held[-1].finished or self._held_tokens >= self.every:
+            return True
+        if self._held_tokens > 0 and now - self._held_since >= self.max_hold_s:
             return True
         return not self._first_sent and self._held_tokens > 0
 

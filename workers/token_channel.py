@@ -16,6 +16,7 @@ This is decode's end (`TokenChannel`); workers/channel_reader.py is the router's
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -65,7 +66,7 @@ class TokenChannel:
 
     def add(self, stream: RequestStream, output: RequestOutput) -> None:
         route = self._routes.get(stream.request_id)
-        if route is None or not route.interval.due((output,)):
+        if route is None or not route.interval.due((output,), time.monotonic()):
             return
         data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
                                               channel_request=stream.request_id)  # fmt: skip

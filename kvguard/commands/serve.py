@@ -49,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
                         help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
     parser.add_argument("--stream-interval", type=_stream_interval, default=1,
-                        help="tokens per streamed event after the first (which always goes at once); default 1")
+                        help="tokens per streamed event after the first (which always goes at once), or fewer once "
+                        "one has waited 1 s; default 1")
     parser.add_argument("--token-channel", choices=("on", "off"), default="on",
                         help="on (default): decode's tokens reach the router on one stream for all requests, one write "
                         "per engine step; off: a stream per request")
