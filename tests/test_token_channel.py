@@ -169,8 +169,11 @@ def test_decode_routes_a_step_into_one_write_and_ends_its_requests_when_closed()
         channel = TokenChannel("c" * 32)
         writes: list[bytes] = []
 
+        written = asyncio.Event()
+
         async def write(data: bytes) -> None:
             writes.append(data)
+            written.set()
 
         serving = asyncio.create_task(channel.serve(write))
         a, b, c = (RequestStream(rid, loop) for rid in ("a", "b", "c"))
@@ -179,7 +182,7 @@ def test_decode_routes_a_step_into_one_write_and_ends_its_requests_when_closed()
         channel.add(b, _output("b", RequestState.FINISHED, [2], finish_reason="stop"))
         channel.add(c, _output("c", RequestState.ABORTED, [], error=RequestAborted("x")))
         channel.flush()
-        await asyncio.sleep(0)  # the writer's turn
+        await asyncio.wait_for(written.wait(), 5)  # the writer's turn
         assert len(writes) == 1 and [CHANNEL_EVENT.validate_json(x).request_id for x in writes[0].splitlines()] == ["a", "b", "b", "c"]
         assert (ended["b"].result(), ended["c"].result()) == ("", "")  # the engine ended both
         assert isinstance(CHANNEL_EVENT.validate_json(writes[0].splitlines()[3]).event, ErrorEvent)
@@ -207,9 +210,7 @@ def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_c
         async def stream(request: web.Request) -> web.StreamResponse:
             nonlocal opened
             opened += 1
-            response = web.StreamResponse()
-            await response.prepare(request)
-            await response.write(json.dumps({"event": "channel", "channel": f"{opened:032x}"}).encode() + b"\n")
+            response = await _opened_channel(request, opened)
             await subscribed.wait()  # as decode: no request's event before the router sent it
             token = {"event": "token", "token_ids": [7], "text": "h"}
             for rid in ("r1", "nobody", "r2"):
@@ -247,9 +248,7 @@ def test_a_call_naming_a_channel_decode_no_longer_knows_is_made_again_on_a_new_o
         async def stream(request: web.Request) -> web.StreamResponse:
             nonlocal opened
             opened += 1
-            response = web.StreamResponse()
-            await response.prepare(request)
-            await response.write(json.dumps({"event": "channel", "channel": f"{opened:032x}"}).encode() + b"\n")
+            response = await _opened_channel(request, opened)
             await asyncio.Event().wait()  # open until the router closes it
             return response
 
@@ -285,6 +284,14 @@ def test_a_call_naming_a_channel_decode_no_longer_knows_is_made_again_on_a_new_o
     assert calls == [f"{1:032x}", f"{2:032x}"] and failure is None
     calls, failure = asyncio.run(scenario(known_from=99))
     assert len(calls) == 2 and failure == "502 worker_failed: the decode worker restarted while the request was sent; try again"
+
+
+async def _opened_channel(request: web.Request, number: int) -> web.StreamResponse:
+    """A fake decode's channel answer: open, its first line naming channel `number` (in hex)."""
+    response = web.StreamResponse()
+    await response.prepare(request)
+    await response.write(json.dumps({"event": "channel", "channel": f"{number:032x}"}).encode() + b"\n")
+    return response
 
 
 @contextlib.asynccontextmanager
