@@ -183,6 +183,10 @@ def test_stop_string_and_stop_token_and_length(eng: Engine) -> None:
     token = full.output_ids[3]
     by_token = eng.generate([ids(eng, PROMPTS[0])], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(token,)))[0]
     assert by_token.finish_reason == "stop" and by_token.output_ids == full.output_ids[: full.output_ids.index(token) + 1]
+    # The stop token is generated and counted, but its own text is not output (vLLM's meaning;
+    # outside probe: '%h%D' for a stop on 'D').
+    assert eng.tokenizer is not None
+    assert by_token.output_text == eng.tokenizer.decode(by_token.output_ids[:-1])
     assert full.finish_reason == "length" and len(full.output_ids) == 24
 
 

@@ -172,6 +172,22 @@ def test_logit_bias_min_tokens_and_penalties_are_applied(api: openai.OpenAI, mod
     assert penalized.choices[0].text != plain.choices[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_is_counted_but_its_text_is_not_output(api: openai.OpenAI, model: str, stream: bool) -> None:
+    """vLLM's meaning of stop_token_ids (outside probe: the stop token's own text ended the output).
+    'A' (65), forced by logit_bias, is the stop token: one token generated and counted, no text."""
+    args = {"model": model, "prompt": "x", "max_tokens": 20, "temperature": 0, "logit_bias": {"65": 100},
+            "extra_body": {"stop_token_ids": [65]}}
+    if not stream:
+        done = api.completions.create(**args)  # type: ignore[call-overload]
+        assert (done.choices[0].text, done.choices[0].finish_reason, done.usage.completion_tokens) == ("", "stop", 1)
+        return
+    chunks = list(api.completions.create(**args, stream=True, stream_options={"include_usage": True}))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1
+
+
 @pytest.mark.parametrize("max_tokens", ["absent", None])
 def test_chat_max_tokens_defaults_to_the_rest_of_the_context(trio: LocalDeployment, model: str, max_tokens: object) -> None:
     body: dict = {"model": model, "temperature": 0, "ignore_eos": True, "messages": [{"role": "user", "content": "go on"}]}

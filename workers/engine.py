@@ -483,7 +483,9 @@ class Engine:
         request.output_ids.append(token)
         self.metrics.generation_tokens.inc()
         reason = self._finish_reason(request, token)
-        text, stopped = self._text_delta(request, token, final=reason is not None)
+        # A token that ends the request (EOS, stop_token_ids) is generated and counted, but its own
+        # text is not output (vLLM's meaning, without include_stop_str_in_output).
+        text, stopped = self._text_delta(request, None if reason == "stop" else token, final=reason is not None)
         reason = "stop" if stopped else reason
         records = [logprob] if logprob is not None else None
         if reason is None:
@@ -504,14 +506,16 @@ class Engine:
             return "length"
         return None
 
-    def _text_delta(self, request: Request, token: int, final: bool) -> tuple[str, bool]:
-        """New text to emit and whether a stop string ended the request. Text that could be the
-        start of a stop string is held back until it is known not to be one (workers/stops.py:
-        linear in the text generated, whatever the stop strings)."""
+    def _text_delta(self, request: Request, token: int | None, final: bool) -> tuple[str, bool]:
+        """New text to emit and whether a stop string ended the request (`token` None: the request
+        ended on a stop token, whose text is not output). Text that could be the start of a stop
+        string is held back until it is known not to be one (workers/stops.py: linear in the text
+        generated, whatever the stop strings)."""
         if request.detokenizer is None or request.stops is None:
             return "", False
         armed = len(request.output_ids) > request.params.min_tokens
-        text = request.stops.feed(request.detokenizer.push(token, final=final), armed=armed, final=final)
+        piece = request.detokenizer.finish() if token is None else request.detokenizer.push(token, final=final)
+        text = request.stops.feed(piece, armed=armed, final=final)
         if text:
             request.emitted.append(text)
         return text, request.stops.stopped

@@ -131,6 +131,14 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
 
+    def finish(self) -> str:
+        """What is held, released as the tokenizer decodes it, without a new token: the request
+        ended on a token whose own text is not part of the output (a stop token, as in vLLM)."""
+        held = self._ids[self._prefix :]
+        text = self._tok.decode(held)[len(self._tok.decode(self._ids[self._prefix : self._read])) :] if held else ""
+        self._prefix = self._read = len(self._ids)
+        return text
+
     def push(self, token_id: int, final: bool = False) -> str:
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
