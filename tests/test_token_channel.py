@@ -34,13 +34,21 @@ from pd_harness import (
 from waiting import wait_for
 
 from kvguard.workers.async_engine import RequestStream
-from kvguard.workers.channel_reader import MAX_LINE_BYTES, ChannelLost, ChannelReader, LineTooLong, read_lines
+from kvguard.workers.channel_reader import MAX_LINE_BYTES, ChannelLost, ChannelReader, Inbox, LineTooLong, coalesce, read_lines
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.launcher import LocalDeployment
 from kvguard.workers.openai_api import OpenAIError
-from kvguard.workers.protocol import CHANNEL_EVENT, ErrorEvent, FinishEvent, GenerateRequest, SamplingParams, TokenEvent
+from kvguard.workers.protocol import (
+    CHANNEL_EVENT,
+    ErrorEvent,
+    FinishEvent,
+    GenerateRequest,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+)
 from kvguard.workers.request import RequestAborted, RequestOutput, RequestState
-from kvguard.workers.router import Router, RouterConfig
+from kvguard.workers.router import Router, RouterConfig, _channel_events
 from kvguard.workers.stream_events import step_events
 from kvguard.workers.token_channel import TokenChannel
 
@@ -199,6 +207,46 @@ def test_decode_routes_a_step_into_one_write_and_ends_its_requests_when_closed()
     asyncio.run(scenario())
 
 
+def test_steps_made_while_the_router_reads_slowly_go_out_as_one_event_per_request() -> None:
+    """While a write waits on the router, a request's later steps are held, not encoded one by
+    one: the next write carries them as one event (tokens and text in order), its finish after."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        channel = TokenChannel("d" * 32)
+        writes: list[bytes] = []
+        release, wrote = asyncio.Event(), asyncio.Event()
+
+        async def write(data: bytes) -> None:
+            writes.append(data)
+            wrote.set()
+            await release.wait()  # the router is not reading
+
+        serving = asyncio.create_task(channel.serve(write))
+        a = RequestStream("a", loop)
+        ended = channel.attach(a, prompt_tokens=2)
+        channel.add(a, _output("a", RequestState.DECODING, [1]))
+        channel.flush()
+        await asyncio.wait_for(wrote.wait(), 5)  # the first token's write, now waiting
+        wrote.clear()
+        for token in (2, 3):
+            channel.add(a, _output("a", RequestState.DECODING, [token]))
+            channel.flush()
+        channel.add(a, _output("a", RequestState.FINISHED, [4], finish_reason="length"))
+        channel.flush()
+        release.set()
+        await asyncio.wait_for(wrote.wait(), 5)
+        events = [CHANNEL_EVENT.validate_json(line).event for line in writes[1].splitlines()]
+        assert len(writes) == 2 and len(events) == 2
+        assert isinstance(events[0], TokenEvent) and events[0].token_ids == (2, 3, 4)
+        assert events[1] == FinishEvent(finish_reason="length", prompt_tokens=2, completion_tokens=4)
+        assert ended.result() == ""
+        channel.close("done")
+        await asyncio.wait_for(serving, 5)
+
+    asyncio.run(scenario())
+
+
 def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_channel_breaks() -> None:
     """A real HTTP channel on loopback: two requests' events reach their own inboxes, one nobody
     waits for is dropped, and an unreadable line ends the channel for every request on it (in
@@ -232,6 +280,62 @@ def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_c
             assert isinstance(late.get_nowait(), ChannelLost)
             assert (await reader.channel()).id == f"{2:032x}"  # opened again
             await reader.close()
+
+    asyncio.run(scenario())
+
+
+def _token(token_id: int, text: str, logprob: float | None = None) -> TokenEvent:
+    record = None if logprob is None else (TokenLogprob(token_id=token_id, logprob=logprob, top=((token_id, logprob),)),)
+    return TokenEvent(token_ids=(token_id,), text=text, logprobs=record)
+
+
+def test_token_events_waiting_in_an_inbox_go_out_as_one() -> None:
+    """A relay that fell behind takes every token event waiting for its request as one (tokens,
+    text and logprobs in order) and keeps the first other item for its next turn; one that keeps
+    up takes each event as it came."""
+
+    async def scenario() -> None:
+        inbox: Inbox = asyncio.Queue()
+        for event in (_token(1, "a", -0.5), _token(2, "b\u00e9", -1.0), _token(3, "", -2.0)):
+            inbox.put_nowait(event)
+        finish = FinishEvent(finish_reason="length", prompt_tokens=4, completion_tokens=4)
+        inbox.put_nowait(finish)
+        inbox.put_nowait(_token(9, "after"))  # never taken by this call: the finish comes first
+        merged, held = coalesce(_token(0, "x", -0.1), inbox)
+        assert merged == TokenEvent(token_ids=(0, 1, 2, 3), text="xab\u00e9", logprobs=tuple(
+            TokenLogprob(token_id=t, logprob=lp, top=((t, lp),)) for t, lp in ((0, -0.1), (1, -0.5), (2, -1.0), (3, -2.0))))
+        assert held is finish and inbox.qsize() == 1
+        alone = _token(5, "y")
+        assert coalesce(alone, asyncio.Queue()) == (alone, None)  # nothing waiting: the same event
+        lost = ChannelLost("gone")
+        inbox = asyncio.Queue()
+        inbox.put_nowait(lost)
+        assert coalesce(alone, inbox) == (alone, lost)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_events_queued_at_the_router_streams_them_in_fewer_chunks() -> None:
+    """The router's side of a request on a channel, over a real loopback stream that hands it over:
+    with ten token events queued before the relay takes any (the router fell behind), the request
+    yields one token event carrying all ten, then its finish -- the same tokens and text."""
+
+    async def handoff(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'{"event":"handoff"}\n')
+        return response
+
+    async def scenario() -> None:
+        async with _serving({"/decode": handoff}) as base, aiohttp.ClientSession() as session:
+            inbox: Inbox = asyncio.Queue()
+            for i in range(10):
+                inbox.put_nowait(_token(i, f"<{i}>"))
+            inbox.put_nowait(FinishEvent(finish_reason="length", prompt_tokens=3, completion_tokens=10))
+            async with session.post(f"{base}/decode", json={}) as resp:
+                got = [event async for event in _channel_events(resp, inbox, idle_s=5)]
+        assert len(got) == 2 and isinstance(got[0], TokenEvent) and isinstance(got[1], FinishEvent)
+        assert got[0].token_ids == tuple(range(10)) and got[0].text == "".join(f"<{i}>" for i in range(10))
 
     asyncio.run(scenario())
 

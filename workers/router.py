@@ -44,7 +44,15 @@ from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S
 from kvguard.workers.backpressure import Slots, StallWatch, drop
-from kvguard.workers.channel_reader import ChannelLost, ChannelReader, Inbox, OpenChannel, read_lines
+from kvguard.workers.channel_reader import (
+    ChannelLost,
+    ChannelPayload,
+    ChannelReader,
+    Inbox,
+    OpenChannel,
+    coalesce,
+    read_lines,
+)
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
@@ -1135,12 +1143,17 @@ async def _channel_events(resp: aiohttp.ClientResponse, inbox: Inbox, idle_s: fl
         if not isinstance(event, HandoffEvent):
             yield event
             continue
+        held: ChannelPayload | ChannelLost | None = None
         while True:
-            if inbox.empty():
+            if held is not None:
+                item, held = held, None
+            elif inbox.empty():
                 async with asyncio.timeout(idle_s):
                     item = await inbox.get()
             else:
                 item = inbox.get_nowait()
+            if isinstance(item, TokenEvent) and not inbox.empty():  # the relay fell behind: one chunk for all
+                item, held = coalesce(item, inbox)
             if isinstance(item, ChannelLost):
                 raise OpenAIError(502, str(item), code="worker_failed")
             yield item

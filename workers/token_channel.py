@@ -37,14 +37,17 @@ class _Route:
 
 @dataclass(eq=False)
 class TokenChannel:
-    """Decode's end of one channel: the requests routed to it and the bytes their last engine step
-    produced, written by `serve` in one write per step (per several, when the router reads slowly
-    and the writes wait on it). A `StepRelay` for the requests' streams."""
+    """Decode's end of one channel: the requests routed to it and which of them have outputs due,
+    encoded and written by `serve` in one write per step. Outputs are encoded when written, not
+    when the engine hands them over: when the router reads slowly (a write waits on it) or the
+    event loop falls behind the engine, a request's outputs of several steps go out as one event.
+    A `StepRelay` for the requests' streams."""
 
     id: str
     stream_interval: int = 1
     _routes: dict[str, _Route] = field(default_factory=dict)
-    _pending: list[bytes] = field(default_factory=list)
+    _due: dict[str, None] = field(default_factory=dict)  # requests with outputs to send, in order
+    _pending: bytes = b""  # encoded at close, written by `serve` before it returns
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _closed: str | None = None  # the cause, once closed
 
@@ -66,38 +69,48 @@ class TokenChannel:
 
     def add(self, stream: RequestStream, output: RequestOutput) -> None:
         route = self._routes.get(stream.request_id)
-        if route is None or not route.interval.due((output,), time.monotonic()):
-            return
-        data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
-                                              channel_request=stream.request_id)  # fmt: skip
-        if data:
-            self._pending.append(data)
-        if ended:
-            self._end(stream.request_id, "")
+        if route is not None and route.interval.due((output,), time.monotonic()):
+            self._due[stream.request_id] = None
 
     def flush(self) -> None:
-        if self._pending:
+        if self._due:
             self._wake.set()
 
     def close(self, cause: str) -> None:
-        """Every request still routed here ends with `cause`; `serve` writes what is pending, then returns."""
+        """What is due goes out; every request still routed here then ends with `cause`; `serve`
+        writes the last bytes, then returns."""
+        if self._closed is None:
+            self._pending = self._encode_due()
         self._closed = self._closed or cause
         for request_id in list(self._routes):
             self._end(request_id, cause)
         self._wake.set()
 
     async def serve(self, write: Callable[[bytes], Awaitable[None]]) -> None:
-        """Write the pending bytes, all of them in one write, whenever a step added some; until
-        closed (or a write fails: the router is gone)."""
-        while True:
+        """Whenever steps made outputs due: encode them and write them in one write; until closed
+        (or a write fails: the router is gone)."""
+        while self._closed is None:
             await self._wake.wait()
             self._wake.clear()
-            if self._pending:
-                data = b"".join(self._pending)
-                self._pending.clear()
+            if self._closed is None and (data := self._encode_due()):
                 await write(data)
-            if self._closed is not None:
-                return
+        if self._pending:  # what was due when it closed (also when that was during a write)
+            await write(self._pending)
+
+    def _encode_due(self) -> bytes:
+        """The events of every request with outputs due, each request's held outputs as one event
+        (a request detached since has no handler left to hear it: dropped)."""
+        parts = []
+        for request_id in self._due:
+            if (route := self._routes.get(request_id)) is None:
+                continue
+            data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
+                                                  channel_request=request_id)  # fmt: skip
+            parts.append(data)
+            if ended:
+                self._end(request_id, "")
+        self._due.clear()
+        return b"".join(parts)
 
     def _end(self, request_id: str, cause: str) -> None:
         route = self._routes.pop(request_id)
