@@ -509,29 +509,29 @@ def _sooner(a: float | None, b: float | None) -> float | None:
 def _record_transition(run: _Run, decision: Decision, previous_state: RolloutState | None) -> None:
     """status.history: Candidate when a canary starts, Failed, Stable/Superseded on promotion."""
     rollout, old_stable = decision.rollout, run.status.revision
+    replaced = _supersede_replaced_candidate(run, rollout.revision or "")
     if decision.stable != old_stable and decision.stable is not None:
         run.status.revision = decision.stable
         if old_stable:
             run.record(old_stable, "Superseded", f"replaced by {decision.stable}")
         run.record(decision.stable, "Stable", None, None if rollout.rollback else run.status.kv_ratio)
-    elif rollout.state == RolloutState.CANARY_DEPLOYING:
-        _record_candidate(run, rollout.revision or "", fresh=previous_state != RolloutState.CANARY_DEPLOYING)
+    elif rollout.state == RolloutState.CANARY_DEPLOYING and (previous_state != RolloutState.CANARY_DEPLOYING or replaced):
+        run.record(rollout.revision or "", "Candidate", None, run.status.kv_ratio)  # a canary starts
     elif rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and previous_state not in (
         RolloutState.FAILED, RolloutState.ROLLED_BACK
     ):
         run.record(rollout.revision or "", "Failed", rollout.message)
 
 
-def _record_candidate(run: _Run, revision: str, fresh: bool) -> None:
-    """A canary starts -- or a newer spec replaced the candidate mid-canary (the state stays
-    CanaryDeploying): the replaced one is Superseded, never left reading Candidate."""
+def _supersede_replaced_candidate(run: _Run, revision: str) -> bool:
+    """A newer spec replaced the candidate before it served -- with another candidate (the state
+    may stay CanaryDeploying), a blocked one, or the stable revision again: the replaced one is
+    Superseded, never left reading Candidate. True when one was."""
     head = run.status.history[0] if run.status.history else None
-    replaced = head is not None and head.state == "Candidate" and head.revision != revision
-    if replaced:
-        assert head is not None
-        run.record(head.revision, "Superseded", f"replaced by {revision} {NEVER_SERVED}")
-    if fresh or replaced:
-        run.record(revision, "Candidate", None, run.status.kv_ratio)
+    if head is None or head.state != "Candidate" or head.revision == revision:
+        return False
+    run.record(head.revision, "Superseded", f"replaced by {revision} {NEVER_SERVED}")
+    return True
 
 
 def _canary_summary(rollout: RolloutStatus) -> str:
@@ -539,6 +539,8 @@ def _canary_summary(rollout: RolloutStatus) -> str:
         return {"pass": "Passed", "fail": "Failed"}.get(rollout.canary.verdict, "CannotRun")
     if rollout.rollback:
         return "Skipped"
+    if rollout.state == RolloutState.STABLE:  # back at the stable after a superseded candidate: its canary passed
+        return "Passed"
     if rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
         return "NotRun"
     return _CANARY_SUMMARY.get(rollout.state, "NotRun")

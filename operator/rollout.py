@@ -646,7 +646,7 @@ class _Step:
     def _on_planning(self) -> None:
         self._policy_condition()
         if self.candidate == self.stable:
-            self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+            self._back_to_stable()
             return
         if self._block_if_gates_fail():
             return
@@ -661,7 +661,7 @@ class _Step:
     def _on_blocked(self) -> None:
         self._policy_condition()
         if self.candidate == self.stable:
-            self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+            self._back_to_stable()
             return
         if self._gate_problem() is None:
             self.move(RolloutState.PLANNING, "GatesPass", f"revision {self.candidate} is no longer blocked")
@@ -670,6 +670,13 @@ class _Step:
             self.actions.append(CancelCanary(self.candidate))
             self.actions.append(DeleteRevision(self.candidate))
         self.condition("Progressing", "False", self.r.reason or "Blocked", self.r.message or "")
+
+    def _back_to_stable(self) -> None:
+        """The spec names the stable revision again (a candidate was superseded, or blocked): the
+        conditions speak of it now, not of the candidate that was being deployed."""
+        self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
+        self.condition("CanaryPassed", "True", "StableRevision",
+                       f"revision {self.candidate} is the stable revision: it passed its canary before it served")  # fmt: skip
 
     def _deploy(self, scale: Scale) -> None:
         if self.r.rollback:  # a kept revision comes back at the replicas it served with
@@ -1090,7 +1097,7 @@ def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
 
 NEVER_SERVED = "before it served"
 """The end of a Superseded record's message when the revision was a candidate replaced mid-canary
-(reconcile._record_candidate): it never served, so it is no rollback target and nothing of it is kept."""
+(reconcile._supersede_replaced_candidate): it never served, so it is no rollback target and nothing of it is kept."""
 
 
 def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, ...]:

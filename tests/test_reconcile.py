@@ -72,6 +72,26 @@ def test_S7_S8_blocked_plan_applies_and_deletes_nothing() -> None:
     assert again.events == []  # one Warning per blocked revision, not one per reconcile
 
 
+def test_a_spec_back_at_the_stable_revision_mid_canary_supersedes_the_candidate() -> None:
+    """Outside probe (apply, interrupted apply of a changed spec, apply of the first spec again):
+    the candidate read Candidate in history and CanaryPassed spoke of its deployment for ever."""
+    b = promote(body())
+    stable = b["status"]["revision"]
+    changed = body()
+    changed["spec"]["contextLength"] = 512
+    changed["status"] = b["status"]
+    deploying = reconcile(changed, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=60))
+    candidate = deploying.status["targetRevision"]
+    assert candidate != stable and deploying.status["history"][0]["state"] == "Candidate"
+    back = reconcile({**b, "status": deploying.status}, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=90))
+    assert back.status["phase"] == "Ready" and back.status["revision"] == stable and back.status["canary"] == "Passed"
+    history = [(h["revision"], h["state"]) for h in back.status["history"]]
+    assert history[:2] == [(candidate, "Superseded"), (stable, "Stable")]
+    assert back.status["history"][0]["message"] == f"replaced by {stable} before it served"
+    passed = next(c for c in back.status["conditions"] if c["type"] == "CanaryPassed")
+    assert (passed["status"], passed["reason"]) == ("True", "StableRevision") and candidate not in passed["message"]
+
+
 def test_bad_input_is_a_condition_never_an_exception() -> None:
     for spec in ({}, {"contextLength": -1}, {"model": 3}):
         b = {"metadata": {"name": "x", "namespace": "ns", "uid": "u"}, "spec": spec}

@@ -432,11 +432,14 @@ def test_spec_change_during_promoting_finishes_the_promotion_first() -> None:
     assert d.rollout.revision == "r3" and d.rollout.baseline == "r2"
 
 
-def test_spec_reverted_to_stable_during_rollout_deletes_the_canary() -> None:
-    sim = _sim_in(S.CANARY_VERIFYING)
+@pytest.mark.parametrize("state", [S.CANARY_DEPLOYING, S.CANARY_VERIFYING, S.BLOCKED, S.FAILED])
+def test_spec_reverted_to_stable_during_rollout_deletes_the_canary(state: RolloutState) -> None:
+    sim = _sim_in(state)
     sim.target = "r1"
     d = sim.tick()
-    assert d.state == S.STABLE and DeleteRevision("r2") in d.actions and sim.serving == "r1"
+    assert d.state == S.STABLE and sim.serving == "r1" and "r2" not in sim.revisions
+    # The conditions speak of the stable revision again, not of the candidate's deployment or failure.
+    assert conditions(d)["CanaryPassed"] == ("True", "StableRevision")
 
 
 # --- annotations ----------------------------------------------------------------------------------
