@@ -89,6 +89,10 @@ def _kvguard_problems(spec: InferenceModelSpec) -> list[str]:
     kv = spec.kv_cache_dtype
     if kv != KVCacheDtype.AUTO and dtype is not None and kv not in _KV_ALIASES.get(dtype, set()):
         problems.append(f"spec.kvCacheDtype: the kvguard engine keeps KV in the weights' dtype ({dtype}); use auto or {dtype}")
+    limit = spec.model.architecture.max_position_embeddings if spec.model.architecture is not None else None
+    if limit is not None and spec.context_length > limit:  # SGLang and vLLM can be told to; the kvguard engine refuses
+        problems.append(f"spec.contextLength: {spec.context_length:,} exceeds the model's maxPositionEmbeddings {limit:,}; "
+                        "the kvguard engine refuses positions the model was not built for")  # fmt: skip
     # The default (mooncake) is accepted when written out: a spec dumped whole and read back has it.
     if "backend" in spec.kv_transfer.model_fields_set and spec.kv_transfer.backend != "mooncake":
         problems.append(f"spec.kvTransfer.backend: {spec.kv_transfer.backend} is SGLang's transfer backend; the kvguard "

@@ -40,6 +40,7 @@ UNSUPPORTED = {
     "roles.decode.dataParallelAttention": (True, "spec.roles.decode.dataParallelAttention"),
     "weights.quantization": ("awq", "spec.weights.quantization"),
     "kvCacheDtype": ("fp8", "spec.kvCacheDtype"),
+    "model.architecture.maxPositionEmbeddings": (512, "spec.contextLength"),  # tiny-cpu.yaml asks for 1024
 }
 
 

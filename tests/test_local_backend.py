@@ -178,6 +178,19 @@ def test_apply_of_a_spec_refused_by_field_exits_2_at_once(tmp_path: Path, tiny_m
     assert not (tmp_path / "s" / "revisions").exists()
 
 
+def test_apply_of_a_context_beyond_the_models_own_limit_exits_2_at_once(tmp_path: Path, tiny_model_dir: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Outside probe: contextLength 8192 on the tiny model (max_position_embeddings 4096 in its
+    config.json, not in the spec) planned PASS and then crash-looped every worker until --timeout."""
+    body = tiny_body(str(tiny_model_dir))
+    body["spec"].update(contextLength=8192, kvPoolTokens=16384)
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    assert main(["apply", "-f", str(manifest), "--local", "--state-dir", str(tmp_path / "s")]) == 2
+    assert "spec.contextLength: 8,192 exceeds the model's maximum 4,096 (max_position_embeddings in" in capsys.readouterr().err
+    assert not (tmp_path / "s" / "revisions").exists()
+
+
 def test_apply_blocked_plan_exits_3_and_starts_nothing(tmp_path: Path) -> None:
     state = tmp_path / "state"
     assert main(["apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(state)]) == 3
@@ -480,6 +493,24 @@ def test_a_state_file_kvguard_did_not_write_is_refused(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text("{}")
     with pytest.raises(UnreadableState, match="no version: not written by kvguard"):
         StateStore(tmp_path).load()
+
+
+def test_delete_refuses_a_folder_kvguard_never_drove(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: `apply --delete --state-dir` removed any folder it was given (a typo naming the
+    model folder, or `.`), and would have signalled whatever logged into it. Only a folder holding
+    kvguard's state.json or lock is emptied; anything else is exit 2 with nothing touched."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("important")
+    assert main(["apply", "--delete", "--local", "--state-dir", str(precious)]) == 2
+    assert "not a kvguard state folder" in capsys.readouterr().err and (precious / "notes.txt").read_text() == "important"
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert main(["apply", "--delete", "--local", "--state-dir", str(a_file)]) == 2 and a_file.exists()
+    drove = tmp_path / "drove"
+    drove.mkdir()
+    (drove / "lock").touch()  # an apply that stopped before its first state.json
+    assert main(["apply", "--delete", "--local", "--state-dir", str(drove)]) == 0 and not drove.exists()
 
 
 def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: Path) -> None:

@@ -180,6 +180,13 @@ def test_a_name_no_inferencemodel_can_have_is_bad_input(local: list[str], capsys
     assert "metadata.name: 'BAD_NAME!' must be lowercase letters" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf", "1e308"])
+def test_an_interval_time_cannot_sleep_is_bad_input(interval: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: nan, inf and 1e308 ended in a traceback (time.sleep raised), 0 and -1 in one line."""
+    assert main(["status", "tiny", "--local", "--watch", "--interval", interval]) == 2
+    assert "--interval must be > 0" in capsys.readouterr().err
+
+
 def test_status_local_says_when_the_serving_revision_has_no_worker_of_a_role(serving: LocalDeployment, tmp_path: Path,
                                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """An outside probe: with the stable's only decode worker killed, every request got a 503 while

@@ -225,11 +225,19 @@ class _ProbeRows:
 
 
 def _delete(state_dir: Path) -> int:
-    from kvguard.operator.backends.local import LocalBackend, LocalBackendError, UnreadableState
+    from kvguard.operator.backends.local import LOCK_FILE, STATE_FILE, LocalBackend, LocalBackendError, UnreadableState
 
     if not state_dir.exists():
         print(f"kvguard apply --delete: {state_dir} does not exist; nothing to stop")
         return EXIT_OK
+    if not state_dir.is_dir():
+        return _bad_input(f"--state-dir {state_dir} is not a folder; nothing stopped or removed")
+    # Only a folder kvguard drove is emptied: a mistyped --state-dir (the model folder, `.`) is
+    # someone's data, and its unrecorded path would signal whatever logs into it (outside probe).
+    if not any((state_dir / name).exists() for name in (STATE_FILE, LOCK_FILE)):
+        return _bad_input(f"--state-dir {state_dir} is not a kvguard state folder (it holds neither {STATE_FILE} "
+                          f"nor {LOCK_FILE}); nothing stopped or removed")  # fmt: skip
+    state_dir = state_dir.resolve()  # `--state-dir .` is removed by its name, not as "."
     try:
         with LocalBackend(state_dir) as backend:
             backend.stop_all()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_BAD_INPUT, EXIT_NOT_FOUND = 0, 1, 2, 3
+MAX_INTERVAL_S = 86_400.0  # a day between redraws; beyond that (or inf, NaN) time.sleep raises
 
 
 class NotFound(Exception):
@@ -48,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if (problem := model_name_problem(args.name)) is not None:  # no InferenceModel can have it: say so, not 404
         print(f"kvguard status: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.interval <= 0:
-        print("kvguard status: --interval must be > 0", file=sys.stderr)
+    if not 0 < args.interval <= MAX_INTERVAL_S:  # also NaN and inf (time.sleep raises on both)
+        print(f"kvguard status: --interval must be > 0 and at most {MAX_INTERVAL_S:g} seconds", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.state_dir is not None and not args.local:
         print("kvguard status: --state-dir needs --local", file=sys.stderr)

@@ -35,6 +35,7 @@ from kvguard.operator.backends.local_progress import WaitReporter
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
+from kvguard.operator.hf_config import HFConfigError, architecture_from_file
 from kvguard.operator.planner import plan
 from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS, kept_out
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed, roles_out_of_rotation
@@ -135,6 +136,13 @@ def _check_runnable(backend: LocalBackend, spec: InferenceModelSpec, kv_plan: KV
     model_dir = model_dir_for(spec, backend.models_root)
     if not (model_dir / "config.json").is_file():
         raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir} has no config.json")
+    try:  # the model's own limit (the spec need not state it): else every worker dies at start, for ever
+        limit = architecture_from_file(model_dir).max_position_embeddings
+    except HFConfigError as exc:
+        raise LocalBackendError(f"spec.model.source.pvc.path: {model_dir}: {exc}") from None
+    if limit is not None and spec.context_length > limit:
+        raise LocalBackendError(f"spec.contextLength: {spec.context_length:,} exceeds the model's maximum {limit:,} "
+                                f"(max_position_embeddings in {model_dir / 'config.json'})")  # fmt: skip
 
 
 def replica_change(backend: LocalBackend, revision: str, spec: InferenceModelSpec) -> dict[str, tuple[int, int]]:
