@@ -234,3 +234,16 @@ def test_grouped_paged_attention_equals_one_group() -> None:
     plan = decode_plan(page_table, seq_lens, 4, length_groups([5, 3, 1, 1], overhead_pages=1))
     assert len(plan.groups) == 3
     torch.testing.assert_close(paged_decode_attention(q, kv_layer, page_table, seq_lens, 0.3, plan), whole)
+
+
+def test_tiny_model_refuses_an_empty_dir_or_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Outside probe: `model tiny ''` wrote into the working folder; a file as DIR was exit 1."""
+    from kvguard.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["model", "tiny", ""]) == 2 and not list(tmp_path.iterdir())
+    (tmp_path / "a-file").write_text("x")
+    assert main(["model", "tiny", "a-file"]) == 2 and (tmp_path / "a-file").read_text() == "x"
+    err = capsys.readouterr().err
+    assert "DIR is empty" in err and "a-file is not a folder" in err

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+EXIT_BAD_INPUT = 2
 EXIT_EXISTS = 2  # the folder holds other files of the same names: nothing was written
 
 
@@ -35,7 +36,13 @@ def _seed(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from kvguard.workers.tiny import tiny_model_files, write_files
 
+    if not args.dir:  # Path("") is the working folder: never what an empty argument meant
+        print("kvguard model: DIR is empty; name the folder to write", file=sys.stderr)
+        return EXIT_BAD_INPUT
     folder = Path(args.dir)
+    if folder.exists() and not folder.is_dir():
+        print(f"kvguard model: {folder} is not a folder; nothing was written", file=sys.stderr)
+        return EXIT_BAD_INPUT
     files = tiny_model_files(seed=args.seed)
     # Writing the same bytes again is harmless (same seed, same files); replacing a real model's
     # config.json or weights is not, unless asked for.
