@@ -240,6 +240,7 @@ REFUSED = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ("completions", {"guided_json": {}}, "guided_json"),  # an engine extension this server lacks
     ("completions", {"frobnicate": 1}, "frobnicate"),
 ]

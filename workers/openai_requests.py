@@ -43,6 +43,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's extension: known, refused when asked for
 
 
 def _refuse(param: str, why: str) -> OpenAIError:
@@ -131,6 +132,8 @@ class _Request(_Strict):
                 raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
             if self.stream_options.include_obfuscation:
                 raise _refuse("stream_options.include_obfuscation", "stream chunks are not padded")
+            if self.stream_options.continuous_usage_stats:
+                raise _refuse("stream_options.continuous_usage_stats", "usage comes once, in the last chunk (include_usage)")
         budget = self.completion_budget()
         if self.min_tokens and budget is not None and self.min_tokens > budget:  # vLLM refuses it too
             raise OpenAIError(400, f"min_tokens ({self.min_tokens}) must be at most {self.budget_param()} ({budget})",
