@@ -500,6 +500,9 @@ def _warnings(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[
             "spec.reserve is 0, but vLLM always profiles an activation peak (often 2-9 GiB): set it from the startup "
             "log, or omit it to have it estimated, or the pool is over-estimated"
         )
+    for name, role in spec.roles.worker_roles().items():
+        if role.replicas == 0:  # the pool is fine, but nothing would hold it (rollout.py's NoWorkers gate)
+            yield f"spec.roles.{name}.replicas is 0: a rollout of this spec is blocked (NoWorkers) until it is scaled up"
     yield from _estimate_warnings(roles)
 
 

@@ -355,6 +355,14 @@ def test_context_beyond_max_position_embeddings_is_warned_about() -> None:
     assert any("exceeds the model's max_position_embeddings 131,072" in w for w in plan(long).warnings)
 
 
+def test_a_role_at_zero_replicas_is_noted_since_a_rollout_blocks_it() -> None:
+    """Outside probe: plan said PASS for decode.replicas 0, which apply then blocks (NoWorkers)."""
+    spec = make_spec()
+    assert not any("replicas is 0" in w for w in plan(spec).warnings)
+    idle = spec.model_copy(update={"roles": spec.roles.model_copy(update={"decode": spec.roles.decode.model_copy(update={"replicas": 0})})})
+    assert "spec.roles.decode.replicas is 0: a rollout of this spec is blocked (NoWorkers) until it is scaled up" in plan(idle).warnings
+
+
 def test_engine_args_that_would_change_the_pool_behind_the_plan_are_refused() -> None:
     spec = make_spec(engine=api.EngineSpec(kind="sglang", extra_args=["--mem-fraction-static", "0.95"]))
     assert "spec.memoryFraction" in errors_of(spec)["spec.engine.extraArgs"]
