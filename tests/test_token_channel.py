@@ -247,6 +247,47 @@ def test_steps_made_while_the_router_reads_slowly_go_out_as_one_event_per_reques
     asyncio.run(scenario())
 
 
+def test_a_request_whose_outputs_cannot_be_encoded_ends_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug on one request's outputs (the encoding raises) ends that request with an error event
+    and its abort (decode_error); the others on the channel go on."""
+    import kvguard.workers.token_channel as token_channel
+
+    real = token_channel.step_events
+
+    def step_events(batch: list[RequestOutput], *args: object, **kwargs: object) -> tuple[bytes, int, bool]:
+        if batch[0].request_id == "bad":
+            raise ValueError("injected")
+        return real(batch, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(token_channel, "step_events", step_events)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        channel = TokenChannel("e" * 32)
+        writes: list[bytes] = []
+        wrote = asyncio.Event()
+
+        async def write(data: bytes) -> None:
+            writes.append(data)
+            wrote.set()
+
+        serving = asyncio.create_task(channel.serve(write))
+        good, bad = RequestStream("good", loop), RequestStream("bad", loop)
+        ended = {s.request_id: channel.attach(s, prompt_tokens=1) for s in (good, bad)}
+        channel.add(good, _output("good", RequestState.DECODING, [1]))
+        channel.add(bad, _output("bad", RequestState.DECODING, [2]))
+        channel.flush()
+        await asyncio.wait_for(wrote.wait(), 5)
+        events = [CHANNEL_EVENT.validate_json(line) for line in writes[0].splitlines()]
+        assert [e.request_id for e in events] == ["good", "bad"] and isinstance(events[0].event, TokenEvent)
+        assert isinstance(events[1].event, ErrorEvent) and events[1].event.code == "internal_error"
+        assert ended["bad"].result() == "decode_error" and not ended["good"].done()
+        channel.close("done")
+        await asyncio.wait_for(serving, 5)
+
+    asyncio.run(scenario())
+
+
 def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_channel_breaks() -> None:
     """A real HTTP channel on loopback: two requests' events reach their own inboxes, one nobody
     waits for is dropped, and an unreadable line ends the channel for every request on it (in

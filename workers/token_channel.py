@@ -16,15 +16,25 @@ This is decode's end (`TokenChannel`); workers/channel_reader.py is the router's
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvguard.workers.async_engine import RequestStream
+from kvguard.workers.protocol import ChannelEvent, ErrorEvent
 from kvguard.workers.request import RequestOutput
 from kvguard.workers.stream_events import StreamInterval, step_events
+from kvguard.workers.transfer import AbortCause
 
 MAX_CHANNELS = 64  # per decode worker: one per router replica is the expected number
+
+log = logging.getLogger("kvguard.decode")
+
+
+def _failed(request_id: str) -> bytes:
+    event = ErrorEvent(status=500, code="internal_error", message="decode could not encode the request's tokens")
+    return ChannelEvent(request_id=request_id, event=event).model_dump_json().encode() + b"\n"
 
 
 @dataclass
@@ -104,8 +114,14 @@ class TokenChannel:
         for request_id in self._due:
             if (route := self._routes.get(request_id)) is None:
                 continue
-            data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
-                                                  channel_request=request_id)  # fmt: skip
+            try:
+                data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
+                                                      channel_request=request_id)  # fmt: skip
+            except Exception:  # a bug on this request's outputs ends it alone, not the channel's others
+                log.exception("request %s: its outputs could not be encoded", request_id)
+                parts.append(_failed(request_id))
+                self._end(request_id, AbortCause.DECODE_ERROR)
+                continue
             parts.append(data)
             if ended:
                 self._end(request_id, "")
