@@ -52,6 +52,7 @@ from kvguard.operator.render import (
 )
 from kvguard.operator.revision import numerics_of, revision_of
 from kvguard.operator.rollout import (
+    NEVER_PROMOTED,
     NEVER_SERVED,
     ROLLBACK_ANNOTATION,
     Action,
@@ -459,9 +460,9 @@ def _roll_out(
         gate_refusals=gate_refusals(run.observed.pools),
     )  # fmt: skip
     decision = step(spec, run.status.rollout, stable, world)
-    previous_state = run.status.rollout.state if run.status.rollout else None
+    previous = run.status.rollout
     run.status.rollout = decision.rollout
-    _record_transition(run, decision, previous_state)
+    _record_transition(run, decision, previous)
     for action in decision.of_type(SetCondition):
         run.set(action.type, action.status, action.reason, action.message)
     rollout = decision.rollout
@@ -506,10 +507,13 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _record_transition(run: _Run, decision: Decision, previous_state: RolloutState | None) -> None:
+def _record_transition(run: _Run, decision: Decision, previous: RolloutStatus | None) -> None:
     """status.history: Candidate when a canary starts, Failed, Stable/Superseded on promotion."""
     rollout, old_stable = decision.rollout, run.status.revision
-    replaced = _supersede_replaced_candidate(run, rollout.revision or "")
+    previous_state = previous.state if previous is not None else None
+    # A candidate shifting traffic (or given a weight) served a share of it before it was replaced.
+    served = previous is not None and (previous.state == RolloutState.SHIFTING or bool(previous.weight))
+    replaced = _supersede_replaced_candidate(run, rollout.revision or "", served)
     if decision.stable != old_stable and decision.stable is not None:
         run.status.revision = decision.stable
         if old_stable:
@@ -523,14 +527,16 @@ def _record_transition(run: _Run, decision: Decision, previous_state: RolloutSta
         run.record(rollout.revision or "", "Failed", rollout.message)
 
 
-def _supersede_replaced_candidate(run: _Run, revision: str) -> bool:
-    """A newer spec replaced the candidate before it served -- with another candidate (the state
-    may stay CanaryDeploying), a blocked one, or the stable revision again: the replaced one is
-    Superseded, never left reading Candidate. True when one was."""
+def _supersede_replaced_candidate(run: _Run, revision: str, served: bool) -> bool:
+    """A newer spec replaced the candidate before it was promoted -- with another candidate (the
+    state may stay CanaryDeploying), a blocked one, or the stable revision again: the replaced one
+    is Superseded, never left reading Candidate, and says whether it had served a share of traffic.
+    True when one was."""
     head = run.status.history[0] if run.status.history else None
     if head is None or head.state != "Candidate" or head.revision == revision:
         return False
-    run.record(head.revision, "Superseded", f"replaced by {revision} {NEVER_SERVED}")
+    how = f"after serving a share of traffic, {NEVER_PROMOTED}" if served else NEVER_SERVED
+    run.record(head.revision, "Superseded", f"replaced by {revision} {how}")
     return True
 
 

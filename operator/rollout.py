@@ -556,19 +556,27 @@ class _Step:
             if self.stable and (old_state == RolloutState.SHIFTING or self.r.weight):
                 self.actions.append(RouteTraffic(self.stable))  # S8: its share goes back before it goes
             self._retire(old)
-            if old_state in IN_FLIGHT:
+            if old_state in (*IN_FLIGHT, RolloutState.PROMOTING, RolloutState.SHIFTING):
                 self.event("Normal", "RolloutSuperseded", f"revision {old} superseded by {wanted} before promotion")
+        if old_state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):  # that failure is history now, not the target's
+            self.condition("Degraded", "False", "RolloutStarted", f"rolling out revision {wanted}; revision {old} failed "
+                           "before (status.history)")  # fmt: skip
         self.r = RolloutStatus(
             state=RolloutState.PLANNING, revision=wanted, baseline=self.stable, rollback=rollback,
             attempt=self.annotation(RETRY_ANNOTATION) or "", since=rfc3339(self.world.now),
             reason="RevisionChanged", message=f"rolling out revision {wanted}",
             numerics=None if rollback else self.world.numerics, baseline_numerics=self._stable_numerics(),
         )  # fmt: skip
+        if (unusable := self._unusable_rollback()) is not None:
+            self.event("Warning", "RollbackUnavailable", f"{unusable}; rolling out the spec")
+
+    def _unusable_rollback(self) -> str | None:
+        """What is wrong with a rollback-to annotation that names no kept previous revision."""
         rollback_to = self.annotation(ROLLBACK_ANNOTATION)
-        if rollback_to and not rollback:
-            self.event("Warning", "RollbackUnavailable",
-                       f"{ROLLBACK_ANNOTATION}={rollback_to}: not a kept previous revision "
-                       f"(kept: {', '.join(self.world.previous_stables) or 'none'}); rolling out the spec")  # fmt: skip
+        if not rollback_to or self._wanted()[1]:
+            return None
+        kept = ", ".join(self.world.previous_stables) or "none"
+        return f"{ROLLBACK_ANNOTATION}={rollback_to}: not a kept previous revision (kept: {kept})"
 
     def _stable_numerics(self) -> str | None:
         """The stable's fingerprint: its own record's, or what the last rollout against it carried."""
@@ -610,6 +618,7 @@ class _Step:
             self._forget_pools()
             self.move(RolloutState.PLANNING, "Retry", f"retrying revision {self.candidate} ({RETRY_ANNOTATION}={retry})")
             self.event("Normal", "RolloutRetried", self.r.message or "")
+            self.condition("Degraded", "False", "RolloutStarted", self.r.message or "")
 
     # --- gates ------------------------------------------------------------------------------------
     def _gate_problem(self) -> tuple[str, str] | None:
@@ -999,6 +1008,8 @@ class _Step:
         self.actions.append(RouteTraffic(self.candidate))
         self._scale_down_when_due()
         pinned = f"; pinned by {ROLLBACK_ANNOTATION}, spec revision {self.world.target} waits" if self.r.rollback else ""
+        if (unusable := self._unusable_rollback()) is not None:  # said on every pass: the annotation is still there
+            pinned = f"; {unusable}, ignored"
         self.condition("Progressing", "False", "RolloutComplete", f"revision {self.candidate} is serving{pinned}")
         self.condition("Degraded", "False", "AsExpected", "")
 
@@ -1098,6 +1109,9 @@ def _parse_time(text: str | None, default: dt.datetime) -> dt.datetime:
 NEVER_SERVED = "before it served"
 """The end of a Superseded record's message when the revision was a candidate replaced mid-canary
 (reconcile._supersede_replaced_candidate): it never served, so it is no rollback target and nothing of it is kept."""
+NEVER_PROMOTED = "before it was promoted"
+"""The end of one replaced while shifting traffic: it served a share, but was never the stable
+revision, so it is no rollback target either."""
 
 
 def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, ...]:
@@ -1107,7 +1121,7 @@ def previous_stables(history: Sequence[Any], stable: str | None) -> tuple[str, .
     seen: list[str] = []
     for record in history:
         revision, state = record.revision, record.state
-        never_served = state == "Superseded" and (record.message or "").endswith(NEVER_SERVED)
+        never_served = state == "Superseded" and (record.message or "").endswith((NEVER_SERVED, NEVER_PROMOTED))
         if state in ("Stable", "Superseded") and not never_served and revision != stable and revision not in seen:
             seen.append(revision)
     return tuple(seen)

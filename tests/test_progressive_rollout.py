@@ -21,6 +21,7 @@ from kvguard.operator.rollout import (
     Decision,
     DeployRevision,
     MeasureAnalysis,
+    RecordEvent,
     RolloutStatus,
     RouteTraffic,
     ScaleRevision,
@@ -175,6 +176,8 @@ def test_a_spec_change_mid_shift_returns_traffic_to_stable_before_retiring() -> 
     assert_stable_untouched(d, "r1")
     kinds = [type(a).__name__ for a in d.actions if isinstance(a, RouteTraffic | ScaleRevision) or type(a).__name__ == "DeleteRevision"]
     assert kinds[0] == "RouteTraffic" and RouteTraffic("r1") in d.actions
+    # Announced as any superseded candidate is (outside probe: only those not yet serving were).
+    assert any(isinstance(a, RecordEvent) and a.reason == "RolloutSuperseded" for a in d.actions)
 
 
 def test_resume_from_status_alone_mid_shift_S8() -> None:

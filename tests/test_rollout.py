@@ -423,6 +423,24 @@ def test_spec_change_supersedes_an_unfinished_rollout_cleanly(state: RolloutStat
     assert d.rollout.workers == [] and d.rollout.canary is None or d.rollout.revision == "r3"
 
 
+def test_a_new_rollout_after_a_failed_one_is_not_degraded_by_it() -> None:
+    """Outside probe: Degraded=True of the failed revision stayed on through the next rollout."""
+    sim = _sim_in(S.ROLLED_BACK)
+    sim.target = "r3"
+    d = sim.tick()
+    assert d.rollout.revision == "r3" and conditions(d)["Degraded"] == ("False", "RolloutStarted")
+
+
+def test_an_unusable_rollback_annotation_on_a_stable_model_is_said_not_ignored() -> None:
+    """Outside probe: rollback-to naming no kept revision, added while the spec's revision is
+    stable, changed nothing and said nothing. It still changes nothing; Progressing says why."""
+    sim = stable_sim()
+    sim.annotations = {ROLLBACK_ANNOTATION: "deadbeef00"}
+    d = sim.tick()
+    progressing = next(a for a in d.actions if isinstance(a, SetCondition) and a.type == "Progressing")
+    assert d.state == S.STABLE and "kvguard.io/rollback-to=deadbeef00: not a kept previous revision" in progressing.message
+
+
 def test_spec_change_during_promoting_finishes_the_promotion_first() -> None:
     sim = _sim_in(S.PROMOTING)
     sim.target = "r3"
@@ -547,6 +565,23 @@ def test_a_candidate_superseded_before_it_served_is_no_previous_stable() -> None
                RevisionRecord(revision="r2", state="Candidate", since="t"),
                RevisionRecord(revision="r1", state="Stable", since="t")]  # fmt: skip
     assert previous_stables(history, "r1") == ()
+
+
+def test_a_candidate_superseded_while_shifting_served_but_is_no_previous_stable() -> None:
+    """Outside probe: one replaced at 50% of traffic was recorded 'before it served'. It did serve,
+    and the record says so, but it was never the stable revision: no rollback target either."""
+    from kvguard.operator.api import InferenceModelStatus, RolloutStatus
+    from kvguard.operator.reconcile import Observed, _record_transition, _Run
+
+    previous = InferenceModelStatus(revision="r1", history=[RevisionRecord(revision="r2", state="Candidate", since="t"),
+                                                            RevisionRecord(revision="r1", state="Stable", since="t")])  # fmt: skip
+    for state, weight, message in ((S.SHIFTING, 50, "replaced by r3 after serving a share of traffic, before it was promoted"),
+                                   (S.CANARY_VERIFYING, 0, "replaced by r3 before it served")):  # fmt: skip
+        run = _Run({}, Observed(), dt.datetime(2026, 1, 1, tzinfo=dt.UTC), previous, 1)
+        decision = Decision(RolloutStatus(state=S.PLANNING, revision="r3"), "r1", ())
+        _record_transition(run, decision, RolloutStatus(state=state, revision="r2", weight=weight))
+        assert (run.status.history[0].revision, run.status.history[0].state, run.status.history[0].message) == ("r2", "Superseded", message)
+        assert previous_stables(run.status.history, "r1") == ()
 
 # --- canary replicas, then full scale ---------------------------------------------------------------
 
