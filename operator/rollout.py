@@ -663,8 +663,13 @@ class _Step:
         self._forget_pools()
         self.r.baseline = self.stable
         beside = f" beside stable {self.stable}" if self.stable else ""
-        self.move(RolloutState.CANARY_DEPLOYING, "CanaryDeploying", f"deploying revision {self.candidate}{beside}")
-        self.event("Normal", "CanaryDeploying", self.r.message or "")
+        if self.r.rollback:  # no canary runs: it passed one when it was first promoted
+            self.move(RolloutState.CANARY_DEPLOYING, "RollbackDeploying",
+                      f"bringing back revision {self.candidate}{beside}: its pools are measured again, no canary")  # fmt: skip
+            self.event("Normal", "RollbackDeploying", self.r.message or "")
+        else:
+            self.move(RolloutState.CANARY_DEPLOYING, "CanaryDeploying", f"deploying revision {self.candidate}{beside}")
+            self.event("Normal", "CanaryDeploying", self.r.message or "")
         self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {self.candidate} is being deployed")
 
     def _on_blocked(self) -> None:

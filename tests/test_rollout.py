@@ -501,6 +501,7 @@ def test_rollback_annotation_restores_a_kept_revision_without_a_new_canary() -> 
     sim.annotations[ROLLBACK_ANNOTATION] = "r1"
     d = sim.tick()
     assert ScaleRevision("r1", None) in d.actions and not d.of_type(RunCanary)
+    assert "RollbackDeploying" in events(d) and "CanaryDeploying" not in events(d)  # no canary is announced
     d = sim.run_until(S.STABLE)
     assert d.stable == "r1" and sim.serving == "r1" and ScaleRevision("r2", 0) in d.actions
     assert d.rollout.rollback and conditions(d)["CanaryPassed"] == ("True", "RollbackToVerifiedRevision")
