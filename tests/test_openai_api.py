@@ -172,6 +172,16 @@ def test_logit_bias_min_tokens_and_penalties_are_applied(api: openai.OpenAI, mod
     assert penalized.choices[0].text != plain.choices[0].text
 
 
+def test_text_offsets_count_only_what_the_text_holds(api: openai.OpenAI, model: str) -> None:
+    """Outside probe: EOS sampled under ignore_eos is left out of the text but was counted into
+    text_offset (the characters of its name each), so every later offset pointed past the text."""
+    done = api.completions.create(model=model, prompt="x", max_tokens=3, temperature=0, logprobs=0,
+                                  logit_bias={str(EOS_ID): 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    choice = done.choices[0]
+    assert choice.text == "" and choice.logprobs is not None and choice.logprobs.text_offset == [0, 0, 0]
+    assert choice.logprobs.tokens == ["<|eos|>"] * 3  # still named, as vLLM names them
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_token_is_counted_but_its_text_is_not_output(api: openai.OpenAI, model: str, stream: bool) -> None:
     """vLLM's meaning of stop_token_ids (outside probe: the stop token's own text ended the output).

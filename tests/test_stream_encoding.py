@@ -20,6 +20,9 @@ class _Bytes:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id % 256])
 
+    def text_bytes(self, token_id: int) -> bytes:
+        return self.token_bytes(token_id)
+
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_text_chunk_is_byte_for_byte_the_model_built_chunk(chat: bool) -> None:

@@ -32,6 +32,8 @@ FinishReason = Literal["stop", "length"]
 class Vocabulary(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
+    def text_bytes(self, token_id: int) -> bytes: ...
+
 
 def token_string(raw: bytes) -> str:
     try:
@@ -154,7 +156,8 @@ class ModelList(BaseModel):
 
 class LogprobShaper:
     """One choice's logprobs in OpenAI's shapes. Keeps the running text offset, counted in
-    characters of the decoded token bytes (an incremental UTF-8 decoder: linear in the text)."""
+    characters of the decoded token bytes (an incremental UTF-8 decoder: linear in the text); a
+    special token the text leaves out (EOS under ignore_eos) is listed but adds no characters."""
 
     def __init__(self, vocab: Vocabulary, start_offset: int = 0) -> None:
         self.vocab = vocab
@@ -174,7 +177,7 @@ class LogprobShaper:
                 top.setdefault(token, record.logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
-            self.offset += len(self._utf8.decode(raw))
+            self.offset += len(self._utf8.decode(self.vocab.text_bytes(record.token_id)))  # as the text has it
         return out
 
     def chat(self, records: Sequence[TokenLogprob]) -> ChatLogprobs:

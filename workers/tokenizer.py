@@ -26,7 +26,9 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
-        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        added = self._tok.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        self._special = frozenset(i for i, t in added.items() if t.special)  # decode() leaves them out of text
         self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
@@ -57,6 +59,11 @@ class Tokenizer:
         if cached is None:
             cached = self._bytes_cache[token_id] = self._lookup_bytes(token_id)
         return cached
+
+    def text_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to a completion's text: none for a special token (EOS sampled
+        under ignore_eos), which `decode` leaves out of the text though logprobs name it."""
+        return b"" if token_id in self._special else self.token_bytes(token_id)
 
     def _lookup_bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
