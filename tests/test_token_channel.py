@@ -40,6 +40,7 @@ from kvguard.workers.launcher import LocalDeployment
 from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import (
     CHANNEL_EVENT,
+    MAX_EVENT_TOKENS,
     ErrorEvent,
     FinishEvent,
     GenerateRequest,
@@ -241,6 +242,24 @@ def test_steps_made_while_the_router_reads_slowly_go_out_as_one_event_per_reques
         assert isinstance(events[0], TokenEvent) and events[0].token_ids == (2, 3, 4)
         assert events[1] == FinishEvent(finish_reason="length", prompt_tokens=2, completion_tokens=4)
         assert ended.result() == ""
+        # Held past MAX_EVENT_TOKENS (a long stall): split into events of at most that many, so a
+        # line stays far below the router's MAX_LINE_BYTES (outside probe: a large-context model
+        # with 20 logprob alternatives could pass it).
+        b = RequestStream("b", loop)
+        channel.attach(b, prompt_tokens=2)
+        release.clear()
+        wrote.clear()
+        channel.add(b, _output("b", RequestState.DECODING, [1]))
+        channel.flush()
+        await asyncio.wait_for(wrote.wait(), 5)
+        wrote.clear()
+        for _ in range(MAX_EVENT_TOKENS + 10):
+            channel.add(b, _output("b", RequestState.DECODING, [7]))
+            channel.flush()
+        release.set()
+        await asyncio.wait_for(wrote.wait(), 5)
+        sizes = [len(CHANNEL_EVENT.validate_json(line).event.token_ids) for line in writes[3].splitlines()]  # type: ignore[union-attr]
+        assert sizes == [MAX_EVENT_TOKENS, 10]
         channel.close("done")
         await asyncio.wait_for(serving, 5)
 
@@ -377,6 +396,15 @@ def test_a_request_whose_events_queued_at_the_router_streams_them_in_fewer_chunk
                 got = [event async for event in _channel_events(resp, inbox, idle_s=5)]
         assert len(got) == 2 and isinstance(got[0], TokenEvent) and isinstance(got[1], FinishEvent)
         assert got[0].token_ids == tuple(range(10)) and got[0].text == "".join(f"<{i}>" for i in range(10))
+        # However many wait, one chunk carries at most MAX_EVENT_TOKENS (a client's line bound).
+        inbox = asyncio.Queue()
+        for i in range(MAX_EVENT_TOKENS + 476):
+            inbox.put_nowait(_token(i, "t"))
+        inbox.put_nowait(FinishEvent(finish_reason="length", prompt_tokens=3, completion_tokens=MAX_EVENT_TOKENS + 476))
+        async with aiohttp.ClientSession() as session, _serving({"/decode": handoff}) as base:
+            async with session.post(f"{base}/decode", json={}) as resp:
+                sizes = [len(e.token_ids) if isinstance(e, TokenEvent) else e.event async for e in _channel_events(resp, inbox, 5)]
+        assert sizes == [MAX_EVENT_TOKENS, 476, "finish"]
 
     asyncio.run(scenario())
 

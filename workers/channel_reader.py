@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from pydantic import ValidationError
 
-from kvguard.workers.protocol import CHANNEL_EVENT, ChannelOpened, ErrorEvent, FinishEvent, TokenEvent
+from kvguard.workers.protocol import CHANNEL_EVENT, MAX_EVENT_TOKENS, ChannelOpened, ErrorEvent, FinishEvent, TokenEvent
 
 log = logging.getLogger("kvguard.router")
 
 # A sanity bound, not a size any legitimate line nears: one request's event is at most
-# --stream-interval (<= 1024) tokens with 20 logprob alternatives each, well under 1 MiB.
+# MAX_EVENT_TOKENS (1024) tokens with 20 logprob alternatives each, well under 1 MiB.
 MAX_LINE_BYTES = 8 << 20
 
 ChannelPayload = TokenEvent | FinishEvent | ErrorEvent
@@ -42,13 +42,15 @@ def coalesce(first: TokenEvent, inbox: Inbox) -> tuple[TokenEvent, ChannelPayloa
     instead of one each, so a loaded path sheds per-token work instead of queueing it (vLLM's
     output collector merges a request's waiting deltas the same way). The tokens, text and
     logprobs are unchanged, only how many chunks carry them; a path that keeps up never merges.
-    The work is linear in what is waiting, itself bounded by the request's max_tokens."""
-    merged = [first]
+    The work is linear in what is waiting, itself bounded by the request's max_tokens; one chunk
+    carries at most MAX_EVENT_TOKENS tokens."""
+    merged, tokens = [first], len(first.token_ids)
     while not inbox.empty():
         item = inbox.get_nowait()
-        if not isinstance(item, TokenEvent):
-            break
+        if not isinstance(item, TokenEvent) or tokens + len(item.token_ids) > MAX_EVENT_TOKENS:
+            break  # a chunk carries at most what one event of decode's may
         merged.append(item)
+        tokens += len(item.token_ids)
     else:
         item = None
     if len(merged) == 1:

@@ -196,6 +196,12 @@ class BootstrapEvent(_Message):
     bootstrap: Bootstrap
 
 
+MAX_EVENT_TOKENS = 1024
+"""The most tokens one token event carries: --stream-interval's bound. Outputs merged because an end
+fell behind are split at it (token_channel.py, channel_reader.coalesce), so a line stays far below
+the router's MAX_LINE_BYTES (1024 tokens with 20 logprob alternatives each is well under 1 MiB)."""
+
+
 class TokenEvent(_Message):
     event: Literal["token"] = "token"
     token_ids: tuple[int, ...]

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvguard.workers.async_engine import RequestStream
-from kvguard.workers.protocol import ChannelEvent, ErrorEvent
+from kvguard.workers.protocol import MAX_EVENT_TOKENS, ChannelEvent, ErrorEvent
 from kvguard.workers.request import RequestOutput
 from kvguard.workers.stream_events import StreamInterval, step_events
 from kvguard.workers.transfer import AbortCause
@@ -30,6 +30,21 @@ from kvguard.workers.transfer import AbortCause
 MAX_CHANNELS = 64  # per decode worker: one per router replica is the expected number
 
 log = logging.getLogger("kvguard.decode")
+
+
+def _event_groups(outputs: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Consecutive outputs in groups of at most MAX_EVENT_TOKENS tokens, one event each: held
+    while the router read slowly, a request's outputs can be any number."""
+    groups: list[list[RequestOutput]] = [[]]
+    tokens = 0
+    for output in outputs:
+        count = len(output.token_ids)
+        if groups[-1] and tokens + count > MAX_EVENT_TOKENS:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(output)
+        tokens += count
+    return groups
 
 
 def _failed(request_id: str) -> bytes:
@@ -115,14 +130,15 @@ class TokenChannel:
             if (route := self._routes.get(request_id)) is None:
                 continue
             try:
-                data, route.sent, ended = step_events(route.interval.take(), route.prompt_tokens, route.sent,
-                                                      channel_request=request_id)  # fmt: skip
+                ended = False
+                for group in _event_groups(route.interval.take()):
+                    data, route.sent, ended = step_events(group, route.prompt_tokens, route.sent, channel_request=request_id)
+                    parts.append(data)
             except Exception:  # a bug on this request's outputs ends it alone, not the channel's others
                 log.exception("request %s: its outputs could not be encoded", request_id)
                 parts.append(_failed(request_id))
                 self._end(request_id, AbortCause.DECODE_ERROR)
                 continue
-            parts.append(data)
             if ended:
                 self._end(request_id, "")
         self._due.clear()
