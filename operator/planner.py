@@ -143,7 +143,7 @@ def _spec_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
 
 def _engine_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
     path = "spec.engine.extraArgs"
-    yield from _extra_args_problems(spec)
+    yield from extra_args_problems(spec)
     if spec.engine.kind is not EngineKind.VLLM:
         return
     for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
@@ -158,7 +158,7 @@ def _engine_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
         )
 
 
-def _extra_args_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
+def extra_args_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
     """S7: a flag the renderer writes from the spec, written again by hand, wins over it
     (engine_flags.py); so do the flags the plan reads, in a role's list; and for the kvguard
     engine, whose parser is ours, any flag but its tunables stops the worker."""
@@ -444,6 +444,27 @@ def plan(spec: InferenceModelSpec) -> KVPlan:
         warnings=list(_warnings(spec, roles)),
         reasons=list(_reasons(spec, roles)),
     )
+
+
+def flag_check_plan(spec: InferenceModelSpec) -> KVPlan:
+    """A passing plan whose every pool is exactly the smallest that passes: for what needs a plan
+    only to render command lines -- the renderer's field checks, policies' flag rules, prefill /
+    decode parity -- when the real plan cannot be made (the architecture is in a ConfigMap
+    admission cannot read) or is blocked (a pool of 0 renders nothing). No flag those checks read
+    depends on the pool's size. Never a verdict: reconcile renders only a real plan that passes."""
+    pool = needed_tokens(spec)
+    roles = {
+        name: RolePlan(
+            gpus_per_instance=max(1, role.tensor_parallel * role.pipeline_parallel
+                                  // (role.data_parallel if role.data_parallel_attention else 1)),
+            instances=role.replicas * role.data_parallel, bytes_per_token=1, weights_bytes_per_gpu=0,
+            kv_bytes_per_gpu=pool, memory_fraction=memory_fraction(spec, role), memory_pool_tokens=pool,
+            pool_tokens=pool, capped_by="memory", ratio=spec.min_kv_ratio, sufficient=True,
+        )  # fmt: skip
+        for name, role in spec.roles.worker_roles().items()
+    }
+    return KVPlan(verdict="pass", engine=spec.engine.kind, context_length=spec.context_length, min_ratio=spec.min_kv_ratio,
+                  page_size=spec.page_size, kv_cache_dtype=resolved_kv_dtype(spec), roles=roles)  # fmt: skip
 
 
 def needed_tokens(spec: InferenceModelSpec) -> int:

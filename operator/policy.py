@@ -41,7 +41,7 @@ from kvguard.operator.api import (
     PVCSource,
 )
 from kvguard.operator.canary.spec import ProbeName
-from kvguard.operator.planner import PlanInputError, plan
+from kvguard.operator.planner import PlanInputError, flag_check_plan, plan
 from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -238,22 +238,33 @@ def check_engine_version(spec: InferenceModelSpec, minimums: Mapping[str, str]) 
 
 
 def worker_command_lines(spec: InferenceModelSpec, kv_plan: KVPlan | None) -> dict[str, list[str]]:
-    """The prefill and decode command lines as the operator renders them; engine.extraArgs alone
-    when they cannot be rendered (no plan, or a render error reported elsewhere)."""
-    if kv_plan is not None:
-        owner = Owner(name="policy-check", namespace="policy-check", uid="policy-check")
-        # Where the weights come from changes no flag; a placeholder lets a spec without a source
-        # (valid for planning, refused at deploy time) render too.
-        placeholder = ModelSource(pvc=PVCSource(claim_name="policy-check"))
-        renderable = spec.model_copy(update={"model": spec.model.model_copy(update={"source": placeholder})})
+    """The prefill and decode command lines as the operator renders them: with the plan, or with
+    the flag-check plan where there is none (the architecture in a ConfigMap) or it renders nothing
+    (a pool of 0) -- engine.extraArgs alone once saw neither a role's own extraArgs nor the flags
+    the spec's fields render (outside probe: a wrong denial, and a bypass). engine.extraArgs alone
+    only when the spec cannot be rendered at all (a render error reported elsewhere)."""
+    owner = Owner(name="policy-check", namespace="policy-check", uid="policy-check")
+    renderable = with_placeholder_source(spec)
+    for candidate in (kv_plan, flag_check_plan(spec)):
+        if candidate is None:
+            continue
         try:
             return {
-                role: ADAPTERS[spec.engine.kind].command(RoleContext(renderable, kv_plan, owner, "policy", role))  # type: ignore[arg-type]
+                role: ADAPTERS[spec.engine.kind].command(RoleContext(renderable, candidate, owner, "policy", role))  # type: ignore[arg-type]
                 for role in WORKER_ROLES
             }
         except RenderError:
-            pass
+            continue
     return {role: list(spec.engine.extra_args) for role in WORKER_ROLES}
+
+
+def with_placeholder_source(spec: InferenceModelSpec) -> InferenceModelSpec:
+    """Where the weights come from changes no flag; a placeholder lets a spec without a source
+    (valid for planning, refused at deploy time) render too. A spec with one keeps it."""
+    if spec.model.source is not None:
+        return spec
+    placeholder = ModelSource(pvc=PVCSource(claim_name="policy-check"))
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"source": placeholder})})
 
 
 def has_flag(command: Sequence[str], flag: str) -> bool:

@@ -56,8 +56,8 @@ from kvguard.operator.api import (
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.pd_parity import parity_problem
-from kvguard.operator.planner import PlanInputError, plan
-from kvguard.operator.policy import describe_violations, evaluate, rule_problems
+from kvguard.operator.planner import PlanInputError, extra_args_problems, flag_check_plan, plan
+from kvguard.operator.policy import describe_violations, evaluate, rule_problems, with_placeholder_source
 from kvguard.operator.reconcile import field_errors
 from kvguard.operator.render import Owner, RenderError, render_revision
 
@@ -94,10 +94,12 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
                     policies: Sequence[InferencePolicy]) -> None:
     """Raise AdmissionDenied when the InferenceModel `body` must not be admitted."""
     meta = body.get("metadata") or {}
-    if operation not in ("CREATE", "UPDATE") or meta.get("deletionTimestamp"):
+    if operation not in ("CREATE", "UPDATE"):
         return
     if operation == "UPDATE" and not spec_changed(old, body):
-        return  # metadata-only: never lock an existing model out of its own bookkeeping
+        # metadata-only: never lock an existing model out of its own bookkeeping (a finalizer
+        # removed while it is deleted included); a spec change is checked, deleting or not.
+        return
     name = meta.get("name")
     if name and (bad_name := model_name_problem(str(name))) is not None:
         raise AdmissionDenied(bad_name, INVALID)  # (the CRD's CEL rule says it too, where the webhook is off)
@@ -117,22 +119,23 @@ def parse_spec(raw: Any) -> InferenceModelSpec:
 
 def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> None:
     """The planner's and the renderer's field-level errors (a blocked plan is not one: reconcile
-    reports it as KVPoolSufficient=False). Skipped when the architecture is in a ConfigMap that
-    admission cannot read; reconcile checks it."""
-    problems = engine_problems(spec)
+    reports it as KVPoolSufficient=False). The plan itself is skipped when the architecture is in
+    a ConfigMap admission cannot read (reconcile plans it); every check that needs no architecture
+    runs whatever the plan -- the renderer's and the prefill/decode parity check on the
+    flag-check plan where there is no passing one, and without a source on a placeholder (outside
+    probe: they ran only for a sourced, passing, inline spec)."""
+    problems = engine_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
     if problems:
         raise AdmissionDenied("; ".join(problems), INVALID)
-    if spec.model.architecture is None and spec.model.architecture_config_map is not None:
-        return
+    kv_plan = None
     try:
-        kv_plan = plan(spec)
-        if spec.model.source is not None and kv_plan.verdict != "blocked":
-            # Reconcile renders only a plan that passes; a blocked one (even a pool of 0 tokens,
-            # weights larger than the device) is admitted and reported as Blocked, never rendered.
-            render_revision(spec, kv_plan, Owner(name=name, namespace=namespace, uid="admission"), "admission")
+        if spec.model.architecture is not None or spec.model.architecture_config_map is None:
+            kv_plan = plan(spec)
+        checked = kv_plan if kv_plan is not None and kv_plan.verdict == "pass" else flag_check_plan(spec)
+        render_revision(with_placeholder_source(spec), checked, Owner(name=name, namespace=namespace, uid="admission"), "admission")
     except (PlanInputError, RenderError) as exc:
         raise AdmissionDenied(str(exc), INVALID) from None
-    if (mismatch := parity_problem(spec, kv_plan)) is not None:  # sglang#19398
+    if (mismatch := parity_problem(spec, checked)) is not None:  # sglang#19398
         raise AdmissionDenied(mismatch, INVALID)
 
 
@@ -140,8 +143,7 @@ def check_policy_admission(body: Mapping[str, Any], old: Mapping[str, Any] | Non
     """Raise AdmissionDenied when the InferencePolicy `body` must not be admitted: its spec does
     not parse, or a rule cannot be read. Metadata-only updates and deletions are admitted, as for
     models: a policy written before this check never gets stuck."""
-    meta = body.get("metadata") or {}
-    if operation not in ("CREATE", "UPDATE") or meta.get("deletionTimestamp"):
+    if operation not in ("CREATE", "UPDATE"):
         return
     if operation == "UPDATE" and not spec_changed(old, body):
         return

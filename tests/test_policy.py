@@ -162,6 +162,26 @@ def test_architecture_from_a_configmap_defers_the_pool_check_to_reconcile() -> N
     }
 
 
+def _from_a_configmap(spec: InferenceModelSpec) -> InferenceModelSpec:
+    data = spec.model_dump(by_alias=True, exclude_none=True)
+    del data["model"]["architecture"]
+    data["model"]["architectureConfigMap"] = {"name": "config"}
+    return InferenceModelSpec.model_validate(data)
+
+
+def test_flag_rules_read_the_rendered_command_lines_without_a_plan_too() -> None:
+    """Outside probe: with the architecture in a ConfigMap, the flag rules read engine.extraArgs
+    alone -- a compliant kvTransfer.checksum was refused, and a role's own extraArgs turning the
+    KV canary off got through."""
+    checked = _from_a_configmap(sglang_spec(image="lmsysorg/sglang:v0.5.22").model_copy(
+        update={"kv_transfer": sglang_spec().kv_transfer.model_copy(update={"checksum": True})}))  # fmt: skip
+    assert evaluate(checked, "ns", [policy(requireKVIntegrity=True)]).compliant
+    data = sglang_spec(image="lmsysorg/sglang:v0.5.22", extraArgs=["--kv-canary", "raise"]).model_dump(by_alias=True, exclude_none=True)
+    data["roles"]["decode"]["extraArgs"] = ["--kv-canary", "none"]
+    bypass = _from_a_configmap(InferenceModelSpec.model_validate(data))
+    assert not evaluate(bypass, "ns", [policy(sglangKVCanary="raise")]).compliant
+
+
 def test_a_precomputed_plan_is_used_instead_of_planning_again() -> None:
     from kvguard.operator.planner import plan
 

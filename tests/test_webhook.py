@@ -136,6 +136,47 @@ def test_fields_a_real_api_server_or_the_engine_would_refuse_are_denied_by_name(
     assert exc is not None and exc.code == INVALID and says in str(exc), exc
 
 
+def _sglang_model(**spec: Any) -> dict[str, Any]:
+    body = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())
+    body["metadata"] = {"name": "llama", "namespace": NS, "uid": "uid-llama", "generation": 1}
+    body["spec"]["engine"]["image"] = "lmsysorg/sglang:v0.5.22"
+    body["spec"].update(spec)
+    return body
+
+
+def _in_a_configmap(body: dict[str, Any]) -> dict[str, Any]:
+    del body["spec"]["model"]["architecture"]
+    body["spec"]["model"]["architectureConfigMap"] = {"name": "config"}
+    return body
+
+
+@pytest.mark.parametrize("shape", ["no source", "blocked plan", "architecture in a ConfigMap"])
+def test_render_checks_run_whatever_the_plan_and_source(shape: str) -> None:
+    """Outside probe: the renderer's field checks ran only for a spec with a source, a passing
+    plan and its architecture inline; every other shape stored a spec that could never deploy."""
+    body = _sglang_model(kvTransfer={"encryption": "aes-gcm"})
+    if shape == "blocked plan":
+        body["spec"]["minKVRatio"] = 50.0
+    elif shape == "architecture in a ConfigMap":
+        _in_a_configmap(body)
+    exc = denial(body, [])
+    assert exc is not None and exc.code == INVALID and str(exc).startswith("spec.kvTransfer.encryption:"), exc
+    assert denial(_sglang_model(**({"minKVRatio": 50.0} if shape == "blocked plan" else {})), []) is None
+
+
+def test_flag_and_parity_checks_need_no_architecture() -> None:
+    """Outside probe: with the architecture in a ConfigMap, an extraArgs override of a rendered
+    flag and a prefill/decode KV checksum mismatch (sglang#19398) were admitted."""
+    override = _in_a_configmap(_sglang_model())
+    override["spec"]["engine"]["extraArgs"] = ["--context-length", "999999"]
+    exc = denial(override, [])
+    assert exc is not None and str(exc).startswith("spec.engine.extraArgs:"), exc
+    mismatch = _in_a_configmap(_sglang_model())
+    mismatch["spec"]["roles"]["decode"]["extraArgs"] = ["--disaggregation-enable-kv-checksum"]
+    exc = denial(mismatch, [])
+    assert exc is not None and "prefill and decode must agree" in str(exc), exc
+
+
 def test_a_blocked_plan_is_left_to_reconcile_when_no_policy_applies() -> None:
     body = tiny_model()
     body["spec"]["minKVRatio"] = 8.0  # the 4,096-token pool is 4x: blocked, reported by reconcile
@@ -151,8 +192,12 @@ def test_metadata_only_updates_and_deletions_are_admitted_even_when_non_complian
     assert denial(new, strict, old=old, operation="UPDATE") is None
     deleting = copy.deepcopy(new)
     deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    deleting["spec"]["contextLength"] = 2048
+    deleting["metadata"]["finalizers"] = []  # the finalizer removed: metadata only
     assert denial(deleting, strict, old=old, operation="UPDATE") is None
+    # Outside probe: a spec change riding on a deleting object was stored unchecked.
+    deleting["spec"]["contextLength"] = 2048
+    exc = denial(deleting, strict, old=old, operation="UPDATE")
+    assert exc is not None and "rule maxContextLength" in str(exc)
     changed = copy.deepcopy(old)
     changed["spec"]["contextLength"] = 512
     exc = denial(changed, strict, old=old, operation="UPDATE")
