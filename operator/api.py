@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
@@ -160,20 +161,22 @@ ParallelSize = Annotated[int, Field(gt=0, le=MAX_PARALLEL)]
 Image = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")]
 """A container image reference: no whitespace (the API server refuses `" img:1 "`)."""
 
-_DECIMAL_SUFFIXES = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_DECIMAL_SUFFIXES = {suffix: Decimal(f"1e{power}") for suffix, power in
+                     {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}.items()}  # fmt: skip
 _RESOURCE_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:[eE]([+-]?[0-9]+))?([KMGTPE]i|[numkMGTPE])?")
 
 
-def quantity_value(text: str) -> float:
-    """A resource.Quantity as a number (`500m` -> 0.5, `64Gi` -> 2^36), for comparing two of them."""
+def quantity_value(text: str) -> Decimal:
+    """A resource.Quantity as an exact number (`500m` -> 0.5, `64Gi` -> 2^36), for comparing two of
+    them as the API server does: exactly (as floats, 2^53 + 1 bytes read as equal to 2^53)."""
     match = _RESOURCE_QUANTITY.fullmatch(text)
     if match is None:
         raise ValueError(f"{text!r} is not a Kubernetes quantity")
     number, exponent, suffix = match.groups()
     scale = _QUANTITY_SUFFIXES[suffix] if suffix and suffix.endswith("i") else _DECIMAL_SUFFIXES[suffix or ""]
-    # float() of the whole decimal, not float x 10**exponent: `1e400` is then inf, where the int
-    # power would raise OverflowError, which pydantic passes on as a traceback, not a field error.
-    return float(f"{number}e{exponent or 0}") * scale
+    # Decimal of the whole decimal, not x 10**exponent: `1e400` stays a number (an int power of it
+    # raised OverflowError, which pydantic passes on as a traceback, not a field error).
+    return Decimal(f"{number}e{exponent or 0}") * Decimal(scale)
 
 
 # Label keys and values, and resource names, as the API server checks them (apimachinery validation).
@@ -598,7 +601,7 @@ def _quantity_problem(name: str, quantity: str) -> str | None:
     value = quantity_value(quantity)
     if value < 0:
         return f"{quantity} must not be negative"
-    if _is_extended_resource(name) and math.isfinite(value) and not value.is_integer():
+    if _is_extended_resource(name) and value != value.to_integral_value():
         return f"{quantity} must be a whole number (extended resources are counted in units)"
     return None
 
@@ -906,6 +909,8 @@ class PrometheusQuery(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 {"rule": "has(self.max) || has(self.min)", "message": "set max, min or both: the bound the value must keep"},
+                {"rule": "!has(self.max) || !has(self.min) || self.min <= self.max",
+                 "message": "min must not exceed max: no value could pass"},
             ]
         }
     )
@@ -926,6 +931,8 @@ class PrometheusQuery(ApiModel):
     def _has_a_bound(self) -> PrometheusQuery:
         if self.max is None and self.min is None:
             raise ValueError("set max, min or both: the bound the value must keep")
+        if self.max is not None and self.min is not None and self.min > self.max:  # outside probe: admitted, failed every rollout
+            raise ValueError(f"min ({self.min:g}) must not exceed max ({self.max:g}): no value could pass")
         return self
 
 

@@ -531,14 +531,22 @@ def image_for(spec: InferenceModelSpec, role: Role) -> str:
     raise RenderError("spec.engine.image", f"required for engine {engine.kind.value}")
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
 def _resources(spec: InferenceModelSpec, role: Role) -> dict[str, Any]:
     placement: PodPlacement = getattr(spec.roles, role)
     requests = dict(placement.resources.requests)
     limits = dict(placement.resources.limits)
     gpus = gpu_count(spec, role)
+    for kind, given in (("requests", requests), ("limits", limits)):
+        # Owned by gpuCount (the plan's devices): a different value here was silently replaced.
+        if GPU_RESOURCE in given and given[GPU_RESOURCE] != str(gpus):
+            raise RenderError(f"spec.roles.{role}.resources.{kind}", f"{GPU_RESOURCE}: {given[GPU_RESOURCE]} differs from the "
+                              f"role's GPUs ({gpus}, from gpuCount and the parallel sizes); set gpuCount, not this")  # fmt: skip
     if gpus:
-        requests["nvidia.com/gpu"] = str(gpus)
-        limits["nvidia.com/gpu"] = str(gpus)
+        requests[GPU_RESOURCE] = str(gpus)
+        limits[GPU_RESOURCE] = str(gpus)
     result: dict[str, Any] = {}
     if requests:
         result["requests"] = requests

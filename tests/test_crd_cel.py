@@ -117,6 +117,10 @@ INVALID = {
     "dotted name": ({**minimal(), "metadata": {"name": "my.model"}}, "", NAME_RULE),
     "another model's object": ({**minimal(), "metadata": {"name": "tiny-89c0e86f3e-decode"}}, "",
                                "metadata.name: no part of 10 hex digits (child objects name their revision so: <model>-<revision>-<role>)"),
+    # Outside probe: admitted, it failed every rollout's analysis.
+    "a query no value passes": (minimal(rollout={"analysis": {"prometheusURL": "http://p:9090",
+                                                              "queries": [{"name": "q", "query": "up", "min": 5, "max": 1}]}}),
+                                "spec.rollout.analysis.queries[0]", "min must not exceed max: no value could pass"),
 }  # fmt: skip
 
 

@@ -144,6 +144,9 @@ def test_queries_need_a_prometheus_and_their_own_names() -> None:
         RolloutSpec.model_validate({"analysis": {"prometheusURL": "http://prom:9090", "queries": [{**query, "name": "ttft"}]}})
     with pytest.raises(ValidationError, match="set max, min or both"):
         RolloutSpec.model_validate({"analysis": {"prometheusURL": "http://prom:9090", "queries": [{"name": "q", "query": "up"}]}})
+    with pytest.raises(ValidationError, match=r"min \(5\) must not exceed max \(1\): no value could pass"):
+        RolloutSpec.model_validate({"analysis": {"prometheusURL": "http://prom:9090",
+                                                 "queries": [{"name": "q", "query": "up", "min": 5, "max": 1}]}})
     ok = RolloutSpec.model_validate({"analysis": {"prometheusURL": "http://prom:9090", "queries": [query]}})
     assert ok.analysis.queries[0].max == 0.9
 

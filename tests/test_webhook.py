@@ -122,6 +122,11 @@ REFUSED_FIELDS = [
     ("spec.roles.decode.resources", {"limits": {"not a resource!": "1"}}, "resource name 'not a resource!' is not a qualified name"),
     ("spec.roles.decode.resources", {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}},
      "requests.memory (2Gi) must not exceed limits.memory (1Gi)"),
+    # Outside probe: compared as floats, 2^53 + 1 bytes read as equal to 2^53 (the API server compares exactly).
+    ("spec.roles.decode.resources", {"requests": {"memory": "9007199254740993"}, "limits": {"memory": "9007199254740992"}},
+     "must not exceed limits.memory"),
+    # Outside probe: a value here was silently replaced by the rendered GPU count.
+    ("spec.roles.decode.resources", {"limits": {"nvidia.com/gpu": "8"}}, "spec.roles.decode.resources.limits: nvidia.com/gpu: 8 differs"),
     ("spec.roles.decode.replicas", 10**12, "spec.roles.decode.replicas"),
     ("spec.kvTransfer.port", 8001, "port: 8001 is decode's metrics port already"),
     ("spec.roles.decode.gpuCount", 4, "spec.roles.decode.gpuCount: hardware.device is cpu"),
