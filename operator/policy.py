@@ -179,7 +179,10 @@ def _plan_or_problem(spec: InferenceModelSpec) -> tuple[KVPlan | None, Finding |
 def check_min_kv_ratio(spec: InferenceModelSpec, minimum: float, kv_plan: KVPlan | None) -> Iterator[Finding]:
     """S7: the declared ratio and the planned pool of every worker role reach the policy's ratio."""
     if spec.min_kv_ratio < minimum:
-        yield "minKVRatio", "spec.minKVRatio", f"{spec.min_kv_ratio:g} is below the policy's minimum {minimum:g}"
+        ours, theirs = f"{spec.min_kv_ratio:g}", f"{minimum:g}"
+        if ours == theirs:  # 1.9999999999999998 below 2: shown as "2 is below 2" at :g
+            ours, theirs = repr(spec.min_kv_ratio), repr(minimum)
+        yield "minKVRatio", "spec.minKVRatio", f"{ours} is below the policy's minimum {theirs}"
     if kv_plan is None:
         return
     needed = minimum * spec.context_length

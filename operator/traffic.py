@@ -155,7 +155,7 @@ def desired_objects(
     """
     from kvguard.operator.engine_support import engine_problems
     from kvguard.operator.pd_parity import parity_problem
-    from kvguard.operator.planner import plan
+    from kvguard.operator.planner import flag_check_plan, plan
     from kvguard.operator.render import render_model_service, render_revision, secret_name
     from kvguard.operator.revision import revision_of
 
@@ -163,12 +163,15 @@ def desired_objects(
     if problems := engine_problems(spec):
         raise ValueError("; ".join(problems))
     kv_plan = plan(spec)
-    if (mismatch := parity_problem(spec, kv_plan)) is not None:
+    # A blocked plan is rendered for its field checks only (a pool of 0 renders nothing): the
+    # caller deploys nothing for it and says it is blocked, as `kvguard plan` does.
+    rendered_with = kv_plan if kv_plan.verdict == "pass" else flag_check_plan(spec)
+    if (mismatch := parity_problem(spec, rendered_with)) is not None:
         raise ValueError(mismatch)
     revision = revision_of(spec, faults)
     serving = stable or revision
     share = spec.rollout.steps[0].weight if weight is None else weight
     backends = traffic_split(serving, revision, share)
-    objects = [*render_revision(spec, kv_plan, owner, revision, "full", faults), render_model_service(owner, serving)]
+    objects = [*render_revision(spec, rendered_with, owner, revision, "full", faults), render_model_service(owner, serving)]
     objects += render_traffic(spec, owner, backends)
     return DesiredObjects(revision, tuple(objects), (("Secret", secret_name(owner.name, revision)),), kv_plan)

@@ -138,6 +138,9 @@ def test_render_prints_nothing_for_a_spec_the_planner_blocks(tmp_path: Path, cap
     assert captured.out == "" and "blocked (S7): decode: pool 1,024 tokens = 1.00x contextLength 1,024" in captured.err
     manifest.write_text(yaml.safe_dump(with_spec(blocked, "spec.kvPoolTokens", 4096)))
     assert main(["render", "-f", str(manifest)]) == 0 and "kind: Deployment" in capsys.readouterr().out
+    # No pool at all (the weights fill the device): blocked too, 3, not a render error's 2 (outside probe).
+    manifest.write_text(yaml.safe_dump(with_spec(blocked, "spec.hardware.memoryPerDevice", "64Ki")))
+    assert main(["render", "-f", str(manifest)]) == 3 and "blocked (S7)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("policy", "message"), [
