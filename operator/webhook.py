@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -103,11 +104,18 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
     name = meta.get("name")
     if name and (bad_name := model_name_problem(str(name))) is not None:
         raise AdmissionDenied(bad_name, INVALID)  # (the CRD's CEL rule says it too, where the webhook is off)
+    namespace = meta.get("namespace")
+    if namespace is not None and not (isinstance(namespace, str) and _NAMESPACE.fullmatch(namespace)):
+        raise AdmissionDenied(f"metadata.namespace: {str(namespace)[:80]!r} must be a DNS-1123 label "
+                              "(at most 63 lowercase letters, digits and '-')", INVALID)  # fmt: skip
     spec = parse_spec(body.get("spec"))
     check_plannable(spec, name=str(name or "model"), namespace=str(meta.get("namespace") or ""))
     verdict = evaluate(spec, str(meta.get("namespace") or ""), policies)
     if not verdict.compliant:
         raise AdmissionDenied(describe_violations(verdict.violations), FORBIDDEN)
+
+
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def parse_spec(raw: Any) -> InferenceModelSpec:

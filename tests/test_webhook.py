@@ -113,6 +113,7 @@ def set_path(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 REFUSED_FIELDS = [
     ("metadata.name", "1model", "metadata.name: '1model' must be lowercase letters"),
     ("metadata.name", "my.model", "metadata.name: 'my.model' must be lowercase letters"),
+    ("metadata.namespace", "Bad_NS", "metadata.namespace: 'Bad_NS' must be a DNS-1123 label"),  # as docs/webhook.md says
     ("spec.roles.decode.nodeSelector", {"bad key!": "x"}, "nodeSelector key 'bad key!' is not a qualified name"),
     ("spec.roles.decode.nodeSelector", {"zone": "not a value"}, "is not a label value"),
     ("spec.roles.decode.tolerations", [{"key": "gpu", "operator": "Exists", "value": "x"}], "value must be empty when operator is Exists"),
