@@ -303,3 +303,51 @@ def test_cannot_run_target_line_and_evidence_wording() -> None:
     )
     assert http == ["- r: no HTTP response, 0 chunk(s): timed out"]
     assert PoolUsage(baseline_tokens=round(12.6), final_tokens=0, waited_seconds=0.1).model_dump()["baseline_tokens"] == 13
+
+
+# 4. the third outside probe: wrong content that passed ------------------------------------------
+
+
+@pytest.mark.parametrize("server", [Behaviour(constant_text="The quick brown fox jumps over the lazy dog"),
+                                    Behaviour(constant_text="Error: CUDA out of memory. Tried to allocate")], indirect=True)  # fmt: skip
+async def test_one_answer_for_every_prompt_fails_golden_without_a_baseline(server: RunningServer) -> None:
+    golden = result(await run(server, spec().only([ProbeName.GOLDEN])), ProbeName.GOLDEN)
+    assert golden.status == ProbeStatus.FAIL, golden.reason
+    assert golden.reason.startswith("all 2 golden prompts got the same answer") and "does not answer its prompt" in golden.reason
+
+
+async def test_a_healthy_server_without_a_baseline_still_skips_golden(server: RunningServer) -> None:
+    golden = result(await run(server, spec().only([ProbeName.GOLDEN])), ProbeName.GOLDEN)
+    assert golden.status == ProbeStatus.SKIPPED and "no baseline URL was given" in golden.reason
+
+
+async def test_tenants_served_each_others_cached_answer_fail_against_a_baseline() -> None:
+    """A prefix-cache collision (answers keyed by the prompt's first 100 characters, which the
+    tenants share): even "alone" every tenant gets the first one's answer, so only the baseline,
+    which answers them differently, tells a leak from a model that answers alike."""
+    with RunningServer(Behaviour(prefix_cache_chars=100)) as leaky, RunningServer(Behaviour()) as healthy:
+        canary = spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])
+        report = await run_suite(leaky.url, canary, baseline_url=healthy.url, metrics_urls=[leaky.metrics_url])
+        isolation = result(report, ProbeName.ISOLATION)
+        assert isolation.status == ProbeStatus.FAIL, isolation.reason
+        assert "got the same answer alone to different prompts, which the baseline answers differently" in isolation.reason
+        alone = result(await run_suite(leaky.url, canary, metrics_urls=[leaky.metrics_url]), ProbeName.ISOLATION)
+        assert any("without a baseline this cannot tell" in getattr(e, "message", "") for e in alone.evidence)
+
+
+@pytest.mark.parametrize("server", [Behaviour(swap_concurrent=True, cross_after=0.5),
+                                    Behaviour(swap_concurrent=True, cross_after=0.75)], indirect=True)  # fmt: skip
+async def test_answers_crossed_part_way_fail_isolation(server: RunningServer) -> None:
+    """Each concurrent answer keeps its own first half (or three quarters) and goes on with another
+    tenant's: no longer "most like" the other's as a whole, it passed as a near tie ~40% of runs."""
+    canary = spec(maxTokens=16, isolation={"tenants": 3}).only([ProbeName.ISOLATION])
+    isolation = result(await run(server, canary), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "outputs crossed between requests" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(reverse_chat_stream=True)], indirect=True)
+async def test_streamed_chat_that_differs_from_plain_chat_fails_determinism(server: RunningServer) -> None:
+    determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
+    assert determinism.status == ProbeStatus.FAIL, determinism.reason
+    assert determinism.reason == "streamed chat output differs from the non-streamed chat output"

@@ -65,6 +65,14 @@ class Behaviour:
     # after its own first token, each answer goes on with the tokens generated for the next prompt
     # in flight. Alone, every answer is right.
     swap_concurrent: bool = False
+    # With swap_concurrent, keep this share of the own tokens before going on with the other's
+    # (None: only the first token, as a crossed decode batch after prefill).
+    cross_after: float | None = None
+    constant_text: str | None = None  # every prompt gets this answer (a server ignoring its prompt)
+    # Answers cached by the prompt's first N characters: prompts sharing them get the first one's
+    # answer (a prefix-cache hash collision).
+    prefix_cache_chars: int | None = None
+    reverse_chat_stream: bool = False  # streamed chat sends the tokens in reverse order
 
 
 class FakeEngine:
@@ -77,6 +85,7 @@ class FakeEngine:
         self.tag_violations = 0
         self.in_flight: list[str] = []
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
+        self.cached_prompts: dict[str, str] = {}  # prefix_cache_chars: start -> the prompt cached for it
         self.registry = CollectorRegistry()
         self._capacity = Gauge("kvguard_kv_pool_capacity_tokens", "pool", ["role"], registry=self.registry)
         self._used = Gauge("kvguard_kv_pool_used_tokens", "used", ["role"], registry=self.registry)
@@ -113,6 +122,11 @@ class FakeEngine:
         )
 
     def generate(self, prompt: str, max_tokens: int) -> list[str]:
+        if self.b.constant_text is not None:
+            return self.b.constant_text.split()[:max_tokens]
+        if self.b.prefix_cache_chars is not None:
+            key = prompt[: self.b.prefix_cache_chars]
+            prompt = self.cached_prompts.setdefault(key, prompt)  # the first prompt with that start answers for all
         words = prompt.split() or [""]
         self.calls += 1
         salt = f"{self.calls}" if self.b.nondeterministic else ""
@@ -186,8 +200,9 @@ class FakeEngine:
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
             tokens = self.generate(prompt, max_tokens)
-            if (other := await self._crossed(prompt)) != prompt:  # its own first token, then another's rows
-                tokens = tokens[:1] + self.generate(other, max_tokens)[1:]
+            if (other := await self._crossed(prompt)) != prompt:  # its own first token(s), then another's rows
+                kept = 1 if self.b.cross_after is None else max(1, int(len(tokens) * self.b.cross_after))
+                tokens = tokens[:kept] + self.generate(other, max_tokens)[kept:]
             if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
                 tokens[0] = nonce
             if not stream:
@@ -238,6 +253,8 @@ class FakeEngine:
     async def _stream(self, request: web.Request, tokens: list[str], chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if chat and self.b.reverse_chat_stream:
+            tokens = tokens[::-1]
         for i, token in enumerate(tokens):
             if self.b.stream_dies_after is not None and i >= self.b.stream_dies_after:
                 request.transport.close()  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
 from kvguard.operator.canary.report import Evidence, OutputMismatch
-from kvguard.operator.canary.spec import ProbeName
+from kvguard.operator.canary.spec import ApiKind, ProbeName
 
 
 class DeterminismProbe(Probe):
@@ -38,6 +38,7 @@ class DeterminismProbe(Probe):
             return failed(miscounted, [r.evidence() for r in runs])
         if not runs[0].text:
             raise ProbeSkipped(empty_answer(runs[0]))  # identical empty answers prove nothing
+        extra = ""
         if spec.compare_streaming:
             streamed = await ctx.target.complete(
                 spec.prompt, api=api, max_tokens=max_tokens, stream=True, label="streamed run"
@@ -49,9 +50,33 @@ class DeterminismProbe(Probe):
                     "streamed output differs from the non-streamed output",
                     [OutputMismatch(request="streamed run", expected_from="run 1", expected=runs[0].text, actual=streamed.text)],
                 )
-        extra = " plus a streamed run" if spec.compare_streaming else ""
+            extra = " plus a streamed run"
+            if (other := await _other_endpoint_streamed(ctx, spec.prompt)) is not None:
+                if isinstance(other, Outcome):
+                    return other
+                extra += f" and the {other} endpoint's, plain and streamed"
         sample = runs[0].text if len(runs[0].text) <= 40 else runs[0].text[:37] + "..."
         return passed(f"{len(runs)} identical runs{extra} ({api}, max_tokens={max_tokens}): {sample!r}")
+
+
+async def _other_endpoint_streamed(ctx: RunContext, prompt: str) -> str | Outcome | None:
+    """The other endpoint (chat for completions) streamed must say what it says plainly (outside
+    probe: streamed chat was never compared). Its name when it agrees, a failure when not, None
+    when it does not answer with text (a base model has no chat template: not this probe's
+    finding)."""
+    other: ApiKind = "chat" if ctx.spec.api == "completions" else "completions"
+    plain = await ctx.target.complete(prompt, api=other, max_tokens=ctx.spec.max_tokens, label=f"{other} run")
+    if not plain.ok or not plain.text:
+        return None
+    streamed = await ctx.target.complete(prompt, api=other, max_tokens=ctx.spec.max_tokens, stream=True,
+                                         label=f"{other} streamed run")  # fmt: skip
+    if not streamed.ok:
+        return failed(streamed.describe_failure(), [streamed.evidence()])
+    if streamed.text != plain.text:
+        return failed(f"streamed {other} output differs from the non-streamed {other} output",
+                      [OutputMismatch(request=f"{other} streamed run", expected_from=f"{other} run",
+                                      expected=plain.text, actual=streamed.text)])  # fmt: skip
+    return other
 
 
 def prompt_token_disagreement(runs: list[Completion]) -> str | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kvguard.operator.canary import logprob_compare
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, failed, passed
 from kvguard.operator.canary.client import Completion, EngineClient
-from kvguard.operator.canary.report import Evidence, Note, OutputMismatch
+from kvguard.operator.canary.report import Evidence, Note, OutputMismatch, one_line
 from kvguard.operator.canary.spec import GoldenPrompt, ProbeName
 
 
@@ -56,6 +56,8 @@ class GoldenProbe(Probe):
         use_baseline = spec.compare_baseline and ctx.baseline is not None
         checkable = [p for p in spec.prompts if p.expect_substring or p.expect_regex or use_baseline]
         if not checkable:
+            if (same := await _one_answer_for_every_prompt(ctx)) is not None:
+                return same
             why = "no baseline URL was given" if spec.compare_baseline else "compareBaseline is off"
             raise ProbeSkipped(f"no prompt has expectSubstring/expectRegex and {why}")
         tally = _Tally()
@@ -101,6 +103,29 @@ class GoldenProbe(Probe):
             tally.evidence.append(OutputMismatch(request=label, expected_from="baseline", expected=ref.text, actual=out.text))
         else:
             tally.exact_equal += 1
+
+
+async def _one_answer_for_every_prompt(ctx: RunContext) -> Outcome | None:
+    """With nothing to compare with, one check needs no reference: different prompts must not all
+    get the same answer (outside probe: a server answering every prompt with one fixed text, or
+    with an error message in a 200, passed without a baseline). A failed request fails as usual.
+    None when the answers differ (or there are fewer than two prompts, or no text)."""
+    prompts = list(dict.fromkeys(p.prompt for p in ctx.spec.golden.prompts))
+    if len(prompts) < 2:
+        return None
+    answers = []
+    for index, prompt in enumerate(prompts):
+        out = await _complete(ctx, ctx.target, prompt, ctx.spec.max_tokens, f"golden #{index}", None)
+        if not out.ok:
+            return failed(out.describe_failure(), [out.evidence()])
+        ctx.remember_solo(prompt, ctx.spec.api, ctx.spec.max_tokens, out)
+        answers.append(out)
+    if not answers[0].text or any(a.text != answers[0].text for a in answers[1:]):
+        return None
+    evidence: list[Evidence] = [OutputMismatch(request=a.label, expected_from="a different answer than golden #0's",
+                                               expected="(any other text)", actual=a.text) for a in answers[1:]]  # fmt: skip
+    return failed(f"all {len(answers)} golden prompts got the same answer {one_line(answers[0].text, 60)!r}: the server "
+                  "does not answer its prompt (a fixed text, or an error in a 200)", evidence)  # fmt: skip
 
 
 async def _complete(ctx: RunContext, client: EngineClient, prompt: str, max_tokens: int, label: str, top: int | None) -> Completion:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
 from kvguard.operator.canary.prompts import filler_text
-from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch
+from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch, one_line
 from kvguard.operator.canary.spec import ApiKind, ProbeName
 
 CHOICES_PER_PROMPT = 2
@@ -170,6 +170,7 @@ class IsolationProbe(Probe):
         # Tenants take turns over the channels, so concurrent streams and chats are covered too.
         paths = [channels[i % len(channels)] for i in range(len(prompts))]
         solos = [await ctx.solo(p, api=c.api, stream=c.stream) for p, c in zip(prompts, paths)]
+        await self._same_answers_alone(ctx, prompts, paths, solos, problems, evidence)
         results = await asyncio.gather(*(self._tenant(ctx, c, i, p) for i, (p, c) in enumerate(zip(prompts, paths))))
         for i, result in enumerate(results):
             if not result.ok:
@@ -180,6 +181,34 @@ class IsolationProbe(Probe):
         await self._prompt_list(ctx, prompts, nonces, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
+
+    async def _same_answers_alone(
+        self, ctx: RunContext, prompts: list[str], paths: list[Channel], solos: list[Completion],
+        problems: list[str], evidence: list[Evidence],
+    ) -> None:  # fmt: skip
+        """Two tenants whose prompts differ (they share only their first half) but whose answers
+        alone are the same: a prefix cache that hands one's KV to the other (a hash collision,
+        vLLM's CVE-2025-25183) contaminates the "alone" answers themselves, so the concurrent
+        checks compare against the leak (outside probe). The baseline tells it from a model that
+        answers both alike: it fails when the baseline's answers differ, and is noted without one."""
+        same = [(i, j) for i in range(len(solos)) for j in range(i + 1, len(solos))
+                if solos[i].ok and solos[j].ok and solos[i].text and solos[i].text == solos[j].text]  # fmt: skip
+        if not same:
+            return
+        if ctx.baseline is None:
+            pairs = ", ".join(f"{i + 1} and {j + 1}" for i, j in same)
+            evidence.append(Note(message=f"tenants {pairs} got the same answer alone to different prompts; without a "
+                                         "baseline this cannot tell a prefix-cache collision from the model's own answer"))  # fmt: skip
+            return
+        for i, j in same:
+            refs = [await ctx.baseline.complete(prompts[k], api=paths[k].api, max_tokens=ctx.spec.max_tokens,
+                                                stream=paths[k].stream, label=f"tenant {k + 1} on baseline") for k in (i, j)]  # fmt: skip
+            if all(r.ok for r in refs) and refs[0].text != refs[1].text:
+                problems.append(f"tenants {i + 1} and {j + 1} got the same answer alone to different prompts, which the "
+                                "baseline answers differently: one was served the other's KV (a prefix-cache collision)")  # fmt: skip
+                evidence.append(OutputMismatch(request=f"tenant {j + 1} alone", expected_from=f"tenant {j + 1} on baseline "
+                                               f"(tenant {i + 1}'s: {one_line(refs[0].text, 60)!r})",
+                                               expected=refs[1].text, actual=solos[j].text))  # fmt: skip
 
     async def _prompt_list(
         self, ctx: RunContext, prompts: list[str], nonces: list[str], problems: list[str], evidence: list[Evidence]
@@ -295,5 +324,34 @@ def check_own_answer(
         evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone",
                                        expected=own, actual=result.text))  # fmt: skip
         return
-    evidence.append(Note(message=f"{result.label}: differs from its answer alone after {len(os.path.commonprefix([result.text, own]))} "
+    kept = len(os.path.commonprefix([result.text, own]))
+    if (other := crossed_after(result.text, kept, own, solos)) is not None:
+        problems.append(f"{result.label}: after {kept} characters of its own answer it goes on with tenant {other + 1}'s "
+                        "(outputs crossed between requests)")  # fmt: skip
+        evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone",
+                                       expected=own, actual=result.text))  # fmt: skip
+        return
+    evidence.append(Note(message=f"{result.label}: differs from its answer alone after {kept} "
                                  "characters, and is no other tenant's (batched kernels may break a near tie differently)"))  # fmt: skip
+
+
+CROSSED_MIN_CHARS = 8
+"""How much of another tenant's answer, at the same place, a diverged answer must carry to be read
+as crossed: a near tie broken differently goes on with the model's own other continuation."""
+
+
+def crossed_after(text: str, kept: int, own: str, solos: list[str | None]) -> int | None:
+    """The tenant whose answer `text` goes on with, at the same characters, where it left its own
+    answer after `kept` characters (outside probe: an answer crossed half-way matched neither well
+    enough for `whose_answer`, and passed as a near tie); None when none does."""
+    rest = text[kept:]
+    if len(rest) < CROSSED_MIN_CHARS:
+        return None
+    for j, other in enumerate(solos):
+        # Only another answer that had already left `own` before this point tells them apart: two
+        # answers alike up to here (a model's generic reply) may break a near tie either way.
+        if other is None or other == own or len(os.path.commonprefix([own, other])) >= kept:
+            continue
+        if len(os.path.commonprefix([rest, other[kept:]])) >= CROSSED_MIN_CHARS:
+            return j
+    return None
