@@ -321,6 +321,27 @@ async def test_a_healthy_server_without_a_baseline_still_skips_golden(server: Ru
     assert golden.status == ProbeStatus.SKIPPED and "no baseline URL was given" in golden.reason
 
 
+@pytest.mark.parametrize("server", [Behaviour(constant_text="d")], indirect=True)
+async def test_a_short_answer_shared_by_every_golden_prompt_is_not_a_failure(server: RunningServer) -> None:
+    """Outside probe (false positive): "The capital of France is" and "... of Italy is" both gave 'd'
+    at maxTokens 1 on a healthy server; a short answer may honestly be every prompt's."""
+    canary = spec(maxTokens=1, golden={"prompts": [{"prompt": "The capital of France is"}, {"prompt": "The capital of Italy is"}]})
+    golden = result(await run(server, canary.only([ProbeName.GOLDEN])), ProbeName.GOLDEN)
+    assert golden.status == ProbeStatus.SKIPPED, golden.reason
+
+
+def test_a_diverged_answer_going_on_with_a_generic_run_is_not_crossed() -> None:
+    """Outside probe (theoretical false positive): a near tie broken into a run of newlines that
+    another tenant's answer also has at that place is no crossing."""
+    from kvguard.operator.canary.isolation import crossed_after
+
+    own, other = "The weather today is", "Some other text" + "\n" * 20
+    assert crossed_after("The weather" + "\n" * 12, len("The weather"), own, [own, other]) is None
+    worded = "Some other answer with words and more words"
+    crossed = "The weather" + worded[len("The weather"):]
+    assert crossed_after(crossed, len("The weather"), own, [own, worded]) == 1
+
+
 async def test_tenants_served_each_others_cached_answer_fail_against_a_baseline() -> None:
     """A prefix-cache collision (answers keyed by the prompt's first 100 characters, which the
     tenants share): even "alone" every tenant gets the first one's answer, so only the baseline,
@@ -333,6 +354,11 @@ async def test_tenants_served_each_others_cached_answer_fail_against_a_baseline(
         assert "got the same answer alone to different prompts, which the baseline answers differently" in isolation.reason
         alone = result(await run_suite(leaky.url, canary, metrics_urls=[leaky.metrics_url]), ProbeName.ISOLATION)
         assert any("without a baseline this cannot tell" in getattr(e, "message", "") for e in alone.evidence)
+        # Other numerics (baselineMatch tolerant) answer differently anyway: noted, not failed.
+        tolerant = spec(isolation={"tenants": 3}, golden={"baselineMatch": "tolerant"}).only([ProbeName.ISOLATION])
+        other = result(await run_suite(leaky.url, tolerant, baseline_url=healthy.url, metrics_urls=[leaky.metrics_url]),
+                       ProbeName.ISOLATION)  # fmt: skip
+        assert any("same numerics (baselineMatch exact)" in getattr(e, "message", "") for e in other.evidence), other.reason
 
 
 @pytest.mark.parametrize("server", [Behaviour(swap_concurrent=True, cross_after=0.5),

@@ -105,6 +105,12 @@ class GoldenProbe(Probe):
             tally.exact_equal += 1
 
 
+SAME_ANSWER_MIN_CHARS = 12
+"""How long one answer to every golden prompt must be to fail the run: short ones may honestly be
+shared (outside probe: "The capital of France is" and "... of Italy is" both gave 'd' at maxTokens 1),
+a dozen characters of the same text for different prompts is a server ignoring them."""
+
+
 async def _one_answer_for_every_prompt(ctx: RunContext) -> Outcome | None:
     """With nothing to compare with, one check needs no reference: different prompts must not all
     get the same answer (outside probe: a server answering every prompt with one fixed text, or
@@ -120,8 +126,8 @@ async def _one_answer_for_every_prompt(ctx: RunContext) -> Outcome | None:
             return failed(out.describe_failure(), [out.evidence()])
         ctx.remember_solo(prompt, ctx.spec.api, ctx.spec.max_tokens, out)
         answers.append(out)
-    if not answers[0].text or any(a.text != answers[0].text for a in answers[1:]):
-        return None
+    if len(answers[0].text.strip()) < SAME_ANSWER_MIN_CHARS or any(a.text != answers[0].text for a in answers[1:]):
+        return None  # (a short answer may honestly be every prompt's: "d", " 4")
     evidence: list[Evidence] = [OutputMismatch(request=a.label, expected_from="a different answer than golden #0's",
                                                expected="(any other text)", actual=a.text) for a in answers[1:]]  # fmt: skip
     return failed(f"all {len(answers)} golden prompts got the same answer {one_line(answers[0].text, 60)!r}: the server "

@@ -195,10 +195,11 @@ class IsolationProbe(Probe):
                 if solos[i].ok and solos[j].ok and solos[i].text and solos[i].text == solos[j].text]  # fmt: skip
         if not same:
             return
-        if ctx.baseline is None:
+        if ctx.baseline is None or ctx.spec.golden.baseline_match != "exact":  # other numerics: other answers
+            why = "a baseline" if ctx.baseline is None else "a baseline with the same numerics (baselineMatch exact)"
             pairs = ", ".join(f"{i + 1} and {j + 1}" for i, j in same)
-            evidence.append(Note(message=f"tenants {pairs} got the same answer alone to different prompts; without a "
-                                         "baseline this cannot tell a prefix-cache collision from the model's own answer"))  # fmt: skip
+            evidence.append(Note(message=f"tenants {pairs} got the same answer alone to different prompts; without {why} "
+                                         "this cannot tell a prefix-cache collision from the model's own answer"))  # fmt: skip
             return
         for i, j in same:
             refs = [await ctx.baseline.complete(prompts[k], api=paths[k].api, max_tokens=ctx.spec.max_tokens,
@@ -352,6 +353,7 @@ def crossed_after(text: str, kept: int, own: str, solos: list[str | None]) -> in
         # answers alike up to here (a model's generic reply) may break a near tie either way.
         if other is None or other == own or len(os.path.commonprefix([own, other])) >= kept:
             continue
-        if len(os.path.commonprefix([rest, other[kept:]])) >= CROSSED_MIN_CHARS:
+        matched = os.path.commonprefix([rest, other[kept:]])
+        if len(matched) >= CROSSED_MIN_CHARS and len(set(matched.split())) >= 2:  # not a run of one generic piece
             return j
     return None
