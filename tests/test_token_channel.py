@@ -162,6 +162,22 @@ def _output(rid: str, state: RequestState, tokens: list[int], **more: object) ->
     return RequestOutput(rid, state, token_ids=tokens, text="".join(chr(65 + t % 26) for t in tokens), **more)  # type: ignore[arg-type]
 
 
+class _Writes:
+    """A channel's writer for these tests: keeps every write and says when one came (`came`);
+    with `release` given, each write then waits for it (a router that is not reading)."""
+
+    def __init__(self, release: asyncio.Event | None = None) -> None:
+        self.data: list[bytes] = []
+        self.came = asyncio.Event()
+        self.release = release
+
+    async def __call__(self, data: bytes) -> None:
+        self.data.append(data)
+        self.came.set()
+        if self.release is not None:
+            await self.release.wait()
+
+
 def test_the_channel_envelope_is_a_channel_event() -> None:
     batch = [_output('q"1', RequestState.DECODING, [1, 2]), _output('q"1', RequestState.FINISHED, [3], finish_reason="length")]
     data, sent, ended = step_events(batch, prompt_tokens=5, sent=0, channel_request='q"1')
@@ -176,14 +192,8 @@ def test_decode_routes_a_step_into_one_write_and_ends_its_requests_when_closed()
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         channel = TokenChannel("c" * 32)
-        writes: list[bytes] = []
-
-        written = asyncio.Event()
-
-        async def write(data: bytes) -> None:
-            writes.append(data)
-            written.set()
-
+        write = _Writes()
+        writes, written = write.data, write.came
         serving = asyncio.create_task(channel.serve(write))
         a, b, c = (RequestStream(rid, loop) for rid in ("a", "b", "c"))
         ended = {s.request_id: channel.attach(s, prompt_tokens=2) for s in (a, b, c)}
@@ -215,14 +225,9 @@ def test_steps_made_while_the_router_reads_slowly_go_out_as_one_event_per_reques
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         channel = TokenChannel("d" * 32)
-        writes: list[bytes] = []
-        release, wrote = asyncio.Event(), asyncio.Event()
-
-        async def write(data: bytes) -> None:
-            writes.append(data)
-            wrote.set()
-            await release.wait()  # the router is not reading
-
+        release = asyncio.Event()
+        write = _Writes(release)  # the router is not reading until `release`
+        writes, wrote = write.data, write.came
         serving = asyncio.create_task(channel.serve(write))
         a = RequestStream("a", loop)
         ended = channel.attach(a, prompt_tokens=2)
@@ -283,13 +288,8 @@ def test_a_request_whose_outputs_cannot_be_encoded_ends_alone(monkeypatch: pytes
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         channel = TokenChannel("e" * 32)
-        writes: list[bytes] = []
-        wrote = asyncio.Event()
-
-        async def write(data: bytes) -> None:
-            writes.append(data)
-            wrote.set()
-
+        write = _Writes()
+        writes, wrote = write.data, write.came
         serving = asyncio.create_task(channel.serve(write))
         good, bad = RequestStream("good", loop), RequestStream("bad", loop)
         ended = {s.request_id: channel.attach(s, prompt_tokens=1) for s in (good, bad)}

@@ -141,17 +141,19 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """What is held, released as the tokenizer decodes it, without a new token: the request
         ended on a token whose own text is not part of the output (a stop token, as in vLLM)."""
-        held = self._ids[self._prefix :]
-        text = self._tok.decode(held)[len(self._tok.decode(self._ids[self._prefix : self._read])) :] if held else ""
-        self._prefix = self._read = len(self._ids)
-        return text
+        return self._release(force=True)
 
     def push(self, token_id: int, final: bool = False) -> str:
         self._ids.append(token_id)
+        return self._release(force=final)
+
+    def _release(self, force: bool) -> str:
+        """The text the ids not yet output add, once it decodes cleanly, has been held too long, or
+        `force` (the last token): then it goes out; else nothing yet."""
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
         new_text = self._tok.decode(self._ids[self._prefix :])
         overdue = len(self._ids) - self._prefix > MAX_HELD_TOKENS
-        if final or overdue or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
+        if force or overdue or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
             self._prefix, self._read = self._read, len(self._ids)
             return new_text[len(prefix_text) :]
         return ""
