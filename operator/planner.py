@@ -467,6 +467,12 @@ def flag_check_plan(spec: InferenceModelSpec) -> KVPlan:
                   page_size=spec.page_size, kv_cache_dtype=resolved_kv_dtype(spec), roles=roles)  # fmt: skip
 
 
+def plan_to_render(spec: InferenceModelSpec, kv_plan: KVPlan | None) -> KVPlan:
+    """The plan to render the spec's command lines with for its checks: `kv_plan` when it passes,
+    else (none, or blocked) the flag-check plan."""
+    return kv_plan if kv_plan is not None and kv_plan.verdict == "pass" else flag_check_plan(spec)
+
+
 def needed_tokens(spec: InferenceModelSpec) -> int:
     """The smallest pool that passes: minKVRatio x contextLength, in whole pages."""
     needed = required_pool_tokens(spec.min_kv_ratio, spec.context_length)

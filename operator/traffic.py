@@ -155,7 +155,7 @@ def desired_objects(
     """
     from kvguard.operator.engine_support import engine_problems
     from kvguard.operator.pd_parity import parity_problem
-    from kvguard.operator.planner import flag_check_plan, plan
+    from kvguard.operator.planner import plan, plan_to_render
     from kvguard.operator.render import render_model_service, render_revision, secret_name
     from kvguard.operator.revision import revision_of
 
@@ -165,7 +165,7 @@ def desired_objects(
     kv_plan = plan(spec)
     # A blocked plan is rendered for its field checks only (a pool of 0 renders nothing): the
     # caller deploys nothing for it and says it is blocked, as `kvguard plan` does.
-    rendered_with = kv_plan if kv_plan.verdict == "pass" else flag_check_plan(spec)
+    rendered_with = plan_to_render(spec, kv_plan)
     if (mismatch := parity_problem(spec, rendered_with)) is not None:
         raise ValueError(mismatch)
     revision = revision_of(spec, faults)

@@ -57,7 +57,7 @@ from kvguard.operator.api import (
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.pd_parity import parity_problem
-from kvguard.operator.planner import PlanInputError, extra_args_problems, flag_check_plan, plan
+from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
 from kvguard.operator.policy import describe_violations, evaluate, rule_problems, with_placeholder_source
 from kvguard.operator.reconcile import field_errors
 from kvguard.operator.render import Owner, RenderError, render_revision
@@ -139,7 +139,7 @@ def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> N
     try:
         if spec.model.architecture is not None or spec.model.architecture_config_map is None:
             kv_plan = plan(spec)
-        checked = kv_plan if kv_plan is not None and kv_plan.verdict == "pass" else flag_check_plan(spec)
+        checked = plan_to_render(spec, kv_plan)
         render_revision(with_placeholder_source(spec), checked, Owner(name=name, namespace=namespace, uid="admission"), "admission")
     except (PlanInputError, RenderError) as exc:
         raise AdmissionDenied(str(exc), INVALID) from None
