@@ -83,11 +83,28 @@ class RolloutState(str, enum.Enum):
 
 
 PAUSE_ANNOTATION = "kvguard.io/pause"
-"""`"true"` holds the rollout where it is (nothing deployed, promoted or deleted)."""
+"""`"true"` holds the rollout where it is (nothing deployed, promoted or deleted); `"false"` (or no
+annotation) does not. Any other value is refused at admission (`annotation_problems`)."""
+PAUSE_VALUES = ("true", "false")
 RETRY_ANNOTATION = "kvguard.io/retry"
 """Any value different from the one the failed attempt ran under retries the rollout."""
 ROLLBACK_ANNOTATION = "kvguard.io/rollback-to"
 """A previous stable revision to serve instead of the spec's; remove it to roll the spec out again."""
+
+
+
+def annotation_problems(annotations: Mapping[str, object] | None) -> list[str]:
+    """What is wrong with the model's control annotations, one message per field (pure).
+
+    Why: a pause written `"True"`, `"yes"` or `"1"` was read as no pause at all, so a user who
+    meant to hold a rollout watched it go on. The admission webhook and `kvguard apply --local`
+    refuse such a value, naming the field; the reconciler still reads only `"true"` as a pause."""
+    value = (annotations or {}).get(PAUSE_ANNOTATION)
+    if value is None or (isinstance(value, str) and value.strip() in PAUSE_VALUES):
+        return []
+    return [f"metadata.annotations[{PAUSE_ANNOTATION}]: {str(value)[:40]!r} is not \"true\" (hold the rollout) "
+            "or \"false\""]
+
 
 MAX_SCRAPE_ATTEMPTS = 5
 """Scrapes in which some candidate worker did not report before the rollout fails (S7)."""

@@ -6,8 +6,9 @@ InferenceModel the API server sends an AdmissionReview here; the model is reject
 message naming the field and the rule, when its spec is invalid for the planner or the renderer,
 or when an applicable InferencePolicy says no (`kvguard.operator.policy`, S7). An UPDATE that
 leaves the spec unchanged (labels, annotations, finalizers: kopf's own bookkeeping included) and
-an object being deleted are always admitted: a model that became non-compliant after a policy
-change is reported by reconcile, not locked or killed.
+an object being deleted are always admitted (a model that became non-compliant after a policy
+change is reported by reconcile, not locked or killed); only a `kvguard.io/pause` value that an
+update writes must be "true" or "false" (`rollout.annotation_problems`), as on CREATE.
 
 On CREATE and UPDATE of an InferencePolicy a policy whose spec does not parse, or one with a rule
 that cannot be read (an unknown engine kind or unreadable version in minEngineVersions, an unknown
@@ -61,6 +62,7 @@ from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, 
 from kvguard.operator.policy import describe_violations, evaluate, rule_problems, with_placeholder_source
 from kvguard.operator.reconcile import field_errors
 from kvguard.operator.render import Owner, RenderError, render_revision
+from kvguard.operator.rollout import PAUSE_ANNOTATION, annotation_problems
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +93,24 @@ def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -
     return old is None or new is None or old.get("spec") != new.get("spec")
 
 
+def _pause_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether an update writes the pause annotation (checked then only: an unrelated update of a
+    model admitted before this check existed is not refused for it)."""
+    def pause(body: Mapping[str, Any] | None) -> object:
+        return ((body or {}).get("metadata") or {}).get("annotations", {}).get(PAUSE_ANNOTATION)
+
+    return pause(old) != pause(new)
+
+
 def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str | None,
                     policies: Sequence[InferencePolicy]) -> None:
     """Raise AdmissionDenied when the InferenceModel `body` must not be admitted."""
     meta = body.get("metadata") or {}
     if operation not in ("CREATE", "UPDATE"):
         return
+    if operation == "CREATE" or _pause_changed(old, body):
+        if problems := annotation_problems(meta.get("annotations")):
+            raise AdmissionDenied("; ".join(problems), INVALID)
     if operation == "UPDATE" and not spec_changed(old, body):
         # metadata-only: never lock an existing model out of its own bookkeeping (a finalizer
         # removed while it is deleted included); a spec change is checked, deleting or not.

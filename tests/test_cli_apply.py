@@ -86,6 +86,19 @@ def test_an_unusable_state_dir_or_timeout_is_one_line_and_exit_2(tmp_path: Path,
     assert not (tmp_path / "s").exists()  # refused before anything was made
 
 
+def test_a_pause_that_would_not_pause_is_bad_input(tmp_path: Path) -> None:
+    """`kvguard.io/pause: "yes"` was read as no pause and the rollout went on; refused as the
+    admission webhook refuses it (rollout.annotation_problems), before anything starts."""
+    manifest = yaml.safe_load((REPO / "examples" / "incident.yaml").read_text())
+    manifest["metadata"]["annotations"] = {"kvguard.io/pause": "yes"}
+    path = tmp_path / "paused.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    done = kvguard("apply", "-f", str(path), "--local", "--state-dir", str(tmp_path / "s"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "metadata.annotations[kvguard.io/pause]: 'yes' is not \"true\"" in done.stderr
+    assert not (tmp_path / "s").exists()
+
+
 def test_sigterm_stops_apply_as_ctrl_c_does(tmp_path: Path, tiny_model_dir: Path) -> None:
     """One line and exit 130 (not death by the signal), the state folder kept for a resume."""
     import signal

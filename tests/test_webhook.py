@@ -210,6 +210,28 @@ def test_metadata_only_updates_and_deletions_are_admitted_even_when_non_complian
     assert exc is not None and "spec.contextLength" in str(exc) and "rule maxContextLength" in str(exc)
 
 
+@pytest.mark.parametrize("value", ["True", "yes", "1", "on", ""])
+def test_a_pause_annotation_that_would_not_pause_is_refused_by_field(value: str) -> None:
+    """Only "true" pauses (rollout.py); any other value was read as no pause at all, so a rollout
+    its user meant to hold went on. Refused where it is written: on CREATE and on an UPDATE that
+    writes it; an unrelated update of a model that already carries one is still admitted."""
+    body = tiny_model()
+    body["metadata"]["annotations"] = {"kvguard.io/pause": value}
+    exc = denial(body, [])
+    assert exc is not None and exc.code == INVALID
+    assert "metadata.annotations[kvguard.io/pause]" in str(exc) and repr(value) in str(exc)
+    old = tiny_model()
+    exc = denial(body, [], old=old, operation="UPDATE")
+    assert exc is not None and "kvguard.io/pause" in str(exc)
+    relabelled = copy.deepcopy(body)
+    relabelled["metadata"]["labels"] = {"team": "a"}
+    assert denial(relabelled, [], old=body, operation="UPDATE") is None
+    for good in ("true", "false", " true "):
+        body["metadata"]["annotations"] = {"kvguard.io/pause": good}
+        assert denial(body, []) is None
+        assert denial(body, [], old=old, operation="UPDATE") is None
+
+
 def policy_denial(body: dict[str, Any], *, old: dict[str, Any] | None = None, operation: str = "CREATE") -> AdmissionDenied | None:
     try:
         webhook.check_policy_admission(body, old, operation)

@@ -299,6 +299,7 @@ def _load_model(args: argparse.Namespace) -> Any:
 
     from kvguard.commands.plan import BadInput, _read_manifest
     from kvguard.operator.api import InferenceModel
+    from kvguard.operator.rollout import annotation_problems
 
     try:
         manifest = _read_manifest(args.file)
@@ -311,9 +312,12 @@ def _load_model(args: argparse.Namespace) -> Any:
             revision = (model.get("source") or {}).get("revision") if isinstance(model.get("source"), dict) else None
             model["source"] = {**source, **({"revision": revision} if revision else {})}
     try:
-        return InferenceModel.model_validate(manifest)
+        model = InferenceModel.model_validate(manifest)
     except ValidationError as exc:
         raise ValueError("; ".join(_describe(e) for e in exc.errors())) from None
+    if problems := annotation_problems(model.metadata.annotations):  # as the admission webhook does
+        raise ValueError("; ".join(problems))
+    return model
 
 
 def _load_policies(path: Path) -> list[Any]:
