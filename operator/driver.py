@@ -79,8 +79,10 @@ class DriverMemory:
 
     scrape: dict[ModelKey, str] = field(default_factory=dict)
     """Revision whose workers to scrape at the model's next pass (the last decision asked)."""
-    foreign: dict[ModelKey, tuple[ForeignObjectError, ...]] = field(default_factory=dict)
-    """Objects that blocked the model's last actions because someone else owns them."""
+    foreign: dict[ModelKey, tuple[str, tuple[ForeignObjectError, ...]]] = field(default_factory=dict)
+    """(digest of the spec, the objects that blocked its actions because someone else owns them):
+    reported until they are gone or the spec changes (a new spec may not need them: it is tried
+    afresh, and one it still needs blocks it again)."""
     refused: dict[ModelKey, tuple[str, str]] = field(default_factory=dict)
     """(digest of the spec, the API server's message) of a child object it refused (422) for
     that spec: reported until the spec changes, instead of retried forever unseen."""
@@ -132,14 +134,14 @@ async def observe(
     scrape = memory.scrape.pop(ref.key, None)
     if scrape is not None:
         reports = tuple(await scrape_workers(await backend.endpoints(ref, scrape)))
-    foreign = memory.foreign.get(ref.key, ())
-    if foreign:
-        foreign = tuple(await backend.still_foreign(ref, foreign))
-        memory.foreign[ref.key] = foreign
-        if not foreign:
-            del memory.foreign[ref.key]
+    digest = spec_digest(body)
+    foreign: tuple[ForeignObjectError, ...] = ()
+    if (blocked := memory.foreign.pop(ref.key, None)) is not None and blocked[0] == digest:
+        foreign = tuple(await backend.still_foreign(ref, blocked[1]))
+        if foreign:
+            memory.foreign[ref.key] = (digest, foreign)
     refused = memory.refused.get(ref.key)
-    if refused is not None and refused[0] != spec_digest(body):
+    if refused is not None and refused[0] != digest:
         del memory.refused[ref.key]  # a new spec: let the API server judge it afresh
         refused = None
     rollout = (body.get("status") or {}).get("rollout") or {}
@@ -218,7 +220,14 @@ async def run_pass(
     if outcome.measure is not None:
         memory.measure[ref.key] = outcome.measure
     try:
-        await _act(ref, outcome, backend, runner, memory, on_canary_done)
+        await _act(ref, outcome, backend, runner, on_canary_done)
+    except ForeignObjectError as exc:
+        log.warning("%s/%s: %s", *ref.key, exc.description)
+        digest = spec_digest(body)
+        kept = memory.foreign.get(ref.key)
+        earlier = kept[1] if kept is not None and kept[0] == digest else ()
+        memory.foreign[ref.key] = (digest, (*earlier, exc))
+        raise
     except KubeError as exc:
         if exc.status == 422:  # the spec renders an object the API server refuses: the next pass says so
             memory.refused[ref.key] = (spec_digest(body), str(exc))
@@ -245,7 +254,7 @@ async def _start_continuous(
 
 
 async def _act(
-    ref: ModelRef, outcome: Outcome, backend: Backend, runner: CanaryRunner, memory: DriverMemory,
+    ref: ModelRef, outcome: Outcome, backend: Backend, runner: CanaryRunner,
     on_canary_done: Callable[[], Awaitable[None]] | None,
 ) -> None:  # fmt: skip
     if not outcome.actions or outcome.spec is None:
@@ -253,12 +262,7 @@ async def _act(
     request = None
     if outcome.plan is not None and outcome.revision is not None:
         request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan, outcome.faults, outcome.rendered)
-    try:
-        await execute(backend, request, outcome.actions, runner, outcome.spec.canary, on_canary_done=on_canary_done)
-    except ForeignObjectError as exc:
-        log.warning("%s/%s: %s", *ref.key, exc.description)
-        memory.foreign[ref.key] = (*memory.foreign.get(ref.key, ()), exc)
-        raise
+    await execute(backend, request, outcome.actions, runner, outcome.spec.canary, on_canary_done=on_canary_done)
 
 
 def spec_digest(body: Mapping[str, Any]) -> str:

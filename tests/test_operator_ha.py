@@ -301,6 +301,30 @@ async def test_a_transfer_secret_someone_else_created_is_refused_by_name_and_nev
     assert own["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny" and own["data"]["key"] != "YXR0YWNrZXI="
 
 
+async def test_a_spec_change_is_rolled_out_past_a_foreign_object_only_the_old_revision_needed(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside probe: the foreign Secret was remembered for the model, not for the spec, so a new
+    spec (a new revision, which never needs that Secret) stayed halted on it with the old plan in
+    its status. A new spec is tried afresh; the planted object is still never touched."""
+    monkeypatch.setattr(reconcile, "FOREIGN_RECHECK_SECONDS", 0.5)
+    body = tiny_model()
+    rev = revision_of(InferenceModelSpec.model_validate(body["spec"]))
+    secret = f"tiny-{rev}-kv-transfer"
+    planted = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"key": "YXR0YWNrZXI="},
+               "metadata": {"name": secret, "namespace": NS, "labels": {"team": "someone-else"}}}  # fmt: skip
+    await http("POST", f"/api/v1/namespaces/{NS}/secrets", planted)
+    await apply_model(body)
+    await until(lambda: status_of(cluster).get("phase") == "Degraded", "Degraded")
+    await patch_model("tiny", {"spec": {"contextLength": 512}})
+    status = await until(lambda: status_of(cluster).get("targetRevision") not in (None, rev) and status_of(cluster), "the new revision", 30)
+    new = status["targetRevision"]
+    assert status["plan"]["contextLength"] == 512
+    await until(lambda: sum(name.startswith(f"tiny-{new}-") for name in objects_of(cluster, DEPLOYMENTS)) == 3,
+                "the new revision's Deployments", 30)  # fmt: skip
+    assert objects_of(cluster, SECRETS)[secret]["data"]["key"] == "YXR0YWNrZXI="  # never used, never modified
+
+
 async def test_a_deleted_models_metrics_are_cleared(cluster: Any) -> None:
     await apply_model(tiny_model())
     labels = {"namespace": NS, "model": "tiny", "role": "decode"}
