@@ -55,6 +55,26 @@ def test_rbac_is_least_privilege(rendered: list[dict[str, Any]]) -> None:
             assert set(rule["verbs"]) <= {"create", "get", "delete"}, "Secrets by name only: never list or watch"
         if {"inferencemodels", "inferencepolicies"} & set(rule["resources"]):
             assert set(rule["verbs"]) <= {"get", "list", "watch"}, "the operator writes only status"
+        if "inferencemodels/finalizers" in rule["resources"]:
+            assert rule["verbs"] == ["update"] and rule["resources"] == ["inferencemodels/finalizers"]
+
+
+def owner_finalizer_rights(objs: list[dict[str, Any]], kind: str) -> set[str]:
+    return {v for rule in rules(objs, kind) if "inferencemodels/finalizers" in rule["resources"] for v in rule["verbs"]}
+
+
+def test_both_installs_may_set_block_owner_deletion_on_the_children(rendered: list[dict[str, Any]]) -> None:
+    """Outside probe: every child's ownerReference sets blockOwnerDeletion, which an API server with
+    OwnerReferencesPermissionEnforcement (OpenShift's default) allows only to a user who may update
+    the owner's finalizers; neither install granted it, so no child would ever be created there."""
+    from kvguard.operator.render import Owner
+
+    reference = Owner(name="tiny", namespace="models", uid="uid-tiny").reference()
+    assert reference["blockOwnerDeletion"] is True
+    assert owner_finalizer_rights(rendered, "ClusterRole") == {"update"}
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / "manifests" / "namespaced")], check=True, capture_output=True, text=True)
+    namespaced = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    assert owner_finalizer_rights(namespaced, "Role") == {"update"}
 
 
 def test_operator_runs_restricted_with_a_leader_elected_by_lease(rendered: list[dict[str, Any]]) -> None:
