@@ -4,12 +4,14 @@ status record, `kvguard apply` input errors, and healing a killed worker (real p
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +217,46 @@ def test_a_killed_worker_is_restarted_on_its_ports(tmp_path: Path, tiny_model_di
             backend.scale(revision, 0)
             assert backend.views()[revision].scaled_to_zero  # type: ignore[attr-defined]
             assert all(w.pid is None for w in backend.state.revisions[revision].workers)
+        finally:
+            backend.stop_all()
+
+
+def test_a_revision_taken_out_of_traffic_finishes_its_streams_before_it_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Outside probe: a candidate superseded mid-shift was stopped at once, and the requests it was
+    still streaming broke with 502. Deleting (or scaling to zero) a revision now stops its router
+    first with SIGTERM: it takes no new request and finishes those it has, whose prefill and decode
+    still serve them (servers.Drain); only then do the workers stop."""
+    spec = spec_of(tiny_body(str(tiny_model_dir)))
+    revision = revision_of(spec)
+    with LocalBackend(tmp_path / "state") as backend:
+        try:
+            backend.claim("tiny")
+            backend.deploy(revision, spec, plan(spec))
+            wait_ready(backend, revision)
+            base = f"http://127.0.0.1:{backend.state.revisions[revision].worker('router').port}/v1"
+            url, model = f"{base}/completions", requests.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
+            lines: list[bytes] = []
+            first = threading.Event()
+
+            def stream() -> None:
+                body = {"model": model, "prompt": "a long answer", "max_tokens": 800, "ignore_eos": True, "stream": True}
+                with requests.post(url, json=body, stream=True, timeout=120) as response:
+                    for line in response.iter_lines():
+                        if line:
+                            lines.append(line)
+                            first.set()
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            assert first.wait(120), "the stream's first chunk"
+            backend.delete(revision)
+            reader.join(120)
+            assert lines[-1] == b"data: [DONE]" and not any(b'"error"' in line for line in lines)
+            finish = json.loads(lines[-2].removeprefix(b"data: "))["choices"][0]["finish_reason"]
+            assert finish == "length" and len(lines) > 2
+            assert revision not in backend.state.revisions
+            with pytest.raises(requests.ConnectionError):  # stopped once its streams were done
+                requests.post(url, json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=5)
         finally:
             backend.stop_all()
 

@@ -231,6 +231,36 @@ def test_decode_dying_mid_request_fails_the_client_and_frees_prefill_s4(tiny_mod
         assert complete(d, "after the restart", 8) == reference_text(tiny_model_dir, "after the restart", 8)
 
 
+def test_sigterm_to_every_role_at_once_lets_a_stream_in_flight_finish(tiny_model_dir: Path) -> None:
+    """Deleting a revision's Deployments sends SIGTERM to its router, prefill and decode pods at
+    once: the stream in flight still ends whole, as it would have (servers.Drain), because the
+    router finishes what it has and decode and prefill serve it until they hold nothing. SIGINT,
+    by contrast, stops at once (below, and `kvguard serve`'s own stop)."""
+    with deployment(tiny_model_dir) as d:
+        api = client(d)
+        stream = api.completions.create(model=served_model(d), prompt="drained", max_tokens=600, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        popens = [d.processes[role].popen for role in ("router", "prefill", "decode")]
+        for popen in popens:
+            assert popen is not None
+            popen.send_signal(signal.SIGTERM)
+        chunks_after = list(chunks)
+        assert chunks_after[-2].choices[0].finish_reason == "length"
+        assert chunks_after[-1].usage is not None and chunks_after[-1].usage.completion_tokens == 600
+        for popen in popens:
+            assert popen is not None and popen.wait(60) == 0  # each stopped by itself once its requests were done
+        wait_healthy(d)  # the launcher restarts them, as a Deployment would
+        stream = api.completions.create(model=served_model(d), prompt="cut", max_tokens=900, temperature=0, stream=True)
+        next(iter(stream))
+        popen = d.processes["decode"].popen
+        assert popen is not None
+        popen.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError):
+            list(stream)
+
+
 def test_a_hung_decode_leaves_the_rotation_and_comes_back_when_it_answers(tiny_model_dir: Path) -> None:
     """A SIGSTOPped decode answers nothing, and is not dead: requests sent to it waited for the
     request timeout. After MAX_SILENT_READS timed-out reads the router refuses at once (503), and
@@ -324,9 +354,12 @@ def test_soak_with_random_aborts_every_output_equals_its_solo_reference(tiny_mod
 
 def test_sigterm_stops_a_prefill_whose_requests_wait_for_tickets_within_the_grace(tiny_model_dir: Path) -> None:
     """Decode's pool holds 4 of these requests; prefill computes the rest ahead and waits for their
-    tickets. SIGTERM must still stop prefill within its grace (servers.SHUTDOWN_GRACE_S), not
-    aiohttp's 60 s: past a pod's 30 s termination grace it would be SIGKILLed."""
-    from kvguard.workers.servers import SHUTDOWN_GRACE_S
+    tickets. SIGTERM must still stop prefill within its grace (servers.DRAIN_GRACE_S to finish what
+    it holds, then SHUTDOWN_GRACE_S), not aiohttp's 60 s: past a pod's 30 s termination grace it
+    would be SIGKILLed."""
+    from kvguard.workers.servers import DRAIN_GRACE_S, SHUTDOWN_GRACE_S
+
+    assert DRAIN_GRACE_S + SHUTDOWN_GRACE_S <= 20  # leaves a pod's default 30 s room to exit
 
     with deployment(tiny_model_dir, kv_pool_tokens=4096, context_length=1024) as d:
         with cf.ThreadPoolExecutor(6) as pool:
@@ -339,5 +372,5 @@ def test_sigterm_stops_a_prefill_whose_requests_wait_for_tickets_within_the_grac
             started = time.monotonic()
             prefill.send_signal(signal.SIGTERM)
             prefill.wait(timeout=60)
-            assert prefill.returncode == 0 and time.monotonic() - started < SHUTDOWN_GRACE_S + 20
+            assert prefill.returncode == 0 and time.monotonic() - started < 30
             d.stop()

@@ -330,11 +330,13 @@ class LocalDeployment:
         popen.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker now: SIGINT, not SIGTERM (which finishes the requests in flight first,
+        servers.Drain): whoever stops `kvguard serve` wants it gone, streams or not."""
         self._stopping.set()
         for name in ("router", "prefill", "decode"):
             popen = self.processes[name].popen
             if popen is not None and popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
+                popen.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for process in self.processes.values():
             if process.popen is None:

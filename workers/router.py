@@ -390,6 +390,9 @@ class Router:
         self._channels: dict[str, ChannelReader] = {}
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
         self.session: aiohttp.ClientSession | None = None
+        self.in_flight = 0
+        """Requests being answered (servers.Drain waits for none)."""
+        self.draining = False
 
     @property
     def upstreams(self) -> Upstreams:
@@ -512,6 +515,8 @@ class Router:
         """Ready when every worker in rotation answers its internal health check, and each role
         has one (workers kept out for S7 do not count). Says which role failed, never where the
         worker lives (this answer reaches the public)."""
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
         for role in (Role.PREFILL, Role.DECODE):
             serving = self.upstreams.serving(role)
             if not serving:  # out of rotation: for its pool (S7) if any answers, else because none does
@@ -537,7 +542,18 @@ class Router:
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
     # -- one request -----------------------------------------------------------------------
+    def start_draining(self) -> None:
+        """SIGTERM (servers.Drain): no new requests reach this router; /health says so."""
+        self.draining = True
+
     async def _serve(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
+        self.in_flight += 1  # what a draining router finishes before it stops (servers.Drain)
+        try:
+            return await self._answer(request, kind, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
         try:
             upstreams = self.upstreams  # not ready: 503 before anything else
             request_id = self._claim_id(request, chat)

@@ -15,8 +15,10 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -64,18 +66,64 @@ def run_worker(args: WorkerArgs) -> int:
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
     try:
-        apps = build_router(args, faults) if args.role == "router" else build_engine_worker(args, faults, listeners)
+        served = build_router(args, faults) if args.role == "router" else build_engine_worker(args, faults, listeners)
     except (ValueError, OSError) as exc:
         listeners.close()
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve([(apps[0], listeners.main), (apps[1], listeners.metrics)], header_timeout_s=args.header_timeout))
+    asyncio.run(serve([(served.main, listeners.main), (served.metrics, listeners.metrics)], header_timeout_s=args.header_timeout,
+                      drain=served.drain))  # fmt: skip
     return 0
 
 
+class Served(NamedTuple):
+    """A process's applications, one per audience, and what it finishes on SIGTERM."""
+
+    main: web.Application
+    metrics: web.Application
+    drain: Drain
+
+
 SHUTDOWN_GRACE_S = 5.0
-"""How long a worker takes at most to stop on SIGTERM with requests in flight: aiohttp waits its
+"""How long a worker takes at most to stop once it stops serving: aiohttp waits its
 shutdown_timeout for the handlers, cancels them, then waits up to that again, so it gets half."""
+DRAIN_GRACE_S = 15.0
+"""On SIGTERM, how long a process goes on finishing the requests it already holds before it stops
+(`Drain`). With SHUTDOWN_GRACE_S after it, within a pod's default 30 s termination grace."""
+
+
+@dataclass(frozen=True)
+class Drain:
+    """What a process finishes before it stops on SIGTERM: the generations it holds (SIGINT, or
+    the local launcher's death, stops it at once, as before).
+
+    Why: a revision taken out of traffic (superseded mid-shift, rolled back, scaled down after a
+    promotion) is stopped while its last requests are still streaming; stopped at once, each of
+    them broke with a 502 (an outside probe of a spec change mid-shift). The kubelet sends SIGTERM
+    to a revision's router, prefill and decode pods together; the local backend stops the router
+    first. Either way the router stops taking requests at once and finishes those it has, and
+    prefill and decode keep their listeners up and serve until the requests they hold are done
+    (a draining router's generations still need them), each for at most DRAIN_GRACE_S."""
+
+    idle: Callable[[], bool]
+    """No request held: nothing left to finish."""
+    stop_accepting: bool = False
+    """Close the main listener first (the router: new requests go to another revision)."""
+    begin: Callable[[], None] | None = None
+    """Called once draining starts (the router's /health says so)."""
+    grace_s: float = DRAIN_GRACE_S
+    poll_s: float = 0.05
+
+    async def run(self, site: web.BaseSite) -> None:
+        if self.begin is not None:
+            self.begin()
+        if self.stop_accepting:
+            await site.stop()
+        deadline = time.monotonic() + self.grace_s
+        while not self.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(self.poll_s)
+        if not self.idle():
+            log.warning("still serving requests after %.0f s of draining; stopping them", self.grace_s)
 
 
 class MalformedRequestFilter(logging.Filter):
@@ -115,23 +163,31 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
                          auto_decompress=False, shutdown_timeout=SHUTDOWN_GRACE_S / 2)  # fmt: skip
 
 
-async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0) -> None:
-    """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse."""
+async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0,
+                drain: Drain | None = None) -> None:  # fmt: skip
+    """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
+    On SIGTERM, `drain` (if any) runs first: the requests held are finished (see Drain)."""
     quiet_malformed_requests()
     stop = asyncio.Event()
+    received: list[int] = []
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, lambda signum=signum: (received.append(signum), stop.set()))
     watch_lifeline(loop, stop)
     runners: list[web.AppRunner] = []
+    main_site: web.BaseSite | None = None
     try:
         for app, sock in sites:
             runner = app_runner(app, header_timeout_s)
             await runner.setup()
             runners.append(runner)
-            await web.SockSite(runner, sock).start()
+            site = web.SockSite(runner, sock)
+            await site.start()
+            main_site = main_site or site
             log.info("listening on %s:%s", *sock.getsockname()[:2])
         await stop.wait()
+        if drain is not None and main_site is not None and received[:1] == [signal.SIGTERM]:
+            await drain.run(main_site)
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
@@ -164,7 +220,7 @@ def watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None
     loop.add_reader(fd, launcher_gone)
 
 
-def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web.Application]:
+def build_router(args: WorkerArgs, faults: Faults) -> Served:
     from kvguard.workers.router import Router, RouterConfig
     from kvguard.workers.tokenizer import Tokenizer
 
@@ -189,10 +245,11 @@ def build_router(args: WorkerArgs, faults: Faults) -> tuple[web.Application, web
         token_channel=args.token_channel == "on",
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
-    return router.app(), router.metrics_app()
+    drain = Drain(idle=lambda: router.in_flight == 0, stop_accepting=True, begin=router.start_draining)
+    return Served(router.app(), router.metrics_app(), drain)
 
 
-def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) -> tuple[web.Application, web.Application]:
+def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) -> Served:
     from prometheus_client import CollectorRegistry
 
     from kvguard.workers.async_engine import AsyncEngine
@@ -271,4 +328,4 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
-    return app, runtime.metrics_app()
+    return Served(app, runtime.metrics_app(), Drain(idle=lambda: not runtime.jobs.by_id))

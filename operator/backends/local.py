@@ -62,6 +62,7 @@ from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share
 from kvguard.workers.args import INHERITED_LISTENERS_ENV, WorkerArgs, reserve_port
+from kvguard.workers.servers import DRAIN_GRACE_S, SHUTDOWN_GRACE_S
 from kvguard.workers.splitter import SPLIT_FILE, SplitBackend, SplitTable, write_table
 
 log = logging.getLogger("kvguard.local")
@@ -477,17 +478,22 @@ class ProcessTable:
         return None
 
     def stop(self, workers: list[LocalWorker], timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGTERM every live worker (router first), wait, SIGKILL stragglers."""
-        live = [w for w in sorted(workers, key=lambda w: w.role != "router") if self.alive(w)]
-        for worker in live:
-            self._signal(worker, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for worker in live:
-            while self.alive(worker) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self.alive(worker):
-                self._signal(worker, signal.SIGKILL)
-                self._wait(worker, 5.0)
+        """Stop a revision's processes as a retiring pod is stopped, router first: SIGTERM, which
+        lets each finish the requests it holds (servers.Drain), then SIGKILL for stragglers. The
+        router goes first and alone, so the requests it finishes still have their prefill and
+        decode; those then hold nothing and stop at once."""
+        routers = [w for w in workers if w.role == "router"]
+        for group, wait_s in ((routers, DRAIN_GRACE_S + SHUTDOWN_GRACE_S + timeout_s), ([w for w in workers if w not in routers], timeout_s)):
+            live = [w for w in group if self.alive(w)]
+            for worker in live:
+                self._signal(worker, signal.SIGTERM)
+            deadline = time.monotonic() + wait_s
+            for worker in live:
+                while self.alive(worker) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self.alive(worker):
+                    self._signal(worker, signal.SIGKILL)
+                    self._wait(worker, 5.0)
         for worker in workers:
             self._reap(worker)
             worker.pid = None
