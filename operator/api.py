@@ -37,7 +37,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvguard.operator.canary.spec import MIN_CONTEXT_TOKENS, CanarySpec, context_within_bound
+from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, CanarySpec, context_within_bound
 from kvguard.operator.conditions import Condition
 from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.json_numbers import numbers_only
@@ -154,6 +154,13 @@ Replicas = Annotated[int, Field(ge=0, le=MAX_INT32)]
 Int32Seconds = Annotated[int, Field(ge=0, le=MAX_INT32)]
 """A duration the API server (or the rollout's clock) holds as an int32 of seconds (68 years): an
 unbounded one overflowed the date arithmetic of a promotion, which then failed on every pass."""
+MAX_INT64 = 2**63 - 1
+PoolTokens = Annotated[int, Field(gt=0, le=MAX_INT64)]
+"""A KV-pool cap in tokens: at most what the API server stores (an int64); an outside probe's
+`kvguard plan --kv-pool-tokens 1e26` planned PASS with a value no cluster could hold."""
+PageTokens = Annotated[int, Field(gt=0, le=MAX_CONTEXT_TOKENS)]
+"""Tokens per KV page: at most the longest context kvguard plans (a larger one was reported as a
+pool too small, exit 3, where it is bad input)."""
 MAX_PARALLEL = 65536
 """Bound of every parallel size: far beyond any real deployment, small enough that products of them
 stay within the API server's integers."""
@@ -665,7 +672,7 @@ class WorkerRole(PodPlacement):
     """Expert-parallel size: MoE experts are sharded over max(tensorParallel, expertParallel) GPUs."""
     memory_fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     """Overrides spec.memoryFraction for this role."""
-    kv_pool_tokens: PositiveInt | None = None
+    kv_pool_tokens: PoolTokens | None = None
     """Overrides spec.kvPoolTokens for this role (`kvguard plan --kv-pool-tokens` replaces both)."""
     extra_args: list[str] | None = None
     """Arguments for this role only, after engine.extraArgs (sglang and vllm). Prefill and decode
@@ -1065,13 +1072,13 @@ class InferenceModelSpec(ApiModel):
     """Weight format or measured weight memory."""
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     """KV cache element type (SGLang/vLLM `--kv-cache-dtype`)."""
-    page_size: PositiveInt = 1
+    page_size: PageTokens = 1
     """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`). Pools are whole pages."""
     context_length: PositiveInt
     """Longest request (prompt + completion) the service accepts, in tokens."""
     min_kv_ratio: KVRatio = 2.0
     """Every role's KV pool must hold at least this many times contextLength tokens (S7)."""
-    kv_pool_tokens: PositiveInt | None = None
+    kv_pool_tokens: PoolTokens | None = None
     """Explicit cap on the KV pool per engine instance (kvguard `--kv-pool-tokens`, SGLang
     `--max-total-tokens`). The pool is the smaller of this and what memory allows."""
     memory_fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)

@@ -110,6 +110,59 @@ def test_quantization_what_if_drops_the_measured_weights(capsys: pytest.CaptureF
     assert json.loads(captured.out)["roles"]["decode"]["weightsBytesPerGpu"] < 60 * 1024**3
 
 
+def test_dp_what_if_under_dp_attention_drops_the_measured_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: with dataParallelAttention, --dp changes the attention split (attention TP =
+    tensorParallel / dataParallel), so every rank holds more attention weights; the measured figure
+    for the manifest's dp was held fixed and a pool 69% too large planned PASS. It is now dropped
+    and the weights counted from parameters, as for another --quantization."""
+    manifest = tmp_path / "dpa.yaml"
+    text = (EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text()
+    text = text.replace("prefill: {replicas: 1, tensorParallel: 1}", "prefill: {replicas: 1, tensorParallel: 8, dataParallelAttention: true}")
+    text = text.replace("decode: {replicas: 1, tensorParallel: 1}", "decode: {replicas: 1, tensorParallel: 8, dataParallelAttention: true}")
+    manifest.write_text(text.replace("  weights: {}", "  weights: {measuredBytesPerDevice: 2Gi}", 1))
+    _, measured = plan_json(capsys, "-f", str(manifest))
+    assert measured["roles"]["decode"]["weightsBytesPerGpu"] == 2 * 1024**3
+    status = main(["plan", "-f", str(manifest), "--dp", "8", "-o", "json"])
+    captured = capsys.readouterr()
+    assert status in (0, 3) and "--dp 8" in captured.err and "counted from parameters" in captured.err
+    counted = json.loads(captured.out)["roles"]["decode"]["weightsBytesPerGpu"]
+    assert counted > 2 * 1024**3  # the attention weights whole on every rank, not the figure for tp 8
+
+
+def test_a_split_what_if_lists_the_measured_shards_it_implies_in_every_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: --pp 2 recorded spec.weights.measuredShards (so the measured figure scales),
+    but the changes that pass left it out: applied to the manifest as printed, the first one was
+    still BLOCKED at 0.34x. Each change now lists it, and applied with the what-if it passes."""
+    glm = EXAMPLES / "sglang-30233.yaml"
+    status, body = plan_json(capsys, "-f", str(glm), "--pp", "2", "--context-length", "4000000")
+    assert status == 3 and body["suggestions"]
+    for suggestion in body["suggestions"]:
+        assert {"field": "spec.weights.measuredShards", "value": 8} in suggestion["changes"]
+    split = next(s for s in body["suggestions"] if s["field"].endswith("pipelineParallel"))
+    import yaml
+
+    manifest = yaml.safe_load(glm.read_text())
+    manifest["spec"]["contextLength"] = 4_000_000
+    for change in split["changes"]:
+        node = manifest
+        *parents, leaf = change["field"].split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = change["value"]
+    applied = tmp_path / "applied.yaml"
+    applied.write_text(yaml.safe_dump(manifest))
+    status, body = plan_json(capsys, "-f", str(applied))
+    assert status == 0 and body["verdict"] == "pass"
+
+
+@pytest.mark.parametrize("flag", [["--page-size", "99999999999999999999999999"], ["--kv-pool-tokens", "99999999999999999999999999"]])
+def test_a_page_or_pool_beyond_what_the_api_server_stores_is_bad_input(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: a page of 10^26 tokens was "blocked" (exit 3) as if the pool were too small,
+    and a pool cap of 10^26 planned PASS; neither fits the CRD's integers."""
+    assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), *flag]) == 2
+    assert f"{flag[0]} {flag[1]}: Input should be less than or equal to" in capsys.readouterr().err
+
+
 def test_hf_config_fills_the_architecture(capsys: pytest.CaptureFixture[str]) -> None:
     status, body = plan_json(
         capsys, "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml"), "--hf-config", str(CONFIGS / "qwen3-8b.json"),

@@ -7,7 +7,9 @@ the field).
 What-if flags set the value for every role they name: --kv-pool-tokens and --mem-fraction replace
 the spec-wide field and any per-role kvPoolTokens / memoryFraction too. A measured weight figure
 (spec.weights.measuredBytesPerDevice) is scaled to a new --tp/--pp split (recorded as
-measuredShards), and dropped for a new --quantization (weights are then counted from parameters).
+measuredShards, which every change that passes lists), and dropped for a new --quantization or a
+--dp that changes a dataParallelAttention role's attention split (weights are then counted from
+parameters).
 Memory figures the manifest leaves out are estimated conservatively; the notes say which, and the
 verdict uses the safe end of each estimate.
 """
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         model = InferenceModel.model_validate(manifest)
         if problems := engine_problems(model.spec):  # what render, apply and admission refuse (engine_support.py)
             raise BadInput("; ".join(problems))
-        result = plan(model.spec)
+        result = _with_implied_changes(plan(model.spec), manifest, set_by)
         if (mismatch := parity_problem(model.spec, result)) is not None:  # admission refuses it (sglang#19398)
             raise BadInput(mismatch)
     except BadInput as exc:
@@ -124,6 +126,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_table(model.metadata.name, result))
     return EXIT_PASS if result.verdict == "pass" else EXIT_BLOCKED
+
+
+def _with_implied_changes(result: Any, manifest: dict[str, Any], set_by: dict[str, str]) -> Any:
+    """The plan with what the what-if flags set without naming it (measuredShards, recorded so the
+    measured weight figure scales to a new split) added to every change that passes: each change is
+    complete for the manifest with the flags applied, as its header says. Re-planning is not
+    needed: the plan was made with that value already set."""
+    from kvguard.operator.api import FieldChange
+
+    shards = (manifest.get("spec") or {}).get("weights", {}).get("measuredShards")
+    if "spec.weights.measuredShards" not in set_by or not result.suggestions:
+        return result
+    implied = FieldChange(field="spec.weights.measuredShards", value=shards)
+    suggestions = [s if any(c.field == implied.field for c in s.changes) else s.model_copy(update={"changes": [*s.changes, implied]})
+                   for s in result.suggestions]  # fmt: skip
+    return result.model_copy(update={"suggestions": suggestions})
 
 
 def _bad_input(*lines: str) -> int:
@@ -176,7 +194,7 @@ def _apply_overrides(manifest: dict[str, Any], args: argparse.Namespace, notes: 
     spec = manifest.setdefault("spec", {})
     if not isinstance(spec, dict):
         return manifest  # validation reports it
-    _keep_measured_weights_true(spec, args, notes)
+    _keep_measured_weights_true(spec, args, notes, set_by)
     for dest, path in _SPEC_OVERRIDES.items():
         value = getattr(args, dest, None)
         if value is not None:
@@ -197,7 +215,7 @@ def _flag(dest: str, value: Any) -> str:
     return f"--{dest.replace('_', '-')} {value}"
 
 
-def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> None:
+def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, notes: list[str], set_by: dict[str, str]) -> None:
     """A measured weight figure describes the manifest's own split and quantization: record the
     split before --tp/--pp change it (the planner then scales the figure), and drop the figure for
     another --quantization (the planner then counts parameters)."""
@@ -210,6 +228,13 @@ def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, 
         notes.append(f"--quantization {args.quantization}: the measured weight figure was for the manifest's "
                      "quantization, so weights are counted from parameters instead")  # fmt: skip
         return
+    if getattr(args, "dp", None) and _dp_attention_changes(spec, args.dp):
+        weights.pop("measuredBytesPerDevice", None)
+        weights.pop("measuredShards", None)
+        notes.append(f"--dp {args.dp}: with dataParallelAttention the attention weights are held whole by every DP "
+                     "group, so the measured weight figure (taken at the manifest's dataParallel) does not hold; "
+                     "weights are counted from parameters instead")  # fmt: skip
+        return
     if weights.get("measuredShards") is not None or not any(getattr(args, f, None) for f in _SPLIT_FLAGS):
         return
     splits = {_split_of(spec, role) for role in ("prefill", "decode")}
@@ -219,7 +244,19 @@ def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, 
             "manifest, so set spec.weights.measuredShards (the GPUs the figure was measured over)"
         )
     weights["measuredShards"] = shards = splits.pop()
+    set_by["spec.weights.measuredShards"] = "the manifest's split"
     notes.append(f"measuredBytesPerDevice taken as measured over {shards} GPUs (the manifest's split) and scaled to the new one")
+
+
+def _dp_attention_changes(spec: dict[str, Any], dp: int) -> bool:
+    """Whether --dp changes the attention split of a role with dataParallelAttention (its attention
+    TP is tensorParallel / dataParallel: each rank then holds more attention weights)."""
+    roles = _mapping(spec.get("roles"))
+    for role in ("prefill", "decode"):
+        shape = _mapping(roles.get(role))
+        if shape.get("dataParallelAttention") is True and shape.get("dataParallel", 1) != dp:
+            return True
+    return False
 
 
 def _mapping(value: object) -> dict[str, Any]:
