@@ -235,7 +235,7 @@ def test_sigterm_to_every_role_at_once_lets_a_stream_in_flight_finish(tiny_model
     """Deleting a revision's Deployments sends SIGTERM to its router, prefill and decode pods at
     once: the stream in flight still ends whole, as it would have (servers.Drain), because the
     router finishes what it has and decode and prefill serve it until they hold nothing. SIGINT,
-    by contrast, stops at once (below, and `kvguard serve`'s own stop)."""
+    by contrast, stops at once, also in the middle of a drain (`kvguard serve`'s own stop)."""
     with deployment(tiny_model_dir) as d:
         api = client(d)
         stream = api.completions.create(model=served_model(d), prompt="drained", max_tokens=600, temperature=0, stream=True,
@@ -256,7 +256,8 @@ def test_sigterm_to_every_role_at_once_lets_a_stream_in_flight_finish(tiny_model
         next(iter(stream))
         popen = d.processes["decode"].popen
         assert popen is not None
-        popen.send_signal(signal.SIGINT)
+        popen.send_signal(signal.SIGTERM)
+        popen.send_signal(signal.SIGINT)  # Ctrl-C in the middle of a drain: stop now
         with pytest.raises(openai.APIError):
             list(stream)
 

@@ -95,7 +95,7 @@ DRAIN_GRACE_S = 15.0
 @dataclass(frozen=True)
 class Drain:
     """What a process finishes before it stops on SIGTERM: the generations it holds (SIGINT, or
-    the local launcher's death, stops it at once, as before).
+    the local launcher's death, stops it at once, as before, also in the middle of a drain).
 
     Why: a revision taken out of traffic (superseded mid-shift, rolled back, scaled down after a
     promotion) is stopped while its last requests are still streaming; stopped at once, each of
@@ -114,16 +114,17 @@ class Drain:
     grace_s: float = DRAIN_GRACE_S
     poll_s: float = 0.05
 
-    async def run(self, site: web.BaseSite) -> None:
+    async def run(self, site: web.BaseSite, interrupted: asyncio.Event) -> None:
+        """Until idle, the grace is over, or `interrupted` (another signal: stop now)."""
         if self.begin is not None:
             self.begin()
         if self.stop_accepting:
             await site.stop()
         deadline = time.monotonic() + self.grace_s
-        while not self.idle() and time.monotonic() < deadline:
+        while not self.idle() and not interrupted.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(self.poll_s)
         if not self.idle():
-            log.warning("still serving requests after %.0f s of draining; stopping them", self.grace_s)
+            log.warning("stopping with requests in flight after %.1f s of draining", self.grace_s - max(0.0, deadline - time.monotonic()))
 
 
 class MalformedRequestFilter(logging.Filter):
@@ -186,8 +187,9 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
             main_site = main_site or site
             log.info("listening on %s:%s", *sock.getsockname()[:2])
         await stop.wait()
-        if drain is not None and main_site is not None and received[:1] == [signal.SIGTERM]:
-            await drain.run(main_site)
+        if drain is not None and main_site is not None and received and set(received) == {signal.SIGTERM}:
+            stop.clear()  # a second signal (Ctrl-C) or the launcher's death ends the drain at once
+            await drain.run(main_site, stop)
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
