@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
 
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
@@ -299,7 +300,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group_name, parser if group_name == "common" else parser.add_argument_group(group_name)  # type: ignore[arg-type]
         )
         flag = "--" + name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": name, "help": str(extra["help"]), "default": None}
+        kwargs: dict[str, Any] = {"dest": name, "help": _with_default(str(extra["help"]), info.default), "default": None}
         if name == "role":
             kwargs["choices"] = ("prefill", "decode", "router")
         if info.is_required():
@@ -307,6 +308,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name in ("prefill", "decode"):
             kwargs["action"] = "append"
         group.add_argument(flag, **kwargs)
+
+
+def _with_default(help_: str, default: Any) -> str:
+    """The help with the field's default, unless it says it or there is none to say (the real
+    defaults live on WorkerArgs: the parser's are None, so a flag not given is not set)."""
+    if "default" in help_ or default in (None, ()) or isinstance(default, Listen) or default is PydanticUndefined:
+        return help_
+    if isinstance(default, float) and default.is_integer():
+        default = int(default)
+    return f"{help_} (default: {default})"
 
 
 def flag_errors(exc: ValidationError) -> list[str]:

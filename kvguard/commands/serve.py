@@ -37,17 +37,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--context-length", type=_positive, default=None, help="served context (default: the model's)")
     parser.add_argument("--allow-small-pool", action="store_true",
                         help="serve even if the KV pool is below 2x the context length (unsafe; logged loudly)")
-    parser.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    parser.add_argument("--max-transfer-batch", type=_positive, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair")
-    parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait")
+    parser.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page; default 16")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present; the default), cpu, cuda or cuda:N")
+    parser.add_argument("--max-transfer-batch", type=_positive, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair; default 4194304 (4 MiB)")
+    parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait; default 5")
     parser.add_argument("--request-timeout", type=float, default=120.0,
                         help="seconds a request may wait for its next token, the first included (504); default 120")
     parser.add_argument("--max-inflight-choices", type=_positive, default=512,
                         help="generations the router runs at once (n counts each); more wait in the router, "
                         "holding no KV, within --request-timeout; default 512")
     parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
-                        help="KV payloads between prefill and decode: integrity only, or AES-GCM encrypted")
+                        help="KV payloads between prefill and decode: integrity only (none, the default), or AES-GCM encrypted")
     parser.add_argument("--stream-interval", type=_stream_interval, default=1,
                         help="tokens per streamed event after the first (which always goes at once), or fewer once "
                         "one has waited 1 s; default 1")
