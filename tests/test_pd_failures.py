@@ -9,6 +9,7 @@ import concurrent.futures as cf
 import json
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -260,6 +261,63 @@ def test_sigterm_to_every_role_at_once_lets_a_stream_in_flight_finish(tiny_model
         popen.send_signal(signal.SIGINT)  # Ctrl-C in the middle of a drain: stop now
         with pytest.raises(openai.APIError):
             list(stream)
+
+
+def test_a_draining_router_refuses_requests_on_open_connections_and_ends_streams_past_the_grace_with_an_error(
+    tiny_model_dir: Path,
+) -> None:
+    """Outside probe of the drain: a request on a keep-alive connection opened before SIGTERM was
+    still served (a pooling proxy kept a retiring router busy for its whole grace, then its last
+    requests got no answer), and a stream still going when the grace ended was cut with no error
+    event. Now such a request gets 503 `shutting_down` and its connection closes; at the end of the
+    grace a stream still going ends with a `shutting_down` error event, a whole answer still being
+    made is a 503 `shutting_down`: never a bare close."""
+    with deployment(tiny_model_dir, drain_timeout_s=1.0, context_length=4096, kv_pool_tokens=10 * 4096) as d:
+        kept = requests.Session()
+        model = served_model(d)
+        assert kept.post(f"{d.api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30).ok
+        ends: list[bytes] = []
+        started = [threading.Event() for _ in range(8)]
+
+        def stream(i: int) -> None:
+            body = {"model": model, "prompt": f"long {i}", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            last = b""
+            try:
+                with requests.post(f"{d.api_base}/completions", json=body, stream=True, timeout=60) as response:
+                    for line in response.iter_lines():
+                        if line:
+                            last = line
+                            started[i].set()
+            except requests.RequestException as exc:  # a stream cut without its end
+                last = repr(exc).encode()
+            ends.append(last)
+
+        whole: list[requests.Response] = []
+
+        def ask_whole() -> None:
+            body = {"model": model, "prompt": "whole", "max_tokens": 4000, "ignore_eos": True}
+            whole.append(requests.post(f"{d.api_base}/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)] + [threading.Thread(target=ask_whole)]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(60)
+        wait_for(lambda: metric(d, "decode", "kvguard_running_requests") >= 9, "all nine generations at decode", 120)
+        router = d.processes["router"].popen
+        assert router is not None
+        router.send_signal(signal.SIGTERM)
+        health = f"{d.url(d.ports['router-metrics'])}/health"
+        wait_for(lambda: requests.get(health, timeout=5).json().get("status") == "draining", "the router draining")
+        refused = kept.post(f"{d.api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert refused.headers.get("Connection", "").lower() == "close"
+        for thread in threads:
+            thread.join(60)
+        assert len(ends) == 8 and all(end == b"data: [DONE]" or b'"shutting_down"' in end for end in ends), ends
+        assert any(b'"shutting_down"' in end for end in ends)  # 8 x 4000 tokens outlast a 1 s grace
+        assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "shutting_down"
+        assert router.wait(60) == 0
 
 
 def test_a_hung_decode_leaves_the_rotation_and_comes_back_when_it_answers(tiny_model_dir: Path) -> None:

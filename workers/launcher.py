@@ -36,6 +36,7 @@ import requests
 from kvguard.workers.args import (
     DEFAULT_ABORT_TIMEOUT_S,
     DEFAULT_BOOTSTRAP_TIMEOUT_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
     LIFELINE_FD_ENV,
     Listen,
     TransferEncryption,
@@ -83,6 +84,7 @@ class LocalServeConfig:
     max_inflight_choices: int = 512  # router: generations with worker calls open at once (more wait in the router)
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S  # router: how long a worker may take to acknowledge an abort
     write_timeout_s: float = 30.0  # router: a client that reads none of its answer this long loses the connection
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # every role: on SIGTERM, how long it finishes what it holds
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. (("KVGUARD_FAULTS", "no_tags"),)
@@ -209,7 +211,8 @@ class LocalDeployment:
             # Prefill and decode share the one device: on a GPU each sizes its pool from half of it.
             "device_share": 1.0 if c.device == "cpu" else 0.5,
         }  # fmt: skip
-        common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST}
+        common: dict[str, object] = {"role": role, "model": c.model_dir, "model_name": c.model_name, "host": HOST,
+                                     "drain_timeout": c.drain_timeout_s}  # fmt: skip
         if role == "router":
             args = WorkerArgs(**common, port=self._fd("router"), metrics_port=self._fd("router-metrics"),
                               prefill=(self.internal_urls["prefill"],), decode=(self.internal_urls["decode"],),

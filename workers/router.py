@@ -110,6 +110,11 @@ SPARE_CONNECTIONS = 64  # discovery, the limits refresher, one token channel per
 CHAT_MESSAGE_RENDER_BYTES = 64  # the template work one message costs, counted when choosing to render off the loop
 
 
+STREAMING = web.RequestKey("kvguard_streaming", bool)
+"""Set on a request once its event stream has started (its status and headers are sent)."""
+_SHUTTING_DOWN = OpenAIError(503, "this router is shutting down; retry the request", code="shutting_down")
+
+
 class ControlClient:
     """The router's signed calls to its workers (S9): every request carries ``X-Kvguard-Auth``."""
 
@@ -393,6 +398,9 @@ class Router:
         self.in_flight = 0
         """Requests being answered (servers.Drain waits for none)."""
         self.draining = False
+        self._handlers: set[asyncio.Task[web.StreamResponse]] = set()
+        """The tasks answering them (`end_in_flight` ends those left when a drain's grace is over)."""
+        self._cut: set[asyncio.Task[web.StreamResponse]] = set()
 
     @property
     def upstreams(self) -> Upstreams:
@@ -546,14 +554,35 @@ class Router:
         """SIGTERM (servers.Drain): no new requests reach this router; /health says so."""
         self.draining = True
 
+    async def end_in_flight(self, wait_s: float = 2.0) -> None:
+        """The drain's grace is over: end every request still going, each with a `shutting_down`
+        error its client can read (a stream's last event, or a 503), its legs aborted (S4) --
+        not a connection closed under it when the server stops."""
+        self._cut = set(self._handlers)
+        for task in self._cut:
+            task.cancel()
+        if self._cut:
+            await asyncio.wait(self._cut, timeout=wait_s)
+
     async def _serve(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
         self.in_flight += 1  # what a draining router finishes before it stops (servers.Drain)
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         try:
             return await self._answer(request, kind, chat)
+        except asyncio.CancelledError:
+            if task not in self._cut or request.get(STREAMING):
+                raise  # the client left, or the stream already ended with its error event (_relay)
+            task.uncancel()
+            return self._error_response(_SHUTTING_DOWN)
         finally:
             self.in_flight -= 1
+            self._handlers.discard(task)
 
     async def _answer(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
+        if self.draining:  # a request on a connection kept open from before: go elsewhere (and reconnect)
+            return self._error_response(_SHUTTING_DOWN)
         try:
             upstreams = self.upstreams  # not ready: 503 before anything else
             request_id = self._claim_id(request, chat)
@@ -840,6 +869,7 @@ class Router:
                 raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
+            request[STREAMING] = True
             watch = self._watch(request)
             try:
                 return await self._relay(response, events, first, watch, builder, body, prompt_tokens)
@@ -880,14 +910,23 @@ class Router:
         except Exception:  # a bug: still an error frame and the end of the stream, never a stream left open
             log.exception("request %s: failed mid-stream", response.headers.get(REQUEST_ID_HEADER))
             await write(sse(OpenAIError(500, "internal error", code="internal_error").body()))
+        except asyncio.CancelledError:
+            # The client left (nothing to tell), or the router stops with this stream still going (a
+            # drain's grace is over, end_in_flight): the client hears why, not just a closed socket.
+            if asyncio.current_task() in self._cut:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await response.write(sse(_SHUTTING_DOWN.body()))
+                        await response.write_eof()  # the stream ends whole: the error is its last event
+            raise
         with contextlib.suppress(ConnectionResetError):  # the client left after the last event: nothing to end
             await response.write_eof()
         return response
 
     def _error_response(self, err: OpenAIError) -> web.Response:
         response = web.json_response(err.body(), status=err.status)
-        if err.status == 408:  # a client too slow to send its body loses the connection too
-            response.force_close()
+        if err.status == 408 or self.draining:  # a client too slow to send its body loses the connection too;
+            response.force_close()  # a draining router's clients reconnect (to another revision's router)
         # (a 413 is not force-closed: aiohttp reads and drops the rest of the body for up to its
         # lingering time, so the client reads the answer instead of a connection reset)
         return response

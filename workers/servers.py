@@ -16,13 +16,13 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from aiohttp import web
 
-from kvguard.workers.args import LIFELINE_FD_ENV, WorkerArgs
+from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, LIFELINE_FD_ENV, WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
 from kvguard.workers.keys import RevisionKeys
 
@@ -87,9 +87,10 @@ class Served(NamedTuple):
 SHUTDOWN_GRACE_S = 5.0
 """How long a worker takes at most to stop once it stops serving: aiohttp waits its
 shutdown_timeout for the handlers, cancels them, then waits up to that again, so it gets half."""
-DRAIN_GRACE_S = 15.0
+DRAIN_GRACE_S = DEFAULT_DRAIN_TIMEOUT_S
 """On SIGTERM, how long a process goes on finishing the requests it already holds before it stops
-(`Drain`). With SHUTDOWN_GRACE_S after it, within a pod's default 30 s termination grace."""
+(`Drain`; `--drain-timeout`). With SHUTDOWN_GRACE_S after it, within a pod's default 30 s
+termination grace."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class Drain:
     """Close the main listener first (the router: new requests go to another revision)."""
     begin: Callable[[], None] | None = None
     """Called once draining starts (the router's /health says so)."""
+    expire: Callable[[], Awaitable[None]] | None = None
+    """Called when it stops with requests still held: ends them, each with an error its client can
+    read (the router's), before the server's shutdown closes their connections."""
     grace_s: float = DRAIN_GRACE_S
     poll_s: float = 0.05
 
@@ -125,6 +129,8 @@ class Drain:
             await asyncio.sleep(self.poll_s)
         if not self.idle():
             log.warning("stopping with requests in flight after %.1f s of draining", self.grace_s - max(0.0, deadline - time.monotonic()))
+            if self.expire is not None:
+                await self.expire()
 
 
 class MalformedRequestFilter(logging.Filter):
@@ -247,7 +253,8 @@ def build_router(args: WorkerArgs, faults: Faults) -> Served:
         token_channel=args.token_channel == "on",
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
-    drain = Drain(idle=lambda: router.in_flight == 0, stop_accepting=True, begin=router.start_draining)
+    drain = Drain(idle=lambda: router.in_flight == 0, stop_accepting=True, begin=router.start_draining,
+                  expire=router.end_in_flight, grace_s=args.drain_timeout)  # fmt: skip
     return Served(router.app(), router.metrics_app(), drain)
 
 
@@ -330,4 +337,4 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
-    return Served(app, runtime.metrics_app(), Drain(idle=lambda: not runtime.jobs.by_id))
+    return Served(app, runtime.metrics_app(), Drain(idle=lambda: not runtime.jobs.by_id, grace_s=args.drain_timeout))
