@@ -91,6 +91,12 @@ def test_table_source_follows_the_file_and_keeps_the_last_good_table(tmp_path: P
     assert source.current().table.weights() == {"stable": 90, "cand": 10}  # refused: the last good one stays
     path.write_text("{half a tab")
     assert source.current().table.weights() == {"stable": 90, "cand": 10}
+    path.write_text("")  # an in-place rewrite's first moment, or a file emptied by hand (outside probe: 503 for all)
+    assert source.current().table.weights() == {"stable": 90, "cand": 10}
+    path.unlink()  # removed: still the last good table
+    assert source.current().table.weights() == {"stable": 90, "cand": 10}
+    write_table(path, SplitTable())  # the backend's own "no traffic" is a table with no backends
+    assert source.current().table == SplitTable()
 
 
 def test_a_table_another_user_could_write_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -255,6 +261,53 @@ async def test_a_refused_connection_goes_to_the_next_revision_and_limits_hold(tm
             assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
         async with http.get(f"http://127.0.0.1:{api}/health") as resp:
             assert resp.status == 200 and (await resp.json())["weights"] == {"cand": 100}
+
+
+async def test_a_body_over_the_limit_is_refused_from_its_headers_and_expect_answers_in_json(tmp_path: Path) -> None:
+    """Outside probe: the splitter waited for a body its Content-Length already refused (the router
+    answers 413 at once), invited one with `100 Continue`, and answered an unknown Expect in plain
+    text. Now all three are the router's answers."""
+    async with splitter_in_front(tmp_path) as (splitter, api, _, _routers):
+        write_table(splitter.config.table_path, table(cand=(splitter.ports["cand"], 100)))  # type: ignore[attr-defined]
+        for expect, status, code in [("", 413, "request_too_large"), ("Expect: 100-continue\r\n", 413, "request_too_large"),
+                                     ("Expect: foo\r\n", 417, "expectation_failed")]:  # fmt: skip
+            reader, writer = await asyncio.open_connection("127.0.0.1", api)
+            length = 9 << 20 if status == 413 else 2
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {length}\r\n{expect}\r\n".encode())  # fmt: skip
+            await writer.drain()  # no body sent: the answer must come from the headers alone
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(f"HTTP/1.1 {status}".encode()), head
+            assert b"application/json" in head
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            assert code.encode() in await reader.readexactly(length)
+            writer.close()
+
+
+async def test_hop_by_hop_headers_are_dropped_and_nothing_is_added_to_the_request(tmp_path: Path) -> None:
+    """Outside probe: a header the client's `Connection` named reached the router, and the splitter
+    added Accept, Accept-Encoding and User-Agent (and a body without Content-Type went up labelled
+    application/octet-stream, which the router refuses with 415)."""
+    seen: list[dict[str, str]] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        return web.json_response({}, headers={"Connection": "X-Secret", "X-Secret": "s"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", echo)
+    splitter = Splitter(SplitterConfig(table_path=tmp_path / "split.json"))
+    async with listening(app) as port, listening(splitter.app()) as api:
+        write_table(splitter.config.table_path, table(up=(port, 100)))
+        reader, writer = await asyncio.open_connection("127.0.0.1", api)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close, X-Hop\r\nX-Hop: h\r\n"
+                     b"X-Kept: k\r\nContent-Length: 2\r\n\r\n{}")  # fmt: skip
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b"x-secret" not in answer.lower()
+    received = {k.lower() for k in seen[0]}
+    assert "x-kept" in received and "x-hop" not in received
+    assert not {"accept", "accept-encoding", "user-agent", "content-type"} & received, received
 
 
 # --- the router names its revision itself (what a Gateway, unlike the splitter, does not add) -----

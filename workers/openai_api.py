@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 100-continue answer
 from pydantic import ValidationError
 
 REVISION_HEADER = "x-kvguard-revision"
@@ -165,6 +166,27 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         logging.getLogger("kvguard.http").exception("unexpected error serving %s", request.path)
         return web.json_response(OpenAIError(500, "internal error", code="internal_error").body(), status=500)
+
+
+def too_large_error(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+
+
+async def answer_expect(request: web.Request, max_body_bytes: int) -> web.StreamResponse | None:
+    """The `expect_handler` of a route taking bodies (router, splitter): `Expect: 100-continue`
+    (curl's default for large bodies) gets the invitation to upload, unless its Content-Length is
+    already over the limit (413 instead); any other Expect gets a JSON 417 (aiohttp's own answer is
+    plain text). A refusal closes the connection: the client holds its body back."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        err = OpenAIError(417, "the only Expect this server meets is 100-continue", code="expectation_failed", param="Expect")
+    elif request.content_length is not None and request.content_length > max_body_bytes:
+        err = too_large_error(max_body_bytes)
+    else:
+        await _default_expect_handler(request)
+        return None
+    response = web.json_response(err.body(), status=err.status)
+    response.force_close()
+    return response
 
 
 def http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:

@@ -37,7 +37,6 @@ from typing import NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
-from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 100-continue answer
 from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -60,9 +59,11 @@ from kvguard.workers.openai_api import (
     REVISION_HEADER,
     SSE_DONE,
     OpenAIError,
+    answer_expect,
     context_length_exceeded,
     error_middleware,
     sse,
+    too_large_error,
     validation_error,
 )
 from kvguard.workers.openai_requests import APIRequest, ChatCompletionRequest, CompletionRequest, request_too_large
@@ -685,18 +686,7 @@ class Router:
         return body
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """`Expect: 100-continue` (curl's default for large bodies): a body its Content-Length
-        already refuses gets the 413 instead of an invitation to upload it."""
-        if request.headers.get("Expect", "").lower() != "100-continue":  # aiohttp's answer is plain text
-            response = self._error_response(OpenAIError(417, "the only Expect this server meets is 100-continue",
-                                                        code="expectation_failed", param="Expect"))  # fmt: skip
-        elif request.content_length is not None and request.content_length > self.config.max_body_bytes:
-            response = self._error_response(_too_large_error(self.config.max_body_bytes))
-        else:
-            await _default_expect_handler(request)
-            return None
-        response.force_close()  # the client holds the body back: nothing of it is on the connection to skip
-        return response
+        return await answer_expect(request, self.config.max_body_bytes)
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
@@ -712,7 +702,7 @@ class Router:
             self._too_large()
 
     def _too_large(self) -> NoReturn:
-        raise _too_large_error(self.config.max_body_bytes) from None
+        raise too_large_error(self.config.max_body_bytes) from None
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""
@@ -1257,10 +1247,6 @@ def _worker_failure(exc: aiohttp.ClientError) -> str:
     if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
         return "a worker's connection broke off mid-request (it failed or restarted); try again"
     return "a worker failed; try again"
-
-
-def _too_large_error(limit: int) -> OpenAIError:
-    return OpenAIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
 
 
 async def _upstream_error(resp: aiohttp.ClientResponse) -> OpenAIError:

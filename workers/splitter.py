@@ -9,16 +9,19 @@ chosen by the weights in a split table (`split.json`) that the local backend wri
 
 What it does and does not do:
 - The table is re-read when the file changes (its stat), on the next request: a weight the driver
-  wrote is in force for every request that arrives after the write. A table that does not parse
-  is ignored (the last good one stays, and the error is logged): a half-written file never sends
-  traffic anywhere new. Writers replace it atomically anyway.
+  wrote is in force for every request that arrives after the write. A table that does not parse,
+  or a file emptied or removed once a table was read, is ignored (the last good one stays, and the
+  error is logged): a half-written file never sends traffic anywhere new. Writers replace it
+  atomically anyway.
 - Backends are picked by smooth weighted round-robin (nginx's): over any run of 100 requests a
   10% backend gets 10, not 10 on average -- the analysis' minimum request counts are reached at a
   predictable rate, and tests count exactly.
 - A request whose chosen router refuses the connection (it has not started, or has just been
   stopped) is sent to the next backend with weight: it never reached anyone, so it is safe to
-  send again. Once a router answered, its answer -- status, headers, streamed body -- is the
-  client's, byte for byte; the splitter adds `x-kvguard-revision` naming who served it (as the
+  send again. Once a router answered, its answer -- status, end-to-end headers, streamed body --
+  is the client's, byte for byte, as the client's request is the router's (hop-by-hop headers,
+  and those a `Connection` header names, are dropped both ways; nothing is added to the request
+  that the client left out). The splitter adds `x-kvguard-revision` naming who served it (as the
   router itself does when started with `--revision-id`: behind a Gateway, too), and
   `X-Forwarded-For` on the way in, as every proxy does (the router never trusts it).
 - A client that disconnects closes the splitter's connection to the router, which aborts the
@@ -47,7 +50,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, error_middleware
+from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, too_large_error
 
 log = logging.getLogger("kvguard.splitter")
 
@@ -57,6 +60,9 @@ MAX_BACKENDS = 8
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself for the forwarded message.
 _NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                             "transfer-encoding", "upgrade", "host", "content-length", "x-forwarded-for"})  # fmt: skip
+# What aiohttp's client would add to a request that lacks them: the router must see the client's
+# request (an unlabelled body is JSON to it; labelled application/octet-stream it would be a 415).
+_NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
 # --- the table: pure ------------------------------------------------------------------------------
@@ -173,7 +179,7 @@ class TableSource:
         if raw != self._raw:
             self._raw = raw
             try:
-                table = parse_table(self.path, raw) if raw else SplitTable()
+                table = parse_table(self.path, raw) if raw else self._no_table()
             except ValueError as exc:
                 log.error("split table ignored, the last good one stays: %s", exc)
             else:
@@ -181,6 +187,16 @@ class TableSource:
                     log.info("split table: %s", table.weights() or "no backends")
                     self.turns = WeightedTurns(table)
         return self.turns
+
+
+    def _no_table(self) -> SplitTable:
+        """A missing or empty file: nothing yet before the first table (the splitter starts before
+        the backend writes one); after it, a file emptied or removed by hand, or the first moment
+        of an in-place rewrite, is no table at all (the backend's own "no traffic" is a table with
+        no backends): the last good one stays (an outside probe saw every request get 503)."""
+        if self.turns.table.backends:
+            raise ValueError(f"{self.path}: missing or empty")
+        return SplitTable()
 
 
 # --- the proxy ------------------------------------------------------------------------------------
@@ -207,7 +223,7 @@ class Splitter:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
-        app.router.add_route("*", "/v1/{tail:.*}", self.forward)
+        app.router.add_route("*", "/v1/{tail:.*}", self.forward, expect_handler=self._expect)
         app.router.add_get("/health", self.health)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -255,7 +271,12 @@ class Splitter:
         self.requests.labels(revision="none", code="503").inc()
         raise OpenAIError(503, "no revision of this model accepted the connection", code="no_backend")
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        return await answer_expect(request, self.config.max_body_bytes)
+
     async def _body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise too_large_error(self.config.max_body_bytes)  # refused from its headers, as at the router
         try:
             return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except TimeoutError:
@@ -269,7 +290,8 @@ class Splitter:
         prior = request.headers.get(FORWARDED_FOR)
         headers.append((FORWARDED_FOR, f"{prior}, {peer}" if prior else peer))  # what every proxy adds
         async with self.session.request(request.method, backend.url + request.rel_url.raw_path_qs, headers=headers,
-                                        data=body if body else None, allow_redirects=False) as upstream:  # fmt: skip
+                                        data=body if body else None, allow_redirects=False,
+                                        skip_auto_headers=_NOT_ADDED) as upstream:  # fmt: skip
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.extend(forwarded_headers(upstream.headers.items()))
             response.headers[REVISION_HEADER] = backend.revision
@@ -290,5 +312,8 @@ class Splitter:
 
 
 def forwarded_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The end-to-end headers of a message (hop-by-hop ones and the framing aiohttp sets dropped)."""
-    return [(k, v) for k, v in items if k.lower() not in _NOT_FORWARDED]
+    """The end-to-end headers of a message: the hop-by-hop ones, those its `Connection` header
+    names (RFC 9110 7.6.1: hop-by-hop too), and the framing aiohttp sets, dropped."""
+    pairs = list(items)
+    named = {token.strip().lower() for k, v in pairs if k.lower() == "connection" for token in v.split(",")}
+    return [(k, v) for k, v in pairs if k.lower() not in _NOT_FORWARDED and k.lower() not in named]

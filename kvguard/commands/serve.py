@@ -26,13 +26,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model folder")
     parser.add_argument("--model-name", default=None, help="name served in the API (default: the model folder's name)")
-    parser.add_argument("--port", type=_port, default=0, help="router port: the OpenAI API")
-    parser.add_argument("--metrics-port", type=_port, default=0, help="the router's /metrics")
-    parser.add_argument("--prefill-port", type=_port, default=0, help="prefill's internal control API")
-    parser.add_argument("--prefill-metrics-port", type=_port, default=0, help="prefill's /metrics")
-    parser.add_argument("--decode-port", type=_port, default=0, help="decode's internal control API")
-    parser.add_argument("--decode-metrics-port", type=_port, default=0, help="decode's /metrics")
-    parser.add_argument("--transfer-port", type=_port, default=0, help="decode's KV transfer listener")
+    parser.add_argument("--port", type=port_number, default=0, help="router port: the OpenAI API")
+    parser.add_argument("--metrics-port", type=port_number, default=0, help="the router's /metrics")
+    parser.add_argument("--prefill-port", type=port_number, default=0, help="prefill's internal control API")
+    parser.add_argument("--prefill-metrics-port", type=port_number, default=0, help="prefill's /metrics")
+    parser.add_argument("--decode-port", type=port_number, default=0, help="decode's internal control API")
+    parser.add_argument("--decode-metrics-port", type=port_number, default=0, help="decode's /metrics")
+    parser.add_argument("--transfer-port", type=port_number, default=0, help="decode's KV transfer listener")
     parser.add_argument("--kv-pool-tokens", type=_positive, default=None, help="KV pool size (default: from memory)")
     parser.add_argument("--context-length", type=_positive, default=None, help="served context (default: the model's)")
     parser.add_argument("--allow-small-pool", action="store_true",
@@ -57,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
+    """argparse type of a TCP port flag (serve's and splitter's)."""
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port 0..65535 (0: a free one), got {value}")

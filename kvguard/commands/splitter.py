@@ -12,13 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvguard.commands.serve import port_number
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("splitter", help="run the local backend's weighted traffic splitter (one stable URL)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--table", type=Path, required=True, metavar="FILE", help="the split table (split.json) to follow")
-    parser.add_argument("--port", type=int, required=True, help="the OpenAI API port clients use (0: any free one)")
-    parser.add_argument("--metrics-port", type=int, required=True, help="read-only /metrics and /health")
+    parser.add_argument("--port", type=port_number, required=True, help="the OpenAI API port clients use (0: any free one)")
+    parser.add_argument("--metrics-port", type=port_number, required=True, help="read-only /metrics and /health")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.set_defaults(func=run)
 
