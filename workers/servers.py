@@ -178,8 +178,12 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     stop = asyncio.Event()
     received: list[int] = []
     loop = asyncio.get_running_loop()
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda signum=signum: (received.append(signum), stop.set()))
+        loop.add_signal_handler(signum, on_signal, signum)
     watch_lifeline(loop, stop)
     runners: list[web.AppRunner] = []
     main_site: web.BaseSite | None = None
