@@ -104,7 +104,8 @@ class Drain:
     to a revision's router, prefill and decode pods together; the local backend stops the router
     first. Either way the router stops taking requests at once and finishes those it has, and
     prefill and decode keep their listeners up and serve until the requests they hold are done
-    (a draining router's generations still need them), each for at most DRAIN_GRACE_S."""
+    (a draining router's generations still need them), each for at most its `--drain-timeout`.
+    Another signal during the drain (Ctrl-C) ends it at once."""
 
     idle: Callable[[], bool]
     """No request held: nothing left to finish."""
@@ -178,6 +179,7 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     stop = asyncio.Event()
     received: list[int] = []
     loop = asyncio.get_running_loop()
+
     def on_signal(signum: int) -> None:
         received.append(signum)
         stop.set()
@@ -198,7 +200,7 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
             log.info("listening on %s:%s", *sock.getsockname()[:2])
         await stop.wait()
         if drain is not None and main_site is not None and received and set(received) == {signal.SIGTERM}:
-            stop.clear()  # a second signal (Ctrl-C) or the launcher's death ends the drain at once
+            stop.clear()  # another signal (Ctrl-C) or the launcher's death ends the drain at once
             await drain.run(main_site, stop)
     finally:
         for runner in reversed(runners):
