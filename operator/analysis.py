@@ -212,7 +212,7 @@ def measure(
 
 def _safety(window: Window, failures: int, at: str) -> AnalysisResult:
     rose = {name: total(window.candidate, name) for name in LIVE_SAFETY_COUNTERS}
-    rose = {name: v for name, v in rose.items() if v > 0}
+    rose = {name: v for name, v in rose.items() if v > 0 or not math.isfinite(v)}  # a NaN counter hides nothing
     if rose:
         detail = ", ".join(f"{name} +{v:g}" for name, v in sorted(rose.items()))
         return _result("safety", "Failed", sum(rose.values()), 0, f"safety counters rose on the candidate: {detail}", failures + 1, at)
@@ -229,6 +229,9 @@ def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: 
     if requests < spec.min_requests:
         return _result("errorRatio", "Inconclusive", None, limit, _too_few(requests, spec.min_requests), failures, at)
     errors = sum(requests_ended(window.candidate, outcome=o) for o in ERROR_OUTCOMES)
+    if not (math.isfinite(requests) and math.isfinite(errors)):  # a NaN ratio compares False with any limit: never a pass
+        return _result("errorRatio", "Failed", None, limit, f"the candidate's request counters are not finite ({errors:g} "
+                       f"failed of {requests:g}): its metrics cannot be judged", failures + 1, at)  # fmt: skip
     ratio = errors / requests
     text = f"{errors:g} of {requests:g} candidate requests failed = {ratio:.3f} (max {limit:g})"
     if abandoned := requests_ended(window.candidate, outcome=ABANDONED):

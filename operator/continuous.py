@@ -153,8 +153,13 @@ def _record(spec: ContinuousSpec, current: ContinuousStatus, result: CanaryResul
     run = ContinuousRun(revision=result.revision, attempt=result.attempt, verdict=result.verdict, finished_at=rfc3339(now),
                         reason=result.reason, failed_probes=list(result.failed_probes), duration_seconds=result.duration_seconds)  # fmt: skip
     failures = 0 if run.verdict == "pass" else current.consecutive_failures + 1
-    rollback_to = kept[0] if run.verdict == "fail" and spec.action == "rollback" and kept else None
-    pin = ContinuousRollback(to_revision=rollback_to, from_revision=run.revision, at=rfc3339(now)) if rollback_to else current.rollback
+    # The spec's revision that failed: the run's own, or, when the run was of a revision an earlier
+    # failure pinned, the one that failure was of (the pin holds while the spec names it).
+    pinned = current.rollback
+    spec_failed = pinned.from_revision if pinned is not None and pinned.to_revision == run.revision else run.revision
+    usable = [r for r in kept if r not in (run.revision, spec_failed)]  # never back to a revision that failed
+    rollback_to = usable[0] if run.verdict == "fail" and spec.action == "rollback" and usable else None
+    pin = ContinuousRollback(to_revision=rollback_to, from_revision=spec_failed, at=rfc3339(now)) if rollback_to else current.rollback
     status = current.model_copy(update={
         "last_run": run, "consecutive_failures": failures, "rollback": pin,
         "next_run_at": rfc3339(now + dt.timedelta(seconds=current.interval_seconds)),
@@ -167,7 +172,8 @@ def _record(spec: ContinuousSpec, current: ContinuousStatus, result: CanaryResul
         events.append(ContinuousEvent("Warning", FAILED_REASON if run.verdict == "fail" else CANNOT_RUN_REASON, _message(run)))
         if run.verdict == "fail" and spec.action == "rollback":
             events.append(ContinuousEvent("Warning", "ContinuousCanaryRollback", f"rolling back to {rollback_to}" if rollback_to
-                                          else "action rollback, but no previous revision is kept: alerting only"))  # fmt: skip
+                                          else "action rollback, but no kept previous revision that has not failed: "
+                                          "alerting only"))  # fmt: skip
     requeue = 0.0 if rollback_to else float(current.interval_seconds)  # a rollback is acted on at once
     return ContinuousDecision(status, requeue_after=requeue, degraded=_degraded(status),
                               recorded=run.verdict, rollback_to=rollback_to, events=events)  # fmt: skip

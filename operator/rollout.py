@@ -106,6 +106,21 @@ def annotation_problems(annotations: Mapping[str, object] | None) -> list[str]:
             "or \"false\""]
 
 
+NOT_A_CHECK = frozenset({"scrape", "window"})
+"""Entries of a measurement that could not judge (a scrape failed, a window only started)."""
+
+
+def carried_results(previous: Sequence[AnalysisResult], new: Sequence[AnalysisResult]) -> list[AnalysisResult]:
+    """status.rollout.analysis after a measurement (pure). One that judged the checks replaces
+    every entry; one that could not (`NOT_A_CHECK`) keeps each check's last entry beside its own,
+    with the failure count `failureLimit` reads: replaced, a scrape error or an operator restart
+    every other measurement reset the counts, and a candidate failing half its requests kept its
+    share for ever (an outside probe)."""
+    if not {r.name for r in new} <= NOT_A_CHECK:
+        return list(new)
+    return [r for r in previous if r.name not in NOT_A_CHECK] + list(new)
+
+
 MAX_SCRAPE_ATTEMPTS = 5
 """Scrapes in which some candidate worker did not report before the rollout fails (S7)."""
 REQUEUE_SECONDS = 5.0
@@ -957,7 +972,7 @@ class _Step:
         measured = self.world.analysis
         if measured is None:
             return False
-        self.r.analysis = list(measured.results)
+        self.r.analysis = carried_results(self.r.analysis or [], measured.results)
         self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)
         if measured.verdict == "fail":
             self._abort("AnalysisFailed", f"revision {self.candidate} failed its analysis at {self.r.weight}% of traffic: {measured.message}")

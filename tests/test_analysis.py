@@ -333,3 +333,44 @@ async def test_at_full_weight_latency_is_compared_with_the_stables_last_traffic(
         assert by_name(slow)["ttft"].phase == "Failed"
     finally:
         await runner.cleanup()
+
+
+async def test_a_failed_scrape_of_the_stable_keeps_its_window_start() -> None:
+    """Outside probe: the stable's scrape errors were ignored and its empty scrape taken as the
+    window's end, so the next window measured the stable over its whole life and a candidate as
+    fast as it failed its TTFT check (48x). Now that window is compared with the stable's last
+    window with traffic, and the next one starts where the last good scrape was."""
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+
+    candidate, stable = Revision(), Revision()
+    stable.serve(1000, ttft=0.005)  # a fast history, long before the rollout
+    runner, urls = await _serving(candidate, stable)
+    memory, key = AnalysisMemory(), ("models", "m")
+    gone = (urls[0], ("r1", [("router", "r1-router-0", urls[1][1][0][2].replace("/stable/", "/nowhere/"))]))
+    try:
+        first = await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)
+        results = first.results
+        for window in range(3):
+            candidate.serve(20, ttft=0.4)
+            stable.serve(20, ttft=0.4)  # now both equally slow
+            measured = await measure_live_traffic(key, SPEC, *(gone if window == 1 else urls), results, memory, now_text=AT)
+            assert measured.verdict == "pass", (window, measured.message)
+            results = measured.results
+    finally:
+        await runner.cleanup()
+
+
+def test_non_finite_counters_never_pass() -> None:
+    """Outside probe: a NaN (or Inf) request counter made the error ratio NaN, which no limit
+    refuses, and a safety counter at NaN hid a rise: both passed."""
+    nan = float("nan")
+    before = {("router/router-0", "kvguard_requests_total", (("outcome", "finished"),)): 0.0,
+              ("router/router-0", "kvguard_requests_total", (("outcome", "failed"),)): 0.0}  # fmt: skip
+    after = {("router/router-0", "kvguard_requests_total", (("outcome", "finished"),)): 50.0,
+             ("router/router-0", "kvguard_requests_total", (("outcome", "failed"),)): nan}  # fmt: skip
+    window = Window(candidate=increase(before, after), stable=None)
+    assert by_name(measure(SPEC, window, (), (), AT))["errorRatio"].phase == "Failed"
+    unsafe = {**after, ("decode/decode-0", "kvguard_tag_violations_total", ()): nan}
+    unsafe[("router/router-0", "kvguard_requests_total", (("outcome", "failed"),))] = 0.0
+    result = measure(SPEC, Window(candidate=increase(before, unsafe), stable=None), (), (), AT)
+    assert result.verdict == "fail" and by_name(result)["safety"].phase == "Failed"

@@ -74,3 +74,26 @@ def test_a_failure_degrades_and_rolls_back_only_when_asked_and_kept() -> None:
     assert back.degraded is None  # r1 has not failed
     moved_on = step(ROLLBACK, back.status, "r1", True, None, False, [], later, "r3")
     assert moved_on.status is not None and moved_on.status.rollback is None
+
+
+def test_a_second_failure_never_rolls_back_to_the_revision_that_failed_first() -> None:
+    """Outside probe: the spec's r2 failed and the rollout was pinned to r1; when r1 failed too,
+    the pin moved to r2 -- the revision that had just failed -- and, the pin naming r2 now, the
+    spec's failed revision was rolled out again. The pin now goes to a kept revision that has not
+    failed (still "from" the spec's r2), or stays where it is with an alert."""
+    schedule = step(ROLLBACK, None, "r2", True, None, False, [], T0, "r2").status
+    assert schedule is not None
+    first = step(ROLLBACK, schedule, "r2", True, CanaryResult("r2", schedule.next_run_at, "fail", "x", ("over_length",)), False,
+                 ["r1", "r0"], T0 + dt.timedelta(seconds=90), "r2")  # fmt: skip
+    assert first.rollback_to == "r1" and first.status is not None
+    serving_r1 = step(ROLLBACK, first.status, "r1", True, None, False, ["r2", "r0"], T0 + dt.timedelta(seconds=91), "r2").status
+    assert serving_r1 is not None
+    bad_r1 = CanaryResult("r1", serving_r1.next_run_at, "fail", "x", ("isolation",))
+    later = T0 + dt.timedelta(seconds=300)
+    second = step(ROLLBACK, serving_r1, "r1", True, bad_r1, False, ["r2", "r0"], later, "r2")
+    assert second.rollback_to == "r0" and second.status is not None
+    assert rollback_pin(second.status, "r2") == "r0"  # the spec still names r2, which failed: pinned on
+    none_left = step(ROLLBACK, serving_r1, "r1", True, bad_r1, False, ["r2"], later, "r2")
+    assert none_left.rollback_to is None and none_left.status is not None
+    assert rollback_pin(none_left.status, "r2") == "r1"  # nothing else kept: the pin stays, and an alert says so
+    assert "not failed" in none_left.events[-1].message

@@ -209,3 +209,25 @@ def test_a_retry_after_a_failed_analysis_starts_its_failure_counts_from_zero() -
     assert d.rollout.analysis == [] and d.rollout.weight == 10
     d = sim.later(30)  # a passing measurement: the earlier failure does not count against this attempt
     assert d.state == S.SHIFTING and d.rollout.analysis_verdict == "pass"
+
+
+def test_a_measurement_that_could_not_judge_keeps_each_checks_failure_count() -> None:
+    """Outside probe: a failed scrape (or an operator restart's first scrape) replaced
+    status.rollout.analysis with its one entry, so every failure count -- what failureLimit reads
+    -- went back to 0; alternating, a candidate failing half its requests kept its share for ever."""
+    from kvguard.operator.rollout import carried_results
+
+    failed = AnalysisResult(name="errorRatio", phase="Failed", value=0.5, threshold=0.02, failures=1, message="25 of 50 failed")
+    safe = AnalysisResult(name="safety", phase="Successful", value=0, threshold=0, message="no safety counter rose")
+    scrape = AnalysisResult(name="scrape", phase="Error", message="candidate metrics incomplete")
+    window = AnalysisResult(name="window", phase="Inconclusive", message="first scrape of these revisions by this operator process")
+    kept = carried_results([safe, failed], [scrape])
+    assert kept == [safe, failed, scrape]
+    assert carried_results(kept, [window]) == [safe, failed, window]  # one such entry at a time
+    judged = AnalysisResult(name="errorRatio", phase="Failed", value=0.5, threshold=0.02, failures=2, message="again")
+    assert carried_results(kept, [safe, judged]) == [safe, judged]  # a measurement that judged replaces them all
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    sim.rollout.analysis = [safe, failed]
+    d = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=AnalysisOutcome("inconclusive", (scrape,), "scrape failed")))
+    assert d.rollout.analysis == [safe, failed, scrape]

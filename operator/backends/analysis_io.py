@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from kvguard.operator.analysis import (
 from kvguard.operator.api import AnalysisSpec, PrometheusQuery
 from kvguard.operator.canary.client import get_text
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, rfc3339
+
+log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_SECONDS = 10.0
 QUERY_TIMEOUT_SECONDS = 10.0
@@ -139,12 +142,22 @@ async def measure_live_traffic(
     Prometheus, judge. An unreachable candidate is an error result (inconclusive), not a pass."""
     (cand_rev, cand_urls), (stable_rev, stable_urls) = candidate, stable
     cand_now, cand_errors = await scrape_series(cand_urls)
-    stable_now, _ = await scrape_series(stable_urls)
+    stable_now, stable_errors = await scrape_series(stable_urls)
     at = now_text or rfc3339(dt.datetime.now(dt.UTC))
     if cand_errors:  # part of the candidate unseen: no evidence either way, and the window keeps its start
         why = "candidate metrics incomplete: " + "; ".join(cand_errors)
         return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
     cand_before, stable_before = memory.before(key, cand_rev, stable_rev)
+    if stable_errors:
+        why = "stable metrics incomplete: " + "; ".join(stable_errors)
+        if cand_before is None or stable_before is None:  # no window starts half-seen
+            return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
+        # The stable's part of this window unseen: its start is kept (the next window covers both
+        # intervals), and this one is compared with its last window that had traffic. Taken as
+        # the window's end, an empty scrape made the next window the stable's whole life, whose
+        # long-gone latencies failed a candidate as fast as it (an outside probe).
+        log.warning("analysis of %s/%s: %s; compared with the stable's last window", *key, why)
+        stable_now = stable_before
     if cand_before is None:  # counters since each process began would count the canary's own probes (its aborts...)
         memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
         if served_traffic(stable_now):  # the stable's life so far: a reference until a window has traffic
