@@ -273,9 +273,10 @@ def test_a_draining_router_refuses_requests_on_open_connections_and_ends_streams
     grace a stream still going ends with a `shutting_down` error event, a whole answer still being
     made is a 503 `shutting_down`: never a bare close."""
     with deployment(tiny_model_dir, drain_timeout_s=1.0, context_length=4096, kv_pool_tokens=10 * 4096) as d:
-        kept = requests.Session()
+        kept, polling = requests.Session(), requests.Session()
         model = served_model(d)
         assert kept.post(f"{d.api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30).ok
+        assert polling.get(f"{d.api_base}/models", timeout=30).ok
         ends: list[bytes] = []
         started = [threading.Event() for _ in range(8)]
 
@@ -312,6 +313,8 @@ def test_a_draining_router_refuses_requests_on_open_connections_and_ends_streams
         refused = kept.post(f"{d.api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert refused.headers.get("Connection", "").lower() == "close"
+        listed = polling.get(f"{d.api_base}/models", timeout=30)  # any other answer closes its connection too
+        assert listed.ok and listed.headers.get("Connection", "").lower() == "close"
         for thread in threads:
             thread.join(60)
         assert len(ends) == 8 and all(end == b"data: [DONE]" or b'"shutting_down"' in end for end in ends), ends

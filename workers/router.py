@@ -424,6 +424,7 @@ class Router:
         app.router.add_get("/v1/models/{model_id:.+}", self.model_card)
         app.router.add_get("/health", self.health)
         app.on_response_prepare.append(_echo_label)
+        app.on_response_prepare.append(self._close_while_draining)
         if self.config.revision is not None:
             app.on_response_prepare.append(self._name_revision)
         app.on_startup.append(self._start)
@@ -551,6 +552,13 @@ class Router:
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
     # -- one request -----------------------------------------------------------------------
+    async def _close_while_draining(self, _: web.Request, response: web.StreamResponse) -> None:
+        """Every answer of a draining router closes its connection (a model list, a 404 and a
+        health check too): a client kept connected, polling, would be cut with no answer when the
+        router stops (an outside probe)."""
+        if self.draining:
+            response.force_close()
+
     def start_draining(self) -> None:
         """SIGTERM (servers.Drain): no new requests reach this router; /health says so."""
         self.draining = True
@@ -915,8 +923,8 @@ class Router:
 
     def _error_response(self, err: OpenAIError) -> web.Response:
         response = web.json_response(err.body(), status=err.status)
-        if err.status == 408 or self.draining:  # a client too slow to send its body loses the connection too;
-            response.force_close()  # a draining router's clients reconnect (to another revision's router)
+        if err.status == 408:  # a client too slow to send its body loses the connection too
+            response.force_close()
         # (a 413 is not force-closed: aiohttp reads and drops the rest of the body for up to its
         # lingering time, so the client reads the answer instead of a connection reset)
         return response
