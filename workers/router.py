@@ -58,6 +58,7 @@ from kvguard.workers.metrics import LATENCY_BUCKETS
 from kvguard.workers.openai_api import (
     REVISION_HEADER,
     SSE_DONE,
+    Handler,
     OpenAIError,
     answer_expect,
     context_length_exceeded,
@@ -417,14 +418,13 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
+        app = web.Application(middlewares=[self._close_while_draining, error_middleware], client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model_card)
         app.router.add_get("/health", self.health)
         app.on_response_prepare.append(_echo_label)
-        app.on_response_prepare.append(self._close_while_draining)
         if self.config.revision is not None:
             app.on_response_prepare.append(self._name_revision)
         app.on_startup.append(self._start)
@@ -552,12 +552,15 @@ class Router:
         return await self._serve(request, ChatCompletionRequest, chat=True)
 
     # -- one request -----------------------------------------------------------------------
-    async def _close_while_draining(self, _: web.Request, response: web.StreamResponse) -> None:
+    @web.middleware
+    async def _close_while_draining(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every answer of a draining router closes its connection (a model list, a 404 and a
         health check too): a client kept connected, polling, would be cut with no answer when the
-        router stops (an outside probe)."""
+        router stops (an outside probe). Before the answer is prepared, so it says `Connection: close`."""
+        response = await handler(request)
         if self.draining:
             response.force_close()
+        return response
 
     def start_draining(self) -> None:
         """SIGTERM (servers.Drain): no new requests reach this router; /health says so."""
