@@ -42,6 +42,7 @@ from kvguard.workers.transfer.wire import (
     PREFIX,
     TAG_BYTES,
     Abort,
+    ChunkHeader,
     FrameType,
     Hello,
     HmacError,
@@ -51,9 +52,11 @@ from kvguard.workers.transfer.wire import (
     Result,
     Welcome,
     decode,
+    encode_first_token,
     encode_head,
     frame_tag,
     parse_prefix,
+    payload_checksum,
     verify,
 )
 
@@ -559,6 +562,45 @@ async def test_late_and_unknown_frames_are_dropped_and_counted_class_g() -> None
     await until(lambda: p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) == 3, "late frames")  # OPEN + 2 CHUNKs
     assert p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "unknown_request"}) == 1
     assert list(p.sink.applied) == ["done"] and p.sink.writes["done"] == 1
+
+
+async def test_a_forged_first_token_record_fails_the_checksum_s3() -> None:
+    """Outside probe (an on-path proxy): without encryption the MANIFEST's first-token record was
+    covered by neither the HMAC (header only) nor a checksum, so rewriting the token gave the
+    client another answer with a 200. Its xxh3-128 is in the MAC'd header now (wire v4)."""
+    async with make_pair() as p:
+        e = p.expect("r", [0], [1])
+        peer = await RawPeer.connect(p.dest)
+        peer.open(e.ticket)
+        peer.chunk("r", 0, [0], [1])
+        record = encode_first_token(FirstToken(7, -0.25))
+        head = encode_head(Manifest("r", 1, PAGE, (0,), (1,), checksum=payload_checksum(record)), len(record))
+        peer.codec("r").send(peer.writer, head, encode_first_token(FirstToken(5, -0.25)))  # same length, another token
+        outcome = await e.wait()
+        peer.close()
+    assert outcome.reason is FailureReason.CHECKSUM and "first-token record" in outcome.detail
+    assert p.recv_metric("kvguard_checksum_failures_total") == 1
+
+
+async def test_no_payload_is_read_before_its_frame_verifies_and_a_frame_must_not_stall() -> None:
+    """Outside probe: after a replayed HELLO (which any connection can send), decode read a CHUNK's
+    whole announced payload (up to 64 MiB) before looking at its request or tag, and waited for it
+    with no deadline: 12 connections held ~770 MiB. A frame for a request not opened here now
+    closes the connection from its head, and a frame that stops half-way closes it at the stall
+    timeout."""
+    config = TransferConfig(stall_timeout_s=0.5)
+    async with make_pair(config=config) as p:
+        peer = await RawPeer.connect(p.dest)
+        chunk = ChunkHeader("never-opened", 0, bytes(16), (0,), (1,))
+        head = encode_head(chunk, 60 << 20)
+        peer.writer.sink.write(head + frame_tag(None, 1, head))  # the head alone: 60 MiB announced, none sent
+        assert await peer.closed_by_decode()
+        stalled = await RawPeer.connect(p.dest)
+        e = p.expect("r", [0], [1])
+        stalled.open(e.ticket)
+        stalled.writer.sink.write(encode_head(ChunkHeader("r", 0, bytes(16), (0,), (1,)), PAGE)[:10])  # half a prefix
+        assert await stalled.closed_by_decode()
+        assert not (await e.wait()).ok
 
 
 async def _closed_soon(peer: RawPeer) -> bool:

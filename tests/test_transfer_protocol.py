@@ -122,11 +122,13 @@ def test_a_frame_verifies_only_as_its_own_number_on_the_connection_s6_s9() -> No
             verify(replace(_raw(sealed), number=elsewhere), KEY)
 
 
-def test_version_2_peers_are_refused_at_the_first_frame() -> None:
-    """A v2 peer's tags would not verify under v3's numbering: say so at the prefix instead."""
-    assert VERSION == 3
-    with pytest.raises(ProtocolError, match="unsupported protocol version 2"):
-        parse_prefix(PREFIX.pack(MAGIC, 2, FrameType.HELLO, 0, 17, 0), MAX_PAYLOAD)
+@pytest.mark.parametrize("old", [2, 3])
+def test_older_peers_are_refused_at_the_first_frame(old: int) -> None:
+    """A v2 peer's tags would not verify under v3's numbering, and a v3 MANIFEST has no checksum
+    of its first-token record (v4): say so at the prefix instead."""
+    assert VERSION == 4
+    with pytest.raises(ProtocolError, match=f"unsupported protocol version {old}"):
+        parse_prefix(PREFIX.pack(MAGIC, old, FrameType.HELLO, 0, 17, 0), MAX_PAYLOAD)
 
 
 def test_wrong_key_fails_hmac_s3() -> None:
@@ -150,8 +152,8 @@ def test_prefix_bounds_reject_before_allocating() -> None:
 
 def test_lying_page_count_is_a_protocol_error() -> None:
     sealed = bytearray(seal(None, Manifest("r", 1, 1, (1,), (1,))))
-    # page count sits after rid(2) + count(4) + total(8) in the header
-    sealed[PREFIX.size + 2 + 12 : PREFIX.size + 2 + 16] = (10**6).to_bytes(4, "little")
+    # page count sits after rid(2) + count(4) + total(8) + checksum(16) in the header
+    sealed[PREFIX.size + 2 + 28 : PREFIX.size + 2 + 32] = (10**6).to_bytes(4, "little")
     with pytest.raises(ProtocolError, match="page count"):
         decode(_raw(bytes(sealed)))
 

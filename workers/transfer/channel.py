@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Protocol
 
 from kvguard.workers.keys import RequestKeys
@@ -58,34 +59,58 @@ class FrameSink(Protocol):
 
 class FrameReader:
     """The receiving direction of one connection: counts the frames it reads, so each is verified
-    as the frame of that number (a replayed or injected one then fails its HMAC)."""
+    as the frame of that number (a replayed or injected one then fails its HMAC).
 
-    def __init__(self, source: FrameSource, max_payload: int) -> None:
+    A frame is read in two steps, head (prefix, header, tag) then payload, so that its tag -- which
+    covers the head only -- is checked before a byte of a payload of up to 64 MiB is buffered
+    (`read_head`, verify, `read_payload`): a peer without the request's key (one that replayed a
+    captured HELLO, which any connection can) cannot make decode hold more than one bounded
+    header per connection. Once a frame has begun, the rest of it must arrive within
+    `frame_timeout_s` (an idle connection between frames may wait: prefill pools them)."""
+
+    def __init__(self, source: FrameSource, max_payload: int, frame_timeout_s: float | None = None) -> None:
         self.source = source
         self.max_payload = max_payload
+        self.frame_timeout_s = frame_timeout_s
         self.received = 0
 
     async def read(self, expect: FrameType | None = None) -> RawFrame | None:
-        """The next frame, unverified; None on a clean end of stream between frames. Raises
-        ProtocolError. The payload may be a view into the source's buffer, valid until the next
-        read. `expect`: the only type allowed here (a handshake), refused from its 16-byte prefix,
-        so an unauthenticated peer cannot make us buffer a large frame of another type first."""
+        """The next frame whole, unverified; None on a clean end of stream between frames."""
+        raw = await self.read_head(expect)
+        return None if raw is None else await self.read_payload(raw)
+
+    async def read_head(self, expect: FrameType | None = None) -> RawFrame | None:
+        """The next frame's head and tag, unverified, its payload not yet read (`read_payload`);
+        None on a clean end of stream between frames. Raises ProtocolError (and TimeoutError for
+        a frame that stops half-way). `expect`: the only type allowed here (a handshake), refused
+        from its 16-byte prefix, before its header is read."""
         try:
-            prefix = bytes(await self.source.readexactly(PREFIX.size))
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                return None
-            raise ProtocolError("stream ended inside a frame prefix") from None
-        kind, flags, header_len, payload_len = parse_prefix(prefix, self.max_payload)
-        if expect is not None and kind is not expect:
-            raise ProtocolError(f"expected {expect.name}, got {kind.name}")
+            first = await self.source.readexactly(1)
+        except asyncio.IncompleteReadError:
+            return None
         try:
-            header_and_tag = bytes(await self.source.readexactly(header_len + TAG_BYTES))
-            payload = await self.source.readexactly(payload_len) if payload_len else b""
+            async with asyncio.timeout(self.frame_timeout_s):
+                prefix = bytes(first) + bytes(await self.source.readexactly(PREFIX.size - 1))
+                kind, flags, header_len, payload_len = parse_prefix(prefix, self.max_payload)
+                if expect is not None and kind is not expect:
+                    raise ProtocolError(f"expected {expect.name}, got {kind.name}")
+                header_and_tag = bytes(await self.source.readexactly(header_len + TAG_BYTES))
         except asyncio.IncompleteReadError:
             raise ProtocolError("stream ended inside a frame") from None
         number, self.received = self.received, self.received + 1
-        return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], payload, number)
+        return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], b"", number, payload_len)
+
+    async def read_payload(self, raw: RawFrame) -> RawFrame:
+        """`raw` with its payload, which may be a view into the source's buffer, valid until the
+        next read."""
+        if not raw.payload_len:
+            return raw
+        try:
+            async with asyncio.timeout(self.frame_timeout_s):
+                payload = await self.source.readexactly(raw.payload_len)
+        except asyncio.IncompleteReadError:
+            raise ProtocolError("stream ended inside a frame") from None
+        return dataclasses.replace(raw, payload=payload)
 
 
 class FrameWriter:
@@ -158,7 +183,8 @@ class RequestCodec:
         if self.cipher is not None:
             head = encode_head(manifest, len(record) + GCM_TAG_BYTES, FLAG_ENCRYPTED)
             writer.send(self.mac, head, self.cipher.seal(FrameType.MANIFEST, 0, head, record))
-        else:
+        else:  # the record's checksum in the MAC'd header, as a CHUNK's (S3)
+            manifest = dataclasses.replace(manifest, checksum=payload_checksum(record))
             writer.send(self.mac, encode_head(manifest, len(record)), record)
 
     def verify(self, raw: RawFrame) -> None:

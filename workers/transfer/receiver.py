@@ -226,11 +226,12 @@ class KVReceiver:
         self._conn_tasks.add(task)
         conn: _InboundConnection | None = None
         reason, detail = FailureReason.CONNECTION_LOST, "prefill connection closed"
-        frames_in, frames_out = FrameReader(reader, self._config.max_payload_bytes), FrameWriter(writer)
+        frames_in = FrameReader(reader, self._config.max_payload_bytes, frame_timeout_s=self._config.stall_timeout_s)
+        frames_out = FrameWriter(writer)
         try:
             conn = await self._handshake(frames_in, frames_out)
-            while conn is not None and (raw := await frames_in.read()):
-                await self._dispatch(conn, raw)
+            while conn is not None and (head := await frames_in.read_head()):
+                await self._dispatch(conn, head, frames_in)
                 await writer.drain()
         except HmacError as exc:
             self._metrics.hmac_failures.inc()
@@ -263,21 +264,23 @@ class KVReceiver:
         ack_key = self._keys.connection(welcome.conn_id) if self._config.verify_integrity else None
         return _InboundConnection(writer, welcome.conn_id, ack_key, self._config.remembered_per_connection)
 
-    async def _dispatch(self, conn: _InboundConnection, raw: RawFrame) -> None:
-        if raw.kind is FrameType.OPEN:
-            self._on_open(conn, raw)
+    async def _dispatch(self, conn: _InboundConnection, head: RawFrame, frames: FrameReader) -> None:
+        """One frame, from its head: its tag is verified before its payload is read (FrameReader)."""
+        if head.kind is FrameType.OPEN:
+            self._on_open(conn, head)  # no payload
             return
-        if raw.kind not in (FrameType.CHUNK, FrameType.MANIFEST, FrameType.ABORT):
-            raise ProtocolError(f"unexpected {raw.kind.name} frame from prefill")
+        if head.kind not in (FrameType.CHUNK, FrameType.MANIFEST, FrameType.ABORT):
+            raise ProtocolError(f"unexpected {head.kind.name} frame from prefill")
         # Parsed (bounds-checked) before verification only to pick the key; acted on only after.
-        frame = decode(raw)
+        frame = decode(head)
         rid = frame.request_id  # type: ignore[union-attr]
         transfer = conn.opened.get(rid)
         if transfer is None:
-            self._drop_late(conn, rid, raw)
+            await self._drop_late(conn, rid, head, frames)
             return
         assert transfer.codec is not None
-        transfer.codec.verify(raw)
+        transfer.codec.verify(head)
+        raw = await frames.read_payload(head)
         if isinstance(frame, ChunkHeader):
             await self._on_chunk(transfer, frame, raw)
             self._return_credit(conn, len(raw.payload))
@@ -286,13 +289,15 @@ class KVReceiver:
         elif isinstance(frame, Abort):
             self._fail(transfer, FailureReason.PEER_ABORT, frame.reason, notify=False)
 
-    def _drop_late(self, conn: _InboundConnection, rid: str, raw: RawFrame) -> None:
-        """A frame for a request that ended (or was refused) on this connection: verify, drop.
-        One for a request never opened here is a protocol error: this connection closes."""
+    async def _drop_late(self, conn: _InboundConnection, rid: str, head: RawFrame, frames: FrameReader) -> None:
+        """A frame for a request that ended (or was refused) on this connection: verify, read past
+        its payload, drop. One for a request never opened here is a protocol error: this
+        connection closes, its payload never read."""
         codec = conn.finished.get(rid)
         if codec is None:
-            raise ProtocolError(f"{raw.kind.name} for request {rid!r}, which was not opened on this connection")
-        codec.verify(raw)
+            raise ProtocolError(f"{head.kind.name} for request {rid!r}, which was not opened on this connection")
+        codec.verify(head)
+        raw = await frames.read_payload(head)
         self._metrics.frames_dropped.labels(reason="late").inc()
         if raw.kind is FrameType.CHUNK:
             self._return_credit(conn, len(raw.payload))
@@ -398,6 +403,11 @@ class KVReceiver:
                 self._fail(transfer, FailureReason.MANIFEST_MISMATCH, problem)
                 return
         assert transfer.codec is not None
+        checked = self._config.verify_integrity and not raw.encrypted and not self._faults.no_checksum
+        if checked and payload_checksum(raw.payload) != manifest.checksum:  # the first token it carries (S3)
+            self._metrics.checksum_failures.inc()
+            self._fail(transfer, FailureReason.CHECKSUM, "manifest's first-token record checksum mismatch")
+            return
         try:
             manifest = replace(manifest, first=transfer.codec.first_token(raw))
         except DecryptError as exc:

@@ -1,11 +1,11 @@
-"""KV transfer wire format (version 3): pure encoding and decoding, no I/O.
+"""KV transfer wire format (version 4): pure encoding and decoding, no I/O.
 
 Every frame in either direction has the same layout (little-endian)::
 
     | offset | bytes | field                                                                  |
     | ------ | ----- | ---------------------------------------------------------------------- |
     | 0      | 4     | magic ``b"KVGT"`` (garbage on the port is detected at once)            |
-    | 4      | 1     | version (3)                                                            |
+    | 4      | 1     | version (4)                                                            |
     | 5      | 1     | frame type (``FrameType``)                                             |
     | 6      | 2     | flags: bit 0 ENCRYPTED (CHUNK/MANIFEST payload is AES-GCM), rest 0     |
     | 8      | 4     | header length H (bounded per type, ``MAX_HEADER_BYTES``)               |
@@ -32,14 +32,16 @@ UTF-8; ``pages`` is u32 count N, N x u32 page ids, N x i64 generations; ``nonce`
     WELCOME  (decode->prefill) nonce_p | nonce_d | u64 epoch | u8 encryption   the reply
     OPEN     (prefill->decode) rid | u32 length + ticket (transfer/tickets.py, router-MAC'd)
     CHUNK    (prefill->decode) rid | u32 seq | 16 B checksum | pages        payload: KV bytes
-    MANIFEST (prefill->decode) rid | u32 chunk count | u64 total bytes | pages (all sent)
+    MANIFEST (prefill->decode) rid | u32 chunk count | u64 total bytes | 16 B checksum | pages (all sent)
                                payload: the first-token record (``FirstToken``), possibly empty
     ABORT    (prefill->decode) rid | text reason
     ACK      (decode->prefill) u64 ack number (1, 2, ... per connection) | u32 bytes credited
     RESULT   (decode->prefill) rid | u8 ok | text reason code | text detail
 
-Integrity (S3): the HMAC covers the header, and a CHUNK header holds the payload's xxh3-128, so
-an altered payload fails the checksum and an altered header fails the HMAC. With encryption the
+Integrity (S3): the HMAC covers the header, and a CHUNK or MANIFEST header holds the payload's
+xxh3-128 (version 4: a MANIFEST's first-token record was covered by neither, so an on-path writer
+could choose a request's first token, and so its whole answer, without encryption), so an altered
+payload fails the checksum and an altered header fails the HMAC. With encryption the
 checksum field is zero (a plaintext hash would leak) and the AES-GCM tag, over the payload with the
 prefix and header as associated data, authenticates the payload instead. Lengths are checked
 against fixed bounds *before* anything is allocated.
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"KVGT"
-VERSION = 3
+VERSION = 4
 PREFIX = struct.Struct("<4sBBHII")
 TAG_BYTES = 32
 CHECKSUM_BYTES = 16
@@ -196,6 +198,7 @@ class Manifest:
     page_ids: tuple[int, ...]
     generations: tuple[int, ...]
     first: FirstToken | None = None  # carried as the payload, authenticated with the rest
+    checksum: bytes = NO_CHECKSUM  # the payload's xxh3-128 (zero when encrypted: the GCM tag covers it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,9 +296,11 @@ def encode_header(frame: Frame) -> bytes:
                 + encode_pages(frame.page_ids, frame.generations)
             )  # fmt: skip
         case Manifest():
+            if len(frame.checksum) != CHECKSUM_BYTES:
+                raise ValueError("checksum must be 16 bytes (xxh3_128)")
             return (
                 encode_rid(frame.request_id) + U32.pack(frame.chunk_count) + U64.pack(frame.total_bytes)
-                + encode_pages(frame.page_ids, frame.generations)
+                + frame.checksum + encode_pages(frame.page_ids, frame.generations)
             )  # fmt: skip
         case Abort():
             return encode_rid(frame.request_id) + encode_text(frame.reason)
@@ -358,6 +363,7 @@ class RawFrame:
     tag: bytes
     payload: bytes | memoryview
     number: int = 0  # its place on its connection, as the reader counted it (not sent: v3)
+    payload_len: int = 0  # as its prefix says (the payload itself is read once its tag verified)
 
     @property
     def header(self) -> bytes:
@@ -417,9 +423,9 @@ def decode(raw: RawFrame) -> Frame:
         frame = ChunkHeader(rid, seq, checksum, ids, gens)
     elif kind is FrameType.MANIFEST:
         rid = cur.rid()
-        count, total = cur.unpack(U32), cur.unpack(U64)
+        count, total, checksum = cur.unpack(U32), cur.unpack(U64), bytes(cur.take(CHECKSUM_BYTES))
         ids, gens = cur.pages()
-        frame = Manifest(rid, count, total, ids, gens)
+        frame = Manifest(rid, count, total, ids, gens, checksum=checksum)
     elif kind is FrameType.ABORT:
         frame = Abort(cur.rid(), cur.text())
     elif kind is FrameType.ACK:
