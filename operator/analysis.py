@@ -258,6 +258,11 @@ def _latency(name: str, histogram: str, check: LatencyCheck, min_requests: int, 
     if candidate is None or stable is None:
         missing = "candidate" if candidate is None else "stable"
         return _result(name, "Inconclusive", None, limit, f"{label}: no {histogram} observations from the {missing}", failures, at)
+    # A NaN compares False with any limit, and an infinite stable makes any candidate 0x: never a pass.
+    if not math.isfinite(candidate):
+        return _result(name, "Failed", None, limit, f"{label}: the candidate's {histogram} is not finite", failures + 1, at)
+    if not math.isfinite(stable):
+        return _result(name, "Inconclusive", None, limit, f"{label}: the stable's {histogram} is not finite", failures, at)
     ratio = candidate / max(stable, LATENCY_FLOOR_SECONDS)
     text = f"{label} {candidate:.4f} s vs {stable_from} {stable:.4f} s = {ratio:.2f}x (max {limit:g}x)"
     if ratio > limit:

@@ -69,6 +69,9 @@ class ContinuousRollback(_StatusModel):
     """RFC 3339 time of the decision."""
 
 
+MAX_FAILED_REMEMBERED = 16  # far more than revisionHistoryLimit keeps
+
+
 class ContinuousStatus(_StatusModel):
     """status.continuous: the schedule and the last run of the continuous canary."""
 
@@ -82,6 +85,9 @@ class ContinuousStatus(_StatusModel):
     consecutive_failures: int = 0
     rollback: ContinuousRollback | None = None
     """Set by a failure with action rollback; reconcile pins the rollout to `toRevision`."""
+    failed_revisions: list[str] = Field(default_factory=list, max_length=MAX_FAILED_REMEMBERED)
+    """Revisions whose last continuous run failed, newest first: a rollback never goes to one (a
+    third failure went back to the first failed revision, and on, between them)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,8 @@ def step(
     if current is None or current.revision != stable or current.interval_seconds != interval or current.action != spec.action:
         current = ContinuousStatus(interval_seconds=interval, action=spec.action, revision=stable,
                                    next_run_at=rfc3339(now + dt.timedelta(seconds=interval)),
-                                   rollback=previous.rollback if pinned and previous is not None else None)  # fmt: skip
+                                   rollback=previous.rollback if pinned and previous is not None else None,
+                                   failed_revisions=previous.failed_revisions if previous is not None else [])  # fmt: skip
     elif not pinned and current.rollback is not None:
         current = current.model_copy(update={"rollback": None})  # the spec moved on: the pin is void
     if result is not None and result.revision == stable and result.attempt == current.next_run_at:
@@ -153,15 +160,17 @@ def _record(spec: ContinuousSpec, current: ContinuousStatus, result: CanaryResul
     run = ContinuousRun(revision=result.revision, attempt=result.attempt, verdict=result.verdict, finished_at=rfc3339(now),
                         reason=result.reason, failed_probes=list(result.failed_probes), duration_seconds=result.duration_seconds)  # fmt: skip
     failures = 0 if run.verdict == "pass" else current.consecutive_failures + 1
-    # The spec's revision that failed: the run's own, or, when the run was of a revision an earlier
-    # failure pinned, the one that failure was of (the pin holds while the spec names it).
+    # The spec's revision that failed: the run's own, or, while an earlier failure's pin holds
+    # (`step` voids it once the spec moves on), the one that failure was of.
     pinned = current.rollback
-    spec_failed = pinned.from_revision if pinned is not None and pinned.to_revision == run.revision else run.revision
-    usable = [r for r in kept if r not in (run.revision, spec_failed)]  # never back to a revision that failed
+    spec_failed = pinned.from_revision if pinned is not None else run.revision
+    others = [r for r in current.failed_revisions if r != run.revision]
+    failed = {"fail": [run.revision, *others], "pass": others}.get(run.verdict, current.failed_revisions)[:MAX_FAILED_REMEMBERED]
+    usable = [r for r in kept if r not in (*failed, spec_failed)]  # never back to a revision that failed
     rollback_to = usable[0] if run.verdict == "fail" and spec.action == "rollback" and usable else None
     pin = ContinuousRollback(to_revision=rollback_to, from_revision=spec_failed, at=rfc3339(now)) if rollback_to else current.rollback
     status = current.model_copy(update={
-        "last_run": run, "consecutive_failures": failures, "rollback": pin,
+        "last_run": run, "consecutive_failures": failures, "rollback": pin, "failed_revisions": failed,
         "next_run_at": rfc3339(now + dt.timedelta(seconds=current.interval_seconds)),
     })  # fmt: skip
     events = []

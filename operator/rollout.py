@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.numerics import numerics_change
@@ -196,6 +197,13 @@ class AnalysisResult(_StatusModel):
     """The numbers, for humans: e.g. `p95 TTFT 0.41 s vs stable 0.20 s = 2.05x > 1.5x`."""
     measured_at: str | None = None
     """RFC 3339 time of the measurement."""
+
+    @field_validator("value", "threshold")
+    @classmethod
+    def _finite(cls, number: float | None) -> float | None:
+        # NaN and Inf are not JSON: a status patch holding one is refused, and the actions it
+        # asks for (an abort) wait for that write. The message keeps what was seen.
+        return number if number is None or math.isfinite(number) else None
 
 
 class RolloutStatus(_StatusModel):
@@ -1003,7 +1011,10 @@ class _Step:
         since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
         interval = float(self.spec.rollout.analysis.interval_seconds)
         if self.r.analysis_verdict == "inconclusive":
-            open_ = "; ".join(dict.fromkeys(r.message for r in self.r.analysis if r.phase != "Successful"))  # each reason once
+            # Why the last measurement could not judge: its own entry when it judged nothing (the
+            # checks' kept entries are older: `carried_results`), else its open checks, each once.
+            latest = [r for r in self.r.analysis if r.name in NOT_A_CHECK] or self.r.analysis
+            open_ = "; ".join(dict.fromkeys(r.message for r in latest if r.phase != "Successful"))
             self.condition("Progressing", "True", "AnalysisInconclusive", f"revision {self.candidate} holds at {self.r.weight}%: {open_}")
         else:
             self.condition("Progressing", "True", "TrafficStep", self.r.message or "")

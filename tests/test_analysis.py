@@ -374,3 +374,30 @@ def test_non_finite_counters_never_pass() -> None:
     unsafe[("router/router-0", "kvguard_requests_total", (("outcome", "failed"),))] = 0.0
     result = measure(SPEC, Window(candidate=increase(before, unsafe), stable=None), (), (), AT)
     assert result.verdict == "fail" and by_name(result)["safety"].phase == "Failed"
+
+
+def test_a_latency_histogram_that_is_not_finite_never_passes() -> None:
+    """Outside probe: one NaN bucket made the candidate's p95 NaN, which no limit refuses, and a
+    candidate 100x slower than the stable was promoted; an infinite stable made any candidate 0x."""
+    candidate, stable = Revision(), Revision()
+    candidate.serve(50, ttft=2.0)
+    stable.serve(50, ttft=0.02)
+    cand = candidate.scrape()
+    bucket = next(k for k in cand if k[1] == "kvguard_router_time_to_first_token_seconds_bucket" and ("le", "5.0") in k[2])
+    nan_candidate = {**cand, bucket: float("nan")}
+    result = measure(SPEC, Window(candidate=nan_candidate, stable=stable.scrape()), (), (), AT)
+    assert by_name(result)["ttft"].phase == "Failed" and result.verdict != "pass"
+    stable_scrape = stable.scrape()
+    top = next(k for k in stable_scrape if k[1] == "kvguard_router_time_to_first_token_seconds_bucket" and ("le", "+Inf") in k[2])
+    result = measure(SPEC, Window(candidate=cand, stable={**stable_scrape, top: float("nan")}), (), (), AT)
+    assert by_name(result)["ttft"].phase != "Successful" and result.verdict != "pass"
+
+
+def test_a_status_entry_never_holds_a_number_json_cannot_carry() -> None:
+    """Outside probe: a NaN safety counter put a bare NaN into the status patch, which a strict
+    JSON parser (the API server's) refuses -- and the abort waits for that write."""
+    from kvguard.operator.rollout import AnalysisResult
+
+    entry = AnalysisResult(name="safety", phase="Failed", value=float("nan"), threshold=float("inf"), message="rose: +nan")
+    assert entry.value is None and entry.threshold is None
+    assert "NaN" not in entry.model_dump_json() and "Infinity" not in entry.model_dump_json()

@@ -97,3 +97,22 @@ def test_a_second_failure_never_rolls_back_to_the_revision_that_failed_first() -
     assert none_left.rollback_to is None and none_left.status is not None
     assert rollback_pin(none_left.status, "r2") == "r1"  # nothing else kept: the pin stays, and an alert says so
     assert "not failed" in none_left.events[-1].message
+
+
+def test_a_third_failure_never_goes_back_to_a_revision_that_failed() -> None:
+    """Outside probe (after the fix above): r3 fails -> r2; r2 fails -> r1; r1 fails -> back to r2,
+    which had failed one run earlier, and on between failed revisions. Failed revisions are now
+    remembered (status.continuous.failedRevisions) until one passes again."""
+    status = step(ROLLBACK, None, "r3", True, None, False, [], T0, "r3").status
+    now = T0
+    for serving, kept, expected in (("r3", ["r2", "r1"], "r2"), ("r2", ["r3", "r1"], "r1"), ("r1", ["r2", "r3"], None)):
+        assert status is not None
+        status = step(ROLLBACK, status, serving, True, None, False, kept, now, "r3").status  # its own schedule
+        assert status is not None
+        now += dt.timedelta(seconds=200)
+        failed = step(ROLLBACK, status, serving, True, CanaryResult(serving, status.next_run_at, "fail", "x", ("isolation",)),
+                      False, kept, now, "r3")  # fmt: skip
+        assert failed.rollback_to == expected, (serving, failed.rollback_to)
+        status = failed.status
+    assert status is not None and status.failed_revisions == ["r1", "r2", "r3"]
+    assert rollback_pin(status, "r3") == "r1"  # nothing that has not failed is kept: the pin stays, alerting

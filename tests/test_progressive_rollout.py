@@ -25,6 +25,7 @@ from kvguard.operator.rollout import (
     RolloutStatus,
     RouteTraffic,
     ScaleRevision,
+    SetCondition,
     SetTrafficWeight,
     step,
 )
@@ -231,3 +232,16 @@ def test_a_measurement_that_could_not_judge_keeps_each_checks_failure_count() ->
     sim.rollout.analysis = [safe, failed]
     d = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=AnalysisOutcome("inconclusive", (scrape,), "scrape failed")))
     assert d.rollout.analysis == [safe, failed, scrape]
+
+
+def test_progressing_says_why_the_last_measurement_could_not_judge_not_an_older_failure() -> None:
+    """Outside probe: after a judged measurement with a failure, scrape errors for 15 minutes
+    showed that old failure in Progressing as if it were why the step held."""
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    failed = AnalysisResult(name="errorRatio", phase="Failed", value=0.5, threshold=0.02, failures=1, message="25 of 50 failed")
+    scrape = AnalysisResult(name="scrape", phase="Error", message="candidate metrics incomplete: r2-router-0: HTTP 500")
+    sim.rollout.analysis = [failed]
+    d = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=AnalysisOutcome("inconclusive", (scrape,), scrape.message)))
+    progressing = [a for a in d.actions if isinstance(a, SetCondition) and a.type == "Progressing"][-1]
+    assert progressing.message.endswith("holds at 10%: candidate metrics incomplete: r2-router-0: HTTP 500")
