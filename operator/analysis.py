@@ -153,13 +153,17 @@ class Window:
     stable_reference: Series | None = None
     """The stable's latest window that had router traffic: what latencies are compared with when
     this window has none from the stable (at 100% it gets no traffic at all)."""
+    stable_lifetime: Series | None = None
+    """The stable's counters since its processes began, as an operator process first scraped them:
+    the last resort, when no window of the stable had traffic and no measurement recorded the
+    stable's latency (`AnalysisResult.reference`) -- a lifetime's latencies may be long gone."""
 
     @classmethod
     def between(cls, candidate_before: Series | None, candidate_now: Series,
                 stable_before: Series | None, stable_now: Series | None,
-                stable_reference: Series | None = None) -> Window:  # fmt: skip
+                stable_reference: Series | None = None, stable_lifetime: Series | None = None) -> Window:  # fmt: skip
         stable = increase(stable_before, stable_now) if stable_now is not None else None
-        return cls(increase(candidate_before, candidate_now), stable, stable_reference)
+        return cls(increase(candidate_before, candidate_now), stable, stable_reference, stable_lifetime)
 
 
 def served_traffic(series: Series | None) -> bool:
@@ -187,9 +191,9 @@ their numbers (a summary when all passed). Defined in rollout.py, which consumes
 
 
 def _result(name: str, phase: AnalysisPhase, value: float | None, threshold: float | None, message: str,
-            failures: int, at: str) -> AnalysisResult:  # fmt: skip
+            failures: int, at: str, reference: float | None = None) -> AnalysisResult:  # fmt: skip
     return AnalysisResult(name=name, phase=phase, value=None if value is None else round(value, 6), threshold=threshold,
-                          failures=failures, message=message, measured_at=at)  # fmt: skip
+                          failures=failures, message=message, measured_at=at, reference=reference)  # fmt: skip
 
 
 def measure(
@@ -197,13 +201,15 @@ def measure(
 ) -> Measurement:
     """One measurement of every enabled check; `previous` carries each check's failure count."""
     failures = {r.name: r.failures for r in previous}
+    recorded = {r.name: r.reference for r in previous}  # the stable latencies earlier measurements compared with
     results = [_safety(window, failures.get("safety", 0), at)]
     requests = requests_judged(window.candidate)
     if spec.error_ratio.enabled:
         results.append(_error_ratio(spec, window, requests, failures.get("errorRatio", 0), at))
     for name, histogram, check in (("ttft", TTFT, spec.ttft), ("itl", ITL, spec.itl)):
         if check.enabled:
-            results.append(_latency(name, histogram, check, spec.min_requests, window, requests, failures.get(name, 0), at))
+            results.append(_latency(name, histogram, check, spec.min_requests, window, requests, failures.get(name, 0), at,
+                                    recorded.get(name)))  # fmt: skip
     by_name = {q.name: q for q in queries}
     for query in spec.queries:
         results.append(_query(query, by_name.get(query.name), failures.get(query.name, 0), at))
@@ -241,33 +247,48 @@ def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: 
     return _result("errorRatio", "Successful", ratio, limit, text, failures, at)
 
 
+def _stable_latency(check: LatencyCheck, histogram: str, window: Window, recorded: float | None) -> tuple[float | None, str]:
+    """The stable's percentile to compare with, and where it comes from: this window's; else its
+    last window with traffic (this operator process saw it); else what the last measurement that
+    had one recorded (status: it outlives an operator restart, which at 100% no window replaces);
+    else, last, its lifetime as first scraped."""
+    stable = quantile(check.percentile, histogram_buckets(window.stable or {}, histogram))
+    if stable is not None:
+        return stable, "stable"
+    if window.stable_reference is not None:
+        return quantile(check.percentile, histogram_buckets(window.stable_reference, histogram)), "stable (its last window with traffic)"
+    if recorded is not None:
+        return recorded, "stable (its last window with traffic, as recorded)"
+    if window.stable_lifetime is not None:
+        return quantile(check.percentile, histogram_buckets(window.stable_lifetime, histogram)), "stable (its lifetime)"
+    return None, "stable"
+
+
 def _latency(name: str, histogram: str, check: LatencyCheck, min_requests: int, window: Window, requests: float,
-             failures: int, at: str) -> AnalysisResult:  # fmt: skip
+             failures: int, at: str, recorded: float | None = None) -> AnalysisResult:  # fmt: skip
     limit = check.max_ratio_to_stable
     label = f"p{check.percentile * 100:g} {name.upper()}"
     if window.stable is None:
         return _result(name, "Successful", None, limit, f"{label}: no stable revision to compare with", failures, at)
     if requests < min_requests:
-        return _result(name, "Inconclusive", None, limit, _too_few(requests, min_requests), failures, at)
+        return _result(name, "Inconclusive", None, limit, _too_few(requests, min_requests), failures, at, recorded)
     candidate = quantile(check.percentile, histogram_buckets(window.candidate, histogram))
-    stable = quantile(check.percentile, histogram_buckets(window.stable, histogram))
-    stable_from = "stable"
-    if stable is None and window.stable_reference is not None:
-        stable = quantile(check.percentile, histogram_buckets(window.stable_reference, histogram))
-        stable_from = "stable (its last window with traffic)"
+    stable, stable_from = _stable_latency(check, histogram, window, recorded)
     if candidate is None or stable is None:
         missing = "candidate" if candidate is None else "stable"
-        return _result(name, "Inconclusive", None, limit, f"{label}: no {histogram} observations from the {missing}", failures, at)
+        return _result(name, "Inconclusive", None, limit, f"{label}: no {histogram} observations from the {missing}", failures, at,
+                       recorded)  # fmt: skip
     # A NaN compares False with any limit, and an infinite stable makes any candidate 0x: never a pass.
     if not math.isfinite(candidate):
-        return _result(name, "Failed", None, limit, f"{label}: the candidate's {histogram} is not finite", failures + 1, at)
+        return _result(name, "Failed", None, limit, f"{label}: the candidate's {histogram} is not finite", failures + 1, at, recorded)
     if not math.isfinite(stable):
-        return _result(name, "Inconclusive", None, limit, f"{label}: the stable's {histogram} is not finite", failures, at)
+        return _result(name, "Inconclusive", None, limit, f"{label}: the stable's {histogram} is not finite", failures, at, recorded)
     ratio = candidate / max(stable, LATENCY_FLOOR_SECONDS)
     text = f"{label} {candidate:.4f} s vs {stable_from} {stable:.4f} s = {ratio:.2f}x (max {limit:g}x)"
+    reference = recorded if stable_from == "stable (its lifetime)" else stable  # a lifetime is never recorded as a window
     if ratio > limit:
-        return _result(name, "Failed", ratio, limit, text, failures + 1, at)
-    return _result(name, "Successful", ratio, limit, text, failures, at)
+        return _result(name, "Failed", ratio, limit, text, failures + 1, at, reference)
+    return _result(name, "Successful", ratio, limit, text, failures, at, reference)
 
 
 def _query(query: PrometheusQuery, answer: QueryValue | None, failures: int, at: str) -> AnalysisResult:

@@ -197,8 +197,11 @@ class AnalysisResult(_StatusModel):
     """The numbers, for humans: e.g. `p95 TTFT 0.41 s vs stable 0.20 s = 2.05x > 1.5x`."""
     measured_at: str | None = None
     """RFC 3339 time of the measurement."""
+    reference: float | None = None
+    """ttft/itl: the stable's percentile (seconds) from its last window with traffic, kept so that
+    an operator restarted at 100% (where the stable gets no traffic) compares with it."""
 
-    @field_validator("value", "threshold")
+    @field_validator("value", "threshold", "reference")
     @classmethod
     def _finite(cls, number: float | None) -> float | None:
         # NaN and Inf are not JSON: a status patch holding one is refused, and the actions it

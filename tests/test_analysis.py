@@ -401,3 +401,33 @@ def test_a_status_entry_never_holds_a_number_json_cannot_carry() -> None:
     entry = AnalysisResult(name="safety", phase="Failed", value=float("nan"), threshold=float("inf"), message="rose: +nan")
     assert entry.value is None and entry.threshold is None
     assert "NaN" not in entry.model_dump_json() and "Infinity" not in entry.model_dump_json()
+
+
+async def test_an_operator_restarted_at_full_weight_compares_with_the_recorded_stable_latency() -> None:
+    """Outside probe: restarted at 100% (the stable gets no traffic), the operator's first scrape
+    made the stable's whole life the reference -- its long-gone fast latencies -- and a candidate
+    as fast as the stable's last window failed 49x. Each latency result now records the stable
+    percentile it compared with (status), and a restarted operator compares with that."""
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+    from kvguard.operator.rollout import carried_results
+
+    candidate, stable = Revision(), Revision()
+    stable.serve(1000, ttft=0.005)  # a fast history
+    runner, urls = await _serving(candidate, stable)
+    key = ("models", "m")
+    try:
+        memory = AnalysisMemory()
+        status = list((await measure_live_traffic(key, SPEC, *urls, (), memory, now_text=AT)).results)
+        candidate.serve(20, ttft=0.4)
+        stable.serve(20, ttft=0.4)  # a step below 100%: both serve, equally slow now
+        split = await measure_live_traffic(key, SPEC, *urls, status, memory, now_text=AT)
+        assert split.verdict == "pass", split.message
+        status = carried_results(status, split.results)
+        memory = AnalysisMemory()  # the operator restarts; status.rollout.analysis is what it keeps
+        status = carried_results(status, (await measure_live_traffic(key, SPEC, *urls, status, memory, now_text=AT)).results)
+        candidate.serve(40, ttft=0.4)  # 100%: only the candidate
+        full = await measure_live_traffic(key, SPEC, *urls, status, memory, now_text=AT)
+        assert full.verdict == "pass", full.message
+        assert "as recorded" in by_name(full)["ttft"].message
+    finally:
+        await runner.cleanup()

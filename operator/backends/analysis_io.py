@@ -117,6 +117,8 @@ class AnalysisMemory:
     last: dict[tuple[str, str], tuple[str, str, Series, Series]] = field(default_factory=dict)
     stable_reference: dict[tuple[str, str], tuple[str, Series]] = field(default_factory=dict)
     """(stable revision, its latest window with router traffic), per model."""
+    stable_lifetime: dict[tuple[str, str], tuple[str, Series]] = field(default_factory=dict)
+    """(stable revision, its counters at this process's first scrape): `Window.stable_lifetime`."""
 
     def before(self, key: tuple[str, str], candidate: str, stable: str) -> tuple[Series | None, Series | None]:
         kept = self.last.get(key)
@@ -128,9 +130,14 @@ class AnalysisMemory:
         kept = self.stable_reference.get(key)
         return kept[1] if kept is not None and kept[0] == stable else None
 
+    def lifetime(self, key: tuple[str, str], stable: str) -> Series | None:
+        kept = self.stable_lifetime.get(key)
+        return kept[1] if kept is not None and kept[0] == stable else None
+
     def forget(self, key: tuple[str, str]) -> None:
         self.last.pop(key, None)
         self.stable_reference.pop(key, None)
+        self.stable_lifetime.pop(key, None)
 
 
 async def measure_live_traffic(
@@ -160,15 +167,16 @@ async def measure_live_traffic(
         stable_now = stable_before
     if cand_before is None:  # counters since each process began would count the canary's own probes (its aborts...)
         memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
-        if served_traffic(stable_now):  # the stable's life so far: a reference until a window has traffic
-            memory.stable_reference[key] = (stable_rev, stable_now)
+        if served_traffic(stable_now):  # the stable's life so far: the last resort of a reference (Window)
+            memory.stable_lifetime[key] = (stable_rev, stable_now)
         why = "first scrape of these revisions by this operator process: the analysis window starts now"
         return AnalysisOutcome("inconclusive", (AnalysisResult(name="window", phase="Inconclusive", message=why, measured_at=at),), why)
     queries: list[QueryValue] = []
     if spec.queries and spec.prometheus_url:
         values = {"revision": cand_rev, "stable": stable_rev, "model": model, "namespace": namespace}
         queries = [QueryValue(n, v, e) for n, v, e in await query_values(spec.prometheus_url, spec.queries, values)]
-    window = Window.between(cand_before, cand_now, stable_before, stable_now, memory.reference(key, stable_rev))
+    window = Window.between(cand_before, cand_now, stable_before, stable_now, memory.reference(key, stable_rev),
+                            memory.lifetime(key, stable_rev))  # fmt: skip
     if served_traffic(window.stable):
         memory.stable_reference[key] = (stable_rev, window.stable)  # type: ignore[assignment]
     if not needs_more_traffic(spec, window):  # else the window stays open: its start is kept
