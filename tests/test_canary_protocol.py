@@ -95,6 +95,11 @@ def test_context_length_precedence_and_disagreement_notes() -> None:
     assert choose_context_length(configured, advertised) == configured
     assert context_notes(configured, advertised)[0] == "/v1/models max_model_len says 4096 tokens; the suite uses 2048 from --context-length"
     assert choose_context_length(None, []) is None
+    # Outside probe: /v1/models said 8192 over engines of 4096, answering the requests in between
+    # with 200; sized from 8192 the suite never sent one. The smallest value binds.
+    lying = [ContextReading("/v1/models max_model_len", 8192), ContextReading("kvguard_context_length_tokens", 4096)]
+    assert choose_context_length(None, lying) == lying[1]
+    assert choose_context_length(ContextReading("--context-length", 8192), lying) == lying[1]
     readings, version = readings_from_sglang_info("/server_info", {"context_length": 131072, "version": "0.5.23"})
     assert readings == [ContextReading("/server_info context_length", 131072)] and version == "0.5.23"
     assert readings_from_sglang_info("/server_info", {"context_length": None})[0] == []  # unresolved: say nothing

@@ -1,8 +1,8 @@
 """What the target says about itself, over HTTP only: its context length and engine.
 
 The suite sizes isolation's long requests and the over-length cases from the context length, so
-it must know it. Sources, in order of precedence (the report names the one used, and every value
-found, so a mismatch is visible):
+it must know it. It uses the smallest value any of these sources gives (the first of equals, in
+this order; the report names the one used, and every value found, so a mismatch is visible):
 
 1. configured: `kvguard canary --context-length N`, else `spec.canary.contextLength` (the operator
    fills it from the InferenceModel's contextLength) - for servers that advertise nothing
@@ -49,11 +49,12 @@ class TargetFacts:
 
 
 def choose_context_length(configured: ContextReading | None, readings: list[ContextReading]) -> ContextReading | None:
-    """The configured value wins (the user knows best what admission enforces); otherwise the first
-    advertised one in `readings` order (see the module doc)."""
-    if configured is not None:
-        return configured
-    return readings[0] if readings else None
+    """The smallest of the configured and advertised values (the first of equals, in the order of
+    the module doc). The smallest is the one that binds: a server whose /v1/models says more than
+    its engines hold (the incident's shape) answered the requests in between with 200 and junk,
+    and the suite, sized from the larger value, never sent one (an outside probe's false PASS)."""
+    candidates = ([configured] if configured is not None else []) + readings
+    return min(candidates, key=lambda r: r.tokens) if candidates else None
 
 
 def bounded_readings(readings: list[ContextReading]) -> tuple[list[ContextReading], list[str]]:
