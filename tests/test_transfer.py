@@ -39,8 +39,11 @@ from kvguard.workers.transfer import (
 from kvguard.workers.transfer.channel import FrameReader, FrameWriter, RequestCodec
 from kvguard.workers.transfer.receiver import DuplicateRequestError
 from kvguard.workers.transfer.wire import (
+    MAGIC,
+    PAGE_LIST_SLACK_BYTES,
     PREFIX,
     TAG_BYTES,
+    VERSION,
     Abort,
     ChunkHeader,
     FrameType,
@@ -55,6 +58,7 @@ from kvguard.workers.transfer.wire import (
     encode_first_token,
     encode_head,
     frame_tag,
+    header_bound,
     parse_prefix,
     payload_checksum,
     verify,
@@ -601,6 +605,28 @@ async def test_no_payload_is_read_before_its_frame_verifies_and_a_frame_must_not
         stalled.writer.sink.write(encode_head(ChunkHeader("r", 0, bytes(16), (0,), (1,)), PAGE)[:10])  # half a prefix
         assert await stalled.closed_by_decode()
         assert not (await e.wait()).ok
+
+
+async def test_what_decode_reads_unverified_is_bounded_by_its_pool_and_its_connection_count() -> None:
+    """Outside probe (after the fix above): a peer that replayed a HELLO could still announce a
+    9 MiB OPEN or MANIFEST header, read whole before its tag, and open connections without limit
+    (80 of them: +800 MiB). A receiver that knows its pool (max_pages) refuses a header longer
+    than that many pages take from its prefix, and connections past max_inbound_connections are
+    closed at once; a real transfer still goes through."""
+    config = TransferConfig(stall_timeout_s=30.0, max_pages=64, max_inbound_connections=3)
+    assert header_bound(FrameType.OPEN, 64) == PAGE_LIST_SLACK_BYTES + 12 * 64 < header_bound(FrameType.OPEN, None)
+    async with make_pair(config=config) as p:
+        e = p.expect("r", [0, 1], [1, 1])
+        assert (await p.sender.send(e.ticket, chunks_of("r", [0, 1]))).ok
+        peer = await RawPeer.connect(p.dest)
+        big = PREFIX.pack(MAGIC, VERSION, FrameType.OPEN, 0, header_bound(FrameType.OPEN, 64) + 1, 0)
+        peer.writer.sink.write(big)  # the prefix alone: its header is longer than 64 pages take
+        assert await peer.closed_by_decode()
+        held = [await RawPeer.connect(p.dest) for _ in range(3 - len(p.receiver._conn_tasks))]
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError, AssertionError, TimeoutError)):
+            await RawPeer.connect(p.dest)  # one more than the bound: closed before its WELCOME
+        for extra in held:
+            extra.close()
 
 
 async def _closed_soon(peer: RawPeer) -> bool:

@@ -12,6 +12,7 @@ Request life on this side (states of kvguard.workers.request.RequestState):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import socket
@@ -101,7 +102,8 @@ class DecodeServer:
         self.stream_interval = stream_interval
         self.pool = runtime.engine.engine.pool
         self.advertise_host = advertise_host
-        self.receiver = KVReceiver(keys, runtime.transfer_metrics, self._transfer_of, transfer, runtime.faults)
+        bounded = dataclasses.replace(transfer, max_pages=self.pool.num_pages)  # bounds what decode reads unverified
+        self.receiver = KVReceiver(keys, runtime.transfer_metrics, self._transfer_of, bounded, runtime.faults)
         self.transfer_address: tuple[str, int] | None = None
         self.channels: dict[str, TokenChannel] = {}  # open token channels by the id this worker drew
 

@@ -68,10 +68,12 @@ class FrameReader:
     header per connection. Once a frame has begun, the rest of it must arrive within
     `frame_timeout_s` (an idle connection between frames may wait: prefill pools them)."""
 
-    def __init__(self, source: FrameSource, max_payload: int, frame_timeout_s: float | None = None) -> None:
+    def __init__(self, source: FrameSource, max_payload: int, frame_timeout_s: float | None = None,
+                 max_pages: int | None = None) -> None:  # fmt: skip
         self.source = source
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
+        self.max_pages = max_pages  # bounds the headers read before they verify (wire.header_bound)
         self.received = 0
 
     async def read(self, expect: FrameType | None = None) -> RawFrame | None:
@@ -91,7 +93,7 @@ class FrameReader:
         try:
             async with asyncio.timeout(self.frame_timeout_s):
                 prefix = bytes(first) + bytes(await self.source.readexactly(PREFIX.size - 1))
-                kind, flags, header_len, payload_len = parse_prefix(prefix, self.max_payload)
+                kind, flags, header_len, payload_len = parse_prefix(prefix, self.max_payload, self.max_pages)
                 if expect is not None and kind is not expect:
                     raise ProtocolError(f"expected {expect.name}, got {kind.name}")
                 header_and_tag = bytes(await self.source.readexactly(header_len + TAG_BYTES))

@@ -24,6 +24,12 @@ class TransferConfig:
     max_connections_per_peer: int = 2
     remembered_per_connection: int = 1024  # finished requests whose late frames are still verified
     verify_integrity: bool = True  # False only for bench/transfer.py's cost measurement
+    # Decode: the pages its pool holds. No ticket, chunk or manifest it accepts names more, so the
+    # headers it reads before verifying them are bounded by it (wire.header_bound).
+    max_pages: int | None = None
+    # Decode: transfer connections at once. Prefill pools max_connections_per_peer to each decode;
+    # a connection past this bound is closed at once (each holds a buffer and one header).
+    max_inbound_connections: int = 256
     encryption: Encryption = Encryption.NONE
 
     def __post_init__(self) -> None:

@@ -223,10 +223,15 @@ class KVReceiver:
     async def _serve(self, reader: FrameSource, writer: FrameSink) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._conn_tasks) >= self._config.max_inbound_connections:  # each holds a buffer: bounded
+            log.warning("refusing a transfer connection: %d already open", len(self._conn_tasks))
+            writer.close()
+            return
         self._conn_tasks.add(task)
         conn: _InboundConnection | None = None
         reason, detail = FailureReason.CONNECTION_LOST, "prefill connection closed"
-        frames_in = FrameReader(reader, self._config.max_payload_bytes, frame_timeout_s=self._config.stall_timeout_s)
+        frames_in = FrameReader(reader, self._config.max_payload_bytes, frame_timeout_s=self._config.stall_timeout_s,
+                                max_pages=self._config.max_pages)  # fmt: skip
         frames_out = FrameWriter(writer)
         try:
             conn = await self._handshake(frames_in, frames_out)

@@ -374,7 +374,22 @@ class RawFrame:
         return bool(self.flags & FLAG_ENCRYPTED)
 
 
-def parse_prefix(prefix: bytes, max_payload_bytes: int) -> tuple[FrameType, int, int, int]:
+PAGE_LIST_SLACK_BYTES = 4096
+"""What a page-listing header holds besides its pages (rid, counts, checksum; a ticket's host,
+nonce, times and MAC): the bound `header_bound` adds to 12 bytes a page."""
+
+
+def header_bound(kind: FrameType, max_pages: int | None) -> int:
+    """The largest header of `kind` a receiver reads before it can verify it: MAX_HEADER_BYTES,
+    or, when the receiver knows its pool has at most `max_pages` pages (no ticket, chunk or
+    manifest it accepts names more), what that many pages take. A 9 MiB OPEN head from a peer
+    that only replayed a HELLO cost decode 9 MiB a connection (an outside probe)."""
+    if max_pages is None or kind not in (FrameType.OPEN, FrameType.CHUNK, FrameType.MANIFEST):
+        return MAX_HEADER_BYTES[kind]
+    return min(MAX_HEADER_BYTES[kind], PAGE_LIST_SLACK_BYTES + (U32.size + I64.size) * max_pages)
+
+
+def parse_prefix(prefix: bytes, max_payload_bytes: int, max_pages: int | None = None) -> tuple[FrameType, int, int, int]:
     """Check the fixed 16-byte prefix; return (type, flags, header length, payload length)."""
     magic, version, ftype, flags, header_len, payload_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
@@ -387,7 +402,7 @@ def parse_prefix(prefix: bytes, max_payload_bytes: int) -> tuple[FrameType, int,
         raise ProtocolError(f"unknown frame type {ftype}") from None
     if flags & ~FLAG_ENCRYPTED or (flags and kind not in _PAYLOAD_FRAMES):
         raise ProtocolError(f"flags {flags:#x} not allowed on {kind.name}")
-    if not 1 <= header_len <= MAX_HEADER_BYTES[kind]:
+    if not 1 <= header_len <= header_bound(kind, max_pages):
         raise ProtocolError(f"{kind.name} header length {header_len} out of bounds")
     limit = {FrameType.CHUNK: max_payload_bytes + GCM_TAG_BYTES, FrameType.MANIFEST: MAX_MANIFEST_PAYLOAD}.get(kind, 0)
     if payload_len > limit:
