@@ -74,6 +74,11 @@ def test_prompt_sizing_bounds_hold_for_byte_level_and_bpe() -> None:
     measured = TokenEstimate.from_usage(prompt_tokens=320)  # byte-level: 5 tokens per word
     assert measured.words_at_most(1000) * 5 <= 1000 and measured.words_at_least(1000) * 5 > 1000
     assert TokenEstimate.from_usage(None).tokens_per_word is None
+    # Outside probe: a usage three times too high (or 1) sized the over-length probe wrong, and a
+    # healthy server failed as the incident. A count no tokenizer makes is not believed.
+    assert TokenEstimate.from_usage(prompt_tokens=3 * 320).tokens_per_word is None
+    assert TokenEstimate.from_usage(prompt_tokens=1).tokens_per_word is None
+    assert TokenEstimate.from_usage(prompt_tokens=83).tokens_per_word == 83 / 64  # a BPE model's ~1.3 a word
 
 
 def test_nonce_is_on_every_page_of_the_long_prompt() -> None:

@@ -20,6 +20,8 @@ WORD_LETTERS = "bcdfghjklmnpqrstvwxz"  # no hex letters a-f: filler can never sp
 WORD_LENGTH = 4
 BYTES_PER_WORD = WORD_LENGTH + 1  # the leading space
 CALIBRATION_WORDS = 64
+USAGE_TEMPLATE_TOKENS = 256  # what a chat template may add around the calibration prompt
+USAGE_MIN_WORDS_PER_TOKEN = 4  # no tokenizer packs more filler words than this into one token
 FALLBACK_PROMPT_TOKENS = 1024  # without a known limit: long enough to span many pages of any page size
 
 
@@ -50,7 +52,15 @@ class TokenEstimate:
 
     @classmethod
     def from_usage(cls, prompt_tokens: int | None, words: int = CALIBRATION_WORDS) -> TokenEstimate:
+        """Measured from one answer's usage.prompt_tokens, when it is possible at all: no tokenizer
+        makes more tokens than bytes (a chat template adds a bounded few), and none fewer than a
+        token per USAGE_MIN_WORDS_PER_TOKEN filler words. A count outside that is not believed
+        (the estimate stays unknown: worst-case bounds): sized from a count three times too
+        high, the over-length probe sent prompts the server rightly accepted, and failed it as
+        the incident (an outside probe)."""
         if not prompt_tokens or prompt_tokens <= 0:
+            return cls(None)
+        if not words / USAGE_MIN_WORDS_PER_TOKEN <= prompt_tokens <= words * BYTES_PER_WORD + USAGE_TEMPLATE_TOKENS:
             return cls(None)
         return cls(prompt_tokens / words)
 
