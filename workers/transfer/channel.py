@@ -83,8 +83,8 @@ class FrameReader:
 
     async def read_head(self, expect: FrameType | None = None) -> RawFrame | None:
         """The next frame's head and tag, unverified, its payload not yet read (`read_payload`);
-        None on a clean end of stream between frames. Raises ProtocolError (and TimeoutError for
-        a frame that stops half-way). `expect`: the only type allowed here (a handshake), refused
+        None on a clean end of stream between frames. Raises ProtocolError (also for a frame that
+        stops half-way for `frame_timeout_s`). `expect`: the only type allowed here (a handshake), refused
         from its 16-byte prefix, before its header is read."""
         try:
             first = await self.source.readexactly(1)
@@ -99,6 +99,8 @@ class FrameReader:
                 header_and_tag = bytes(await self.source.readexactly(header_len + TAG_BYTES))
         except asyncio.IncompleteReadError:
             raise ProtocolError("stream ended inside a frame") from None
+        except TimeoutError:
+            raise ProtocolError(f"a frame's head stopped half-way for {self.frame_timeout_s:g}s") from None
         number, self.received = self.received, self.received + 1
         return RawFrame(kind, flags, prefix + header_and_tag[:-TAG_BYTES], header_and_tag[-TAG_BYTES:], b"", number, payload_len)
 
@@ -112,6 +114,8 @@ class FrameReader:
                 payload = await self.source.readexactly(raw.payload_len)
         except asyncio.IncompleteReadError:
             raise ProtocolError("stream ended inside a frame") from None
+        except TimeoutError:
+            raise ProtocolError(f"a {raw.kind.name} payload stopped half-way for {self.frame_timeout_s:g}s") from None
         return dataclasses.replace(raw, payload=payload)
 
 
