@@ -93,7 +93,6 @@ ROLLBACK_ANNOTATION = "kvguard.io/rollback-to"
 """A previous stable revision to serve instead of the spec's; remove it to roll the spec out again."""
 
 
-
 def annotation_problems(annotations: Mapping[str, object] | None) -> list[str]:
     """What is wrong with the model's control annotations, one message per field (pure).
 
