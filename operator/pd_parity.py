@@ -28,8 +28,8 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan, ModelSource, PVCSource
-from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext, image_for
+from kvguard.operator.api import EngineKind, InferenceModelSpec, KVPlan
+from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext, image_for, with_stand_in_source
 
 ISSUE = "sglang#19398"
 
@@ -100,9 +100,7 @@ _SETTINGS: dict[EngineKind, list[tuple[str, Reader]]] = {
 
 def _commands(spec: InferenceModelSpec, kv_plan: KVPlan) -> dict[str, list[str]]:
     owner = Owner(name="parity-check", namespace="parity-check", uid="parity-check")
-    if spec.model.source is None:  # the weights' location changes no flag the sides must share
-        placeholder = ModelSource(pvc=PVCSource(claim_name="parity-check"))
-        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"source": placeholder})})
+    spec = with_stand_in_source(spec, "parity-check")  # the weights' location changes no flag the sides must share
     adapter = ADAPTERS[spec.engine.kind]
     return {role: adapter.command(RoleContext(spec, kv_plan, owner, "parity", role)) for role in ("prefill", "decode")}
 

@@ -37,12 +37,10 @@ from kvguard.operator.api import (
     KVPlan,
     LabelSelector,
     LabelSelectorRequirement,
-    ModelSource,
-    PVCSource,
 )
 from kvguard.operator.canary.spec import ProbeName
 from kvguard.operator.planner import PlanInputError, flag_check_plan, plan
-from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext
+from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext, with_stand_in_source
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 """The label Kubernetes puts on every namespace: the one label known from a namespace's name."""
@@ -247,7 +245,7 @@ def worker_command_lines(spec: InferenceModelSpec, kv_plan: KVPlan | None) -> di
     the spec's fields render (outside probe: a wrong denial, and a bypass). engine.extraArgs alone
     only when the spec cannot be rendered at all (a render error reported elsewhere)."""
     owner = Owner(name="policy-check", namespace="policy-check", uid="policy-check")
-    renderable = with_placeholder_source(spec)
+    renderable = with_stand_in_source(spec, "policy-check")
     for candidate in (kv_plan, flag_check_plan(spec)):
         if candidate is None:
             continue
@@ -259,15 +257,6 @@ def worker_command_lines(spec: InferenceModelSpec, kv_plan: KVPlan | None) -> di
         except RenderError:
             continue
     return {role: list(spec.engine.extra_args) for role in WORKER_ROLES}
-
-
-def with_placeholder_source(spec: InferenceModelSpec) -> InferenceModelSpec:
-    """Where the weights come from changes no flag; a placeholder lets a spec without a source
-    (valid for planning, refused at deploy time) render too. A spec with one keeps it."""
-    if spec.model.source is not None:
-        return spec
-    placeholder = ModelSource(pvc=PVCSource(claim_name="policy-check"))
-    return spec.model_copy(update={"model": spec.model.model_copy(update={"source": placeholder})})
 
 
 def has_flag(command: Sequence[str], flag: str) -> bool:

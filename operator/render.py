@@ -30,7 +30,9 @@ from kvguard.operator.api import (
     InferenceModelSpec,
     KVCacheDtype,
     KVPlan,
+    ModelSource,
     PodPlacement,
+    PVCSource,
     SGLangKVCanary,
     WorkerRole,
 )
@@ -96,6 +98,17 @@ class Owner:
             "controller": True,
             "blockOwnerDeletion": True,
         }
+
+
+def with_stand_in_source(spec: InferenceModelSpec, claim: str) -> InferenceModelSpec:
+    """`spec`, with a stand-in model source (PVC `claim`) if it has none, for rendering only to
+    read its flags and field checks (admission, policies, P/D parity): where the weights come from
+    changes no flag, and a spec without a source is valid for planning (refused at deploy time).
+    Nothing rendered from it is applied. A spec with a source keeps it."""
+    if spec.model.source is not None:
+        return spec
+    stand_in = ModelSource(pvc=PVCSource(claim_name=claim))
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"source": stand_in})})
 
 
 # --- names and labels ------------------------------------------------------------------------
