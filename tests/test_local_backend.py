@@ -12,6 +12,8 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -199,26 +201,33 @@ def test_apply_blocked_plan_exits_3_and_starts_nothing(tmp_path: Path) -> None:
     assert not (state / "revisions").exists()
 
 
-def test_a_killed_worker_is_restarted_on_its_ports(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A Deployment replaces a dead pod; the local backend restarts a dead worker when it looks."""
-    spec = spec_of(tiny_body(str(tiny_model_dir)))
+@contextmanager
+def serving_tiny(tmp_path: Path, model_dir: Path) -> Iterator[tuple[LocalBackend, str]]:
+    """The tiny model's revision deployed by a local backend and ready; every process stopped after."""
+    spec = spec_of(tiny_body(str(model_dir)))
     revision = revision_of(spec)
     with LocalBackend(tmp_path / "state") as backend:
         try:
             backend.claim("tiny")
             backend.deploy(revision, spec, plan(spec))
             wait_ready(backend, revision)
-            decode = backend.state.revisions[revision].worker("decode-0")
-            port, pid = decode.port, decode.pid
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            wait_ready(backend, revision)
-            assert decode.port == port and decode.pid != pid and decode.restarts == 1
-            backend.scale(revision, 0)
-            assert backend.views()[revision].scaled_to_zero  # type: ignore[attr-defined]
-            assert all(w.pid is None for w in backend.state.revisions[revision].workers)
+            yield backend, revision
         finally:
             backend.stop_all()
+
+
+def test_a_killed_worker_is_restarted_on_its_ports(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A Deployment replaces a dead pod; the local backend restarts a dead worker when it looks."""
+    with serving_tiny(tmp_path, tiny_model_dir) as (backend, revision):
+        decode = backend.state.revisions[revision].worker("decode-0")
+        port, pid = decode.port, decode.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_ready(backend, revision)
+        assert decode.port == port and decode.pid != pid and decode.restarts == 1
+        backend.scale(revision, 0)
+        assert backend.views()[revision].scaled_to_zero  # type: ignore[attr-defined]
+        assert all(w.pid is None for w in backend.state.revisions[revision].workers)
 
 
 def test_a_revision_taken_out_of_traffic_finishes_its_streams_before_it_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -226,39 +235,31 @@ def test_a_revision_taken_out_of_traffic_finishes_its_streams_before_it_stops(tm
     still streaming broke with 502. Deleting (or scaling to zero) a revision now stops its router
     first with SIGTERM: it takes no new request and finishes those it has, whose prefill and decode
     still serve them (servers.Drain); only then do the workers stop."""
-    spec = spec_of(tiny_body(str(tiny_model_dir)))
-    revision = revision_of(spec)
-    with LocalBackend(tmp_path / "state") as backend:
-        try:
-            backend.claim("tiny")
-            backend.deploy(revision, spec, plan(spec))
-            wait_ready(backend, revision)
-            base = f"http://127.0.0.1:{backend.state.revisions[revision].worker('router').port}/v1"
-            url, model = f"{base}/completions", requests.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
-            lines: list[bytes] = []
-            first = threading.Event()
+    with serving_tiny(tmp_path, tiny_model_dir) as (backend, revision):
+        base = f"http://127.0.0.1:{backend.state.revisions[revision].worker('router').port}/v1"
+        url, model = f"{base}/completions", requests.get(f"{base}/models", timeout=30).json()["data"][0]["id"]
+        lines: list[bytes] = []
+        first = threading.Event()
 
-            def stream() -> None:
-                body = {"model": model, "prompt": "a long answer", "max_tokens": 800, "ignore_eos": True, "stream": True}
-                with requests.post(url, json=body, stream=True, timeout=120) as response:
-                    for line in response.iter_lines():
-                        if line:
-                            lines.append(line)
-                            first.set()
+        def stream() -> None:
+            body = {"model": model, "prompt": "a long answer", "max_tokens": 800, "ignore_eos": True, "stream": True}
+            with requests.post(url, json=body, stream=True, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
 
-            reader = threading.Thread(target=stream)
-            reader.start()
-            assert first.wait(120), "the stream's first chunk"
-            backend.delete(revision)
-            reader.join(120)
-            assert lines[-1] == b"data: [DONE]" and not any(b'"error"' in line for line in lines)
-            finish = json.loads(lines[-2].removeprefix(b"data: "))["choices"][0]["finish_reason"]
-            assert finish == "length" and len(lines) > 2
-            assert revision not in backend.state.revisions
-            with pytest.raises(requests.ConnectionError):  # stopped once its streams were done
-                requests.post(url, json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=5)
-        finally:
-            backend.stop_all()
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(120), "the stream's first chunk"
+        backend.delete(revision)
+        reader.join(120)
+        assert lines[-1] == b"data: [DONE]" and not any(b'"error"' in line for line in lines)
+        finish = json.loads(lines[-2].removeprefix(b"data: "))["choices"][0]["finish_reason"]
+        assert finish == "length" and len(lines) > 2
+        assert revision not in backend.state.revisions
+        with pytest.raises(requests.ConnectionError):  # stopped once its streams were done
+            requests.post(url, json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=5)
 
 
 def wait_ready(backend: LocalBackend, revision: str, timeout_s: float = 180.0) -> None:

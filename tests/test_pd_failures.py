@@ -416,12 +416,13 @@ def test_soak_with_random_aborts_every_output_equals_its_solo_reference(tiny_mod
 
 def test_sigterm_stops_a_prefill_whose_requests_wait_for_tickets_within_the_grace(tiny_model_dir: Path) -> None:
     """Decode's pool holds 4 of these requests; prefill computes the rest ahead and waits for their
-    tickets. SIGTERM must still stop prefill within its grace (servers.DRAIN_GRACE_S to finish what
+    tickets. SIGTERM must still stop prefill within its grace (--drain-timeout to finish what
     it holds, then SHUTDOWN_GRACE_S), not aiohttp's 60 s: past a pod's 30 s termination grace it
     would be SIGKILLed."""
-    from kvguard.workers.servers import DRAIN_GRACE_S, SHUTDOWN_GRACE_S
+    from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S
+    from kvguard.workers.servers import SHUTDOWN_GRACE_S
 
-    assert DRAIN_GRACE_S + SHUTDOWN_GRACE_S <= 20  # leaves a pod's default 30 s room to exit
+    assert DEFAULT_DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S <= 20  # leaves a pod's default 30 s room to exit
 
     with deployment(tiny_model_dir, kv_pool_tokens=4096, context_length=1024) as d:
         with cf.ThreadPoolExecutor(6) as pool:

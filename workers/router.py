@@ -397,11 +397,10 @@ class Router:
         self._channels: dict[str, ChannelReader] = {}
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
         self.session: aiohttp.ClientSession | None = None
-        self.in_flight = 0
-        """Requests being answered (servers.Drain waits for none)."""
         self.draining = False
         self._handlers: set[asyncio.Task[web.StreamResponse]] = set()
-        """The tasks answering them (`end_in_flight` ends those left when a drain's grace is over)."""
+        """The tasks answering requests: what a draining router finishes (servers.Drain waits for
+        none), and `end_in_flight` ends when the drain's grace is over."""
         self._cut: set[asyncio.Task[web.StreamResponse]] = set()
 
     @property
@@ -562,6 +561,11 @@ class Router:
             response.force_close()
         return response
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being answered."""
+        return len(self._handlers)
+
     def start_draining(self) -> None:
         """SIGTERM (servers.Drain): no new requests reach this router; /health says so."""
         self.draining = True
@@ -577,7 +581,6 @@ class Router:
             await asyncio.wait(self._cut, timeout=wait_s)
 
     async def _serve(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
-        self.in_flight += 1  # what a draining router finishes before it stops (servers.Drain)
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
@@ -589,7 +592,6 @@ class Router:
             task.uncancel()
             return self._error_response(_SHUTTING_DOWN)
         finally:
-            self.in_flight -= 1
             self._handlers.discard(task)
 
     async def _answer(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:

@@ -87,10 +87,6 @@ class Served(NamedTuple):
 SHUTDOWN_GRACE_S = 5.0
 """How long a worker takes at most to stop once it stops serving: aiohttp waits its
 shutdown_timeout for the handlers, cancels them, then waits up to that again, so it gets half."""
-DRAIN_GRACE_S = DEFAULT_DRAIN_TIMEOUT_S
-"""On SIGTERM, how long a process goes on finishing the requests it already holds before it stops
-(`Drain`; `--drain-timeout`). With SHUTDOWN_GRACE_S after it, within a pod's default 30 s
-termination grace."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +112,7 @@ class Drain:
     expire: Callable[[], Awaitable[None]] | None = None
     """Called when it stops with requests still held: ends them, each with an error its client can
     read (the router's), before the server's shutdown closes their connections."""
-    grace_s: float = DRAIN_GRACE_S
+    grace_s: float = DEFAULT_DRAIN_TIMEOUT_S  # `--drain-timeout`
     poll_s: float = 0.05
 
     async def run(self, site: web.BaseSite, interrupted: asyncio.Event) -> None:

@@ -61,8 +61,8 @@ from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag,
 from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share
-from kvguard.workers.args import INHERITED_LISTENERS_ENV, WorkerArgs, reserve_port
-from kvguard.workers.servers import DRAIN_GRACE_S, SHUTDOWN_GRACE_S
+from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, INHERITED_LISTENERS_ENV, WorkerArgs, reserve_port
+from kvguard.workers.servers import SHUTDOWN_GRACE_S
 from kvguard.workers.splitter import SPLIT_FILE, SplitBackend, SplitTable, write_table
 
 log = logging.getLogger("kvguard.local")
@@ -483,7 +483,8 @@ class ProcessTable:
         router goes first and alone, so the requests it finishes still have their prefill and
         decode; those then hold nothing and stop at once."""
         routers = [w for w in workers if w.role == "router"]
-        for group, wait_s in ((routers, DRAIN_GRACE_S + SHUTDOWN_GRACE_S + timeout_s), ([w for w in workers if w not in routers], timeout_s)):
+        router_wait = DEFAULT_DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S + timeout_s  # the router's drain, then its shutdown
+        for group, wait_s in ((routers, router_wait), ([w for w in workers if w not in routers], timeout_s)):
             live = [w for w in group if self.alive(w)]
             for worker in live:
                 self._signal(worker, signal.SIGTERM)
