@@ -39,7 +39,7 @@ from kvguard.operator.api import (
 from kvguard.operator.engine_support import kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
-from kvguard.workers.args import WorkerArgs
+from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, WorkerArgs
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
@@ -570,6 +570,17 @@ def _resources(spec: InferenceModelSpec, role: Role) -> dict[str, Any]:
 
 _STARTUP_PERIOD_SECONDS = 10
 
+# A deleted pod is taken out of its Service's endpoints and signalled at the same time, and an
+# HTTPRoute's weight change takes seconds to reach the gateway: a router that closed its listener
+# on SIGTERM at once would refuse connections still sent to it. The preStop hook keeps it serving
+# this long first, then SIGTERM starts its drain (`--drain-timeout`, servers.Drain). An exec of
+# `sleep` (every engine image has it) rather than the `sleep` handler, which API servers before
+# 1.30 refuse as a handler-less hook; where an image lacks it, the kubelet goes on to SIGTERM.
+PRESTOP_SLEEP_SECONDS = 5
+# The kubelet's budget covers the preStop sleep, the drain and the shutdown after it, with room.
+TERMINATION_GRACE_SECONDS = PRESTOP_SLEEP_SECONDS + int(DEFAULT_DRAIN_TIMEOUT_S) + 15
+_LIFECYCLE = {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}}
+
 
 def _probes(path: str, port: str) -> dict[str, Any]:
     get = {"httpGet": {"path": path, "port": port}}
@@ -626,6 +637,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         "ports": adapter.container_ports(ctx),
         "volumeMounts": mounts,
         "securityContext": RESTRICTED_CONTAINER_SECURITY,
+        "lifecycle": _LIFECYCLE,
         **_probes(adapter.health_path(ctx.role), adapter.probe_port()),
     }
     resources = _resources(spec, ctx.role)
@@ -638,6 +650,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # engines never call the API server
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,

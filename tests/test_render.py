@@ -91,6 +91,30 @@ def test_kvguard_worker_flags_and_restricted_pods() -> None:
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "u"
 
 
+@pytest.mark.parametrize("engine", ["kvguard", "sglang", "vllm"])
+def test_retiring_pods_keep_serving_until_the_route_moves_then_drain_within_their_grace(engine: str) -> None:
+    """A deleted pod leaves its endpoints while it is signalled, and an HTTPRoute's weight change
+    takes seconds to reach the gateway: every engine's container sleeps in preStop before SIGTERM,
+    and the pod's grace covers that sleep, the kvguard worker's drain and its shutdown after it."""
+    from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S
+    from kvguard.workers.servers import SHUTDOWN_GRACE_S
+
+    hf = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
+    if engine == "kvguard":
+        pvc = {"pvc": {"claimName": "models", "path": "tiny"}}
+        m = model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"], "source": pvc})
+    else:
+        base = yaml.safe_load((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]
+        m = model("llama-3.1-8b-sglang-h100.yaml", engine={**base["engine"], "kind": engine, "image": f"{engine}:1", "routerImage": "router:1"}, model={**base["model"], "source": hf})
+    deployments = [o for o in objects(m).values() if o["kind"] == "Deployment"]
+    assert deployments
+    for obj in deployments:
+        pod = obj["spec"]["template"]["spec"]
+        sleep = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep[0] == "sleep" and int(sleep[1]) >= 5
+        assert pod["terminationGracePeriodSeconds"] > int(sleep[1]) + DEFAULT_DRAIN_TIMEOUT_S + SHUTDOWN_GRACE_S
+
+
 def test_kvguard_commands_are_accepted_by_our_own_worker_cli() -> None:
     """The render/CLI contract: every rendered kvguard command parses with `kvguard worker`, binds
     all interfaces, and decode advertises its pod IP (from the downward API) for KV transfer."""
