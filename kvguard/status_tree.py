@@ -113,6 +113,9 @@ def _continuous(continuous: Mapping[str, Any]) -> Node:
     if isinstance(pin, Mapping):
         children.append(Node(f"rolled back to {_short(pin.get('toRevision'))} (from {_short(pin.get('fromRevision'))} at {pin.get('at', '?')}),"
                              " held until the spec's revision changes"))  # fmt: skip
+    failed = continuous.get("failedRevisions")
+    if isinstance(failed, list) and failed:
+        children.append(Node(f"failed before (never rolled back to): {', '.join(_short(r) for r in failed)}"))
     return Node(text, children)
 
 

@@ -5,7 +5,8 @@ and safety counters (`CanarySpec.for_continuous`) against the stable revision wh
 rests (Stable), so a revision that starts leaking without any spec change is caught. Each pass of
 reconcile calls `step` (level-based: it looks only at the status and the runner's last result):
 
-- not configured, or no resting stable revision: nothing (status.continuous cleared);
+- not configured, or no resting stable revision: nothing (status.continuous cleared, but for a pin
+  that still holds and the revisions that failed, which a rollout after a spec change keeps);
 - a finished run of the current schedule: recorded in status.continuous.lastRun, the next one
   scheduled; a failure raises `Degraded` (ContinuousCanaryFailed) and a Warning Event, and with
   `action: rollback` pins the newest kept previous revision in status.continuous.rollback: reconcile
@@ -135,7 +136,11 @@ def step(
     `kept`: previous stable revisions still kept (newest first); `target`: the spec's revision."""
     pinned = previous is not None and rollback_pin(previous, target) is not None
     if spec.interval_seconds is None or stable is None or not resting:
-        return ContinuousDecision(previous if pinned and spec.interval_seconds is not None else None)  # the pin outlives the rollback
+        # Mid-rollout the rollout's own canary runs. The pin outlives the rollback's rollout, and
+        # the failed revisions outlive a spec change: the next stable's rollback must not go to one.
+        if spec.interval_seconds is None or previous is None or not (pinned or previous.failed_revisions):
+            return ContinuousDecision(None)
+        return ContinuousDecision(previous if pinned else previous.model_copy(update={"rollback": None}))  # a void pin goes
     interval = spec.interval_seconds
     current = previous
     if current is None or current.revision != stable or current.interval_seconds != interval or current.action != spec.action:

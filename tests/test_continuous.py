@@ -116,3 +116,24 @@ def test_a_third_failure_never_goes_back_to_a_revision_that_failed() -> None:
         status = failed.status
     assert status is not None and status.failed_revisions == ["r1", "r2", "r3"]
     assert rollback_pin(status, "r3") == "r1"  # nothing that has not failed is kept: the pin stays, alerting
+
+
+def test_failed_revisions_outlive_a_spec_change_and_its_rollout() -> None:
+    """Outside-probe follow-up: a rollout after a spec change dropped status.continuous (no pin held
+    it), and with it the failed revisions: the next stable's failure rolled back to one of them."""
+    schedule = step(ROLLBACK, None, "r2", True, None, False, [], T0, "r2").status
+    assert schedule is not None
+    now = T0 + dt.timedelta(seconds=90)
+    failed = step(ROLLBACK, schedule, "r2", True, CanaryResult("r2", schedule.next_run_at, "fail", "x", ("isolation",)), False,
+                  ["r1"], now, "r2").status  # fmt: skip
+    assert failed is not None and failed.failed_revisions == ["r2"]
+    rolling = step(ROLLBACK, failed, "r1", False, None, False, ["r2"], now, "r3")  # the spec moved on to r3: no pin
+    assert rolling.status is not None and rolling.status.failed_revisions == ["r2"]
+    assert rolling.status.rollback is None  # void once the spec moved on: not shown as holding
+    r3 = step(ROLLBACK, rolling.status, "r3", True, None, False, ["r2", "r1"], now, "r3").status
+    assert r3 is not None and r3.revision == "r3" and r3.rollback is None and r3.failed_revisions == ["r2"]
+    bad = step(ROLLBACK, r3, "r3", True, CanaryResult("r3", r3.next_run_at, "fail", "x", ("isolation",)), False, ["r2", "r1"],
+               now + dt.timedelta(seconds=120), "r3")  # fmt: skip
+    assert bad.rollback_to == "r1"  # not r2, newer but failed
+    off = ContinuousSpec()
+    assert step(off, failed, "r1", False, None, False, [], now, "r3").status is None  # switched off: nothing is kept
