@@ -101,6 +101,16 @@ async def test_a_server_that_refuses_n_is_checked_with_one_choice_per_prompt_and
     assert not any(m.startswith("prompt list not checked") for m in notes), notes
 
 
+@pytest.mark.parametrize("server", [Behaviour(fail_forks=True)], indirect=True)
+async def test_a_server_error_on_the_forked_prompt_list_fails_isolation(server: RunningServer) -> None:
+    """Every prompt alone is answered; the batch whose choices fork each prompt's KV ends in a 500
+    (ours: kv_tag_violation, a stale read caught). That was a note ("not checked"), and a PASS."""
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("prompt list: HTTP 500"), isolation.reason
+    assert "kv_tag_violation" in isolation.reason or any("kv_tag_violation" in str(e) for e in isolation.evidence)
+
+
 @pytest.mark.parametrize("server", [Behaviour(refuse_n=True, crossed_list=True)], indirect=True)
 async def test_crossed_rows_fail_on_a_server_that_refuses_n(server: RunningServer) -> None:
     isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)

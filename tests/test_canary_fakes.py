@@ -50,6 +50,7 @@ class Behaviour:
     # prompt's tokens (a fork that copied another sequence's KV); refuse_n: 400 for `n` > 1.
     crossed_forks: bool = False
     refuse_n: bool = False
+    fail_forks: bool = False  # 500 kv_tag_violation for a prompt list with `n` > 1 (a fork read a stale page)
     prompt_tokens_drift: bool = False  # usage.prompt_tokens grows by one per request (counted from others)
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
     serves_chat: bool = True  # False: no /v1/chat/completions route (HTTP 404), as on a completions-only server
@@ -153,6 +154,8 @@ class FakeEngine:
         if isinstance(prompt, list):
             if int(body.get("n") or 1) > 1 and self.b.refuse_n:
                 return self.error_response(400, "n must be 1 when using greedy sampling", "invalid_value")
+            if int(body.get("n") or 1) > 1 and self.b.fail_forks:
+                return self.error_response(500, "request r-1: KV page lease is stale (S1); request failed", "kv_tag_violation")
             return self._prompt_list(prompt, int(body.get("max_tokens") or 16), int(body.get("n") or 1))
         max_tokens = int(body.get("max_tokens") or 16)
         stream = bool(body.get("stream"))

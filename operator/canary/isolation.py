@@ -218,7 +218,8 @@ class IsolationProbe(Probe):
         CHOICES_PER_PROMPT: the server batches them by construction and forks each prompt's KV for
         its further choices; every choice of prompt i must be tenant i's answer alone (greedy: the
         choices of one prompt are the same answer). A server that refuses `n` > 1 is checked with
-        one choice each and noted; one that takes no lists (or no completions) is noted, not failed."""
+        one choice each and noted; one that takes no lists (or no completions) is noted, not failed;
+        one that answers the batch with a server error (twice) fails."""
         if len(prompts) < 2:
             return
         solos = [await ctx.solo(p, api="completions") for p in prompts]
@@ -227,6 +228,15 @@ class IsolationProbe(Probe):
             return
         n = CHOICES_PER_PROMPT
         batch, texts = await ctx.target.complete_list(prompts, max_tokens=ctx.spec.max_tokens, label="prompt list", n=n)
+        if not batch.ok and batch.status is not None and batch.status >= 500:  # once more: a blip is not a verdict
+            batch, texts = await ctx.target.complete_list(prompts, max_tokens=ctx.spec.max_tokens, label="prompt list", n=n)
+        if not batch.ok and batch.status is not None and batch.status >= 500:
+            # Each prompt alone was answered: a server error on the batch is its batched, forked path
+            # failing (ours answers 500 kv_tag_violation when a read is caught on a stale page, S1).
+            problems.append(f"{batch.describe_failure()} (n: {n}), twice, although each prompt alone was answered: "
+                            "the server fails them batched, each prompt's KV forked")  # fmt: skip
+            evidence.append(batch.evidence())
+            return
         if not batch.ok and batch.status is not None and 400 <= batch.status < 500:
             evidence.append(Note(message=f"n: {n} not checked: {batch.describe_failure()}"))
             n = 1
