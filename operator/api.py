@@ -767,10 +767,21 @@ DEFAULT_PROGRESS_DEADLINE_SECONDS = STARTUP_PROBE_SECONDS + 600
 
 # --- Progressive delivery: traffic in steps, analysis on live traffic (spec.rollout.*) ------------
 
-DURATION_PATTERN = r"^([0-9]+|([0-9]+h)?([0-9]+m)?([0-9]+s)?)$"
-"""Seconds as an integer, or a duration such as `90s`, `2m`, `1h30m` (the CRD carries the same pattern)."""
-_DURATION_RE = re.compile(r"^\s*(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?\s*$")
+DURATION_PATTERN = r"^([0-9]+|[0-9]+h([0-9]+m)?([0-9]+s)?|[0-9]+m([0-9]+s)?|[0-9]+s)$"
+"""Seconds as an integer, or a duration such as `90s`, `2m`, `1h30m`: ASCII digits, at least one
+part, no spaces (the CRD carries the same pattern, and the webhook parses no more than it admits)."""
+_DURATION_RE = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 MAX_DURATION_SECONDS = 7 * 24 * 3600
+_DURATION_MAX_LENGTH = 32  # bounds the CEL rules' cost (an unbounded string is costed at the request's size)
+# The API server's side of parse_duration_seconds' range (the pattern checks the form). Go's
+# duration() reads every form the pattern admits but the bare number of seconds.
+_DURATION_RANGE_RULE = {
+    "rule": f"type(self) == int ? (self >= 0 && self <= {MAX_DURATION_SECONDS}) : (self.matches('^[0-9]+$') ? "
+            f"int(self) <= {MAX_DURATION_SECONDS} : duration(self) <= duration('{MAX_DURATION_SECONDS}s'))",
+    "message": f"must be between 0 and {MAX_DURATION_SECONDS} seconds (7 days)",
+}  # fmt: skip
+# A zero duration in any form: `0`, `"00"`, `"0m"`, `"0h0m0s"` (the pattern holds already).
+_ZERO_DURATION_CEL = "(type({0}) == int ? {0} == 0 : {0}.matches('^[0hms]+$'))"
 
 
 def parse_duration_seconds(value: Any) -> int:
@@ -781,10 +792,10 @@ def parse_duration_seconds(value: Any) -> int:
         value = int(value)
     if isinstance(value, int):
         seconds = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        seconds = int(value)
-    elif isinstance(value, str) and value.strip() and (match := _DURATION_RE.match(value)):
-        hours, minutes, secs = (int(g) if g else 0 for g in match.groups())
+    elif isinstance(value, str) and len(value) <= _DURATION_MAX_LENGTH and re.fullmatch(DURATION_PATTERN, value):
+        match = _DURATION_RE.fullmatch(value)
+        parts = (int(g) if g else 0 for g in match.groups()) if match else (0, 0, int(value))
+        hours, minutes, secs = parts
         seconds = hours * 3600 + minutes * 60 + secs
     else:
         raise ValueError(f"{value!r} is not a duration (examples: 30, 30s, 2m, 1h30m)")
@@ -802,6 +813,8 @@ DurationSeconds = Annotated[
             "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}],
             "x-kubernetes-int-or-string": True,
             "pattern": DURATION_PATTERN,
+            "maxLength": _DURATION_MAX_LENGTH,
+            "x-kubernetes-validations": [_DURATION_RANGE_RULE],
             "description": "Seconds, as an integer or a duration such as 30s, 2m or 1h30m.",
         }
     ),
@@ -994,7 +1007,7 @@ _ROLLOUT_RULES: list[dict[str, str]] = [
     {"rule": "!has(self.steps) || size(self.steps) == 0 || self.steps[size(self.steps) - 1].weight == 100",
      "message": "spec.rollout.steps: the last step must send 100% of the traffic to the candidate"},
     {"rule": f"{_SPLITTING_ROUTERS} || ((!has(self.bakeSeconds) || self.bakeSeconds == 0) "
-             "&& (!has(self.steps) || self.steps.all(s, !has(s.pause) || s.pause == 0 || s.pause == '0' || s.pause == '0s')))",
+             f"&& (!has(self.steps) || self.steps.all(s, !has(s.pause) || {_ZERO_DURATION_CEL.format('s.pause')})))",
      "message": "spec.rollout.bakeSeconds / steps[].pause: the analysis runs on the candidate's share of live traffic, "
                 "which trafficRouter service cannot give it; use trafficRouter gatewayAPI or inferencePool"},
 ]  # fmt: skip

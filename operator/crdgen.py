@@ -111,7 +111,7 @@ def _convert(node: Any, defs: dict[str, Any]) -> Any:
             continue
         out[key] = _convert(value, defs) if key in _SCHEMA_KEYS else value
     if node.get("x-kubernetes-int-or-string"):
-        kept = {k: out[k] for k in ("description", "default", "pattern") if k in out}
+        kept = {k: out[k] for k in ("description", "default", "pattern", "maxLength", "x-kubernetes-validations") if k in out}
         return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}], **kept}
     if "properties" in out or "additionalProperties" in out:
         out.setdefault("type", "object")

@@ -89,6 +89,30 @@ def test_bad_durations_are_refused(text: object) -> None:
         parse_duration_seconds(text)
 
 
+PAUSES = [0, "0", "00", "0s", "0m", "0h", "0h0m0s", "90", "90s", "2m", "1h30m", "168h", 604800, 604801, "604801", "169h",
+          -1, "", " 0", "0 ", "1h 30m", "1d", "\u0663", "h", "99999999999999999999999h", "9" * 40]  # fmt: skip
+
+
+@pytest.mark.parametrize("router", ["service", "gatewayAPI"])
+@pytest.mark.parametrize("pause", PAUSES, ids=repr)
+def test_the_webhook_and_the_crd_agree_on_every_pause(router: str, pause: object) -> None:
+    """Outside probe: `"0m"`/`"0h0m0s"` (no pause) were refused by the CRD's service rule, which
+    knew only 0, "0" and "0s"; " 0" passed the webhook and not the pattern, "" the pattern and not
+    the webhook; -1 and 604801 passed the CRD's integer branch. One verdict now, either way in."""
+    steps = [{"weight": 100, "pause": pause}] if router == "service" else [{"weight": 10, "pause": pause}, {"weight": 100}]
+    gateway = {"gateway": example()["spec"]["rollout"]["gateway"]} if router != "service" else {}
+    body = with_rollout(trafficRouter=router, steps=steps, **gateway)
+    try:
+        InferenceModel.model_validate(body)
+        webhook_admits = True
+    except ValidationError:
+        webhook_admits = False
+    crd_admits = refused_by_crd(body) == []
+    assert webhook_admits == crd_admits, (refused_by_crd(body), webhook_admits)
+    if pause in (0, "0", "00", "0s", "0m", "0h", "0h0m0s") or (router != "service" and pause in ("90s", "1h30m", 604800)):
+        assert webhook_admits  # (through a service: no pause at all, in any of its forms)
+
+
 def test_steps_through_a_service_are_refused_by_field() -> None:
     """A Service selects one revision: it cannot split, so steps are refused with the reason."""
     body = with_rollout(steps=[{"weight": 10}, {"weight": 100}])
