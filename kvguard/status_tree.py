@@ -12,15 +12,17 @@
     │   └── pod ...
     └── revision 9b7e01  Superseded
 
-Everything is read defensively (`Mapping.get`): a status written by an older or newer operator
-still renders, showing what it has. The traffic step, weight and analysis results are shown when
+Everything is read defensively: a status written by an older or newer operator still renders,
+showing what it has; a top-level field of another type is left out, and a section that cannot be
+read says so in its place instead of failing the whole tree. The traffic step, weight and analysis results are shown when
 the status carries them (`status.rollout.step`, `.weight`, `.analysis`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvguard.operator.pool_gate import PodPool
@@ -130,15 +132,38 @@ def pod_line(pool: PodPool) -> Node:
     return Node(text, [] if pool.verified else [Node(pool.message)])
 
 
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "phase": str, "message": str, "revision": str, "targetRevision": str,
+    "rollout": Mapping, "continuous": Mapping, "conditions": list, "history": list,
+}  # fmt: skip
+
+
+def well_formed(status: Any) -> dict[str, Any]:
+    """The status without the top-level fields this renderer reads that have another type (e.g.
+    `rollout: 5` from another version, or kmock, which checks no schema): left out, not guessed."""
+    if not isinstance(status, Mapping):
+        return {}
+    return {k: v for k, v in status.items() if k not in _FIELD_TYPES or isinstance(v, _FIELD_TYPES[k])}
+
+
+def _section(name: str, build: Callable[[], Node]) -> Node:
+    """One part of the tree; a part whose nested fields cannot be read says so in its place."""
+    try:
+        return build()
+    except (AttributeError, TypeError, ValueError) as exc:
+        return Node(f"{name}  unreadable here ({type(exc).__name__}: {exc})")
+
+
 def revision_order(status: Mapping[str, Any], also: Iterable[str] = ()) -> list[str]:
     """Stable first, then the target and the rollout's candidate, then history, then the rest."""
+    status = well_formed(status)
     rollout = status.get("rollout") or {}
     found = [status.get("revision"), status.get("targetRevision"), rollout.get("revision")]
     found += [h.get("revision") for h in status.get("history") or [] if isinstance(h, Mapping)]
     found += list(also)
     seen: list[str] = []
     for rev in found:
-        if rev and str(rev) not in seen:
+        if rev and isinstance(rev, str | int) and str(rev) not in seen:
             seen.append(str(rev))
     return seen
 
@@ -165,19 +190,19 @@ def status_tree(name: str, namespace: str, status: Mapping[str, Any], pools: Seq
     scrape locally); `serving`: the revision traffic goes to when known apart from the status;
     `notes`: a word per revision from the backend (e.g. `scaled to zero`); `steps`: how many traffic
     steps the spec has (the status names only the current one)."""
-    notes = notes or {}
+    notes, status = notes or {}, well_formed(status)
     head = (f"{name}  (namespace {namespace})  {status.get('phase') or 'Unknown'}  stable {_short(status.get('revision'))}"
             f"  target {_short(status.get('targetRevision'))}")  # fmt: skip
     if status.get("message"):
         head += f"  - {status['message']}"
-    children = [_conditions(status)]
-    if isinstance(status.get("rollout"), Mapping):
-        children.append(_rollout(status["rollout"], steps))
-    if isinstance(status.get("continuous"), Mapping):
-        children.append(_continuous(status["continuous"]))
+    children = [_section("conditions", lambda: _conditions(status))]
+    if "rollout" in status:
+        children.append(_section("rollout", lambda: _rollout(status["rollout"], steps)))
+    if "continuous" in status:
+        children.append(_section("continuous canary", lambda: _continuous(status["continuous"])))
     serving = serving or status.get("revision")
     for rev in revision_order(status, [*notes, *(p.revision for p in pools)]):
-        children.append(_revision(status, rev, serving, pools, notes.get(rev)))
+        children.append(_section(f"revision {rev}", partial(_revision, status, rev, serving, pools, notes.get(rev))))
     return Node(head, children)
 
 

@@ -1353,6 +1353,13 @@ def model_name_problem(name: str) -> str | None:
     return None
 
 
+def namespace_problem(namespace: str) -> str | None:
+    """Why a `--namespace` can name no namespace (a DNS-1123 label), None when it can."""
+    if re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
+        return None
+    return f"--namespace: must be a DNS-1123 label (at most 63 lowercase letters, digits and '-'), got {namespace[:80]!r}"
+
+
 class InferenceModel(ApiModel):
     """An LLM served behind kvguard's safety gates (namespaced, kind InferenceModel)."""
 

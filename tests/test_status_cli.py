@@ -180,6 +180,23 @@ def test_a_name_no_inferencemodel_can_have_is_bad_input(local: list[str], capsys
     assert "metadata.name: 'BAD_NAME!' must be lowercase letters" in capsys.readouterr().err
 
 
+def test_a_namespace_no_model_can_be_in_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: `-n Bad_NS` asked the cluster and said "not found" (3); `kvguard render` says 2."""
+    assert main(["status", "tiny", "-n", "Bad_NS"]) == 2
+    assert "--namespace: must be a DNS-1123 label" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status", [{"rollout": 5}, {"revision": {"a": 1}, "phase": ["x"], "history": 3, "conditions": "x"},
+                                    {"rollout": {"canary": {"durationSeconds": "x"}}}, {"continuous": {"lastRun": 3}}, "x"])  # fmt: skip
+def test_a_status_of_another_shape_renders_what_it_can(status: Any) -> None:
+    """Outside probe: `rollout: 5` (a status kmock, or another version, stored) ended in a traceback
+    and exit 1 ("cannot reach the cluster"); a mapping as the stable revision was printed as one."""
+    lines = render("tiny", "models", status, []).splitlines()
+    assert lines[0] == "tiny  (namespace models)  Unknown  stable -  target -"
+    assert all("{" not in line and "['x']" not in line for line in lines)
+    assert all(line.endswith(("conditions  ",)) or "unreadable here" in line or "rollout  ?" in line for line in lines[1:]), lines
+
+
 @pytest.mark.parametrize("interval", ["0", "-1", "nan", "inf", "1e308"])
 def test_an_interval_time_cannot_sleep_is_bad_input(interval: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Outside probe: nan, inf and 1e308 ended in a traceback (time.sleep raised), 0 and -1 in one line."""

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from kvguard.commands.plan import BadInput, _describe_errors, _read_manifest
-    from kvguard.operator.api import InferenceModel
+    from kvguard.operator.api import InferenceModel, namespace_problem
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.render import Owner, RenderError
     from kvguard.operator.revision import REVISION_LENGTH
@@ -51,9 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return _bad_input(f"--weight: must be 0..100, got {args.weight}")
     if args.weight is not None and args.revision is None:
         return _bad_input("--weight: needs --revision (the stable revision the spec's revision shares traffic with)")
-    if args.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
-        return _bad_input(f"--namespace: must be a DNS-1123 label (at most 63 lowercase letters, digits and '-'), "
-                          f"got {args.namespace[:80]!r}")  # fmt: skip
+    if args.namespace is not None and (problem := namespace_problem(args.namespace)) is not None:
+        return _bad_input(problem)
     if args.revision is not None and not re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", args.revision):
         return _bad_input(f"--revision: must be a revision id ({REVISION_LENGTH} lowercase hex characters, "
                           f"as `kvguard status` shows), got {args.revision[:80]!r}")  # fmt: skip

@@ -44,9 +44,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvguard.operator.api import model_name_problem
+    from kvguard.operator.api import model_name_problem, namespace_problem
 
-    if (problem := model_name_problem(args.name)) is not None:  # no InferenceModel can have it: say so, not 404
+    # No InferenceModel can have such a name or namespace: say so (bad input), not "not found".
+    problem = model_name_problem(args.name) or (namespace_problem(args.namespace) if args.namespace is not None else None)
+    if problem is not None:
         print(f"kvguard status: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if not 0 < args.interval <= MAX_INTERVAL_S:  # also NaN and inf (time.sleep raises on both)
