@@ -37,6 +37,7 @@ from kvguard.operator.api import (
     RolePlan,
     WorkerRole,
 )
+from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.planner import (
     PlanInputError,
     _role_problems,
@@ -294,12 +295,14 @@ def _merge_shards(changes: Changes) -> Changes:
 
 
 def _applied(spec: InferenceModelSpec, changes: Changes) -> InferenceModelSpec | None:
+    """The spec with `changes`, when it is one the planner and the spec's engine both take (a
+    tensor-parallel split passes the plan, but the kvguard engine runs one device per instance)."""
     try:
         candidate = apply_changes(spec, changes)
         check_spec(candidate)
     except (ValidationError, PlanInputError):
         return None
-    return candidate
+    return None if engine_problems(candidate) else candidate
 
 
 def _verified(spec: InferenceModelSpec, changes: Changes, message: str) -> PlanSuggestion | None:

@@ -393,6 +393,32 @@ def test_s7_every_suggestion_is_a_complete_change_that_passes_the_whole_spec(exa
         assert fixed.verdict == "pass", suggestion  # every role, not just the one the change names
 
 
+def test_kvguard_engine_suggestions_are_changes_the_engine_runs() -> None:
+    """Outside probe: for the kvguard engine on CUDA a blocked plan offered tensorParallel=4 and
+    pipelineParallel=3 as "changes that pass"; applied as printed, both were refused (exit 2: one
+    device per instance). Every suggestion is now also checked against the engine's own rules."""
+    from kvguard.operator.engine_support import engine_problems
+
+    spec = api.InferenceModelSpec.model_validate(yaml.safe_load("""
+        model:
+          name: meta-llama/Llama-3.1-8B-Instruct
+          architecture: {numLayers: 32, numAttentionHeads: 32, numKVHeads: 8, headDim: 128, hiddenSize: 4096, dtype: bf16,
+                         totalParameters: 8030261248, embeddingParameters: 1050673152, attentionParameters: 1342177280}
+        pageSize: 16
+        contextLength: 131072
+        engine: {kind: kvguard}
+        hardware: {device: cuda, memoryPerDevice: 24Gi}
+        roles: {prefill: {replicas: 1}, decode: {replicas: 1}}
+    """))  # fmt: skip
+    assert engine_problems(spec) == []
+    result = plan(spec)
+    assert result.verdict == "blocked" and result.suggestions
+    for suggestion in result.suggestions:
+        fixed = apply_suggestion(spec, suggestion)
+        assert engine_problems(fixed) == [], suggestion
+        assert plan(fixed).verdict == "pass", suggestion
+
+
 def test_incident_fixes_fix_both_roles_and_raise_the_prefill_cap_in_each() -> None:
     spec = example_spec("incident.yaml")
     result = plan(spec)
