@@ -165,8 +165,14 @@ MAX_PARALLEL = 65536
 """Bound of every parallel size: far beyond any real deployment, small enough that products of them
 stay within the API server's integers."""
 ParallelSize = Annotated[int, Field(gt=0, le=MAX_PARALLEL)]
-Image = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")]
-"""A container image reference: no whitespace (the API server refuses `" img:1 "`)."""
+# ASCII control characters (NUL above all: exec cannot pass it, so a pod holding one in its
+# command never starts, and the rollout would wait out its deadline) have no place in a value that
+# becomes a command-line argument, an image reference or a path. One class for RE2 and Rust regex.
+_CONTROL = r"\x00-\x1f\x7f"
+Image = Annotated[str, Field(min_length=1, max_length=1024, pattern=rf"^[^\s{_CONTROL}]+$")]
+"""A container image reference: no whitespace (the API server refuses `" img:1 "`), no control characters."""
+ArgValue = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
+"""One command-line argument, verbatim: anything but NUL, which no argv can carry."""
 
 _DECIMAL_SUFFIXES = {suffix: Decimal(f"1e{power}") for suffix, power in
                      {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}.items()}  # fmt: skip
@@ -354,12 +360,12 @@ class ModelArchitecture(ApiModel):
 
 # A path inside the model volume: no `..` segment (RE2 and ECMA both lack lookahead, so the segment
 # forms are spelled out: not starting with a dot, a dot and one more, or `..` and more).
-_PATH_SEGMENT = r"(?:[^./\n][^/\n]*|\.[^./\n][^/\n]*|\.\.[^/\n]+)"
-_VOLUME_PATH = rf"^/?$|^/?[^./\n][^/\n]*(?:/{_PATH_SEGMENT})*/?$"
+_PATH_SEGMENT = rf"(?:[^./{_CONTROL}][^/{_CONTROL}]*|\.[^./{_CONTROL}][^/{_CONTROL}]*|\.\.[^/{_CONTROL}]+)"
+_VOLUME_PATH = rf"^/?$|^/?[^./{_CONTROL}][^/{_CONTROL}]*(?:/{_PATH_SEGMENT})*/?$"
 # Both go onto the engine's command line as values (`--model-path ID --revision REV`): neither may
 # start with `-`, or it would be read as a flag (`huggingFace: --num-gpu-blocks-override=9`).
 _HF_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
-_REVISION = r"^$|^[^\s-][^\n]*$"
+_REVISION = rf"^$|^[^\s{_CONTROL}-][^{_CONTROL}]*$"
 
 
 class PVCSource(ApiModel):
@@ -414,9 +420,10 @@ class ConfigMapKeySelector(ApiModel):
 class ModelSpec(ApiModel):
     """Which model is served and what it looks like."""
 
-    name: str = Field(min_length=1, max_length=256, pattern=r"^[^\s-][^\s]*$")
+    name: str = Field(min_length=1, max_length=256, pattern=rf"^[^\s{_CONTROL}-][^\s{_CONTROL}]*$")
     """Model name clients send (usually the Hugging Face id, e.g. meta-llama/Llama-3.1-8B-Instruct):
-    at most 256 characters, no whitespace, not starting with `-` (it is a worker flag's value)."""
+    at most 256 characters, no whitespace or control characters, not starting with `-` (it is a
+    worker flag's value)."""
     architecture: ModelArchitecture | None = None
     """Shape of the model. Required for planning; `kvguard plan --hf-config` can supply it."""
     extra_draft_layers: NonNegativeInt = 0
@@ -489,9 +496,9 @@ class EngineSpec(ApiModel):
     """`kvguard` (our tagged engine), `sglang` or `vllm`."""
     image: Image | None = None
     """Container image; defaults to the kvguard worker image for `kvguard`."""
-    version: str | None = None
+    version: str | None = Field(default=None, max_length=256, pattern=rf"^[^{_CONTROL}]*$")
     """Engine version, recorded in status and used to pick version-specific defaults."""
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[ArgValue] = Field(default_factory=list)
     """Extra command-line arguments passed to every worker of the engine, verbatim."""
     router_image: Image | None = None
     """Image of the router. Default: the engine image (kvguard; SGLang images ship sglang_router);
@@ -674,7 +681,7 @@ class WorkerRole(PodPlacement):
     """Overrides spec.memoryFraction for this role."""
     kv_pool_tokens: PoolTokens | None = None
     """Overrides spec.kvPoolTokens for this role (`kvguard plan --kv-pool-tokens` replaces both)."""
-    extra_args: list[str] | None = None
+    extra_args: list[ArgValue] | None = None
     """Arguments for this role only, after engine.extraArgs (sglang and vllm). Prefill and decode
     must still agree on everything their KV exchange depends on (P/D parity, sglang#19398): model
     revision, KV dtype, page size, transfer backend, KV checksum and engine build."""

@@ -22,6 +22,7 @@ from crd_admission import (
     prune_unknown,
     rule_paths_exist,
 )
+from pydantic import ValidationError
 
 from kvguard.operator.api import InferenceModel, parse_byte_quantity
 from kvguard.operator.crdgen import _SPEC_RULES, all_files, inference_model_crd, inference_policy_crd
@@ -197,3 +198,30 @@ def test_the_models_refuse_what_these_rules_refuse_where_no_api_server_runs_them
     body, _, message = INVALID[name]
     with pytest.raises(ValueError, match=re.escape(message.removeprefix("metadata.name: ")[:20])):
         InferenceModel.model_validate(body)
+
+
+ARGV_FIELDS = [
+    (("model", "name"), "ti\x00ny"), (("model", "source", "pvc", "path"), "ti\x00ny"), (("model", "source", "revision"), "v\x001"),
+    (("engine", "version"), "1\n2"), (("engine", "image"), "img\x00:1"), (("engine", "routerImage"), "r\x01:1"),
+    (("engine", "extraArgs"), ["--header-timeout=a\x00b"]), (("roles", "decode", "extraArgs"), ["a\x00"]),
+    (("roles", "decode", "image"), "img:\x7f"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("where", "value"), ARGV_FIELDS, ids=lambda v: ".".join(v) if isinstance(v, tuple) else repr(v))
+def test_control_characters_bound_for_a_command_line_are_refused_by_field_both_ways(where: tuple[str, ...], value: Any) -> None:
+    """Outside probe: a NUL in model.name, a pvc path, the revision, an image or an extra argument
+    was admitted and rendered into the pod's command, which exec cannot start: the rollout would
+    wait out its deadline. The webhook (the model) and the CRD (its patterns) both refuse it now."""
+    body = full()
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}, "revision": "main"}
+    admitted(copy.deepcopy(body))
+    node = body["spec"]
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = value
+    with pytest.raises(ValidationError) as refused:
+        InferenceModel.model_validate(body)
+    assert ".".join(str(p) for p in refused.value.errors()[0]["loc"]).startswith("spec." + ".".join(where))
+    _, rejections = admit(copy.deepcopy(body), CRDS["InferenceModel"])
+    assert any(r.path.startswith("spec." + ".".join(where)) for r in rejections), rejections
