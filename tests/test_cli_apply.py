@@ -155,6 +155,34 @@ class Story:
         return {w["name"]: w["pid"] for w in self.state()["revisions"][revision]["workers"]}
 
 
+class _Traffic:
+    """A client sending one short completion after another to the model's URL in a thread, from
+    `with` until its end: (status, x-kvguard-revision) of every answer, errors included."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.answers, self._stop = url, list[tuple[int, str | None]](), threading.Event()
+        self._thread = threading.Thread(target=self._send, daemon=True)
+
+    def _send(self) -> None:
+        body = {"model": "kvguard/tiny-random", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        while not self._stop.is_set():
+            try:
+                answer = requests.post(f"{self.url}/completions", json=body, timeout=30)
+                self.answers.append((answer.status_code, answer.headers.get("x-kvguard-revision")))
+            except requests.RequestException as exc:
+                self.answers.append((0, type(exc).__name__))
+
+    def __enter__(self) -> _Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def story(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Story]:
     story = Story(tmp_path_factory.mktemp("apply-cli"), tiny_model_dir)
@@ -210,8 +238,10 @@ def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Sto
     report = (story.state_dir / "revisions" / revision / "canary.json").read_text()
     body = copy.deepcopy(story.body)
     body["spec"]["roles"]["decode"]["replicas"] = 2
-    done = story.apply(body)
+    with _Traffic(url) as traffic:  # a user all through the resize: never an error
+        done = story.apply(body)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert traffic.answers and set(traffic.answers) == {(200, revision)}, traffic.answers
     out = lines(done.stdout)
     assert any("spec replicas changed (decode 1 -> 2): resizing it in place" in line for line in out), done.stdout
     assert f"revision {revision} resized in place (decode 1 -> 2 processes), every worker ready" in out
@@ -225,7 +255,10 @@ def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Sto
     router = next(w for w in state["revisions"][revision]["workers"] if w["name"] == "router")
     assert sum(1 for arg in router["argv"] if arg == "--decode") == 2
     assert out[-1] == f"serving: {url}" and story.serving_url() == url
-    assert story.api_base(revision) == router_url  # the router restarted on its port
+    # A new router on new ports took over once ready; the old one drained and stopped.
+    assert story.api_base(revision) != router_url and state["revisions"][revision]["retiring"] == []
+    assert json.loads((story.state_dir / "split.json").read_text())["backends"][0]["url"] == story.api_base(revision).removesuffix("/v1")
+    assert not Path(f"/proc/{before['router']}").exists() or "kvguard" not in Path(f"/proc/{before['router']}/cmdline").read_text()
     story.body = body
     # Down to no decode worker in place: refused by field (it crashed the router's start), nothing changes.
     emptied = copy.deepcopy(body)
@@ -233,6 +266,16 @@ def test_a_replicas_only_change_resizes_the_serving_revision_in_place(story: Sto
     refused = story.apply(emptied)
     assert refused.returncode == 2 and "spec.roles.decode.replicas: 0 would leave the serving revision" in refused.stderr
     assert "Traceback" not in refused.stderr and story.pids(revision) == after
+    # Back down to one: decode-1 serves the old router's requests until the new router takes over.
+    story.body = copy.deepcopy(body)
+    story.body["spec"]["roles"]["decode"]["replicas"] = 1
+    with _Traffic(url) as traffic:
+        shrunk = story.apply(story.body)
+    assert shrunk.returncode == 0 and f"revision {revision} resized in place (decode 2 -> 1 processes), every worker ready" in \
+        lines(shrunk.stdout), shrunk.stdout + shrunk.stderr
+    assert traffic.answers and set(traffic.answers) == {(200, revision)}, traffic.answers
+    assert set(story.pids(revision)) == {"prefill-0", "decode-0", "router"} and story.state()["revisions"][revision]["retiring"] == []
+    assert not Path(f"/proc/{after['decode-1']}/cmdline").exists() or "kvguard" not in Path(f"/proc/{after['decode-1']}/cmdline").read_text()
 
 
 @pytest.mark.slow

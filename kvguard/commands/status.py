@@ -201,8 +201,8 @@ def _front_door(state: Any, processes: Any, splitter_down: bool) -> str | None:
     if splitter_down:
         down.append(f"the splitter (port {state.splitter.port}, the model's URL) is not running")
     record = state.revisions.get(state.serving) if state.serving else None
-    if record is not None and not record.scaled_to_zero and not processes.alive(record.router):
-        down.append(f"revision {state.serving}'s router (port {record.router.port}) is not running")
+    if record is not None and not record.scaled_to_zero and not processes.alive(record.front):
+        down.append(f"revision {state.serving}'s router (port {record.front.port}) is not running")
     return "; ".join(down) + "; the next `kvguard apply` restarts it" if down else None
 
 

@@ -144,6 +144,12 @@ class LocalRevision(_StateModel):
     """The revision's own pool requirement (spec.contextLength, spec.minKVRatio when it was
     created): its workers are judged by it, as a pod by its annotations (local_gate.py). None in
     folders written before it was recorded."""
+    retiring: list[LocalWorker] = Field(default_factory=list)
+    """After a resize: the router the split still names and the workers only it relays to. They
+    serve until the new router is ready, then drain and stop (`LocalBackend._hand_over`), as a
+    rolling update's old pods do after the new ones are ready."""
+    handed_over: bool = False
+    """The split names the new router; what `retiring` holds is being stopped."""
 
     def requirement(self) -> PoolRequirement | None:
         if self.context_length is None or self.min_kv_ratio is None:
@@ -158,8 +164,17 @@ class LocalRevision(_StateModel):
         return self.worker("router")
 
     @property
+    def front(self) -> LocalWorker:
+        """The router that takes this revision's traffic: the retiring one until the hand-over."""
+        retiring = next((w for w in self.retiring if w.role == "router"), None)
+        return retiring if retiring is not None and not self.handed_over else self.router
+
+    @property
     def api_base(self) -> str:
-        return f"{self.router.url}/v1"
+        return f"{self.front.url}/v1"
+
+    def processes(self) -> list[LocalWorker]:
+        return [*self.workers, *self.retiring]
 
     def engine_workers(self) -> list[LocalWorker]:
         return [w for w in self.workers if w.role in ("prefill", "decode")]
@@ -660,9 +675,13 @@ class LocalBackend:
 
     def _resize(self, record: LocalRevision, spec: InferenceModelSpec, kv_plan: KVPlan, scale: Scale) -> None:
         """Grow or shrink a revision to `scale` (canary or full replicas, as the spec sets them now).
-        Like a Deployment's scale, running workers keep their processes and ports; only the router
-        restarts, because its worker list changed."""
+        Like a Deployment's scale, running workers keep their processes and ports. The router's
+        worker list changes, so a new router starts on new ports beside the old one, which keeps
+        the traffic (and the workers a shrink removes) until the new one is ready (`_hand_over`):
+        restarted in place, it refused and 503'd requests for seconds."""
+        self._finish_hand_over(record)
         old = {w.name: w for w in record.workers}
+        router = old.pop("router")
         ports = allocate_ports(worker_names(spec, scale), self.ports, old)
         new = worker_argvs(spec, kv_plan, Path(record.model_dir), ports, scale, record.revision)
         for worker in new:
@@ -673,10 +692,39 @@ class LocalBackend:
                 worker.started_argv = previous.started_argv
                 worker.restart_at = previous.restart_at
                 del old[worker.name]
-        self.processes.stop(list(old.values()))
+        names = {w.name for w in new}
+        restarted = [w for w in old.values() if w.name in names]  # a new command on its own ports
+        removed = [w for w in old.values() if w.name not in names]
+        if record.retiring:  # resized again before the hand-over: the router in between never served
+            self.processes.stop([router, *restarted])
+            record.retiring += removed
+        else:
+            self.processes.stop(restarted)
+            record.retiring = [router, *removed]
         log.info("revision %s: %s scale, %d processes", record.revision, scale, len(new))
         record.workers, record.scale = new, scale
         self.save()
+
+    def _hand_over(self, record: LocalRevision) -> None:
+        """Once a resized revision's new router is ready, the split names it and the retiring
+        router drains (it finishes what it holds), then the workers only it relayed to stop."""
+        if not record.retiring or record.handed_over:
+            self._finish_hand_over(record)
+            return
+        if not (self.processes.alive(record.router) and healthy(record.router)):
+            return  # not ready after all: the next pass tries again
+        record.handed_over = True
+        self.save()
+        if record.revision in self.state.weights:
+            self._write_split(self.state.weights)
+        self._finish_hand_over(record)
+
+    def _finish_hand_over(self, record: LocalRevision) -> None:
+        """Stop what a hand-over retired (again, if a driver was stopped half-way through it)."""
+        if record.handed_over:
+            self.processes.stop(record.retiring)
+            record.retiring, record.handed_over = [], False
+            self.save()
 
     def _ensure_running(self, record: LocalRevision) -> None:
         env = worker_env(self.environ, self.store.transfer_key(record.revision), record.faults)
@@ -773,7 +821,7 @@ class LocalBackend:
 
     def _write_split(self, weights: Mapping[str, int]) -> None:
         """split.json (what the splitter follows from its next request on), then state.json."""
-        backends = tuple(SplitBackend(revision=r, url=self.state.revisions[r].router.url, weight=w)
+        backends = tuple(SplitBackend(revision=r, url=self.state.revisions[r].front.url, weight=w)
                          for r, w in weights.items() if r in self.state.revisions)  # fmt: skip
         self.store.root.mkdir(parents=True, exist_ok=True)
         write_table(self.store.root / SPLIT_FILE, SplitTable(backends=backends))
@@ -794,7 +842,8 @@ class LocalBackend:
         if replicas == 0:
             record.scaled_to_zero = True
             self.save()
-            self.processes.stop(record.workers)
+            self.processes.stop(record.processes())
+            record.retiring, record.handed_over = [], False
         else:
             record.scaled_to_zero = False
             self._ensure_running(record)
@@ -807,7 +856,7 @@ class LocalBackend:
         rest = {r: w for r, w in self.state.weights.items() if r != revision}
         if revision in self.state.weights and any(rest.values()):
             self._write_split(rest)  # the splitter stops naming it before it goes
-        self.processes.stop(record.workers)
+        self.processes.stop(record.processes())
         del self.state.revisions[revision]
         if self.state.serving == revision:
             self.state.serving = None
@@ -818,7 +867,8 @@ class LocalBackend:
         if self.state.splitter is not None:
             self.processes.stop([self.state.splitter])
         for record in self.state.revisions.values():
-            self.processes.stop(record.workers)
+            self.processes.stop(record.processes())
+            record.retiring, record.handed_over = [], False
             record.scaled_to_zero = True
         self.save()
 
@@ -854,6 +904,10 @@ class LocalBackend:
             if heal:
                 self._ensure_running(record)
             waiting = tuple(self._not_ready(w) for w in record.workers if not (self.processes.alive(w) and healthy(w)))
+            if heal and not waiting:  # every process ready: a resized revision's new router takes over
+                self._hand_over(record)
+            if record.retiring:  # not settled while the old router still takes the traffic
+                waiting += ("the router with the new worker list to take over",)
             views[revision] = RevisionView(
                 ready=not waiting, scaled_to_zero=False, worker_replicas=len(record.engine_workers()), waiting=waiting,
                 scale=record.scale,
@@ -901,8 +955,9 @@ class LocalBackend:
             return RevisionEndpoints(router_url=None)
         # Named as their pods are on a cluster (<model>-<revision>-<worker>): same status either way.
         workers = tuple(WorkerEndpoint(f"{model.name}-{revision}-{w.name}", w.role, w.metrics_url) for w in record.engine_workers())
-        router = WorkerEndpoint(f"{model.name}-{revision}-{record.router.name}", "router", record.router.metrics_url)
-        return RevisionEndpoints(router_url=record.router.url, workers=workers, routers=(router,))
+        front = record.front  # the router that takes its traffic (the retiring one, until a resize's hand-over)
+        router = WorkerEndpoint(f"{model.name}-{revision}-{record.router.name}", "router", front.metrics_url)
+        return RevisionEndpoints(router_url=front.url, workers=workers, routers=(router,))
 
     async def route_traffic(self, model: ModelRef, revision: str) -> None:
         self._check_model(model)

@@ -223,8 +223,8 @@ def _in_place_resize(backend: LocalBackend, spec: InferenceModelSpec, faults: st
                                 f"{' and '.join(emptied)} workers; it keeps serving as it is (scale it up, or `kvguard apply --delete`)")  # fmt: skip
     if resize:
         say(f"revision {backend.state.serving} serves; spec replicas changed ({describe_change(resize)}): resizing it in "
-            "place, as a Deployment scales (running workers keep their processes; the router restarts on its port "
-            "with the new worker list)")  # fmt: skip
+            "place, as a Deployment scales (running workers keep their processes; a router with the new worker list "
+            "takes the traffic once it is ready, and the old one finishes what it holds)")  # fmt: skip
     return resize
 
 
@@ -270,7 +270,7 @@ async def roll_out(
 
     async def suite(url: str, canary: object, **kwargs: object) -> CanaryReport:
         report = await run_suite(url, canary, progress=on_probe, **kwargs)  # type: ignore[arg-type]
-        revision = next((r for r, rec in backend.state.revisions.items() if rec.router.url == url.rstrip("/")), url)
+        revision = next((r for r, rec in backend.state.revisions.items() if rec.front.url == url.rstrip("/")), url)
         reports[revision] = report
         (backend.store.revision_dir(revision) / "canary.json").write_text(report.to_json())
         return report
