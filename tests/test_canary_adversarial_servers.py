@@ -371,6 +371,29 @@ async def test_tenants_served_each_others_cached_answer_fail_against_a_baseline(
         assert any("same numerics (baselineMatch exact)" in getattr(e, "message", "") for e in other.evidence), other.reason
 
 
+async def test_a_collision_on_one_endpoint_only_fails_against_a_baseline() -> None:
+    """Outside probe (a response cache keyed per endpoint on the prompt's first tokens, in front of
+    a healthy server): the tenants take turns over the paths, so their answers alone never
+    collided; only the prompt list's answers alone (all on completions) did, and each of its right
+    choices then "differed from its answer alone" -- a note, and a PASS."""
+    with RunningServer(Behaviour(prefix_cache_chars=100, cache_per_path=True)) as leaky, RunningServer(Behaviour()) as healthy:
+        canary = spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])
+        report = await run_suite(leaky.url, canary, baseline_url=healthy.url, metrics_urls=[leaky.metrics_url])
+        isolation = result(report, ProbeName.ISOLATION)
+        assert isolation.status == ProbeStatus.FAIL, isolation.reason
+        assert "got the same answer alone to different prompts, which the baseline answers differently" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(swap_concurrent=True, swap_same_path=True)], indirect=True)
+async def test_answers_swapped_within_one_endpoint_fail_isolation(server: RunningServer) -> None:
+    """Outside probe: concurrent requests on the same path exchanging answers (a batch's rows, or a
+    connection pool's responses, mixed up within one endpoint) passed: the only concurrent
+    requests were the tenants', one per path. They also run all on the main path now."""
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "not its own (outputs crossed between requests)" in isolation.reason
+
+
 @pytest.mark.parametrize("server", [Behaviour(swap_concurrent=True, cross_after=0.5),
                                     Behaviour(swap_concurrent=True, cross_after=0.75)], indirect=True)  # fmt: skip
 async def test_answers_crossed_part_way_fail_isolation(server: RunningServer) -> None:

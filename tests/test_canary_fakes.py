@@ -73,6 +73,11 @@ class Behaviour:
     # Answers cached by the prompt's first N characters: prompts sharing them get the first one's
     # answer (a prefix-cache hash collision).
     prefix_cache_chars: int | None = None
+    # ...keyed per path (endpoint and streaming) as a response cache in front of a server is, and
+    # never for a prompt list: the tenants, who take turns over the paths, never collide concurrently.
+    cache_per_path: bool = False
+    # With swap_concurrent, only requests in flight on the same path (endpoint and streaming) swap.
+    swap_same_path: bool = False
     reverse_chat_stream: bool = False  # streamed chat sends the tokens in reverse order
 
 
@@ -84,7 +89,7 @@ class FakeEngine:
         self.nonces_seen: list[str] = []
         self.calls = 0
         self.tag_violations = 0
-        self.in_flight: list[str] = []
+        self.in_flight: list[tuple[str, tuple[bool, bool]]] = []  # (prompt, its path: chat, stream)
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
         self.cached_prompts: dict[str, str] = {}  # prefix_cache_chars: start -> the prompt cached for it
         self.registry = CollectorRegistry()
@@ -122,11 +127,11 @@ class FakeEngine:
                                             if self.b.advertise_context else {})}]}
         )
 
-    def generate(self, prompt: str, max_tokens: int) -> list[str]:
+    def generate(self, prompt: str, max_tokens: int, path: tuple[bool, bool] | None = None, cache: bool = True) -> list[str]:
         if self.b.constant_text is not None:
             return self.b.constant_text.split()[:max_tokens]
-        if self.b.prefix_cache_chars is not None:
-            key = prompt[: self.b.prefix_cache_chars]
+        if self.b.prefix_cache_chars is not None and cache:
+            key = f"{path if self.b.cache_per_path else ''}|{prompt[: self.b.prefix_cache_chars]}"
             prompt = self.cached_prompts.setdefault(key, prompt)  # the first prompt with that start answers for all
         words = prompt.split() or [""]
         self.calls += 1
@@ -178,7 +183,7 @@ class FakeEngine:
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
 
     def _prompt_list(self, prompts: list[str], max_tokens: int, n: int) -> web.Response:
-        own = [self.generate(p, max_tokens) for p in prompts]
+        own = [self.generate(p, max_tokens, cache=not self.b.cache_per_path) for p in prompts]
         answers = [own[i] for i in range(len(prompts)) for _ in range(n)]  # choice k is prompt k // n's
         for k, answer in enumerate(answers):
             i, fork = divmod(k, n)
@@ -202,10 +207,10 @@ class FakeEngine:
         disconnected = False
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
-            tokens = self.generate(prompt, max_tokens)
-            if (other := await self._crossed(prompt)) != prompt:  # its own first token(s), then another's rows
+            tokens = self.generate(prompt, max_tokens, path=(chat, stream))
+            if (other := await self._crossed(prompt, (chat, stream))) != prompt:  # its own first token(s), then another's rows
                 kept = 1 if self.b.cross_after is None else max(1, int(len(tokens) * self.b.cross_after))
-                tokens = tokens[:kept] + self.generate(other, max_tokens)[kept:]
+                tokens = tokens[:kept] + self.generate(other, max_tokens, path=(chat, stream))[kept:]
             if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
                 tokens[0] = nonce
             if not stream:
@@ -220,24 +225,29 @@ class FakeEngine:
             else:
                 self._release(reserved)
 
-    async def _crossed(self, prompt: str) -> str:
+    async def _crossed(self, prompt: str, path: tuple[bool, bool]) -> str:
         """The prompt whose answer this request gets: its own, unless swap_concurrent and another
         request is in flight with it (requests sent together; one sent alone waits at most half a
         second for company, then keeps its own answer)."""
         if not self.b.swap_concurrent:
             return prompt
         async with self.arrivals:
-            self.in_flight.append(prompt)
+            me = (prompt, path)
+            self.in_flight.append(me)
             self.arrivals.notify_all()
             try:
                 async with asyncio.timeout(0.5):
-                    await self.arrivals.wait_for(lambda: len(self.in_flight) >= 2)
+                    await self.arrivals.wait_for(lambda: len(self._company(path)) >= 2)
             except TimeoutError:
                 pass
-            mine = self.in_flight.index(prompt)
-            other = self.in_flight[(mine + 1) % len(self.in_flight)]
-            self.in_flight.remove(prompt)
+            company = self._company(path)
+            other = company[(company.index(me) + 1) % len(company)][0]
+            self.in_flight.remove(me)
             return other
+
+    def _company(self, path: tuple[bool, bool]) -> list[tuple[str, tuple[bool, bool]]]:
+        """The requests in flight a swap may pair this one with."""
+        return [f for f in self.in_flight if not self.b.swap_same_path or f[1] == path]
 
     def _release(self, tokens: int) -> None:
         self.used_tokens -= tokens
