@@ -176,6 +176,10 @@ def test_the_504_for_a_hung_worker_does_not_wait_for_its_abort_to_be_acknowledge
         assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
         wait_for(lambda: metric(d, "decode", "kvguard_aborts_total", cause="timeout") == 1, "decode to count the abort")
         assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == 0
+        # Nor as decode's fault: the ticket a failed prefill leg no longer waited for was cancelled
+        # with it, and decode's bootstrap then read as "a second bootstrap" (outside probe).
+        for role in ("router", "decode"):
+            assert metric(d, role, "kvguard_aborts_total", cause="decode_failed") == 0, role
 
 
 def test_a_generation_that_keeps_producing_outlives_the_request_timeout(tiny_model_dir: Path) -> None:
@@ -215,6 +219,31 @@ def test_decode_counts_a_failed_prefill_by_its_cause_not_as_a_client_disconnect(
         wait_pools_empty(d, roles=("decode",))
         assert metric(d, "decode", "kvguard_aborts_total") >= 1
         assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == 0
+
+
+async def test_a_prefill_leg_that_fails_first_leaves_the_ticket_to_decode() -> None:
+    """Outside probe: right after prefill died (workers run apart), its leg failed before decode's
+    bootstrap; cancelling the leg's ticket delivery cancelled the ticket future itself, and the
+    bootstrap then read as "decode sent a second bootstrap": clients were told decode failed, and
+    router and decode counted `decode_failed`. The delivery waits on the ticket shielded now.
+    (The control client is a stand-in that refuses the connection, as a dead prefill's port does.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    import aiohttp
+
+    from kvguard.workers.protocol import PrefillRequest, SamplingParams
+    from kvguard.workers.router import Router
+
+    class Refused:
+        def post(self, *_: object, **__: object) -> None:
+            raise aiohttp.ClientConnectionError("connection refused")
+
+    ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    request = PrefillRequest(request_id="cmpl-x", prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2))
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await Router._prefill(SimpleNamespace(control=Refused(), http=None), "http://prefill", request, ticket)  # type: ignore[arg-type]
+    assert not ticket.done()  # decode's bootstrap can still set it: the prefill error is the one reported
 
 
 def test_decode_dying_mid_request_fails_the_client_and_frees_prefill_s4(tiny_model_dir: Path) -> None:

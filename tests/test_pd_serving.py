@@ -349,7 +349,7 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
     from kvguard.workers.args import bind_listener
 
     api, metrics, nobody = (bind_listener("127.0.0.1", 0) for _ in range(3))
-    port, unused = api.getsockname()[1], nobody.getsockname()[1]
+    port, unused, metrics_port = api.getsockname()[1], nobody.getsockname()[1], metrics.getsockname()[1]
     nobody.close()
     router = subprocess.Popen(
         [sys.executable, "-P", "-m", "kvguard", "worker", "--role", "router", "--model", str(tiny_model_dir),
@@ -372,6 +372,10 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
         assert health.status_code == 503 and health.json()["error"]["code"] == "not_ready"
         answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
+        # An ended request, failed: the analysis' error ratio sees an outage of a role (outside
+        # probe: 98% of clients failed while the router's counters said 29%).
+        text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        assert 'kvguard_requests_total{outcome="failed"} 1.0' in text, text
     finally:
         router.terminate()
         router.wait(10)

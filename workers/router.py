@@ -599,6 +599,10 @@ class Router:
             return self._error_response(_SHUTTING_DOWN)
         try:
             upstreams = self.upstreams  # not ready: 503 before anything else
+        except OpenAIError as err:  # ended, failed: the analysis' error ratio sees a router without workers
+            self.metrics.requests.labels("failed").inc()
+            return self._error_response(err)
+        try:
             request_id = self._claim_id(request, chat)
             body = await self._parse(request, kind)
             self._check_choices(body)  # before any tokenizing: a million one-word prompts is refused for free
@@ -944,7 +948,11 @@ class Router:
         (the handler task is cancelled, or the generator closed) -- both legs are aborted (S4), by a
         task appended to `ending` (`_end_legs`): the client's error does not wait for the workers.
         """
-        prefill, decode = self.upstreams.pair()
+        try:
+            prefill, decode = self.upstreams.pair()
+        except OpenAIError:  # no worker of a role to send it to: it ended, failed (the error ratio counts it)
+            self.metrics.requests.labels("failed").inc()
+            raise
         cause, outcome = "client_disconnect", "aborted"
         started = last_token = time.monotonic()
         tokens = 0
@@ -1101,7 +1109,9 @@ class Router:
                     raise await _upstream_error(resp)
 
         async def deliver() -> None:
-            delivery = TicketDelivery(request_id=request.request_id, ticket=await ticket)
+            # Shielded: cancelling this call (the leg failed first) must not cancel the ticket
+            # itself, or decode's bootstrap would then read as "a second bootstrap" (decode blamed).
+            delivery = TicketDelivery(request_id=request.request_id, ticket=await asyncio.shield(ticket))
             async with self.control.post(self.http, f"{url}/internal/ticket", delivery, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise await _upstream_error(resp)
