@@ -27,6 +27,7 @@ from kvguard.operator.api import InferenceModel
 from kvguard.operator.backends.local import (
     FAULTS_ENV,
     TRANSFER_KEY_ENV,
+    FrontDoorDown,
     LocalBackend,
     LocalBackendError,
     LocalWorker,
@@ -522,10 +523,31 @@ def test_the_models_url_is_not_called_serving_while_nothing_of_ours_answers_ther
                 squatter.bind(("127.0.0.1", splitter.port))
                 squatter.listen()
                 problem = backend.front_door_problem()
+                # Mid-rollout, writing a split: the front door's own error (apply: exit 1, not bad input)
+                with pytest.raises(FrontDoorDown, match="the model's URL, is taken by another process"):
+                    backend.split([])
             assert problem is not None and f"port {splitter.port}, the model's URL, is taken by another process" in problem
             assert not backend.processes.alive(splitter)  # not started into a port it cannot have
         finally:
             backend.processes.stop([splitter] if (splitter := backend.state.splitter) else [])
+
+
+def test_apply_says_not_serving_and_exits_1_when_the_front_door_fails_mid_rollout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:  # fmt: skip
+    """Outside probe: the splitter's port taken while a rollout wrote its split (resuming a shift)
+    exited 2, bad input, with no `not serving:` line; at rest the same exited 1, as documented."""
+    from kvguard.cli import main
+    from kvguard.operator.backends import local_rollout
+
+    async def front_door_down(*_: object, **__: object) -> None:
+        raise FrontDoorDown("port 1, the model's URL, is taken by another process (pid 2); free it")
+
+    monkeypatch.setattr(local_rollout, "roll_out", front_door_down)
+    manifest = tmp_path / "model.yaml"
+    manifest.write_text((Path(__file__).resolve().parent.parent / "examples" / "tiny-cpu.yaml").read_text())
+    assert main(["apply", "-f", str(manifest), "--local", "--state-dir", str(tmp_path / "state")]) == 1
+    assert "not serving: port 1, the model's URL, is taken by another process" in capsys.readouterr().out
 
 
 def test_a_state_file_kvguard_did_not_write_is_refused(tmp_path: Path) -> None:
@@ -572,3 +594,19 @@ def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: 
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_the_local_driver_runs_no_continuous_canary_and_says_so() -> None:
+    """Outside probe: `apply --local` recorded the continuous canary's schedule in the status, and
+    `kvguard status --local` showed it, though nothing runs it locally (the operator does)."""
+    from kvguard.operator.backends.local_rollout import _say_what_is_for_a_cluster, _without_continuous_canary
+    from kvguard.operator.revision import revision_of
+
+    body = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "tiny-cpu.yaml").read_text())
+    body["spec"]["canary"] = {"continuous": {"intervalSeconds": 60, "action": "rollback"}}
+    spec = InferenceModel.model_validate(body).spec
+    said: list[str] = []
+    _say_what_is_for_a_cluster(spec, said.append)
+    assert any(line.startswith("spec.canary.continuous: every 60 s is for a cluster") for line in said), said
+    local = _without_continuous_canary(spec)
+    assert local.canary.continuous.interval_seconds is None and revision_of(local) == revision_of(spec)

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
     from kvguard.interrupts import sigterm_as_interrupt  # SIGTERM stops a rollout as Ctrl-C does: one line, exit 130
-    from kvguard.operator.backends.local import LocalBackend, LocalBackendError
+    from kvguard.operator.backends.local import FrontDoorDown, LocalBackend, LocalBackendError
     from kvguard.operator.backends.local_rollout import roll_out
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.rollout import RolloutState
@@ -131,6 +131,9 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
                 )  # fmt: skip
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
+    except FrontDoorDown as exc:  # mid-rollout, writing the split: as when the rollout rests, exit 1
+        print(f"not serving: {exc}", flush=True)
+        return EXIT_ERROR
     except LocalBackendError as exc:
         return _bad_input(str(exc))
     except TimeoutError as exc:

@@ -83,6 +83,11 @@ class LocalBackendError(Exception):
     """A spec the local backend cannot run, or a state folder it cannot use; names the field."""
 
 
+class FrontDoorDown(LocalBackendError):
+    """The model's URL cannot be served now (its splitter's port taken, or the splitter not
+    starting): not the spec's fault, so not bad input (`kvguard apply` exits 1, `not serving:`)."""
+
+
 class UnreadableState(LocalBackendError):
     """state.json is not a state kvguard wrote, or no longer parses (truncated, edited)."""
 
@@ -788,7 +793,7 @@ class LocalBackend:
         deadline = time.monotonic() + SPLITTER_START_S
         while True:
             if wait and not self.processes.alive(splitter) and (holder := _port_taken(splitter.port)):
-                raise LocalBackendError(f"port {splitter.port}, the model's URL, is taken by another process ({holder}); "
+                raise FrontDoorDown(f"port {splitter.port}, the model's URL, is taken by another process ({holder}); "
                                         "free it, then run `kvguard apply` again")  # fmt: skip
             self._keep_running(splitter, env, self.store.root / SPLITTER_LOG, "splitter")
             alive = self.processes.alive(splitter)
@@ -804,7 +809,7 @@ class LocalBackend:
             if not alive:  # waiting out its CrashLoopBackOff (a splitter killed twice in a row), then started again
                 time.sleep(min(1.0, max(0.05, (splitter.restart_at or 0.0) - self.clock())))
         backing_off = f" (CrashLoopBackOff: died {splitter.deaths_in_a_row} times in a row)" if splitter.restart_at else ""
-        raise LocalBackendError(f"the splitter did not start listening on port {splitter.port} within "
+        raise FrontDoorDown(f"the splitter did not start listening on port {splitter.port} within "
                                 f"{SPLITTER_START_S:g} s{backing_off}; see {self.store.root / SPLITTER_LOG}")  # fmt: skip
 
     def front_door_problem(self) -> str | None:

@@ -206,9 +206,22 @@ def _say_what_is_for_a_cluster(spec: InferenceModelSpec, say: Say) -> None:
     if spec.roles.router.replicas > 1:
         say(f"spec.roles.router.replicas: {spec.roles.router.replicas} is for a cluster; locally each revision runs one "
             "router process (it holds no state a second one would share)")  # fmt: skip
+    if spec.canary.continuous.interval_seconds is not None:
+        say(f"spec.canary.continuous: every {spec.canary.continuous.interval_seconds} s is for a cluster, where the operator "
+            "runs it; `kvguard apply --local` exits once the rollout rests, so nothing runs it here (not recorded in the "
+            "status either; run `kvguard canary --url` against the serving URL instead)")  # fmt: skip
     if spec.rollout.traffic_router is not TrafficRouter.SERVICE:
         say(f"trafficRouter {spec.rollout.traffic_router.value}: locally the splitter in front of the revisions' routers "
             "carries the steps' weights (spec.rollout.gateway is for a cluster's Gateway and is not used here)")  # fmt: skip
+
+
+def _without_continuous_canary(spec: InferenceModelSpec) -> InferenceModelSpec:
+    """The spec as the local driver runs it: no continuous canary (its schedule in the status would
+    say a guard is active that nothing runs: an outside probe). Not part of the revision."""
+    if spec.canary.continuous.interval_seconds is None:
+        return spec
+    canary = spec.canary.model_copy(update={"continuous": spec.canary.continuous.model_copy(update={"interval_seconds": None})})
+    return spec.model_copy(update={"canary": canary})
 
 
 def _in_place_resize(backend: LocalBackend, spec: InferenceModelSpec, faults: str, say: Say) -> dict[str, tuple[int, int]]:
@@ -259,6 +272,7 @@ async def roll_out(
     _check_runnable(backend, spec, kv_plan)
     backend.claim(name)
     _say_what_is_for_a_cluster(spec, say)
+    spec = _without_continuous_canary(spec)
     resize = _in_place_resize(backend, spec, faults, say)
     store = LocalModelStore(backend, name, namespace, spec, _with_faults(annotations, faults), generation, say)
     reports: dict[str, CanaryReport] = {}
