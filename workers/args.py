@@ -39,7 +39,7 @@ from pydantic_core import PydanticUndefined
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
-DEFAULT_DRAIN_TIMEOUT_S = 15.0  # with the shutdown after it, inside a pod's default 30 s termination grace (servers.Drain)
+DEFAULT_DRAIN_TIMEOUT_S = 15.0  # with the preStop sleep before it and the shutdown after it, inside the rendered pods' 35 s grace (servers.Drain, render.TERMINATION_GRACE_SECONDS)
 DEFAULT_ABORT_TIMEOUT_S = 2.0  # router: a worker that takes longer to acknowledge an abort frees the pages by its own timers
 # A local launcher (workers/launcher.py) hands each worker the read end of a pipe whose write end
 # only the launcher holds, and names its descriptor here: EOF on it means the launcher is gone.
@@ -178,7 +178,7 @@ class WorkerArgs(BaseModel):
     drain_timeout: float = Field(
         DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=3600, json_schema_extra=_flag(
             "common", "on SIGTERM, seconds to go on finishing the requests held (the router takes no new one), then "
-            "stop; SIGINT stops at once. Keep it below the pod's terminationGracePeriodSeconds less ~6 s")
+            "stop; SIGINT stops at once. Keep it below the pod's terminationGracePeriodSeconds less its preStop sleep and ~6 s (rendered pods: 35 s, 5 s)")
     )  # fmt: skip
 
     # Checked here as well as where torch resolves them (workers/device.py), so a typo fails at once,

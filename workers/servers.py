@@ -162,7 +162,7 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
     error before any handler runs); the router refuses one with a 415 (router._check_body_headers).
     shutdown_timeout: on SIGTERM, requests in flight get this long to end before their handlers are
     cancelled (which aborts them, S4). aiohttp's 60 s kept a prefill whose requests wait for their
-    tickets alive past a pod's 30 s grace period, to be SIGKILLed."""
+    tickets alive past a pod's termination grace, to be SIGKILLed."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=header_timeout_s,
                          auto_decompress=False, shutdown_timeout=SHUTDOWN_GRACE_S / 2)  # fmt: skip
 

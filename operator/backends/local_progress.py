@@ -1,7 +1,7 @@
 """What `kvguard apply --local` and `kvguard demo` say while a rollout waits.
 
 Workers import torch and load weights before they answer, the canary runs its probes, a resize
-restarts the router: each a wait of seconds to minutes. A person watching must never face a
+waits for its new router to take over: each a wait of seconds to minutes. A person watching must never face a
 silent terminal, so every wait gets a line when it begins, a line with the time waited after
 every `every` seconds in which nothing else was said, and a line saying how long it took once it
 ends (if it took longer than `quiet_below`). Plain lines: they read the same on a terminal, in a
