@@ -610,3 +610,29 @@ def test_the_local_driver_runs_no_continuous_canary_and_says_so() -> None:
     assert any(line.startswith("spec.canary.continuous: every 60 s is for a cluster") for line in said), said
     local = _without_continuous_canary(spec)
     assert local.canary.continuous.interval_seconds is None and revision_of(local) == revision_of(spec)
+
+
+def test_a_hand_over_stopped_between_its_two_steps_names_the_new_router_on_the_next_pass(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:  # fmt: skip
+    """Outside probe: a driver killed after recording the hand-over and before writing the split
+    left split.json naming the old router, which the next pass stopped: every request 503'd for
+    good while `apply` exited 0. Finishing a hand-over writes the split first, every time."""
+    from kvguard.operator.backends.local import healthy
+    from kvguard.workers.splitter import SPLIT_FILE, SplitTable
+
+    with serving_tiny(tmp_path, tiny_model_dir) as (backend, revision):
+        backend.route(revision)
+        body = tiny_body(str(tiny_model_dir))
+        body["spec"]["roles"]["decode"]["replicas"] = 2
+        spec = spec_of(body)
+        backend.deploy(revision, spec, plan(spec))
+        record = backend.state.revisions[revision]
+        old_router = record.front
+        wait_for(lambda: backend.processes.alive(record.router) and healthy(record.router), "the new router ready", 180.0, 0.2)
+        record.handed_over = True  # what a driver killed right after recording the hand-over leaves
+        backend.save()
+        backend.views()
+        table = SplitTable.model_validate_json((backend.store.root / SPLIT_FILE).read_text())
+        assert [b.url for b in table.backends] == [record.router.url] != [old_router.url]
+        assert record.retiring == [] and not backend.processes.alive(old_router)

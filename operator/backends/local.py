@@ -720,13 +720,15 @@ class LocalBackend:
             return  # not ready after all: the next pass tries again
         record.handed_over = True
         self.save()
-        if record.revision in self.state.weights:
-            self._write_split(self.state.weights)
         self._finish_hand_over(record)
 
     def _finish_hand_over(self, record: LocalRevision) -> None:
-        """Stop what a hand-over retired (again, if a driver was stopped half-way through it)."""
+        """Name the new router in the split, then stop what the hand-over retired: both again if a
+        driver was stopped half-way through it (killed between the two, the split named a stopped
+        router for good: an outside probe)."""
         if record.handed_over:
+            if record.revision in self.state.weights:
+                self._write_split(self.state.weights)  # `front` is the new router now
             self.processes.stop(record.retiring)
             record.retiring, record.handed_over = [], False
             self.save()
