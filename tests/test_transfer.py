@@ -690,6 +690,28 @@ async def test_a_cap_below_one_page_lets_one_page_at_a_time_through_s6() -> None
     assert credit.max_in_use <= PAGE and credit.in_use == 0
 
 
+async def test_a_chunk_waiting_for_credit_when_decode_goes_away_gives_its_credit_back_s6() -> None:
+    # A's page holds the whole cap un-ACKed (decode's sink is stuck), so B's page waits for credit
+    # on the same connection. Decode then goes away: the connection's close releases what it had
+    # in flight, and B, woken with the credit, must hand it back rather than "send" on the dead
+    # connection -- else the pair's cap shrinks for good and a restarted decode at the same address
+    # never gets KV from this prefill again.
+    config = TransferConfig(stall_timeout_s=30, max_transfer_batch=PAGE, max_connections_per_peer=1)
+    async with make_pair(config=config, sink=RecordingSink(gate=asyncio.Event())) as p:
+        stuck: list[bool] = []
+        p.sink.on_write.append(lambda: stuck.append(True))
+        a, b = p.expect("a", [0], [1]), p.expect("b", [1], [1])
+        sent_a = asyncio.create_task(p.sender.send(a.ticket, chunks_of("a", [0])))
+        await until(lambda: stuck, "A's page to reach decode's stuck sink")
+        sent_b = asyncio.create_task(p.sender.send(b.ticket, chunks_of("b", [1])))
+        credit = p.sender.credit(p.dest)
+        await until(lambda: credit._waiters, "B to wait for credit")
+        await p.receiver.close()
+        outcomes = await asyncio.wait_for(asyncio.gather(sent_a, sent_b), PATIENT_S)
+        assert not any(o.ok for o in outcomes)
+        assert credit.in_use == 0
+
+
 async def test_garbage_on_the_port_closes_that_connection_only() -> None:
     async with make_pair() as p:
         for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n",

@@ -322,6 +322,9 @@ class KVSender:
         if not credit.try_acquire(n):  # only arm a timer when we actually have to wait
             async with asyncio.timeout(self._config.stall_timeout_s):
                 await credit.acquire(n)
+            if conn.closed:  # lost while we waited: its `release_all` has run, so these bytes
+                credit.release(n)  # would never come back and the pair's cap would shrink for good (S6)
+                raise ConnectionResetError("connection to decode lost")
         if dropped:
             credit.release(n)
         else:
