@@ -182,6 +182,23 @@ def test_the_504_for_a_hung_worker_does_not_wait_for_its_abort_to_be_acknowledge
             assert metric(d, role, "kvguard_aborts_total", cause="decode_failed") == 0, role
 
 
+def test_a_prefill_that_hangs_after_the_transfer_ends_the_request_at_the_request_timeout_s4(tiny_model_dir: Path) -> None:
+    """Outside probe (the model against the code): the model's router timer fires in every phase,
+    waiting for prefill's answer after decode's FINISH included; the code awaited that answer with
+    no bound, so a prefill hung after sending the KV held the client and its router slot for ever.
+    Now that wait is bounded by --request-timeout: a 504, both legs aborted, both pools empty."""
+    request_timeout, hang_s = 1.5, 600
+    with deployment(tiny_model_dir, f"delay_prefill_reply_ms={hang_s * 1000}", request_timeout_s=request_timeout) as d:
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(d, timeout=hang_s / 4).completions.create(model=served_model(d), prompt="hung prefill", max_tokens=4)
+        took = time.monotonic() - started
+        assert (caught.value.status_code, caught.value.code) == (504, "timeout")
+        assert request_timeout <= took < hang_s / 10
+        wait_pools_empty(d)
+        assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
+
+
 def test_a_generation_that_keeps_producing_outlives_the_request_timeout(tiny_model_dir: Path) -> None:
     """--request-timeout is not a cap on a generation's length: an outside probe found every
     generation longer than 120 s cut off with a 504 (max_tokens defaults to the rest of the context)."""

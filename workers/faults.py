@@ -11,6 +11,7 @@ mechanism catches the failure it exists for. The value is a comma-separated list
 | ``drop_chunk=P``                | transfer sender | skip sending a chunk (still listed in the manifest)   |
 | ``delay_chunk_ms=N``            | transfer sender | sleep N ms before every chunk                         |
 | ``delay_prefill_ms=N``          | prefill server  | sleep N ms before computing each prompt (a long prefill)|
+| ``delay_prefill_reply_ms=N``    | prefill server  | sleep N ms before answering, once the KV was sent      |
 | ``crash_prefill_after_chunks=N``| transfer sender | the prefill process dies after sending N chunks       |
 | ``no_abort_propagation``        | sender, servers | aborts are not propagated to the peer (no ABORT frame)|
 | ``no_checksum``                 | transfer recv.  | decode skips payload checksum verification            |
@@ -52,6 +53,7 @@ class Faults(BaseModel):
     drop_chunk: float = Field(0.0, ge=0.0, le=1.0, description="probability per chunk")
     delay_chunk_ms: int = Field(0, ge=0, le=600_000)
     delay_prefill_ms: int = Field(0, ge=0, le=600_000)
+    delay_prefill_reply_ms: int = Field(0, ge=0, le=600_000)
     crash_prefill_after_chunks: int | None = Field(None, ge=0)
     no_abort_propagation: bool = False
     no_checksum: bool = False

@@ -240,6 +240,8 @@ class PrefillServer:
                 raise OpenAIError(502, f"KV transfer failed: {outcome.reason}", code=f"kv_transfer_{outcome.reason}")
             await engine.release(rid)
             cause = ""
+            if delay_ms := self.runtime.faults.delay_prefill_reply_ms:  # FAULT: hangs once decode has the KV
+                await asyncio.sleep(delay_ms / 1000)
             result = PrefillResult(request_id=rid, chunks=outcome.chunks, bytes=outcome.bytes)
             return web.json_response(result.model_dump(mode="json"))
         except asyncio.CancelledError:

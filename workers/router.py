@@ -984,7 +984,9 @@ class Router:
                     if isinstance(event, TokenEvent) and event.token_ids:
                         tokens, last_token = self._observe_latency(event, tokens, started, last_token)
                     if isinstance(event, FinishEvent):
-                        await prefill_task
+                        # Bounded as every wait of the request is: a prefill that hangs after the
+                        # transfer would otherwise hold the client and its slot for ever (S4).
+                        await _by(asyncio.get_running_loop().time() + self.config.request_timeout_s, asyncio.shield(prefill_task))
                         # Settled before the yield: the consumer may close us right after it.
                         self.metrics.requests.labels("finished").inc()
                         cause = ""
