@@ -962,6 +962,8 @@ class _Step:
         return self.stable
 
     def _on_shifting(self) -> None:
+        if self._steps_changed():
+            return
         stable, weight = self._stable_revision(), self.r.weight or 0
         refused = self.world.gate_refusals.get(self.candidate)
         if refused:  # S7: a candidate pod the readiness gate keeps out, found while it takes traffic
@@ -976,6 +978,24 @@ class _Step:
         if not self._advance():
             self.actions.append(SetTrafficWeight(stable, self.candidate, weight))  # idempotent: re-applied each pass
             self._wait_for_analysis()
+
+    def _steps_changed(self) -> bool:
+        """The rollout settings changed under the step in progress (they update in place): with
+        trafficRouter service nothing can carry a share, so the candidate takes all traffic at once,
+        as service mode promotes; a step list that no longer holds this step (gone, or another
+        weight) starts again at its first step, as Argo Rollouts does with a new step list."""
+        steps, index = self.spec.rollout.steps, self.r.step or 0
+        if self.spec.rollout.traffic_router == "service":
+            self.event("Normal", "TrafficRouterChanged", f"spec.rollout.trafficRouter is service: revision {self.candidate} "
+                       f"takes all traffic at once (it had {self.r.weight}%)")  # fmt: skip
+            self._complete()
+            return True
+        if index < len(steps) and steps[index].weight == self.r.weight:
+            return False
+        self.event("Normal", "StepsChanged", f"spec.rollout.steps changed during step {index + 1} ({self.r.weight}%): "
+                   f"revision {self.candidate} starts again at step 1 of {len(steps)}")  # fmt: skip
+        self._enter_step(0)
+        return True
 
     def _record_measurement(self) -> bool:
         """Take in a fresh measurement; True when it failed the rollout."""

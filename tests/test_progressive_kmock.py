@@ -23,6 +23,7 @@ from operator_harness import (
     CANARY_WAIT,
     DEPLOYMENTS,
     apply_model,
+    http,
     mark_ready,
     objects_of,
     patch_model,
@@ -122,3 +123,41 @@ async def test_http_route_weights_follow_the_steps_then_the_old_revision_scales_
     await until(lambda: all(d["spec"]["replicas"] == 0 for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n),
                 "rev1 scaled to zero after scaleDownDelaySeconds", 60)  # fmt: skip
     assert "scaleDownRevision" not in status_of(cluster)["rollout"]
+
+
+ROUTE_PATH = "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes/tiny"
+
+
+async def test_an_http_route_deleted_or_edited_by_hand_is_applied_again_and_one_no_longer_wanted_is_deleted(
+    cluster: Any, serving: LocalDeployment
+) -> None:
+    """Outside probe: HTTPRoutes are not watched (RBAC gives the operator them by name only), and
+    the apply cache trusted its own memory: a route deleted mid-step stayed gone, one edited by
+    hand kept the edit (the analysis judged a weight not served), and switching trafficRouter to
+    service left the route sending 50% to the old revision after it was scaled to zero."""
+    body = progressive_model()
+    body["spec"]["rollout"]["steps"] = [{"weight": 50, "pause": "1h"}, {"weight": 100}]  # holds step 1
+    await apply_model(body)
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await promoted(cluster, rev1)
+    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
+    await mark_ready(cluster, rev2)
+    half = {f"tiny-{rev1}-router": 50, f"tiny-{rev2}-router": 50}
+    await until(lambda: (r := route(cluster)) and route_weights(r) == half, "the HTTPRoute at step 1 (50%)", CANARY_WAIT)
+    path = ROUTE_PATH.format(ns=route(cluster)["metadata"]["namespace"])  # type: ignore[index]
+
+    await http("DELETE", path)
+    await until(lambda: (r := route(cluster)) and route_weights(r) == half, "the deleted HTTPRoute applied again")
+    edited = copy.deepcopy(route(cluster)["spec"])  # type: ignore[index]
+    for ref in edited["rules"][0]["backendRefs"]:
+        ref["weight"] = 100 if rev2 in ref["name"] else 0
+    await http("PATCH", path, {"spec": edited}, "application/merge-patch+json")
+    await until(lambda: (r := route(cluster)) and route_weights(r) == half, "the hand-edited HTTPRoute applied again")
+
+    await patch_model("tiny", {"spec": {"rollout": {"trafficRouter": "service", "steps": [{"weight": 100}]}}})
+    await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted: service mode moves all at once")
+    await until(lambda: route(cluster) is None, "the HTTPRoute the spec no longer calls for deleted")

@@ -245,3 +245,52 @@ def test_progressing_says_why_the_last_measurement_could_not_judge_not_an_older_
     d = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=AnalysisOutcome("inconclusive", (scrape,), scrape.message)))
     progressing = [a for a in d.actions if isinstance(a, SetCondition) and a.type == "Progressing"][-1]
     assert progressing.message.endswith("holds at 10%: candidate metrics incomplete: r2-router-0: HTTP 500")
+
+
+def _at_last_step(sim: StepSim) -> Decision:
+    """Shift until the candidate holds the last step (100%), baking."""
+    sim.run_until(S.SHIFTING)
+    for _ in range(50):
+        d = sim.later(30)
+        if d.rollout.step == 2:
+            return d
+    raise AssertionError("never reached the last step")
+
+
+def test_steps_shortened_under_the_step_in_progress_start_again_at_the_first_step() -> None:
+    # Outside probe: [10, 50, 100] cut to [50, 100] while at step 3 (100%) raised IndexError on every
+    # pass; the route stayed at 100% to the candidate, never promoted, and nothing said why.
+    sim = shifting_sim()
+    assert _at_last_step(sim).rollout.weight == 100
+    sim.spec = spec(steps=[{"weight": 50, "pause": 60}, {"weight": 100}])
+    d = sim.tick()
+    assert d.state == S.SHIFTING and (d.rollout.step, d.rollout.weight) == (0, 50)
+    assert d.of_type(SetTrafficWeight) == [SetTrafficWeight("r1", "r2", 50)] and sim.route == {"r1": 50, "r2": 50}
+    assert "StepsChanged" in events(d)
+    history = weights_over_time(sim)
+    assert [w for _, w, state in history if state == "Shifting"][-1] == 100 and sim.stable == "r2"
+
+
+def test_a_new_weight_for_the_step_in_progress_is_applied_from_the_first_step() -> None:
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    assert sim.route == {"r1": 90, "r2": 10}
+    sim.spec = spec(steps=[{"weight": 20, "pause": 60}, {"weight": 50, "pause": 60}, {"weight": 100}])
+    d = sim.tick()
+    assert (d.rollout.step, d.rollout.weight) == (0, 20) and sim.route == {"r1": 80, "r2": 20}
+    # A change that keeps this step's weight (here: its pause) updates in place, without a restart.
+    sim.spec = spec(steps=[{"weight": 20, "pause": 90}, {"weight": 50, "pause": 60}, {"weight": 100}])
+    d = sim.tick()
+    assert "StepsChanged" not in events(d) and (d.rollout.step, d.rollout.weight) == (0, 20)
+
+
+def test_switching_to_trafficrouter_service_mid_shift_promotes_as_service_mode_does() -> None:
+    # Service mode cannot carry a share: the candidate takes all of it at once (RouteTraffic), so
+    # the traffic objects of the old router can be swept (backends/kubernetes.py) and none points
+    # at the old revision once it is scaled down.
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    sim.spec = InferenceModelSpec.model_validate({**TINY, "rollout": {"trafficRouter": "service", "scaleDownDelaySeconds": 300}})
+    d = sim.tick()
+    assert d.state == S.STABLE and sim.stable == "r2" and RouteTraffic("r2") in d.actions
+    assert "TrafficRouterChanged" in events(d)

@@ -149,7 +149,8 @@ class Backend(Protocol):
 
     async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
         """Apply the objects that split user traffic by `shares` (spec.rollout.trafficRouter
-        gatewayAPI / inferencePool: the HTTPRoute, and the InferencePools)."""
+        gatewayAPI / inferencePool: the HTTPRoute, and the InferencePools), and remove those the
+        spec no longer calls for. No shares: nothing splits (trafficRouter service)."""
         ...
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> Sequence[ForeignObjectError]:
@@ -296,8 +297,9 @@ async def execute(
         elif isinstance(action, RouteTraffic):
             assert model is not None
             await backend.route_traffic(model, action.revision)
-            if request is not None and request.spec.rollout.traffic_router is not TrafficRouter.SERVICE:
-                await backend.split_traffic(request, traffic_split(action.revision, None, 0))  # all of it
+            if request is not None:  # all of it; under service nothing splits (what another router left goes)
+                splitting = request.spec.rollout.traffic_router is not TrafficRouter.SERVICE
+                await backend.split_traffic(request, traffic_split(action.revision, None, 0) if splitting else ())
         elif isinstance(action, SetTrafficWeight):
             assert request is not None, "SetTrafficWeight needs the spec (its trafficRouter and gateway)"
             await backend.split_traffic(request, traffic_split(action.stable, action.candidate, action.weight))

@@ -60,7 +60,7 @@ from kvguard.operator.render import (
     secret_name,
 )
 from kvguard.operator.rollout import Scale
-from kvguard.operator.traffic import Share, inference_pool_name, render_traffic
+from kvguard.operator.traffic import Share, inference_pool_name, render_traffic, route_name
 from kvguard.operator.workloads import deployment_state, owned_by, pod_is_serving, revision_views
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,10 @@ REPLICAS_ANNOTATION = "kvguard.io/replicas-before-scale-down"
 """Set on a Deployment scaled to zero, so a rollback restores its replicas."""
 APPLIED_HASH_ANNOTATION = "kvguard.io/applied-hash"
 """On every applied child: a hash of the manifest applied, to skip applying it again unchanged."""
+
+UNWATCHED_KINDS = frozenset({"HTTPRoute", "InferencePool"})
+"""Children the operator reads by name only (RBAC: no list/watch; their CRDs may not be installed):
+read again whenever they are applied, since no watch says one was deleted or edited."""
 
 Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
 ObjectKey = tuple[str, str, str]
@@ -136,6 +140,11 @@ def _key(obj: Mapping[str, Any]) -> ObjectKey:
     return obj["kind"], meta.get("namespace") or "", meta["name"]
 
 
+def _foreign(ref: ObjectRef, model: ModelRef) -> ForeignObjectError:
+    return ForeignObjectError(f"{ref} exists and is not owned by InferenceModel {model.name}; refusing to modify it "
+                              "(delete or rename it)", (ref.kind, ref.name, ref.namespace))  # fmt: skip
+
+
 class KubernetesBackend:
     """`Backend` on a cluster. Every method is idempotent and runs the blocking client off the loop."""
 
@@ -145,6 +154,8 @@ class KubernetesBackend:
         self._resolver = resolver
         self._applied: dict[ObjectKey, Applied] = {}
         self._verified_secrets: set[ObjectKey] = set()
+        self._traffic: dict[tuple[str, str], set[ObjectKey]] = {}  # per model: the traffic objects applied
+        self._traffic_swept: set[tuple[str, str]] = set()  # models whose leftover HTTPRoute was looked for
 
     # --- the Backend interface ------------------------------------------------------------------
     async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
@@ -216,9 +227,32 @@ class KubernetesBackend:
         await self.apply(render_model_service(_owner(model), revision), model)
 
     async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
-        """The InferencePools (first: the route names them) and the HTTPRoute, server-side applied."""
-        for manifest in render_traffic(request.spec, _owner(request.model), shares):
-            await self.apply(manifest, request.model)
+        """The InferencePools (first: the route names them) and the HTTPRoute, server-side applied;
+        then those of this model the spec no longer calls for are deleted (trafficRouter switched
+        to service, or from inferencePool to gatewayAPI): a route left behind would keep sending
+        traffic to a revision that is scaled to zero."""
+        model, wanted = request.model, render_traffic(request.spec, _owner(request.model), shares)
+        for manifest in wanted:
+            await self.apply(manifest, model)
+        await self._sweep_traffic(model, {_key(m) for m in wanted})
+
+    async def _sweep_traffic(self, model: ModelRef, kept: set[ObjectKey]) -> None:
+        """Delete this model's traffic objects outside `kept`: those this process applied, and once
+        per process the model's HTTPRoute (an earlier process may have made it). Never one that is
+        not the model's own."""
+        made = self._traffic.setdefault(model.key, set())
+        made |= kept
+        stale = made - kept
+        if model.key not in self._traffic_swept:
+            stale |= {("HTTPRoute", model.namespace, route_name(model.name))} - kept
+        for key in stale:
+            ref = ObjectRef(key[0], key[2], key[1])
+            meta = await self.kube.aget_metadata(ref)
+            if meta is not None and self._is_ours(meta, model) and await self.kube.adelete(ref):
+                log.info("deleted %s: spec.rollout no longer routes through it", ref)
+            self.forget(key)
+            made.discard(key)
+        self._traffic_swept.add(model.key)
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
         still = []
@@ -236,17 +270,29 @@ class KubernetesBackend:
         """Server-side apply of one child, unless it already holds exactly this manifest."""
         desired, digest = with_digest(manifest)
         key, ref = _key(desired), ref_of(desired)
-        live = next((o for o in self._owned(model) if _key(o) == key), None)
+        if key[0] in UNWATCHED_KINDS:
+            live = await self._read_unwatched(key, ref, model)
+        else:
+            live = next((o for o in self._owned(model) if _key(o) == key), None)
         if self._up_to_date(key, live, digest, _replicas(desired)):
             return
-        if live is None and key not in self._applied:
+        if live is None and key not in self._applied and key[0] not in UNWATCHED_KINDS:
             existing = await self.kube.aget_metadata(ref)
             if existing is not None and not self._is_ours(existing, model):
-                raise ForeignObjectError(f"{ref} exists and is not owned by InferenceModel {model.name}; refusing to modify it "
-                                         "(delete or rename it)", (ref.kind, ref.name, ref.namespace))  # fmt: skip
+                raise _foreign(ref, model)
         result = await self.kube.aapply(desired)
         self._applied[key] = Applied(digest, _replicas(result), _generation(result))
         log.info("applied %s", ref)
+
+    async def _read_unwatched(self, key: ObjectKey, ref: ObjectRef, model: ModelRef) -> dict[str, Any] | None:
+        """The metadata of a child no watch reports on: gone means apply it again (someone deleted
+        it), a newer generation means someone edited it; one that is not ours is never touched."""
+        live = await self.kube.aget_metadata(ref)
+        if live is None:
+            self.forget(key)
+        elif not self._is_ours(live, model):
+            raise _foreign(ref, model)
+        return live
 
     def _up_to_date(self, key: ObjectKey, live: Mapping[str, Any] | None, digest: str, replicas: int | None) -> bool:
         known = self._applied.get(key)

@@ -972,7 +972,8 @@ class LocalBackend:
 
     async def split_traffic(self, request: RevisionRequest, shares: tuple[Share, ...]) -> None:
         self._check_model(request.model)
-        await asyncio.to_thread(self.split, shares)
+        if shares:  # none: trafficRouter service, where `route_traffic` sent it all
+            await asyncio.to_thread(self.split, shares)
 
     async def still_foreign(self, model: ModelRef, found: Sequence[ForeignObjectError]) -> list[ForeignObjectError]:
         return []  # nothing here is created by anyone else
