@@ -2,7 +2,8 @@
 NetworkPolicy (rendered by `render`), applied through `kube` (the only module talking to the API).
 
 Reads come from memory: the controller keeps an index of every child the operator owns, fed by
-label-selected watches (`ChildIndex`), so observing a model costs no API request. Writes:
+label-selected watches (`ChildIndex`), so observing a model costs no API request; the traffic
+objects (HTTPRoute, InferencePool: `UNWATCHED_KINDS`) are read by name when applied. Writes:
 - children are server-side applied (field manager `kvguard`), so a field the renderer drops is
   removed on the cluster; an apply is skipped when the object already holds exactly this manifest
   (a hash annotation) at the replicas wanted and nobody changed its spec since (its generation);
