@@ -112,6 +112,24 @@ def test_over_length_is_rejected_at_the_router_before_any_worker_s2(trio: LocalD
     assert metric(trio, "router", "kvguard_rejected_requests_total", reason="context_length_exceeded") >= 2
 
 
+def test_text_too_long_to_tokenize_counts_as_rejected_once_s2(trio: LocalDeployment) -> None:
+    """Outside probe: text past the byte bound (no text that long fits the context, so it is refused
+    before tokenizing) got the same 400 but moved neither counter: the S2 refusals read low on
+    exactly the longest prompts, and the rollout analysis's request count missed them."""
+    api, model = client(trio), served_model(trio)
+    counters = (("kvguard_rejected_requests_total", {"reason": "context_length_exceeded"}),
+                ("kvguard_requests_total", {"outcome": "rejected"}))  # fmt: skip
+    before = [metric(trio, "router", name, **labels) for name, labels in counters]
+    with pytest.raises(openai.BadRequestError) as text:
+        api.completions.create(model=model, prompt="x" * 100_000, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as chat:
+        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "y" * 100_000}], max_tokens=4)
+    assert (text.value.code, chat.value.code) == ("context_length_exceeded", "context_length_exceeded")
+    assert "bytes of text" in text.value.message  # the byte bound refused it, not the token count
+    after = [metric(trio, "router", name, **labels) for name, labels in counters]
+    assert after == [b + 2 for b in before]
+
+
 def test_every_worker_rejects_over_length_at_its_own_intake_s2(trio: LocalDeployment) -> None:
     """Defence in depth: a request that bypasses the router is still refused before allocation."""
     request = {"request_id": "direct-1", "prompt_token_ids": [5] * 1100, "sampling": {"max_tokens": 4}}

@@ -736,7 +736,7 @@ class Router:
         if isinstance(body, ChatCompletionRequest):
             size = sum(len(m.text().encode()) for m in body.messages)
             if size > limit:
-                raise request_too_large("messages", size, limit, upstreams.context_length)
+                raise self._rejected_for_length(request_too_large("messages", size, limit, upstreams.context_length))
             # The template adds text per message: an empty message still costs a render, so the
             # off-loop decision counts it (the limit above stays on what the client sent).
             work = size + CHAT_MESSAGE_RENDER_BYTES * len(body.messages)
@@ -750,7 +750,7 @@ class Router:
                 continue
             size = len(prompt.encode())
             if size > limit:
-                raise request_too_large("prompt", size, limit, upstreams.context_length)
+                raise self._rejected_for_length(request_too_large("prompt", size, limit, upstreams.context_length))
             ids = await self._off_loop(size, self.encoder.encode, prompt)
             if not ids:
                 raise OpenAIError(400, "prompt: the prompt is empty", param="prompt", code="invalid_value")
@@ -846,10 +846,15 @@ class Router:
             if needed > limit:
                 if self.config.unsafe_reject_path:
                     return max_tokens, True
-                self.metrics.rejected.labels("context_length_exceeded").inc()
-                self.metrics.requests.labels("rejected").inc()
-                raise context_length_exceeded(prompt_tokens, max_tokens, limit, what, prompt_param, budget_param)
+                raise self._rejected_for_length(context_length_exceeded(prompt_tokens, max_tokens, limit, what, prompt_param, budget_param))
         return max_tokens, False
+
+    def _rejected_for_length(self, error: OpenAIError) -> OpenAIError:
+        """S2's refusal, counted once as rejected wherever it is found: by the text's bytes before
+        tokenizing (no text that long fits) or by tokens after."""
+        self.metrics.rejected.labels("context_length_exceeded").inc()
+        self.metrics.requests.labels("rejected").inc()
+        return error
 
     async def _whole(self, choices: list[Choice], builder: ResponseBuilder, prompt_tokens: int, generate: Generate) -> web.Response:
         if len(choices) == 1:
