@@ -66,6 +66,25 @@ def test_corruption_in_flight_fails_only_that_request_s3(tiny_model_dir: Path) -
         assert metric(d, "decode", "kvguard_tag_violations_total") == 0
 
 
+def test_choices_ended_because_a_sibling_failed_are_not_counted_as_client_disconnects(tiny_model_dir: Path) -> None:
+    """Outside probe: with n > 1, one choice failing (here a corrupted transfer, S3) cancels its
+    siblings, and the router counted those as `client_disconnect` / `aborted`: the client never left,
+    and KvguardAbortsHigh and the rollout's error ratio, which leave disconnects out, missed them."""
+    with deployment(tiny_model_dir, "corrupt_chunk=1") as d:
+        for stream in (False, True):
+            with pytest.raises(openai.APIError) as caught:
+                answer = client(d).completions.create(model=served_model(d), prompt="siblings " * 40, max_tokens=8, n=8,
+                                                      stream=stream)  # fmt: skip
+                list(answer) if stream else None  # type: ignore[call-overload]
+            assert caught.value.code == "kv_transfer_checksum"
+        wait_pools_empty(d)
+        assert metric(d, "router", "kvguard_aborts_total", cause="client_disconnect") == 0
+        assert metric(d, "router", "kvguard_requests_total", outcome="aborted") == 0
+        ended = metric(d, "router", "kvguard_aborts_total", cause="kv_transfer_checksum") + metric(
+            d, "router", "kvguard_aborts_total", cause="sibling_failed")
+        assert ended == metric(d, "router", "kvguard_requests_total", outcome="failed") == 16
+
+
 def test_partial_transfer_never_reaches_generation_s3(tiny_model_dir: Path) -> None:
     """Classes C/D (vllm#50754, sglang#23797): a dropped chunk makes the manifest disagree with what
     arrived; decode fails the request instead of reading half-written pages."""

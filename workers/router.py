@@ -620,7 +620,7 @@ class Router:
             first_token_by = await self._take_slots(len(choices))
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate = functools.partial(self._generate, first_token_by=first_token_by, ending=ending)
+                generate = functools.partial(self._generate, first_token_by=first_token_by, ending=ending, siblings=Siblings())
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
@@ -945,7 +945,7 @@ class Router:
 
     # -- the two legs ----------------------------------------------------------------------
     async def _generate(
-        self, request: GenerateRequest, first_token_by: float, ending: list[asyncio.Task[None]]
+        self, request: GenerateRequest, first_token_by: float, ending: list[asyncio.Task[None]], siblings: Siblings
     ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
@@ -1021,6 +1021,10 @@ class Router:
             if channel is not None:
                 channel.unsubscribe(request.request_id)
             self.metrics.request_duration.observe(time.monotonic() - started)
+            if cause == "client_disconnect" and siblings.failed:  # cancelled because another choice failed
+                cause, outcome = "sibling_failed", "failed"
+            elif cause and cause != "client_disconnect":
+                siblings.failed = True  # before the error leaves: the siblings it cancels read it
             if cause:
                 ending.append(self._end_legs(request.request_id, (prefill.url, decode.url), prefill_task, stack, cause, outcome))
             else:
@@ -1334,6 +1338,15 @@ def _first_openai_error(group: BaseExceptionGroup) -> BaseException:
             if isinstance(found, OpenAIError):
                 return found
     return group
+
+
+@dataclass
+class Siblings:
+    """The choices (generations) of one request. One that fails ends the others; they then count
+    as `sibling_failed`, not as a client disconnect: the client never left, and the alerts that
+    leave disconnects out must see them."""
+
+    failed: bool = False
 
 
 Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
