@@ -204,7 +204,7 @@ def test_a_stable_worker_restarted_with_a_smaller_pool_is_kept_out_of_rotation_s
     assert "kept out of rotation" in recorded["message"] and "decode-0" not in recorded["message"]
     wait_for(lambda: "Degraded=True" in _status_text(story) and small in _status_text(story),
              "`kvguard status --local` to show Degraded naming decode-1", MAX_SECONDS)  # fmt: skip
-    wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", role="decode") == 1,
+    wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", worker_role="decode") == 1,
              "the router to keep decode-1 out of rotation", MAX_SECONDS)  # fmt: skip
     served_before = {n: _sample(w["metrics_port"], "kvguard_requests_total") for n, w in decode.items()}
     with Traffic(stable.url) as traffic:
@@ -224,7 +224,7 @@ def test_a_stable_worker_restarted_with_a_smaller_pool_is_kept_out_of_rotation_s
     assert cleared["status"] == "False" and cleared["reason"] == "AsExpected", cleared
     assert all(p.verified for p in back.status.pools if p.revision == stable.revision), back.status.pools
     wait_for(lambda: "Degraded=False" in _status_text(story), "`kvguard status --local` to show Degraded=False", MAX_SECONDS)
-    wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", role="decode") == 0,
+    wait_for(lambda: _sample(router["metrics_port"], "kvguard_router_workers_kept_out", worker_role="decode") == 0,
              "the router to take decode-1 back into rotation", MAX_SECONDS)  # fmt: skip
 
 

@@ -47,10 +47,9 @@ def alerts(groups: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         yield from (r for r in group["rules"] if "alert" in r)
 
 
-def registered_sample_names() -> set[str]:
-    """Every sample name the code can expose: the engine's, the transfer layer's, the router's and
-    the operator's metrics, registered for real and read back from their registries."""
-    from kvguard.operator import metrics as operator_metrics
+def engine_registries() -> tuple[CollectorRegistry, CollectorRegistry]:
+    """A worker's registry (engine, transfer and control-auth metrics) and a router's, registered
+    for real as the servers register them."""
     from kvguard.workers.control_auth import auth_failures_counter
     from kvguard.workers.metrics import EngineMetrics
     from kvguard.workers.router import RouterMetrics
@@ -59,8 +58,15 @@ def registered_sample_names() -> set[str]:
     engine = EngineMetrics(CollectorRegistry())
     TransferMetrics.create(engine.registry)  # the servers put all three on one registry
     auth_failures_counter(engine.registry)
-    router = RouterMetrics(registry=CollectorRegistry())
-    registries = (engine.registry, router.registry, operator_metrics.REGISTRY)
+    return engine.registry, RouterMetrics(registry=CollectorRegistry()).registry
+
+
+def registered_sample_names() -> set[str]:
+    """Every sample name the code can expose: the engine's, the transfer layer's, the router's and
+    the operator's metrics, registered for real and read back from their registries."""
+    from kvguard.operator import metrics as operator_metrics
+
+    registries = (*engine_registries(), operator_metrics.REGISTRY)
     families = [family for registry in registries for family in registry.collect()]
     return {family.name + suffix for family in families for suffix in SAMPLE_SUFFIXES[family.type]}
 
@@ -153,6 +159,28 @@ def test_pod_monitors_scrape_every_rendered_engine_pod_once_on_its_metrics_port(
         metrics_rules = [r for r in netpol["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8001}]]
         scrapers = [f["namespaceSelector"]["matchLabels"] for r in metrics_rules for f in r["from"] if "namespaceSelector" in f]
         assert {"kvguard.io/metrics-scraper": "true"} in scrapers
+
+
+# What prometheus-operator puts on every series of a PodMonitor's targets, besides its relabelings.
+POD_MONITOR_TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "endpoint"}
+
+
+def engine_label_names() -> dict[str, set[str]]:
+    """metric family -> its label names, for every metric an engine pod (worker or router) exports."""
+    collectors = [c for registry in engine_registries() for c in registry._collector_to_names]  # noqa: SLF001
+    return {c._name: set(c._labelnames) for c in collectors if hasattr(c, "_labelnames")}  # noqa: SLF001
+
+
+def test_no_engine_metric_label_clashes_with_a_label_the_scrape_adds(rendered: list[dict[str, Any]]) -> None:
+    """Outside probe: kvguard_kv_transfers_total's `role` (sender/receiver) met the PodMonitor's
+    `role` (the pod's); without honorLabels Prometheus keeps the target's and renames ours to
+    `exported_role`, so a query on the documented label found nothing."""
+    for monitor in by_kind(rendered, "PodMonitor"):
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert not endpoint.get("honorLabels"), "the pod's model/role/revision must win over an engine's own labels"
+            added = POD_MONITOR_TARGET_LABELS | {r["targetLabel"] for r in endpoint["relabelings"]}
+            clashes = {name: labels & added for name, labels in engine_label_names().items() if labels & added}
+            assert clashes == {}, f"{monitor['metadata']['name']}: these labels would reach Prometheus as exported_*"
 
 
 def test_every_metric_the_rules_and_dashboard_read_exists_in_the_code(rule_groups: list[dict[str, Any]]) -> None:

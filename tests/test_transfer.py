@@ -221,7 +221,7 @@ async def test_round_trip_many_interleaved_requests_s3() -> None:
     assert all(e.transfer.state is TransferState.COMPLETE for e in expected)
     switches = sum(a != b for a, b in zip(p.sink.order, p.sink.order[1:]))
     assert switches > 16, "requests were not interleaved on the shared connection"
-    assert p.recv_metric("kvguard_kv_transfers_total", {"role": "receiver", "outcome": "complete"}) == 16
+    assert p.recv_metric("kvguard_kv_transfers_total", {"side": "receiver", "outcome": "complete"}) == 16
 
 
 class RawPeer:

@@ -223,7 +223,7 @@ class RouterMetrics:
         )  # fmt: skip
         self.kept_out = Gauge(
             "kvguard_router_workers_kept_out", "Workers out of rotation because their KV pool is below the ratio (S7)",
-            ["role"], registry=self.registry,
+            ["worker_role"], registry=self.registry,  # not `role`: the scrape's own label (the router's pod)
         )  # fmt: skip
         self.inter_token_latency = Histogram(
             "kvguard_router_inter_token_latency_seconds", "Time between consecutive verified tokens of a generation",

@@ -83,7 +83,7 @@ class TransferMetrics:
                 "kvguard_kv_transfer_chunk_bytes", "KV chunk payload sizes", ["direction"],
                 buckets=_CHUNK_BUCKETS, registry=registry),
             transfers=counter(
-                "kvguard_kv_transfers_total", "Terminal transfer outcomes", ["role", "outcome"]),
+                "kvguard_kv_transfers_total", "Terminal transfer outcomes", ["side", "outcome"]),
             frames_dropped=counter(
                 "kvguard_kv_transfer_frames_dropped_total",
                 "Late, unknown or refused transfer frames dropped (class G, S9)", ["reason"]),
@@ -94,6 +94,8 @@ class TransferMetrics:
     def count_abort(self, cause: AbortCause | str) -> None:
         self.aborts.labels(cause=str(cause)).inc()
 
-    def count_outcome(self, role: str, outcome: TransferOutcome) -> None:
+    def count_outcome(self, side: str, outcome: TransferOutcome) -> None:
+        """`side`: sender or receiver. Not named `role`: the PodMonitor gives every series the
+        pod's role (prefill, decode, router) under that name, and Prometheus would rename ours."""
         label = "complete" if outcome.ok else str(outcome.reason)
-        self.transfers.labels(role=role, outcome=label).inc()
+        self.transfers.labels(side=side, outcome=label).inc()
