@@ -38,6 +38,7 @@ from kvguard.workers.transfer import (
 )
 from kvguard.workers.transfer.channel import FrameReader, FrameWriter, RequestCodec
 from kvguard.workers.transfer.receiver import DuplicateRequestError
+from kvguard.workers.transfer.sender import CONNECT_RETRY_DELAYS_S
 from kvguard.workers.transfer.wire import (
     MAGIC,
     PAGE_LIST_SLACK_BYTES,
@@ -363,7 +364,9 @@ async def test_wrong_revision_key_cannot_even_connect_s3_s9() -> None:
     assert sent.reason is FailureReason.PROTOCOL_ERROR  # decode hung up on its HELLO
     assert outcome.reason is FailureReason.TIMEOUT  # nothing it sent was trusted: only the timer ends it
     assert "did not open the transfer" in outcome.detail
-    assert p.recv_metric("kvguard_hmac_failures_total") == 1
+    # Each try's HELLO refused (prefill tries a connection closed before WELCOME again: it cannot
+    # tell a wrong key from a decode making room under a flood).
+    assert p.recv_metric("kvguard_hmac_failures_total") == 1 + len(CONNECT_RETRY_DELAYS_S)
     assert "r" not in p.sink.applied
 
 
@@ -611,8 +614,8 @@ async def test_what_decode_reads_unverified_is_bounded_by_its_pool_and_its_conne
     """Outside probe (after the fix above): a peer that replayed a HELLO could still announce a
     9 MiB OPEN or MANIFEST header, read whole before its tag, and open connections without limit
     (80 of them: +800 MiB). A receiver that knows its pool (max_pages) refuses a header longer
-    than that many pages take from its prefix, and connections past max_inbound_connections are
-    closed at once; a real transfer still goes through."""
+    than that many pages take from its prefix, and no more than max_inbound_connections stay
+    open (one past it makes another give way); a real transfer still goes through."""
     config = TransferConfig(stall_timeout_s=30.0, max_pages=64, max_inbound_connections=3)
     assert header_bound(FrameType.OPEN, 64) == PAGE_LIST_SLACK_BYTES + 12 * 64 < header_bound(FrameType.OPEN, None)
     async with make_pair(config=config) as p:
@@ -622,11 +625,39 @@ async def test_what_decode_reads_unverified_is_bounded_by_its_pool_and_its_conne
         big = PREFIX.pack(MAGIC, VERSION, FrameType.OPEN, 0, header_bound(FrameType.OPEN, 64) + 1, 0)
         peer.writer.sink.write(big)  # the prefix alone: its header is longer than 64 pages take
         assert await peer.closed_by_decode()
-        held = [await RawPeer.connect(p.dest) for _ in range(3 - len(p.receiver._conn_tasks))]
-        with pytest.raises((ConnectionError, asyncio.IncompleteReadError, AssertionError, TimeoutError)):
-            await RawPeer.connect(p.dest)  # one more than the bound: closed before its WELCOME
+        held = [await RawPeer.connect(p.dest) for _ in range(4)]  # one more than the bound
+        assert len(p.receiver._slots) <= 3
+        assert await held[0].closed_by_decode()  # the oldest that never carried a transfer gave way
         for extra in held:
             extra.close()
+
+
+async def test_a_flood_of_connections_cannot_keep_prefill_out_s9() -> None:
+    """Outside probe: the connection bound counted connections that had sent nothing, and replayed
+    HELLOs that then sat idle: anyone reaching decode's transfer port, without any key, could fill
+    it and every transfer from a prefill not yet connected failed (a new revision, a restart). Now
+    one past the bound makes another give way -- first those not through their handshake, then
+    idle ones that never carried a transfer -- never one carrying a transfer; prefill retries a
+    connection closed before its WELCOME."""
+    config = TransferConfig(stall_timeout_s=30.0, max_inbound_connections=3)
+    async with make_pair(config=config) as p:
+        silent = [await asyncio.open_connection(*p.dest) for _ in range(3)]  # send nothing at all
+        replayed = [await RawPeer.connect(p.dest) for _ in range(3)]  # a HELLO, then nothing
+        e = p.expect("r", [0, 1], [1, 1])
+        assert (await p.sender.send(e.ticket, chunks_of("r", [0, 1]))).ok
+        busy = p.expect("busy", [2], [1])
+        carrier = await RawPeer.connect(p.dest)
+        carrier.open(busy.ticket)
+        await until(lambda: any(s.conn is not None and s.conn.opened for s in p.receiver._slots.values()), "the OPEN")
+        flood = [await RawPeer.connect(p.dest) for _ in range(6)]
+        assert len(p.receiver._slots) <= 3
+        assert not await _closed_soon(carrier)  # carrying a transfer: never gives way
+        f = p.expect("f", [3], [1])
+        assert (await p.sender.send(f.ticket, chunks_of("f", [3]))).ok  # and prefill still gets in
+        for _, writer in silent:
+            writer.close()
+        for peer in (*replayed, *flood, carrier):
+            peer.close()
 
 
 async def _closed_soon(peer: RawPeer) -> bool:

@@ -271,6 +271,7 @@ class KubernetesBackend:
         """Server-side apply of one child, unless it already holds exactly this manifest."""
         desired, digest = with_digest(manifest)
         key, ref = _key(desired), ref_of(desired)
+        live: Mapping[str, Any] | None
         if key[0] in UNWATCHED_KINDS:
             live = await self._read_unwatched(key, ref, model)
         else:

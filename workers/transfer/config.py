@@ -27,8 +27,9 @@ class TransferConfig:
     # Decode: the pages its pool holds. No ticket, chunk or manifest it accepts names more, so the
     # headers it reads before verifying them are bounded by it (wire.header_bound).
     max_pages: int | None = None
-    # Decode: transfer connections at once. Prefill pools max_connections_per_peer to each decode;
-    # a connection past this bound is closed at once (each holds a buffer and one header).
+    # Decode: transfer connections at once (each holds a buffer and one header). Prefill pools
+    # max_connections_per_peer to each decode; one past this bound makes another give way
+    # (KVReceiver._make_room), never one carrying a transfer.
     max_inbound_connections: int = 256
     encryption: Encryption = Encryption.NONE
 

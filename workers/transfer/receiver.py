@@ -26,8 +26,9 @@ import hmac
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvguard.workers.faults import NO_FAULTS, Faults
@@ -139,6 +140,7 @@ class _InboundConnection:
         self.conn_id = conn_id
         self.ack_key = ack_key
         self.opened: dict[str, InboundTransfer] = {}  # demultiplexing index for this connection
+        self.carried = 0  # transfers opened here: only the revision's prefill (the ticket's key) can
         # Requests that ended (or were refused) on this connection: their late frames are still
         # verified, then dropped. Bounded; older ones are simply unknown.
         self.finished: collections.OrderedDict[str, RequestCodec] = collections.OrderedDict()
@@ -151,6 +153,42 @@ class _InboundConnection:
         self.finished[request_id] = codec
         while len(self.finished) > self.remembered:
             self.finished.popitem(last=False)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One inbound connection's place under `max_inbound_connections`."""
+
+    task: asyncio.Task[None]
+    since: float  # when it connected, then when it last carried a frame
+    conn: _InboundConnection | None = None  # once through the handshake
+
+    def give_way_rank(self) -> tuple[int, float] | None:
+        """Which connection makes room for a new one (lowest first, oldest first); None: never."""
+        if self.conn is None:
+            return 0, self.since  # not through its handshake: a scan, a flood, a slow peer
+        if self.conn.opened:
+            return None  # carrying a transfer
+        if not self.conn.carried:
+            return 1, self.since  # a HELLO (replayable) and nothing since: no proof it is prefill
+        return 2, self.since  # prefill's, idle in its pool: it reconnects when it needs one
+
+
+class _Throttled:
+    """A warning an outsider can cause at will (a connection flood on the transfer port): one line
+    per `every_s`, saying how many it stands for, rather than one per connection."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last = -every_s
+        self._count = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            log.warning(message + " (%d such in the last %g s)", *args, self._count, self.every_s)
+            self._last, self._count = now, 0
 
 
 class KVReceiver:
@@ -170,7 +208,8 @@ class KVReceiver:
         self._faults = faults
         self._live: set[InboundTransfer] = set()  # to fail them all at close; not a lookup
         self._server: asyncio.Server | None = None
-        self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._slots: dict[asyncio.Task[None], _Slot] = {}  # every connection open
+        self._closing_log = _Throttled()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> tuple[str, int]:
         """Listen on (host, port), or on an already bound `sock`; returns the bound (host, port)."""
@@ -187,9 +226,10 @@ class KVReceiver:
         """Stop listening, close every connection and fail every transfer still in flight."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._conn_tasks):
+        tasks = list(self._slots)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._conn_tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for transfer in list(self._live):
             self._fail(transfer, FailureReason.CANCELLED, "receiver closed")
         if self._server is not None:
@@ -223,35 +263,51 @@ class KVReceiver:
     async def _serve(self, reader: FrameSource, writer: FrameSink) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._conn_tasks) >= self._config.max_inbound_connections:  # each holds a buffer: bounded
-            log.warning("refusing a transfer connection: %d already open", len(self._conn_tasks))
+        if not self._make_room():  # each connection holds a buffer: bounded
+            self._closing_log.warning("refusing a transfer connection: %d open, each carrying a transfer", len(self._slots))
             writer.close()
             return
-        self._conn_tasks.add(task)
+        slot = self._slots[task] = _Slot(task, time.monotonic())
         conn: _InboundConnection | None = None
         reason, detail = FailureReason.CONNECTION_LOST, "prefill connection closed"
         frames_in = FrameReader(reader, self._config.max_payload_bytes, frame_timeout_s=self._config.stall_timeout_s,
                                 max_pages=self._config.max_pages)  # fmt: skip
         frames_out = FrameWriter(writer)
         try:
-            conn = await self._handshake(frames_in, frames_out)
+            conn = slot.conn = await self._handshake(frames_in, frames_out)
             while conn is not None and (head := await frames_in.read_head()):
                 await self._dispatch(conn, head, frames_in)
+                slot.since = time.monotonic()
                 await writer.drain()
         except HmacError as exc:
             self._metrics.hmac_failures.inc()
             reason, detail = FailureReason.PROTOCOL_ERROR, str(exc)
-            log.warning("closing transfer connection: %s", exc)
+            self._closing_log.warning("closing transfer connection: %s", exc)
         except (ProtocolError, TimeoutError) as exc:
             reason, detail = FailureReason.PROTOCOL_ERROR, str(exc) or "handshake timed out"
-            log.warning("closing transfer connection: %s", detail)
+            self._closing_log.warning("closing transfer connection: %s", detail)
         except (ConnectionError, asyncio.CancelledError) as exc:
             detail = f"prefill connection lost: {exc!r}"
         finally:
             for transfer in list(conn.opened.values()) if conn else ():
                 self._fail(transfer, reason, detail, notify=False)
             writer.close()
-            self._conn_tasks.discard(task)
+            self._slots.pop(task, None)
+
+    def _make_room(self) -> bool:
+        """Under the cap; or one connection gives way: the oldest not through its handshake, else
+        the one idle longest (prefill reconnects: it pools, and retries a connection that fails).
+        The cap bounds memory, never who gets in: a flood of connections that send nothing, or of
+        replayed HELLOs that then sit idle, cannot keep prefill out. One carrying a transfer stays."""
+        if len(self._slots) < self._config.max_inbound_connections:
+            return True
+        ranked = [(rank, slot) for slot in self._slots.values() if (rank := slot.give_way_rank()) is not None]
+        if not ranked:
+            return False
+        _, victim = min(ranked, key=lambda entry: entry[0])
+        del self._slots[victim.task]  # its place is the new one's now; the task ends once cancelled
+        victim.task.cancel()
+        return True
 
     async def _handshake(self, reader: FrameReader, writer: FrameWriter) -> _InboundConnection | None:
         """HELLO in, WELCOME out: the connection's id is both nonces (keys.py)."""
@@ -333,6 +389,7 @@ class KVReceiver:
         transfer.state = advance(transfer.state, TransferState.OPEN)
         transfer.conn, transfer.codec = conn, codec
         conn.opened[transfer.request_id] = transfer
+        conn.carried += 1
         self._arm(transfer, transfer.stall_timeout_s)  # the open timeout's deadline may lie far later
 
     def _refusal(self, conn: _InboundConnection, ticket: Ticket, transfer: InboundTransfer | None) -> tuple[str, str] | None:

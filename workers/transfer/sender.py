@@ -50,6 +50,7 @@ from kvguard.workers.transfer.wire import (
 log = logging.getLogger("kvguard.transfer")
 
 CRASH_EXIT_CODE = 70
+CONNECT_RETRY_DELAYS_S = (0.05, 0.2)  # before the second and third try of a refused connection
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ class KVSender:
             self._metrics.ticket_rejections.labels(reason=exc.reason).inc()
             return self._failed(transfer, FailureReason.TICKET, str(exc))
         try:
-            conn = await self._connection(ticket.address)
+            conn = await self._connection_retrying(ticket.address)
         except (OSError, TimeoutError) as exc:
             return self._failed(transfer, FailureReason.CONNECTION_LOST, f"cannot connect to decode at {ticket.address}: {exc!r}")
         except ProtocolError as exc:
@@ -268,6 +269,20 @@ class KVSender:
         transfer.codec.write(conn.writer, Open(ticket.request_id, ticket.blob))
         transfer.state = advance(transfer.state, TransferState.OPEN)
         return conn
+
+    async def _connection_retrying(self, dest: tuple[str, int]) -> _OutboundConnection:
+        """`_connection`, tried again when decode reset or closed it before its WELCOME: under a
+        connection flood decode makes room by closing others (`KVReceiver._make_room`), and
+        nothing of the transfer has been sent yet. A timeout is not tried again (it took long)."""
+        for delay in CONNECT_RETRY_DELAYS_S:
+            try:
+                return await self._connection(dest)
+            except TimeoutError:
+                raise
+            except (OSError, ProtocolError) as exc:
+                log.info("connecting to decode at %s failed (%r); trying again", dest, exc)
+                await asyncio.sleep(delay)
+        return await self._connection(dest)
 
     def _failed(self, transfer: OutboundTransfer, reason: FailureReason, detail: str) -> TransferOutcome:
         return TransferOutcome(transfer.request_id, False, reason, detail)
