@@ -5,6 +5,7 @@ logs each at ERROR with a traceback (~570 bytes per ~60-byte request) unless
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -49,3 +50,33 @@ async def test_malformed_requests_get_a_400_and_leave_no_error_log(caplog: pytes
         assert not [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
     finally:
         await runner.cleanup()
+
+
+async def test_a_client_gone_while_a_chunk_is_written_is_a_disconnect_not_a_logged_bug(caplog: pytest.LogCaptureFixture) -> None:
+    """Outside soak: when the client closed while the router wrote a chunk, aiohttp raised
+    ConnectionResetError before the handler was cancelled; the router took it for a bug, logged an
+    ERROR with a traceback, and wrote a 500 frame into the closed transport (a second ERROR from
+    aiohttp): about 3% of mid-stream closes, so any client could fill the ERROR log."""
+    from types import SimpleNamespace
+
+    from kvguard.workers.protocol import FinishEvent, TokenEvent
+    from kvguard.workers.router import Router
+
+    class Gone:
+        headers: dict[str, str] = {}
+        writes = 0
+
+        async def write(self, data: bytes) -> None:
+            self.writes += 1
+            raise ConnectionResetError("Cannot write to closing transport")
+
+    async def events():  # type: ignore[no-untyped-def]
+        yield 0, FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=2)
+
+    builder = SimpleNamespace(text_chunk_sse=lambda *_, **__: b"data: {}\n\n")
+    response = Gone()
+    with caplog.at_level(logging.WARNING):
+        returned = await Router._relay(SimpleNamespace(_cut=set()), response, events(), (0, TokenEvent(token_ids=(5,), text="x")),  # type: ignore[arg-type]
+                                       contextlib.nullcontext(), builder, SimpleNamespace(include_usage=False), 1)  # type: ignore[arg-type]
+    assert returned is response and response.writes == 1  # nothing more written into the closed transport
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -919,6 +919,8 @@ class Router:
         except OpenAIError as err:
             # Mid-stream failure: the client gets an error frame and no [DONE], never a clean end.
             await write(sse(err.body()))
+        except ConnectionResetError:  # the client left as a chunk went out (before its handler was
+            return response  # cancelled): its disconnect, not a bug; nothing more can be written
         except Exception:  # a bug: still an error frame and the end of the stream, never a stream left open
             log.exception("request %s: failed mid-stream", response.headers.get(REQUEST_ID_HEADER))
             await write(sse(OpenAIError(500, "internal error", code="internal_error").body()))
