@@ -585,8 +585,9 @@ def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: 
     state = tmp_path / "state"
     (state / "revisions" / "r1").mkdir(parents=True)
     (state / "state.json").write_text('{"version": 2, "revisions": {"r1": ')  # truncated
-    with open(state / "revisions" / "r1" / "router.log", "ab") as log:
-        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=log, stderr=subprocess.STDOUT)
+    with open(state / "revisions" / "r1" / "router.log", "ab") as log:  # a command line like the workers'
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-m", "kvguard", "worker"], stdout=log,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
     try:
         assert main(["apply", "--delete", "--local", "--state-dir", str(state)]) == 0
         assert worker.wait(timeout=30) is not None and not state.exists()
@@ -594,6 +595,25 @@ def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: 
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_delete_of_a_folder_whose_state_json_is_not_kvguards_touches_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: any folder holding a file named state.json passed the check, and with it
+    unreadable, `apply --delete` killed every process logging into the folder (kvguard's or not)
+    and removed the folder with the user's files."""
+    folder = tmp_path / "someones"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "state.json").write_text('{"x": 1}')
+    (folder / "sub" / "data.bin").write_bytes(b"keep")
+    with open(folder / "app.log", "ab") as log:
+        app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert main(["apply", "--delete", "--local", "--state-dir", str(folder)]) == 2
+        assert app.poll() is None and (folder / "sub" / "data.bin").read_bytes() == b"keep"
+        assert "nothing stopped or removed" in capsys.readouterr().err
+    finally:
+        app.kill()
+        app.wait()
 
 
 def test_the_local_driver_runs_no_continuous_canary_and_says_so() -> None:

@@ -74,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--faults", default="", metavar="SPEC",
                         help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
     parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds")
-    parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it (with an unreadable state.json: every process logging into the folder)")
+    parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it (with an unreadable state.json: every kvguard worker logging into the folder; none found: nothing is removed)")
     parser.set_defaults(func=run)
 
 
@@ -250,6 +250,9 @@ def _delete(state_dir: Path) -> int:
             stopped = _stop_unrecorded(state_dir)
         except LocalBackendError as busy:
             return _bad_input(str(busy))
+        if not stopped:  # no kvguard process logs there either: nothing says the folder is kvguard's
+            return _bad_input(f"{exc}; no kvguard worker logs into {state_dir} either, so it may not be a kvguard "
+                              "state folder: nothing stopped or removed (remove it yourself if it is)")  # fmt: skip
         print(f"kvguard apply --delete: {exc}", file=sys.stderr)
         print(f"stopped {stopped} process(es) logging into {state_dir} (its state was unreadable) and removed it")
         shutil.rmtree(state_dir)

@@ -68,6 +68,13 @@ from kvguard.workers.splitter import SPLIT_FILE, SplitBackend, SplitTable, write
 log = logging.getLogger("kvguard.local")
 
 STATE_FILE = "state.json"
+_STARTED_HERE = (b"\0-m\0kvguard\0worker\0", b"\0-m\0kvguard\0splitter\0")
+"""What the command line of every process a state folder starts holds (`python -P -m kvguard ...`)."""
+
+
+def _started_here(cmdline: bytes) -> bool:
+    return any(marker in cmdline for marker in _STARTED_HERE)
+
 SPLITTER_LOG = "splitter.log"
 AFRESH = "move it away to start afresh (`kvguard apply --delete` stops the processes that log into it and removes it)"
 LOCK_FILE = "lock"
@@ -468,14 +475,15 @@ class ProcessTable:
 
     @staticmethod
     def logging_into(folder: Path) -> list[int]:
-        """PIDs of the live processes whose stdout is a file in `folder`: every worker and splitter
-        a state folder started logs there, so they are found even when state.json is unreadable
-        (`kvguard apply --delete`). Empty off Linux."""
+        """PIDs of the live kvguard workers and splitters whose stdout is a file in `folder`: every
+        one a state folder started logs there, so they are found even when state.json is
+        unreadable (`kvguard apply --delete`). Nothing else, whatever logs there (a mistyped
+        --state-dir is someone's folder: outside probe). Empty off Linux."""
         root, found = folder.resolve(), []
         for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
             if entry.name.isdigit() and int(entry.name) != os.getpid():
                 with contextlib.suppress(OSError):
-                    if Path(os.readlink(entry / "fd" / "1")).is_relative_to(root):
+                    if Path(os.readlink(entry / "fd" / "1")).is_relative_to(root) and _started_here((entry / "cmdline").read_bytes()):
                         found.append(int(entry.name))
         return found
 
