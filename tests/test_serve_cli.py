@@ -210,3 +210,33 @@ def test_help_states_the_default_of_every_flag_that_has_one(command: str) -> Non
         if default in (None, False, 0, ()) or not isinstance(default, int | float | str):
             continue  # nothing to state (a port 0 is "a free one", said in the description)
         assert "default" in action.help, (action.option_strings, action.help)
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        ("config", "config.json num_attention_heads: is required"),
+        ("type", "config.json num_hidden_layers: must be an integer, got 'x'"),
+        ("weights", "not a readable safetensors file"),
+    ],
+)
+def test_a_broken_model_folder_is_one_line_naming_what_is_wrong_not_a_traceback(
+    tiny_model_dir: Path, tmp_path: Path, broken: str, message: str
+) -> None:
+    """Outside probe: a config.json missing a field, or a corrupt weights file, made every worker
+    print a 59-line traceback ending in KeyError or SafetensorError, naming neither field nor file."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    if broken == "config":
+        del config["num_attention_heads"]
+    elif broken == "type":
+        config["num_hidden_layers"] = "x"
+    else:
+        (model / "model.safetensors").write_bytes(bytes(range(100)))
+    (model / "config.json").write_text(json.dumps(config))
+    done = _run_serve("--model", str(model))
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -49,12 +50,22 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Raises ValueError naming the field of config.json that is missing or of the wrong type."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json: must be a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls._from_hf_config(cfg)
+        except KeyError as exc:
+            raise ValueError(f"config.json {exc.args[0]}: is required") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
         if cfg.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
-        heads = int(cfg["num_attention_heads"])
+        heads = _number(cfg, "num_attention_heads", int)
         # transformers >= 5 nests theta and scaling under rope_parameters; older configs use
         # rope_theta + rope_scaling at top level.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -66,15 +77,15 @@ class ModelArgs:
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            vocab_size=_number(cfg, "vocab_size", int),
+            hidden_size=_number(cfg, "hidden_size", int),
+            intermediate_size=_number(cfg, "intermediate_size", int),
+            num_layers=_number(cfg, "num_hidden_layers", int),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            num_kv_heads=_number(cfg, "num_key_value_heads", int, heads),
+            head_dim=_number(cfg, "head_dim", int, _number(cfg, "hidden_size", int) // heads),
+            rms_norm_eps=_number(cfg, "rms_norm_eps", float, 1e-6),
+            max_position_embeddings=_number(cfg, "max_position_embeddings", int, 2048),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -88,12 +99,30 @@ class ModelArgs:
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> ModelArgs:
-        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        """Raises OSError (no config.json) or ValueError (one that is not JSON, or a field wrong)."""
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        return cls.from_hf_config(raw)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token across all layers."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _number(cfg: dict[str, Any], name: str, kind: type[int] | type[float], default: float | None = None) -> Any:
+    """cfg[name] as `kind` (absent or null: `default`, else required), naming the field when wrong."""
+    value = cfg.get(name)
+    if value is None:
+        if default is None:
+            raise KeyError(name)
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (kind is int and value != int(value)):
+        raise ValueError(f"config.json {name}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
 
 
 # ---------------------------------------------------------------------------------------- RoPE
@@ -463,7 +492,10 @@ def _read_state_dict(model_dir: Path, device: torch.device) -> dict[str, torch.T
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(model_dir / name), device=str(device)))
+        try:
+            state.update(load_file(str(model_dir / name), device=str(device)))
+        except (SafetensorError, ValueError) as exc:  # a worker's one line, not a traceback
+            raise ValueError(f"{model_dir / name}: not a readable safetensors file ({exc})") from None
     return state
 
 
