@@ -161,3 +161,33 @@ async def test_an_http_route_deleted_or_edited_by_hand_is_applied_again_and_one_
     await patch_model("tiny", {"spec": {"rollout": {"trafficRouter": "service", "steps": [{"weight": 100}]}}})
     await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted: service mode moves all at once")
     await until(lambda: route(cluster) is None, "the HTTPRoute the spec no longer calls for deleted")
+
+
+POOLS = km.resource("inference.networking.k8s.io", "v1", "inferencepools")
+
+
+async def test_inference_pools_an_earlier_operator_made_are_deleted_when_the_router_switches(
+    operator: Any, cluster: Any, serving: LocalDeployment
+) -> None:
+    """Outside probe: the sweep of traffic objects knew only what its own process had applied, so
+    after a restart or a leader hand-over, switching trafficRouter from inferencePool left both
+    revisions' InferencePools behind. The first sweep of a process looks for every revision's."""
+    body = progressive_model()
+    body["spec"]["rollout"].update(trafficRouter="inferencePool", steps=[{"weight": 10, "pause": "1h"}, {"weight": 100}])
+    await apply_model(body)
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await promoted(cluster, rev1)
+    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
+    await mark_ready(cluster, rev2)
+    await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}") == 10, "the route at 10% on pools", CANARY_WAIT)
+    assert sorted(objects_of(cluster, POOLS)) == sorted([f"tiny-{rev1}", f"tiny-{rev2}"])
+
+    await operator.stop()  # a restart (or a hand-over): the next process knows nothing it applied
+    await patch_model("tiny", {"spec": {"rollout": {"trafficRouter": "gatewayAPI"}}})
+    await operator.start()
+    await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}-router") == 10, "the route on Services")
+    await until(lambda: not objects_of(cluster, POOLS), "the InferencePools no route names deleted")

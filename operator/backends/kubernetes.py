@@ -141,6 +141,11 @@ def _key(obj: Mapping[str, Any]) -> ObjectKey:
     return obj["kind"], meta.get("namespace") or "", meta["name"]
 
 
+def _revisions(owned: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The revisions the model's children belong to."""
+    return {r for o in owned if (r := ((o["metadata"].get("labels") or {}).get(LABEL_REVISION)))}
+
+
 def _foreign(ref: ObjectRef, model: ModelRef) -> ForeignObjectError:
     return ForeignObjectError(f"{ref} exists and is not owned by InferenceModel {model.name}; refusing to modify it "
                               "(delete or rename it)", (ref.kind, ref.name, ref.namespace))  # fmt: skip
@@ -200,7 +205,7 @@ class KubernetesBackend:
     async def observe(self, model: ModelRef) -> Observation:
         owned = self._owned(model)
         deployments = [deployment_state(o) for o in owned if o.get("kind") == "Deployment"]
-        present = sorted({r for o in owned if (r := ((o["metadata"].get("labels") or {}).get(LABEL_REVISION)))})
+        present = sorted(_revisions(owned))
         service = next((o for o in owned if o.get("kind") == "Service" and o["metadata"]["name"] == model.name), None)
         serving = (((service or {}).get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
         return Observation(revisions=revision_views(deployments, present), serving=serving)
@@ -239,13 +244,14 @@ class KubernetesBackend:
 
     async def _sweep_traffic(self, model: ModelRef, kept: set[ObjectKey]) -> None:
         """Delete this model's traffic objects outside `kept`: those this process applied, and once
-        per process the model's HTTPRoute (an earlier process may have made it). Never one that is
-        not the model's own."""
+        per process the model's HTTPRoute and the InferencePools of its revisions (an earlier
+        process or leader may have made them). Never one that is not the model's own."""
         made = self._traffic.setdefault(model.key, set())
         made |= kept
         stale = made - kept
         if model.key not in self._traffic_swept:
-            stale |= {("HTTPRoute", model.namespace, route_name(model.name))} - kept
+            earlier = {("InferencePool", model.namespace, inference_pool_name(model.name, r)) for r in _revisions(self._owned(model))}
+            stale |= ({("HTTPRoute", model.namespace, route_name(model.name))} | earlier) - kept
         for key in stale:
             ref = ObjectRef(key[0], key[2], key[1])
             meta = await self.kube.aget_metadata(ref)
