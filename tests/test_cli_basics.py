@@ -158,3 +158,11 @@ def test_a_worker_on_a_busy_port_names_the_port_and_its_flag(tiny_model_dir: Pat
         done = kvguard("worker", "--role", "router", "--model", str(tiny_model_dir), "--port", str(port),
                        "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2")  # fmt: skip
     assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port} (--port): " in done.stderr, done.stderr
+
+
+def test_crds_with_an_empty_output_folder_writes_nothing(tmp_path: Path) -> None:
+    """Outside probe: `-o ''` is Path("."): the CRD files landed in the current folder without a word."""
+    done = subprocess.run([sys.executable, "-P", "-m", "kvguard", "crds", "-o", ""], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "name the folder to write" in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -15,9 +15,16 @@ from typing import Any
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("crds", help="print or write the InferenceModel/InferencePolicy CRDs")
-    parser.add_argument("-o", "--output-dir", type=Path, help="write one YAML file per CRD into this directory")
+    parser.add_argument("-o", "--output-dir", type=_folder, help="write one YAML file per CRD into this directory")
     parser.add_argument("--check", type=Path, metavar="DIR", help="exit 1 if DIR's files differ from the models")
     parser.set_defaults(func=run)
+
+
+def _folder(text: str) -> Path:
+    """An empty -o is refused: Path("") is the current folder, written into without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; name the folder to write")
+    return Path(text)
 
 
 def run(args: argparse.Namespace) -> int:

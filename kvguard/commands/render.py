@@ -2,8 +2,9 @@
 `helm template`), so it can be reviewed and diffed before it is applied.
 
     kvguard render -f model.yaml                       # the spec's revision, serving everything
-    kvguard render -f model.yaml --revision abc123     # abc123 serving, the spec's revision at step 1
-    kvguard render -f model.yaml --revision abc123 --weight 50
+    kvguard render -f model.yaml --revision 0123abcdef    # 0123abcdef serving, the spec's revision at step 1
+    kvguard render -f model.yaml --revision 0123abcdef --weight 50
+    (a revision id is 10 lowercase hex characters, as `kvguard status` shows them)
 
 Objects: each role's Deployment, Service and NetworkPolicy at full scale, the model Service, and,
 with trafficRouter gatewayAPI / inferencePool, the HTTPRoute (and one InferencePool per revision in
