@@ -610,7 +610,13 @@ def test_delete_of_a_folder_whose_state_json_is_not_kvguards_touches_nothing(tmp
     try:
         assert main(["apply", "--delete", "--local", "--state-dir", str(folder)]) == 2
         assert app.poll() is None and (folder / "sub" / "data.bin").read_bytes() == b"keep"
-        assert "nothing stopped or removed" in capsys.readouterr().err
+        said = capsys.readouterr().err
+        assert "nothing stopped or removed" in said and "--delete stops" not in said
+        # Nothing left behind either: a `lock` file made here would pass the next --delete's check
+        # (an audit: moving state.json away as told, a second --delete removed the folder).
+        (folder / "state.json").rename(tmp_path / "moved.json")
+        assert main(["apply", "--delete", "--local", "--state-dir", str(folder)]) == 2
+        assert (folder / "sub" / "data.bin").read_bytes() == b"keep"
     finally:
         app.kill()
         app.wait()

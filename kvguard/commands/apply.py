@@ -241,6 +241,7 @@ def _delete(state_dir: Path) -> int:
         return _bad_input(f"--state-dir {state_dir} is not a kvguard state folder (it holds neither {STATE_FILE} "
                           f"nor {LOCK_FILE}); nothing stopped or removed")  # fmt: skip
     state_dir = state_dir.resolve()  # `--state-dir .` is removed by its name, not as "."
+    had_lock = (state_dir / LOCK_FILE).exists()
     try:
         with LocalBackend(state_dir) as backend:
             backend.stop_all()
@@ -251,8 +252,10 @@ def _delete(state_dir: Path) -> int:
         except LocalBackendError as busy:
             return _bad_input(str(busy))
         if not stopped:  # no kvguard process logs there either: nothing says the folder is kvguard's
-            return _bad_input(f"{exc}; no kvguard worker logs into {state_dir} either, so it may not be a kvguard "
-                              "state folder: nothing stopped or removed (remove it yourself if it is)")  # fmt: skip
+            if not had_lock:  # taken here: left behind, it would pass the check above next time
+                (state_dir / LOCK_FILE).unlink(missing_ok=True)
+            return _bad_input(f"{exc.reason}; no kvguard worker logs into {state_dir} either, so it may not be a "
+                              "kvguard state folder: nothing stopped or removed (remove it yourself if it is)")  # fmt: skip
         print(f"kvguard apply --delete: {exc}", file=sys.stderr)
         print(f"stopped {stopped} process(es) logging into {state_dir} (its state was unreadable) and removed it")
         shutil.rmtree(state_dir)

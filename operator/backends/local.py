@@ -98,6 +98,10 @@ class FrontDoorDown(LocalBackendError):
 class UnreadableState(LocalBackendError):
     """state.json is not a state kvguard wrote, or no longer parses (truncated, edited)."""
 
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}; {AFRESH}")
+        self.reason = reason  # without the advice
+
 
 # --- the state folder -----------------------------------------------------------------------------
 
@@ -258,11 +262,11 @@ class StateStore:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"]) or "the file"
             more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-            raise UnreadableState(f"{path}: unreadable state ({where}: {first['msg']}{more}); {AFRESH}") from None
+            raise UnreadableState(f"{path}: unreadable state ({where}: {first['msg']}{more})") from None
         except (ValueError, OSError) as exc:
-            raise UnreadableState(f"{path}: unreadable state ({exc}); {AFRESH}") from None
+            raise UnreadableState(f"{path}: unreadable state ({exc})") from None
         if "version" not in state.model_fields_set:  # every state kvguard writes has one (`{}` read as empty leaked a deployment)
-            raise UnreadableState(f"{path}: unreadable state (no version: not written by kvguard); {AFRESH}")
+            raise UnreadableState(f"{path}: unreadable state (no version: not written by kvguard)")
         return state
 
     def save(self, state: LocalState) -> None:
