@@ -962,8 +962,6 @@ class _Step:
         return self.stable
 
     def _on_shifting(self) -> None:
-        if self._steps_changed():
-            return
         stable, weight = self._stable_revision(), self.r.weight or 0
         refused = self.world.gate_refusals.get(self.candidate)
         if refused:  # S7: a candidate pod the readiness gate keeps out, found while it takes traffic
@@ -972,6 +970,8 @@ class _Step:
         view = self.view(self.candidate)
         if view is None or not view.ready:
             self._abort("CandidateNotReady", f"revision {self.candidate} lost readiness at {weight}% of traffic")
+            return
+        if self._steps_changed():  # after the checks above: a switch to service promotes only a sound candidate
             return
         if self._record_measurement():
             return

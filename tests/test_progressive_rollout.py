@@ -294,3 +294,15 @@ def test_switching_to_trafficrouter_service_mid_shift_promotes_as_service_mode_d
     d = sim.tick()
     assert d.state == S.STABLE and sim.stable == "r2" and RouteTraffic("r2") in d.actions
     assert "TrafficRouterChanged" in events(d)
+
+
+def test_switching_to_service_as_the_candidate_loses_readiness_fails_the_rollout_rather_than_promoting() -> None:
+    # Audit: the router switch was taken before the readiness check of the same pass, and a
+    # candidate that had just lost readiness was promoted and the stable scaled down.
+    sim = shifting_sim(scaleDownDelaySeconds=0)
+    sim.run_until(S.SHIFTING)
+    sim.spec = InferenceModelSpec.model_validate({**TINY, "rollout": {"trafficRouter": "service", "scaleDownDelaySeconds": 0}})
+    sim.revisions["r2"] = dataclasses.replace(sim.revisions["r2"], ready=False)
+    d = sim.tick()
+    assert d.state in (S.FAILED, S.ROLLED_BACK) and d.stable == "r1" and sim.serving == "r1"
+    assert ScaleRevision("r1", 0) not in d.actions and "CandidateNotReady" in events(d)
