@@ -218,13 +218,17 @@ def test_help_states_the_default_of_every_flag_that_has_one(command: str) -> Non
         ("config", "config.json num_attention_heads: is required"),
         ("type", "config.json num_hidden_layers: must be an integer, got 'x'"),
         ("weights", "not a readable safetensors file"),
+        ("zero", "config.json num_attention_heads: must be above 0, got 0"),
+        ("rope", "config.json rope_scaling: must be an object, got ['x']"),
+        ("shape", "weights do not match config.json"),
     ],
 )
 def test_a_broken_model_folder_is_one_line_naming_what_is_wrong_not_a_traceback(
     tiny_model_dir: Path, tmp_path: Path, broken: str, message: str
 ) -> None:
     """Outside probe: a config.json missing a field, or a corrupt weights file, made every worker
-    print a 59-line traceback ending in KeyError or SafetensorError, naming neither field nor file."""
+    print a 59-line traceback ending in KeyError or SafetensorError, naming neither field nor file
+    (an audit added a zero, a list for an object, and a tensor of the wrong shape)."""
     import shutil
 
     model = tmp_path / "model"
@@ -234,6 +238,16 @@ def test_a_broken_model_folder_is_one_line_naming_what_is_wrong_not_a_traceback(
         del config["num_attention_heads"]
     elif broken == "type":
         config["num_hidden_layers"] = "x"
+    elif broken == "zero":
+        config["num_attention_heads"] = 0
+    elif broken == "rope":
+        config["rope_scaling"] = ["x"]
+    elif broken == "shape":  # a valid file whose tensor is not the shape config.json gives it
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(model / "model.safetensors"))
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+        save_file(tensors, str(model / "model.safetensors"))
     else:
         (model / "model.safetensors").write_bytes(bytes(range(100)))
     (model / "config.json").write_text(json.dumps(config))

@@ -68,8 +68,11 @@ class ModelArgs:
         heads = _number(cfg, "num_attention_heads", int)
         # transformers >= 5 nests theta and scaling under rope_parameters; older configs use
         # rope_theta + rope_scaling at top level.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+        if not isinstance(rope := cfg.get(rope_field) or {}, dict):
+            raise ValueError(f"config.json {rope_field}: must be an object, got {rope!r}")
+        rope = dict(rope)
+        theta = _number({"rope_theta": rope.pop("rope_theta", cfg.get("rope_theta"))}, "rope_theta", float, 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         eos = cfg.get("eos_token_id")
@@ -114,7 +117,8 @@ class ModelArgs:
 
 
 def _number(cfg: dict[str, Any], name: str, kind: type[int] | type[float], default: float | None = None) -> Any:
-    """cfg[name] as `kind` (absent or null: `default`, else required), naming the field when wrong."""
+    """cfg[name] as `kind` (absent or null: `default`, else required), naming the field when wrong.
+    Every number read this way is a size, a count or an epsilon: it must be above 0."""
     value = cfg.get(name)
     if value is None:
         if default is None:
@@ -122,6 +126,8 @@ def _number(cfg: dict[str, Any], name: str, kind: type[int] | type[float], defau
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (kind is int and value != int(value)):
         raise ValueError(f"config.json {name}: must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"config.json {name}: must be above 0, got {value!r}")
     return kind(value)
 
 
@@ -510,7 +516,10 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
     if args.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v.to(dtype) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:  # a tensor of another shape than config.json gives it
+        raise ValueError(f"{model_dir}: weights do not match config.json: {str(exc).strip().splitlines()[-1].strip()}") from None
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match config.json: missing={missing} unexpected={unexpected}")
     if args.tie_word_embeddings:
