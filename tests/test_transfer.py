@@ -636,13 +636,22 @@ async def test_a_flood_of_connections_cannot_keep_prefill_out_s9() -> None:
     """Outside probe: the connection bound counted connections that had sent nothing, and replayed
     HELLOs that then sat idle: anyone reaching decode's transfer port, without any key, could fill
     it and every transfer from a prefill not yet connected failed (a new revision, a restart). Now
-    one past the bound makes another give way -- first those not through their handshake, then
-    idle ones that never carried a transfer -- never one carrying a transfer; prefill retries a
-    connection closed before its WELCOME."""
-    config = TransferConfig(stall_timeout_s=30.0, max_inbound_connections=3)
+    connections in their handshake and through it have bounds of their own, and one past a bound
+    makes another of its kind give way -- the oldest in its handshake; through it, the oldest
+    that only sent a HELLO -- never one carrying a transfer; prefill retries a connection closed
+    before its WELCOME."""
+    config = TransferConfig(stall_timeout_s=30.0, max_inbound_connections=3, max_handshaking_connections=2)
+
+    def counts(p: Pair) -> tuple[int, int]:
+        slots = p.receiver._slots.values()
+        return sum(s.conn is None for s in slots), sum(s.conn is not None for s in slots)
+
     async with make_pair(config=config) as p:
         silent = [await asyncio.open_connection(*p.dest) for _ in range(3)]  # send nothing at all
-        replayed = [await RawPeer.connect(p.dest) for _ in range(3)]  # a HELLO, then nothing
+        await until(lambda: counts(p)[0] == 2, "the silent ones at their bound")
+        replayed = [await RawPeer.connect(p.dest) for _ in range(4)]  # a HELLO, then nothing
+        assert counts(p)[1] == 3 and await replayed[0].closed_by_decode()  # the oldest, not the newest
+        assert not await _closed_soon(replayed[-1])
         e = p.expect("r", [0, 1], [1, 1])
         assert (await p.sender.send(e.ticket, chunks_of("r", [0, 1]))).ok
         busy = p.expect("busy", [2], [1])
@@ -650,7 +659,7 @@ async def test_a_flood_of_connections_cannot_keep_prefill_out_s9() -> None:
         carrier.open(busy.ticket)
         await until(lambda: any(s.conn is not None and s.conn.opened for s in p.receiver._slots.values()), "the OPEN")
         flood = [await RawPeer.connect(p.dest) for _ in range(6)]
-        assert len(p.receiver._slots) <= 3
+        assert counts(p)[1] <= 3
         assert not await _closed_soon(carrier)  # carrying a transfer: never gives way
         f = p.expect("f", [3], [1])
         assert (await p.sender.send(f.ticket, chunks_of("f", [3]))).ok  # and prefill still gets in

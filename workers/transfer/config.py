@@ -31,6 +31,9 @@ class TransferConfig:
     # max_connections_per_peer to each decode; one past this bound makes another give way
     # (KVReceiver._make_room), never one carrying a transfer.
     max_inbound_connections: int = 256
+    # Decode: connections still in their handshake (HELLO not yet verified); one past it makes
+    # the oldest of them give way.
+    max_handshaking_connections: int = 64
     encryption: Encryption = Encryption.NONE
 
     def __post_init__(self) -> None:
@@ -40,8 +43,10 @@ class TransferConfig:
             raise ValueError("timeouts must be > 0 seconds")
         if not 0 < self.max_payload_bytes <= 1 << 30:
             raise ValueError("max_payload_bytes must be in (0, 1 GiB]")
-        if self.max_connections_per_peer < 1 or self.remembered_per_connection < 1:
-            raise ValueError("max_connections_per_peer and remembered_per_connection must be >= 1")
+        if min(self.max_connections_per_peer, self.remembered_per_connection, self.max_inbound_connections,
+               self.max_handshaking_connections) < 1:  # fmt: skip
+            raise ValueError("max_connections_per_peer, remembered_per_connection, max_inbound_connections and "
+                             "max_handshaking_connections must be >= 1")
         if self.encryption is not Encryption.NONE and not self.verify_integrity:
             raise ValueError("encryption needs integrity on (the request keys come with it)")
 

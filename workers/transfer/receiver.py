@@ -263,10 +263,7 @@ class KVReceiver:
     async def _serve(self, reader: FrameSource, writer: FrameSink) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if not self._make_room():  # each connection holds a buffer: bounded
-            self._closing_log.warning("refusing a transfer connection: %d open, each carrying a transfer", len(self._slots))
-            writer.close()
-            return
+        self._make_room(established=False)  # each connection holds a buffer: bounded
         slot = self._slots[task] = _Slot(task, time.monotonic())
         conn: _InboundConnection | None = None
         reason, detail = FailureReason.CONNECTION_LOST, "prefill connection closed"
@@ -274,7 +271,10 @@ class KVReceiver:
                                 max_pages=self._config.max_pages)  # fmt: skip
         frames_out = FrameWriter(writer)
         try:
-            conn = slot.conn = await self._handshake(frames_in, frames_out)
+            conn = await self._handshake(frames_in, frames_out)
+            if conn is not None and not self._make_room(established=True):
+                raise ProtocolError(f"{self._config.max_inbound_connections} transfer connections open, each carrying a transfer")
+            conn = slot.conn = conn
             while conn is not None and (head := await frames_in.read_head()):
                 await self._dispatch(conn, head, frames_in)
                 slot.since = time.monotonic()
@@ -294,13 +294,25 @@ class KVReceiver:
             writer.close()
             self._slots.pop(task, None)
 
-    def _make_room(self) -> bool:
-        """Under the cap; or one connection gives way: the oldest not through its handshake, else
-        the one idle longest (prefill reconnects: it pools, and retries a connection that fails).
-        The cap bounds memory, never who gets in: a flood of connections that send nothing, or of
-        replayed HELLOs that then sit idle, cannot keep prefill out. One carrying a transfer stays."""
-        if len(self._slots) < self._config.max_inbound_connections:
+    def _make_room(self, established: bool) -> bool:
+        """Room for one more connection still in its handshake (`max_handshaking_connections`) or
+        through it (`max_inbound_connections`): under the bound, or one of the same kind gives way
+        -- in its handshake, the oldest; through it, the oldest that sent only a HELLO
+        (replayable), then prefill's oldest idle one (it reconnects when it needs one); never one
+        carrying a transfer. So the bounds limit memory, not who gets in: a flood of connections
+        that send nothing, or of replayed HELLOs, cannot keep prefill out, and what a new
+        connection evicts is never the one that just got through. False: all carry transfers."""
+        peers = [slot for slot in self._slots.values() if (slot.conn is not None) is established]
+        bound = self._config.max_inbound_connections if established else self._config.max_handshaking_connections
+        if len(peers) < bound:
             return True
+        ranked = [(rank, slot) for slot in peers if (rank := slot.give_way_rank()) is not None]
+        if not ranked:
+            return False
+        _, victim = min(ranked, key=lambda entry: entry[0])
+        del self._slots[victim.task]  # its place is the new one's now; the task ends once cancelled
+        victim.task.cancel()
+        return True
         ranked = [(rank, slot) for slot in self._slots.values() if (rank := slot.give_way_rank()) is not None]
         if not ranked:
             return False

@@ -50,7 +50,7 @@ from kvguard.workers.transfer.wire import (
 log = logging.getLogger("kvguard.transfer")
 
 CRASH_EXIT_CODE = 70
-CONNECT_RETRY_DELAYS_S = (0.05, 0.2)  # before the second and third try of a refused connection
+CONNECT_RETRY_DELAYS_S = (0.05, 0.2, 0.5)  # before each further try of a connection refused before WELCOME
 
 
 @dataclass(frozen=True)
