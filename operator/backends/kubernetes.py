@@ -161,7 +161,7 @@ class KubernetesBackend:
         self._applied: dict[ObjectKey, Applied] = {}
         self._verified_secrets: set[ObjectKey] = set()
         self._traffic: dict[tuple[str, str], set[ObjectKey]] = {}  # per model: the traffic objects applied
-        self._traffic_swept: set[tuple[str, str]] = set()  # models whose leftover HTTPRoute was looked for
+        self._traffic_swept: set[tuple[str, str]] = set()  # models whose earlier HTTPRoute and pools were looked for
 
     # --- the Backend interface ------------------------------------------------------------------
     async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:

@@ -140,7 +140,7 @@ class _InboundConnection:
         self.conn_id = conn_id
         self.ack_key = ack_key
         self.opened: dict[str, InboundTransfer] = {}  # demultiplexing index for this connection
-        self.carried = 0  # transfers opened here: only the revision's prefill (the ticket's key) can
+        self.carried = 0  # transfers opened here (an OPEN needs a ticket: only the revision's prefill has them)
         # Requests that ended (or were refused) on this connection: their late frames are still
         # verified, then dropped. Bounded; older ones are simply unknown.
         self.finished: collections.OrderedDict[str, RequestCodec] = collections.OrderedDict()
@@ -157,7 +157,7 @@ class _InboundConnection:
 
 @dataclass(eq=False)
 class _Slot:
-    """One inbound connection's place under `max_inbound_connections`."""
+    """One inbound connection's place under decode's connection bounds (`KVReceiver._make_room`)."""
 
     task: asyncio.Task[None]
     since: float  # when it connected, then when it last carried a frame
@@ -274,7 +274,7 @@ class KVReceiver:
             conn = await self._handshake(frames_in, frames_out)
             if conn is not None and not self._make_room(established=True):
                 raise ProtocolError(f"{self._config.max_inbound_connections} transfer connections open, each carrying a transfer")
-            conn = slot.conn = conn
+            slot.conn = conn
             while conn is not None and (head := await frames_in.read_head()):
                 await self._dispatch(conn, head, frames_in)
                 slot.since = time.monotonic()
