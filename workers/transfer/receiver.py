@@ -187,7 +187,7 @@ class _Throttled:
         self._count += 1
         now = time.monotonic()
         if now - self._last >= self.every_s:
-            log.warning(message + " (%d such in the last %g s)", *args, self._count, self.every_s)
+            log.warning(message + " (%d such since the last line like it)", *args, self._count)
             self._last, self._count = now, 0
 
 
@@ -307,13 +307,6 @@ class KVReceiver:
         if len(peers) < bound:
             return True
         ranked = [(rank, slot) for slot in peers if (rank := slot.give_way_rank()) is not None]
-        if not ranked:
-            return False
-        _, victim = min(ranked, key=lambda entry: entry[0])
-        del self._slots[victim.task]  # its place is the new one's now; the task ends once cancelled
-        victim.task.cancel()
-        return True
-        ranked = [(rank, slot) for slot in self._slots.values() if (rank := slot.give_way_rank()) is not None]
         if not ranked:
             return False
         _, victim = min(ranked, key=lambda entry: entry[0])
