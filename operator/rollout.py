@@ -525,7 +525,8 @@ class _Step:
         if self.r.revision is None:
             self._enter_or_supersede()  # first sight of this model
         if self._paused():
-            return self._decision()  # a pause freezes everything, supersedes included
+            self._keep_traffic()
+            return self._decision()  # a pause freezes everything else, supersedes included
         self._enter_or_supersede()
         self._retry()
         for _ in range(len(RolloutState)):  # a chain of immediate transitions, never a loop
@@ -641,7 +642,8 @@ class _Step:
         pause = self.annotation(PAUSE_ANNOTATION) == "true"
         if pause and self.r.state != RolloutState.PAUSED:
             self.r.paused_from = self.r.state
-            self.move(RolloutState.PAUSED, "Paused", f"paused by {PAUSE_ANNOTATION}; nothing changes until it is removed")
+            self.move(RolloutState.PAUSED, "Paused", f"paused by {PAUSE_ANNOTATION}; nothing changes until it is removed "
+                      "(the traffic in force stays applied)")
             self.event("Normal", "RolloutPaused", self.r.message or "")
         if pause:
             self.condition("Progressing", "False", "Paused", self.r.message or "paused")
@@ -652,6 +654,17 @@ class _Step:
             self.move(resume, "Resumed", f"resumed in {resume.value}")
             self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
         return False
+
+    def _keep_traffic(self) -> None:
+        """While paused, the split in force is applied again as it stands (as Argo Rollouts keeps
+        a paused step's weight): a pause changes nothing, but a route deleted during it must not
+        leave the model's gateway clients without one until it is lifted."""
+        if self.stable is None:
+            return
+        if self.r.paused_from == RolloutState.SHIFTING and self.r.weight is not None:
+            self.actions.append(SetTrafficWeight(self.stable, self.candidate, self.r.weight))
+        else:
+            self.actions.append(RouteTraffic(self.stable))
 
     def _retry(self) -> None:
         retry = self.annotation(RETRY_ANNOTATION) or ""
@@ -973,6 +986,7 @@ class _Step:
             return
         if self._steps_changed():  # after the checks above: a switch to service promotes only a sound candidate
             return
+        self._policy_condition()  # said again: a pass halted by a foreign object or a bad spec set it Unknown
         if self._record_measurement():
             return
         if not self._advance():

@@ -190,3 +190,28 @@ async def test_inference_pools_an_earlier_operator_made_are_deleted_when_the_rou
     await operator.start()
     await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}-router") == 10, "the route on Services")
     await until(lambda: not objects_of(cluster, POOLS), "the InferencePools no route names deleted")
+
+
+async def test_a_pool_applied_before_a_foreign_one_blocked_the_switch_is_deleted_when_the_switch_is_reverted(
+    cluster: Any, serving: LocalDeployment
+) -> None:
+    """Outside probe: the traffic objects of a pass were recorded only once all were applied, so
+    when a foreign InferencePool refused the second, the first (ours) was never swept. A foreign
+    one is never touched, here or anywhere (docs/operator.md, "Foreign objects")."""
+    body = progressive_model()
+    body["spec"]["rollout"]["steps"] = [{"weight": 10, "pause": "1h"}, {"weight": 100}]
+    rev1, rev2 = await second_revision_shifting(cluster, body)
+    await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}-router") == 10, "the route at 10%", CANARY_WAIT)
+    ns = route(cluster)["metadata"]["namespace"]  # type: ignore[index]
+    foreign = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+               "metadata": {"name": f"tiny-{rev2}", "namespace": ns, "labels": {"team": "someone-else"}},
+               "spec": {"selector": {"matchLabels": {"app": "theirs"}}, "targetPorts": [{"number": 9000}]}}  # fmt: skip
+    await http("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools", foreign)
+    await patch_model("tiny", {"spec": {"rollout": {"trafficRouter": "inferencePool"}}})
+    await until(lambda: f"tiny-{rev1}" in objects_of(cluster, POOLS), "our pool for rev1 applied before the foreign one refused")
+    await until(lambda: any(c["type"] == "Degraded" and c["reason"] == "ForeignObject" for c in status_of(cluster).get("conditions", [])),
+                "Degraded: ForeignObject")  # fmt: skip
+    await patch_model("tiny", {"spec": {"rollout": {"trafficRouter": "gatewayAPI"}}})
+    await until(lambda: f"tiny-{rev1}" not in objects_of(cluster, POOLS), "our rev1 pool deleted once no route names it")
+    theirs = json.loads(json.dumps(objects_of(cluster, POOLS)[f"tiny-{rev2}"].raw))
+    assert theirs["metadata"]["labels"] == {"team": "someone-else"} and theirs["spec"]["targetPorts"] == [{"number": 9000}]

@@ -14,6 +14,7 @@ from test_rollout import EXAMPLES, READY, S, Sim, assert_stable_untouched, condi
 
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.rollout import (
+    PAUSE_ANNOTATION,
     RETRY_ANNOTATION,
     ROLLBACK_ANNOTATION,
     AnalysisOutcome,
@@ -306,3 +307,25 @@ def test_switching_to_service_as_the_candidate_loses_readiness_fails_the_rollout
     d = sim.tick()
     assert d.state in (S.FAILED, S.ROLLED_BACK) and d.stable == "r1" and sim.serving == "r1"
     assert ScaleRevision("r1", 0) not in d.actions and "CandidateNotReady" in events(d)
+
+
+def test_a_pause_mid_shift_keeps_the_split_in_force_applied() -> None:
+    # Outside probe: while paused, no action at all was taken, so an HTTPRoute deleted during a
+    # pause stayed gone (the gateway had no route for the model) until the pause was lifted.
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    d = sim.tick()
+    assert d.state == S.PAUSED and d.of_type(SetTrafficWeight) == [SetTrafficWeight("r1", "r2", 10)]
+    sim.route = {}  # deleted by hand
+    d = sim.later(3600)
+    assert d.state == S.PAUSED and (d.rollout.step, d.rollout.weight) == (0, 10) and sim.route == {"r1": 90, "r2": 10}
+
+
+def test_policy_compliance_is_said_again_on_every_pass_of_a_shift() -> None:
+    # Outside probe: a pass halted by a foreign object set PolicyCompliant Unknown ("not judged
+    # while the rollout is halted"), and nothing in Shifting said it again until the promotion.
+    sim = shifting_sim()
+    sim.run_until(S.SHIFTING)
+    d = sim.later(30)
+    assert conditions(d)["PolicyCompliant"] == ("True", "Compliant")

@@ -468,11 +468,12 @@ def test_pause_freezes_everything_and_resume_continues_in_the_same_state(state: 
     sim = _sim_in(state)
     sim.annotations[PAUSE_ANNOTATION] = "true"
     d = sim.tick()
-    assert d.state == S.PAUSED and d.rollout.paused_from == state and workload(d) == []
+    # Nothing changes; only the traffic in force is applied again (a route deleted meanwhile comes back).
+    assert d.state == S.PAUSED and d.rollout.paused_from == state and workload(d) == [RouteTraffic(d.stable)]
     assert conditions(d)["Progressing"] == ("False", "Paused") and events(d) == ["RolloutPaused"]
     sim.target = "r9"  # not even a new spec moves it while paused
     d = sim.tick()
-    assert d.state == S.PAUSED and workload(d) == [] and events(d) == []
+    assert d.state == S.PAUSED and workload(d) == [RouteTraffic(d.stable)] and events(d) == []
     sim.target = "r2" if state != S.STABLE else "r1"
     del sim.annotations[PAUSE_ANNOTATION]
     d = sim.decide()

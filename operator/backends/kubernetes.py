@@ -238,8 +238,10 @@ class KubernetesBackend:
         to service, or from inferencePool to gatewayAPI): a route left behind would keep sending
         traffic to a revision that is scaled to zero."""
         model, wanted = request.model, render_traffic(request.spec, _owner(request.model), shares)
+        made = self._traffic.setdefault(model.key, set())
         for manifest in wanted:
             await self.apply(manifest, model)
+            made.add(_key(manifest))  # one at a time: a later one refused (foreign) leaves this one known
         await self._sweep_traffic(model, {_key(m) for m in wanted})
 
     async def _sweep_traffic(self, model: ModelRef, kept: set[ObjectKey]) -> None:
@@ -247,7 +249,6 @@ class KubernetesBackend:
         per process the model's HTTPRoute and the InferencePools of its revisions (an earlier
         process or leader may have made them). Never one that is not the model's own."""
         made = self._traffic.setdefault(model.key, set())
-        made |= kept
         stale = made - kept
         if model.key not in self._traffic_swept:
             earlier = {("InferencePool", model.namespace, inference_pool_name(model.name, r)) for r in _revisions(self._owned(model))}
