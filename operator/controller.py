@@ -329,6 +329,7 @@ class Controller:
         self.runner.forget((key[0] or "default", key[1]))
         self.continuous.forget((key[0] or "default", key[1]))
         self.memory.forget(key)
+        self.backend.forget_model(key)
         self.queue.forget(key)
         self._waits.pop(key, None)
         self._failures.pop(key, None)

@@ -22,6 +22,7 @@ from kmock_api import ApiServer
 from operator_harness import (
     CANARY_WAIT,
     DEPLOYMENTS,
+    NS,
     apply_model,
     http,
     mark_ready,
@@ -190,6 +191,11 @@ async def test_inference_pools_an_earlier_operator_made_are_deleted_when_the_rou
     await operator.start()
     await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}-router") == 10, "the route on Services")
     await until(lambda: not objects_of(cluster, POOLS), "the InferencePools no route names deleted")
+    backend = operator.controller.backend
+    assert any(key[1] == "tiny" for key in backend._traffic)
+    await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
+    await until(lambda: not any(key[1] == "tiny" for key in (*backend._traffic, *backend._traffic_swept)),
+                "what the backend kept of the deleted model forgotten")  # fmt: skip
 
 
 async def test_a_pool_applied_before_a_foreign_one_blocked_the_switch_is_deleted_when_the_switch_is_reverted(

@@ -316,6 +316,12 @@ class KubernetesBackend:
             return True
         return False
 
+    def forget_model(self, model: tuple[str, str]) -> None:
+        """The model is gone (its children with it, by owner reference): what was kept of it goes."""
+        for key in {model, (model[0] or "default", model[1])}:
+            self._traffic.pop(key, None)
+            self._traffic_swept.discard(key)
+
     def forget(self, key: ObjectKey) -> None:
         """A child was deleted (its watch said so): apply it again when it is wanted."""
         self._applied.pop(key, None)
