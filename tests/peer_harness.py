@@ -8,7 +8,7 @@ accelerate) on a local model folder, offline. It answers /v1/models (without max
 than the model's context is answered with HTTP 200 and tokens (seen with transformers 5.24.0).
 
 `FaultProxy` sits between the canary and the peer and reproduces, at the HTTP level, the bug
-classes of `shared/reference/pd-bug-classes.md`. In `healthy` mode it is the admission check a
+classes of `../shared/reference/pd-bug-classes.md`. In `healthy` mode it is the admission check a
 router puts in front of an engine (prompt + max_tokens over the context length -> 400 with the
 OpenAI error body, counted with the model's own tokenizer) and exports a vLLM-format
 `vllm:cache_config_info` for the capacity probe (the pool size is the proxy's claim: the peer has
