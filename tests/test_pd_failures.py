@@ -218,6 +218,25 @@ def test_a_prefill_that_hangs_after_the_transfer_ends_the_request_at_the_request
         assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
 
 
+def test_choices_queued_behind_their_own_siblings_wait_while_the_request_produces(tiny_model_dir: Path) -> None:
+    """Outside probe: n choices need n times the pages, so on a pool of 2 contexts the later
+    choices of one request wait in decode's queue behind its earlier ones. They shared one
+    first-token deadline, so a request streaming tokens the whole time got a 504 (n=8 after 1 s,
+    with --request-timeout 1). The deadline now moves on while any choice produces: --request-timeout
+    bounds waiting, not generating, for a request as for one generation."""
+    request_timeout = 2.0
+    with deployment(tiny_model_dir, kv_pool_tokens=2048, request_timeout_s=request_timeout) as d:
+        started = time.monotonic()
+        answer = client(d).completions.create(model=served_model(d), prompt="a", max_tokens=1000, n=8, temperature=0,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        took = time.monotonic() - started
+        assert sorted(c.index for c in answer.choices) == list(range(8))
+        assert {c.finish_reason for c in answer.choices} == {"length"} and answer.usage.completion_tokens == 8000  # type: ignore[union-attr]
+        assert len({c.text for c in answer.choices}) == 1  # greedy: every choice the same
+        assert took > request_timeout  # the later choices waited longer than the timeout, producing all along
+        assert metric(d, "router", "kvguard_aborts_total") == 0
+
+
 def test_a_generation_that_keeps_producing_outlives_the_request_timeout(tiny_model_dir: Path) -> None:
     """--request-timeout is not a cap on a generation's length: an outside probe found every
     generation longer than 120 s cut off with a 504 (max_tokens defaults to the rest of the context)."""

@@ -617,10 +617,10 @@ class Router:
                 echo=[p.text for p in prompts for _ in range(body.choices_per_prompt)], include_usage=body.include_usage,
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
-            first_token_by = await self._take_slots(len(choices))
+            siblings = Siblings(await self._take_slots(len(choices)), self.config.request_timeout_s)
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate = functools.partial(self._generate, first_token_by=first_token_by, ending=ending, siblings=Siblings())
+                generate = functools.partial(self._generate, ending=ending, siblings=siblings)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
@@ -947,7 +947,7 @@ class Router:
 
     # -- the two legs ----------------------------------------------------------------------
     async def _generate(
-        self, request: GenerateRequest, first_token_by: float, ending: list[asyncio.Task[None]], siblings: Siblings
+        self, request: GenerateRequest, ending: list[asyncio.Task[None]], siblings: Siblings
     ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
@@ -970,10 +970,11 @@ class Router:
         stack = contextlib.AsyncExitStack()
         channel: OpenChannel | None = None
         try:
-            events, channel = await self._call_decode(request, decode.url, first_token_by, stack)
-            # Until the first token, the request's whole wait (its slot included) is bounded by first_token_by.
+            events, channel = await self._call_decode(request, decode.url, siblings, stack)
+            # Until the first token, the request's whole wait (its slot included) is bounded by its
+            # first-token deadline, which its other choices' tokens move on (Siblings).
             while (event := await (_next_event(events, prefill_task) if tokens else
-                                   _by(first_token_by, _next_event(events, prefill_task)))) is not None:  # fmt: skip
+                                   siblings.within(_next_event(events, prefill_task)))) is not None:  # fmt: skip
                 if isinstance(event, BootstrapEvent):
                     if ticket.done():
                         raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
@@ -990,6 +991,7 @@ class Router:
                     # (that it sent it all) is only awaited before the request ends cleanly.
                     if isinstance(event, TokenEvent) and event.token_ids:
                         tokens, last_token = self._observe_latency(event, tokens, started, last_token)
+                        siblings.progressed()
                     if isinstance(event, FinishEvent):
                         # Bounded as every wait of the request is: a prefill that hangs after the
                         # transfer would otherwise hold the client and its slot for ever (S4).
@@ -1033,12 +1035,12 @@ class Router:
                 await stack.aclose()
 
     async def _call_decode(
-        self, request: GenerateRequest, url: str, first_token_by: float, stack: contextlib.AsyncExitStack
+        self, request: GenerateRequest, url: str, siblings: Siblings, stack: contextlib.AsyncExitStack
     ) -> tuple[AsyncIterator[DecodeEvent], OpenChannel | None]:
         """The decode leg's call, and its events: on its own stream, or after the handoff on the
         token channel to that worker (and that channel). Decode's answer stays open on `stack` until
         the aborts have gone out: closing it first would read on decode as a client disconnect,
-        whatever the cause. Its headers come once decode has the pages: within first_token_by."""
+        whatever the cause. Its headers come once decode has the pages: within the first-token deadline."""
         reader = self._channel_reader(url)
         if reader is None:
             # A bound on waiting, not on generating: no event from decode for request_timeout_s (no
@@ -1046,7 +1048,7 @@ class Router:
             # 504, while a long generation that keeps producing runs to its max_tokens.
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
             call = self.control.post(self.http, f"{url}/internal/decode", request, timeout=timeout)
-            resp = await _by(first_token_by, stack.enter_async_context(call))
+            resp = await siblings.within(stack.enter_async_context(call))
             if resp.status != 200:
                 raise await _upstream_error(resp)
             return _decode_events(resp), None
@@ -1054,12 +1056,12 @@ class Router:
         # events applies to its inbox (_channel_events).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         for _ in range(2):
-            channel = await _by(first_token_by, _open(reader))
+            channel = await siblings.within(_open(reader))
             inbox = channel.subscribe(request.request_id)  # before the call: no event can come first
             try:
                 call = self.control.post(self.http, f"{url}/internal/decode",
                                          DecodeRequest.model_construct(**dict(request), channel=channel.id), timeout=timeout)  # fmt: skip
-                resp = await _by(first_token_by, stack.enter_async_context(call))
+                resp = await siblings.within(stack.enter_async_context(call))
                 if resp.status == 200:
                     return _channel_events(resp, inbox, self.config.request_timeout_s), channel
                 error = await _upstream_error(resp)
@@ -1344,11 +1346,35 @@ def _first_openai_error(group: BaseExceptionGroup) -> BaseException:
 
 @dataclass
 class Siblings:
-    """The choices (generations) of one request. One that fails ends the others; they then count
-    as `sibling_failed`, not as a client disconnect: the client never left, and the alerts that
-    leave disconnects out must see them."""
+    """The choices (generations) of one request, and what they share:
+    - Their first-token deadline (--request-timeout from the request's arrival, its slot wait
+      included), moved on while any of them produces tokens: a choice can wait in decode's queue
+      behind its own siblings (n choices need n times the pages), and a request that keeps
+      producing is not waiting (outside probe: n=8 streamed tokens for 1 s, then got a 504).
+    - Whether one failed: it ends the others, which then count as `sibling_failed`, not as a
+      client disconnect (the client never left; the alerts that leave disconnects out see them)."""
 
+    first_token_by: float  # loop time
+    request_timeout_s: float
     failed: bool = False
+    _waiting: set[asyncio.Timeout] = field(default_factory=set)
+
+    async def within(self, waiting: Awaitable[T]) -> T:
+        """`waiting`, or TimeoutError at the first-token deadline (which may move on meanwhile)."""
+        async with asyncio.timeout_at(self.first_token_by) as timer:
+            self._waiting.add(timer)
+            try:
+                return await waiting
+            finally:
+                self._waiting.discard(timer)
+
+    def progressed(self) -> None:
+        """A choice produced tokens: the others' deadline is --request-timeout from now."""
+        later = asyncio.get_running_loop().time() + self.request_timeout_s
+        if later > self.first_token_by:
+            self.first_token_by = later
+            for timer in self._waiting:
+                timer.reschedule(later)
 
 
 Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
