@@ -45,6 +45,19 @@ def _outcome(d: LocalDeployment, prompt: str, max_tokens: int = 12) -> tuple[str
         return "error", str(err.code)
 
 
+def ends_at_the_router_timeout(d: LocalDeployment, prompt: str, at_least: float, under: float, client_timeout: float = 30.0) -> None:
+    """A completion of `prompt` ends with the router's 504 `timeout` after at_least..under seconds,
+    its legs aborted by that cause (one abort at the router) and both pools empty."""
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(d, timeout=client_timeout).completions.create(model=served_model(d), prompt=prompt, max_tokens=4)
+    took = time.monotonic() - started
+    assert (caught.value.status_code, caught.value.code) == (504, "timeout")
+    assert at_least <= took < under
+    wait_pools_empty(d)
+    assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
+
+
 def _check_mixed_outcomes(d: LocalDeployment, model_dir: Path, expected_code: str, n: int = 12) -> None:
     """Some requests fail (cleanly, with `expected_code`), the rest give exactly their solo output."""
     prompts = [f"request {i} " + "y" * (3 * i) for i in range(n)]
@@ -147,14 +160,7 @@ def test_the_router_ends_a_request_that_waits_too_long_for_a_token_s4(tiny_model
     request_timeout = 1.5
     with deployment(tiny_model_dir, f"delay_chunk_ms={CHUNK_DELAY_S * 1000}", transfer_timeout_s=CHUNK_DELAY_S / 2,
                     request_timeout_s=request_timeout) as d:  # fmt: skip
-        started = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as caught:
-            client(d).completions.create(model=served_model(d), prompt="stalled", max_tokens=4)
-        took = time.monotonic() - started
-        assert (caught.value.status_code, caught.value.code) == (504, "timeout")
-        assert request_timeout <= took < CHUNK_DELAY_S / 4
-        wait_pools_empty(d)
-        assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
+        ends_at_the_router_timeout(d, "stalled", request_timeout, CHUNK_DELAY_S / 4)
 
 
 def test_the_504_for_a_hung_worker_does_not_wait_for_its_abort_to_be_acknowledged_s4(tiny_model_dir: Path) -> None:
@@ -208,14 +214,7 @@ def test_a_prefill_that_hangs_after_the_transfer_ends_the_request_at_the_request
     Now that wait is bounded by --request-timeout: a 504, both legs aborted, both pools empty."""
     request_timeout, hang_s = 1.5, 600
     with deployment(tiny_model_dir, f"delay_prefill_reply_ms={hang_s * 1000}", request_timeout_s=request_timeout) as d:
-        started = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as caught:
-            client(d, timeout=hang_s / 4).completions.create(model=served_model(d), prompt="hung prefill", max_tokens=4)
-        took = time.monotonic() - started
-        assert (caught.value.status_code, caught.value.code) == (504, "timeout")
-        assert request_timeout <= took < hang_s / 10
-        wait_pools_empty(d)
-        assert metric(d, "router", "kvguard_aborts_total", cause="timeout") == 1
+        ends_at_the_router_timeout(d, "hung prefill", request_timeout, hang_s / 10, client_timeout=hang_s / 4)
 
 
 def test_choices_queued_behind_their_own_siblings_wait_while_the_request_produces(tiny_model_dir: Path) -> None:
