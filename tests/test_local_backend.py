@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import requests
@@ -578,6 +578,13 @@ def test_delete_refuses_a_folder_kvguard_never_drove(tmp_path: Path, capsys: pyt
     assert main(["apply", "--delete", "--local", "--state-dir", str(drove)]) == 0 and not drove.exists()
 
 
+def _idle_process(log: IO[bytes], *argv_tail: str) -> subprocess.Popen[bytes]:
+    """A process that logs into `log` and does nothing until its stdin closes or it is signalled;
+    `argv_tail` makes its command line look like another's (python -c ... ARGS)."""
+    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", *argv_tail], stdin=subprocess.PIPE,
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
 def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: Path) -> None:
     """An outside probe: `apply --delete` refused a truncated state.json, and its advice (move it
     away) left the workers running with no command to stop them. Every process a folder starts
@@ -585,9 +592,8 @@ def test_delete_of_an_unreadable_state_folder_stops_what_logs_into_it(tmp_path: 
     state = tmp_path / "state"
     (state / "revisions" / "r1").mkdir(parents=True)
     (state / "state.json").write_text('{"version": 2, "revisions": {"r1": ')  # truncated
-    with open(state / "revisions" / "r1" / "router.log", "ab") as log:  # a command line like the workers'
-        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-m", "kvguard", "worker"], stdout=log,
-                                  stderr=subprocess.STDOUT)  # fmt: skip
+    with open(state / "revisions" / "r1" / "router.log", "ab") as log:
+        worker = _idle_process(log, "-m", "kvguard", "worker")  # a command line like the workers'
     try:
         assert main(["apply", "--delete", "--local", "--state-dir", str(state)]) == 0
         assert worker.wait(timeout=30) is not None and not state.exists()
@@ -606,7 +612,7 @@ def test_delete_of_a_folder_whose_state_json_is_not_kvguards_touches_nothing(tmp
     (folder / "state.json").write_text('{"x": 1}')
     (folder / "sub" / "data.bin").write_bytes(b"keep")
     with open(folder / "app.log", "ab") as log:
-        app = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=log, stderr=subprocess.STDOUT)
+        app = _idle_process(log)
     try:
         assert main(["apply", "--delete", "--local", "--state-dir", str(folder)]) == 2
         assert app.poll() is None and (folder / "sub" / "data.bin").read_bytes() == b"keep"
