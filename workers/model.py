@@ -65,7 +65,7 @@ class ModelArgs:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
         if cfg.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
-        heads = _number(cfg, "num_attention_heads", int)
+        heads, hidden = _number(cfg, "num_attention_heads", int), _number(cfg, "hidden_size", int)
         # transformers >= 5 nests theta and scaling under rope_parameters; older configs use
         # rope_theta + rope_scaling at top level.
         rope_field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
@@ -81,12 +81,12 @@ class ModelArgs:
         return cls(
             model_type=model_type,
             vocab_size=_number(cfg, "vocab_size", int),
-            hidden_size=_number(cfg, "hidden_size", int),
+            hidden_size=hidden,
             intermediate_size=_number(cfg, "intermediate_size", int),
             num_layers=_number(cfg, "num_hidden_layers", int),
             num_heads=heads,
             num_kv_heads=_number(cfg, "num_key_value_heads", int, heads),
-            head_dim=_number(cfg, "head_dim", int, _number(cfg, "hidden_size", int) // heads),
+            head_dim=_number(cfg, "head_dim", int, hidden // heads),
             rms_norm_eps=_number(cfg, "rms_norm_eps", float, 1e-6),
             max_position_embeddings=_number(cfg, "max_position_embeddings", int, 2048),
             rope_theta=theta,
