@@ -15,7 +15,6 @@ Everything runs in a temporary folder and every process is stopped on exit, Ctrl
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import shutil
@@ -30,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kvguard.interrupts import sigterm_as_interrupt
+from kvguard.interrupts import run_interruptible, sigterm_as_interrupt
 
 FAULTY_BUILD = "unsafe_reject_path,no_tags"
 PROMPTS = ("The capital of France is", "Once upon a time,", "1, 2, 3, 4,")
@@ -103,8 +102,8 @@ class Demo:
                 r = event.result
                 self.say(f"    canary {r.name.value:<16} {r.status.value:<7} {r.reason[:110]}")
 
-        return asyncio.run(
-            roll_out(backend, model.metadata.name, model.spec, faults=faults, say=lambda s: self.say("  " + s),
+        return run_interruptible(
+            lambda: roll_out(backend, model.metadata.name, model.spec, faults=faults, say=lambda s: self.say("  " + s),
                      on_canary_progress=on_probe, max_seconds=300)  # fmt: skip
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_canary_fakes import Behaviour, RunningServer
@@ -290,11 +291,11 @@ def test_table_shows_probes_not_run(server: RunningServer, tmp_path: Path, capsy
 
 
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    def interrupted(coro: object) -> None:
-        coro.close()  # type: ignore[attr-defined]
+    def interrupted(make_coroutine: Any) -> None:
+        make_coroutine().close()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(canary_command.asyncio, "run", interrupted)
+    monkeypatch.setattr(canary_command, "run_interruptible", interrupted)
     assert cli_main(["canary", "--url", "http://127.0.0.1:1", "-o", "json"]) == 130
     assert capsys.readouterr().err.strip() == "kvguard canary: interrupted; no verdict"
 

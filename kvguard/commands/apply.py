@@ -18,7 +18,6 @@ kvguard.io/rollback-to.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import shutil
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
-    from kvguard.interrupts import sigterm_as_interrupt  # SIGTERM stops a rollout as Ctrl-C does: one line, exit 130
+    from kvguard.interrupts import run_interruptible, sigterm_as_interrupt  # SIGTERM stops it as Ctrl-C does
     from kvguard.operator.backends.local import FrontDoorDown, LocalBackend, LocalBackendError
     from kvguard.operator.backends.local_rollout import roll_out
     from kvguard.operator.planner import PlanInputError
@@ -121,8 +120,8 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
         with sigterm_as_interrupt():
             print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
             with LocalBackend(state_dir, models_root=args.models_root) as backend:
-                result = asyncio.run(
-                    roll_out(
+                result = run_interruptible(
+                    lambda: roll_out(
                         backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
                         annotations=model.metadata.annotations, faults=args.faults,
                         say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,

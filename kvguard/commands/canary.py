@@ -9,12 +9,13 @@ probe skipped) - with the reason on stderr; 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
+
+from kvguard.interrupts import run_interruptible
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     if printer:
         printer.header(args.url)
     try:
-        report = asyncio.run(
-            run_suite(
+        report = run_interruptible(
+            lambda: run_suite(
                 args.url, spec, baseline_url=args.baseline_url, metrics_urls=args.metrics_url,
                 progress=printer.on_event if printer else None, timeout_seconds=args.timeout,
                 context_length=args.context_length, engine_logs=args.engine_log,
