@@ -75,6 +75,14 @@ def metric(d: LocalDeployment, role: str, name: str, **labels: str) -> float:
     return total
 
 
+def wait_metric(d: LocalDeployment, role: str, name: str, expected: float, timeout_s: float = POOLS_EMPTY_S,
+                **labels: str) -> None:
+    """Wait until `name` (with these labels) on one process reads `expected`. A worker counts an
+    abort after its engine freed the pages, so a read right after the pools empty can come first."""
+    wait_for(lambda: metric(d, role, name, **labels) == expected, f"{role}'s {name}{labels or ''} to be {expected:g}",
+             timeout_s, detail=lambda: metric(d, role, name, **labels))  # fmt: skip
+
+
 def pools_used(d: LocalDeployment, roles: tuple[str, ...] = ("prefill", "decode")) -> dict[str, float]:
     return {role: metric(d, role, "kvguard_kv_pool_used_tokens") for role in roles}
 

@@ -153,9 +153,11 @@ async def test_two_operators_one_promotion_no_lost_status_write_and_the_old_lead
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         await http("PATCH", lease_path, {"spec": {"holderIdentity": b.controller.settings.identity, "renewTime": stamp}},
                    "application/merge-patch+json")  # fmt: skip
-        await until(lambda: not operator.controller.leading, "A to notice it lost the Lease")
-        assert operator.controller.runner.active == 0, "A's canary stops with its leadership"
-        assert operator.controller.queue.pending == 0 and operator.controller.queue.timers == 0
+        a = operator.controller
+        await until(lambda: not a.leading, "A to notice it lost the Lease")
+        # `leading` turns False first; its work then stops over a few turns of A's loop (another thread).
+        await until(lambda: a.runner.active == 0 and a.queue.pending == 0 and a.queue.timers == 0,
+                    "A's canary, queue and timers to stop with its leadership")  # fmt: skip
 
         status = await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster), "B promotes", CANARY_WAIT)
         assert status["rollout"]["state"] == "Stable" and status["rollout"]["canary"]["verdict"] == "pass"
