@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kvguard.interrupts import run_interruptible, sigterm_as_interrupt
+from kvguard.interrupts import run_interruptible, stop_signals_as_one_interrupt
 
 FAULTY_BUILD = "unsafe_reject_path,no_tags"
 PROMPTS = ("The capital of France is", "Once upon a time,", "1, 2, 3, 4,")
@@ -225,24 +225,29 @@ def write_tiny_model(folder: Path, say: Callable[[str], None]) -> Path:
 
 
 def run_demo(examples: Path, keep: bool = False) -> int:
+    # The first signal takes the Ctrl-C path; its cleanup (stopping every process) is not cut short.
+    with stop_signals_as_one_interrupt():
+        return _run_demo(examples, keep)
+
+
+def _run_demo(examples: Path, keep: bool) -> int:
     from kvguard.operator.backends.local import LocalBackend
 
     demo = Demo(examples)
     work = Path(tempfile.mkdtemp(prefix="kvguard-demo-"))
     backend = LocalBackend(work / "state", models_root=work)
     try:
-        with sigterm_as_interrupt():
-            print(f"kvguard demo: {DURATION}; every wait prints a line; everything runs under {work} and stops on exit",
-                  flush=True)  # fmt: skip
-            demo.plan_incident()
-            demo.say("writing the tiny model (kvguard model tiny): random weights, so it answers gibberish by design")
-            model_dir = write_tiny_model(work / "tiny-model", demo.say)
-            with backend:
-                ok, outputs = demo.first_rollout(backend, model_dir)
-                if ok:
-                    demo.faulty_rollout(backend, model_dir, outputs)
-                backend.stop_all()
-            demo.summary()
+        print(f"kvguard demo: {DURATION}; every wait prints a line; everything runs under {work} and stops on exit",
+              flush=True)  # fmt: skip
+        demo.plan_incident()
+        demo.say("writing the tiny model (kvguard model tiny): random weights, so it answers gibberish by design")
+        model_dir = write_tiny_model(work / "tiny-model", demo.say)
+        with backend:
+            ok, outputs = demo.first_rollout(backend, model_dir)
+            if ok:
+                demo.faulty_rollout(backend, model_dir, outputs)
+            backend.stop_all()
+        demo.summary()
     except KeyboardInterrupt:
         print("\nkvguard demo: interrupted; stopping every process it started", file=sys.stderr, flush=True)
         return 130

@@ -1,5 +1,6 @@
-"""SIGTERM handled as Ctrl-C by the long-running local commands (`kvguard demo`, `kvguard apply`):
-the same cleanup, one line and exit 130, not death by the signal."""
+"""Ctrl-C and SIGTERM for the long-running local commands (`kvguard apply --local` and its
+`--delete`, `kvguard demo`, `kvguard canary`): the same cleanup either way, one line and exit 130,
+not death by the signal and not a traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable, Coroutine, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -15,17 +17,30 @@ _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt while inside, so the Ctrl-C path runs either way."""
+def stop_signals_as_one_interrupt(ending_the_process: bool = True) -> Iterator[None]:
+    """Inside, the first SIGINT or SIGTERM raises KeyboardInterrupt, so the Ctrl-C path runs
+    either way; later ones are ignored while that path cleans up (a second signal 0.2 s after the
+    first killed `apply` mid-cleanup with 143, an outside probe found). Wrap the whole command,
+    its `except KeyboardInterrupt` included. The cleanup is bounded; SIGKILL still ends it.
 
-    def handler(*_: object) -> None:
-        raise KeyboardInterrupt
+    After an interrupt, a command ends its process, whose finalization (garbage collection) takes
+    a few hundred ms more: with `ending_the_process`, the signals stay ignored past the block
+    rather than letting a second one turn exit 130 into death by the signal. Without an
+    interrupt, or with it False, the handlers in place before are put back."""
+    stopping = False
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    def handler(_number: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    previous = {number: signal.signal(number, handler) for number in _STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, former in previous.items():
+            signal.signal(number, signal.SIG_IGN if stopping and ending_the_process else former)
 
 
 @contextlib.contextmanager

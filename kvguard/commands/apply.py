@@ -26,6 +26,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from kvguard.interrupts import run_interruptible, stop_signals_as_one_interrupt
+
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_BLOCKED, EXIT_ROLLED_BACK, EXIT_PAUSED = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130
 EXIT_CODES: tuple[tuple[int, str], ...] = (
@@ -98,13 +100,15 @@ def run(args: argparse.Namespace) -> int:
     if model is None and not (args.delete and args.state_dir):
         return _bad_input("-f is required (or --delete with --state-dir)")
     state_dir = args.state_dir or Path(".kvguard/local") / model.metadata.name  # type: ignore[union-attr]
-    if args.delete:
-        return _delete(state_dir)
-    return _apply(args, model, policies, state_dir)
+    # Before the first line: a SIGTERM sent on seeing it (a supervisor, a test) must take the
+    # Ctrl-C path, not kill the process (it did, under load).
+    with stop_signals_as_one_interrupt():
+        if args.delete:
+            return _delete_interruptible(state_dir)
+        return _apply(args, model, policies, state_dir)
 
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
-    from kvguard.interrupts import run_interruptible, sigterm_as_interrupt  # SIGTERM stops it as Ctrl-C does
     from kvguard.operator.backends.local import FrontDoorDown, LocalBackend, LocalBackendError
     from kvguard.operator.backends.local_rollout import roll_out
     from kvguard.operator.planner import PlanInputError
@@ -115,19 +119,16 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
               "(test/demo only; never in production) !!!", file=sys.stderr, flush=True)  # fmt: skip
     probes = _ProbeRows(sys.stdout)
     try:
-        # The handler first, then the first line: a SIGTERM sent on seeing that line (a supervisor,
-        # a test) must take the Ctrl-C path, not kill the process (it did, under load).
-        with sigterm_as_interrupt():
-            print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
-            with LocalBackend(state_dir, models_root=args.models_root) as backend:
-                result = run_interruptible(
-                    lambda: roll_out(
-                        backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
-                        annotations=model.metadata.annotations, faults=args.faults,
-                        say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
-                        generation=model.metadata.generation, max_seconds=args.timeout,
-                    )
-                )  # fmt: skip
+        print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
+        with LocalBackend(state_dir, models_root=args.models_root) as backend:
+            result = run_interruptible(
+                lambda: roll_out(
+                    backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
+                    annotations=model.metadata.annotations, faults=args.faults,
+                    say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
+                    generation=model.metadata.generation, max_seconds=args.timeout,
+                )
+            )  # fmt: skip
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except FrontDoorDown as exc:  # mid-rollout, writing the split: as when the rollout rests, exit 1
@@ -224,6 +225,15 @@ class _ProbeRows:
             print(f"    {TABLE_HEADER}", file=self.out)
             self.started = True
         print(f"    {probe_row(event.result)}", file=self.out, flush=True)
+
+
+def _delete_interruptible(state_dir: Path) -> int:
+    try:
+        return _delete(state_dir)
+    except KeyboardInterrupt:
+        print(f"kvguard apply --delete: interrupted; some of the folder's processes may still run and {state_dir} is "
+              "kept: run it again to finish", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
 
 
 def _delete(state_dir: Path) -> int:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvguard.interrupts import run_interruptible
+from kvguard.interrupts import run_interruptible, stop_signals_as_one_interrupt
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -58,6 +58,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with stop_signals_as_one_interrupt():  # SIGTERM ends it as Ctrl-C does: one line, exit 130
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from kvguard.operator.canary import Verdict, run_suite
 
     try:
