@@ -363,6 +363,37 @@ def test_sigterm_to_every_role_at_once_lets_a_stream_in_flight_finish(tiny_model
             list(stream)
 
 
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_worker_signalled_alone_serves_on_and_closes_each_connection_after_its_answer(tiny_model_dir: Path, role: str) -> None:
+    """A node drained under a serving revision: one worker gets SIGTERM while its router serves on.
+    It finishes what it holds and still serves what comes (a router draining with it may need
+    it), but every answer now says `Connection: close`, so the router's pooled connections stop
+    bringing it legs: on a cluster the next connection goes to a pod that is not leaving."""
+
+    def says_close() -> bool:
+        return internal(d, role, "/internal/health").headers.get("Connection", "").lower() == "close"
+
+    held_leg = {"request_id": "cmpl-held", "prompt_token_ids": [7, 8, 9], "sampling": {"max_tokens": 2}}
+    with deployment(tiny_model_dir, context_length=4096, kv_pool_tokens=8192, bootstrap_timeout_s=5.0) as d, \
+            cf.ThreadPoolExecutor(1) as pool:  # fmt: skip
+        assert not says_close()
+        stream = client(d).completions.create(model=served_model(d), prompt="held", max_tokens=3000, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)  # decode holds this generation: its drain waits for it
+        # Prefill is done with it already: it holds a leg whose ticket never comes instead (until its bootstrap timeout).
+        pending = pool.submit(internal, d, "prefill", "/internal/prefill", held_leg, timeout=60)
+        wait_for(lambda: pools_used(d, ("prefill",))["prefill"] > 0, "prefill to hold a leg")
+        popen = d.processes[role].popen
+        assert popen is not None
+        popen.send_signal(signal.SIGTERM)
+        wait_for(says_close, f"{role}'s answers to close their connections")
+        assert complete(d, "while it drains", 8) == reference_text(tiny_model_dir, "while it drains", 8)
+        assert pending.result(timeout=60).status_code == 504
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+        assert popen.wait(60) == 0  # stopped by itself once it held nothing
+
+
 def test_a_draining_router_refuses_requests_on_open_connections_and_ends_streams_past_the_grace_with_an_error(
     tiny_model_dir: Path,
 ) -> None:

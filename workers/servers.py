@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, LIFELINE_FD_ENV, WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
@@ -108,7 +108,7 @@ class Drain:
     stop_accepting: bool = False
     """Close the main listener first (the router: new requests go to another revision)."""
     begin: Callable[[], None] | None = None
-    """Called once draining starts (the router's /health says so)."""
+    """Called once draining starts (the router's /health says so; workers answer `Connection: close`)."""
     expire: Callable[[], Awaitable[None]] | None = None
     """Called when it stops with requests still held: ends them, each with an error its client can
     read (the router's), before the server's shutdown closes their connections."""
@@ -339,4 +339,29 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
-    return Served(app, runtime.metrics_app(), Drain(idle=lambda: not runtime.jobs.by_id, grace_s=args.drain_timeout))
+    drain = Drain(idle=lambda: not runtime.jobs.by_id, begin=close_connections_once_draining(app), grace_s=args.drain_timeout)
+    return Served(app, runtime.metrics_app(), drain)
+
+
+def close_connections_once_draining(app: web.Application) -> Callable[[], None]:
+    """The Drain's `begin` for a prefill or decode worker: from then on, every answer it prepares
+    says `Connection: close`. A worker signalled alone (its node drained) keeps its listener up,
+    since a draining router may still need it, and kept serving the legs that the router sent over
+    its pooled keep-alive connections, long after the pod had left its Service's endpoints.
+    Streams started then ran past the grace and ended `worker_failed`. Now each pooled connection
+    carries at most one more leg, and the next one opens a connection that the Service sends to a
+    pod that is not leaving. Idle connections are not cut: a leg sent on one at that moment would
+    fail, where it is served now."""
+    draining = False
+
+    async def say_close(_request: web.Request, response: web.StreamResponse) -> None:
+        if draining:
+            response.force_close()  # closed after this answer
+            response.headers[hdrs.CONNECTION] = "close"  # and said so: the hook runs after aiohttp wrote its headers' values
+
+    def begin() -> None:
+        nonlocal draining
+        draining = True
+
+    app.on_response_prepare.append(say_close)
+    return begin
