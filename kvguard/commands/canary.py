@@ -3,7 +3,7 @@
 Exit status: 0 every enabled probe passed (or was skipped with a reason), 1 a probe failed,
 2 the suite cannot run (unreachable target, baseline or metrics URLs, an --engine-log that is not a
 readable file, bad spec file, unknown probe, a --timeout or --context-length out of range, or every
-probe skipped) - with the reason on stderr; 130 interrupted (Ctrl-C).
+probe skipped) - with the reason on stderr; 130 interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
