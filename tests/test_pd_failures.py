@@ -363,6 +363,25 @@ def test_sigterm_to_every_role_at_once_lets_a_stream_in_flight_finish(tiny_model
             list(stream)
 
 
+@pytest.mark.parametrize("token_channel", [True, False])
+def test_a_decode_call_closed_unanswered_is_sent_once_more_s4(tiny_model_dir: Path, token_channel: bool) -> None:
+    """A pooled connection to a decode worker whose drain just ended (or whose pod just died)
+    closes under the leg in transit: that request failed with a 502 (an A/B probe of a worker
+    signalled alone). Before decode's answer nothing reached prefill, so the router sends the leg
+    once more."""
+    with deployment(tiny_model_dir, "cut_decode_calls=1", token_channel=token_channel) as d:
+        assert complete(d, "cut once", 8) == reference_text(tiny_model_dir, "cut once", 8)
+        assert metric(d, "router", "kvguard_requests_total", outcome="failed") == 0
+
+
+def test_a_decode_call_closed_unanswered_twice_fails_and_frees_both_pools_s4(tiny_model_dir: Path) -> None:
+    """Once more, not for ever: a second cut is the request's failure, with nothing left held."""
+    with deployment(tiny_model_dir, "cut_decode_calls=2") as d:
+        failed = failed_completion(d, "cut twice")  # waits for both pools to be empty
+        assert (failed.status, failed.code) == (502, "worker_failed")
+        assert complete(d, "after the cuts", 8) == reference_text(tiny_model_dir, "after the cuts", 8)
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_worker_signalled_alone_serves_on_and_closes_each_connection_after_its_answer(tiny_model_dir: Path, role: str) -> None:
     """A node drained under a serving revision: one worker gets SIGTERM while its router serves on.

@@ -106,6 +106,7 @@ class DecodeServer:
         self.receiver = KVReceiver(keys, runtime.transfer_metrics, self._transfer_of, bounded, runtime.faults)
         self.transfer_address: tuple[str, int] | None = None
         self.channels: dict[str, TokenChannel] = {}  # open token channels by the id this worker drew
+        self._calls_to_cut = runtime.faults.cut_decode_calls
 
     async def start(self, sock: socket.socket) -> None:
         _, bound = await self.receiver.start(sock=sock)
@@ -150,6 +151,13 @@ class DecodeServer:
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, DecodeRequest)
+        if self._calls_to_cut > 0 and request.transport is not None:
+            # FAULT: the call's connection drops unanswered, as when a worker's drain ends (or its
+            # pod dies) with the leg in transit.
+            self._calls_to_cut -= 1
+            log.warning("FAULT cut_decode_calls: dropping the call for %s unanswered", body.request_id)
+            request.transport.abort()
+            raise web.HTTPServiceUnavailable()
         channel = None
         if body.channel is not None and (channel := self.channels.get(body.channel)) is None:
             raise OpenAIError(409, "no token channel of that id is open on this decode worker", code="unknown_channel")

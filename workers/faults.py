@@ -13,6 +13,7 @@ mechanism catches the failure it exists for. The value is a comma-separated list
 | ``delay_prefill_ms=N``          | prefill server  | sleep N ms before computing each prompt (a long prefill)|
 | ``delay_prefill_reply_ms=N``    | prefill server  | sleep N ms before answering, once the KV was sent      |
 | ``crash_prefill_after_chunks=N``| transfer sender | the prefill process dies after sending N chunks       |
+| ``cut_decode_calls=N``          | decode server   | drop the connection of the first N decode legs unanswered|
 | ``no_abort_propagation``        | sender, servers | aborts are not propagated to the peer (no ABORT frame)|
 | ``no_checksum``                 | transfer recv.  | decode skips payload checksum verification            |
 | ``no_tags``                     | engine          | page generation tags are not checked at read time     |
@@ -55,6 +56,7 @@ class Faults(BaseModel):
     delay_prefill_ms: int = Field(0, ge=0, le=600_000)
     delay_prefill_reply_ms: int = Field(0, ge=0, le=600_000)
     crash_prefill_after_chunks: int | None = Field(None, ge=0)
+    cut_decode_calls: int = Field(0, ge=0, le=1_000_000)
     no_abort_propagation: bool = False
     no_checksum: bool = False
     no_tags: bool = False

@@ -1047,8 +1047,7 @@ class Router:
             # first token: queueing, prefill, transfer; or no next token) ends the request with a
             # 504, while a long generation that keeps producing runs to its max_tokens.
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
-            call = self.control.post(self.http, f"{url}/internal/decode", request, timeout=timeout)
-            resp = await siblings.within(stack.enter_async_context(call))
+            resp = await self._post_decode(url, request, timeout, siblings, stack)
             if resp.status != 200:
                 raise await _upstream_error(resp)
             return _decode_events(resp), None
@@ -1059,9 +1058,8 @@ class Router:
             channel = await siblings.within(_open(reader))
             inbox = channel.subscribe(request.request_id)  # before the call: no event can come first
             try:
-                call = self.control.post(self.http, f"{url}/internal/decode",
-                                         DecodeRequest.model_construct(**dict(request), channel=channel.id), timeout=timeout)  # fmt: skip
-                resp = await siblings.within(stack.enter_async_context(call))
+                body = DecodeRequest.model_construct(**dict(request), channel=channel.id)
+                resp = await self._post_decode(url, body, timeout, siblings, stack)
                 if resp.status == 200:
                     return _channel_events(resp, inbox, self.config.request_timeout_s), channel
                 error = await _upstream_error(resp)
@@ -1075,6 +1073,25 @@ class Router:
             # break yet) and refused before allocating anything: once more, on a new channel.
             reader.forget(channel)
         raise OpenAIError(502, "the decode worker restarted while the request was sent; try again", code="worker_failed")
+
+    async def _post_decode(self, url: str, body: GenerateRequest, timeout: aiohttp.ClientTimeout, siblings: Siblings,
+                           stack: contextlib.AsyncExitStack) -> aiohttp.ClientResponse:  # fmt: skip
+        """The decode leg's call, sent once more if its connection closed before any answer: a
+        pooled keep-alive connection to a worker whose drain just ended (or whose pod just died)
+        closes under a leg in transit, and that leg failed with a 502 (an A/B probe of a worker
+        signalled alone). Safe to repeat: before decode's answer nothing reached prefill (the
+        ticket comes in that answer), and a decode that dropped the call dropped the request too.
+        Signed anew, so the second call is no replay (S9)."""
+
+        async def send() -> aiohttp.ClientResponse:
+            call = self.control.post(self.http, f"{url}/internal/decode", body, timeout=timeout)
+            return await siblings.within(stack.enter_async_context(call))
+
+        try:
+            return await send()
+        except aiohttp.ServerDisconnectedError as exc:
+            log.info("the decode call for %s closed unanswered (%s); sending it once more", body.request_id, exc)
+        return await send()
 
     def _channel_reader(self, decode_url: str) -> ChannelReader | None:
         if not self.config.token_channel:
