@@ -1,9 +1,11 @@
-"""Ctrl-C / SIGTERM at any moment of `kvguard apply --local` and `kvguard demo`: the Ctrl-C path
-runs, and nothing half-made prints a traceback on the way out (kvguard.interrupts)."""
+"""Ctrl-C / SIGTERM at any moment of `kvguard apply --local` (and its --delete), `kvguard demo` and
+`kvguard canary`: the Ctrl-C path runs, once, and nothing half-made prints a traceback on the way
+out (kvguard.interrupts)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import socket
 import subprocess
@@ -50,8 +52,6 @@ def test_a_sigterm_while_the_loop_is_built_is_one_keyboard_interrupt_and_nothing
 
     with stop_signals_as_one_interrupt(ending_the_process=False), pytest.raises(KeyboardInterrupt):
         run_interruptible(make)
-    import gc
-
     gc.collect()  # a half-built loop or an unawaited coroutine reports itself when collected
     assert ran == [] and made and made[0].cr_frame is None  # made, never ran, closed
     assert unraisable == [], [u.exc_value for u in unraisable]
