@@ -150,14 +150,14 @@ class DecodeServer:
             channel.close(AbortCause.CLIENT_DISCONNECT)
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
-        body = await parse_body(request, DecodeRequest)
         if self._calls_to_cut > 0 and request.transport is not None:
-            # FAULT: the call's connection drops unanswered, as when a worker's drain ends (or its
-            # pod dies) with the leg in transit.
+            # FAULT: the call's connection drops unanswered, its body perhaps still in transit, as
+            # when a worker's drain ends (or its pod dies) with the leg on its way.
             self._calls_to_cut -= 1
-            log.warning("FAULT cut_decode_calls: dropping the call for %s unanswered", body.request_id)
+            log.warning("FAULT cut_decode_calls: dropping a decode call unanswered")
             request.transport.abort()
             raise web.HTTPServiceUnavailable()
+        body = await parse_body(request, DecodeRequest)
         channel = None
         if body.channel is not None and (channel := self.channels.get(body.channel)) is None:
             raise OpenAIError(409, "no token channel of that id is open on this decode worker", code="unknown_channel")

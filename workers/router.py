@@ -1076,12 +1076,13 @@ class Router:
 
     async def _post_decode(self, url: str, body: GenerateRequest, timeout: aiohttp.ClientTimeout, siblings: Siblings,
                            stack: contextlib.AsyncExitStack) -> aiohttp.ClientResponse:  # fmt: skip
-        """The decode leg's call, sent once more if its connection closed before any answer: a
-        pooled keep-alive connection to a worker whose drain just ended (or whose pod just died)
-        closes under a leg in transit, and that leg failed with a 502 (an A/B probe of a worker
-        signalled alone). Safe to repeat: before decode's answer nothing reached prefill (the
-        ticket comes in that answer), and a decode that dropped the call dropped the request too.
-        Signed anew, so the second call is no replay (S9)."""
+        """The decode leg's call, sent once more if its connection closed before any answer (while
+        the call was being written, or after): a pooled keep-alive connection to a worker whose
+        drain just ended (or whose pod just died) closes under a leg in transit, and that leg
+        failed with a 502 (an A/B probe of a worker signalled alone). Safe to repeat: before
+        decode's answer nothing reached prefill (the ticket comes in that answer), and a decode
+        that dropped the call dropped the request too (its handler is cancelled). Signed anew, so
+        the second call is no replay (S9)."""
 
         async def send() -> aiohttp.ClientResponse:
             call = self.control.post(self.http, f"{url}/internal/decode", body, timeout=timeout)
@@ -1089,7 +1090,9 @@ class Router:
 
         try:
             return await send()
-        except aiohttp.ServerDisconnectedError as exc:
+        except aiohttp.ClientConnectorError:
+            raise  # never connected: an unreachable worker, reported as such
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:  # closed while sending it, or after
             log.info("the decode call for %s closed unanswered (%s); sending it once more", body.request_id, exc)
         return await send()
 
