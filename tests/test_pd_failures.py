@@ -6,6 +6,7 @@ timeout. (Class F, prefix sharing, does not apply: the engine shares no pages be
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import random
 import signal
@@ -392,25 +393,30 @@ def test_a_worker_signalled_alone_serves_on_and_closes_each_connection_after_its
     def says_close() -> bool:
         return internal(d, role, "/internal/health").headers.get("Connection", "").lower() == "close"
 
-    held_leg = {"request_id": "cmpl-held", "prompt_token_ids": [7, 8, 9], "sampling": {"max_tokens": 2}}
-    with deployment(tiny_model_dir, context_length=4096, kv_pool_tokens=8192, bootstrap_timeout_s=5.0) as d, \
-            cf.ThreadPoolExecutor(1) as pool:  # fmt: skip
+    # A leg on each worker that waits until the test aborts it (decode for prefill's KV, prefill
+    # for its ticket): the signalled worker's drain lasts exactly as long as the test needs.
+    held = {"request_id": "cmpl-held", "prompt_token_ids": [7, 8, 9], "sampling": {"max_tokens": 2}}
+    with deployment(tiny_model_dir) as d, cf.ThreadPoolExecutor(1) as pool:
         assert not says_close()
-        stream = client(d).completions.create(model=served_model(d), prompt="held", max_tokens=3000, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-        chunks = iter(stream)
-        next(chunks)  # decode holds this generation: its drain waits for it
-        # Prefill is done with it already: it holds a leg whose ticket never comes instead (until its bootstrap timeout).
-        pending = pool.submit(internal, d, "prefill", "/internal/prefill", held_leg, timeout=60)
-        wait_for(lambda: pools_used(d, ("prefill",))["prefill"] > 0, "prefill to hold a leg")
-        popen = d.processes[role].popen
-        assert popen is not None
-        popen.send_signal(signal.SIGTERM)
-        wait_for(says_close, f"{role}'s answers to close their connections")
-        assert complete(d, "while it drains", 8) == reference_text(tiny_model_dir, "while it drains", 8)
-        assert pending.result(timeout=60).status_code == 504
-        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+        with internal(d, "decode", "/internal/decode", held, stream=True, timeout=60) as decode_leg:
+            assert decode_leg.status_code == 200
+            prefill_leg = pool.submit(internal, d, "prefill", "/internal/prefill", held, timeout=60)
+            wait_for(lambda: all(pools_used(d).values()), "both workers to hold the leg")
+            popen = d.processes[role].popen
+            assert popen is not None
+            popen.send_signal(signal.SIGTERM)
+            wait_for(says_close, f"{role}'s answers to close their connections")
+            assert complete(d, "while it drains", 8) == reference_text(tiny_model_dir, "while it drains", 8)
+            assert popen.poll() is None  # still draining: it holds the leg
+            other = "prefill" if role == "decode" else "decode"
+            assert internal(d, other, "/internal/abort", {"request_id": "cmpl-held"}).ok
+            # Its last leg: the drain ends with it, and the worker may stop before it answers.
+            with contextlib.suppress(requests.ConnectionError):
+                internal(d, role, "/internal/abort", {"request_id": "cmpl-held"})
+            with contextlib.suppress(requests.ConnectionError):  # an aborted leg's call is closed unanswered
+                assert prefill_leg.result(timeout=60).status_code != 200
         assert popen.wait(60) == 0  # stopped by itself once it held nothing
+        wait_pools_empty(d)
 
 
 def test_a_draining_router_refuses_requests_on_open_connections_and_ends_streams_past_the_grace_with_an_error(
