@@ -13,7 +13,14 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _heeded_stop_signals() -> list[signal.Signals]:
+    """The stop signals this process does not ignore. A shell starts a background job (`cmd &` in
+    a script, nohup) with SIGINT ignored, and Python then leaves it ignored; so do these handlers
+    (a suite run as such a job saw SIGINT as SIG_IGN)."""
+    return [number for number in _STOP_SIGNALS if signal.getsignal(number) is not signal.SIG_IGN]
 
 
 @contextlib.contextmanager
@@ -35,7 +42,7 @@ def stop_signals_as_one_interrupt(ending_the_process: bool = True) -> Iterator[N
             stopping = True
             raise KeyboardInterrupt
 
-    previous = {number: signal.signal(number, handler) for number in _STOP_SIGNALS}
+    previous = {number: signal.signal(number, handler) for number in _heeded_stop_signals()}
     try:
         yield
     finally:
@@ -49,7 +56,7 @@ def _stop_signals_held() -> Iterator[None]:
     by the handler that was in place. (Python-level handlers, not a signal mask: a process-directed
     signal goes to any thread that does not block it, and the backend has threads.)"""
     came: list[int] = []
-    previous = {number: signal.signal(number, lambda number, _: came.append(number)) for number in _STOP_SIGNALS}
+    previous = {number: signal.signal(number, lambda number, _: came.append(number)) for number in _heeded_stop_signals()}
     try:
         yield
     finally:

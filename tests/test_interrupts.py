@@ -11,12 +11,42 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvguard.interrupts import run_interruptible, stop_signals_as_one_interrupt
+
+
+@pytest.fixture(autouse=True)
+def foreground_handlers() -> Iterator[None]:
+    """The stop signals' handlers of a command run in the foreground, whatever this test process
+    inherited (run as a background job, it starts with SIGINT ignored); put back afterwards."""
+    inherited = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for number, handler in inherited.items():
+            signal.signal(number, handler)
+
+
+def test_a_stop_signal_ignored_from_the_start_stays_ignored() -> None:
+    """A background job (`kvguard apply ... &` in a script, nohup) starts with SIGINT ignored: the
+    command does not take it up again."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with stop_signals_as_one_interrupt(ending_the_process=False):
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        _signal_main_thread(signal.SIGINT)  # ignored: no KeyboardInterrupt
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)  # SIGTERM still heeded
+    assert run_interruptible(_done) == "done" and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+async def _done() -> str:
+    return "done"
 
 
 def _signal_main_thread(number: signal.Signals) -> None:
