@@ -90,7 +90,6 @@ def test_a_sigterm_while_the_loop_is_built_is_one_keyboard_interrupt_and_nothing
 
 def test_without_a_signal_it_runs_the_coroutine_to_its_result() -> None:
     async def rollout() -> str:
-        await asyncio.sleep(0)
         return "done"
 
     assert run_interruptible(rollout) == "done"
@@ -189,6 +188,6 @@ def test_after_an_interrupt_a_command_ends_its_process_with_the_stop_signals_ign
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    with stop_signals_as_one_interrupt():
-        pass  # no interrupt: the handlers in place before are put back
+    with stop_signals_as_one_interrupt():  # no interrupt: the handlers in place before are put back
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -516,6 +516,7 @@ def test_abort_during_transfer_ends_both_legs_s4(tiny_model_dir: Path) -> None:
             wait_for(lambda: all(pools_used(d).values()), "the request's KV allocated on both sides")
         wait_pools_empty(d)  # well before the transfer timeout: freed by the abort
         wait_metric(d, "router", "kvguard_aborts_total", 1, cause="client_disconnect")
+        assert metric(d, "router", "kvguard_aborts_total", cause="client_disconnect") == 1
 
 
 def test_late_write_after_abort_never_reaches_the_next_owner_s5(tiny_model_dir: Path) -> None:

@@ -246,6 +246,7 @@ def test_client_disconnect_while_waiting_for_a_whole_response_frees_both_pools_s
         wait_for(lambda: pools_used(trio)["decode"] > 0, "decode to hold the request's KV", interval=0.01)
     wait_pools_empty(trio)
     wait_metric(trio, "router", "kvguard_aborts_total", before + 1, cause="client_disconnect")
+    assert metric(trio, "router", "kvguard_aborts_total", cause="client_disconnect") == before + 1
 
 
 def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
