@@ -106,7 +106,10 @@ def test_cluster_apply_renders_workloads_then_a_blocked_change_touches_nothing(k
     decode_policy = next(p for p in objs["NetworkPolicy"] if p.metadata.name.endswith("-decode"))
     assert any(r.ports and r.ports[0].port == 9000 for r in decode_policy.spec.ingress)  # KV from prefill only
     secret_names = {s.metadata.name for s in kube.CoreV1Api().list_namespaced_secret(NS).items}
-    assert f"{name}-{revision}-kv-transfer" in secret_names
+    key_refs = {e.value_from.secret_key_ref.name for d in objs["Deployment"] for e in d.spec.template.spec.containers[0].env or []
+                if e.name == "KVGUARD_TRANSFER_KEY"}  # fmt: skip
+    assert len(key_refs) == 1 and key_refs <= secret_names  # one Secret per revision, every role reads it
+    assert next(iter(key_refs)).startswith(f"{name}-{revision}-kv-transfer-")  # S3: a random suffix nobody could claim first
     before = {d.metadata.name: d.metadata.generation for d in objs["Deployment"]}
 
     patch = {"spec": {"contextLength": 4096, "kvPoolTokens": 4096}}  # 1.0x < 2.0x: blocked (S7)
@@ -142,7 +145,11 @@ def test_cluster_a_field_removed_from_the_spec_is_removed_from_the_deployment(ku
     assert status_of(kube, name)["targetRevision"] == revision
 
 
-def test_cluster_a_planted_transfer_secret_is_refused_and_never_used(kube: Any, model: Any) -> None:
+def test_cluster_a_planted_transfer_secret_is_never_used(kube: Any, model: Any) -> None:
+    """The operator may not read Secrets (RBAC: create and delete): one planted under the name a
+    revision's key could have had is simply never chosen, and never touched."""
+    import base64
+
     from kvguard.operator.api import InferenceModelSpec
     from kvguard.operator.revision import revision_of
 
@@ -154,9 +161,10 @@ def test_cluster_a_planted_transfer_secret_is_refused_and_never_used(kube: Any, 
                                        "stringData": {"key": "chosen-by-someone-else"}})  # fmt: skip
     try:
         name = model("tiny-cpu.yaml", spec)
-        status = wait_for(lambda: (s := status_of(kube, name)).get("phase") == "Degraded" and s, "Degraded")
-        degraded = condition(status, "Degraded")
-        assert degraded["reason"] == "ForeignObject" and f"Secret {NS}/{secret}" in degraded["message"]
-        assert children(kube, name)["Deployment"] == []  # no pod ever gets the planted key
+        objs = wait_for(lambda: (found := children(kube, name)) and len(found["Deployment"]) == 3 and found, "three Deployments")
+        key_refs = {e.value_from.secret_key_ref.name for d in objs["Deployment"] for e in d.spec.template.spec.containers[0].env or []
+                    if e.name == "KVGUARD_TRANSFER_KEY"}  # fmt: skip
+        assert len(key_refs) == 1 and secret not in key_refs  # no pod ever gets the planted key
+        assert base64.b64decode(core.read_namespaced_secret(secret, NS).data["key"]) == b"chosen-by-someone-else"  # untouched
     finally:
         core.delete_namespaced_secret(secret, NS)

@@ -14,8 +14,9 @@ path, and `retriable` says whether backing off and trying again can help.
 
 The calls are blocking; async callers use the `a*` wrappers, which run them on a worker thread so
 the kopf event loop never blocks (a blocking call on the loop's own thread deadlocks on kmock).
-Object bodies are never logged: a Secret body holds the KV-transfer HMAC key, and Secrets are only
-ever read as metadata (`get_metadata`).
+Object bodies are never logged: a Secret body holds the KV-transfer HMAC key. The operator never
+reads a Secret (its RBAC allows create and delete only); other children's ownership checks read
+metadata only (`get_metadata`).
 """
 
 from __future__ import annotations

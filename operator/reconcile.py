@@ -117,8 +117,8 @@ class Observed:
     fault_injection_allowed: bool = False
     """The operator runs with KVGUARD_ALLOW_FAULT_INJECTION=true (test clusters only)."""
     foreign_objects: tuple[str, ...] = ()
-    """Objects with the names of this model's children that it does not own (a pre-created
-    transfer Secret, a squatted Deployment name): each one blocks the rollout, named."""
+    """Objects with the names of this model's children that it does not own (a squatted
+    Deployment or Service name): each one blocks the rollout, named."""
     refused_object: str | None = None
     """The API server's 422 for a child object this spec renders (a node selector, toleration or
     resource it refuses): the rollout halts, Degraded names it, until the spec changes."""

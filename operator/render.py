@@ -9,12 +9,14 @@ Service clients use, pointing at the stable revision's routers. Engine adapters 
 into the command line of our workers, SGLang or vLLM (flags from `../shared/reference/engines.md`).
 
 Everything here is a function of its arguments: no kopf, no kubernetes client, no clock, no
-randomness (the Secret's key is passed in).
+randomness (the Secret's key and its name are passed in).
 """
 
 from __future__ import annotations
 
 import base64
+import copy
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -63,6 +65,9 @@ METRICS_SCRAPER_NAMESPACE_LABEL = "kvguard.io/metrics-scraper"
 FAULTS_ENV = "KVGUARD_FAULTS"
 SCALE_ANNOTATION = "kvguard.io/scale"
 """On a revision's Deployments: canary (replicas capped while verified) or full."""
+TRANSFER_SECRET_ANNOTATION = "kvguard.io/transfer-secret"
+"""On a revision's Deployments: the Secret their pods read the KV-transfer key from (the record of
+its name, which has a random suffix; kept in the operator's watch cache, unlike the pod template)."""
 
 LABEL_MODEL = "kvguard.io/model"
 LABEL_REVISION = "kvguard.io/revision"
@@ -119,7 +124,22 @@ def object_name(model: str, revision: str, role: Role | str) -> str:
 
 
 def secret_name(model: str, revision: str) -> str:
+    """The start of the name of a revision's KV-transfer Secret. The operator adds a random suffix
+    when it creates one (`transfer_secret_name`), so nobody can create a Secret under the name
+    before it does; rendered Deployments name the Secret by this prefix until the operator puts
+    in the name it created (`with_transfer_secret`)."""
     return f"{model}-{revision}-kv-transfer"
+
+
+def transfer_secret_name(model: str, revision: str, suffix: str) -> str:
+    return f"{secret_name(model, revision)}-{suffix}"
+
+
+def is_transfer_secret_name(name: str, model: str, revision: str) -> bool:
+    """A name the operator may have given this revision's Secret: the prefix, with or without a
+    suffix (an operator before the suffix used the bare prefix; its Deployments still name it)."""
+    prefix = secret_name(model, revision)
+    return name == prefix or (name.startswith(prefix + "-") and name[len(prefix) + 1:].isalnum())
 
 
 def network_policy_name(model: str, revision: str, role: Role | str) -> str:
@@ -697,14 +717,17 @@ def render_service(ctx: RoleContext) -> Manifest:
     }
 
 
-def render_transfer_secret(owner: Owner, revision: str, key: bytes) -> Manifest:
-    """The KV-transfer HMAC key (S3), one per revision. Created once, never patched or logged."""
+def render_transfer_secret(owner: Owner, revision: str, key: bytes, name: str) -> Manifest:
+    """The KV-transfer HMAC key (S3), one per revision, as Secret `name`. Created once, never
+    patched, read or logged."""
     if len(key) < 32:
         raise ValueError("the KV-transfer key must be at least 32 bytes")
+    if not is_transfer_secret_name(name, owner.name, revision):
+        raise ValueError(f"{name!r} is not a name for the KV-transfer Secret of revision {revision}")
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": owned_metadata(owner, secret_name(owner.name, revision), revision),
+        "metadata": owned_metadata(owner, name, revision),
         "type": "Opaque",
         "immutable": True,
         "data": {TRANSFER_KEY_FIELD: base64.b64encode(key.hex().encode()).decode()},
@@ -833,6 +856,43 @@ class RenderedRevision:
             if obj["kind"] == "Deployment" and role in ("prefill", "decode"):
                 commands[role] = list(obj["spec"]["template"]["spec"]["containers"][0]["command"])
         return commands
+
+    def uses_transfer_key(self) -> bool:
+        """Whether a pod of the revision reads the KV-transfer key (kvguard's engine: every role)."""
+        return any(transfer_secret_of(o) is not None for o in self.objects)
+
+    def with_transfer_secret(self, name: str) -> RenderedRevision:
+        """The revision with its pods reading the key from Secret `name` (the one the operator
+        created for it, whose suffix only the operator knows)."""
+        return dataclasses.replace(self, objects=tuple(_naming_transfer_secret(o, name) for o in self.objects))
+
+
+def _key_refs(deployment: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The secretKeyRef of every container env entry that carries the KV-transfer key."""
+    if deployment.get("kind") != "Deployment":
+        return []
+    pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return [ref for c in pod.get("containers") or [] for e in c.get("env") or []
+            if e.get("name") == TRANSFER_KEY_ENV and (ref := (e.get("valueFrom") or {}).get("secretKeyRef"))]  # fmt: skip
+
+
+def transfer_secret_of(deployment: Mapping[str, Any]) -> str | None:
+    """The name of the Secret a Deployment's pods read the KV-transfer key from, if any: its
+    annotation, or (a whole object from before the annotation) its pods' env."""
+    annotated = ((deployment.get("metadata") or {}).get("annotations") or {}).get(TRANSFER_SECRET_ANNOTATION)
+    if deployment.get("kind") == "Deployment" and annotated:
+        return str(annotated)
+    return next((str(ref["name"]) for ref in _key_refs(deployment) if ref.get("name")), None)
+
+
+def _naming_transfer_secret(obj: Manifest, name: str) -> Manifest:
+    if not _key_refs(obj):
+        return obj
+    named = copy.deepcopy(obj)
+    for ref in _key_refs(named):
+        ref["name"] = name
+    named["metadata"].setdefault("annotations", {})[TRANSFER_SECRET_ANNOTATION] = name
+    return named
 
 
 def render_rollout_revision(

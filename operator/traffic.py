@@ -138,8 +138,9 @@ class DesiredObjects:
     """The spec's revision (the candidate)."""
     objects: tuple[Manifest, ...]
     secret_refs: tuple[tuple[str, str], ...]
-    """(kind, name) of the per-revision transfer Secrets: created with a fresh random key each,
-    so they are named but never rendered (S3)."""
+    """(kind, name prefix) of the per-revision transfer Secrets (kvguard's engine only): created
+    with a fresh random key each, under the prefix plus a random suffix, so they are named but never
+    rendered (S3); the rendered Deployments name them by the prefix."""
     plan: KVPlan
     """The planner's verdict the objects were rendered with: a blocked one is never deployed (S7)."""
 
@@ -156,7 +157,7 @@ def desired_objects(
     from kvguard.operator.engine_support import engine_problems
     from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import plan, plan_to_render
-    from kvguard.operator.render import render_model_service, render_revision, secret_name
+    from kvguard.operator.render import render_model_service, render_revision, secret_name, transfer_secret_of
     from kvguard.operator.revision import revision_of
 
     # What reconcile refuses before it renders anything (InvalidSpec, PDParityMismatch).
@@ -172,6 +173,7 @@ def desired_objects(
     serving = stable or revision
     share = spec.rollout.steps[0].weight if weight is None else weight
     backends = traffic_split(serving, revision, share)
-    objects = [*render_revision(spec, rendered_with, owner, revision, "full", faults), render_model_service(owner, serving)]
-    objects += render_traffic(spec, owner, backends)
-    return DesiredObjects(revision, tuple(objects), (("Secret", secret_name(owner.name, revision)),), kv_plan)
+    workloads = render_revision(spec, rendered_with, owner, revision, "full", faults)
+    objects = [*workloads, render_model_service(owner, serving), *render_traffic(spec, owner, backends)]
+    keyed = any(transfer_secret_of(o) is not None for o in workloads)
+    return DesiredObjects(revision, tuple(objects), (("Secret", secret_name(owner.name, revision)),) if keyed else (), kv_plan)

@@ -176,3 +176,65 @@ async def test_the_canary_fails_on_a_violation_an_sglang_pod_logs_during_the_run
     result = dirty.probe(ProbeName.SAFETY_COUNTERS)
     assert result is not None and result.status == ProbeStatus.FAIL and "slot 99" in result.reason
     assert "pod/m-r1-decode-0 (ns)" in str(result.evidence)
+
+
+def owned_deployment(name: str, secret: str | None) -> dict[str, Any]:
+    """A Deployment of model m (uid u) revision r1 whose pods read the transfer key from `secret`."""
+    env = [] if secret is None else [{"name": "KVGUARD_TRANSFER_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": "key"}}}]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "ns",
+                     "labels": {"kvguard.io/model": "m", "kvguard.io/revision": "r1", "app.kubernetes.io/managed-by": "kvguard-operator"},
+                     "ownerReferences": [{"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "name": "m", "uid": "u",
+                                          "controller": True}]},
+        "spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "engine", "image": "i", "env": env}]}}},
+    }  # fmt: skip
+
+
+async def test_S3_the_transfer_secret_gets_a_random_name_and_a_restarted_operator_finds_it_without_reading_secrets(
+    kube: Kube, kmock: Any
+) -> None:
+    """RBAC gives the operator create and delete on Secrets, never get: a new revision's Secret is
+    named with a random suffix (nobody could create it first), and an operator that starts (empty
+    watch cache) takes the name from the revision's own Deployments, so the pods keep their key."""
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+    from kvguard.operator.render import Owner
+
+    def calls(method: str) -> int:
+        return len([r for r in list(kmock) if r.method == method and "/secrets" in r.url.path])
+
+    owner = Owner(name="m", namespace="ns", uid="u")
+    planted = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "m-r1-kv-transfer", "namespace": "ns"}, "data": {"key": "YQ=="}}
+    await kube.acreate(planted)  # someone guessed the old, fixed name
+    reads = calls("GET")
+    first = await KubernetesBackend(kube, DictChildIndex()).ensure_transfer_secret(owner, "r1")
+    assert calls("GET") == reads  # no Secret is ever read
+    assert first.startswith("m-r1-kv-transfer-") and len(first) == len("m-r1-kv-transfer-") + 8
+    created = await kube.aget(ObjectRef("Secret", first, "ns"))
+    assert created is not None and created["metadata"]["ownerReferences"][0]["uid"] == "u" and created["immutable"] is True
+    assert (await kube.aget(ObjectRef("Secret", "m-r1-kv-transfer", "ns")) or {})["data"] == {"key": "YQ=="}  # untouched
+
+    await kube.acreate(owned_deployment("m-r1-router", None))
+    await kube.acreate(owned_deployment("m-r1-decode", first))  # what ensure_revision applied, not in the new cache yet
+    reads, creates = calls("GET"), calls("POST")
+    restarted = KubernetesBackend(kube, DictChildIndex())
+    assert await restarted.ensure_transfer_secret(owner, "r1") == first
+    assert await restarted.ensure_transfer_secret(owner, "r1") == first  # remembered: no more calls
+    assert calls("GET") == reads and calls("POST") == creates + 1  # one create under the recorded name (409: it is there)
+    assert (await kube.aget(ObjectRef("Secret", first, "ns")) or {})["data"] == created["data"]  # the pods' key, kept
+
+    # The watch cache keeps no pod template: the name is found in the Deployments' annotation there.
+    from kvguard.operator.render import TRANSFER_SECRET_ANNOTATION
+    from kvguard.operator.workloads import child_projection
+
+    annotated = owned_deployment("m-r1-prefill", first)
+    annotated["metadata"]["annotations"] = {TRANSFER_SECRET_ANNOTATION: first}
+    index = DictChildIndex()
+    index.put(child_projection(annotated))
+    deployment_reads = len([r for r in list(kmock) if r.method == "GET" and "/deployments" in r.url.path])
+    assert await KubernetesBackend(kube, index).ensure_transfer_secret(owner, "r1") == first
+    assert len([r for r in list(kmock) if r.method == "GET" and "/deployments" in r.url.path]) == deployment_reads
+
+    await restarted.delete_revision(ModelRef("ns", "m", "u"), "r1")  # the Secret goes with its revision
+    assert await kube.aget(ObjectRef("Secret", first, "ns")) is None

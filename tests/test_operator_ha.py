@@ -7,7 +7,8 @@ enforces resourceVersion preconditions, selectors and server-side apply as an AP
 - transport failures (connections dropped mid-request) back off exponentially with jitter, and the
   pass succeeds once the API server answers again;
 - a field removed from the spec is removed from the Deployment (server-side apply);
-- a pre-created transfer Secret is refused by name and never used;
+- a Secret planted under a revision's name is never used (the operator reads no Secret), and a
+  squatted Deployment name halts only the revision that needs it;
 - a deleted model's metrics are gone; every LIST and watch of children carries a label selector.
 """
 
@@ -50,6 +51,7 @@ from kvguard.operator import metrics, reconcile
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.kube import Kube
 from kvguard.operator.leader import LeaderElector, LeaseConfig, LeaseRecord, Move, decide
+from kvguard.operator.render import transfer_secret_of
 from kvguard.operator.revision import revision_of
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer)]
@@ -282,49 +284,52 @@ async def test_a_field_removed_from_the_spec_is_removed_from_the_deployment(clus
                            for r in applies)  # fmt: skip
 
 
-async def test_a_transfer_secret_someone_else_created_is_refused_by_name_and_never_used(
-    cluster: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(reconcile, "FOREIGN_RECHECK_SECONDS", 0.5)
+async def test_S3_a_transfer_secret_planted_under_the_revisions_name_is_never_used(cluster: Any) -> None:
+    """The operator reads no Secret (RBAC: create and delete only). A Secret created ahead of it
+    under the name a revision's key would have had is not in the way: the operator's own has a
+    random suffix, and the planted one is neither used nor touched."""
     body = tiny_model()
     rev = revision_of(InferenceModelSpec.model_validate(body["spec"]))
-    secret = f"tiny-{rev}-kv-transfer"
+    planted_name = f"tiny-{rev}-kv-transfer"
     planted = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"key": "YXR0YWNrZXI="},
-               "metadata": {"name": secret, "namespace": NS, "labels": {"kvguard.io/revision": rev}}}  # fmt: skip
+               "metadata": {"name": planted_name, "namespace": NS, "labels": {"kvguard.io/revision": rev}}}  # fmt: skip
     await http("POST", f"/api/v1/namespaces/{NS}/secrets", planted)
     await apply_model(body)
-    status = await until(lambda: status_of(cluster).get("phase") == "Degraded" and status_of(cluster), "Degraded")
-    degraded = condition(status, "Degraded")
-    assert degraded["reason"] == "ForeignObject" and f"Secret {NS}/{secret}" in degraded["message"]
-    assert objects_of(cluster, DEPLOYMENTS) == {}  # no pod ever gets the planted key
-    await http("DELETE", f"/api/v1/namespaces/{NS}/secrets/{secret}")
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "the rollout once the planted Secret is gone", 30)
-    own = objects_of(cluster, SECRETS)[secret]
+    deployments = await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3 and objects_of(cluster, DEPLOYMENTS), "the rollout")
+    used = {transfer_secret_of(d.raw) for d in deployments.values()}
+    assert len(used) == 1 and planted_name not in used  # every pod reads the operator's own key
+    (own_name,) = used
+    own = await until(lambda: objects_of(cluster, SECRETS).get(own_name), "the operator's Secret")
     assert own["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny" and own["data"]["key"] != "YXR0YWNrZXI="
+    assert objects_of(cluster, SECRETS)[planted_name]["data"]["key"] == "YXR0YWNrZXI="  # never used, never modified
+    assert not [r for r in list(cluster) if r.method == "GET" and "/secrets" in r.url.path]  # no Secret is ever read
 
 
 async def test_a_spec_change_is_rolled_out_past_a_foreign_object_only_the_old_revision_needed(
     cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Outside probe: the foreign Secret was remembered for the model, not for the spec, so a new
-    spec (a new revision, which never needs that Secret) stayed halted on it with the old plan in
-    its status. A new spec is tried afresh; the planted object is still never touched."""
+    """Outside probe: the foreign object was remembered for the model, not for the spec, so a new
+    spec (a new revision, which never needs that object) stayed halted on it with the old plan in
+    its status. A new spec is tried afresh; the squatted object is still never touched."""
     monkeypatch.setattr(reconcile, "FOREIGN_RECHECK_SECONDS", 0.5)
     body = tiny_model()
     rev = revision_of(InferenceModelSpec.model_validate(body["spec"]))
-    secret = f"tiny-{rev}-kv-transfer"
-    planted = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"key": "YXR0YWNrZXI="},
-               "metadata": {"name": secret, "namespace": NS, "labels": {"team": "someone-else"}}}  # fmt: skip
-    await http("POST", f"/api/v1/namespaces/{NS}/secrets", planted)
+    squatted = f"tiny-{rev}-router"
+    theirs = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": squatted, "namespace": NS, "labels": {"team": "someone-else"}},
+              "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "theirs"}},
+                       "template": {"metadata": {"labels": {"app": "theirs"}}, "spec": {"containers": [{"name": "c", "image": "theirs"}]}}}}  # fmt: skip
+    await http("POST", f"/apis/apps/v1/namespaces/{NS}/deployments", theirs)
     await apply_model(body)
-    await until(lambda: status_of(cluster).get("phase") == "Degraded", "Degraded")
+    status = await until(lambda: status_of(cluster).get("phase") == "Degraded" and status_of(cluster), "Degraded")
+    degraded = condition(status, "Degraded")
+    assert degraded["reason"] == "ForeignObject" and f"Deployment {NS}/{squatted}" in degraded["message"]
     await patch_model("tiny", {"spec": {"contextLength": 512}})
     status = await until(lambda: status_of(cluster).get("targetRevision") not in (None, rev) and status_of(cluster), "the new revision", 30)
     new = status["targetRevision"]
     assert status["plan"]["contextLength"] == 512
     await until(lambda: sum(name.startswith(f"tiny-{new}-") for name in objects_of(cluster, DEPLOYMENTS)) == 3,
                 "the new revision's Deployments", 30)  # fmt: skip
-    assert objects_of(cluster, SECRETS)[secret]["data"]["key"] == "YXR0YWNrZXI="  # never used, never modified
+    assert objects_of(cluster, DEPLOYMENTS)[squatted]["spec"]["template"]["spec"]["containers"] == [{"name": "c", "image": "theirs"}]
 
 
 async def test_a_deleted_models_metrics_are_cleared(cluster: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -65,13 +66,20 @@ async def test_apply_renders_workloads_status_and_conditions(cluster: Any) -> No
     assert cmd[:4] == ["kvguard", "worker", "--role", "decode"]
     assert cmd[cmd.index("--kv-pool-tokens") + 1] == "4096"  # the plan's pool, not a guess
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert {"name": "KVGUARD_TRANSFER_KEY", "valueFrom": {"secretKeyRef": {"name": f"tiny-{rev}-kv-transfer", "key": "key"}}} in container["env"]
+    key_ref = next(e for e in container["env"] if e["name"] == "KVGUARD_TRANSFER_KEY")["valueFrom"]["secretKeyRef"]
+    # S3: a name with a random suffix, which nobody could have created before the operator did.
+    assert key_ref["key"] == "key" and re.fullmatch(f"tiny-{rev}-kv-transfer-[0-9a-f]{{8}}", key_ref["name"])
+    for role in ("prefill", "router"):  # every role reads the same Secret
+        env = deployments[f"tiny-{rev}-{role}"]["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "KVGUARD_TRANSFER_KEY", "valueFrom": {"secretKeyRef": key_ref}} in env
     router_cmd = deployments[f"tiny-{rev}-router"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert f"http://tiny-{rev}-prefill.{NS}.svc:8000" in router_cmd
     services = await until(lambda: len(objects_of(cluster, SERVICES)) == 3 and objects_of(cluster, SERVICES), "Services")
     assert services[f"tiny-{rev}-decode"]["spec"]["selector"]["kvguard.io/role"] == "decode"
-    secret = await until(lambda: objects_of(cluster, SECRETS).get(f"tiny-{rev}-kv-transfer"), "Secret")
-    assert len(secret["data"]["key"]) >= 64
+    secret = await until(lambda: objects_of(cluster, SECRETS).get(key_ref["name"]), "Secret")
+    assert len(secret["data"]["key"]) >= 64 and list(objects_of(cluster, SECRETS)) == [key_ref["name"]]
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny"
+    assert not [r for r in list(cluster) if r.method == "GET" and "/secrets" in r.url.path]  # never read
     netpol = await until(lambda: objects_of(cluster, NETPOLS).get(f"tiny-{rev}-decode"), "NetworkPolicy")
     transfer_rule = netpol["spec"]["ingress"][1]
     assert transfer_rule["ports"] == [{"protocol": "TCP", "port": 9000}]

@@ -169,9 +169,9 @@ def test_policy_is_evaluated_on_the_resolved_spec_and_the_rendered_command_lines
 
 def test_a_foreign_object_blocks_by_name_and_is_looked_at_again() -> None:
     b = promote(body())
-    out = reconcile(b, ready(b["status"]["revision"], foreign_objects=("Secret ns/tiny-cpu-x-kv-transfer exists ...",)), now=NOW)
+    out = reconcile(b, ready(b["status"]["revision"], foreign_objects=("Deployment ns/tiny-cpu-x-decode exists ...",)), now=NOW)
     degraded = next(c for c in out.status["conditions"] if c["type"] == "Degraded")
-    assert degraded["reason"] == "ForeignObject" and "Secret ns/tiny-cpu-x-kv-transfer" in degraded["message"]
+    assert degraded["reason"] == "ForeignObject" and "Deployment ns/tiny-cpu-x-decode" in degraded["message"]
     assert out.actions == [] and out.requeue_after and out.status["revision"] == b["status"]["revision"]  # S8
     # The spec is fine: no condition sends anyone to it (an outside probe read "until the spec is fixed").
     messages = {c["type"]: c["message"] for c in out.status["conditions"]}

@@ -12,7 +12,15 @@ import yaml
 from kvguard.operator.api import InferenceModel
 from kvguard.operator.numerics import numerics_change
 from kvguard.operator.planner import plan
-from kvguard.operator.render import Owner, RenderError, render_revision, render_transfer_secret
+from kvguard.operator.render import (
+    TRANSFER_SECRET_ANNOTATION,
+    Owner,
+    RenderError,
+    render_revision,
+    render_rollout_revision,
+    render_transfer_secret,
+    transfer_secret_of,
+)
 from kvguard.operator.revision import numerics_of, revision_of
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -57,6 +65,8 @@ def test_sglang_flags_follow_the_documented_names() -> None:
     assert pod["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == "8998"
     gpus = m.spec.roles.prefill.tensor_parallel
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    # No pod of an SGLang revision reads a kvguard key, so the operator creates no Secret for it.
+    assert not render_rollout_revision(m.spec, plan(m.spec), OWNER, "r1").uses_transfer_key()
 
 
 def test_vllm_flags_and_kv_transfer_config() -> None:
@@ -145,10 +155,31 @@ def test_engine_limits_become_field_errors() -> None:
 
 
 def test_S3_transfer_secret_is_immutable_and_key_sized() -> None:
-    secret = render_transfer_secret(OWNER, "r1", b"\x01" * 32)
-    assert secret["immutable"] is True and secret["metadata"]["name"] == "m-r1-kv-transfer"
+    secret = render_transfer_secret(OWNER, "r1", b"\x01" * 32, "m-r1-kv-transfer-0a1b2c3d")
+    assert secret["immutable"] is True and secret["metadata"]["name"] == "m-r1-kv-transfer-0a1b2c3d"
     with pytest.raises(ValueError):
-        render_transfer_secret(OWNER, "r1", b"short")
+        render_transfer_secret(OWNER, "r1", b"short", "m-r1-kv-transfer-0a1b2c3d")
+    for other in ("m-r2-kv-transfer-0a1b2c3d", "kube-root-ca", "m-r1-kv-transfer-x/y"):  # only this revision's own names
+        with pytest.raises(ValueError):
+            render_transfer_secret(OWNER, "r1", b"\x01" * 32, other)
+
+
+def test_S3_the_pods_read_the_key_from_the_secret_the_operator_names() -> None:
+    """The operator picks the Secret's name when it creates it (a random suffix): every role's
+    pods are pointed at that name, and nothing else in the revision changes."""
+    spec_model = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"]
+    m = model("tiny-cpu.yaml", model={**spec_model, "source": {"pvc": {"claimName": "models", "path": "tiny"}}})
+    rendered = render_rollout_revision(m.spec, plan(m.spec), OWNER, "r1")
+    assert rendered.uses_transfer_key()
+    named = rendered.with_transfer_secret("m-r1-kv-transfer-0a1b2c3d")
+    deployments = [o for o in named.objects if o["kind"] == "Deployment"]
+    assert len(deployments) == 3 and {transfer_secret_of(d) for d in deployments} == {"m-r1-kv-transfer-0a1b2c3d"}
+    for d in deployments:  # recorded where the operator's watch cache keeps it (it keeps no pod template)
+        assert d["metadata"]["annotations"][TRANSFER_SECRET_ANNOTATION] == "m-r1-kv-transfer-0a1b2c3d"
+        env = d["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "KVGUARD_TRANSFER_KEY", "valueFrom": {"secretKeyRef": {"name": "m-r1-kv-transfer-0a1b2c3d", "key": "key"}}} in env
+    assert {transfer_secret_of(o) for o in rendered.objects if o["kind"] == "Deployment"} == {"m-r1-kv-transfer"}  # unchanged
+    assert [o for o in named.objects if o["kind"] != "Deployment"] == [o for o in rendered.objects if o["kind"] != "Deployment"]
 
 
 def test_revision_changes_only_with_kv_relevant_fields() -> None:

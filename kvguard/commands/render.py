@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BLOCKED
     out = [f"# kvguard render: revision {desired.revision} of {namespace}/{model.metadata.name}\n"]
     for kind, name in desired.secret_refs:
-        out.append(f"# also created by the operator: {kind} {namespace}/{name} (a fresh random KV-transfer key; never printed)\n")
+        out.append(f"# also created by the operator: {kind} {namespace}/{name}-<random suffix> (a fresh random KV-transfer key;\n"
+                   f"#   never printed; the Deployments below name it {name}, the operator puts in the suffix)\n")
     out.append("---\n".join(plain_yaml(o) for o in desired.objects))
     sys.stdout.write("".join(out))
     return 0

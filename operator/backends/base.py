@@ -79,7 +79,7 @@ class RevisionRequest:
 
 class ForeignObjectError(Exception):
     """An object with the name of one of the model's children exists and the operator did not
-    create it (S3: e.g. a transfer Secret with a key someone chose). Never used, never modified."""
+    create it (e.g. a squatted Deployment or Service name). Never used, never modified."""
 
     def __init__(self, description: str, ref: tuple[str, str, str | None] | None = None) -> None:
         super().__init__(description)

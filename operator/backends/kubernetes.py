@@ -9,8 +9,9 @@ objects (HTTPRoute, InferencePool: `UNWATCHED_KINDS`) are read by name when appl
   (a hash annotation) at the replicas wanted and nobody changed its spec since (its generation);
 - before a child is applied for the first time, its name is checked: an object the model does not
   own is never modified (ForeignObjectError), since apply with force would take it over;
-- the transfer Secret (S3) is created once; a 409 is accepted only for a Secret owned by this very
-  InferenceModel with this revision's labels, read as metadata only;
+- the transfer Secret (S3) is created once, under a name with a random suffix nobody can claim
+  before the operator does, and recorded in the revision's Deployments (their pods read the key
+  from it). No Secret is ever read: RBAC grants create and delete only;
 - scaling is a merge patch of replicas under its own field manager.
 
 Where a revision answers (used by the canary): the router through its per-revision Service's
@@ -53,12 +54,14 @@ from kvguard.operator.render import (
     MANAGED_BY,
     ROLES,
     Owner,
+    is_transfer_secret_name,
     network_policy_name,
     object_name,
     render_model_service,
     render_rollout_revision,
     render_transfer_secret,
-    secret_name,
+    transfer_secret_name,
+    transfer_secret_of,
 )
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share, inference_pool_name, render_traffic, route_name
@@ -78,6 +81,8 @@ read again whenever they are applied, since no watch says one was deleted or edi
 Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name)."""
+RevisionKey = tuple[str, str, str]
+"""(namespace, model, revision)."""
 
 
 class ChildIndex(Protocol):
@@ -159,15 +164,16 @@ class KubernetesBackend:
         self.index = index
         self._resolver = resolver
         self._applied: dict[ObjectKey, Applied] = {}
-        self._verified_secrets: set[ObjectKey] = set()
+        self._transfer_secrets: dict[RevisionKey, str] = {}  # the Secret each revision's pods read
         self._traffic: dict[tuple[str, str], set[ObjectKey]] = {}  # per model: the traffic objects applied
         self._traffic_swept: set[tuple[str, str]] = set()  # models whose earlier HTTPRoute and pools were looked for
 
     # --- the Backend interface ------------------------------------------------------------------
     async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
         owner = _owner(request.model)
-        await self.ensure_transfer_secret(owner, request.revision)  # before any pod references it
         rendered = request.rendered or render_rollout_revision(request.spec, request.plan, owner, request.revision, request.faults)
+        if rendered.uses_transfer_key():  # created before any pod references it
+            rendered = rendered.with_transfer_secret(await self.ensure_transfer_secret(owner, request.revision))
         # The children are independent of each other: apply them concurrently (one round trip of
         # latency per revision, not seven). Every failure is raised; a foreign object first.
         results = await asyncio.gather(*(self.apply(m, request.model) for m in rendered.at(scale)), return_exceptions=True)
@@ -195,12 +201,20 @@ class KubernetesBackend:
         names = {object_name(model.name, revision, role) for role in ROLES}
         names |= {network_policy_name(model.name, revision, role) for role in ROLES}
         doomed = [o for o in self._owned(model) if o["metadata"]["name"] in names]
-        secret = ObjectRef("Secret", secret_name(model.name, revision), model.namespace)
+        # Named by the Deployments, so looked up before they go. One nobody recorded (the operator
+        # stopped between creating it and its Deployments) stays until the model is deleted: it is
+        # owned by the model, and the operator cannot list Secrets to find it.
+        secret = self._transfer_secrets.get((model.namespace, model.name, revision)) or await self._recorded_transfer_secret(
+            _owner(model), revision)
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
-        for ref in [ref_of(o) for o in doomed] + [secret, pool]:
+        refs = [ref_of(o) for o in doomed] + [pool]
+        if secret is not None:
+            refs.append(ObjectRef("Secret", secret, model.namespace))
+        for ref in refs:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
+        self._transfer_secrets.pop((model.namespace, model.name, revision), None)
 
     async def observe(self, model: ModelRef) -> Observation:
         owned = self._owned(model)
@@ -325,29 +339,46 @@ class KubernetesBackend:
     def forget(self, key: ObjectKey) -> None:
         """A child was deleted (its watch said so): apply it again when it is wanted."""
         self._applied.pop(key, None)
-        self._verified_secrets.discard(key)
 
     # --- the transfer Secret (S3) ----------------------------------------------------------------
-    async def ensure_transfer_secret(self, owner: Owner, revision: str) -> None:
-        """Created once with a fresh key, never patched, never read back (only its metadata, to
-        tell the operator's own Secret from one created by someone else)."""
-        ref = ObjectRef("Secret", secret_name(owner.name, revision), owner.namespace)
-        key = ("Secret", owner.namespace, ref.name)
-        if key in self._verified_secrets:
-            return
-        if await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32))) is not None:
-            self._verified_secrets.add(key)
-            return
-        existing = await self.kube.aget_metadata(ref)
-        if existing is None:
-            raise KubeError(409, f"{ref}: conflict on create, then gone; retrying")
-        if not _is_transfer_secret_of(existing, owner, revision):
-            raise ForeignObjectError(
-                f"{ref} exists and was not created by the operator for InferenceModel {owner.name} revision {revision} "
-                f"(it must carry a controller ownerReference to uid {owner.uid} and the label {LABEL_REVISION}={revision}); "
-                "its key is never used: delete it and the operator creates its own", ("Secret", ref.name, owner.namespace),
-            )  # fmt: skip
-        self._verified_secrets.add(key)
+    async def ensure_transfer_secret(self, owner: Owner, revision: str) -> str:
+        """The name of the revision's KV-transfer Secret, created with a fresh key if the
+        revision's Deployments name none. Never read back: a Secret someone else created under a
+        name the operator might choose is impossible to plant first (the suffix is random), and one
+        in the way of a new name only makes the operator draw another."""
+        key = (owner.namespace, owner.name, revision)
+        if (known := self._transfer_secrets.get(key)) is not None:
+            return known
+        name = await self._recorded_transfer_secret(owner, revision)
+        if name is None:
+            name = await self._create_transfer_secret(owner, revision)
+        elif await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
+            # Someone deleted it under running pods: new pods get a new key, so old and new pods
+            # of the revision cannot transfer to each other until the old ones restart.
+            log.warning("Secret %s/%s was gone; created again with a new key", owner.namespace, name)
+        self._transfer_secrets[key] = name
+        return name
+
+    async def _create_transfer_secret(self, owner: Owner, revision: str) -> str:
+        for _ in range(3):
+            name = transfer_secret_name(owner.name, revision, secrets.token_hex(4))
+            if await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
+                log.info("created the KV-transfer Secret %s/%s of revision %s", owner.namespace, name, revision)
+                return name
+        raise KubeError(409, f"three new names for the KV-transfer Secret of {owner.namespace}/{owner.name} revision {revision} "
+                             "were taken; retrying")  # fmt: skip
+
+    async def _recorded_transfer_secret(self, owner: Owner, revision: str) -> str | None:
+        """The Secret the revision's own Deployments read the key from: from their annotation in
+        the index; else (the watches have not listed everything yet just after a start, or the
+        Deployments predate the annotation) from the Deployments read by name."""
+        model = ModelRef(owner.namespace, owner.name, owner.uid)
+        names = sorted({object_name(owner.name, revision, role) for role in ROLES})
+        indexed = [o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names]
+        if (found := _recorded_in(indexed, owner, revision)) is not None:
+            return found
+        fetched = [await self.kube.aget(ObjectRef("Deployment", n, owner.namespace)) for n in names]
+        return _recorded_in([d for d in fetched if d is not None and self._is_ours(d, model)], owner, revision)
 
     # --- reads from the index -------------------------------------------------------------------
     def _owned(self, model: ModelRef) -> list[Mapping[str, Any]]:
@@ -359,10 +390,9 @@ class KubernetesBackend:
         return owned_by(meta, model.name, model.uid) and all(labels.get(k) == v for k, v in MANAGED_BY.items())
 
 
-def _is_transfer_secret_of(meta: Mapping[str, Any], owner: Owner, revision: str) -> bool:
-    labels = (meta.get("metadata") or {}).get("labels") or {}
-    managed = all(labels.get(k) == v for k, v in MANAGED_BY.items())
-    return managed and labels.get(LABEL_REVISION) == revision and owned_by(meta, owner.name, owner.uid)
+def _recorded_in(deployments: Sequence[Mapping[str, Any]], owner: Owner, revision: str) -> str | None:
+    names = (transfer_secret_of(d) for d in deployments)
+    return next((n for n in names if n is not None and is_transfer_secret_name(n, owner.name, revision)), None)
 
 
 def _scale_patch(live: Mapping[str, Any], replicas: int | None) -> dict[str, Any] | None:
