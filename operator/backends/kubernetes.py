@@ -377,7 +377,7 @@ class KubernetesBackend:
         indexed = [o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names]
         if (found := _recorded_in(indexed, owner, revision)) is not None:
             return found
-        fetched = [await self.kube.aget(ObjectRef("Deployment", n, owner.namespace)) for n in names]
+        fetched = await asyncio.gather(*(self.kube.aget(ObjectRef("Deployment", n, owner.namespace)) for n in names))
         return _recorded_in([d for d in fetched if d is not None and self._is_ours(d, model)], owner, revision)
 
     # --- reads from the index -------------------------------------------------------------------
