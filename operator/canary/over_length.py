@@ -54,7 +54,7 @@ class OverLengthProbe(Probe):
         context = ctx.info.context_length
         if not context:
             raise ProbeSkipped(
-                "context length unknown: no max_model_len in /v1/models, no /server_info context_length, no "
+                "context length unknown: no usable max_model_len in /v1/models, no /server_info context_length, no "
                 "metrics; pass --context-length or set spec.canary.contextLength"
             )
         notes: list[Evidence] = []
