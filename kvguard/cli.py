@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
+EXIT_MISSING_EXTRA = 2  # as for bad input: nothing was started
+WORKER_COMMANDS = frozenset({"model", "serve", "worker", "splitter", "apply", "demo"})
+"""Commands that run the engine (the `workers` extra); the others need the `operator` extra."""
+EXTRA_PACKAGES = frozenset({"kopf", "kubernetes", "prometheus_client", "requests", "aiohttp", "torch", "safetensors",
+                            "tokenizers", "xxhash", "cryptography"})  # fmt: skip
+"""Top-level modules of pyproject.toml's optional dependencies: a command that needs one that is
+not installed says which extra to install instead of printing a traceback."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Ctrl-C that a command does not handle itself (e.g. while it still imports)
@@ -76,6 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"kvguard {command}: interrupted" if command else "kvguard: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").split(".")[0]
+        if package not in EXTRA_PACKAGES:
+            raise  # a bug, not a missing extra
+        extra = "workers" if command in WORKER_COMMANDS else "operator"
+        who = f"kvguard {command}" if command else "kvguard"
+        print(f"{who}: needs the Python package {package}, which is not installed: pip install 'kvguard[{extra}]'", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
     except BrokenPipeError:
         # The reader went away: nothing more can be said on stdout, and Python's flush at exit
         # would raise again (https://docs.python.org/3/library/signal.html#note-on-sigpipe).

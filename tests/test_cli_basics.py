@@ -123,6 +123,19 @@ def test_an_early_ctrl_c_is_one_line_and_130(monkeypatch: pytest.MonkeyPatch, ca
     assert capsys.readouterr().err == "kvguard canary: interrupted\n"
 
 
+@pytest.mark.parametrize(("argv", "missing", "extra"), [
+    (["canary", "--url", "http://127.0.0.1:1/v1"], "aiohttp", "operator"),
+    (["model", "tiny", "/nonexistent/kvguard-model"], "torch", "workers"),
+])
+def test_a_command_without_its_extra_names_what_to_install(argv: list[str], missing: str, extra: str) -> None:
+    """Outside probe: `kvguard canary` on an install without the operator extra was an ImportError
+    traceback. Blocking the package (`sys.modules[name] = None`) is how Python reports it absent."""
+    script = f"import sys; sys.modules[{missing!r}] = None; from kvguard.cli import main; sys.exit(main({argv!r}))"
+    out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"kvguard {argv[0]}: needs the Python package {missing}, which is not installed: pip install 'kvguard[{extra}]'\n"
+
+
 def test_a_closed_stdout_ends_a_command_quietly() -> None:
     # `kvguard plan ... | head -1`: the reader leaves, and the rest must not be a BrokenPipeError traceback.
     plan = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "plan", "-f", str(REPO / "examples/incident.yaml")],
