@@ -238,3 +238,23 @@ async def test_S3_the_transfer_secret_gets_a_random_name_and_a_restarted_operato
 
     await restarted.delete_revision(ModelRef("ns", "m", "u"), "r1")  # the Secret goes with its revision
     assert await kube.aget(ObjectRef("Secret", first, "ns")) is None
+
+
+async def test_S3_a_model_created_again_under_its_name_gets_a_secret_of_its_own(kube: Kube, kmock: Any) -> None:
+    """Outside probe: the operator remembered a revision's Secret by model name and revision (a
+    hash of the spec), so a model deleted and created again with the same spec got the old
+    model's Secret name, which the garbage collector had deleted: its pods could not start, and
+    anyone who may create Secrets could plant the key under the name its Deployments show."""
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+    from kvguard.operator.render import Owner
+
+    backend = KubernetesBackend(kube, DictChildIndex())
+    old = await backend.ensure_transfer_secret(Owner(name="m", namespace="ns", uid="u"), "r1")
+    await kube.adelete(ObjectRef("Secret", old, "ns"))  # the garbage collector, once the model is gone
+    # Even before the model's deletion event is handled, the new model (a new uid) is a new key.
+    new = await backend.ensure_transfer_secret(Owner(name="m", namespace="ns", uid="u2"), "r1")
+    assert new != old and (await kube.aget(ObjectRef("Secret", new, "ns")) or {})["metadata"]["ownerReferences"][0]["uid"] == "u2"
+    creates = len([r for r in list(kmock) if r.method == "POST" and r.url.path.endswith("/secrets")])
+    backend.forget_model(("ns", "m"))  # the deletion event: nothing of the model is remembered
+    assert await backend.ensure_transfer_secret(Owner(name="m", namespace="ns", uid="u2"), "r1") not in (old, new)
+    assert len([r for r in list(kmock) if r.method == "POST" and r.url.path.endswith("/secrets")]) == creates + 1

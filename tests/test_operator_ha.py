@@ -352,3 +352,22 @@ async def test_every_list_and_watch_of_children_carries_a_label_selector(cluster
                    and r.resource.plural in ("deployments", "services", "networkpolicies", "pods", "secrets", "configmaps")]  # fmt: skip
     assert collections, "kopf lists and watches the children"
     assert all(r.params.get("labelSelector") for r in collections), [str(r.url) for r in collections if not r.params.get("labelSelector")]
+
+
+async def test_S3_a_model_deleted_and_created_again_with_the_same_spec_gets_a_new_secret(cluster: Any) -> None:
+    """Outside probe: the operator remembered a revision's Secret by model name and revision, so the
+    same spec under a new model (a new uid) was given the old model's Secret name, which the garbage
+    collector had deleted: its pods could not have started, and anyone who may create Secrets could
+    plant the key under the name its Deployments show."""
+    await apply_model(tiny_model())
+    first = await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3 and objects_of(cluster, SECRETS), "the first model's children")
+    await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
+    for plural, kind in (("/apis/apps/v1", DEPLOYMENTS), ("/api/v1", SECRETS)):  # the garbage collector (kmock has none)
+        for name in list(objects_of(cluster, kind)):
+            await http("DELETE", f"{plural}/namespaces/{NS}/{kind.plural}/{name}")
+    await apply_model(tiny_model(uid="uid-tiny-2"))
+    deployments = await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3 and objects_of(cluster, DEPLOYMENTS), "the new model's")
+    (used,) = {transfer_secret_of(d.raw) for d in deployments.values()}
+    assert used not in first
+    secret = await until(lambda: objects_of(cluster, SECRETS).get(used), "the new model's own Secret")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny-2"

@@ -81,8 +81,9 @@ read again whenever they are applied, since no watch says one was deleted or edi
 Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name)."""
-RevisionKey = tuple[str, str, str]
-"""(namespace, model, revision)."""
+RevisionKey = tuple[str, str, str, str]
+"""(namespace, model, model uid, revision): a model deleted and created again under its name (a new
+uid) has new children, so nothing of the old one's may be taken for them."""
 
 
 class ChildIndex(Protocol):
@@ -204,8 +205,8 @@ class KubernetesBackend:
         # Named by the Deployments, so looked up before they go. One nobody recorded (the operator
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
-        secret = self._transfer_secrets.get((model.namespace, model.name, revision)) or await self._recorded_transfer_secret(
-            _owner(model), revision)
+        owner = _owner(model)
+        secret = self._transfer_secrets.get(_revision_key(owner, revision)) or await self._recorded_transfer_secret(owner, revision)
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
         refs = [ref_of(o) for o in doomed] + [pool]
         if secret is not None:
@@ -214,7 +215,7 @@ class KubernetesBackend:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
-        self._transfer_secrets.pop((model.namespace, model.name, revision), None)
+        self._transfer_secrets.pop(_revision_key(owner, revision), None)
 
     async def observe(self, model: ModelRef) -> Observation:
         owned = self._owned(model)
@@ -335,6 +336,8 @@ class KubernetesBackend:
         for key in {model, (model[0] or "default", model[1])}:
             self._traffic.pop(key, None)
             self._traffic_swept.discard(key)
+        for gone in [k for k in self._transfer_secrets if k[:2] in ((model[0], model[1]), (model[0] or "default", model[1]))]:
+            del self._transfer_secrets[gone]
 
     def forget(self, key: ObjectKey) -> None:
         """A child was deleted (its watch said so): apply it again when it is wanted."""
@@ -346,7 +349,7 @@ class KubernetesBackend:
         revision's Deployments name none. Never read back: a Secret someone else created under a
         name the operator might choose is impossible to plant first (the suffix is random), and one
         in the way of a new name only makes the operator draw another."""
-        key = (owner.namespace, owner.name, revision)
+        key = _revision_key(owner, revision)
         if (known := self._transfer_secrets.get(key)) is not None:
             return known
         name = await self._recorded_transfer_secret(owner, revision)
@@ -388,6 +391,10 @@ class KubernetesBackend:
     def _is_ours(meta: Mapping[str, Any], model: ModelRef) -> bool:
         labels = (meta.get("metadata") or {}).get("labels") or {}
         return owned_by(meta, model.name, model.uid) and all(labels.get(k) == v for k, v in MANAGED_BY.items())
+
+
+def _revision_key(owner: Owner, revision: str) -> RevisionKey:
+    return owner.namespace, owner.name, owner.uid, revision
 
 
 def _recorded_in(deployments: Sequence[Mapping[str, Any]], owner: Owner, revision: str) -> str | None:
