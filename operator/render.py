@@ -123,7 +123,7 @@ def object_name(model: str, revision: str, role: Role | str) -> str:
     return f"{model}-{revision}-{role}"
 
 
-def secret_name(model: str, revision: str) -> str:
+def transfer_secret_prefix(model: str, revision: str) -> str:
     """The start of the name of a revision's KV-transfer Secret. The operator adds a random suffix
     when it creates one (`transfer_secret_name`), so nobody can create a Secret under the name
     before it does; rendered Deployments name the Secret by this prefix until the operator puts
@@ -132,14 +132,15 @@ def secret_name(model: str, revision: str) -> str:
 
 
 def transfer_secret_name(model: str, revision: str, suffix: str) -> str:
-    return f"{secret_name(model, revision)}-{suffix}"
+    """`suffix`: 8 random hex digits."""
+    return f"{transfer_secret_prefix(model, revision)}-{suffix}"
 
 
 def is_transfer_secret_name(name: str, model: str, revision: str) -> bool:
     """A name the operator may have given this revision's Secret: the prefix, with or without a
     suffix (an operator before the suffix used the bare prefix; its Deployments still name it)."""
-    prefix = secret_name(model, revision)
-    return name == prefix or (name.startswith(prefix + "-") and name[len(prefix) + 1:].isalnum())
+    prefix = transfer_secret_prefix(model, revision)
+    return name == prefix or (name.startswith(prefix + "-") and re.fullmatch(r"[0-9a-f]{8}", name[len(prefix) + 1:]) is not None)
 
 
 def network_policy_name(model: str, revision: str, role: Role | str) -> str:
@@ -280,7 +281,7 @@ class KvguardAdapter:
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
         # Every role holds the revision key: the router signs internal calls and issues transfer
         # tickets with it; the workers verify both and authenticate KV frames (S9).
-        key = _secret_env(TRANSFER_KEY_ENV, secret_name(ctx.owner.name, ctx.revision))
+        key = _secret_env(TRANSFER_KEY_ENV, transfer_secret_prefix(ctx.owner.name, ctx.revision))
         if ctx.role == "router":
             return [key]
         return [key, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
@@ -919,11 +920,3 @@ def render_model_service(owner: Owner, stable_revision: str) -> Manifest:
             "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-
-
-def revision_object_refs(model: str, revision: str) -> list[tuple[str, str]]:
-    """(kind, name) of every object `render_revision` and the Secret create for a revision."""
-    refs = [(kind, object_name(model, revision, role)) for role in ROLES for kind in ("Deployment", "Service")]
-    refs += [("NetworkPolicy", network_policy_name(model, revision, role)) for role in ROLES]
-    refs.append(("Secret", secret_name(model, revision)))
-    return refs

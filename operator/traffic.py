@@ -157,7 +157,7 @@ def desired_objects(
     from kvguard.operator.engine_support import engine_problems
     from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import plan, plan_to_render
-    from kvguard.operator.render import render_model_service, render_revision, secret_name, transfer_secret_of
+    from kvguard.operator.render import render_model_service, render_revision, transfer_secret_of, transfer_secret_prefix
     from kvguard.operator.revision import revision_of
 
     # What reconcile refuses before it renders anything (InvalidSpec, PDParityMismatch).
@@ -176,4 +176,4 @@ def desired_objects(
     workloads = render_revision(spec, rendered_with, owner, revision, "full", faults)
     objects = [*workloads, render_model_service(owner, serving), *render_traffic(spec, owner, backends)]
     keyed = any(transfer_secret_of(o) is not None for o in workloads)
-    return DesiredObjects(revision, tuple(objects), (("Secret", secret_name(owner.name, revision)),) if keyed else (), kv_plan)
+    return DesiredObjects(revision, tuple(objects), (("Secret", transfer_secret_prefix(owner.name, revision)),) if keyed else (), kv_plan)
