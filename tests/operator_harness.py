@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
+import os
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,9 +28,11 @@ import kubernetes
 import pytest
 import yaml
 from kmock_api import client_configuration, declare_kvguard_resources
+from rbac import Grant, denied, install_grants, operator_requests
 from waiting import stays, until  # noqa: F401 - re-exported for the operator tests
 
 import kvguard.operator.handlers  # noqa: F401  (registers the operator's handlers)
+from kvguard.commands.operator import WATCH_NAMESPACES_ENV
 from kvguard.operator.backends.base import ModelRef, RevisionEndpoints, WorkerEndpoint
 from kvguard.operator.controller import Controller, ControllerSettings
 from kvguard.operator.workqueue import Backoff
@@ -152,11 +156,13 @@ class Operator:
         return self.memo["kvguard"]
 
     async def start(self, suite: Any = None, settings: ControllerSettings | None = None, *, kube: Any = None,
-                    wait_for_watches: bool = True) -> None:  # fmt: skip
+                    wait_for_watches: bool = True, namespaces: tuple[str, ...] = ()) -> None:  # fmt: skip
         """`suite` replaces the canary suite runner of this operator process (default: the real one);
-        `kube`, the controller's API client (default: one on the emulator)."""
+        `kube`, the controller's API client (default: one on the emulator); `namespaces`: watch
+        only these, as the namespaced install runs it (default: every namespace)."""
         self.memo = kopf.Memo(kvguard_suite=suite, kvguard_settings=settings or fast_settings(), kvguard_resolver=resolve,
                               kvguard_kube=kube)  # fmt: skip
+        os.environ[WATCH_NAMESPACES_ENV] = ",".join(namespaces)  # as `kvguard operator --namespace` sets it for its handlers
         settings_ = kopf.OperatorSettings()
         settings_.posting.enabled = False  # kmock has no generateName; our Events are plain creates
         settings_.watching.server_timeout = 5
@@ -164,7 +170,8 @@ class Operator:
         seen = len(list(self.kmock))
         self.thread = threading.Thread(
             target=asyncio.run,
-            args=(kopf.operator(clusterwide=True, standalone=True, settings=settings_, stop_flag=self.stop_flag, memo=self.memo),),
+            args=(kopf.operator(clusterwide=not namespaces, namespaces=namespaces, standalone=True, settings=settings_,
+                                stop_flag=self.stop_flag, memo=self.memo),),  # fmt: skip
             daemon=True,
         )
         self.thread.start()
@@ -191,6 +198,7 @@ async def operator(kmock: Any, monkeypatch: pytest.MonkeyPatch, serving: LocalDe
     EMULATOR_URL.append(url)
     client_configuration(url, make_default=True)
     monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
+    monkeypatch.setenv(WATCH_NAMESPACES_ENV, "")  # restored after the test, whatever `start` set it to
     CLUSTER.append(kmock)
     op = Operator(kmock)
     await op.start()
@@ -203,6 +211,22 @@ async def operator(kmock: Any, monkeypatch: pytest.MonkeyPatch, serving: LocalDe
         CLUSTER.pop()
         EMULATOR_URL.pop()
         kubernetes.client.ApiClient.set_default(None)
+    assert_rbac_allows(kmock, "manifests")
+
+
+def assert_rbac_allows(kmock: Any, install: str, since: int = 0) -> None:
+    """kmock authorizes nothing: every request the operator sent (from the emulator's `since`-th
+    on) must be one the shipped roles of `install` (a kustomization: `manifests` cluster-wide,
+    `manifests/namespaced`) allow."""
+    sent = operator_requests(kmock, since)
+    assert sent, "no request of the operator's was recognised (its User-Agent?)"
+    refused = denied(sent, _install_grants(install))
+    assert not refused, f"the RBAC of {install}/ would refuse: {refused}"
+
+
+@functools.cache
+def _install_grants(install: str) -> list[Grant]:
+    return install_grants(install, NS)
 
 
 @pytest.fixture

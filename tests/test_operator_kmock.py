@@ -33,6 +33,7 @@ from operator_harness import (
     SERVICES,
     Operator,
     apply_model,
+    assert_rbac_allows,
     condition,
     events_of,
     http,
@@ -297,3 +298,26 @@ async def test_S8_operator_restart_mid_rollout_resumes_without_double_promotion(
     await promoted(cluster, rev)
     await stays(lambda: [e.get("count", 1) for e in events_of(cluster, "RevisionPromoted")] == [1], "exactly one promotion")
     await until(lambda: objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev, "traffic routed")
+
+
+async def test_the_namespaced_install_allows_everything_its_operator_does(operator: Operator) -> None:
+    """The operator as `manifests/namespaced/` runs it (WATCH_NAMESPACES=models, a Role there and a
+    read-only ClusterRole) through a rollout, a replacement and a deletion: every request it sends
+    is one those roles allow (kmock authorizes nothing; the fixture checks the cluster-wide install)."""
+    cluster = operator.kmock
+    await operator.stop()
+    since = len(list(cluster))
+    await operator.start(namespaces=(NS,))
+    await apply_model(tiny_model())
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
+    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    await mark_ready(cluster, rev2)
+    await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted", CANARY_WAIT)
+    await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
+    labels = {"namespace": NS, "model": "tiny", "role": "decode"}
+    await until(lambda: metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", labels) is None, "the model forgotten")
+    assert_rbac_allows(cluster, "manifests/namespaced", since)

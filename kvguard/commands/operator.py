@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_CLUSTER
     import kopf.cli  # heavy: only when the command runs
 
-    argv = kopf_argv(watched_namespaces(args.namespace, os.environ), args.liveness, args.verbose)
+    namespaces = watched_namespaces(args.namespace, os.environ)
+    if namespaces:  # --namespace too: the handlers read it to run in kopf's restricted mode
+        os.environ[WATCH_NAMESPACES_ENV] = ",".join(namespaces)
+    argv = kopf_argv(namespaces, args.liveness, args.verbose)
     try:
         kopf.cli.main(argv, standalone_mode=False)
     except SystemExit as exc:
