@@ -13,6 +13,8 @@ plain kmock lacks:
   replaced whole: right for a single manager that owns every list it sets, which is the operator's
   case (real SSA merges map-lists by key, which only matters with several managers).
 
+- a write that changes a field the API server keeps immutable (a Deployment's selector, an
+  immutable Secret's data, a Service's clusterIP) is refused with 422 Invalid;
 - strategic-merge patches (`application/strategic-merge-patch+json`) merge the lists the
   operator patches by their merge key, as Kubernetes' patchMergeKey does: a pod's
   `status.conditions` by `type` and `containerStatuses` by `name` (the readiness gate's condition
@@ -53,6 +55,24 @@ APPLY_PATCH = "application/apply-patch+yaml"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 MERGE_KEYS = {"conditions": "type", "containerStatuses": "name"}
 """patchMergeKey of the lists a strategic-merge patch merges (core/v1 PodStatus)."""
+
+
+def immutable_change(plural: str, live: Mapping[str, Any], target: Mapping[str, Any]) -> str | None:
+    """The API server's message for a write that changes a field it keeps immutable (422
+    Invalid), or None. The ones the operator's children have: a Deployment's selector (apps/v1),
+    an immutable Secret's data and a Service's clusterIP."""
+    def get(obj: Mapping[str, Any], *path: str) -> Any:
+        for step in path:
+            obj = (obj or {}).get(step) if isinstance(obj, Mapping) else None
+        return obj
+
+    if plural == "deployments" and get(live, "spec", "selector") != get(target, "spec", "selector"):
+        return "spec.selector: Invalid value: field is immutable"
+    if plural == "secrets" and get(live, "immutable") and (live.get("data"), live.get("immutable")) != (target.get("data"), target.get("immutable")):
+        return "data: Forbidden: field is immutable when `immutable` is set"
+    if plural == "services" and get(live, "spec", "clusterIP") and get(live, "spec", "clusterIP") != get(target, "spec", "clusterIP"):
+        return "spec.clusterIP: Invalid value: field is immutable"
+    return None
 
 
 def declare_kvguard_resources(kmock: Any, *, policies: bool = False) -> str:
@@ -317,6 +337,9 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
             target[keep] = copy.deepcopy(live.get(keep))
             if target[keep] is None:
                 del target[keep]
+        refused = immutable_change(request.resource.plural, live, target)
+        if refused is not None:
+            raise kmock_k8s.KubernetesError(422, "Invalid", refused)
         meta = target.setdefault("metadata", {})
         meta["resourceVersion"] = self._next_version()
         if request.subresource is None and live.get("spec") != target.get("spec"):

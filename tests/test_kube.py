@@ -6,6 +6,7 @@ operator tests rely on them standing in for the API server's."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import socket
 import threading
 from typing import Any
@@ -87,6 +88,24 @@ async def test_lists_send_the_selector_and_metadata_reads_drop_data(kube: Kube, 
     assert meta is not None and meta["metadata"]["name"] == "s" and "data" not in meta
     fetch = [r for r in list(kmock) if r.method == "GET" and r.url.path.endswith("/secrets/s")]
     assert "PartialObjectMetadata" in fetch[-1].headers["Accept"]
+
+
+async def test_the_emulator_refuses_changes_to_immutable_fields_as_the_api_server_does(kube: Kube) -> None:
+    first = deployment()
+    first["spec"]["selector"] = {"matchLabels": {"app": "x"}}
+    await kube.aapply(first)
+    moved = copy.deepcopy(first)
+    moved["spec"]["selector"] = {"matchLabels": {"app": "y"}}
+    with pytest.raises(KubeError) as refused:
+        await kube.aapply(moved)
+    assert refused.value.status == 422 and "spec.selector" in str(refused.value)
+    first["spec"]["replicas"] = 3  # anything else still changes
+    assert (await kube.aapply(first))["spec"]["replicas"] == 3
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "k", "namespace": "ns"}, "immutable": True, "data": {"key": "YQ=="}}
+    await kube.acreate(secret)
+    with pytest.raises(KubeError) as refused:
+        await kube.amerge_patch(ObjectRef("Secret", "k", "ns"), {"data": {"key": "Yg=="}})
+    assert refused.value.status == 422
 
 
 def resetting_server() -> tuple[str, threading.Event]:
