@@ -16,6 +16,7 @@ from kvguard.operator.render import (
     TRANSFER_SECRET_ANNOTATION,
     Owner,
     RenderError,
+    render_model_service,
     render_revision,
     render_rollout_revision,
     render_transfer_secret,
@@ -340,3 +341,26 @@ def test_kvguard_engine_roles_get_the_bootstrap_timeout_and_not_the_router() -> 
     assert "--bootstrap-timeout" not in command(objs, "router")
     defaults = objects(model("tiny-cpu.yaml", model=source))
     assert all("--bootstrap-timeout" not in command(defaults, role) for role in ("prefill", "decode"))
+
+
+def test_every_object_the_operator_creates_passes_the_api_servers_own_schemas() -> None:
+    """kmock validates nothing: each built-in object of a revision (kvguard, SGLang and vLLM), its
+    Secret and the model Service are checked against Kubernetes' published OpenAPI schemas
+    (kubernetes-validate, strict: an unknown or misplaced field fails as the API server's strict
+    field validation would)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    tiny_model = {**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"], "source": {"pvc": {"claimName": "models", "path": "tiny"}}}
+    llama = yaml.safe_load((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]["model"]
+    specs = [
+        model("tiny-cpu.yaml", model=tiny_model, kvTransfer={"encryption": "aes-gcm"}),
+        model("incident-fixed.yaml", engine={"kind": "sglang", "image": "lmsysorg/sglang:v0.5.4"},
+              model={**yaml.safe_load((EXAMPLES / "incident-fixed.yaml").read_text())["spec"]["model"], "source": {"huggingFace": "org/m"}}),
+        model("llama-3.1-8b-sglang-h100.yaml", engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0", "routerImage": "vllm-router:1"},
+              model={**llama, "source": {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}}),
+    ]  # fmt: skip
+    for m in specs:
+        rendered = render_rollout_revision(m.spec, plan(m.spec), OWNER, "r1").with_transfer_secret("m-r1-kv-transfer-0a1b2c3d")
+        objects_ = [*rendered.at("canary"), *rendered.at("full"), render_model_service(OWNER, "r1"),
+                    render_transfer_secret(OWNER, "r1", b"\x01" * 32, "m-r1-kv-transfer-0a1b2c3d")]  # fmt: skip
+        for obj in objects_:
+            kubernetes_validate.validate(obj, "1.30", strict=True)  # raises on the first field the schema refuses
