@@ -134,15 +134,25 @@ async def test_S7_S8_blocked_change_leaves_running_revision_untouched(cluster: A
                 == blocked_before + 1, "the blocked plan counted")  # fmt: skip
 
 
-async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: Any) -> None:
+async def first_revision_stable(cluster: Any) -> str:
+    """The tiny model applied and its first revision promoted (the test plays the kubelet)."""
     await apply_model(tiny_model())
-    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev1)
-    await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
+    await mark_ready(cluster, rev)
+    await until(lambda: status_of(cluster).get("revision") == rev, "the first revision stable", CANARY_WAIT)
+    return rev
 
+
+async def a_new_revision(cluster: Any, stable: str) -> str:
+    """The model's weights changed: the revision it is rolled out to."""
     await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
-    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    return await until(lambda: (r := status_of(cluster).get("targetRevision")) != stable and r, "a new revision")
+
+
+async def test_new_revision_rolls_out_beside_stable_then_replaces_it(cluster: Any) -> None:
+    rev1 = await first_revision_stable(cluster)
+    rev2 = await a_new_revision(cluster, rev1)
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
     assert objects_of(cluster, SERVICES)["tiny"]["spec"]["selector"]["kvguard.io/revision"] == rev1  # S8
     await mark_ready(cluster, rev2)
@@ -308,13 +318,7 @@ async def test_the_namespaced_install_allows_everything_its_operator_does(operat
     await operator.stop()
     since = len(list(cluster))
     await operator.start(namespaces=(NS,))
-    await apply_model(tiny_model())
-    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev1)
-    await until(lambda: status_of(cluster).get("revision") == rev1, "rev1 stable", CANARY_WAIT)
-    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
-    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    rev2 = await a_new_revision(cluster, await first_revision_stable(cluster))
     await mark_ready(cluster, rev2)
     await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted", CANARY_WAIT)
     await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
