@@ -277,3 +277,25 @@ async def test_S3_a_model_created_again_under_its_name_gets_a_secret_of_its_own(
     backend.forget_model(("ns", "m"))  # the deletion event: nothing of the model is remembered
     assert await backend.ensure_transfer_secret(Owner(name="m", namespace="ns", uid="u2"), "r1") not in (old, new)
     assert len([r for r in list(kmock) if r.method == "POST" and r.url.path.endswith("/secrets")]) == creates + 1
+
+
+async def test_S3_a_deleted_transfer_secret_comes_back_under_its_name_on_a_later_pass(
+    kube: Kube, kmock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside probe: the operator may not watch Secrets, so one deleted under a running operator
+    stayed gone (new pods of the revision could not start) until the operator restarted. A pass
+    after SECRET_RECHECK_SECONDS creates it again under the name the Deployments use."""
+    from kvguard.operator.backends import kubernetes as backend_module
+    from kvguard.operator.render import Owner
+
+    owner = Owner(name="m", namespace="ns", uid="u")
+    backend = backend_module.KubernetesBackend(kube, backend_module.DictChildIndex())
+    name = await backend.ensure_transfer_secret(owner, "r1")
+    await kube.adelete(ObjectRef("Secret", name, "ns"))
+    assert await backend.ensure_transfer_secret(owner, "r1") == name  # within the recheck: no call
+    assert await kube.aget(ObjectRef("Secret", name, "ns")) is None
+    monkeypatch.setattr(backend_module, "SECRET_RECHECK_SECONDS", 0.0)
+    assert await backend.ensure_transfer_secret(owner, "r1") == name
+    again = await kube.aget(ObjectRef("Secret", name, "ns"))
+    assert again is not None and again["metadata"]["ownerReferences"][0]["uid"] == "u"
+    assert len([r for r in list(kmock) if r.method == "GET" and "/secrets" in r.url.path]) == 2  # this test's own two reads

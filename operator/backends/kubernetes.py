@@ -81,6 +81,10 @@ read again whenever they are applied, since no watch says one was deleted or edi
 Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name)."""
+SECRET_RECHECK_SECONDS = 300.0
+"""How often a revision's transfer Secret is created again under its recorded name, on a pass
+that applies the revision (409: it is there). The operator may not read Secrets, so this is how a
+deleted one comes back; a model at rest has a pass every KVGUARD_RESYNC_SECONDS (600)."""
 RevisionKey = tuple[str, str, str, str]
 """(namespace, model, model uid, revision): a model deleted and created again under its name (a new
 uid) has new children, so nothing of the old one's may be taken for them."""
@@ -166,6 +170,7 @@ class KubernetesBackend:
         self._resolver = resolver
         self._applied: dict[ObjectKey, Applied] = {}
         self._transfer_secrets: dict[RevisionKey, str] = {}  # the Secret each revision's pods read
+        self._secrets_checked: dict[RevisionKey, float] = {}  # when a create last said it exists
         self._traffic: dict[tuple[str, str], set[ObjectKey]] = {}  # per model: the traffic objects applied
         self._traffic_swept: set[tuple[str, str]] = set()  # models whose earlier HTTPRoute and pools were looked for
 
@@ -216,6 +221,7 @@ class KubernetesBackend:
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
         self._transfer_secrets.pop(_revision_key(owner, revision), None)
+        self._secrets_checked.pop(_revision_key(owner, revision), None)
 
     async def observe(self, model: ModelRef) -> Observation:
         owned = self._owned(model)
@@ -338,6 +344,7 @@ class KubernetesBackend:
             self._traffic_swept.discard(key)
         for gone in [k for k in self._transfer_secrets if k[:2] in ((model[0], model[1]), (model[0] or "default", model[1]))]:
             del self._transfer_secrets[gone]
+            self._secrets_checked.pop(gone, None)
 
     def forget(self, key: ObjectKey) -> None:
         """A child was deleted (its watch said so): apply it again when it is wanted."""
@@ -350,16 +357,19 @@ class KubernetesBackend:
         name the operator might choose is impossible to plant first (the suffix is random), and one
         in the way of a new name only makes the operator draw another."""
         key = _revision_key(owner, revision)
-        if (known := self._transfer_secrets.get(key)) is not None:
-            return known
-        name = await self._recorded_transfer_secret(owner, revision)
+        name = self._transfer_secrets.get(key)
+        if name is not None and time.monotonic() - self._secrets_checked.get(key, 0.0) < SECRET_RECHECK_SECONDS:
+            return name
+        name = name or await self._recorded_transfer_secret(owner, revision)
         if name is None:
             name = await self._create_transfer_secret(owner, revision)
         elif await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
-            # Someone deleted it under running pods: new pods get a new key, so old and new pods
-            # of the revision cannot transfer to each other until the old ones restart.
+            # It was deleted: nothing watches Secrets, so this create is how the operator learns
+            # it (on a pass after SECRET_RECHECK_SECONDS). New pods get a new key, so old and new
+            # pods of the revision cannot transfer to each other until the old ones restart.
             log.warning("Secret %s/%s was gone; created again with a new key", owner.namespace, name)
         self._transfer_secrets[key] = name
+        self._secrets_checked[key] = time.monotonic()
         return name
 
     async def _create_transfer_secret(self, owner: Owner, revision: str) -> str:
