@@ -129,6 +129,41 @@ def test_the_operator_command_watches_what_it_is_told(monkeypatch: pytest.Monkey
     assert "--all-namespaces" in kopf_argv(watched_namespaces([], {})) and "--standalone" in kopf_argv([])
 
 
+@pytest.mark.parametrize(("flags", "scanning_off"), [(["models"], True), ([], False)])
+def test_an_operator_given_namespaces_runs_kopf_without_scanning_them(monkeypatch: pytest.MonkeyPatch, flags: list[str],
+                                                                       scanning_off: bool) -> None:  # fmt: skip
+    """The namespaced install may not list or watch namespaces: `kvguard operator --namespace`
+    tells its handlers (through WATCH_NAMESPACES), which turn kopf's namespace scanning off."""
+    import asyncio
+    import os
+    import types
+
+    import kopf
+    import kopf.cli
+
+    from kvguard.cli import build_parser
+    from kvguard.commands import operator as command
+    from kvguard.operator import handlers
+
+    monkeypatch.setenv("WATCH_NAMESPACES", "")  # so that what `run` sets is undone after the test
+    monkeypatch.delenv("WATCH_NAMESPACES")
+    monkeypatch.setattr(command, "cluster_problem", lambda: None)
+    started: list[list[str]] = []
+    monkeypatch.setattr(kopf.cli, "main", lambda argv, standalone_mode: started.append(argv))
+    args = build_parser().parse_args(["operator", *(f"--namespace={n}" for n in flags)])
+    assert command.run(args) == 0 and started
+    settings = kopf.OperatorSettings()
+
+    async def configure_only() -> None:  # the startup handler's settings, not the controller it builds
+        monkeypatch.setattr(handlers, "Controller", lambda *a, **k: types.SimpleNamespace(start=lambda: None))
+        monkeypatch.setenv("KVGUARD_METRICS_PORT", "0")
+        await handlers.configure(settings=settings, memo=kopf.Memo(kvguard_kube=object()), inference_policies={},
+                                 **{name: {} for name in handlers.CHILD_INDEXES})  # fmt: skip
+
+    asyncio.run(configure_only())
+    assert settings.scanning.disabled is scanning_off and bool(os.environ.get("WATCH_NAMESPACES")) is scanning_off
+
+
 def test_sample_model_is_valid() -> None:
     from kvguard.operator.api import InferenceModel
     from kvguard.operator.planner import plan
