@@ -32,7 +32,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvguard.operator.api import EngineKind
 from kvguard.operator.backends.base import (
@@ -85,6 +85,14 @@ SECRET_RECHECK_SECONDS = 300.0
 """How often a revision's transfer Secret is created again under its recorded name, on a pass
 that applies the revision (409: it is there). The operator may not read Secrets, so this is how a
 deleted one comes back; a model at rest has a pass every KVGUARD_RESYNC_SECONDS (600)."""
+class KnownSecret(NamedTuple):
+    """A revision's transfer Secret as this process knows it."""
+
+    name: str
+    checked_at: float
+    """time.monotonic() of the last create that found it there (409) or made it."""
+
+
 RevisionKey = tuple[str, str, str, str]
 """(namespace, model, model uid, revision): a model deleted and created again under its name (a new
 uid) has new children, so nothing of the old one's may be taken for them."""
@@ -169,8 +177,7 @@ class KubernetesBackend:
         self.index = index
         self._resolver = resolver
         self._applied: dict[ObjectKey, Applied] = {}
-        self._transfer_secrets: dict[RevisionKey, str] = {}  # the Secret each revision's pods read
-        self._secrets_checked: dict[RevisionKey, float] = {}  # when a create last said it exists
+        self._transfer_secrets: dict[RevisionKey, KnownSecret] = {}  # the Secret each revision's pods read
         self._traffic: dict[tuple[str, str], set[ObjectKey]] = {}  # per model: the traffic objects applied
         self._traffic_swept: set[tuple[str, str]] = set()  # models whose earlier HTTPRoute and pools were looked for
 
@@ -211,7 +218,8 @@ class KubernetesBackend:
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
         owner = _owner(model)
-        secret = self._transfer_secrets.get(_revision_key(owner, revision)) or await self._recorded_transfer_secret(owner, revision)
+        known = self._transfer_secrets.pop(_revision_key(owner, revision), None)
+        secret = known.name if known is not None else await self._recorded_transfer_secret(owner, revision)
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
         refs = [ref_of(o) for o in doomed] + [pool]
         if secret is not None:
@@ -220,8 +228,6 @@ class KubernetesBackend:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
-        self._transfer_secrets.pop(_revision_key(owner, revision), None)
-        self._secrets_checked.pop(_revision_key(owner, revision), None)
 
     async def observe(self, model: ModelRef) -> Observation:
         owned = self._owned(model)
@@ -344,7 +350,6 @@ class KubernetesBackend:
             self._traffic_swept.discard(key)
         for gone in [k for k in self._transfer_secrets if k[:2] in ((model[0], model[1]), (model[0] or "default", model[1]))]:
             del self._transfer_secrets[gone]
-            self._secrets_checked.pop(gone, None)
 
     def forget(self, key: ObjectKey) -> None:
         """A child was deleted (its watch said so): apply it again when it is wanted."""
@@ -357,10 +362,10 @@ class KubernetesBackend:
         name the operator might choose is impossible to plant first (the suffix is random), and one
         in the way of a new name only makes the operator draw another."""
         key = _revision_key(owner, revision)
-        name = self._transfer_secrets.get(key)
-        if name is not None and time.monotonic() - self._secrets_checked.get(key, 0.0) < SECRET_RECHECK_SECONDS:
-            return name
-        name = name or await self._recorded_transfer_secret(owner, revision)
+        known = self._transfer_secrets.get(key)
+        if known is not None and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
+            return known.name
+        name = known.name if known is not None else await self._recorded_transfer_secret(owner, revision)
         if name is None:
             name = await self._create_transfer_secret(owner, revision)
         elif await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
@@ -368,8 +373,7 @@ class KubernetesBackend:
             # it (on a pass after SECRET_RECHECK_SECONDS). New pods get a new key, so old and new
             # pods of the revision cannot transfer to each other until the old ones restart.
             log.warning("Secret %s/%s was gone; created again with a new key", owner.namespace, name)
-        self._transfer_secrets[key] = name
-        self._secrets_checked[key] = time.monotonic()
+        self._transfer_secrets[key] = KnownSecret(name, time.monotonic())
         return name
 
     async def _create_transfer_secret(self, owner: Owner, revision: str) -> str:
