@@ -177,8 +177,8 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
             rss, peak = rss_mb(operator.pid)
         finally:
             operator.send_signal(signal.SIGTERM)
-            try:
-                operator.wait(30)
+            try:  # off the loop: the emulator on it must answer the operator's last calls (its Lease)
+                await asyncio.to_thread(operator.wait, 30)
             except subprocess.TimeoutExpired:
                 operator.kill()
             log.close()
