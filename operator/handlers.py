@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from kvguard.commands.operator import WATCH_NAMESPACES_ENV
+from kvguard.commands.operator import watched_namespaces
 from kvguard.operator import (
     metrics,
     webhook,  # noqa: F401  (registers the admission webhook and the InferencePolicy index)
@@ -67,7 +67,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     settings.posting.level = logging.WARNING  # our own Events come from kube.record_event
     # The namespaced install may not list or watch namespaces: it serves exactly the ones it is
     # given (kopf otherwise tries to scan them, is refused, and warns at every start).
-    settings.scanning.disabled = bool(os.environ.get(WATCH_NAMESPACES_ENV, "").strip())
+    settings.scanning.disabled = bool(watched_namespaces([], os.environ))
     for resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES, PODS):
         settings.watching.label_selectors[resource] = selector_string(MANAGED_BY)
     if not os.environ.get("KVGUARD_LOG_HANDLERS"):  # a line per watch event is noise (and CPU) at scale

@@ -9,14 +9,17 @@ import asyncio
 import copy
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kmock_api import ApiServer, client_configuration, declare_kvguard_resources, selector_matches, server_side_apply
 
 from kvguard.operator.kube import Kube, KubeError, ObjectRef, TransportError
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.timeout(60)]
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -299,3 +302,75 @@ async def test_S3_a_deleted_transfer_secret_comes_back_under_its_name_on_a_later
     again = await kube.aget(ObjectRef("Secret", name, "ns"))
     assert again is not None and again["metadata"]["ownerReferences"][0]["uid"] == "u"
     assert len([r for r in list(kmock) if r.method == "GET" and "/secrets" in r.url.path]) == 2  # this test's own two reads
+
+
+async def test_S3_a_replica_leading_again_takes_the_secret_its_successor_gave_the_revision(kube: Kube) -> None:
+    """Outside probe: replica A remembered revision r1's Secret S1. While B led, r1 was deleted
+    (superseded) and revived (a rollback), with a new Secret S2. A, leading again within the
+    recheck, rendered r1 with S1, which no longer existed: new pods could not start. What the live
+    Deployments read (their annotation in the watch cache) wins over memory, and a replica forgets
+    its Secrets when it stops leading (Controller._stop_work)."""
+    from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.backends.base import ModelRef, RevisionRequest
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+    from kvguard.operator.planner import plan
+    from kvguard.operator.render import transfer_secret_of
+
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    raw["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
+    spec = InferenceModelSpec.model_validate(raw)
+    model = ModelRef("ns", "tiny", "uid-1")
+    request = RevisionRequest(model, "r1", spec, plan(spec))
+    index = DictChildIndex()  # both replicas' watches feed the same view
+
+    async def watched() -> set[str | None]:
+        index.objects.clear()
+        for kind in ("Deployment", "Service", "NetworkPolicy"):
+            for obj in await kube.alist(kind, "ns", {"kvguard.io/model": "tiny"}):
+                index.put({**obj, "kind": kind})
+        return {transfer_secret_of(o) for o in index.objects.values() if o["kind"] == "Deployment"}
+
+    a, b = KubernetesBackend(kube, index), KubernetesBackend(kube, index)
+    await a.ensure_revision(request)
+    (s1,) = await watched()
+    before = set(index.objects)
+    await b.delete_revision(model, "r1")
+    await watched()
+    for key in before - set(index.objects):  # the DELETED events every replica handles
+        a.forget(key)
+    await b.ensure_revision(request)
+    (s2,) = await watched()
+    assert s2 != s1 and await kube.aget(ObjectRef("Secret", s1, "ns")) is None
+    await a.ensure_revision(request)  # A leads again (it kept its memory here: the index decides)
+    assert await watched() == {s2}
+
+
+@pytest.mark.parametrize("installed", [True, False])
+async def test_an_operator_given_namespaces_starts_only_once_the_api_serves_inference_models(
+    kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installed: bool
+) -> None:
+    """Outside probe: with namespaces given, kopf looks for its resources only when it starts, so
+    an operator that started before its CRDs existed would never serve InferenceModels. The
+    preflight asks API discovery (open to every authenticated client) and refuses to start."""
+    from kvguard.commands.operator import cluster_problem
+
+    if installed:
+        url = declare_kvguard_resources(kmock)
+    else:
+        kmock.resources.load_bundled()
+        url = str(kmock.url).rstrip("/")
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c", "clusters": [{"name": "c", "cluster": {"server": url}}],
+        "users": [{"name": "u", "user": {}}], "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))  # fmt: skip
+    from kubernetes.config import kube_config
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(config))  # $KUBECONFIG, read at import
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    # Off the loop: the emulator answers on it.
+    assert await asyncio.to_thread(cluster_problem) is None  # every namespace: kopf watches for CRDs, so it need not wait
+    problem = await asyncio.to_thread(cluster_problem, needs_crds=True)
+    assert (problem is None) is installed
+    if not installed:
+        assert problem is not None and "serves no InferenceModels yet" in problem and "install the CRDs first" in problem

@@ -129,13 +129,15 @@ def test_the_operator_command_watches_what_it_is_told(monkeypatch: pytest.Monkey
     assert "--all-namespaces" in kopf_argv(watched_namespaces([], {})) and "--standalone" in kopf_argv([])
 
 
-@pytest.mark.parametrize(("flags", "scanning_off"), [(["models"], True), ([], False)])
+@pytest.mark.parametrize(("flags", "environ", "scanning_off"), [
+    (["models"], None, True), ([], "models", True), ([], None, False),
+    ([], " , ", False),  # outside probe: no namespace in it means every namespace, so scanning stays on
+])
 def test_an_operator_given_namespaces_runs_kopf_without_scanning_them(monkeypatch: pytest.MonkeyPatch, flags: list[str],
-                                                                       scanning_off: bool) -> None:  # fmt: skip
+                                                                       environ: str | None, scanning_off: bool) -> None:  # fmt: skip
     """The namespaced install may not list or watch namespaces: `kvguard operator --namespace`
     tells its handlers (through WATCH_NAMESPACES), which turn kopf's namespace scanning off."""
     import asyncio
-    import os
     import types
 
     import kopf
@@ -147,7 +149,9 @@ def test_an_operator_given_namespaces_runs_kopf_without_scanning_them(monkeypatc
 
     monkeypatch.setenv("WATCH_NAMESPACES", "")  # so that what `run` sets is undone after the test
     monkeypatch.delenv("WATCH_NAMESPACES")
-    monkeypatch.setattr(command, "cluster_problem", lambda: None)
+    if environ is not None:
+        monkeypatch.setenv("WATCH_NAMESPACES", environ)
+    monkeypatch.setattr(command, "cluster_problem", lambda **_: None)
     started: list[list[str]] = []
     monkeypatch.setattr(kopf.cli, "main", lambda argv, standalone_mode: started.append(argv))
     args = build_parser().parse_args(["operator", *(f"--namespace={n}" for n in flags)])
@@ -161,7 +165,8 @@ def test_an_operator_given_namespaces_runs_kopf_without_scanning_them(monkeypatc
                                  **{name: {} for name in handlers.CHILD_INDEXES})  # fmt: skip
 
     asyncio.run(configure_only())
-    assert settings.scanning.disabled is scanning_off and bool(os.environ.get("WATCH_NAMESPACES")) is scanning_off
+    assert settings.scanning.disabled is scanning_off
+    assert ("--all-namespaces" not in started[0]) is scanning_off  # kopf serves exactly what it does not scan
 
 
 def test_sample_model_is_valid() -> None:

@@ -12,6 +12,9 @@ manifests/namespaced/, whose RBAC covers exactly those namespaces).
 Before kopf starts, the command checks that a Kubernetes API server answers with the credentials
 kopf will use (the pod's service account, else $KUBECONFIG or ~/.kube/config). Without one it
 prints one line saying what is missing and exits 1 within seconds, instead of kopf's tracebacks.
+Given namespaces, kopf runs in its restricted mode (no namespace or CRD scans, which the
+namespaced install may not do, and so it finds its resources only when it starts): the check then
+also asks that the API already serves InferenceModels, else the pod exits and is restarted.
 """
 
 from __future__ import annotations
@@ -56,13 +59,13 @@ def kopf_argv(namespaces: Sequence[str], liveness: str | None = None, verbose: b
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = cluster_problem()
+    namespaces = watched_namespaces(args.namespace, os.environ)
+    problem = cluster_problem(needs_crds=bool(namespaces))
     if problem is not None:
         print(f"kvguard operator: {problem}", file=sys.stderr)
         return EXIT_NO_CLUSTER
     import kopf.cli  # heavy: only when the command runs
 
-    namespaces = watched_namespaces(args.namespace, os.environ)
     if namespaces:  # --namespace too: the handlers read it to run in kopf's restricted mode
         os.environ[WATCH_NAMESPACES_ENV] = ",".join(namespaces)
     argv = kopf_argv(namespaces, args.liveness, args.verbose)
@@ -73,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cluster_problem(timeout: float = PREFLIGHT_TIMEOUT_SECONDS) -> str | None:
+def cluster_problem(timeout: float = PREFLIGHT_TIMEOUT_SECONDS, needs_crds: bool = False) -> str | None:
     """Why no Kubernetes API server can be used, in one line; None when /version answers.
 
     Loads credentials the way kopf's `kubernetes`-client login does (in-cluster first, then the
-    kubeconfig), then asks the server for its version once, without retries."""
+    kubeconfig), then asks the server for its version once, without retries. `needs_crds` (the
+    namespaced install: kopf's restricted mode looks for resources only when it starts): the API
+    must already serve InferenceModels, else the pod exits and is restarted until it does."""
     from kubernetes import client, config
 
     configuration = client.Configuration()
@@ -94,6 +99,10 @@ def cluster_problem(timeout: float = PREFLIGHT_TIMEOUT_SECONDS) -> str | None:
     try:
         with client.ApiClient(configuration) as api:
             client.VersionApi(api).get_code(_request_timeout=timeout)
+            if needs_crds and not _serves_inference_models(api, timeout):
+                return (f"the Kubernetes API server at {configuration.host} serves no InferenceModels yet (kvguard.io/v1alpha1): "
+                        "install the CRDs first (kubectl apply -k manifests/namespaced/ does); an operator given namespaces "
+                        "looks for its resources only when it starts")  # fmt: skip
     except client.ApiException as exc:
         return f"the Kubernetes API server at {configuration.host} refused the credentials: HTTP {exc.status} {exc.reason}"
     except Exception as exc:  # urllib3's connection errors: refused, DNS, TLS, timeout
@@ -103,3 +112,24 @@ def cluster_problem(timeout: float = PREFLIGHT_TIMEOUT_SECONDS) -> str | None:
         reason = cause.split("): ")[-1].split("new connection: ")[-1][:200] or type(exc).__name__
         return f"cannot reach the Kubernetes API server at {configuration.host}: {reason}"
     return None
+
+
+def _serves_inference_models(api: Any, timeout: float) -> bool:
+    """Whether API discovery (open to every authenticated client) lists the InferenceModel
+    resource in kvguard.io/v1alpha1."""
+    import json
+
+    from kubernetes import client
+
+    method, url, headers, body, _ = api.param_serialize(method="GET", resource_path="/apis/kvguard.io/v1alpha1",
+                                                        header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])  # fmt: skip
+    try:
+        response = api.call_api(method, url, headers, body, _request_timeout=timeout)
+        response.read()
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    if int(response.status) == 404:
+        return False
+    return any(r.get("name") == "inferencemodels" for r in json.loads(response.data or b"{}").get("resources") or [])

@@ -363,9 +363,10 @@ class KubernetesBackend:
         in the way of a new name only makes the operator draw another."""
         key = _revision_key(owner, revision)
         known = self._transfer_secrets.get(key)
-        if known is not None and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
+        indexed = self._indexed_transfer_secret(owner, revision)  # what the live Deployments read: the truth
+        if known is not None and indexed in (None, known.name) and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
             return known.name
-        name = known.name if known is not None else await self._recorded_transfer_secret(owner, revision)
+        name = indexed or (known.name if known is not None else await self._fetched_transfer_secret(owner, revision))
         if name is None:
             name = await self._create_transfer_secret(owner, revision)
         elif await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
@@ -385,17 +386,30 @@ class KubernetesBackend:
         raise KubeError(409, f"three new names for the KV-transfer Secret of {owner.namespace}/{owner.name} revision {revision} "
                              "were taken; retrying")  # fmt: skip
 
-    async def _recorded_transfer_secret(self, owner: Owner, revision: str) -> str | None:
-        """The Secret the revision's own Deployments read the key from: from their annotation in
-        the index; else (the watches have not listed everything yet just after a start, or the
-        Deployments predate the annotation) from the Deployments read by name."""
+    def _indexed_transfer_secret(self, owner: Owner, revision: str) -> str | None:
+        """The Secret the revision's Deployments read the key from, by their annotation in the
+        watch cache (no request)."""
+        names = {object_name(owner.name, revision, role) for role in ROLES}
+        model = ModelRef(owner.namespace, owner.name, owner.uid)
+        return _recorded_in([o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names],
+                            owner, revision)  # fmt: skip
+
+    async def _fetched_transfer_secret(self, owner: Owner, revision: str) -> str | None:
+        """The same, from the Deployments read by name: just after a start the watches may not
+        have listed everything yet, and Deployments made before the annotation name it only in
+        their pods' env."""
         model = ModelRef(owner.namespace, owner.name, owner.uid)
         names = sorted({object_name(owner.name, revision, role) for role in ROLES})
-        indexed = [o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names]
-        if (found := _recorded_in(indexed, owner, revision)) is not None:
-            return found
         fetched = await asyncio.gather(*(self.kube.aget(ObjectRef("Deployment", n, owner.namespace)) for n in names))
         return _recorded_in([d for d in fetched if d is not None and self._is_ours(d, model)], owner, revision)
+
+    async def _recorded_transfer_secret(self, owner: Owner, revision: str) -> str | None:
+        return self._indexed_transfer_secret(owner, revision) or await self._fetched_transfer_secret(owner, revision)
+
+    def forget_transfer_secrets(self) -> None:
+        """This replica stops leading: whatever it knew of Secrets may be stale when it leads again
+        (a later leader may delete a revision's Secret, or make a new one)."""
+        self._transfer_secrets.clear()
 
     # --- reads from the index -------------------------------------------------------------------
     def _owned(self, model: ModelRef) -> list[Mapping[str, Any]]:
