@@ -196,7 +196,7 @@ _KUBE: list[Kube] = []
 
 async def current_policies() -> list[InferencePolicy]:
     if not _KUBE:
-        _KUBE.append(Kube())
+        _KUBE.append(Kube(user_agent="kvguard-operator/webhook"))  # the operator's identity in audit logs (and tests/rbac.py)
     return parse_policies(await _KUBE[0].alist("InferencePolicy", None))
 
 
