@@ -123,13 +123,10 @@ def _serves_inference_models(api: Any, timeout: float) -> bool:
 
     method, url, headers, body, _ = api.param_serialize(method="GET", resource_path="/apis/kvguard.io/v1alpha1",
                                                         header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])  # fmt: skip
-    try:
-        response = api.call_api(method, url, headers, body, _request_timeout=timeout)
-        response.read()
-    except client.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
+    response = api.call_api(method, url, headers, body, _request_timeout=timeout)  # raises only with no HTTP answer
+    response.read()
     if int(response.status) == 404:
         return False
+    if int(response.status) >= 400:  # told as the caller tells any other refusal
+        raise client.ApiException(status=int(response.status), reason=response.reason)
     return any(r.get("name") == "inferencemodels" for r in json.loads(response.data or b"{}").get("resources") or [])
