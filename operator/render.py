@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -859,8 +859,7 @@ class RenderedRevision:
         return commands
 
     def uses_transfer_key(self) -> bool:
-        """Whether a pod of the revision reads the KV-transfer key (kvguard's engine: every role)."""
-        return any(transfer_secret_of(o) is not None for o in self.objects)
+        return reads_transfer_key(self.objects)
 
     def with_transfer_secret(self, name: str) -> RenderedRevision:
         """The revision with its pods reading the key from Secret `name` (the one the operator
@@ -875,6 +874,11 @@ def _key_refs(deployment: Mapping[str, Any]) -> list[dict[str, Any]]:
     pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
     return [ref for c in pod.get("containers") or [] for e in c.get("env") or []
             if e.get("name") == TRANSFER_KEY_ENV and (ref := (e.get("valueFrom") or {}).get("secretKeyRef"))]  # fmt: skip
+
+
+def reads_transfer_key(objects: Sequence[Manifest]) -> bool:
+    """Whether a pod of these objects reads the KV-transfer key (kvguard's engine: every role)."""
+    return any(transfer_secret_of(o) is not None for o in objects)
 
 
 def transfer_secret_of(deployment: Mapping[str, Any]) -> str | None:

@@ -157,7 +157,7 @@ def desired_objects(
     from kvguard.operator.engine_support import engine_problems
     from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import plan, plan_to_render
-    from kvguard.operator.render import render_model_service, render_revision, transfer_secret_of, transfer_secret_prefix
+    from kvguard.operator.render import reads_transfer_key, render_model_service, render_revision, transfer_secret_prefix
     from kvguard.operator.revision import revision_of
 
     # What reconcile refuses before it renders anything (InvalidSpec, PDParityMismatch).
@@ -175,5 +175,5 @@ def desired_objects(
     backends = traffic_split(serving, revision, share)
     workloads = render_revision(spec, rendered_with, owner, revision, "full", faults)
     objects = [*workloads, render_model_service(owner, serving), *render_traffic(spec, owner, backends)]
-    keyed = any(transfer_secret_of(o) is not None for o in workloads)
-    return DesiredObjects(revision, tuple(objects), (("Secret", transfer_secret_prefix(owner.name, revision)),) if keyed else (), kv_plan)
+    secrets = (("Secret", transfer_secret_prefix(owner.name, revision)),) if reads_transfer_key(workloads) else ()
+    return DesiredObjects(revision, tuple(objects), secrets, kv_plan)
