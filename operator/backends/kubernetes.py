@@ -218,8 +218,7 @@ class KubernetesBackend:
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
         owner = _owner(model)
-        known = self._transfer_secrets.pop(_revision_key(owner, revision), None)
-        secret = known.name if known is not None else await self._recorded_transfer_secret(owner, revision)
+        secret = await self._named_transfer_secret(owner, revision, self._transfer_secrets.pop(_revision_key(owner, revision), None))
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
         refs = [ref_of(o) for o in doomed] + [pool]
         if secret is not None:
@@ -366,7 +365,7 @@ class KubernetesBackend:
         indexed = self._indexed_transfer_secret(owner, revision)  # what the live Deployments read: the truth
         if known is not None and indexed in (None, known.name) and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
             return known.name
-        name = indexed or (known.name if known is not None else await self._fetched_transfer_secret(owner, revision))
+        name = await self._named_transfer_secret(owner, revision, known)
         if name is None:
             name = await self._create_transfer_secret(owner, revision)
         elif await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
@@ -403,8 +402,12 @@ class KubernetesBackend:
         fetched = await asyncio.gather(*(self.kube.aget(ObjectRef("Deployment", n, owner.namespace)) for n in names))
         return _recorded_in([d for d in fetched if d is not None and self._is_ours(d, model)], owner, revision)
 
-    async def _recorded_transfer_secret(self, owner: Owner, revision: str) -> str | None:
-        return self._indexed_transfer_secret(owner, revision) or await self._fetched_transfer_secret(owner, revision)
+    async def _named_transfer_secret(self, owner: Owner, revision: str, known: KnownSecret | None) -> str | None:
+        """The Secret the revision's pods read: what its live Deployments record wins over this
+        replica's memory; the API server is asked only when neither knows."""
+        if (indexed := self._indexed_transfer_secret(owner, revision)) is not None:
+            return indexed
+        return known.name if known is not None else await self._fetched_transfer_secret(owner, revision)
 
     def forget_transfer_secrets(self) -> None:
         """This replica stops leading: whatever it knew of Secrets may be stale when it leads again
