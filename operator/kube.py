@@ -226,10 +226,13 @@ class Kube:
             raise KubeError(status, f"GET {path}: {raw[:200].decode(errors='replace')}")
         return raw.decode("utf-8", errors="replace")
 
-    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Create; None when the object already exists (409)."""
+    def create(self, manifest: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
+        """Create; None when the object already exists (409). `dry_run`: the API server checks
+        the create (409 included) and stores nothing -- how the operator, which may create
+        Secrets but not read them, learns whether one is there."""
         ref = ref_of(manifest)
-        status, body = self._call("POST", KINDS[ref.kind].collection_path(ref.namespace), dict(manifest))
+        query = [("dryRun", "All")] if dry_run else None
+        status, body = self._call("POST", KINDS[ref.kind].collection_path(ref.namespace), dict(manifest), query=query)
         if status == 409:
             return None
         return self._expect(status, body, ref)
@@ -335,8 +338,8 @@ class Kube:
         return await self._off_loop(lambda: self.pod_log(namespace, name, container, since_seconds=since_seconds,
                                                          limit_bytes=limit_bytes))
 
-    async def acreate(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-        return await self._off_loop(lambda: self.create(manifest))
+    async def acreate(self, manifest: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any] | None:
+        return await self._off_loop(lambda: self.create(manifest, dry_run=dry_run))
 
     async def aapply(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         return await self._off_loop(lambda: self.apply(manifest, field_manager=field_manager))

@@ -21,7 +21,9 @@ plain kmock lacks:
   is set beside the kubelet's, not instead of them); other lists are replaced;
 - pods' `status` is a subresource as on a real API server: a patch of `pods/NAME` leaves the
   status as it was, a patch of `pods/NAME/status` leaves the spec (so a readiness-gate condition
-  written to the wrong endpoint is lost here too); other kinds take both anywhere. What it does not
+  written to the wrong endpoint is lost here too); other kinds take both anywhere;
+- a create with `dryRun=All` answers as the create would (409 when the object is there, 201
+  otherwise) and stores nothing. What it does not
   enforce: the kubelet's own rules (it never recomputes `Ready` from readiness gates: tests that
   need `Ready` play the kubelet), admission of who may write `pods/status` (RBAC), and the fields a
   status update may not touch besides `spec` (labels, annotations).
@@ -276,6 +278,8 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         if pod_log is not None and request.method == km.method.GET:
             return await self._serve_pod_log(request, *pod_log.groups())
         try:
+            if request.resource is not None and request.action == km.action.CREATE and request.params.get("dryRun") == "All":
+                return await self._dry_run_create(request)
             if request.resource is not None:
                 try:
                     await self._bookkeep(request)
@@ -285,6 +289,13 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         finally:
             if self.keep_requests is not None and len(self._requests) > self.keep_requests:
                 del self._requests[: len(self._requests) - self.keep_requests]
+
+    async def _dry_run_create(self, request: Any) -> Any:
+        meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}
+        key = (request.resource, request.namespace or meta.get("namespace"), meta.get("name"))
+        if key in self.objects and not self.objects[key].deleted:
+            return await self._render_error(kmock_k8s.KubernetesObjectConflictError())
+        return aiohttp.web.json_response(request.data, status=201)
 
     def _next_version(self) -> str:
         return str(next(self._versions))

@@ -243,7 +243,7 @@ async def test_S3_the_transfer_secret_gets_a_random_name_and_a_restarted_operato
     restarted = KubernetesBackend(kube, DictChildIndex())
     assert await restarted.ensure_transfer_secret(owner, "r1") == first
     assert await restarted.ensure_transfer_secret(owner, "r1") == first  # remembered: no more calls
-    assert calls("GET") == reads and calls("POST") == creates + 1  # one create under the recorded name (409: it is there)
+    assert calls("GET") == reads and calls("POST") == creates + 1  # one dry-run create under the recorded name (409: it is there)
     assert (await kube.aget(ObjectRef("Secret", first, "ns")) or {})["data"] == created["data"]  # the pods' key, kept
 
     # The watch cache keeps no pod template: the name is found in the Deployments' annotation there.
@@ -282,26 +282,72 @@ async def test_S3_a_model_created_again_under_its_name_gets_a_secret_of_its_own(
     assert len([r for r in list(kmock) if r.method == "POST" and r.url.path.endswith("/secrets")]) == creates + 1
 
 
-async def test_S3_a_deleted_transfer_secret_comes_back_under_its_name_on_a_later_pass(
+def tiny_revision_request(revision: str) -> Any:
+    from kvguard.operator.api import InferenceModelSpec
+    from kvguard.operator.backends.base import ModelRef, RevisionRequest
+    from kvguard.operator.planner import plan
+
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    raw["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
+    spec = InferenceModelSpec.model_validate(raw)
+    return RevisionRequest(ModelRef("ns", "tiny", "uid-1"), revision, spec, plan(spec))
+
+
+async def watched_deployments(kube: Kube, index: Any) -> list[dict[str, Any]]:
+    """Refill the watch-cache stand-in from the API server; the revision's Deployments."""
+    index.objects.clear()
+    for kind in ("Deployment", "Service", "NetworkPolicy"):
+        for obj in await kube.alist(kind, "ns", {"kvguard.io/model": "tiny"}):
+            index.put({**obj, "kind": kind})
+    return [o for o in index.objects.values() if o["kind"] == "Deployment"]
+
+
+async def test_S3_a_deleted_transfer_secret_is_replaced_under_a_new_name_that_every_pod_template_reads(
     kube: Kube, kmock: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Outside probe: the operator may not watch Secrets, so one deleted under a running operator
-    stayed gone (new pods of the revision could not start) until the operator restarted. A pass
-    after SECRET_RECHECK_SECONDS creates it again under the name the Deployments use."""
+    """Outside probes, two sessions: the operator may neither watch nor read Secrets. A revision's
+    Secret deleted under a running operator first stayed gone (new pods could not start); then it
+    came back under its old name with a new key, so restarted pods read a key the running ones did
+    not hold, and no transfer between the two authenticated. A pass after SECRET_RECHECK_SECONDS
+    asks with a dry-run create (nothing stored), and, the Secret gone, creates one under a new name
+    that every Deployment's pod template then reads: Kubernetes rolls all of the revision's pods
+    onto the one new key. A watch cache still showing the old name does not make a third."""
     from kvguard.operator.backends import kubernetes as backend_module
-    from kvguard.operator.render import Owner
+    from kvguard.operator.render import transfer_secret_of
 
-    owner = Owner(name="m", namespace="ns", uid="u")
-    backend = backend_module.KubernetesBackend(kube, backend_module.DictChildIndex())
-    name = await backend.ensure_transfer_secret(owner, "r1")
-    await kube.adelete(ObjectRef("Secret", name, "ns"))
-    assert await backend.ensure_transfer_secret(owner, "r1") == name  # within the recheck: no call
-    assert await kube.aget(ObjectRef("Secret", name, "ns")) is None
+    def secret_calls(method: str, dry_run: bool = False) -> int:
+        return len([r for r in list(kmock) if r.method == method and "/secrets" in r.url.path
+                    and (r.params.get("dryRun") == "All") == dry_run])  # fmt: skip
+
+    def template_key_refs(deployment: dict[str, Any]) -> set[str]:
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        return {e["valueFrom"]["secretKeyRef"]["name"] for c in containers for e in c.get("env", [])
+                if (e.get("valueFrom") or {}).get("secretKeyRef")}  # fmt: skip
+
+    request = tiny_revision_request("r1")
+    index = backend_module.DictChildIndex()
+    backend = backend_module.KubernetesBackend(kube, index)
+    await backend.ensure_revision(request)
+    (first,) = {transfer_secret_of(d) for d in await watched_deployments(kube, index)}
+    await kube.adelete(ObjectRef("Secret", first, "ns"))
+    await backend.ensure_revision(request)  # within the recheck: nothing asked
+    assert secret_calls("POST", dry_run=True) == 0 and await kube.aget(ObjectRef("Secret", first, "ns")) is None
+
     monkeypatch.setattr(backend_module, "SECRET_RECHECK_SECONDS", 0.0)
-    assert await backend.ensure_transfer_secret(owner, "r1") == name
-    again = await kube.aget(ObjectRef("Secret", name, "ns"))
-    assert again is not None and again["metadata"]["ownerReferences"][0]["uid"] == "u"
-    assert len([r for r in list(kmock) if r.method == "GET" and "/secrets" in r.url.path]) == 2  # this test's own two reads
+    await backend.ensure_revision(request)  # finds it gone, creates a new one, applies
+    await backend.ensure_revision(request)  # the watch cache still shows `first`: no third Secret
+    assert secret_calls("POST", dry_run=True) == 2 and secret_calls("POST") == 2
+    assert secret_calls("GET") == 1  # this test's own read above: the operator reads none
+    assert await kube.aget(ObjectRef("Secret", first, "ns")) is None  # a dry run stores nothing
+    deployments = await watched_deployments(kube, index)
+    (second,) = {transfer_secret_of(d) for d in deployments}
+    assert second != first and len(deployments) == 3
+    assert all(template_key_refs(d) == {second} for d in deployments)  # a new template: the pods roll
+    again = await kube.aget(ObjectRef("Secret", second, "ns"))
+    assert again is not None and again["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+    await backend.ensure_revision(request)  # settled: the new Secret is there, nothing else moves
+    assert secret_calls("POST") == 2 and {transfer_secret_of(d) for d in await watched_deployments(kube, index)} == {second}
 
 
 async def test_S3_a_replica_leading_again_takes_the_secret_its_successor_gave_the_revision(kube: Kube) -> None:
@@ -310,25 +356,15 @@ async def test_S3_a_replica_leading_again_takes_the_secret_its_successor_gave_th
     recheck, rendered r1 with S1, which no longer existed: new pods could not start. What the live
     Deployments read (their annotation in the watch cache) wins over memory, and a replica forgets
     its Secrets when it stops leading (Controller._stop_work)."""
-    from kvguard.operator.api import InferenceModelSpec
-    from kvguard.operator.backends.base import ModelRef, RevisionRequest
     from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
-    from kvguard.operator.planner import plan
     from kvguard.operator.render import transfer_secret_of
 
-    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())["spec"]
-    raw["model"]["source"] = {"pvc": {"claimName": "models", "path": "tiny"}}
-    spec = InferenceModelSpec.model_validate(raw)
-    model = ModelRef("ns", "tiny", "uid-1")
-    request = RevisionRequest(model, "r1", spec, plan(spec))
+    request = tiny_revision_request("r1")
+    model = request.model
     index = DictChildIndex()  # both replicas' watches feed the same view
 
     async def watched() -> set[str | None]:
-        index.objects.clear()
-        for kind in ("Deployment", "Service", "NetworkPolicy"):
-            for obj in await kube.alist(kind, "ns", {"kvguard.io/model": "tiny"}):
-                index.put({**obj, "kind": kind})
-        return {transfer_secret_of(o) for o in index.objects.values() if o["kind"] == "Deployment"}
+        return {transfer_secret_of(d) for d in await watched_deployments(kube, index)}
 
     a, b = KubernetesBackend(kube, index), KubernetesBackend(kube, index)
     await a.ensure_revision(request)

@@ -82,15 +82,21 @@ Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name)."""
 SECRET_RECHECK_SECONDS = 300.0
-"""How often a revision's transfer Secret is created again under its recorded name, on a pass
-that applies the revision (409: it is there). The operator may not read Secrets, so this is how a
-deleted one comes back; a model at rest has a pass every KVGUARD_RESYNC_SECONDS (600)."""
+"""How often, on a pass that applies a revision, the operator checks that the revision's transfer
+Secret is still there: a dry-run create under its recorded name (409: it is). The operator may not
+read Secrets, so this is how it learns of a deleted one; a model at rest has a pass every
+KVGUARD_RESYNC_SECONDS (600)."""
+
+
 class KnownSecret(NamedTuple):
     """A revision's transfer Secret as this process knows it."""
 
     name: str
     checked_at: float
-    """time.monotonic() of the last create that found it there (409) or made it."""
+    """time.monotonic() of the last check that found it there, or of its creation."""
+    retired: frozenset[str] = frozenset()
+    """Names the revision's Secret had before, found deleted. A watch cache still showing
+    Deployments that name one is behind this replica's own apply, not newer than it."""
 
 
 RevisionKey = tuple[str, str, str, str]
@@ -356,24 +362,28 @@ class KubernetesBackend:
 
     # --- the transfer Secret (S3) ----------------------------------------------------------------
     async def ensure_transfer_secret(self, owner: Owner, revision: str) -> str:
-        """The name of the revision's KV-transfer Secret, created with a fresh key if the
-        revision's Deployments name none. Never read back: a Secret someone else created under a
-        name the operator might choose is impossible to plant first (the suffix is random), and one
-        in the way of a new name only makes the operator draw another."""
+        """The name of the revision's KV-transfer Secret. A revision whose Deployments name none,
+        or name one that has been deleted, gets a new Secret under a new random name. Its pods then
+        roll to the new key together (their env names the Secret), rather than old pods keeping the
+        old key while restarted ones read a new key under the old name and no transfer between the
+        two authenticates. Never read back: a Secret someone else created under a name the operator
+        might choose is impossible to plant first (the suffix is random), and one in the way of a
+        new name only makes the operator draw another."""
         key = _revision_key(owner, revision)
         known = self._transfer_secrets.get(key)
-        indexed = self._indexed_transfer_secret(owner, revision)  # what the live Deployments read: the truth
-        if known is not None and indexed in (None, known.name) and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
+        recorded = self._recorded_transfer_secret(owner, revision, known)  # the live Deployments': the truth
+        if known is not None and recorded in (None, known.name) and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
             return known.name
+        retired = known.retired if known is not None else frozenset()
         name = await self._named_transfer_secret(owner, revision, known)
+        if name is not None and not await self._transfer_secret_exists(owner, revision, name):
+            # Nothing watches Secrets: this check is how the operator learns of a deleted one.
+            log.warning("Secret %s/%s, revision %s's KV-transfer key, was deleted; its pods move to a new one",
+                        owner.namespace, name, revision)  # fmt: skip
+            retired, name = retired | {name}, None
         if name is None:
             name = await self._create_transfer_secret(owner, revision)
-        elif await self.kube.acreate(render_transfer_secret(owner, revision, secrets.token_bytes(32), name)) is not None:
-            # It was deleted: nothing watches Secrets, so this create is how the operator learns
-            # it (on a pass after SECRET_RECHECK_SECONDS). New pods get a new key, so old and new
-            # pods of the revision cannot transfer to each other until the old ones restart.
-            log.warning("Secret %s/%s was gone; created again with a new key", owner.namespace, name)
-        self._transfer_secrets[key] = KnownSecret(name, time.monotonic())
+        self._transfer_secrets[key] = KnownSecret(name, time.monotonic(), retired)
         return name
 
     async def _create_transfer_secret(self, owner: Owner, revision: str) -> str:
@@ -385,13 +395,20 @@ class KubernetesBackend:
         raise KubeError(409, f"three new names for the KV-transfer Secret of {owner.namespace}/{owner.name} revision {revision} "
                              "were taken; retrying")  # fmt: skip
 
-    def _indexed_transfer_secret(self, owner: Owner, revision: str) -> str | None:
+    async def _transfer_secret_exists(self, owner: Owner, revision: str, name: str) -> bool:
+        """A dry-run create: 409 when the Secret is there; nothing is stored either way. (The key
+        is random all the same, so an API server that ignored dryRun would store nothing usable.)"""
+        probe = render_transfer_secret(owner, revision, secrets.token_bytes(32), name)
+        return await self.kube.acreate(probe, dry_run=True) is None
+
+    def _recorded_transfer_secret(self, owner: Owner, revision: str, known: KnownSecret | None) -> str | None:
         """The Secret the revision's Deployments read the key from, by their annotation in the
-        watch cache (no request)."""
+        watch cache (no request); None while the cache still shows a name this replica retired."""
         names = {object_name(owner.name, revision, role) for role in ROLES}
         model = ModelRef(owner.namespace, owner.name, owner.uid)
-        return _recorded_in([o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names],
-                            owner, revision)  # fmt: skip
+        recorded = _recorded_in([o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names],
+                                owner, revision)  # fmt: skip
+        return None if known is not None and recorded in known.retired else recorded
 
     async def _fetched_transfer_secret(self, owner: Owner, revision: str) -> str | None:
         """The same, from the Deployments read by name: just after a start the watches may not
@@ -405,8 +422,8 @@ class KubernetesBackend:
     async def _named_transfer_secret(self, owner: Owner, revision: str, known: KnownSecret | None) -> str | None:
         """The Secret the revision's pods read: what its live Deployments record wins over this
         replica's memory; the API server is asked only when neither knows."""
-        if (indexed := self._indexed_transfer_secret(owner, revision)) is not None:
-            return indexed
+        if (recorded := self._recorded_transfer_secret(owner, revision, known)) is not None:
+            return recorded
         return known.name if known is not None else await self._fetched_transfer_secret(owner, revision)
 
     def forget_transfer_secrets(self) -> None:
