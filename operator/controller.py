@@ -238,6 +238,8 @@ class Controller:
 
     def pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         self.gate.pod_event(event_type, body)
+        if event_type != "DELETED" and (model := self.backend.transfer_secret_missing(body)) is not None:
+            self.enqueue(model)
 
     def policies_changed(self) -> None:
         self.gate.recheck_all()

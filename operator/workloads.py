@@ -9,6 +9,7 @@ Worker pods count for S7 scrapes only while Running, Ready and not terminating.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,28 @@ def pod_is_serving(pod: Mapping[str, Any]) -> bool:
     if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
         return False
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+_MISSING_SECRET = re.compile(r'\bsecrets? "([^"]+)" not found')
+"""The kubelet's message when a container's env or volume names a Secret that is not there (the
+secret manager's NotFound; waiting reason CreateContainerConfigError)."""
+
+
+def secrets_missing(pod: Mapping[str, Any]) -> set[str]:
+    """The Secrets the pod's containers wait for, by the kubelet's report in their waiting state."""
+    status = pod.get("status") or {}
+    waiting = [((c or {}).get("state") or {}).get("waiting") or {}
+               for c in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])]  # fmt: skip
+    found = (_MISSING_SECRET.search(str(w.get("message") or "")) for w in waiting if w.get("reason") == "CreateContainerConfigError")
+    return {m.group(1) for m in found if m is not None}
+
+
+def model_revision_of(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(namespace, model, revision) by the pod's labels, or None for a pod without them."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    model, revision = labels.get(LABEL_MODEL), labels.get(LABEL_REVISION)
+    return (str(meta.get("namespace") or ""), str(model), str(revision)) if model and revision else None
 
 
 _KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "labels", "annotations",

@@ -27,6 +27,7 @@ from operator_harness import (
     DEPLOYMENTS,
     EXAMPLES,
     NS,
+    SECRETS,
     apply_model,
     condition,
     events_of,
@@ -192,3 +193,36 @@ async def test_S7_gate_judges_sglang_and_vllm_pods_by_their_own_metrics(cluster:
         bad = await until(lambda: gate_of(cluster, f"big-{style}-b"), f"the gate of the small {style} pod")
     assert ok["status"] == "True" and ok["reason"] == "KVPoolVerified", ok
     assert bad["status"] == "False" and bad["reason"] == "KVPoolTooSmall" and "a100-40gb" in bad["message"], bad
+
+
+async def test_S3_a_pod_that_cannot_find_the_transfer_secret_makes_the_operator_replace_it_within_a_pass(
+    cluster: Any, serving: LocalDeployment
+) -> None:
+    """Someone deletes the revision's KV-transfer Secret. The operator may not watch Secrets, but
+    it watches its pods: one the kubelet cannot start (CreateContainerConfigError, `secret "NAME"
+    not found`) makes it check at once, not after SECRET_RECHECK_SECONDS (5 minutes), and it moves
+    the revision's Deployments to a new Secret, so every pod rolls onto one new key."""
+    from kvguard.operator.render import transfer_secret_of
+
+    rev = await stable_revision(cluster)
+    decode = objects_of(cluster, DEPLOYMENTS)[f"tiny-{rev}-decode"]
+    first = transfer_secret_of(decode)
+    assert first is not None and first in objects_of(cluster, SECRETS)
+    await http("DELETE", f"/api/v1/namespaces/{NS}/secrets/{first}")
+    await http("POST", PODS, pod_from(decode, "tiny-decode-b", "node-80gb", serving.metrics_urls["decode"]))
+    waiting = {"reason": "CreateContainerConfigError", "message": f'secret "{first}" not found'}
+    status = {"phase": "Pending", "containerStatuses": [{"name": "engine", "ready": False, "restartCount": 0, "state": {"waiting": waiting}}]}
+    await http("PATCH", f"{PODS}/tiny-decode-b/status", {"status": status}, "application/merge-patch+json")
+
+    def moved() -> set[str | None] | None:
+        named = {transfer_secret_of(d) for d in objects_of(cluster, DEPLOYMENTS).values()}
+        return named if first not in named else None
+
+    named = await until(moved, "every Deployment naming a new Secret")
+    (second,) = named
+    assert second is not None and second != first
+    assert set(objects_of(cluster, SECRETS)) == {second}  # the old one is not brought back
+    for deployment in objects_of(cluster, DEPLOYMENTS).values():  # a new pod template: the pods roll
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert next(e for e in env if e["name"] == "KVGUARD_TRANSFER_KEY")["valueFrom"]["secretKeyRef"]["name"] == second
+    assert not [r for r in list(cluster) if r.method == "GET" and "/secrets" in r.url.path]  # never read

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvguard.operator.workloads import deployment_state, pod_is_serving, revision_views
+from kvguard.operator.workloads import deployment_state, model_revision_of, pod_is_serving, revision_views, secrets_missing
 
 
 def deployment(role: str = "decode", wanted: int = 2, generation: int = 3, **status: Any) -> dict[str, Any]:
@@ -46,3 +46,20 @@ def test_s7_scrapes_only_running_ready_pods_that_are_not_terminating() -> None:
     assert not pod_is_serving(pod(conditions=[{"type": "Ready", "status": "False"}]))
     assert not pod_is_serving(pod(phase="Pending"))
     assert not pod_is_serving(pod(podIP=None))
+
+
+def test_S3_the_secrets_a_pod_waits_for_are_read_from_the_kubelets_config_error() -> None:
+    def pod(*statuses: tuple[str, str, str], labels: dict[str, str] | None = None) -> dict[str, Any]:
+        containers = [{"name": name, "state": {"waiting": {"reason": reason, "message": message}}} for name, reason, message in statuses]
+        return {"metadata": {"namespace": "ns", "labels": labels or {}},
+                "status": {"initContainerStatuses": containers[:1], "containerStatuses": containers[1:]}}  # fmt: skip
+
+    waiting = pod(("init", "CreateContainerConfigError", 'secret "m-r1-kv-transfer-0a1b2c3d" not found'),
+                  ("engine", "CreateContainerConfigError", 'secrets "other" not found'),
+                  ("side", "ImagePullBackOff", 'secret "pull" not found'),  # another reason: not a config error
+                  ("more", "CreateContainerConfigError", "couldn't find key key in Secret ns/present"))  # fmt: skip
+    assert secrets_missing(waiting) == {"m-r1-kv-transfer-0a1b2c3d", "other"}
+    assert secrets_missing({"status": {"containerStatuses": [{"name": "engine", "state": {"running": {}}}]}}) == set()
+    assert secrets_missing({}) == set()
+    labelled = pod(labels={"kvguard.io/model": "m", "kvguard.io/revision": "r1"})
+    assert model_revision_of(labelled) == ("ns", "m", "r1") and model_revision_of(pod()) is None

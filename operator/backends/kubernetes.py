@@ -65,7 +65,14 @@ from kvguard.operator.render import (
 )
 from kvguard.operator.rollout import Scale
 from kvguard.operator.traffic import Share, inference_pool_name, render_traffic, route_name
-from kvguard.operator.workloads import deployment_state, owned_by, pod_is_serving, revision_views
+from kvguard.operator.workloads import (
+    deployment_state,
+    model_revision_of,
+    owned_by,
+    pod_is_serving,
+    revision_views,
+    secrets_missing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +432,23 @@ class KubernetesBackend:
         if (recorded := self._recorded_transfer_secret(owner, revision, known)) is not None:
             return recorded
         return known.name if known is not None else await self._fetched_transfer_secret(owner, revision)
+
+    def transfer_secret_missing(self, pod: Mapping[str, Any]) -> tuple[str, str] | None:
+        """A pod of a revision waits for its KV-transfer Secret, which the kubelet cannot find
+        (deleted): the model's next pass checks for it whatever the recheck interval said, so its
+        pods roll onto a new Secret within a pass rather than within SECRET_RECHECK_SECONDS. The
+        (namespace, model) to pass over, or None when the pod waits for no such Secret."""
+        where = model_revision_of(pod)
+        if where is None:
+            return None
+        namespace, model, revision = where
+        missing = {n for n in secrets_missing(pod) if is_transfer_secret_name(n, model, revision)}
+        if not missing:
+            return None
+        for key, known in list(self._transfer_secrets.items()):
+            if key[0] == namespace and key[1] == model and key[3] == revision and known.name in missing:
+                self._transfer_secrets[key] = known._replace(checked_at=-math.inf)
+        return namespace, model
 
     def forget_transfer_secrets(self) -> None:
         """This replica stops leading: whatever it knew of Secrets may be stale when it leads again
