@@ -13,7 +13,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -163,3 +163,29 @@ async def test_a_generation_that_times_out_waiting_for_capacity_counts_once_per_
     with pytest.raises(OpenAIError) as timed_out:
         await router._take_slots(2)  # the next one waits its whole request timeout
     assert timed_out.value.status == 504 and failed._value.get() == 2
+
+
+async def test_generations_whose_client_leaves_while_they_wait_for_capacity_count_as_aborted() -> None:
+    """Outside probe: a client that left while its generations waited for the router's slots
+    (the handler cancelled) was counted in neither kvguard_requests_total nor kvguard_aborts_total,
+    so a saturated router under-reported abandoned requests exactly when it mattered."""
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.router import Router, RouterConfig
+
+    config = RouterConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:1",), model_name="m",
+                          max_inflight_choices=2, request_timeout_s=30.0)  # fmt: skip
+    router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
+    await router._take_slots(2)  # a request of n=2 holds every slot
+    waiting = asyncio.create_task(router._take_slots(2))
+    await asyncio.wait_for(_until(lambda: router.metrics.waiting_choices._value.get() == 2), 10)
+    waiting.cancel()  # its client disconnects
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert router.metrics.requests.labels("aborted")._value.get() == 2
+    assert router.metrics.aborts.labels("client_disconnect")._value.get() == 2
+    assert router.metrics.waiting_choices._value.get() == 0
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)

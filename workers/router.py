@@ -644,6 +644,10 @@ class Router:
         except TimeoutError:
             self.metrics.requests.labels("failed").inc(count)  # per generation, as every leg that ends counts
             raise OpenAIError(504, "the request timed out waiting for the router's capacity", code="timeout") from None
+        except asyncio.CancelledError:  # the client left while they waited: they ended (no worker has them)
+            self.metrics.aborts.labels("client_disconnect").inc(count)
+            self.metrics.requests.labels("aborted").inc(count)
+            raise
         finally:
             self.metrics.waiting_choices.dec(count)
         return deadline
