@@ -34,7 +34,7 @@ from kvguard.operator.backends.base import CanaryRunner
 from kvguard.operator.backends.kubernetes import Resolver
 from kvguard.operator.controller import Controller, ControllerSettings
 from kvguard.operator.kube import Kube, selector_string
-from kvguard.operator.render import LABEL_MODEL, MANAGED_BY
+from kvguard.operator.render import MANAGED_BY
 from kvguard.operator.webhook import policies_from_index
 from kvguard.operator.workloads import child_projection, owner_key
 
@@ -102,7 +102,7 @@ async def shut_down(memo: kopf.Memo, **_: Any) -> None:
 
 def _child_index(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     owner = owner_key(body)
-    return {owner: child_projection(body)} if owner is not None and owner[1] == (body.get("metadata", {}).get("labels") or {}).get(LABEL_MODEL) else {}
+    return {owner: child_projection(body)} if owner is not None else {}  # by its controller, whatever its labels say
 
 
 kvguard_deployments = kopf.index(*DEPLOYMENTS, labels=dict(MANAGED_BY), id="kvguard_deployments")(_child_index)

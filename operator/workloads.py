@@ -110,13 +110,12 @@ def revision_views(deployments: Sequence[DeploymentState], present: Sequence[str
 
 
 def owned_by(obj: Mapping[str, Any], model: str, uid: str | None) -> bool:
-    """Filter in code too (kmock ignores label selectors; a label is no proof of ownership): the
-    model label and a controller owner reference to this very InferenceModel."""
-    meta = obj.get("metadata") or {}
-    if (meta.get("labels") or {}).get(LABEL_MODEL) != model:
-        return False
-    refs = meta.get("ownerReferences") or []
-    return uid is None or any(r.get("uid") == uid and r.get("kind") == "InferenceModel" and r.get("controller") for r in refs)
+    """A controller owner reference to this very InferenceModel (its uid, when known). Labels are
+    no proof of ownership, and their absence no disproof: someone may edit an owned child's
+    labels, and the next apply puts them back."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("kind") == "InferenceModel" and r.get("controller") and r.get("name") == model and (uid is None or r.get("uid") == uid)
+               for r in refs)  # fmt: skip
 
 
 def owner_key(obj: Mapping[str, Any]) -> tuple[str, str] | None:

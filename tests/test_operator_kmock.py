@@ -251,6 +251,77 @@ async def test_children_are_owned_for_garbage_collection(cluster: Any) -> None:
     logging.getLogger(__name__).info("kmock has no garbage collector; owner references above are what a cluster's GC uses")
 
 
+async def stable_revision(cluster: Any) -> str:
+    await apply_model(tiny_model())
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev)
+    await until(lambda: status_of(cluster).get("revision") == rev, "stable", CANARY_WAIT)
+    await promoted(cluster, rev)
+    return str(rev)
+
+
+def metadata_of(obj: Any) -> tuple[dict[str, str], dict[str, str]]:
+    meta = obj["metadata"]
+    return dict(meta.get("labels") or {}), dict(meta.get("annotations") or {})
+
+
+@pytest.mark.parametrize("edit", [
+    {"labels": {"kvguard.io/model": None}},  # the child left the operator's index
+    {"labels": {"kvguard.io/revision": "bogus"}},  # status read "decode (not created)"
+    {"annotations": {"kvguard.io/applied-hash": None}},
+])  # fmt: skip
+async def test_metadata_edits_to_an_owned_child_are_applied_over(cluster: Any, edit: dict[str, Any]) -> None:
+    """Outside probe: an edit of a child's labels or annotations bumps no generation, so the
+    operator, which looked only at generations, never put them back (and a child without its model
+    label left the index for good: status said its revision's decode was "not created")."""
+    rev = await stable_revision(cluster)
+    name = f"tiny-{rev}-decode"
+    before = metadata_of(objects_of(cluster, DEPLOYMENTS)[name])
+    await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", {"metadata": edit}, "application/merge-patch+json")
+    assert metadata_of(objects_of(cluster, DEPLOYMENTS)[name]) != before
+    await until(lambda: metadata_of(objects_of(cluster, DEPLOYMENTS)[name]) == before, "the labels and annotations put back")
+    status = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready again")
+    assert condition(status, "Ready")["status"] == "True" and status["revision"] == rev
+
+
+async def test_an_owned_child_without_the_operators_labels_is_still_its_own_after_a_restart(operator: Operator) -> None:
+    """Outside probe: ownership was the labels and the controller owner reference together, so a
+    restarted operator called its own Deployment, labels removed, a ForeignObject and halted the
+    model. The controller owner reference (this InferenceModel's uid) decides; the labels come back."""
+    cluster = operator.kmock
+    rev = await stable_revision(cluster)
+    name = f"tiny-{rev}-decode"
+    before = metadata_of(objects_of(cluster, DEPLOYMENTS)[name])
+    unlabelled = {"metadata": {"labels": {"kvguard.io/model": None, "app.kubernetes.io/managed-by": None}}}
+    await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", unlabelled, "application/merge-patch+json")
+    await operator.restart()  # its watch lists by the managed-by label: the Deployment is not in its cache
+    await until(lambda: metadata_of(objects_of(cluster, DEPLOYMENTS)[name]) == before, "the labels put back")
+    status = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready")
+    assert not [c for c in status["conditions"] if c["type"] == "Degraded" and c["status"] == "True"]
+
+
+async def test_a_model_created_again_under_its_name_does_not_take_over_the_old_models_children(cluster: Any) -> None:
+    """Outside probe: the same operator process re-applied, with force, the children the deleted
+    model left for the garbage collector, rewriting their owner to the new model (so they escaped
+    collection); a restarted operator refused them. It remembered what it applied by name alone.
+    Now both refuse (ForeignObject) until the collector has removed the old model's children."""
+    rev = await stable_revision(cluster)
+    await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
+    await until(lambda: cluster.objects[IM, NS, "tiny"].deleted, "the model deleted")
+    await apply_model(tiny_model(uid="uid-tiny2"))
+    degraded = await until(lambda: next((c for c in status_of(cluster).get("conditions", [])
+                                         if c["type"] == "Degraded" and c["reason"] == "ForeignObject"), None), "ForeignObject")  # fmt: skip
+    assert f"tiny-{rev}-" in degraded["message"]
+    owners = {n: d["metadata"]["ownerReferences"][0]["uid"] for n, d in objects_of(cluster, DEPLOYMENTS).items()}
+    assert owners == {f"tiny-{rev}-{role}": "uid-tiny" for role in ("prefill", "decode", "router")}
+    for kind, path in ((DEPLOYMENTS, "/apis/apps/v1"), (SERVICES, "/api/v1"), (NETPOLS, "/apis/networking.k8s.io/v1"), (SECRETS, "/api/v1")):
+        for name in list(objects_of(cluster, kind)):  # the garbage collector, which kmock lacks
+            await http("DELETE", f"{path}/namespaces/{NS}/{kind.plural}/{name}")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "the new model's Deployments")
+    assert {d["metadata"]["ownerReferences"][0]["uid"] for d in objects_of(cluster, DEPLOYMENTS).values()} == {"uid-tiny2"}
+
+
 async def test_S8_failing_canary_scales_it_to_zero_and_leaves_stable_untouched(cluster: Any, incident_build: LocalDeployment) -> None:
     await apply_model(tiny_model())
     rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]

@@ -51,7 +51,6 @@ from kvguard.operator.render import (
     LABEL_MODEL,
     LABEL_REVISION,
     LABEL_ROLE,
-    MANAGED_BY,
     ROLES,
     Owner,
     is_transfer_secret_name,
@@ -69,6 +68,7 @@ from kvguard.operator.workloads import (
     deployment_state,
     model_revision_of,
     owned_by,
+    owner_key,
     pod_is_serving,
     revision_views,
     secrets_missing,
@@ -128,17 +128,18 @@ class DictChildIndex:
         self.objects[(obj["kind"], meta.get("namespace") or "", meta["name"])] = obj
 
     def children(self, namespace: str, model: str) -> list[Mapping[str, Any]]:
-        return [o for (_, ns, _), o in self.objects.items() if ns == namespace
-                and ((o.get("metadata") or {}).get("labels") or {}).get(LABEL_MODEL) == model]  # fmt: skip
+        return [o for (_, ns, _), o in self.objects.items() if ns == namespace and owner_key(o) == (namespace, model)]
 
 
 @dataclass(frozen=True)
 class Applied:
-    """What this process last wrote to a child: the manifest's hash, its replicas, the generation."""
+    """What this process last wrote to a child: the manifest's hash, its replicas, the generation,
+    and the uid of the InferenceModel it was written for."""
 
     digest: str
     replicas: int | None
     generation: int | None
+    owner_uid: str | None
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -220,7 +221,7 @@ class KubernetesBackend:
             key = _key(live)
             previous = self._applied.get(key)
             digest = previous.digest if previous else ((live["metadata"].get("annotations") or {}).get(APPLIED_HASH_ANNOTATION) or "")
-            self._applied[key] = Applied(digest, _replicas(result), _generation(result))
+            self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid)
             log.info("scaled %s to %s", ref_of(live), patch["spec"]["replicas"])
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
@@ -317,19 +318,21 @@ class KubernetesBackend:
         """Server-side apply of one child, unless it already holds exactly this manifest."""
         desired, digest = with_digest(manifest)
         key, ref = _key(desired), ref_of(desired)
+        if (known := self._applied.get(key)) is not None and known.owner_uid != model.uid:
+            del self._applied[key]  # written for an earlier model of this name (deleted): proves nothing now
         live: Mapping[str, Any] | None
         if key[0] in UNWATCHED_KINDS:
             live = await self._read_unwatched(key, ref, model)
         else:
             live = next((o for o in self._owned(model) if _key(o) == key), None)
-        if self._up_to_date(key, live, digest, _replicas(desired)):
+        if self._up_to_date(key, live, desired, model):
             return
         if live is None and key not in self._applied and key[0] not in UNWATCHED_KINDS:
             existing = await self.kube.aget_metadata(ref)
             if existing is not None and not self._is_ours(existing, model):
                 raise _foreign(ref, model)
         result = await self.kube.aapply(desired)
-        self._applied[key] = Applied(digest, _replicas(result), _generation(result))
+        self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid)
         log.info("applied %s", ref)
 
     async def _read_unwatched(self, key: ObjectKey, ref: ObjectRef, model: ModelRef) -> dict[str, Any] | None:
@@ -342,18 +345,23 @@ class KubernetesBackend:
             raise _foreign(ref, model)
         return live
 
-    def _up_to_date(self, key: ObjectKey, live: Mapping[str, Any] | None, digest: str, replicas: int | None) -> bool:
+    def _up_to_date(self, key: ObjectKey, live: Mapping[str, Any] | None, desired: Mapping[str, Any], model: ModelRef) -> bool:
+        """Does the child hold `desired` (with its digest annotation) already? Someone else's edit
+        shows as a newer generation (spec) or as labels or annotations of ours changed (metadata,
+        which bumps no generation): either is applied over. No live object while this process
+        remembers applying it is the watch cache lagging behind that apply (a deletion makes the
+        watch forget it first)."""
+        digest = desired["metadata"]["annotations"][APPLIED_HASH_ANNOTATION]
+        replicas = _replicas(desired)
         known = self._applied.get(key)
         if known is not None:
             newer = live is not None and None not in (_generation(live), known.generation) and _generation(live) > known.generation  # type: ignore[operator]
-            return known.digest == digest and known.replicas == replicas and not newer  # else: changed by someone else
-        if live is None:
+            edited = newer or (live is not None and not _metadata_holds(live, desired))
+            return known.digest == digest and known.replicas == replicas and not edited
+        if live is None or not _metadata_holds(live, desired) or _replicas(live) != replicas:
             return False
-        live_digest = ((live.get("metadata") or {}).get("annotations") or {}).get(APPLIED_HASH_ANNOTATION)
-        if live_digest == digest and _replicas(live) == replicas:  # applied by an earlier process of ours
-            self._applied[key] = Applied(digest, replicas, _generation(live))
-            return True
-        return False
+        self._applied[key] = Applied(digest, replicas, _generation(live), model.uid)  # applied by an earlier process of ours
+        return True
 
     def forget_model(self, model: tuple[str, str]) -> None:
         """The model is gone (its children with it, by owner reference): what was kept of it goes."""
@@ -461,8 +469,14 @@ class KubernetesBackend:
 
     @staticmethod
     def _is_ours(meta: Mapping[str, Any], model: ModelRef) -> bool:
-        labels = (meta.get("metadata") or {}).get("labels") or {}
-        return owned_by(meta, model.name, model.uid) and all(labels.get(k) == v for k, v in MANAGED_BY.items())
+        return owned_by(meta, model.name, model.uid)
+
+
+def _metadata_holds(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Every label and annotation the operator sets (the digest among them) has its value on the
+    live object (others' additions are theirs to keep)."""
+    have, want = live.get("metadata") or {}, desired["metadata"]
+    return all(all((have.get(field) or {}).get(k) == v for k, v in (want.get(field) or {}).items()) for field in ("labels", "annotations"))
 
 
 def _revision_key(owner: Owner, revision: str) -> RevisionKey:
