@@ -168,3 +168,29 @@ def test_cluster_a_planted_transfer_secret_is_never_used(kube: Any, model: Any) 
         assert base64.b64decode(core.read_namespaced_secret(secret, NS).data["key"]) == b"chosen-by-someone-else"  # untouched
     finally:
         core.delete_namespaced_secret(secret, NS)
+
+
+@pytest.mark.skipif(not os.environ.get("KVGUARD_E2E_WORKER_IMAGE"),
+                    reason="needs worker pods that reach container creation (KVGUARD_E2E_WORKER_IMAGE)")  # fmt: skip
+def test_cluster_a_deleted_transfer_secret_is_replaced_and_every_pod_moves_to_it(kube: Any, model: Any) -> None:
+    """Someone deletes a revision's KV-transfer Secret; a new pod of the revision cannot start
+    (CreateContainerConfigError). The operator, which may not read Secrets, learns it from that
+    pod, creates a Secret under a new name, and every Deployment's pod template names it."""
+    name = model("tiny-cpu.yaml", tiny_spec())
+    objs = wait_for(lambda: (found := children(kube, name)) and len(found["Deployment"]) == 3 and found, "three Deployments")
+
+    def key_refs(deployments: list[Any]) -> set[str]:
+        return {e.value_from.secret_key_ref.name for d in deployments for e in d.spec.template.spec.containers[0].env or []
+                if e.name == "KVGUARD_TRANSFER_KEY"}  # fmt: skip
+
+    (first,) = key_refs(objs["Deployment"])
+    core = kube.CoreV1Api()
+    core.delete_namespaced_secret(first, NS)
+    router = next(d for d in objs["Deployment"] if d.metadata.name.endswith("-router"))
+    for pod in core.list_namespaced_pod(NS, label_selector=f"{MODEL_LABEL}={name},kvguard.io/role=router").items:
+        core.delete_namespaced_pod(pod.metadata.name, NS)  # its replacement needs the Secret to start
+    moved = wait_for(lambda: (refs := key_refs(children(kube, name)["Deployment"])) and first not in refs and refs,
+                     "every Deployment naming a new Secret", timeout=240)  # fmt: skip
+    (second,) = moved
+    assert second.startswith(f"{name}-") and core.read_namespaced_secret(second, NS).metadata.owner_references[0].kind == "InferenceModel"
+    assert router.metadata.name in {d.metadata.name for d in children(kube, name)["Deployment"]}
