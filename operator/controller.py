@@ -214,7 +214,7 @@ class Controller:
         self.continuous.cancel_all()
         metrics.forget_all_models()
         self.memory.clear()
-        self.backend.forget_transfer_secrets()  # a later leader may delete or make them: never trust this memory then
+        self.backend.forget_everything()  # a later leader may re-apply, or delete or make Secrets: never trust this memory then
         self._waits.clear()
         self._failures.clear()
 

@@ -119,8 +119,11 @@ async def _child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
     memo["kvguard"].child_event(type, child_projection(body))
 
 
+# No label filter here: the watch's own selector (configure) already keeps the stream to the
+# operator's children, and a child that loses its labels comes as DELETED without them -- which a
+# filter would drop, so the operator would never learn that it has to apply it again.
 for _resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
-    kopf.on.event(*_resource, labels=dict(MANAGED_BY), id=f"{_resource[-1]}_event")(_child_event)
+    kopf.on.event(*_resource, id=f"{_resource[-1]}_event")(_child_event)
 
 
 @kopf.on.event(*PODS, labels=dict(MANAGED_BY), id="pods_event")

@@ -8,6 +8,7 @@ plain kmock lacks:
 - a PATCH whose body carries `metadata.resourceVersion` is a precondition: 409 Conflict when the
   object has moved on (how Kubernetes does optimistic concurrency);
 - label selectors on LIST and WATCH (equality, inequality and existence terms) filter the objects;
+  on a WATCH, an object that stops matching is sent as DELETED and one that starts as ADDED;
 - server-side apply (`application/apply-patch+yaml`) creates a missing object, and on an existing
   one removes the fields the same field manager applied before and leaves out now. Lists are
   replaced whole: right for a single manager that owns every list it sets, which is the operator's
@@ -23,7 +24,9 @@ plain kmock lacks:
   status as it was, a patch of `pods/NAME/status` leaves the spec (so a readiness-gate condition
   written to the wrong endpoint is lost here too); other kinds take both anywhere;
 - a create with `dryRun=All` answers as the create would (409 when the object is there, 201
-  otherwise) and stores nothing. What it does not
+  otherwise) and stores nothing;
+- `secret_quota` plays a ResourceQuota on count/secrets: creates past it, dry runs included, are
+  refused with 403. What it does not
   enforce: the kubelet's own rules (it never recomputes `Ready` from readiness gates: tests that
   need `Ready` play the kubelet), admission of who may write `pods/status` (RBAC), and the fields a
   status update may not touch besides `spec` (labels, annotations).
@@ -247,6 +250,8 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         self.keep_requests: int | None = None
         """Keep only this many requests in kmock's log (None: all). kmock matches each request
         against its whole log, so a long run (the scale benchmark) must trim it."""
+        self.secret_quota: int | None = None
+        """A ResourceQuota's count/secrets in every namespace (None: no quota)."""
         self.requests_total = 0
         self.requests_by: collections.Counter[tuple[str, str]] = collections.Counter()
         """Requests by (method, resource plural or path), whatever the log keeps."""
@@ -278,6 +283,8 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         if pod_log is not None and request.method == km.method.GET:
             return await self._serve_pod_log(request, *pod_log.groups())
         try:
+            if (refused := self._over_secret_quota(request)) is not None:
+                return await self._render_error(refused)
             if request.resource is not None and request.action == km.action.CREATE and request.params.get("dryRun") == "All":
                 return await self._dry_run_create(request)
             if request.resource is not None:
@@ -289,6 +296,17 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         finally:
             if self.keep_requests is not None and len(self._requests) > self.keep_requests:
                 del self._requests[: len(self._requests) - self.keep_requests]
+
+    def _over_secret_quota(self, request: Any) -> Exception | None:
+        """A ResourceQuota on count/secrets, as its admission answers a create (dry runs too)."""
+        if self.secret_quota is None or request.resource is None or request.resource.plural != "secrets" or request.action != km.action.CREATE:
+            return None
+        held = sum(1 for (resource, namespace, _), obj in self.objects.items()
+                   if resource.plural == "secrets" and namespace == request.namespace and not obj.deleted)  # fmt: skip
+        if held < self.secret_quota:
+            return None
+        return kmock_k8s.KubernetesError(403, "Forbidden", f"exceeded quota: secrets, requested: count/secrets=1, used: count/secrets={held}, "
+                                         f"limited: count/secrets={self.secret_quota}")  # fmt: skip
 
     async def _dry_run_create(self, request: Any) -> Any:
         meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}
@@ -406,11 +424,25 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
         return result
 
     async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
+        """A label-selected watch as the API server's watch cache filters it: an object that
+        stops matching the selector is sent as DELETED (in its new state), one that starts
+        matching as ADDED; the stream never shows an object that does not match."""
         selector = request.params.get("labelSelector")
+        shown: set[tuple[str, str]] = set()
         async for item in super()._serve_watch(request):
-            if selector and isinstance(item, dict) and not selector_matches(selector, _labels(item.get("object") or {})):
+            if not selector or not isinstance(item, dict):
+                yield item
                 continue
-            yield item
+            obj = item.get("object") or {}
+            meta = obj.get("metadata") or {}
+            key, matches = (meta.get("namespace") or "", meta.get("name") or ""), selector_matches(selector, _labels(obj))
+            if item.get("type") == "DELETED" or not matches:
+                if key in shown:
+                    shown.discard(key)
+                    yield {**item, "type": "DELETED"}
+                continue
+            yield item if key in shown or item.get("type") == "ADDED" else {**item, "type": "ADDED"}
+            shown.add(key)
 
 
 def _drop_nones(obj: Any) -> Any:

@@ -410,3 +410,77 @@ async def test_an_operator_given_namespaces_starts_only_once_the_api_serves_infe
     assert (problem is None) is installed
     if not installed:
         assert problem is not None and "serves no InferenceModels yet" in problem and "install the CRDs first" in problem
+
+
+async def test_S3_a_full_secret_quota_keeps_the_revisions_secret_rather_than_failing_every_pass(
+    kube: Kube, kmock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit: a ResourceQuota on count/secrets refuses the dry-run create with 403 before it looks
+    at the name, so the check that a revision's Secret is there failed, and with it every pass of
+    the model (applies included), each time the recheck came round. A refusal that cannot tell
+    keeps the name (a Secret really gone shows in its pods)."""
+    from kvguard.operator.backends import kubernetes as backend_module
+    from kvguard.operator.render import Owner
+
+    owner = Owner(name="m", namespace="ns", uid="u")
+    backend = backend_module.KubernetesBackend(kube, backend_module.DictChildIndex())
+    name = await backend.ensure_transfer_secret(owner, "r1")
+    kmock.secret_quota = 1  # full: this namespace holds one Secret
+    monkeypatch.setattr(backend_module, "SECRET_RECHECK_SECONDS", 0.0)
+    assert await backend.ensure_transfer_secret(owner, "r1") == name
+    refused = [r for r in list(kmock) if r.method == "POST" and "/secrets" in r.url.path and r.params.get("dryRun") == "All"]
+    assert len(refused) == 1 and await kube.aget(ObjectRef("Secret", name, "ns")) is not None
+
+
+async def test_a_watch_cache_behind_the_operators_own_apply_is_not_taken_for_an_edit(kube: Kube, kmock: Any) -> None:
+    """The labels-and-annotations check (an edit bumps no generation) must not read the old
+    digest annotation of a watch cache that has not yet seen this process's apply as someone
+    else's edit: compared by resourceVersion, it applies nothing more."""
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+
+    model = ModelRef("ns", "m", "u")
+    index = DictChildIndex()
+    backend = KubernetesBackend(kube, index)
+    first, second = owned_deployment("m-r1-decode", None), owned_deployment("m-r1-decode", None)
+    second["spec"]["replicas"] = 2
+
+    def patches() -> int:
+        return len([r for r in list(kmock) if r.method == "PATCH" and "/deployments/" in r.url.path])
+
+    await backend.apply(first, model)
+    index.put({**(await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}), "kind": "Deployment"})  # the cache: first
+    await backend.apply(second, model)
+    assert patches() == 2
+    await backend.apply(second, model)  # the cache still shows `first` (an older resourceVersion)
+    assert patches() == 2
+    index.put({**(await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}), "kind": "Deployment"})  # caught up
+    await backend.apply(second, model)
+    assert patches() == 2
+
+
+async def test_a_label_an_admission_webhook_rewrites_on_every_write_is_not_fought(kube: Kube, kmock: Any) -> None:
+    """Audit: with edits of its labels and annotations applied over, an operator whose writes a
+    mutating webhook rewrites (one of its labels given another value on every write) would apply
+    for ever. What the write itself returned decides: a mismatch the API server made is no edit."""
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+
+    class MutatingWebhook(Kube):
+        async def aapply(self, manifest: Any, **kwargs: Any) -> dict[str, Any]:
+            await super().aapply(manifest, **kwargs)
+            ref = ObjectRef("Deployment", manifest["metadata"]["name"], "ns")
+            return await self.amerge_patch(ref, {"metadata": {"labels": {"app": "rewritten"}}})
+
+    model = ModelRef("ns", "m", "u")
+    index = DictChildIndex()
+    backend = KubernetesBackend(MutatingWebhook(kube._api), index)
+    desired = owned_deployment("m-r1-decode", None)
+    desired["metadata"]["labels"]["app"] = "x"
+    await backend.apply(desired, model)
+    live = await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}
+    assert live["metadata"]["labels"]["app"] == "rewritten"
+    index.put({**live, "kind": "Deployment"})
+    applies = len([r for r in list(kmock) if r.method == "PATCH" and "apply-patch" in r.headers.get("Content-Type", "")])
+    await backend.apply(desired, model)
+    assert len([r for r in list(kmock) if r.method == "PATCH" and "apply-patch" in r.headers.get("Content-Type", "")]) == applies

@@ -29,8 +29,10 @@ from operator_harness import (
     CANARY_WAIT,
     DEPLOYMENTS,
     EMULATOR_URL,
+    NETPOLS,
     NS,
     SECRETS,
+    SERVICES,
     Operator,
     apply_model,
     condition,
@@ -362,7 +364,8 @@ async def test_S3_a_model_deleted_and_created_again_with_the_same_spec_gets_a_ne
     await apply_model(tiny_model())
     first = await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3 and objects_of(cluster, SECRETS), "the first model's children")
     await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
-    for plural, kind in (("/apis/apps/v1", DEPLOYMENTS), ("/api/v1", SECRETS)):  # the garbage collector (kmock has none)
+    garbage = (("/apis/apps/v1", DEPLOYMENTS), ("/api/v1", SECRETS), ("/api/v1", SERVICES), ("/apis/networking.k8s.io/v1", NETPOLS))
+    for plural, kind in garbage:  # the garbage collector (kmock has none): every child of the deleted model
         for name in list(objects_of(cluster, kind)):
             await http("DELETE", f"{plural}/namespaces/{NS}/{kind.plural}/{name}")
     await apply_model(tiny_model(uid="uid-tiny-2"))

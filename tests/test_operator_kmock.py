@@ -49,6 +49,7 @@ from operator_harness import (
 )
 
 from kvguard.operator import metrics
+from kvguard.operator.render import TRANSFER_SECRET_ANNOTATION, transfer_secret_of
 from kvguard.workers.launcher import LocalDeployment
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer)]
@@ -270,6 +271,7 @@ def metadata_of(obj: Any) -> tuple[dict[str, str], dict[str, str]]:
     {"labels": {"kvguard.io/model": None}},  # the child left the operator's index
     {"labels": {"kvguard.io/revision": "bogus"}},  # status read "decode (not created)"
     {"annotations": {"kvguard.io/applied-hash": None}},
+    {"labels": {"app.kubernetes.io/managed-by": None}},  # the watch's selector: it leaves as DELETED
 ])  # fmt: skip
 async def test_metadata_edits_to_an_owned_child_are_applied_over(cluster: Any, edit: dict[str, Any]) -> None:
     """Outside probe: an edit of a child's labels or annotations bumps no generation, so the
@@ -283,6 +285,24 @@ async def test_metadata_edits_to_an_owned_child_are_applied_over(cluster: Any, e
     await until(lambda: metadata_of(objects_of(cluster, DEPLOYMENTS)[name]) == before, "the labels and annotations put back")
     status = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready again")
     assert condition(status, "Ready")["status"] == "True" and status["revision"] == rev
+
+
+async def test_S3_an_edit_of_the_transfer_secret_annotation_moves_no_pod_and_makes_no_secret(cluster: Any) -> None:
+    """Audit: the annotation naming a revision's Secret was taken as the truth, so setting it to a
+    made-up name (a metadata edit, no Secret rights needed) read as "the Secret was deleted": a new
+    Secret, every pod of the revision rolled, the old Secret left behind, at every such edit. The
+    Secret this operator made and found there comes first; the edit is applied over."""
+    rev = await stable_revision(cluster)
+    deployments = objects_of(cluster, DEPLOYMENTS)
+    (secret,) = {transfer_secret_of(d) for d in deployments.values()}
+    generations = {n: d["metadata"]["generation"] for n, d in deployments.items()}
+    edit = {"metadata": {"annotations": {TRANSFER_SECRET_ANNOTATION: f"tiny-{rev}-kv-transfer-deadbeef"}}}
+    for name in deployments:
+        await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", edit, "application/merge-patch+json")
+    await until(lambda: {transfer_secret_of(d) for d in objects_of(cluster, DEPLOYMENTS).values()} == {secret}, "the annotations put back")
+    await stays(lambda: {n: d["metadata"]["generation"] for n, d in objects_of(cluster, DEPLOYMENTS).items()} == generations,
+                "no pod template changed", 2.0)  # fmt: skip
+    assert list(objects_of(cluster, SECRETS)) == [secret]
 
 
 async def test_an_owned_child_without_the_operators_labels_is_still_its_own_after_a_restart(operator: Operator) -> None:
@@ -301,6 +321,29 @@ async def test_an_owned_child_without_the_operators_labels_is_still_its_own_afte
     assert not [c for c in status["conditions"] if c["type"] == "Degraded" and c["status"] == "True"]
 
 
+async def test_a_pod_template_edited_while_no_operator_runs_is_applied_over_when_one_starts(operator: Operator) -> None:
+    """Outside probe (churn at scale): a starting operator took every child whose annotations and
+    replicas matched as up to date, so an image or env edited while no operator led stayed for
+    good, resyncs included. A process applies each child once before it trusts it (a no-op on an
+    unchanged object)."""
+    cluster = operator.kmock
+    rev = await stable_revision(cluster)
+    name = f"tiny-{rev}-decode"
+
+    def image() -> str:
+        return str(objects_of(cluster, DEPLOYMENTS)[name]["spec"]["template"]["spec"]["containers"][0]["image"])
+
+    rendered = image()
+    await operator.stop()
+    containers = copy.deepcopy(objects_of(cluster, DEPLOYMENTS)[name]["spec"]["template"]["spec"]["containers"])
+    containers[0]["image"] = "example.com/not-what-the-operator-renders:1"
+    await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", {"spec": {"template": {"spec": {"containers": containers}}}},
+               "application/merge-patch+json")  # fmt: skip
+    assert image() != rendered
+    await operator.start()
+    await until(lambda: image() == rendered, "the rendered image back")
+
+
 async def test_a_model_created_again_under_its_name_does_not_take_over_the_old_models_children(cluster: Any) -> None:
     """Outside probe: the same operator process re-applied, with force, the children the deleted
     model left for the garbage collector, rewriting their owner to the new model (so they escaped
@@ -315,6 +358,7 @@ async def test_a_model_created_again_under_its_name_does_not_take_over_the_old_m
     assert f"tiny-{rev}-" in degraded["message"]
     owners = {n: d["metadata"]["ownerReferences"][0]["uid"] for n, d in objects_of(cluster, DEPLOYMENTS).items()}
     assert owners == {f"tiny-{rev}-{role}": "uid-tiny" for role in ("prefill", "decode", "router")}
+    assert {s["metadata"]["ownerReferences"][0]["uid"] for s in objects_of(cluster, SECRETS).values()} == {"uid-tiny"}  # none made while blocked
     for kind, path in ((DEPLOYMENTS, "/apis/apps/v1"), (SERVICES, "/api/v1"), (NETPOLS, "/apis/networking.k8s.io/v1"), (SECRETS, "/api/v1")):
         for name in list(objects_of(cluster, kind)):  # the garbage collector, which kmock lacks
             await http("DELETE", f"{path}/namespaces/{NS}/{kind.plural}/{name}")

@@ -140,6 +140,11 @@ class Applied:
     replicas: int | None
     generation: int | None
     owner_uid: str | None
+    resource_version: str | None = None
+    """The object's after this write: a watch-cache view older than it lags behind the write."""
+    metadata_held: bool = True
+    """Whether the object as written kept every label and annotation the operator set. If it did
+    not (an admission webhook rewrites one), a later mismatch is no edit, and is not fought."""
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -160,6 +165,18 @@ def _replicas(obj: Mapping[str, Any]) -> int | None:
 def _generation(obj: Mapping[str, Any]) -> int | None:
     value = (obj.get("metadata") or {}).get("generation")
     return int(value) if isinstance(value, int) else None
+
+
+def _resource_version(obj: Mapping[str, Any]) -> str | None:
+    value = (obj.get("metadata") or {}).get("resourceVersion")
+    return str(value) if value else None
+
+
+def _older(live: Mapping[str, Any], resource_version: str | None) -> bool:
+    """Is `live` a version before `resource_version`? Opaque to clients, but etcd's are integers:
+    compared only when both are (otherwise: not known to be older)."""
+    mine, theirs = _resource_version(live) or "", resource_version or ""
+    return mine.isdigit() and theirs.isdigit() and int(mine) < int(theirs)
 
 
 def _owner(model: ModelRef) -> Owner:
@@ -199,11 +216,14 @@ class KubernetesBackend:
     async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
         owner = _owner(request.model)
         rendered = request.rendered or render_rollout_revision(request.spec, request.plan, owner, request.revision, request.faults)
+        # Someone else's object under a child's name blocks the revision before anything is made
+        # for it: a Secret made on every blocked pass would pile up, named by nothing.
+        await self._refuse_foreign(rendered.at(scale), request.model)
         if rendered.uses_transfer_key():  # created before any pod references it
             rendered = rendered.with_transfer_secret(await self.ensure_transfer_secret(owner, request.revision))
         # The children are independent of each other: apply them concurrently (one round trip of
-        # latency per revision, not seven). Every failure is raised; a foreign object first.
-        results = await asyncio.gather(*(self.apply(m, request.model) for m in rendered.at(scale)), return_exceptions=True)
+        # latency per revision, not seven). Every failure is raised.
+        results = await asyncio.gather(*(self.apply(m, request.model, checked=True) for m in rendered.at(scale)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise next((e for e in errors if isinstance(e, ForeignObjectError)), errors[0])
@@ -219,9 +239,10 @@ class KubernetesBackend:
                 continue
             result = await self.kube.amerge_patch(ref_of(live), patch, field_manager=SCALE_FIELD_MANAGER)
             key = _key(live)
-            previous = self._applied.get(key)
-            digest = previous.digest if previous else ((live["metadata"].get("annotations") or {}).get(APPLIED_HASH_ANNOTATION) or "")
-            self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid)
+            previous = self._known(key, model)
+            digest = previous.digest if previous else ""  # not applied by this process: the next apply writes it
+            held = previous.metadata_held if previous else True
+            self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result), held)
             log.info("scaled %s to %s", ref_of(live), patch["spec"]["replicas"])
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
@@ -232,11 +253,9 @@ class KubernetesBackend:
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
         owner = _owner(model)
-        secret = await self._named_transfer_secret(owner, revision, self._transfer_secrets.pop(_revision_key(owner, revision), None))
+        named = await self._transfer_secret_candidates(owner, revision, self._transfer_secrets.pop(_revision_key(owner, revision), None))
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
-        refs = [ref_of(o) for o in doomed] + [pool]
-        if secret is not None:
-            refs.append(ObjectRef("Secret", secret, model.namespace))
+        refs = [ref_of(o) for o in doomed] + [pool] + [ObjectRef("Secret", name, model.namespace) for name in named]
         for ref in refs:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
@@ -314,26 +333,48 @@ class KubernetesBackend:
         return still
 
     # --- applying -------------------------------------------------------------------------------
-    async def apply(self, manifest: Mapping[str, Any], model: ModelRef) -> None:
-        """Server-side apply of one child, unless it already holds exactly this manifest."""
+    async def apply(self, manifest: Mapping[str, Any], model: ModelRef, *, checked: bool = False) -> None:
+        """Server-side apply of one child, unless it already holds exactly this manifest.
+        `checked`: `_refuse_foreign` has looked at its name in this pass already."""
         desired, digest = with_digest(manifest)
         key, ref = _key(desired), ref_of(desired)
-        if (known := self._applied.get(key)) is not None and known.owner_uid != model.uid:
-            del self._applied[key]  # written for an earlier model of this name (deleted): proves nothing now
         live: Mapping[str, Any] | None
         if key[0] in UNWATCHED_KINDS:
             live = await self._read_unwatched(key, ref, model)
         else:
-            live = next((o for o in self._owned(model) if _key(o) == key), None)
+            live = self._live(key, model)
         if self._up_to_date(key, live, desired, model):
             return
-        if live is None and key not in self._applied and key[0] not in UNWATCHED_KINDS:
-            existing = await self.kube.aget_metadata(ref)
-            if existing is not None and not self._is_ours(existing, model):
-                raise _foreign(ref, model)
+        if not checked:
+            await self._refuse_foreign([manifest], model)
         result = await self.kube.aapply(desired)
-        self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid)
+        self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result),
+                                     _metadata_holds(result, desired))  # fmt: skip
         log.info("applied %s", ref)
+
+    async def _refuse_foreign(self, manifests: Sequence[Mapping[str, Any]], model: ModelRef) -> None:
+        """ForeignObjectError for the first child name someone else's object holds. Asked of the
+        API server (metadata only, concurrently) for the watched kinds this process has not applied
+        for this model and its watch cache does not show as the model's; unwatched kinds are
+        checked on every apply (`_read_unwatched`)."""
+        unknown = [ref_of(m) for m in manifests if (key := _key(m))[0] not in UNWATCHED_KINDS
+                   and self._known(key, model) is None and self._live(key, model) is None]  # fmt: skip
+        found = await asyncio.gather(*(self.kube.aget_metadata(ref) for ref in unknown))
+        for ref, meta in zip(unknown, found, strict=True):
+            if meta is not None and not self._is_ours(meta, model):
+                raise _foreign(ref, model)
+
+    def _known(self, key: ObjectKey, model: ModelRef) -> Applied | None:
+        """What this process applied under the child's name for this model (what it applied for an
+        earlier model of the same name, deleted since, proves nothing now and is dropped)."""
+        known = self._applied.get(key)
+        if known is not None and known.owner_uid != model.uid:
+            del self._applied[key]
+            return None
+        return known
+
+    def _live(self, key: ObjectKey, model: ModelRef) -> Mapping[str, Any] | None:
+        return next((o for o in self._owned(model) if _key(o) == key), None)
 
     async def _read_unwatched(self, key: ObjectKey, ref: ObjectRef, model: ModelRef) -> dict[str, Any] | None:
         """The metadata of a child no watch reports on: gone means apply it again (someone deleted
@@ -346,22 +387,19 @@ class KubernetesBackend:
         return live
 
     def _up_to_date(self, key: ObjectKey, live: Mapping[str, Any] | None, desired: Mapping[str, Any], model: ModelRef) -> bool:
-        """Does the child hold `desired` (with its digest annotation) already? Someone else's edit
-        shows as a newer generation (spec) or as labels or annotations of ours changed (metadata,
-        which bumps no generation): either is applied over. No live object while this process
-        remembers applying it is the watch cache lagging behind that apply (a deletion makes the
-        watch forget it first)."""
-        digest = desired["metadata"]["annotations"][APPLIED_HASH_ANNOTATION]
-        replicas = _replicas(desired)
-        known = self._applied.get(key)
-        if known is not None:
-            newer = live is not None and None not in (_generation(live), known.generation) and _generation(live) > known.generation  # type: ignore[operator]
-            edited = newer or (live is not None and not _metadata_holds(live, desired))
-            return known.digest == digest and known.replicas == replicas and not edited
-        if live is None or not _metadata_holds(live, desired) or _replicas(live) != replicas:
+        """Does the child hold `desired` (with its digest annotation) already, as this process
+        applied it? A child this process has not applied yet is applied once (after a start or on
+        taking the lead: someone may have edited it while no operator led; an unchanged object
+        makes that apply a no-op). Someone else's edit shows as a newer generation (spec) or as
+        labels or annotations of ours changed (metadata, which bumps no generation): either is
+        applied over. No live object while this process remembers applying it is the watch cache
+        lagging behind that apply: a deletion, or the loss of the labels the watch selects by,
+        reaches the watch as DELETED and makes it forget first."""
+        known = self._known(key, model)
+        if known is None:
             return False
-        self._applied[key] = Applied(digest, replicas, _generation(live), model.uid)  # applied by an earlier process of ours
-        return True
+        digest = desired["metadata"]["annotations"][APPLIED_HASH_ANNOTATION]
+        return known.digest == digest and known.replicas == _replicas(desired) and not _edited_since(live, known, desired)
 
     def forget_model(self, model: tuple[str, str]) -> None:
         """The model is gone (its children with it, by owner reference): what was kept of it goes."""
@@ -378,24 +416,26 @@ class KubernetesBackend:
     # --- the transfer Secret (S3) ----------------------------------------------------------------
     async def ensure_transfer_secret(self, owner: Owner, revision: str) -> str:
         """The name of the revision's KV-transfer Secret. A revision whose Deployments name none,
-        or name one that has been deleted, gets a new Secret under a new random name. Its pods then
-        roll to the new key together (their env names the Secret), rather than old pods keeping the
-        old key while restarted ones read a new key under the old name and no transfer between the
-        two authenticates. Never read back: a Secret someone else created under a name the operator
-        might choose is impossible to plant first (the suffix is random), and one in the way of a
-        new name only makes the operator draw another."""
+        or only Secrets that are not there (deleted), gets a new Secret under a new random name. Its
+        pods then roll to the new key together (their env names the Secret), rather than old pods
+        keeping the old key while restarted ones read a new key under the old name and no transfer
+        between the two authenticates. Never read back: a Secret someone else created under a name
+        the operator might choose is impossible to plant first (the suffix is random), and one in
+        the way of a new name only makes the operator draw another."""
         key = _revision_key(owner, revision)
         known = self._transfer_secrets.get(key)
-        recorded = self._recorded_transfer_secret(owner, revision, known)  # the live Deployments': the truth
-        if known is not None and recorded in (None, known.name) and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
+        recorded = self._recorded_transfer_secrets(owner, revision, known)
+        if known is not None and recorded <= {known.name} and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
             return known.name
-        retired = known.retired if known is not None else frozenset()
-        name = await self._named_transfer_secret(owner, revision, known)
-        if name is not None and not await self._transfer_secret_exists(owner, revision, name):
+        retired, name = known.retired if known is not None else frozenset(), None
+        for candidate in await self._transfer_secret_candidates(owner, revision, known):
+            if await self._transfer_secret_exists(owner, revision, candidate):
+                name = candidate
+                break
             # Nothing watches Secrets: this check is how the operator learns of a deleted one.
-            log.warning("Secret %s/%s, revision %s's KV-transfer key, was deleted; its pods move to a new one",
-                        owner.namespace, name, revision)  # fmt: skip
-            retired, name = retired | {name}, None
+            log.warning("Secret %s/%s, named for revision %s's KV-transfer key, is not there; its pods move to one that is",
+                        owner.namespace, candidate, revision)  # fmt: skip
+            retired |= {candidate}
         if name is None:
             name = await self._create_transfer_secret(owner, revision)
         self._transfer_secrets[key] = KnownSecret(name, time.monotonic(), retired)
@@ -412,20 +452,39 @@ class KubernetesBackend:
 
     async def _transfer_secret_exists(self, owner: Owner, revision: str, name: str) -> bool:
         """A dry-run create: 409 when the Secret is there; nothing is stored either way. (The key
-        is random all the same, so an API server that ignored dryRun would store nothing usable.)"""
+        is random all the same, so an API server that ignored dryRun would store nothing usable.)
+        A refusal for another reason (a full Secret quota, an admission webhook) cannot tell, and
+        the name is kept: a Secret really gone shows in its pods (transfer_secret_missing)."""
         probe = render_transfer_secret(owner, revision, secrets.token_bytes(32), name)
-        return await self.kube.acreate(probe, dry_run=True) is None
+        try:
+            return await self.kube.acreate(probe, dry_run=True) is None
+        except KubeError as exc:
+            if exc.status not in (400, 403, 422):
+                raise
+            log.warning("could not check Secret %s/%s (%s); keeping it", owner.namespace, name, exc)
+            return True
 
-    def _recorded_transfer_secret(self, owner: Owner, revision: str, known: KnownSecret | None) -> str | None:
-        """The Secret the revision's Deployments read the key from, by their annotation in the
-        watch cache (no request); None while the cache still shows a name this replica retired."""
+    async def _transfer_secret_candidates(self, owner: Owner, revision: str, known: KnownSecret | None) -> list[str]:
+        """The names the revision's Secret may have, the most trusted first: the one this replica
+        made or checked, then those the revision's Deployments record (a label-free edit of their
+        annotation cannot move the revision off a Secret that is there). The Deployments are read by
+        name only when neither the memory nor the watch cache knows any."""
+        recorded = self._recorded_transfer_secrets(owner, revision, known)
+        if known is None and not recorded:
+            recorded = await self._fetched_transfer_secrets(owner, revision)
+        first = [known.name] if known is not None else []
+        return first + sorted(recorded - set(first))
+
+    def _recorded_transfer_secrets(self, owner: Owner, revision: str, known: KnownSecret | None) -> set[str]:
+        """The Secrets the revision's Deployments name, by their annotation in the watch cache (no
+        request), but for names this replica found gone (a cache behind its own apply)."""
         names = {object_name(owner.name, revision, role) for role in ROLES}
         model = ModelRef(owner.namespace, owner.name, owner.uid)
         recorded = _recorded_in([o for o in self._owned(model) if o.get("kind") == "Deployment" and o["metadata"]["name"] in names],
                                 owner, revision)  # fmt: skip
-        return None if known is not None and recorded in known.retired else recorded
+        return recorded - known.retired if known is not None else recorded
 
-    async def _fetched_transfer_secret(self, owner: Owner, revision: str) -> str | None:
+    async def _fetched_transfer_secrets(self, owner: Owner, revision: str) -> set[str]:
         """The same, from the Deployments read by name: just after a start the watches may not
         have listed everything yet, and Deployments made before the annotation name it only in
         their pods' env."""
@@ -433,13 +492,6 @@ class KubernetesBackend:
         names = sorted({object_name(owner.name, revision, role) for role in ROLES})
         fetched = await asyncio.gather(*(self.kube.aget(ObjectRef("Deployment", n, owner.namespace)) for n in names))
         return _recorded_in([d for d in fetched if d is not None and self._is_ours(d, model)], owner, revision)
-
-    async def _named_transfer_secret(self, owner: Owner, revision: str, known: KnownSecret | None) -> str | None:
-        """The Secret the revision's pods read: what its live Deployments record wins over this
-        replica's memory; the API server is asked only when neither knows."""
-        if (recorded := self._recorded_transfer_secret(owner, revision, known)) is not None:
-            return recorded
-        return known.name if known is not None else await self._fetched_transfer_secret(owner, revision)
 
     def transfer_secret_missing(self, pod: Mapping[str, Any]) -> tuple[str, str] | None:
         """A pod of a revision waits for its KV-transfer Secret, which the kubelet cannot find
@@ -458,10 +510,14 @@ class KubernetesBackend:
                 self._transfer_secrets[key] = known._replace(checked_at=-math.inf)
         return namespace, model
 
-    def forget_transfer_secrets(self) -> None:
-        """This replica stops leading: whatever it knew of Secrets may be stale when it leads again
-        (a later leader may delete a revision's Secret, or make a new one)."""
+    def forget_everything(self) -> None:
+        """This replica stops leading: what it applied and which Secrets it knew may be stale when
+        it leads again (a later leader may re-apply, delete a revision's Secret or make a new one,
+        and nobody may undo someone's edit meanwhile), so it starts over as a new process would."""
+        self._applied.clear()
         self._transfer_secrets.clear()
+        self._traffic.clear()
+        self._traffic_swept.clear()
 
     # --- reads from the index -------------------------------------------------------------------
     def _owned(self, model: ModelRef) -> list[Mapping[str, Any]]:
@@ -470,6 +526,16 @@ class KubernetesBackend:
     @staticmethod
     def _is_ours(meta: Mapping[str, Any], model: ModelRef) -> bool:
         return owned_by(meta, model.name, model.uid)
+
+
+def _edited_since(live: Mapping[str, Any] | None, known: Applied, desired: Mapping[str, Any]) -> bool:
+    """Did someone else write the child after this process did? Not known while the watch cache
+    has no view of it, or only one older than this process's own write."""
+    if live is None or _older(live, known.resource_version):
+        return False
+    generation = _generation(live)
+    newer = generation is not None and known.generation is not None and generation > known.generation
+    return newer or (known.metadata_held and not _metadata_holds(live, desired))
 
 
 def _metadata_holds(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
@@ -483,9 +549,9 @@ def _revision_key(owner: Owner, revision: str) -> RevisionKey:
     return owner.namespace, owner.name, owner.uid, revision
 
 
-def _recorded_in(deployments: Sequence[Mapping[str, Any]], owner: Owner, revision: str) -> str | None:
+def _recorded_in(deployments: Sequence[Mapping[str, Any]], owner: Owner, revision: str) -> set[str]:
     names = (transfer_secret_of(d) for d in deployments)
-    return next((n for n in names if n is not None and is_transfer_secret_name(n, owner.name, revision)), None)
+    return {n for n in names if n is not None and is_transfer_secret_name(n, owner.name, revision)}
 
 
 def _scale_patch(live: Mapping[str, Any], replicas: int | None) -> dict[str, Any] | None:
