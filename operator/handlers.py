@@ -3,8 +3,10 @@
 Start with `kopf run -m kvguard.operator.handlers` (or `kvguard operator`). kopf runs standalone
 (no kopf peering): HA is a Lease held by one replica (leader.py), while every replica watches,
 keeps its indexes warm and serves the admission webhook. kopf's part:
-- label-selected watches (server-side `labelSelector`, and the same filter in code for API
-  servers that ignore it) on the Deployments, Services and NetworkPolicies the operator owns,
+- label-selected watches (server-side `labelSelector`; the indexes apply the same filter in code
+  for API servers that ignore it, the child event handlers do not: a child that loses the label
+  comes as DELETED without it, and must still be applied again) on the Deployments, Services and
+  NetworkPolicies the operator owns,
   indexed by owning model (`kvguard_deployments`, ...): kopf runs no handler before every index
   has its initial listing, so the controller never decides on a half-read cluster;
 - watch events of InferenceModels, of those children and of InferencePolicies, each only

@@ -8,7 +8,8 @@ plain kmock lacks:
 - a PATCH whose body carries `metadata.resourceVersion` is a precondition: 409 Conflict when the
   object has moved on (how Kubernetes does optimistic concurrency);
 - label selectors on LIST and WATCH (equality, inequality and existence terms) filter the objects;
-  on a WATCH, an object that stops matching is sent as DELETED and one that starts as ADDED;
+  on a WATCH, an object that stops matching is sent as DELETED (its previous state) and one
+  that starts as ADDED;
 - server-side apply (`application/apply-patch+yaml`) creates a missing object, and on an existing
   one removes the fields the same field manager applied before and leaves out now. Lists are
   replaced whole: right for a single manager that owns every list it sets, which is the operator's
@@ -425,10 +426,11 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
 
     async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
         """A label-selected watch as the API server's watch cache filters it: an object that
-        stops matching the selector is sent as DELETED (in its new state), one that starts
-        matching as ADDED; the stream never shows an object that does not match."""
+        stops matching the selector is sent as DELETED, carrying its previous state (the last one
+        the stream showed, as the watch cache's convertToWatchEvent does); one that starts matching
+        as ADDED; the stream never shows an object in a state that does not match."""
         selector = request.params.get("labelSelector")
-        shown: set[tuple[str, str]] = set()
+        shown: dict[tuple[str, str], Any] = {}
         async for item in super()._serve_watch(request):
             if not selector or not isinstance(item, dict):
                 yield item
@@ -438,11 +440,11 @@ class ApiServer(km.KubernetesEmulator, _DirectDispatch):
             key, matches = (meta.get("namespace") or "", meta.get("name") or ""), selector_matches(selector, _labels(obj))
             if item.get("type") == "DELETED" or not matches:
                 if key in shown:
-                    shown.discard(key)
-                    yield {**item, "type": "DELETED"}
+                    previous = shown.pop(key)
+                    yield {**item, "type": "DELETED", "object": obj if item.get("type") == "DELETED" else previous}
                 continue
             yield item if key in shown or item.get("type") == "ADDED" else {**item, "type": "ADDED"}
-            shown.add(key)
+            shown[key] = obj
 
 
 def _drop_nones(obj: Any) -> Any:

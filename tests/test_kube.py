@@ -481,6 +481,14 @@ async def test_a_label_an_admission_webhook_rewrites_on_every_write_is_not_fough
     live = await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}
     assert live["metadata"]["labels"]["app"] == "rewritten"
     index.put({**live, "kind": "Deployment"})
-    applies = len([r for r in list(kmock) if r.method == "PATCH" and "apply-patch" in r.headers.get("Content-Type", "")])
+    def applies() -> int:
+        return len([r for r in list(kmock) if r.method == "PATCH" and "apply-patch" in r.headers.get("Content-Type", "")])
+
+    before = applies()
     await backend.apply(desired, model)
-    assert len([r for r in list(kmock) if r.method == "PATCH" and "apply-patch" in r.headers.get("Content-Type", "")]) == applies
+    assert applies() == before
+    # Only that label is left alone: an edit of another one of the operator's is still applied over.
+    edited = await kube.amerge_patch(ObjectRef("Deployment", "m-r1-decode", "ns"), {"metadata": {"labels": {"kvguard.io/revision": "bogus"}}})
+    index.put({**edited, "kind": "Deployment"})
+    await backend.apply(desired, model)
+    assert applies() == before + 1

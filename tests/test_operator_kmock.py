@@ -305,6 +305,32 @@ async def test_S3_an_edit_of_the_transfer_secret_annotation_moves_no_pod_and_mak
     assert list(objects_of(cluster, SECRETS)) == [secret]
 
 
+async def test_a_retired_revisions_deployment_without_the_operators_labels_is_still_scaled_to_zero(cluster: Any) -> None:
+    """Audit: a child that loses the label the watches select by leaves the watch cache, not the
+    cluster. The serving revision is applied again, but an old one is only scaled down (and later
+    deleted), which looked only in the cache: its decode kept running, unseen, for good. Children
+    the cache lacks are read by name; this one is scaled to zero with its labels put back."""
+    body = tiny_model()
+    body["spec"]["rollout"] = {"scaleDownDelaySeconds": 3}
+    await apply_model(body)
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await promoted(cluster, rev1)
+    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions")
+    await mark_ready(cluster, rev2)
+    await promoted(cluster, rev2)
+    name = f"tiny-{rev1}-decode"
+    assert objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 1  # still within its scale-down delay
+    unlabelled = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}
+    await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", unlabelled, "application/merge-patch+json")
+    scaled = await until(lambda: (d := objects_of(cluster, DEPLOYMENTS)[name])["spec"]["replicas"] == 0 and d, "the old decode at zero",
+                         CANARY_WAIT)  # fmt: skip
+    assert scaled["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvguard-operator"
+
+
 async def test_an_owned_child_without_the_operators_labels_is_still_its_own_after_a_restart(operator: Operator) -> None:
     """Outside probe: ownership was the labels and the controller owner reference together, so a
     restarted operator called its own Deployment, labels removed, a ForeignObject and halted the

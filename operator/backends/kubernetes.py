@@ -53,7 +53,9 @@ from kvguard.operator.render import (
     LABEL_ROLE,
     ROLES,
     Owner,
+    Role,
     is_transfer_secret_name,
+    labels,
     network_policy_name,
     object_name,
     render_model_service,
@@ -88,6 +90,8 @@ read again whenever they are applied, since no watch says one was deleted or edi
 Resolver = Callable[[ModelRef, str], Awaitable[RevisionEndpoints]]
 ObjectKey = tuple[str, str, str]
 """(kind, namespace, name)."""
+REVISION_CHILD_KINDS = ("Deployment", "Service", "NetworkPolicy")
+"""The kinds of a revision's children that the operator watches (by its labels)."""
 SECRET_RECHECK_SECONDS = 300.0
 """How often, on a pass that applies a revision, the operator checks that the revision's transfer
 Secret is still there: a dry-run create under its recorded name (409: it is). The operator may not
@@ -106,6 +110,8 @@ class KnownSecret(NamedTuple):
     Deployments that name one is behind this replica's own apply, not newer than it."""
 
 
+MetadataKey = tuple[str, str]
+"""("labels" or "annotations", key)."""
 RevisionKey = tuple[str, str, str, str]
 """(namespace, model, model uid, revision): a model deleted and created again under its name (a new
 uid) has new children, so nothing of the old one's may be taken for them."""
@@ -142,9 +148,9 @@ class Applied:
     owner_uid: str | None
     resource_version: str | None = None
     """The object's after this write: a watch-cache view older than it lags behind the write."""
-    metadata_held: bool = True
-    """Whether the object as written kept every label and annotation the operator set. If it did
-    not (an admission webhook rewrites one), a later mismatch is no edit, and is not fought."""
+    unheld: frozenset[MetadataKey] = frozenset()
+    """The labels and annotations of the operator's that the object as written came back without
+    (an admission webhook rewrites them): a later mismatch of those is no edit, and is not fought."""
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
@@ -229,26 +235,23 @@ class KubernetesBackend:
             raise next((e for e in errors if isinstance(e, ForeignObjectError)), errors[0])
 
     async def scale_revision(self, model: ModelRef, revision: str, replicas: int | None) -> None:
-        live_by_name = {o["metadata"]["name"]: o for o in self._owned(model) if o.get("kind") == "Deployment"}
-        for role in ROLES:
-            live = live_by_name.get(object_name(model.name, revision, role))
-            if live is None:
-                continue
+        children = await self._revision_children(model, revision, kinds=("Deployment",))
+        for key, (live, hidden) in children.items():
+            role = next(r for r in ROLES if key[2] == object_name(model.name, revision, r))
             patch = _scale_patch(live, replicas)
+            if hidden:  # its labels back, so that the watch (and the next decision) sees it again
+                patch = {**(patch or {}), "metadata": {**(patch or {}).get("metadata", {}), "labels": labels(model.name, revision, role)}}
             if patch is None:
                 continue
             result = await self.kube.amerge_patch(ref_of(live), patch, field_manager=SCALE_FIELD_MANAGER)
-            key = _key(live)
             previous = self._known(key, model)
             digest = previous.digest if previous else ""  # not applied by this process: the next apply writes it
-            held = previous.metadata_held if previous else True
-            self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result), held)
+            unheld = previous.unheld if previous else frozenset()
+            self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result), unheld)
             log.info("scaled %s to %s", ref_of(live), patch["spec"]["replicas"])
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
-        names = {object_name(model.name, revision, role) for role in ROLES}
-        names |= {network_policy_name(model.name, revision, role) for role in ROLES}
-        doomed = [o for o in self._owned(model) if o["metadata"]["name"] in names]
+        doomed = [live for live, _ in (await self._revision_children(model, revision)).values()]
         # Named by the Deployments, so looked up before they go. One nobody recorded (the operator
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
@@ -260,6 +263,21 @@ class KubernetesBackend:
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
             self.forget((ref.kind, ref.namespace or "", ref.name))
+
+    async def _revision_children(
+        self, model: ModelRef, revision: str, kinds: Sequence[str] = REVISION_CHILD_KINDS
+    ) -> dict[ObjectKey, tuple[Mapping[str, Any], bool]]:
+        """The revision's children of `kinds` that exist, each with whether the watch cache lacks
+        it: one whose labels someone took off leaves the cache, not the cluster, and must still be
+        scaled down and deleted with its revision. Those the cache does not show are read by name
+        (none, normally) and kept only if the model controls them."""
+        expected = [key for role in ROLES for key in _child_keys(model, revision, role) if key[0] in kinds]
+        cached = {_key(o): o for o in self._owned(model) if _key(o) in expected}
+        missing = [key for key in expected if key not in cached]
+        fetched = await asyncio.gather(*(self.kube.aget(ObjectRef(key[0], key[2], key[1])) for key in missing))
+        found = {key: (obj, False) for key, obj in cached.items()}
+        found.update({key: (obj, True) for key, obj in zip(missing, fetched, strict=True) if obj is not None and self._is_ours(obj, model)})
+        return found
 
     async def observe(self, model: ModelRef) -> Observation:
         owned = self._owned(model)
@@ -349,7 +367,7 @@ class KubernetesBackend:
             await self._refuse_foreign([manifest], model)
         result = await self.kube.aapply(desired)
         self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result),
-                                     _metadata_holds(result, desired))  # fmt: skip
+                                     _metadata_mismatches(result, desired))  # fmt: skip
         log.info("applied %s", ref)
 
     async def _refuse_foreign(self, manifests: Sequence[Mapping[str, Any]], model: ModelRef) -> None:
@@ -535,14 +553,22 @@ def _edited_since(live: Mapping[str, Any] | None, known: Applied, desired: Mappi
         return False
     generation = _generation(live)
     newer = generation is not None and known.generation is not None and generation > known.generation
-    return newer or (known.metadata_held and not _metadata_holds(live, desired))
+    return newer or bool(_metadata_mismatches(live, desired) - known.unheld)
 
 
-def _metadata_holds(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    """Every label and annotation the operator sets (the digest among them) has its value on the
-    live object (others' additions are theirs to keep)."""
+def _metadata_mismatches(live: Mapping[str, Any], desired: Mapping[str, Any]) -> frozenset[MetadataKey]:
+    """The labels and annotations the operator sets (the digest among them) that do not have its
+    value on the live object (others' additions are theirs to keep)."""
     have, want = live.get("metadata") or {}, desired["metadata"]
-    return all(all((have.get(field) or {}).get(k) == v for k, v in (want.get(field) or {}).items()) for field in ("labels", "annotations"))
+    return frozenset((field, k) for field in ("labels", "annotations") for k, v in (want.get(field) or {}).items()
+                     if (have.get(field) or {}).get(k) != v)  # fmt: skip
+
+
+def _child_keys(model: ModelRef, revision: str, role: Role) -> list[ObjectKey]:
+    """The watched children a revision has for a role (the Service is named as its Deployment)."""
+    name = object_name(model.name, revision, role)
+    return [("Deployment", model.namespace, name), ("Service", model.namespace, name),
+            ("NetworkPolicy", model.namespace, network_policy_name(model.name, revision, role))]  # fmt: skip
 
 
 def _revision_key(owner: Owner, revision: str) -> RevisionKey:
