@@ -13,7 +13,11 @@ emulator takes them and measures:
 - API requests per model per minute once idle: every request the emulator receives in a window
   of --idle seconds that starts once the operator has been quiet for --settle seconds (the models
   still wait for their Deployments, the most expensive kind of rest: requeues with backoff);
-- the operator's resident memory (RSS and peak) at the end.
+- the operator's resident memory (RSS and peak) at the end;
+- what a restart costs: the operator is stopped and a new process started over the settled models;
+  the requests it makes (Lease renewals aside) until it is quiet again. A new process applies each
+  child once before it trusts it (a no-op on an unchanged object): an edit made while no operator
+  led is undone.
 
 Goals (issue 12): 500 models with a status in <= 120 s, <= 1 request/model/min idle, RSS <= 300 MB.
 The ratio lines compare each figure with its goal and the large run with the baseline run (time
@@ -62,6 +66,8 @@ class Figures:
     rss_mb: float
     peak_rss_mb: float
     requests_to_status: int
+    restart_requests: int
+    restart_seconds: float
 
 
 def model_body(index: int) -> dict[str, Any]:
@@ -156,6 +162,7 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
         log = open(log_dir / f"operator-{models}.log", "w")  # noqa: SIM115 - closed below
         operator = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "operator"], env=env, cwd=log_dir,
                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        restart_requests, restart_seconds = 0, 0.0
         try:
             await until(lambda: any("watch" in str(r.url) and "inferencemodels" in str(r.url) for r in list(emulator)), 60, "the operator's watch")
             async with aiohttp.ClientSession() as session:
@@ -175,12 +182,15 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
             idle_requests, elapsed = emulator.requests_total - before, time.monotonic() - began
             idle_by = collections.Counter(emulator.requests_by) - idle_by
             rss, peak = rss_mb(operator.pid)
+            await stop(operator)
+            before, began = model_traffic(emulator), time.monotonic()
+            operator = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "operator"], env=env, cwd=log_dir,
+                                        stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            await until(lambda: model_traffic(emulator) > before, timeout, "the restarted operator's first request")
+            await quiet(emulator, settle, timeout)
+            restart_requests, restart_seconds = model_traffic(emulator) - before, time.monotonic() - began - settle
         finally:
-            operator.send_signal(signal.SIGTERM)
-            try:  # off the loop: the emulator on it must answer the operator's last calls (its Lease)
-                await asyncio.to_thread(operator.wait, 30)
-            except subprocess.TimeoutExpired:
-                operator.kill()
+            await stop(operator)
             log.close()
     print(f"  {models} models, requests until every status, by (verb, resource): "
           + ", ".join(f"{m} {r}: {n}" for (m, r), n in sorted(breakdown.items(), key=lambda kv: -kv[1])[:12]), flush=True)  # fmt: skip
@@ -188,8 +198,19 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
           f"API requests {passes[2] * 1000:.0f} ms each (the operator's client)", flush=True)  # fmt: skip
     print(f"  CPU until every status: operator {operator_cpu:.1f} s, emulator (+ this bench) {emulator_cpu:.1f} s", flush=True)
     print("  idle window: " + (", ".join(f"{m} {r}: {n}" for (m, r), n in idle_by.most_common(8)) or "no request"), flush=True)
+    print(f"  restart: {restart_requests} requests ({restart_requests / models:.1f} per model) in {restart_seconds:.1f} s", flush=True)
     return Figures(models, round(seconds, 1), round(idle_requests / models / (elapsed / 60), 4), idle_requests,
-                   round(elapsed, 1), round(rss, 1), round(peak, 1), to_status)  # fmt: skip
+                   round(elapsed, 1), round(rss, 1), round(peak, 1), to_status, restart_requests, round(restart_seconds, 1))  # fmt: skip
+
+
+async def stop(operator: subprocess.Popen[bytes]) -> None:
+    if operator.poll() is not None:
+        return
+    operator.send_signal(signal.SIGTERM)
+    try:  # off the loop: the emulator on it must answer the operator's last calls (its Lease)
+        await asyncio.to_thread(operator.wait, 30)
+    except subprocess.TimeoutExpired:
+        operator.kill()
 
 
 def report(base: Figures, big: Figures) -> dict[str, Any]:
@@ -200,6 +221,7 @@ def report(base: Figures, big: Figures) -> dict[str, Any]:
         "rss_vs_goal": round(big.rss_mb / GOALS["rss_mb"], 3),
         "time_per_model_vs_baseline": round(per_model, 3),
         "requests_to_status_per_model_vs_baseline": round((big.requests_to_status / big.models) / (base.requests_to_status / base.models), 3),
+        "restart_requests_per_model_vs_baseline": round((big.restart_requests / big.models) / max(base.restart_requests / base.models, 1e-9), 3),
     }
     return {"baseline": asdict(base), "run": asdict(big), "goals": GOALS, "ratios": ratios}
 
