@@ -492,3 +492,27 @@ async def test_a_label_an_admission_webhook_rewrites_on_every_write_is_not_fough
     index.put({**edited, "kind": "Deployment"})
     await backend.apply(desired, model)
     assert applies() == before + 1
+
+
+async def test_a_revisions_deployment_the_watch_cache_lacks_is_found_by_name_scaled_and_relabelled(kube: Kube, kmock: Any) -> None:
+    """A Deployment whose labels someone took off leaves the watch cache, not the cluster: scaling
+    its revision reads it by name and puts its labels back, even when its replicas are already
+    right (a failed canary at zero), and deleting the revision deletes it."""
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+
+    model = ModelRef("ns", "m", "u")
+    backend = KubernetesBackend(kube, DictChildIndex())  # an empty cache: it shows none of them
+    hidden = owned_deployment("m-r1-decode", None)
+    hidden["spec"]["replicas"] = 0
+    del hidden["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+    await kube.acreate(hidden)
+    foreign = owned_deployment("m-r1-prefill", None)
+    foreign["metadata"]["ownerReferences"] = []  # not the model's: never touched
+    await kube.acreate(foreign)
+    await backend.scale_revision(model, "r1", 0)
+    relabelled = await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}
+    assert relabelled["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvguard-operator" and relabelled["spec"]["replicas"] == 0
+    await backend.delete_revision(model, "r1")
+    assert await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) is None
+    assert await kube.aget(ObjectRef("Deployment", "m-r1-prefill", "ns")) is not None

@@ -248,7 +248,7 @@ class KubernetesBackend:
             digest = previous.digest if previous else ""  # not applied by this process: the next apply writes it
             unheld = previous.unheld if previous else frozenset()
             self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result), unheld)
-            log.info("scaled %s to %s", ref_of(live), patch["spec"]["replicas"])
+            log.info("scaled %s to %s%s", ref_of(live), _replicas(result), " (its labels put back)" if hidden else "")
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
         doomed = [live for live, _ in (await self._revision_children(model, revision)).values()]
