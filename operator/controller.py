@@ -229,10 +229,9 @@ class Controller:
         self.enqueue(key)
 
     def child_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        if event_type == "DELETED":
-            self.backend.forget((str(body.get("kind")), meta.get("namespace") or "", meta.get("name") or ""))
         owner = owner_key(body)
+        if event_type == "DELETED":
+            self.backend.child_left(body, model_known=owner in self.models)
         if owner is not None:
             self.enqueue(owner)
 

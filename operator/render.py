@@ -158,6 +158,10 @@ def labels(model: str, revision: str | None = None, role: Role | None = None) ->
     return result
 
 
+OPERATOR_LABEL_KEYS = frozenset(labels("model", "revision", "prefill"))
+"""Every label key the operator puts on a child (what it puts back on one someone took them off)."""
+
+
 def selector(model: str, revision: str, role: Role) -> dict[str, str]:
     return {LABEL_MODEL: model, LABEL_REVISION: revision, LABEL_ROLE: role}
 

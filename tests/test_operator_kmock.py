@@ -331,6 +331,54 @@ async def test_a_retired_revisions_deployment_without_the_operators_labels_is_st
     assert scaled["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvguard-operator"
 
 
+async def two_revisions(cluster: Any, scale_down_delay: int, history: int = 2) -> tuple[str, str]:
+    body = tiny_model()
+    body["spec"]["rollout"] = {"scaleDownDelaySeconds": scale_down_delay}
+    body["spec"]["revisionHistoryLimit"] = history
+    await apply_model(body)
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await promoted(cluster, rev1)
+    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions")
+    await mark_ready(cluster, rev2)
+    await promoted(cluster, rev2)
+    return str(rev1), str(rev2)
+
+
+UNLABELLED = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}
+API_PATHS = {DEPLOYMENTS: "/apis/apps/v1", SERVICES: "/api/v1", NETPOLS: "/apis/networking.k8s.io/v1"}
+
+
+async def test_a_kept_revisions_deployment_that_loses_its_labels_gets_them_back_and_stays_at_zero(cluster: Any) -> None:
+    """Audit: a child that leaves the watch (its labels taken off) was found again only when its
+    revision was applied, scaled or deleted. A kept revision parked at zero is none of those: its
+    decode stayed unlabelled, and scaled up by hand it stayed up. The watch's DELETED makes the
+    model's next pass look for it by name and put the labels back, whatever the revision's state."""
+    rev1, _ = await two_revisions(cluster, scale_down_delay=0)
+    name = f"tiny-{rev1}-decode"
+    await until(lambda: objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 0, "the kept revision at zero")
+    await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", UNLABELLED, "application/merge-patch+json")
+    await until(lambda: objects_of(cluster, DEPLOYMENTS)[name]["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "kvguard-operator",
+                "its labels back")  # fmt: skip
+    await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", {"spec": {"replicas": 2}}, "application/merge-patch+json")
+    await until(lambda: objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 0, "scaled back to zero")
+
+
+async def test_a_previous_revision_whose_children_all_lose_their_labels_is_still_deleted(cluster: Any) -> None:
+    """Audit: with every child of the previous stable revision unlabelled during its scale-down
+    delay, nothing of it was left in the watch cache, so it was neither scaled down nor deleted
+    (revisionHistoryLimit 0): it ran at full replicas for good."""
+    rev1, _ = await two_revisions(cluster, scale_down_delay=3, history=0)
+    for kind in (DEPLOYMENTS, SERVICES, NETPOLS):
+        for name in [n for n in objects_of(cluster, kind) if f"-{rev1}-" in n]:
+            await http("PATCH", f"{API_PATHS[kind]}/namespaces/{NS}/{kind.plural}/{name}", UNLABELLED, "application/merge-patch+json")
+    await until(lambda: not [n for kind in (DEPLOYMENTS, SERVICES, NETPOLS) for n in objects_of(cluster, kind) if f"-{rev1}-" in n],
+                "the previous revision deleted", CANARY_WAIT)  # fmt: skip
+
+
 async def test_an_owned_child_without_the_operators_labels_is_still_its_own_after_a_restart(operator: Operator) -> None:
     """Outside probe: ownership was the labels and the controller owner reference together, so a
     restarted operator called its own Deployment, labels removed, a ForeignObject and halted the

@@ -43,7 +43,7 @@ from kvguard.operator.backends.base import (
     RevisionRequest,
     WorkerEndpoint,
 )
-from kvguard.operator.kube import SCALE_FIELD_MANAGER, Kube, KubeError, ObjectRef, ref_of
+from kvguard.operator.kube import FIELD_MANAGER, SCALE_FIELD_MANAGER, Kube, KubeError, ObjectRef, ref_of
 from kvguard.operator.render import (
     ENGINE_CONTAINER,
     HTTP_PORT,
@@ -51,6 +51,7 @@ from kvguard.operator.render import (
     LABEL_MODEL,
     LABEL_REVISION,
     LABEL_ROLE,
+    OPERATOR_LABEL_KEYS,
     ROLES,
     Owner,
     Role,
@@ -217,6 +218,11 @@ class KubernetesBackend:
         self._transfer_secrets: dict[RevisionKey, KnownSecret] = {}  # the Secret each revision's pods read
         self._traffic: dict[tuple[str, str], set[ObjectKey]] = {}  # per model: the traffic objects applied
         self._traffic_swept: set[tuple[str, str]] = set()  # models whose earlier HTTPRoute and pools were looked for
+        self._left: dict[tuple[str, str], dict[ObjectKey, dict[str, str]]] = {}
+        """Per model: children the watch reported gone that this process did not delete, with the
+        operator's labels they had (a child whose labels were taken off leaves the watch, not the
+        cluster: looked for on the model's next pass, `_relabel_left`)."""
+        self._deleting: set[ObjectKey] = set()  # deleted by this process: their DELETED events are expected
 
     # --- the Backend interface ------------------------------------------------------------------
     async def ensure_revision(self, request: RevisionRequest, scale: Scale = "full") -> None:
@@ -260,9 +266,11 @@ class KubernetesBackend:
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
         refs = [ref_of(o) for o in doomed] + [pool] + [ObjectRef("Secret", name, model.namespace) for name in named]
         for ref in refs:
+            key = (ref.kind, ref.namespace or "", ref.name)
             if await self.kube.adelete(ref):
                 log.info("deleted %s of revision %s", ref, revision)
-            self.forget((ref.kind, ref.namespace or "", ref.name))
+                self._deleting.add(key)
+            self.forget(key)
 
     async def _revision_children(
         self, model: ModelRef, revision: str, kinds: Sequence[str] = REVISION_CHILD_KINDS
@@ -280,6 +288,7 @@ class KubernetesBackend:
         return found
 
     async def observe(self, model: ModelRef) -> Observation:
+        await self._relabel_left(model)
         owned = self._owned(model)
         deployments = [deployment_state(o) for o in owned if o.get("kind") == "Deployment"]
         present = sorted(_revisions(owned))
@@ -426,10 +435,42 @@ class KubernetesBackend:
             self._traffic_swept.discard(key)
         for gone in [k for k in self._transfer_secrets if k[:2] in ((model[0], model[1]), (model[0] or "default", model[1]))]:
             del self._transfer_secrets[gone]
+        self._left.pop(model, None)
 
     def forget(self, key: ObjectKey) -> None:
         """A child was deleted (its watch said so): apply it again when it is wanted."""
         self._applied.pop(key, None)
+
+    def child_left(self, child: Mapping[str, Any], model_known: bool) -> None:
+        """The watch reports a child gone: deleted, or its labels (the watch's selector) taken off.
+        It is applied again when its revision is; unless this process deleted it, the model's
+        next pass also looks whether it is still there without its labels, whatever its revision's
+        state (an old revision parked at zero, the stable one after a rollback), so that the watch,
+        and every decision after, sees it again. `model_known`: the owner is a live model (one
+        being deleted takes its children with it)."""
+        meta = child.get("metadata") or {}
+        key: ObjectKey = (str(child.get("kind")), meta.get("namespace") or "", meta.get("name") or "")
+        self.forget(key)
+        owner = owner_key(child)
+        if key in self._deleting or owner is None or not model_known:
+            self._deleting.discard(key)
+            return
+        had = {k: v for k, v in (meta.get("labels") or {}).items() if k in OPERATOR_LABEL_KEYS}
+        if had.get(LABEL_MODEL) == owner[1]:  # the previous state (a real watch sends it): the operator's labels
+            self._left.setdefault(owner, {})[key] = had
+
+    async def _relabel_left(self, model: ModelRef) -> None:
+        """Children of the model that left the watch but not the cluster get the operator's labels
+        back (a merge patch; read by name first: most that leave were deleted)."""
+        left = self._left.pop(model.key, {})
+        refs = [ObjectRef(key[0], key[2], key[1]) for key in left]
+        found = await asyncio.gather(*(self.kube.aget_metadata(ref) for ref in refs))
+        for ref, had, meta in zip(refs, left.values(), found, strict=True):
+            have = (meta or {}).get("metadata", {}).get("labels") or {}
+            if meta is None or not self._is_ours(meta, model) or all(have.get(k) == v for k, v in had.items()):
+                continue
+            await self.kube.amerge_patch(ref, {"metadata": {"labels": had}}, field_manager=FIELD_MANAGER)
+            log.info("put the operator's labels back on %s", ref)
 
     # --- the transfer Secret (S3) ----------------------------------------------------------------
     async def ensure_transfer_secret(self, owner: Owner, revision: str) -> str:
@@ -536,6 +577,8 @@ class KubernetesBackend:
         self._transfer_secrets.clear()
         self._traffic.clear()
         self._traffic_swept.clear()
+        self._left.clear()
+        self._deleting.clear()
 
     # --- reads from the index -------------------------------------------------------------------
     def _owned(self, model: ModelRef) -> list[Mapping[str, Any]]:
