@@ -193,6 +193,7 @@ class Controller:
 
     async def _started_leading(self) -> None:
         metrics.LEADER.set(1)
+        self.backend.forget_everything()  # what this replica knew before (if it led before) may be stale
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
         self._tasks.append(loop.create_task(self._resync(), name="kvguard resync"))
@@ -230,8 +231,8 @@ class Controller:
 
     def child_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         owner = owner_key(body)
-        if event_type == "DELETED":
-            self.backend.child_left(body, model_known=owner in self.models)
+        if event_type == "DELETED":  # a standby keeps nothing for later: it starts over when it leads
+            self.backend.child_left(body, model_known=self.leading and owner in self.models)
         if owner is not None:
             self.enqueue(owner)
 

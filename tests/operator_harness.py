@@ -272,3 +272,32 @@ def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
 
 async def never_finishes(url: str, *args: Any, **kwargs: Any) -> Any:
     await asyncio.Event().wait()  # a canary still running when the operator dies
+
+
+async def stable_revision(cluster: Any) -> str:
+    """The tiny model applied, its revision made ready by hand (no kubelet here), promoted."""
+    await apply_model(tiny_model())
+    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev)
+    await until(lambda: status_of(cluster).get("revision") == rev and status_of(cluster).get("phase") == "Ready", "stable", CANARY_WAIT)
+    await promoted(cluster, rev)
+    return str(rev)
+
+
+async def two_revisions(cluster: Any, scale_down_delay: int, history: int = 2) -> tuple[str, str]:
+    """A first revision promoted, then a second one (spec.model.source.revision r2) promoted over it."""
+    body = tiny_model()
+    body["spec"]["rollout"] = {"scaleDownDelaySeconds": scale_down_delay}
+    body["spec"]["revisionHistoryLimit"] = history
+    await apply_model(body)
+    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
+    await mark_ready(cluster, rev1)
+    await promoted(cluster, rev1)
+    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
+    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions")
+    await mark_ready(cluster, rev2)
+    await promoted(cluster, rev2)
+    return str(rev1), str(rev2)

@@ -46,6 +46,7 @@ from operator_harness import (
     status_of,
     stays,
     tiny_model,
+    two_revisions,
     until,
 )
 
@@ -374,3 +375,30 @@ async def test_S3_a_model_deleted_and_created_again_with_the_same_spec_gets_a_ne
     assert used not in first
     secret = await until(lambda: objects_of(cluster, SECRETS).get(used), "the new model's own Secret")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny-2"
+
+
+async def test_deletions_leave_nothing_behind_in_the_leader_or_a_standby_and_cost_no_reads_at_a_hand_over(operator: Operator) -> None:
+    """Audit: a standby recorded, for a later look by name, every child the leader deleted (it had
+    deleted none itself), and read them all (404s) when it took over; the leader kept the keys of
+    its own deletions whose watch event came before the DELETE's answer, and of its Secrets (no
+    watch event ever comes for them). A standby records nothing, and the leader marks a deletion
+    before sending it, for watched children only."""
+    cluster = operator.kmock
+    b = Operator(cluster)
+    await b.start()
+    try:
+        await until(lambda: operator.controller.leading and not b.controller.leading, "A leading, B standing by")
+        rev1, _ = await two_revisions(cluster, scale_down_delay=0, history=0)
+        await until(lambda: not [n for n in objects_of(cluster, DEPLOYMENTS) if f"-{rev1}-" in n], "rev1 deleted", CANARY_WAIT)
+        await until(lambda: not operator.controller.backend._deleting, "the leader's own deletions all seen")
+        assert not b.controller.backend._left and not operator.controller.backend._left
+        seen = len(list(cluster))
+        lease_path = "/apis/coordination.k8s.io/v1/namespaces/kvguard-system/leases/kvguard-operator"
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        await http("PATCH", lease_path, {"spec": {"holderIdentity": b.controller.settings.identity, "renewTime": stamp}},
+                   "application/merge-patch+json")  # fmt: skip
+        await until(lambda: b.controller.leading and b.controller.passes > 0, "B leads and passes")
+        await until(lambda: b.controller.queue.pending == 0, "B's first passes done")
+        assert not [r for r in list(cluster)[seen:] if r.method == "GET" and f"-{rev1}-" in str(r.url)]
+    finally:
+        await b.stop()

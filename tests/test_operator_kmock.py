@@ -42,9 +42,11 @@ from operator_harness import (
     objects_of,
     patch_model,
     promoted,
+    stable_revision,
     status_of,
     stays,
     tiny_model,
+    two_revisions,
     until,
 )
 
@@ -252,16 +254,6 @@ async def test_children_are_owned_for_garbage_collection(cluster: Any) -> None:
     logging.getLogger(__name__).info("kmock has no garbage collector; owner references above are what a cluster's GC uses")
 
 
-async def stable_revision(cluster: Any) -> str:
-    await apply_model(tiny_model())
-    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev)
-    await until(lambda: status_of(cluster).get("revision") == rev, "stable", CANARY_WAIT)
-    await promoted(cluster, rev)
-    return str(rev)
-
-
 def metadata_of(obj: Any) -> tuple[dict[str, str], dict[str, str]]:
     meta = obj["metadata"]
     return dict(meta.get("labels") or {}), dict(meta.get("annotations") or {})
@@ -329,23 +321,6 @@ async def test_a_retired_revisions_deployment_without_the_operators_labels_is_st
     scaled = await until(lambda: (d := objects_of(cluster, DEPLOYMENTS)[name])["spec"]["replicas"] == 0 and d, "the old decode at zero",
                          CANARY_WAIT)  # fmt: skip
     assert scaled["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvguard-operator"
-
-
-async def two_revisions(cluster: Any, scale_down_delay: int, history: int = 2) -> tuple[str, str]:
-    body = tiny_model()
-    body["spec"]["rollout"] = {"scaleDownDelaySeconds": scale_down_delay}
-    body["spec"]["revisionHistoryLimit"] = history
-    await apply_model(body)
-    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev1)
-    await promoted(cluster, rev1)
-    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
-    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions")
-    await mark_ready(cluster, rev2)
-    await promoted(cluster, rev2)
-    return str(rev1), str(rev2)
 
 
 UNLABELLED = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}

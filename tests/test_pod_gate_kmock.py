@@ -23,20 +23,16 @@ import kmock as km
 import pytest
 from kmock_api import ApiServer
 from operator_harness import (
-    CANARY_WAIT,
     DEPLOYMENTS,
     EXAMPLES,
     NS,
     SECRETS,
-    apply_model,
     condition,
     events_of,
     http,
-    mark_ready,
     objects_of,
-    promoted,
+    stable_revision,
     status_of,
-    tiny_model,
     until,
 )
 
@@ -81,16 +77,6 @@ async def kubelet_starts(name: str, restarts: int = 0) -> None:
 def gate_of(k8s: Any, name: str) -> dict[str, Any] | None:
     pod = objects_of(k8s, POD_RESOURCE).get(name)
     return next((c for c in (pod or {}).get("status", {}).get("conditions", []) if c["type"] == GATE_CONDITION), None)
-
-
-async def stable_revision(cluster: Any) -> str:
-    await apply_model(tiny_model())
-    rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev)
-    await until(lambda: status_of(cluster).get("phase") == "Ready", "Ready", CANARY_WAIT)
-    await promoted(cluster, rev)
-    return str(rev)
 
 
 async def test_S7_gate_admits_a_pod_whose_pool_meets_the_ratio_and_keeps_a_smaller_stable_pod_out(

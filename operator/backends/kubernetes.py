@@ -257,7 +257,9 @@ class KubernetesBackend:
             log.info("scaled %s to %s%s", ref_of(live), _replicas(result), " (its labels put back)" if hidden else "")
 
     async def delete_revision(self, model: ModelRef, revision: str) -> None:
-        doomed = [live for live, _ in (await self._revision_children(model, revision)).values()]
+        children = await self._revision_children(model, revision)
+        doomed = [live for live, _ in children.values()]
+        in_watch = {key for key, (_, hidden) in children.items() if not hidden}  # their deletion comes back as an event
         # Named by the Deployments, so looked up before they go. One nobody recorded (the operator
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
@@ -267,9 +269,16 @@ class KubernetesBackend:
         refs = [ref_of(o) for o in doomed] + [pool] + [ObjectRef("Secret", name, model.namespace) for name in named]
         for ref in refs:
             key = (ref.kind, ref.namespace or "", ref.name)
-            if await self.kube.adelete(ref):
+            if key in in_watch:
+                self._deleting.add(key)  # before the DELETE: its watch event may come before the answer
+            deleted = False
+            try:
+                deleted = await self.kube.adelete(ref)
+            finally:
+                if not deleted:
+                    self._deleting.discard(key)  # no event will come for it
+            if deleted:
                 log.info("deleted %s of revision %s", ref, revision)
-                self._deleting.add(key)
             self.forget(key)
 
     async def _revision_children(
