@@ -285,11 +285,9 @@ async def stable_revision(cluster: Any) -> str:
     return str(rev)
 
 
-async def two_revisions(cluster: Any, scale_down_delay: int, history: int = 2) -> tuple[str, str]:
-    """A first revision promoted, then a second one (spec.model.source.revision r2) promoted over it."""
-    body = tiny_model()
-    body["spec"]["rollout"] = {"scaleDownDelaySeconds": scale_down_delay}
-    body["spec"]["revisionHistoryLimit"] = history
+async def second_revision_ready(cluster: Any, body: dict[str, Any]) -> tuple[str, str]:
+    """`body` rolled out and serving (rev1), then a new revision (spec.model.source.revision r2, rev2)
+    at full scale and ready: its canary, or its traffic steps, start."""
     await apply_model(body)
     rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
@@ -297,7 +295,16 @@ async def two_revisions(cluster: Any, scale_down_delay: int, history: int = 2) -
     await promoted(cluster, rev1)
     await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
     rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions")
+    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
     await mark_ready(cluster, rev2)
-    await promoted(cluster, rev2)
     return str(rev1), str(rev2)
+
+
+async def two_revisions(cluster: Any, scale_down_delay: int, history: int = 2) -> tuple[str, str]:
+    """A first revision promoted, then a second one promoted over it."""
+    body = tiny_model()
+    body["spec"]["rollout"] = {"scaleDownDelaySeconds": scale_down_delay}
+    body["spec"]["revisionHistoryLimit"] = history
+    rev1, rev2 = await second_revision_ready(cluster, body)
+    await promoted(cluster, rev2)
+    return rev1, rev2

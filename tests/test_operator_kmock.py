@@ -302,18 +302,7 @@ async def test_a_retired_revisions_deployment_without_the_operators_labels_is_st
     cluster. The serving revision is applied again, but an old one is only scaled down (and later
     deleted), which looked only in the cache: its decode kept running, unseen, for good. Children
     the cache lacks are read by name; this one is scaled to zero with its labels put back."""
-    body = tiny_model()
-    body["spec"]["rollout"] = {"scaleDownDelaySeconds": 3}
-    await apply_model(body)
-    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev1)
-    await promoted(cluster, rev1)
-    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
-    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions")
-    await mark_ready(cluster, rev2)
-    await promoted(cluster, rev2)
+    rev1, _ = await two_revisions(cluster, scale_down_delay=3)
     name = f"tiny-{rev1}-decode"
     assert objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 1  # still within its scale-down delay
     unlabelled = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}

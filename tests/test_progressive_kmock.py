@@ -29,6 +29,7 @@ from operator_harness import (
     objects_of,
     patch_model,
     promoted,
+    second_revision_ready,
     status_of,
     tiny_model,
     until,
@@ -126,21 +127,6 @@ async def test_http_route_weights_follow_the_steps_then_the_old_revision_scales_
     assert "scaleDownRevision" not in status_of(cluster)["rollout"]
 
 
-async def second_revision_shifting(cluster: Any, body: dict[str, Any]) -> tuple[str, str]:
-    """`body` rolled out and serving (rev1), then a new revision (rev2) at full scale and ready:
-    its traffic steps start."""
-    await apply_model(body)
-    rev1 = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
-    await mark_ready(cluster, rev1)
-    await promoted(cluster, rev1)
-    await patch_model("tiny", {"spec": {"model": {"source": {"revision": "r2"}}}})
-    rev2 = await until(lambda: (r := status_of(cluster).get("targetRevision")) != rev1 and r, "a new revision")
-    await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 6, "both revisions running")
-    await mark_ready(cluster, rev2)
-    return rev1, rev2
-
-
 ROUTE_PATH = "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes/tiny"
 
 
@@ -153,7 +139,7 @@ async def test_an_http_route_deleted_or_edited_by_hand_is_applied_again_and_one_
     service left the route sending 50% to the old revision after it was scaled to zero."""
     body = progressive_model()
     body["spec"]["rollout"]["steps"] = [{"weight": 50, "pause": "1h"}, {"weight": 100}]  # holds step 1
-    rev1, rev2 = await second_revision_shifting(cluster, body)
+    rev1, rev2 = await second_revision_ready(cluster, body)
     half = {f"tiny-{rev1}-router": 50, f"tiny-{rev2}-router": 50}
     await until(lambda: (r := route(cluster)) and route_weights(r) == half, "the HTTPRoute at step 1 (50%)", CANARY_WAIT)
     path = ROUTE_PATH.format(ns=route(cluster)["metadata"]["namespace"])  # type: ignore[index]
@@ -185,7 +171,7 @@ async def test_inference_pools_an_earlier_operator_made_are_deleted_when_the_rou
     revisions' InferencePools behind. The first sweep of a process looks for every revision's."""
     body = progressive_model()
     body["spec"]["rollout"].update(trafficRouter="inferencePool", steps=[{"weight": 10, "pause": "1h"}, {"weight": 100}])
-    rev1, rev2 = await second_revision_shifting(cluster, body)
+    rev1, rev2 = await second_revision_ready(cluster, body)
     await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}") == 10, "the route at 10% on pools", CANARY_WAIT)
     assert sorted(objects_of(cluster, POOLS)) == sorted([f"tiny-{rev1}", f"tiny-{rev2}"])
 
@@ -209,7 +195,7 @@ async def test_a_pool_applied_before_a_foreign_one_blocked_the_switch_is_deleted
     one is never touched, here or anywhere (docs/operator.md, "Foreign objects")."""
     body = progressive_model()
     body["spec"]["rollout"]["steps"] = [{"weight": 10, "pause": "1h"}, {"weight": 100}]
-    rev1, rev2 = await second_revision_shifting(cluster, body)
+    rev1, rev2 = await second_revision_ready(cluster, body)
     await until(lambda: (r := route(cluster)) and route_weights(r).get(f"tiny-{rev2}-router") == 10, "the route at 10%", CANARY_WAIT)
     ns = route(cluster)["metadata"]["namespace"]  # type: ignore[index]
     foreign = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
