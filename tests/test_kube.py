@@ -516,3 +516,32 @@ async def test_a_revisions_deployment_the_watch_cache_lacks_is_found_by_name_sca
     await backend.delete_revision(model, "r1")
     assert await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) is None
     assert await kube.aget(ObjectRef("Deployment", "m-r1-prefill", "ns")) is not None
+
+
+async def test_a_failed_pass_keeps_the_note_to_put_a_childs_labels_back(kube: Kube) -> None:
+    """Audit: the record of a child that left the watch (its labels taken off) was dropped before
+    its read; a transient API error ended that pass, and the retried one had nothing left to do,
+    so the child stayed unlabelled (for a revision parked at zero, for good)."""
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+    from kvguard.operator.kube import KubeError
+    from kvguard.operator.workloads import child_projection
+
+    class OneTimeout(Kube):
+        failures = 1
+
+        async def aget_metadata(self, ref: ObjectRef) -> dict[str, Any] | None:
+            if self.failures:
+                self.failures -= 1
+                raise KubeError(500, "etcdserver: request timed out")
+            return await super().aget_metadata(ref)
+
+    created = await kube.acreate(owned_deployment("m-r1-decode", None)) or {}
+    await kube.amerge_patch(ObjectRef("Deployment", "m-r1-decode", "ns"), {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}})
+    backend = KubernetesBackend(OneTimeout(kube._api), DictChildIndex())
+    backend.child_left(child_projection({**created, "kind": "Deployment"}), model_known=True)  # the watch's DELETED: its previous state
+    with pytest.raises(KubeError):
+        await backend.observe(ModelRef("ns", "m", "u"))
+    await backend.observe(ModelRef("ns", "m", "u"))  # the retried pass
+    live = await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}
+    assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvguard-operator"

@@ -470,16 +470,28 @@ class KubernetesBackend:
 
     async def _relabel_left(self, model: ModelRef) -> None:
         """Children of the model that left the watch but not the cluster get the operator's labels
-        back (a merge patch; read by name first: most that leave were deleted)."""
-        left = self._left.pop(model.key, {})
-        refs = [ObjectRef(key[0], key[2], key[1]) for key in left]
-        found = await asyncio.gather(*(self.kube.aget_metadata(ref) for ref in refs))
-        for ref, had, meta in zip(refs, left.values(), found, strict=True):
+        back (a merge patch; read by name first: most that leave were deleted). A child's record
+        goes once it is handled: a failed request leaves it for the pass that is retried."""
+        left = self._left.get(model.key, {})
+        keys = list(left)
+        found = await asyncio.gather(*(self.kube.aget_metadata(ObjectRef(key[0], key[2], key[1])) for key in keys))
+        for key, meta in zip(keys, found, strict=True):
+            had = left[key]
             have = (meta or {}).get("metadata", {}).get("labels") or {}
-            if meta is None or not self._is_ours(meta, model) or all(have.get(k) == v for k, v in had.items()):
-                continue
-            await self.kube.amerge_patch(ref, {"metadata": {"labels": had}}, field_manager=FIELD_MANAGER)
-            log.info("put the operator's labels back on %s", ref)
+            if meta is not None and self._is_ours(meta, model) and any(have.get(k) != v for k, v in had.items()):
+                await self._put_labels_back(ObjectRef(key[0], key[2], key[1]), had)
+            del left[key]
+        if not left:
+            self._left.pop(model.key, None)
+
+    async def _put_labels_back(self, ref: ObjectRef, had: Mapping[str, str]) -> None:
+        try:
+            await self.kube.amerge_patch(ref, {"metadata": {"labels": dict(had)}}, field_manager=FIELD_MANAGER)
+        except KubeError as exc:
+            if exc.status != 404:  # deleted since the read: nothing to put back
+                raise
+            return
+        log.info("put the operator's labels back on %s", ref)
 
     # --- the transfer Secret (S3) ----------------------------------------------------------------
     async def ensure_transfer_secret(self, owner: Owner, revision: str) -> str:
