@@ -5,8 +5,8 @@ Start with `kopf run -m kvguard.operator.handlers` (or `kvguard operator`). kopf
 keeps its indexes warm and serves the admission webhook. kopf's part:
 - label-selected watches (server-side `labelSelector`; the indexes apply the same filter in code
   for API servers that ignore it, the child event handlers do not: a child that loses the label
-  comes as DELETED without it, and must still be applied again) on the Deployments, Services and
-  NetworkPolicies the operator owns,
+  comes as DELETED, and a filter on that event's body must not be what decides whether the
+  operator looks at it again) on the Deployments, Services and NetworkPolicies the operator owns,
   indexed by owning model (`kvguard_deployments`, ...): kopf runs no handler before every index
   has its initial listing, so the controller never decides on a half-read cluster;
 - watch events of InferenceModels, of those children and of InferencePolicies, each only
@@ -122,8 +122,9 @@ async def _child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: 
 
 
 # No label filter here: the watch's own selector (configure) already keeps the stream to the
-# operator's children, and a child that loses its labels comes as DELETED without them -- which a
-# filter would drop, so the operator would never learn that it has to apply it again.
+# operator's children. A child that loses its labels comes as DELETED; the API server sends its
+# previous state, but a body without the labels (a cache, an emulator, a relist) would be dropped
+# by a filter, and the operator would never look at the child again.
 for _resource in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES):
     kopf.on.event(*_resource, id=f"{_resource[-1]}_event")(_child_event)
 
