@@ -325,10 +325,12 @@ async def test_a_kept_revisions_deployment_that_loses_its_labels_gets_them_back_
     name = f"tiny-{rev1}-decode"
     await until(lambda: objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 0, "the kept revision at zero")
     await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", UNLABELLED, "application/merge-patch+json")
-    await until(lambda: objects_of(cluster, DEPLOYMENTS)[name]["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "kvguard-operator",
-                "its labels back")  # fmt: skip
+    relabelled = await until(lambda: (d := objects_of(cluster, DEPLOYMENTS)[name])["metadata"]["labels"].get("app.kubernetes.io/managed-by")
+                             == "kvguard-operator" and d, "its labels back")  # fmt: skip
+    assert relabelled["metadata"]["labels"]["kvguard.io/revision"] == rev1
     await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", {"spec": {"replicas": 2}}, "application/merge-patch+json")
     await until(lambda: objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 0, "scaled back to zero")
+    assert objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 0
 
 
 async def test_a_previous_revision_whose_children_all_lose_their_labels_is_still_deleted(cluster: Any) -> None:
@@ -341,6 +343,7 @@ async def test_a_previous_revision_whose_children_all_lose_their_labels_is_still
             await http("PATCH", f"{API_PATHS[kind]}/namespaces/{NS}/{kind.plural}/{name}", UNLABELLED, "application/merge-patch+json")
     await until(lambda: not [n for kind in (DEPLOYMENTS, SERVICES, NETPOLS) for n in objects_of(cluster, kind) if f"-{rev1}-" in n],
                 "the previous revision deleted", CANARY_WAIT)  # fmt: skip
+    assert not [n for n in objects_of(cluster, DEPLOYMENTS) if f"-{rev1}-" in n]
 
 
 async def test_an_owned_child_without_the_operators_labels_is_still_its_own_after_a_restart(operator: Operator) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import requests
 from pd_harness import deployment, metric, served_model, wait_pools_empty
-from waiting import wait_for
+from waiting import until, wait_for
 
 from kvguard.workers.launcher import LocalDeployment
 
@@ -177,15 +177,10 @@ async def test_generations_whose_client_leaves_while_they_wait_for_capacity_coun
     router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
     await router._take_slots(2)  # a request of n=2 holds every slot
     waiting = asyncio.create_task(router._take_slots(2))
-    await asyncio.wait_for(_until(lambda: router.metrics.waiting_choices._value.get() == 2), 10)
+    await until(lambda: router.metrics.waiting_choices._value.get() == 2, "the second request waiting for the slots")
     waiting.cancel()  # its client disconnects
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert router.metrics.requests.labels("aborted")._value.get() == 2
     assert router.metrics.aborts.labels("client_disconnect")._value.get() == 2
     assert router.metrics.waiting_choices._value.get() == 0
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
