@@ -160,8 +160,7 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
         env = {**os.environ, "KUBECONFIG": str(kubeconfig(url, log_dir)), "KVGUARD_METRICS_PORT": str(metrics_port),
                "KVGUARD_LEASE_NAMESPACE": NAMESPACE, "POD_NAME": f"bench-{models}"}  # fmt: skip
         log = open(log_dir / f"operator-{models}.log", "w")  # noqa: SIM115 - closed below
-        operator = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "operator"], env=env, cwd=log_dir,
-                                    stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        operator = start_operator(env, log_dir, log)
         restart_requests, restart_seconds = 0, 0.0
         try:
             await until(lambda: any("watch" in str(r.url) and "inferencemodels" in str(r.url) for r in list(emulator)), 60, "the operator's watch")
@@ -184,8 +183,7 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
             rss, peak = rss_mb(operator.pid)
             await stop(operator)
             before, began = model_traffic(emulator), time.monotonic()
-            operator = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "operator"], env=env, cwd=log_dir,
-                                        stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            operator = start_operator(env, log_dir, log)
             await until(lambda: model_traffic(emulator) > before, timeout, "the restarted operator's first request")
             await quiet(emulator, settle, timeout)
             restart_requests, restart_seconds = model_traffic(emulator) - before, time.monotonic() - began - settle
@@ -201,6 +199,10 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
     print(f"  restart: {restart_requests} requests ({restart_requests / models:.1f} per model) in {restart_seconds:.1f} s", flush=True)
     return Figures(models, round(seconds, 1), round(idle_requests / models / (elapsed / 60), 4), idle_requests,
                    round(elapsed, 1), round(rss, 1), round(peak, 1), to_status, restart_requests, round(restart_seconds, 1))  # fmt: skip
+
+
+def start_operator(env: dict[str, str], log_dir: Path, log: Any) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "operator"], env=env, cwd=log_dir, stdout=log, stderr=subprocess.STDOUT)
 
 
 async def stop(operator: subprocess.Popen[bytes]) -> None:

@@ -264,7 +264,8 @@ class KubernetesBackend:
         # stopped between creating it and its Deployments) stays until the model is deleted: it is
         # owned by the model, and the operator cannot list Secrets to find it.
         owner = _owner(model)
-        named = await self._transfer_secret_candidates(owner, revision, self._transfer_secrets.pop(_revision_key(owner, revision), None))
+        known = self._transfer_secrets.pop(_revision_key(owner, revision), None)
+        named = await self._transfer_secret_candidates(owner, revision, known, self._recorded_transfer_secrets(owner, revision, known))
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
         refs = [ref_of(o) for o in doomed] + [pool] + [ObjectRef("Secret", name, model.namespace) for name in named]
         for ref in refs:
@@ -508,7 +509,7 @@ class KubernetesBackend:
         if known is not None and recorded <= {known.name} and time.monotonic() - known.checked_at < SECRET_RECHECK_SECONDS:
             return known.name
         retired, name = known.retired if known is not None else frozenset(), None
-        for candidate in await self._transfer_secret_candidates(owner, revision, known):
+        for candidate in await self._transfer_secret_candidates(owner, revision, known, recorded):
             if await self._transfer_secret_exists(owner, revision, candidate):
                 name = candidate
                 break
@@ -544,12 +545,11 @@ class KubernetesBackend:
             log.warning("could not check Secret %s/%s (%s); keeping it", owner.namespace, name, exc)
             return True
 
-    async def _transfer_secret_candidates(self, owner: Owner, revision: str, known: KnownSecret | None) -> list[str]:
+    async def _transfer_secret_candidates(self, owner: Owner, revision: str, known: KnownSecret | None, recorded: set[str]) -> list[str]:
         """The names the revision's Secret may have, the most trusted first: the one this replica
-        made or checked, then those the revision's Deployments record (a label-free edit of their
-        annotation cannot move the revision off a Secret that is there). The Deployments are read by
-        name only when neither the memory nor the watch cache knows any."""
-        recorded = self._recorded_transfer_secrets(owner, revision, known)
+        made or checked, then those the revision's Deployments record (`recorded`, from the watch
+        cache: an edit of their annotation cannot move the revision off a Secret that is there).
+        The Deployments are read by name only when neither the memory nor the cache knows any."""
         if known is None and not recorded:
             recorded = await self._fetched_transfer_secrets(owner, revision)
         first = [known.name] if known is not None else []
