@@ -33,7 +33,8 @@ MAX_CHAT_TOP_LOGPROBS = 20
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical ASCII decimal: "03" and "٣" would alias "3"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default (OpenAI, vLLM, SGLang); chat's is the rest of the context
 
-TokenIds = list[Annotated[int, Field(ge=0, lt=2**31)]]
+# fail_fast: the first bad id names the field; a million bad ones must not each be itemized.
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(fail_fast=True)]
 
 
 class _Strict(BaseModel):
