@@ -260,8 +260,10 @@ class KvguardAdapter:
         }  # fmt: skip
         if ctx.role == "router":
             # --revision-id: every answer names its revision (x-kvguard-revision), through any Gateway.
+            # --discovery dns: the workers' Services are headless (render_service), and the router
+            # addresses each pod itself, so a request's calls all reach the pod holding its KV.
             args = WorkerArgs(**common, prefill=(ctx.service_url("prefill"),), decode=(ctx.service_url("decode"),),
-                              revision_id=ctx.revision)  # fmt: skip
+                              revision_id=ctx.revision, discovery="dns")  # fmt: skip
             return ["kvguard", "worker", *args.to_argv()]
         pool_tokens = ctx.plan.roles[ctx.role].pool_tokens
         if pool_tokens < 1:  # the weights leave no memory for KV: the plan blocks it; nothing to run
@@ -711,14 +713,19 @@ def render_deployment(ctx: RoleContext) -> Manifest:
 def render_service(ctx: RoleContext) -> Manifest:
     """The role's Service: the ports other pods address by name. Metrics are scraped per pod
     (PodMonitor), and prefill reaches decode's transfer port at the pod IP decode advertises, so
-    neither is published here."""
+    neither is published here. The kvguard engine's prefill and decode Services are headless: its
+    router resolves them to the ready pods' IPs (`--discovery dns`, workers/discovery.py), since
+    a request's calls must reach one pod, which a virtual IP does not promise."""
     ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
              for p in ADAPTERS[ctx.spec.engine.kind].container_ports(ctx) if p["name"] not in ("metrics", "kv-transfer")]  # fmt: skip
+    spec: dict[str, Any] = {"type": "ClusterIP", "selector": selector(ctx.owner.name, ctx.revision, ctx.role), "ports": ports}
+    if ctx.spec.engine.kind == EngineKind.KVGUARD and ctx.role != "router":
+        spec["clusterIP"] = "None"
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": owned_metadata(ctx.owner, object_name(ctx.owner.name, ctx.revision, ctx.role), ctx.revision, ctx.role),
-        "spec": {"type": "ClusterIP", "selector": selector(ctx.owner.name, ctx.revision, ctx.role), "ports": ports},
+        "spec": spec,
     }
 
 

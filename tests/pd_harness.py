@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_for
 
 from kvguard.workers.args import WorkerArgs, bind_listener
-from kvguard.workers.control_auth import auth_headers
+from kvguard.workers.control_auth import ANY_WORKER, auth_headers
 from kvguard.workers.launcher import LocalDeployment, LocalServeConfig
 from kvguard.workers.transfer import TicketAuthority
 
@@ -156,8 +156,14 @@ def internal(d: LocalDeployment, role: str, path: str, body: Any = None, *, sign
     method = "POST" if body is not None else "GET"
     headers = {"Content-Type": "application/json"} if body is not None else {}
     if signed:
-        headers.update(auth_headers(d.keys.control, method, url, data))
+        headers.update(auth_headers(d.keys.control, method, url, data, worker_instance(d, role) if body is not None else ANY_WORKER))
     return requests.request(method, url, data=data or None, headers=headers, stream=stream, timeout=timeout)
+
+
+def worker_instance(d: LocalDeployment, role: str) -> str:
+    """The worker's instance id, which a call that acts is signed for (as the router learns it)."""
+    url = f"{d.internal_urls[role]}/internal/info"
+    return str(requests.get(url, headers=auth_headers(d.keys.control, "GET", url), timeout=10).json()["instance"])
 
 
 def ticket_for(d: LocalDeployment, request_id: str, bootstrap: dict[str, Any], ttl_s: float = 30.0, **changes: Any) -> str:

@@ -9,6 +9,7 @@ from kvguard.workers.keys import RevisionKeys
 
 KEYS = RevisionKeys.derive(b"control-test-key-0123456789abcdef")
 BODY = b'{"request_id": "cmpl-1", "cause": "client_disconnect"}'
+INSTANCE = "ab" * 16  # the verifying worker's instance id
 
 
 class Clock:
@@ -20,7 +21,7 @@ class Clock:
 
 
 def _verifier(clock: Clock) -> ControlVerifier:
-    return ControlVerifier(KEYS.control, clock=clock)
+    return ControlVerifier(KEYS.control, instance=INSTANCE, clock=clock)
 
 
 def _reason(verifier: ControlVerifier, method: str, path: str, body: bytes, header: str | None) -> str:
@@ -32,7 +33,7 @@ def _reason(verifier: ControlVerifier, method: str, path: str, body: bytes, head
 def test_a_signed_call_verifies_once() -> None:
     clock = Clock()
     verifier = _verifier(clock)
-    header = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, target=INSTANCE, now=clock.now)
     verifier.verify("POST", "/internal/abort", BODY, header)
     assert _reason(verifier, "POST", "/internal/abort", BODY, header) == "replay"
 
@@ -49,7 +50,7 @@ def test_a_signed_call_verifies_once() -> None:
 )
 def test_the_mac_binds_method_path_and_body(method: str, path: str, body: bytes) -> None:
     clock = Clock()
-    header = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, target=INSTANCE, now=clock.now)
     assert _reason(_verifier(clock), method, path, body, header) == "bad_mac"
 
 
@@ -58,7 +59,7 @@ def test_a_header_sent_ahead_with_another_body_does_not_use_up_the_real_calls_no
     and the real call (header and its own body) still verifies: only whole calls enter the cache."""
     clock = Clock()
     verifier = _verifier(clock)
-    header = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, target=INSTANCE, now=clock.now)
     assert _reason(verifier, "POST", "/internal/abort", BODY.replace(b"cmpl-1", b"cmpl-2"), header) == "bad_mac"
     verifier.verify("POST", "/internal/abort", BODY, header)
     assert _reason(verifier, "POST", "/internal/abort", BODY, header) == "replay"
@@ -94,6 +95,22 @@ def test_replay_cache_forgets_only_what_the_clock_already_refuses() -> None:
         cache.add("c", 62.0)
 
 
+def test_a_call_that_acts_is_signed_for_one_worker_and_only_reads_for_any() -> None:
+    """Every replica of a revision holds the key and keeps its own replay cache: a call captured on
+    its way to one was taken by another (outside probe). The instance id it is signed for binds it;
+    the target is inside the MAC, so the header cannot be re-aimed."""
+    clock = Clock()
+    other = sign(KEYS.control, "POST", "/internal/abort", BODY, target="cd" * 16, now=clock.now)
+    assert _reason(_verifier(clock), "POST", "/internal/abort", BODY, other) == "wrong_target"
+    anyone = sign(KEYS.control, "POST", "/internal/abort", BODY, now=clock.now)  # target "any"
+    assert _reason(_verifier(clock), "POST", "/internal/abort", BODY, anyone) == "wrong_target"
+    re_aimed = other.replace("target=" + "cd" * 16, "target=" + INSTANCE)
+    assert _reason(_verifier(clock), "POST", "/internal/abort", BODY, re_aimed) == "bad_mac"
+    for path in ("/internal/info", "/internal/health", "/internal/info?verbose=1"):
+        _verifier(clock).verify("GET", path, b"", sign(KEYS.control, "GET", path, now=clock.now))  # reads: any worker
+    assert _reason(_verifier(clock), "GET", "/internal/stream", b"", sign(KEYS.control, "GET", "/internal/stream", now=clock.now)) == "wrong_target"
+
+
 def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:
     headers = auth_headers(KEYS.control, "GET", "http://10.0.0.1:8000/internal/info?verbose=1")
     verifier = ControlVerifier(KEYS.control)
@@ -113,7 +130,7 @@ async def _internal_app(body_timeout_s: float = 30.0):  # noqa: ANN202
     from kvguard.workers.openai_api import error_middleware
 
     key = RevisionKeys.derive(b"k" * 32).control
-    auth = control_auth_middleware(ControlVerifier(key), auth_failures_counter(CollectorRegistry()),
+    auth = control_auth_middleware(ControlVerifier(key, instance=INSTANCE), auth_failures_counter(CollectorRegistry()),
                                    body_timeout_s=body_timeout_s, max_body_bytes=1024 * 1024)  # fmt: skip
 
     async def echo(request: web.Request) -> web.Response:
@@ -150,10 +167,10 @@ async def test_an_unsigned_or_oversized_upload_is_refused_before_its_body_is_rea
     try:
         head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n\r\n"
         assert (await _exchange(port, head)).startswith(b"HTTP/1.1 401")  # no body was sent at all
-        fresh = f"v2 ts={int(time.time() * 1000)} nonce={'0' * 32} sha256={'0' * 64} mac={'0' * 64}".encode()
+        fresh = f"v3 ts={int(time.time() * 1000)} nonce={'0' * 32} target={INSTANCE} sha256={'0' * 64} mac={'0' * 64}".encode()
         forged = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n" + AUTH_HEADER.encode() + b": " + fresh + b"\r\n\r\n"
         assert (await _exchange(port, forged, b"x" * 1000)).startswith(b"HTTP/1.1 401")  # refused with the body unread
-        signed = sign(key, "POST", "/internal/abort", b"x" * 50_000_000).encode()
+        signed = sign(key, "POST", "/internal/abort", b"x" * 50_000_000, target=INSTANCE).encode()
         huge = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n"
         assert (await _exchange(port, huge)).startswith(b"HTTP/1.1 413")  # even a key holder: larger than any internal body
     finally:
@@ -163,10 +180,10 @@ async def test_an_unsigned_or_oversized_upload_is_refused_before_its_body_is_rea
 async def test_a_signed_body_that_never_arrives_is_cut_off_and_a_swapped_one_refused() -> None:
     runner, port, key = await _internal_app(body_timeout_s=0.5)
     try:
-        signed = sign(key, "POST", "/internal/abort", b"0" * 100).encode()
+        signed = sign(key, "POST", "/internal/abort", b"0" * 100, target=INSTANCE).encode()
         head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n"
         assert (await _exchange(port, head, b"0123456789")).startswith(b"HTTP/1.1 408")
-        signed = sign(key, "POST", "/internal/abort", b"0" * 10).encode()
+        signed = sign(key, "POST", "/internal/abort", b"0" * 10, target=INSTANCE).encode()
         head = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n"
         assert (await _exchange(port, head, b"1" * 10)).startswith(b"HTTP/1.1 401")  # not the body that was signed
     finally:

@@ -545,3 +545,29 @@ async def test_a_failed_pass_keeps_the_note_to_put_a_childs_labels_back(kube: Ku
     await backend.observe(ModelRef("ns", "m", "u"))  # the retried pass
     live = await kube.aget(ObjectRef("Deployment", "m-r1-decode", "ns")) or {}
     assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvguard-operator"
+
+
+async def test_a_workers_service_made_with_a_virtual_ip_is_replaced_by_its_headless_one(kube: Kube, kmock: Any) -> None:
+    """An earlier release gave the kvguard engine's prefill and decode Services a virtual IP; they
+    are headless now (the router resolves them to the pods, workers/discovery.py). A Service's
+    clusterIP is immutable (422), so the operator deletes the old Service and applies the new one,
+    as `kubectl apply --force` would, instead of failing the model's every pass."""
+    from kvguard.operator.backends.base import ModelRef
+    from kvguard.operator.backends.kubernetes import DictChildIndex, KubernetesBackend
+
+    meta = owned_deployment("m-r1-prefill", None)["metadata"]
+    old = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+           "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.12", "selector": {"kvguard.io/role": "prefill"},
+                    "ports": [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]}}  # fmt: skip
+    await kube.acreate(old)
+    headless = copy.deepcopy(old)
+    del headless["spec"]["clusterIP"]
+    headless["spec"]["clusterIP"] = "None"
+    with pytest.raises(KubeError) as refused:  # what the API server answers a plain apply
+        await kube.aapply(headless)
+    assert refused.value.status == 422 and "clusterIP" in str(refused.value)
+    uid = (await kube.aget(ObjectRef("Service", "m-r1-prefill", "ns")) or {})["metadata"]["uid"]
+    await KubernetesBackend(kube, DictChildIndex()).apply(headless, ModelRef("ns", "m", "u"))
+    live = await kube.aget(ObjectRef("Service", "m-r1-prefill", "ns")) or {}
+    assert live["spec"]["clusterIP"] == "None" and live["metadata"]["uid"] != uid  # a new object
+    assert live["metadata"]["ownerReferences"][0]["uid"] == "u"

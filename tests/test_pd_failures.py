@@ -314,7 +314,7 @@ async def test_a_prefill_leg_that_fails_first_leaves_the_ticket_to_decode() -> N
     ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     request = PrefillRequest(request_id="cmpl-x", prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2))
     with pytest.raises(aiohttp.ClientConnectionError):
-        await Router._prefill(SimpleNamespace(control=Refused(), http=None), "http://prefill", request, ticket)  # type: ignore[arg-type]
+        await Router._prefill(SimpleNamespace(control=Refused(), http=None, _target=lambda _: "any"), "http://prefill", request, ticket)  # type: ignore[arg-type]
     assert not ticket.done()  # decode's bootstrap can still set it: the prefill error is the one reported
 
 

@@ -102,6 +102,26 @@ def test_kvguard_worker_flags_and_restricted_pods() -> None:
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "u"
 
 
+def test_kvguard_workers_services_are_headless_and_the_router_resolves_them() -> None:
+    """A request's calls must reach one pod (prefill's call and its ticket, decode's call and the
+    token channel it names); a Service's virtual IP spreads connections over pods. The router
+    resolves the headless Services to the ready pods (`--discovery dns`); the router's own
+    Service, which clients and Gateways reach, keeps its virtual IP."""
+    m = model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"],
+              "source": {"pvc": {"claimName": "models", "path": "tiny"}}})  # fmt: skip
+    objs = objects(m)
+    assert objs["Service", "m-r1-prefill"]["spec"]["clusterIP"] == "None"
+    assert objs["Service", "m-r1-decode"]["spec"]["clusterIP"] == "None"
+    assert "clusterIP" not in objs["Service", "m-r1-router"]["spec"]
+    router = command(objs, "router")
+    assert flag(router, "--discovery") == "dns"
+    assert flag(router, "--prefill") == "http://m-r1-prefill.ns.svc:8000"
+    sglang = objects(model("incident-fixed.yaml", engine={"kind": "sglang", "image": "lmsysorg/sglang:v0.5.4"},
+                           model={**yaml.safe_load((EXAMPLES / "incident-fixed.yaml").read_text())["spec"]["model"],
+                                  "source": {"huggingFace": "Qwen/Qwen2.5-14B-Instruct-1M", "revision": "abc123"}}))  # fmt: skip
+    assert all("clusterIP" not in o["spec"] for (kind, _), o in sglang.items() if kind == "Service")  # its own router
+
+
 @pytest.mark.parametrize("engine", ["kvguard", "sglang", "vllm"])
 def test_retiring_pods_keep_serving_until_the_route_moves_then_drain_within_their_grace(engine: str) -> None:
     """A deleted pod leaves its endpoints while it is signalled, and an HTTPRoute's weight change

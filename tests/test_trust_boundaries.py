@@ -33,7 +33,7 @@ from pd_harness import (
 )
 from waiting import wait_for
 
-from kvguard.workers.control_auth import AUTH_HEADER
+from kvguard.workers.control_auth import AUTH_HEADER, auth_headers
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.launcher import LocalDeployment
 from kvguard.workers.openai_api import OpenAIError
@@ -184,7 +184,7 @@ def test_internal_endpoints_refuse_calls_not_signed_by_the_router_s9(trio: Local
     calls = [*CALLS, *own]
     before = metric(trio, role, "kvguard_control_auth_failures_total")
     for method, path, body in calls:
-        forged = f"v2 ts={int(time.time() * 1000)} nonce={secrets.token_hex(16)} sha256={'0' * 64} mac={'0' * 64}"
+        forged = f"v3 ts={int(time.time() * 1000)} nonce={secrets.token_hex(16)} target=any sha256={'0' * 64} mac={'0' * 64}"
         for headers in ({}, {AUTH_HEADER: forged}):  # well formed and fresh, without the key
             refused = _unsigned(trio, role, method, path, body, headers)
             assert refused.status_code == 401, (method, path, refused.text)
@@ -204,6 +204,25 @@ def test_a_captured_router_call_cannot_be_replayed_or_repurposed_s9(trio: LocalD
     other_id = requests.post(f"{url}/internal/abort", json={"request_id": "cmpl-victim"}, headers={AUTH_HEADER: header}, timeout=5)
     assert [r.status_code for r in (again, other_path, other_id)] == [401, 401, 401]
     assert metric(trio, "decode", "kvguard_control_auth_failures_total", reason="replay") >= 1
+
+
+def test_a_call_captured_on_its_way_to_one_worker_is_refused_by_another_s9(trio: LocalDeployment) -> None:
+    """Every worker of a revision holds the same key and keeps its own replay cache: a prefill call
+    captured on its way to one replica made another compute the prompt and hold its pages (outside
+    probe). A call that acts is signed for one worker instance; here decode's abort, replayed to
+    prefill (which has the same endpoint), is refused there, as it is by decode itself."""
+    signed = internal(trio, "decode", "/internal/abort", {"request_id": "cmpl-someone"})
+    assert signed.status_code == 200
+    header = {AUTH_HEADER: signed.request.headers[AUTH_HEADER], "Content-Type": "application/json"}
+    before = metric(trio, "prefill", "kvguard_control_auth_failures_total", reason="wrong_target")
+    elsewhere = requests.post(f"{trio.internal_urls['prefill']}/internal/abort", data=signed.request.body, headers=header, timeout=5)
+    assert elsewhere.status_code == 401 and "another worker" in elsewhere.json()["error"]["message"]
+    assert metric(trio, "prefill", "kvguard_control_auth_failures_total", reason="wrong_target") == before + 1
+    unbound = _unsigned(trio, "prefill", "POST", "/internal/abort", {"request_id": "cmpl-someone"},
+                        auth_headers(trio.keys.control, "POST", f"{trio.internal_urls['prefill']}/internal/abort",
+                                     b'{"request_id": "cmpl-someone"}'))  # fmt: skip
+    assert unbound.status_code == 401  # signed with the key, but for any worker: only reads may be
+    assert internal(trio, "prefill", "/internal/abort", {"request_id": "cmpl-someone"}).status_code == 200
 
 
 def test_an_unsigned_abort_cannot_end_another_tenants_stream_s9(trio: LocalDeployment, tiny_model_dir: Path) -> None:

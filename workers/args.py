@@ -243,6 +243,11 @@ class WorkerArgs(BaseModel):
         "on", json_schema_extra=_flag("router", "on (default): each decode worker's tokens reach this router on one stream "
                                       "for all its requests, a write per engine step; off: a stream per request")
     )
+    discovery: Literal["static", "dns"] = Field(
+        "static", json_schema_extra=_flag("router", "static (default): each --prefill/--decode URL is one worker; dns: each URL's "
+                                      "host is a headless Service, every address it resolves to one worker pod, read again every "
+                                      "second (so a request's calls all reach the pod that holds its KV)")
+    )  # fmt: skip
     revision_id: str | None = Field(
         None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
         json_schema_extra=_flag("router", "the revision this router serves, named in every API response's x-kvguard-revision "
@@ -267,6 +272,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--abort-timeout is a router flag")
         if self.role != "router" and self.token_channel != "on":
             raise ValueError("--token-channel is a router flag")
+        if self.role != "router" and self.discovery != "static":
+            raise ValueError("--discovery is a router flag")
         if self.role != "router" and self.revision_id is not None:
             raise ValueError("--revision-id is a router flag")
         if self.role == "router" and self.transfer_encryption != "none":

@@ -85,6 +85,10 @@ class OpenChannel:
     def unsubscribe(self, request_id: str) -> None:
         self._inboxes.pop(request_id, None)
 
+    @property
+    def subscribed(self) -> int:
+        return len(self._inboxes)
+
     def hand_over(self, line: bytes) -> None:
         routed = CHANNEL_EVENT.validate_json(line)
         if (inbox := self._inboxes.get(routed.request_id)) is not None:
@@ -113,6 +117,16 @@ class ChannelReader:
             self._opened = asyncio.get_running_loop().create_future()
             self._task = asyncio.create_task(self._run(self._opened))
         return await asyncio.shield(self._opened)
+
+    @property
+    def busy(self) -> bool:
+        """A channel is being opened, or a request waits on the open one."""
+        opened = self._opened
+        if opened is None:
+            return False
+        if not opened.done():
+            return True
+        return not opened.cancelled() and opened.exception() is None and opened.result().subscribed > 0
 
     def forget(self, channel: OpenChannel) -> None:
         """Decode does not know `channel` (it restarted before this reader saw the old connection

@@ -3,10 +3,17 @@
 NetworkPolicies keep other pods away from a worker's internal control API where the cluster
 enforces them; this check holds where it does not. Every router -> worker call carries::
 
-    X-Kvguard-Auth: v2 ts=<unix ms> nonce=<32 hex> sha256=<64 hex> mac=<64 hex>
+    X-Kvguard-Auth: v3 ts=<unix ms> nonce=<32 hex> target=<32 hex | any> sha256=<64 hex> mac=<64 hex>
     sha256 = hex(SHA-256(body))
-    mac = HMAC-SHA256(control key, "kvguard-control-v2" \\n METHOD \\n raw path+query \\n
-                      sha256 \\n ts \\n nonce)
+    mac = HMAC-SHA256(control key, "kvguard-control-v3" \\n METHOD \\n raw path+query \\n
+                      sha256 \\n ts \\n nonce \\n target)
+
+`target` is the worker process's own random id (`instance`, which it reports in
+`/internal/info`): every pod of a revision holds the same key and keeps its own replay cache, so
+a call captured on its way to one replica was taken by another (outside probe: a replayed prefill
+call made a second replica compute the prompt and hold its pages). Only the reads a caller makes
+before it knows the id (`GET /internal/info` and `/internal/health`, which change nothing) may
+name `any`.
 
 The header names the body's digest, so the MAC is verified from the head alone, before a byte of
 the body is read: a pod without the key cannot make a worker buffer an upload (v1 signed the
@@ -46,8 +53,16 @@ from kvguard.workers.openai_api import OpenAIError
 AUTH_HEADER = "X-Kvguard-Auth"
 REPLAY_CACHE_ENTRIES = 1 << 20
 INTERNAL_PREFIX = "/internal/"
-_VERSION = "v2"
-_HEADER = re.compile(r"v2 ts=(\d{1,16}) nonce=([0-9a-f]{32}) sha256=([0-9a-f]{64}) mac=([0-9a-f]{64})")
+_VERSION = "v3"
+_HEADER = re.compile(r"v3 ts=(\d{1,16}) nonce=([0-9a-f]{32}) target=([0-9a-f]{32}|any) sha256=([0-9a-f]{64}) mac=([0-9a-f]{64})")
+ANY_WORKER = "any"
+UNBOUND_CALLS = frozenset({("GET", "/internal/info"), ("GET", "/internal/health")})
+"""The calls that may be signed for any worker: reads, made before the caller knows the id."""
+
+
+def new_instance_id() -> str:
+    """A worker process's id, fresh at every start (a restarted worker is another target)."""
+    return secrets.token_hex(16)
 
 
 class AuthError(Exception):
@@ -58,8 +73,8 @@ class AuthError(Exception):
         self.reason = reason
 
 
-def _mac(key: bytes, method: str, path: str, digest: str, ts: str, nonce: str) -> str:
-    message = "\n".join(("kvguard-control-v2", method.upper(), path, digest, ts, nonce))
+def _mac(key: bytes, method: str, path: str, digest: str, ts: str, nonce: str, target: str) -> str:
+    message = "\n".join(("kvguard-control-v3", method.upper(), path, digest, ts, nonce, target))
     return hmac.new(key, message.encode(), "sha256").hexdigest()
 
 
@@ -69,24 +84,27 @@ class SignedHead:
 
     ts: str
     nonce: str
+    target: str  # the worker instance the call is for, or ANY_WORKER
     digest: str  # hex SHA-256 of the body the caller signed
     mac: str
 
 
-def sign(key: bytes, method: str, path: str, body: bytes = b"", *, now: float | None = None, nonce: str | None = None) -> str:
-    """The ``X-Kvguard-Auth`` value for one call. ``path`` is the raw path with its query."""
+def sign(key: bytes, method: str, path: str, body: bytes = b"", *, target: str = ANY_WORKER, now: float | None = None,
+         nonce: str | None = None) -> str:  # fmt: skip
+    """The ``X-Kvguard-Auth`` value for one call to worker `target`. ``path`` is the raw path with its query."""
     ts = str(int((time.time() if now is None else now) * 1000))
     nonce = nonce or secrets.token_hex(16)
     digest = hashlib.sha256(body).hexdigest()
-    return f"{_VERSION} ts={ts} nonce={nonce} sha256={digest} mac={_mac(key, method, path, digest, ts, nonce)}"
+    mac = _mac(key, method, path, digest, ts, nonce, target)
+    return f"{_VERSION} ts={ts} nonce={nonce} target={target} sha256={digest} mac={mac}"
 
 
-def auth_headers(key: bytes, method: str, url: str, body: bytes = b"") -> dict[str, str]:
+def auth_headers(key: bytes, method: str, url: str, body: bytes = b"", target: str = ANY_WORKER) -> dict[str, str]:
     """The header for a call to ``url`` (any HTTP client: the router's aiohttp, the launcher's
     requests, tests). Signs the path exactly as it goes on the request line."""
     parts = urllib.parse.urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return {AUTH_HEADER: sign(key, method, path, body)}
+    return {AUTH_HEADER: sign(key, method, path, body, target=target)}
 
 
 @dataclass
@@ -116,6 +134,8 @@ class ControlVerifier:
     """Checks ``X-Kvguard-Auth`` on a worker. One per process (it owns the replay cache)."""
 
     key: bytes
+    instance: str = field(default_factory=new_instance_id)
+    """This worker's id: calls must be signed for it (or for ANY_WORKER, for UNBOUND_CALLS)."""
     max_skew_s: float = MAX_CLOCK_SKEW_S
     replay: ReplayCache = field(default_factory=ReplayCache)
     clock: Callable[[], float] = time.time
@@ -134,8 +154,10 @@ class ControlVerifier:
         head = SignedHead(*match.groups())
         if abs(self.clock() - int(head.ts) / 1000) > self.max_skew_s:
             raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
-        if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce), head.mac):
+        if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target), head.mac):
             raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
+        if head.target != self.instance and not (head.target == ANY_WORKER and (method.upper(), path.split("?", 1)[0]) in UNBOUND_CALLS):
+            raise AuthError("wrong_target", "this call was signed for another worker (or for any, which only reads may be)")
         return head
 
     def verify_body(self, head: SignedHead, body: bytes) -> None:

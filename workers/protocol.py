@@ -258,3 +258,4 @@ class WorkerInfo(_Message):
     transfer_host: str | None = None
     transfer_port: int | None = None
     vocab_size: int | None = None  # token ids the model knows; the router refuses others before any work
+    instance: str | None = None  # this process's random id: the router signs its calls for it (workers/control_auth.py)

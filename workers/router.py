@@ -23,6 +23,7 @@ error before the first token is always a proper HTTP error status, never a 200.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -52,7 +53,8 @@ from kvguard.workers.channel_reader import (
     coalesce,
     read_lines,
 )
-from kvguard.workers.control_auth import auth_headers
+from kvguard.workers.control_auth import ANY_WORKER, auth_headers
+from kvguard.workers.discovery import Discovery, NoAnswer, membership_change, resolve
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
 from kvguard.workers.openai_api import (
@@ -124,11 +126,14 @@ class ControlClient:
         self._key = keys.control
 
     def get(self, session: aiohttp.ClientSession, url: str, **kwargs: object) -> aiohttp.client._RequestContextManager:
+        """A read (info, health): signed for any worker, since it comes before the worker's id is known."""
         return session.get(url, headers=auth_headers(self._key, "GET", url), **kwargs)  # type: ignore[arg-type]
 
-    def post(self, session: aiohttp.ClientSession, url: str, message: BaseModel, **kwargs: object) -> aiohttp.client._RequestContextManager:
+    def post(self, session: aiohttp.ClientSession, url: str, message: BaseModel, target: str,
+             **kwargs: object) -> aiohttp.client._RequestContextManager:  # fmt: skip
+        """A call that acts, signed for worker instance `target` alone."""
         body = message.model_dump_json().encode()
-        headers = {**auth_headers(self._key, "POST", url, body), "Content-Type": "application/json"}
+        headers = {**auth_headers(self._key, "POST", url, body, target), "Content-Type": "application/json"}
         return session.post(url, data=body, headers=headers, **kwargs)  # type: ignore[arg-type]
 
 
@@ -182,6 +187,7 @@ class RouterConfig:
     refresh_interval_s: float = 1.0  # how often (with min_kv_ratio) every worker's reported limits are read again
     revision: str | None = None  # named in every API response's x-kvguard-revision header (--revision-id)
     token_channel: bool = True  # decode's tokens on one channel per decode worker (False: a stream per request)
+    discovery: Discovery = "static"  # dns: each URL's host is a headless Service, every address a worker (workers/discovery.py)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -242,6 +248,7 @@ class Upstream:
 
 
 MAX_SILENT_READS = 3
+DEPARTED_REMEMBERED = 1024  # workers gone from the names whose in-flight requests may still need an abort
 """Timed-out reads of a worker's limits in a row (a read waits 5 s, a second apart: ~18 s) that take
 it out of rotation: a worker that answers nothing for that long (SIGSTOPped, wedged) would hold every
 request sent to it until the request timeout (an outside probe: 120 s each, with /health already
@@ -269,7 +276,8 @@ class Upstreams:
     restarting: a restart takes seconds, the reads are a second apart) is out until a read
     succeeds, so a restarted worker is judged by what it reports now before it serves again; a
     read that only times out changes nothing (a busy worker is not taken out). On Kubernetes the pod readiness gate
-    `kvguard.io/kv-pool-verified` does this per pod (the router there reaches Services)."""
+    `kvguard.io/kv-pool-verified` does this per pod (the router there is sent only ready pods'
+    addresses, `--discovery dns`); with `--discovery dns` workers join and leave as their names do."""
 
     def __init__(self, prefill: Sequence[Upstream], decode: Sequence[Upstream], min_kv_ratio: float | None = None) -> None:
         self.prefill = list(prefill)
@@ -281,9 +289,22 @@ class Upstreams:
         self.page_size = page_sizes.pop()
         self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
 
+    def of(self, role: Role) -> list[Upstream]:
+        return self.prefill if role is Role.PREFILL else self.decode
+
     def serving(self, role: Role) -> list[Upstream]:
         """The workers of a role that may take requests now."""
-        return [u for u in (self.prefill if role is Role.PREFILL else self.decode) if self.admits(u)]
+        return [u for u in self.of(role) if self.admits(u)]
+
+    def add(self, upstream: Upstream) -> None:
+        """A worker that appeared (`--discovery dns`); judged by `admits` like every other."""
+        self.of(upstream.info.role).append(upstream)
+
+    def remove(self, role: Role, url: str) -> None:
+        """A worker whose name went (a pod no longer ready, or gone): no new request goes to it;
+        the requests it holds keep their own reference and end as they would."""
+        workers = self.of(role)
+        workers[:] = [u for u in workers if u.url != url]
 
     def admits(self, upstream: Upstream) -> bool:
         info = upstream.info
@@ -361,6 +382,8 @@ async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig, 
     """Ask every worker for its limits, waiting for workers that are still starting (in a pod the
     router may well start first). A misconfiguration -- a URL pointing at the wrong role, or
     workers that disagree on the page size -- raises ValueError."""
+    if config.discovery == "dns":
+        return await _fetch_resolved_upstreams(session, config, control)
 
     async def info(url: str, role: Role) -> Upstream:
         while True:
@@ -372,6 +395,42 @@ async def fetch_upstreams(session: aiohttp.ClientSession, config: RouterConfig, 
     prefill = await asyncio.gather(*(info(u, Role.PREFILL) for u in config.prefill_urls))
     decode = await asyncio.gather(*(info(u, Role.DECODE) for u in config.decode_urls))
     return Upstreams(prefill, decode, config.min_kv_ratio)
+
+
+async def resolve_workers(urls: Sequence[str]) -> list[str] | None:
+    """Every worker the URLs' names resolve to now (`--discovery dns`); None when a resolver
+    failed (the set is unknown: keep what is known)."""
+    try:
+        found = await asyncio.gather(*(resolve(url) for url in urls))
+    except NoAnswer as exc:
+        log.warning("cannot resolve the workers' names now: %s", exc)
+        return None
+    return sorted({url for urls_of_name in found for url in urls_of_name})
+
+
+async def read_workers(session: aiohttp.ClientSession, control: ControlClient, urls: Sequence[str], role: Role) -> list[Upstream]:
+    """The workers among `urls` that report their limits now (one that does not is tried again at
+    the next refresh). A worker of the wrong role raises ValueError, as for a static URL."""
+    async def read(url: str) -> Upstream | None:
+        try:
+            return Upstream(url, await fetch_info(session, control, url, role))
+        except (TimeoutError, aiohttp.ClientError, ValidationError):
+            return None
+
+    return [u for u in await asyncio.gather(*(read(url) for url in urls)) if u is not None]
+
+
+async def _fetch_resolved_upstreams(session: aiohttp.ClientSession, config: RouterConfig, control: ControlClient) -> Upstreams:
+    """`--discovery dns` at start: wait until at least one worker of each role resolves and
+    reports its limits (a headless Service names a pod only once it is ready)."""
+    while True:
+        found: dict[Role, list[Upstream]] = {}
+        for role, urls in ((Role.PREFILL, config.prefill_urls), (Role.DECODE, config.decode_urls)):
+            resolved = await resolve_workers(urls)
+            found[role] = await read_workers(session, control, resolved, role) if resolved else []
+        if found[Role.PREFILL] and found[Role.DECODE]:
+            return Upstreams(found[Role.PREFILL], found[Role.DECODE], config.min_kv_ratio)
+        await asyncio.sleep(0.5)
 
 
 class Router:
@@ -396,6 +455,11 @@ class Router:
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
         self._channels: dict[str, ChannelReader] = {}
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
+        self._retiring: set[str] = set()
+        """Workers no longer named (`--discovery dns`) whose token channel closes once idle."""
+        self._departed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """URL -> instance id of workers that left the rotation's list, for the calls that end
+        their requests (aborts); the newest DEPARTED_REMEMBERED."""
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self._handlers: set[asyncio.Task[web.StreamResponse]] = set()
@@ -469,9 +533,12 @@ class Router:
     async def _keep_fresh(self, upstreams: Upstreams) -> None:
         """Read every worker's limits again every refresh interval: a worker restarted with a
         smaller pool leaves the rotation, one that reports enough again comes back (S7); one that
-        is down, or hung for MAX_SILENT_READS reads, is out until it answers."""
+        is down, or hung for MAX_SILENT_READS reads, is out until it answers. With `--discovery
+        dns` the workers' names are read first: new pods join, pods no longer named leave."""
         while True:
             await asyncio.sleep(self.config.refresh_interval_s)
+            if self.config.discovery == "dns":
+                await self._follow_names(upstreams)
             for upstream in upstreams.prefill + upstreams.decode:
                 info: WorkerInfo | None
                 try:
@@ -490,6 +557,55 @@ class Router:
                 if (change := upstreams.refresh(upstream, info)) is not None:
                     log.warning("%s", change)
             self._count_kept_out(upstreams)  # every pass, whatever path a worker took to where it is
+
+    async def _follow_names(self, upstreams: Upstreams) -> None:
+        for role, urls in ((Role.PREFILL, self.config.prefill_urls), (Role.DECODE, self.config.decode_urls)):
+            resolved = await resolve_workers(urls)
+            if resolved is None:
+                continue
+            change = membership_change([u.url for u in upstreams.of(role)], resolved)
+            for url in change.removed:
+                self._depart(url, next((u.info.instance for u in upstreams.of(role) if u.url == url), None))
+                upstreams.remove(role, url)
+                self._retiring.add(url)
+                log.info("%s worker %s is no longer named: no new requests go to it", role.value, url)
+            try:
+                joined = await read_workers(self.http, self.control, change.added, role)
+            except ValueError as exc:  # a pod of another role behind the name: never in rotation
+                log.error("router: %s", exc)
+                joined = []
+            for upstream in joined:
+                upstreams.add(upstream)
+                self._retiring.discard(upstream.url)
+                log.info("%s worker %s joined: KV pool %d tokens", role.value, upstream.url, upstream.info.kv_pool_tokens)
+        await self._close_retired_channels()
+
+    def _target(self, url: str) -> str:
+        """The instance id of the worker at `url`, as last read: calls that act are signed for it
+        alone (S9, workers/control_auth.py)."""
+        if self._upstreams is not None:
+            for upstream in self._upstreams.prefill + self._upstreams.decode:
+                if upstream.url == url and upstream.info.instance:
+                    return upstream.info.instance
+        return self._departed.get(url, ANY_WORKER)
+
+    def _depart(self, upstream_url: str, instance: str | None) -> None:
+        if instance:
+            self._departed[upstream_url] = instance
+            self._departed.move_to_end(upstream_url)
+            while len(self._departed) > DEPARTED_REMEMBERED:
+                self._departed.popitem(last=False)
+
+    async def _close_retired_channels(self) -> None:
+        """The token channel to a worker that left closes once no request waits on it: its
+        requests still finish on it (a draining pod finishes what it holds)."""
+        for url in list(self._retiring):
+            reader = self._channels.get(url)
+            if reader is None or not reader.busy:
+                self._retiring.discard(url)
+                if reader is not None:
+                    del self._channels[url]
+                    await reader.close()
 
     def _count_kept_out(self, upstreams: Upstreams) -> None:
         for role in (Role.PREFILL, Role.DECODE):
@@ -1089,7 +1205,7 @@ class Router:
         the second call is no replay (S9)."""
 
         async def send() -> aiohttp.ClientResponse:
-            call = self.control.post(self.http, f"{url}/internal/decode", body, timeout=timeout)
+            call = self.control.post(self.http, f"{url}/internal/decode", body, self._target(url), timeout=timeout)
             return await siblings.within(stack.enter_async_context(call))
 
         try:
@@ -1106,7 +1222,7 @@ class Router:
         if (reader := self._channels.get(decode_url)) is None:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)  # open for as long as both run
             reader = ChannelReader(lambda: self.control.post(self.http, f"{decode_url}/internal/stream", ChannelRequest(),
-                                                             timeout=timeout))  # fmt: skip
+                                                             self._target(decode_url), timeout=timeout))  # fmt: skip
             self._channels[decode_url] = reader
         return reader
 
@@ -1143,7 +1259,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
 
         async def compute() -> None:
-            async with self.control.post(self.http, f"{url}/internal/prefill", request, timeout=timeout) as resp:
+            async with self.control.post(self.http, f"{url}/internal/prefill", request, self._target(url), timeout=timeout) as resp:
                 if resp.status != 200:
                     raise await _upstream_error(resp)
 
@@ -1151,7 +1267,7 @@ class Router:
             # Shielded: cancelling this call (the leg failed first) must not cancel the ticket
             # itself, or decode's bootstrap would then read as "a second bootstrap" (decode blamed).
             delivery = TicketDelivery(request_id=request.request_id, ticket=await asyncio.shield(ticket))
-            async with self.control.post(self.http, f"{url}/internal/ticket", delivery, timeout=timeout) as resp:
+            async with self.control.post(self.http, f"{url}/internal/ticket", delivery, self._target(url), timeout=timeout) as resp:
                 if resp.status != 200:
                     raise await _upstream_error(resp)
 
@@ -1200,7 +1316,7 @@ class Router:
 
         async def one(url: str) -> None:
             try:
-                async with self.control.post(self.http, f"{url}/internal/abort", body, timeout=timeout):
+                async with self.control.post(self.http, f"{url}/internal/abort", body, self._target(url), timeout=timeout):
                     pass
             except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.

@@ -253,6 +253,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> Served:
         min_kv_ratio=args.min_kv_ratio,
         revision=args.revision_id,
         token_channel=args.token_channel == "on",
+        discovery=args.discovery,
     )
     router = Router(config, tokenizer, RevisionKeys.from_env())
     drain = Drain(idle=lambda: router.in_flight == 0, stop_accepting=True, begin=router.start_draining,
@@ -305,7 +306,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
     transfer = TransferConfig(max_transfer_batch=args.max_transfer_batch, stall_timeout_s=args.transfer_timeout,
                               open_timeout_s=args.bootstrap_timeout, encryption=Encryption(args.transfer_encryption))  # fmt: skip
     # S9: /internal/* answers only calls signed with the revision's control key (the router).
-    auth = control_auth_middleware(ControlVerifier(keys.control), auth_failures_counter(registry))
+    auth = control_auth_middleware(ControlVerifier(keys.control, instance=runtime.instance), auth_failures_counter(registry))
     app = web.Application(middlewares=[error_middleware, auth], client_max_size=INTERNAL_MAX_BODY_BYTES)
     if runtime.role is Role.DECODE:
         assert listeners.transfer is not None

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.async_engine import AsyncEngine
+from kvguard.workers.control_auth import new_instance_id
 from kvguard.workers.faults import Faults
 from kvguard.workers.openai_api import OpenAIError, error_middleware, validation_error
 from kvguard.workers.protocol import AbortRequest, Role, WorkerInfo
@@ -106,6 +107,9 @@ class WorkerRuntime:
     transfer_metrics: TransferMetrics
     faults: Faults
     jobs: Jobs = field(default_factory=Jobs)
+    instance: str = field(default_factory=new_instance_id)
+    """Calls to this process must be signed for it (S9): a call captured on its way to another
+    replica of the revision, which holds the same key, is refused here."""
 
     def info(self, transfer: tuple[str, int] | None = None) -> WorkerInfo:
         engine = self.engine.engine
@@ -118,6 +122,7 @@ class WorkerRuntime:
             transfer_host=transfer[0] if transfer else None,
             transfer_port=transfer[1] if transfer else None,
             vocab_size=engine.args.vocab_size,
+            instance=self.instance,
         )
 
     def healthy(self) -> web.Response:

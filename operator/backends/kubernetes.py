@@ -164,6 +164,13 @@ def with_digest(manifest: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     return {**manifest, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED_HASH_ANNOTATION: digest}}}, digest
 
 
+def _recreate_to_apply(desired: Mapping[str, Any], refused: KubeError) -> bool:
+    """The apply was refused for a field the API server keeps immutable that only re-creating the
+    object changes: a Service's clusterIP (an earlier release's virtual IP, now headless). A
+    Deployment's selector never changes for a revision (its labels are fixed), so it is not here."""
+    return refused.status == 422 and desired.get("kind") == "Service" and "clusterIP" in str(refused)
+
+
 def _replicas(obj: Mapping[str, Any]) -> int | None:
     value = (obj.get("spec") or {}).get("replicas")
     return int(value) if isinstance(value, int) else None
@@ -384,10 +391,29 @@ class KubernetesBackend:
             return
         if not checked:
             await self._refuse_foreign([manifest], model)
-        result = await self.kube.aapply(desired)
+        try:
+            result = await self.kube.aapply(desired)
+        except KubeError as exc:
+            if not _recreate_to_apply(desired, exc):
+                raise
+            result = await self._recreate(key, ref, desired, exc)
         self._applied[key] = Applied(digest, _replicas(result), _generation(result), model.uid, _resource_version(result),
                                      _metadata_mismatches(result, desired))  # fmt: skip
         log.info("applied %s", ref)
+
+    async def _recreate(self, key: ObjectKey, ref: ObjectRef, desired: Mapping[str, Any], refused: KubeError) -> dict[str, Any]:
+        """Delete a child the API server will not change in place, and apply it anew (as `kubectl
+        apply --force` does). A Service made by an earlier release with a virtual IP, now rendered
+        headless: its clusterIP is immutable. Nothing reaches a revision's worker Services but its
+        router, which resolves their names again every second."""
+        log.info("%s cannot be changed in place (%s): replacing it", ref, refused)
+        watched = key[0] not in UNWATCHED_KINDS
+        if watched:
+            self._deleting.add(key)  # its DELETED event is this process's own (before the DELETE: it may come first)
+        if not await self.kube.adelete(ref) and watched:
+            self._deleting.discard(key)
+        self.forget(key)
+        return await self.kube.aapply(desired)
 
     async def _refuse_foreign(self, manifests: Sequence[Mapping[str, Any]], model: ModelRef) -> None:
         """ForeignObjectError for the first child name someone else's object holds. Asked of the

@@ -1,0 +1,162 @@
+"""The router finds its workers by name (`--discovery dns`, workers/discovery.py).
+
+On Kubernetes a request's calls must all reach the one pod that holds its KV: prefill's computing
+call and its ticket, decode's call and the token channel it names. A Service's virtual IP sends
+each connection to any pod, so the router resolves the workers' headless Services itself and
+addresses every ready pod by IP. Here two real prefill workers share a port on two loopback
+addresses behind one name; the name's answers come from a table (tests/dns_table.py), the rest is
+the real router and workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from pd_harness import deployment, served_model
+from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_for
+
+from kvguard.workers.args import WorkerArgs, bind_listener
+from kvguard.workers.discovery import address_url, membership_change, resolve
+from kvguard.workers.launcher import LocalDeployment
+
+PREFILL_NAME = "prefill.kvguard.test"
+DECODE_NAME = "decode.kvguard.test"
+SECOND_HOST = "127.0.0.2"  # the whole of 127/8 is loopback on Linux
+
+
+def test_address_urls_keep_port_and_path_and_bracket_ipv6() -> None:
+    assert address_url("http://svc.ns.svc:8000", "10.0.0.7") == "http://10.0.0.7:8000"
+    assert address_url("http://svc:8000/base", "fd00::7") == "http://[fd00::7]:8000/base"
+    assert address_url("http://svc", "10.0.0.7") == "http://10.0.0.7"
+
+
+def test_membership_change_adds_and_removes_but_never_empties() -> None:
+    change = membership_change(["http://a:1", "http://b:1"], ["http://b:1", "http://c:1"])
+    assert (change.added, change.removed) == (("http://c:1",), ("http://a:1",))
+    none_named = membership_change(["http://a:1"], [])
+    assert (none_named.added, none_named.removed) == ((), ())  # the last known stay, judged by their reads
+
+
+async def test_resolve_asks_the_system_resolver() -> None:
+    assert await resolve("http://localhost:8000") == ["http://127.0.0.1:8000"]
+    assert await resolve("http://127.0.0.1:9/x") == ["http://127.0.0.1:9/x"]
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    with deployment(tiny_model_dir) as running:
+        yield running
+
+
+def _argv_with(argv: list[str], **flags: str) -> list[str]:
+    """A worker's command line with some flags' values replaced."""
+    out = list(argv)
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:  # at its default: left out of the command line
+            out += [flag, value]
+    return out
+
+
+def _wait_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        assert process.poll() is None and time.monotonic() < deadline, "the worker never became ready"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], env: dict[str, str], sockets: list[socket.socket], health: str) -> Iterator[None]:
+    process = subprocess.Popen(argv, env=env, pass_fds=tuple(s.fileno() for s in sockets), stdout=subprocess.DEVNULL)
+    for s in sockets:
+        s.close()
+    try:
+        _wait_healthy(health, process)
+        yield
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+@contextlib.contextmanager
+def second_prefill(d: LocalDeployment) -> Iterator[str]:
+    """Another prefill worker of the revision (its key), on SECOND_HOST at the first one's port, as
+    a second pod behind the same Service port; yields its /metrics URL."""
+    api, metrics = bind_listener(SECOND_HOST, d.ports["prefill"]), bind_listener("127.0.0.1", 0)
+    port = metrics.getsockname()[1]
+    argv = _argv_with(d.processes["prefill"].argv, host=SECOND_HOST, port=f"fd:{api.fileno()}", metrics_port=f"fd:{metrics.fileno()}")
+    with _process(argv, d.env, [api, metrics], f"http://127.0.0.1:{port}"):
+        yield f"http://127.0.0.1:{port}/metrics"
+
+
+@contextlib.contextmanager
+def named_router(d: LocalDeployment, model_dir: Path, table: Path) -> Iterator[str]:
+    """A router with `--discovery dns` whose workers' names resolve through `table`; yields its API base."""
+    api, metrics = bind_listener("127.0.0.1", 0), bind_listener("127.0.0.1", 0)
+    port = api.getsockname()[1]
+    args = WorkerArgs(role="router", model=model_dir, port=f"fd:{api.fileno()}", metrics_port=f"fd:{metrics.fileno()}",  # type: ignore[arg-type]
+                      prefill=(f"http://{PREFILL_NAME}:{d.ports['prefill']}",), decode=(f"http://{DECODE_NAME}:{d.ports['decode']}",),
+                      discovery="dns")  # fmt: skip
+    argv = [sys.executable, "-P", str(Path(__file__).with_name("dns_table.py")), str(table), "worker", *args.to_argv()]
+    with _process(argv, d.env, [api, metrics], f"http://127.0.0.1:{port}"):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+def _prefills_done(metrics_url: str) -> float:
+    text = requests.get(metrics_url, timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "kvguard_requests_total")
+
+
+def _name(table: Path, prefill: list[str]) -> None:
+    table.write_text(json.dumps({PREFILL_NAME: prefill, DECODE_NAME: ["127.0.0.1"]}))
+
+
+def test_a_router_that_resolves_its_workers_uses_every_named_pod_and_follows_the_names(
+    trio: LocalDeployment, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    table = tmp_path / "dns.json"
+    _name(table, ["127.0.0.1", SECOND_HOST])
+    model = served_model(trio)
+    body = {"model": model, "prompt": "the same prompt to every pod", "max_tokens": 8, "temperature": 0}
+    expected = requests.post(f"{trio.api_base}/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    first = trio.metrics_urls["prefill"]
+    with second_prefill(trio) as second, named_router(trio, tiny_model_dir, table) as api:
+
+        def answers(n: int) -> list[str]:
+            replies = [requests.post(f"{api}/completions", json=body, timeout=60) for _ in range(n)]
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+            return [r.json()["choices"][0]["text"] for r in replies]
+
+        before = (_prefills_done(first), _prefills_done(second))
+        assert answers(6) == [expected] * 6  # each request's calls reached the one pod computing it
+        assert _prefills_done(first) > before[0] and _prefills_done(second) > before[1]  # both pods served
+
+        _name(table, [SECOND_HOST])  # the first pod is no longer ready: its name goes
+
+        def first_left() -> bool:
+            done = _prefills_done(first)
+            return answers(4) == [expected] * 4 and _prefills_done(first) == done
+
+        assert wait_for(first_left, "the router to stop sending requests to the pod no longer named", timeout=60)
+        _name(table, ["127.0.0.1", SECOND_HOST])  # it is ready again
+
+        def first_back() -> bool:
+            done = _prefills_done(first)
+            return answers(4) == [expected] * 4 and _prefills_done(first) > done
+
+        assert wait_for(first_back, "the router to send requests to the pod named again", timeout=60)
