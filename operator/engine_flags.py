@@ -99,6 +99,24 @@ OWNED: Mapping[EngineKind, Mapping[str, str]] = {
     EngineKind.SGLANG: SGLANG_OWNED, EngineKind.VLLM: VLLM_OWNED, EngineKind.KVGUARD: KVGUARD_OWNED,
 }  # fmt: skip
 
+# Speculative decoding: the draft model's layers keep their KV in the target's pool, one slot per
+# target token (planner.kv_bytes_per_token adds spec.model.extraDraftLayers). These flags turn it on
+# or configure it, so in extraArgs they need the draft layers declared, or the plan sizes a pool
+# the engine then shares with layers it never counted (S7; an outside probe passed at 2.01x what
+# was 1.93x with its one EAGLE layer). Names from SGLang 0.5.22/0.5.23's `srt/arg_groups/fields/
+# spec.py` (read as tests/engine_sources.py reads it) and vLLM's `--speculative-config` (JSON, also
+# dotted); vLLM before 0.8 spelled it `--speculative-model` / `--num-speculative-tokens`, refused
+# too (a newer vLLM does not start with them anyway). Any other `--speculative-*` flag counts as well.
+SPECULATIVE_PREFIX = "--speculative-"
+SPECULATIVE: Mapping[EngineKind, tuple[str, ...]] = {
+    EngineKind.SGLANG: ("--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
+                        "--speculative-draft-model-revision", "--speculative-num-steps", "--speculative-eagle-topk",
+                        "--speculative-num-draft-tokens", "--speculative-token-map", "--speculative-draft-load-format",
+                        "--speculative-dflash-block-size", "--speculative-dspark-block-size"),
+    EngineKind.VLLM: ("--speculative-config", "--speculative-model", "--num-speculative-tokens"),
+    EngineKind.KVGUARD: (),  # no speculative decoding; its parser refuses the flags anyway
+}  # fmt: skip
+
 
 def flag_name(token: str) -> str | None:
     """The option a command-line token names (`--x_y=1` -> `--x-y`), or None for a value."""
@@ -138,6 +156,23 @@ def overrides(args: Sequence[str], owned: Mapping[str, str]) -> Iterator[tuple[s
         name = flag_name(token)
         if name is not None and (flag := owned_flag(name, owned)) is not None:
             yield token, flag, owned[flag]
+
+
+def speculative(args: Sequence[str], kind: EngineKind) -> list[tuple[str, str]]:
+    """(token, flag) for each token of `args` that names a speculative-decoding flag of `kind`'s
+    engine, read as its parser reads it (`=` values, `_` for `-`, dotted JSON names, prefixes)."""
+    known = SPECULATIVE[kind]
+    if not known:
+        return []
+    found = []
+    for token in args:
+        name = flag_name(token)
+        if name is None:
+            continue
+        flag = name if name.startswith(SPECULATIVE_PREFIX) else owned_flag(name, known)
+        if flag is not None:
+            found.append((token, flag))
+    return found
 
 
 def override_message(token: str, flag: str, owner: str) -> str:

@@ -168,6 +168,8 @@ def extra_args_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
     sources += [(f"spec.roles.{name}.extraArgs", name, role.extra_args or []) for name, role in spec.roles.worker_roles().items()]
     read_by_plan = engine_flags.PLANNER_READ.get(spec.engine.kind, ())
     for where, role_name, args in sources:
+        if spec.model.extra_draft_layers == 0 and (found := engine_flags.speculative(args, spec.engine.kind)):
+            yield where, _undeclared_draft_message(found)
         overriding = list(engine_flags.overrides(args, owned))
         for token, flag, owner in overriding:
             yield where, engine_flags.override_message(token, flag, owner.replace("spec.roles.*", f"spec.roles.{role_name}"))
@@ -181,6 +183,15 @@ def extra_args_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
                 if name and token not in said and name not in engine_flags.KVGUARD_TUNABLE_FLAGS:
                     yield where, (f"{token} is not a kvguard worker flag it may set (only "
                                   f"{' and '.join(engine_flags.KVGUARD_TUNABLE_FLAGS)}): the worker would not start")
+
+
+def _undeclared_draft_message(found: list[tuple[str, str]]) -> str:
+    """S7: speculative decoding in extraArgs with no draft layers in the plan: the draft model's
+    layers keep KV in the same pool (one slot per target token), which the plan would not count."""
+    tokens = ", ".join(token if token.split("=", 1)[0] == flag else f"{token} (read as {flag})" for token, flag in found)
+    return (f"{tokens} set{'s' if len(found) == 1 else ''} up speculative decoding, whose draft layers keep their KV in "
+            "the same pool, but spec.model.extraDraftLayers is 0: declare the draft layers there (1 for an EAGLE or "
+            "MTP head; a draft model's layer count) so the plan sizes the pool with them")
 
 
 def _architecture_problems(arch: ModelArchitecture, needs_parameters: bool) -> Iterator[tuple[str, str]]:

@@ -31,6 +31,7 @@ from engine_sources import (
     sglang_metric_labels,
 )
 
+from kvguard.operator import engine_flags
 from kvguard.operator.api import EngineKind, InferenceModelSpec, KVTransferSpec, SGLangKVCanary
 from kvguard.operator.canary import metrics as canary_metrics
 from kvguard.operator.canary.discovery import SGLANG_INFO_PATHS
@@ -178,6 +179,19 @@ def test_sglang_kv_canary_reports_violations_in_the_log_only(version: str) -> No
     from kvguard.operator.canary.engine_logs import SGLANG_VIOLATION_PREFIX
 
     assert f'f"{SGLANG_VIOLATION_PREFIX} "' in reporter
+
+
+@pytest.mark.parametrize("kind, version", [*(("sglang", v) for v in SUPPORTED["sglang"]), *(("vllm", v) for v in SUPPORTED["vllm"])])
+def test_every_speculative_flag_of_the_release_needs_declared_draft_layers(kind: str, version: str) -> None:
+    """engine_flags.SPECULATIVE: each speculative-decoding flag the release has is read as one (so it
+    needs spec.model.extraDraftLayers, S7), and no other flag of the release is."""
+    src = source(kind, version)
+    speculative = {flag for flag in src.flags if "speculative" in flag}
+    assert speculative, f"{kind} {version} has no speculative flag"
+    caught = {flag for flag in src.flags if engine_flags.speculative([flag], EngineKind(kind))}
+    assert caught == speculative, (sorted(speculative - caught), sorted(caught - speculative))
+    listed = {flag for flag in engine_flags.SPECULATIVE[EngineKind(kind)] if flag in src.flags}
+    assert listed, f"none of engine_flags.SPECULATIVE[{kind}] exists in {version}"
 
 
 # --- vLLM --------------------------------------------------------------------------------------

@@ -158,3 +158,67 @@ def test_vllm_without_a_router_image_is_refused_naming_it() -> None:
     with pytest.raises(AdmissionDenied) as denied:
         admit(data)
     assert "spec.engine.routerImage: required for vllm" in str(denied.value)
+
+
+# --- speculative decoding in extraArgs needs its draft layers in the plan (S7) -----------------------
+# An outside probe: SGLang EAGLE flags in extraArgs with extraDraftLayers 0 planned a pool at 2.01x
+# (PASS) that the same spec, with its one draft layer declared, plans at 1.93x (blocked).
+
+EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+         "--speculative-num-steps", "3"]  # fmt: skip
+VLLM_EAGLE = ["--speculative-config", '{"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}']
+SPECULATIVE = [
+    # (engine, where, args): every spelling the engine's parser reads as a speculative flag
+    ("sglang", "engine", EAGLE),
+    ("sglang", "engine", ["--speculative-algorithm=EAGLE3"]),
+    ("sglang", "decode", ["--speculative_algorithm", "NEXTN"]),  # per-role, underscores
+    ("sglang", "engine", ["--speculative-alg", "EAGLE"]),  # an abbreviation argparse resolves
+    ("sglang", "prefill", ["--speculative-draft-model", "some/draft"]),  # SGLang's alias of --speculative-draft-model-path
+    ("sglang", "engine", ["--speculative-eagle-topk", "4"]),
+    ("vllm", "engine", VLLM_EAGLE),
+    ("vllm", "decode", ["--speculative-config.method=eagle"]),  # a dotted JSON argument
+    ("vllm", "engine", ["--speculative_config={\"method\": \"eagle3\"}"]),
+    ("vllm", "engine", ["--speculative-model", "some/draft", "--num-speculative-tokens", "3"]),  # vLLM before 0.8
+]
+
+
+@pytest.mark.parametrize("kind, where, args", SPECULATIVE, ids=[f"{k}-{w}-{a[0]}" for k, w, a in SPECULATIVE])
+def test_speculative_flags_without_declared_draft_layers_are_refused_by_field(kind: str, where: str, args: list[str]) -> None:
+    with pytest.raises(AdmissionDenied) as denied:
+        admit(with_args(kind, where, args))
+    path = "spec.engine.extraArgs" if where == "engine" else f"spec.roles.{where}.extraArgs"
+    assert denied.value.code == INVALID
+    message = str(denied.value)
+    assert message.startswith(f"{path}: {args[0]}") and "declare the draft layers" in message, message
+    assert "spec.model.extraDraftLayers is 0" in message
+
+
+@pytest.mark.parametrize("kind, args", [("sglang", EAGLE), ("vllm", VLLM_EAGLE)])
+def test_speculative_flags_with_declared_draft_layers_are_admitted_and_rendered(kind: str, args: list[str]) -> None:
+    data = with_args(kind, "engine", args)
+    data["model"]["extraDraftLayers"] = 1
+    admit(data)  # raises AdmissionDenied on a refusal
+    spec = InferenceModelSpec.model_validate(data)
+    assert worker_command(spec, "decode")[-len(args):] == args
+    without = InferenceModelSpec.model_validate(spec_data(kind))
+    assert plan(spec).roles["decode"].bytes_per_token == plan(without).roles["decode"].bytes_per_token * 33 // 32  # 32 layers + 1
+
+
+def test_speculative_flags_are_for_the_plan_cli_and_render_what_they_are_for_admission(tmp_path: Path,
+                                                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The probe's spec: `kvguard plan` passed it (exit 0 at 2.01x), `render` rendered it; with its
+    draft layer declared it is blocked at 1.93x, as it should be."""
+    from kvguard.cli import main
+
+    body = {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "sneak"},
+            "spec": with_args("sglang", "engine", EAGLE) | {"contextLength": 220_000}}  # fmt: skip
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    for command in ("plan", "render"):
+        assert main([command, "-f", str(manifest)]) == 2, command
+        err = capsys.readouterr().err
+        assert f"kvguard {command}: spec.engine.extraArgs: --speculative-algorithm, " in err and "extraDraftLayers" in err, err
+    body["spec"]["model"]["extraDraftLayers"] = 1
+    manifest.write_text(yaml.safe_dump(body))
+    assert main(["plan", "-f", str(manifest)]) == 3  # blocked: the draft layer's KV counted
+    assert "1.93x contextLength 220,000, below minKVRatio 2" in capsys.readouterr().out
