@@ -116,6 +116,22 @@ def with_stand_in_source(spec: InferenceModelSpec, claim: str) -> InferenceModel
     return spec.model_copy(update={"model": spec.model.model_copy(update={"source": stand_in})})
 
 
+def with_stand_in_images(spec: InferenceModelSpec, image: str) -> InferenceModelSpec:
+    """`spec`, with a stand-in engine image where neither the engine nor a role names one, and a
+    stand-in vLLM router image, for `kvguard plan` only: it deploys nothing, and an image changes
+    no flag a check reads (the examples plan without one). Where the spec is deployed -- admission,
+    render, apply -- a missing image is refused (`image_for`). A role image without an engine image
+    is not stood in for: the other role's image is then what is missing, as admission says."""
+    engine = spec.engine
+    update: dict[str, str] = {}
+    role_images = any(role.image for role in spec.roles.worker_roles().values())
+    if engine.image is None and not role_images and engine.kind is not EngineKind.KVGUARD:
+        update["image"] = image
+    if engine.router_image is None and engine.kind is EngineKind.VLLM:
+        update["router_image"] = image
+    return spec.model_copy(update={"engine": engine.model_copy(update=update)}) if update else spec
+
+
 # --- names and labels ------------------------------------------------------------------------
 
 

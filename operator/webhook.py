@@ -55,14 +55,11 @@ from kvguard.operator.api import (
     InferencePolicySpec,
     model_name_problem,
 )
-from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.kube import Kube, KubeError
-from kvguard.operator.pd_parity import parity_problem
-from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
 from kvguard.operator.policy import describe_violations, evaluate, rule_problems
 from kvguard.operator.reconcile import field_errors
-from kvguard.operator.render import Owner, RenderError, render_revision, with_stand_in_source
 from kvguard.operator.rollout import PAUSE_ANNOTATION, annotation_problems
+from kvguard.operator.spec_checks import SpecInvalid, check_spec_fields
 
 log = logging.getLogger(__name__)
 
@@ -141,24 +138,16 @@ def parse_spec(raw: Any) -> InferenceModelSpec:
 
 def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> None:
     """The planner's and the renderer's field-level errors (a blocked plan is not one: reconcile
-    reports it as KVPoolSufficient=False). The plan itself is skipped when the architecture is in
-    a ConfigMap admission cannot read (reconcile plans it); every check that needs no architecture
-    runs whatever the plan -- the renderer's and the prefill/decode parity check on the
-    flag-check plan where there is no passing one, and without a source on a stand-in one (outside
-    probe: they ran only for a sourced, passing, inline spec)."""
-    problems = engine_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
-    if problems:
-        raise AdmissionDenied("; ".join(problems), INVALID)
-    kv_plan = None
+    reports it as KVPoolSufficient=False), decided in one place for admission and `kvguard plan`
+    (`spec_checks.check_spec_fields`). The plan itself is skipped when the architecture is in a
+    ConfigMap admission cannot read (reconcile plans it); every check that needs no architecture
+    runs whatever the plan -- the renderer's and the prefill/decode parity check on the flag-check
+    plan where there is no passing one, and without a source on a stand-in one (outside probe: they
+    ran only for a sourced, passing, inline spec)."""
     try:
-        if spec.model.architecture is not None or spec.model.architecture_config_map is None:
-            kv_plan = plan(spec)
-        checked = plan_to_render(spec, kv_plan)
-        render_revision(with_stand_in_source(spec, "admission"), checked, Owner(name=name, namespace=namespace, uid="admission"), "admission")
-    except (PlanInputError, RenderError) as exc:
+        check_spec_fields(spec, name=name, namespace=namespace)
+    except SpecInvalid as exc:
         raise AdmissionDenied(str(exc), INVALID) from None
-    if (mismatch := parity_problem(spec, checked)) is not None:  # sglang#19398
-        raise AdmissionDenied(mismatch, INVALID)
 
 
 def check_policy_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str | None) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PURE = ("api", "planner", "estimates", "suggestions", "policy", "rollout", "reconcile", "render", "revision",
+PURE = ("api", "planner", "spec_checks", "estimates", "suggestions", "policy", "rollout", "reconcile", "render", "revision",
         "conditions", "crdgen", "hf_config", "canary", "traffic", "analysis", "pool_gate", "continuous")  # fmt: skip
 
 

@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from kvguard.cli import main
 
@@ -139,8 +141,6 @@ def test_a_split_what_if_lists_the_measured_shards_it_implies_in_every_change(tm
     for suggestion in body["suggestions"]:
         assert {"field": "spec.weights.measuredShards", "value": 8} in suggestion["changes"]
     split = next(s for s in body["suggestions"] if s["field"].endswith("pipelineParallel"))
-    import yaml
-
     manifest = yaml.safe_load(glm.read_text())
     manifest["spec"]["contextLength"] = 4_000_000
     for change in split["changes"]:
@@ -338,3 +338,60 @@ def test_a_shortfall_never_reads_as_the_ratio_it_misses(capsys: pytest.CaptureFi
     assert main(["plan", "-f", str(EXAMPLES / "incident.yaml"), *flags, "-o", "json"]) == 3
     prefill = json.loads(capsys.readouterr().out)["roles"]["prefill"]
     assert (prefill["ratio"], prefill["sufficient"]) == (1.9999, False)  # rounded down, never 2.0
+
+
+# --- the field checks admission runs, `kvguard plan` runs too (spec_checks.py) ------------------------
+# An outside probe: plan exited 0 (PASS) for specs the webhook refused with 422 and `kvguard render`
+# with exit 2 -- it ran the planner's checks and not the renderer's.
+
+SGLANG_SPEC = {"image": "lmsysorg/sglang:v0.5.23", "version": "0.5.23"}
+ADMISSION_CASES = [
+    # (where in the manifest, value, the field the message names)
+    (("spec", "kvCacheDtype"), "fp4_e2m1", "spec.kvCacheDtype: sglang does not take 'fp4_e2m1'"),
+    (("spec", "roles", "decode", "resources"), {"limits": {"nvidia.com/gpu": "2"}},
+     "spec.roles.decode.resources.limits: nvidia.com/gpu: 2 differs from the role's GPUs (1,"),
+    (("spec", "engine", "kvCanary"), {"mode": "log"}, None),  # admitted on sglang: so is the plan
+    (("spec", "kvTransfer", "encryption"), "aes-gcm", "spec.kvTransfer.encryption: sglang has no KV encryption"),
+    (("spec", "roles", "decode", "extraArgs"), ["--disaggregation-enable-kv-checksum"],
+     "prefill and decode must agree on what their KV exchange depends on (sglang#19398): KV checksum"),
+    (("metadata", "annotations"), {"kvguard.io/pause": "yes"}, "metadata.annotations[kvguard.io/pause]: 'yes' is not"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "says"), ADMISSION_CASES, ids=[".".join(p) for p, _, _ in ADMISSION_CASES])
+def test_plan_refuses_by_field_what_admission_refuses_and_passes_what_it_admits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], path: tuple[str, ...], value: Any, says: str | None) -> None:  # fmt: skip
+    from kvguard.operator.webhook import AdmissionDenied, check_admission
+
+    manifest = yaml.safe_load((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text())
+    manifest["spec"]["engine"].update(SGLANG_SPEC)
+    manifest["spec"]["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
+    node = manifest
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
+    written = tmp_path / "m.yaml"
+    written.write_text(yaml.safe_dump(manifest))
+    try:
+        check_admission(manifest, None, "CREATE", [])
+        denied = None
+    except AdmissionDenied as exc:
+        denied = str(exc)
+    status = main(["plan", "-f", str(written)])
+    err = capsys.readouterr().err
+    if says is None:
+        assert denied is None and status == 0, (denied, err)
+        return
+    assert denied is not None and says in denied
+    assert status == 2 and err == f"kvguard plan: {denied}\n"  # the same words as the webhook's
+    assert main(["render", "-f", str(written)]) == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_plan_needs_no_image_though_admission_and_render_do(engine: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan deploys nothing: the examples carry no image and still plan (render, which prints what
+    would be deployed, refuses them naming the image)."""
+    status, body = plan_json(capsys, "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml"), "--engine", engine)
+    assert status == 0 and body["verdict"] == "pass"
+    assert main(["render", "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml")]) == 2
+    assert "spec.engine.image: required for engine sglang" in capsys.readouterr().err

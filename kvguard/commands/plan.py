@@ -2,7 +2,8 @@
 
 Reads an InferenceModel manifest, applies "what if" flags on top of it, and prints the planner's
 verdict as a table or JSON. Exit status: 0 pass, 3 blocked, 2 bad input (message on stderr naming
-the field).
+the field): what the admission webhook refuses by field, with its words (spec_checks.py), except
+a missing engine or router image, which a plan does not need.
 
 What-if flags set the value for every role they name: --kv-pool-tokens and --mem-fraction replace
 the spec-wide field and any per-role kvPoolTokens / memoryFraction too. A measured weight figure
@@ -97,26 +98,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvguard.operator.api import InferenceModel
-    from kvguard.operator.engine_support import engine_problems
-    from kvguard.operator.pd_parity import parity_problem
     from kvguard.operator.planner import PlanInputError, plan
+    from kvguard.operator.rollout import annotation_problems
+    from kvguard.operator.spec_checks import SpecInvalid, check_spec_fields
 
     notes: list[str] = []
     set_by: dict[str, str] = {}  # field location -> the what-if flag that wrote it
     try:
         manifest = _apply_overrides(_read_manifest(Path(args.file)), args, notes, set_by)
         model = InferenceModel.model_validate(manifest)
-        if problems := engine_problems(model.spec):  # what render, apply and admission refuse (engine_support.py)
+        if problems := annotation_problems(model.metadata.annotations):  # as admission and apply read them
             raise BadInput("; ".join(problems))
-        result = _with_implied_changes(plan(model.spec), manifest, set_by)
-        if (mismatch := parity_problem(model.spec, result)) is not None:  # admission refuses it (sglang#19398)
-            raise BadInput(mismatch)
+        # The field checks admission runs (one place decides: spec_checks.py), less the images a
+        # plan does not need; then the plan, which is None only for an architecture in a ConfigMap.
+        meta = model.metadata
+        kv_plan = check_spec_fields(model.spec, name=meta.name, namespace=meta.namespace or "", deploying=False)
+        result = _with_implied_changes(kv_plan or plan(model.spec), manifest, set_by)
     except BadInput as exc:
         return _bad_input(str(exc))
     except ValidationError as exc:
         return _bad_input(*_describe_errors(exc.errors(), set_by))
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
+    except SpecInvalid as exc:
+        return _bad_input(*exc.problems)
     except (OverflowError, ValueError) as exc:  # a value too large for arithmetic (e.g. a 400-digit contextLength)
         return _bad_input(f"a value in {args.file} is too large to plan with ({exc})")
     for note in notes:

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.render import Owner, RenderError
     from kvguard.operator.revision import REVISION_LENGTH
+    from kvguard.operator.rollout import annotation_problems
     from kvguard.operator.traffic import desired_objects
 
     if args.weight is not None and not 0 <= args.weight <= 100:
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
                           f"as `kvguard status` shows), got {args.revision[:80]!r}")  # fmt: skip
     try:
         model = InferenceModel.model_validate(_read_manifest(Path(args.file)))
+        if problems := annotation_problems(model.metadata.annotations):  # as admission, plan and apply read them
+            raise BadInput("; ".join(problems))
         namespace = args.namespace or model.metadata.namespace or "default"
         # The API server assigns the uid; rendered ownerReferences carry a placeholder that says so.
         owner = Owner(name=model.metadata.name, namespace=namespace, uid="<assigned-by-the-api-server>")

@@ -1,0 +1,61 @@
+"""The field checks an InferenceModel spec must pass before anything plans or deploys it: one
+place that decides, for the admission webhook (`webhook.check_plannable`) and `kvguard plan`.
+
+What they are: the engine's support for the spec (`engine_support`), the `extraArgs` checks
+(owned flags, the flags the plan reads, speculative decoding without draft layers:
+`planner.extra_args_problems`), the planner's own input checks, the renderer's field checks (a KV
+dtype or encryption an engine does not take, engine-only options, `nvidia.com/gpu` in resources
+other than the role's GPUs, images) and the prefill/decode parity check (sglang#19398). A blocked
+plan is not a field error: the spec is still checked, on the flag-check plan
+(`planner.plan_to_render`). An outside probe found `kvguard plan` exiting 0 for specs the webhook
+refused (422) and `kvguard render` refused (exit 2): it ran only some of these.
+
+Pure: no kopf, kubernetes or torch (`kvguard plan` runs without the operator's extras).
+"""
+
+from __future__ import annotations
+
+from kvguard.operator.api import InferenceModelSpec, KVPlan
+from kvguard.operator.engine_support import engine_problems
+from kvguard.operator.pd_parity import parity_problem
+from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
+from kvguard.operator.render import Owner, RenderError, render_revision, with_stand_in_images, with_stand_in_source
+
+STAND_IN = "field-check"
+"""The claim and image names a check renders with where the spec has none (nothing is applied)."""
+
+
+class SpecInvalid(ValueError):
+    """A spec refused by field: each problem is one `field: message` line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, deploying: bool = True) -> KVPlan | None:
+    """Raise SpecInvalid when the spec fails a field check; else its plan (None when the
+    architecture is in a ConfigMap this caller cannot read: reconcile plans it, every check that
+    needs no architecture ran on the flag-check plan). A spec without a model source is checked on
+    a stand-in one (it is valid for planning, refused where it is deployed). `deploying=False`
+    (`kvguard plan`, which deploys nothing) also stands in for images the spec does not name: an
+    image is needed to deploy, not to plan, and changes no flag a check reads."""
+    problems = engine_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
+    if problems:
+        raise SpecInvalid(problems)
+    rendered = with_stand_in_source(spec, STAND_IN)
+    if not deploying:
+        rendered = with_stand_in_images(rendered, STAND_IN)
+    kv_plan = None
+    try:
+        if spec.model.architecture is not None or spec.model.architecture_config_map is None:
+            kv_plan = plan(spec)
+        checked = plan_to_render(spec, kv_plan)
+        render_revision(rendered, checked, Owner(name=name, namespace=namespace, uid=STAND_IN), STAND_IN)
+    except PlanInputError as exc:
+        raise SpecInvalid([f"{field}: {message}" for field, message in exc.problems]) from None
+    except RenderError as exc:
+        raise SpecInvalid([str(exc)]) from None
+    if (mismatch := parity_problem(rendered, checked)) is not None:  # sglang#19398
+        raise SpecInvalid([mismatch])
+    return kv_plan
