@@ -26,6 +26,7 @@ from kvguard.cli import main
 from kvguard.operator.api import InferenceModel
 from kvguard.operator.backends.local import (
     FAULTS_ENV,
+    MAX_LOCAL_WORKERS,
     TRANSFER_KEY_ENV,
     FrontDoorDown,
     LocalBackend,
@@ -92,6 +93,9 @@ def test_stream_interval_reaches_the_local_decode_workers_only() -> None:
         (("engine", "kind"), "sglang", "spec.engine.kind"),
         (("weights",), {"quantization": "awq"}, "spec.weights.quantization"),
         (("roles", "prefill", "tensorParallel"), 2, "spec.roles.prefill.tensorParallel"),
+        # More worker processes than one machine is for (MAX_LOCAL_WORKERS): fine on a cluster
+        (("roles", "decode", "dataParallel"), 65536, "spec.roles.decode.dataParallel"),
+        (("roles", "prefill", "replicas"), 64, "spec.roles.prefill.replicas"),  # 65 with decode's one
     ],
 )
 def test_specs_the_local_backend_cannot_run_are_refused_by_field(path: tuple[str, ...], value: Any, field: str) -> None:
@@ -102,6 +106,15 @@ def test_specs_the_local_backend_cannot_run_are_refused_by_field(path: tuple[str
     node[path[-1]] = value
     problems = runnable_problems(spec_of(body))
     assert len(problems) == 1 and problems[0].startswith(field + ":")
+
+
+def test_as_many_workers_as_the_local_bound_still_run() -> None:
+    """MAX_LOCAL_WORKERS is a bound on both roles' processes together, not a refusal of scale-out."""
+    body = tiny_body()
+    body["spec"]["roles"]["prefill"].update(replicas=2, dataParallel=16)
+    body["spec"]["roles"]["decode"].update(replicas=4, dataParallel=8)
+    assert runnable_problems(spec_of(body)) == []
+    assert MAX_LOCAL_WORKERS == 64
 
 
 def test_model_dir_is_the_pvc_path_under_the_models_root(tmp_path: Path) -> None:
@@ -181,6 +194,21 @@ def test_apply_of_a_spec_refused_by_field_exits_2_at_once(tmp_path: Path, tiny_m
     assert main(["apply", "-f", str(manifest), "--local", "--state-dir", str(tmp_path / "s")]) == 2
     assert "spec.roles.decode.gpuCount: hardware.device is cpu" in capsys.readouterr().err
     assert not (tmp_path / "s" / "revisions").exists()
+
+
+def test_apply_of_more_workers_than_the_local_backend_runs_exits_2_naming_the_field(
+        tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Outside probe: dataParallel 65536 (admitted: fine for a cluster) tried to bind ~196k loopback
+    ports, then exit 1 naming no field. Now refused before anything starts or is recorded."""
+    body = tiny_body(str(tiny_model_dir))
+    body["spec"]["roles"]["decode"]["dataParallel"] = 65536
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    assert main(["apply", "-f", str(manifest), "--local", "--state-dir", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "kvguard apply: spec.roles.decode.dataParallel: 1 replicas x dataParallel 65,536 = 65,536 decode worker " in err
+    assert "the local backend starts at most 64 in all" in err
+    assert not (tmp_path / "s" / "revisions").exists() and not (tmp_path / "s" / "state.json").exists()
 
 
 def test_apply_of_a_context_beyond_the_models_own_limit_exits_2_at_once(tmp_path: Path, tiny_model_dir: Path,

@@ -310,11 +310,37 @@ def model_dir_for(spec: InferenceModelSpec, models_root: Path) -> Path:
     return models_root / source.pvc.path
 
 
+MAX_LOCAL_WORKERS = 64
+"""The most prefill and decode worker processes one revision may have here (replicas x dataParallel
+of both roles, at full scale; the router is one more). Each is a Python process of its own with
+torch, the model's weights and its KV pool (hundreds of MB even for the tiny model) and binds up to
+three loopback ports, all on one machine: 64 is far above what the local backend is for (the demo
+runs two) and keeps the ports to a few hundred. A cluster takes the spec as it is (replicas x
+dataParallel within int32): an outside probe's dataParallel 65536, fine there, made the local backend
+try to bind ~196k ports, then fail with exit 1 naming no field."""
+
+
 def runnable_problems(spec: InferenceModelSpec) -> list[str]:
     """Field-level reasons this spec cannot run as local processes (empty: it can)."""
     if spec.engine.kind != EngineKind.KVGUARD:
         return [f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}"]
-    return engine_problems(spec)  # what the kvguard engine runs, on a cluster or here
+    return engine_problems(spec) + _size_problems(spec)  # what the kvguard engine runs, on a cluster or here
+
+
+def _size_problems(spec: InferenceModelSpec) -> list[str]:
+    """More worker processes than MAX_LOCAL_WORKERS, named by the largest role's field."""
+    counts = {role: instances(spec, role) for role in ("prefill", "decode")}
+    total = sum(counts.values())
+    if total <= MAX_LOCAL_WORKERS:
+        return []
+    role = max(counts, key=lambda name: counts[name])
+    shape = spec.roles.worker_roles()[role]
+    field = "dataParallel" if shape.data_parallel > 1 else "replicas"
+    other = "decode" if role == "prefill" else "prefill"
+    return [f"spec.roles.{role}.{field}: {shape.replicas:,} replicas x dataParallel {shape.data_parallel:,} = "
+            f"{counts[role]:,} {role} worker processes ({total:,} with {other}'s); the local backend starts at most "
+            f"{MAX_LOCAL_WORKERS} in all (each loads the model and binds its own loopback ports on this machine): "
+            "lower it, or deploy the spec to a cluster"]
 
 
 def instances(spec: InferenceModelSpec, role: str, scale: Scale = "full") -> int:
