@@ -194,3 +194,26 @@ def test_cluster_a_deleted_transfer_secret_is_replaced_and_every_pod_moves_to_it
     (second,) = moved
     assert second.startswith(f"{name}-") and core.read_namespaced_secret(second, NS).metadata.owner_references[0].kind == "InferenceModel"
     assert router.metadata.name in {d.metadata.name for d in children(kube, name)["Deployment"]}
+
+
+@pytest.mark.skipif(not os.environ.get("KVGUARD_E2E_WORKER_IMAGE"), reason="needs worker pods (KVGUARD_E2E_WORKER_IMAGE)")
+def test_cluster_two_pods_of_each_worker_role_answer_every_request(kube: Any, model: Any) -> None:
+    """A request's calls must all reach the pod holding its KV (prefill's call and its ticket,
+    decode's call and the token channel it names). Through a Service's virtual IP they were spread
+    over pods, and with two replicas about half failed; the router now resolves the headless
+    worker Services to the pods (`--discovery dns`). Every request answers, the same greedy text."""
+    from harness_cluster import port_forward
+    from openai import OpenAI
+
+    spec = tiny_spec()
+    spec["roles"] = {"prefill": {"replicas": 2}, "decode": {"replicas": 2}, "router": {"replicas": 1}}
+    name = model("tiny-cpu.yaml", spec)
+    wait_for(lambda: status_of(kube, name).get("phase") == "Stable", "phase Stable", timeout=600)
+    services = {s.metadata.name: s for s in children(kube, name)["Service"]}
+    assert all(s.spec.cluster_ip == "None" for n, s in services.items() if n.endswith(("-prefill", "-decode")))
+    with port_forward(NS, f"svc/{name}", 8000) as port:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        served = client.models.list().data[0].id
+        texts = [client.completions.create(model=served, prompt="one prompt, every pod", max_tokens=8, temperature=0).choices[0].text
+                 for _ in range(16)]  # fmt: skip
+    assert len(set(texts)) == 1 and texts[0]
