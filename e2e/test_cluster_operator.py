@@ -208,7 +208,7 @@ def test_cluster_two_pods_of_each_worker_role_answer_every_request(kube: Any, mo
     spec = tiny_spec()
     spec["roles"] = {"prefill": {"replicas": 2}, "decode": {"replicas": 2}, "router": {"replicas": 1}}
     name = model("tiny-cpu.yaml", spec)
-    wait_for(lambda: status_of(kube, name).get("phase") == "Stable", "phase Stable", timeout=600)
+    wait_for(lambda: status_of(kube, name).get("phase") == "Ready", "phase Ready", timeout=600)
     services = {s.metadata.name: s for s in children(kube, name)["Service"]}
     assert all(s.spec.cluster_ip == "None" for n, s in services.items() if n.endswith(("-prefill", "-decode")))
     with port_forward(NS, f"svc/{name}", 8000) as port:
