@@ -74,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--namespace", default="default", help="namespace the policies see (default: default)")
     parser.add_argument("--faults", default="", metavar="SPEC",
                         help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
-    parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds")
+    parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds (checked between reconcile passes: one that is starting workers ends first)")
     parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it (with an unreadable state.json: every kvguard worker logging into the folder; none found: nothing is removed)")
     parser.set_defaults(func=run)
 

@@ -298,7 +298,8 @@ async def roll_out(
     # verdicts on every running worker go into the status as the operator's pod gate's do.
     gate = LocalPoolGate(ready=ready, alive=backend.processes.alive)
     loop = asyncio.get_running_loop()
-    deadline = None if max_seconds is None else loop.time() + max_seconds
+    started = loop.time()
+    deadline = None if max_seconds is None else started + max_seconds
     previous_state: RolloutState | None = None
     while True:
         body = store.body()
@@ -331,6 +332,7 @@ async def roll_out(
         waits = ("Resizing" if resize else "Restarting", settling) if settling is not None else progressing(status)
         reporter.waiting(*(waits or (None,)))
         if deadline is not None and loop.time() > deadline:
-            raise TimeoutError(f"rollout of {name} still {state.value} after {max_seconds:g} s")
+            # Checked between passes: a pass that is starting workers runs to its end (seconds).
+            raise TimeoutError(f"rollout of {name} still {state.value} after {loop.time() - started:.0f} s (--timeout {max_seconds:g})")
         wait = result.outcome.requeue_after
         await asyncio.sleep(POLL_SECONDS if wait is None or wait > 0 else 0)
