@@ -5,6 +5,8 @@
 TABLE.json maps a host name to the addresses it resolves to now (re-read on every lookup, so a
 test changes the answer as a headless Service's changes when pods come and go); an empty list is
 a name with no addresses (NXDOMAIN), and a name the table does not hold is looked up for real.
+A number under "__delay__" makes every lookup of the table's names take that many seconds (a
+resolver that is down: glibc waits and retries).
 Nothing else in the process is changed: a headless Service's DNS cannot be served on this machine
 (no DNS server the resolver would ask), and the router's behaviour is what the tests check.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ def main() -> int:
         names: dict[str, list[str]] = json.loads(table.read_text())
         if host not in names:
             return _real_getaddrinfo(host, port, *args, **kwargs)
+        time.sleep(float(names.get("__delay__", 0)))  # type: ignore[arg-type]
         if not names[host]:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, int(port))) for address in names[host]]

@@ -23,7 +23,7 @@ import pytest
 import requests
 from pd_harness import deployment, served_model
 from prometheus_client.parser import text_string_to_metric_families
-from waiting import wait_for
+from waiting import until, wait_for
 
 from kvguard.workers.args import WorkerArgs, bind_listener
 from kvguard.workers.discovery import address_url, membership_change, resolve
@@ -122,8 +122,8 @@ def _prefills_done(metrics_url: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "kvguard_requests_total")
 
 
-def _name(table: Path, prefill: list[str]) -> None:
-    table.write_text(json.dumps({PREFILL_NAME: prefill, DECODE_NAME: ["127.0.0.1"]}))
+def _name(table: Path, prefill: list[str], delay_s: float = 0.0) -> None:
+    table.write_text(json.dumps({PREFILL_NAME: prefill, DECODE_NAME: ["127.0.0.1"], "__delay__": delay_s}))
 
 
 def test_a_router_that_resolves_its_workers_uses_every_named_pod_and_follows_the_names(
@@ -160,3 +160,73 @@ def test_a_router_that_resolves_its_workers_uses_every_named_pod_and_follows_the
             return answers(4) == [expected] * 4 and _prefills_done(first) > done
 
         assert wait_for(first_back, "the router to send requests to the pod named again", timeout=60)
+
+
+def test_a_resolver_that_hangs_does_not_keep_a_dead_pod_in_rotation(trio: LocalDeployment, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The names are read beside the workers' health reads, never before them: with the cluster's
+    DNS down every lookup hangs (here 600 s), and a pod that dies meanwhile must still leave the
+    rotation within the health reads' second (outside audit: its requests failed for as long as
+    the lookup hung)."""
+    table = tmp_path / "dns.json"
+    _name(table, ["127.0.0.1", SECOND_HOST])
+    body = {"model": served_model(trio), "prompt": "a prompt while the resolver hangs", "max_tokens": 4, "temperature": 0}
+    with named_router(trio, tiny_model_dir, table) as api:
+        with second_prefill(trio) as second:
+
+            def second_served() -> bool:
+                assert requests.post(f"{api}/completions", json=body, timeout=60).status_code == 200
+                return _prefills_done(second) > 0
+
+            wait_for(second_served, "the router to send a request to the second pod")
+            _name(table, ["127.0.0.1", SECOND_HOST], delay_s=600)
+        # The second pod is gone; its name still stands (the resolver answers nothing at all).
+
+        def all_answered() -> bool:
+            return all(requests.post(f"{api}/completions", json=body, timeout=60).status_code == 200 for _ in range(4))
+
+        assert wait_for(all_answered, "every request to be answered with the dead pod out of rotation", timeout=30)
+
+
+async def test_a_worker_that_refuses_the_instance_it_was_signed_for_is_read_again_at_once(
+    trio: LocalDeployment, tiny_model_dir: Path
+) -> None:
+    """A worker restarted at its address between two reads of its limits is a new instance: calls
+    signed for the old one are refused (401). The refusal makes the router read the worker again
+    at once, so the next request is signed for the new instance, not only after the next periodic
+    read (here an hour away). Run in-process so the router's last read can be set back."""
+    import aiohttp
+    from aiohttp import web
+
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.router import Router, RouterConfig
+    from kvguard.workers.tokenizer import Tokenizer
+
+    config = RouterConfig(prefill_urls=(trio.internal_urls["prefill"],), decode_urls=(trio.internal_urls["decode"],),
+                          model_name=served_model(trio), refresh_interval_s=3600.0)  # fmt: skip
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    assert tokenizer is not None
+    router = Router(config, tokenizer, RevisionKeys.from_env(trio.env))
+    runner = web.AppRunner(router.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    body = {"model": config.model_name, "prompt": "restarted between two reads", "max_tokens": 4, "temperature": 0}
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def status() -> int:
+                async with client.post(f"{base}/completions", json=body) as resp:
+                    return resp.status
+
+            await until(lambda: router._upstreams is not None, "the router to read its workers")
+            assert await status() == 200
+            upstreams = router.upstreams
+            for upstream in upstreams.prefill + upstreams.decode:  # as if both restarted since the last read
+                upstream.info = upstream.info.model_copy(update={"instance": "0" * 32})
+            assert await status() == 502  # refused: signed for an instance that is gone
+            await until(lambda: all(u.info.instance != "0" * 32 for u in upstreams.prefill + upstreams.decode),
+                        "the refusing workers to be read again")  # fmt: skip
+            assert await status() == 200
+    finally:
+        await runner.cleanup()

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 Discovery = Literal["static", "dns"]
+RESOLVE_TIMEOUT_S = 5.0
+"""A lookup that takes longer is a resolver failure (NoAnswer): with the cluster's DNS down, glibc
+waits and retries per search domain, tens of seconds per name."""
 
 
 class NoAnswer(Exception):
@@ -45,7 +48,10 @@ async def resolve(url: str) -> list[str]:
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except TimeoutError:
+        raise NoAnswer(f"{parts.hostname}: no answer within {RESOLVE_TIMEOUT_S:g} s") from None
     except socket.gaierror as exc:
         if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return []

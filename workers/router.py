@@ -102,7 +102,7 @@ RequestKind = TypeVar("RequestKind", CompletionRequest, ChatCompletionRequest)
 # A correlation label is 1..128 visible ASCII characters: it is echoed in a header and logged, so
 # it must not carry control characters, spaces or bytes a log or header parser would misread.
 _LABEL = re.compile(r"[\x21-\x7e]{1,128}")
-_LABEL_KEY = "kvguard.correlation_label"
+_LABEL_KEY = web.RequestKey("kvguard_correlation_label", str)
 # A generation in flight holds up to 5 connections to workers at once: decode's stream, prefill's
 # call and its ticket delivery, and while ending, the two aborts. The pool is sized so that no call
 # ever waits in aiohttp's queue: a queued prefill call let decode's stall timer fire on pages it had
@@ -448,6 +448,11 @@ class Router:
         self._upstreams: Upstreams | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._namer: asyncio.Task[None] | None = None
+        """`--discovery dns`: reads the workers' names, on its own (a slow resolver must not hold
+        up the reads that take a dead worker out of rotation)."""
+        self._rereading: dict[str, asyncio.Task[None]] = {}
+        """Worker URL -> the read of its info that a refused call started (`reread_soon`)."""
         self._aborts_in_flight: set[asyncio.Task[None]] = set()
         """Generations' legs being ended (`_end_legs`), each in a task of its own: on shutdown their
         aborts go out before the session closes, so the workers learn each request's cause."""
@@ -528,17 +533,17 @@ class Router:
                             pool_problem(upstream.info, upstreams.min_kv_ratio))  # fmt: skip
             # Always, S7 gate or not: a worker that is down or hung must leave the rotation.
             self._refresher = asyncio.create_task(self._keep_fresh(upstreams))
+            if self.config.discovery == "dns":
+                self._namer = asyncio.create_task(self._follow_names_forever(upstreams))
             return
 
     async def _keep_fresh(self, upstreams: Upstreams) -> None:
         """Read every worker's limits again every refresh interval: a worker restarted with a
         smaller pool leaves the rotation, one that reports enough again comes back (S7); one that
-        is down, or hung for MAX_SILENT_READS reads, is out until it answers. With `--discovery
-        dns` the workers' names are read first: new pods join, pods no longer named leave."""
+        is down, or hung for MAX_SILENT_READS reads, is out until it answers. (With `--discovery
+        dns`, `_follow_names_forever` adds and removes workers beside this loop.)"""
         while True:
             await asyncio.sleep(self.config.refresh_interval_s)
-            if self.config.discovery == "dns":
-                await self._follow_names(upstreams)
             for upstream in upstreams.prefill + upstreams.decode:
                 info: WorkerInfo | None
                 try:
@@ -557,6 +562,36 @@ class Router:
                 if (change := upstreams.refresh(upstream, info)) is not None:
                     log.warning("%s", change)
             self._count_kept_out(upstreams)  # every pass, whatever path a worker took to where it is
+
+    async def _follow_names_forever(self, upstreams: Upstreams) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_interval_s)
+            await self._follow_names(upstreams)
+
+    def reread_soon(self, url: str) -> None:
+        """A worker refused a call signed for the instance last read at `url` (it restarted there
+        between two reads): read its info now, so the next request is signed for the new one."""
+        upstreams = self._upstreams
+        upstream = next((u for u in upstreams.prefill + upstreams.decode if u.url == url), None) if upstreams else None
+        if upstream is None or upstreams is None or url in self._rereading:
+            return
+
+        async def reread() -> None:
+            try:
+                info = await fetch_info(self.http, self.control, url, upstream.info.role)
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                return  # the refresher's next read decides
+            finally:
+                del self._rereading[url]
+            if (change := upstreams.refresh(upstream, info)) is not None:
+                log.warning("%s", change)
+
+        self._rereading[url] = asyncio.create_task(reread())
+
+    async def _worker_error(self, resp: aiohttp.ClientResponse) -> OpenAIError:
+        if resp.status in (401, 403):  # refused the router's own signature: perhaps a new instance there
+            self.reread_soon(str(resp.url.origin()))
+        return await _upstream_error(resp)
 
     async def _follow_names(self, upstreams: Upstreams) -> None:
         for role, urls in ((Role.PREFILL, self.config.prefill_urls), (Role.DECODE, self.config.decode_urls)):
@@ -612,7 +647,7 @@ class Router:
             self.metrics.kept_out.labels(role.value).set(sum(1 for u in upstreams.kept_out() if u.info.role is role))
 
     async def _stop(self, _: web.Application) -> None:
-        for task in (self._discovery, self._refresher):
+        for task in (self._discovery, self._refresher, self._namer, *self._rereading.values()):
             if task is not None:
                 task.cancel()
         if self._aborts_in_flight:  # the handlers cancelled by the shutdown have just sent theirs
@@ -1169,7 +1204,7 @@ class Router:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
             resp = await self._post_decode(url, request, timeout, siblings, stack)
             if resp.status != 200:
-                raise await _upstream_error(resp)
+                raise await self._worker_error(resp)
             return _decode_events(resp), None
         # The request's own stream is read only until the handoff; after it, the bound between two
         # events applies to its inbox (_channel_events).
@@ -1182,7 +1217,7 @@ class Router:
                 resp = await self._post_decode(url, body, timeout, siblings, stack)
                 if resp.status == 200:
                     return _channel_events(resp, inbox, self.config.request_timeout_s), channel
-                error = await _upstream_error(resp)
+                error = await self._worker_error(resp)
             except BaseException:
                 channel.unsubscribe(request.request_id)
                 raise
@@ -1222,7 +1257,8 @@ class Router:
         if (reader := self._channels.get(decode_url)) is None:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)  # open for as long as both run
             reader = ChannelReader(lambda: self.control.post(self.http, f"{decode_url}/internal/stream", ChannelRequest(),
-                                                             self._target(decode_url), timeout=timeout))  # fmt: skip
+                                                             self._target(decode_url), timeout=timeout),
+                                   refused=lambda: self.reread_soon(decode_url))  # fmt: skip
             self._channels[decode_url] = reader
         return reader
 
@@ -1261,7 +1297,7 @@ class Router:
         async def compute() -> None:
             async with self.control.post(self.http, f"{url}/internal/prefill", request, self._target(url), timeout=timeout) as resp:
                 if resp.status != 200:
-                    raise await _upstream_error(resp)
+                    raise await self._worker_error(resp)
 
         async def deliver() -> None:
             # Shielded: cancelling this call (the leg failed first) must not cancel the ticket
@@ -1269,7 +1305,7 @@ class Router:
             delivery = TicketDelivery(request_id=request.request_id, ticket=await asyncio.shield(ticket))
             async with self.control.post(self.http, f"{url}/internal/ticket", delivery, self._target(url), timeout=timeout) as resp:
                 if resp.status != 200:
-                    raise await _upstream_error(resp)
+                    raise await self._worker_error(resp)
 
         calls = (asyncio.ensure_future(compute()), asyncio.ensure_future(deliver()))
         try:
