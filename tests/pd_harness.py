@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -184,20 +185,27 @@ def second_router(d: LocalDeployment, model_dir: Path, **flags: object) -> Itera
     port = api.getsockname()[1]
     args = WorkerArgs(role="router", model=model_dir, port=f"fd:{api.fileno()}", metrics_port=f"fd:{metrics.fileno()}",  # type: ignore[arg-type]
                       prefill=(d.internal_urls["prefill"],), decode=(d.internal_urls["decode"],), **flags)  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "worker", *args.to_argv()], env=d.env,
-                               pass_fds=(api.fileno(), metrics.fileno()), stdout=subprocess.DEVNULL)  # fmt: skip
-    api.close()
-    metrics.close()
+    base = f"http://127.0.0.1:{port}"
+    with worker_process([sys.executable, "-P", "-m", "kvguard", "worker", *args.to_argv()], d.env, [api, metrics], base):
+        yield f"{base}/v1"
+
+
+@contextlib.contextmanager
+def worker_process(argv: list[str], env: dict[str, str], sockets: list[socket.socket], health: str) -> Iterator[None]:
+    """A worker process given `sockets` (closed here once it holds them), ready once `health`/health
+    answers 200; terminated when the block ends."""
+    process = subprocess.Popen(argv, env=env, pass_fds=tuple(s.fileno() for s in sockets), stdout=subprocess.DEVNULL)
+    for s in sockets:
+        s.close()
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:
             with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                if requests.get(f"{health}/health", timeout=2).status_code == 200:
                     break
-            assert process.poll() is None and time.monotonic() < deadline, "the second router never became ready"
+            assert process.poll() is None and time.monotonic() < deadline, f"{argv[3:6]} never became ready"
             time.sleep(0.1)
-        yield f"{base}/v1"
+        yield
     finally:
         process.terminate()
-        process.wait(10)
+        process.wait(20)

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
-from pd_harness import deployment, served_model
+from pd_harness import deployment, served_model, worker_process
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import until, wait_for
 
@@ -70,29 +67,6 @@ def _argv_with(argv: list[str], **flags: str) -> list[str]:
     return out
 
 
-def _wait_healthy(base: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        assert process.poll() is None and time.monotonic() < deadline, "the worker never became ready"
-        time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def _process(argv: list[str], env: dict[str, str], sockets: list[socket.socket], health: str) -> Iterator[None]:
-    process = subprocess.Popen(argv, env=env, pass_fds=tuple(s.fileno() for s in sockets), stdout=subprocess.DEVNULL)
-    for s in sockets:
-        s.close()
-    try:
-        _wait_healthy(health, process)
-        yield
-    finally:
-        process.terminate()
-        process.wait(20)
-
-
 @contextlib.contextmanager
 def second_prefill(d: LocalDeployment) -> Iterator[str]:
     """Another prefill worker of the revision (its key), on SECOND_HOST at the first one's port, as
@@ -100,7 +74,7 @@ def second_prefill(d: LocalDeployment) -> Iterator[str]:
     api, metrics = bind_listener(SECOND_HOST, d.ports["prefill"]), bind_listener("127.0.0.1", 0)
     port = metrics.getsockname()[1]
     argv = _argv_with(d.processes["prefill"].argv, host=SECOND_HOST, port=f"fd:{api.fileno()}", metrics_port=f"fd:{metrics.fileno()}")
-    with _process(argv, d.env, [api, metrics], f"http://127.0.0.1:{port}"):
+    with worker_process(argv, d.env, [api, metrics], f"http://127.0.0.1:{port}"):
         yield f"http://127.0.0.1:{port}/metrics"
 
 
@@ -113,7 +87,7 @@ def named_router(d: LocalDeployment, model_dir: Path, table: Path) -> Iterator[s
                       prefill=(f"http://{PREFILL_NAME}:{d.ports['prefill']}",), decode=(f"http://{DECODE_NAME}:{d.ports['decode']}",),
                       discovery="dns")  # fmt: skip
     argv = [sys.executable, "-P", str(Path(__file__).with_name("dns_table.py")), str(table), "worker", *args.to_argv()]
-    with _process(argv, d.env, [api, metrics], f"http://127.0.0.1:{port}"):
+    with worker_process(argv, d.env, [api, metrics], f"http://127.0.0.1:{port}"):
         yield f"http://127.0.0.1:{port}/v1"
 
 
