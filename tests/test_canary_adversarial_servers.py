@@ -411,3 +411,29 @@ async def test_streamed_chat_that_differs_from_plain_chat_fails_determinism(serv
     determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
     assert determinism.status == ProbeStatus.FAIL, determinism.reason
     assert determinism.reason == "streamed chat output differs from the non-streamed chat output"
+
+
+# 5. the fourth outside probe: short fixed answers, long-prompt leaks, budgets, lengths ---------
+
+
+@pytest.mark.parametrize("server", [Behaviour(constant_text="!!!!!!!!"), Behaviour(constant_text="Error"),
+                                    Behaviour(constant_text=".")], indirect=True)  # fmt: skip
+async def test_one_short_answer_to_every_prompt_fails_without_a_baseline(server: RunningServer) -> None:
+    """NaN logits decode to '!' every step: 8 one-character tokens, under golden's 12-character
+    threshold for two prompts, and every B and tenant equalled itself alone, so the suite passed.
+    Four and more different prompts answered alone with one text fail, however short."""
+    report = await run(server)
+    assert report.verdict == Verdict.FAIL, report.reason
+    isolation = result(report, ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "different prompts answered alone got the same answer" in isolation.reason, isolation.reason
+    assert "does not answer its prompt" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(constant_text="d")], indirect=True)
+async def test_a_one_token_answer_shared_by_many_prompts_is_not_a_failure(server: RunningServer) -> None:
+    """One greedy token may honestly be the next word of several prompts: at maxTokens 1 nothing is
+    concluded from a shared answer."""
+    report = await run(server, spec(maxTokens=1))
+    assert result(report, ProbeName.ISOLATION).status == ProbeStatus.PASS, report.reason
+    assert result(report, ProbeName.GOLDEN).status == ProbeStatus.SKIPPED

@@ -213,9 +213,11 @@ class FakeEngine:
                 tokens = tokens[:kept] + self.generate(other, max_tokens, path=(chat, stream))[kept:]
             if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
                 tokens[0] = nonce
+            # Fewer tokens than max_tokens (a constant_text shorter than it): stopped, not cut.
+            finish = "length" if len(tokens) >= max_tokens else "stop"
             if not stream:
-                return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens)))
-            return await self._stream(request, tokens, chat)
+                return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish))
+            return await self._stream(request, tokens, chat, finish)
         except (asyncio.CancelledError, ConnectionResetError):
             disconnected = True
             raise
@@ -252,8 +254,8 @@ class FakeEngine:
     def _release(self, tokens: int) -> None:
         self.used_tokens -= tokens
 
-    def _body(self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int) -> dict:
-        choice = {"index": 0, "finish_reason": "length"}
+    def _body(self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int, finish: str = "length") -> dict:
+        choice = {"index": 0, "finish_reason": finish}
         content = None if self.b.empty_text else text
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
@@ -263,7 +265,7 @@ class FakeEngine:
         usage = {"prompt_tokens": prompt_tokens + drift, "completion_tokens": completion_tokens + self.b.usage_extra_tokens}
         return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
 
-    async def _stream(self, request: web.Request, tokens: list[str], chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length") -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if chat and self.b.reverse_chat_stream:
@@ -278,7 +280,7 @@ class FakeEngine:
             await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
             await asyncio.sleep(self.b.token_delay)
         # The OpenAI stream shape: a last chunk carries the finish reason (and usage), then [DONE].
-        final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "length"}]}
+        final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}]}
         await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp

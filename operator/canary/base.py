@@ -13,8 +13,14 @@ from kvguard.operator.canary.client import Completion, EngineClient
 from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.prompts import FALLBACK_PROMPT_TOKENS, TokenEstimate, admissible_prompt_tokens, make_nonce
-from kvguard.operator.canary.report import Evidence, NonceLeak, ProbeStatus, TargetInfo
+from kvguard.operator.canary.report import Evidence, NonceLeak, OutputMismatch, ProbeStatus, TargetInfo, one_line
 from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
+
+SAME_ANSWER_MIN_PROMPTS = 4
+"""How many different prompts answered alone must all get one text to fail the run, however short
+it is: two honest prompts may share a short answer (outside probe: "The capital of France is" and
+"... of Italy is" both gave 'd' at maxTokens 1), four different ones (golden, determinism, B, the
+tenants' filler) all giving the same one is a server that does not read its prompt."""
 
 
 class ProbeSkipped(Exception):
@@ -142,6 +148,31 @@ class RunContext:
     def remember_solo(self, prompt: str, api: ApiKind, max_tokens: int, result: Completion) -> None:
         if result.ok:
             self._solo.setdefault((prompt, api, max_tokens, False), result)
+
+    def one_answer_alone(self) -> tuple[str, int, list[Completion]] | None:
+        """The one text every prompt heard alone got, with those answers, when at least
+        SAME_ANSWER_MIN_PROMPTS different prompts (golden, determinism, B, the tenants) all got the
+        same non-empty text, whatever its length: a server that ignores its prompt (NaN logits
+        decode to '!' every step, an error text in a 200, '.'). Only answers asked for at least two
+        tokens count: one greedy token may honestly be several prompts' next word. (text, how many
+        prompts, their answers), or None."""
+        answers = [c for (_prompt, _api, max_tokens, _stream), c in self._solo.items() if max_tokens >= 2]
+        prompts = {key[0] for key in self._solo if key[2] >= 2}
+        texts = {c.text for c in answers}
+        if len(prompts) < SAME_ANSWER_MIN_PROMPTS or len(texts) != 1 or not answers[0].text:
+            return None
+        return answers[0].text, len(prompts), answers
+
+    def one_answer_failure(self) -> Outcome | None:
+        """A failure when every prompt heard alone got one text (`one_answer_alone`), else None."""
+        found = self.one_answer_alone()
+        if found is None:
+            return None
+        text, prompts, answers = found
+        evidence: list[Evidence] = [OutputMismatch(request=a.label, expected_from="an answer to its own prompt",
+                                                   expected="(any other text)", actual=a.text) for a in answers[:4]]  # fmt: skip
+        return failed(f"all {prompts} different prompts answered alone got the same answer {one_line(text, 60)!r}: the "
+                      "server does not answer its prompt (a fixed text, an error in a 200, NaN logits)", evidence)  # fmt: skip
 
 
 class Probe(abc.ABC):

@@ -106,16 +106,19 @@ class GoldenProbe(Probe):
 
 
 SAME_ANSWER_MIN_CHARS = 12
-"""How long one answer to every golden prompt must be to fail the run: short ones may honestly be
-shared (outside probe: "The capital of France is" and "... of Italy is" both gave 'd' at maxTokens 1),
-a dozen characters of the same text for different prompts is a server ignoring them."""
+"""How long one answer to every golden prompt must be to fail the run when there are fewer than
+SAME_ANSWER_MIN_PROMPTS of them: short ones may honestly be shared (outside probe: "The capital of
+France is" and "... of Italy is" both gave 'd' at maxTokens 1), a dozen characters of the same text
+for different prompts is a server ignoring them. With more prompts answered alone (golden,
+determinism, B, the tenants: `RunContext.one_answer_failure`) any shared text fails, '!!!!!!!!' too."""
 
 
 async def _one_answer_for_every_prompt(ctx: RunContext) -> Outcome | None:
     """With nothing to compare with, one check needs no reference: different prompts must not all
     get the same answer (outside probe: a server answering every prompt with one fixed text, or
     with an error message in a 200, passed without a baseline). A failed request fails as usual.
-    None when the answers differ (or there are fewer than two prompts, or no text)."""
+    None when the answers differ (or there are fewer than two prompts, or no text, or a short one
+    shared by fewer than SAME_ANSWER_MIN_PROMPTS prompts)."""
     prompts = list(dict.fromkeys(p.prompt for p in ctx.spec.golden.prompts))
     if len(prompts) < 2:
         return None
@@ -126,6 +129,8 @@ async def _one_answer_for_every_prompt(ctx: RunContext) -> Outcome | None:
             return failed(out.describe_failure(), [out.evidence()])
         ctx.remember_solo(prompt, ctx.spec.api, ctx.spec.max_tokens, out)
         answers.append(out)
+    if (everywhere := ctx.one_answer_failure()) is not None:
+        return everywhere
     if len(answers[0].text.strip()) < SAME_ANSWER_MIN_CHARS or any(a.text != answers[0].text for a in answers[1:]):
         return None  # (a short answer may honestly be every prompt's: "d", " 4")
     evidence: list[Evidence] = [OutputMismatch(request=a.label, expected_from="a different answer than golden #0's",
