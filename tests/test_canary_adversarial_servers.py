@@ -437,3 +437,25 @@ async def test_a_one_token_answer_shared_by_many_prompts_is_not_a_failure(server
     report = await run(server, spec(maxTokens=1))
     assert result(report, ProbeName.ISOLATION).status == ProbeStatus.PASS, report.reason
     assert result(report, ProbeName.GOLDEN).status == ProbeStatus.SKIPPED
+
+
+@pytest.mark.parametrize("server", [Behaviour(long_leak_tokens=100), Behaviour(wrap_ring_tokens=750)], indirect=True)
+async def test_a_leak_only_long_requests_show_fails_isolation(server: RunningServer) -> None:
+    """A long prompt served the previous long prompt's KV (or a long request whose KV wrapped the
+    pool's end reading stale slots): B, short, never sees it, and A's own answer was compared with
+    nothing, so it passed. A #1 asked again after the others must give its first answer (S1)."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("A #1 (") and "a long request's answer depended on what ran before it" in isolation.reason
+    again = [e for e in isolation.evidence if e.kind == "output_mismatch" and e.request.endswith("again after the others")]
+    assert again and again[0].expected != again[0].actual
+
+
+@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=1200), Behaviour(wrap_ring_tokens=1650)], indirect=True)
+async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: RunningServer) -> None:
+    """The request of a tenant's answer alone wrapped the KV ring and read stale slots: every later
+    check of that tenant compared against the leak, and the concurrent answers that differed from
+    it were noted as near ties. Asked alone once more, it must give its first answer alone."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "alone again: output differs from its first answer alone" in isolation.reason, isolation.reason

@@ -79,6 +79,13 @@ class Behaviour:
     # With swap_concurrent, only requests in flight on the same path (endpoint and streaming) swap.
     swap_same_path: bool = False
     reverse_chat_stream: bool = False  # streamed chat sends the tokens in reverse order
+    # Prompts of at least this many tokens are answered from the previous long prompt's KV (a leak
+    # only long prompts show: B, short, never sees it).
+    long_leak_tokens: int | None = None
+    # A KV ring of this many token slots, filled in request order: a request whose prompt plus
+    # max_tokens crosses its end reads the stale slots there, and gets the answer of the prompt
+    # that wrote the ring's first slot last.
+    wrap_ring_tokens: int | None = None
 
 
 class FakeEngine:
@@ -92,6 +99,9 @@ class FakeEngine:
         self.in_flight: list[tuple[str, tuple[bool, bool]]] = []  # (prompt, its path: chat, stream)
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
         self.cached_prompts: dict[str, str] = {}  # prefix_cache_chars: start -> the prompt cached for it
+        self.last_long_prompt: str | None = None  # long_leak_tokens
+        self.ring_cursor = 0  # wrap_ring_tokens: the next free slot
+        self.ring_start_owner: str | None = None  # ...and the prompt that wrote slot 0 last
         self.registry = CollectorRegistry()
         self._capacity = Gauge("kvguard_kv_pool_capacity_tokens", "pool", ["role"], registry=self.registry)
         self._used = Gauge("kvguard_kv_pool_used_tokens", "used", ["role"], registry=self.registry)
@@ -208,6 +218,8 @@ class FakeEngine:
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
             tokens = self.generate(prompt, max_tokens, path=(chat, stream))
+            if (owner := self._kv_owner(prompt, prompt_tokens, max_tokens)) != prompt:  # its own first token, then stale KV's
+                tokens = tokens[:1] + self.generate(owner, max_tokens, path=(chat, stream))[1:]
             if (other := await self._crossed(prompt, (chat, stream))) != prompt:  # its own first token(s), then another's rows
                 kept = 1 if self.b.cross_after is None else max(1, int(len(tokens) * self.b.cross_after))
                 tokens = tokens[:kept] + self.generate(other, max_tokens, path=(chat, stream))[kept:]
@@ -226,6 +238,23 @@ class FakeEngine:
                 asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved)
             else:
                 self._release(reserved)
+
+    def _kv_owner(self, prompt: str, prompt_tokens: int, max_tokens: int) -> str:
+        """The prompt whose KV this request reads: its own, unless long_leak_tokens or
+        wrap_ring_tokens hand it another's."""
+        owner = prompt
+        if self.b.long_leak_tokens is not None and prompt_tokens >= self.b.long_leak_tokens:
+            owner = self.last_long_prompt or prompt
+            self.last_long_prompt = prompt
+        if self.b.wrap_ring_tokens is not None:
+            start, end = self.ring_cursor, self.ring_cursor + prompt_tokens + max_tokens
+            if end > self.b.wrap_ring_tokens:
+                owner = self.ring_start_owner or prompt
+                self.ring_start_owner = prompt  # it wrapped: it wrote slot 0 now
+            elif start == 0:
+                self.ring_start_owner = prompt
+            self.ring_cursor = end % self.b.wrap_ring_tokens
+        return owner
 
     async def _crossed(self, prompt: str, path: tuple[bool, bool]) -> str:
         """The prompt whose answer this request gets: its own, unless swap_concurrent and another

@@ -145,6 +145,10 @@ class RunContext:
             self._solo[key] = result
         return self._solo[key]
 
+    def solo_heard(self, prompt: str, api: ApiKind, max_tokens: int, stream: bool = False) -> Completion | None:
+        """The answer alone `solo` cached for these, without sending anything; None when none was."""
+        return self._solo.get((prompt, api, max_tokens, stream))
+
     def remember_solo(self, prompt: str, api: ApiKind, max_tokens: int, result: Completion) -> None:
         if result.ok:
             self._solo.setdefault((prompt, api, max_tokens, False), result)

@@ -4,7 +4,9 @@ Sequential part: B alone; then, per size, a long request A whose prompt carries 
 nonce on every page, followed by B again. B must answer, give exactly its solo text, and never
 contain the nonce. Sizes vary so freed pages are reused at different offsets. A leaking engine
 shows up either as a different B (it read A's stale KV) or as an error on B (page tags caught the
-stale read: still a failure, since a correct engine has nothing to catch).
+stale read: still a failure, since a correct engine has nothing to catch). After the last size, A #1
+is sent once more (its own prompt and nonce) and must give exactly its first answer: a leak that only
+long prompts show (one served the previous long prompt's KV) changes no B.
 
 Concurrent part: N tenants whose prompts share their first half and carry distinct nonces in the
 second, each first alone (its solo answer), then all at once (taking turns over the paths below,
@@ -12,7 +14,9 @@ then again all on the main path, where a mix-up within one endpoint shows), then
 list and two choices per prompt (one batch by construction, and each prompt's KV forked for its
 second choice, as vLLM and SGLang do for `n`; both of prompt i's choices must be tenant i's answer). No output may contain
 another's nonce, and no tenant may get another's answer: a server that hands tenant 1 the text
-generated for tenant 2 leaks without ever echoing a nonce. An answer is attributed to the solo
+generated for tenant 2 leaks without ever echoing a nonce. Last, each tenant's prompt is asked alone
+once more on the main path and must give its first answer alone: every check above compares with
+that answer, which a request whose KV wrapped the pool may itself have read from stale slots. An answer is attributed to the solo
 answer it is most alike; one that is another tenant's fails. One that merely differs from its own
 solo answer is noted, not failed: batched kernels may break a near tie differently from a batch of
 one (vLLM on GPUs does). With a random-weights model outputs are gibberish: the checks are about
@@ -75,10 +79,15 @@ class IsolationProbe(Probe):
         evidence: list[Evidence] = []
         channels = await self._channels(ctx, Channel(ctx.spec.api, False, reference, main=True), evidence)
         sizes: list[int] = []
+        first_long: tuple[str, Completion] | None = None
         for round_index, fraction in enumerate(spec.long_request_fractions):
             if problems and ctx.spec.stop_on_failure:
                 break
-            sizes.append(await self._long_round(ctx, round_index, fraction, channels, problems, evidence))
+            words, prompt_a, a = await self._long_round(ctx, round_index, fraction, channels, problems, evidence)
+            sizes.append(words)
+            first_long = first_long or (prompt_a, a)
+        if first_long is not None and not (problems and ctx.spec.stop_on_failure):
+            await self._long_again(ctx, *first_long, problems, evidence)
         if spec.tenants and not (problems and ctx.spec.stop_on_failure):
             await self._tenants(ctx, channels, problems, evidence)
         report_leaks(ctx, mark, problems, evidence)
@@ -123,7 +132,8 @@ class IsolationProbe(Probe):
         channels: list[Channel],
         problems: list[str],
         evidence: list[Evidence],
-    ) -> int:
+    ) -> tuple[int, str, Completion]:
+        """One long request A carrying a fresh nonce, then B on every path: (A's words, prompt, answer)."""
         spec = ctx.spec.isolation
         budget = ctx.admissible_tokens(spec.long_request_max_tokens)
         words = ctx.estimate.words_at_most(max(16, int(budget * fraction)))
@@ -137,7 +147,28 @@ class IsolationProbe(Probe):
             problems.append(f"long request {label_a} failed: {a.error}")
             evidence.append(a.evidence())
         await self._b_everywhere(ctx, channels, f"B after A #{round_index + 1}", {nonce: label_a}, problems, evidence)
-        return words
+        return words, prompt_a, a
+
+    async def _long_again(
+        self, ctx: RunContext, prompt_a: str, first: Completion, problems: list[str], evidence: list[Evidence]
+    ) -> None:
+        """A #1 once more after every other long request: greedy, a batch of one, the same server,
+        so the same answer, as B's after A. B is short: a leak that only hits long prompts (a long
+        prompt served the previous long prompt's KV) changed no B and passed (outside probe). Its
+        nonce is its own, so the nonce checks see no foreign one in it."""
+        if not first.ok:
+            return  # already failed, in its round
+        label = f"{first.label}, again after the others"
+        again = await ctx.target.complete(prompt_a, api=ctx.spec.api, max_tokens=ctx.spec.isolation.long_request_max_tokens,
+                                          label=label)  # fmt: skip
+        if not again.ok:
+            problems.append(f"long request {label} failed: {again.error}")
+            evidence.append(again.evidence())
+        elif again.text != first.text:
+            problems.append(f"{label}: output differs from its first answer: a long request's answer depended on "
+                            "what ran before it (it read KV another long request left)")  # fmt: skip
+            evidence.append(OutputMismatch(request=label, expected_from="its first answer", expected=first.text,
+                                           actual=again.text))  # fmt: skip
 
     async def _b_everywhere(
         self,
@@ -179,6 +210,7 @@ class IsolationProbe(Probe):
         if len(channels) > 1:
             await self._concurrently(ctx, prompts, nonces, [channels[0]] * len(prompts), problems, evidence)
         await self._prompt_list(ctx, prompts, nonces, problems, evidence)
+        await self._alone_again(ctx, prompts, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
 
@@ -196,6 +228,26 @@ class IsolationProbe(Probe):
                 evidence.append(result.evidence())
                 continue
             check_tenant_answer(i, result, nonces, [s.text if s.ok else None for s in solos], problems, evidence)
+
+    async def _alone_again(self, ctx: RunContext, prompts: list[str], problems: list[str], evidence: list[Evidence]) -> None:
+        """Each tenant's prompt alone once more on the main path, past the cache of answers alone:
+        it must equal its first answer alone there. Every concurrent and batched answer was
+        compared with that first one, so a leak in it (a request whose KV wrapped the pool and read
+        a stale slot) made the later checks compare against the leak (outside probe)."""
+        for i, prompt in enumerate(prompts):
+            first = ctx.solo_heard(prompt, ctx.spec.api, ctx.spec.max_tokens)
+            if first is None:
+                continue  # it was not answered alone: reported where it happened
+            label = f"tenant {i + 1} alone again"
+            again = await ctx.target.complete(prompt, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label=label)
+            if not again.ok:
+                problems.append(f"{again.describe_failure()}, although it was answered alone before")
+                evidence.append(again.evidence())
+            elif again.text != first.text:
+                problems.append(f"{label}: output differs from its first answer alone: one of them read state another "
+                                "request left")  # fmt: skip
+                evidence.append(OutputMismatch(request=label, expected_from=f"tenant {i + 1} alone, first time",
+                                               expected=first.text, actual=again.text))  # fmt: skip
 
     async def _same_answers_alone(
         self, ctx: RunContext, prompts: list[str], paths: list[tuple[ApiKind, bool]], solos: list[Completion],
