@@ -459,3 +459,22 @@ async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: 
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert "alone again: output differs from its first answer alone" in isolation.reason, isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(tokens_at_least=24, usage_mode="none"),
+                                    Behaviour(tokens_at_least=24, usage_mode="capped")], indirect=True)  # fmt: skip
+async def test_max_tokens_ignored_fails_whatever_usage_says(server: RunningServer) -> None:
+    """24 tokens for max_tokens 8, with usage left out or capped at 8: only usage was checked, so it
+    passed. Each non-empty streamed chunk is at least one token: 24 of them are over budget."""
+    determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
+    assert determinism.status == ProbeStatus.FAIL, determinism.reason
+    assert "the stream carried 24 text chunks, more than max_tokens=8" in determinism.reason, determinism.reason
+
+
+def test_usage_below_the_streamed_chunk_count_is_an_error() -> None:
+    from kvguard.operator.canary.client import Completion, streamed_over_budget
+
+    lying = Completion(label="streamed run", status=200, text="a b c d", chunks=4, completion_tokens=2, max_tokens=8)
+    assert "usage says 2 completion tokens, fewer than the 4 text chunks" in (streamed_over_budget(lying) or "")
+    honest = Completion(label="streamed run", status=200, text="ab cd", chunks=2, completion_tokens=4, max_tokens=8)
+    assert streamed_over_budget(honest) is None  # a chunk may carry several tokens (a stream interval)

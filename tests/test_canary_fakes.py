@@ -43,6 +43,10 @@ class Behaviour:
     fail_models: bool = False
     hang_models: bool = False  # GET /v1/models accepts the connection and never answers
     usage_extra_tokens: int = 0  # usage.completion_tokens reports this many more than were generated
+    # max_tokens not enforced: every answer has at least this many tokens; usage then is "true",
+    # "none" (left out) or "capped" (min(generated, max_tokens), in the stream's last chunk too).
+    tokens_at_least: int = 0
+    usage_mode: str = "true"
     # A prompt list is answered (`n` choices per prompt); with crossed_list, prompt i's choices go
     # on, after their own first token, with the tokens of prompt i+1 (a batch whose rows are crossed).
     crossed_list: bool = False
@@ -217,7 +221,7 @@ class FakeEngine:
         disconnected = False
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
-            tokens = self.generate(prompt, max_tokens, path=(chat, stream))
+            tokens = self.generate(prompt, max(max_tokens, self.b.tokens_at_least), path=(chat, stream))
             if (owner := self._kv_owner(prompt, prompt_tokens, max_tokens)) != prompt:  # its own first token, then stale KV's
                 tokens = tokens[:1] + self.generate(owner, max_tokens, path=(chat, stream))[1:]
             if (other := await self._crossed(prompt, (chat, stream))) != prompt:  # its own first token(s), then another's rows
@@ -228,8 +232,8 @@ class FakeEngine:
             # Fewer tokens than max_tokens (a constant_text shorter than it): stopped, not cut.
             finish = "length" if len(tokens) >= max_tokens else "stop"
             if not stream:
-                return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish))
-            return await self._stream(request, tokens, chat, finish)
+                return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens))
+            return await self._stream(request, tokens, chat, finish, max_tokens)
         except (asyncio.CancelledError, ConnectionResetError):
             disconnected = True
             raise
@@ -283,7 +287,9 @@ class FakeEngine:
     def _release(self, tokens: int) -> None:
         self.used_tokens -= tokens
 
-    def _body(self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int, finish: str = "length") -> dict:
+    def _body(
+        self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int, finish: str = "length", max_tokens: int = 0
+    ) -> dict:
         choice = {"index": 0, "finish_reason": finish}
         content = None if self.b.empty_text else text
         if chat:
@@ -292,9 +298,15 @@ class FakeEngine:
             choice["text"] = content
         drift = self.calls if self.b.prompt_tokens_drift else 0
         usage = {"prompt_tokens": prompt_tokens + drift, "completion_tokens": completion_tokens + self.b.usage_extra_tokens}
+        if self.b.usage_mode == "capped":
+            usage["completion_tokens"] = min(completion_tokens, max_tokens)
+        if self.b.usage_mode == "none":
+            return {"id": "x", "object": "text_completion", "choices": [choice]}
         return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
 
-    async def _stream(self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length") -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length", max_tokens: int = 0
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if chat and self.b.reverse_chat_stream:
@@ -310,6 +322,8 @@ class FakeEngine:
             await asyncio.sleep(self.b.token_delay)
         # The OpenAI stream shape: a last chunk carries the finish reason (and usage), then [DONE].
         final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}]}
+        if self.b.usage_mode == "capped":  # a usage that lies within the budget
+            final["usage"] = {"prompt_tokens": 1, "completion_tokens": min(len(tokens), max_tokens)}
         await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp

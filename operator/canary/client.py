@@ -14,7 +14,8 @@ finish reason, [DONE]) so a report never claims more than the wire showed.
 One more consistency check, on every answer: `finish_reason: "length"` promises that the generation
 stopped at max_tokens (or at the context length). An answer that says so with fewer completion
 tokens than that is an aborted request reported as finished (sglang#33507) and is an error. So is
-usage claiming more completion tokens than max_tokens allowed.
+usage claiming more completion tokens than max_tokens allowed, and a stream with more non-empty
+text chunks than max_tokens or than its usage counts (each chunk carries at least one token).
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ class EngineClient:
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         if result.error is None and result.status == 200:
-            result.error = premature_length_finish(result, self.context_length) or over_budget(result)
+            result.error = (premature_length_finish(result, self.context_length) or over_budget(result)
+                            or (streamed_over_budget(result) if stream else None))  # fmt: skip
         self._observe(prompt, result)
         return result
 
@@ -337,6 +339,21 @@ def over_budget(result: Completion) -> str | None:
         return None
     return (f"usage says {result.completion_tokens} completion tokens, more than max_tokens={result.max_tokens}: "
             "the budget was not enforced, or usage counts tokens that are not this answer's")  # fmt: skip
+
+
+def streamed_over_budget(result: Completion) -> str | None:
+    """A stream's own count, whatever usage says: every non-empty text chunk carries at least one
+    token (engines send a chunk per token, or per few with a stream interval), so more such chunks
+    than max_tokens is over budget, and usage below the chunk count is not this answer's (outside
+    probe: a server that sent 24 tokens for max_tokens 8 and left usage out, or capped it at 8,
+    passed). None when consistent."""
+    if result.max_tokens is not None and result.chunks > result.max_tokens:
+        return (f"the stream carried {result.chunks} text chunks, more than max_tokens={result.max_tokens} (each "
+                "chunk is at least one token): the budget was not enforced")  # fmt: skip
+    if result.completion_tokens is not None and result.completion_tokens < result.chunks:
+        return (f"usage says {result.completion_tokens} completion tokens, fewer than the {result.chunks} text chunks "
+                "the stream carried (each at least one token): usage is not this answer's")  # fmt: skip
+    return None
 
 
 def _read_json(raw: str, result: Completion) -> None:
