@@ -478,3 +478,26 @@ def test_usage_below_the_streamed_chunk_count_is_an_error() -> None:
     assert "usage says 2 completion tokens, fewer than the 4 text chunks" in (streamed_over_budget(lying) or "")
     honest = Completion(label="streamed run", status=200, text="ab cd", chunks=2, completion_tokens=4, max_tokens=8)
     assert streamed_over_budget(honest) is None  # a chunk may carry several tokens (a stream interval)
+
+
+@pytest.mark.parametrize(("server", "case"), [(Behaviour(prompt_limit=512), "prompt + max_tokens > context length"),
+                                              (Behaviour(prompt_limit=600), "prompt just over the context length")],
+                         indirect=["server"])  # fmt: skip
+async def test_admission_short_of_the_context_fails_over_length(server: RunningServer, case: str) -> None:
+    """Admission that never adds max_tokens to the prompt, or checks the prompt against more than
+    the context it advertises: only a prompt of 1.25 x the context and a max_tokens above it were
+    sent, each refused, so it passed (S2). Sized from the server's own usage, the cases between
+    must be refused too."""
+    over_length = result(await run(server, spec().only([ProbeName.OVER_LENGTH])), ProbeName.OVER_LENGTH)
+    assert over_length.status == ProbeStatus.FAIL, over_length.reason
+    accepted = [e for e in over_length.evidence if e.kind == "http" and e.status == 200]
+    assert any(e.request.startswith(f"{case}: completions, stream=false") for e in accepted), over_length.reason
+    assert not any(e.request.startswith(("prompt > context length", "max_tokens > context length")) for e in accepted)
+
+
+@pytest.mark.parametrize("server", [Behaviour(usage_mode="none", context_length=2048, pool_tokens=8192)], indirect=True)
+async def test_a_server_without_usage_leaves_the_calibrated_over_length_cases_out(server: RunningServer) -> None:
+    over_length = result(await run(server, spec().only([ProbeName.OVER_LENGTH])), ProbeName.OVER_LENGTH)
+    assert over_length.status == ProbeStatus.PASS, over_length.reason
+    notes = [getattr(e, "message", "") for e in over_length.evidence]
+    assert any("not checked on completions: the server reports no usage.prompt_tokens" in n for n in notes), notes

@@ -31,6 +31,9 @@ class Behaviour:
     prefill_delay_per_token: float = 0.0005
     leak_previous: bool = False  # a later request's output carries the previous prompt's first word
     accept_over_length: bool = False
+    # Admission that checks the prompt against this many tokens and max_tokens alone against the
+    # context, never their sum (None: prompt + max_tokens must fit the context).
+    prompt_limit: int | None = None
     flat_errors: bool = False  # SGLang-style flat error body
     stream_error_frame_over_length: bool = False  # old SGLang: 200 then an SSE error frame
     hang_completions: bool = False
@@ -187,7 +190,7 @@ class FakeEngine:
             return web.json_response({"error": {"message": "engine exploded", "type": "server_error"}})
         if self.b.error_message is not None:
             return web.json_response({"error": {"message": self.b.error_message}}, status=500)
-        if prompt_tokens + max_tokens > self.b.context_length and not self.b.accept_over_length:
+        if self._over_length(prompt_tokens, max_tokens) and not self.b.accept_over_length:
             message = f"The input ({prompt_tokens} tokens) is longer than the model's context length ({self.b.context_length} tokens)."
             if stream and self.b.stream_error_frame_over_length:
                 return await self._stream_error_frame(request, message)
@@ -195,6 +198,11 @@ class FakeEngine:
         if self.b.bump_tag_violations:
             self._violations.inc()
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
+
+    def _over_length(self, prompt_tokens: int, max_tokens: int) -> bool:
+        if self.b.prompt_limit is not None:
+            return prompt_tokens > self.b.prompt_limit or max_tokens > self.b.context_length
+        return prompt_tokens + max_tokens > self.b.context_length
 
     def _prompt_list(self, prompts: list[str], max_tokens: int, n: int) -> web.Response:
         own = [self.generate(p, max_tokens, cache=not self.b.cache_per_path) for p in prompts]

@@ -1,7 +1,13 @@
 """Over-length probe (S2): a request that cannot fit must be refused before anything runs.
 
 Cases: a prompt longer than the context length; a prompt longer than the smallest reported KV
-pool (the incident: context 1M, pool 285k); a short prompt whose max_tokens exceeds the context.
+pool (the incident: context 1M, pool 285k); a short prompt whose max_tokens exceeds the context;
+and, sized per endpoint from the server's own `usage.prompt_tokens` (`_Calibration`), a prompt of
+about half the context whose max_tokens reaches 16 tokens past it (each fits alone, not together:
+vLLM, SGLang and our router refuse it with a 400; SGLang clamps max_new_tokens only further down,
+in its scheduler, after that check) and a prompt just over the context (by at most one repeated
+unit of filler). The last two are left out, with a note, where the server reports no usage or its
+counts of repeated units are not linear (a tokenizer whose counts cannot be extrapolated).
 Each goes to every configured endpoint, streamed and not. The verdict per request:
 - any HTTP 200 fails, whatever the body says (the incident's engine answered 200 with another
   user's text; an SSE error frame after a 200 means the request was admitted);
@@ -34,17 +40,39 @@ LENGTH_REJECTION_STATUSES = frozenset({400, 413, 422})
 NOT_SERVED_STATUSES = frozenset({404, 405})
 
 
+UNIT_WORDS = 16
+"""Filler words in the unit the calibrated prompts repeat: their counts grow by one unit's tokens."""
+SUM_MARGIN_TOKENS = 16
+"""How far prompt + max_tokens reaches past the context in the calibrated case."""
+
+
 @dataclass(frozen=True)
 class OverLengthCase:
     name: str
     words: int
     max_tokens: int
     min_prompt_tokens: int  # the prompt has at least this many tokens
+    units: int = 0  # > 0: the prompt is the calibration unit repeated this often (on `apis` only)
+    apis: tuple[str, ...] = ()  # the endpoints this case goes to; empty: every configured one
 
     def describe(self) -> str:
+        where = f" on {'/'.join(self.apis)}" if self.apis else ""
+        if self.units:  # sized from the server's own counts: exact
+            return f"{self.name} ({self.min_prompt_tokens:,} prompt tokens, max_tokens={self.max_tokens:,}{where})"
         if self.max_tokens > OVER_LENGTH_MAX_TOKENS:
-            return f"{self.name} (max_tokens={self.max_tokens:,})"
-        return f"{self.name} ({self.words:,} words, >= {self.min_prompt_tokens:,} tokens)"
+            return f"{self.name} (max_tokens={self.max_tokens:,}{where})"
+        return f"{self.name} ({self.words:,} words, >= {self.min_prompt_tokens:,} tokens{where})"
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    """One endpoint's prompt tokens for `units` repeats of the unit: fixed + units * per_unit."""
+
+    fixed: int
+    per_unit: int
+
+    def tokens(self, units: int) -> int:
+        return self.fixed + units * self.per_unit
 
 
 class OverLengthProbe(Probe):
@@ -59,10 +87,12 @@ class OverLengthProbe(Probe):
             )
         notes: list[Evidence] = []
         cases = self._cases(ctx, context, notes)
+        if ctx.spec.over_length.check_max_tokens:
+            cases += await self._calibrated_cases(ctx, context, notes)
         requests = [
             (case, api, stream)
             for case in cases
-            for api in ctx.spec.over_length.apis
+            for api in (case.apis or ctx.spec.over_length.apis)
             for stream in ctx.spec.over_length.streaming
         ]
         # Concurrent: a correct engine answers each at once; a broken one must not make us wait
@@ -110,13 +140,65 @@ class OverLengthProbe(Probe):
                 cases.append(case)
         return cases
 
+    async def _calibrated_cases(self, ctx: RunContext, context: int, notes: list[Evidence]) -> list[OverLengthCase]:
+        """Per endpoint, the two cases sized from the server's own counts (see the module doc)."""
+        half = ctx.estimate.words_at_most(context // 2) // UNIT_WORDS  # units in about half the context
+        if half < 4:
+            notes.append(Note(message="prompt + max_tokens > context not checked: the context is too short to size it"))
+            return []
+        cases = []
+        for api in ctx.spec.over_length.apis:
+            calibration, why = await _calibrate(ctx, api, half)
+            if calibration is None:
+                notes.append(Note(message=f"prompt + max_tokens > context and prompt just over the context not checked on {api}: {why}"))
+                continue
+            prompt = calibration.tokens(half)
+            max_tokens = context - prompt + SUM_MARGIN_TOKENS
+            if prompt < SUM_MARGIN_TOKENS or prompt + 1 > context:  # then it is one of the cases above
+                continue
+            cases.append(OverLengthCase("prompt + max_tokens > context length", half * UNIT_WORDS,
+                                        max_tokens, prompt, units=half, apis=(api,)))  # fmt: skip
+            over = math.ceil((context + 1 - calibration.fixed) / calibration.per_unit)
+            cases.append(OverLengthCase("prompt just over the context length", over * UNIT_WORDS, OVER_LENGTH_MAX_TOKENS,
+                                        calibration.tokens(over), units=over, apis=(api,)))  # fmt: skip
+        return [c for c in cases if not _too_big(c, ctx, notes)]
+
     async def _send(self, ctx: RunContext, case: OverLengthCase, api: str, stream: bool) -> Completion:
-        prompt = filler_text(case.words, ctx.spec.seed + 3000)
+        prompt = _unit_prompt(ctx, case.units) if case.units else filler_text(case.words, ctx.spec.seed + 3000)
         label = f"{case.name}: {api}, stream={str(stream).lower()}, {case.words} words, max_tokens={case.max_tokens}"
         return await ctx.target.complete(
             prompt, api=api, max_tokens=case.max_tokens, stream=stream, label=label,  # type: ignore[arg-type]
             disconnect_after_chunks=1 if stream else None,
         )
+
+
+def _unit_prompt(ctx: RunContext, units: int) -> str:
+    return " ".join([filler_text(UNIT_WORDS, ctx.spec.seed + 3100)] * units)
+
+
+def _too_big(case: OverLengthCase, ctx: RunContext, notes: list[Evidence]) -> bool:
+    if case.words * BYTES_PER_WORD <= ctx.spec.over_length.max_prompt_bytes:
+        return False
+    notes.append(Note(message=f"case '{case.name}' skipped: prompt over maxPromptBytes"))
+    return True
+
+
+async def _calibrate(ctx: RunContext, api: str, half: int) -> tuple[_Calibration | None, str]:
+    """The endpoint's counts of 1, `half` // 2 and `half` units (each fits: a one-token answer),
+    read from usage.prompt_tokens: (the linear count they fit, "") or (None, why not). Three
+    points: a count the third does not confirm is not extrapolated."""
+    counts = []
+    for units in (1, half // 2, half):
+        out = await ctx.target.complete(_unit_prompt(ctx, units), api=api, max_tokens=1,  # type: ignore[arg-type]
+                                        label=f"over-length calibration: {api}, {units} unit(s)")  # fmt: skip
+        if not out.ok or out.prompt_tokens is None:
+            return None, out.describe_failure() if not out.ok else "the server reports no usage.prompt_tokens"
+        counts.append(out.prompt_tokens)
+    per_unit, rest = divmod(counts[2] - counts[0], half - 1)
+    calibration = _Calibration(counts[0] - per_unit, per_unit)
+    if rest or per_unit <= 0 or calibration.tokens(half // 2) != counts[1]:
+        return None, f"prompt token counts {counts} of 1/{half // 2}/{half} repeated units are not linear"
+    return calibration, ""
 
 
 def judge_rejection(result: Completion) -> tuple[str | None, str | None]:
