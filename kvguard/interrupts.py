@@ -1,6 +1,8 @@
 """Ctrl-C and SIGTERM for the long-running local commands (`kvguard apply --local` and its
 `--delete`, `kvguard demo`, `kvguard canary`): the same cleanup either way, one line and exit 130,
-not death by the signal and not a traceback."""
+not death by the signal and not a traceback. `kvguard.cli.main` takes them up for those commands
+before it imports any command module, so a signal during the imports is exit 130 too (only the
+interpreter's own start, before any of kvguard runs, is left to the default action)."""
 
 from __future__ import annotations
 

@@ -191,3 +191,54 @@ def test_after_an_interrupt_a_command_ends_its_process_with_the_stop_signals_ign
     with stop_signals_as_one_interrupt():  # no interrupt: the handlers in place before are put back
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _caught_signals(pid: int) -> int:
+    """The signals a process has handlers for (/proc/PID/status SigCgt, a bit mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+
+
+def _sigterm_caught_before_the_heavy_imports(process: subprocess.Popen[str]) -> bool:
+    """Wait until the process handles SIGTERM; whether pydantic's compiled core (which the
+    parser's command modules and every command import) was not yet loaded then."""
+    from waiting import wait_for
+
+    def caught() -> bool:
+        assert process.poll() is None, f"exited with {process.returncode} before it handled SIGTERM"
+        return bool(_caught_signals(process.pid) & (1 << (signal.SIGTERM - 1)))
+
+    wait_for(caught, "the command to handle SIGTERM", interval=0.001)
+    return "pydantic_core" not in Path(f"/proc/{process.pid}/maps").read_text()
+
+
+def test_kvguard_canary_sigterm_in_its_first_moments_is_exit_130() -> None:
+    """The handler was installed only once the command ran, after the parser had imported every
+    command module (~0.4 s): a SIGTERM before that ended it by the signal (-15, outside probe).
+    It is in place before the heavy imports now; sent the moment it is, the signal gives 130."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        for _ in range(3):
+            canary = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "canary", "--url", url],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            try:
+                early = _sigterm_caught_before_the_heavy_imports(canary)
+                canary.send_signal(signal.SIGTERM)
+                _, err = canary.communicate(timeout=120)
+            finally:
+                if canary.poll() is None:
+                    canary.kill()
+            assert early, "SIGTERM was handled only after the heavy imports"
+            assert canary.returncode == 130 and "Traceback" not in err, (canary.returncode, err)
+            assert err.strip().splitlines()[-1].startswith("kvguard canary: interrupted"), err
+
+
+@pytest.mark.parametrize("command", [["apply", "--local", "-f", "/nonexistent/model.yaml"], ["demo", "--examples", "/nonexistent"]])
+def test_the_other_commands_that_promise_130_handle_sigterm_before_the_heavy_imports(command: list[str]) -> None:
+    process = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", *command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert _sigterm_caught_before_the_heavy_imports(process)
+    finally:
+        process.kill()
+        process.communicate(timeout=60)
