@@ -56,7 +56,9 @@ def test_healthy_peer_passes_every_probe_that_applies(peer: PeerServer, tiny_mod
         "isolation": "pass", "abort": "pass", "safety_counters": "skipped",
     }  # fmt: skip
     assert report.target.context_length == CONTEXT and report.target.context_length_source == "--context-length"
-    assert "12 over-length requests rejected" in reason(report, ProbeName.OVER_LENGTH)
+    # 3 cases and the 2 sized from the peer's usage, on both endpoints, streamed and not
+    assert "20 over-length requests rejected" in reason(report, ProbeName.OVER_LENGTH)
+    assert "prompt just over the context length" in reason(report, ProbeName.OVER_LENGTH)
     assert f"context {CONTEXT:,} (--context-length)" in reason(report, ProbeName.ISOLATION)
     assert "no baseline URL" in reason(report, ProbeName.GOLDEN)  # says why, claims nothing
     assert "none of the configured counters is exposed" in reason(report, ProbeName.SAFETY_COUNTERS)
