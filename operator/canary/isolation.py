@@ -161,14 +161,9 @@ class IsolationProbe(Probe):
         label = f"{first.label}, again after the others"
         again = await ctx.target.complete(prompt_a, api=ctx.spec.api, max_tokens=ctx.spec.isolation.long_request_max_tokens,
                                           label=label)  # fmt: skip
-        if not again.ok:
-            problems.append(f"long request {label} failed: {again.error}")
-            evidence.append(again.evidence())
-        elif again.text != first.text:
-            problems.append(f"{label}: output differs from its first answer: a long request's answer depended on "
-                            "what ran before it (it read KV another long request left)")  # fmt: skip
-            evidence.append(OutputMismatch(request=label, expected_from="its first answer", expected=first.text,
-                                           actual=again.text))  # fmt: skip
+        check_repeat(again, first, f"long request {label} failed: {again.error}", "its first answer",
+                     "a long request's answer depended on what ran before it (it read KV another long request left)",
+                     problems, evidence)  # fmt: skip
 
     async def _b_everywhere(
         self,
@@ -240,14 +235,9 @@ class IsolationProbe(Probe):
                 continue  # it was not answered alone: reported where it happened
             label = f"tenant {i + 1} alone again"
             again = await ctx.target.complete(prompt, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label=label)
-            if not again.ok:
-                problems.append(f"{again.describe_failure()}, although it was answered alone before")
-                evidence.append(again.evidence())
-            elif again.text != first.text:
-                problems.append(f"{label}: output differs from its first answer alone: one of them read state another "
-                                "request left")  # fmt: skip
-                evidence.append(OutputMismatch(request=label, expected_from=f"tenant {i + 1} alone, first time",
-                                               expected=first.text, actual=again.text))  # fmt: skip
+            check_repeat(again, first, f"{again.describe_failure()}, although it was answered alone before",
+                         f"tenant {i + 1} alone, first time", "one of them read state another request left", problems, evidence,
+                         called="its first answer alone")  # fmt: skip
 
     async def _same_answers_alone(
         self, ctx: RunContext, prompts: list[str], paths: list[tuple[ApiKind, bool]], solos: list[Completion],
@@ -344,6 +334,21 @@ def report_leaks(ctx: RunContext, since: int, problems: list[str], evidence: lis
     for leak in ctx.foreign_nonces(since, reported):
         problems.append(f"{leak.found_in}: output contains the secret nonce of {leak.owner}")
         evidence.append(leak)
+
+
+def check_repeat(
+    again: Completion, first: Completion, failure: str, expected_from: str, why: str, problems: list[str],
+    evidence: list[Evidence], called: str | None = None,
+) -> None:  # fmt: skip
+    """A request asked again must be answered, with its first answer (greedy, a batch of one, the
+    same server); `failure` is the problem when it is not answered, `why` what a difference means,
+    `called` how the message names the first answer (default: `expected_from`)."""
+    if not again.ok:
+        problems.append(failure)
+        evidence.append(again.evidence())
+    elif again.text != first.text:
+        problems.append(f"{again.label}: output differs from {called or expected_from}: {why}")
+        evidence.append(OutputMismatch(request=again.label, expected_from=expected_from, expected=first.text, actual=again.text))
 
 
 def check_b(
