@@ -72,6 +72,15 @@ def _stop_signals_held() -> Iterator[None]:
             signal.raise_signal(first)  # SIG_DFL: ends the process as the signal would have
 
 
+def _interrupt_reported_once(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: the stop signal's KeyboardInterrupt, raised in whatever frame
+    ran (a helper task of aiohttp's), is also kept by that task as its exception, and asyncio logged
+    it with a traceback ("Task exception was never retrieved") after the command's one line."""
+    if isinstance(context.get("exception"), KeyboardInterrupt):
+        return
+    loop.default_exception_handler(context)
+
+
 def run_interruptible(make_coroutine: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """asyncio.run, for a main thread whose Ctrl-C / SIGTERM may come at any moment.
 
@@ -85,6 +94,7 @@ def run_interruptible(make_coroutine: Callable[[], Coroutine[Any, Any, T]]) -> T
         with contextlib.ExitStack() as closing:
             with _stop_signals_held():
                 runner = closing.enter_context(asyncio.Runner())  # builds the loop
+                runner.get_loop().set_exception_handler(_interrupt_reported_once)
                 coroutine = make_coroutine()
             return runner.run(coroutine)
     finally:

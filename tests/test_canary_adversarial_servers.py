@@ -416,18 +416,28 @@ async def test_streamed_chat_that_differs_from_plain_chat_fails_determinism(serv
 # 5. the fourth outside probe: short fixed answers, long-prompt leaks, budgets, lengths ---------
 
 
-@pytest.mark.parametrize("server", [Behaviour(constant_text="!!!!!!!!"), Behaviour(constant_text="Error"),
-                                    Behaviour(constant_text=".")], indirect=True)  # fmt: skip
+@pytest.mark.parametrize("server", [Behaviour(constant_text=" ".join("!" * 8)), Behaviour(constant_text=". " * 8)], indirect=True)
 async def test_one_short_answer_to_every_prompt_fails_without_a_baseline(server: RunningServer) -> None:
     """NaN logits decode to '!' every step: 8 one-character tokens, under golden's 12-character
     threshold for two prompts, and every B and tenant equalled itself alone, so the suite passed.
-    Four and more different prompts answered alone with one text fail, however short."""
+    Four and more different prompts answered alone with one text that fills the budget fail,
+    however short."""
     report = await run(server)
     assert report.verdict == Verdict.FAIL, report.reason
     isolation = result(report, ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert "different prompts answered alone got the same answer" in isolation.reason, isolation.reason
     assert "does not answer its prompt" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(constant_text="safe")], indirect=True)
+async def test_one_answer_that_ends_by_itself_for_every_prompt_is_a_models_own(server: RunningServer) -> None:
+    """A guard or classifier model answers "safe" to every harmless prompt and stops there (an
+    outside audit: it failed isolation, even against a baseline answering the same): an answer
+    that ended by itself is the model's, however many prompts share it."""
+    report = await run(server)
+    isolation = result(report, ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
 
 
 @pytest.mark.parametrize("server", [Behaviour(constant_text="d")], indirect=True)
@@ -451,14 +461,28 @@ async def test_a_leak_only_long_requests_show_fails_isolation(server: RunningSer
     assert again and again[0].expected != again[0].actual
 
 
-@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=1200), Behaviour(wrap_ring_tokens=1650)], indirect=True)
+@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=1650)], indirect=True)
 async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: RunningServer) -> None:
     """The request of a tenant's answer alone wrapped the KV ring and read stale slots: every later
     check of that tenant compared against the leak, and the concurrent answers that differed from
-    it were noted as near ties. Asked alone once more, it must give its first answer alone."""
+    it were noted as near ties. Asked alone once more, it must give its first answer alone. (At a
+    ring of 1200 the leaked first answer is followed by right ones that agree, and it matches no
+    answer heard: that reads as a prefix cache's near tie, and is only noted; see the next test.)"""
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert "alone again: output differs from its first answer alone" in isolation.reason, isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(cached_repeat_tokens=16)], indirect=True)
+async def test_a_prefix_cache_that_breaks_a_near_tie_on_a_repeat_is_noted_not_failed(server: RunningServer) -> None:
+    """vLLM and SGLang serve a long prompt asked again from its first request's KV, and their
+    kernels may break a near tie differently from the cold prefill (an outside audit: the repeat
+    checks failed such healthy servers). A repeat that differs is asked a third time: when the two
+    repeats agree and neither is another request's answer, it is the server's numerics."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
+    notes = [e.message for e in isolation.evidence if e.kind == "note" and "repeats itself when asked once more" in e.message]
+    assert any(n.startswith("A #1") for n in notes) and any(n.startswith("tenant 1 alone again") for n in notes), notes
 
 
 @pytest.mark.parametrize("server", [Behaviour(tokens_at_least=24, usage_mode="none"),
@@ -501,3 +525,15 @@ async def test_a_server_without_usage_leaves_the_calibrated_over_length_cases_ou
     assert over_length.status == ProbeStatus.PASS, over_length.reason
     notes = [getattr(e, "message", "") for e in over_length.evidence]
     assert any("not checked on completions: the server reports no usage.prompt_tokens" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("server", [Behaviour(context_length=20_000, pool_tokens=80_000)], indirect=True)
+async def test_the_calibrated_over_length_cases_respect_max_prompt_bytes_before_sending_anything(server: RunningServer) -> None:
+    """maxPromptBytes bounds every prompt the probe sends: the calibration's prompts of up to half
+    the context went out first, and only the cases built from them were skipped (outside audit)."""
+    cap = 16_384
+    canary = spec(overLength={"maxPromptBytes": cap}).only([ProbeName.OVER_LENGTH])
+    over_length = result(await run(server, canary), ProbeName.OVER_LENGTH)
+    notes = [getattr(e, "message", "") for e in over_length.evidence]
+    assert any("are over maxPromptBytes" in n for n in notes), notes
+    assert server.engine.largest_prompt_bytes <= cap

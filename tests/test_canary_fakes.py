@@ -93,6 +93,10 @@ class Behaviour:
     # max_tokens crosses its end reads the stale slots there, and gets the answer of the prompt
     # that wrote the ring's first slot last.
     wrap_ring_tokens: int | None = None
+    # Prompts of at least this many tokens asked again are served from their first request's KV,
+    # whose kernels break a near tie differently: every repeat ends in another last token than the
+    # first (cold) answer, and the repeats agree (a healthy GPU engine with a prefix cache).
+    cached_repeat_tokens: int | None = None
 
 
 class FakeEngine:
@@ -107,6 +111,8 @@ class FakeEngine:
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
         self.cached_prompts: dict[str, str] = {}  # prefix_cache_chars: start -> the prompt cached for it
         self.last_long_prompt: str | None = None  # long_leak_tokens
+        self.prefilled: set[tuple[str, bool, bool, int]] = set()  # cached_repeat_tokens: requests seen
+        self.largest_prompt_bytes = 0  # of the prompts received (one prompt per request)
         self.ring_cursor = 0  # wrap_ring_tokens: the next free slot
         self.ring_start_owner: str | None = None  # ...and the prompt that wrote slot 0 last
         self.registry = CollectorRegistry()
@@ -182,6 +188,7 @@ class FakeEngine:
         max_tokens = int(body.get("max_tokens") or 16)
         stream = bool(body.get("stream"))
         prompt_tokens = len(prompt.split())
+        self.largest_prompt_bytes = max(self.largest_prompt_bytes, len(prompt.encode()))
         if self.b.hang_completions:
             await asyncio.Event().wait()  # a request that is never answered
         if self.b.malformed_completions:
@@ -237,6 +244,10 @@ class FakeEngine:
                 tokens = tokens[:kept] + self.generate(other, max_tokens, path=(chat, stream))[kept:]
             if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
                 tokens[0] = nonce
+            if self.b.cached_repeat_tokens is not None and prompt_tokens >= self.b.cached_repeat_tokens:
+                if (prompt, chat, stream, max_tokens) in self.prefilled and len(tokens) > 1:
+                    tokens[-1] = hashlib.sha256(f"near tie|{prompt}".encode()).hexdigest()[:5]
+                self.prefilled.add((prompt, chat, stream, max_tokens))
             # Fewer tokens than max_tokens (a constant_text shorter than it): stopped, not cut.
             finish = "length" if len(tokens) >= max_tokens else "stop"
             if not stream:

@@ -17,10 +17,11 @@ from kvguard.operator.canary.report import Evidence, NonceLeak, OutputMismatch, 
 from kvguard.operator.canary.spec import ApiKind, CanarySpec, ProbeName
 
 SAME_ANSWER_MIN_PROMPTS = 4
-"""How many different prompts answered alone must all get one text to fail the run, however short
-it is: two honest prompts may share a short answer (outside probe: "The capital of France is" and
-"... of Italy is" both gave 'd' at maxTokens 1), four different ones (golden, determinism, B, the
-tenants' filler) all giving the same one is a server that does not read its prompt."""
+"""How many different prompts answered alone must all get one text, each running to its token
+budget, to fail the run, however short the text: two honest prompts may share a short answer
+(outside probe: "The capital of France is" and "... of Italy is" both gave 'd' at maxTokens 1);
+four different ones (golden, determinism, B, the tenants' filler) all filled with one text is a
+server that does not read its prompt (NaN logits decode to '!' every step)."""
 
 
 class ProbeSkipped(Exception):
@@ -149,6 +150,14 @@ class RunContext:
         """The answer alone `solo` cached for these, without sending anything; None when none was."""
         return self._solo.get((prompt, api, max_tokens, stream))
 
+    def answers_to_other_prompts(self, prompt: str) -> list[str]:
+        """The text of every answer heard so far to a prompt other than `prompt`: the answers alone
+        to other prompts, and every answer heard since nonces went out whose prompt does not carry
+        `prompt`'s nonces (none when `prompt` carries none: its answers cannot be told apart)."""
+        mine = {nonce for nonce in self.nonce_owners if nonce in prompt}
+        heard = [h.text for h in self.heard if mine and not h.owned & mine]
+        return [c.text for (other, *_), c in self._solo.items() if other != prompt] + heard
+
     def remember_solo(self, prompt: str, api: ApiKind, max_tokens: int, result: Completion) -> None:
         if result.ok:
             self._solo.setdefault((prompt, api, max_tokens, False), result)
@@ -156,14 +165,18 @@ class RunContext:
     def one_answer_alone(self) -> tuple[str, int, list[Completion]] | None:
         """The one text every prompt heard alone got, with those answers, when at least
         SAME_ANSWER_MIN_PROMPTS different prompts (golden, determinism, B, the tenants) all got the
-        same non-empty text, whatever its length: a server that ignores its prompt (NaN logits
-        decode to '!' every step, an error text in a 200, '.'). Only answers asked for at least two
-        tokens count: one greedy token may honestly be several prompts' next word. (text, how many
-        prompts, their answers), or None."""
+        same non-empty text, whatever its length, and every one ran to its token budget
+        (`finish_reason` "length"): a server that ignores its prompt (NaN logits decode to '!' every
+        step). An answer that ended by itself may honestly be every prompt's: a guard model says
+        "safe" to each harmless prompt (outside audit), so one such answer clears the rule. Only
+        answers asked for at least two tokens count: one greedy token may honestly be several
+        prompts' next word. (text, how many prompts, their answers), or None."""
         answers = [c for (_prompt, _api, max_tokens, _stream), c in self._solo.items() if max_tokens >= 2]
         prompts = {key[0] for key in self._solo if key[2] >= 2}
         texts = {c.text for c in answers}
         if len(prompts) < SAME_ANSWER_MIN_PROMPTS or len(texts) != 1 or not answers[0].text:
+            return None
+        if any(c.finish_reason != "length" for c in answers):
             return None
         return answers[0].text, len(prompts), answers
 

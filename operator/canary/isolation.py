@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import os
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
@@ -158,12 +159,12 @@ class IsolationProbe(Probe):
         nonce is its own, so the nonce checks see no foreign one in it."""
         if not first.ok:
             return  # already failed, in its round
-        label = f"{first.label}, again after the others"
-        again = await ctx.target.complete(prompt_a, api=ctx.spec.api, max_tokens=ctx.spec.isolation.long_request_max_tokens,
-                                          label=label)  # fmt: skip
-        check_repeat(again, first, f"long request {label} failed: {again.error}", "its first answer",
-                     "a long request's answer depended on what ran before it (it read KV another long request left)",
-                     problems, evidence)  # fmt: skip
+        def ask(label: str) -> Awaitable[Completion]:
+            return ctx.target.complete(prompt_a, api=ctx.spec.api, max_tokens=ctx.spec.isolation.long_request_max_tokens, label=label)
+
+        await check_repeat(ask, first, f"{first.label}, again after the others", lambda again: f"long request {again.label} failed: {again.error}",
+                           "its first answer", "a long request's answer depended on what ran before it (it read KV another long "
+                           "request left)", problems, evidence, others=ctx.answers_to_other_prompts(prompt_a))  # fmt: skip
 
     async def _b_everywhere(
         self,
@@ -233,11 +234,13 @@ class IsolationProbe(Probe):
             first = ctx.solo_heard(prompt, ctx.spec.api, ctx.spec.max_tokens)
             if first is None:
                 continue  # it was not answered alone: reported where it happened
-            label = f"tenant {i + 1} alone again"
-            again = await ctx.target.complete(prompt, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label=label)
-            check_repeat(again, first, f"{again.describe_failure()}, although it was answered alone before",
-                         f"tenant {i + 1} alone, first time", "one of them read state another request left", problems, evidence,
-                         called="its first answer alone")  # fmt: skip
+            def ask(label: str, prompt: str = prompt) -> Awaitable[Completion]:
+                return ctx.target.complete(prompt, api=ctx.spec.api, max_tokens=ctx.spec.max_tokens, label=label)
+
+            await check_repeat(ask, first, f"tenant {i + 1} alone again", lambda again: f"{again.describe_failure()}, although "
+                               "it was answered alone before", f"tenant {i + 1} alone, first time", "one of them read state "
+                               "another request left", problems, evidence, called="its first answer alone",
+                               others=ctx.answers_to_other_prompts(prompt))  # fmt: skip
 
     async def _same_answers_alone(
         self, ctx: RunContext, prompts: list[str], paths: list[tuple[ApiKind, bool]], solos: list[Completion],
@@ -336,19 +339,46 @@ def report_leaks(ctx: RunContext, since: int, problems: list[str], evidence: lis
         evidence.append(leak)
 
 
-def check_repeat(
-    again: Completion, first: Completion, failure: str, expected_from: str, why: str, problems: list[str],
-    evidence: list[Evidence], called: str | None = None,
+async def check_repeat(
+    ask: Callable[[str], Awaitable[Completion]], first: Completion, label: str, failure: Callable[[Completion], str],
+    expected_from: str, why: str, problems: list[str], evidence: list[Evidence], called: str | None = None,
+    others: Sequence[str] = (),
 ) -> None:  # fmt: skip
-    """A request asked again must be answered, with its first answer (greedy, a batch of one, the
-    same server); `failure` is the problem when it is not answered, `why` what a difference means,
-    `called` how the message names the first answer (default: `expected_from`)."""
+    """A request asked again (`ask(label)`) must be answered, with its first answer: greedy, a
+    batch of one, the same server. `failure` words the problem when it is not answered, `why` what
+    a difference means, `called` how the message names the first answer (default: `expected_from`).
+
+    A different answer is asked for a third time. If the third repeats the second, the difference
+    is the server's numerics, not state another request left: a prefix cache (vLLM's, SGLang's)
+    serves the repeat from the first one's KV, and its kernels may break a near tie differently from
+    the cold prefill (an outside audit; B is too short to hit such a cache). That is noted, unless
+    either answer goes on, where the two part, as an answer to another prompt in `others` does:
+    then one of them was another request's (a leaked answer alone is repeated correctly later). A third answer that
+    differs again fails, as a leak that moves with the pool's state does."""
+    again = await ask(label)
     if not again.ok:
-        problems.append(failure)
+        problems.append(failure(again))
         evidence.append(again.evidence())
-    elif again.text != first.text:
-        problems.append(f"{again.label}: output differs from {called or expected_from}: {why}")
-        evidence.append(OutputMismatch(request=again.label, expected_from=expected_from, expected=first.text, actual=again.text))
+        return
+    if again.text == first.text:
+        return
+    third = await ask(f"{label}, a third time")
+    kept = len(os.path.commonprefix([first.text, again.text]))
+    crossed = any(_another_answer(text, kept, other) for other in others for text in (first.text, again.text))
+    if third.ok and third.text == again.text and not crossed:
+        evidence.append(Note(message=f"{label}: differs from {called or expected_from} after "
+                                     f"{len(os.path.commonprefix([again.text, first.text]))} characters and repeats itself when "
+                                     "asked once more (a prefix-cache hit may break a near tie differently from a cold prefill)"))  # fmt: skip
+        return
+    problems.append(f"{again.label}: output differs from {called or expected_from}: {why}")
+    evidence.append(OutputMismatch(request=again.label, expected_from=expected_from, expected=first.text, actual=again.text))
+
+
+def _another_answer(text: str, kept: int, other: str) -> bool:
+    """`text`, past its first `kept` characters, goes on as `other` does at the same place, over
+    CROSSED_MIN_CHARS and more than one word (`crossed_after`'s rule for one other answer)."""
+    matched = os.path.commonprefix([text[kept:], other[kept:]])
+    return len(matched) >= CROSSED_MIN_CHARS and len(set(matched.split())) >= 2
 
 
 def check_b(

@@ -146,6 +146,10 @@ class OverLengthProbe(Probe):
         if half < 4:
             notes.append(Note(message="prompt + max_tokens > context not checked: the context is too short to size it"))
             return []
+        if half * UNIT_WORDS * BYTES_PER_WORD > ctx.spec.over_length.max_prompt_bytes:  # before any calibration request
+            notes.append(Note(message="prompt + max_tokens > context and prompt just over the context not checked: their "
+                                      "prompts (half the context and more) are over maxPromptBytes"))  # fmt: skip
+            return []
         cases = []
         for api in ctx.spec.over_length.apis:
             calibration, why = await _calibrate(ctx, api, half)
