@@ -248,11 +248,11 @@ class Upstream:
 
 
 MAX_SILENT_READS = 3
-DEPARTED_REMEMBERED = 1024  # workers gone from the names whose in-flight requests may still need an abort
 """Timed-out reads of a worker's limits in a row (a read waits 5 s, a second apart: ~18 s) that take
 it out of rotation: a worker that answers nothing for that long (SIGSTOPped, wedged) would hold every
 request sent to it until the request timeout (an outside probe: 120 s each, with /health already
 saying it was unreachable). One slow read still changes nothing: a busy worker is not taken out."""
+DEPARTED_REMEMBERED = 1024  # workers gone from the names whose in-flight requests may still need an abort
 
 
 def pool_problem(info: WorkerInfo, min_kv_ratio: float | None) -> str | None:
@@ -573,7 +573,7 @@ class Router:
         between two reads): read its info now, so the next request is signed for the new one."""
         upstreams = self._upstreams
         upstream = next((u for u in upstreams.prefill + upstreams.decode if u.url == url), None) if upstreams else None
-        if upstream is None or upstreams is None or url in self._rereading:
+        if upstreams is None or upstream is None or url in self._rereading:
             return
 
         async def reread() -> None:
