@@ -300,6 +300,10 @@ class Upstreams:
         """A worker that appeared (`--discovery dns`); judged by `admits` like every other."""
         self.of(upstream.info.role).append(upstream)
 
+    def at(self, url: str) -> Upstream | None:
+        """The worker at `url` in the rotation's lists, if any."""
+        return next((u for u in self.prefill + self.decode if u.url == url), None)
+
     def remove(self, role: Role, url: str) -> None:
         """A worker whose name went (a pod no longer ready, or gone): no new request goes to it;
         the requests it holds keep their own reference and end as they would."""
@@ -572,7 +576,7 @@ class Router:
         """A worker refused a call signed for the instance last read at `url` (it restarted there
         between two reads): read its info now, so the next request is signed for the new one."""
         upstreams = self._upstreams
-        upstream = next((u for u in upstreams.prefill + upstreams.decode if u.url == url), None) if upstreams else None
+        upstream = upstreams.at(url) if upstreams else None
         if upstreams is None or upstream is None or url in self._rereading:
             return
 
@@ -600,7 +604,8 @@ class Router:
                 continue
             change = membership_change([u.url for u in upstreams.of(role)], resolved)
             for url in change.removed:
-                self._depart(url, next((u.info.instance for u in upstreams.of(role) if u.url == url), None))
+                gone = upstreams.at(url)
+                self._depart(url, gone.info.instance if gone is not None else None)
                 upstreams.remove(role, url)
                 self._retiring.add(url)
                 log.info("%s worker %s is no longer named: no new requests go to it", role.value, url)
@@ -618,10 +623,9 @@ class Router:
     def _target(self, url: str) -> str:
         """The instance id of the worker at `url`, as last read: calls that act are signed for it
         alone (S9, workers/control_auth.py)."""
-        if self._upstreams is not None:
-            for upstream in self._upstreams.prefill + self._upstreams.decode:
-                if upstream.url == url and upstream.info.instance:
-                    return upstream.info.instance
+        upstream = self._upstreams.at(url) if self._upstreams is not None else None
+        if upstream is not None and upstream.info.instance:
+            return upstream.info.instance
         return self._departed.get(url, ANY_WORKER)
 
     def _depart(self, upstream_url: str, instance: str | None) -> None:

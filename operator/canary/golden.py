@@ -110,7 +110,8 @@ SAME_ANSWER_MIN_CHARS = 12
 SAME_ANSWER_MIN_PROMPTS of them: short ones may honestly be shared (outside probe: "The capital of
 France is" and "... of Italy is" both gave 'd' at maxTokens 1), a dozen characters of the same text
 for different prompts is a server ignoring them. With more prompts answered alone (golden,
-determinism, B, the tenants: `RunContext.one_answer_failure`) any shared text fails, '!!!!!!!!' too."""
+determinism, B, the tenants: `RunContext.one_answer_failure`) a shared text that fills every token
+budget fails however short, '!!!!!!!!' too."""
 
 
 async def _one_answer_for_every_prompt(ctx: RunContext) -> Outcome | None:

@@ -366,9 +366,9 @@ async def check_repeat(
     kept = len(os.path.commonprefix([first.text, again.text]))
     crossed = any(_another_answer(text, kept, other) for other in others for text in (first.text, again.text))
     if third.ok and third.text == again.text and not crossed:
-        evidence.append(Note(message=f"{label}: differs from {called or expected_from} after "
-                                     f"{len(os.path.commonprefix([again.text, first.text]))} characters and repeats itself when "
-                                     "asked once more (a prefix-cache hit may break a near tie differently from a cold prefill)"))  # fmt: skip
+        evidence.append(Note(message=f"{label}: differs from {called or expected_from} after {kept} characters and repeats "
+                                     "itself when asked once more (a prefix-cache hit may break a near tie differently from a "
+                                     "cold prefill)"))  # fmt: skip
         return
     problems.append(f"{again.label}: output differs from {called or expected_from}: {why}")
     evidence.append(OutputMismatch(request=again.label, expected_from=expected_from, expected=first.text, actual=again.text))
@@ -376,7 +376,7 @@ async def check_repeat(
 
 def _another_answer(text: str, kept: int, other: str) -> bool:
     """`text`, past its first `kept` characters, goes on as `other` does at the same place, over
-    CROSSED_MIN_CHARS and more than one word (`crossed_after`'s rule for one other answer)."""
+    CROSSED_MIN_CHARS and more than one word (not a run of one generic piece)."""
     matched = os.path.commonprefix([text[kept:], other[kept:]])
     return len(matched) >= CROSSED_MIN_CHARS and len(set(matched.split())) >= 2
 
@@ -474,7 +474,6 @@ def crossed_after(text: str, kept: int, own: str, solos: list[str | None]) -> in
         # answers alike up to here (a model's generic reply) may break a near tie either way.
         if other is None or other == own or len(os.path.commonprefix([own, other])) >= kept:
             continue
-        matched = os.path.commonprefix([rest, other[kept:]])
-        if len(matched) >= CROSSED_MIN_CHARS and len(set(matched.split())) >= 2:  # not a run of one generic piece
+        if _another_answer(text, kept, other):
             return j
     return None
