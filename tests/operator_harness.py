@@ -250,16 +250,27 @@ async def patch_model(name: str, patch: dict[str, Any]) -> None:
                "application/merge-patch+json")  # fmt: skip
 
 
+REVISION_DEPLOYMENTS = 3  # prefill, decode and router of a kvguard-engine revision
+
+
 async def mark_ready(k8s: Any, revision: str) -> None:
     """Play the Deployment controller: it has seen the latest spec (observedGeneration) and every
-    replica runs it (updatedReplicas) and is Ready (readyReplicas); no old replica is left."""
-    for name, obj in objects_of(k8s, DEPLOYMENTS).items():
-        if obj["metadata"]["labels"]["kvguard.io/revision"] == revision:
-            replicas = obj["spec"]["replicas"]
-            status = {"observedGeneration": obj["metadata"].get("generation"), "replicas": replicas,
-                      "updatedReplicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}  # fmt: skip
-            await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}/status", {"status": status},
-                       "application/merge-patch+json")  # fmt: skip
+    replica runs it (updatedReplicas) and is Ready (readyReplicas); no old replica is left.
+    Waits for all of the revision's Deployments first: the operator may still be applying them
+    when its status names the revision, and one never marked would stall the rollout."""
+
+    def of_revision() -> dict[str, Any]:
+        return {name: obj for name, obj in objects_of(k8s, DEPLOYMENTS).items()
+                if obj["metadata"]["labels"]["kvguard.io/revision"] == revision}  # fmt: skip
+
+    deployments = await until(lambda: len(of_revision()) >= REVISION_DEPLOYMENTS and of_revision(),
+                              f"the Deployments of revision {revision}")  # fmt: skip
+    for name, obj in deployments.items():
+        replicas = obj["spec"]["replicas"]
+        status = {"observedGeneration": obj["metadata"].get("generation"), "replicas": replicas,
+                  "updatedReplicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}  # fmt: skip
+        await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}/status", {"status": status},
+                   "application/merge-patch+json")  # fmt: skip
 
 
 def status_of(k8s: Any, name: str = "tiny") -> dict[str, Any]:
