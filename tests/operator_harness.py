@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import datetime as dt
 import functools
 import os
 import threading
@@ -271,6 +272,17 @@ async def mark_ready(k8s: Any, revision: str) -> None:
                   "updatedReplicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}  # fmt: skip
         await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}/status", {"status": status},
                    "application/merge-patch+json")  # fmt: skip
+
+
+async def assert_scaled_down_when_due(k8s: Any, revision: str, scale_down_at: str) -> None:
+    """The previous stable `revision` went to zero no earlier than the scaleDownAt its promotion set
+    (both are the operator's clock, in whole seconds). Checked on the scale-down's own Event (posted
+    after the scaling, so waited for), not by looking whether it still runs at some moment: how late
+    a test looks depends on the machine."""
+    events = await until(lambda: [e for e in events_of(k8s, "PreviousRevisionScaledDown") if f"revision {revision} " in e["message"]],
+                         f"the PreviousRevisionScaledDown event of {revision}")  # fmt: skip
+    due = dt.datetime.fromisoformat(scale_down_at)
+    assert all(dt.datetime.fromisoformat(e["firstTimestamp"]) >= due for e in events), (scale_down_at, events)
 
 
 def status_of(k8s: Any, name: str = "tiny") -> dict[str, Any]:

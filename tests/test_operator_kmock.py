@@ -297,12 +297,18 @@ async def test_S3_an_edit_of_the_transfer_secret_annotation_moves_no_pod_and_mak
     assert list(objects_of(cluster, SECRETS)) == [secret]
 
 
+# A scale-down delay the tests' edits land within, however slow the machine: the delay is counted
+# from the promotion pass, whole seconds (up to 1 s shorter), and a loaded machine can stall a test
+# for seconds between seeing the promotion and acting on it (3 s was overrun).
+WITHIN_THE_DELAY_S = 10
+
+
 async def test_a_retired_revisions_deployment_without_the_operators_labels_is_still_scaled_to_zero(cluster: Any) -> None:
     """Audit: a child that loses the label the watches select by leaves the watch cache, not the
     cluster. The serving revision is applied again, but an old one is only scaled down (and later
     deleted), which looked only in the cache: its decode kept running, unseen, for good. Children
     the cache lacks are read by name; this one is scaled to zero with its labels put back."""
-    rev1, _ = await two_revisions(cluster, scale_down_delay=3)
+    rev1, _ = await two_revisions(cluster, scale_down_delay=WITHIN_THE_DELAY_S)
     name = f"tiny-{rev1}-decode"
     assert objects_of(cluster, DEPLOYMENTS)[name]["spec"]["replicas"] == 1  # still within its scale-down delay
     unlabelled = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}
@@ -337,10 +343,11 @@ async def test_a_previous_revision_whose_children_all_lose_their_labels_is_still
     """Audit: with every child of the previous stable revision unlabelled during its scale-down
     delay, nothing of it was left in the watch cache, so it was neither scaled down nor deleted
     (revisionHistoryLimit 0): it ran at full replicas for good."""
-    rev1, _ = await two_revisions(cluster, scale_down_delay=3, history=0)
+    rev1, _ = await two_revisions(cluster, scale_down_delay=WITHIN_THE_DELAY_S, history=0)
     for kind in (DEPLOYMENTS, SERVICES, NETPOLS):
         for name in [n for n in objects_of(cluster, kind) if f"-{rev1}-" in n]:
             await http("PATCH", f"{API_PATHS[kind]}/namespaces/{NS}/{kind.plural}/{name}", UNLABELLED, "application/merge-patch+json")
+    assert status_of(cluster)["rollout"].get("scaleDownRevision") == rev1  # all unlabelled within the delay
     await until(lambda: not [n for kind in (DEPLOYMENTS, SERVICES, NETPOLS) for n in objects_of(cluster, kind) if f"-{rev1}-" in n],
                 "the previous revision deleted", CANARY_WAIT)  # fmt: skip
     assert not [n for n in objects_of(cluster, DEPLOYMENTS) if f"-{rev1}-" in n]

@@ -24,6 +24,7 @@ from operator_harness import (
     DEPLOYMENTS,
     NS,
     apply_model,
+    assert_scaled_down_when_due,
     http,
     mark_ready,
     objects_of,
@@ -113,17 +114,21 @@ async def test_http_route_weights_follow_the_steps_then_the_old_revision_scales_
                            "the HTTPRoute at step 1 (50%)", CANARY_WAIT)  # fmt: skip
         assert route_weights(valid_upstream(half)) == {f"tiny-{rev1}-router": 50, f"tiny-{rev2}-router": 50}
         assert status_of(cluster)["revision"] == rev1  # S8: stable until every step passed
-        await until(lambda: status_of(cluster).get("revision") == rev2, "rev2 promoted after its analysis", CANARY_WAIT)
-    await promoted(cluster, rev2)  # the promotion pass has acted (status is written before the actions)
-    status = status_of(cluster)
-    assert route_weights(valid_upstream(route(cluster))) == {f"tiny-{rev2}-router": 100}
+        # The promotion's own status, read the moment it is written (the pass writes status before it
+        # acts): a later read may already be the scale-down's, on a machine slow enough to let the
+        # delay run out while the traffic below winds down.
+        status = await until(lambda: status_of(cluster).get("revision") == rev2 and status_of(cluster),
+                             "rev2 promoted after its analysis", CANARY_WAIT)  # fmt: skip
+        rev1_replicas = {n: d["spec"]["replicas"] for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n}
     assert {r["name"] for r in status["rollout"]["analysis"]} >= {"safety", "errorRatio", "ttft", "itl"}
     assert all(r["phase"] == "Successful" for r in status["rollout"]["analysis"]), status["rollout"]["analysis"]
     assert status["rollout"]["weight"] == 100 and status["rollout"]["scaleDownRevision"] == rev1
-    old = {n: d for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n}
-    assert all(d["spec"]["replicas"] > 0 for d in old.values()), "kept running for an instant rollback"
+    assert all(replicas > 0 for replicas in rev1_replicas.values()), "kept running for an instant rollback"
+    await promoted(cluster, rev2)  # the promotion pass has acted
+    assert route_weights(valid_upstream(route(cluster))) == {f"tiny-{rev2}-router": 100}
     await until(lambda: all(d["spec"]["replicas"] == 0 for n, d in objects_of(cluster, DEPLOYMENTS).items() if rev1 in n),
                 "rev1 scaled to zero after scaleDownDelaySeconds", 60)  # fmt: skip
+    await assert_scaled_down_when_due(cluster, rev1, status["rollout"]["scaleDownAt"])
     assert "scaleDownRevision" not in status_of(cluster)["rollout"]
 
 
