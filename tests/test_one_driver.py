@@ -13,7 +13,18 @@ from typing import Any
 
 import pytest
 from kmock_api import ApiServer
-from operator_harness import DEPLOYMENTS, FAST_CANARY, NS, Operator, apply_model, mark_ready, objects_of, status_of, until
+from operator_harness import (
+    CANARY_WAIT,
+    DEPLOYMENTS,
+    FAST_CANARY,
+    NS,
+    Operator,
+    apply_model,
+    mark_ready,
+    objects_of,
+    status_of,
+    until,
+)
 
 from kvguard.operator.api import InferenceModel
 from kvguard.operator.backends.local import LocalBackend
@@ -52,7 +63,7 @@ async def test_the_operator_and_kvguard_apply_local_write_the_same_status(operat
     rev = (await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "status"))["targetRevision"]
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "Deployments")
     await mark_ready(cluster, rev)
-    on_cluster = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready on the cluster", 90)
+    on_cluster = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready on the cluster", CANARY_WAIT)
 
     model = InferenceModel.model_validate(body)
     with LocalBackend(tmp_path / "state", models_root=tmp_path) as backend:

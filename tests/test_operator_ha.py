@@ -247,7 +247,7 @@ async def test_transport_errors_back_off_exponentially_with_jitter_then_the_pass
     # Secret); the Lease still renews, so what backs off is the model's pass, not leadership.
     proxy.drop = lambda r: r.method in ("PATCH", "POST") and "/leases/" not in r.path
     await apply_model(tiny_model())
-    await until(lambda: len(op.controller.retries) >= 4, "four failed passes", 30)
+    await until(lambda: len(op.controller.retries) >= 4, "four failed passes")
     assert not status_of(cluster)
     failures = [r for r in op.controller.retries if r[0] == (NS, "tiny")]
     assert all("TransportError" in error for *_, error in failures)
@@ -257,7 +257,7 @@ async def test_transport_errors_back_off_exponentially_with_jitter_then_the_pass
         assert nominal * (1 - errors.jitter) - 1e-9 <= delay <= nominal * (1 + errors.jitter) + 1e-9, (attempt, delay)
     assert [a for _, a, _, _ in failures[:4]] == [0, 1, 2, 3]  # exponential: one attempt more each time
     proxy.drop = lambda _r: False
-    status = await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "the status once the API answers", 30)
+    status = await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "the status once the API answers")
     assert status["phase"] == "Progressing"
     await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3, "the Deployments")
 
@@ -327,11 +327,11 @@ async def test_a_spec_change_is_rolled_out_past_a_foreign_object_only_the_old_re
     degraded = condition(status, "Degraded")
     assert degraded["reason"] == "ForeignObject" and f"Deployment {NS}/{squatted}" in degraded["message"]
     await patch_model("tiny", {"spec": {"contextLength": 512}})
-    status = await until(lambda: status_of(cluster).get("targetRevision") not in (None, rev) and status_of(cluster), "the new revision", 30)
+    status = await until(lambda: status_of(cluster).get("targetRevision") not in (None, rev) and status_of(cluster), "the new revision")
     new = status["targetRevision"]
     assert status["plan"]["contextLength"] == 512
     await until(lambda: sum(name.startswith(f"tiny-{new}-") for name in objects_of(cluster, DEPLOYMENTS)) == 3,
-                "the new revision's Deployments", 30)  # fmt: skip
+                "the new revision's Deployments")  # fmt: skip
     assert objects_of(cluster, DEPLOYMENTS)[squatted]["spec"]["template"]["spec"]["containers"] == [{"name": "c", "image": "theirs"}]
 
 
