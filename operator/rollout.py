@@ -584,7 +584,7 @@ class _Step:
         rollback_to = self.annotation(ROLLBACK_ANNOTATION)
         if rollback_to and rollback_to == self.stable:
             return rollback_to, True
-        if rollback_to and rollback_to in self.world.previous_stables and rollback_to in self.world.revisions:
+        if rollback_to and rollback_to in self._kept_previous():
             return rollback_to, True
         return self.world.target, False
 
@@ -618,8 +618,13 @@ class _Step:
         rollback_to = self.annotation(ROLLBACK_ANNOTATION)
         if not rollback_to or self._wanted()[1]:
             return None
-        kept = ", ".join(self.world.previous_stables) or "none"
+        kept = ", ".join(self._kept_previous()) or "none"
         return f"{ROLLBACK_ANNOTATION}={rollback_to}: not a kept previous revision (kept: {kept})"
+
+    def _kept_previous(self) -> tuple[str, ...]:
+        """Previous stables a rollback can go to: those whose workloads still exist (newest first);
+        history outlives the revisions deleted past revisionHistoryLimit."""
+        return tuple(r for r in self.world.previous_stables if r in self.world.revisions)
 
     def _stable_numerics(self) -> str | None:
         """The stable's fingerprint: its own record's, or what the last rollout against it carried."""

@@ -441,6 +441,19 @@ def test_an_unusable_rollback_annotation_on_a_stable_model_is_said_not_ignored()
     assert d.state == S.STABLE and "kvguard.io/rollback-to=deadbeef00: not a kept previous revision" in progressing.message
 
 
+def test_an_unusable_rollback_names_only_revisions_it_could_go_to() -> None:
+    """Outside probe: the refusal of a rollback to a revision deleted past revisionHistoryLimit
+    listed that very revision, and others long deleted, as kept (history outlives workloads)."""
+    sim = stable_sim()
+    sim.history = ["r0", "gone1", "gone2"]  # previous stables, newest first; only r0 still runs
+    sim.revisions["r0"] = sim.revisions["r1"]
+    sim.annotations = {ROLLBACK_ANNOTATION: "gone2"}
+    d = sim.tick()
+    progressing = next(a for a in d.actions if isinstance(a, SetCondition) and a.type == "Progressing")
+    assert d.state == S.STABLE and all(a.revision == "r1" for a in d.of_type(DeployRevision))
+    assert "kvguard.io/rollback-to=gone2: not a kept previous revision (kept: r0)" in progressing.message
+
+
 def test_spec_change_during_promoting_finishes_the_promotion_first() -> None:
     sim = _sim_in(S.PROMOTING)
     sim.target = "r3"
