@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_harness import deployment, served_model, worker_process
+from pd_harness import deployment, metric, served_model, worker_process
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import until, wait_for
 
@@ -166,8 +166,10 @@ async def test_a_worker_that_refuses_the_instance_it_was_signed_for_is_read_agai
 ) -> None:
     """A worker restarted at its address between two reads of its limits is a new instance: calls
     signed for the old one are refused (401). The refusal makes the router read the worker again
-    at once, so the next request is signed for the new instance, not only after the next periodic
-    read (here an hour away). Run in-process so the router's last read can be set back."""
+    at once, not only at the next periodic read (here an hour away), and send the refused call
+    once more, signed for the new instance: the request that met the restart is answered (outside
+    probe: every request queued through a worker's restart got a 502). Run in-process so the
+    router's last read can be set back."""
     import aiohttp
     from aiohttp import web
 
@@ -196,11 +198,14 @@ async def test_a_worker_that_refuses_the_instance_it_was_signed_for_is_read_agai
             await until(lambda: router._upstreams is not None, "the router to read its workers")
             assert await status() == 200
             upstreams = router.upstreams
+            refused = {role: metric(trio, role, "kvguard_control_auth_failures_total", reason="wrong_target")
+                       for role in ("prefill", "decode")}  # fmt: skip
             for upstream in upstreams.prefill + upstreams.decode:  # as if both restarted since the last read
                 upstream.info = upstream.info.model_copy(update={"instance": "0" * 32})
-            assert await status() == 502  # refused: signed for an instance that is gone
-            await until(lambda: all(u.info.instance != "0" * 32 for u in upstreams.prefill + upstreams.decode),
-                        "the refusing workers to be read again")  # fmt: skip
+            assert await status() == 200  # refused first (signed for an instance that is gone), then sent again
+            assert all(u.info.instance != "0" * 32 for u in upstreams.prefill + upstreams.decode)
+            for role, before in refused.items():  # the first calls were refused, not let through
+                assert metric(trio, role, "kvguard_control_auth_failures_total", reason="wrong_target") > before, role
             assert await status() == 200
     finally:
         await runner.cleanup()

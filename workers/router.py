@@ -574,11 +574,18 @@ class Router:
 
     def reread_soon(self, url: str) -> None:
         """A worker refused a call signed for the instance last read at `url` (it restarted there
-        between two reads): read its info now, so the next request is signed for the new one."""
+        between two reads): read its info now, so the next call is signed for the new one."""
+        self._reread(url)
+
+    def _reread(self, url: str) -> asyncio.Task[None] | None:
+        """`reread_soon`'s read: the one in progress for that worker (one at a time), or None for
+        a worker not in rotation."""
         upstreams = self._upstreams
         upstream = upstreams.at(url) if upstreams else None
-        if upstreams is None or upstream is None or url in self._rereading:
-            return
+        if upstreams is None or upstream is None:
+            return None
+        if (reading := self._rereading.get(url)) is not None:
+            return reading
 
         async def reread() -> None:
             try:
@@ -590,7 +597,31 @@ class Router:
             if (change := upstreams.refresh(upstream, info)) is not None:
                 log.warning("%s", change)
 
-        self._rereading[url] = asyncio.create_task(reread())
+        self._rereading[url] = task = asyncio.create_task(reread())
+        return task
+
+    async def _restarted_since(self, url: str, signed_for: str) -> bool:
+        """Whether the worker at `url`, read again now, is another instance than the one a refused
+        call was signed for (the launcher and a pod restart keep the address, so calls queued
+        through a restart reach the new process signed for the old one)."""
+        if (reading := self._reread(url)) is not None:
+            await asyncio.shield(reading)  # bounded by fetch_info's timeout; shared by every refused call
+        return self._target(url) not in (signed_for, ANY_WORKER)
+
+    @contextlib.asynccontextmanager
+    async def _control_call(self, url: str, path: str, message: BaseModel,
+                            timeout: aiohttp.ClientTimeout) -> AsyncIterator[aiohttp.ClientResponse]:  # fmt: skip
+        """A call that acts on the worker at `url`, signed for its instance (S9), and sent once more
+        if that worker refused the signature and has since been read as a new instance. A refused
+        call did nothing there (a worker checks the signature before anything else), so sending it
+        again is safe; it is signed anew, so it is no replay."""
+        for last in (False, True):
+            signed_for = self._target(url)
+            async with self.control.post(self.http, f"{url}{path}", message, signed_for, timeout=timeout) as resp:
+                if last or resp.status not in (401, 403) or not await self._restarted_since(url, signed_for):
+                    yield resp
+                    return
+            log.info("%s%s refused a call signed for its previous instance; sending it once more", url, path)
 
     async def _worker_error(self, resp: aiohttp.ClientResponse) -> OpenAIError:
         if resp.status in (401, 403):  # refused the router's own signature: perhaps a new instance there
@@ -1244,7 +1275,7 @@ class Router:
         the second call is no replay (S9)."""
 
         async def send() -> aiohttp.ClientResponse:
-            call = self.control.post(self.http, f"{url}/internal/decode", body, self._target(url), timeout=timeout)
+            call = self._control_call(url, "/internal/decode", body, timeout)
             return await siblings.within(stack.enter_async_context(call))
 
         try:
@@ -1260,8 +1291,7 @@ class Router:
             return None
         if (reader := self._channels.get(decode_url)) is None:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)  # open for as long as both run
-            reader = ChannelReader(lambda: self.control.post(self.http, f"{decode_url}/internal/stream", ChannelRequest(),
-                                                             self._target(decode_url), timeout=timeout),
+            reader = ChannelReader(lambda: self._control_call(decode_url, "/internal/stream", ChannelRequest(), timeout),
                                    refused=lambda: self.reread_soon(decode_url))  # fmt: skip
             self._channels[decode_url] = reader
         return reader
@@ -1299,7 +1329,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
 
         async def compute() -> None:
-            async with self.control.post(self.http, f"{url}/internal/prefill", request, self._target(url), timeout=timeout) as resp:
+            async with self._control_call(url, "/internal/prefill", request, timeout) as resp:
                 if resp.status != 200:
                     raise await self._worker_error(resp)
 
@@ -1307,7 +1337,7 @@ class Router:
             # Shielded: cancelling this call (the leg failed first) must not cancel the ticket
             # itself, or decode's bootstrap would then read as "a second bootstrap" (decode blamed).
             delivery = TicketDelivery(request_id=request.request_id, ticket=await asyncio.shield(ticket))
-            async with self.control.post(self.http, f"{url}/internal/ticket", delivery, self._target(url), timeout=timeout) as resp:
+            async with self._control_call(url, "/internal/ticket", delivery, timeout) as resp:
                 if resp.status != 200:
                     raise await self._worker_error(resp)
 
