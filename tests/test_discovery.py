@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,31 @@ def test_membership_change_adds_and_removes_but_never_empties() -> None:
 async def test_resolve_asks_the_system_resolver() -> None:
     assert await resolve("http://localhost:8000") == ["http://127.0.0.1:8000"]
     assert await resolve("http://127.0.0.1:9/x") == ["http://127.0.0.1:9/x"]
+
+
+STUCK_RESOLVER = """
+import asyncio, socket, threading, time
+from kvguard.workers import discovery
+socket.getaddrinfo = lambda *args, **kwargs: time.sleep(600)  # the cluster's DNS down
+discovery.RESOLVE_TIMEOUT_S = 0.2
+
+async def main() -> None:
+    outcomes = await asyncio.gather(*(discovery.resolve("http://stuck.test:8000") for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(o, discovery.NoAnswer) for o in outcomes), outcomes
+    lookups = [t for t in threading.enumerate() if t.name.startswith("kvguard-resolve")]
+    assert len(lookups) == 1 and lookups[0].daemon, lookups  # one lookup per name, however many ask
+
+asyncio.run(main())
+print("ended")
+"""
+
+
+def test_a_lookup_stuck_in_the_resolver_holds_neither_other_lookups_nor_the_process_exit() -> None:
+    """Found by the hanging-resolver test below failing under load: with the cluster's DNS down, a
+    router told to stop did not exit (the loop's default executor, joined at exit, held a
+    getaddrinfo the resolver kept retrying), and every lookup of a name took a thread of its own."""
+    ended = subprocess.run([sys.executable, "-c", STUCK_RESOLVER], capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 0 and ended.stdout.strip() == "ended", ended.stderr
 
 
 @pytest.fixture(scope="module")

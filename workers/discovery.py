@@ -17,11 +17,13 @@ Pure helpers (the names, the membership change) apart from the router's I/O.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
+import threading
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Discovery = Literal["static", "dns"]
 RESOLVE_TIMEOUT_S = 5.0
@@ -42,6 +44,37 @@ def address_url(url: str, address: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
+_Lookup = concurrent.futures.Future[list[Any]]
+_lookups: dict[tuple[str | None, int], _Lookup] = {}
+_lookups_lock = threading.Lock()
+
+
+def _lookup(host: str | None, port: int) -> _Lookup:
+    """getaddrinfo on a daemon thread of its own, one at a time per name. A resolver that hangs
+    (the cluster's DNS down) then holds neither the event loop, nor more than one thread per name,
+    nor the process's exit: the loop's default executor is joined when the process ends, so a
+    lookup stuck there kept a router that was told to stop alive until the resolver gave up."""
+    key = (host, port)
+    with _lookups_lock:
+        if (pending := _lookups.get(key)) is not None:
+            return pending
+        lookup: _Lookup = concurrent.futures.Future()
+        lookup.set_running_or_notify_cancel()  # a caller that gives up cannot cancel it for the others
+        _lookups[key] = lookup
+
+    def run() -> None:
+        try:
+            lookup.set_result(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to every waiting caller, who decides
+            lookup.set_exception(exc)
+        finally:
+            with _lookups_lock:
+                del _lookups[key]
+
+    threading.Thread(target=run, name=f"kvguard-resolve-{host}", daemon=True).start()
+    return lookup
+
+
 async def resolve(url: str) -> list[str]:
     """One URL per address `url`'s host resolves to, sorted; [] when the name has no addresses
     (a headless Service with no ready pod); NoAnswer when the resolver failed."""
@@ -49,7 +82,7 @@ async def resolve(url: str) -> list[str]:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         async with asyncio.timeout(RESOLVE_TIMEOUT_S):
-            infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+            infos = await asyncio.wrap_future(_lookup(parts.hostname, port))
     except TimeoutError:
         raise NoAnswer(f"{parts.hostname}: no answer within {RESOLVE_TIMEOUT_S:g} s") from None
     except socket.gaierror as exc:
