@@ -298,7 +298,7 @@ async def test_a_prefill_leg_that_fails_first_leaves_the_ticket_to_decode() -> N
     bootstrap; cancelling the leg's ticket delivery cancelled the ticket future itself, and the
     bootstrap then read as "decode sent a second bootstrap": clients were told decode failed, and
     router and decode counted `decode_failed`. The delivery waits on the ticket shielded now.
-    (The control client is a stand-in that refuses the connection, as a dead prefill's port does.)"""
+    (The control call is a stand-in that refuses the connection, as a dead prefill's port does.)"""
     import asyncio
     from types import SimpleNamespace
 
@@ -307,14 +307,13 @@ async def test_a_prefill_leg_that_fails_first_leaves_the_ticket_to_decode() -> N
     from kvguard.workers.protocol import PrefillRequest, SamplingParams
     from kvguard.workers.router import Router
 
-    class Refused:
-        def post(self, *_: object, **__: object) -> None:
-            raise aiohttp.ClientConnectionError("connection refused")
+    def refused(*_: object, **__: object) -> None:
+        raise aiohttp.ClientConnectionError("connection refused")
 
     ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     request = PrefillRequest(request_id="cmpl-x", prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=2))
     with pytest.raises(aiohttp.ClientConnectionError):
-        await Router._prefill(SimpleNamespace(control=Refused(), http=None, _target=lambda _: "any"), "http://prefill", request, ticket)  # type: ignore[arg-type]
+        await Router._prefill(SimpleNamespace(_control_call=refused), "http://prefill", request, ticket)  # type: ignore[arg-type]
     assert not ticket.done()  # decode's bootstrap can still set it: the prefill error is the one reported
 
 
