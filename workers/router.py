@@ -612,13 +612,13 @@ class Router:
     async def _control_call(self, url: str, path: str, message: BaseModel,
                             timeout: aiohttp.ClientTimeout) -> AsyncIterator[aiohttp.ClientResponse]:  # fmt: skip
         """A call that acts on the worker at `url`, signed for its instance (S9), and sent once more
-        if that worker refused the signature and has since been read as a new instance. A refused
-        call did nothing there (a worker checks the signature before anything else), so sending it
-        again is safe; it is signed anew, so it is no replay."""
+        if that worker refused the signature (401) and has since been read as a new instance. A
+        refused call did nothing there (a worker checks the signature before anything else), so
+        sending it again is safe; it is signed anew, so it is no replay."""
         for last in (False, True):
             signed_for = self._target(url)
             async with self.control.post(self.http, f"{url}{path}", message, signed_for, timeout=timeout) as resp:
-                if last or resp.status not in (401, 403) or not await self._restarted_since(url, signed_for):
+                if last or resp.status != 401 or not await self._restarted_since(url, signed_for):
                     yield resp
                     return
             log.info("%s%s refused a call signed for its previous instance; sending it once more", url, path)
