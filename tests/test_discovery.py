@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from waiting import until, wait_for
 
 from kvguard.workers.args import WorkerArgs, bind_listener
-from kvguard.workers.discovery import address_url, membership_change, resolve
+from kvguard.workers.discovery import NoAnswer, address_url, membership_change, resolve
 from kvguard.workers.launcher import LocalDeployment
 
 PREFILL_NAME = "prefill.kvguard.test"
@@ -73,6 +73,28 @@ def test_a_lookup_stuck_in_the_resolver_holds_neither_other_lookups_nor_the_proc
     getaddrinfo the resolver kept retrying), and every lookup of a name took a thread of its own."""
     ended = subprocess.run([sys.executable, "-c", STUCK_RESOLVER], capture_output=True, text=True, timeout=60)
     assert ended.returncode == 0 and ended.stdout.strip() == "ended", ended.stderr
+
+
+async def test_a_lookup_whose_thread_cannot_start_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread to be had (a pod at its pids limit) fails that lookup as NoAnswer, which the
+    router's name-following handles, and leaves nothing behind: the next lookup of the name runs
+    (audit: the name's pending entry stayed, so every later lookup waited on it and timed out)."""
+    from types import SimpleNamespace
+
+    from kvguard.workers import discovery
+
+    class NoThread:
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(discovery, "threading", SimpleNamespace(Thread=NoThread))
+        with pytest.raises(NoAnswer, match="can't start new thread"):
+            await resolve("http://localhost:8000")
+    assert await resolve("http://localhost:8000") == ["http://127.0.0.1:8000"]
 
 
 @pytest.fixture(scope="module")
@@ -234,4 +256,61 @@ async def test_a_worker_that_refuses_the_instance_it_was_signed_for_is_read_agai
                 assert metric(trio, role, "kvguard_control_auth_failures_total", reason="wrong_target") > before, role
             assert await status() == 200
     finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("restarted_pool, resent", [(4096, True), (512, False)])
+async def test_a_refused_call_goes_again_only_to_a_restarted_worker_the_rotation_admits(restarted_pool: int, resent: bool) -> None:
+    """A call refused as signed for a previous instance is sent again to the new one only if that
+    new instance may serve: restarted with a pool below 2x context it is kept out of rotation (S7),
+    and nothing is sent to it (audit: the resend went to it all the same). The worker is a stand-in
+    that refuses, as the real middleware does, any call not signed for its current instance."""
+    import re
+    import secrets
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.protocol import AbortRequest, Role, WorkerInfo
+    from kvguard.workers.router import Router, RouterConfig, Upstream, Upstreams
+
+    def info(role: Role, pool: int, instance: str) -> WorkerInfo:
+        return WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=pool, page_size=16, instance=instance)
+
+    worker = {"instance": secrets.token_hex(16), "pool": 4096}
+    acted: list[str] = []
+
+    async def read_info(_request: web.Request) -> web.Response:
+        return web.json_response(info(Role.PREFILL, worker["pool"], worker["instance"]).model_dump(mode="json"))  # type: ignore[arg-type]
+
+    async def act(request: web.Request) -> web.Response:
+        match = re.search(r"target=(\w+)", request.headers.get("X-Kvguard-Auth", ""))
+        if match is None or match.group(1) != worker["instance"]:
+            return web.json_response({"error": {"message": "signed for another instance", "code": "unauthenticated"}}, status=401)
+        acted.append(match.group(1))
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/internal/info", read_info)
+    app.router.add_post("/internal/{call}", act)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    decode = "http://127.0.0.1:9"  # never called
+    router = Router(RouterConfig(prefill_urls=(url,), decode_urls=(decode,), model_name="m", refresh_interval_s=3600.0),
+                    None, RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]  # fmt: skip
+    router.session = aiohttp.ClientSession()
+    router._upstreams = Upstreams([Upstream(url, info(Role.PREFILL, 4096, worker["instance"]))],
+                                  [Upstream(decode, info(Role.DECODE, 4096, secrets.token_hex(16)))], min_kv_ratio=2.0)  # fmt: skip
+    try:
+        worker.update(instance=secrets.token_hex(16), pool=restarted_pool)  # restarted since the last read
+        async with router._control_call(url, "/internal/prefill", AbortRequest(request_id="x"), aiohttp.ClientTimeout(total=30)) as resp:
+            status = resp.status
+        assert router.upstreams.admits(router.upstreams.prefill[0]) is resent  # the refusal made it read again
+        assert (status, acted) == ((200, [worker["instance"]]) if resent else (401, []))
+    finally:
+        await router.session.close()
         await runner.cleanup()

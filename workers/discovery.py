@@ -71,7 +71,12 @@ def _lookup(host: str | None, port: int) -> _Lookup:
             with _lookups_lock:
                 del _lookups[key]
 
-    threading.Thread(target=run, name=f"kvguard-resolve-{host}", daemon=True).start()
+    try:
+        threading.Thread(target=run, name=f"kvguard-resolve-{host}", daemon=True).start()
+    except RuntimeError as exc:  # no thread to be had (a pids limit): this lookup fails, the next may not
+        with _lookups_lock:
+            del _lookups[key]
+        lookup.set_exception(exc)
     return lookup
 
 
@@ -85,6 +90,8 @@ async def resolve(url: str) -> list[str]:
             infos = await asyncio.wrap_future(_lookup(parts.hostname, port))
     except TimeoutError:
         raise NoAnswer(f"{parts.hostname}: no answer within {RESOLVE_TIMEOUT_S:g} s") from None
+    except RuntimeError as exc:  # the lookup's thread could not start
+        raise NoAnswer(f"{parts.hostname}: {exc}") from None
     except socket.gaierror as exc:
         if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return []

@@ -602,11 +602,17 @@ class Router:
 
     async def _restarted_since(self, url: str, signed_for: str) -> bool:
         """Whether the worker at `url`, read again now, is another instance than the one a refused
-        call was signed for (the launcher and a pod restart keep the address, so calls queued
-        through a restart reach the new process signed for the old one)."""
+        call was signed for, and one the rotation admits (S7: a restart may come back with a
+        smaller pool or another page size). The launcher and a pod restart keep the address, so
+        calls queued through a restart reach the new process signed for the old one."""
         if (reading := self._reread(url)) is not None:
             await asyncio.shield(reading)  # bounded by fetch_info's timeout; shared by every refused call
-        return self._target(url) not in (signed_for, ANY_WORKER)
+        upstreams = self._upstreams
+        upstream = upstreams.at(url) if upstreams is not None else None
+        if upstreams is None or upstream is None or not upstreams.admits(upstream):
+            return False
+        instance = upstream.info.instance
+        return bool(instance) and instance not in (signed_for, ANY_WORKER)
 
     @contextlib.asynccontextmanager
     async def _control_call(self, url: str, path: str, message: BaseModel,
