@@ -51,9 +51,9 @@ async def test_resolve_asks_the_system_resolver() -> None:
 
 
 STUCK_RESOLVER = """
-import asyncio, socket, threading, time
+import asyncio, socket, threading
 from kvguard.workers import discovery
-socket.getaddrinfo = lambda *args, **kwargs: time.sleep(600)  # the cluster's DNS down
+socket.getaddrinfo = lambda *args, **kwargs: threading.Event().wait()  # the cluster's DNS down: never answers
 discovery.RESOLVE_TIMEOUT_S = 0.2
 
 async def main() -> None:

@@ -108,8 +108,6 @@ class ChannelReader:
     first) are dropped; a request's id is the router's own, never a client's."""
 
     open_stream: Callable[[], AbstractAsyncContextManager[aiohttp.ClientResponse]]
-    refused: Callable[[], None] = lambda: None
-    """Called when decode refuses the signed call (401/403: it may have restarted as a new instance)."""
     _opened: asyncio.Future[OpenChannel] | None = None  # the channel, once decode named it
     _task: asyncio.Task[None] | None = None
 
@@ -150,8 +148,6 @@ class ChannelReader:
         channel: OpenChannel | None = None
         try:
             async with self.open_stream() as resp:
-                if resp.status in (401, 403):
-                    self.refused()
                 if resp.status != 200:
                     raise ChannelLost(f"the decode worker refused it (HTTP {resp.status})")
                 lines = read_lines(resp.content)

@@ -62,20 +62,22 @@ def _lookup(host: str | None, port: int) -> _Lookup:
         lookup.set_running_or_notify_cancel()  # a caller that gives up cannot cancel it for the others
         _lookups[key] = lookup
 
+    def done() -> None:
+        with _lookups_lock:
+            del _lookups[key]
+
     def run() -> None:
         try:
             lookup.set_result(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
         except BaseException as exc:  # handed to every waiting caller, who decides
             lookup.set_exception(exc)
         finally:
-            with _lookups_lock:
-                del _lookups[key]
+            done()
 
     try:
         threading.Thread(target=run, name=f"kvguard-resolve-{host}", daemon=True).start()
     except RuntimeError as exc:  # no thread to be had (a pids limit): this lookup fails, the next may not
-        with _lookups_lock:
-            del _lookups[key]
+        done()
         lookup.set_exception(exc)
     return lookup
 

@@ -456,7 +456,7 @@ class Router:
         """`--discovery dns`: reads the workers' names, on its own (a slow resolver must not hold
         up the reads that take a dead worker out of rotation)."""
         self._rereading: dict[str, asyncio.Task[None]] = {}
-        """Worker URL -> the read of its info that a refused call started (`reread_soon`)."""
+        """Worker URL -> the read of its info that a refused call started (`_reread`)."""
         self._aborts_in_flight: set[asyncio.Task[None]] = set()
         """Generations' legs being ended (`_end_legs`), each in a task of its own: on shutdown their
         aborts go out before the session closes, so the workers learn each request's cause."""
@@ -572,14 +572,10 @@ class Router:
             await asyncio.sleep(self.config.refresh_interval_s)
             await self._follow_names(upstreams)
 
-    def reread_soon(self, url: str) -> None:
-        """A worker refused a call signed for the instance last read at `url` (it restarted there
-        between two reads): read its info now, so the next call is signed for the new one."""
-        self._reread(url)
-
     def _reread(self, url: str) -> asyncio.Task[None] | None:
-        """`reread_soon`'s read: the one in progress for that worker (one at a time), or None for
-        a worker not in rotation."""
+        """A read of the info of the worker at `url` now, not at the next refresh (it refused a call
+        signed for the instance last read there): the one in progress for that worker (one at a
+        time, shared by every refused call), or None for a worker not in rotation."""
         upstreams = self._upstreams
         upstream = upstreams.at(url) if upstreams else None
         if upstreams is None or upstream is None:
@@ -628,11 +624,6 @@ class Router:
                     yield resp
                     return
             log.info("%s%s refused a call signed for its previous instance; sending it once more", url, path)
-
-    async def _worker_error(self, resp: aiohttp.ClientResponse) -> OpenAIError:
-        if resp.status in (401, 403):  # refused the router's own signature: perhaps a new instance there
-            self.reread_soon(str(resp.url.origin()))
-        return await _upstream_error(resp)
 
     async def _follow_names(self, upstreams: Upstreams) -> None:
         for role, urls in ((Role.PREFILL, self.config.prefill_urls), (Role.DECODE, self.config.decode_urls)):
@@ -1245,7 +1236,7 @@ class Router:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
             resp = await self._post_decode(url, request, timeout, siblings, stack)
             if resp.status != 200:
-                raise await self._worker_error(resp)
+                raise await _upstream_error(resp)
             return _decode_events(resp), None
         # The request's own stream is read only until the handoff; after it, the bound between two
         # events applies to its inbox (_channel_events).
@@ -1258,7 +1249,7 @@ class Router:
                 resp = await self._post_decode(url, body, timeout, siblings, stack)
                 if resp.status == 200:
                     return _channel_events(resp, inbox, self.config.request_timeout_s), channel
-                error = await self._worker_error(resp)
+                error = await _upstream_error(resp)
             except BaseException:
                 channel.unsubscribe(request.request_id)
                 raise
@@ -1297,8 +1288,7 @@ class Router:
             return None
         if (reader := self._channels.get(decode_url)) is None:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)  # open for as long as both run
-            reader = ChannelReader(lambda: self._control_call(decode_url, "/internal/stream", ChannelRequest(), timeout),
-                                   refused=lambda: self.reread_soon(decode_url))  # fmt: skip
+            reader = ChannelReader(lambda: self._control_call(decode_url, "/internal/stream", ChannelRequest(), timeout))
             self._channels[decode_url] = reader
         return reader
 
@@ -1337,7 +1327,7 @@ class Router:
         async def compute() -> None:
             async with self._control_call(url, "/internal/prefill", request, timeout) as resp:
                 if resp.status != 200:
-                    raise await self._worker_error(resp)
+                    raise await _upstream_error(resp)
 
         async def deliver() -> None:
             # Shielded: cancelling this call (the leg failed first) must not cancel the ticket
@@ -1345,7 +1335,7 @@ class Router:
             delivery = TicketDelivery(request_id=request.request_id, ticket=await asyncio.shield(ticket))
             async with self._control_call(url, "/internal/ticket", delivery, timeout) as resp:
                 if resp.status != 200:
-                    raise await self._worker_error(resp)
+                    raise await _upstream_error(resp)
 
         calls = (asyncio.ensure_future(compute()), asyncio.ensure_future(deliver()))
         try:
