@@ -18,7 +18,7 @@ from pd_harness import deployment, second_router, served_model
 
 from kvguard.workers.launcher import LocalDeployment
 
-DEEP = b"[" * 100_000 + b"]" * 100_000
+DEEP = b"[" * 10_000 + b"]" * 10_000
 VICTIM_DEADLINE_S = 30.0  # an idle 4-token request takes well under a second, seconds on a loaded CI machine; the attacks took 39-114 s
 
 
@@ -88,6 +88,8 @@ def test_lone_surrogates_and_deep_json_are_400s(trio: LocalDeployment, model: st
     assert "JSON" in assert_openai_error(post(trio, body, path), 400)["message"]
     error = assert_openai_error(post(trio, b'{"model": ' + DEEP + b"}", path), 400)
     assert "deep" in error["message"]
+    deeper = assert_openai_error(post(trio, b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", path), 400)
+    assert deeper["code"] == "invalid_json"  # over json_shape's bound: refused from its bytes, before the parser
     pair = b'{"model": "' + model.encode() + b'", "max_tokens": 2, "prompt": "\\ud83d\\ude00"}'
     assert post(trio, pair).status_code == 200  # a proper surrogate pair is a character
     still_serving(trio, model)
@@ -163,8 +165,8 @@ def victim_latencies(trio: LocalDeployment, model: str, rounds: int) -> list[flo
 
 
 @contextlib.contextmanager
-def attacking(attack: object) -> Iterator[list[requests.Response]]:
-    """Run `attack()` in a loop on a thread until the block ends; collects its answers."""
+def attacking(attack: object, threads: int = 1) -> Iterator[list[requests.Response]]:
+    """Run `attack()` in a loop on `threads` threads until the block ends; collects their answers."""
     answers: list[requests.Response] = []
     stop = threading.Event()
 
@@ -172,14 +174,16 @@ def attacking(attack: object) -> Iterator[list[requests.Response]]:
         while not stop.is_set():
             answers.append(attack())  # type: ignore[operator]
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+    attackers = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+    for thread in attackers:
+        thread.start()
     try:
         yield answers
     finally:
         stop.set()
-        thread.join(120)
-        assert not thread.is_alive(), "an attack request hung"
+        for thread in attackers:
+            thread.join(120)
+            assert not thread.is_alive(), "an attack request hung"
 
 
 def test_a_huge_stop_string_is_refused_and_stalls_nobody(trio: LocalDeployment, model: str) -> None:
@@ -220,7 +224,8 @@ def test_a_million_tiny_prompts_or_messages_are_refused_before_any_template_or_t
     with attacking(lambda: post(trio, prompts) if next(turn) % 2 == 0 else post(trio, messages, "chat/completions")) as answers:
         assert max(victim_latencies(trio, model, 5)) < VICTIM_DEADLINE_S
     assert answers and all(a.status_code == 400 for a in answers)
-    assert {a.json()["error"]["param"] for a in answers} <= {"prompt", "messages"}
+    # 200,000 messages are 200,000 objects: refused from the body's bytes before the parser sees it.
+    assert {a.json()["error"]["param"] or a.json()["error"]["code"] for a in answers} <= {"prompt", "invalid_json"}
 
 
 def test_bodies_with_a_million_invalid_items_get_a_400_without_itemizing_each(trio: LocalDeployment, model: str) -> None:
@@ -238,6 +243,34 @@ def test_bodies_with_a_million_invalid_items_get_a_400_without_itemizing_each(tr
     few = post(trio, {"model": model, "prompt": "x", "bogus": 1, "other": 2})
     assert few.status_code == 400 and few.json()["error"]["param"] == "bogus"  # a few errors: the first is named
     assert post(trio, {"model": model, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_bodies_of_nested_empty_arrays_are_refused_from_their_bytes_and_stall_nobody(trio: LocalDeployment, model: str) -> None:
+    """A 7.7 MB body of 3.5 M nested empty arrays (under the size and depth limits) took pydantic
+    4-5 s to build and refuse, holding the GIL on the tokenizer thread: six such bodies at a time
+    held a 2-token request 24 s (outside probe). Its bytes are counted first now (json_shape.py),
+    wherever the arrays are: in the prompt, a message's content, or an unknown key."""
+    nested = b",".join([b"[[[[[]]]]]"] * 700_000)
+    bodies = [b'{"model": "%s", "prompt": [%s]}' % (model.encode(), nested),
+              b'{"model": "%s", "messages": [{"role": "user", "content": [%s]}]}' % (model.encode(), nested),
+              b'{"model": "%s", "prompt": "x", "z": [%s]}' % (model.encode(), nested)]  # fmt: skip
+    paths = ["completions", "chat/completions", "completions"]
+    turn = iter(range(10**9))
+
+    def attack() -> requests.Response:
+        i = next(turn) % 3
+        return post(trio, bodies[i], paths[i], headers={"Content-Type": "application/json"})
+
+    with attacking(attack, threads=6) as answers:
+        assert max(victim_latencies(trio, model, 5)) < VICTIM_DEADLINE_S
+    assert answers
+    for answer in answers:
+        error = assert_openai_error(answer, 400)
+        assert error["code"] == "invalid_json" and "JSON arrays and objects, more than the 65536" in error["message"], error
+    # Brackets inside a string are text: this prompt is refused for its length, not its shape.
+    quoted = post(trio, {"model": model, "prompt": '{"a": [1]}' * 40_000, "max_tokens": 2})
+    assert_openai_error(quoted, 400, "prompt")
+    still_serving(trio, model)
 
 
 # ----------------------------------------------------------- slow clients: header and body time

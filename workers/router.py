@@ -55,6 +55,7 @@ from kvguard.workers.channel_reader import (
 )
 from kvguard.workers.control_auth import ANY_WORKER, auth_headers
 from kvguard.workers.discovery import Discovery, NoAnswer, membership_change, resolve
+from kvguard.workers.json_shape import json_shape_problem
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import LATENCY_BUCKETS
 from kvguard.workers.openai_api import (
@@ -881,7 +882,7 @@ class Router:
         """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter."""
         raw = await self._read_body(request)
         try:
-            body = await self._off_loop(len(raw), kind.model_validate_json, raw)
+            body = await self._off_loop(len(raw), _shaped_and_validated, kind, raw)
         except ValidationError as exc:
             raise validation_error(exc) from None
         body.check_supported()
@@ -1515,6 +1516,14 @@ async def _prefill_error_first(task: asyncio.Task[None], wait: bool) -> OpenAIEr
             await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
     error = task.exception() if task.done() and not task.cancelled() else None
     return error if isinstance(error, OpenAIError) else None
+
+
+def _shaped_and_validated(kind: type[RequestKind], raw: bytes) -> RequestKind:
+    """The body as `kind`, once its bytes show no more JSON structure than a request needs (the
+    parse holds the GIL wherever it runs: json_shape.py)."""
+    if (problem := json_shape_problem(raw)) is not None:
+        raise OpenAIError(400, problem, code="invalid_json")
+    return kind.model_validate_json(raw)
 
 
 def _check_body_headers(headers: CIMultiDictProxy[str]) -> None:
