@@ -39,6 +39,7 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.engine_support import kvguard_dtype_flag, kvguard_role_options
+from kvguard.operator.planner import memory_fraction
 from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
 from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, WorkerArgs
@@ -226,8 +227,10 @@ class RoleContext:
         assert source.hugging_face is not None
         return source.hugging_face
 
-    def memory_fraction(self, default: float) -> float:
-        return self.worker.memory_fraction or self.spec.memory_fraction or default
+    def memory_fraction_flag(self) -> str:
+        """The memory fraction the plan checked, written so that it parses back to the same float.
+        `:g` rounded 0.1234564999 down to 0.123456: a pool below the planned 2x context (S7)."""
+        return repr(memory_fraction(self.spec, self.worker))
 
 
 class EngineAdapter(Protocol):
@@ -430,7 +433,7 @@ class SGLangAdapter:
             "--disaggregation-mode", ctx.role,
             "--disaggregation-transfer-backend", spec.kv_transfer.backend,
             "--context-length", str(spec.context_length),
-            "--mem-fraction-static", f"{ctx.memory_fraction(0.88):g}",
+            "--mem-fraction-static", ctx.memory_fraction_flag(),
             "--tp-size", str(role.tensor_parallel),
             "--pp-size", str(role.pipeline_parallel),
             *_sglang_data_parallel_args(spec, role),
@@ -502,7 +505,7 @@ class VLLMAdapter:
         args += [
             "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--max-model-len", str(spec.context_length),
-            "--gpu-memory-utilization", f"{ctx.memory_fraction(0.9):g}",
+            "--gpu-memory-utilization", ctx.memory_fraction_flag(),
             "--tensor-parallel-size", str(role.tensor_parallel),
             "--pipeline-parallel-size", str(role.pipeline_parallel),
             "--data-parallel-size", str(role.data_parallel),

@@ -84,6 +84,21 @@ def test_vllm_flags_and_kv_transfer_config() -> None:
     assert {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
 
 
+@pytest.mark.parametrize("kind, fraction_flag", [("sglang", "--mem-fraction-static"), ("vllm", "--gpu-memory-utilization")])
+def test_the_memory_fraction_is_rendered_exactly_as_planned(kind: str, fraction_flag: str) -> None:
+    """S7: the plan checks the pool at the spec's memoryFraction, so the engine must be given that
+    very number. `:g` wrote 0.1234564999 as 0.123456, a smaller pool than the one that passed
+    (outside probe: 2,294,552 tokens rendered against 2,294,562 needed)."""
+    base = yaml.safe_load((EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]
+    engine = {"kind": kind, "image": "engine:1", "routerImage": "router:1"}
+    m = model("llama-3.1-8b-sglang-h100.yaml", engine=engine, memoryFraction=0.1234564999,
+              model={**base["model"], "source": {"huggingFace": "org/model"}})  # fmt: skip
+    for role in ("prefill", "decode"):
+        assert float(flag(command(objects(m), role), fraction_flag)) == 0.1234564999
+    default = model("llama-3.1-8b-sglang-h100.yaml", engine=engine, memoryFraction=None, model={**base["model"], "source": {"huggingFace": "org/model"}})
+    assert flag(command(objects(default), "decode"), fraction_flag) == {"sglang": "0.88", "vllm": "0.9"}[kind]
+
+
 def test_kvguard_worker_flags_and_restricted_pods() -> None:
     m = model("tiny-cpu.yaml", model={**yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())["spec"]["model"],
               "source": {"pvc": {"claimName": "models", "path": "tiny"}}}, kvTransfer={"maxBatch": "8Mi", "port": 9100})  # fmt: skip
