@@ -105,6 +105,8 @@ def parse_byte_quantity(value: Any) -> int:
     value that is not finite (`.inf`, `.nan`, `1e400Gi`) or one above 2^63-1 bytes."""
     if isinstance(value, bool):
         raise ValueError("expected a byte quantity such as 80Gi, not a boolean")
+    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+        raise ValueError(f"{value!r} is not a whole number of bytes")  # the CRD's integer type refuses it too
     if isinstance(value, int | float):
         return _checked_bytes(value, repr(value) if isinstance(value, float) else "the value")
     if not isinstance(value, str):
@@ -313,9 +315,22 @@ class MLAConfig(ApiModel):
     `index_head_dim`); 0 when the model has no indexer."""
 
 
+_NARROW_HEADS = ("hiddenSize must be at least numAttentionHeads when headDim is not set: the head width "
+                 "hiddenSize / numAttentionHeads would be 0")  # fmt: skip
+
+
 class ModelArchitecture(ApiModel):
     """The shape of the transformer, as far as KV cache and weight memory depend on it. Fill it by
     hand or from a Hugging Face config.json (`kvguard plan --hf-config`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.headDim) || !has(self.hiddenSize) || self.hiddenSize >= self.numAttentionHeads",
+                 "message": _NARROW_HEADS},
+            ]
+        }
+    )
 
     num_layers: PositiveInt
     """Transformer layers that own a KV cache (config.json `num_hidden_layers`)."""
@@ -349,6 +364,14 @@ class ModelArchitecture(ApiModel):
     planner warns when contextLength exceeds it."""
     mla: MLAConfig | None = None
     """Present for multi-head latent attention models; replaces the per-head K/V cache."""
+
+    @model_validator(mode="after")
+    def _heads_have_width(self) -> ModelArchitecture:
+        # The CEL rule above, for where no API server runs it. A head width of 0 made every
+        # token's KV 0 bytes and the pool size a division by zero (webhook, reconcile, CLI).
+        if self.head_dim is None and self.hidden_size is not None and self.hidden_size < self.num_attention_heads:
+            raise ValueError(_NARROW_HEADS)
+        return self
 
     @property
     def effective_head_dim(self) -> int | None:
@@ -517,7 +540,7 @@ class HardwareSpec(ApiModel):
 
     device: DeviceKind = DeviceKind.CUDA
     """`cuda` for GPUs; `cpu` runs the kvguard engine on host memory."""
-    memory_per_device: ByteQuantity = Field(gt=0)
+    memory_per_device: ByteQuantity = Field(gt=0, json_schema_extra={"minimum": 1})  # the CRD's bound on an integer
     """Memory of one device as the driver reports it (torch `mem_get_info` total: 79.18Gi for an
     H100 80GB). On CPU: the memory budget for weights and KV of one worker."""
     device_overhead: ByteQuantity | None = None
@@ -731,7 +754,7 @@ class KVTransferSpec(ApiModel):
     """How prefill sends KV to decode. Rendered as worker flags (kvguard), environment (SGLang's
     PD and Mooncake variables) or the KV-transfer config (vLLM)."""
 
-    max_batch: ByteQuantity = Field(default=64 * 1024**2, gt=0)
+    max_batch: ByteQuantity = Field(default=64 * 1024**2, gt=0, json_schema_extra={"minimum": 1})
     """Bytes in flight per prefill->decode pair before back-pressure (S6; kvguard
     `--max-transfer-batch`)."""
     timeout_seconds: PositiveInt = 30

@@ -111,8 +111,7 @@ def _convert(node: Any, defs: dict[str, Any]) -> Any:
             continue
         out[key] = _convert(value, defs) if key in _SCHEMA_KEYS else value
     if node.get("x-kubernetes-int-or-string"):
-        kept = {k: out[k] for k in ("description", "default", "pattern", "maxLength", "x-kubernetes-validations") if k in out}
-        return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}], **kept}
+        return _int_or_string(node, out)
     if "properties" in out or "additionalProperties" in out:
         out.setdefault("type", "object")
     if "enum" in out and "type" not in out:
@@ -120,6 +119,18 @@ def _convert(node: Any, defs: dict[str, Any]) -> Any:
     if not out.get("type") and "anyOf" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
         out = {"x-kubernetes-preserve-unknown-fields": True, **out}  # Any
     return out
+
+
+def _int_or_string(node: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """The one anyOf a structural schema allows, with the value validations beside it: a bound
+    the integer branch carried (ByteQuantity's `minimum: 0`) is lifted out of the anyOf, where the
+    API server would refuse it, to the node, where it checks integers only (strings keep their
+    pattern). Dropped, `memoryPerDevice: -1` was stored and refused only at reconcile."""
+    integer: dict[str, Any] = next((o for o in node.get("anyOf", []) if o.get("type") == "integer"), {})
+    bounds: dict[str, Any] = {k: integer[k] for k in ("minimum", "exclusiveMinimum") if k in integer}
+    kept: dict[str, Any] = {k: out[k] for k in ("description", "default", "pattern", "maxLength", "minimum", "exclusiveMinimum",
+                                "x-kubernetes-validations") if k in out}  # fmt: skip
+    return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}], **bounds, **kept}
 
 
 def _version(spec: type[BaseModel], status: type[BaseModel], columns: list[dict[str, Any]], root_rules: list[dict[str, str]], spec_rules: list[dict[str, str]], spec_required: bool) -> dict[str, Any]:

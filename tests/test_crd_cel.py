@@ -101,6 +101,8 @@ def rejected(body: dict[str, Any]) -> list[Rejection]:
     return rejections
 
 
+NARROW_HEADS = ("hiddenSize must be at least numAttentionHeads when headDim is not set: the head width "
+                "hiddenSize / numAttentionHeads would be 0")
 NAME_RULE = "metadata.name: lowercase letters, digits and '-', a letter first and a letter or digit last (child Services are named after it)"
 INVALID = {
     "cpu with sglang": (minimal(engine={"kind": "sglang", "image": "i"}, hardware={"device": "cpu", "memoryPerDevice": "1Gi"}),
@@ -122,6 +124,10 @@ INVALID = {
     "a query no value passes": (minimal(rollout={"analysis": {"prometheusURL": "http://p:9090",
                                                               "queries": [{"name": "q", "query": "up", "min": 5, "max": 1}]}}),
                                 "spec.rollout.analysis.queries[0]", "min must not exceed max: no value could pass"),
+    # Outside probe: a head width of 0 divided the pool size by zero in the webhook and reconcile.
+    "heads without width": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 4,
+                                                                          "hiddenSize": 3}}),
+                            "spec.model.architecture", NARROW_HEADS),
 }  # fmt: skip
 
 
@@ -150,6 +156,32 @@ def test_quantities_that_are_not_quantities_fail_the_schema(where: tuple[str, ..
     node[where[-1]] = value
     (rejection,) = rejected(body)
     assert rejection.path == "spec." + ".".join(where) and "does not match" in rejection.message
+
+
+@pytest.mark.parametrize(("where", "value", "bound"), [
+    (("hardware", "memoryPerDevice"), -1, 1), (("hardware", "memoryPerDevice"), 0, 1), (("hardware", "deviceOverhead"), -5, 0),
+    (("reserve",), -1, 0), (("kvTransfer", "maxBatch"), 0, 1),
+])  # fmt: skip
+def test_byte_quantities_given_as_integers_keep_their_bounds_in_the_schema(where: tuple[str, ...], value: int, bound: int) -> None:
+    """Outside probe: the int-or-string schema dropped `minimum`, so the API server stored
+    `memoryPerDevice: -1` that only the webhook or reconcile refused. The models refuse it too."""
+    body = minimal()
+    node = body["spec"]
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = value
+    (rejection,) = rejected(copy.deepcopy(body))
+    assert rejection == Rejection("spec." + ".".join(where), f"{value} is less than the minimum of {bound}")
+    with pytest.raises(ValidationError, match=re.escape(".".join(where))):
+        InferenceModel.model_validate(body)
+
+
+def test_a_fraction_of_a_byte_is_refused_both_ways() -> None:
+    body = minimal(hardware={"memoryPerDevice": 1.5})
+    (rejection,) = rejected(copy.deepcopy(body))
+    assert rejection.path == "spec.hardware.memoryPerDevice"
+    with pytest.raises(ValidationError, match="1.5 is not a whole number of bytes"):
+        InferenceModel.model_validate(body)
 
 
 @pytest.mark.parametrize("text", ["80Gi", "79.18Gi", "16G", "1e9", "1048576", "512k"])
@@ -192,7 +224,7 @@ def test_unknown_fields_are_pruned_as_the_api_server_prunes_them() -> None:
     assert stored["metadata"]["labels"] == {"kept": "yes"}  # ObjectMeta is not the CRD schema's to prune
 
 
-@pytest.mark.parametrize("name", ["another model's object", "both sources", "no source kind"])
+@pytest.mark.parametrize("name", ["another model's object", "both sources", "no source kind", "heads without width"])
 def test_the_models_refuse_what_these_rules_refuse_where_no_api_server_runs_them(name: str) -> None:
     """kvguard plan/render/apply --local and the webhook read the pydantic models, not the CEL."""
     body, _, message = INVALID[name]

@@ -158,3 +158,21 @@ def test_apply_refuses_a_policy_it_cannot_read_before_anything_starts(tmp_path: 
     assert main(["apply", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--local", "--policy", str(file), "--state-dir", str(state)]) == 2
     assert message in capsys.readouterr().err
     assert not state.exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "render"])
+def test_heads_narrower_than_one_unit_are_refused_by_field_not_divided_by(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Outside probe: hiddenSize 3 over 4 heads (no headDim) made each head 0 wide, each token's KV
+    0 bytes, and the pool size a ZeroDivisionError: a traceback here, a 500 from the webhook,
+    an exception out of reconcile. The model refuses it (and the CRD's CEL rule with it)."""
+    manifest = with_spec(TINY, "spec.model.architecture.hiddenSize", 3)
+    manifest["spec"]["model"]["architecture"].pop("headDim", None)
+    manifest["spec"]["model"]["architecture"]["numAttentionHeads"] = 4
+    assert refused_at(manifest) == ["spec.model.architecture"]
+    file = tmp_path / "m.yaml"
+    file.write_text(yaml.safe_dump(manifest))
+    assert main([command, "-f", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert "hiddenSize must be at least numAttentionHeads when headDim is not set" in err and "Traceback" not in err, err
