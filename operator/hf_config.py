@@ -66,7 +66,7 @@ def architecture_from_file(path: str | Path) -> ModelArchitecture:
 
 def architecture_from_hf_config(config: Mapping[str, Any]) -> ModelArchitecture:
     """The planner's view of a Hugging Face config.json."""
-    cfg = _Config(config.get("text_config") or config, outer=config)
+    cfg = _Config(_section(config, "text_config") or config, outer=config)
     attention = _attention_shape(cfg)
     mlp = _mlp_shape(cfg)
     vocab, hidden, layers = cfg.int("vocab_size"), cfg.int("hidden_size"), cfg.int("num_hidden_layers")
@@ -218,9 +218,18 @@ def _dtype(cfg: _Config) -> ModelDtype:
         raise HFConfigError("torch_dtype", f"unsupported dtype {raw!r} (bfloat16, float16, float32)") from None
 
 
+def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+    """config[key], a nested object such as text_config, or None when absent; anything else is
+    the config's error (a string or a number there ended in an AttributeError or TypeError)."""
+    value = config.get(key)
+    if value is None or isinstance(value, Mapping):
+        return value
+    raise HFConfigError(key, f"must be an object, got {type(value).__name__}")
+
+
 def quantization_from_hf_config(config: Mapping[str, Any]) -> str | None:
     """The `spec.weights.quantization` value a checkpoint's `quantization_config` implies, if any."""
-    quant = config.get("quantization_config") or {}
+    quant = _section(config, "quantization_config") or {}
     method = str(quant.get("quant_method", "")).lower()
     if method in ("fp8", "mxfp4", "awq", "gptq"):
         return method

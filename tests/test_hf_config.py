@@ -118,3 +118,16 @@ def test_errors_name_the_config_key(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(HFConfigError, match="not valid JSON"):
         architecture_from_file(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [("text_config", 5), ("text_config", "x"), ("quantization_config", "fp8"),
+                                        ("quantization_config", ["fp8"])])  # fmt: skip
+def test_a_nested_section_that_is_not_an_object_names_its_key(key: str, value: object) -> None:
+    """Outside probe: a string or a number where config.json nests an object ended in an
+    AttributeError or TypeError: a traceback from `kvguard plan --hf-config`, and an exception
+    out of reconcile for an architecture in a ConfigMap."""
+    config = {**json.loads((CONFIGS / "qwen3-8b.json").read_text()), key: value}
+    with pytest.raises(HFConfigError, match=f"config.json {key}: must be an object") as bad:
+        architecture_from_hf_config(config)
+        quantization_from_hf_config(config)
+    assert bad.value.key == key

@@ -292,6 +292,7 @@ def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
     try:
         config = load_hf_config(path)
         architecture = architecture_from_hf_config(config)
+        quantization = quantization_from_hf_config(config)
     except HFConfigError as exc:
         raise BadInput(f"--hf-config {path}: {exc}") from exc
     except ValidationError as exc:  # what it read, checked as spec.model.architecture: one line per field
@@ -305,7 +306,6 @@ def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
         fields = "; ".join(_describe_errors(located, {}))
         raise BadInput(f"--hf-config {path}: {fields}") from exc
     _set_path(spec, ("model", "architecture"), architecture.to_wire())
-    quantization = quantization_from_hf_config(config)
     weights = _mapping(spec.get("weights"))
     if quantization and not weights.get("quantization"):
         _set_path(spec, ("weights", "quantization"), quantization)
