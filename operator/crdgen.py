@@ -122,10 +122,10 @@ def _convert(node: Any, defs: dict[str, Any]) -> Any:
 
 
 def _int_or_string(node: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
-    """The one anyOf a structural schema allows, with the value validations beside it: a bound
-    the integer branch carried (ByteQuantity's `minimum: 0`) is lifted out of the anyOf, where the
-    API server would refuse it, to the node, where it checks integers only (strings keep their
-    pattern). Dropped, `memoryPerDevice: -1` was stored and refused only at reconcile."""
+    """The one anyOf a structural schema allows here (bare `{type: integer}` and `{type: string}`
+    branches), with the value validations beside it: a bound the integer branch carried
+    (ByteQuantity's `minimum: 0`) moves to the node, where it checks integers only (strings keep
+    their pattern). Dropped, `memoryPerDevice: -1` was stored and refused only at reconcile."""
     integer: dict[str, Any] = next((o for o in node.get("anyOf", []) if o.get("type") == "integer"), {})
     bounds: dict[str, Any] = {k: integer[k] for k in ("minimum", "exclusiveMinimum") if k in integer}
     kept: dict[str, Any] = {k: out[k] for k in ("description", "default", "pattern", "maxLength", "minimum", "exclusiveMinimum",
