@@ -235,30 +235,38 @@ def test_bodies_with_a_million_invalid_items_get_a_400_without_itemizing_each(tr
     MAX_ERRORS_ITEMIZED gets their count. The server answers the next request as before."""
     ids = post(trio, {"model": model, "prompt": "x", "stop_token_ids": ["x"] * 1_500_000})
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "stop_token_ids[0]", ids.text[:300]
-    keys = post(trio, {"model": model, "prompt": "x", **{f"k{i}": 1 for i in range(600_000)}})
+    keys = post(trio, {"model": model, "prompt": "x", **{f"k{i}": 1 for i in range(100_000)}})
     assert keys.status_code == 400, keys.text[:300]
-    assert "600000 invalid parameters or items" in keys.json()["error"]["message"]
+    assert "100000 invalid parameters or items" in keys.json()["error"]["message"]
+    more = post(trio, {"model": model, "prompt": "x", **{f"k{i}": 1 for i in range(600_000)}})  # over json_shape's bound
+    assert more.status_code == 400 and more.json()["error"]["code"] == "invalid_json", more.text[:300]
     options = post(trio, {"model": model, "prompt": "x", "stream_options": {f"k{i}": 1 for i in range(100)}})
     assert options.status_code == 400 and "100 invalid" in options.json()["error"]["message"]
     few = post(trio, {"model": model, "prompt": "x", "bogus": 1, "other": 2})
     assert few.status_code == 400 and few.json()["error"]["param"] == "bogus"  # a few errors: the first is named
+    empty = post(trio, {"model": model, "prompt": "x", "": 1}).json()["error"]  # it was named "None"
+    assert empty["message"] == 'Unrecognized request argument supplied: ""' and empty["code"] == "unknown_parameter"
     assert post(trio, {"model": model, "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_bodies_of_nested_empty_arrays_are_refused_from_their_bytes_and_stall_nobody(trio: LocalDeployment, model: str) -> None:
     """A 7.7 MB body of 3.5 M nested empty arrays (under the size and depth limits) took pydantic
     4-5 s to build and refuse, holding the GIL on the tokenizer thread: six such bodies at a time
-    held a 2-token request 24 s (outside probe). Its bytes are counted first now (json_shape.py),
-    wherever the arrays are: in the prompt, a message's content, or an unknown key."""
+    held a 2-token request 24 s (outside probe). A logit_bias of a million keys, one object, was
+    built whole before its 1024-entry limit refused it (2.4 s a body; the audit of the fix). Their bytes
+    are counted first now (json_shape.py), wherever the arrays are: in the prompt, a message's
+    content, or an unknown key."""
     nested = b",".join([b"[[[[[]]]]]"] * 700_000)
+    bias = b",".join(b'"%x":1' % i for i in range(700_000))  # 6.3 MB
     bodies = [b'{"model": "%s", "prompt": [%s]}' % (model.encode(), nested),
               b'{"model": "%s", "messages": [{"role": "user", "content": [%s]}]}' % (model.encode(), nested),
-              b'{"model": "%s", "prompt": "x", "z": [%s]}' % (model.encode(), nested)]  # fmt: skip
-    paths = ["completions", "chat/completions", "completions"]
+              b'{"model": "%s", "prompt": "x", "z": [%s]}' % (model.encode(), nested),
+              b'{"model": "%s", "prompt": "x", "logit_bias": {%s}}' % (model.encode(), bias)]  # fmt: skip
+    paths = ["completions", "chat/completions", "completions", "completions"]
     turn = iter(range(10**9))
 
     def attack() -> requests.Response:
-        i = next(turn) % 3
+        i = next(turn) % 4
         return post(trio, bodies[i], paths[i], headers={"Content-Type": "application/json"})
 
     with attacking(attack, threads=6) as answers:
@@ -266,7 +274,8 @@ def test_bodies_of_nested_empty_arrays_are_refused_from_their_bytes_and_stall_no
     assert answers
     for answer in answers:
         error = assert_openai_error(answer, 400)
-        assert error["code"] == "invalid_json" and "JSON arrays and objects, more than the 65536" in error["message"], error
+        assert error["code"] == "invalid_json" and error["message"].startswith("the request body has"), error
+        assert "any request" in error["message"], error  # json_shape's words: items, or strings beside them
     # Brackets inside a string are text: this prompt is refused for its length, not its shape.
     quoted = post(trio, {"model": model, "prompt": '{"a": [1]}' * 40_000, "max_tokens": 2})
     assert_openai_error(quoted, 400, "prompt")

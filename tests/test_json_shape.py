@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvguard.workers.json_shape import MAX_JSON_CONTAINERS, MAX_JSON_STRINGS, json_shape_problem
+from kvguard.workers.json_shape import MAX_JSON_ITEMS, MAX_JSON_STRINGS, json_shape_problem
 
 
 def _body(**fields: object) -> bytes:
@@ -17,39 +17,43 @@ def _body(**fields: object) -> bytes:
 @pytest.mark.parametrize("body", [
     _body(prompt=[7] * 1_000_000),  # a million-token prompt: numbers are cheap and not counted
     _body(prompt=[[1, 2]] * 128),
-    _body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}] * 4}] * 4096),
-    _body(prompt="[{" * 2_000_000),  # brackets inside a string are text
+    _body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}] * 9}] * 4096),
+    _body(prompt="[{:" * 2_000_000),  # brackets and colons inside a string are text
     _body(prompt=['{"a": [1]}'] * 20_000 + ['\\"[', '\\\\']),  # escaped quotes and backslashes
-], ids=["million-ids", "128-prompts", "4096-messages-with-parts", "brackets-in-a-string", "quoted-json"])
+    _body(prompt="x", logit_bias={str(i): 1 for i in range(1024)}),
+], ids=["million-ids", "128-prompts", "4096-messages-of-9-parts", "brackets-in-a-string", "quoted-json", "full-logit-bias"])
 def test_every_request_the_api_accepts_is_within_the_bounds(body: bytes) -> None:
     assert json_shape_problem(body) is None
 
 
-def test_arrays_and_objects_over_the_bound_are_counted_and_refused() -> None:
-    assert json_shape_problem(_body(z=[[]] * MAX_JSON_CONTAINERS)) is not None  # 65,536 + the outer list + the body
-    assert json_shape_problem(_body(z=[[]] * (MAX_JSON_CONTAINERS - 2))) is None
+def test_arrays_objects_and_members_over_the_bound_are_counted_and_refused() -> None:
+    # The body's object and its 2 members ("model", "z"), the outer list, then one item each.
+    assert json_shape_problem(_body(z=[[]] * (MAX_JSON_ITEMS - 4))) is None
+    assert json_shape_problem(_body(z=[[]] * (MAX_JSON_ITEMS - 3))) is not None
     problem = json_shape_problem(b'{"prompt": [' + b",".join([b"[[[[[]]]]]"] * 100_000) + b"]}")
-    assert problem == ("the request body has 500002 JSON arrays and objects, more than the 65536 any request needs")
-    assert json_shape_problem(_body(z=[{}] * 70_000, s="[" * 10)) is not None
+    assert problem == f"the request body has 500003 JSON arrays, objects and object members, more than the {MAX_JSON_ITEMS} any request needs"
+    # An object of many members is one container: its members are what pydantic-core builds.
+    assert json_shape_problem(_body(logit_bias={str(i): 1 for i in range(MAX_JSON_ITEMS)})) is not None
+    assert json_shape_problem(_body(**{f"k{i}": 0 for i in range(MAX_JSON_ITEMS)})) is not None
 
 
-def test_many_strings_are_counted_only_beside_many_brackets() -> None:
+def test_many_strings_are_counted_only_beside_many_items() -> None:
     """Strings cost pydantic little (a million names their parameter's own limit, tested end to
     end); they bound only the regex that tells a bracket in a string from one outside."""
     assert json_shape_problem(_body(stop=["a"] * 1_000_000)) is None
     problem = json_shape_problem(_body(stop=["["] * MAX_JSON_STRINGS))  # and "model", "m", "stop"
-    assert problem == (f"the request body has over {MAX_JSON_CONTAINERS} brackets and {MAX_JSON_STRINGS + 3} JSON strings, "
-                       f"more than the {MAX_JSON_STRINGS} any request with that many needs")  # fmt: skip
+    assert problem == (f"the request body has over {MAX_JSON_ITEMS} brackets and colons and {MAX_JSON_STRINGS + 3} JSON "
+                       f"strings, more than the {MAX_JSON_STRINGS} any request with that many needs")  # fmt: skip
     assert json_shape_problem(_body(stop=["["] * (MAX_JSON_STRINGS - 3))) is None
 
 
 def test_an_escaped_backslash_before_a_quote_closes_the_string() -> None:
     """`"\\\\"` is a string holding one backslash: the quote after it closes the string, so the
     brackets after it are structure and are counted."""
-    body = b'{"a": "\\\\", "z": [' + b",".join([b"[]"] * MAX_JSON_CONTAINERS) + b"]}"
+    body = b'{"a": "\\\\", "z": [' + b",".join([b"[]"] * MAX_JSON_ITEMS) + b"]}"
     assert json.loads(body)["a"] == "\\"
     assert json_shape_problem(body) is not None
-    inside = b'{"a": "\\" ' + b"[]" * MAX_JSON_CONTAINERS + b'"}'  # an escaped quote: all still one string
+    inside = b'{"a": "\\" ' + b"[]" * MAX_JSON_ITEMS + b'"}'  # an escaped quote: all still one string
     assert json.loads(inside)["a"].startswith('" [][]')
     assert json_shape_problem(inside) is None
 

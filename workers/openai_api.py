@@ -90,7 +90,8 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     if kind == "model_type" and not loc:
         return OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
     if kind == "extra_forbidden":
-        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+        shown = param or '""'  # the empty key: no path to name, and "None" named nothing
+        return OpenAIError(400, f"Unrecognized request argument supplied: {shown}", code="unknown_parameter", param=param)
     if kind == "missing" and param == "model":
         return OpenAIError(400, "you must provide a model parameter", code="missing_required_parameter", param="model")
     msg = msg.removeprefix("Value error, ")
