@@ -69,7 +69,7 @@ def test_status_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path: Pat
 
     state = tmp_path / "state"
     state.mkdir()
-    (state / "state.json").write_text(json.dumps({"version": 2, "model": "tiny"}))
+    (state / "state.json").write_text(json.dumps({"version": 2, "uid": "local-1", "model": "tiny"}))
     reader = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "status", "tiny", "--local", "--state-dir", str(state)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     assert reader.stdout is not None

@@ -33,6 +33,7 @@ from kvguard.operator.backends.local import (
     LocalBackendError,
     LocalWorker,
     ProcessTable,
+    LocalState,
     StateStore,
     model_dir_for,
     runnable_problems,
@@ -586,6 +587,13 @@ def test_a_state_file_kvguard_did_not_write_is_refused(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text("{}")
     with pytest.raises(UnreadableState, match="no version: not written by kvguard"):
         StateStore(tmp_path).load()
+    for version in (1, 2):  # a later probe: a version alone was read as an empty state, with the same leak
+        (tmp_path / "state.json").write_text(json.dumps({"version": version}))
+        with pytest.raises(UnreadableState, match="no uid: not written by kvguard"):
+            StateStore(tmp_path).load()
+    store = StateStore(tmp_path)
+    store.save(LocalState())  # what kvguard writes, however empty, reads back
+    assert store.load() == LocalState.model_validate_json((tmp_path / "state.json").read_text())
 
 
 def test_delete_refuses_a_folder_kvguard_never_drove(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

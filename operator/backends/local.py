@@ -265,8 +265,10 @@ class StateStore:
             raise UnreadableState(f"{path}: unreadable state ({where}: {first['msg']}{more})") from None
         except (ValueError, OSError) as exc:
             raise UnreadableState(f"{path}: unreadable state ({exc})") from None
-        if "version" not in state.model_fields_set:  # every state kvguard writes has one (`{}` read as empty leaked a deployment)
-            raise UnreadableState(f"{path}: unreadable state (no version: not written by kvguard)")
+        # Every state kvguard writes names all its fields; read as empty, `{}` or `{"version": 2}`
+        # leaked a deployment (the next apply started a second one beside its processes).
+        if missing := [name for name in ("version", "uid") if name not in state.model_fields_set]:
+            raise UnreadableState(f"{path}: unreadable state (no {missing[0]}: not written by kvguard)")
         return state
 
     def save(self, state: LocalState) -> None:
