@@ -128,6 +128,8 @@ def _int_or_string(node: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     their pattern). Dropped, `memoryPerDevice: -1` was stored and refused only at reconcile."""
     integer: dict[str, Any] = next((o for o in node.get("anyOf", []) if o.get("type") == "integer"), {})
     bounds: dict[str, Any] = {k: integer[k] for k in ("minimum", "exclusiveMinimum") if k in integer}
+    if not isinstance(bounds.get("exclusiveMinimum", True), bool):  # JSON Schema's number; the API server's is a flag
+        bounds = {"minimum": bounds["exclusiveMinimum"], "exclusiveMinimum": True}
     kept: dict[str, Any] = {k: out[k] for k in ("description", "default", "pattern", "maxLength", "minimum", "exclusiveMinimum",
                                 "x-kubernetes-validations") if k in out}  # fmt: skip
     return {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}], **bounds, **kept}

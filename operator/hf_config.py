@@ -205,9 +205,18 @@ def _moe_layer_count(cfg: _Config, layers: int) -> int:
         return sum(1 for i in range(first_dense, layers) if i % freq == 0)
     if cfg.has("decoder_sparse_step") or cfg.has("mlp_only_layers"):  # Qwen2/3-MoE
         step = max(1, cfg.int("decoder_sparse_step", 1))
-        dense_only = set(cfg.get("mlp_only_layers") or [])
+        dense_only = set(_layer_indices(cfg, "mlp_only_layers"))
         return sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
     return layers  # gpt-oss, Mixtral: every layer
+
+
+def _layer_indices(cfg: _Config, key: str) -> list[int]:
+    """A list of layer indices (`mlp_only_layers`); a number there ended in a TypeError, and a
+    string was read as a set of its characters."""
+    value = cfg.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise HFConfigError(key, f"must be a list of layer indices, got {value!r:.80}")
+    return value
 
 
 def _dtype(cfg: _Config) -> ModelDtype:

@@ -176,7 +176,7 @@ def test_byte_quantities_given_as_integers_keep_their_bounds_in_the_schema(where
         InferenceModel.model_validate(body)
 
 
-def test_a_fraction_of_a_byte_is_refused_both_ways() -> None:
+def test_a_number_of_bytes_with_a_fraction_is_refused_both_ways() -> None:
     body = minimal(hardware={"memoryPerDevice": 1.5})
     (rejection,) = rejected(copy.deepcopy(body))
     assert rejection.path == "spec.hardware.memoryPerDevice"

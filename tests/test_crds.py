@@ -113,3 +113,21 @@ def test_check_names_a_missing_folder_and_missing_files(tmp_path: Path, capsys: 
     assert main(["crds", "--check", str(tmp_path)]) == 1
     assert f"{tmp_path / 'kvguard.io_inferencemodels.yaml'}: missing; run `kvguard crds -o {tmp_path}`" in capsys.readouterr().err
 
+
+
+def test_an_int_or_string_keeps_its_integer_bound_in_the_form_the_api_server_reads() -> None:
+    """JSON Schema's `exclusiveMinimum: 0` is a number; the API server's is a flag beside `minimum`
+    (the review of the byte quantities' bounds: copied as a number, the CRD would be refused)."""
+    from typing import Annotated
+
+    from pydantic import BaseModel, WithJsonSchema
+
+    from kvguard.operator.crdgen import structural_schema
+
+    class Sized(BaseModel):
+        size: Annotated[int, WithJsonSchema({"anyOf": [{"type": "integer", "exclusiveMinimum": 0}, {"type": "string"}],
+                                             "x-kubernetes-int-or-string": True})]  # fmt: skip
+
+    node = structural_schema(Sized)["properties"]["size"]
+    assert node == {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "minimum": 0, "exclusiveMinimum": True}  # fmt: skip

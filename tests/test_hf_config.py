@@ -131,3 +131,11 @@ def test_a_nested_section_that_is_not_an_object_names_its_key(key: str, value: o
         architecture_from_hf_config(config)
         quantization_from_hf_config(config)
     assert bad.value.key == key
+
+
+@pytest.mark.parametrize("value", [5, "0,1", [0, "1"], [True]])
+def test_mlp_only_layers_that_are_not_a_list_of_indices_name_their_key(value: object) -> None:
+    """The review of the fix above: a number there was a TypeError, a string a set of characters."""
+    config = {**json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()), "mlp_only_layers": value}
+    with pytest.raises(HFConfigError, match="config.json mlp_only_layers: must be a list of layer indices"):
+        architecture_from_hf_config(config)

@@ -31,7 +31,7 @@ def test_arrays_objects_and_members_over_the_bound_are_counted_and_refused() -> 
     assert json_shape_problem(_body(z=[[]] * (MAX_JSON_ITEMS - 4))) is None
     assert json_shape_problem(_body(z=[[]] * (MAX_JSON_ITEMS - 3))) is not None
     problem = json_shape_problem(b'{"prompt": [' + b",".join([b"[[[[[]]]]]"] * 100_000) + b"]}")
-    assert problem == f"the request body has 500003 JSON arrays, objects and object members, more than the {MAX_JSON_ITEMS} any request needs"
+    assert problem == f"the request body has 500003 JSON arrays, objects and object members, more than the {MAX_JSON_ITEMS} the router parses"
     # An object of many members is one container: its members are what pydantic-core builds.
     assert json_shape_problem(_body(logit_bias={str(i): 1 for i in range(MAX_JSON_ITEMS)})) is not None
     assert json_shape_problem(_body(**{f"k{i}": 0 for i in range(MAX_JSON_ITEMS)})) is not None
@@ -42,8 +42,8 @@ def test_many_strings_are_counted_only_beside_many_items() -> None:
     end); they bound only the regex that tells a bracket in a string from one outside."""
     assert json_shape_problem(_body(stop=["a"] * 1_000_000)) is None
     problem = json_shape_problem(_body(stop=["["] * MAX_JSON_STRINGS))  # and "model", "m", "stop"
-    assert problem == (f"the request body has over {MAX_JSON_ITEMS} brackets and colons and {MAX_JSON_STRINGS + 3} JSON "
-                       f"strings, more than the {MAX_JSON_STRINGS} any request with that many needs")  # fmt: skip
+    assert problem == (f"the request body has {MAX_JSON_STRINGS + 3} JSON strings beside over {MAX_JSON_ITEMS} brackets "
+                       f"and colons, more than the {MAX_JSON_STRINGS} the router parses with that many")  # fmt: skip
     assert json_shape_problem(_body(stop=["["] * (MAX_JSON_STRINGS - 3))) is None
 
 

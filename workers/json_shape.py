@@ -4,10 +4,12 @@ Why: pydantic-core builds a body's arrays, objects and object members as Python 
 the GIL throughout, so moving the parse to a tokenizer thread does not keep the router's event
 loop serving. Those are what cost (1-2 us each; a number or a string in an array costs a tenth
 of that): a 7.7 MB body of nested empty arrays held every tenant's requests for 4-5 s, and one
-`logit_bias` of a million keys (refused only once built, for being over 1024) for 2.4 s. No
-request the API accepts needs more than a few per message or prompt (at most 4096 messages, 128
-choices, 1024 logit_bias entries), so a body with more is refused here, from three `bytes.count`
-passes in the common case, before the parser sees it.
+`logit_bias` of a million keys (refused only once built, for being over 1024) for 2.4 s. A
+request needs a few per message, part or prompt (at most 4096 messages, 128 choices, 1024
+logit_bias entries), so a body with more than MAX_JSON_ITEMS is refused here (413, as a body too
+large), from three `bytes.count` passes in the common case, before the parser sees it. Every
+member counts, a null one too, so the bound can refuse a conversation the models would accept:
+4096 messages of role, content and 9 text parts fit; one of 50,000 parts does not.
 
 Counted outside strings only: a prompt may quote a JSON document whose brackets and colons are
 text. The exact count, needed only when the rough one exceeds the bound, strips the strings
@@ -37,11 +39,11 @@ def json_shape_problem(raw: bytes) -> str | None:
         return None  # the common case: within the bound even counting what is inside strings
     bare = _without_escapes(raw)
     if (strings := bare.count(b'"') // 2) > MAX_JSON_STRINGS:
-        return (f"the request body has over {MAX_JSON_ITEMS} brackets and colons and {strings} JSON strings, more "
-                f"than the {MAX_JSON_STRINGS} any request with that many needs")  # fmt: skip
+        return (f"the request body has {strings} JSON strings beside over {MAX_JSON_ITEMS} brackets and colons, more "
+                f"than the {MAX_JSON_STRINGS} the router parses with that many")  # fmt: skip
     if (items := _items(_STRING.sub(b"", bare))) > MAX_JSON_ITEMS:
         return (f"the request body has {items} JSON arrays, objects and object members, more than the "
-                f"{MAX_JSON_ITEMS} any request needs")  # fmt: skip
+                f"{MAX_JSON_ITEMS} the router parses")  # fmt: skip
     return None
 
 

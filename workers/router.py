@@ -1522,7 +1522,7 @@ def _shaped_and_validated(kind: type[RequestKind], raw: bytes) -> RequestKind:
     """The body as `kind`, once its bytes show no more JSON structure than a request needs (the
     parse holds the GIL wherever it runs: json_shape.py)."""
     if (problem := json_shape_problem(raw)) is not None:
-        raise OpenAIError(400, problem, code="invalid_json")
+        raise OpenAIError(413, problem, code="request_too_large")  # too large in structure, not in bytes
     return kind.model_validate_json(raw)
 
 
