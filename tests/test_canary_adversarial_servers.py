@@ -461,13 +461,13 @@ async def test_a_leak_only_long_requests_show_fails_isolation(server: RunningSer
     assert again and again[0].expected != again[0].actual
 
 
-@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=1650)], indirect=True)
+@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=1800)], indirect=True)
 async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: RunningServer) -> None:
     """The request of a tenant's answer alone wrapped the KV ring and read stale slots: every later
     check of that tenant compared against the leak, and the concurrent answers that differed from
-    it were noted as near ties. Asked alone once more, it must give its first answer alone. (At a
-    ring of 1200 the leaked first answer is followed by right ones that agree, and it matches no
-    answer heard: that reads as a prefix cache's near tie, and is only noted; see the next test.)"""
+    it were noted as near ties. Asked alone once more, it must give its first answer alone. (The
+    ring's size decides which request wraps it: 1650 until the suite sent chat streams and ran
+    every path concurrently, 1800 since; at 2000 the wrap lands where no answer changes.)"""
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert "alone again: output differs from its first answer alone" in isolation.reason, isolation.reason
@@ -537,3 +537,47 @@ async def test_the_calibrated_over_length_cases_respect_max_prompt_bytes_before_
     notes = [getattr(e, "message", "") for e in over_length.evidence]
     assert any("are over maxPromptBytes" in n for n in notes), notes
     assert server.engine.largest_prompt_bytes <= cap
+
+
+# Third outside probe (2026-12-06): paths and shapes the isolation probe never sent ---------------
+
+
+@pytest.mark.parametrize("server", [Behaviour(leak_nonce_on="chat_stream")], indirect=True)
+async def test_a_leak_only_streamed_chat_shows_fails_isolation(server: RunningServer) -> None:
+    """Streamed chat, what chat UIs use, was sent once in the whole suite, before any nonce existed."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "(chat, streamed): output contains the secret nonce" in isolation.reason, isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(swap_concurrent=True, swap_same_path=True, swap_only_chat=True)], indirect=True)
+async def test_chats_in_flight_together_given_each_others_answers_fail_isolation(server: RunningServer) -> None:
+    """Tenants took turns over the paths, then ran together only on the main (completions) path:
+    two chats were never in flight at once."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "(chat" in isolation.reason and "not its own (outputs crossed between requests)" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(usage_from_company=True)], indirect=True)
+async def test_usage_counted_from_another_tenant_fails_isolation(server: RunningServer) -> None:
+    """Every tenant's prompt had one length, so usage swapped between them could not show."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "usage.prompt_tokens is" in isolation.reason and "(usage counted from another request)" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(crossed_single_forks=True)], indirect=True)
+async def test_a_single_prompts_second_choice_from_another_sequence_fails_isolation(server: RunningServer) -> None:
+    """`n` went out only with a prompt list: a single prompt's forked choices were never checked."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "tenant 1, n: 2 (completions): its greedy choices differ" in isolation.reason, isolation.reason
+
+
+async def test_a_clean_server_passes_every_new_path_and_shape(server: RunningServer) -> None:
+    """The fake honours `n` for a single prompt; four tenants, each path concurrently, chat streams."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.PASS, isolation.reason
+    assert "4 concurrent tenants" in isolation.reason and "chat; chat, streamed" in isolation.reason
+    assert not [e for e in isolation.evidence if "n: 2" in getattr(e, "message", "")]  # n was honoured: nothing to note

@@ -85,6 +85,12 @@ class Behaviour:
     cache_per_path: bool = False
     # With swap_concurrent, only requests in flight on the same path (endpoint and streaming) swap.
     swap_same_path: bool = False
+    swap_only_chat: bool = False  # with swap_concurrent: only chat requests swap (plain completions stay right)
+    # Requests in flight together report another's usage.prompt_tokens (their answers stay their own).
+    usage_from_company: bool = False
+    # A single prompt with `n` > 1 gets `n` choices (always); with crossed_single_forks every choice
+    # after the first goes on, after its own first token, with another sequence's tokens.
+    crossed_single_forks: bool = False
     reverse_chat_stream: bool = False  # streamed chat sends the tokens in reverse order
     # Prompts of at least this many tokens are answered from the previous long prompt's KV (a leak
     # only long prompts show: B, short, never sees it).
@@ -204,7 +210,7 @@ class FakeEngine:
             return self.error_response(400, message, "context_length_exceeded")
         if self.b.bump_tag_violations:
             self._violations.inc()
-        return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat)
+        return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat, int(body.get("n") or 1))
 
     def _over_length(self, prompt_tokens: int, max_tokens: int) -> bool:
         if self.b.prompt_limit is not None:
@@ -227,10 +233,11 @@ class FakeEngine:
         mine = set(re.findall(r"\b[0-9a-f]{16}\b", prompt))
         others = [n for n in self.nonces_seen if n not in mine]
         self.nonces_seen += sorted(mine - set(self.nonces_seen))
-        leaking = (self.b.leak_nonce_on == "stream" and stream) or (self.b.leak_nonce_on == "chat" and chat)
+        leaking = ((self.b.leak_nonce_on == "stream" and stream) or (self.b.leak_nonce_on == "chat" and chat)
+                   or (self.b.leak_nonce_on == "chat_stream" and chat and stream))  # fmt: skip
         return others[-1] if leaking and others else None
 
-    async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat) -> web.StreamResponse:
+    async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat, n=1) -> web.StreamResponse:
         reserved = prompt_tokens + max_tokens
         self.used_tokens += reserved
         disconnected = False
@@ -239,9 +246,11 @@ class FakeEngine:
             tokens = self.generate(prompt, max(max_tokens, self.b.tokens_at_least), path=(chat, stream))
             if (owner := self._kv_owner(prompt, prompt_tokens, max_tokens)) != prompt:  # its own first token, then stale KV's
                 tokens = tokens[:1] + self.generate(owner, max_tokens, path=(chat, stream))[1:]
-            if (other := await self._crossed(prompt, (chat, stream))) != prompt:  # its own first token(s), then another's rows
-                kept = 1 if self.b.cross_after is None else max(1, int(len(tokens) * self.b.cross_after))
+            if (other := await self._crossed(prompt, (chat, stream))) != prompt and not self.b.usage_from_company:
+                kept = 1 if self.b.cross_after is None else max(1, int(len(tokens) * self.b.cross_after))  # its own first token(s), then another's rows
                 tokens = tokens[:kept] + self.generate(other, max_tokens, path=(chat, stream))[kept:]
+            elif other != prompt:
+                prompt_tokens = len(other.split())  # usage_from_company: billed another's prompt
             if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
                 tokens[0] = nonce
             if self.b.cached_repeat_tokens is not None and prompt_tokens >= self.b.cached_repeat_tokens:
@@ -251,7 +260,12 @@ class FakeEngine:
             # Fewer tokens than max_tokens (a constant_text shorter than it): stopped, not cut.
             finish = "length" if len(tokens) >= max_tokens else "stop"
             if not stream:
-                return web.json_response(self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens))
+                body = self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens)
+                forks = [tokens[:1] + self.generate(f"{prompt} fork {k}", max_tokens)[1:] if self.b.crossed_single_forks
+                         else tokens for k in range(1, n)]  # fmt: skip
+                body["choices"] += [{**body["choices"][0], "index": k + 1, **self._content(chat, " ".join(f))}
+                                    for k, f in enumerate(forks)]  # fmt: skip
+                return web.json_response(body)
             return await self._stream(request, tokens, chat, finish, max_tokens)
         except (asyncio.CancelledError, ConnectionResetError):
             disconnected = True
@@ -283,7 +297,7 @@ class FakeEngine:
         """The prompt whose answer this request gets: its own, unless swap_concurrent and another
         request is in flight with it (requests sent together; one sent alone waits at most half a
         second for company, then keeps its own answer)."""
-        if not self.b.swap_concurrent:
+        if not (self.b.swap_concurrent or self.b.usage_from_company) or (self.b.swap_only_chat and not path[0]):
             return prompt
         async with self.arrivals:
             me = (prompt, path)
@@ -309,12 +323,7 @@ class FakeEngine:
     def _body(
         self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int, finish: str = "length", max_tokens: int = 0
     ) -> dict:
-        choice = {"index": 0, "finish_reason": finish}
-        content = None if self.b.empty_text else text
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice["text"] = content
+        choice = {"index": 0, "finish_reason": finish, **self._content(chat, text)}
         drift = self.calls if self.b.prompt_tokens_drift else 0
         usage = {"prompt_tokens": prompt_tokens + drift, "completion_tokens": completion_tokens + self.b.usage_extra_tokens}
         if self.b.usage_mode == "capped":
@@ -322,6 +331,10 @@ class FakeEngine:
         if self.b.usage_mode == "none":
             return {"id": "x", "object": "text_completion", "choices": [choice]}
         return {"id": "x", "object": "text_completion", "choices": [choice], "usage": usage}
+
+    def _content(self, chat: bool, text: str) -> dict:
+        content = None if self.b.empty_text else text
+        return {"message": {"role": "assistant", "content": content}} if chat else {"text": content}
 
     async def _stream(
         self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length", max_tokens: int = 0

@@ -181,19 +181,22 @@ class EngineClient:
         return result
 
     async def complete_list(
-        self, prompts: list[str], *, max_tokens: int, label: str, n: int = 1
+        self, prompts: list[str] | str, *, max_tokens: int, label: str, n: int = 1, api: ApiKind = "completions"
     ) -> tuple[Completion, dict[int, str]]:
-        """One completions request carrying a list of prompts (one batch on the server), `n`
-        choices each: the exchange, and each choice's text by index (prompt i's are i*n .. i*n+n-1,
-        as OpenAI numbers them). Not observed: its prompt is every prompt, so the caller checks each
-        choice against the others itself."""
-        result = Completion(label=label, max_tokens=max_tokens * len(prompts) * n)
-        body = {**self.request_body("completions", "", max_tokens, stream=False), "prompt": prompts}
+        """One request carrying a list of prompts (completions: one batch on the server), or one
+        prompt (either API), `n` choices each: the exchange, and each choice's text by index
+        (prompt i's are i*n .. i*n+n-1, as OpenAI numbers them). Not observed: the caller checks
+        each choice against the others itself."""
+        count = len(prompts) if isinstance(prompts, list) else 1
+        result = Completion(label=label, max_tokens=max_tokens * count * n)
+        body = self.request_body(api, prompts if isinstance(prompts, str) else "", max_tokens, stream=False)
+        if isinstance(prompts, list):
+            body["prompt"] = prompts
         if n > 1:
             body["n"] = n
         started = time.monotonic()
         try:
-            async with self.session.post(f"{self.base_url}{API_PATHS['completions']}", json=body,
+            async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
                 result.status = resp.status
                 result.body = await resp.text()

@@ -22,9 +22,12 @@ solo answer is noted, not failed: batched kernels may break a near tie different
 one (vLLM on GPUs does). With a random-weights model outputs are gibberish: the checks are about
 equality and absence of nonces, never about meaning.
 
-Every B runs on each path an answer can take: spec.api, the same streamed, and the other endpoint
-when the server serves it (a chat template may be missing: then it is noted, not failed); tenants
-take turns over those paths. Finally every answer the suite heard since the first nonce went out,
+Every B runs on each path an answer can take: spec.api and the other endpoint when the server
+serves it (a chat template may be missing: then it is noted, not failed), each plain and streamed;
+tenants take turns over those paths, then run all at once on each of them (two chats, two chat
+streams in flight together), and their concurrent usage must count their own prompts (each
+tenant's prompt has its own length). Tenant 1's prompt is also asked alone with `n` = 2 on each
+endpoint: both choices must be its answer alone. Finally every answer the suite heard since the first nonce went out,
 from any probe, is searched for a nonce its own prompt did not carry. A B alone with no text skips
 the probe: empty outputs are trivially identical and carry no nonce, so they prove nothing.
 """
@@ -110,10 +113,11 @@ class IsolationProbe(Probe):
         return passed(reason, [Note(message=f"long requests of {sizes} filler words; {ctx.sizing_basis()}"), *notes])
 
     async def _channels(self, ctx: RunContext, main: Channel, evidence: list[Evidence]) -> list[Channel]:
-        """The main channel, its streamed twin and the other endpoint, each with B's solo answer."""
+        """The main channel, its streamed twin and the other endpoint, plain and streamed, each with
+        B's solo answer (streamed chat, what chat UIs use, was checked nowhere: outside probe)."""
         channels = [main]
         other: ApiKind = "chat" if main.api == "completions" else "completions"
-        for api, stream in ((main.api, True), (other, False)):
+        for api, stream in ((main.api, True), (other, False), (other, True)):
             reference = await ctx.solo(ctx.spec.isolation.probe_prompt, api=api, stream=stream)
             channel = Channel(api, stream, reference)
             if reference.ok and reference.text:
@@ -193,19 +197,25 @@ class IsolationProbe(Probe):
         # The first half is the same for every tenant: a prefix cache (vLLM's blocks, SGLang's radix
         # tree) serves it to all of them, so a cache that hands one tenant's pages past the shared
         # part to another shows here. Each tenant's own half carries its nonce.
+        # Each tenant's own half one word shorter than the one before: prompts of one length made
+        # usage swapped between tenants invisible (outside probe).
         own = max(1, words - words // 2)
         shared = filler_text(words // 2, ctx.spec.seed + 1999) + " " if words // 2 else ""
         prompts = [
-            shared + filler_text(own, ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
+            shared + filler_text(max(1, own - i), ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
             for i, nonce in enumerate(nonces)
         ]
         # Tenants take turns over the channels, so concurrent streams and chats are covered too;
-        # then all of them at once on the main channel, where a mix-up within one endpoint (rows of
-        # one batch, responses of one connection pool) shows (outside probe: never exercised).
+        # then all of them at once on each channel, where a mix-up within one endpoint (rows of one
+        # batch, responses of one connection pool) shows (outside probes: never exercised, then
+        # only on the main channel, so two chats were never in flight together).
         await self._concurrently(ctx, prompts, nonces, [channels[i % len(channels)] for i in range(len(prompts))], problems, evidence)
-        if len(channels) > 1:
-            await self._concurrently(ctx, prompts, nonces, [channels[0]] * len(prompts), problems, evidence)
+        for channel in channels if len(channels) > 1 else []:
+            await self._concurrently(ctx, prompts, nonces, [channel] * len(prompts), problems, evidence)
         await self._prompt_list(ctx, prompts, nonces, problems, evidence)
+        for channel in channels:
+            if not channel.stream:
+                await self._choices_of_one(ctx, channel.api, prompts[0], nonces, problems, evidence)
         await self._alone_again(ctx, prompts, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
@@ -224,6 +234,7 @@ class IsolationProbe(Probe):
                 evidence.append(result.evidence())
                 continue
             check_tenant_answer(i, result, nonces, [s.text if s.ok else None for s in solos], problems, evidence)
+            check_own_usage(result, solos[i], problems, evidence)
 
     async def _alone_again(self, ctx: RunContext, prompts: list[str], problems: list[str], evidence: list[Evidence]) -> None:
         """Each tenant's prompt alone once more on the main path, past the cache of answers alone:
@@ -322,6 +333,40 @@ class IsolationProbe(Probe):
                 evidence.append(batch.evidence())
                 continue
             check_tenant_answer(i, answer, nonces, alone, problems, evidence)
+
+    async def _choices_of_one(
+        self, ctx: RunContext, api: ApiKind, prompt: str, nonces: list[str], problems: list[str], evidence: list[Evidence]
+    ) -> None:
+        """Tenant 1's prompt alone with `n` = CHOICES_PER_PROMPT on `api`: greedy, its choices must
+        be one answer, its answer alone there (`check_choice`). `n` was sent only with a prompt
+        list, so a server that gave a single prompt's second choice another request's answer
+        passed (outside probe). A server that refuses `n` > 1, or ignores it, is noted."""
+        solo = await ctx.solo(prompt, api=api)
+        if not solo.ok or not solo.text:
+            return  # its own failure is reported by the rounds above
+        n = CHOICES_PER_PROMPT
+        label = f"tenant 1, n: {n} ({api})"
+        answer, texts = await ctx.target.complete_list(prompt, max_tokens=ctx.spec.max_tokens, label=label, n=n, api=api)
+        if not answer.ok:
+            if answer.status is not None and 400 <= answer.status < 500:
+                evidence.append(Note(message=f"{label} not checked: {answer.describe_failure()}"))
+            else:
+                problems.append(f"{answer.describe_failure()}, although the prompt alone with one choice was answered")
+                evidence.append(answer.evidence())
+            return
+        if len(texts) < n:  # n ignored (some servers answer one choice): no isolation question, but say so
+            evidence.append(Note(message=f"{label}: {len(texts)} choice(s) returned for n: {n}; each is checked"))
+        others = ctx.answers_to_other_prompts(prompt)
+        for k, text in sorted(texts.items()):
+            choice = Completion(label=f"{label}, choice {k}", status=200, text=text)
+            check_tenant_answer(0, choice, nonces, [solo.text] + [None] * (len(nonces) - 1), problems, evidence)
+            check_choice(choice, solo.text, others, problems, evidence)
+        if len(set(texts.values())) > 1 and not any(p.startswith(label) for p in problems):
+            # Rows of one batch with the same input compute alike: greedy choices of one request
+            # that differ mean one of them carries another request's output, whoever's it is.
+            problems.append(f"{label}: its greedy choices differ ({', '.join(repr(one_line(t, 40)) for t in texts.values())}): "
+                            "one of them carries another request's output")  # fmt: skip
+            evidence.append(answer.evidence())
 
     async def _tenant(self, ctx: RunContext, channel: Channel, index: int, prompt: str) -> Completion:
         return await ctx.target.complete(
@@ -430,6 +475,32 @@ def check_tenant_answer(
             problems.append(f"{result.label}: output contains tenant {j + 1}'s nonce")
             evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
     check_own_answer(index, result, solos, problems, evidence)
+
+
+def check_choice(choice: Completion, alone: str, others: Sequence[str], problems: list[str], evidence: list[Evidence]) -> None:
+    """A choice of a greedy request with `n` > 1 must be the prompt's answer alone. One that
+    leaves it and goes on as an answer heard for another prompt fails (outputs crossed); one that
+    merely differs is noted (a batch of `n` rows may break a near tie differently from one)."""
+    if choice.text == alone or any(p.startswith(choice.label) for p in problems):
+        return
+    kept = len(os.path.commonprefix([choice.text, alone]))
+    if any(_another_answer(choice.text, kept, other) for other in others):
+        problems.append(f"{choice.label}: after {kept} characters of the prompt's answer alone it goes on with an answer "
+                        "to another prompt (outputs crossed between requests)")  # fmt: skip
+        evidence.append(OutputMismatch(request=choice.label, expected_from="the prompt alone", expected=alone, actual=choice.text))
+        return
+    evidence.append(Note(message=f"{choice.label}: differs from the prompt's answer alone after {kept} characters, and is "
+                                 "no other prompt's answer heard (a batch of n may break a near tie differently)"))  # fmt: skip
+
+
+def check_own_usage(result: Completion, alone: Completion, problems: list[str], evidence: list[Evidence]) -> None:
+    """A concurrent answer's prompt_tokens must be its prompt's: the count alone, where both are
+    reported. Another tenant's count means usage (billing) was taken from another request."""
+    if result.prompt_tokens is None or alone.prompt_tokens is None or result.prompt_tokens == alone.prompt_tokens:
+        return
+    problems.append(f"{result.label}: usage.prompt_tokens is {result.prompt_tokens}, but {alone.prompt_tokens} for the "
+                    "same prompt alone (usage counted from another request)")  # fmt: skip
+    evidence.append(result.evidence())
 
 
 def check_own_answer(

@@ -192,7 +192,8 @@ class IsolationSpec(_ProbeSpec):
         48, ge=1, description="Repeat the nonce every N filler words, so every page of A holds it."
     )
     tenants: int = Field(
-        3, ge=0, le=64, description="Concurrent tenants with distinct nonces (0 disables this part)."
+        4, ge=0, le=64, description="Concurrent tenants with distinct nonces (0 disables this part). 4: a batch of "
+        "four, where engines' batch-size buckets (CUDA graphs) change kernels; 3 never tried one."
     )
     tenant_prompt_words: int = Field(64, ge=1, description="Filler words in each tenant's prompt.")
 
