@@ -275,8 +275,12 @@ async def test_metadata_edits_to_an_owned_child_are_applied_over(cluster: Any, e
     edited = await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", {"metadata": edit}, "application/merge-patch+json")
     assert metadata_of(edited) != before  # the API server's answer: the store may already be put back
     await until(lambda: metadata_of(objects_of(cluster, DEPLOYMENTS)[name]) == before, "the labels and annotations put back")
-    status = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready again")
-    assert condition(status, "Ready")["status"] == "True" and status["revision"] == rev
+    # The phase follows the rollout (Ready throughout: the revision stays stable); the Ready
+    # condition follows the workloads, and is False while the edit hides the decode Deployment.
+    # Waiting on the phase read the status written during the edit (CI, once in 6 runs).
+    status = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s.get("conditions")
+                         and condition(s, "Ready")["status"] == "True" and s, "Ready again")  # fmt: skip
+    assert status["revision"] == rev
 
 
 async def test_S3_an_edit_of_the_transfer_secret_annotation_moves_no_pod_and_makes_no_secret(cluster: Any) -> None:
@@ -365,8 +369,10 @@ async def test_an_owned_child_without_the_operators_labels_is_still_its_own_afte
     await http("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", unlabelled, "application/merge-patch+json")
     await operator.restart()  # its watch lists by the managed-by label: the Deployment is not in its cache
     await until(lambda: metadata_of(objects_of(cluster, DEPLOYMENTS)[name]) == before, "the labels put back")
-    status = await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and s, "Ready")
-    assert not [c for c in status["conditions"] if c["type"] == "Degraded" and c["status"] == "True"]
+    # Waited on as a whole: the phase alone may be read from a status written before the labels
+    # were put back (the same race as test_metadata_edits_to_an_owned_child_are_applied_over's).
+    await until(lambda: (s := status_of(cluster)).get("phase") == "Ready" and not [
+        c for c in s.get("conditions", []) if c["type"] == "Degraded" and c["status"] == "True"], "Ready, not Degraded")
 
 
 async def test_a_pod_template_edited_while_no_operator_runs_is_applied_over_when_one_starts(operator: Operator) -> None:
