@@ -210,8 +210,9 @@ class IsolationProbe(Probe):
         # batch, responses of one connection pool) shows (outside probes: never exercised, then
         # only on the main channel, so two chats were never in flight together).
         await self._concurrently(ctx, prompts, nonces, [channels[i % len(channels)] for i in range(len(prompts))], problems, evidence)
-        for channel in channels if len(channels) > 1 else []:
-            await self._concurrently(ctx, prompts, nonces, [channel] * len(prompts), problems, evidence)
+        if len(channels) > 1:  # (with one channel, the turns above were all on it)
+            for channel in channels:
+                await self._concurrently(ctx, prompts, nonces, [channel] * len(prompts), problems, evidence)
         await self._prompt_list(ctx, prompts, nonces, problems, evidence)
         for channel in channels:
             if not channel.stream:
@@ -359,8 +360,8 @@ class IsolationProbe(Probe):
         others = ctx.answers_to_other_prompts(prompt)
         for k, text in sorted(texts.items()):
             choice = Completion(label=f"{label}, choice {k}", status=200, text=text)
-            check_tenant_answer(0, choice, nonces, [solo.text] + [None] * (len(nonces) - 1), problems, evidence)
-            check_choice(choice, solo.text, others, problems, evidence)
+            check_no_other_nonce(0, choice, nonces, problems, evidence)
+            check_choice(choice, solo.text, others, problems, evidence)  # (check_own_answer's note, said for a choice)
         if len(set(texts.values())) > 1 and not any(p.startswith(label) for p in problems):
             # Rows of one batch with the same input compute alike: greedy choices of one request
             # that differ mean one of them carries another request's output, whoever's it is.
@@ -470,11 +471,15 @@ def check_tenant_answer(
     index: int, result: Completion, nonces: list[str], solos: list[str | None], problems: list[str], evidence: list[Evidence]
 ) -> None:
     """Tenant `index`'s answer carries no other tenant's nonce and is its own (`check_own_answer`)."""
+    check_no_other_nonce(index, result, nonces, problems, evidence)
+    check_own_answer(index, result, solos, problems, evidence)
+
+
+def check_no_other_nonce(index: int, result: Completion, nonces: list[str], problems: list[str], evidence: list[Evidence]) -> None:
     for j, nonce in enumerate(nonces):
         if j != index and nonce in result.text:
             problems.append(f"{result.label}: output contains tenant {j + 1}'s nonce")
             evidence.append(NonceLeak(nonce=nonce, owner=f"tenant {j + 1}", found_in=result.label, output=result.text))
-    check_own_answer(index, result, solos, problems, evidence)
 
 
 def check_choice(choice: Completion, alone: str, others: Sequence[str], problems: list[str], evidence: list[Evidence]) -> None:
