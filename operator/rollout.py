@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.numerics import numerics_change
+from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
 
 if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
     from kvguard.operator.api import InferenceModelSpec
@@ -842,8 +843,9 @@ class _Step:
         self.r.workers, self.r.measured_scale = pools, view.scale
         small = [p for p in pools if not p.sufficient]
         if small:
-            detail = "; ".join(f"{p.worker} ({p.role}) reports {p.pool_tokens:g} tokens = {p.ratio:.2f}x context "
-                               f"{p.context_length}" for p in small if p.ratio is not None and p.pool_tokens is not None)  # fmt: skip
+            detail = "; ".join(f"{p.worker} ({p.role}) reports {math.floor(p.pool_tokens)} tokens = "
+                               f"{ratio_text(p.pool_tokens, p.context_length)} context {p.context_length}"
+                               for p in small if p.pool_tokens is not None and p.context_length)  # fmt: skip
             self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: {detail} < {self.spec.min_kv_ratio:g}x required")
             return False
         self.event("Normal", "PoolsVerified", f"revision {self.candidate}: {len(pools)} worker(s) at {view.scale} "
@@ -856,10 +858,12 @@ class _Step:
         spec_context = 0 if self.r.rollback else self.spec.context_length
         context = max(spec_context, report.context_length or 0) or self.spec.context_length
         pool = report.pool_tokens or 0.0
-        ratio = round(pool / context, 4)
+        # S7 on exact integers: judging a rounded ratio passed a pool 12 tokens short of 2x a 1M
+        # context. The ratio shown is rounded down, so a shortfall never reads as the ratio it misses.
+        ratio = math.floor(pool / context * 10_000) / 10_000
         return WorkerPool(
             worker=report.worker, role=report.role, pool_tokens=pool, context_length=context,
-            ratio=ratio, sufficient=ratio >= self.spec.min_kv_ratio,
+            ratio=ratio, sufficient=pool >= required_pool_tokens(self.spec.min_kv_ratio, context),
         )  # fmt: skip
 
     def _verify_canary(self) -> None:

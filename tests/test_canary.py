@@ -261,7 +261,16 @@ async def test_s7_pool_below_ratio_fails_capacity(server: RunningServer) -> None
     report = await run(server, spec().only([ProbeName.CAPACITY]))
     result = report.probe(ProbeName.CAPACITY)
     assert result is not None and result.status == ProbeStatus.FAIL
-    assert "1.37 x context length 512" in result.reason
+    assert "1.36 x context length 512" in result.reason  # 1.367, rounded down
+
+
+@pytest.mark.parametrize("server", [Behaviour(pool_tokens=1023)], indirect=True)
+async def test_s7_a_pool_one_token_short_never_reads_as_the_ratio_it_misses(server: RunningServer) -> None:
+    report = await run(server, spec().only([ProbeName.CAPACITY]))
+    result = report.probe(ProbeName.CAPACITY)
+    assert result is not None and result.status == ProbeStatus.FAIL
+    assert "1023 tokens = 1.99 x context length 512" in result.reason  # 1.998: rounded, it read "2.00 x"
+    assert next(e for e in result.evidence if e.kind == "capacity").ratio == 1.998
 
 
 async def test_s7_unreachable_worker_fails_capacity(server: RunningServer) -> None:

@@ -265,6 +265,19 @@ def test_S7_a_worker_reporting_a_small_pool_fails_the_rollout_and_keeps_stable()
     assert d.state == S.ROLLED_BACK and sim.serving == "r1" and events(d) == ["RolledBack"]
 
 
+def test_S7_a_pool_a_few_tokens_short_of_the_ratio_is_too_small_however_it_rounds() -> None:
+    # 2,097,140 tokens for a 1 MiB context is 12 short of 2x: a ratio rounded to 4 decimals read
+    # 2.0 and passed. The message rounds down too, so it never reads as the ratio it misses.
+    sim = stable_sim()
+    sim.target = "r2"
+    sim.reports = (WorkerReport("p0", "prefill", 2_097_152, 1_048_576), WorkerReport("d0", "decode", 2_097_140, 1_048_576))
+    d = sim.run_until(S.FAILED)
+    assert d.rollout.reason == "ReportedPoolTooSmall" and not d.of_type(RunCanary)
+    assert "d0 (decode) reports 2097140 tokens = 1.99x context 1048576 < 2x required" in (d.rollout.message or "")
+    judged = {w.worker: (w.ratio, w.sufficient) for w in d.rollout.workers}
+    assert judged == {"p0": (2.0, True), "d0": (1.9999, False)}
+
+
 def test_S7_the_larger_reported_context_is_what_the_pool_is_judged_against() -> None:
     sim = Sim(reports=(WorkerReport("p0", "prefill", 4096, 4096), WorkerReport("d0", "decode", 4096, 1024)))
     d = sim.run_until(S.FAILED)

@@ -7,10 +7,13 @@ The planner's numbers are a prediction; this reads what each running worker says
 
 from __future__ import annotations
 
+import math
+
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, failed, passed
 from kvguard.operator.canary.metrics import WorkerSnapshot
 from kvguard.operator.canary.report import CapacityReading, Evidence, Note
 from kvguard.operator.canary.spec import ProbeName
+from kvguard.workers.pool_ratio import required_pool_tokens
 
 
 class CapacityProbe(Probe):
@@ -58,14 +61,14 @@ class CapacityProbe(Probe):
             evidence.append(
                 CapacityReading(
                     worker=worker, source=pool.source, capacity_tokens=pool.capacity_tokens,
-                    context_length=context, ratio=round(ratio, 4) if ratio is not None else None,
+                    context_length=context, ratio=math.floor(ratio * 10_000) / 10_000 if ratio is not None else None,
                     required_ratio=required,
                 )
             )
             if ratio is None:
                 problems.append(f"{worker}: context length unknown, cannot judge a pool of {pool.capacity_tokens:g} tokens")
-            elif ratio < required:
+            elif pool.capacity_tokens < required_pool_tokens(required, context):  # S7 on integers, not a rounded ratio
                 problems.append(
-                    f"{worker}: KV pool {pool.capacity_tokens:g} tokens = {ratio:.2f} x context length {context}, "
+                    f"{worker}: KV pool {math.floor(pool.capacity_tokens)} tokens = {math.floor(ratio * 100) / 100:.2f} x context length {context}, "
                     f"needs >= {required:g}"
                 )
