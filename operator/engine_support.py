@@ -55,9 +55,19 @@ def engine_problems(spec: InferenceModelSpec) -> list[str]:
     return problems
 
 
+def gpus_per_worker_pod(spec: InferenceModelSpec, role: str) -> int:
+    """GPUs one prefill or decode pod's engine uses on a GPU spec (the default of its gpuCount):
+    tensorParallel x pipelineParallel, times dataParallel where one pod runs every DP rank (SGLang
+    and vLLM without DP attention; the kvguard engine renders a pod per rank)."""
+    worker = spec.roles.worker_roles()[role]
+    one_rank_per_pod = spec.engine.kind == EngineKind.KVGUARD
+    dp = 1 if worker.data_parallel_attention or one_rank_per_pod else worker.data_parallel
+    return worker.tensor_parallel * worker.pipeline_parallel * dp
+
+
 def _device_problems(spec: InferenceModelSpec) -> list[str]:
     if spec.hardware.device != DeviceKind.CPU:
-        return []
+        return _gpu_count_problems(spec)
     problems = []
     for name, role in {**spec.roles.worker_roles(), "router": spec.roles.router}.items():
         if role.gpu_count:
@@ -67,6 +77,19 @@ def _device_problems(spec: InferenceModelSpec) -> list[str]:
             problems.append(f"spec.roles.{name}.gpuType: hardware.device is cpu: no GPU product to land on")
     if spec.hardware.gpu_product is not None:
         problems.append("spec.hardware.gpuProduct: hardware.device is cpu: no GPU product to land on")
+    return problems
+
+
+def _gpu_count_problems(spec: InferenceModelSpec) -> list[str]:
+    """A worker pod given fewer GPUs than its engine runs on (0 among them: no GPU at all) would
+    crash-loop at start, or see every GPU of its node where the runtime exposes them all."""
+    problems = []
+    for name, role in spec.roles.worker_roles().items():
+        needed = gpus_per_worker_pod(spec, name)
+        if role.gpu_count is not None and role.gpu_count < needed:
+            dp = "" if needed == role.tensor_parallel * role.pipeline_parallel else " x dataParallel"
+            problems.append(f"spec.roles.{name}.gpuCount: {role.gpu_count} GPU(s) per pod, but one {name} pod's engine "
+                            f"runs on tensorParallel x pipelineParallel{dp} = {needed}")  # fmt: skip
     return problems
 
 

@@ -38,7 +38,7 @@ from kvguard.operator.api import (
     SGLangKVCanary,
     WorkerRole,
 )
-from kvguard.operator.engine_support import kvguard_dtype_flag, kvguard_role_options
+from kvguard.operator.engine_support import gpus_per_worker_pod, kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.planner import memory_fraction
 from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
@@ -568,10 +568,7 @@ def gpu_count(spec: InferenceModelSpec, role: Role) -> int:
         return placement.gpu_count
     if role == "router" or spec.hardware.device == DeviceKind.CPU:
         return 0
-    worker: WorkerRole = getattr(spec.roles, role)
-    one_rank_per_pod = spec.engine.kind == EngineKind.KVGUARD
-    dp = 1 if worker.data_parallel_attention or one_rank_per_pod else worker.data_parallel
-    return worker.tensor_parallel * worker.pipeline_parallel * dp
+    return gpus_per_worker_pod(spec, role)
 
 
 def image_for(spec: InferenceModelSpec, role: Role) -> str:

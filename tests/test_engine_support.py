@@ -64,3 +64,34 @@ def test_what_it_does_run_passes() -> None:
         assert engine_problems(InferenceModelSpec.model_validate(body(**changes)["spec"])) == [], changes
     sglang = body(**{"engine.kind": "sglang", "engine.image": "i", "roles.decode.tensorParallel": 2, "hardware.device": "cuda"})
     assert engine_problems(InferenceModelSpec.model_validate(copy.deepcopy(sglang)["spec"])) == []
+
+
+GPU_SHORT = {
+    # engine kind, role changes -> the refusal: 0 GPUs is none at all, and SGLang/vLLM run every DP rank in one pod.
+    "sglang-no-gpu": ("sglang", {"roles.decode.gpuCount": 0}, "0 GPU(s) per pod, but one decode pod's engine runs on "
+                      "tensorParallel x pipelineParallel = 1"),
+    "kvguard-no-gpu": ("kvguard", {"roles.prefill.gpuCount": 0}, "= 1"),
+    "sglang-dp": ("sglang", {"roles.decode.dataParallel": 2, "roles.decode.gpuCount": 1}, "x dataParallel = 2"),
+    "vllm-dp": ("vllm", {"roles.decode.dataParallel": 2, "roles.decode.tensorParallel": 2, "roles.decode.gpuCount": 2},
+                "tensorParallel x pipelineParallel x dataParallel = 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_SHORT))
+def test_a_worker_pod_given_fewer_gpus_than_its_engine_runs_on_is_refused_by_field(case: str) -> None:
+    kind, changes, why = GPU_SHORT[case]
+    b = body(**{"engine.kind": kind, "engine.image": "i", "engine.routerImage": "r", "hardware.device": "cuda", **changes})
+    (problem,) = engine_problems(InferenceModelSpec.model_validate(b["spec"]))
+    role = next(path.split(".")[1] for path in changes if path.endswith("gpuCount"))
+    assert problem.startswith(f"spec.roles.{role}.gpuCount: ") and why in problem, problem
+    with pytest.raises(AdmissionDenied) as denied:
+        check_admission(b, None, "CREATE", [])
+    assert denied.value.code == INVALID and f"spec.roles.{role}.gpuCount" in str(denied.value)
+
+
+def test_enough_gpus_and_a_rank_per_pod_pass() -> None:
+    for kind, changes in (("sglang", {"roles.decode.dataParallel": 2, "roles.decode.gpuCount": 2}),
+                          ("sglang", {"roles.decode.dataParallel": 2, "roles.decode.dataParallelAttention": True, "roles.decode.gpuCount": 1}),
+                          ("kvguard", {"roles.decode.dataParallel": 2, "roles.decode.gpuCount": 1})):  # fmt: skip
+        b = body(**{"engine.kind": kind, "engine.image": "i", "hardware.device": "cuda", **changes})
+        assert engine_problems(InferenceModelSpec.model_validate(b["spec"])) == [], (kind, changes)
