@@ -245,6 +245,7 @@ REFUSED = [
     ("chat/completions", {"metadata": {"k": "v"}}, "metadata"),
     ("chat/completions", {"service_tier": "flex"}, "service_tier"),
     ("chat/completions", {"web_search_options": {}}, "web_search_options"),
+    ("chat/completions", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat/completions", {"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]}, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -299,6 +300,23 @@ def test_a_clients_long_parameter_name_is_echoed_clipped(trio: LocalDeployment, 
     answer = post(trio, "completions", {"model": model, "prompt": "hi", "max_tokens": 2, key: 1})
     assert answer.status_code == 400 and len(answer.content) < 1024, len(answer.content)
     assert answer.json()["error"]["param"] == "k" * 61 + "..."
+
+
+def test_the_clients_caching_hints_and_null_moderation_are_served_unchanged(api: openai.OpenAI, model: str) -> None:
+    """openai's chat parameters `prompt_cache_retention` and `prompt_cache_options` (hints, like
+    `prompt_cache_key`) and `moderation: null` were 400 `unknown_parameter`."""
+    def answer(**hints: object) -> str | None:
+        reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            temperature=0, **hints)  # type: ignore[call-overload]  # fmt: skip
+        return reply.choices[0].message.content
+
+    # As extra_body: the client's keyword for a deprecated field may go, the field still arrives.
+    plain = answer()
+    assert answer(extra_body={"prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"}}) == plain
+    assert answer(extra_body={"moderation": None, "prompt_cache_retention": "in_memory"}) == plain
+    with pytest.raises(openai.BadRequestError) as refused:
+        answer(extra_body={"prompt_cache_retention": "forever"})
+    assert refused.value.body["param"] == "prompt_cache_retention"  # type: ignore[index]
 
 
 def test_parallel_tool_calls_false_asks_for_nothing_and_is_served(api: openai.OpenAI, model: str) -> None:

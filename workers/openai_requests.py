@@ -337,7 +337,11 @@ class ChatCompletionRequest(_Request):
     metadata: JsonValue = None
     service_tier: JsonValue = None
     prompt_cache_key: str | None = None  # a caching hint: accepted, changes no output
+    # Caching hints too (the openai client sends them when a user sets them), typed as OpenAI's schema.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, JsonValue] | None = None
     safety_identifier: str | None = None  # an end-user label, like `user`
+    moderation: JsonValue = None  # asks the server to score or block content: refused, never silently skipped
 
     @field_validator("tool_choice", "function_call", mode="plain")
     @classmethod
@@ -363,6 +367,7 @@ class ChatCompletionRequest(_Request):
         "store": (lambda v: v in (None, False), "completions are not stored"),
         "metadata": (_unset, "completions are not stored"),
         "service_tier": (lambda v: v in (None, "auto", "default"), "there is one service tier"),
+        "moderation": (_unset, "moderation is not implemented"),
     }
 
     def check_supported(self) -> None:
