@@ -86,6 +86,28 @@ def test_an_unusable_state_dir_or_timeout_is_one_line_and_exit_2(tmp_path: Path,
     assert not (tmp_path / "s").exists()  # refused before anything was made
 
 
+def test_the_manifests_namespace_is_the_one_policies_see_and_the_flag_may_only_repeat_it(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The manifest's metadata.namespace was ignored: a policy scoped to team-a let team-a's model
+    roll out (policies saw `default`). Both runs end before any worker starts."""
+    manifest = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["metadata"] = {"name": "tiny", "namespace": "team-a"}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(manifest))
+    policy = {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferencePolicy", "metadata": {"name": "team-a-strict"},
+              "spec": {"namespaces": ["team-a"], "minKVRatio": 64}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(policy))
+    common = ["apply", "-f", str(tmp_path / "m.yaml"), "--local", "--policy", str(tmp_path / "p.yaml"), "--model-dir", str(tiny_model_dir)]
+    try:
+        blocked = kvguard(*common, "--state-dir", str(tmp_path / "s"), timeout=APPLY_TIMEOUT_S)
+    finally:  # a regression rolls out and leaves workers running
+        if (tmp_path / "s" / "state.json").exists():
+            kvguard("apply", "--local", "--delete", "--state-dir", str(tmp_path / "s"))
+    assert blocked.returncode == 3, blocked.stdout + blocked.stderr
+    assert "team-a-strict" in blocked.stdout and "minKVRatio" in blocked.stdout
+    other = kvguard(*common, "--namespace", "team-b", "--state-dir", str(tmp_path / "t"))
+    assert other.returncode == 2 and "metadata.namespace is 'team-a', not 'team-b' (--namespace)" in other.stderr, other.stderr
+    assert not (tmp_path / "t").exists()  # refused before anything was made
+
+
 def test_a_pause_that_would_not_pause_is_bad_input(tmp_path: Path) -> None:
     """`kvguard.io/pause: "yes"` was read as no pause and the rollout went on; refused as the
     admission webhook refuses it (rollout.annotation_problems), before anything starts."""

@@ -153,8 +153,14 @@ def test_state_folder_lock_key_and_atomic_save(tmp_path: Path) -> None:
 def test_one_model_per_state_folder(tmp_path: Path) -> None:
     with LocalBackend(tmp_path) as backend:
         backend.claim("a")
-        with pytest.raises(LocalBackendError, match="holds InferenceModel 'a'"):
+        with pytest.raises(LocalBackendError, match="holds InferenceModel 'default/a', not 'default/b'"):
             backend.claim("b")
+        # The same name in another namespace is another InferenceModel (it replaced the first's revisions).
+        with pytest.raises(LocalBackendError, match="holds InferenceModel 'default/a', not 'team-b/a'"):
+            backend.claim("a", "team-b")
+        backend.state.namespace = None  # a folder written before namespaces were recorded holds default's
+        backend.claim("a")
+        assert backend.state.namespace == "default"
 
 
 def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) -> None:

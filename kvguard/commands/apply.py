@@ -36,8 +36,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
                  "(kvguard.io/rollback-to pins another, or it has no worker of a role in rotation: S7 keeps it out), "
                  "or nothing answers at the model's URL (its splitter is down or its port is taken: `not serving:`); "
                  "run it again to resume"),
-    (EXIT_BAD_INPUT, "bad input (manifest, --policy, --faults, a spec the local backend cannot run, a busy "
-                     "state folder); nothing started"),
+    (EXIT_BAD_INPUT, "bad input (manifest, --policy, --namespace, --faults, a spec the local backend cannot run, a busy "
+                     "state folder or one holding another model); nothing started"),
     (EXIT_BLOCKED, "blocked by the planner (its report is printed) or a policy; nothing of the new revision started"),
     (EXIT_ROLLED_BACK, "rolled back (readiness, a reported KV pool or the canary failed): the new revision is "
                        "stopped, the stable one (if any) serves unchanged; the probe table and the report's path are printed"),
@@ -71,7 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model-dir", type=Path, help="set spec.model.source to this local model folder")
     parser.add_argument("--policy", type=Path, action="append", default=[], metavar="FILE",
                         help="InferencePolicy YAML to enforce (repeatable; a file may hold several)")  # fmt: skip
-    parser.add_argument("--namespace", default="default", help="namespace the policies see (default: default)")
+    parser.add_argument("--namespace", default=None, help="the model's namespace, which the policies see (default: the "
+                        "manifest's metadata.namespace, else default; one that disagrees with the manifest is refused)")  # fmt: skip
     parser.add_argument("--faults", default="", metavar="SPEC",
                         help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
     parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds (checked between reconcile passes: one that is starting workers ends first)")
@@ -99,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
         return _bad_input(str(exc))
     if model is None and not (args.delete and args.state_dir):
         return _bad_input("-f is required (or --delete with --state-dir)")
+    if model is not None:
+        try:
+            args.namespace = _namespace(model.metadata.namespace, args.namespace)
+        except ValueError as exc:
+            return _bad_input(str(exc))
     state_dir = args.state_dir or Path(".kvguard/local") / model.metadata.name  # type: ignore[union-attr]
     # Before the first line: a SIGTERM sent on seeing it (a supervisor, a test) must take the
     # Ctrl-C path, not kill the process (it did, under load).
@@ -106,6 +112,18 @@ def run(args: argparse.Namespace) -> int:
         if args.delete:
             return _delete_interruptible(state_dir)
         return _apply(args, model, policies, state_dir)
+
+
+def _namespace(manifest: str | None, flag: str | None) -> str:
+    """The model's namespace, as kubectl picks it: the manifest's, which `--namespace` may only
+    repeat (a policy scoped to team-a was bypassed when the manifest's namespace was not read)."""
+    from kvguard.operator.api import namespace_problem
+
+    if flag is not None and (problem := namespace_problem(flag)):
+        raise ValueError(problem)
+    if manifest is not None and flag is not None and flag != manifest:
+        raise ValueError(f"the manifest's metadata.namespace is {manifest!r}, not {flag!r} (--namespace)")
+    return manifest or flag or "default"
 
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:

@@ -202,6 +202,8 @@ class LocalState(_StateModel):
     version: int = 2  # 2: every worker records its metrics port
     model: str | None = None
     """metadata.name of the InferenceModel this folder holds (one model per folder)."""
+    namespace: str | None = None
+    """Its metadata.namespace (None in folders written before it was recorded: `default`)."""
     revisions: dict[str, LocalRevision] = Field(default_factory=dict)
     serving: str | None = None
     """The revision user traffic goes to (the model Service's selector on Kubernetes)."""
@@ -675,13 +677,14 @@ class LocalBackend:
     def save(self) -> None:
         self.store.save(self.state)
 
-    def claim(self, model: str) -> None:
-        """One model per folder: refuse to drive another model's revisions."""
-        if self.state.model not in (None, model):
-            raise LocalBackendError(
-                f"{self.store.root} holds InferenceModel {self.state.model!r}, not {model!r}; use another --state-dir"
-            )
-        self.state.model = model
+    def claim(self, model: str, namespace: str = "default") -> None:
+        """One model per folder: refuse to drive another model's revisions, a model of the same
+        name in another namespace included (on a cluster they are two InferenceModels)."""
+        held = (self.state.namespace or "default", self.state.model)
+        if self.state.model is not None and held != (namespace, model):
+            raise LocalBackendError(f"{self.store.root} holds InferenceModel {'/'.join(held)!r}, not "
+                                    f"{namespace + '/' + model!r}; use another --state-dir")  # fmt: skip
+        self.state.model, self.state.namespace = model, namespace
         self.save()
 
     # --- workloads ---------------------------------------------------------------------------------
@@ -1022,5 +1025,5 @@ class LocalBackend:
         return self.state.uid
 
     def _check_model(self, model: ModelRef) -> None:
-        if self.state.model != model.name:
-            self.claim(model.name)
+        if (self.state.model, self.state.namespace or "default") != (model.name, model.namespace):
+            self.claim(model.name, model.namespace)

@@ -270,7 +270,7 @@ async def roll_out(
     say = reporter.tell  # every line counts as a sign of life for the wait lines
     kv_plan = plan(spec)
     _check_runnable(backend, spec, kv_plan)
-    backend.claim(name)
+    backend.claim(name, namespace)
     _say_what_is_for_a_cluster(spec, say)
     spec = _without_continuous_canary(spec)
     resize = _in_place_resize(backend, spec, faults, say)
