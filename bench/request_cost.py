@@ -86,6 +86,7 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,4,16", help="closed-loop client counts")
     parser.add_argument("--rounds", type=int, default=20, help="requests per client")
     parser.add_argument("--reps", type=int, default=2, help="repetitions (medians are reported)")
+    parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default) or cuda[:N]")
     args = parser.parse_args()
     torch.set_num_threads(1)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -94,9 +95,9 @@ def main() -> int:
     server = None
     try:
         model_dir = model_folder("tiny", tmp)
-        server, url = start_kvguard(model_dir, POOL_TOKENS)
+        server, url = start_kvguard(model_dir, POOL_TOKENS, args.device)
         http = RawHTTPBackend("http-raw", server, url, model_dir.name, token_prompts=True)
-        engine = EngineBackend(model_dir, POOL_TOKENS)
+        engine = EngineBackend(model_dir, POOL_TOKENS, args.device)
         pids = roles(server)
         rows: dict[int, list[dict[str, float]]] = {c: [] for c in levels}
         for _ in range(args.reps):

@@ -149,6 +149,34 @@ def parse_canary(output: str) -> Parsed:
     return out
 
 
+def parse_adversarial(output: str) -> Parsed:
+    worst = re.search(r"worst victim p50 under a single adversarial input: ([\d.]+x) idle", output)
+    return [("a tenant's p50 under another's worst input / idle", worst.group(1), "<= 2x")] if worst else []
+
+
+def parse_operator_scale(output: str) -> Parsed:
+    data = last_json(output) or {}
+    run, ratios = data.get("run", {}), data.get("ratios", {})
+    if not ratios:
+        return []
+    models = run.get("models", "?")
+    return [
+        (f"operator, {models} models: seconds until every status / goal", f"{ratios['time_vs_goal']:.2f}", "<= 1"),
+        (f"operator, {models} models: idle API requests per model-minute / goal", f"{ratios['idle_requests_vs_goal']:.2f}", "<= 1"),
+        (f"operator, {models} models: RSS / goal", f"{ratios['rss_vs_goal']:.2f}", "<= 1"),
+        ("operator: seconds to status per model, vs the baseline run", f"{ratios['time_per_model_vs_baseline']:.2f}", "~1 (linear)"),
+    ]
+
+
+def parse_request_cost(output: str) -> Parsed:
+    data = last_json(output) or {}
+    if "cpu_ratio" not in data:
+        return []
+    clients = data.get("clients", "?")
+    return [(f"HTTP path CPU per request / the engine's, {clients} clients", f"{data['cpu_ratio']:.2f}", "-"),
+            (f"HTTP TTFT / the CPU bound, {clients} clients", f"{data['ttft_vs_cpu_bound']:.2f}", "-")]
+
+
 BENCHMARKS = (
     Benchmark("serving", "serving.py", (), ("--quick",), parse_serving, 1800),
     # The 25M model, where the matmuls matter: what the HTTP path costs when the engine is not
@@ -163,6 +191,10 @@ BENCHMARKS = (
     Benchmark("splitter_overhead", "splitter_overhead.py", (), ("--rounds", "2", "--requests", "60"), parse_splitter, 600),
     Benchmark("planner_accuracy", "planner_accuracy.py", (), (), parse_planner, 300),
     Benchmark("canary_detection", "canary_detection.py", (), (), parse_canary, 900),
+    Benchmark("adversarial_latency", "adversarial_latency.py", (), ("--victim-requests", "10"), parse_adversarial, 900),
+    Benchmark("request_cost", "request_cost.py", (), ("--reps", "1", "--rounds", "10"), parse_request_cost, 600),
+    Benchmark("operator_scale", "operator_scale.py", (),
+              ("--models", "100", "--baseline", "20", "--idle", "20", "--settle", "5"), parse_operator_scale, 1800),
 )
 
 
@@ -238,6 +270,10 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated benchmark names")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
     args = parser.parse_args()
+    names = [b.name for b in BENCHMARKS]
+    unknown = sorted(set(args.only.split(",")) - set(names)) if args.only is not None else []
+    if unknown:
+        parser.error(f"--only: no benchmark named {', '.join(unknown)} (there are: {', '.join(names)})")
     chosen = [b for b in BENCHMARKS if args.only is None or b.name in args.only.split(",")]
     outcomes = []
     for bench in chosen:

@@ -64,3 +64,21 @@ def test_serving_prints_issue_14s_headline_keys_and_run_all_reads_them() -> None
     assert rows["`kvguard serve --model DIR`: start to first answer"][1] == "< 5 s"
     assert rows["kvguard serve (HTTP) / HF generate, mixed, 16 concurrent"][1] == ">= 2.0"
     assert rows["TTFT p50 HTTP / in-process, 16 concurrent"][1] == "<= 2.0"
+
+
+def test_run_all_runs_every_benchmark_and_refuses_a_name_it_has_not() -> None:
+    """bench/README.md says run_all runs every bench/*.py: three were missing, and `--only` with
+    their names printed an empty table and exited 0."""
+    scripts = {b.script for b in run_all().BENCHMARKS}
+    assert scripts == {p.name for p in BENCH.glob("*.py")} - {"run_all.py"}
+    done = subprocess.run([sys.executable, "-P", str(BENCH / "run_all.py"), "--only", "request_cost,nope"],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 2 and "no benchmark named nope" in done.stderr, done.stderr
+
+
+def test_request_cost_runs_and_run_all_reads_it() -> None:
+    """request_cost.py had stopped running (serving.py's helpers gained a device argument)."""
+    output = bench("request_cost.py", "--concurrency", "1,2", "--rounds", "2", "--reps", "1")
+    assert json.loads(output.strip().splitlines()[-1])["clients"] == 2
+    heads = [head for head, _, _ in run_all().parse_request_cost(output)]
+    assert heads == ["HTTP path CPU per request / the engine's, 2 clients", "HTTP TTFT / the CPU bound, 2 clients"]
