@@ -680,9 +680,9 @@ class LocalBackend:
     def claim(self, model: str, namespace: str = "default") -> None:
         """One model per folder: refuse to drive another model's revisions, a model of the same
         name in another namespace included (on a cluster they are two InferenceModels)."""
-        held = (self.state.namespace or "default", self.state.model)
-        if self.state.model is not None and held != (namespace, model):
-            raise LocalBackendError(f"{self.store.root} holds InferenceModel {'/'.join(held)!r}, not "
+        held = f"{self.state.namespace or 'default'}/{self.state.model}"
+        if self.state.model is not None and held != f"{namespace}/{model}":
+            raise LocalBackendError(f"{self.store.root} holds InferenceModel {held!r}, not "
                                     f"{namespace + '/' + model!r}; use another --state-dir")  # fmt: skip
         self.state.model, self.state.namespace = model, namespace
         self.save()

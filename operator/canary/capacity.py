@@ -67,7 +67,7 @@ class CapacityProbe(Probe):
             )
             if ratio is None:
                 problems.append(f"{worker}: context length unknown, cannot judge a pool of {pool.capacity_tokens:g} tokens")
-            elif pool.capacity_tokens < required_pool_tokens(required, context):  # S7 on integers, not a rounded ratio
+            elif context and pool.capacity_tokens < required_pool_tokens(required, context):  # S7 on integers, not a rounded ratio
                 problems.append(
                     f"{worker}: KV pool {math.floor(pool.capacity_tokens)} tokens = {math.floor(ratio * 100) / 100:.2f} x context length {context}, "
                     f"needs >= {required:g}"
