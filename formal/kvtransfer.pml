@@ -946,8 +946,14 @@ end_idle:
   :: atomic { p_epoch == boot && pfree >= PNEED(r) && prun < PRUN ->
        S2 = !CHECK_S2 || !over[r]; assert(S2);
        pfree = pfree - PNEED(r); plen[r] = PNEED(r); prun++; p_state(r, PREFILLING);
+       /* A prefill error. PrefillServer._prefill tells decode itself (_abort(tell_decode=True))
+        * once the job holds its ticket: taken before computing (early == 0), or delivered to the
+        * job while an early request computed (tq[r] == MSG_SENT); without one, only the router can. */
        if
-       :: b_perr > 0 -> b_perr--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end   /* prefill error */
+       :: b_perr > 0 && early == 0 -> b_perr--; p_free(r); p_state(r, ABORTED); goto tell_decode
+       :: b_perr > 0 && early > 0 && tq[r] == MSG_SENT -> b_perr--; tq[r] = MSG_TAKEN; n = tk[r];
+          p_free(r); p_state(r, ABORTED); goto tell_decode
+       :: b_perr > 0 && early > 0 && tq[r] != MSG_SENT -> b_perr--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end
        :: true -> p_state(r, TRANSFERRING)
        fi }; break
   :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }

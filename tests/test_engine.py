@@ -511,3 +511,25 @@ def test_config_and_device_errors_are_clear(tiny_model_dir: Path, tmp_path: Path
     assert resolve_device("auto").type in ("cpu", "cuda")
     with pytest.raises(ValueError, match="unknown device|unsupported device"):
         resolve_device("tpu")
+
+
+def test_a_failed_prefill_step_leaves_the_sender_nothing_to_export(tiny_model_dir: Path) -> None:
+    """S1 on prefill: a failed engine step (AsyncEngine._step) aborts a request whose KV the sender
+    is still exporting and frees its pages; the next request is computed into them. Decode's tags
+    cannot tell (its pages are written for the right lease), so the export must refuse the old lease
+    rather than send the new request's KV under the old one's name (formal/README.md: not modelled)."""
+    from kvguard.workers.kv_pool import StaleLeaseError
+
+    e = engine(tiny_model_dir, kv_pool_tokens=16, page_size=8, max_running_requests=4)
+    e.add_prefill_request("a", list(range(1, 9)), GREEDY)
+    while e.requests["a"].state is not RequestState.TRANSFERRING:
+        e.step()
+    lease = e.requests["a"].lease
+    for request_id in list(e.requests):  # what AsyncEngine._step does when a step raises
+        e.abort(request_id, "engine_error")
+    e.add_prefill_request("b", list(range(20, 28)), GREEDY)
+    while e.requests["b"].state is not RequestState.TRANSFERRING:
+        e.step()
+    assert set(e.requests["b"].lease.page_ids) & set(lease.page_ids)  # b's KV is in a's pages
+    with pytest.raises(StaleLeaseError):
+        e.pool.export_pages(lease, lease.page_ids)
