@@ -116,6 +116,84 @@ def test_qwen2_bias_and_tied_embeddings_match_transformers(tmp_path: Path) -> No
     _assert_parity(hf, tmp_path)
 
 
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_the_configs_activation_is_the_one_used(tmp_path: Path, act: str) -> None:
+    """hidden_act was read by nobody: every checkpoint ran SiLU (a gelu Llama diverged at token 0)."""
+    config = transformers.LlamaConfig(**SMALL, hidden_act=act, attn_implementation="eager")
+    hf = _save_hf(transformers.LlamaForCausalLM, config, tmp_path)
+    _assert_parity(hf, tmp_path, prompt_len=7, decode_steps=5)
+
+
+def test_mistral_within_its_window_matches_and_beyond_it_is_refused(tmp_path: Path) -> None:
+    """Transformers' Mistral masks attention to `sliding_window`; this engine attends to every
+    token, so it serves no longer context (the difference showed from the window's first token)."""
+    from kvguard.workers.config import EngineConfig
+    from kvguard.workers.engine import Engine
+    from kvguard.workers.tiny import write_tiny_model
+
+    config = transformers.MistralConfig(**SMALL, sliding_window=64, attn_implementation="eager")
+    hf = _save_hf(transformers.MistralForCausalLM, config, tmp_path)
+    assert ModelArgs.from_dir(tmp_path).sliding_window == 64
+    _assert_parity(hf, tmp_path, prompt_len=40, decode_steps=24)  # 64 tokens: the window is the whole history
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # Engine needs a tokenizer: the tiny model's
+        (tmp_path / name).write_bytes((write_tiny_model(tmp_path / "tiny", seed=0) / name).read_bytes())
+    with pytest.raises(ValueError, match="sliding_window 64: sliding-window attention is not implemented"):
+        Engine(EngineConfig(tmp_path, device="cpu", kv_pool_tokens=512, context_length=65))
+
+
+CONFIG_REFUSALS = [  # each named before the weights load, not a traceback once the rope tables are built
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling.factor: is required for rope type linear"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": None}}, "rope_scaling.factor: is required"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "four"}}, "rope_scaling.factor: must be a number, got 'four'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide num_attention_heads 4"),
+    ({"hidden_act": "gelu_fast2"}, "hidden_act: 'gelu_fast2' is not supported"),
+]
+
+
+@pytest.mark.parametrize("change, message", CONFIG_REFUSALS)
+def test_a_config_the_engine_would_compute_wrongly_or_crash_on_is_refused_by_field(change: dict, message: str) -> None:
+    config = {"model_type": "llama", **SMALL, **change}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelArgs.from_hf_config(config)
+
+
+def test_untied_weights_without_lm_head_are_missing_not_tied(tmp_path: Path) -> None:
+    """An untied checkpoint missing lm_head.weight loaded with the embeddings as its output layer."""
+    from safetensors.torch import load_file, save_file
+
+    _save_hf(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL, tie_word_embeddings=False), tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing=\\['lm_head.weight'\\]"):
+        load_model(tmp_path, torch.device("cpu"), torch.float32)
+
+
+def test_generation_configs_end_tokens_end_a_request(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """generate() and vLLM stop at generation_config.json's eos ids too (Llama 3 Instruct's
+    end-of-turn token is only there); this engine generated past them."""
+    import shutil
+
+    from kvguard.workers.config import EngineConfig
+    from kvguard.workers.engine import Engine
+    from kvguard.workers.request import SamplingParams
+
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "m"))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=False)
+    plain = Engine(EngineConfig(model_dir, device="cpu", kv_pool_tokens=512, context_length=128))
+    tokens = plain.generate([[5, 6, 7]], params)[0].output_ids
+    assert len(tokens) >= 2
+    stop_at = tokens[len(tokens) // 2]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, stop_at]}))
+    engine = Engine(EngineConfig(model_dir, device="cpu", kv_pool_tokens=512, context_length=128))
+    assert stop_at in engine.eos_token_ids
+    assert engine.generate([[5, 6, 7]], params)[0].output_ids == tokens[:tokens.index(stop_at) + 1]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "two"}))
+    with pytest.raises(ValueError, match="generation_config.json eos_token_id"):
+        Engine(EngineConfig(model_dir, device="cpu", kv_pool_tokens=512, context_length=128))
+
+
 def test_sharded_safetensors_load_like_single_file(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(**SMALL, attn_implementation="eager")
     _save_hf(transformers.LlamaForCausalLM, config, tmp_path / "single")

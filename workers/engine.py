@@ -32,7 +32,7 @@ from kvguard.workers import device as dev
 from kvguard.workers.config import EngineConfig
 from kvguard.workers.kv_pool import KVPool
 from kvguard.workers.metrics import EngineMetrics
-from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, length_groups, load_model
+from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, generation_eos_ids, length_groups, load_model
 from kvguard.workers.request import (
     ContextLengthExceeded,
     DuplicateRequestId,
@@ -184,12 +184,17 @@ class Engine:
         self.config = config
         self.device = dev.resolve_device(config.device)
         self.args = ModelArgs.from_dir(config.model_dir)
+        generation_eos = generation_eos_ids(config.model_dir)  # read before the weights: a bad file fails fast
         self.dtype = (dev.default_dtype(self.device, self.args.torch_dtype)
                       if config.dtype == "auto" else dev.resolve_dtype(config.dtype))
         max_len = self.args.max_position_embeddings
         if config.context_length is not None and config.context_length > max_len:
             raise ValueError(f"context_length {config.context_length} exceeds the model's maximum {max_len}")
         self.context_length = config.context_length or max_len
+        window = self.args.sliding_window
+        if window is not None and self.context_length > window:  # beyond it, full attention differs from the model's
+            raise ValueError(f"config.json sliding_window {window}: sliding-window attention is not implemented; "
+                             f"serve a context of at most {window} tokens (context_length), not {self.context_length}")
         dev.seed_everything(config.seed)
         self.model: CausalLM = load_model(config.model_dir, self.device, self.dtype)
         self.model.init_rope(self.context_length, self.device)
@@ -209,7 +214,7 @@ class Engine:
         # because the head of the queue does not fit) does not step, so a value set per step goes stale.
         self.metrics.running_requests.set_function(lambda: len(self.scheduler.holding))
         self.metrics.waiting_requests.set_function(lambda: len(self.scheduler.waiting))
-        eos = set(self.args.eos_token_ids)
+        eos = set(self.args.eos_token_ids) | set(generation_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)

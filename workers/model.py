@@ -46,6 +46,11 @@ class ModelArgs:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    """The gated MLP's activation (ACTIVATIONS)."""
+    sliding_window: int | None = None
+    """Mistral's attention window: the engine attends to everything, so it serves no context
+    longer than this (Engine refuses one)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -66,6 +71,14 @@ class ModelArgs:
         if cfg.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
         heads, hidden = _number(cfg, "num_attention_heads", int), _number(cfg, "hidden_size", int)
+        kv_heads = _number(cfg, "num_key_value_heads", int, heads)
+        if heads % kv_heads:  # every query head reads one K/V head: a whole group each
+            raise ValueError(f"config.json num_key_value_heads: {kv_heads} does not divide num_attention_heads {heads}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"config.json hidden_act: {str(act)[:40]!r} is not supported ({', '.join(ACTIVATIONS)})")
+        # Transformers' Mistral masks to the window whenever it is set; Qwen2 only with use_sliding_window.
+        window = _number(cfg, "sliding_window", int, 0) if model_type == "mistral" else 0
         # transformers >= 5 nests theta and scaling under rope_parameters; older configs use
         # rope_theta + rope_scaling at top level.
         rope_field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
@@ -74,7 +87,7 @@ class ModelArgs:
         rope = dict(rope)
         theta = _number({"rope_theta": rope.pop("rope_theta", cfg.get("rope_theta"))}, "rope_theta", float, 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        scaling = None if rope_type == "default" else _checked_rope_scaling({**rope, "rope_type": rope_type}, rope_field)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -85,7 +98,7 @@ class ModelArgs:
             intermediate_size=_number(cfg, "intermediate_size", int),
             num_layers=_number(cfg, "num_hidden_layers", int),
             num_heads=heads,
-            num_kv_heads=_number(cfg, "num_key_value_heads", int, heads),
+            num_kv_heads=kv_heads,
             head_dim=_number(cfg, "head_dim", int, hidden // heads),
             rms_norm_eps=_number(cfg, "rms_norm_eps", float, 1e-6),
             max_position_embeddings=_number(cfg, "max_position_embeddings", int, 2048),
@@ -98,6 +111,8 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            hidden_act=act,
+            sliding_window=window or None,
         )
 
     @classmethod
@@ -129,6 +144,59 @@ def _number(cfg: dict[str, Any], name: str, kind: type[int] | type[float], defau
     if value <= 0:
         raise ValueError(f"config.json {name}: must be above 0, got {value!r}")
     return kind(value)
+
+
+ACTIVATIONS: dict[str, Any] = {
+    # transformers' ACT2FN names for the activations Llama-family checkpoints use
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+_ROPE_NUMBERS = {  # rope type -> (required, optional) numbers, each above 0
+    "linear": (("factor",), ()),
+    "llama3": (("factor",), ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
+    "yarn": ((), ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow")),
+}
+
+
+def _checked_rope_scaling(scaling: dict[str, Any], where: str) -> dict[str, Any]:
+    """The rope scaling, its numbers checked here (they were read only when the rope tables were
+    built, after the weights had loaded: a missing factor was a KeyError traceback)."""
+    kind = scaling["rope_type"]
+    if kind not in _ROPE_NUMBERS:
+        raise ValueError(f"config.json {where}: rope type {str(kind)[:40]!r} is not supported (default, {', '.join(_ROPE_NUMBERS)})")
+    required, optional = _ROPE_NUMBERS[kind]
+    for name in (*required, *optional):
+        if name in required or scaling.get(name) is not None:
+            try:
+                _number(scaling, name, float)
+            except KeyError:
+                raise ValueError(f"config.json {where}.{name}: is required for rope type {kind}") from None
+            except ValueError as exc:
+                raise ValueError(str(exc).replace("config.json ", f"config.json {where}.", 1)) from None
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
+        raise ValueError(f"config.json {where}: llama3's low_freq_factor and high_freq_factor must differ")
+    return scaling
+
+
+def generation_eos_ids(model_dir: Path | str) -> tuple[int, ...]:
+    """`generation_config.json`'s eos_token_id (one or a list): Hugging Face's generate() and vLLM
+    stop at these too (Llama 3 Instruct ships its end-of-turn token only there)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise ValueError(f"{path}: not a JSON object") from None
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path} eos_token_id: must be a token id or a list of them, got {str(eos)[:80]}")
+    return tuple(ids)
 
 
 # ---------------------------------------------------------------------------------------- RoPE
@@ -413,7 +481,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-
+        self.act = ACTIVATIONS[args.hidden_act]
         self.gate_up: FusedLinear | None = None
 
     def fuse(self) -> None:
@@ -422,7 +490,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up is not None, "load_model() fuses the projections"
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -513,7 +581,7 @@ def load_model(model_dir: Path | str, device: torch.device, dtype: torch.dtype) 
     with torch.device("meta"):
         model = CausalLM(args)
     state = {k: v for k, v in _read_state_dict(model_dir, device).items() if not k.endswith("rotary_emb.inv_freq")}
-    if args.tie_word_embeddings or "lm_head.weight" not in state:
+    if args.tie_word_embeddings:  # untied without lm_head.weight is a missing tensor, not a tied one
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     state = {k: v.to(dtype) for k, v in state.items()}
     try:
