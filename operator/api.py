@@ -394,8 +394,9 @@ _REVISION = rf"^$|^[^\s{_CONTROL}-][^{_CONTROL}]*$"
 class PVCSource(ApiModel):
     """Weights on a PersistentVolumeClaim in the model's namespace, mounted read-only."""
 
-    claim_name: str = Field(min_length=1, max_length=253)
-    """Name of the PersistentVolumeClaim."""
+    claim_name: str = Field(min_length=1, max_length=253, pattern=rf"^{_DNS_SUBDOMAIN}$")
+    """Name of the PersistentVolumeClaim (a DNS-1123 subdomain, as every PVC's name is: another
+    name would render pods that wait for a claim that cannot exist)."""
     path: str = Field(default="", max_length=4096, pattern=_VOLUME_PATH)
     """Directory of the model inside the volume (config.json, tokenizer, safetensors); no `..`
     segment (it would leave the volume's mount)."""

@@ -142,6 +142,8 @@ REFUSED = [
     ("spec.minKVRatio", True, "spec.minKVRatio: Input should be a valid number"),
     ("spec.roles.decode.replicas", "2", "spec.roles.decode.replicas: Input should be a valid integer"),
     ("spec.canary.isolation.longRequestFractions", [0.5, True], "spec.canary.isolation.longRequestFractions: Input should be"),
+    # No PVC can have this name: pods referencing it wait for a claim forever.
+    ("spec.model.source.pvc.claimName", "Bad_Name", "spec.model.source.pvc.claimName: String should match pattern"),
 ]  # fmt: skip
 
 
