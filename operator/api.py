@@ -666,7 +666,8 @@ class PodPlacement(ApiModel):
     NVIDIA-H100-80GB-HBM3. Default: spec.hardware.gpuProduct."""
     gpu_count: NonNegativeInt | None = None
     """GPUs per pod (nvidia.com/gpu). Default: tensorParallel x pipelineParallel (x dataParallel
-    without DP attention) for workers, 0 for the router."""
+    for vLLM and for SGLang without DP attention; the kvguard engine runs a pod per rank) for
+    workers, 0 for the router. Never fewer on a GPU spec."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU, memory and other resources of the engine container."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -1216,9 +1217,9 @@ class RolePlan(ApiModel):
     capped_by: Literal["memory", "kvPoolTokens"]
     """What limited the pool."""
     ratio: float
-    """poolTokens / contextLength."""
+    """poolTokens / contextLength, rounded down to 4 decimals."""
     sufficient: bool
-    """ratio >= minKVRatio."""
+    """poolTokens holds minKVRatio x contextLength, in whole tokens."""
     kv_budget_bytes: int = 0
     """Memory per device left for the KV pool after weights and overheads, at the safe end of every
     estimate. Negative when they do not fit: the engine would not start."""
@@ -1389,6 +1390,17 @@ def namespace_problem(namespace: str) -> str | None:
     if re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
         return None
     return f"--namespace: must be a DNS-1123 label (at most 63 lowercase letters, digits and '-'), got {namespace[:80]!r}"
+
+
+def effective_namespace(manifest: str | None, flag: str | None) -> str:
+    """The namespace of a manifest's object as kubectl picks it: its metadata.namespace, which a
+    `--namespace` flag may only repeat (ValueError, naming both, when it does not), else the flag's,
+    else `default`."""
+    if flag is not None and (problem := namespace_problem(flag)):
+        raise ValueError(problem)
+    if manifest is not None and flag is not None and flag != manifest:
+        raise ValueError(f"the manifest's metadata.namespace is {manifest!r}, not {flag!r} (--namespace)")
+    return manifest or flag or "default"
 
 
 class InferenceModel(ApiModel):

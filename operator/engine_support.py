@@ -7,8 +7,8 @@ deploy: the webhook refuses it (422) and reconcile reports `InvalidSpec` naming 
 kvguard (the CPU/GPU engine in `workers/`): one device per engine instance, weights loaded in
 fp32, bf16 or fp16, the KV cache in the weights' dtype. Data parallelism is supported the way it is
 rendered: each DP rank is a worker (a pod on Kubernetes, a process locally) with its own pool.
-SGLang and vLLM take every field as a flag (render.py), so nothing engine-specific is refused
-here for them. On every engine, GPU fields on a CPU spec are refused: the pods would hold GPUs
+SGLang and vLLM take every field as a flag (render.py); the one refused is vLLM's
+dataParallelAttention, SGLang's mode that vLLM has no flag for. On every engine, GPU fields on a CPU spec are refused: the pods would hold GPUs
 they never use.
 
 Pure: pydantic models in, strings out.
@@ -52,16 +52,28 @@ def engine_problems(spec: InferenceModelSpec) -> list[str]:
     problems = _device_problems(spec)
     if spec.engine.kind == EngineKind.KVGUARD:
         problems += _kvguard_problems(spec)
+    if spec.engine.kind == EngineKind.VLLM:
+        problems += _vllm_problems(spec)
     return problems
+
+
+def _vllm_problems(spec: InferenceModelSpec) -> list[str]:
+    # The planner sizes DP attention as SGLang runs it (attention TP = TP / DP, full KV heads per
+    # rank); vLLM has no such flag, renders none, and runs every DP rank with its own TP group.
+    return [f"spec.roles.{name}.dataParallelAttention: SGLang's mode; vLLM's data-parallel ranks each run "
+            "tensorParallel GPUs (leave it false)"
+            for name, role in spec.roles.worker_roles().items() if role.data_parallel_attention]
 
 
 def gpus_per_worker_pod(spec: InferenceModelSpec, role: str) -> int:
     """GPUs one prefill or decode pod's engine uses on a GPU spec (the default of its gpuCount):
     tensorParallel x pipelineParallel, times dataParallel where one pod runs every DP rank (SGLang
-    and vLLM without DP attention; the kvguard engine renders a pod per rank)."""
+    without DP attention, whose ranks split the TP group, and vLLM; the kvguard engine renders a
+    pod per rank)."""
     worker = spec.roles.worker_roles()[role]
     one_rank_per_pod = spec.engine.kind == EngineKind.KVGUARD
-    dp = 1 if worker.data_parallel_attention or one_rank_per_pod else worker.data_parallel
+    ranks_share_tp = worker.data_parallel_attention and spec.engine.kind == EngineKind.SGLANG
+    dp = 1 if ranks_share_tp or one_rank_per_pod else worker.data_parallel
     return worker.tensor_parallel * worker.pipeline_parallel * dp
 
 

@@ -50,7 +50,7 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.estimates import Figure, GiB
-from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import ratio_down, ratio_text, required_pool_tokens
 
 # What the renderer writes on the command line when the spec sets no fraction (so these are facts,
 # not guesses at the engines' own auto values).
@@ -423,7 +423,7 @@ def plan_role(spec: InferenceModelSpec, role: WorkerRole) -> RolePlan:
         memory_pool_tokens=memory_tokens,
         pool_tokens=pool,
         capped_by="kvPoolTokens" if capped else "memory",
-        ratio=math.floor(pool / spec.context_length * 10_000) / 10_000,  # down: a shortfall never reads as the minimum
+        ratio=ratio_down(pool, spec.context_length),  # down: a shortfall never reads as the minimum
         sufficient=pool >= required_pool_tokens(spec.min_kv_ratio, spec.context_length),
         kv_budget_bytes=safe,
         optimistic_pool_tokens=optimistic,

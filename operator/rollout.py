@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.numerics import numerics_change
-from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import ratio_down, ratio_text, required_pool_tokens
 
 if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
     from kvguard.operator.api import InferenceModelSpec
@@ -157,7 +157,8 @@ class WorkerPool(_StatusModel):
     ratio: float | None = None
     """poolTokens / contextLength."""
     sufficient: bool
-    """ratio >= the required ratio."""
+    """poolTokens holds the required ratio x contextLength, in whole tokens (ratio is rounded
+    down, for reading)."""
 
 
 class CanarySummary(_StatusModel):
@@ -860,7 +861,7 @@ class _Step:
         pool = report.pool_tokens or 0.0
         # S7 on exact integers: judging a rounded ratio passed a pool 12 tokens short of 2x a 1M
         # context. The ratio shown is rounded down, so a shortfall never reads as the ratio it misses.
-        ratio = math.floor(pool / context * 10_000) / 10_000
+        ratio = ratio_down(pool, context)
         return WorkerPool(
             worker=report.worker, role=report.role, pool_tokens=pool, context_length=context,
             ratio=ratio, sufficient=pool >= required_pool_tokens(self.spec.min_kv_ratio, context),

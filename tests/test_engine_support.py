@@ -77,6 +77,18 @@ GPU_SHORT = {
 }
 
 
+def test_vllm_has_no_dp_attention_and_its_ranks_each_run_tensor_parallel_gpus() -> None:
+    """dataParallelAttention rendered nothing for vLLM, while the planner and the GPU count took
+    SGLang's meaning (ranks splitting one TP group): TP 2 x DP 2 got 2 GPUs and a plan vLLM never ran."""
+    b = body(**{"engine.kind": "vllm", "engine.image": "i", "engine.routerImage": "r", "hardware.device": "cuda",
+                "roles.decode.dataParallel": 2, "roles.decode.tensorParallel": 2, "roles.decode.dataParallelAttention": True})
+    (problem,) = engine_problems(InferenceModelSpec.model_validate(b["spec"]))
+    assert problem.startswith("spec.roles.decode.dataParallelAttention: SGLang's mode"), problem
+    with pytest.raises(AdmissionDenied) as denied:
+        check_admission(b, None, "CREATE", [])
+    assert "spec.roles.decode.dataParallelAttention" in str(denied.value)
+
+
 @pytest.mark.parametrize("case", list(GPU_SHORT))
 def test_a_worker_pod_given_fewer_gpus_than_its_engine_runs_on_is_refused_by_field(case: str) -> None:
     kind, changes, why = GPU_SHORT[case]

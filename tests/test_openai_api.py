@@ -314,9 +314,13 @@ def test_the_clients_caching_hints_and_null_moderation_are_served_unchanged(api:
     plain = answer()
     assert answer(extra_body={"prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"}}) == plain
     assert answer(extra_body={"moderation": None, "prompt_cache_retention": "in_memory"}) == plain
-    with pytest.raises(openai.BadRequestError) as refused:
-        answer(extra_body={"prompt_cache_retention": "forever"})
-    assert refused.value.body["param"] == "prompt_cache_retention"  # type: ignore[index]
+    for wrong, param in (({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+                         ({"prompt_cache_options": {"mode": "bogus"}}, "prompt_cache_options.mode"),
+                         ({"prompt_cache_options": {"ttl": "forever"}}, "prompt_cache_options.ttl"),
+                         ({"prompt_cache_options": {"x": 1}}, "prompt_cache_options.x")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            answer(extra_body=wrong)
+        assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
 
 
 def test_parallel_tool_calls_false_asks_for_nothing_and_is_served(api: openai.OpenAI, model: str) -> None:

@@ -328,6 +328,19 @@ def test_a_pool_exactly_at_a_decimal_ratio_passes(capsys: pytest.CaptureFixture[
     capsys.readouterr()
 
 
+def test_an_exact_ratio_never_reads_as_the_one_below_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1130 / 1000 is 1.12999... in floats: rounded down it read 1.1299, and 2300 / 1000 read 2.29x,
+    # beside a pool judged sufficient at 1.13 and 2.3 (a review of the rounding-down fix).
+    from kvguard.workers.pool_ratio import ratio_down, ratio_text
+
+    assert (ratio_down(1130, 1000), ratio_text(2300, 1000), ratio_text(1150, 1000)) == (1.13, "2.30x", "1.15x")
+    assert (ratio_down(2_097_140, 1_048_576), ratio_text(2_097_140, 1_048_576)) == (1.9999, "1.99x")
+    args = ["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--context-length", "1000", "--page-size", "1", "-o", "json"]
+    assert main([*args, "--min-ratio", "1.13", "--kv-pool-tokens", "1130"]) == 0
+    decode = json.loads(capsys.readouterr().out)["roles"]["decode"]
+    assert (decode["ratio"], decode["sufficient"]) == (1.13, True)
+
+
 def test_a_shortfall_never_reads_as_the_ratio_it_misses(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--kv-cache-dtype", "fp8", "--kv-pool-tokens", "2097088"]  # 1.99994x of 1 Mi
     assert main(["plan", "-f", str(EXAMPLES / "incident.yaml"), *flags]) == 3

@@ -76,6 +76,13 @@ def test_a_namespace_is_a_dns_label(tmp_path: Path, capsys: pytest.CaptureFixtur
     manifest.write_text(yaml.safe_dump(with_spec(TINY, "spec.model.source", {"pvc": {"claimName": "tiny"}})))
     assert main(["render", "-f", str(manifest), "-n", "Bad_NS"]) == 2
     assert "--namespace: must be a DNS-1123 label" in capsys.readouterr().err
+    # As kubectl: the flag may repeat the manifest's namespace, never replace it (it rendered team-b's objects).
+    manifest.write_text(yaml.safe_dump(with_spec(with_spec(TINY, "spec.model.source", {"pvc": {"claimName": "tiny"}}),
+                                                 "metadata.namespace", "team-a")))  # fmt: skip
+    assert main(["render", "-f", str(manifest), "-n", "team-b"]) == 2
+    assert "metadata.namespace is 'team-a', not 'team-b' (--namespace)" in capsys.readouterr().err
+    assert main(["render", "-f", str(manifest), "-n", "team-a"]) == 0
+    assert "namespace: team-a" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("path", "value", "field"), [

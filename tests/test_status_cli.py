@@ -151,6 +151,10 @@ def test_status_local_scrapes_every_running_worker(serving: LocalDeployment, tmp
     assert "revision ddd444  Superseded  (scaled to zero)" in out
     assert main(["status", "other", "--local", "--state-dir", str(folder)]) == EXIT_NOT_FOUND
     assert main(["status", "tiny", "--local", "--state-dir", str(folder / "state.json")]) == 2  # a file, not a folder
+    # The folder holds default/tiny (recorded before namespaces were): another namespace's tiny is not it.
+    assert main(["status", "tiny", "-n", "team-b", "--local", "--state-dir", str(folder)]) == EXIT_NOT_FOUND
+    assert "holds model default/tiny, not team-b/tiny" in capsys.readouterr().err
+    assert main(["status", "tiny", "-n", "default", "--local", "--state-dir", str(folder)]) == EXIT_OK
 
 
 def test_kubectl_kvguard_status_watch_redraws(serving: LocalDeployment, tmp_path: Path) -> None:

@@ -47,6 +47,14 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None  # vLLM's extension: known, refused when asked for
 
 
+class PromptCacheOptions(_Strict):
+    """A caching hint (accepted, changes no output): `mode` as OpenAI's schema has it; `ttl` a
+    lifetime such as OpenAI's one value today, 30m."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Annotated[str, Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")] | None = None
+
+
 def _refuse(param: str, why: str) -> OpenAIError:
     return OpenAIError(400, f"{param} is not supported by this server: {why}", code="unsupported_parameter", param=param)
 
@@ -339,7 +347,7 @@ class ChatCompletionRequest(_Request):
     prompt_cache_key: str | None = None  # a caching hint: accepted, changes no output
     # Caching hints too (the openai client sends them when a user sets them), typed as OpenAI's schema.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: dict[str, JsonValue] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None  # an end-user label, like `user`
     moderation: JsonValue = None  # asks the server to score or block content: refused, never silently skipped
 

@@ -18,6 +18,14 @@ def required_pool_tokens(min_ratio: float, context_length: int) -> int:
     return math.ceil(Fraction(repr(float(min_ratio))) * context_length)
 
 
+def ratio_down(pool_tokens: float, context_length: float, decimals: int = 4) -> float:
+    """`pool / context` rounded down to `decimals`, in exact arithmetic: a shortfall never reads
+    as the ratio it misses, and an exact ratio never as the one below it (1130 / 1000 in floats
+    is 1.1299999..., which read 1.1299 beside a pool judged sufficient at 1.13)."""
+    scale = 10**decimals
+    return math.floor(Fraction(pool_tokens) * scale / Fraction(context_length)) / scale
+
+
 def ratio_text(pool_tokens: float, context_length: float) -> str:
-    """`pool / context` to two decimals, rounded down: a shortfall never reads as the ratio it misses."""
-    return f"{math.floor(pool_tokens / context_length * 100) / 100:.2f}x"
+    """`pool / context` to two decimals, rounded down (`ratio_down`)."""
+    return f"{ratio_down(pool_tokens, context_length, 2):.2f}x"

@@ -101,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     if model is None and not (args.delete and args.state_dir):
         return _bad_input("-f is required (or --delete with --state-dir)")
     if model is not None:
-        try:
-            args.namespace = _namespace(model.metadata.namespace, args.namespace)
+        from kvguard.operator.api import effective_namespace
+
+        try:  # a policy scoped to team-a was bypassed when the manifest's namespace was not read
+            args.namespace = effective_namespace(model.metadata.namespace, args.namespace)
         except ValueError as exc:
             return _bad_input(str(exc))
     state_dir = args.state_dir or Path(".kvguard/local") / model.metadata.name  # type: ignore[union-attr]
@@ -112,18 +114,6 @@ def run(args: argparse.Namespace) -> int:
         if args.delete:
             return _delete_interruptible(state_dir)
         return _apply(args, model, policies, state_dir)
-
-
-def _namespace(manifest: str | None, flag: str | None) -> str:
-    """The model's namespace, as kubectl picks it: the manifest's, which `--namespace` may only
-    repeat (a policy scoped to team-a was bypassed when the manifest's namespace was not read)."""
-    from kvguard.operator.api import namespace_problem
-
-    if flag is not None and (problem := namespace_problem(flag)):
-        raise ValueError(problem)
-    if manifest is not None and flag is not None and flag != manifest:
-        raise ValueError(f"the manifest's metadata.namespace is {manifest!r}, not {flag!r} (--namespace)")
-    return manifest or flag or "default"
 
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:

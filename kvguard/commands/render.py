@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--revision", metavar="R",
                         help="the stable revision serving now: the traffic objects split between it and the spec's revision")  # fmt: skip
     parser.add_argument("--weight", type=int, metavar="PERCENT", help="the spec's revision's share with --revision (default: its first step)")
-    parser.add_argument("--namespace", "-n", default=None, help="namespace (default: the manifest's, else default)")
+    parser.add_argument("--namespace", "-n", default=None, help="namespace (default: the manifest's, else default; one that disagrees with the manifest is refused, as kubectl does)")
     parser.add_argument("--faults", default="", help=argparse.SUPPRESS)  # test clusters: what kvguard.io/faults would inject
     parser.set_defaults(func=run)
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from kvguard.commands.plan import BadInput, _describe_errors, _read_manifest
-    from kvguard.operator.api import InferenceModel, namespace_problem
+    from kvguard.operator.api import InferenceModel, effective_namespace, namespace_problem
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.render import Owner, RenderError
     from kvguard.operator.revision import REVISION_LENGTH
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         model = InferenceModel.model_validate(_read_manifest(Path(args.file)))
         if problems := annotation_problems(model.metadata.annotations):  # as admission, plan and apply read them
             raise BadInput("; ".join(problems))
-        namespace = args.namespace or model.metadata.namespace or "default"
+        namespace = effective_namespace(model.metadata.namespace, args.namespace)
         # The API server assigns the uid; rendered ownerReferences carry a placeholder that says so.
         owner = Owner(name=model.metadata.name, namespace=namespace, uid="<assigned-by-the-api-server>")
         desired = desired_objects(model.spec, owner, faults=args.faults, stable=args.revision, weight=args.weight)

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvguard status: --state-dir {args.state_dir} is not a folder", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        show = _local_view(args.state_dir or Path(".kvguard/local") / args.name, args.name) if args.local else _cluster_view(args)
+        show = (_local_view(args.state_dir or Path(".kvguard/local") / args.name, args.name, args.namespace)
+                if args.local else _cluster_view(args))
         while True:
             text = show()
             if args.watch and sys.stdout.isatty():
@@ -161,7 +162,7 @@ def _pools(raw: Any) -> list[Any]:
     return pools
 
 
-def _local_view(state_dir: Path, name: str) -> Any:
+def _local_view(state_dir: Path, name: str, namespace: str | None) -> Any:
     from kvguard.operator.backends.local import LocalBackendError, ProcessTable, StateStore
     from kvguard.operator.reconcile import with_pool_gate
     from kvguard.status_tree import render
@@ -175,6 +176,9 @@ def _local_view(state_dir: Path, name: str) -> Any:
             raise BadState(str(exc)) from None
         if state.model and state.model != name:
             raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
+        held = state.namespace or "default"  # `-n` names the model's namespace, as `kvguard apply` read it
+        if state.model and namespace is not None and namespace != held:
+            raise NotFound(f"{state_dir} holds model {held}/{state.model}, not {namespace}/{name}")
         pools = asyncio.run(measure_local(state))
         # The one URL answers only while the splitter and the serving revision's router run: one
         # that is down is said, not shown as serving.

@@ -13,7 +13,7 @@ from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContex
 from kvguard.operator.canary.metrics import WorkerSnapshot
 from kvguard.operator.canary.report import CapacityReading, Evidence, Note
 from kvguard.operator.canary.spec import ProbeName
-from kvguard.workers.pool_ratio import required_pool_tokens
+from kvguard.workers.pool_ratio import ratio_down, required_pool_tokens
 
 
 class CapacityProbe(Probe):
@@ -61,7 +61,7 @@ class CapacityProbe(Probe):
             evidence.append(
                 CapacityReading(
                     worker=worker, source=pool.source, capacity_tokens=pool.capacity_tokens,
-                    context_length=context, ratio=math.floor(ratio * 10_000) / 10_000 if ratio is not None else None,
+                    context_length=context, ratio=ratio_down(pool.capacity_tokens, context) if context else None,
                     required_ratio=required,
                 )
             )
@@ -69,6 +69,6 @@ class CapacityProbe(Probe):
                 problems.append(f"{worker}: context length unknown, cannot judge a pool of {pool.capacity_tokens:g} tokens")
             elif context and pool.capacity_tokens < required_pool_tokens(required, context):  # S7 on integers, not a rounded ratio
                 problems.append(
-                    f"{worker}: KV pool {math.floor(pool.capacity_tokens)} tokens = {math.floor(ratio * 100) / 100:.2f} x context length {context}, "
+                    f"{worker}: KV pool {math.floor(pool.capacity_tokens)} tokens = {ratio_down(pool.capacity_tokens, context, 2):.2f} x context length {context}, "
                     f"needs >= {required:g}"
                 )
