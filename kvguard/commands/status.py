@@ -162,7 +162,7 @@ def _pools(raw: Any) -> list[Any]:
     return pools
 
 
-def _local_view(state_dir: Path, name: str, namespace: str | None) -> Any:
+def _local_view(state_dir: Path, name: str, namespace: str | None = None) -> Any:
     from kvguard.operator.backends.local import LocalBackendError, ProcessTable, StateStore
     from kvguard.operator.reconcile import with_pool_gate
     from kvguard.status_tree import render
