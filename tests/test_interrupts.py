@@ -88,6 +88,32 @@ def test_a_sigterm_while_the_loop_is_built_is_one_keyboard_interrupt_and_nothing
     assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_an_interrupt_that_leaves_the_coroutine_suspended_is_still_one_keyboard_interrupt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGTERM inside runner.run's create_task (after the task was scheduled, before it was
+    registered) left the coroutine started, suspended in a finally that awaits; closing it raised
+    "coroutine ignored GeneratorExit" over the KeyboardInterrupt (CI: exit 1 and a traceback)."""
+    class Suspend:
+        def __await__(self) -> Iterator[None]:
+            yield
+
+    async def rollout() -> str:
+        try:
+            await Suspend()
+        finally:
+            await Suspend()  # cleanup that awaits: close() cannot finish it
+        return "done"
+
+    def run_started_then_interrupted(self: asyncio.Runner, coroutine: Any, **_: Any) -> Any:
+        coroutine.send(None)  # started and suspended, as the unregistered task's first step leaves it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(asyncio.Runner, "run", run_started_then_interrupted)
+    with stop_signals_as_one_interrupt(ending_the_process=False), pytest.raises(KeyboardInterrupt):
+        run_interruptible(rollout)
+
+
 def test_without_a_signal_it_runs_the_coroutine_to_its_result() -> None:
     async def rollout() -> str:
         return "done"
