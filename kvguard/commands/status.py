@@ -176,9 +176,9 @@ def _local_view(state_dir: Path, name: str, namespace: str | None = None) -> Any
             raise BadState(str(exc)) from None
         if state.model and state.model != name:
             raise NotFound(f"{state_dir} holds model {state.model}, not {name}")
-        held = state.namespace or "default"  # `-n` names the model's namespace, as `kvguard apply` read it
-        if state.model and namespace is not None and namespace != held:
-            raise NotFound(f"{state_dir} holds model {held}/{state.model}, not {namespace}/{name}")
+        # `-n` names the model's namespace, as `kvguard apply` read it
+        if state.held is not None and namespace is not None and state.held != f"{namespace}/{name}":
+            raise NotFound(f"{state_dir} holds model {state.held}, not {namespace}/{name}")
         pools = asyncio.run(measure_local(state))
         # The one URL answers only while the splitter and the serving revision's router run: one
         # that is down is said, not shown as serving.

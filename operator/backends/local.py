@@ -204,6 +204,11 @@ class LocalState(_StateModel):
     """metadata.name of the InferenceModel this folder holds (one model per folder)."""
     namespace: str | None = None
     """Its metadata.namespace (None in folders written before it was recorded: `default`)."""
+
+    @property
+    def held(self) -> str | None:
+        """`namespace/name` of the model this folder holds; None while it holds none."""
+        return None if self.model is None else f"{self.namespace or 'default'}/{self.model}"
     revisions: dict[str, LocalRevision] = Field(default_factory=dict)
     serving: str | None = None
     """The revision user traffic goes to (the model Service's selector on Kubernetes)."""
@@ -680,9 +685,8 @@ class LocalBackend:
     def claim(self, model: str, namespace: str = "default") -> None:
         """One model per folder: refuse to drive another model's revisions, a model of the same
         name in another namespace included (on a cluster they are two InferenceModels)."""
-        held = f"{self.state.namespace or 'default'}/{self.state.model}"
-        if self.state.model is not None and held != f"{namespace}/{model}":
-            raise LocalBackendError(f"{self.store.root} holds InferenceModel {held!r}, not "
+        if self.state.held not in (None, f"{namespace}/{model}"):
+            raise LocalBackendError(f"{self.store.root} holds InferenceModel {self.state.held!r}, not "
                                     f"{namespace + '/' + model!r}; use another --state-dir")  # fmt: skip
         self.state.model, self.state.namespace = model, namespace
         self.save()
@@ -1025,5 +1029,5 @@ class LocalBackend:
         return self.state.uid
 
     def _check_model(self, model: ModelRef) -> None:
-        if (self.state.model, self.state.namespace or "default") != (model.name, model.namespace):
+        if self.state.held != f"{model.namespace}/{model.name}":
             self.claim(model.name, model.namespace)

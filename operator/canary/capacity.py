@@ -57,7 +57,6 @@ class CapacityProbe(Probe):
         context = snap.context_length or fallback_context
         for pool in snap.pools:
             worker = f"{snap.url}" + (f" [{pool.pool}]" if pool.pool else "")
-            ratio = pool.capacity_tokens / context if context else None
             evidence.append(
                 CapacityReading(
                     worker=worker, source=pool.source, capacity_tokens=pool.capacity_tokens,
@@ -65,9 +64,9 @@ class CapacityProbe(Probe):
                     required_ratio=required,
                 )
             )
-            if ratio is None:
+            if not context:
                 problems.append(f"{worker}: context length unknown, cannot judge a pool of {pool.capacity_tokens:g} tokens")
-            elif context and pool.capacity_tokens < required_pool_tokens(required, context):  # S7 on integers, not a rounded ratio
+            elif pool.capacity_tokens < required_pool_tokens(required, context):  # S7 on whole tokens
                 problems.append(
                     f"{worker}: KV pool {math.floor(pool.capacity_tokens)} tokens = {ratio_down(pool.capacity_tokens, context, 2):.2f} x context length {context}, "
                     f"needs >= {required:g}"
