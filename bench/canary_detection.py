@@ -119,8 +119,12 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.stop()
+        # The log is kept only when something went wrong, to be read; a clean run leaves nothing in /tmp.
+        if exc_type is None:
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
 
 
 def ensure_tiny_model(directory: Path) -> Path:

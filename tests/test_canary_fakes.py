@@ -103,6 +103,18 @@ class Behaviour:
     # whose kernels break a near tie differently: every repeat ends in another last token than the
     # first (cold) answer, and the repeats agree (a healthy GPU engine with a prefix cache).
     cached_repeat_tokens: int | None = None
+    # Every answer's text stays right, but the newest nonce of another request's prompt goes into a
+    # field the text's reader does not see: "reasoning" (reasoning_content, as reasoning parsers
+    # fill it), "tool_calls" (a call's arguments), "logprobs" (its tokens), "decoy_text" (chat:
+    # the message carries it while a stray choice-level `text` is right). Chat only, but logprobs.
+    leak_nonce_into: str | None = None
+    leak_when_sampled: bool = False  # answers that sample (no temperature, or above 0) open with another's nonce
+    # A prompt list's answer starts with an extra choice, index 0 again, carrying another's nonce.
+    duplicate_list_choice: bool = False
+    # The Nth generation request (from 1) is answered "429", "503" (Retry-After: 1) or has its
+    # connection closed ("close"); every other request is served as usual.
+    transient_at: int | None = None
+    transient: str = "503"
 
 
 class FakeEngine:
@@ -119,6 +131,7 @@ class FakeEngine:
         self.last_long_prompt: str | None = None  # long_leak_tokens
         self.prefilled: set[tuple[str, bool, bool, int]] = set()  # cached_repeat_tokens: requests seen
         self.largest_prompt_bytes = 0  # of the prompts received (one prompt per request)
+        self.generation_requests = 0  # transient_at counts them
         self.ring_cursor = 0  # wrap_ring_tokens: the next free slot
         self.ring_start_owner: str | None = None  # ...and the prompt that wrote slot 0 last
         self.registry = CollectorRegistry()
@@ -183,6 +196,9 @@ class FakeEngine:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.generation_requests += 1
+        if self.generation_requests == self.b.transient_at:
+            return self._transient(request)
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if isinstance(prompt, list):
@@ -210,7 +226,16 @@ class FakeEngine:
             return self.error_response(400, message, "context_length_exceeded")
         if self.b.bump_tag_violations:
             self._violations.inc()
-        return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat, int(body.get("n") or 1))
+        sampled = body.get("temperature") is None or float(body["temperature"]) > 0
+        return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat, int(body.get("n") or 1), sampled)
+
+    def _transient(self, request: web.Request) -> web.Response:
+        if self.b.transient == "close":
+            request.transport.close()  # type: ignore[union-attr]  # a proxy recycling a keep-alive connection
+            return web.Response()
+        status, code = (429, "rate_limit_exceeded") if self.b.transient == "429" else (503, "overloaded")
+        return web.json_response({"error": {"message": "busy, retry", "type": "server_error", "code": code}},
+                                 status=status, headers={"Retry-After": "1"})  # fmt: skip
 
     def _over_length(self, prompt_tokens: int, max_tokens: int) -> bool:
         if self.b.prompt_limit is not None:
@@ -225,19 +250,26 @@ class FakeEngine:
             if self.b.crossed_list or (self.b.crossed_forks and fork):
                 answers[k] = answer[:1] + own[(i + 1) % len(own)][1:]
         choices = [{"index": i, "text": " ".join(a), "finish_reason": "length"} for i, a in enumerate(answers)]
+        if self.b.duplicate_list_choice and (nonce := self.foreign_nonce(" ".join(prompts))) is not None:
+            choices.insert(0, {"index": 0, "text": f"{nonce} from another tenant", "finish_reason": "length"})
         usage = {"prompt_tokens": sum(len(p.split()) for p in prompts), "completion_tokens": sum(map(len, answers))}
         return web.json_response({"id": "x", "object": "text_completion", "choices": choices, "usage": usage})
 
-    def leaked_nonce(self, prompt: str, stream: bool, chat: bool) -> str | None:
-        """The newest nonce of another prompt, when this path is the leaking one (leak_nonce_on)."""
+    def foreign_nonce(self, prompt: str) -> str | None:
+        """The newest nonce seen in another request's prompt; this prompt's are seen from now on."""
         mine = set(re.findall(r"\b[0-9a-f]{16}\b", prompt))
         others = [n for n in self.nonces_seen if n not in mine]
         self.nonces_seen += sorted(mine - set(self.nonces_seen))
-        leaking = ((self.b.leak_nonce_on == "stream" and stream) or (self.b.leak_nonce_on == "chat" and chat)
-                   or (self.b.leak_nonce_on == "chat_stream" and chat and stream))  # fmt: skip
-        return others[-1] if leaking and others else None
+        return others[-1] if others else None
 
-    async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat, n=1) -> web.StreamResponse:
+    def leaked_nonce(self, foreign: str | None, stream: bool, chat: bool, sampled: bool) -> str | None:
+        """`foreign`, when this path is the leaking one (leak_nonce_on, leak_when_sampled)."""
+        leaking = ((self.b.leak_nonce_on == "stream" and stream) or (self.b.leak_nonce_on == "chat" and chat)
+                   or (self.b.leak_nonce_on == "chat_stream" and chat and stream)
+                   or (self.b.leak_when_sampled and sampled))  # fmt: skip
+        return foreign if leaking else None
+
+    async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat, n=1, sampled=False) -> web.StreamResponse:
         reserved = prompt_tokens + max_tokens
         self.used_tokens += reserved
         disconnected = False
@@ -251,8 +283,10 @@ class FakeEngine:
                 tokens = tokens[:kept] + self.generate(other, max_tokens, path=(chat, stream))[kept:]
             elif other != prompt:
                 prompt_tokens = len(other.split())  # usage_from_company: billed another's prompt
-            if (nonce := self.leaked_nonce(prompt, stream, chat)) is not None:
+            foreign = self.foreign_nonce(prompt)
+            if (nonce := self.leaked_nonce(foreign, stream, chat, sampled)) is not None:
                 tokens[0] = nonce
+            hidden = foreign if self.b.leak_nonce_into else None
             if self.b.cached_repeat_tokens is not None and prompt_tokens >= self.b.cached_repeat_tokens:
                 if (prompt, chat, stream, max_tokens) in self.prefilled and len(tokens) > 1:
                     tokens[-1] = hashlib.sha256(f"near tie|{prompt}".encode()).hexdigest()[:5]
@@ -261,12 +295,13 @@ class FakeEngine:
             finish = "length" if len(tokens) >= max_tokens else "stop"
             if not stream:
                 body = self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens)
+                self._hide(body["choices"][0], chat, hidden)
                 forks = [tokens[:1] + self.generate(f"{prompt} fork {k}", max_tokens)[1:] if self.b.crossed_single_forks
                          else tokens for k in range(1, n)]  # fmt: skip
                 body["choices"] += [{**body["choices"][0], "index": k + 1, **self._content(chat, " ".join(f))}
                                     for k, f in enumerate(forks)]  # fmt: skip
                 return web.json_response(body)
-            return await self._stream(request, tokens, chat, finish, max_tokens)
+            return await self._stream(request, tokens, chat, finish, max_tokens, hidden)
         except (asyncio.CancelledError, ConnectionResetError):
             disconnected = True
             raise
@@ -336,8 +371,25 @@ class FakeEngine:
         content = None if self.b.empty_text else text
         return {"message": {"role": "assistant", "content": content}} if chat else {"text": content}
 
+    def _hide(self, choice: dict, chat: bool, nonce: str | None) -> None:
+        """leak_nonce_into: `nonce` into one field of `choice` (a whole answer's, or a stream's first chunk)."""
+        where, part = self.b.leak_nonce_into, choice.get("message", choice.get("delta"))
+        if nonce is None or (where != "logprobs" and not chat):
+            return
+        if where == "reasoning":
+            part["reasoning_content"] = f"the user before asked about {nonce}"
+        elif where == "tool_calls":
+            part["tool_calls"] = [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "lookup", "arguments": json.dumps({"q": nonce})}}]  # fmt: skip
+        elif where == "decoy_text":
+            choice["text"], part["content"] = part["content"], f"{nonce} {part['content']}"
+        elif where == "logprobs":
+            choice["logprobs"] = ({"content": [{"token": nonce, "logprob": -0.1, "top_logprobs": []}]} if chat else
+                                  {"tokens": [nonce], "token_logprobs": [-0.1], "top_logprobs": [{nonce: -0.1}]})  # fmt: skip
+
     async def _stream(
-        self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length", max_tokens: int = 0
+        self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length", max_tokens: int = 0,
+        hidden: str | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -350,6 +402,8 @@ class FakeEngine:
             piece = None if self.b.empty_text else token if i == 0 else " " + token
             delta = {"delta": {"content": piece}} if chat else {"text": piece}
             frame = {"choices": [{"index": 0, **delta, "finish_reason": None}]}
+            if i == 0:
+                self._hide(frame["choices"][0], chat, hidden)
             await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
             await asyncio.sleep(self.b.token_delay)
         # The OpenAI stream shape: a last chunk carries the finish reason (and usage), then [DONE].

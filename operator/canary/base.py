@@ -57,11 +57,27 @@ def empty_answer(result: Completion) -> str:
 
 @dataclass(frozen=True)
 class Heard:
-    """One answer received while secret nonces were out, and the nonces its own prompt carried."""
+    """One answer received while secret nonces were out, and the nonces its own prompt carried.
+    `raw` is the whole response as it came (the JSON body, or every line of the stream): a nonce
+    can leak into any field a client reads, not only the text the probes compare -- reasoning
+    content, tool-call arguments, logprob tokens, a choice the text's reader never picks (outside
+    probe: each passed while only the text was searched)."""
 
     label: str
     text: str
     owned: frozenset[str]
+    raw: str = ""
+
+    def carries(self, nonce: str) -> bool:
+        return nonce in self.text or nonce in self.raw
+
+    def showing(self, nonce: str) -> str:
+        """What a report shows of the answer: its text, or the part of the response around the
+        nonce when the nonce is outside the text."""
+        if nonce in self.text or nonce not in self.raw:
+            return self.text
+        at = self.raw.index(nonce)
+        return f"(outside the answer's text, in the response) ...{self.raw[max(0, at - 120):at + len(nonce) + 120]}..."
 
 
 @dataclass
@@ -92,18 +108,18 @@ class RunContext:
         return nonce
 
     def observe(self, prompt: str, result: Completion) -> None:
-        """EngineClient observer: keep answers' text while nonces are out (none can leak before)."""
-        if self.nonce_owners and result.text:
+        """EngineClient observer: keep answers while nonces are out (none can leak before)."""
+        if self.nonce_owners and (result.text or result.body):
             owned = frozenset(n for n in self.nonce_owners if n in prompt)
-            self.heard.append(Heard(result.label, result.text, owned))
+            self.heard.append(Heard(result.label, result.text, owned, result.body))
 
     def foreign_nonces(self, since: int = 0, reported: set[tuple[str, str]] | None = None) -> list[NonceLeak]:
         """Leaks in the answers heard from index `since` on, minus (nonce, request) pairs already reported."""
         leaks = []
         for heard in self.heard[since:]:
             for nonce, owner in self.nonce_owners.items():
-                if nonce not in heard.owned and nonce in heard.text and (nonce, heard.label) not in (reported or set()):
-                    leaks.append(NonceLeak(nonce=nonce, owner=owner, found_in=heard.label, output=heard.text))
+                if nonce not in heard.owned and heard.carries(nonce) and (nonce, heard.label) not in (reported or set()):
+                    leaks.append(NonceLeak(nonce=nonce, owner=owner, found_in=heard.label, output=heard.showing(nonce)))
         return leaks
 
     @property

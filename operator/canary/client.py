@@ -21,8 +21,9 @@ text chunks than max_tokens or than its usage counts (each chunk carries at leas
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,14 @@ API_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat
 # Called with (prompt, outcome) after every generation, so the suite can check all text it ever
 # received for other requests' secrets, whichever probe sent it.
 Observer = Callable[[str, "Completion"], None]
+
+RETRIED_STATUSES = frozenset({429, 503})
+"""Answers that say "not now" rather than "no": a server busy, starting, or draining (ours answers
+503 while it has no workers and while it drains). A 500 or 502 is not retried: ours reports a
+caught stale read (kv_tag_violation) and a failed KV transfer that way, which the suite must see."""
+RETRIES = 2  # as the official OpenAI clients do (max_retries=2)
+RETRY_AFTER_CAP_S = 5.0
+"""The longest wait a server's Retry-After may ask for; without one the waits are 0.5 s, then 1 s."""
 
 
 @dataclass
@@ -57,6 +66,8 @@ class Completion:
     saw_done: bool = False
     logprobs: list[TokenLogprob] | None = None  # when asked for and the server returned them
     disconnected: bool = False
+    retried: list[str] = field(default_factory=list)  # what each earlier attempt got (RETRIED_STATUSES, no connection)
+    retry_after_header: float | None = None  # the server's Retry-After, in seconds, when it sent one
     seconds: float = 0.0
     frames: list[str] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # seconds after sending, per text chunk
@@ -73,7 +84,21 @@ class Completion:
 
     def describe_failure(self) -> str:
         status = f"HTTP {self.status}" if self.status is not None else "no HTTP response"
-        return f"{self.label}: {status}: {self.error or 'unexpected status'}"
+        tries = f" (after {len(self.retried)} retries: {'; '.join(self.retried)})" if self.retried else ""
+        return f"{self.label}: {status}: {self.error or 'unexpected status'}{tries}"
+
+    def retry_after(self, attempt: int) -> float | None:
+        """Seconds to wait before asking again, or None when this outcome is an answer to keep: only
+        a "not now" status, or no connection at all (refused, or closed before any response), is
+        asked again, RETRIES times at most (`Retry-After`, capped, when the server sent one)."""
+        if attempt >= RETRIES or self.disconnected:
+            return None
+        if self.status is None and self.error is not None and not self.error.startswith("timed out"):
+            return 0.5 * 2**attempt
+        if self.status not in RETRIED_STATUSES:
+            return None
+        asked = self.retry_after_header
+        return min(asked, RETRY_AFTER_CAP_S) if asked is not None else 0.5 * 2**attempt
 
     def evidence(self) -> HttpExchange:
         return HttpExchange(
@@ -153,25 +178,33 @@ class EngineClient:
         label: str = "",
         disconnect_after_chunks: int | None = None,
         top_logprobs: int | None = None,
+        sampled: bool = False,
     ) -> Completion:
-        """One generation; streamed when `stream`, and then optionally cut after N chunks."""
-        result = Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens)
+        """One generation; streamed when `stream`, and then optionally cut after N chunks. Greedy
+        with the client's seed unless `sampled`: then the server's own sampling defaults, as most
+        production traffic runs (no temperature, no seed)."""
         body = self.request_body(api, prompt, max_tokens, stream, top_logprobs)
-        started = time.monotonic()
-        timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
-        try:
-            async with self.session.post(
-                f"{self.base_url}{API_PATHS[api]}", json=body, timeout=timeout
-            ) as resp:
-                result.status = resp.status
-                if stream and resp.status == 200 and _is_event_stream(resp):
-                    await _read_stream(resp, result, disconnect_after_chunks, started)
-                else:
-                    _read_json(await resp.text(), result)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            result.error = _transport_error(exc, self.timeout_seconds)
-        finally:
-            result.seconds = time.monotonic() - started
+        if sampled:
+            del body["temperature"], body["seed"]
+
+        async def once() -> Completion:
+            result = Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens)
+            started = time.monotonic()
+            try:
+                async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
+                    result.status, result.retry_after_header = resp.status, _retry_after(resp)
+                    if stream and resp.status == 200 and _is_event_stream(resp):
+                        await _read_stream(resp, result, disconnect_after_chunks, started)
+                    else:
+                        _read_json(await resp.text(), result)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                result.error = _transport_error(exc, self.timeout_seconds)
+            finally:
+                result.seconds = time.monotonic() - started
+            return result
+
+        result = await _with_retries(once)
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         if result.error is None and result.status == 200:
@@ -185,25 +218,31 @@ class EngineClient:
     ) -> tuple[Completion, dict[int, str]]:
         """One request carrying a list of prompts (completions: one batch on the server), or one
         prompt (either API), `n` choices each: the exchange, and each choice's text by index
-        (prompt i's are i*n .. i*n+n-1, as OpenAI numbers them). Not observed: the caller checks
-        each choice against the others itself."""
+        (prompt i's are i*n .. i*n+n-1, as OpenAI numbers them). Observed as one answer to all its
+        prompts (another request's nonce anywhere in it is a leak); the caller checks each choice
+        against the others itself."""
         count = len(prompts) if isinstance(prompts, list) else 1
-        result = Completion(label=label, max_tokens=max_tokens * count * n)
         body = self.request_body(api, prompts if isinstance(prompts, str) else "", max_tokens, stream=False)
         if isinstance(prompts, list):
             body["prompt"] = prompts
         if n > 1:
             body["n"] = n
-        started = time.monotonic()
-        try:
-            async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
-                                         timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
-                result.status = resp.status
-                result.body = await resp.text()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            result.error = _transport_error(exc, self.timeout_seconds)
-        finally:
-            result.seconds = time.monotonic() - started
+
+        async def once() -> Completion:
+            result = Completion(label=label, max_tokens=max_tokens * count * n)
+            started = time.monotonic()
+            try:
+                async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
+                    result.status, result.retry_after_header = resp.status, _retry_after(resp)
+                    result.body = await resp.text()
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                result.error = _transport_error(exc, self.timeout_seconds)
+            finally:
+                result.seconds = time.monotonic() - started
+            return result
+
+        result = await _with_retries(once)
         texts: dict[int, str] = {}
         if result.error is None:
             payload, result.error = parse_json_text(result.body)
@@ -211,6 +250,8 @@ class EngineClient:
                 texts, result.error = choice_texts(payload)
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
+        result.text = "".join(texts[k] for k in sorted(texts))
+        self._observe(prompts if isinstance(prompts, str) else "\n".join(prompts), result)
         return result, texts
 
     def _observe(self, prompt: str, result: Completion) -> None:
@@ -245,6 +286,32 @@ class EngineClient:
             except asyncio.CancelledError:
                 pass
         return result
+
+
+async def _with_retries(once: Callable[[], Awaitable[Completion]]) -> Completion:
+    """`once()`, asked again while its outcome says "not now" (`Completion.retry_after`): one 503
+    from a router that is starting or draining, or a 429, is not a verdict on what the server
+    computes (outside probe: one such blip failed a healthy server's whole run). The outcome kept
+    lists what the earlier attempts got."""
+    earlier: list[str] = []
+    for attempt in itertools.count():
+        result = await once()
+        wait = result.retry_after(attempt)
+        if wait is None:
+            result.retried = earlier
+            return result
+        earlier.append(f"HTTP {result.status}" if result.status is not None else result.error or "no response")
+        await asyncio.sleep(wait)
+    raise AssertionError("unreachable")  # itertools.count never ends
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    """A Retry-After header given in seconds (its HTTP-date form is not used by inference servers)."""
+    try:
+        seconds = float(resp.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < float("inf") else None
 
 
 def api_root(base_url: str) -> str:

@@ -27,8 +27,11 @@ serves it (a chat template may be missing: then it is noted, not failed), each p
 tenants take turns over those paths, then run all at once on each of them (two chats, two chat
 streams in flight together), and their concurrent usage must count their own prompts (each
 tenant's prompt has its own length). Tenant 1's prompt is also asked alone with `n` = 2 on each
-endpoint: both choices must be its answer alone. Finally every answer the suite heard since the first nonce went out,
-from any probe, is searched for a nonce its own prompt did not carry. A B alone with no text skips
+endpoint: both choices must be its answer alone. The tenants then run at once once more, sampling
+with the server's defaults (no temperature, no seed), judged by their nonces alone. Finally every
+answer the suite heard since the first nonce went out, from any probe, is searched for a nonce its
+own prompt did not carry: the whole response, not only its text (reasoning content, tool calls,
+logprob tokens and every choice carry text a client reads). A B alone with no text skips
 the probe: empty outputs are trivially identical and carry no nonce, so they prove nothing.
 """
 
@@ -220,6 +223,7 @@ class IsolationProbe(Probe):
         await self._alone_again(ctx, prompts, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
+        await self._sampled(ctx, prompts, channels, problems, evidence)
 
     async def _concurrently(
         self, ctx: RunContext, prompts: list[str], nonces: list[str], paths: list[Channel], problems: list[str],
@@ -236,6 +240,30 @@ class IsolationProbe(Probe):
                 continue
             check_tenant_answer(i, result, nonces, [s.text if s.ok else None for s in solos], problems, evidence)
             check_own_usage(result, solos[i], problems, evidence)
+
+    async def _sampled(
+        self, ctx: RunContext, prompts: list[str], channels: list[Channel], problems: list[str], evidence: list[Evidence]
+    ) -> None:
+        """The tenants at once again, taking turns over the paths, sampling as most production
+        traffic does (the server's default temperature, no seed): engines sample on other code than
+        greedy decoding (per-request generators, seeds, penalties), and a leak there showed on no
+        greedy request (outside probe). Sampled text has no reference to equal, so only the nonce
+        sweep judges these answers (`report_leaks`); one that fails where greedy ones were answered
+        fails, one the server refuses is noted."""
+        turns = [channels[i % len(channels)] for i in range(len(prompts))]
+        results = await asyncio.gather(*(
+            ctx.target.complete(p, api=c.api, max_tokens=ctx.spec.max_tokens, stream=c.stream, sampled=True,
+                                label=c.label(f"tenant {i + 1}, sampled"))
+            for i, (p, c) in enumerate(zip(prompts, turns))
+        ))  # fmt: skip
+        for result in results:
+            if result.ok:
+                continue
+            if result.status is not None and 400 <= result.status < 500:
+                evidence.append(Note(message=f"{result.label} not checked: {result.describe_failure()}"))
+            else:
+                problems.append(f"{result.describe_failure()}, although its greedy twin was answered")
+                evidence.append(result.evidence())
 
     async def _alone_again(self, ctx: RunContext, prompts: list[str], problems: list[str], evidence: list[Evidence]) -> None:
         """Each tenant's prompt alone once more on the main path, past the cache of answers alone:
@@ -326,6 +354,12 @@ class IsolationProbe(Probe):
             evidence.append(Note(message=f"prompt list not checked: {batch.describe_failure()}"))
             return
         alone: list[str | None] = [s.text for s in solos]
+        if extra := sorted(set(texts) - set(range(len(prompts) * n))):
+            # A client reads every choice it is sent: one no prompt of the request asked for is
+            # another request's answer (outside probe: only the expected indices were read).
+            problems.append(f"prompt list: choice index(es) {extra} beyond the {len(prompts)} prompts x n: {n} asked for: "
+                            "an answer this request does not own")  # fmt: skip
+            evidence.append(batch.evidence())
         for k in range(len(prompts) * n):
             i = k // n
             answer = Completion(label=f"prompt list, choice {k} (tenant {i + 1}'s prompt)", status=200, text=texts.get(k, ""))

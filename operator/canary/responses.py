@@ -107,10 +107,14 @@ class Choice(_Lenient):
     logprobs: dict[str, Any] | None = None
 
     def content(self) -> str:
-        for part in (self.text, self.message and self.message.content, self.delta and self.delta.content):
-            if part:
-                return part
-        return ""
+        """The text a client reads: a chat choice's `message` (a stream's `delta`) content, a
+        completion's `text`. Not the first non-empty of them: a chat answer whose stray `text` was
+        right while its `message` carried another tenant's nonce passed (outside probe)."""
+        if self.message is not None:
+            return self.message.content or ""
+        if self.delta is not None:
+            return self.delta.content or ""
+        return self.text or ""
 
     def aborted(self) -> bool:
         reason = self.finish_reason
@@ -205,7 +209,13 @@ def choice_texts(payload: Any) -> tuple[dict[int, str], str | None]:
     if parsed.error is not None:
         return {}, parsed.error
     body = CompletionBody.model_validate(payload)  # parse_body accepted it
-    return {c.index if c.index is not None else i: c.content() for i, c in enumerate(body.choices)}, None
+    texts: dict[int, str] = {}
+    for position, choice in enumerate(body.choices):
+        index = choice.index if choice.index is not None else position
+        if index in texts:  # a client lists both; keeping one hid the other (outside probe: a leak first, then the right one)
+            return {}, f"two choices carry index {index}"
+        texts[index] = choice.content()
+    return texts, None
 
 
 def parse_json_text(raw: str) -> tuple[Any, str | None]:
