@@ -64,8 +64,13 @@ model-check: spin
 demo: $(STAMP)
 	$(VENV)/bin/kvguard demo
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole test files (--dist
+# loadfile: a file's servers and kmock API start once). Two on two cores take ~40% off the time
+# (most tests wait on servers and subprocesses); every test waits on conditions, never on timings,
+# so a second worker is no harsher than `make test-stress`. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PYM) pytest -q -ra --durations=15
+	$(PYM) pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # SGLang and vLLM read from their own PyPI wheels (vLLM's is 336 MB, so CI uses it only when cached);
 # wheels go to ~/.cache/kvguard-engines. The last run's result is recorded in docs/engines.md.
