@@ -151,6 +151,16 @@ def test_chat_content_over_the_byte_limit_names_messages(trio: LocalDeployment, 
     assert error["code"] == "context_length_exceeded"
 
 
+def test_a_chat_name_counts_toward_the_byte_limit_as_content_does(trio: LocalDeployment, model: str) -> None:
+    """A template may render `name`: a 7 MB name with empty content was rendered and tokenized on
+    the router's loop (28 s, every tenant waiting) before the context check refused it (outside
+    probe). It is text the template sees, so it counts as content does."""
+    body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "", "name": "y" * 20_000}]}
+    error = assert_openai_error(post(trio, body, "chat/completions"), 400, "messages")
+    assert error["code"] == "context_length_exceeded"
+    still_serving(trio, model)
+
+
 # ------------------------------------------------------------ item 5: no tenant stalls others
 
 

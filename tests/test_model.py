@@ -296,6 +296,83 @@ def test_the_last_token_releases_bytes_that_never_completed_a_character(tiny_mod
     assert "".join(whole.push(i, final=n == 3) for n, i in enumerate(ids)) == "a€"
 
 
+def _straddling_tokenizer(tiny_model_dir: Path, into: Path):  # type: ignore[no-untyped-def]
+    """The tiny tokenizer with one more merged token, bytes 82 AC E2: the end of one euro sign and
+    the start of the next, as byte-level vocabularies (cl100k, Llama-3, Qwen2) cut CJK runs."""
+    import shutil
+
+    from kvguard.workers.tokenizer import Tokenizer, _bytes_to_unicode
+
+    shutil.copytree(tiny_model_dir, into)
+    as_text = _bytes_to_unicode()
+    spelled = lambda raw: "".join(as_text[b] for b in raw)  # noqa: E731
+    data = json.loads((into / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab.update({added["content"]: added["id"] for added in data["added_tokens"]})  # ids below the new ones
+    vocab[spelled(b"\x82\xac")], vocab[spelled(b"\x82\xac\xe2")] = 263, 264
+    data["model"]["merges"] = [[spelled(b"\x82"), spelled(b"\xac")], [spelled(b"\x82\xac"), spelled(b"\xe2")]]
+    (into / "tokenizer.json").write_text(json.dumps(data))
+    tok = Tokenizer.from_dir(into)
+    assert tok is not None and tok.decode([0xE2, 264, 0x82, 0xAC]) == "\u20ac" * 2
+    return tok
+
+
+@pytest.mark.parametrize("run", [3, 11, 40, 300])
+def test_text_straddling_every_token_boundary_streams_as_it_decodes(tiny_model_dir: Path, tmp_path: Path, run: int) -> None:
+    """Every token ends inside a character: nothing decodes cleanly until the last. Past 8 held
+    tokens the tail went out as U+FFFD and a valid character was lost for good (outside probe:
+    twelve euro signs streamed as eight, two U+FFFD and two more, and a stop string across them was missed).
+    Now the complete characters go out, one per token once past 8, and the text is the decode of
+    the tokens; past MAX_WINDOW_TOKENS (256) in a row the bounded window gives up exactness."""
+    from kvguard.workers.tokenizer import MAX_WINDOW_TOKENS, IncrementalDetokenizer
+
+    tok = _straddling_tokenizer(tiny_model_dir, tmp_path / "straddle")
+    ids = [0xE2, *[264] * run, 0x82, 0xAC]
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push(i, final=n == len(ids) - 1) for n, i in enumerate(ids)]
+    if run + 3 <= MAX_WINDOW_TOKENS:
+        assert "".join(deltas) == tok.decode(ids) == "\u20ac" * (run + 1)
+        assert all("\ufffd" not in d for d in deltas)
+        if run > 8:
+            assert all(d == "\u20ac" for d in deltas[10:run]), deltas  # a character a token, not all at the end
+        mid = IncrementalDetokenizer(tok)  # ended mid-character: the held bytes go out as the tokenizer decodes them
+        assert "".join(mid.push(i, final=n == run) for n, i in enumerate(ids[: run + 1])) == tok.decode(ids[: run + 1])
+    else:  # past the window: bounded work, and U+FFFD where the window was cut (as before for any run past 8)
+        assert len("".join(deltas)) >= run + 1
+
+
+ALTERNATING = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+               "{{ m['content'] }}{{ pad_token }}{% endfor %}")  # fmt: skip
+
+
+def test_a_chat_template_renders_as_transformers_renders_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A template that refuses a conversation with raise_exception (Mistral's, when roles do not
+    alternate) failed with "'raise_exception' is undefined", and one writing pad_token got an empty
+    string: transformers passes every special token and that function (outside probe)."""
+    import shutil
+
+    from jinja2 import TemplateError
+    from transformers import AutoTokenizer
+
+    from kvguard.workers.tokenizer import Tokenizer
+
+    model = tmp_path / "alternating"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": ALTERNATING}))
+    ours, theirs = Tokenizer.from_dir(model), AutoTokenizer.from_pretrained(model)
+    assert ours is not None
+    fine = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert ours.render_chat(fine) == theirs.apply_chat_template(fine, tokenize=False, add_generation_prompt=True)
+    assert config.get("pad_token") and str(config["pad_token"]) in ours.render_chat(fine)
+    twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(TemplateError, match="Conversation roles must alternate"):
+        ours.render_chat(twice)
+    with pytest.raises(TemplateError, match="Conversation roles must alternate"):
+        theirs.apply_chat_template(twice, tokenize=False)
+
+
 def test_length_groups_split_only_where_padding_costs_more_than_a_group() -> None:
     assert length_groups([10, 10, 9, 9], overhead_pages=8) == [(0, 4, 10)]  # padding saved is small
     assert length_groups([40, 38, 5, 4, 3], overhead_pages=8) == [(0, 2, 40), (2, 5, 5)]

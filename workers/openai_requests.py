@@ -299,6 +299,12 @@ class ChatMessage(_Strict):
         # One text, its parts a line apart: vLLM's rendering of text parts for string templates.
         return "\n".join(str(part["text"]) for part in self.content if isinstance(part, dict))
 
+    def template_bytes(self) -> int:
+        """The UTF-8 size of the text the template sees from this message: its content and its
+        name, which a template may render too (outside probe: a 7 MB name was tokenized on the
+        router's loop for 28 s before the context check refused it)."""
+        return len(self.text().encode()) + (len(self.name.encode()) if self.name is not None else 0)
+
     def template_fields(self) -> dict[str, str]:
         """What the chat template sees. `developer` is OpenAI's newer name for `system`."""
         fields = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}

@@ -922,7 +922,7 @@ class Router:
     async def _tokenize(self, body: APIRequest, upstreams: Upstreams) -> list[Prompt]:
         limit = self._prompt_byte_limit(upstreams)
         if isinstance(body, ChatCompletionRequest):
-            size = sum(len(m.text().encode()) for m in body.messages)
+            size = sum(m.template_bytes() for m in body.messages)
             if size > limit:
                 raise self._rejected_for_length(request_too_large("messages", size, limit, upstreams.context_length))
             # The template adds text per message: an empty message still costs a render, so the

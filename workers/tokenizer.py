@@ -6,11 +6,12 @@ sandbox, as transformers does; jinja2 comes with torch, so it adds no dependency
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
@@ -24,6 +25,12 @@ class Tokenizer:
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
+        # What transformers' apply_chat_template passes a template besides the messages: every
+        # special token the config names (a template may write `pad_token` or `unk_token`).
+        self._template_tokens = {key: _token_text(config.get(key)) or "" for key in _SPECIAL_TOKEN_KEYS}
+        self._template_tokens["additional_special_tokens"] = [
+            text for text in map(_token_text, config.get("additional_special_tokens") or []) if text
+        ]  # fmt: skip
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         added = self._tok.get_added_tokens_decoder()
@@ -90,14 +97,30 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The globals transformers defines: templates call raise_exception to refuse a conversation
+        # (roles that do not alternate), which must read as the template's own words, not as
+        # "'raise_exception' is undefined" (outside probe), and strftime_now for today's date.
+        env.globals.update(raise_exception=_raise_template_error, strftime_now=_strftime_now)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens
         )
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt (the template places special tokens itself)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _raise_template_error(message: str) -> NoReturn:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 def _token_text(value: Any) -> str | None:
@@ -120,23 +143,33 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
-# A UTF-8 character is at most 4 bytes; past this many undecodable tokens the text is released as it
-# decodes (with U+FFFD), so the held-back slice -- decoded again on every token -- stays bounded.
+# A UTF-8 character is at most 4 bytes: a slice of more tokens than this that still ends mid-character
+# is a run of tokens that each end mid-character (byte-level vocabularies split CJK so), released a
+# character at a time from then on (`IncrementalDetokenizer`).
 MAX_HELD_TOKENS = 8
+# The longest slice decoded again on each token during such a run: per-token work stays bounded.
+# Only past this many tokens in a row, each ending mid-character, does U+FFFD reach the output.
+MAX_WINDOW_TOKENS = 256
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8
-    sequences (byte-level tokens) until they decode cleanly -- for at most MAX_HELD_TOKENS tokens,
-    so each token's work is bounded whatever the model generates. The last token (`final`)
-    releases whatever is held, as the tokenizer decodes it (U+FFFD for bytes that never completed
-    a character): the text of a finished completion is the decode of its tokens, as in vLLM."""
+    sequences (byte-level tokens) until they decode cleanly, as vLLM does, with each token's work
+    bounded whatever the model generates: the slice decoded again on each token is the last
+    release's tokens (context) and those since. Past MAX_HELD_TOKENS tokens without a clean end,
+    the complete characters go out and the incomplete tail stays held, so text straddling every
+    token boundary comes out right (outside probe: releasing the tail as U+FFFD lost a valid
+    character for good, and stop strings across it were missed); past MAX_WINDOW_TOKENS such
+    tokens the tail is released as the tokenizer decodes it. The last token (`final`) releases
+    whatever is held, as the tokenizer decodes it (U+FFFD for bytes that never completed a
+    character): the text of a finished completion is the decode of its tokens, as in vLLM."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
+        self._prefix = 0  # the decoded slice starts here
+        self._read = 0  # ...and the text of ids[prefix:read] has gone out, but its last `_withheld` characters
+        self._withheld = 0
 
     def finish(self) -> str:
         """What is held, released as the tokenizer decodes it, without a new token: the request
@@ -148,12 +181,17 @@ class IncrementalDetokenizer:
         return self._release(force=final)
 
     def _release(self, force: bool) -> str:
-        """The text the ids not yet output add, once it decodes cleanly, has been held too long, or
-        `force` (the last token): then it goes out; else nothing yet."""
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        """The text the ids not yet output add, once it decodes cleanly or `force` (the last
+        token); past MAX_HELD_TOKENS its complete characters; else nothing yet."""
+        sent = len(self._tok.decode(self._ids[self._prefix : self._read])) - self._withheld
         new_text = self._tok.decode(self._ids[self._prefix :])
-        overdue = len(self._ids) - self._prefix > MAX_HELD_TOKENS
-        if force or overdue or (len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd")):
-            self._prefix, self._read = self._read, len(self._ids)
-            return new_text[len(prefix_text) :]
+        window = len(self._ids) - self._prefix
+        clean = not new_text.endswith("\ufffd")
+        if force or (clean and (len(new_text) > sent or window > MAX_HELD_TOKENS)) or window > MAX_WINDOW_TOKENS:
+            self._prefix, self._read, self._withheld = self._read, len(self._ids), 0
+            return new_text[sent:]
+        if window > MAX_HELD_TOKENS:  # the slice stays where it starts: the held tail completes in it
+            ready = new_text.rstrip("\ufffd")
+            self._read, self._withheld = len(self._ids), len(new_text) - len(ready)
+            return ready[sent:]
         return ""
