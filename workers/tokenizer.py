@@ -27,7 +27,7 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         # What transformers' apply_chat_template passes a template besides the messages: every
         # special token the config names (a template may write `pad_token` or `unk_token`).
-        self._template_tokens = {key: _token_text(config.get(key)) or "" for key in _SPECIAL_TOKEN_KEYS}
+        self._template_tokens: dict[str, str | list[str]] = {key: _token_text(config.get(key)) or "" for key in _SPECIAL_TOKEN_KEYS}
         self._template_tokens["additional_special_tokens"] = [
             text for text in map(_token_text, config.get("additional_special_tokens") or []) if text
         ]  # fmt: skip
