@@ -37,6 +37,7 @@ from kvguard.workers.transfer import (
     abort_cause,
 )
 from kvguard.workers.transfer.channel import FrameReader, FrameWriter, RequestCodec
+from kvguard.workers.transfer.metrics import AbortCause
 from kvguard.workers.transfer.receiver import DuplicateRequestError
 from kvguard.workers.transfer.sender import CONNECT_RETRY_DELAYS_S
 from kvguard.workers.transfer.wire import (
@@ -782,7 +783,9 @@ async def test_metrics_are_exposed_in_prometheus_text() -> None:
     counts = [s for s in families["kvguard_kv_transfer_chunk_bytes"].samples if s.name.endswith("_count")]
     assert counts[0].value == 2
     aborts = families["kvguard_aborts"].samples
-    assert [(s.labels["cause"], s.value) for s in aborts if s.name == "kvguard_aborts_total"] == [("transfer_timeout", 1.0)]
+    counted = {s.labels["cause"]: s.value for s in aborts if s.name == "kvguard_aborts_total"}
+    assert {cause: value for cause, value in counted.items() if value} == {"transfer_timeout": 1.0}
+    assert set(counted) == set(AbortCause)  # every cause exported from the start, at 0 (rate() sees the first)
 
 
 async def test_standalone_abort_releases_decode_before_any_chunk_s4() -> None:

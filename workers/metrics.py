@@ -5,12 +5,29 @@ The metric names are a contract: the canary suite and the operator read them.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Requests in one forward pass: a decode worker whose batches run well below its concurrent
 # requests is waiting on the request path (prefill, transfer, the router), not on its model.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_OUTCOMES = ("finished", "aborted", "failed", "rejected")  # kvguard_requests_total{outcome}
+# kvguard_rejected_requests_total{reason}: the engine's intake refusals and the router's own.
+REJECT_REASONS = ("context_length_exceeded", "invalid_value", "duplicate_request_id", "invalid_request_id")
+
+
+def zeroed(counter: Counter, **values: Iterable[str]) -> Counter:
+    """The counter with every combination of the given label values created at 0. A series that
+    appears only at its first increment is invisible to rate() and increase() for that increment
+    (outside probe: decode's first two client_disconnect aborts read as 0 in a 10-minute increase),
+    so every value a label can take is exported from the start, as Prometheus' guidance asks."""
+    names = list(values)
+    for combination in itertools.product(*(list(v) for v in values.values())):
+        counter.labels(**dict(zip(names, map(str, combination))))
+    return counter
 
 
 class EngineMetrics:
@@ -27,10 +44,11 @@ class EngineMetrics:
             "kvguard_context_length_tokens", "Maximum prompt + completion tokens per request.", registry=r)
         self.tag_violations = Counter(
             "kvguard_tag_violations_total", "Reads of KV pages not written for the reader (S1).", registry=r)
-        self.rejected = Counter(
-            "kvguard_rejected_requests_total", "Requests rejected at intake, by reason.", ["reason"], registry=r)
-        self.requests = Counter(
-            "kvguard_requests_total", "Requests that ended, by outcome.", ["outcome"], registry=r)
+        self.rejected = zeroed(Counter(
+            "kvguard_rejected_requests_total", "Requests rejected at intake, by reason.", ["reason"], registry=r),
+            reason=REJECT_REASONS)
+        self.requests = zeroed(Counter(
+            "kvguard_requests_total", "Requests that ended, by outcome.", ["outcome"], registry=r), outcome=REQUEST_OUTCOMES)
         self.prompt_tokens = Counter(
             "kvguard_prompt_tokens_total", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(

@@ -57,7 +57,7 @@ from kvguard.workers.control_auth import ANY_WORKER, auth_headers
 from kvguard.workers.discovery import Discovery, NoAnswer, membership_change, resolve
 from kvguard.workers.json_shape import json_shape_problem
 from kvguard.workers.keys import RevisionKeys
-from kvguard.workers.metrics import LATENCY_BUCKETS
+from kvguard.workers.metrics import LATENCY_BUCKETS, REJECT_REASONS, REQUEST_OUTCOMES, zeroed
 from kvguard.workers.openai_api import (
     REVISION_HEADER,
     SSE_DONE,
@@ -91,6 +91,7 @@ from kvguard.workers.protocol import (
     WorkerInfo,
 )
 from kvguard.workers.seeding import choice_seed
+from kvguard.workers.transfer.metrics import AbortCause, router_abort_cause
 from kvguard.workers.transfer.tickets import MAX_TICKET_TTL_S, TicketAuthority
 
 log = logging.getLogger("kvguard.router")
@@ -200,19 +201,16 @@ class RouterMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        self.requests = Counter(
+        self.requests = zeroed(Counter(
             "kvguard_requests_total", "Generations (a request's choices of each prompt) by final outcome; a request "
-            "refused at intake counts once, as rejected", ["outcome"], registry=self.registry
-        )
-        self.rejected = Counter(
-            "kvguard_rejected_requests_total",
-            "Requests rejected at intake, by reason",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.aborts = Counter(
-            "kvguard_aborts_total", "Requests aborted, by cause", ["cause"], registry=self.registry
-        )
+            "refused at intake counts once, as rejected", ["outcome"], registry=self.registry,
+        ), outcome=REQUEST_OUTCOMES)  # fmt: skip
+        self.rejected = zeroed(Counter(
+            "kvguard_rejected_requests_total", "Requests rejected at intake, by reason", ["reason"], registry=self.registry,
+        ), reason=REJECT_REASONS)  # fmt: skip
+        self.aborts = zeroed(Counter(
+            "kvguard_aborts_total", "Requests aborted, by cause", ["cause"], registry=self.registry,
+        ), cause=AbortCause)  # fmt: skip
         self.waiting_choices = Gauge(
             "kvguard_router_waiting_choices",
             "Generations waiting for one of the router's max_inflight_choices slots (nothing allocated on workers yet)",
@@ -220,12 +218,15 @@ class RouterMetrics:
         )
         # What a progressive rollout's analysis compares between the candidate's and the stable's
         # routers (operator/analysis.py): measured per generation (one per choice), as a client sees it.
+        # Both from the request's arrival, its wait for a slot included: a candidate that queues
+        # its requests is slower as its clients see it (outside probe: measured from the end of
+        # that wait, a 2.15 s wait added 0.136 s to the TTFT sum).
         self.request_duration = Histogram(
-            "kvguard_router_request_duration_seconds", "Generation start to its end, finished or not",
+            "kvguard_router_request_duration_seconds", "Request arrival to the generation's end, finished or not",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.time_to_first_token = Histogram(
-            "kvguard_router_time_to_first_token_seconds", "Generation start to its first verified token",
+            "kvguard_router_time_to_first_token_seconds", "Request arrival to the generation's first verified token",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.kept_out = Gauge(
@@ -779,6 +780,7 @@ class Router:
             self._handlers.discard(task)
 
     async def _answer(self, request: web.Request, kind: type[RequestKind], chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()  # the latency histograms count from here (RouterMetrics)
         if self.draining:  # a request on a connection kept open from before: go elsewhere (and reconnect)
             return self._error_response(_SHUTTING_DOWN)
         try:
@@ -801,10 +803,10 @@ class Router:
                 echo=[p.text for p in prompts for _ in range(body.choices_per_prompt)], include_usage=body.include_usage,
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
-            siblings = Siblings(await self._take_slots(len(choices)), self.config.request_timeout_s)
+            siblings = Siblings(await self._take_slots(len(choices), arrived), self.config.request_timeout_s)
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate = functools.partial(self._generate, ending=ending, siblings=siblings)
+                generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
@@ -813,7 +815,7 @@ class Router:
         except OpenAIError as err:
             return self._error_response(err)
 
-    async def _take_slots(self, count: int) -> float:
+    async def _take_slots(self, count: int, arrived: float) -> float:
         """One slot per generation, all at once (`backpressure.Slots`), before any worker allocates
         anything; returns the loop time by which the first token must come: the request waits
         --request-timeout in all, here and on the workers."""
@@ -827,6 +829,8 @@ class Router:
                 await self._slots.acquire(count)
         except TimeoutError:
             self.metrics.requests.labels("failed").inc(count)  # per generation, as every leg that ends counts
+            for _ in range(count):
+                self.metrics.request_duration.observe(time.monotonic() - arrived)
             raise OpenAIError(504, "the request timed out waiting for the router's capacity", code="timeout") from None
         except asyncio.CancelledError:  # the client left while they waited: they ended (no worker has them)
             self.metrics.aborts.labels("client_disconnect").inc(count)
@@ -1135,7 +1139,7 @@ class Router:
 
     # -- the two legs ----------------------------------------------------------------------
     async def _generate(
-        self, request: GenerateRequest, ending: list[asyncio.Task[None]], siblings: Siblings
+        self, request: GenerateRequest, ending: list[asyncio.Task[None]], siblings: Siblings, arrived: float
     ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
@@ -1148,8 +1152,8 @@ class Router:
         except OpenAIError:  # no worker of a role to send it to: it ended, failed (the error ratio counts it)
             self.metrics.requests.labels("failed").inc()
             raise
-        cause, outcome = "client_disconnect", "aborted"
-        started = last_token = time.monotonic()
+        cause, outcome = str(AbortCause.CLIENT_DISCONNECT), "aborted"
+        started, last_token = arrived, time.monotonic()
         tokens = 0
         # Both legs start now: prefill computes while decode allocates, and gets the ticket (S9:
         # nothing is sent without it) once decode's bootstrap is here.
@@ -1194,28 +1198,29 @@ class Router:
                 502, "the decode worker closed the stream before finishing", code="decode_failed"
             )
         except OpenAIError as err:
-            cause = err.code or "error"
+            from_prefill = prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is err
+            cause = router_abort_cause(err.code, err.status, from_prefill)
             outcome = "rejected" if err.status == 400 else "failed"  # a worker refused the request itself
             raise
         except TimeoutError:
-            cause, outcome = "timeout", "failed"
+            cause, outcome = AbortCause.TIMEOUT, "failed"
             raise OpenAIError(504, "the request timed out", code="timeout") from None
         except aiohttp.ClientError as exc:
-            cause, outcome = "worker_unreachable", "failed"
+            cause, outcome = AbortCause.WORKER_DIED, "failed"
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
         except ValueError as exc:  # an event line that does not parse, or is over its bound
-            cause, outcome = "decode_failed", "failed"
+            cause, outcome = AbortCause.DECODE_ERROR, "failed"
             log.warning("request %s: decode sent an unreadable event: %s", request.request_id, exc)
             raise OpenAIError(502, "the decode worker sent an unreadable event", code="decode_failed") from None
         finally:
             if channel is not None:
                 channel.unsubscribe(request.request_id)
             self.metrics.request_duration.observe(time.monotonic() - started)
-            if cause == "client_disconnect" and siblings.failed:  # cancelled because another choice failed
-                cause, outcome = "sibling_failed", "failed"
-            elif cause and cause != "client_disconnect":
+            if cause == AbortCause.CLIENT_DISCONNECT and siblings.failed:  # cancelled because another choice failed
+                cause, outcome = AbortCause.SIBLING_FAILED, "failed"
+            elif cause and cause != AbortCause.CLIENT_DISCONNECT:
                 siblings.failed = True  # before the error leaves: the siblings it cancels read it
             if cause:
                 ending.append(self._end_legs(request.request_id, (prefill.url, decode.url), prefill_task, stack, cause, outcome))

@@ -8,11 +8,16 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvguard.workers.metrics import zeroed
 from kvguard.workers.transfer.config import FailureReason, TransferOutcome
+
+FRAME_DROP_REASONS = ("late", "unknown_request")  # kvguard_kv_transfer_frames_dropped_total{reason}
 
 
 class AbortCause(enum.StrEnum):
-    """Label values of ``kvguard_aborts_total{cause}``, shared by the servers and the router."""
+    """Label values of ``kvguard_aborts_total{cause}``, shared by the servers and the router: a
+    closed set, each created at 0 (`zeroed`). The router sends its cause with each abort, and the
+    workers count it, so one failure reads the same on every role."""
 
     CLIENT_DISCONNECT = "client_disconnect"
     PREFILL_ERROR = "prefill_error"
@@ -24,6 +29,9 @@ class AbortCause(enum.StrEnum):
     PEER_ABORT = "peer_abort"
     WORKER_DIED = "worker_died"
     BOOTSTRAP_TIMEOUT = "bootstrap_timeout"  # prefill: no ticket (decode's pages) within --bootstrap-timeout
+    TIMEOUT = "timeout"  # router: no first token, or no progress, within --request-timeout
+    SIBLING_FAILED = "sibling_failed"  # router: another choice of the same request failed
+    REJECTED = "rejected"  # router: a worker refused the request itself (a 400 past the router's own checks)
 
 
 _CAUSE_OF_REASON = {
@@ -39,6 +47,28 @@ _CAUSE_OF_REASON = {
 def abort_cause(reason: FailureReason | str | None) -> AbortCause:
     """The ``kvguard_aborts_total`` cause a server should count for a failed transfer."""
     return _CAUSE_OF_REASON.get(reason, AbortCause.TRANSFER_FAILED)  # type: ignore[arg-type]
+
+
+_CAUSE_OF_CODE = {
+    "kv_tag_violation": AbortCause.INTEGRITY,  # a stale read caught at read time (S1)
+    "timeout": AbortCause.TIMEOUT,
+    "request_timeout": AbortCause.TIMEOUT,
+    "bootstrap_timeout": AbortCause.BOOTSTRAP_TIMEOUT,
+    "worker_failed": AbortCause.WORKER_DIED,
+}
+
+
+def router_abort_cause(code: str | None, status: int, from_prefill: bool) -> AbortCause:
+    """The cause the router counts (and sends with its aborts) for a generation that ended with an
+    error: the same name the workers count for that failure (a corrupt chunk is `integrity` on
+    every role), never the error's own code, which a worker's event carries as any string."""
+    if code and code.startswith("kv_transfer_"):
+        return abort_cause(code.removeprefix("kv_transfer_"))
+    if code in _CAUSE_OF_CODE:
+        return _CAUSE_OF_CODE[code]
+    if status == 400:
+        return AbortCause.REJECTED
+    return AbortCause.PREFILL_ERROR if from_prefill else AbortCause.DECODE_ERROR
 
 
 _CHUNK_BUCKETS = tuple(float(1 << s) for s in range(10, 27, 2))  # 1 KiB .. 64 MiB
@@ -64,7 +94,7 @@ class TransferMetrics:
         def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
             return Counter(name, doc, labelnames=labels, registry=registry)
 
-        return cls(
+        made = cls(
             checksum_failures=counter(
                 "kvguard_checksum_failures_total",
                 "KV chunks whose payload checksum (or AES-GCM tag) failed (S3)"),
@@ -90,6 +120,10 @@ class TransferMetrics:
             aborts=counter(
                 "kvguard_aborts_total", "Requests aborted, by cause (S4)", ["cause"]),
         )  # fmt: skip
+        zeroed(made.aborts, cause=AbortCause)
+        zeroed(made.transfers, side=("sender", "receiver"), outcome=("complete", *FailureReason))
+        zeroed(made.frames_dropped, reason=FRAME_DROP_REASONS)
+        return made
 
     def count_abort(self, cause: AbortCause | str) -> None:
         self.aborts.labels(cause=str(cause)).inc()
