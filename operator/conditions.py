@@ -105,6 +105,18 @@ def set_condition(existing: Iterable[Condition], new: Condition) -> list[Conditi
     return sorted(result, key=_type_order)
 
 
+def observed_at(conditions: Iterable[Condition], generation: int | None) -> list[Condition]:
+    """Every condition stamped with `generation`: a pass judges the whole spec of that generation,
+    so a condition it left as it was holds for it. Left with an older one, it reads as out of date
+    to tools that check each condition's observedGeneration against metadata.generation, as
+    metav1.Condition defines it (outside probe: Degraded said generation 1 through a whole rollout
+    of generation 2). Status and transition time are unchanged."""
+    if generation is None:
+        return list(conditions)
+    return [c if c.observed_generation == generation else c.model_copy(update={"observed_generation": generation})
+            for c in conditions]  # fmt: skip
+
+
 def find_condition(conditions: Iterable[Condition], type_: str) -> Condition | None:
     return next((c for c in conditions if c.type == type_), None)
 

@@ -352,7 +352,8 @@ class Controller:
         if cached is None or time.monotonic() - cached[0] > self.settings.configmap_ttl:
             cm = await self.kube.aget(ObjectRef("ConfigMap", name, namespace))
             cached = (time.monotonic(), cm)
-            self._configmaps[(namespace, name)] = cached
+            if cm is not None:  # a missing one is asked for again at the next pass (reconcile's recheck timer)
+                self._configmaps[(namespace, name)] = cached
         return parse_config_json(cached[1], name, key)
 
 

@@ -87,6 +87,10 @@ POD_POOL_REASON = "PodKVPoolTooSmall"
 """Degraded reason while the readiness gate keeps a pod out of rotation (pool_gate.py)."""
 FOREIGN_RECHECK_SECONDS = 10.0
 """How soon to look again at an object that blocks the rollout because someone else owns it."""
+ARCHITECTURE_RECHECK_SECONDS = 10.0
+"""How soon to look again for the architecture ConfigMap a spec names when it is missing or
+unreadable: ConfigMaps are not watched, so without a timer a model created before its ConfigMap
+stayed Degraded until the next resync (outside probe: ~12 minutes of a false "not found")."""
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -211,6 +215,7 @@ class _Run:
 
     def outcome(self, **kwargs: Any) -> Outcome:
         events = self.apply_pool_gate()
+        self.status.conditions = cond.observed_at(self.status.conditions, self.generation)
         return Outcome(status=status_patch(self.status), **{**kwargs, "events": [*kwargs.get("events", []), *events]})
 
     def apply_pool_gate(self) -> list[EventSpec]:
@@ -302,7 +307,7 @@ def reconcile(body: Mapping[str, Any], observed: Observed, *, now: dt.datetime) 
         return _invalid(run, "InvalidName", bad_name)
     spec, problem = resolve_architecture(spec, observed)
     if problem is not None:
-        return _invalid(run, "ArchitectureUnavailable", problem)
+        return _invalid(run, "ArchitectureUnavailable", problem, requeue_after=ARCHITECTURE_RECHECK_SECONDS)
     unsupported = engine_problems(spec)
     if unsupported:  # the engine would run something else than the plan says: never deploy it
         return _invalid(run, "InvalidSpec", "; ".join(unsupported))

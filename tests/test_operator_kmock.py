@@ -495,3 +495,25 @@ async def test_the_namespaced_install_allows_everything_its_operator_does(operat
     labels = {"namespace": NS, "model": "tiny", "role": "decode"}
     await until(lambda: metrics.REGISTRY.get_sample_value("kvguard_operator_kv_ratio", labels) is None, "the model forgotten")
     assert_rbac_allows(cluster, "manifests/namespaced", since)
+
+
+async def test_a_model_created_before_its_architecture_configmap_proceeds_once_it_exists(cluster: Any, tiny_model_dir: Any) -> None:
+    """Outside probe: the missing ConfigMap was cached as missing for KVGUARD_CONFIGMAP_TTL (300 s)
+    and nothing asked again (ConfigMaps are not watched; the Degraded pass set no timer), so the
+    model said "not found" for ~12 minutes after the ConfigMap was made, spec edits included."""
+    import json
+
+    body = tiny_model()
+    del body["spec"]["model"]["architecture"]
+    body["spec"]["model"]["architectureConfigMap"] = {"name": "tiny-config"}
+    await apply_model(body)
+    degraded = await until(lambda: next((c for c in status_of(cluster).get("conditions", [])
+                                         if c["type"] == "Degraded" and c["status"] == "True"), None), "Degraded")  # fmt: skip
+    assert degraded["reason"] == "ArchitectureUnavailable" and "not found" in degraded["message"]
+    config = (tiny_model_dir / "config.json").read_text()
+    await http("POST", f"/api/v1/namespaces/{NS}/configmaps",
+               {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "tiny-config", "namespace": NS},
+                "data": {"config.json": config}})  # fmt: skip
+    status = await until(lambda: status_of(cluster).get("targetRevision") and status_of(cluster), "planned from the ConfigMap")
+    assert condition(status, "Degraded")["status"] == "False" and json.loads(config)["num_hidden_layers"] == 2
+    assert status["plan"]["roles"]["decode"]["poolTokens"] == 4096

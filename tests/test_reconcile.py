@@ -92,6 +92,23 @@ def test_a_spec_back_at_the_stable_revision_mid_canary_supersedes_the_candidate(
     assert (passed["status"], passed["reason"]) == ("True", "StableRevision") and candidate not in passed["message"]
 
 
+def test_every_condition_speaks_for_the_generation_a_pass_judged() -> None:
+    """Outside probe: during the rollout of generation 4, Degraded (False, AsExpected) still said
+    observedGeneration 3, which metav1 tools read as out of date. A condition a pass leaves as it
+    was holds for the spec it judged: its generation moves, its transition time does not."""
+    b = promote(body())
+    before = {c["type"]: c for c in b["status"]["conditions"]}
+    changed = body()
+    changed["metadata"]["generation"] = 4
+    changed["spec"]["contextLength"] = 512
+    changed["status"] = b["status"]
+    out = reconcile(changed, ready(b["status"]["revision"], serving=b["status"]["revision"]), now=NOW + dt.timedelta(seconds=60))
+    assert out.status["observedGeneration"] == 4
+    assert {c["type"]: c["observedGeneration"] for c in out.status["conditions"]} == dict.fromkeys(before, 4)
+    degraded = next(c for c in out.status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False" and degraded["lastTransitionTime"] == before["Degraded"]["lastTransitionTime"]
+
+
 def test_bad_input_is_a_condition_never_an_exception() -> None:
     for spec in ({}, {"contextLength": -1}, {"model": 3}):
         b = {"metadata": {"name": "x", "namespace": "ns", "uid": "u"}, "spec": spec}
