@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 import socket
 import subprocess
@@ -238,52 +239,52 @@ def test_after_an_interrupt_a_command_ends_its_process_with_the_stop_signals_ign
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def _caught_signals(pid: int) -> int:
-    """The signals a process has handlers for (/proc/PID/status SigCgt, a bit mask)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+# Runs `kvguard ARGS...` with a watch on the first import of pydantic's compiled core (which the
+# parser's command modules and every command import): it says on stderr whether SIGTERM had a
+# handler by then and, when asked, sends the process a SIGTERM right there. Deterministic, where
+# polling /proc for the handler raced the imports on a loaded machine.
+HEAVY_IMPORT_WATCH = """
+import os, runpy, signal, sys
+
+class FirstHeavyImport:
+    seen = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "pydantic_core" and not self.seen:
+            self.seen = True
+            handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+            print(f"SIGTERM handled at the first heavy import: {handled}", file=sys.stderr, flush=True)
+            if os.environ.get("SIGTERM_AT_THE_FIRST_HEAVY_IMPORT"):
+                os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+sys.meta_path.insert(0, FirstHeavyImport())
+sys.argv = ["kvguard", *sys.argv[1:]]
+runpy.run_module("kvguard", run_name="__main__", alter_sys=True)
+"""
 
 
-def _sigterm_caught_before_the_heavy_imports(process: subprocess.Popen[str]) -> bool:
-    """Wait until the process handles SIGTERM; whether pydantic's compiled core (which the
-    parser's command modules and every command import) was not yet loaded then."""
-    from waiting import wait_for
-
-    def caught() -> bool:
-        assert process.poll() is None, f"exited with {process.returncode} before it handled SIGTERM"
-        return bool(_caught_signals(process.pid) & (1 << (signal.SIGTERM - 1)))
-
-    wait_for(caught, "the command to handle SIGTERM", interval=0.001)
-    return "pydantic_core" not in Path(f"/proc/{process.pid}/maps").read_text()
+def _run_watched(args: list[str], sigterm_there: bool) -> tuple[int, str]:
+    env = {**os.environ, "SIGTERM_AT_THE_FIRST_HEAVY_IMPORT": "1" if sigterm_there else ""}
+    done = subprocess.run([sys.executable, "-P", "-c", HEAVY_IMPORT_WATCH, *args], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    return done.returncode, done.stderr
 
 
 def test_kvguard_canary_sigterm_in_its_first_moments_is_exit_130() -> None:
     """The handler was installed only once the command ran, after the parser had imported every
     command module (~0.4 s): a SIGTERM before that ended it by the signal (-15, outside probe).
-    It is in place before the heavy imports now; sent the moment it is, the signal gives 130."""
+    It is in place before the heavy imports now; a SIGTERM during the first of them gives 130."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
-        for _ in range(3):
-            canary = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "canary", "--url", url],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-            try:
-                early = _sigterm_caught_before_the_heavy_imports(canary)
-                canary.send_signal(signal.SIGTERM)
-                _, err = canary.communicate(timeout=120)
-            finally:
-                if canary.poll() is None:
-                    canary.kill()
-            assert early, "SIGTERM was handled only after the heavy imports"
-            assert canary.returncode == 130 and "Traceback" not in err, (canary.returncode, err)
-            assert err.strip().splitlines()[-1].startswith("kvguard canary: interrupted"), err
+        code, err = _run_watched(["canary", "--url", url], sigterm_there=True)
+    assert "SIGTERM handled at the first heavy import: True" in err, err
+    assert code == 130 and "Traceback" not in err, (code, err)
+    assert err.strip().splitlines()[-1].startswith("kvguard canary: interrupted"), err
 
 
 @pytest.mark.parametrize("command", [["apply", "--local", "-f", "/nonexistent/model.yaml"], ["demo", "--examples", "/nonexistent"]])
 def test_the_other_commands_that_promise_130_handle_sigterm_before_the_heavy_imports(command: list[str]) -> None:
-    process = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", *command], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert _sigterm_caught_before_the_heavy_imports(process)
-    finally:
-        process.kill()
-        process.communicate(timeout=60)
+    code, err = _run_watched(command, sigterm_there=True)
+    assert "SIGTERM handled at the first heavy import: True" in err, err
+    assert code == 130 and "Traceback" not in err, (code, err)
