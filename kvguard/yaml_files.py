@@ -8,6 +8,7 @@ own text spans several lines and calls the input "<unicode string>").
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def load_all(path: Path) -> list[Any]:
     """Every non-empty document of the file (`-`: standard input). Raises YAMLFileError (one line) for a file that cannot
     be read, is not UTF-8, is not YAML, repeats a key, or nests too deeply."""
     try:
-        text = sys.stdin.read() if str(path) == "-" else path.read_text()  # `-f -`, as kubectl reads it
+        text = _read_stdin() if str(path) == "-" else path.read_text()  # `-f -`, as kubectl reads it
     except OSError as exc:
         raise YAMLFileError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
@@ -71,6 +72,18 @@ def load_all(path: Path) -> list[Any]:
         raise YAMLFileError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     except RecursionError:
         raise YAMLFileError(f"{path}: YAML nested too deeply") from None
+
+
+def _read_stdin() -> str:
+    """Standard input's bytes as UTF-8, strictly: the text layer decodes with surrogateescape
+    here, which turned bad bytes into PyYAML's "special characters are not allowed" rather than
+    the file's "not UTF-8" (outside probe). A closed stdin (`<&-`) is a file that cannot be read."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # closed (sys.stdin is None), or replaced by a text-only stream (a test's)
+        if sys.stdin is None:
+            raise OSError(errno.EBADF, "standard input is closed")
+        return sys.stdin.read()
+    return bytes(stream.read()).decode("utf-8")
 
 
 def _where(exc: yaml.MarkedYAMLError) -> str:

@@ -234,6 +234,14 @@ def test_cli_rejects_unusable_numbers_in_one_line(flag: str, value: str, capsys:
     assert err.startswith(f"kvguard canary: cannot run: {flag} must") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("value", ["", " , "])
+def test_probes_naming_no_probe_is_refused_not_every_probe(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--probes "$UNSET"` ran the whole suite (outside probe): a list that names nothing is a mistake."""
+    assert cli_main(["canary", "--url", "http://127.0.0.1:1", "--probes", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvguard canary: cannot run: --probes names no probe; the probes are capacity") and err.count("\n") == 1
+
+
 def test_a_yaml_infinity_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "inf.yaml"
     path.write_text("requestTimeoutSeconds: .inf\n")

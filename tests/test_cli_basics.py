@@ -147,6 +147,20 @@ def test_a_closed_stdout_ends_a_command_quietly() -> None:
     plan.stderr.close()
 
 
+@pytest.mark.parametrize("args", [["plan", "-f", "-"], ["render", "-f", "-"], ["canary", "--url", "http://127.0.0.1:9/v1", "--spec", "-"]])
+def test_standard_input_closed_or_not_utf8_is_one_line_and_exit_2(args: list[str]) -> None:
+    """`-f -` with stdin closed (`<&-`: sys.stdin is None) was an AttributeError traceback and
+    exit 1; bytes that are not UTF-8 got PyYAML's wording for a string it was handed (outside
+    probe). Both are a file that cannot be read: one line, exit 2."""
+    command = [sys.executable, "-P", "-m", "kvguard", *args]
+    closed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False,
+                            preexec_fn=lambda: os.close(0))  # noqa: PLW1509 - the child's own stdin, before exec
+    assert closed.returncode == 2 and "Traceback" not in closed.stderr, closed.stderr
+    assert closed.stderr.strip().endswith("cannot read -: standard input is closed"), closed.stderr
+    latin = subprocess.run(command, input=b"\xff\xfebad", capture_output=True, timeout=120, check=False)
+    assert latin.returncode == 2 and latin.stderr.decode().strip().endswith("- is not UTF-8 text (byte 0)"), latin.stderr
+
+
 @pytest.mark.parametrize("text", ['{"revisions": 5', "[]", "", '{"revisions": {"r1": {"workers": 3}}}'])
 def test_status_of_an_unreadable_state_folder_is_one_line_and_exit_2(tmp_path: Path, text: str) -> None:
     """An outside probe: a truncated state.json gave a traceback and exit 1 ("cannot reach the cluster")."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -66,6 +67,34 @@ def test_workers_stop_by_themselves_when_serve_is_killed(tiny_model_dir: Path) -
                  timeout=60, detail=lambda: [pid for pid in workers if _running(pid)])  # fmt: skip
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{urls['router']}/models", timeout=5)
+
+
+def test_serve_stopped_while_it_starts_prints_no_ready_line_and_leaves_nothing(tiny_model_dir: Path) -> None:
+    """Outside probe: a SIGTERM during start-up was only read once every worker was ready; serve
+    then printed its "ready" line for a server already stopping, and exited 0. One worker is held
+    (SIGSTOP) as soon as it exists, so serve is certainly still starting when the signal comes."""
+    serve = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "serve", "--model", str(tiny_model_dir),
+                              "--kv-pool-tokens", "2048", "--context-length", "512"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    held: list[int] = []
+    try:
+        held = wait_for(lambda: _children(serve.pid)[:1], "a worker started", interval=0.005)
+        os.kill(held[0], signal.SIGSTOP)  # it cannot become healthy: the start cannot complete
+        workers = wait_for(lambda: len(found := _children(serve.pid)) == 3 and found, "every worker started")
+        serve.send_signal(signal.SIGTERM)
+        os.kill(held[0], signal.SIGCONT)  # so that it can stop on serve's own signal
+        out, err = serve.communicate(timeout=120)
+    finally:
+        if held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held[0], signal.SIGCONT)
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    assert serve.returncode == 0 and out == "", (serve.returncode, out)
+    assert "kvguard serve: stopped during start-up" in err and "Traceback" not in err, err
+    wait_for(lambda: not [pid for pid in workers if _running(pid)], "every worker process gone",
+             detail=lambda: [pid for pid in workers if _running(pid)])  # fmt: skip
 
 
 def _running(pid: int) -> bool:

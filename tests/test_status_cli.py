@@ -169,7 +169,7 @@ def test_kubectl_kvguard_status_watch_redraws(serving: LocalDeployment, tmp_path
         frames = 0
         assert proc.stdout is not None
         for line in proc.stdout:  # blocks until a line comes; the test's timeout bounds it
-            frames += line.startswith("tiny  (namespace local)")
+            frames += line.startswith("tiny  (namespace default, local)")
             if frames == 2:
                 break
         assert frames == 2, proc.stderr.read() if proc.stderr else ""
@@ -218,10 +218,11 @@ def test_status_local_says_when_the_serving_revision_has_no_worker_of_a_role(ser
     for worker in state.revisions["ccc333"].workers:
         if worker.role == "decode":
             worker.metrics_port = dead
+    state.namespace = "models"  # applied with --namespace models: the heading says so (it said "local")
     StateStore(folder).save(state)
     assert main(["status", "tiny", "--local", "--state-dir", str(folder)]) == EXIT_OK
     out = capsys.readouterr().out
-    assert out.startswith("tiny  (namespace local)  Degraded"), out
+    assert out.startswith("tiny  (namespace models, local)  Degraded"), out
     assert "conditions  Ready=False  Degraded=True" in out
     assert "revision ccc333 has no decode worker in rotation, so it answers 503" in out
 

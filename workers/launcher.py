@@ -58,6 +58,10 @@ class SmallPoolError(ValueError):
     """The KV pool is below the ratio to the context (the incident's configuration)."""
 
 
+class StartStopped(Exception):
+    """`start` was told to stop (its `stop` event) before every worker was ready: nothing runs."""
+
+
 @dataclass(frozen=True)
 class LocalServeConfig:
     model_dir: Path
@@ -255,11 +259,13 @@ class LocalDeployment:
     def transfer_address(self) -> tuple[str, int]:
         return HOST, self.ports["decode-transfer"]
 
-    def start(self, ready_timeout_s: float = 120.0) -> LocalDeployment:
+    def start(self, ready_timeout_s: float = 120.0, stop: threading.Event | None = None) -> LocalDeployment:
+        """Every worker started and healthy, their pools checked (S7). A `stop` set meanwhile ends
+        the start: the workers are stopped and StartStopped raised."""
         for name in ROLES:
             self._spawn(self.processes[name])
         try:
-            self.wait_ready(ready_timeout_s)
+            self.wait_ready(ready_timeout_s, stop)
             self._check_pools()
         except BaseException:
             self.stop()
@@ -283,11 +289,13 @@ class LocalDeployment:
             start_new_session=True,  # a Ctrl-C in the terminal reaches serve, which stops us in order
         )
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> None:
         """Every process healthy on its metrics listener (they load in parallel)."""
         deadline = time.monotonic() + timeout_s
         pending = list(ROLES)
         while pending:
+            if stop is not None and stop.is_set():
+                raise StartStopped(f"stopped while {', '.join(pending)} started")
             for name in list(pending):
                 popen = self.processes[name].popen
                 assert popen is not None
@@ -301,7 +309,7 @@ class LocalDeployment:
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"{', '.join(pending)} not healthy after {timeout_s:.0f} s")
             if pending:
-                time.sleep(0.05)
+                (stop.wait if stop is not None else time.sleep)(0.05)
 
     def _check_pools(self) -> None:
         """S7 on this machine: every worker's *reported* pool against the ratio (the pool may come

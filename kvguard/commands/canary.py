@@ -145,8 +145,11 @@ def _load_spec(path: Path | None, probes: str | None) -> Any:
             data = (data.get("spec") or {}).get("canary") or {}
     try:
         spec = CanarySpec.model_validate(data)
-        if probes:
-            spec = spec.only([ProbeName.parse(p) for p in probes.split(",") if p.strip()])
+        if probes is not None:
+            named = [ProbeName.parse(p) for p in probes.split(",") if p.strip()]
+            if not named:  # `--probes ""` (an unset variable) ran every probe: it names none
+                raise ValueError(f"--probes names no probe; the probes are {', '.join(p.value for p in ProbeName)}")
+            spec = spec.only(named)
     except ValidationError as exc:
         where = f"{path}: " if path else ""
         raise ValueError(where + _field_errors(exc)) from None

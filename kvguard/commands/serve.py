@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from kvguard.workers.args import flag_errors
-    from kvguard.workers.launcher import LocalDeployment, LocalServeConfig, SmallPoolError
+    from kvguard.workers.launcher import LocalDeployment, LocalServeConfig, SmallPoolError, StartStopped
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not (args.model / "config.json").is_file():
@@ -129,13 +129,20 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
         signal.signal(signum, lambda *_: stop.set())
     try:
-        deployment.start()
+        deployment.start(stop=stop)
+    except StartStopped:  # told to stop while starting: no "ready" line for a server that is not serving
+        print("kvguard serve: stopped during start-up", file=sys.stderr)
+        return 0
     except SmallPoolError as exc:
         print(f"kvguard serve: refusing to serve: {exc}", file=sys.stderr)
         return EXIT_SMALL_POOL
     except (RuntimeError, TimeoutError) as exc:
         print(f"kvguard serve: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    if stop.is_set():  # the signal came after the last check of the start
+        deployment.stop()
+        print("kvguard serve: stopped during start-up", file=sys.stderr)
+        return 0
     print(json.dumps({"router": deployment.api_base, "metrics": deployment.metrics_urls,
                       "internal": deployment.internal_urls}), flush=True)  # fmt: skip
     try:

@@ -194,7 +194,7 @@ def _local_view(state_dir: Path, name: str, namespace: str | None = None) -> Any
             if splitter_down:
                 share += "; the splitter is not running: that URL refuses connections until the next apply"
             notes[rev] = f"{notes[rev]}; {share}" if rev in notes else share
-        return render(name, "local", status, pools, serving=state.serving, notes=notes, steps=_step_count(state.spec))
+        return render(name, f"{state.namespace or 'default'}, local", status, pools, serving=state.serving, notes=notes, steps=_step_count(state.spec))
 
     return show
 
