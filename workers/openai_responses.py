@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypedDict
 
 from pydantic import BaseModel, Field
 
@@ -63,22 +63,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class TopLogprob(BaseModel):
+# Chat logprobs are plain data, typed but never validated nor dumped by pydantic: one entry per
+# token and alternative (16 choices x 1,000 tokens x 20 alternatives is 340,000), models of them
+# took seconds of the router's loop to build and dump (outside probe). They go into the dumped body.
+class TopLogprob(TypedDict):
     token: str
     logprob: float
     bytes: list[int]
 
 
-class ChatTokenLogprob(BaseModel):
+class ChatTokenLogprob(TypedDict):
     token: str
     logprob: float | None
     bytes: list[int]
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(TypedDict):
     content: list[ChatTokenLogprob]
-    refusal: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None
 
 
 class CompletionChoice(BaseModel):
@@ -97,7 +100,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: ChatLogprobs | None
+    logprobs: None = None  # a ChatLogprobs put into the dumped body (`_with_chat_logprobs`)
     finish_reason: FinishReason
 
 
@@ -109,7 +112,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: ChatLogprobs | None
+    logprobs: None = None  # as ChatChoice's
     finish_reason: FinishReason | None
 
 
@@ -181,13 +184,14 @@ class LogprobShaper:
         return out
 
     def chat(self, records: Sequence[TokenLogprob]) -> ChatLogprobs:
-        content = []
+        token_bytes = self.vocab.token_bytes
+        content: list[ChatTokenLogprob] = []
         for record in records:
-            raw = self.vocab.token_bytes(record.token_id)
-            top = [TopLogprob(token=token_string(b), logprob=lp, bytes=list(b))
-                   for b, lp in ((self.vocab.token_bytes(t), lp) for t, lp in record.top)]
-            content.append(ChatTokenLogprob(token=token_string(raw), logprob=record.logprob, bytes=list(raw), top_logprobs=top))
-        return ChatLogprobs(content=content)
+            raw = token_bytes(record.token_id)
+            top: list[TopLogprob] = [{"token": token_string(b), "logprob": lp, "bytes": list(b)}
+                                     for b, lp in ((token_bytes(t), lp) for t, lp in record.top)]  # fmt: skip
+            content.append({"token": token_string(raw), "logprob": record.logprob, "bytes": list(raw), "top_logprobs": top})
+        return {"content": content, "refusal": None}
 
 
 # ---------------------------------------------------------------------------------- builders
@@ -233,12 +237,13 @@ class ResponseBuilder:
         usage = Usage.of(prompt_tokens, sum(c.completion_tokens for c in choices))
         ordered = sorted(choices, key=lambda c: c.index)
         if self.chat:
-            chat_choices = [
-                ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                           logprobs=self._shaper(c.index).chat(c.logprobs) if self.logprobs else None)
-                for c in ordered
-            ]
-            return ChatCompletion(**self._envelope(), choices=chat_choices, usage=usage).model_dump(mode="json")
+            chat_choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason)
+                            for c in ordered]  # fmt: skip
+            body = ChatCompletion(**self._envelope(), choices=chat_choices, usage=usage).model_dump(mode="json")
+            if self.logprobs:
+                for dumped, c in zip(body["choices"], ordered, strict=True):
+                    dumped["logprobs"] = self._shaper(c.index).chat(c.logprobs)
+            return body
         completion_choices = [
             CompletionChoice(index=c.index, text=self._echo(c.index) + c.text, finish_reason=c.finish_reason,
                              logprobs=self._shaper(c.index).completion(c.logprobs) if self.logprobs else None)
@@ -250,10 +255,11 @@ class ResponseBuilder:
               first: bool = False) -> dict[str, object]:
         if self.chat:
             delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text if text or not finish_reason else None)
-            logprobs = self._shaper(index).chat(records) if self.logprobs and records else None
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
             body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude=self._chunk_exclude)
             body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+            if self.logprobs and records:
+                body["choices"][0]["logprobs"] = self._shaper(index).chat(records)
             return body
         shown = (self._echo(index) if first else "") + text
         completion_logprobs = self._shaper(index).completion(records) if self.logprobs and records else None
