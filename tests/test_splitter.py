@@ -155,6 +155,8 @@ class FakeRevisionRouter:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.read())
+        if request.headers.get("x-flood") == "1":
+            return await self._flood(request)
         if request.headers.get("x-stream") != "1":
             return web.json_response({"served_by": self.name}, status=201)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -167,6 +169,18 @@ class FakeRevisionRouter:
             raise
         await response.write(b"data: [DONE]\n\n")
         return response
+
+
+    async def _flood(self, request: web.Request) -> web.StreamResponse:
+        """An answer without end (a huge one, as 16 choices x 20 logprobs make), until cancelled."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b"data: " + b"x" * (1 << 20) + b"\n\n")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
 
 
 @asynccontextmanager
@@ -185,9 +199,10 @@ async def listening(app: web.Application) -> AsyncIterator[int]:
 
 
 @asynccontextmanager
-async def splitter_in_front(tmp_path: Path) -> AsyncIterator[tuple[Splitter, int, int, dict[str, FakeRevisionRouter]]]:
+async def splitter_in_front(tmp_path: Path, write_timeout_s: float = 30.0) -> AsyncIterator[tuple[Splitter, int, int, dict[str, FakeRevisionRouter]]]:
     routers = {"stable": FakeRevisionRouter("stable"), "cand": FakeRevisionRouter("cand")}
-    splitter = Splitter(SplitterConfig(table_path=tmp_path / "split.json", max_body_bytes=1024, body_timeout_s=5))
+    splitter = Splitter(SplitterConfig(table_path=tmp_path / "split.json", max_body_bytes=1024, body_timeout_s=5,
+                                       write_timeout_s=write_timeout_s))  # fmt: skip
     async with listening(routers["stable"].app()) as p1, listening(routers["cand"].app()) as p2:
         async with listening(splitter.app()) as api, listening(splitter.metrics_app()) as metrics:
             splitter.ports = {"stable": p1, "cand": p2}  # type: ignore[attr-defined]
@@ -238,6 +253,36 @@ async def test_streams_are_relayed_as_they_come_and_a_disconnect_reaches_the_rou
         assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
         resp.close()  # the client goes away mid-stream
         await until(lambda: routers["stable"].cancelled == 1, "the router's handler to be cancelled by the disconnect")
+
+
+async def test_a_client_that_reads_nothing_through_the_splitter_loses_its_connection(tmp_path: Path) -> None:
+    """Outside probe: the router dropped the splitter's stalled stream after its write timeout, but
+    the splitter kept the client's connection (and megabytes in its send queue) for ever, its
+    handler blocked in a write. It has the router's stall watch now; the router hears the end (S4)."""
+    async with splitter_in_front(tmp_path, write_timeout_s=1.0) as (splitter, api, _, routers):
+        write_table(splitter.config.table_path, table(stable=(splitter.ports["stable"], 100)))  # type: ignore[attr-defined]
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", api))
+        await asyncio.get_running_loop().sock_sendall(client, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                              b"x-flood: 1\r\nContent-Length: 0\r\n\r\n")  # fmt: skip
+        try:
+            # The client reads nothing: the splitter drops it, which cancels its relay and so the router's answer.
+            await until(lambda: routers["stable"].cancelled == 1, "the stalled client dropped and the router's handler cancelled")
+        finally:
+            client.close()
+
+
+async def test_an_x_forwarded_for_the_splitters_entry_makes_too_long_is_a_431(tmp_path: Path) -> None:
+    """The router takes an X-Forwarded-For of up to 8190 bytes; with ", 127.0.0.1" appended, one of
+    8185 became aiohttp's plain-text 400 from the router (outside probe). The splitter says so."""
+    async with splitter_in_front(tmp_path) as (splitter, api, _, routers), aiohttp.ClientSession() as http:
+        write_table(splitter.config.table_path, table(stable=(splitter.ports["stable"], 100)))  # type: ignore[attr-defined]
+        async with http.get(f"http://127.0.0.1:{api}/v1/models", headers={"X-Forwarded-For": "1" * 8000}) as resp:
+            assert resp.status == 200  # room for the splitter's entry
+        async with http.get(f"http://127.0.0.1:{api}/v1/models", headers={"X-Forwarded-For": "1" * 8185}) as resp:
+            assert resp.status == 431 and (await resp.json())["error"]["code"] == "request_header_fields_too_large"
 
 
 async def test_a_refused_connection_goes_to_the_next_revision_and_limits_hold(tmp_path: Path) -> None:

@@ -50,12 +50,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvguard.workers.backpressure import StallWatch, drop
 from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, too_large_error
 
 log = logging.getLogger("kvguard.splitter")
 
 SPLIT_FILE = "split.json"
 FORWARDED_FOR = "X-Forwarded-For"
+MAX_HEADER_VALUE_BYTES = 8190
+"""aiohttp's limit on one header value, the router's too: an X-Forwarded-For the router would take
+from the client becomes one it refuses, in plain text, once the splitter appends its entry."""
 MAX_BACKENDS = 8
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself for the forwarded message.
 _NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -208,6 +212,7 @@ class SplitterConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
+    write_timeout_s: float = 30.0  # as the router's --write-timeout: a client that reads nothing for this long is dropped
 
 
 class Splitter:
@@ -288,7 +293,11 @@ class Splitter:
         headers = forwarded_headers(request.headers.items())
         peer = request.remote or "unknown"
         prior = request.headers.get(FORWARDED_FOR)
-        headers.append((FORWARDED_FOR, f"{prior}, {peer}" if prior else peer))  # what every proxy adds
+        forwarded_for = f"{prior}, {peer}" if prior else peer  # what every proxy adds
+        if len(forwarded_for.encode()) > MAX_HEADER_VALUE_BYTES:
+            raise OpenAIError(431, f"{FORWARDED_FOR}: over {MAX_HEADER_VALUE_BYTES} bytes once this proxy adds its entry",
+                              code="request_header_fields_too_large")  # fmt: skip
+        headers.append((FORWARDED_FOR, forwarded_for))
         async with self.session.request(request.method, backend.url + request.rel_url.raw_path_qs, headers=headers,
                                         data=body if body else None, allow_redirects=False,
                                         skip_auto_headers=_NOT_ADDED) as upstream:  # fmt: skip
@@ -299,15 +308,21 @@ class Splitter:
                 response.content_length = int(upstream.headers["content-length"])
             self.requests.labels(revision=backend.revision, code=str(upstream.status)).inc()
             await response.prepare(request)
+            # A client that reads nothing loses its connection, as at the router (whose own watch
+            # sees the splitter reading): otherwise it held the splitter's buffers for ever.
+            watch = StallWatch(request.transport, self.config.write_timeout_s, lambda: drop(request.transport))
             try:
                 async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)  # a client gone raises here; leaving closes the router's stream (S4)
+                    with watch:
+                        await response.write(chunk)  # a client gone raises here; leaving closes the router's stream (S4)
+                with watch:
+                    await response.write_eof()
             except aiohttp.ClientError as exc:  # the router broke off mid-answer: so does the client's answer
                 log.warning("revision %s broke off a response (%s)", backend.revision, type(exc).__name__)
                 if request.transport is not None:
                     request.transport.close()  # not a clean end: the client must not take a cut stream as whole
-                return response
-            await response.write_eof()
+            finally:
+                watch.close()
             return response
 
 
