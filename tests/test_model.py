@@ -341,6 +341,62 @@ def test_text_straddling_every_token_boundary_streams_as_it_decodes(tiny_model_d
         assert len("".join(deltas)) >= run + 1
 
 
+def _sentencepiece_like(decoder: str):  # type: ignore[no-untyped-def]
+    """A Llama-2/Mistral/Gemma-shaped vocabulary (pieces with a leading '▁', byte fallback), with
+    one of their three decoders: Strip removes the text's first space, as Metaspace(first) does."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from kvguard.workers.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({"▁Hello": 259, "▁hello": 260, "▁world": 261})
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    fallback = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    hf.decoder = {"strip": decoders.Sequence([*fallback, decoders.Strip(" ", 1, 0)]),
+                  "metaspace": decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False),  # no fallback
+                  "plain": decoders.Sequence(fallback)}[decoder]  # fmt: skip
+    return Tokenizer(hf, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+@pytest.mark.parametrize("decoder", ["strip", "metaspace", "plain"])
+def test_the_first_token_keeps_its_space_as_the_whole_decode_has_it(decoder: str) -> None:
+    """A completion is the decode of prompt and output together, less the prompt's (as vLLM and HF
+    pipelines cut it). Decoded alone, '▁hello' under a decoder that strips the text's first space
+    lost it: 'hello world' after 'Hello', so echo read 'Hellohello', text_offset disagreed with the
+    text and stop=[' hello'] never fired (outside probe). The prompt's last tokens are context now."""
+    from kvguard.workers.tokenizer import IncrementalDetokenizer
+
+    tok = _sentencepiece_like(decoder)
+    euro = [] if decoder == "metaspace" else [3 + 0xE2, 3 + 0x82, 3 + 0xAC]  # three byte-fallback tokens
+    prompt, out = [1, 259], [260, 261, *euro]  # <s> Hello | hello world
+    detok = IncrementalDetokenizer(tok, prompt)
+    text = "".join(detok.push(i, final=n == len(out) - 1) for n, i in enumerate(out))
+    assert text == tok.decode(prompt + out)[len(tok.decode(prompt)):] == " hello world" + ("€" if euro else "")
+    assert "".join(IncrementalDetokenizer(tok).push(i) for i in out[:1]) in ("hello", " hello")  # alone: the decoder's call
+
+
+def test_joined_deltas_are_the_decode_of_the_tokens_for_any_bytes(tiny_model_dir: Path) -> None:
+    """Random byte-level runs (whole and cut characters, stray continuation and lead bytes, literal
+    U+FFFD, special tokens), under MAX_WINDOW_TOKENS: the joined deltas are decode(ids). The review's
+    fuzz found a U+FFFD sent twice when the window's held tail reached back into text already sent."""
+    import random
+
+    from kvguard.workers.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    assert tok is not None
+    rng = random.Random(0)
+    pieces = [list("é中😀�".encode()), [0x61], [0x82], [0xE2], [0xF0, 0x9F], [256]]
+    for _ in range(400):
+        ids = [b for _ in range(rng.randrange(1, 60)) for b in rng.choice(pieces)]
+        detok = IncrementalDetokenizer(tok, [97, 98])
+        ends_with_finish = rng.random() < 0.3
+        text = "".join(detok.push(i, final=n == len(ids) - 1 and not ends_with_finish) for n, i in enumerate(ids))
+        text += detok.finish() if ends_with_finish else ""
+        assert text == tok.decode([97, 98] + ids)[len(tok.decode([97, 98])):], ids
+
+
 ALTERNATING = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
                "{{ m['content'] }}{{ pad_token }}{% endfor %}")  # fmt: skip
@@ -371,6 +427,35 @@ def test_a_chat_template_renders_as_transformers_renders_it(tiny_model_dir: Path
         ours.render_chat(twice)
     with pytest.raises(TemplateError, match="Conversation roles must alternate"):
         theirs.apply_chat_template(twice, tokenize=False)
+
+
+EXTRAS = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"
+          "{% else %}{{ m | tojson }}{% endif %}{% endfor %}")  # fmt: skip
+
+
+def test_a_chat_template_gets_transformers_jinja_extras(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """transformers renders with loop controls, its {% generation %} block and a tojson that keeps
+    '<', '&' and non-ASCII as they are and keys in order: a template with `continue` or
+    `generation` was a 400 for every chat, and jinja's own tojson gave the model another prompt
+    ('<b>' as '\\u003cb\\u003e': 81 prompt tokens where HF has 52; outside probe)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvguard.workers.tokenizer import Tokenizer
+
+    model = tmp_path / "extras"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": EXTRAS}))
+    ours, theirs = Tokenizer.from_dir(model), AutoTokenizer.from_pretrained(model)
+    assert ours is not None
+    messages = [{"role": "system", "content": "skipped"}, {"role": "user", "content": "Say <b> & '\u00e9'"},
+                {"role": "assistant", "content": "ok {\"k\": 1}"}]  # fmt: skip
+    rendered = ours.render_chat(messages)
+    assert rendered == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<b> & '\u00e9'" in rendered and "skipped" not in rendered
 
 
 def test_length_groups_split_only_where_padding_costs_more_than_a_group() -> None:

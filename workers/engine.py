@@ -290,7 +290,7 @@ class Engine:
         request.generator = dev.make_generator(self.device, request.seed & 0x7FFFFFFFFFFFFFFF)
         request.end_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
             request.stops = StopMatcher(params.stop)
 
     # ------------------------------------------------------------------------ lifecycle control

@@ -7,8 +7,10 @@ sandbox, as transformers does; jinja2 comes with torch, so it adds no dependency
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import re
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
@@ -96,10 +98,14 @@ class Tokenizer:
             raise ValueError("this model has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        # The globals transformers defines: templates call raise_exception to refuse a conversation
-        # (roles that do not alternate), which must read as the template's own words, not as
-        # "'raise_exception' is undefined" (outside probe), and strftime_now for today's date.
+        # The environment transformers renders templates in (chat_template_utils): loop controls
+        # and its {% generation %} block (a template using either was a 400 for every chat), a
+        # tojson that neither escapes HTML nor sorts keys (jinja's turned '<' into '\u003c': the
+        # model got another prompt, outside probe), raise_exception, to refuse a conversation in
+        # the template's own words, and strftime_now for today's date.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols", _generation_block()])  # fmt: skip
+        env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_template_error, strftime_now=_strftime_now)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens
@@ -111,6 +117,33 @@ class Tokenizer:
 
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.cache
+def _generation_block() -> type:
+    """transformers' {% generation %}...{% endgeneration %} (it marks the assistant's tokens for
+    training masks): rendered as its body, as transformers renders it when nothing is tracked."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.parser import Parser
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Parser) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return GenerationBlock
 
 
 def _raise_template_error(message: str) -> NoReturn:
@@ -147,6 +180,7 @@ _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 # is a run of tokens that each end mid-character (byte-level vocabularies split CJK so), released a
 # character at a time from then on (`IncrementalDetokenizer`).
 MAX_HELD_TOKENS = 8
+PROMPT_CONTEXT_TOKENS = 5  # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
 # The longest slice decoded again on each token during such a run: per-token work stays bounded.
 # Only past this many tokens in a row, each ending mid-character, does U+FFFD reach the output.
 MAX_WINDOW_TOKENS = 256
@@ -164,11 +198,15 @@ class IncrementalDetokenizer:
     whatever is held, as the tokenizer decodes it (U+FFFD for bytes that never completed a
     character): the text of a finished completion is the decode of its tokens, as in vLLM."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # the decoded slice starts here
-        self._read = 0  # ...and the text of ids[prefix:read] has gone out, but its last `_withheld` characters
+        # The prompt's last tokens are the first slice's context, as vLLM seeds its detokenizer: a
+        # decoder that strips the text's leading space (SentencePiece's Strip, Metaspace) then
+        # keeps the first generated token's (' hello', not 'hello': outside probe), as the decode
+        # of prompt and completion together has it. Their text is the prompt's, never output.
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS - 2 :]) if prompt_ids else []
+        self._read = len(self._ids)  # the text of ids[prefix:read] has gone out, but its last `_withheld` characters
+        self._prefix = max(self._read - PROMPT_CONTEXT_TOKENS, 0)  # the decoded slice starts here
         self._withheld = 0
 
     def finish(self) -> str:
@@ -191,7 +229,9 @@ class IncrementalDetokenizer:
             self._prefix, self._read, self._withheld = self._read, len(self._ids), 0
             return new_text[sent:]
         if window > MAX_HELD_TOKENS:  # the slice stays where it starts: the held tail completes in it
-            ready = new_text.rstrip("\ufffd")
-            self._read, self._withheld = len(self._ids), len(new_text) - len(ready)
-            return ready[sent:]
+            # Never back past what went out (text sent may itself end in U+FFFD: a real one, or a
+            # context token that began mid-character), or it would go out twice (review).
+            ready = max(len(new_text.rstrip("\ufffd")), sent)
+            self._read, self._withheld = len(self._ids), len(new_text) - ready
+            return new_text[sent:ready]
         return ""
