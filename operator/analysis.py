@@ -25,7 +25,10 @@ holds (a candidate nobody talks to is not evidence), and the window stays open
 request is still judged. At 100% the stable gets no traffic: latencies are compared with its last
 window that had some (`Window.stable_reference`).
 
-Counters are per series: one that went down was reset (a restarted pod) and counts from zero.
+A process whose counters went down restarted (a restarted pod): all of its series count from
+zero, not only those that went down (a restarted router's few failures hid behind the old count).
+A stable window with fewer than minRequests first tokens is too small to compare with (one slow
+request made an equal candidate 2x): the last window that had enough is used instead.
 """
 
 from __future__ import annotations
@@ -87,13 +90,13 @@ def merge(scrapes: Iterable[Series]) -> Series:
 
 
 def increase(before: Series | None, after: Series) -> Series:
-    """What each series of `after` gained since `before` (None: since the process started).
-    A series that went down was reset and gained its whole value."""
-    gained: Series = {}
-    for key, value in after.items():
-        previous = (before or {}).get(key, 0.0)
-        gained[key] = value - previous if value >= previous else value
-    return gained
+    """What each series of `after` gained since `before` (None: since the process started). A
+    source any of whose series went down restarted: all of its series gained their whole value.
+    Judged per series, a restarted router whose `failed` count had not yet passed the old one
+    showed a fraction of its failures, and its histogram's buckets came out non-monotonic."""
+    before = before or {}
+    restarted = {key[0] for key, value in after.items() if value < before.get(key, 0.0)}
+    return {key: value if key[0] in restarted else value - before.get(key, 0.0) for key, value in after.items()}
 
 
 def total(window: Series, name: str, *, role: str | None = None, **labels: str) -> float:
@@ -128,6 +131,8 @@ def histogram_buckets(window: Series, histogram: str) -> list[tuple[float, float
 def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
     """Prometheus' histogram_quantile: linear within the bucket holding the q-th observation.
     None without observations; the largest finite bound when it falls in the +Inf bucket."""
+    if not all(math.isfinite(count) for _, count in buckets):
+        return math.nan  # a count that is not a number cannot be ranked: never a pass (docs/rollouts.md)
     if not buckets or buckets[-1][1] <= 0:
         return None
     rank = q * buckets[-1][1]
@@ -166,9 +171,14 @@ class Window:
         return cls(increase(candidate_before, candidate_now), stable, stable_reference, stable_lifetime)
 
 
-def served_traffic(series: Series | None) -> bool:
-    """Whether a revision's window holds any first-token observation of its routers."""
-    return series is not None and total(series, f"{TTFT}_count") > 0
+def first_tokens(series: Series | None) -> float:
+    """The first tokens a revision's routers observed in a window: its requests that were served."""
+    return 0.0 if series is None else total(series, f"{TTFT}_count")
+
+
+def served_traffic(series: Series | None, min_requests: int = 1) -> bool:
+    """Whether a revision's window served at least `min_requests` requests (first tokens)."""
+    return first_tokens(series) >= max(min_requests, 1)
 
 
 def needs_more_traffic(spec: AnalysisSpec, window: Window) -> bool:
@@ -247,14 +257,16 @@ def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: 
     return _result("errorRatio", "Successful", ratio, limit, text, failures, at)
 
 
-def _stable_latency(check: LatencyCheck, histogram: str, window: Window, recorded: float | None) -> tuple[float | None, str]:
-    """The stable's percentile to compare with, and where it comes from: this window's; else its
-    last window with traffic (this operator process saw it); else what the last measurement that
-    had one recorded (status: it outlives an operator restart, which at 100% no window replaces);
-    else, last, its lifetime as first scraped."""
-    stable = quantile(check.percentile, histogram_buckets(window.stable or {}, histogram))
-    if stable is not None:
-        return stable, "stable"
+def _stable_latency(check: LatencyCheck, histogram: str, window: Window, recorded: float | None,
+                    min_requests: int) -> tuple[float | None, str]:  # fmt: skip
+    """The stable's percentile to compare with, and where it comes from: this window's, when it
+    served minRequests; else its last window that did (this operator process saw it); else what
+    the last measurement that had one recorded (status: it outlives an operator restart, which at
+    100% no window replaces); else, last, its lifetime as first scraped."""
+    if served_traffic(window.stable, min_requests):
+        stable = quantile(check.percentile, histogram_buckets(window.stable or {}, histogram))
+        if stable is not None:
+            return stable, "stable"
     if window.stable_reference is not None:
         return quantile(check.percentile, histogram_buckets(window.stable_reference, histogram)), "stable (its last window with traffic)"
     if recorded is not None:
@@ -273,7 +285,7 @@ def _latency(name: str, histogram: str, check: LatencyCheck, min_requests: int, 
     if requests < min_requests:
         return _result(name, "Inconclusive", None, limit, _too_few(requests, min_requests), failures, at, recorded)
     candidate = quantile(check.percentile, histogram_buckets(window.candidate, histogram))
-    stable, stable_from = _stable_latency(check, histogram, window, recorded)
+    stable, stable_from = _stable_latency(check, histogram, window, recorded, min_requests)
     if candidate is None or stable is None:
         missing = "candidate" if candidate is None else "stable"
         return _result(name, "Inconclusive", None, limit, f"{label}: no {histogram} observations from the {missing}", failures, at,

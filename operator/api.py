@@ -1006,9 +1006,11 @@ class AnalysisSpec(ApiModel):
     interval_seconds: PositiveInt = 30
     """Time between two measurements; each measurement covers the traffic since the previous one."""
     min_requests: PositiveInt = 20
-    """Candidate requests a measurement needs for the router checks; fewer: inconclusive."""
+    """Candidate requests a measurement needs for the router checks; fewer: inconclusive. A stable
+    window that served fewer is not compared with: its last window that served enough is."""
     error_ratio: ErrorRatioCheck = Field(default_factory=ErrorRatioCheck)
-    """5xx and aborted responses of the candidate."""
+    """Failed requests (5xx, or broken off by the revision) of the candidate's ended requests;
+    requests their clients abandoned count on neither side."""
     ttft: LatencyCheck = Field(default_factory=LatencyCheck)
     """Time to first token, relative to the stable revision."""
     itl: LatencyCheck = Field(default_factory=LatencyCheck)

@@ -3,6 +3,8 @@ router's and workers' own registries, exposed by prometheus_client and parsed ba
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -177,6 +179,55 @@ def test_a_reset_counter_counts_from_zero() -> None:
     assert list(increase(before, after).values()) == [3.0]
 
 
+def test_a_restarted_router_counts_all_its_series_from_zero() -> None:
+    """Outside probe: judged per series, a restarted router that had failed 5 and now failed 6
+    counted +1 failure, and its 20 earlier slow first tokens hid 4 new ones: a pass for a window of
+    6 failures in 46 and an 8 s p95. Any series of a process that went down means it restarted."""
+    old, new = Revision(), Revision()
+    old.serve(20, failed=5, ttft=8.0)
+    new.serve(36, ttft=0.005)
+    new.serve(4, failed=6, ttft=8.0)
+    gained = increase(old.scrape(), new.scrape())
+    assert total_of(gained, "kvguard_requests_total", "router", outcome="failed") == 6
+    assert total_of(gained, "kvguard_requests_total", "router", outcome="finished") == 40
+    stable = Revision()
+    stable.serve(100, ttft=0.005)
+    result = measure(SPEC, Window(candidate=gained, stable=stable.scrape()), (), (), AT)
+    assert by_name(result)["errorRatio"].phase == "Failed" and by_name(result)["ttft"].phase == "Failed"
+
+
+def total_of(series: dict, name: str, role: str, **labels: str) -> float:
+    from kvguard.operator.analysis import total
+
+    return total(series, name, role=role, **labels)
+
+
+@pytest.mark.parametrize(("stable_ttft", "candidate_ttft", "phase"),
+                         [(0.051, 0.099, "Failed"), (0.110, 0.240, "Failed"), (1.05, 2.4, "Failed"),
+                          (0.098, 0.102, "Successful"), (0.0049, 0.0051, "Successful")])  # fmt: skip
+def test_the_routers_buckets_resolve_a_ratio_to_stable(stable_ttft: float, candidate_ttft: float, phase: str) -> None:
+    """Outside probe: buckets 2-2.5x apart put 0.051 s and 0.099 s in one bucket (a 2x slower
+    candidate read 1.00x and passed) and 0.098 s and 0.102 s on two sides of an edge (4% read
+    2.49x and failed). The router's buckets are 1.25x apart now."""
+    candidate, stable = Revision(), Revision()
+    candidate.serve(20, ttft=candidate_ttft)
+    stable.serve(180, ttft=stable_ttft)
+    assert by_name(measured(candidate, stable))["ttft"].phase == phase
+
+
+def test_a_stable_window_smaller_than_min_requests_is_not_what_latency_is_compared_with() -> None:
+    """Outside probe: one stable request (at a 100% step's start) became the reference for the whole
+    bake: an equal candidate then failed 2x against it. A window that served fewer than
+    minRequests is passed over for the last one that served enough."""
+    candidate, tiny, reference = Revision(), Revision(), Revision()
+    candidate.serve(20, ttft=0.1)
+    tiny.serve(1, ttft=0.045)
+    reference.serve(40, ttft=0.1)
+    window = Window(candidate=candidate.scrape(), stable=tiny.scrape(), stable_reference=reference.scrape())
+    ttft = by_name(measure(SPEC, window, (), (), AT))["ttft"]
+    assert ttft.phase == "Successful" and "its last window with traffic" in ttft.message
+
+
 def test_first_rollout_compares_no_latency() -> None:
     candidate = Revision()
     candidate.serve(20, ttft=5.0)
@@ -185,14 +236,19 @@ def test_first_rollout_compares_no_latency() -> None:
 
 
 def test_quantile_matches_prometheus_interpolation() -> None:
-    registry = RouterMetrics()
+    from prometheus_client import Histogram
+
+    registry = CollectorRegistry()
+    histogram = Histogram(TTFT.removesuffix("_seconds"), "ttft", unit="seconds", buckets=(0.0025, 0.005, 0.025, 0.05), registry=registry)
     for value in [0.003] * 50 + [0.04] * 50:
-        registry.time_to_first_token.observe(value)
-    buckets = histogram_buckets(parse_exposition("router/r", generate_latest(registry.registry).decode()), TTFT)
+        histogram.observe(value)
+    buckets = histogram_buckets(parse_exposition("router/r", generate_latest(registry).decode()), TTFT)
     # 50 in (0.0025, 0.005], 50 in (0.025, 0.05]: the median is the top of the first, p75 halfway up the second
     assert quantile(0.5, buckets) == pytest.approx(0.005)
     assert quantile(0.75, buckets) == pytest.approx(0.0375)
     assert quantile(0.5, histogram_buckets({}, ITL)) is None
+    # A count that is not a number anywhere, even above the rank: no percentile (it never passes).
+    assert math.isnan(quantile(0.5, [(0.01, 10.0), (0.1, float("nan")), (math.inf, math.inf)]) or 0.0)
 
 
 def test_queries_are_judged_against_their_bounds() -> None:
@@ -383,7 +439,7 @@ def test_a_latency_histogram_that_is_not_finite_never_passes() -> None:
     candidate.serve(50, ttft=2.0)
     stable.serve(50, ttft=0.02)
     cand = candidate.scrape()
-    bucket = next(k for k in cand if k[1] == "kvguard_router_time_to_first_token_seconds_bucket" and ("le", "5.0") in k[2])
+    bucket = next(k for k in cand if k[1] == "kvguard_router_time_to_first_token_seconds_bucket" and float(dict(k[2])["le"]) > 4)
     nan_candidate = {**cand, bucket: float("nan")}
     result = measure(SPEC, Window(candidate=nan_candidate, stable=stable.scrape()), (), (), AT)
     assert by_name(result)["ttft"].phase == "Failed" and result.verdict != "pass"

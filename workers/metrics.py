@@ -14,6 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # requests is waiting on the request path (prefill, transfer, the router), not on its model.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROUTER_LATENCY_BUCKETS = tuple(round(0.001 * 1.25**i, 6) for i in range(51))  # 1 ms .. 70 s, each 1.25x the last
+"""The router's latency histograms, which a progressive rollout's analysis compares between
+revisions with maxRatioToStable (1.5 by default): buckets 2-2.5x apart hid a 2x slower candidate
+inside one bucket and failed an equal one whose percentile crossed an edge (outside probe); at
+1.25x a percentile moves with the latencies, bucket by bucket."""
 REQUEST_OUTCOMES = ("finished", "aborted", "failed", "rejected")  # kvguard_requests_total{outcome}
 # kvguard_rejected_requests_total{reason}: the engine's intake refusals and the router's own.
 REJECT_REASONS = ("context_length_exceeded", "invalid_value", "duplicate_request_id", "invalid_request_id")

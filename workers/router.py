@@ -57,7 +57,7 @@ from kvguard.workers.control_auth import ANY_WORKER, auth_headers
 from kvguard.workers.discovery import Discovery, NoAnswer, membership_change, resolve
 from kvguard.workers.json_shape import json_shape_problem
 from kvguard.workers.keys import RevisionKeys
-from kvguard.workers.metrics import LATENCY_BUCKETS, REJECT_REASONS, REQUEST_OUTCOMES, zeroed
+from kvguard.workers.metrics import REJECT_REASONS, REQUEST_OUTCOMES, ROUTER_LATENCY_BUCKETS, zeroed
 from kvguard.workers.openai_api import (
     REVISION_HEADER,
     SSE_DONE,
@@ -223,11 +223,11 @@ class RouterMetrics:
         # that wait, a 2.15 s wait added 0.136 s to the TTFT sum).
         self.request_duration = Histogram(
             "kvguard_router_request_duration_seconds", "Request arrival to the generation's end, finished or not",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=ROUTER_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.time_to_first_token = Histogram(
             "kvguard_router_time_to_first_token_seconds", "Request arrival to the generation's first verified token",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=ROUTER_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.kept_out = Gauge(
             "kvguard_router_workers_kept_out", "Workers out of rotation because their KV pool is below the ratio (S7)",
@@ -235,7 +235,7 @@ class RouterMetrics:
         )  # fmt: skip
         self.inter_token_latency = Histogram(
             "kvguard_router_inter_token_latency_seconds", "Time between consecutive verified tokens of a generation",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=ROUTER_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
 
 

@@ -167,7 +167,7 @@ async def measure_live_traffic(
         stable_now = stable_before
     if cand_before is None:  # counters since each process began would count the canary's own probes (its aborts...)
         memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
-        if served_traffic(stable_now):  # the stable's life so far: the last resort of a reference (Window)
+        if served_traffic(stable_now, spec.min_requests):  # the stable's life so far: the last resort of a reference (Window)
             memory.stable_lifetime[key] = (stable_rev, stable_now)
         why = "first scrape of these revisions by this operator process: the analysis window starts now"
         return AnalysisOutcome("inconclusive", (AnalysisResult(name="window", phase="Inconclusive", message=why, measured_at=at),), why)
@@ -177,7 +177,7 @@ async def measure_live_traffic(
         queries = [QueryValue(n, v, e) for n, v, e in await query_values(spec.prometheus_url, spec.queries, values)]
     window = Window.between(cand_before, cand_now, stable_before, stable_now, memory.reference(key, stable_rev),
                             memory.lifetime(key, stable_rev))  # fmt: skip
-    if served_traffic(window.stable):
+    if served_traffic(window.stable, spec.min_requests):  # a smaller one is no reference for a whole bake
         memory.stable_reference[key] = (stable_rev, window.stable)  # type: ignore[assignment]
     if not needs_more_traffic(spec, window):  # else the window stays open: its start is kept
         memory.last[key] = (cand_rev, stable_rev, cand_now, stable_now)
