@@ -108,6 +108,54 @@ def test_the_manifests_namespace_is_the_one_policies_see_and_the_flag_may_only_r
     assert not (tmp_path / "t").exists()  # refused before anything was made
 
 
+def test_a_folder_whose_state_json_went_missing_is_not_started_again_beside_its_processes(tmp_path: Path) -> None:
+    """Outside probe: with state.json moved away (as the unreadable-state message advised), the
+    folder read as empty: apply started a second deployment beside the first's processes, and
+    --delete then stopped only the new one. A folder whose processes still run is refused, and
+    --delete stops them by their logs."""
+    from waiting import wait_for
+
+    from kvguard.operator.backends.local import ProcessTable
+
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "lock").write_text("")
+    with open(state / "splitter.log", "wb") as log:  # the folder's splitter, its record lost
+        splitter = subprocess.Popen([sys.executable, "-P", "-m", "kvguard", "splitter", "--table", str(state / "split.json"),
+                                     "--port", "0", "--metrics-port", "0"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_for(lambda: splitter.pid in ProcessTable.logging_into(state), "the splitter logging into the folder")
+        done = kvguard("apply", "-f", str(REPO / "examples" / "tiny-cpu.yaml"), "--local", "--state-dir", str(state))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "state.json: missing, though 1 kvguard process(es) log into the folder" in done.stderr
+        assert "kvguard apply --local --delete" in done.stderr and not (state / "state.json").exists()
+        deleted = kvguard("apply", "--local", "--delete", "--state-dir", str(state))
+        assert deleted.returncode == 0 and "stopped 1 process(es)" in deleted.stdout, deleted.stdout + deleted.stderr
+        assert splitter.wait(timeout=60) is not None and not state.exists()
+    finally:
+        if splitter.poll() is None:
+            splitter.kill()
+            splitter.wait()
+
+
+def test_delete_with_a_manifest_stops_only_the_model_it_names(tmp_path: Path) -> None:
+    """Outside probe: `apply --delete -f other.yaml --state-dir D` stopped and removed the model D
+    held, although applying other.yaml there is refused. With -f, the folder must hold that model."""
+    from kvguard.operator.backends.local import LocalState, StateStore
+
+    state = tmp_path / "s"
+    with StateStore(state).locked() as store:
+        store.save(LocalState(model="tiny-cpu", namespace="default"))
+    other = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    other["metadata"] = {"name": "other-model"}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    refused = kvguard("apply", "--local", "--delete", "-f", str(tmp_path / "other.yaml"), "--state-dir", str(state))
+    assert refused.returncode == 2 and "holds model default/tiny-cpu, not default/other-model" in refused.stderr, refused.stderr
+    assert (state / "state.json").exists()
+    done = kvguard("apply", "--local", "--delete", "-f", str(REPO / "examples" / "tiny-cpu.yaml"), "--state-dir", str(state))
+    assert done.returncode == 0 and not state.exists(), done.stdout + done.stderr
+
+
 def test_a_pause_that_would_not_pause_is_bad_input(tmp_path: Path) -> None:
     """`kvguard.io/pause: "yes"` was read as no pause and the rollout went on; refused as the
     admission webhook refuses it (rollout.annotation_problems), before anything starts."""

@@ -76,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--faults", default="", metavar="SPEC",
                         help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
     parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds (checked between reconcile passes: one that is starting workers ends first)")
-    parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it (with an unreadable state.json: every kvguard worker logging into the folder; none found: nothing is removed)")
+    parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it (with an unreadable state.json: every kvguard worker logging into the folder; none found: nothing is removed); with -f, only a folder holding that model (else exit 2)")
     parser.set_defaults(func=run)
 
 
@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     # Ctrl-C path, not kill the process (it did, under load).
     with stop_signals_as_one_interrupt():
         if args.delete:
-            return _delete_interruptible(state_dir)
+            held = None if model is None else f"{args.namespace or 'default'}/{model.metadata.name}"
+            return _delete_interruptible(state_dir, held)
         return _apply(args, model, policies, state_dir)
 
 
@@ -235,16 +236,18 @@ class _ProbeRows:
         print(f"    {probe_row(event.result)}", file=self.out, flush=True)
 
 
-def _delete_interruptible(state_dir: Path) -> int:
+def _delete_interruptible(state_dir: Path, model: str | None = None) -> int:
     try:
-        return _delete(state_dir)
+        return _delete(state_dir, model)
     except KeyboardInterrupt:
         print(f"kvguard apply --delete: interrupted; some of the folder's processes may still run and {state_dir} is "
               "kept: run it again to finish", file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
 
 
-def _delete(state_dir: Path) -> int:
+def _delete(state_dir: Path, model: str | None = None) -> int:
+    """Stop every process of the folder and remove it; with -f, only when the folder holds that
+    model (`namespace/name`): `--delete -f B.yaml` removed model A's folder (outside probe)."""
     from kvguard.operator.backends.local import LOCK_FILE, STATE_FILE, LocalBackend, LocalBackendError, UnreadableState
 
     if not state_dir.exists():
@@ -261,7 +264,11 @@ def _delete(state_dir: Path) -> int:
     had_lock = (state_dir / LOCK_FILE).exists()
     try:
         with LocalBackend(state_dir) as backend:
+            held = backend.state.held
+            if model is not None and held is not None and held != model:
+                return _bad_input(f"{state_dir} holds model {held}, not {model}: nothing stopped or removed")
             backend.stop_all()
+        _stop_unrecorded(state_dir)  # a process the record lost (one a lost state.json left) stops too
     except UnreadableState as exc:
         # The record is gone, not the processes: stop what logs into the folder instead.
         try:

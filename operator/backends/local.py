@@ -76,7 +76,8 @@ def _started_here(cmdline: bytes) -> bool:
     return any(marker in cmdline for marker in _STARTED_HERE)
 
 SPLITTER_LOG = "splitter.log"
-AFRESH = "move it away to start afresh (`kvguard apply --delete` stops the processes that log into it and removes it)"
+AFRESH = ("start afresh with `kvguard apply --local --delete` on this --state-dir: it stops the processes that log "
+          "into the folder and removes it")
 LOCK_FILE = "lock"
 FAULTS_ENV = "KVGUARD_FAULTS"
 TRANSFER_KEY_ENV = "KVGUARD_TRANSFER_KEY"
@@ -262,6 +263,10 @@ class StateStore:
     def load(self) -> LocalState:
         path = self.root / STATE_FILE
         if not path.exists():
+            if running := ProcessTable.logging_into(self.root):
+                # Read as empty, the next apply started a second deployment beside these, and
+                # --delete then stopped only the new one (outside probe).
+                raise UnreadableState(f"{path}: missing, though {len(running)} kvguard process(es) log into the folder")
             return LocalState()
         try:
             state = LocalState.model_validate_json(path.read_text())
