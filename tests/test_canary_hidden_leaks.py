@@ -11,17 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from test_canary_adversarial_servers import spec
 from test_canary_fakes import Behaviour, RunningServer
 
-from kvguard.operator.canary import CanaryReport, CanarySpec, ProbeName, ProbeStatus, Verdict, run_suite
+from kvguard.operator.canary import CanaryReport, ProbeName, ProbeStatus, Verdict, run_suite
 from kvguard.operator.canary.client import RETRY_AFTER_CAP_S, Completion
 from kvguard.operator.canary.responses import choice_texts, parse_body
-
-FAST = {"abort": {"poolRecoveryTimeoutSeconds": 1.0}, "requestTimeoutSeconds": 60}
-
-
-def spec(**overrides: object) -> CanarySpec:
-    return CanarySpec.model_validate({**FAST, **overrides})
 
 
 @pytest.fixture

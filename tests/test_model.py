@@ -397,6 +397,22 @@ def test_joined_deltas_are_the_decode_of_the_tokens_for_any_bytes(tiny_model_dir
         assert text == tok.decode([97, 98] + ids)[len(tok.decode([97, 98])):], ids
 
 
+def _with_template(tiny_model_dir: Path, into: Path, template: str):  # type: ignore[no-untyped-def]
+    """The tiny model's tokenizer with `template`, as kvguard and as transformers read it, and its config."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvguard.workers.tokenizer import Tokenizer
+
+    shutil.copytree(tiny_model_dir, into)
+    config = json.loads((into / "tokenizer_config.json").read_text())
+    (into / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    ours = Tokenizer.from_dir(into)
+    assert ours is not None
+    return ours, AutoTokenizer.from_pretrained(into), config
+
+
 ALTERNATING = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
                "{{ m['content'] }}{{ pad_token }}{% endfor %}")  # fmt: skip
@@ -406,19 +422,9 @@ def test_a_chat_template_renders_as_transformers_renders_it(tiny_model_dir: Path
     """A template that refuses a conversation with raise_exception (Mistral's, when roles do not
     alternate) failed with "'raise_exception' is undefined", and one writing pad_token got an empty
     string: transformers passes every special token and that function (outside probe)."""
-    import shutil
-
     from jinja2 import TemplateError
-    from transformers import AutoTokenizer
 
-    from kvguard.workers.tokenizer import Tokenizer
-
-    model = tmp_path / "alternating"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": ALTERNATING}))
-    ours, theirs = Tokenizer.from_dir(model), AutoTokenizer.from_pretrained(model)
-    assert ours is not None
+    ours, theirs, config = _with_template(tiny_model_dir, tmp_path / "alternating", ALTERNATING)
     fine = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert ours.render_chat(fine) == theirs.apply_chat_template(fine, tokenize=False, add_generation_prompt=True)
     assert config.get("pad_token") and str(config["pad_token"]) in ours.render_chat(fine)
@@ -439,18 +445,7 @@ def test_a_chat_template_gets_transformers_jinja_extras(tiny_model_dir: Path, tm
     '<', '&' and non-ASCII as they are and keys in order: a template with `continue` or
     `generation` was a 400 for every chat, and jinja's own tojson gave the model another prompt
     ('<b>' as '\\u003cb\\u003e': 81 prompt tokens where HF has 52; outside probe)."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    from kvguard.workers.tokenizer import Tokenizer
-
-    model = tmp_path / "extras"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": EXTRAS}))
-    ours, theirs = Tokenizer.from_dir(model), AutoTokenizer.from_pretrained(model)
-    assert ours is not None
+    ours, theirs, _ = _with_template(tiny_model_dir, tmp_path / "extras", EXTRAS)
     messages = [{"role": "system", "content": "skipped"}, {"role": "user", "content": "Say <b> & '\u00e9'"},
                 {"role": "assistant", "content": "ok {\"k\": 1}"}]  # fmt: skip
     rendered = ours.render_chat(messages)

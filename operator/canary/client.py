@@ -187,24 +187,14 @@ class EngineClient:
         if sampled:
             del body["temperature"], body["seed"]
 
-        async def once() -> Completion:
-            result = Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens)
-            started = time.monotonic()
-            try:
-                async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
-                    result.status, result.retry_after_header = resp.status, _retry_after(resp)
-                    if stream and resp.status == 200 and _is_event_stream(resp):
-                        await _read_stream(resp, result, disconnect_after_chunks, started)
-                    else:
-                        _read_json(await resp.text(), result)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                result.error = _transport_error(exc, self.timeout_seconds)
-            finally:
-                result.seconds = time.monotonic() - started
-            return result
+        async def read(resp: aiohttp.ClientResponse, result: Completion, started: float) -> None:
+            if stream and resp.status == 200 and _is_event_stream(resp):
+                await _read_stream(resp, result, disconnect_after_chunks, started)
+            else:
+                _read_json(await resp.text(), result)
 
-        result = await _with_retries(once)
+        result = await _with_retries(lambda: self._exchange(
+            api, body, Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens), read))
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         if result.error is None and result.status == 200:
@@ -228,21 +218,10 @@ class EngineClient:
         if n > 1:
             body["n"] = n
 
-        async def once() -> Completion:
-            result = Completion(label=label, max_tokens=max_tokens * count * n)
-            started = time.monotonic()
-            try:
-                async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
-                    result.status, result.retry_after_header = resp.status, _retry_after(resp)
-                    result.body = await resp.text()
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                result.error = _transport_error(exc, self.timeout_seconds)
-            finally:
-                result.seconds = time.monotonic() - started
-            return result
+        async def read(resp: aiohttp.ClientResponse, result: Completion, _started: float) -> None:
+            result.body = await resp.text()
 
-        result = await _with_retries(once)
+        result = await _with_retries(lambda: self._exchange(api, body, Completion(label=label, max_tokens=max_tokens * count * n), read))
         texts: dict[int, str] = {}
         if result.error is None:
             payload, result.error = parse_json_text(result.body)
@@ -253,6 +232,23 @@ class EngineClient:
         result.text = "".join(texts[k] for k in sorted(texts))
         self._observe(prompts if isinstance(prompts, str) else "\n".join(prompts), result)
         return result, texts
+
+    async def _exchange(
+        self, api: ApiKind, body: dict[str, Any], result: Completion,
+        read: Callable[[aiohttp.ClientResponse, Completion, float], Awaitable[None]],
+    ) -> Completion:  # fmt: skip
+        """One POST of `body`, its answer `read` into `result`; a transport failure is its error."""
+        started = time.monotonic()
+        try:
+            async with self.session.post(f"{self.base_url}{API_PATHS[api]}", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
+                result.status, result.retry_after_header = resp.status, _retry_after(resp)
+                await read(resp, result, started)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            result.error = _transport_error(exc, self.timeout_seconds)
+        finally:
+            result.seconds = time.monotonic() - started
+        return result
 
     def _observe(self, prompt: str, result: Completion) -> None:
         if self.observer is not None:
