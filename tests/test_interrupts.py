@@ -213,7 +213,7 @@ def test_an_interrupted_delete_says_what_it_left_and_exits_130(tmp_path: Path, m
     the folder still running (outside probe)."""
     from kvguard.commands import apply
 
-    def interrupted(_state_dir: Path) -> int:
+    def interrupted(_state_dir: Path, _model: str | None = None) -> int:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(apply, "_delete", interrupted)

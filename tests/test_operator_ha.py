@@ -15,6 +15,7 @@ enforces resourceVersion preconditions, selectors and server-side apply as an AP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -365,16 +366,34 @@ async def test_S3_a_model_deleted_and_created_again_with_the_same_spec_gets_a_ne
     await apply_model(tiny_model())
     first = await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3 and objects_of(cluster, SECRETS), "the first model's children")
     await http("DELETE", f"/apis/kvguard.io/v1alpha1/namespaces/{NS}/inferencemodels/tiny")
-    garbage = (("/apis/apps/v1", DEPLOYMENTS), ("/api/v1", SECRETS), ("/api/v1", SERVICES), ("/apis/networking.k8s.io/v1", NETPOLS))
-    for plural, kind in garbage:  # the garbage collector (kmock has none): every child of the deleted model
-        for name in list(objects_of(cluster, kind)):
-            await http("DELETE", f"{plural}/namespaces/{NS}/{kind.plural}/{name}")
-    await apply_model(tiny_model(uid="uid-tiny-2"))
-    deployments = await until(lambda: len(objects_of(cluster, DEPLOYMENTS)) == 3 and objects_of(cluster, DEPLOYMENTS), "the new model's")
+    # The garbage collector (kmock has none), as Kubernetes runs it: for as long as the test goes
+    # on, every child of the deleted model goes. Collected once, a pass of the model still in
+    # flight put them back (a level-based reconcile), and they blocked the new model (two workers' load).
+    collector = asyncio.create_task(_collect_children_of(cluster, "uid-tiny"))
+    try:
+        await apply_model(tiny_model(uid="uid-tiny-2"))
+        deployments = await until(lambda: len(new := _owned_by(cluster, DEPLOYMENTS, "uid-tiny-2")) == 3 and new, "the new model's")
+    finally:
+        collector.cancel()
     (used,) = {transfer_secret_of(d.raw) for d in deployments.values()}
     assert used not in first
     secret = await until(lambda: objects_of(cluster, SECRETS).get(used), "the new model's own Secret")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny-2"
+
+
+def _owned_by(cluster: Any, kind: Any, uid: str) -> dict[str, Any]:
+    return {name: o for name, o in objects_of(cluster, kind).items()
+            if any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences") or ())}  # fmt: skip
+
+
+async def _collect_children_of(cluster: Any, uid: str) -> None:
+    kinds = (("/apis/apps/v1", DEPLOYMENTS), ("/api/v1", SECRETS), ("/api/v1", SERVICES), ("/apis/networking.k8s.io/v1", NETPOLS))
+    while True:
+        for path, kind in kinds:
+            for name in _owned_by(cluster, kind, uid):
+                with contextlib.suppress(AssertionError):  # gone already (404)
+                    await http("DELETE", f"{path}/namespaces/{NS}/{kind.plural}/{name}")
+        await asyncio.sleep(0.1)  # the collector's own pace, not a wait for the operator
 
 
 async def test_deletions_leave_nothing_behind_in_the_leader_or_a_standby_and_cost_no_reads_at_a_hand_over(operator: Operator) -> None:
