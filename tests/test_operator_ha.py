@@ -387,13 +387,16 @@ def _owned_by(cluster: Any, kind: Any, uid: str) -> dict[str, Any]:
 
 
 async def _collect_children_of(cluster: Any, uid: str) -> None:
+    """Delete every child of the owner `uid` as soon as one exists, until cancelled."""
     kinds = (("/apis/apps/v1", DEPLOYMENTS), ("/api/v1", SECRETS), ("/api/v1", SERVICES), ("/apis/networking.k8s.io/v1", NETPOLS))
+
+    def orphans() -> list[tuple[str, Any, str]]:
+        return [(path, kind, name) for path, kind in kinds for name in _owned_by(cluster, kind, uid)]
+
     while True:
-        for path, kind in kinds:
-            for name in _owned_by(cluster, kind, uid):
-                with contextlib.suppress(AssertionError):  # gone already (404)
-                    await http("DELETE", f"{path}/namespaces/{NS}/{kind.plural}/{name}")
-        await asyncio.sleep(0.1)  # the collector's own pace, not a wait for the operator
+        for path, kind, name in await until(orphans, "a child of the deleted model", timeout=3600):
+            with contextlib.suppress(AssertionError):  # gone already (404)
+                await http("DELETE", f"{path}/namespaces/{NS}/{kind.plural}/{name}")
 
 
 async def test_deletions_leave_nothing_behind_in_the_leader_or_a_standby_and_cost_no_reads_at_a_hand_over(operator: Operator) -> None:

@@ -10,6 +10,7 @@ e2e/test_local_progressive.py). Waits are on conditions (tests/waiting.py), neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -270,6 +271,16 @@ async def test_a_client_that_reads_nothing_through_the_splitter_loses_its_connec
         try:
             # The client reads nothing: the splitter drops it, which cancels its relay and so the router's answer.
             await until(lambda: routers["stable"].cancelled == 1, "the stalled client dropped and the router's handler cancelled")
+            assert routers["stable"].cancelled == 1
+            # ...and its connection ended: reading now meets a reset (or the end, after what was buffered).
+            loop = asyncio.get_running_loop()
+
+            async def read_to_the_end() -> None:
+                with contextlib.suppress(ConnectionResetError):
+                    while await loop.sock_recv(client, 1 << 20):
+                        pass
+
+            await asyncio.wait_for(read_to_the_end(), 60)  # TimeoutError: the splitter kept the connection
         finally:
             client.close()
 

@@ -267,6 +267,8 @@ class LocalDeployment:
         try:
             self.wait_ready(ready_timeout_s, stop)
             self._check_pools()
+            if stop is not None and stop.is_set():  # it came after wait_ready's last look
+                raise StartStopped("stopped as every worker became ready")
         except BaseException:
             self.stop()
             raise

@@ -100,7 +100,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None  # a ChatLogprobs put into the dumped body (`_with_chat_logprobs`)
+    logprobs: None = None  # a ChatLogprobs, put into the dumped body by ResponseBuilder (plain data)
     finish_reason: FinishReason
 
 

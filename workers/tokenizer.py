@@ -94,6 +94,11 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for chat `messages` ([{role, content}]) under the model's template."""
+        return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens)
+
+    @cached_property
+    def _chat_template(self) -> Any:
+        """The chat template, compiled once (it was compiled again for every chat request)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -107,9 +112,7 @@ class Tokenizer:
                                             extensions=["jinja2.ext.loopcontrols", _generation_block()])  # fmt: skip
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_template_error, strftime_now=_strftime_now)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens
-        )
+        return env.from_string(self.chat_template)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the rendered chat prompt (the template places special tokens itself)."""

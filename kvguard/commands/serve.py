@@ -139,10 +139,6 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"kvguard serve: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if stop.is_set():  # the signal came after the last check of the start
-        deployment.stop()
-        print("kvguard serve: stopped during start-up", file=sys.stderr)
-        return 0
     print(json.dumps({"router": deployment.api_base, "metrics": deployment.metrics_urls,
                       "internal": deployment.internal_urls}), flush=True)  # fmt: skip
     try:
