@@ -149,6 +149,43 @@ def test_a_sigterm_while_it_runs_cancels_the_rollout_which_cleans_up(caplog: pyt
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
 
 
+def test_a_signal_sent_as_the_loop_goes_to_sleep_still_wakes_it() -> None:
+    """The loop's last check for signals comes just before its select; a signal that lands
+    between the two used to be seen only when something else woke the loop (with nothing
+    scheduled: never; the test above once waited 767 s in CI). A thread that signals as soon as
+    the rollout waits gets the GIL exactly when the loop releases it to sleep, so it hits that
+    window: under two busy cores, 14 of 300 runs before the wakeup fd. A lost signal is counted
+    after 10 s and then sent again (which wakes select with EINTR), so a regression fails
+    rather than hangs. Idle, the window is rarely hit; this is a check under load."""
+    lost = sum(_signal_is_lost_as_the_loop_waits() for _ in range(1000))
+    assert lost == 0
+
+
+def _signal_is_lost_as_the_loop_waits() -> bool:
+    """One rollout, signalled by another thread as soon as it waits; whether the signal took over
+    10 s to interrupt it (then sent again)."""
+    waiting, interrupted, lost = threading.Event(), threading.Event(), []
+
+    async def rollout() -> None:
+        waiting.set()
+        await asyncio.Event().wait()
+
+    def signal_once_waiting() -> None:
+        waiting.wait(timeout=60)
+        _signal_main_thread(signal.SIGTERM)
+        if not interrupted.wait(timeout=10):
+            lost.append(True)
+            _signal_main_thread(signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_once_waiting)
+    sender.start()
+    with stop_signals_as_one_interrupt(ending_the_process=False), pytest.raises(KeyboardInterrupt):
+        run_interruptible(rollout)
+    interrupted.set()
+    sender.join()
+    return bool(lost)
+
+
 def test_an_interrupt_raised_inside_another_task_logs_no_never_retrieved_traceback(caplog: pytest.LogCaptureFixture) -> None:
     """The handler raises KeyboardInterrupt in whatever frame runs: inside a helper task (aiohttp's
     body writer), that task keeps it as its exception, and asyncio logged "Task exception was never
