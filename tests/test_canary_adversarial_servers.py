@@ -469,7 +469,7 @@ async def test_a_leak_only_long_requests_show_fails_isolation(server: RunningSer
     assert again and again[0].expected != again[0].actual
 
 
-@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=3500)], indirect=True)
+@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=3644)], indirect=True)
 async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: RunningServer) -> None:
     """The request of a tenant's answer alone wrapped the KV ring and read stale slots: every later
     check of that tenant compared against the leak, and the concurrent answers that differed from
@@ -477,8 +477,8 @@ async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: 
 
     The ring is filled in arrival order, and the probe's concurrent requests arrive in any order,
     so the ring's size is chosen for the wrap to land on a request sent alone: the suite's
-    requests before tenant 1's "alone again" fill 3,477 slots whatever their order, and that one
-    ends at 3,549. (At 1800 the wrap landed in a concurrent batch: in one run of eight under load
+    requests before tenant 1's "alone again" fill 3,621 slots whatever their order, and that one
+    ends at 3,693 (the streamed `n` = 2 requests added 144). (At 1800 the wrap landed in a concurrent batch: in one run of eight under load
     the tenant that wrapped it was the one whose "alone again" wrapped next, read its own KV, and
     the probe honestly saw no leak; a loop under two busy loops found it.)"""
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
@@ -586,6 +586,16 @@ async def test_a_single_prompts_second_choice_from_another_sequence_fails_isolat
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert "tenant 1, n: 2 (completions): its greedy choices differ" in isolation.reason, isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(crossed_stream_forks=True)], indirect=True)
+async def test_a_streamed_second_choice_from_another_sequence_fails_isolation(server: RunningServer) -> None:
+    """`n` > 1 was never streamed, where a server routes each choice's chunks by index: a server
+    whose streamed forks read another sequence (plain ones right) passed."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "tenant 1, n: 2 (completions, streamed): its greedy choices differ" in isolation.reason, isolation.reason
+    assert "tenant 1, n: 2 (completions):" not in isolation.reason  # the plain forks are right
 
 
 async def test_a_clean_server_passes_every_new_path_and_shape(server: RunningServer) -> None:

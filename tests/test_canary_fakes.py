@@ -91,6 +91,7 @@ class Behaviour:
     # A single prompt with `n` > 1 gets `n` choices (always); with crossed_single_forks every choice
     # after the first goes on, after its own first token, with another sequence's tokens.
     crossed_single_forks: bool = False
+    crossed_stream_forks: bool = False  # the same, on streamed answers only (plain ones stay right)
     reverse_chat_stream: bool = False  # streamed chat sends the tokens in reverse order
     # Prompts of at least this many tokens are answered from the previous long prompt's KV (a leak
     # only long prompts show: B, short, never sees it).
@@ -293,15 +294,16 @@ class FakeEngine:
                 self.prefilled.add((prompt, chat, stream, max_tokens))
             # Fewer tokens than max_tokens (a constant_text shorter than it): stopped, not cut.
             finish = "length" if len(tokens) >= max_tokens else "stop"
+            crossed = self.b.crossed_single_forks or (stream and self.b.crossed_stream_forks)
+            forks = [tokens[:1] + self.generate(f"{prompt} fork {k}", max_tokens)[1:] if crossed else tokens
+                     for k in range(1, n)]  # fmt: skip
             if not stream:
                 body = self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens)
                 self._hide(body["choices"][0], chat, hidden)
-                forks = [tokens[:1] + self.generate(f"{prompt} fork {k}", max_tokens)[1:] if self.b.crossed_single_forks
-                         else tokens for k in range(1, n)]  # fmt: skip
                 body["choices"] += [{**body["choices"][0], "index": k + 1, **self._content(chat, " ".join(f))}
                                     for k, f in enumerate(forks)]  # fmt: skip
                 return web.json_response(body)
-            return await self._stream(request, tokens, chat, finish, max_tokens, hidden)
+            return await self._stream(request, [tokens, *forks], chat, finish, max_tokens, hidden)
         except (asyncio.CancelledError, ConnectionResetError):
             disconnected = True
             raise
@@ -388,28 +390,33 @@ class FakeEngine:
                                   {"tokens": [nonce], "token_logprobs": [-0.1], "top_logprobs": [{nonce: -0.1}]})  # fmt: skip
 
     async def _stream(
-        self, request: web.Request, tokens: list[str], chat: bool, finish: str = "length", max_tokens: int = 0,
+        self, request: web.Request, choices: list[list[str]], chat: bool, finish: str = "length", max_tokens: int = 0,
         hidden: str | None = None,
     ) -> web.StreamResponse:
+        """Each choice's tokens (one list per choice), a chunk per token and choice, interleaved."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if chat and self.b.reverse_chat_stream:
-            tokens = tokens[::-1]
-        for i, token in enumerate(tokens):
+            choices = [tokens[::-1] for tokens in choices]
+        for i in range(len(choices[0])):
             if self.b.stream_dies_after is not None and i >= self.b.stream_dies_after:
                 request.transport.close()  # type: ignore[union-attr]
                 return resp
-            piece = None if self.b.empty_text else token if i == 0 else " " + token
-            delta = {"delta": {"content": piece}} if chat else {"text": piece}
-            frame = {"choices": [{"index": 0, **delta, "finish_reason": None}]}
-            if i == 0:
-                self._hide(frame["choices"][0], chat, hidden)
-            await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
+            for index, tokens in enumerate(choices):
+                piece = None if self.b.empty_text else tokens[i] if i == 0 else " " + tokens[i]
+                delta = {"delta": {"content": piece}} if chat else {"text": piece}
+                frame = {"choices": [{"index": index, **delta, "finish_reason": None}]}
+                if i == 0 and index == 0:
+                    self._hide(frame["choices"][0], chat, hidden)
+                await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
             await asyncio.sleep(self.b.token_delay)
-        # The OpenAI stream shape: a last chunk carries the finish reason (and usage), then [DONE].
+        # The OpenAI stream shape: a last chunk per choice carries its finish reason (and usage), then [DONE].
+        for index in range(1, len(choices)):
+            last = {"choices": [{"index": index, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}]}
+            await resp.write(f"data: {json.dumps(last)}\n\n".encode())
         final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}]}
         if self.b.usage_mode == "capped":  # a usage that lies within the budget
-            final["usage"] = {"prompt_tokens": 1, "completion_tokens": min(len(tokens), max_tokens)}
+            final["usage"] = {"prompt_tokens": 1, "completion_tokens": min(len(choices[0]), max_tokens)}
         await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp

@@ -204,26 +204,35 @@ class EngineClient:
         return result
 
     async def complete_list(
-        self, prompts: list[str] | str, *, max_tokens: int, label: str, n: int = 1, api: ApiKind = "completions"
+        self, prompts: list[str] | str, *, max_tokens: int, label: str, n: int = 1, api: ApiKind = "completions",
+        stream: bool = False,
     ) -> tuple[Completion, dict[int, str]]:
         """One request carrying a list of prompts (completions: one batch on the server), or one
         prompt (either API), `n` choices each: the exchange, and each choice's text by index
-        (prompt i's are i*n .. i*n+n-1, as OpenAI numbers them). Observed as one answer to all its
-        prompts (another request's nonce anywhere in it is a leak); the caller checks each choice
-        against the others itself."""
+        (prompt i's are i*n .. i*n+n-1, as OpenAI numbers them), streamed when `stream` (the
+        choices' chunks interleave in one stream, told apart by index). Observed as one answer to
+        all its prompts (another request's nonce anywhere in it is a leak); the caller checks each
+        choice against the others itself."""
         count = len(prompts) if isinstance(prompts, list) else 1
-        body = self.request_body(api, prompts if isinstance(prompts, str) else "", max_tokens, stream=False)
+        body = self.request_body(api, prompts if isinstance(prompts, str) else "", max_tokens, stream=stream)
         if isinstance(prompts, list):
             body["prompt"] = prompts
         if n > 1:
             body["n"] = n
+        texts: dict[int, str] = {}
+        streamed = False
 
         async def read(resp: aiohttp.ClientResponse, result: Completion, _started: float) -> None:
-            result.body = await resp.text()
+            nonlocal streamed
+            texts.clear()  # (a retry starts over)
+            streamed = stream and resp.status == 200 and _is_event_stream(resp)
+            if streamed:
+                await _read_choice_stream(resp, result, texts)
+            else:
+                result.body = await resp.text()
 
         result = await _with_retries(lambda: self._exchange(api, body, Completion(label=label, max_tokens=max_tokens * count * n), read))
-        texts: dict[int, str] = {}
-        if result.error is None:
+        if result.error is None and not streamed:
             payload, result.error = parse_json_text(result.body)
             if result.error is None:
                 texts, result.error = choice_texts(payload)
@@ -345,6 +354,34 @@ async def _read_stream(
     result.text = "".join(pieces)
     result.body = "\n".join(lines)
     if result.error is None and result.finish_reason is None and not result.disconnected:
+        result.error = stream_cut_short(result)
+
+
+async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, texts: dict[int, str]) -> None:
+    """A stream of several choices: each frame's choices appended to their index's text (a frame
+    that names one index twice is an error, as `choice_texts` says for a whole body)."""
+    lines: list[str] = []
+    async for raw_line in resp.content:
+        line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
+        lines.append(line)
+        data = sse_data(line)
+        if not data:
+            continue
+        if data == "[DONE]":
+            result.saw_done = True
+            break
+        result.frames_seen += 1
+        payload, error = parse_json_text(data)
+        frame, error = choice_texts(payload) if error is None else ({}, error)
+        if error is not None:
+            result.error = f"stream frame {result.frames_seen}: {error}"
+            break
+        for index, text in frame.items():
+            texts[index] = texts.get(index, "") + text
+        parsed = parse_body(payload)
+        result.finish_reason = parsed.finish_reason or result.finish_reason
+    result.body = "\n".join(lines)
+    if result.error is None and result.finish_reason is None:
         result.error = stream_cut_short(result)
 
 

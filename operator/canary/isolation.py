@@ -27,7 +27,7 @@ serves it (a chat template may be missing: then it is noted, not failed), each p
 tenants take turns over those paths, then run all at once on each of them (two chats, two chat
 streams in flight together), and their concurrent usage must count their own prompts (each
 tenant's prompt has its own length). Tenant 1's prompt is also asked alone with `n` = 2 on each
-endpoint: both choices must be its answer alone. The tenants then run at once once more, sampling
+path, plain and streamed: both choices must be its answer alone. The tenants then run at once once more, sampling
 with the server's defaults (no temperature, no seed), judged by their nonces alone. Finally every
 answer the suite heard since the first nonce went out, from any probe, is searched for a nonce its
 own prompt did not carry: the whole response, not only its text (reasoning content, tool calls,
@@ -217,9 +217,8 @@ class IsolationProbe(Probe):
             for channel in channels:
                 await self._concurrently(ctx, prompts, nonces, [channel] * len(prompts), problems, evidence)
         await self._prompt_list(ctx, prompts, nonces, problems, evidence)
-        for channel in channels:
-            if not channel.stream:
-                await self._choices_of_one(ctx, channel.api, prompts[0], nonces, problems, evidence)
+        for channel in channels:  # streamed too: the choices' chunks interleave in one stream
+            await self._choices_of_one(ctx, channel, prompts[0], nonces, problems, evidence)
         await self._alone_again(ctx, prompts, problems, evidence)
         owners = {nonce: f"tenant {i + 1}" for i, nonce in enumerate(nonces)}
         await self._b_everywhere(ctx, channels, "B after the tenants", owners, problems, evidence)
@@ -370,18 +369,21 @@ class IsolationProbe(Probe):
             check_tenant_answer(i, answer, nonces, alone, problems, evidence)
 
     async def _choices_of_one(
-        self, ctx: RunContext, api: ApiKind, prompt: str, nonces: list[str], problems: list[str], evidence: list[Evidence]
+        self, ctx: RunContext, channel: Channel, prompt: str, nonces: list[str], problems: list[str],
+        evidence: list[Evidence],
     ) -> None:
-        """Tenant 1's prompt alone with `n` = CHOICES_PER_PROMPT on `api`: greedy, its choices must
-        be one answer, its answer alone there (`check_choice`). `n` was sent only with a prompt
-        list, so a server that gave a single prompt's second choice another request's answer
-        passed (outside probe). A server that refuses `n` > 1, or ignores it, is noted."""
-        solo = await ctx.solo(prompt, api=api)
+        """Tenant 1's prompt alone with `n` = CHOICES_PER_PROMPT on `channel`: greedy, its choices
+        must be one answer, its answer alone there (`check_choice`). `n` was sent only with a
+        prompt list, so a server that gave a single prompt's second choice another request's
+        answer passed (outside probe); and never streamed, where a server routes each choice's
+        chunks by index. A server that refuses `n` > 1, or ignores it, is noted."""
+        solo = await ctx.solo(prompt, api=channel.api)
         if not solo.ok or not solo.text:
             return  # its own failure is reported by the rounds above
         n = CHOICES_PER_PROMPT
-        label = f"tenant 1, n: {n} ({api})"
-        answer, texts = await ctx.target.complete_list(prompt, max_tokens=ctx.spec.max_tokens, label=label, n=n, api=api)
+        label = f"tenant 1, n: {n} ({channel.describe()})"
+        answer, texts = await ctx.target.complete_list(prompt, max_tokens=ctx.spec.max_tokens, label=label, n=n,
+                                                       api=channel.api, stream=channel.stream)  # fmt: skip
         if not answer.ok:
             if answer.status is not None and 400 <= answer.status < 500:
                 evidence.append(Note(message=f"{label} not checked: {answer.describe_failure()}"))
