@@ -77,6 +77,6 @@ async def test_a_client_gone_while_a_chunk_is_written_is_a_disconnect_not_a_logg
     response = Gone()
     with caplog.at_level(logging.WARNING):
         returned = await Router._relay(SimpleNamespace(_cut=set()), response, events(), (0, TokenEvent(token_ids=(5,), text="x")),  # type: ignore[arg-type]
-                                       contextlib.nullcontext(), builder, SimpleNamespace(include_usage=False), 1)  # type: ignore[arg-type]
+                                       contextlib.nullcontext(), builder, SimpleNamespace(include_usage=False), 1, b"")  # type: ignore[arg-type]
     assert returned is response and response.writes == 1  # nothing more written into the closed transport
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -5,6 +5,7 @@ implemented or refused with a 400 naming it."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,6 +136,35 @@ def test_n_choices_are_seeded_each_and_the_first_is_the_n1_answer(api: openai.Op
     assert [c.text for c in three.choices] == [c.text for c in again.choices]
     assert len({c.text for c in three.choices}) > 1
     assert three.usage is not None and three.usage.completion_tokens == 36 and three.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_a_streamed_chat_of_n_choices_opens_with_each_role_in_index_order(trio: LocalDeployment, api: openai.OpenAI, model: str) -> None:
+    """The official client's stream helper (`chat.completions.stream`) builds each choice from the
+    first chunk it hears of it and finds it by position: our first chunk of a choice was its
+    first token (role, text and logprobs together), so choices first heard out of order raised
+    IndexError there and a first chunk's logprobs were counted twice (an outside probe, 6 runs
+    in 8). A chat stream now opens as OpenAI's and vLLM's do: a role-only chunk per choice, in
+    index order, before any token."""
+    args = {"model": model, "messages": [{"role": "user", "content": "four ways"}], "max_tokens": 6,
+            "temperature": 1.0, "seed": 11, "n": 4, "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    whole = api.chat.completions.create(**args)  # type: ignore[call-overload]
+    for _ in range(3):  # which choice's first token comes first varies from run to run
+        with api.chat.completions.stream(**args) as stream:  # type: ignore[call-overload]
+            for _event in stream:
+                pass
+            snapshot = stream.current_completion_snapshot
+        assert [c.index for c in snapshot.choices] == [0, 1, 2, 3]
+        for streamed, alone in zip(snapshot.choices, whole.choices, strict=True):
+            assert streamed.message.role == "assistant" and streamed.message.content == alone.message.content
+            assert streamed.logprobs is not None and alone.logprobs is not None
+            assert [t.token for t in streamed.logprobs.content or []] == [t.token for t in alone.logprobs.content or []]
+    body = {**args, "stream": True}
+    with requests.post(f"{trio.api_base}/chat/completions", json=body, stream=True, timeout=60) as raw:
+        frames = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith(b"data: {")]
+    assert [f["choices"][0]["index"] for f in frames[:4]] == [0, 1, 2, 3]
+    assert all(f["choices"][0]["delta"] == {"role": "assistant", "content": ""} and f["choices"][0]["logprobs"] is None
+               for f in frames[:4])  # fmt: skip
+    assert not any("role" in f["choices"][0]["delta"] for f in frames[4:] if f["choices"])
 
 
 def test_a_batch_of_prompts_gets_choices_in_prompt_order(api: openai.OpenAI, model: str) -> None:

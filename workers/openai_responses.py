@@ -253,8 +253,8 @@ class ResponseBuilder:
 
     def chunk(self, index: int, text: str, records: Sequence[TokenLogprob] = (), finish_reason: FinishReason | None = None,
               first: bool = False) -> dict[str, object]:
-        if self.chat:
-            delta = ChatDelta(role="assistant", content=text) if first else ChatDelta(content=text if text or not finish_reason else None)
+        if self.chat:  # (its role went out in the stream's opening)
+            delta = ChatDelta(content=text if text or not finish_reason else None)
             choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
             body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude=self._chunk_exclude)
             body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
@@ -265,6 +265,23 @@ class ResponseBuilder:
         completion_logprobs = self._shaper(index).completion(records) if self.logprobs and records else None
         choice_c = CompletionChoice(index=index, text=shown, logprobs=completion_logprobs, finish_reason=finish_reason)
         return Completion(**self._envelope(), choices=[choice_c]).model_dump(mode="json", exclude=self._chunk_exclude)
+
+    def opening_sse(self, indices: Sequence[int]) -> bytes:
+        """A chat stream's first events: a chunk per choice, in index order, carrying only the
+        role and empty content, before any token (as OpenAI and vLLM open one). The official
+        client's stream helper builds a choice's snapshot from the first chunk it hears of it
+        and finds it by position: choices first heard out of order (whichever's first token came
+        first) raised IndexError there, and logprobs in a choice's first chunk were counted twice
+        (an outside probe). Completions streams have no opening."""
+        if not self.chat:
+            return b""
+        frames = []
+        for index in sorted(indices):
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None)
+            body = ChatCompletionChunk(**self._envelope(), choices=[choice]).model_dump(mode="json", exclude=self._chunk_exclude)
+            body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            frames.append(sse(body))
+        return b"".join(frames)
 
     def text_chunk_sse(self, index: int, text: str, records: Sequence[TokenLogprob] = (), first: bool = False) -> bytes:
         """`sse(chunk(index, text, records, first=first))`, byte for byte. Every chunk after a

@@ -1075,21 +1075,22 @@ class Router:
             first = await anext(events, None)
             if first is None:
                 raise OpenAIError(502, "decode ended without finishing the request", code="decode_failed")
+            opening = builder.opening_sse([choice.index for choice in choices])
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             request[STREAMING] = True
             watch = self._watch(request)
             try:
-                return await self._relay(response, events, first, watch, builder, body, prompt_tokens)
+                return await self._relay(response, events, first, watch, builder, body, prompt_tokens, opening)
             finally:
                 watch.close()
 
     async def _relay(
         self, response: web.StreamResponse, events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]],
         first: tuple[int, TokenEvent | FinishEvent], watch: StallWatch, builder: ResponseBuilder, body: APIRequest,
-        prompt_tokens: int,
+        prompt_tokens: int, opening: bytes,
     ) -> web.StreamResponse:
-        """The stream's events as SSE chunks, each write under `watch`."""
+        """The stream's events as SSE chunks after its `opening`, each write under `watch`."""
 
         async def write(data: bytes) -> None:
             with watch:
@@ -1099,6 +1100,8 @@ class Router:
         completion_tokens = 0
         item: tuple[int, TokenEvent | FinishEvent] | None = first
         try:
+            if opening:
+                await write(opening)
             while item is not None:
                 index, event = item
                 is_first = index not in started
