@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -55,15 +55,23 @@ _StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_s
 _StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_sexagesimal_as_text)
 
 
+MAX_FILE_BYTES = 16 * 1024 * 1024
+"""The most a YAML file handed to the CLI may hold: ten times what the API server takes in one
+request (3 MiB), hundreds of models. `-f /dev/zero` read 4 GB before this (outside probe)."""
+
+
 def load_all(path: Path) -> list[Any]:
     """Every non-empty document of the file (`-`: standard input). Raises YAMLFileError (one line) for a file that cannot
-    be read, is not UTF-8, is not YAML, repeats a key, or nests too deeply."""
+    be read, is larger than MAX_FILE_BYTES, is not UTF-8, is not YAML, repeats a key, or nests too deeply."""
     try:
-        text = _read_stdin() if str(path) == "-" else path.read_text()  # `-f -`, as kubectl reads it
+        raw = _read_stdin() if str(path) == "-" else _read_capped(path)  # `-f -`, as kubectl reads it
+        text = raw if isinstance(raw, str) else raw.decode("utf-8")
     except OSError as exc:
         raise YAMLFileError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise YAMLFileError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except _TooLarge:
+        raise YAMLFileError(f"{path} is larger than {MAX_FILE_BYTES // 2**20} MiB") from None
     try:
         return [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]  # noqa: S506 - a SafeLoader
     except yaml.MarkedYAMLError as exc:
@@ -74,16 +82,36 @@ def load_all(path: Path) -> list[Any]:
         raise YAMLFileError(f"{path}: YAML nested too deeply") from None
 
 
-def _read_stdin() -> str:
-    """Standard input's bytes as UTF-8, strictly: the text layer decodes with surrogateescape
-    here, which turned bad bytes into PyYAML's "special characters are not allowed" rather than
-    the file's "not UTF-8" (outside probe). A closed stdin (`<&-`) is a file that cannot be read."""
+class _TooLarge(Exception):
+    pass
+
+
+def _read_capped(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return _capped(file)
+
+
+def _capped(stream: BinaryIO) -> bytes:
+    data = bytes(stream.read(MAX_FILE_BYTES + 1))
+    if len(data) > MAX_FILE_BYTES:
+        raise _TooLarge
+    return data
+
+
+def _read_stdin() -> str | bytes:
+    """Standard input's bytes (decoded as UTF-8 strictly by the caller): the text layer decodes
+    with surrogateescape here, which turned bad bytes into PyYAML's "special characters are not
+    allowed" rather than the file's "not UTF-8" (outside probe). A closed stdin (`<&-`) is a
+    file that cannot be read."""
     stream = getattr(sys.stdin, "buffer", None)
     if stream is None:  # closed (sys.stdin is None), or replaced by a text-only stream (a test's)
         if sys.stdin is None:
             raise OSError(errno.EBADF, "standard input is closed")
-        return sys.stdin.read()
-    return bytes(stream.read()).decode("utf-8")
+        text = sys.stdin.read(MAX_FILE_BYTES + 1)
+        if len(text) > MAX_FILE_BYTES:
+            raise _TooLarge
+        return text
+    return _capped(stream)
 
 
 def _where(exc: yaml.MarkedYAMLError) -> str:

@@ -664,10 +664,11 @@ class PodPlacement(ApiModel):
     gpu_type: GPUProduct | None = None
     """GPU product the pods must land on (node label nvidia.com/gpu.product), e.g.
     NVIDIA-H100-80GB-HBM3. Default: spec.hardware.gpuProduct."""
-    gpu_count: NonNegativeInt | None = None
+    gpu_count: Annotated[int, Field(ge=0, le=MAX_PARALLEL)] | None = None
     """GPUs per pod (nvidia.com/gpu). Default: tensorParallel x pipelineParallel (x dataParallel
     for vLLM and for SGLang without DP attention; the kvguard engine runs a pod per rank) for
-    workers, 0 for the router. Never fewer on a GPU spec."""
+    workers, 0 for the router. Never fewer on a GPU spec. At most 65536, as every parallel size
+    (a count of 2**70 rendered a pod no node could ever take)."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU, memory and other resources of the engine container."""
     node_selector: dict[str, str] = Field(default_factory=dict)

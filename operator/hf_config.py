@@ -39,15 +39,23 @@ _DTYPES: dict[str, ModelDtype] = {
 }
 
 
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is kilobytes
+
+
 def load_hf_config(path: str | Path) -> dict[str, Any]:
     """Read a config.json, given the file or the model directory holding it."""
     file = Path(path)
     if file.is_dir():
         file = file / "config.json"
     try:
-        data = json.loads(file.read_text())
+        with file.open("rb") as stream:
+            raw = stream.read(MAX_CONFIG_BYTES + 1)  # `--hf-config /dev/zero` read 5 GB before this (outside probe)
     except FileNotFoundError as exc:
         raise HFConfigError("(file)", f"{file} does not exist") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise HFConfigError("(file)", f"{file} is larger than {MAX_CONFIG_BYTES // 2**20} MiB: not a config.json")
+    try:
+        data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise HFConfigError("(file)", f"{file} is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # a config.json is a few levels deep; thousands are an attack or an accident
@@ -198,16 +206,23 @@ def _num_routed_experts(cfg: _Config) -> int:
 
 
 def _moe_layer_count(cfg: _Config, layers: int) -> int:
-    """Layers whose MLP is a mixture of experts."""
-    if cfg.has("first_k_dense_replace"):  # DeepSeek, GLM-4.5/5
-        first_dense = cfg.int("first_k_dense_replace")
+    """Layers whose MLP is a mixture of experts. Counted, not enumerated: the layer count is the
+    config's to choose, and a loop over 10**12 of them (a ConfigMap anyone in the namespace may
+    write) held the operator's event loop for hours (outside probe)."""
+    if cfg.has("first_k_dense_replace"):  # DeepSeek, GLM-4.5/5: layers i >= first_dense with i % freq == 0
+        first_dense = min(cfg.int("first_k_dense_replace"), layers)
         freq = max(1, cfg.int("moe_layer_freq", 1))
-        return sum(1 for i in range(first_dense, layers) if i % freq == 0)
-    if cfg.has("decoder_sparse_step") or cfg.has("mlp_only_layers"):  # Qwen2/3-MoE
+        return _multiples_below(layers, freq) - _multiples_below(first_dense, freq)
+    if cfg.has("decoder_sparse_step") or cfg.has("mlp_only_layers"):  # Qwen2/3-MoE: (i + 1) % step == 0, less the dense-only
         step = max(1, cfg.int("decoder_sparse_step", 1))
-        dense_only = set(_layer_indices(cfg, "mlp_only_layers"))
-        return sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        dense_only = {i for i in _layer_indices(cfg, "mlp_only_layers") if 0 <= i < layers and (i + 1) % step == 0}
+        return layers // step - len(dense_only)
     return layers  # gpt-oss, Mixtral: every layer
+
+
+def _multiples_below(n: int, k: int) -> int:
+    """How many of 0 .. n-1 are multiples of k."""
+    return (n + k - 1) // k
 
 
 def _layer_indices(cfg: _Config, key: str) -> list[int]:

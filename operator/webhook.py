@@ -94,17 +94,40 @@ def _pause_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> boo
     """Whether an update writes the pause annotation (checked then only: an unrelated update of a
     model admitted before this check existed is not refused for it)."""
     def pause(body: Mapping[str, Any] | None) -> object:
-        return ((body or {}).get("metadata") or {}).get("annotations", {}).get(PAUSE_ANNOTATION)
+        annotations = _object_at(_object_at(body, "metadata"), "annotations")
+        return annotations.get(PAUSE_ANNOTATION)
 
     return pause(old) != pause(new)
+
+
+def _object_at(body: Mapping[str, Any] | None, key: str) -> Mapping[str, Any]:
+    """`body[key]` where it is an object, else an empty one (a missing or null field; the
+    metadata's shape is checked by `_metadata_problem` before anything reads it)."""
+    value = (body or {}).get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _metadata_problem(body: Mapping[str, Any]) -> str | None:
+    """A `metadata` or `metadata.annotations` that is not an object (the API server's own
+    decoding refuses one first; this function may also be given a body straight from a file),
+    which raised AttributeError here (outside probe)."""
+    meta = body.get("metadata")
+    if meta is not None and not isinstance(meta, Mapping):
+        return f"metadata: must be an object, got {type(meta).__name__}"
+    annotations = (meta or {}).get("annotations")
+    if annotations is not None and not isinstance(annotations, Mapping):
+        return f"metadata.annotations: must be an object of strings, got {type(annotations).__name__}"
+    return None
 
 
 def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str | None,
                     policies: Sequence[InferencePolicy]) -> None:
     """Raise AdmissionDenied when the InferenceModel `body` must not be admitted."""
-    meta = body.get("metadata") or {}
     if operation not in ("CREATE", "UPDATE"):
         return
+    if (problem := _metadata_problem(body)) is not None:
+        raise AdmissionDenied(problem, INVALID)
+    meta = _object_at(body, "metadata")
     if operation == "CREATE" or _pause_changed(old, body):
         if problems := annotation_problems(meta.get("annotations")):
             raise AdmissionDenied("; ".join(problems), INVALID)

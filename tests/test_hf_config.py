@@ -139,3 +139,15 @@ def test_mlp_only_layers_that_are_not_a_list_of_indices_name_their_key(value: ob
     config = {**json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()), "mlp_only_layers": value}
     with pytest.raises(HFConfigError, match="config.json mlp_only_layers: must be a list of layer indices"):
         architecture_from_hf_config(config)
+
+
+@pytest.mark.timeout(60)  # the enumeration it replaces took ~10 hours here
+@pytest.mark.parametrize(("name", "moe_layers"), [("deepseek-v3.json", 10**12 - 3), ("qwen3-30b-a3b.json", 10**12)])
+def test_a_huge_layer_count_is_counted_not_enumerated(name: str, moe_layers: int) -> None:
+    """A ConfigMap anyone in the namespace may write: 10**12 layers were enumerated one by one
+    to find the mixture-of-experts ones (30M took 1 s), holding the operator's event loop."""
+    config = {**json.loads((CONFIGS / name).read_text()), "num_hidden_layers": 10**12}
+    arch = architecture_from_hf_config(config)
+    assert arch.num_layers == 10**12
+    per_expert = arch.expert_parameters // moe_layers
+    assert per_expert * moe_layers == arch.expert_parameters  # every MoE layer counted once, none more

@@ -44,6 +44,7 @@ def refused_at(manifest: dict[str, Any]) -> list[str]:
     ("spec.rollout.progressDeadlineSeconds", 10**12, MAX_INT32),  # an int32 in every Deployment
     ("spec.roles.decode.dataParallel", 10**11, 3),
     ("spec.roles.decode.tensorParallel", 10**6, 2),
+    ("spec.roles.decode.gpuCount", 2**70, 8),  # rendered as nvidia.com/gpu: 1180591620717411303424, a pod never scheduled
 ])  # fmt: skip
 def test_numbers_beyond_what_the_api_server_and_the_clock_hold_are_refused_by_field(path: str, value: int, sane: int) -> None:
     base = with_spec(SGLANG, "spec.rollout", {}) if path.startswith("spec.rollout") else SGLANG
@@ -113,6 +114,17 @@ def test_a_deeply_nested_hf_config_is_bad_input_not_a_traceback(tmp_path: Path, 
     assert main(["plan", "-f", str(manifest), "--hf-config", str(huge)]) == 2
     err = capsys.readouterr().err
     assert f"--hf-config {huge}" in err and "set_int_max_str_digits" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["-f", "--hf-config"])
+def test_a_file_that_never_ends_is_refused_after_16_mib(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """`kvguard plan -f /dev/zero` read 4.3 GB, `--hf-config /dev/zero` 5 GB, before they failed (outside probe)."""
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(with_spec(TINY, "spec.model.architecture", None)))
+    args = ["-f", "/dev/zero"] if flag == "-f" else ["-f", str(manifest), "--hf-config", "/dev/zero"]
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert "/dev/zero is larger than 16 MiB" in err and len(err.splitlines()) == 1, err
 
 
 def test_yaml_merge_keys_work_and_base_60_numbers_are_text(tmp_path: Path) -> None:

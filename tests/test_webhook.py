@@ -77,6 +77,16 @@ def test_S7_a_policy_violation_is_denied_naming_field_rule_and_policy() -> None:
     assert str(exc) == "spec.minKVRatio: 1.5 is below the policy's minimum 2 (InferencePolicy default, rule minKVRatio)"
 
 
+@pytest.mark.parametrize(("metadata", "field"), [([1], "metadata:"), ({"name": "tiny", "annotations": [1]}, "metadata.annotations:"),
+                                                ({"name": "tiny", "annotations": "x"}, "metadata.annotations:")])  # fmt: skip
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE"])
+def test_metadata_that_is_not_an_object_is_denied_naming_it(metadata: object, field: str, operation: str) -> None:
+    """It raised AttributeError ('list' object has no attribute 'get'), not a denial (outside probe)."""
+    body = {**tiny_model(), "metadata": metadata}
+    exc = denial(body, [], old=tiny_model() if operation == "UPDATE" else None, operation=operation)
+    assert exc is not None and exc.code == INVALID and str(exc).startswith(field), exc
+
+
 def test_an_unplannable_spec_is_denied_with_the_planner_field_even_without_policies() -> None:
     body = tiny_model()
     body["spec"]["roles"] = {"decode": {"tensorParallel": 3}}
