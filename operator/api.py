@@ -476,7 +476,9 @@ class WeightsSpec(ApiModel):
     measured_shards: PositiveInt | None = None
     """GPUs the weights were split over when measuredBytesPerDevice was measured (tensorParallel x
     pipelineParallel of that run). When set, the planner scales the figure to each role's own
-    split, and says it did; when omitted the figure is used as-is for every role."""
+    split, and says it did. When omitted the figure is used as-is where every role has one split;
+    where the roles' splits differ it is taken as measured over the widest (the safe end), and
+    admission refuses an update that changes a role's split while the figure stays."""
 
 
 # --- Deployment ----------------------------------------------------------------------------------

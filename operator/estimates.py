@@ -257,14 +257,22 @@ def scaled_weights(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
     measured, shards = spec.weights.measured_bytes_per_device, spec.weights.measured_shards
     assert measured is not None
     devices = _devices(role)
+    splits = {_devices(r) for r in spec.roles.worker_roles().values()}
+    assumed = shards is None and len(splits) > 1
+    if assumed:
+        # One figure cannot be every role's when their splits differ (an outside probe planned a
+        # role moved to TP1 on a TP4 figure, 7 GiB where 28 sit): taken as measured over the
+        # widest split, which charges every narrower role the most.
+        shards = max(splits)
     if shards is None or shards == devices:
         return Figure.given(measured)
     scaled = measured * shards // devices
     safe = math.ceil(scaled * (1 + SCALED_WEIGHTS_MARGIN)) if devices > shards else scaled
     estimate = EstimatedInput(
-        field="spec.weights.measuredBytesPerDevice", description="weight memory per GPU", safe_bytes=safe,
-        optimistic_bytes=scaled,
-        basis=f"{_gib(measured)} measured over {shards} GPUs, scaled to {devices}"
+        field="spec.weights.measuredShards" if assumed else "spec.weights.measuredBytesPerDevice",
+        description="weight memory per GPU", safe_bytes=safe, optimistic_bytes=scaled,
+        basis=(f"{_gib(measured)} taken as measured over {shards} GPUs, the roles' widest split (measuredShards "
+               f"unset), scaled to {devices}" if assumed else f"{_gib(measured)} measured over {shards} GPUs, scaled to {devices}")
         + (f" (+{SCALED_WEIGHTS_MARGIN:.0%}: replicated parts do not shrink)" if devices > shards else ""),
     )  # fmt: skip
     return Figure(safe, scaled, estimate)

@@ -59,3 +59,28 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
     if (mismatch := parity_problem(rendered, checked)) is not None:  # sglang#19398
         raise SpecInvalid([mismatch])
     return kv_plan
+
+
+def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | None:
+    """An update that changes a worker role's split (tensorParallel x pipelineParallel) while
+    `weights.measuredBytesPerDevice` stays and `measuredShards` is unset: the figure was measured
+    at the old split and would be planned as-is at the new one (an outside probe moved TP4 to
+    TP1: 7 GiB planned where 28 GiB sit, PASS). The brief's rule: re-check after every change of
+    parallelism. Said for the field that fixes it."""
+    weights = new.weights
+    if weights.measured_bytes_per_device is None or weights.measured_shards is not None:
+        return None
+    if old.weights.measured_bytes_per_device != weights.measured_bytes_per_device:
+        return None  # measured again with the change
+    before, after = _splits(old), _splits(new)
+    changed = {name: (before[name], after[name]) for name in before.keys() & after.keys() if before[name] != after[name]}
+    if not changed:
+        return None
+    moves = ", ".join(f"{name} {a} -> {b} GPUs" for name, (a, b) in sorted(changed.items()))
+    return (f"spec.weights.measuredShards: the split changed ({moves}) while measuredBytesPerDevice stayed: set "
+            "measuredShards to the split it was measured at (the planner scales it), or measure it again")
+
+
+def _splits(spec: InferenceModelSpec) -> dict[str, int]:
+    return {name: role.tensor_parallel * role.pipeline_parallel for name, role in spec.roles.worker_roles().items()}
+

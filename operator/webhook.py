@@ -59,7 +59,7 @@ from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.policy import describe_violations, evaluate, rule_problems
 from kvguard.operator.reconcile import field_errors
 from kvguard.operator.rollout import PAUSE_ANNOTATION, annotation_problems
-from kvguard.operator.spec_checks import SpecInvalid, check_spec_fields
+from kvguard.operator.spec_checks import SpecInvalid, check_spec_fields, resplit_problem
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,8 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
         raise AdmissionDenied(f"metadata.namespace: {str(namespace)[:80]!r} must be a DNS-1123 label "
                               "(at most 63 lowercase letters, digits and '-')", INVALID)  # fmt: skip
     spec = parse_spec(body.get("spec"))
+    if operation == "UPDATE" and (before := _admitted_spec(old)) is not None and (problem := resplit_problem(before, spec)):
+        raise AdmissionDenied(problem, INVALID)
     check_plannable(spec, name=str(name or "model"), namespace=str(meta.get("namespace") or ""))
     verdict = evaluate(spec, str(meta.get("namespace") or ""), policies)
     if not verdict.compliant:
@@ -150,6 +152,15 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
 
 
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _admitted_spec(old: Mapping[str, Any] | None) -> InferenceModelSpec | None:
+    """The spec the update replaces, where it still parses (one admitted before a field was
+    tightened may not: then there is nothing to compare against)."""
+    try:
+        return InferenceModelSpec.model_validate(_object_at(old, "spec"))
+    except ValidationError:
+        return None
 
 
 def parse_spec(raw: Any) -> InferenceModelSpec:

@@ -340,6 +340,22 @@ def test_measured_weights_scale_to_another_split_only_when_measured_shards_is_se
     assert plan_role(scaled, api.WorkerRole()).weights_bytes_per_gpu == 40 * GiB  # its own split: exact
 
 
+def test_measured_weights_without_shards_are_charged_at_the_widest_split_when_the_roles_differ() -> None:
+    """One figure cannot be every role's when their splits differ; used as-is, a TP1 decode beside a
+    TP4 prefill planned 7 GiB of weights where 28 sit (outside probe: PASS). Taken as measured over
+    the widest split, the narrower role is charged the most, and the plan says so."""
+    spec = make_spec(weights=api.WeightsSpec(measured_bytes_per_device="7Gi"),
+                     roles=api.RolesSpec(prefill=api.WorkerRole(tensor_parallel=4), decode=api.WorkerRole()))  # fmt: skip
+    result = plan(spec)
+    assert result.roles["prefill"].weights_bytes_per_gpu == 7 * GiB  # the widest split: as measured
+    assert result.roles["decode"].weights_bytes_per_gpu == 28 * GiB
+    assert any("taken as measured over 4 GPUs, the roles' widest split (measuredShards unset)" in w
+               and "spec.weights.measuredShards replaces the estimate" in w for w in result.warnings), result.warnings  # fmt: skip
+    same = make_spec(weights=api.WeightsSpec(measured_bytes_per_device="7Gi"), roles=api.RolesSpec(
+        prefill=api.WorkerRole(tensor_parallel=4), decode=api.WorkerRole(tensor_parallel=4)))  # fmt: skip
+    assert plan(same).roles["decode"].weights_bytes_per_gpu == 7 * GiB and not plan(same).warnings  # one split: as given
+
+
 def test_draft_layers_add_their_weights() -> None:
     plain = counted_weight_bytes(make_spec(), api.WorkerRole())
     draft = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(), extra_draft_layers=1))

@@ -87,6 +87,26 @@ def test_metadata_that_is_not_an_object_is_denied_naming_it(metadata: object, fi
     assert exc is not None and exc.code == INVALID and str(exc).startswith(field), exc
 
 
+def test_an_update_that_changes_the_split_under_a_measured_weight_figure_is_denied_naming_measured_shards() -> None:
+    """The figure was measured at the old split; planned as-is at TP1 it said 7 GiB where 28 GiB
+    sit (outside probe: admitted, PASS). Re-check after every change of parallelism."""
+    old = tiny_model()
+    old["spec"]["weights"] = {"measuredBytesPerDevice": "1Mi"}
+    old["spec"]["roles"] = {"prefill": {"tensorParallel": 2}, "decode": {"tensorParallel": 2}}
+    new = copy.deepcopy(old)
+    new["spec"]["roles"] = {"prefill": {"tensorParallel": 1}, "decode": {"tensorParallel": 1}}
+    exc = denial(new, [], old=old, operation="UPDATE")
+    assert exc is not None and exc.code == INVALID, exc
+    assert str(exc).startswith("spec.weights.measuredShards: the split changed (decode 2 -> 1 GPUs, prefill 2 -> 1 GPUs)"), exc
+    recorded = copy.deepcopy(new)
+    recorded["spec"]["weights"]["measuredShards"] = 2  # where it was measured: the planner scales it
+    remeasured = copy.deepcopy(new)
+    remeasured["spec"]["weights"]["measuredBytesPerDevice"] = "2Mi"
+    for fixed in (recorded, remeasured):
+        found = denial(fixed, [], old=old, operation="UPDATE")
+        assert found is None or not str(found).startswith("spec.weights.measuredShards"), found
+
+
 def test_an_unplannable_spec_is_denied_with_the_planner_field_even_without_policies() -> None:
     body = tiny_model()
     body["spec"]["roles"] = {"decode": {"tensorParallel": 3}}
