@@ -234,3 +234,16 @@ def test_promtool_alerts_fire_on_the_safety_signals(rule_groups: list[dict[str, 
     assert result.returncode == 0, result.stdout + result.stderr
     tested = set(re.findall(r"alertname: (\w+)", RULES_TEST.read_text()))
     assert tested == {rule["alert"] for rule in alerts(rule_groups)}  # every alert has a unit test
+
+
+def test_every_outcome_cause_and_reason_counter_is_exported_at_0_from_the_start() -> None:
+    """docs/monitoring.md: a series that appears only at its first increment is invisible to
+    rate() and increase() for it. The ticket-rejection and control-auth-failure counters had no
+    series until the first forged ticket or call (outside probe)."""
+    # A counter without labels always has its sample; one with labels has none until a label value is made.
+    unexported = [family.name for registry in engine_registries() for family in registry.collect()
+                  if family.type == "counter" and not any(s.name.endswith("_total") for s in family.samples)]  # fmt: skip
+    assert unexported == []
+    worker, _ = engine_registries()
+    assert worker.get_sample_value("kvguard_ticket_rejections_total", {"reason": "bad_mac"}) == 0
+    assert worker.get_sample_value("kvguard_control_auth_failures_total", {"reason": "replay"}) == 0

@@ -42,12 +42,14 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter
 
 from kvguard.workers.keys import MAX_CLOCK_SKEW_S
+from kvguard.workers.metrics import zeroed
 from kvguard.workers.openai_api import OpenAIError
 
 AUTH_HEADER = "X-Kvguard-Auth"
@@ -65,10 +67,15 @@ def new_instance_id() -> str:
     return secrets.token_hex(16)
 
 
-class AuthError(Exception):
-    """The call is not from a holder of the revision key, or is a replay. ``reason`` is a label."""
+AuthFailure = Literal["missing", "malformed", "bad_mac", "stale", "replay", "replay_cache_full", "wrong_target"]
+"""Why a control call was refused (`kvguard_control_auth_failures_total{reason}`)."""
+AUTH_FAILURES: tuple[AuthFailure, ...] = get_args(AuthFailure)
 
-    def __init__(self, reason: str, message: str) -> None:
+
+class AuthError(Exception):
+    """The call is not from a holder of the revision key, or is a replay; `reason` is its label."""
+
+    def __init__(self, reason: AuthFailure, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -171,11 +178,11 @@ class ControlVerifier:
 
 
 def auth_failures_counter(registry: CollectorRegistry) -> Counter:
-    return Counter(
+    return zeroed(Counter(
         "kvguard_control_auth_failures_total",
         "Internal control API calls refused: missing/bad authentication or replay (S9)",
         ["reason"], registry=registry,
-    )  # fmt: skip
+    ), reason=AUTH_FAILURES)  # fmt: skip
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

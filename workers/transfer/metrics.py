@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvguard.workers.metrics import zeroed
 from kvguard.workers.transfer.config import FailureReason, TransferOutcome
+from kvguard.workers.transfer.tickets import TICKET_REJECTIONS
 
 FRAME_DROP_REASONS = ("late", "unknown_request")  # kvguard_kv_transfer_frames_dropped_total{reason}
 
@@ -123,6 +124,8 @@ class TransferMetrics:
         zeroed(made.aborts, cause=AbortCause)
         zeroed(made.transfers, side=("sender", "receiver"), outcome=("complete", *FailureReason))
         zeroed(made.frames_dropped, reason=FRAME_DROP_REASONS)
+        zeroed(made.ticket_rejections, reason=TICKET_REJECTIONS)
+        zeroed(made.transfer_bytes, direction=("sent", "received"))
         return made
 
     def count_abort(self, cause: AbortCause | str) -> None:

@@ -46,7 +46,7 @@ from kvguard.workers.transfer.config import DEFAULT_CONFIG, FailureReason, Trans
 from kvguard.workers.transfer.lifecycle import TERMINAL, TransferState, advance
 from kvguard.workers.transfer.metrics import TransferMetrics
 from kvguard.workers.transfer.plan import PlanTracker
-from kvguard.workers.transfer.tickets import Ticket, TicketAuthority, TicketError
+from kvguard.workers.transfer.tickets import Ticket, TicketAuthority, TicketError, TicketRejection
 from kvguard.workers.transfer.wire import (
     NONCE_BYTES,
     Abort,
@@ -418,7 +418,7 @@ class KVReceiver:
             return str(outcome.reason or "complete"), outcome.detail or "the transfer already ended"
         return None
 
-    def _refuse_ticket(self, reason: str, detail: str) -> tuple[str, str]:
+    def _refuse_ticket(self, reason: TicketRejection, detail: str) -> tuple[str, str]:
         self._metrics.ticket_rejections.labels(reason=reason).inc()
         return FailureReason.TICKET, detail
 

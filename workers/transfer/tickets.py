@@ -35,6 +35,7 @@ import hmac
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 from kvguard.workers.keys import MAX_CLOCK_SKEW_S
 from kvguard.workers.transfer.wire import (
@@ -58,11 +59,17 @@ MAX_TICKET_TTL_S = 3600.0  # a ticket claiming to live longer than this is refus
 MAX_TICKET_BYTES = 9 << 20
 
 
-class TicketError(Exception):
-    """A ticket prefill or decode must refuse. ``reason``: malformed, bad_mac, expired, too_long_lived,
-    mismatch (valid, but not for this request / these pages / this boot)."""
+TicketRejection = Literal["malformed", "bad_mac", "expired", "too_long_lived", "mismatch", "epoch", "already_open"]
+"""Why a ticket was refused (`kvguard_ticket_rejections_total{reason}`): mismatch is a valid ticket
+for another request, pages or boot; epoch one from before prefill's restart; already_open one for
+a transfer open on another connection."""
+TICKET_REJECTIONS: tuple[TicketRejection, ...] = get_args(TicketRejection)
 
-    def __init__(self, reason: str, message: str) -> None:
+
+class TicketError(Exception):
+    """A ticket prefill or decode must refuse, and why."""
+
+    def __init__(self, reason: TicketRejection, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
