@@ -66,8 +66,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stop
 EXIT_MISSING_EXTRA = 2  # as for bad input: nothing was started
 WORKER_COMMANDS = frozenset({"model", "serve", "worker", "splitter", "apply", "demo"})
 """Commands that run the engine (the `workers` extra); the others need the `operator` extra."""
-EXTRA_PACKAGES = frozenset({"kopf", "kubernetes", "prometheus_client", "requests", "aiohttp", "torch", "safetensors",
-                            "tokenizers", "xxhash", "cryptography"})  # fmt: skip
+EXTRA_PACKAGES = frozenset({"kopf", "kubernetes", "urllib3", "prometheus_client", "requests", "aiohttp", "torch",
+                            "safetensors", "numpy", "tokenizers", "xxhash", "cryptography"})  # fmt: skip
 """Top-level modules of pyproject.toml's optional dependencies: a command that needs one that is
 not installed says which extra to install instead of printing a traceback."""
 

@@ -96,11 +96,12 @@ class Demo:
 
     def roll_out(self, backend: Any, model: Any, faults: str = "") -> Any:
         from kvguard.operator.backends.local_rollout import roll_out
+        from kvguard.operator.canary.report import one_line
 
         def on_probe(event: Any) -> None:
             if event.kind == "finished" and event.result is not None:
-                r = event.result
-                self.say(f"    canary {r.name.value:<16} {r.status.value:<7} {r.reason[:110]}")
+                r = event.result  # (a cut reason ends in "...": it was cut mid-word without a mark)
+                self.say(f"    canary {r.name.value:<16} {r.status.value:<7} {one_line(r.reason, 110)}")
 
         return run_interruptible(
             lambda: roll_out(backend, model.metadata.name, model.spec, faults=faults, say=lambda s: self.say("  " + s),
@@ -129,6 +130,8 @@ class Demo:
         return ok, outputs
 
     def faulty_rollout(self, backend: Any, model_dir: Path, before: dict[str, str]) -> bool:
+        from kvguard.operator.canary.report import one_line
+
         self.header(f"3. a new engine build carrying the incident's bug (KVGUARD_FAULTS={FAULTY_BUILD} on its processes only)")
         began = time.monotonic()
         model = self.tiny_spec(model_dir, engine_version="0.2.0-incident-build")
@@ -138,7 +141,7 @@ class Demo:
             self.say(f"  canary verdict on {result.revision}: {report.verdict.value} ({report.reason})")
             for probe in report.probes:
                 if probe.status.value == "fail":
-                    self.say(f"    {probe.name.value}: {probe.reason[:160]}")
+                    self.say(f"    {probe.name.value}: {one_line(probe.reason, 160)}")
                     for evidence in probe.evidence[:1]:
                         self.say(f"      evidence: {_evidence_line(evidence)}")
         after = ask(result.serving_url, model.spec.model.name) if result.serving_url else {}

@@ -325,3 +325,27 @@ def test_the_other_commands_that_promise_130_handle_sigterm_before_the_heavy_imp
     code, err = _run_watched(command, sigterm_there=True)
     assert "SIGTERM handled at the first heavy import: True" in err, err
     assert code == 130 and "Traceback" not in err, (code, err)
+
+
+def test_an_interrupted_apply_names_a_delete_command_that_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Its hint said `kvguard apply --delete --state-dir DIR`, which answers "only --local is
+    implemented here" (outside probe): the command it names must be one that runs."""
+    import argparse
+
+    from kvguard.commands import apply
+
+    def interrupted(_make: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(apply, "run_interruptible", interrupted)
+    args = argparse.Namespace(faults="", models_root=tmp_path, namespace="default", timeout=None)
+    model = type("Model", (), {"metadata": type("Meta", (), {"name": "tiny", "annotations": {}, "generation": 1})(), "spec": None})()
+    assert apply._apply(args, model, [], tmp_path / "state") == 130
+    err = capsys.readouterr().err
+    named = err.split("`")[1]
+    assert named == f"kvguard apply --local --delete --state-dir {tmp_path / 'state'}", err
+    from kvguard.cli import main
+
+    assert main(named.split()[1:]) == 0  # it runs: the folder the interrupted apply made is deleted
+    assert "only --local is implemented" not in capsys.readouterr().err and not (tmp_path / "state").exists()

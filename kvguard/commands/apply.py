@@ -151,7 +151,7 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
     except KeyboardInterrupt:
         print("kvguard apply: interrupted; the state folder records where it stopped and started workers keep "
               "running (traffic stays split as it was, with nothing analysing the candidate): run it again to resume, "
-              f"or `kvguard apply --delete --state-dir {state_dir}`", file=sys.stderr)  # fmt: skip
+              f"or `kvguard apply --local --delete --state-dir {state_dir}`", file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
     if result.state == RolloutState.BLOCKED and result.plan.verdict == "blocked":
         _print_plan(model.metadata.name, result.plan, args.file)

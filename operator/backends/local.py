@@ -318,8 +318,8 @@ def model_dir_for(spec: InferenceModelSpec, models_root: Path) -> Path:
     source = spec.model.source
     if source is None or source.pvc is None:
         raise LocalBackendError(
-            "spec.model.source.pvc: the local backend loads weights from a folder; set pvc.path to it "
-            "(relative to --models-root, or absolute)"
+            "spec.model.source.pvc: the local backend loads weights from a folder; pass it with --model-dir DIR, "
+            "or set pvc.path to it (relative to --models-root, or absolute)"
         )
     return models_root / source.pvc.path
 
