@@ -753,6 +753,41 @@ async def test_a_chunk_waiting_for_credit_when_decode_goes_away_gives_its_credit
         assert credit.in_use == 0
 
 
+async def test_a_chunk_waiting_for_credit_after_decode_gave_up_on_its_transfer_is_not_sent_s6() -> None:
+    # B opens first (decode reads its OPEN), then A's page takes the whole cap and sticks in
+    # decode's sink, so B's page waits for credit. Decode cancels B (RESULT: failed) meanwhile,
+    # on a connection that stays up. B, woken with the credit once A lands, sent its chunk anyway:
+    # a late frame decode dropped. The formal model's chunk step runs only while no verdict is in
+    # (a review of the model against the code found the difference).
+    config = TransferConfig(stall_timeout_s=30, max_transfer_batch=PAGE, max_connections_per_peer=1)
+    gate, b_has_a_page = asyncio.Event(), asyncio.Event()
+    async with make_pair(config=config, sink=RecordingSink(gate=gate)) as p:
+        stuck: list[bool] = []
+        p.sink.on_write.append(lambda: stuck.append(True))
+        a, b = p.expect("a", [0], [1]), p.expect("b", [1], [1])
+
+        async def b_chunks() -> AsyncIterator[KVChunk]:
+            await b_has_a_page.wait()
+            async for chunk in chunks_of("b", [1]):
+                yield chunk
+
+        sent_b = asyncio.create_task(p.sender.send(b.ticket, b_chunks()))
+        await until(lambda: b.transfer.state is not TransferState.EXPECTED, "decode to read B's OPEN")
+        sent_a = asyncio.create_task(p.sender.send(a.ticket, chunks_of("a", [0])))
+        await until(lambda: stuck, "A's page to reach decode's stuck sink")
+        b_has_a_page.set()
+        credit = p.sender.credit(p.dest)
+        await until(lambda: credit._waiters, "B to wait for credit")
+        b.transfer.cancel()
+        (conn,) = p.sender._peers[p.dest].conns
+        await until(lambda: conn.sending["b"].result.done(), "decode's verdict on B to reach prefill")
+        gate.set()  # A's page lands, its credit comes back, B wakes with it
+        outcome_a, outcome_b = await asyncio.wait_for(asyncio.gather(sent_a, sent_b), PATIENT_S)
+        assert outcome_a.ok and not outcome_b.ok
+        assert p.recv_metric("kvguard_kv_transfer_frames_dropped_total", {"reason": "late"}) == 0
+        assert credit.in_use == 0
+
+
 async def test_garbage_on_the_port_closes_that_connection_only() -> None:
     async with make_pair() as p:
         for junk in (os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n",

@@ -1169,7 +1169,7 @@ class Router:
         stack = contextlib.AsyncExitStack()
         channel: OpenChannel | None = None
         try:
-            events, channel = await self._call_decode(request, decode.url, siblings, stack)
+            events, channel = await _unless_prefill_fails(lambda: self._call_decode(request, decode.url, siblings, stack), prefill_task)
             # Until the first token, the request's whole wait (its slot included) is bounded by its
             # first-token deadline, which its other choices' tokens move on (Siblings).
             while (event := await (_next_event(events, prefill_task) if tokens else
@@ -1476,13 +1476,21 @@ async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.
     comes first and is raised at once (S4). A prefill that failed or died before its OPEN reached
     decode leaves decode waiting for KV that never comes: without this, both legs would end only
     when decode's stall timer fired (found by the model, formal/README.md)."""
-    if prefill_task is None or prefill_task.done():
-        # One that failed before this call (while the router still waited for decode's headers,
-        # or in the same loop turn as the last event) is raised now, not after the stall timer.
-        if prefill_task is not None and not prefill_task.cancelled() and (failed := prefill_task.exception()) is not None:
+    return await _unless_prefill_fails(lambda: anext(events, None), prefill_task)
+
+
+async def _unless_prefill_fails(start: Callable[[], Awaitable[T]], prefill_task: asyncio.Task[None] | None) -> T:
+    """What `start()` waits for, unless the prefill leg fails first (or failed already: then it is
+    not started): then prefill's error at once, the wait cancelled (S4). Also the wait for
+    decode's answer to the call, which comes once decode has pages: a prefill that failed while
+    decode still queued for them was seen only after decode allocated for a dead request (the
+    model lets the router see it at once; a review of the model against the code found it)."""
+    if prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
+        if (failed := prefill_task.exception()) is not None:
             raise failed
-        return await anext(events, None)
-    following = asyncio.ensure_future(anext(events, None))
+    if prefill_task is None or prefill_task.done():
+        return await start()
+    following = asyncio.ensure_future(start())
     try:
         await asyncio.wait((following, prefill_task), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:

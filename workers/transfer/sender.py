@@ -309,7 +309,7 @@ class KVSender:
             except KeyError as exc:
                 raise ValueError(f"page {exc.args[0]} is not in the ticket") from None
             payload = memoryview(chunk.payload).cast("B")
-            await self._send_chunk(conn, codec, transfer.request_id, seq, tuple(chunk.page_ids), gens, payload)
+            await self._send_chunk(conn, codec, transfer.request_id, seq, tuple(chunk.page_ids), gens, payload, transfer.result)
             seq, total = seq + 1, total + len(payload)
             sent.extend(chunk.page_ids)
         if transfer.result.done():
@@ -322,7 +322,8 @@ class KVSender:
             return await asyncio.shield(transfer.result)
 
     async def _send_chunk(self, conn: _OutboundConnection, codec: RequestCodec, rid: str, seq: int,
-                          page_ids: tuple[int, ...], gens: tuple[int, ...], payload: memoryview) -> None:  # fmt: skip
+                          page_ids: tuple[int, ...], gens: tuple[int, ...], payload: memoryview,
+                          verdict: asyncio.Future[TransferOutcome]) -> None:  # fmt: skip
         faults = self._faults
         if faults.delay_chunk_ms:
             await asyncio.sleep(faults.delay_chunk_ms / 1000)
@@ -340,6 +341,9 @@ class KVSender:
             if conn.closed:  # lost while we waited: its `release_all` has run, so these bytes
                 credit.release(n)  # would never come back and the pair's cap would shrink for good (S6)
                 raise ConnectionResetError("connection to decode lost")
+            if verdict.done():  # decode ended the transfer while we waited: the chunk would only be a
+                credit.release(n)  # late frame it drops; the model's chunk step runs while no verdict is in
+                return
         if dropped:
             credit.release(n)
         else:

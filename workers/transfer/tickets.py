@@ -61,7 +61,8 @@ MAX_TICKET_BYTES = 9 << 20
 
 TicketRejection = Literal["malformed", "bad_mac", "expired", "too_long_lived", "mismatch", "epoch", "already_open"]
 """Why a ticket was refused (`kvguard_ticket_rejections_total{reason}`): mismatch is a valid ticket
-for another request, pages or boot; epoch one from before prefill's restart; already_open one for
+for another request, pages or boot; epoch one decode granted before it restarted (its boot epoch
+differs from the connection's); already_open one for
 a transfer open on another connection."""
 TICKET_REJECTIONS: tuple[TicketRejection, ...] = get_args(TicketRejection)
 
