@@ -237,16 +237,6 @@ def test_apply_blocked_plan_exits_3_and_starts_nothing(tmp_path: Path) -> None:
     assert not (state / "revisions").exists()
 
 
-def test_an_apply_refused_before_it_starts_anything_leaves_no_state_folder(tmp_path: Path) -> None:
-    """An outside probe found a folder holding only `lock` after every refused apply (exit 2)."""
-    state = tmp_path / "state"
-    assert main(["apply", "-f", str(REPO / "examples" / "incident-fixed.yaml"), "--local", "--state-dir", str(state)]) == 2
-    assert not state.exists()
-    state.mkdir()  # a folder the user made is theirs: kept (with the lock file the apply made in it)
-    assert main(["apply", "-f", str(REPO / "examples" / "incident-fixed.yaml"), "--local", "--state-dir", str(state)]) == 2
-    assert state.is_dir() and [p.name for p in state.iterdir()] == ["lock"]
-
-
 @contextmanager
 def serving_tiny(tmp_path: Path, model_dir: Path) -> Iterator[tuple[LocalBackend, str]]:
     """The tiny model's revision deployed by a local backend and ready; every process stopped after."""

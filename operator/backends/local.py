@@ -241,11 +241,7 @@ class StateStore:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[StateStore]:
-        """Hold the folder's lock: two drivers must never act on the same revisions at once. A
-        folder made here that is left holding nothing but the lock (the apply refused its manifest
-        before it started anything) is removed again: an outside probe found `lock`-only folders
-        after every refused apply."""
-        made = not self.root.exists()
+        """Hold the folder's lock: two drivers must never act on the same revisions at once."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
@@ -263,14 +259,6 @@ class StateStore:
             self._lock_fd = None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-            if made:
-                self._remove_if_unused()
-
-    def _remove_if_unused(self) -> None:
-        with contextlib.suppress(OSError):  # anything else in it (or a racing apply's file): kept
-            if [p.name for p in self.root.iterdir()] == [LOCK_FILE]:
-                (self.root / LOCK_FILE).unlink()
-                self.root.rmdir()
 
     def load(self) -> LocalState:
         path = self.root / STATE_FILE
