@@ -319,6 +319,53 @@ async def test_a_prefill_leg_that_fails_first_leaves_the_ticket_to_decode() -> N
     assert not ticket.done()  # decode's bootstrap can still set it: the prefill error is the one reported
 
 
+def test_prefill_dying_while_decode_queues_the_request_ends_it_with_the_routers_cause_s4(tiny_model_dir: Path) -> None:
+    """The router now waits for decode's answer and prefill's failure together. Giving up on the
+    decode call by cancelling it, before the aborts went out, closed the connection first: decode
+    counted a client disconnect, which the paging rules leave out (a review found it). Decode
+    records the router's cause, and frees everything."""
+    with deployment(tiny_model_dir, max_running_requests=1) as d:
+        api = client(d, timeout=120)
+        model = served_model(d)
+        holder = api.completions.create(model=model, prompt="holds decode's one slot", max_tokens=900, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(holder)
+        next(chunks)
+        disconnects = metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect")
+        with cf.ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(api.completions.create, model=model, prompt="queued on decode", max_tokens=8, temperature=0)
+            wait_for(lambda: metric(d, "decode", "kvguard_waiting_requests") == 1, "the second request waiting on decode")
+            d.kill("prefill")
+            with pytest.raises(openai.APIError):
+                queued.result(timeout=120)
+        causes = ("worker_died", "prefill_error", "transfer_failed", "bootstrap_timeout")
+        wait_for(lambda: sum(metric(d, "decode", "kvguard_aborts_total", cause=c) for c in causes) >= 1,
+                 "decode to count the router's cause for the queued request")  # fmt: skip
+        holder.close()
+        wait_pools_empty(d, roles=("decode",))
+        assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == disconnects + 1  # the holder, closed
+
+
+def test_a_request_that_times_out_queued_on_decode_is_counted_there_as_the_routers_timeout_s4(tiny_model_dir: Path) -> None:
+    """Decode's one slot is held by a request whose KV is late (prefill delayed), so the other
+    waits on decode; both reach the router's first-token deadline. The deadline cancelled the
+    queued one's decode call itself, before the aborts went out: decode counted a client
+    disconnect, not the router's timeout (an outside probe: 15 of 15)."""
+    with deployment(tiny_model_dir, faults="delay_prefill_ms=4000", max_running_requests=1, request_timeout_s=2.0) as d:
+        api = client(d, timeout=120)
+        model = served_model(d)
+        with cf.ThreadPoolExecutor(2) as pool:
+            sent = [pool.submit(api.completions.create, model=model, prompt=f"late {i}", max_tokens=4, temperature=0) for i in range(2)]
+            wait_for(lambda: metric(d, "decode", "kvguard_waiting_requests") == 1, "one request waiting on decode")
+            for future in sent:
+                with pytest.raises(openai.APIStatusError) as timed_out:
+                    future.result(timeout=120)
+                assert timed_out.value.status_code == 504
+        wait_for(lambda: metric(d, "decode", "kvguard_aborts_total", cause="timeout") == 2, "decode to count both as timeouts")
+        assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == 0
+        wait_pools_empty(d)
+
+
 def test_decode_dying_mid_request_fails_the_client_and_frees_prefill_s4(tiny_model_dir: Path) -> None:
     with deployment(tiny_model_dir) as d:
         api = client(d)

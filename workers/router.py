@@ -1169,7 +1169,13 @@ class Router:
         stack = contextlib.AsyncExitStack()
         channel: OpenChannel | None = None
         try:
-            events, channel = await _unless_prefill_fails(lambda: self._call_decode(request, decode.url, siblings, stack), prefill_task)
+            given_up = asyncio.Event()  # the decode call is no longer wanted: never sent again
+            # Bounded by the first-token deadline out here, not inside the call: a deadline that
+            # cancelled the call itself closed it before the aborts went out (decode then counted a
+            # client disconnect, not the router's timeout; an outside probe).
+            events, channel = await siblings.within(_unless_prefill_fails(
+                lambda: self._call_decode(request, decode.url, siblings, stack, given_up),
+                prefill_task, _after_the_aborts(stack, request.request_id, given_up)))  # fmt: skip
             # Until the first token, the request's whole wait (its slot included) is bounded by its
             # first-token deadline, which its other choices' tokens move on (Siblings).
             while (event := await (_next_event(events, prefill_task) if tokens else
@@ -1235,19 +1241,21 @@ class Router:
                 await stack.aclose()
 
     async def _call_decode(
-        self, request: GenerateRequest, url: str, siblings: Siblings, stack: contextlib.AsyncExitStack
-    ) -> tuple[AsyncIterator[DecodeEvent], OpenChannel | None]:
+        self, request: GenerateRequest, url: str, siblings: Siblings, stack: contextlib.AsyncExitStack,
+        given_up: asyncio.Event,
+    ) -> DecodeCall:
         """The decode leg's call, and its events: on its own stream, or after the handoff on the
         token channel to that worker (and that channel). Decode's answer stays open on `stack` until
         the aborts have gone out: closing it first would read on decode as a client disconnect,
-        whatever the cause. Its headers come once decode has the pages: within the first-token deadline."""
+        whatever the cause. Its headers come once decode has the pages: within the first-token deadline
+        (`_generate` bounds this call by it)."""
         reader = self._channel_reader(url)
         if reader is None:
             # A bound on waiting, not on generating: no event from decode for request_timeout_s (no
             # first token: queueing, prefill, transfer; or no next token) ends the request with a
             # 504, while a long generation that keeps producing runs to its max_tokens.
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.request_timeout_s)
-            resp = await self._post_decode(url, request, timeout, siblings, stack)
+            resp = await self._post_decode(url, request, timeout, stack, given_up)
             if resp.status != 200:
                 raise await _upstream_error(resp)
             return _decode_events(resp), None
@@ -1259,7 +1267,7 @@ class Router:
             inbox = channel.subscribe(request.request_id)  # before the call: no event can come first
             try:
                 body = DecodeRequest.model_construct(**dict(request), channel=channel.id)
-                resp = await self._post_decode(url, body, timeout, siblings, stack)
+                resp = await self._post_decode(url, body, timeout, stack, given_up)
                 if resp.status == 200:
                     return _channel_events(resp, inbox, self.config.request_timeout_s), channel
                 error = await _upstream_error(resp)
@@ -1274,8 +1282,8 @@ class Router:
             reader.forget(channel)
         raise OpenAIError(502, "the decode worker restarted while the request was sent; try again", code="worker_failed")
 
-    async def _post_decode(self, url: str, body: GenerateRequest, timeout: aiohttp.ClientTimeout, siblings: Siblings,
-                           stack: contextlib.AsyncExitStack) -> aiohttp.ClientResponse:  # fmt: skip
+    async def _post_decode(self, url: str, body: GenerateRequest, timeout: aiohttp.ClientTimeout,
+                           stack: contextlib.AsyncExitStack, given_up: asyncio.Event) -> aiohttp.ClientResponse:  # fmt: skip
         """The decode leg's call, sent once more if its connection closed before any answer (while
         the call was being written, or after): a pooled keep-alive connection to a worker whose
         drain just ended (or whose pod just died) closes under a leg in transit, and that leg
@@ -1286,13 +1294,15 @@ class Router:
 
         async def send() -> aiohttp.ClientResponse:
             call = self._control_call(url, "/internal/decode", body, timeout)
-            return await siblings.within(stack.enter_async_context(call))
+            return await stack.enter_async_context(call)  # (under the request's first-token deadline: _generate)
 
         try:
             return await send()
         except aiohttp.ClientConnectorError:
             raise  # never connected: an unreachable worker, reported as such
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:  # closed while sending it, or after
+            if given_up.is_set():
+                raise  # decode ended it on the router's abort: sent again, it would take pages anew
             log.info("the decode call for %s closed unanswered (%s); sending it once more", body.request_id, exc)
         return await send()
 
@@ -1479,12 +1489,15 @@ async def _next_event(events: AsyncIterator[DecodeEvent], prefill_task: asyncio.
     return await _unless_prefill_fails(lambda: anext(events, None), prefill_task)
 
 
-async def _unless_prefill_fails(start: Callable[[], Awaitable[T]], prefill_task: asyncio.Task[None] | None) -> T:
+async def _unless_prefill_fails(start: Callable[[], Awaitable[T]], prefill_task: asyncio.Task[None] | None,
+                                abandon: Callable[[asyncio.Future[T]], None] | None = None) -> T:
     """What `start()` waits for, unless the prefill leg fails first (or failed already: then it is
-    not started): then prefill's error at once, the wait cancelled (S4). Also the wait for
-    decode's answer to the call, which comes once decode has pages: a prefill that failed while
-    decode still queued for them was seen only after decode allocated for a dead request (the
-    model lets the router see it at once; a review of the model against the code found it)."""
+    not started): then prefill's error at once (S4). Also the wait for decode's answer to the
+    call, which comes once decode has pages: a prefill that failed while decode still queued for
+    them was seen only after decode allocated for a dead request (the model lets the router see it
+    at once; a review of the model against the code found it). A wait given up (prefill failed,
+    or this task was cancelled) is cancelled here, or handed to `abandon` to end later: a call
+    cancelled before the aborts go out reads on the worker as a client disconnect (`_end_legs`)."""
     if prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
         if (failed := prefill_task.exception()) is not None:
             raise failed
@@ -1494,15 +1507,44 @@ async def _unless_prefill_fails(start: Callable[[], Awaitable[T]], prefill_task:
     try:
         await asyncio.wait((following, prefill_task), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        following.cancel()
+        _give_up(following, abandon)
         raise
     failure = None if following.done() or prefill_task.cancelled() else prefill_task.exception()
     if failure is not None:
-        following.cancel()
-        with contextlib.suppress(BaseException):
-            await following
+        _give_up(following, abandon)
         raise failure
     return await following
+
+
+def _give_up(waiting: asyncio.Future[T], abandon: Callable[[asyncio.Future[T]], None] | None) -> None:
+    if abandon is not None:
+        abandon(waiting)
+    else:
+        waiting.cancel()  # (a read of the next event: nothing on the worker notices)
+
+
+def _after_the_aborts(stack: contextlib.AsyncExitStack, request_id: str,
+                      given_up: asyncio.Event) -> Callable[[asyncio.Future[DecodeCall]], None]:  # fmt: skip
+    """How `_generate` gives up a decode call still in flight: ended on `stack`, which `_end_legs`
+    closes after the aborts went out (cancelled first, decode would count a client disconnect, not
+    the router's cause: a review found it). Meanwhile decode ends it unanswered on the abort, and
+    `given_up` keeps `_post_decode` from sending it again. One that has answered meanwhile leaves
+    its token-channel inbox, which nobody would read."""
+
+    def abandon(call: asyncio.Future[DecodeCall]) -> None:
+        given_up.set()
+        async def end() -> None:
+            call.cancel()
+            try:
+                _, channel = await call
+            except BaseException:  # cancelled, or failed: nothing of it to undo
+                return
+            if channel is not None:
+                channel.unsubscribe(request_id)
+
+        stack.push_async_callback(end)
+
+    return abandon
 
 
 def _worker_failure(exc: aiohttp.ClientError) -> str:
@@ -1621,6 +1663,8 @@ class Siblings:
 
 
 Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
+DecodeCall = tuple[AsyncIterator[DecodeEvent], "OpenChannel | None"]
+"""The decode leg's events, and the token channel they come on (None: the call's own stream)."""
 
 
 async def _run_choice(choice: Choice, generate: Generate) -> ChoiceResult:
