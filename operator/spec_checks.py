@@ -73,6 +73,10 @@ def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | N
     if old.weights.measured_bytes_per_device != weights.measured_bytes_per_device:
         return None  # measured again with the change
     before, after = _splits(old), _splits(new)
+    if old.weights.measured_shards is not None:
+        # measuredShards dropped: the figure is still the one measured over that many GPUs, and
+        # planned as-is wherever a role's split is not that (a review: the rule above, bypassed).
+        before = dict.fromkeys(after, old.weights.measured_shards)
     changed = {name: (before[name], after[name]) for name in before.keys() & after.keys() if before[name] != after[name]}
     if not changed:
         return None

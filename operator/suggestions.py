@@ -271,7 +271,8 @@ def _split_fix(spec: InferenceModelSpec, name: str, attr: str, wire: str, sizes:
 def _shards_to_record(spec: InferenceModelSpec) -> Changes | None:
     """The measuredShards change a new split needs, so the measured weight figure is scaled to it:
     none when there is no measured figure or its split is recorded; None (no split suggestion) when
-    the roles differ in split, so which one the figure was measured at is unknown."""
+    the roles differ in split: the plan then takes the figure as measured over the widest (the safe
+    end, `estimates.scaled_weights`), a guess a what-if should not build on, so measuredShards must say it."""
     weights = spec.weights
     if weights.measured_bytes_per_device is None or weights.measured_shards is not None:
         return []

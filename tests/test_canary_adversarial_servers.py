@@ -598,6 +598,15 @@ async def test_a_streamed_second_choice_from_another_sequence_fails_isolation(se
     assert "tenant 1, n: 2 (completions):" not in isolation.reason  # the plain forks are right
 
 
+@pytest.mark.parametrize("server", [Behaviour(unfinished_stream_forks=True)], indirect=True)
+async def test_a_streamed_choice_that_never_finishes_is_a_stream_cut_short(server: RunningServer) -> None:
+    """The stream of several choices took its finish reason from whichever choice ended first: one
+    cut after another finished passed (a review)."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "choice(s) [1] never finished" in isolation.reason, isolation.reason
+
+
 async def test_a_clean_server_passes_every_new_path_and_shape(server: RunningServer) -> None:
     """The fake honours `n` for a single prompt; four tenants, each path concurrently, chat streams."""
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)

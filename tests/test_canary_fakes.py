@@ -92,6 +92,7 @@ class Behaviour:
     # after the first goes on, after its own first token, with another sequence's tokens.
     crossed_single_forks: bool = False
     crossed_stream_forks: bool = False  # the same, on streamed answers only (plain ones stay right)
+    unfinished_stream_forks: bool = False  # streamed n > 1: the choices after the first never get a finish reason
     reverse_chat_stream: bool = False  # streamed chat sends the tokens in reverse order
     # Prompts of at least this many tokens are answered from the previous long prompt's KV (a leak
     # only long prompts show: B, short, never sees it).
@@ -411,7 +412,7 @@ class FakeEngine:
                 await resp.write(f"data: {json.dumps(frame)}\n\n".encode())
             await asyncio.sleep(self.b.token_delay)
         # The OpenAI stream shape: a last chunk per choice carries its finish reason (and usage), then [DONE].
-        for index in range(1, len(choices)):
+        for index in range(1, 1 if self.b.unfinished_stream_forks else len(choices)):
             last = {"choices": [{"index": index, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}]}
             await resp.write(f"data: {json.dumps(last)}\n\n".encode())
         final = {"choices": [{"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": finish}]}

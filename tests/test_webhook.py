@@ -105,6 +105,8 @@ def test_an_update_that_changes_the_split_under_a_measured_weight_figure_is_deni
     for fixed in (recorded, remeasured):
         found = denial(fixed, [], old=old, operation="UPDATE")
         assert found is None or not str(found).startswith("spec.weights.measuredShards"), found
+    dropped = denial(new, [], old=recorded, operation="UPDATE")  # measuredShards removed, the figure kept: the same mistake
+    assert dropped is not None and str(dropped).startswith("spec.weights.measuredShards: the split changed (decode 2 -> 1 GPUs"), dropped
 
 
 def test_an_unplannable_spec_is_denied_with_the_planner_field_even_without_policies() -> None:

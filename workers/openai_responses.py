@@ -253,6 +253,8 @@ class ResponseBuilder:
 
     def chunk(self, index: int, text: str, records: Sequence[TokenLogprob] = (), finish_reason: FinishReason | None = None,
               first: bool = False) -> dict[str, object]:
+        """One SSE chunk of choice `index`. `first`: its first chunk, which for completions carries
+        the echoed prompt before the text (chat's role went out in `opening_sse`)."""
         if self.chat:  # (its role went out in the stream's opening)
             delta = ChatDelta(content=text if text or not finish_reason else None)
             choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)

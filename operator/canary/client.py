@@ -30,7 +30,15 @@ from typing import Any
 import aiohttp
 
 from kvguard.operator.canary.report import HttpExchange, clip
-from kvguard.operator.canary.responses import ModelList, TokenLogprob, choice_texts, parse_body, parse_json_text, sse_data
+from kvguard.operator.canary.responses import (
+    ModelList,
+    TokenLogprob,
+    choice_texts,
+    finished_choices,
+    parse_body,
+    parse_json_text,
+    sse_data,
+)
 from kvguard.operator.canary.spec import ApiKind
 
 API_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -359,8 +367,10 @@ async def _read_stream(
 
 async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, texts: dict[int, str]) -> None:
     """A stream of several choices: each frame's choices appended to their index's text (a frame
-    that names one index twice is an error, as `choice_texts` says for a whole body)."""
+    that names one index twice is an error, as `choice_texts` says for a whole body). Every choice
+    heard must end with a finish reason: one cut after another finished is a stream cut short."""
     lines: list[str] = []
+    finished: set[int] = set()
     async for raw_line in resp.content:
         line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
         lines.append(line)
@@ -378,11 +388,12 @@ async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, 
             break
         for index, text in frame.items():
             texts[index] = texts.get(index, "") + text
-        parsed = parse_body(payload)
-        result.finish_reason = parsed.finish_reason or result.finish_reason
+        finished |= finished_choices(payload)
+        result.finish_reason = parse_body(payload).finish_reason or result.finish_reason
     result.body = "\n".join(lines)
-    if result.error is None and result.finish_reason is None:
-        result.error = stream_cut_short(result)
+    if result.error is None and (result.finish_reason is None or not finished >= set(texts)):
+        unfinished = sorted(set(texts) - finished)
+        result.error = stream_cut_short(result) + (f" (choice(s) {unfinished} never finished)" if result.finish_reason else "")
 
 
 def _absorb_frame(data: str, result: Completion, pieces: list[str], started: float) -> bool:

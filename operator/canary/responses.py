@@ -218,6 +218,15 @@ def choice_texts(payload: Any) -> tuple[dict[int, str], str | None]:
     return texts, None
 
 
+def finished_choices(payload: Any) -> set[int]:
+    """The indices of the choices a body or stream frame carries a finish reason for (by position
+    where a server sends no index); a body `parse_body` refuses finishes none."""
+    if parse_body(payload).error is not None:
+        return set()
+    body = CompletionBody.model_validate(payload)
+    return {c.index if c.index is not None else i for i, c in enumerate(body.choices) if c.finish_reason}
+
+
 def parse_json_text(raw: str) -> tuple[Any, str | None]:
     """Decode JSON; the error names the problem instead of raising."""
     try:
