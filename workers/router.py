@@ -1160,6 +1160,7 @@ class Router:
             self.metrics.requests.labels("failed").inc()
             raise
         cause, outcome = str(AbortCause.CLIENT_DISCONNECT), "aborted"
+        unreachable: str | None = None  # a worker not to send the aborts to
         started, last_token = arrived, time.monotonic()
         tokens = 0
         # Both legs start now: prefill computes while decode allocates, and gets the ticket (S9:
@@ -1220,6 +1221,12 @@ class Router:
             raise OpenAIError(504, "the request timed out", code="timeout") from None
         except aiohttp.ClientError as exc:
             cause, outcome = AbortCause.WORKER_DIED, "failed"
+            # No abort to the worker whose connection failed: its pages went with it (a live one whose
+            # handler lost the connection released the request itself), and one restarted on the same
+            # port refuses a call signed for the old instance, counting it as an S9 refusal (an
+            # outside probe: every crash with requests in flight fired the trust-boundary alert).
+            from_prefill = prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is exc
+            unreachable = prefill.url if from_prefill else decode.url
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
@@ -1236,7 +1243,8 @@ class Router:
             elif cause and cause != AbortCause.CLIENT_DISCONNECT:
                 siblings.failed = True  # before the error leaves: the siblings it cancels read it
             if cause:
-                ending.append(self._end_legs(request.request_id, (prefill.url, decode.url), prefill_task, stack, cause, outcome))
+                legs = tuple(url for url in (prefill.url, decode.url) if url != unreachable)
+                ending.append(self._end_legs(request.request_id, legs, prefill_task, stack, cause, outcome))
             else:
                 await stack.aclose()
 
