@@ -14,8 +14,9 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -259,12 +260,11 @@ async def test_a_worker_that_refuses_the_instance_it_was_signed_for_is_read_agai
         await runner.cleanup()
 
 
-@pytest.mark.parametrize("restarted_pool, resent", [(4096, True), (512, False)])
-async def test_a_refused_call_goes_again_only_to_a_restarted_worker_the_rotation_admits(restarted_pool: int, resent: bool) -> None:
-    """A call refused as signed for a previous instance is sent again to the new one only if that
-    new instance may serve: restarted with a pool below 2x context it is kept out of rotation (S7),
-    and nothing is sent to it (audit: the resend went to it all the same). The worker is a stand-in
-    that refuses, as the real middleware does, any call not signed for its current instance."""
+@contextlib.asynccontextmanager
+async def _stand_in_prefill(worker: dict[str, Any], acted: list[str], refused: list[str]) -> AsyncIterator[tuple[str, Any]]:
+    """A prefill worker that refuses, as the real middleware does, any call not signed for its
+    current instance (`worker["instance"]`, which a test changes to restart it), and a router that
+    last read it as that instance; yields (its URL, the router)."""
     import re
     import secrets
 
@@ -272,21 +272,19 @@ async def test_a_refused_call_goes_again_only_to_a_restarted_worker_the_rotation
     from aiohttp import web
 
     from kvguard.workers.keys import RevisionKeys
-    from kvguard.workers.protocol import AbortRequest, Role, WorkerInfo
+    from kvguard.workers.protocol import Role, WorkerInfo
     from kvguard.workers.router import Router, RouterConfig, Upstream, Upstreams
 
     def info(role: Role, pool: int, instance: str) -> WorkerInfo:
         return WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=pool, page_size=16, instance=instance)
 
-    worker = {"instance": secrets.token_hex(16), "pool": 4096}
-    acted: list[str] = []
-
     async def read_info(_request: web.Request) -> web.Response:
-        return web.json_response(info(Role.PREFILL, worker["pool"], worker["instance"]).model_dump(mode="json"))  # type: ignore[arg-type]
+        return web.json_response(info(Role.PREFILL, worker["pool"], worker["instance"]).model_dump(mode="json"))
 
     async def act(request: web.Request) -> web.Response:
         match = re.search(r"target=(\w+)", request.headers.get("X-Kvguard-Auth", ""))
         if match is None or match.group(1) != worker["instance"]:
+            refused.append(match.group(1) if match else "")
             return web.json_response({"error": {"message": "signed for another instance", "code": "unauthenticated"}}, status=401)
         acted.append(match.group(1))
         return web.json_response({})
@@ -306,11 +304,49 @@ async def test_a_refused_call_goes_again_only_to_a_restarted_worker_the_rotation
     router._upstreams = Upstreams([Upstream(url, info(Role.PREFILL, 4096, worker["instance"]))],
                                   [Upstream(decode, info(Role.DECODE, 4096, secrets.token_hex(16)))], min_kv_ratio=2.0)  # fmt: skip
     try:
+        yield url, router
+    finally:
+        await router.session.close()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("restarted_pool, resent", [(4096, True), (512, False)])
+async def test_a_refused_call_goes_again_only_to_a_restarted_worker_the_rotation_admits(restarted_pool: int, resent: bool) -> None:
+    """A call refused as signed for a previous instance is sent again to the new one only if that
+    new instance may serve: restarted with a pool below 2x context it is kept out of rotation (S7),
+    and nothing is sent to it (audit: the resend went to it all the same). The worker is a stand-in
+    that refuses, as the real middleware does, any call not signed for its current instance."""
+    import secrets
+
+    import aiohttp
+
+    from kvguard.workers.protocol import AbortRequest
+
+    worker: dict[str, Any] = {"instance": secrets.token_hex(16), "pool": 4096}
+    acted: list[str] = []
+    async with _stand_in_prefill(worker, acted, []) as (url, router):
         worker.update(instance=secrets.token_hex(16), pool=restarted_pool)  # restarted since the last read
         async with router._control_call(url, "/internal/prefill", AbortRequest(request_id="x"), aiohttp.ClientTimeout(total=30)) as resp:
             status = resp.status
         assert router.upstreams.admits(router.upstreams.prefill[0]) is resent  # the refusal made it read again
         assert (status, acted) == ((200, [worker["instance"]]) if resent else (401, []))
-    finally:
-        await router.session.close()
-        await runner.cleanup()
+
+
+async def test_after_a_connection_to_a_worker_failed_its_next_call_is_signed_for_the_instance_now_there() -> None:
+    """A launcher or a pod restart keeps the address: the first calls after a crash (the aborts of
+    requests that ended meanwhile) were signed for the old instance, refused, and counted by the
+    new worker as S9 refusals with no attacker (an outside probe: the trust-boundary alert fired on
+    every crash). A worker whose connection failed mid-request is read again before the next call."""
+    import secrets
+
+    worker: dict[str, Any] = {"instance": secrets.token_hex(16), "pool": 4096}
+    acted: list[str] = []
+    refused: list[str] = []
+    async with _stand_in_prefill(worker, acted, refused) as (url, router):
+        worker.update(instance=secrets.token_hex(16))  # it crashed and came back on its port
+        router._suspect.add(url)  # as `_generate` marks the worker whose connection failed
+        await router._send_aborts("cmpl-x", [url], "worker_died")
+        assert (acted, refused) == ([worker["instance"]], [])
+        worker.update(instance=secrets.token_hex(16))  # once read again, calls are signed as last read
+        await router._send_aborts("cmpl-y", [url], "worker_died")
+        assert len(refused) == 1

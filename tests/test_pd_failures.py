@@ -347,8 +347,11 @@ def test_prefill_dying_while_decode_queues_the_request_ends_it_with_the_routers_
         wait_healthy(d)
         assert metric(d, "prefill", "kvguard_control_auth_failures_total", reason="wrong_target") == 0
         assert metric(d, "decode", "kvguard_aborts_total", cause="client_disconnect") == disconnects
+        # The holder's abort (if it is still streaming) goes to the restarted prefill too: signed for
+        # the instance now there, read again after the connection failed, not refused as another's.
         holder.close()
         wait_pools_empty(d, roles=("decode",))
+        assert metric(d, "prefill", "kvguard_control_auth_failures_total", reason="wrong_target") == 0
 
 
 def test_a_request_that_times_out_queued_on_decode_is_counted_there_as_the_routers_timeout_s4(tiny_model_dir: Path) -> None:

@@ -471,6 +471,8 @@ class Router:
         self._departed: collections.OrderedDict[str, str] = collections.OrderedDict()
         """URL -> instance id of workers that left the rotation's list, for the calls that end
         their requests (aborts); the newest DEPARTED_REMEMBERED."""
+        self._suspect: set[str] = set()
+        """Workers whose connection failed mid-request: read again before the next signed call to them."""
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self._handlers: set[asyncio.Task[web.StreamResponse]] = set()
@@ -592,6 +594,7 @@ class Router:
                 return  # the refresher's next read decides
             finally:
                 del self._rereading[url]
+            self._suspect.discard(url)
             if (change := upstreams.refresh(upstream, info)) is not None:
                 log.warning("%s", change)
 
@@ -620,7 +623,7 @@ class Router:
         refused call did nothing there (a worker checks the signature before anything else), so
         sending it again is safe; it is signed anew, so it is no replay."""
         for last in (False, True):
-            signed_for = self._target(url)
+            signed_for = await self._signed_for(url)
             async with self.control.post(self.http, f"{url}{path}", message, signed_for, timeout=timeout) as resp:
                 if last or resp.status != 401 or not await self._restarted_since(url, signed_for):
                     yield resp
@@ -649,6 +652,15 @@ class Router:
                 self._retiring.discard(upstream.url)
                 log.info("%s worker %s joined: KV pool %d tokens", role.value, upstream.url, upstream.info.kv_pool_tokens)
         await self._close_retired_channels()
+
+    async def _signed_for(self, url: str) -> str:
+        """The instance a call to `url` is signed for: as last read, or read again first after a
+        connection to it failed mid-request. A launcher or a pod restart keeps the address, and a
+        call signed for the old instance was refused and counted as an S9 refusal with no attacker
+        (an outside probe: the trust-boundary alert fired on worker crashes)."""
+        if url in self._suspect and (reading := self._reread(url)) is not None:
+            await asyncio.shield(reading)  # bounded by fetch_info's timeout; shared by every call meanwhile
+        return self._target(url)
 
     def _target(self, url: str) -> str:
         """The instance id of the worker at `url`, as last read: calls that act are signed for it
@@ -1227,6 +1239,7 @@ class Router:
             # outside probe: every crash with requests in flight fired the trust-boundary alert).
             from_prefill = prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is exc
             unreachable = prefill.url if from_prefill else decode.url
+            self._suspect.add(unreachable)
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
@@ -1413,7 +1426,7 @@ class Router:
 
         async def one(url: str) -> None:
             try:
-                async with self.control.post(self.http, f"{url}/internal/abort", body, self._target(url), timeout=timeout):
+                async with self.control.post(self.http, f"{url}/internal/abort", body, await self._signed_for(url), timeout=timeout):
                     pass
             except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
                 # A dead worker frees its pages by dying; the other side times out on its own.
