@@ -9,6 +9,7 @@ own text spans several lines and calls the input "<unicode string>").
 from __future__ import annotations
 
 import errno
+import io
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -64,8 +65,7 @@ def load_all(path: Path) -> list[Any]:
     """Every non-empty document of the file (`-`: standard input). Raises YAMLFileError (one line) for a file that cannot
     be read, is larger than MAX_FILE_BYTES, is not UTF-8, is not YAML, repeats a key, or nests too deeply."""
     try:
-        raw = _read_stdin() if str(path) == "-" else _read_capped(path)  # `-f -`, as kubectl reads it
-        text = raw if isinstance(raw, str) else raw.decode("utf-8")
+        text = (_read_stdin() if str(path) == "-" else _read_capped(path)).decode("utf-8")  # `-f -`, as kubectl reads it
     except OSError as exc:
         raise YAMLFileError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
@@ -98,7 +98,7 @@ def _capped(stream: BinaryIO) -> bytes:
     return data
 
 
-def _read_stdin() -> str | bytes:
+def _read_stdin() -> bytes:
     """Standard input's bytes (decoded as UTF-8 strictly by the caller): the text layer decodes
     with surrogateescape here, which turned bad bytes into PyYAML's "special characters are not
     allowed" rather than the file's "not UTF-8" (outside probe). A closed stdin (`<&-`) is a
@@ -107,10 +107,7 @@ def _read_stdin() -> str | bytes:
     if stream is None:  # closed (sys.stdin is None), or replaced by a text-only stream (a test's)
         if sys.stdin is None:
             raise OSError(errno.EBADF, "standard input is closed")
-        text = sys.stdin.read(MAX_FILE_BYTES + 1)
-        if len(text) > MAX_FILE_BYTES:
-            raise _TooLarge
-        return text
+        return _capped(io.BytesIO(sys.stdin.read(MAX_FILE_BYTES + 1).encode()))
     return _capped(stream)
 
 

@@ -290,7 +290,7 @@ class ResponseBuilder:
         choice's first one that carries only text differs from the others in its text alone, so
         it is spliced into the choice's frame instead of building and dumping the models anew (the
         router writes one per decode step per request)."""
-        if first or (self.logprobs and records):
+        if (first and not self.chat) or (self.logprobs and records):  # (a chat chunk's `first` changes nothing)
             return sse(self.chunk(index, text, records, first=first))
         frame = self._text_frames.get(index)
         if frame is None:

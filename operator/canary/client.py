@@ -21,9 +21,10 @@ text chunks than max_tokens or than its usage counts (each chunk carries at leas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,28 +338,36 @@ def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
 
+async def _data_frames(resp: aiohttp.ClientResponse, result: Completion, lines: list[str]) -> AsyncGenerator[str, None]:
+    """An SSE body's data payloads until [DONE] or its end, each counted in `result.frames_seen`;
+    every line it read kept in `lines` (the evidence)."""
+    async for raw_line in resp.content:
+        line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
+        lines.append(line)
+        data = sse_data(line)
+        if not data:
+            continue
+        if data == "[DONE]":
+            result.saw_done = True
+            return
+        result.frames_seen += 1
+        yield data
+
+
 async def _read_stream(
     resp: aiohttp.ClientResponse, result: Completion, disconnect_after: int | None, started: float
 ) -> None:
     """Accumulate SSE frames until [DONE] or the end of the body (see the module doc)."""
     pieces: list[str] = []
     lines: list[str] = []
-    async for raw_line in resp.content:
-        line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
-        lines.append(line)
-        data = sse_data(line)
-        if data is None or data == "":
-            continue
-        if data == "[DONE]":
-            result.saw_done = True
-            break
-        result.frames_seen += 1
-        if not _absorb_frame(data, result, pieces, started):
-            break
-        if disconnect_after is not None and result.chunks >= disconnect_after and result.finish_reason is None:
-            result.disconnected = True
-            resp.close()
-            break
+    async with contextlib.aclosing(_data_frames(resp, result, lines)) as frames:
+        async for data in frames:
+            if not _absorb_frame(data, result, pieces, started):
+                break
+            if disconnect_after is not None and result.chunks >= disconnect_after and result.finish_reason is None:
+                result.disconnected = True
+                resp.close()
+                break
     result.text = "".join(pieces)
     result.body = "\n".join(lines)
     if result.error is None and result.finish_reason is None and not result.disconnected:
@@ -371,25 +380,17 @@ async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, 
     heard must end with a finish reason: one cut after another finished is a stream cut short."""
     lines: list[str] = []
     finished: set[int] = set()
-    async for raw_line in resp.content:
-        line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
-        lines.append(line)
-        data = sse_data(line)
-        if not data:
-            continue
-        if data == "[DONE]":
-            result.saw_done = True
-            break
-        result.frames_seen += 1
-        payload, error = parse_json_text(data)
-        frame, error = choice_texts(payload) if error is None else ({}, error)
-        if error is not None:
-            result.error = f"stream frame {result.frames_seen}: {error}"
-            break
-        for index, text in frame.items():
-            texts[index] = texts.get(index, "") + text
-        finished |= finished_choices(payload)
-        result.finish_reason = parse_body(payload).finish_reason or result.finish_reason
+    async with contextlib.aclosing(_data_frames(resp, result, lines)) as frames:
+        async for data in frames:
+            payload, error = parse_json_text(data)
+            frame, error = choice_texts(payload) if error is None else ({}, error)
+            if error is not None:
+                result.error = f"stream frame {result.frames_seen}: {error}"
+                break
+            for index, text in frame.items():
+                texts[index] = texts.get(index, "") + text
+            finished |= finished_choices(payload)
+            result.finish_reason = parse_body(payload).finish_reason or result.finish_reason
     result.body = "\n".join(lines)
     if result.error is None and (result.finish_reason is None or not finished >= set(texts)):
         unfinished = sorted(set(texts) - finished)
