@@ -350,3 +350,74 @@ async def test_after_a_connection_to_a_worker_failed_its_next_call_is_signed_for
         worker.update(instance=secrets.token_hex(16))  # once read again, calls are signed as last read
         await router._send_aborts("cmpl-y", [url], "worker_died")
         assert len(refused) == 1
+
+
+@contextlib.asynccontextmanager
+async def _info_servers(roles: list[Any]) -> AsyncIterator[list[str]]:
+    """One stand-in worker per role, on loopback, answering `/internal/info` as that role; yields their URLs."""
+    import secrets
+
+    from aiohttp import web
+
+    from kvguard.workers.protocol import WorkerInfo
+
+    runners: list[web.AppRunner] = []
+    urls: list[str] = []
+    try:
+        for role in roles:
+            info = WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=4096, page_size=16, instance=secrets.token_hex(16))
+
+            async def read_info(_request: web.Request, info: WorkerInfo = info) -> web.Response:
+                return web.json_response(info.model_dump(mode="json"))
+
+            app = web.Application()
+            app.router.add_get("/internal/info", read_info)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            runners.append(runner)
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+        yield urls
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_pod_of_another_role_behind_the_name_keeps_only_itself_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode pod behind prefill's name is left out alone: the prefill pods named with it join
+    (review: its ValueError failed the whole pass, at every pass, so no new prefill pod joined for
+    as long as it was named). A pod whose name went is no longer marked for a read before its next
+    call (the marks only grew)."""
+    import aiohttp
+
+    from kvguard.workers import router as router_module
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.protocol import Role
+    from kvguard.workers.router import Router, RouterConfig, read_workers
+
+    keys = RevisionKeys.derive(b"k" * 32)
+    async with _info_servers([Role.PREFILL, Role.PREFILL, Role.DECODE, Role.PREFILL]) as (first, second, wrong, third):
+        router = Router(RouterConfig(prefill_urls=(first,), decode_urls=(wrong,), model_name="m", discovery="dns"),
+                        None, keys)  # type: ignore[arg-type]  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            router.session = session
+            assert {u.url for u in await read_workers(session, router.control, [second, wrong, third], Role.PREFILL)} == {second, third}
+            upstreams = router_module.Upstreams(
+                await read_workers(session, router.control, [first], Role.PREFILL),
+                await read_workers(session, router.control, [wrong], Role.DECODE), min_kv_ratio=2.0,
+            )  # fmt: skip
+            router._upstreams = upstreams
+            named = {Role.PREFILL: [first, second, wrong, third], Role.DECODE: [wrong]}
+
+            async def resolve_table(urls: Any) -> list[str]:
+                return named[Role.PREFILL] if urls == (first,) else named[Role.DECODE]
+
+            monkeypatch.setattr(router_module, "resolve_workers", resolve_table)
+            await router._follow_names(upstreams)
+            assert {u.url for u in upstreams.prefill} == {first, second, third}  # the decode pod alone is out
+
+            router._suspect.add(second)  # as a failed connection to it marks it
+            named[Role.PREFILL] = [first, third]  # its pod went
+            await router._follow_names(upstreams)
+            assert {u.url for u in upstreams.prefill} == {first, third} and second not in router._suspect

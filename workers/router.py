@@ -42,7 +42,7 @@ from multidict import CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S
+from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, worker_default
 from kvguard.workers.backpressure import Slots, StallWatch, drop
 from kvguard.workers.channel_reader import (
     ChannelLost,
@@ -173,13 +173,13 @@ class RouterConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     model_name: str
-    request_timeout_s: float = 120.0
+    request_timeout_s: float = worker_default("request_timeout")
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S  # how long a worker may take to acknowledge an abort (the client does not wait for it)
-    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413
-    body_timeout_s: float = 30.0  # a body that takes longer to arrive: 408 (slow-body clients)
-    write_timeout_s: float = 30.0  # a client that reads none of its answer for this long loses the connection
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies: 413
+    body_timeout_s: float = worker_default("body_timeout")  # a body that takes longer to arrive: 408 (slow-body clients)
+    write_timeout_s: float = worker_default("write_timeout")  # a client that reads none of its answer for this long loses the connection
     max_choices: int = 16  # n x prompts per request
-    max_inflight_choices: int = 512  # generations with worker calls open; more wait here (within request_timeout_s)
+    max_inflight_choices: int = worker_default("max_inflight_choices")  # generations with worker calls open; more wait here (within request_timeout_s)
     tokenizer_threads: int = 2
     inline_bytes: int = 4096  # smaller prompts/bodies are tokenized/parsed on the loop (a thread hop costs more)
     propagate_aborts: bool = True  # False only under the no_abort_propagation fault
@@ -416,11 +416,16 @@ async def resolve_workers(urls: Sequence[str]) -> list[str] | None:
 
 async def read_workers(session: aiohttp.ClientSession, control: ControlClient, urls: Sequence[str], role: Role) -> list[Upstream]:
     """The workers among `urls` that report their limits now (one that does not is tried again at
-    the next refresh). A worker of the wrong role raises ValueError, as for a static URL."""
+    the next refresh). A worker of another role behind the name is left out alone, and logged: one
+    mislabelled pod kept every pod read in the same pass out of the rotation, at every pass for as
+    long as it was named (review: the ValueError failed the whole gather)."""
     async def read(url: str) -> Upstream | None:
         try:
             return Upstream(url, await fetch_info(session, control, url, role))
         except (TimeoutError, aiohttp.ClientError, ValidationError):
+            return None
+        except ValueError as exc:  # fetch_info's wrong role: never in rotation
+            log.error("router: %s: left out of the rotation", exc)
             return None
 
     return [u for u in await asyncio.gather(*(read(url) for url in urls)) if u is not None]
@@ -472,7 +477,8 @@ class Router:
         """URL -> instance id of workers that left the rotation's list, for the calls that end
         their requests (aborts); the newest DEPARTED_REMEMBERED."""
         self._suspect: set[str] = set()
-        """Workers whose connection failed mid-request: read again before the next signed call to them."""
+        """Workers whose connection failed mid-request: read again before the next signed call to
+        them. Only listed workers, and a worker leaves it as it leaves the list: it stays bounded."""
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self._handlers: set[asyncio.Task[web.StreamResponse]] = set()
@@ -642,12 +648,7 @@ class Router:
                 upstreams.remove(role, url)
                 self._retiring.add(url)
                 log.info("%s worker %s is no longer named: no new requests go to it", role.value, url)
-            try:
-                joined = await read_workers(self.http, self.control, change.added, role)
-            except ValueError as exc:  # a pod of another role behind the name: never in rotation
-                log.error("router: %s", exc)
-                joined = []
-            for upstream in joined:
+            for upstream in await read_workers(self.http, self.control, change.added, role):
                 upstreams.add(upstream)
                 self._retiring.discard(upstream.url)
                 log.info("%s worker %s joined: KV pool %d tokens", role.value, upstream.url, upstream.info.kv_pool_tokens)
@@ -671,6 +672,7 @@ class Router:
         return self._departed.get(url, ANY_WORKER)
 
     def _depart(self, upstream_url: str, instance: str | None) -> None:
+        self._suspect.discard(upstream_url)  # a read before its next call: there is none (review: the set only grew)
         if instance:
             self._departed[upstream_url] = instance
             self._departed.move_to_end(upstream_url)
@@ -1239,7 +1241,8 @@ class Router:
             # outside probe: every crash with requests in flight fired the trust-boundary alert).
             from_prefill = prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is exc
             unreachable = prefill.url if from_prefill else decode.url
-            self._suspect.add(unreachable)
+            if self._upstreams is not None and self._upstreams.at(unreachable) is not None:
+                self._suspect.add(unreachable)  # only workers still listed: `_depart` takes a departing one out
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request.request_id, exc)
             raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
