@@ -95,6 +95,25 @@ def test_replay_cache_forgets_only_what_the_clock_already_refuses() -> None:
         cache.add("c", 62.0)
 
 
+def test_replay_cache_forgets_what_a_clock_stepped_back_refuses() -> None:
+    """A wall clock stepped back by more than the window (an NTP correction): the entries from
+    before the step are forgotten, as a header they admitted is now refused as stale, rather than
+    kept until the clock catches up while the cache fills (then every call is a 503)."""
+    cache = ReplayCache(window_s=60.0, capacity=2)
+    cache.add("a", 1000.0)
+    cache.add("b", 1001.0)
+    cache.add("c", 100.0)  # the clock went back 900 s
+    cache.add("d", 100.5)
+    with pytest.raises(AuthError, match="already"):
+        cache.add("d", 101.0)
+    clock = Clock()
+    verifier = _verifier(clock)
+    header = sign(KEYS.control, "POST", "/internal/abort", BODY, target=INSTANCE, now=clock.now)
+    verifier.verify("POST", "/internal/abort", BODY, header)
+    clock.now -= 900.0
+    assert _reason(verifier, "POST", "/internal/abort", BODY, header) == "stale"  # what was forgotten cannot come back
+
+
 def test_a_call_that_acts_is_signed_for_one_worker_and_only_reads_for_any() -> None:
     """Every replica of a revision holds the key and keeps its own replay cache: a call captured on
     its way to one was taken by another (outside probe). The instance id it is signed for binds it;

@@ -123,10 +123,13 @@ class ReplayCache:
     _seen: collections.OrderedDict[str, float] = field(default_factory=collections.OrderedDict)
 
     def add(self, nonce: str, now: float) -> None:
-        """Record a nonce; AuthError if it was seen already (or the cache is full)."""
+        """Record a nonce; AuthError if it was seen already (or the cache is full). An entry is
+        forgotten once its arrival is more than the window from `now` either way: after the clock
+        stepped back further than the window, every header it admitted is refused as stale, and
+        keeping them until the clock caught up filled the cache (review: 503 for every call)."""
         while self._seen:
             oldest, at = next(iter(self._seen.items()))
-            if now - at <= self.window_s:
+            if abs(now - at) <= self.window_s:
                 break
             del self._seen[oldest]
         if nonce in self._seen:
