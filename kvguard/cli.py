@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -92,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in words if a in COMMANDS), "")
     try:
+        # A launcher starts its workers with SIGINT blocked (workers/launcher.py `_spawn`): one
+        # sent while the interpreter initialised waited, and is raised here, inside the handler.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         with _stop_signals_from_the_start(command, words):
             args = build_parser().parse_args(argv)
             code = int(args.func(args) or 0)

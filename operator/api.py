@@ -43,6 +43,8 @@ from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.json_numbers import numbers_only
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.rollout import RolloutStatus, Scale
+from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO
+from kvguard.workers.protocol import MAX_EVENT_TOKENS
 
 API_GROUP: Final = "kvguard.io"
 API_VERSION: Final = "v1alpha1"
@@ -531,7 +533,7 @@ class EngineSpec(ApiModel):
     required for vllm (e.g. an image with vllm-router)."""
     kv_canary: SGLangKVCanary | None = None
     """SGLang's own read-time KV canary, on prefill and decode (sglang only)."""
-    stream_interval: int | None = Field(None, ge=1, le=1024)
+    stream_interval: int | None = Field(None, ge=1, le=MAX_EVENT_TOKENS)
     """Tokens per streamed event, rendered as `--stream-interval` on decode workers (kvguard,
     SGLang and vLLM name and mean it alike). The first token always goes at once; then one event
     per N tokens. Unset: the engine's default, 1, every token as soon as it is made. Larger trades
@@ -1126,7 +1128,7 @@ class InferenceModelSpec(ApiModel):
     """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`). Pools are whole pages."""
     context_length: PositiveInt
     """Longest request (prompt + completion) the service accepts, in tokens."""
-    min_kv_ratio: KVRatio = 2.0
+    min_kv_ratio: KVRatio = DEFAULT_MIN_KV_RATIO
     """Every role's KV pool must hold at least this many times contextLength tokens (S7)."""
     kv_pool_tokens: PoolTokens | None = None
     """Explicit cap on the KV pool per engine instance (kvguard `--kv-pool-tokens`, SGLang
@@ -1465,7 +1467,7 @@ class InferencePolicySpec(ApiModel):
     """Namespaces the policy applies to, by label; empty means all. The operator sees a namespace's
     name only (the label kubernetes.io/metadata.name), not its other labels: a requirement on any
     other label is treated as matching (the policy applies). Prefer `namespaces` for exact scoping."""
-    min_kv_ratio: KVRatio = 2.0
+    min_kv_ratio: KVRatio = DEFAULT_MIN_KV_RATIO
     """Floor for spec.minKVRatio: every role's KV pool must hold this many contexts (S7)."""
     min_engine_versions: dict[str, str] = Field(default_factory=dict)
     """Oldest allowed engine version per engine kind, e.g. {sglang: 0.5.22, vllm: 0.11.0}; compared

@@ -294,3 +294,42 @@ def test_a_broken_model_folder_is_one_line_naming_what_is_wrong_not_a_traceback(
     done = _run_serve("--model", str(model))
     assert done.returncode != 0 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_serve_the_launcher_and_the_router_take_the_workers_defaults() -> None:
+    """One default per setting: `kvguard serve`'s flags, the launcher's config and the router's
+    config are the workers' own (review: the values were written out four times, free to drift)."""
+    from kvguard.workers.launcher import LocalServeConfig
+    from kvguard.workers.router import RouterConfig
+
+    flags = build_parser().parse_args(["serve", "--model", "m"])
+    config = LocalServeConfig(model_dir=Path("m"))
+    router = RouterConfig(prefill_urls=("http://p",), decode_urls=("http://d",), model_name="m")
+    defaults = WorkerArgs.model_fields
+    for name in ("page_size", "device", "max_transfer_batch", "transfer_timeout", "request_timeout", "max_inflight_choices",
+                 "transfer_encryption", "stream_interval", "token_channel"):  # fmt: skip
+        assert getattr(flags, name) == defaults[name].default, name
+    for name in ("page_size", "device", "max_transfer_batch", "transfer_timeout", "transfer_encryption", "stream_interval",
+                 "max_running_requests", "request_timeout", "max_inflight_choices", "write_timeout"):  # fmt: skip
+        assert getattr(config, name if hasattr(config, name) else f"{name}_s") == defaults[name].default, name
+    for name in ("request_timeout", "body_timeout", "write_timeout", "max_body_bytes", "max_inflight_choices"):
+        assert getattr(router, name if hasattr(router, name) else f"{name}_s") == defaults[name].default, name
+
+
+def test_a_stop_signal_sent_while_a_worker_initialises_python_ends_it_with_one_line() -> None:
+    """The launcher starts each worker with SIGINT held, and `kvguard.cli.main` takes it: a stop
+    during start-up reached a worker still initialising Python, which died with "Fatal Python
+    error: init_sys_streams" and a traceback on serve's stderr (CI under load)."""
+    from kvguard.workers.launcher import popen_holding_sigint
+
+    mask = popen_holding_sigint([sys.executable, "-c", "print(open('/proc/self/status').read())"], stdout=subprocess.PIPE, text=True)
+    status = mask.communicate(timeout=60)[0]
+    blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    assert blocked & (1 << (signal.SIGINT - 1)), status  # the child starts with it held
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, set()) & {signal.SIGINT}  # and the caller is as it was
+
+    child = popen_holding_sigint([sys.executable, "-P", "-m", "kvguard", "plan", "--help"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
+    child.send_signal(signal.SIGINT)  # at once: Python is still starting
+    out, err = child.communicate(timeout=120)
+    assert (child.returncode, out, err) == (130, "", "kvguard plan: interrupted\n")

@@ -36,10 +36,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
 from pydantic_core import PydanticUndefined
 
+from kvguard.workers.protocol import MAX_EVENT_TOKENS
+
 WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
 DEFAULT_DRAIN_TIMEOUT_S = 15.0  # with the preStop sleep before it and the shutdown after it, inside the rendered pods' 35 s grace (servers.Drain, render.TERMINATION_GRACE_SECONDS)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # router and splitter: a larger API request body is 413
 DEFAULT_ABORT_TIMEOUT_S = 2.0  # router: a worker that takes longer to acknowledge an abort frees the pages by its own timers
 # A local launcher (workers/launcher.py) hands each worker the read end of a pipe whose write end
 # only the launcher holds, and names its descriptor here: EOF on it means the launcher is gone.
@@ -197,7 +200,7 @@ class WorkerArgs(BaseModel):
     page_size: int = Field(16, ge=1, json_schema_extra=_flag("prefill and decode", "tokens per KV page"))
     max_running_requests: int = Field(64, ge=1, json_schema_extra=_flag("prefill and decode", "requests holding pages at once"))
     stream_interval: int = Field(
-        1, ge=1, le=1024,
+        1, ge=1, le=MAX_EVENT_TOKENS,
         json_schema_extra=_flag("decode", "tokens per streamed event: the first token always goes at once, then one event per "
                                 "N tokens, or sooner once one has waited 1 s (and the rest at the end). 1 (default): every step's token as soon as it is made; "
                                 "larger trades smoothness for less per-event work in decode, router and client"),
@@ -229,7 +232,7 @@ class WorkerArgs(BaseModel):
     body_timeout: float = Field(30.0, gt=0, json_schema_extra=_flag("router", "seconds a request body may take to arrive (408)"))
     write_timeout: float = Field(30.0, gt=0, le=86400, json_schema_extra=_flag(
         "router", "seconds a client may read none of its answer before its connection is closed (its generation aborted)"))
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
     max_inflight_choices: int = Field(512, ge=1, le=100_000, json_schema_extra=_flag(
         "router", "generations with calls open to workers at once; more wait in the router, holding no KV, "
                   "within --request-timeout (504)"))  # fmt: skip
@@ -301,6 +304,14 @@ class WorkerArgs(BaseModel):
 
 
 _PLANNED_FIELDS = {"page_size", "device", "dtype"}
+
+
+def worker_default(name: str) -> Any:
+    """WorkerArgs' default for field `name`: the one the router's config, the local launcher and
+    `kvguard serve`'s flags take too (review: they repeated the values, free to drift)."""
+    default = WorkerArgs.model_fields[name].default
+    assert default is not PydanticUndefined, f"{name} has no default"
+    return default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,9 +27,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import requests
 
@@ -42,16 +43,28 @@ from kvguard.workers.args import (
     TransferEncryption,
     WorkerArgs,
     bind_listener,
+    worker_default,
 )
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import TRANSFER_KEY_ENV, RevisionKeys, load_revision_key
-from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO, ratio_text, required_pool_tokens
 
 log = logging.getLogger("kvguard.launcher")
 
 HOST = "127.0.0.1"
 ROLES = ("prefill", "decode", "router")
-DEFAULT_MIN_KV_RATIO = 2.0  # S7: the pool must hold at least this many full contexts
+
+
+def popen_holding_sigint(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """A `kvguard` child that starts with SIGINT blocked (a signal mask survives exec), for
+    `kvguard.cli.main` to unblock once it can end on it with one line. `stop` during start-up hit a
+    worker still initialising Python, which died with "Fatal Python error: init_sys_streams" and a
+    traceback on serve's stderr (CI under load)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return subprocess.Popen(argv, **kwargs)  # noqa: S603 - our own argv
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class SmallPoolError(ValueError):
@@ -75,19 +88,19 @@ class LocalServeConfig:
     transfer_port: int = 0  # decode's KV transfer listener
     kv_pool_tokens: int | None = None
     context_length: int | None = None
-    page_size: int = 16
-    device: str = "auto"  # CUDA when present (kvguard.workers.device decides)
-    max_transfer_batch: int = 4 * 1024 * 1024
-    transfer_timeout_s: float = 5.0
-    transfer_encryption: TransferEncryption = "none"
-    stream_interval: int = 1  # decode: tokens per streamed event after the first
+    page_size: int = worker_default("page_size")
+    device: str = worker_default("device")  # CUDA when present (kvguard.workers.device decides)
+    max_transfer_batch: int = worker_default("max_transfer_batch")
+    transfer_timeout_s: float = worker_default("transfer_timeout")
+    transfer_encryption: TransferEncryption = worker_default("transfer_encryption")
+    stream_interval: int = worker_default("stream_interval")  # decode: tokens per streamed event after the first
     token_channel: bool = True  # router: decode's tokens on one channel for all requests (False: a stream each)
-    max_running_requests: int = 64  # prefill and decode: requests holding pages at once
+    max_running_requests: int = worker_default("max_running_requests")  # prefill and decode: requests holding pages at once
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # prefill: wait for a ticket; decode: for prefill's OPEN
-    request_timeout_s: float = 120.0  # router: how long a request may wait for its next token (504)
-    max_inflight_choices: int = 512  # router: generations with worker calls open at once (more wait in the router)
+    request_timeout_s: float = worker_default("request_timeout")  # router: how long a request may wait for its next token (504)
+    max_inflight_choices: int = worker_default("max_inflight_choices")  # router: generations with worker calls open at once (more wait in the router)
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S  # router: how long a worker may take to acknowledge an abort
-    write_timeout_s: float = 30.0  # router: a client that reads none of its answer this long loses the connection
+    write_timeout_s: float = worker_default("write_timeout")  # router: a client that reads none of its answer this long loses the connection
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # every role: on SIGTERM, how long it finishes what it holds
     min_kv_ratio: float = DEFAULT_MIN_KV_RATIO
     allow_small_pool: bool = False  # serve a pool below min_kv_ratio x context anyway (logged loudly)
@@ -282,7 +295,7 @@ class LocalDeployment:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             stdout = open(self.config.log_dir / f"{process.name}.log", "ab")  # noqa: SIM115 - owned by the child
         lifeline = self._lifeline[0]
-        process.popen = subprocess.Popen(
+        process.popen = popen_holding_sigint(
             process.argv,
             env={**self._env, LIFELINE_FD_ENV: str(lifeline)},
             pass_fds=(*process.fds, lifeline),

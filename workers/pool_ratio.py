@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+DEFAULT_MIN_KV_RATIO = 2.0
+"""S7: a KV pool holds at least this many full contexts unless a spec or flag says more."""
+
 
 def required_pool_tokens(min_ratio: float, context_length: int) -> int:
     """The fewest tokens that hold `min_ratio` x `context_length`, with the ratio read as written

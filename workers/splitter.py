@@ -50,6 +50,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES
 from kvguard.workers.backpressure import StallWatch, drop
 from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, too_large_error
 
@@ -209,7 +210,7 @@ class TableSource:
 @dataclass(frozen=True)
 class SplitterConfig:
     table_path: Path
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # as the router's --max-body-bytes default
     body_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     write_timeout_s: float = 30.0  # as the router's --write-timeout: a client that reads nothing for this long is dropped

@@ -16,6 +16,8 @@ EXIT_SMALL_POOL = 3  # refused, as `kvguard plan` blocks: the pool is below the 
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kvguard.workers.args import worker_default as D
+
     parser = subparsers.add_parser(
         "serve",
         help="run a router, a prefill and a decode worker on loopback",
@@ -37,21 +39,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--context-length", type=_positive, default=None, help="served context (default: the model's)")
     parser.add_argument("--allow-small-pool", action="store_true",
                         help="serve even if the KV pool is below 2x the context length (unsafe; logged loudly)")
-    parser.add_argument("--page-size", type=_positive, default=16, help="tokens per KV page; default 16")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present; the default), cpu, cuda or cuda:N")
-    parser.add_argument("--max-transfer-batch", type=_positive, default=4 * 1024 * 1024, help="bytes in flight per prefill->decode pair; default 4194304 (4 MiB)")
-    parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds a stalled KV transfer may wait; default 5")
-    parser.add_argument("--request-timeout", type=float, default=120.0,
-                        help="seconds a request may wait for its next token, the first included (504); default 120")
-    parser.add_argument("--max-inflight-choices", type=_positive, default=512,
+    # Every default is the workers' own (WorkerArgs), so serve and `kvguard worker` cannot disagree.
+    parser.add_argument("--page-size", type=_positive, default=D("page_size"), help=f"tokens per KV page; default {D('page_size')}")
+    parser.add_argument("--device", default=D("device"), help="auto (CUDA when present; the default), cpu, cuda or cuda:N")
+    parser.add_argument("--max-transfer-batch", type=_positive, default=D("max_transfer_batch"),
+                        help=f"bytes in flight per prefill->decode pair; default {D('max_transfer_batch')}")
+    parser.add_argument("--transfer-timeout", type=float, default=D("transfer_timeout"),
+                        help=f"seconds a stalled KV transfer may wait; default {D('transfer_timeout'):g}")
+    parser.add_argument("--request-timeout", type=float, default=D("request_timeout"),
+                        help=f"seconds a request may wait for its next token, the first included (504); default {D('request_timeout'):g}")
+    parser.add_argument("--max-inflight-choices", type=_positive, default=D("max_inflight_choices"),
                         help="generations the router runs at once (n counts each); more wait in the router, "
-                        "holding no KV, within --request-timeout; default 512")
-    parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default="none",
+                        f"holding no KV, within --request-timeout; default {D('max_inflight_choices')}")
+    parser.add_argument("--transfer-encryption", choices=("none", "aes-gcm"), default=D("transfer_encryption"),
                         help="KV payloads between prefill and decode: integrity only (none, the default), or AES-GCM encrypted")
-    parser.add_argument("--stream-interval", type=_stream_interval, default=1,
+    parser.add_argument("--stream-interval", type=_stream_interval, default=D("stream_interval"),
                         help="tokens per streamed event after the first (which always goes at once), or fewer once "
-                        "one has waited 1 s; default 1")
-    parser.add_argument("--token-channel", choices=("on", "off"), default="on",
+                        f"one has waited 1 s; default {D('stream_interval')}")
+    parser.add_argument("--token-channel", choices=("on", "off"), default=D("token_channel"),
                         help="on (default): decode's tokens reach the router on one stream for all requests, one write "
                         "per engine step; off: a stream per request")
     parser.set_defaults(func=run)
@@ -73,9 +78,11 @@ def _positive(text: str) -> int:
 
 
 def _stream_interval(text: str) -> int:
+    from kvguard.workers.protocol import MAX_EVENT_TOKENS
+
     value = int(text)
-    if not 1 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"must be 1..1024, got {value}")
+    if not 1 <= value <= MAX_EVENT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_EVENT_TOKENS}, got {value}")
     return value
 
 
