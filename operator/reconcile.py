@@ -423,6 +423,8 @@ def _blocked(run: _Run, spec: InferenceModelSpec, kv_plan: KVPlan, revision: str
     not touched (S8); the rollout machine removes an unfinished canary of an older spec."""
     message = describe_pools(kv_plan) + ". " + describe_fixes(kv_plan)
     run.set(cond.KV_POOL_SUFFICIENT, "False", "KVPoolTooSmall", message)
+    # Before the Blocked entry, which then stays at the head: one Warning per blocked revision.
+    _supersede_replaced_candidate(run, revision, _served_traffic(run.status.rollout))
     new = run.record(revision, "Blocked", message, run.status.kv_ratio)
     outcome = _roll_out(run, spec, kv_plan, revision, gate, plan_ok=False, plan_message=message)
     events = [e for e in outcome.events if e.reason != "KVPoolTooSmall"]
@@ -516,9 +518,7 @@ def _record_transition(run: _Run, decision: Decision, previous: RolloutStatus | 
     """status.history: Candidate when a canary starts, Failed, Stable/Superseded on promotion."""
     rollout, old_stable = decision.rollout, run.status.revision
     previous_state = previous.state if previous is not None else None
-    # A candidate shifting traffic (or given a weight) served a share of it before it was replaced.
-    served = previous is not None and (previous.state == RolloutState.SHIFTING or bool(previous.weight))
-    replaced = _supersede_replaced_candidate(run, rollout.revision or "", served)
+    replaced = _supersede_replaced_candidate(run, rollout.revision or "", _served_traffic(previous))
     if decision.stable != old_stable and decision.stable is not None:
         run.status.revision = decision.stable
         if old_stable:
@@ -532,13 +532,19 @@ def _record_transition(run: _Run, decision: Decision, previous: RolloutStatus | 
         run.record(rollout.revision or "", "Failed", rollout.message)
 
 
+def _served_traffic(rollout: RolloutStatus | None) -> bool:
+    """A candidate shifting traffic (or given a weight) served a share of it before it was replaced."""
+    return rollout is not None and (rollout.state == RolloutState.SHIFTING or bool(rollout.weight))
+
+
 def _supersede_replaced_candidate(run: _Run, revision: str, served: bool) -> bool:
     """A newer spec replaced the candidate before it was promoted -- with another candidate (the
     state may stay CanaryDeploying), a blocked one, or the stable revision again: the replaced one
     is Superseded, never left reading Candidate, and says whether it had served a share of traffic.
-    True when one was."""
-    head = run.status.history[0] if run.status.history else None
-    if head is None or head.state != "Candidate" or head.revision == revision:
+    True when one was. The newest entry of another revision is the one replaced: a blocked spec's
+    own entry is recorded first (an outside probe: the candidate read Candidate for ever)."""
+    head = next((h for h in run.status.history if h.revision != revision), None)
+    if head is None or head.state != "Candidate":
         return False
     how = f"after serving a share of traffic, {NEVER_PROMOTED}" if served else NEVER_SERVED
     run.record(head.revision, "Superseded", f"replaced by {revision} {how}")

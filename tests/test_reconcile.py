@@ -92,6 +92,31 @@ def test_a_spec_back_at_the_stable_revision_mid_canary_supersedes_the_candidate(
     assert (passed["status"], passed["reason"]) == ("True", "StableRevision") and candidate not in passed["message"]
 
 
+def test_a_blocked_spec_mid_canary_supersedes_the_candidate() -> None:
+    """Outside probe: a spec whose pool is too small replaced a deploying candidate; its
+    Deployments went, but history read [blocked Blocked, candidate Candidate] for ever (the
+    Blocked entry was recorded first, and only the newest entry was looked at)."""
+    b = promote(body())
+    stable = b["status"]["revision"]
+    changed = body()
+    changed["spec"]["contextLength"] = 512
+    changed["status"] = b["status"]
+    deploying = reconcile(changed, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=60))
+    candidate = deploying.status["targetRevision"]
+    assert candidate != stable and deploying.status["history"][0]["state"] == "Candidate"
+    blocked_spec = body()
+    blocked_spec["spec"]["kvPoolTokens"] = 1024
+    blocked = reconcile({**blocked_spec, "status": deploying.status}, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=90))
+    assert blocked.status["phase"] == "Blocked" and blocked.status["revision"] == stable
+    history = [(h["revision"], h["state"]) for h in blocked.status["history"]]
+    blocked_revision = history[0][0]
+    assert history == [(blocked_revision, "Blocked"), (candidate, "Superseded"), (stable, "Stable")]
+    assert blocked.status["history"][1]["message"] == f"replaced by {blocked_revision} before it served"
+    assert [e.reason for e in blocked.events].count("KVPoolTooSmall") == 1
+    again = reconcile({**blocked_spec, "status": blocked.status}, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=120))
+    assert again.status["history"] == blocked.status["history"] and again.events == []  # one Warning per blocked revision
+
+
 def test_every_condition_speaks_for_the_generation_a_pass_judged() -> None:
     """Outside probe: during the rollout of generation 4, Degraded (False, AsExpected) still said
     observedGeneration 3, which metav1 tools read as out of date. A condition a pass leaves as it
