@@ -258,8 +258,13 @@ async def test_S3_the_transfer_secret_gets_a_random_name_and_a_restarted_operato
     assert await KubernetesBackend(kube, index).ensure_transfer_secret(owner, "r1") == first
     assert len([r for r in list(kmock) if r.method == "GET" and "/deployments" in r.url.path]) == deployment_reads
 
+    deletes = len([r for r in list(kmock) if r.method == "DELETE"])
     await restarted.delete_revision(ModelRef("ns", "m", "u"), "r1")  # the Secret goes with its revision
     assert await kube.aget(ObjectRef("Secret", first, "ns")) is None
+    # First: only the Deployments name it, so a stop (a failover) once they went left the key for
+    # the model's life (outside probe).
+    kinds = [r.url.path.split("/")[-2] for r in list(kmock)[deletes:] if r.method == "DELETE"]
+    assert kinds[0] == "secrets" and "deployments" in kinds, kinds
 
 
 async def test_S3_a_model_created_again_under_its_name_gets_a_secret_of_its_own(kube: Kube, kmock: Any) -> None:

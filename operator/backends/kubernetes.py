@@ -274,7 +274,10 @@ class KubernetesBackend:
         known = self._transfer_secrets.pop(_revision_key(owner, revision), None)
         named = await self._transfer_secret_candidates(owner, revision, known, self._recorded_transfer_secrets(owner, revision, known))
         pool = ObjectRef("InferencePool", inference_pool_name(model.name, revision), model.namespace)  # 404 when none
-        refs = [ref_of(o) for o in doomed] + [pool] + [ObjectRef("Secret", name, model.namespace) for name in named]
+        # The Secrets first: only the Deployments name them, so a stop (a failover) after the
+        # Deployments went left the key behind for the model's life (outside probe). The running
+        # pods hold it already; a stop after the Secrets leaves Deployments that still name them.
+        refs = [ObjectRef("Secret", name, model.namespace) for name in named] + [ref_of(o) for o in doomed] + [pool]
         for ref in refs:
             key = (ref.kind, ref.namespace or "", ref.name)
             if key in in_watch:
