@@ -28,3 +28,4 @@ for i in 0 1; do PATCH="$PATCH${PATCH:+,}{\"op\":\"add\",\"path\":\"/webhooks/$i
 kubectl patch validatingwebhookconfiguration kvguard-inferencemodels --type=json -p "[$PATCH]"
 rm -rf "$DIR"
 kubectl -n "$NAMESPACE" rollout restart deployment/kvguard-operator   # pick up the Secret if it was new
+kubectl -n "$NAMESPACE" rollout status deployment/kvguard-operator --timeout=300s   # the webhook serves: policies may be applied
