@@ -85,6 +85,30 @@ def test_schema_rejects_bad_values_with_the_field_named() -> None:
     assert {"spec.engine.kind", "spec.contextLength"} <= errors
 
 
+IMAGES = {"lmsysorg/sglang:v0.5.22": True, "ghcr.io/org/img:1.0@sha256:" + "b" * 64: True, "localhost:5000/a/b_c__d:x": True,
+          "[::1]:5000/img": True, "Registry.Example.COM/app": True, "Foo/Bar:latest": False, "foo@sha256:abc": False,
+          "foo::1": False, "img:": False, "a//b": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(("image", "valid"), IMAGES.items())
+def test_the_schema_and_the_model_read_an_image_reference_alike(image: str, valid: bool) -> None:
+    """The API server (the CRD's pattern) and the webhook (the model) admit the same references."""
+    from pydantic import ValidationError
+
+    from kvguard.operator.api import InferenceModel
+
+    body = yaml.safe_load(EXAMPLES[0].read_text())
+    body["spec"]["engine"]["image"] = image
+    errors = {".".join(map(str, e.path)) for e in jsonschema.Draft4Validator(openapi(inference_model_crd())).iter_errors(body)}
+    assert ("spec.engine.image" not in errors) is valid
+    try:
+        InferenceModel.model_validate(body)
+    except ValidationError as exc:
+        assert not valid and "is not an image reference" in str(exc)
+    else:
+        assert valid
+
+
 def test_crds_validate_as_kubernetes_objects() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for text in all_files().values():
