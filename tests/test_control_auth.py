@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.workers.control_auth import AUTH_HEADER, AuthError, ControlVerifier, ReplayCache, auth_headers, sign
+from kvguard.workers.control_auth import ANY_WORKER, AUTH_HEADER, AuthError, ControlVerifier, ReplayCache, auth_headers, sign
 from kvguard.workers.keys import RevisionKeys
 
 KEYS = RevisionKeys.derive(b"control-test-key-0123456789abcdef")
@@ -128,6 +128,28 @@ def test_a_call_that_acts_is_signed_for_one_worker_and_only_reads_for_any() -> N
     for path in ("/internal/info", "/internal/health", "/internal/info?verbose=1"):
         _verifier(clock).verify("GET", path, b"", sign(KEYS.control, "GET", path, now=clock.now))  # reads: any worker
     assert _reason(_verifier(clock), "GET", "/internal/stream", b"", sign(KEYS.control, "GET", "/internal/stream", now=clock.now)) == "wrong_target"
+
+
+def test_a_call_signed_from_a_read_older_than_the_worker_counts_as_its_predecessors() -> None:
+    """A worker restarted at its address refuses the calls the router signed for the instance it
+    read there before: refused all the same, but counted `previous_instance`, outside the S9 alert
+    (restarts fired it with no attacker). A call for another instance read after this worker
+    started (a captured call replayed here) stays `wrong_target`; so does one for any worker. The
+    read time is inside the MAC: a replay cannot be passed off as a predecessor's."""
+    clock = Clock()
+    verifier = ControlVerifier(KEYS.control, instance=INSTANCE, clock=clock, started=clock.now)
+
+    def signed(read_at: float, target: str = "cd" * 16) -> str:
+        return sign(KEYS.control, "POST", "/internal/abort", BODY, target=target, read_at=read_at, now=clock.now + 5)
+
+    clock.now += 5
+    assert _reason(verifier, "POST", "/internal/abort", BODY, signed(clock.now - 6)) == "previous_instance"
+    assert _reason(verifier, "POST", "/internal/abort", BODY, signed(clock.now - 4)) == "wrong_target"
+    assert _reason(verifier, "POST", "/internal/abort", BODY, signed(clock.now - 6, ANY_WORKER)) == "wrong_target"
+    replayed = signed(clock.now - 1)
+    backdated = replayed.replace(f"read={int((clock.now - 1) * 1000)}", f"read={int((clock.now - 60) * 1000)}")
+    assert backdated != replayed and _reason(verifier, "POST", "/internal/abort", BODY, backdated) == "bad_mac"
+    verifier.verify("POST", "/internal/abort", BODY, signed(clock.now - 6, INSTANCE))  # its own id: read whenever
 
 
 def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:

@@ -3,10 +3,10 @@
 NetworkPolicies keep other pods away from a worker's internal control API where the cluster
 enforces them; this check holds where it does not. Every router -> worker call carries::
 
-    X-Kvguard-Auth: v3 ts=<unix ms> nonce=<32 hex> target=<32 hex | any> sha256=<64 hex> mac=<64 hex>
+    X-Kvguard-Auth: v4 ts=<unix ms> nonce=<32 hex> target=<32 hex | any> read=<unix ms> sha256=<64 hex> mac=<64 hex>
     sha256 = hex(SHA-256(body))
-    mac = HMAC-SHA256(control key, "kvguard-control-v3" \\n METHOD \\n raw path+query \\n
-                      sha256 \\n ts \\n nonce \\n target)
+    mac = HMAC-SHA256(control key, "kvguard-control-v4" \\n METHOD \\n raw path+query \\n
+                      sha256 \\n ts \\n nonce \\n target \\n read)
 
 `target` is the worker process's own random id (`instance`, which it reports in
 `/internal/info`): every pod of a revision holds the same key and keeps its own replay cache, so
@@ -14,6 +14,12 @@ a call captured on its way to one replica was taken by another (outside probe: a
 call made a second replica compute the prompt and hold its pages). Only the reads a caller makes
 before it knows the id (`GET /internal/info` and `/internal/health`, which change nothing) may
 name `any`.
+
+`read` is when the caller last read `target` (0 for `any`). A call signed for another instance
+from a read older than this worker's start is the caller's view of the worker that ran here
+before (a restart keeps the address): refused all the same, but counted `previous_instance`, not
+`wrong_target`, which is the S9 alert's (a captured call replayed to another worker carries a
+read of that worker made after this one started). Restarts fired the alert with no attacker.
 
 The header names the body's digest, so the MAC is verified from the head alone, before a byte of
 the body is read: a pod without the key cannot make a worker buffer an upload (v1 signed the
@@ -55,8 +61,10 @@ from kvguard.workers.openai_api import OpenAIError
 AUTH_HEADER = "X-Kvguard-Auth"
 REPLAY_CACHE_ENTRIES = 1 << 20
 INTERNAL_PREFIX = "/internal/"
-_VERSION = "v3"
-_HEADER = re.compile(r"v3 ts=(\d{1,16}) nonce=([0-9a-f]{32}) target=([0-9a-f]{32}|any) sha256=([0-9a-f]{64}) mac=([0-9a-f]{64})")
+_VERSION = "v4"
+_HEADER = re.compile(
+    r"v4 ts=(\d{1,16}) nonce=([0-9a-f]{32}) target=([0-9a-f]{32}|any) read=(\d{1,16}) sha256=([0-9a-f]{64}) mac=([0-9a-f]{64})"
+)
 ANY_WORKER = "any"
 UNBOUND_CALLS = frozenset({("GET", "/internal/info"), ("GET", "/internal/health")})
 """The calls that may be signed for any worker: reads, made before the caller knows the id."""
@@ -67,7 +75,7 @@ def new_instance_id() -> str:
     return secrets.token_hex(16)
 
 
-AuthFailure = Literal["missing", "malformed", "bad_mac", "stale", "replay", "replay_cache_full", "wrong_target"]
+AuthFailure = Literal["missing", "malformed", "bad_mac", "stale", "replay", "replay_cache_full", "wrong_target", "previous_instance"]
 """Why a control call was refused (`kvguard_control_auth_failures_total{reason}`)."""
 AUTH_FAILURES: tuple[AuthFailure, ...] = get_args(AuthFailure)
 
@@ -80,8 +88,8 @@ class AuthError(Exception):
         self.reason = reason
 
 
-def _mac(key: bytes, method: str, path: str, digest: str, ts: str, nonce: str, target: str) -> str:
-    message = "\n".join(("kvguard-control-v3", method.upper(), path, digest, ts, nonce, target))
+def _mac(key: bytes, method: str, path: str, digest: str, ts: str, nonce: str, target: str, read: str) -> str:
+    message = "\n".join(("kvguard-control-v4", method.upper(), path, digest, ts, nonce, target, read))
     return hmac.new(key, message.encode(), "sha256").hexdigest()
 
 
@@ -92,26 +100,31 @@ class SignedHead:
     ts: str
     nonce: str
     target: str  # the worker instance the call is for, or ANY_WORKER
+    read: str  # unix ms at which the caller last read `target` ("0" for ANY_WORKER)
     digest: str  # hex SHA-256 of the body the caller signed
     mac: str
 
 
-def sign(key: bytes, method: str, path: str, body: bytes = b"", *, target: str = ANY_WORKER, now: float | None = None,
-         nonce: str | None = None) -> str:  # fmt: skip
-    """The ``X-Kvguard-Auth`` value for one call to worker `target`. ``path`` is the raw path with its query."""
-    ts = str(int((time.time() if now is None else now) * 1000))
+def sign(key: bytes, method: str, path: str, body: bytes = b"", *, target: str = ANY_WORKER, read_at: float | None = None,
+         now: float | None = None, nonce: str | None = None) -> str:  # fmt: skip
+    """The ``X-Kvguard-Auth`` value for one call to worker `target`, whose id the caller read at
+    unix time `read_at` (default: now). ``path`` is the raw path with its query."""
+    now = time.time() if now is None else now
+    ts = str(int(now * 1000))
+    read = str(int((now if read_at is None else read_at) * 1000)) if target != ANY_WORKER else "0"
     nonce = nonce or secrets.token_hex(16)
     digest = hashlib.sha256(body).hexdigest()
-    mac = _mac(key, method, path, digest, ts, nonce, target)
-    return f"{_VERSION} ts={ts} nonce={nonce} target={target} sha256={digest} mac={mac}"
+    mac = _mac(key, method, path, digest, ts, nonce, target, read)
+    return f"{_VERSION} ts={ts} nonce={nonce} target={target} read={read} sha256={digest} mac={mac}"
 
 
-def auth_headers(key: bytes, method: str, url: str, body: bytes = b"", target: str = ANY_WORKER) -> dict[str, str]:
+def auth_headers(key: bytes, method: str, url: str, body: bytes = b"", target: str = ANY_WORKER,
+                 read_at: float | None = None) -> dict[str, str]:  # fmt: skip
     """The header for a call to ``url`` (any HTTP client: the router's aiohttp, the launcher's
     requests, tests). Signs the path exactly as it goes on the request line."""
     parts = urllib.parse.urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return {AUTH_HEADER: sign(key, method, path, body, target=target)}
+    return {AUTH_HEADER: sign(key, method, path, body, target=target, read_at=read_at)}
 
 
 @dataclass
@@ -149,6 +162,12 @@ class ControlVerifier:
     max_skew_s: float = MAX_CLOCK_SKEW_S
     replay: ReplayCache = field(default_factory=ReplayCache)
     clock: Callable[[], float] = time.time
+    started: float | None = None
+    """Unix time this worker began (default: when the verifier was made, at its start)."""
+
+    def __post_init__(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
 
     def verify_head(self, method: str, path: str, header: str | None) -> SignedHead:
         """The head of a call from a key holder: header present, well formed, fresh, its MAC
@@ -164,9 +183,12 @@ class ControlVerifier:
         head = SignedHead(*match.groups())
         if abs(self.clock() - int(head.ts) / 1000) > self.max_skew_s:
             raise AuthError("stale", f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
-        if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target), head.mac):
+        if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target, head.read), head.mac):
             raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
         if head.target != self.instance and not (head.target == ANY_WORKER and (method.upper(), path.split("?", 1)[0]) in UNBOUND_CALLS):
+            assert self.started is not None
+            if head.target != ANY_WORKER and int(head.read) < self.started * 1000:
+                raise AuthError("previous_instance", "this call was signed for the worker that ran here before this one started")
             raise AuthError("wrong_target", "this call was signed for another worker (or for any, which only reads may be)")
         return head
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NoReturn, Protocol, TypeVar
+from typing import NamedTuple, NoReturn, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -121,6 +121,13 @@ STREAMING = web.RequestKey("kvguard_streaming", bool)
 _SHUTTING_DOWN = OpenAIError(503, "this router is shutting down; retry the request", code="shutting_down")
 
 
+class SignedFor(NamedTuple):
+    """Whom a call that acts is signed for: a worker instance as read at unix time `read_at`."""
+
+    instance: str
+    read_at: float = 0.0
+
+
 class ControlClient:
     """The router's signed calls to its workers (S9): every request carries ``X-Kvguard-Auth``."""
 
@@ -131,11 +138,11 @@ class ControlClient:
         """A read (info, health): signed for any worker, since it comes before the worker's id is known."""
         return session.get(url, headers=auth_headers(self._key, "GET", url), **kwargs)  # type: ignore[arg-type]
 
-    def post(self, session: aiohttp.ClientSession, url: str, message: BaseModel, target: str,
+    def post(self, session: aiohttp.ClientSession, url: str, message: BaseModel, target: SignedFor,
              **kwargs: object) -> aiohttp.client._RequestContextManager:  # fmt: skip
         """A call that acts, signed for worker instance `target` alone."""
         body = message.model_dump_json().encode()
-        headers = {**auth_headers(self._key, "POST", url, body, target), "Content-Type": "application/json"}
+        headers = {**auth_headers(self._key, "POST", url, body, target.instance, target.read_at), "Content-Type": "application/json"}
         return session.post(url, data=body, headers=headers, **kwargs)  # type: ignore[arg-type]
 
 
@@ -243,6 +250,8 @@ class RouterMetrics:
 class Upstream:
     url: str
     info: WorkerInfo
+    read_at: float = field(default_factory=time.time)
+    """Unix time `info` was last read: calls signed for its instance say it (workers/control_auth.py)."""
     reachable: bool = True
     """False after a failed read of its limits (down, restarting): out of rotation until one succeeds."""
     silent_reads: int = 0
@@ -326,7 +335,7 @@ class Upstreams:
         was = self.admits(upstream)
         upstream.reachable = info is not None
         if info is not None:
-            upstream.info = info
+            upstream.info, upstream.read_at = info, time.time()
         now = self.admits(upstream)
         if was == now:
             return None
@@ -473,7 +482,7 @@ class Router:
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
         self._retiring: set[str] = set()
         """Workers no longer named (`--discovery dns`) whose token channel closes once idle."""
-        self._departed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._departed: collections.OrderedDict[str, SignedFor] = collections.OrderedDict()
         """URL -> instance id of workers that left the rotation's list, for the calls that end
         their requests (aborts); the newest DEPARTED_REMEMBERED."""
         self._suspect: set[str] = set()
@@ -607,7 +616,7 @@ class Router:
         self._rereading[url] = task = asyncio.create_task(reread())
         return task
 
-    async def _restarted_since(self, url: str, signed_for: str) -> bool:
+    async def _restarted_since(self, url: str, signed_for: SignedFor) -> bool:
         """Whether the worker at `url`, read again now, is another instance than the one a refused
         call was signed for, and one the rotation admits (S7: a restart may come back with a
         smaller pool or another page size). The launcher and a pod restart keep the address, so
@@ -619,7 +628,7 @@ class Router:
         if upstreams is None or upstream is None or not upstreams.admits(upstream):
             return False
         instance = upstream.info.instance
-        return bool(instance) and instance not in (signed_for, ANY_WORKER)
+        return bool(instance) and instance not in (signed_for.instance, ANY_WORKER)
 
     @contextlib.asynccontextmanager
     async def _control_call(self, url: str, path: str, message: BaseModel,
@@ -643,8 +652,8 @@ class Router:
                 continue
             change = membership_change([u.url for u in upstreams.of(role)], resolved)
             for url in change.removed:
-                gone = upstreams.at(url)
-                self._depart(url, gone.info.instance if gone is not None else None)
+                if (gone := upstreams.at(url)) is not None:
+                    self._depart(gone)
                 upstreams.remove(role, url)
                 self._retiring.add(url)
                 log.info("%s worker %s is no longer named: no new requests go to it", role.value, url)
@@ -654,7 +663,7 @@ class Router:
                 log.info("%s worker %s joined: KV pool %d tokens", role.value, upstream.url, upstream.info.kv_pool_tokens)
         await self._close_retired_channels()
 
-    async def _signed_for(self, url: str) -> str:
+    async def _signed_for(self, url: str) -> SignedFor:
         """The instance a call to `url` is signed for: as last read, or read again first after a
         connection to it failed mid-request. A launcher or a pod restart keeps the address, and a
         call signed for the old instance was refused and counted as an S9 refusal with no attacker
@@ -663,19 +672,19 @@ class Router:
             await asyncio.shield(reading)  # bounded by fetch_info's timeout; shared by every call meanwhile
         return self._target(url)
 
-    def _target(self, url: str) -> str:
-        """The instance id of the worker at `url`, as last read: calls that act are signed for it
-        alone (S9, workers/control_auth.py)."""
+    def _target(self, url: str) -> SignedFor:
+        """The instance id of the worker at `url`, as last read, and when: calls that act are
+        signed for it alone (S9, workers/control_auth.py)."""
         upstream = self._upstreams.at(url) if self._upstreams is not None else None
         if upstream is not None and upstream.info.instance:
-            return upstream.info.instance
-        return self._departed.get(url, ANY_WORKER)
+            return SignedFor(upstream.info.instance, upstream.read_at)
+        return self._departed.get(url, SignedFor(ANY_WORKER))
 
-    def _depart(self, upstream_url: str, instance: str | None) -> None:
-        self._suspect.discard(upstream_url)  # a read before its next call: there is none (review: the set only grew)
-        if instance:
-            self._departed[upstream_url] = instance
-            self._departed.move_to_end(upstream_url)
+    def _depart(self, upstream: Upstream) -> None:
+        self._suspect.discard(upstream.url)  # a read before its next call: there is none (review: the set only grew)
+        if upstream.info.instance:
+            self._departed[upstream.url] = SignedFor(upstream.info.instance, upstream.read_at)
+            self._departed.move_to_end(upstream.url)
             while len(self._departed) > DEPARTED_REMEMBERED:
                 self._departed.popitem(last=False)
 
