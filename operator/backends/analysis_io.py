@@ -34,7 +34,7 @@ from kvguard.operator.analysis import (
     source_name,
 )
 from kvguard.operator.api import AnalysisSpec, PrometheusQuery
-from kvguard.operator.canary.client import get_text
+from kvguard.operator.canary.client import UnreadableAnswer, get_text, read_text
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, rfc3339
 
 log = logging.getLogger(__name__)
@@ -97,14 +97,17 @@ async def query_values(base_url: str, queries: Sequence[PrometheusQuery], values
             try:
                 async with session.get(url, params={"query": substitute(query.query, values)},
                                        timeout=aiohttp.ClientTimeout(total=QUERY_TIMEOUT_SECONDS)) as resp:  # fmt: skip
-                    body = await resp.text()
+                    body = await read_text(resp)
                     status = resp.status
+            except UnreadableAnswer as exc:
+                found.append((query.name, None, f"Prometheus answered what cannot be read: {exc}"))
+                continue
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 found.append((query.name, None, f"Prometheus unreachable: {type(exc).__name__}"))
                 continue
             try:
                 value = scalar_of(json.loads(body)) if status == 200 else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 value = None
             found.append((query.name, value, "" if status == 200 else f"Prometheus answered HTTP {status}"))
     return found

@@ -11,6 +11,10 @@ one; `transformers serve` ends with the finish chunk and its usage). A stream is
 when it ends without any finish reason. Every error says what was observed (frames, text chunks,
 finish reason, [DONE]) so a report never claims more than the wire showed.
 
+Every answer is read to at most MAX_RESPONSE_BYTES and must be UTF-8: a larger or undecodable one
+is that request's error, never the suite's crash or its memory (the operator runs the suite in its
+own process, so a candidate pod's answer must not be able to take it down).
+
 One more consistency check, on every answer: `finish_reason: "length"` promises that the generation
 stopped at max_tokens (or at the context length). An answer that says so with fewer completion
 tokens than that is an aborted request reported as finished (sglang#33507) and is an error. So is
@@ -29,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
-from kvguard.operator.canary.report import HttpExchange, clip
+from kvguard.operator.canary.report import EVIDENCE_TEXT_LIMIT, HttpExchange, clip
 from kvguard.operator.canary.responses import (
     ModelList,
     TokenLogprob,
@@ -53,6 +58,14 @@ RETRIED_STATUSES = frozenset({429, 503})
 503 while it has no workers and while it drains). A 500 or 502 is not retried: ours reports a
 caught stale read (kv_tag_violation) and a failed KV transfer that way, which the suite must see."""
 RETRIES = 2  # as the official OpenAI clients do (max_retries=2)
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+"""The most of one answer (a body, a whole stream, a metrics page) the suite reads. Read whole, a
+1 GiB body, or 1 MB of gzip inflating to it, took the canary to 3 GB (outside probe)."""
+
+
+class UnreadableAnswer(Exception):
+    """An answer the suite will not read further: over MAX_RESPONSE_BYTES, not UTF-8, or a line
+    past aiohttp's bound. Its message is the request's error."""
 RETRY_AFTER_CAP_S = 5.0
 """The longest wait a server's Retry-After may ask for; without one the waits are 0.5 s, then 1 s."""
 
@@ -78,7 +91,6 @@ class Completion:
     retried: list[str] = field(default_factory=list)  # what each earlier attempt got (RETRIED_STATUSES, no connection)
     retry_after_header: float | None = None  # the server's Retry-After, in seconds, when it sent one
     seconds: float = 0.0
-    frames: list[str] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # seconds after sending, per text chunk
 
     def seconds_per_chunk(self) -> float | None:
@@ -164,9 +176,11 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(total=self.timeout_seconds)
         try:
             async with self.session.get(f"{self.base_url}/v1/models", timeout=timeout) as resp:
-                raw = await resp.text()
+                raw = await read_text(resp)
                 if resp.status != 200:
                     return None, f"GET /v1/models: HTTP {resp.status}: {clip(raw, 300)}", True
+        except UnreadableAnswer as exc:
+            return None, f"GET /v1/models: {exc}", True
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return None, f"GET /v1/models: {_transport_error(exc, self.timeout_seconds)}", False
         payload, error = parse_json_text(raw)
@@ -200,7 +214,7 @@ class EngineClient:
             if stream and resp.status == 200 and _is_event_stream(resp):
                 await _read_stream(resp, result, disconnect_after_chunks, started)
             else:
-                _read_json(await resp.text(), result)
+                _read_json(await read_text(resp), result)
 
         result = await _with_retries(lambda: self._exchange(
             api, body, Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens), read))
@@ -238,7 +252,7 @@ class EngineClient:
             if streamed:
                 await _read_choice_stream(resp, result, texts)
             else:
-                result.body = await resp.text()
+                result.body = await read_text(resp)
 
         result = await _with_retries(lambda: self._exchange(api, body, Completion(label=label, max_tokens=max_tokens * count * n), read))
         if result.error is None and not streamed:
@@ -262,6 +276,8 @@ class EngineClient:
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_seconds)) as resp:  # fmt: skip
                 result.status, result.retry_after_header = resp.status, _retry_after(resp)
                 await read(resp, result, started)
+        except UnreadableAnswer as exc:
+            result.error = str(exc)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             result.error = _transport_error(exc, self.timeout_seconds)
         finally:
@@ -338,20 +354,64 @@ def _is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
 
+async def read_text(resp: aiohttp.ClientResponse, limit: int | None = None) -> str:
+    """The whole body as UTF-8 text, read to at most `limit` bytes (default MAX_RESPONSE_BYTES;
+    decompressed, as aiohttp inflates it a bounded piece at a time); UnreadableAnswer past that or
+    when it is not UTF-8."""
+    limit = MAX_RESPONSE_BYTES if limit is None else limit
+    body = bytearray()
+    async for piece in resp.content.iter_chunked(1 << 16):
+        body += piece
+        if len(body) > limit:
+            raise UnreadableAnswer(f"the answer is over {limit:,} bytes: read that far, then stopped")
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableAnswer(f"the answer is not UTF-8 (byte {exc.start}: {bytes(body[exc.start:exc.start + 4])!r})") from None
+
+
+async def _sse_lines(resp: aiohttp.ClientResponse) -> AsyncGenerator[str, None]:
+    """A stream's lines, decoded, to at most MAX_RESPONSE_BYTES in all (a server streaming empty
+    frames for the whole timeout held 555 MB of them; outside probe)."""
+    read = 0
+    try:
+        async for raw_line in resp.content:
+            read += len(raw_line)
+            if read > MAX_RESPONSE_BYTES:
+                raise UnreadableAnswer(f"the stream is over {MAX_RESPONSE_BYTES:,} bytes: read that far, then stopped")
+            yield raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
+    except LineTooLong as exc:  # aiohttp's bound on one line
+        raise UnreadableAnswer(f"a stream line is longer than aiohttp reads ({exc.message})") from None
+
+
 async def _data_frames(resp: aiohttp.ClientResponse, result: Completion, lines: list[str]) -> AsyncGenerator[str, None]:
-    """An SSE body's data payloads until [DONE] or its end, each counted in `result.frames_seen`;
-    every line it read kept in `lines` (the evidence)."""
-    async for raw_line in resp.content:
-        line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
-        lines.append(line)
-        data = sse_data(line)
-        if not data:
+    """An SSE body's events' data until [DONE] or its end, each counted in `result.frames_seen`.
+    As the SSE standard says (and the official OpenAI clients read it), an event's `data:` lines
+    join with newlines until the blank line that ends it (outside probe: a valid event split over
+    two lines failed as malformed JSON); one the body ends without a blank line still counts. The
+    first lines read are kept in `lines` (the evidence, clipped anyway)."""
+    kept = 0
+    data: list[str] = []
+    async for line in _sse_lines(resp):
+        if kept <= 2 * EVIDENCE_TEXT_LIMIT:
+            lines.append(line)
+            kept += len(line) + 1
+        if line:
+            if (payload := sse_data(line)) is not None:
+                data.append(payload)
             continue
-        if data == "[DONE]":
-            result.saw_done = True
-            return
+        event, data = "\n".join(data).strip(), []
+        if event:
+            if event == "[DONE]":
+                result.saw_done = True
+                return
+            result.frames_seen += 1
+            yield event
+    if (event := "\n".join(data).strip()) == "[DONE]":
+        result.saw_done = True
+    elif event:
         result.frames_seen += 1
-        yield data
+        yield event
 
 
 async def _read_stream(
@@ -401,7 +461,6 @@ def _absorb_frame(data: str, result: Completion, pieces: list[str], started: flo
     """One SSE data frame into `result`; False when it is an error frame (reading stops)."""
     payload, error = parse_json_text(data)
     parsed = parse_body(payload) if error is None else None
-    result.frames.append(data)
     if error is not None or (parsed is not None and parsed.error is not None):
         result.error = f"stream frame {result.frames_seen}: {error or parsed.error}"  # type: ignore[union-attr]
         return False
@@ -497,10 +556,12 @@ def _transport_error(exc: BaseException, timeout_seconds: float) -> str:
 async def get_text(
     session: aiohttp.ClientSession, url: str, timeout_seconds: float
 ) -> tuple[int | None, str, str | None]:
-    """GET any URL: (status, body, transport error)."""
+    """GET any URL: (status, body, transport error or unreadable answer)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
-            return resp.status, await resp.text(), None
+            return resp.status, await read_text(resp), None
+    except UnreadableAnswer as exc:
+        return None, "", str(exc)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return None, "", _transport_error(exc, timeout_seconds)
 

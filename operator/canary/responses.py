@@ -233,6 +233,8 @@ def parse_json_text(raw: str) -> tuple[Any, str | None]:
         return json.loads(raw), None
     except json.JSONDecodeError as exc:
         return None, f"malformed JSON body ({exc.msg} at position {exc.pos})"
+    except (ValueError, RecursionError) as exc:  # an integer past Python's digit limit; nesting past its stack
+        return None, f"a JSON body Python will not hold ({type(exc).__name__}: {str(exc)[:120]})"
 
 
 def sse_data(line: str) -> str | None:

@@ -1,0 +1,175 @@
+"""What a broken or hostile server's answer may do to the canary: nothing but fail its own request.
+
+An outside probe's servers took the canary (and so the operator, which runs the suite in its own
+process) to 3 GB with a 1 MB gzip body or a stream of empty frames, and crashed it with a traceback
+(exit 1, the "fail" code) with invalid UTF-8, 200,000 levels of JSON nesting or a 5,000-digit
+integer. A valid stream whose event spans two `data:` lines was called malformed. Each server here
+is a real aiohttp server on loopback; the client is the suite's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tracemalloc
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvguard.cli import main as cli_main
+from kvguard.operator.canary import client as canary_client
+from kvguard.operator.canary.client import EngineClient, get_text
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    """`handler` answering every path on a loopback port; yields the base URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+def answering(body: bytes, content_type: str = "application/json") -> Handler:
+    async def handler(_request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type=content_type)
+
+    return handler
+
+
+async def gzip_bomb(request: web.Request) -> web.StreamResponse:
+    """128 MiB of JSON whitespace as ~130 KB of gzip, one repeated deflate block at a time."""
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = deflate.compress(b" " * (1 << 20)) + deflate.flush(zlib.Z_SYNC_FLUSH)
+    head, block = block[:10], block[10:]  # the gzip header once, then a block that only says "1 MiB of spaces"
+    response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    await response.prepare(request)
+    await response.write(head + block)
+    for _ in range(127):
+        await response.write(block)
+    return response
+
+
+@pytest.fixture
+def small_bound(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(canary_client, "MAX_RESPONSE_BYTES", 1 << 20)
+    return 1 << 20
+
+
+async def test_a_body_over_the_bound_is_that_requests_error_and_is_not_read_further(small_bound: int) -> None:
+    async with serving(gzip_bomb) as url, aiohttp.ClientSession() as session:
+        tracemalloc.start()
+        try:
+            models, error, answered = await EngineClient(session, url).list_models()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert models is None and answered and error == f"GET /v1/models: the answer is over {small_bound:,} bytes: read that far, then stopped"
+    assert peak < 16 * small_bound, peak  # the whole body inflated was 128 MiB
+
+
+async def test_a_stream_over_the_bound_ends_in_an_error(small_bound: int) -> None:
+    async def empty_frames(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(300):
+            await response.write(b"data: \n\n" * 1024)
+        return response
+
+    async with serving(empty_frames) as url, aiohttp.ClientSession() as session:
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True)
+    assert answer.error == f"the stream is over {small_bound:,} bytes: read that far, then stopped"
+    assert len(answer.body) <= 4 * canary_client.EVIDENCE_TEXT_LIMIT  # the evidence keeps the first lines only
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"data": [{"id": "m\xff\xfe"}]}', "the answer is not UTF-8 (byte 19"),
+        (b"[" * 200_000 + b"]" * 200_000, "a JSON body Python will not hold (RecursionError"),
+        (b'{"data": [], "n": ' + b"9" * 5000 + b"}", "a JSON body Python will not hold (ValueError"),
+    ],
+    ids=["invalid utf-8", "deep nesting", "5000-digit integer"],
+)
+async def test_an_unreadable_body_is_an_error_not_an_exception(body: bytes, says: str) -> None:
+    async with serving(answering(body)) as url, aiohttp.ClientSession() as session:
+        client = EngineClient(session, url, model="m")
+        models, error, _ = await client.list_models()
+        answer = await client.complete("p")
+        status, _, fetch_error = await get_text(session, f"{url}/metrics", 10)
+    assert models is None and error is not None and says in error
+    assert answer.error is not None and says in answer.error
+    assert (status, fetch_error is not None) == ((None, True) if "UTF-8" in says else (200, False))
+
+
+@pytest.mark.parametrize("body", [b'{"data": [{"id": "m\xff"}]}', b"[" * 200_000])
+def test_the_cli_gives_a_verdict_line_not_a_traceback(body: bytes, capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+    import threading
+
+    started, stop = threading.Event(), threading.Event()
+    found: list[str] = []
+
+    def serve() -> None:
+        async def main() -> None:
+            async with serving(answering(body)) as url:
+                found.append(url)
+                started.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    try:
+        code = cli_main(["canary", "--url", found[0]])
+    finally:
+        stop.set()
+        thread.join(30)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "cannot run" in err.lower(), err
+
+
+async def test_an_event_whose_data_spans_lines_is_one_frame() -> None:
+    """The SSE standard joins an event's `data:` lines with a newline, as the official OpenAI
+    clients read them; JSON allows the newline between tokens."""
+    chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "split", "finish_reason": None}]}
+    last = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": " event", "finish_reason": "length"}]}
+
+    async def split_events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in (chunk, last):
+            first, rest = json.dumps(event).split(", ", 1)
+            await response.write(f"data: {first},\ndata: {rest}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async with serving(split_events) as url, aiohttp.ClientSession() as session:
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True, max_tokens=2)
+    assert (answer.error, answer.text, answer.frames_seen, answer.saw_done) == (None, "split event", 2, True)
+
+
+async def test_a_line_longer_than_aiohttp_reads_is_the_streams_error() -> None:
+    async def long_line(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + b"x" * (4 << 20) + b"\n\n")
+        return response
+
+    async with serving(long_line) as url, aiohttp.ClientSession() as session:
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True)
+    assert answer.error is not None and answer.error.startswith("a stream line is longer than aiohttp reads")
