@@ -94,6 +94,32 @@ async def test_s1_isolation_sizes_its_tenants_to_a_short_context(server: Running
     assert result is not None and result.status == ProbeStatus.PASS, result.reason
 
 
+def test_s1_tenant_prompts_count_their_nonces_at_a_token_per_character() -> None:
+    """A nonce stands in for a filler word but costs up to a token per character: counted as a
+    word, the tenants' prompts at context 256 came out over it on the byte-level tiny model, and a
+    healthy revision was rolled back (outside probe)."""
+    from kvguard.operator.canary.isolation import tenant_prompt_words
+    from kvguard.operator.canary.prompts import BYTES_PER_WORD, TokenEstimate
+
+    byte_level = TokenEstimate(float(BYTES_PER_WORD))
+    for budget in (24, 100, 248, 500, 1000):
+        words = tenant_prompt_words(byte_level, budget, 64, nonce_length=16, nonce_every=16)
+        nonces = -(-(words - words // 2) // 16)
+        assert words == 1 or words * BYTES_PER_WORD + nonces * (16 + 1 - BYTES_PER_WORD) <= budget, (budget, words)
+    assert tenant_prompt_words(byte_level, 10_000, 64, nonce_length=16, nonce_every=16) == 64  # the spec's limit
+
+
+def test_s1_isolation_passes_a_healthy_engine_at_a_short_context(tiny_model_dir: Path) -> None:
+    import asyncio
+
+    from pd_harness import deployment
+
+    with deployment(tiny_model_dir, context_length=256) as running:
+        report = asyncio.run(run_suite(running.api_base, spec().only([ProbeName.ISOLATION]), metrics_urls=list(running.metrics_urls.values())))
+    result = report.probe(ProbeName.ISOLATION)
+    assert result is not None and result.status == ProbeStatus.PASS, result.reason
+
+
 @pytest.mark.parametrize("server", [Behaviour(accept_over_length=True)], indirect=True)
 async def test_s2_over_length_answered_with_200_fails(server: RunningServer) -> None:
     report = await run(server, spec(overLength={"streaming": [False, True]}))

@@ -613,3 +613,21 @@ async def test_a_clean_server_passes_every_new_path_and_shape(server: RunningSer
     assert isolation.status == ProbeStatus.PASS, isolation.reason
     assert "4 concurrent tenants" in isolation.reason and "chat; chat, streamed" in isolation.reason
     assert not [e for e in isolation.evidence if "n: 2" in getattr(e, "message", "")]  # n was honoured: nothing to note
+
+
+@pytest.mark.parametrize("server", [Behaviour(empty_when_busy=2)], indirect=True)
+async def test_answers_lost_under_concurrency_fail_isolation(server: RunningServer) -> None:
+    """Outside probe: a proxy that emptied answers while others were in flight (HTTP 200, usage
+    still counting the tokens, finish_reason length) passed isolation as a dozen near-tie notes."""
+    isolation = result(await run(server, spec(isolation={"tenants": 4}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "answered no text (finish_reason length, usage" in isolation.reason and "the answer was lost" in isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(empty_plain_chat=True)], indirect=True)
+async def test_plain_chat_with_no_text_where_streamed_chat_has_it_fails_determinism(server: RunningServer) -> None:
+    """Outside probe: plain chat answered 200 with empty content while streamed chat had text;
+    determinism dropped the chat comparison quietly and passed."""
+    determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
+    assert determinism.status == ProbeStatus.FAIL, determinism.reason
+    assert determinism.reason.startswith("streamed chat output differs from the non-streamed chat output"), determinism.reason

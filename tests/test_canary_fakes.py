@@ -66,6 +66,10 @@ class Behaviour:
     # (16 hex characters) seen in another request's prompt; plain completions stay clean.
     leak_nonce_on: str | None = None
     empty_text: bool = False  # answers carry `text: null` / `content: null` (usage still counts tokens)
+    # Plain (not streamed) answers given while at least this many generations are in flight carry
+    # no text; usage and finish_reason stay (a proxy that loses bodies under load; outside probe).
+    empty_when_busy: int | None = None
+    empty_plain_chat: bool = False  # plain chat answers carry content "" (usage counts tokens); streamed chat has text
     model_id: str = "fake-model"
     advertised_context: int | None = None  # max_model_len sent instead of context_length (a lying server)
     error_message: str | None = None  # every generation fails with HTTP 500 and this message
@@ -126,6 +130,7 @@ class FakeEngine:
         self.previous_first_word: str | None = None
         self.nonces_seen: list[str] = []
         self.calls = 0
+        self.serving = 0  # generations in flight (empty_when_busy)
         self.tag_violations = 0
         self.in_flight: list[tuple[str, tuple[bool, bool]]] = []  # (prompt, its path: chat, stream)
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
@@ -274,9 +279,11 @@ class FakeEngine:
     async def _serve(self, request, prompt, prompt_tokens, max_tokens, stream, chat, n=1, sampled=False) -> web.StreamResponse:
         reserved = prompt_tokens + max_tokens
         self.used_tokens += reserved
+        self.serving += 1
         disconnected = False
         try:
             await asyncio.sleep(prompt_tokens * self.b.prefill_delay_per_token)
+            busy = self.b.empty_when_busy is not None and self.serving >= self.b.empty_when_busy
             tokens = self.generate(prompt, max(max_tokens, self.b.tokens_at_least), path=(chat, stream))
             if (owner := self._kv_owner(prompt, prompt_tokens, max_tokens)) != prompt:  # its own first token, then stale KV's
                 tokens = tokens[:1] + self.generate(owner, max_tokens, path=(chat, stream))[1:]
@@ -299,7 +306,8 @@ class FakeEngine:
             forks = [tokens[:1] + self.generate(f"{prompt} fork {k}", max_tokens)[1:] if crossed else tokens
                      for k in range(1, n)]  # fmt: skip
             if not stream:
-                body = self._body(chat, " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens)
+                lost = busy or (chat and self.b.empty_plain_chat)
+                body = self._body(chat, "" if lost else " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens)
                 self._hide(body["choices"][0], chat, hidden)
                 body["choices"] += [{**body["choices"][0], "index": k + 1, **self._content(chat, " ".join(f))}
                                     for k, f in enumerate(forks)]  # fmt: skip
@@ -309,6 +317,7 @@ class FakeEngine:
             disconnected = True
             raise
         finally:
+            self.serving -= 1
             if disconnected and self.b.hold_pages_after_disconnect:
                 asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved)
             else:

@@ -62,16 +62,19 @@ class DeterminismProbe(Probe):
 async def _other_endpoint_streamed(ctx: RunContext, prompt: str) -> str | Outcome | None:
     """The other endpoint (chat for completions) streamed must say what it says plainly (outside
     probe: streamed chat was never compared). Its name when it agrees, a failure when not, None
-    when it does not answer with text (a base model has no chat template: not this probe's
-    finding)."""
+    when neither answers with text (a base model has no chat template: not this probe's finding).
+    A plain answer with no text is compared all the same: one with text streamed fails (outside
+    probe: plain chat answered 200 with empty content while streamed chat had text, and passed)."""
     other: ApiKind = "chat" if ctx.spec.api == "completions" else "completions"
     plain = await ctx.target.complete(prompt, api=other, max_tokens=ctx.spec.max_tokens, label=f"{other} run")
-    if not plain.ok or not plain.text:
+    if not plain.ok:
         return None
     streamed = await ctx.target.complete(prompt, api=other, max_tokens=ctx.spec.max_tokens, stream=True,
                                          label=f"{other} streamed run")  # fmt: skip
     if not streamed.ok:
-        return failed(streamed.describe_failure(), [streamed.evidence()])
+        return failed(streamed.describe_failure(), [streamed.evidence()]) if plain.text else None
+    if not plain.text and not streamed.text:
+        return None
     if streamed.text != plain.text:
         return failed(f"streamed {other} output differs from the non-streamed {other} output",
                       [OutputMismatch(request=f"{other} streamed run", expected_from=f"{other} run",

@@ -39,14 +39,15 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import math
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
-from kvguard.operator.canary.prompts import filler_text
-from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch, one_line
+from kvguard.operator.canary.prompts import TokenEstimate, filler_text
+from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch, clip, one_line
 from kvguard.operator.canary.spec import ApiKind, ProbeName
 
 CHOICES_PER_PROMPT = 2
@@ -196,7 +197,9 @@ class IsolationProbe(Probe):
         nonces = [ctx.issue_nonce(spec.nonce_length, f"tenant {i + 1}") for i in range(spec.tenants)]
         # At most tenantPromptWords, and never more than one request may hold: a healthy server with
         # a short context refuses longer ones (a 400 is not isolation failing).
-        words = min(spec.tenant_prompt_words, ctx.estimate.words_at_most(ctx.admissible_tokens(ctx.spec.max_tokens)))
+        every = max(1, spec.nonce_every_words // 3)
+        words = tenant_prompt_words(ctx.estimate, ctx.admissible_tokens(ctx.spec.max_tokens), spec.tenant_prompt_words,
+                                    spec.nonce_length, every)  # fmt: skip
         # The first half is the same for every tenant: a prefix cache (vLLM's blocks, SGLang's radix
         # tree) serves it to all of them, so a cache that hands one tenant's pages past the shared
         # part to another shows here. Each tenant's own half carries its nonce.
@@ -205,7 +208,7 @@ class IsolationProbe(Probe):
         own = max(1, words - words // 2)
         shared = filler_text(words // 2, ctx.spec.seed + 1999) + " " if words // 2 else ""
         prompts = [
-            shared + filler_text(max(1, own - i), ctx.spec.seed + 2000 + i, nonce, max(1, spec.nonce_every_words // 3))
+            shared + filler_text(max(1, own - i), ctx.spec.seed + 2000 + i, nonce, every)
             for i, nonce in enumerate(nonces)
         ]
         # Tenants take turns over the channels, so concurrent streams and chats are covered too;
@@ -524,6 +527,9 @@ def check_choice(choice: Completion, alone: str, others: Sequence[str], problems
     merely differs is noted (a batch of `n` rows may break a near tie differently from one)."""
     if choice.text == alone or any(p.startswith(choice.label) for p in problems):
         return
+    if lost_answer(choice, alone, problems):
+        evidence.append(OutputMismatch(request=choice.label, expected_from="the prompt alone", expected=alone, actual=""))
+        return
     kept = len(os.path.commonprefix([choice.text, alone]))
     if any(_another_answer(choice.text, kept, other) for other in others):
         problems.append(f"{choice.label}: after {kept} characters of the prompt's answer alone it goes on with an answer "
@@ -552,6 +558,9 @@ def check_own_answer(
     own = solos[index]
     if own is None or result.text == own:
         return  # (no solo answer: the nonce checks are all there is for this tenant)
+    if lost_answer(result, own, problems):
+        evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone", expected=own, actual=""))
+        return
     owner = whose_answer(result.text, solos)
     if owner is not None and owner != index and solos[owner] != own:
         problems.append(f"{result.label}: the answer is tenant {owner + 1}'s, not its own (outputs crossed between requests)")
@@ -567,6 +576,32 @@ def check_own_answer(
         return
     evidence.append(Note(message=f"{result.label}: differs from its answer alone after {kept} "
                                  "characters, and is no other tenant's (batched kernels may break a near tie differently)"))  # fmt: skip
+
+
+def tenant_prompt_words(estimate: TokenEstimate, budget_tokens: int, limit: int, nonce_length: int, nonce_every: int) -> int:
+    """The most filler words, at most `limit`, for a tenant prompt (half shared, half its own with
+    a nonce every `nonce_every` words) whose tokens stay within `budget_tokens`. A nonce stands in
+    for a filler word but may cost a token per character (a byte-level tokenizer), which the
+    per-word estimate does not count (outside probe: at context 256 the prompts came out over it,
+    and a healthy revision was rolled back)."""
+    for words in range(min(limit, estimate.words_at_most(budget_tokens)), 1, -1):
+        nonces = math.ceil((words - words // 2) / nonce_every)
+        if estimate.words_at_most(budget_tokens - nonces * (nonce_length + 1)) >= words:
+            return words
+    return 1
+
+
+def lost_answer(result: Completion, alone: str, problems: list[str]) -> bool:
+    """An answer with no text that ran to max_tokens, where the prompt alone had text: its tokens
+    were made and their text lost, not a near tie (outside probe: a proxy that emptied answers
+    under concurrency, usage still 8 tokens and finish "length", passed as 12 near-tie notes).
+    Adds the problem and says whether it did."""
+    if result.text or not alone or result.finish_reason != "length":
+        return False
+    tokens = f", usage {result.completion_tokens} completion tokens" if result.completion_tokens is not None else ""
+    problems.append(f"{result.label}: answered no text (finish_reason length{tokens}) where the same prompt alone answered "
+                    f"{clip(alone, 40)!r}: the answer was lost")  # fmt: skip
+    return True
 
 
 CROSSED_MIN_CHARS = 8
