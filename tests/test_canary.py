@@ -109,15 +109,21 @@ def test_s1_tenant_prompts_count_their_nonces_at_a_token_per_character() -> None
     assert tenant_prompt_words(byte_level, 10_000, 64, nonce_length=16, nonce_every=16) == 64  # the spec's limit
 
 
-def test_s1_isolation_passes_a_healthy_engine_at_a_short_context(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("context", [160, 256])
+def test_s1_isolation_and_abort_pass_a_healthy_engine_at_a_short_context(tiny_model_dir: Path, context: int) -> None:
+    """Outside probes: at context 256 the tenants' prompts, at 160 the abort probe's fixed
+    32-word prompt, came out over the context on the byte-level tiny model; a healthy server's
+    400s failed the probes and rolled a good revision back."""
     import asyncio
 
     from pd_harness import deployment
 
-    with deployment(tiny_model_dir, context_length=256) as running:
-        report = asyncio.run(run_suite(running.api_base, spec().only([ProbeName.ISOLATION]), metrics_urls=list(running.metrics_urls.values())))
-    result = report.probe(ProbeName.ISOLATION)
-    assert result is not None and result.status == ProbeStatus.PASS, result.reason
+    probes = [ProbeName.ISOLATION, ProbeName.ABORT]
+    with deployment(tiny_model_dir, context_length=context) as running:
+        report = asyncio.run(run_suite(running.api_base, spec().only(probes), metrics_urls=list(running.metrics_urls.values())))
+    for name in probes:
+        result = report.probe(name)
+        assert result is not None and result.status == ProbeStatus.PASS, (name, result.reason if result else None)
 
 
 @pytest.mark.parametrize("server", [Behaviour(accept_over_length=True)], indirect=True)

@@ -615,13 +615,17 @@ async def test_a_clean_server_passes_every_new_path_and_shape(server: RunningSer
     assert not [e for e in isolation.evidence if "n: 2" in getattr(e, "message", "")]  # n was honoured: nothing to note
 
 
-@pytest.mark.parametrize("server", [Behaviour(empty_when_busy=2)], indirect=True)
-async def test_answers_lost_under_concurrency_fail_isolation(server: RunningServer) -> None:
-    """Outside probe: a proxy that emptied answers while others were in flight (HTTP 200, usage
-    still counting the tokens, finish_reason length) passed isolation as a dozen near-tie notes."""
+@pytest.mark.parametrize(("server", "says"), [
+    (Behaviour(empty_when_busy=2), "answered no text (finish_reason length, usage"),
+    (Behaviour(empty_when_busy=2, empty_finish="stop"), "answers of one concurrent round had no text where their prompts alone had text"),
+], indirect=["server"])  # fmt: skip
+async def test_answers_lost_under_concurrency_fail_isolation(server: RunningServer, says: str) -> None:
+    """Outside probes: a proxy that emptied answers while others were in flight (HTTP 200, usage
+    still counting the tokens, finish_reason length, or "stop" as if each ended at once) passed
+    isolation as a dozen near-tie notes."""
     isolation = result(await run(server, spec(isolation={"tenants": 4}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
-    assert "answered no text (finish_reason length, usage" in isolation.reason and "the answer was lost" in isolation.reason
+    assert says in isolation.reason and "lost" in isolation.reason, isolation.reason
 
 
 @pytest.mark.parametrize("server", [Behaviour(empty_plain_chat=True)], indirect=True)
@@ -631,3 +635,13 @@ async def test_plain_chat_with_no_text_where_streamed_chat_has_it_fails_determin
     determinism = result(await run(server, spec().only([ProbeName.DETERMINISM])), ProbeName.DETERMINISM)
     assert determinism.status == ProbeStatus.FAIL, determinism.reason
     assert determinism.reason.startswith("streamed chat output differs from the non-streamed chat output"), determinism.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(empty_choices=True)], indirect=True)
+async def test_choices_that_all_lost_their_text_fail_isolation(server: RunningServer) -> None:
+    """Every choice of `n` > 1 empty (finish_reason length) where the prompt alone has text: the
+    choices agree, so only each one's own finish reason tells a lost answer from a near tie
+    (review: the choices were checked without theirs, and the rule never fired)."""
+    isolation = result(await run(server, spec(isolation={"tenants": 2}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "choice 0: answered no text (finish_reason length)" in isolation.reason, isolation.reason

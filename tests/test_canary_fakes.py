@@ -69,6 +69,8 @@ class Behaviour:
     # Plain (not streamed) answers given while at least this many generations are in flight carry
     # no text; usage and finish_reason stay (a proxy that loses bodies under load; outside probe).
     empty_when_busy: int | None = None
+    empty_finish: str = "length"  # the finish_reason such an emptied answer says ("stop": as if it ended at once)
+    empty_choices: bool = False  # a single prompt's `n` > 1 choices all carry no text (finish_reason length)
     empty_plain_chat: bool = False  # plain chat answers carry content "" (usage counts tokens); streamed chat has text
     model_id: str = "fake-model"
     advertised_context: int | None = None  # max_model_len sent instead of context_length (a lying server)
@@ -306,10 +308,11 @@ class FakeEngine:
             forks = [tokens[:1] + self.generate(f"{prompt} fork {k}", max_tokens)[1:] if crossed else tokens
                      for k in range(1, n)]  # fmt: skip
             if not stream:
-                lost = busy or (chat and self.b.empty_plain_chat)
+                lost = busy or (chat and self.b.empty_plain_chat) or (n > 1 and self.b.empty_choices)
+                finish = self.b.empty_finish if busy else finish
                 body = self._body(chat, "" if lost else " ".join(tokens), prompt_tokens, len(tokens), finish, max_tokens)
                 self._hide(body["choices"][0], chat, hidden)
-                body["choices"] += [{**body["choices"][0], "index": k + 1, **self._content(chat, " ".join(f))}
+                body["choices"] += [{**body["choices"][0], "index": k + 1, **self._content(chat, "" if lost else " ".join(f))}
                                     for k, f in enumerate(forks)]  # fmt: skip
                 return web.json_response(body)
             return await self._stream(request, [tokens, *forks], chat, finish, max_tokens, hidden)

@@ -9,6 +9,7 @@ is a real aiohttp server on loopback; the client is the suite's own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import tracemalloc
@@ -83,14 +84,14 @@ async def test_a_stream_over_the_bound_ends_in_an_error(small_bound: int) -> Non
     async def empty_frames(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(300):
-            await response.write(b"data: \n\n" * 1024)
+        for _ in range(20):  # ~2.6 MB of empty frames in 40,000 lines
+            await response.write((b"data:" + b" " * 120 + b"\n\n") * 1024)
         return response
 
     async with serving(empty_frames) as url, aiohttp.ClientSession() as session:
         answer = await EngineClient(session, url, model="m").complete("p", stream=True)
     assert answer.error == f"the stream is over {small_bound:,} bytes: read that far, then stopped"
-    assert len(answer.body) <= 4 * canary_client.EVIDENCE_TEXT_LIMIT  # the evidence keeps the first lines only
+    assert len(answer.body) <= small_bound  # what was read, no more: the leak search reads all of it
 
 
 @pytest.mark.parametrize(
@@ -173,3 +174,79 @@ async def test_a_line_longer_than_aiohttp_reads_is_the_streams_error() -> None:
     async with serving(long_line) as url, aiohttp.ClientSession() as session:
         answer = await EngineClient(session, url, model="m").complete("p", stream=True)
     assert answer.error is not None and answer.error.startswith("a stream line is longer than aiohttp reads")
+
+
+async def test_a_stream_is_kept_whole_for_the_leak_search_and_must_be_utf8() -> None:
+    """The leak search reads every line of a stream (`Heard.raw`): kept only up to 4,000
+    characters, a nonce in frame 70's reasoning went unseen (review). A stream that is not UTF-8 is
+    an error, as a body is."""
+    frames = [{"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]} for i in range(80)]
+    frames[70]["choices"][0]["delta"]["reasoning_content"] = "0123456789abcdef"
+    frames[-1]["choices"][0]["finish_reason"] = "length"
+
+    async def long_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for frame in frames:
+            await response.write(f"data: {json.dumps(frame)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n" if request.path.endswith("chat/completions") else b"data: \xff\n\n")
+        return response
+
+    async with serving(long_stream) as url, aiohttp.ClientSession() as session:
+        client = EngineClient(session, url, model="m")
+        chat = await client.complete("p", api="chat", stream=True, max_tokens=80)
+        broken = await client.complete("p", stream=True, max_tokens=80)
+    assert chat.error is None and "0123456789abcdef" in chat.body and len(chat.body) > 4000
+    assert broken.error is not None and broken.error.startswith("the stream is not UTF-8")
+
+
+async def test_a_stream_of_empty_lines_is_bounded_and_lets_the_loop_run() -> None:
+    """16 MiB of newlines (2 MB of gzip) held the event loop for 30 s past the request's timeout:
+    aiohttp's line iterator does not yield while it has data buffered (outside probe)."""
+    async def newlines(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(64):
+            await response.write(b"\n" * 65536)
+        return response
+
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    async with serving(newlines) as url, aiohttp.ClientSession() as session:
+        beside = asyncio.create_task(ticker())
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True)
+        beside.cancel()
+    assert answer.error == f"the stream is over {canary_client.MAX_STREAM_LINES:,} lines: read that far, then stopped"
+    assert ticks >= canary_client.MAX_STREAM_LINES // 256 // 2  # the loop ran other tasks while it read
+
+
+async def test_a_last_event_without_its_blank_line_is_dropped_as_the_official_client_drops_it() -> None:
+    """Counted, it passed a stream whose last token (and finish) the openai client never shows."""
+    first = {"choices": [{"index": 0, "text": "shown", "finish_reason": None}]}
+    last = {"choices": [{"index": 0, "text": " unseen", "finish_reason": "length"}]}
+
+    async def unterminated(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f"data: {json.dumps(first)}\n\ndata: {json.dumps(last)}\n".encode())
+        return response
+
+    async with serving(unterminated) as url, aiohttp.ClientSession() as session:
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True, max_tokens=2)
+    assert answer.text == "shown" and answer.error is not None and answer.error.startswith("stream cut short")
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf"])
+def test_a_metrics_page_with_nan_or_infinity_is_no_reading_not_a_crash(value: str) -> None:
+    from kvguard.operator.canary.metrics import snapshot_from_text
+
+    text = (f"kvguard_kv_pool_capacity_tokens {value}\nkvguard_context_length_tokens {value}\n"
+            f'vllm:cache_config_info{{kv_cache_size_tokens="{value.lower().lstrip("+")}"}} 1\n')  # fmt: skip
+    snap = snapshot_from_text("http://w/metrics", text)
+    assert (snap.engine, snap.pools, snap.context_length) == ("kvguard", [], None)

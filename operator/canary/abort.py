@@ -93,8 +93,11 @@ class AbortProbe(Probe):
     ) -> float | None:
         """Cut streams mid-decode; returns the measured seconds per streamed chunk, if any."""
         seconds_per_token: float | None = None
-        prompt = filler_text(SHORT_PROMPT_WORDS, ctx.spec.seed + 4000)
-        prompt_tokens = int(SHORT_PROMPT_WORDS * (ctx.estimate.tokens_per_word or 5) * 1.2)
+        # Never more than fits with max_tokens after it: at context 160 the 32 words were ~160 tokens
+        # on a byte-level tokenizer, and a healthy server's 400 failed the probe (outside probe).
+        words = min(SHORT_PROMPT_WORDS, ctx.estimate.words_at_most(ctx.admissible_tokens(ctx.spec.max_tokens)))
+        prompt = filler_text(words, ctx.spec.seed + 4000)
+        prompt_tokens = int(words * (ctx.estimate.tokens_per_word or 5) * 1.2)
         max_tokens = self._long_generation(ctx, prompt_tokens)
         for after in ctx.spec.abort.stream_disconnect_after_tokens:
             baseline = await self._used(ctx)

@@ -35,12 +35,12 @@ from typing import Any
 import aiohttp
 from aiohttp.http_exceptions import LineTooLong
 
-from kvguard.operator.canary.report import EVIDENCE_TEXT_LIMIT, HttpExchange, clip
+from kvguard.operator.canary.report import HttpExchange, clip
 from kvguard.operator.canary.responses import (
     ModelList,
     TokenLogprob,
+    choice_finishes,
     choice_texts,
-    finished_choices,
     parse_body,
     parse_json_text,
     sse_data,
@@ -61,6 +61,10 @@ RETRIES = 2  # as the official OpenAI clients do (max_retries=2)
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 """The most of one answer (a body, a whole stream, a metrics page) the suite reads. Read whole, a
 1 GiB body, or 1 MB of gzip inflating to it, took the canary to 3 GB (outside probe)."""
+MAX_STREAM_LINES = 100_000
+"""The most lines of one stream the suite reads (a probe's stream has a few per token). 16 MiB of
+empty lines, out of 2 MB of gzip, held the event loop for 30 s past the request's timeout
+(aiohttp's line iterator does not yield while it has data buffered; outside probe)."""
 
 
 class UnreadableAnswer(Exception):
@@ -87,6 +91,7 @@ class Completion:
     frames_seen: int = 0  # SSE data frames (streams only), [DONE] excluded
     saw_done: bool = False
     logprobs: list[TokenLogprob] | None = None  # when asked for and the server returned them
+    choice_finishes: dict[int, str] = field(default_factory=dict)  # several choices (complete_list): index -> finish_reason
     disconnected: bool = False
     retried: list[str] = field(default_factory=list)  # what each earlier attempt got (RETRIED_STATUSES, no connection)
     retry_after_header: float | None = None  # the server's Retry-After, in seconds, when it sent one
@@ -259,6 +264,7 @@ class EngineClient:
             payload, result.error = parse_json_text(result.body)
             if result.error is None:
                 texts, result.error = choice_texts(payload)
+                result.choice_finishes = choice_finishes(payload)
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         result.text = "".join(texts[k] for k in sorted(texts))
@@ -370,32 +376,40 @@ async def read_text(resp: aiohttp.ClientResponse, limit: int | None = None) -> s
         raise UnreadableAnswer(f"the answer is not UTF-8 (byte {exc.start}: {bytes(body[exc.start:exc.start + 4])!r})") from None
 
 
-async def _sse_lines(resp: aiohttp.ClientResponse) -> AsyncGenerator[str, None]:
-    """A stream's lines, decoded, to at most MAX_RESPONSE_BYTES in all (a server streaming empty
-    frames for the whole timeout held 555 MB of them; outside probe)."""
-    read = 0
+async def _sse_lines(resp: aiohttp.ClientResponse, raw: bytearray) -> AsyncGenerator[str, None]:
+    """A stream's lines, each UTF-8, to at most MAX_RESPONSE_BYTES in all, every byte also kept in
+    `raw` (where a leak is searched for: the whole stream, not only what a frame's text shows).
+    Kept as bytes: a server streaming empty frames for the whole timeout held 555 MB of them as
+    line strings (outside probe)."""
+    lines = 0
     try:
         async for raw_line in resp.content:
-            read += len(raw_line)
-            if read > MAX_RESPONSE_BYTES:
+            if len(raw) + len(raw_line) > MAX_RESPONSE_BYTES:
                 raise UnreadableAnswer(f"the stream is over {MAX_RESPONSE_BYTES:,} bytes: read that far, then stopped")
-            yield raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
+            lines += 1
+            if lines > MAX_STREAM_LINES:
+                raise UnreadableAnswer(f"the stream is over {MAX_STREAM_LINES:,} lines: read that far, then stopped")
+            if lines % 256 == 0:
+                await asyncio.sleep(0)  # the request's timeout, and every other task, get their turn
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UnreadableAnswer(f"the stream is not UTF-8 (byte {len(raw) + exc.start})") from None
+            raw += raw_line
+            yield line.rstrip("\r\n")
     except LineTooLong as exc:  # aiohttp's bound on one line
         raise UnreadableAnswer(f"a stream line is longer than aiohttp reads ({exc.message})") from None
 
 
-async def _data_frames(resp: aiohttp.ClientResponse, result: Completion, lines: list[str]) -> AsyncGenerator[str, None]:
+async def _data_frames(resp: aiohttp.ClientResponse, result: Completion, raw: bytearray) -> AsyncGenerator[str, None]:
     """An SSE body's events' data until [DONE] or its end, each counted in `result.frames_seen`.
     As the SSE standard says (and the official OpenAI clients read it), an event's `data:` lines
     join with newlines until the blank line that ends it (outside probe: a valid event split over
-    two lines failed as malformed JSON); one the body ends without a blank line still counts. The
-    first lines read are kept in `lines` (the evidence, clipped anyway)."""
-    kept = 0
+    two lines failed as malformed JSON); one the body ends without a blank line is dropped, as
+    those clients drop it (outside probe: counted, it passed a stream whose last token the official
+    client never showed). What was read is in `raw` (`_sse_lines`)."""
     data: list[str] = []
-    async for line in _sse_lines(resp):
-        if kept <= 2 * EVIDENCE_TEXT_LIMIT:
-            lines.append(line)
-            kept += len(line) + 1
+    async for line in _sse_lines(resp, raw):
         if line:
             if (payload := sse_data(line)) is not None:
                 data.append(payload)
@@ -407,11 +421,6 @@ async def _data_frames(resp: aiohttp.ClientResponse, result: Completion, lines: 
                 return
             result.frames_seen += 1
             yield event
-    if (event := "\n".join(data).strip()) == "[DONE]":
-        result.saw_done = True
-    elif event:
-        result.frames_seen += 1
-        yield event
 
 
 async def _read_stream(
@@ -419,8 +428,8 @@ async def _read_stream(
 ) -> None:
     """Accumulate SSE frames until [DONE] or the end of the body (see the module doc)."""
     pieces: list[str] = []
-    lines: list[str] = []
-    async with contextlib.aclosing(_data_frames(resp, result, lines)) as frames:
+    raw = bytearray()
+    async with contextlib.aclosing(_data_frames(resp, result, raw)) as frames:
         async for data in frames:
             if not _absorb_frame(data, result, pieces, started):
                 break
@@ -429,7 +438,7 @@ async def _read_stream(
                 resp.close()
                 break
     result.text = "".join(pieces)
-    result.body = "\n".join(lines)
+    result.body = raw.decode()
     if result.error is None and result.finish_reason is None and not result.disconnected:
         result.error = stream_cut_short(result)
 
@@ -438,9 +447,8 @@ async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, 
     """A stream of several choices: each frame's choices appended to their index's text (a frame
     that names one index twice is an error, as `choice_texts` says for a whole body). Every choice
     heard must end with a finish reason: one cut after another finished is a stream cut short."""
-    lines: list[str] = []
-    finished: set[int] = set()
-    async with contextlib.aclosing(_data_frames(resp, result, lines)) as frames:
+    raw = bytearray()
+    async with contextlib.aclosing(_data_frames(resp, result, raw)) as frames:
         async for data in frames:
             payload, error = parse_json_text(data)
             frame, error = choice_texts(payload) if error is None else ({}, error)
@@ -449,11 +457,11 @@ async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, 
                 break
             for index, text in frame.items():
                 texts[index] = texts.get(index, "") + text
-            finished |= finished_choices(payload)
+            result.choice_finishes.update(choice_finishes(payload))
             result.finish_reason = parse_body(payload).finish_reason or result.finish_reason
-    result.body = "\n".join(lines)
-    if result.error is None and (result.finish_reason is None or not finished >= set(texts)):
-        unfinished = sorted(set(texts) - finished)
+    result.body = raw.decode()
+    if result.error is None and (result.finish_reason is None or not set(result.choice_finishes) >= set(texts)):
+        unfinished = sorted(set(texts) - set(result.choice_finishes))
         result.error = stream_cut_short(result) + (f" (choice(s) {unfinished} never finished)" if result.finish_reason else "")
 
 

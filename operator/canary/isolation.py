@@ -242,6 +242,7 @@ class IsolationProbe(Probe):
                 continue
             check_tenant_answer(i, result, nonces, [s.text if s.ok else None for s in solos], problems, evidence)
             check_own_usage(result, solos[i], problems, evidence)
+        check_answers_not_emptied(results, solos, problems)
 
     async def _sampled(
         self, ctx: RunContext, prompts: list[str], channels: list[Channel], problems: list[str], evidence: list[Evidence]
@@ -398,7 +399,7 @@ class IsolationProbe(Probe):
             evidence.append(Note(message=f"{label}: {len(texts)} choice(s) returned for n: {n}; each is checked"))
         others = ctx.answers_to_other_prompts(prompt)
         for k, text in sorted(texts.items()):
-            choice = Completion(label=f"{label}, choice {k}", status=200, text=text)
+            choice = Completion(label=f"{label}, choice {k}", status=200, text=text, finish_reason=answer.choice_finishes.get(k))
             check_no_other_nonce(0, choice, nonces, problems, evidence)
             check_choice(choice, solo.text, others, problems, evidence)  # (check_own_answer's note, said for a choice)
         if len(set(texts.values())) > 1 and not any(p.startswith(label) for p in problems):
@@ -602,6 +603,19 @@ def lost_answer(result: Completion, alone: str, problems: list[str]) -> bool:
     problems.append(f"{result.label}: answered no text (finish_reason length{tokens}) where the same prompt alone answered "
                     f"{clip(alone, 40)!r}: the answer was lost")  # fmt: skip
     return True
+
+
+def check_answers_not_emptied(results: Sequence[Completion], solos: Sequence[Completion], problems: list[str]) -> None:
+    """Two or more answers of one concurrent round with no text, each where its prompt alone had
+    text: one may be a near tie broken towards the end of the sequence at once, several prompts
+    all doing so at the same moment is answers lost (outside probe: a proxy that emptied answers
+    under load, finish "stop" and usage 1 token, passed as near-tie notes). One that ran to
+    max_tokens fails alone (`lost_answer`)."""
+    emptied = [r.label for r, alone in zip(results, solos, strict=True)
+               if r.ok and not r.text and r.finish_reason != "length" and alone.ok and alone.text]  # fmt: skip
+    if len(emptied) >= 2:
+        problems.append(f"{len(emptied)} answers of one concurrent round had no text where their prompts alone had text "
+                        f"({', '.join(emptied)}): answers lost, not near ties")  # fmt: skip
 
 
 CROSSED_MIN_CHARS = 8

@@ -156,7 +156,7 @@ def _vllm_capacity(info: dict[str, str]) -> int | None:
         if info.get("kv_cache_size_tokens") not in (None, "", "None"):
             return int(float(info["kv_cache_size_tokens"]))
         return int(info["num_gpu_blocks"]) * int(info["block_size"])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):  # absent, not a number, nan or inf
         return None
 
 
@@ -166,6 +166,9 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
         index = index_samples(text)
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         return WorkerSnapshot(url=url, error=f"unparseable metrics: {exc}")
+    # A NaN or infinite sample is no reading of a pool, a context or a counter (outside probe: one
+    # crashed the CLI with a traceback, converting it to a token count).
+    index = {name: [(labels, v) for labels, v in samples if math.isfinite(v)] for name, samples in index.items()}
     snap = WorkerSnapshot(url=url, samples=index)
     if any(name.startswith("kvguard_") for name in index):
         snap.engine = "kvguard"

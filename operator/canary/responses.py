@@ -218,13 +218,14 @@ def choice_texts(payload: Any) -> tuple[dict[int, str], str | None]:
     return texts, None
 
 
-def finished_choices(payload: Any) -> set[int]:
-    """The indices of the choices a body or stream frame carries a finish reason for (by position
-    where a server sends no index); a body `parse_body` refuses finishes none."""
+def choice_finishes(payload: Any) -> dict[int, str]:
+    """index -> finish_reason of the choices a body or stream frame finishes (by position where a
+    server sends no index); a body `parse_body` refuses finishes none."""
     if parse_body(payload).error is not None:
-        return set()
+        return {}
     body = CompletionBody.model_validate(payload)
-    return {c.index if c.index is not None else i for i, c in enumerate(body.choices) if c.finish_reason}
+    return {c.index if c.index is not None else i: c.finish_reason if isinstance(c.finish_reason, str) else json.dumps(c.finish_reason)
+            for i, c in enumerate(body.choices) if c.finish_reason}  # fmt: skip
 
 
 def parse_json_text(raw: str) -> tuple[Any, str | None]:
