@@ -133,23 +133,32 @@ def test_a_call_that_acts_is_signed_for_one_worker_and_only_reads_for_any() -> N
 def test_a_call_signed_from_a_read_older_than_the_worker_counts_as_its_predecessors() -> None:
     """A worker restarted at its address refuses the calls the router signed for the instance it
     read there before: refused all the same, but counted `previous_instance`, outside the S9 alert
-    (restarts fired it with no attacker). A call for another instance read after this worker
-    started (a captured call replayed here) stays `wrong_target`; so does one for any worker. The
-    read time is inside the MAC: a replay cannot be passed off as a predecessor's."""
+    (restarts fired it with no attacker). Only a call read before this worker started and signed
+    within PREVIOUS_INSTANCE_WINDOW_S of that start is: a call for another instance read after the
+    start, or an old read sent later (review: an abort to a departed worker, replayed to a replica
+    started after its read), or one for any worker, is `wrong_target`. The read is inside the MAC."""
+    from kvguard.workers.control_auth import PREVIOUS_INSTANCE_WINDOW_S as WINDOW
+
     clock = Clock()
-    verifier = ControlVerifier(KEYS.control, instance=INSTANCE, clock=clock, started=clock.now)
+    started = clock.now
+    verifier = ControlVerifier(KEYS.control, instance=INSTANCE, clock=clock, started=started)
 
-    def signed(read_at: float, target: str = "cd" * 16) -> str:
-        return sign(KEYS.control, "POST", "/internal/abort", BODY, target=target, read_at=read_at, now=clock.now + 5)
+    def reason(read_at: float, signed_at: float, target: str = "cd" * 16) -> str | None:
+        clock.now = signed_at + 0.5
+        header = sign(KEYS.control, "POST", "/internal/abort", BODY, target=target, read_at=read_at, now=signed_at)
+        return _reason(verifier, "POST", "/internal/abort", BODY, header)
 
-    clock.now += 5
-    assert _reason(verifier, "POST", "/internal/abort", BODY, signed(clock.now - 6)) == "previous_instance"
-    assert _reason(verifier, "POST", "/internal/abort", BODY, signed(clock.now - 4)) == "wrong_target"
-    assert _reason(verifier, "POST", "/internal/abort", BODY, signed(clock.now - 6, ANY_WORKER)) == "wrong_target"
-    replayed = signed(clock.now - 1)
-    backdated = replayed.replace(f"read={int((clock.now - 1) * 1000)}", f"read={int((clock.now - 60) * 1000)}")
+    assert reason(started - 1, started + 2) == "previous_instance"
+    assert reason(started - 1, started - 0.5) == "previous_instance"  # signed before, queued in the listen backlog
+    assert reason(started + 1, started + 2) == "wrong_target"  # read after this worker started
+    assert reason(started - 1, started + WINDOW + 1) == "wrong_target"  # an old read, sent late
+    assert reason(started - 1, started + 2, ANY_WORKER) == "wrong_target"
+    clock.now = started + 2
+    replayed = sign(KEYS.control, "POST", "/internal/abort", BODY, target="cd" * 16, read_at=started + 1, now=started + 2)
+    backdated = replayed.replace(f"read={int((started + 1) * 1000)}", f"read={int((started - 60) * 1000)}")
     assert backdated != replayed and _reason(verifier, "POST", "/internal/abort", BODY, backdated) == "bad_mac"
-    verifier.verify("POST", "/internal/abort", BODY, signed(clock.now - 6, INSTANCE))  # its own id: read whenever
+    verifier.verify("POST", "/internal/abort", BODY, sign(KEYS.control, "POST", "/internal/abort", BODY, target=INSTANCE,
+                                                          read_at=started - 100, now=clock.now))  # its own id: read whenever
 
 
 def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:

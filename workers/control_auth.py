@@ -15,11 +15,13 @@ call made a second replica compute the prompt and hold its pages). Only the read
 before it knows the id (`GET /internal/info` and `/internal/health`, which change nothing) may
 name `any`.
 
-`read` is when the caller last read `target` (0 for `any`). A call signed for another instance
-from a read older than this worker's start is the caller's view of the worker that ran here
-before (a restart keeps the address): refused all the same, but counted `previous_instance`, not
-`wrong_target`, which is the S9 alert's (a captured call replayed to another worker carries a
-read of that worker made after this one started). Restarts fired the alert with no attacker.
+`read` is when the caller last read `target` (0 for `any`). A call signed for another instance,
+from a read older than this worker's start and signed within PREVIOUS_INSTANCE_WINDOW_S of it, is
+the router's view of the worker that ran here before (a restart keeps the address; the router
+reads the new one within its refresh second, or at once on a refusal): refused all the same, but
+counted `previous_instance`, not `wrong_target`, which is the S9 alert's. Restarts fired the alert
+with no attacker. Every other call for another instance is `wrong_target`, whenever its read: a
+replay of a captured call (the read is inside the MAC) is let off the alert only in that window.
 
 The header names the body's digest, so the MAC is verified from the head alone, before a byte of
 the body is read: a pod without the key cannot make a worker buffer an upload (v1 signed the
@@ -62,6 +64,10 @@ AUTH_HEADER = "X-Kvguard-Auth"
 REPLAY_CACHE_ENTRIES = 1 << 20
 INTERNAL_PREFIX = "/internal/"
 _VERSION = "v4"
+PREVIOUS_INSTANCE_WINDOW_S = MAX_CLOCK_SKEW_S
+"""How long after a worker's start a call for another instance, read before it, may be its
+predecessor's (above): the router reads a new instance within its refresh second, and the window
+allows for the clocks' skew between it and the worker."""
 _HEADER = re.compile(
     r"v4 ts=(\d{1,16}) nonce=([0-9a-f]{32}) target=([0-9a-f]{32}|any) read=(\d{1,16}) sha256=([0-9a-f]{64}) mac=([0-9a-f]{64})"
 )
@@ -186,11 +192,17 @@ class ControlVerifier:
         if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target, head.read), head.mac):
             raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
         if head.target != self.instance and not (head.target == ANY_WORKER and (method.upper(), path.split("?", 1)[0]) in UNBOUND_CALLS):
-            assert self.started is not None
-            if head.target != ANY_WORKER and int(head.read) < self.started * 1000:
+            if self._predecessors(head):
                 raise AuthError("previous_instance", "this call was signed for the worker that ran here before this one started")
             raise AuthError("wrong_target", "this call was signed for another worker (or for any, which only reads may be)")
         return head
+
+    def _predecessors(self, head: SignedHead) -> bool:
+        """Whether a call for another instance is the router's for the worker that ran here before:
+        read before this one started, and signed within PREVIOUS_INSTANCE_WINDOW_S of that start."""
+        assert self.started is not None
+        started_ms = self.started * 1000
+        return head.target != ANY_WORKER and int(head.read) < started_ms and int(head.ts) < started_ms + PREVIOUS_INSTANCE_WINDOW_S * 1000
 
     def verify_body(self, head: SignedHead, body: bytes) -> None:
         if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), head.digest):
