@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -105,18 +106,25 @@ def _drain(woken: socket.socket) -> None:
             pass
 
 
-def _interrupt_reported_once(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+@dataclass
+class _InterruptReportedOnce:
     """The loop's exception handler: the stop signal's KeyboardInterrupt, raised in whatever frame
     ran (a helper task of aiohttp's), is also kept by that task as its exception, and asyncio logged
-    it with a traceback ("Task exception was never retrieved") after the command's one line. So
-    is a task collected pending once the loop closed: the runner cancels every task it knows of,
-    and only the stop signal landing inside `runner.run`'s start of the main task leaves one
-    ("Task was destroyed but it is pending!" after the one line, CI under load)."""
-    if isinstance(context.get("exception"), KeyboardInterrupt):
-        return
-    if loop.is_closed() and "task" in context and str(context.get("message", "")).startswith("Task was destroyed but it is pending"):
-        return
-    loop.default_exception_handler(context)
+    it with a traceback ("Task exception was never retrieved") after the command's one line. After
+    an interrupt, so is a task collected pending once the loop closed: the runner cancels every task
+    it knows of, and only the stop signal landing inside `runner.run`'s start of the main task
+    leaves one ("Task was destroyed but it is pending!" after the one line, CI under load)."""
+
+    interrupted: bool = False
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), KeyboardInterrupt):
+            self.interrupted = True
+            return
+        if self.interrupted and loop.is_closed() and "task" in context and \
+                str(context.get("message", "")).startswith("Task was destroyed but it is pending"):
+            return
+        loop.default_exception_handler(context)
 
 
 def run_interruptible(make_coroutine: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -128,14 +136,19 @@ def run_interruptible(make_coroutine: Callable[[], Coroutine[Any, Any, T]]) -> T
     the stop signals held; one that came meanwhile is raised as soon as both exist, and the
     coroutine is closed if it never ran."""
     coroutine: Coroutine[Any, Any, T] | None = None
+    handler = _InterruptReportedOnce()
     try:
         with contextlib.ExitStack() as closing:
             with _stop_signals_held():
                 runner = closing.enter_context(asyncio.Runner())  # builds the loop
-                runner.get_loop().set_exception_handler(_interrupt_reported_once)
+                runner.get_loop().set_exception_handler(handler)
                 closing.enter_context(_stop_signals_wake(runner.get_loop()))
                 coroutine = make_coroutine()
-            return runner.run(coroutine)
+            try:
+                return runner.run(coroutine)
+            except KeyboardInterrupt:
+                handler.interrupted = True
+                raise
     finally:
         if coroutine is not None:  # after the runner closed (it cancels a task that started)
             # A no-op once it ran; quiets "never awaited" when it did not. A signal that lands

@@ -184,10 +184,23 @@ lowercase path components [:tag] [@algorithm:hex]. One expression for RE2 (the A
 Python; no component can match what its neighbour does, so neither backtracks far."""
 
 
+MAX_IMAGE_NAME = 255
+"""The longest repository name (registry and path, no tag or digest) a reference may have
+(distribution/reference's NameTotalLengthMax); the kubelet refuses longer ones."""
+
+
+def _image_name(reference: str) -> str:
+    """The repository name of a reference: without its digest, and its tag (a colon after the last
+    slash; one before it is a registry's port)."""
+    name = reference.split("@", 1)[0]
+    colon, slash = name.rfind(":"), name.rfind("/")
+    return name[:colon] if colon > slash else name
+
+
 def _image_reference(value: str) -> str:
     # A reference the kubelet cannot parse holds the pods in InvalidImageName, and the rollout
     # waited out its progress deadline (outside probe: `Foo/Bar:latest`, `foo@sha256:abc` admitted).
-    if not re.fullmatch(IMAGE_REFERENCE, value):
+    if not re.fullmatch(IMAGE_REFERENCE, value) or len(_image_name(value)) > MAX_IMAGE_NAME:
         raise ValueError(f"{value[:80]!r} is not an image reference ([registry[:port]/]lowercase/path[:tag][@sha256:<hex>], "
                          "e.g. lmsysorg/sglang:v0.5.22)")  # fmt: skip
     return value

@@ -50,7 +50,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES
+from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES, worker_default
 from kvguard.workers.backpressure import StallWatch, drop
 from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, too_large_error
 
@@ -211,9 +211,9 @@ class TableSource:
 class SplitterConfig:
     table_path: Path
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # as the router's --max-body-bytes default
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = worker_default("body_timeout")  # as the router's
     connect_timeout_s: float = 5.0
-    write_timeout_s: float = 30.0  # as the router's --write-timeout: a client that reads nothing for this long is dropped
+    write_timeout_s: float = worker_default("write_timeout")  # as the router's: a client that reads nothing for this long is dropped
 
 
 class Splitter:
