@@ -72,9 +72,9 @@ def test_S7_S8_blocked_plan_applies_and_deletes_nothing() -> None:
     assert again.events == []  # one Warning per blocked revision, not one per reconcile
 
 
-def test_a_spec_back_at_the_stable_revision_mid_canary_supersedes_the_candidate() -> None:
-    """Outside probe (apply, interrupted apply of a changed spec, apply of the first spec again):
-    the candidate read Candidate in history and CanaryPassed spoke of its deployment for ever."""
+def _deploying_a_candidate() -> tuple[dict[str, Any], str, Any, str]:
+    """A promoted model whose changed spec is deploying a candidate: (its body, the stable
+    revision, the pass that started the candidate, the candidate)."""
     b = promote(body())
     stable = b["status"]["revision"]
     changed = body()
@@ -83,6 +83,13 @@ def test_a_spec_back_at_the_stable_revision_mid_canary_supersedes_the_candidate(
     deploying = reconcile(changed, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=60))
     candidate = deploying.status["targetRevision"]
     assert candidate != stable and deploying.status["history"][0]["state"] == "Candidate"
+    return b, stable, deploying, candidate
+
+
+def test_a_spec_back_at_the_stable_revision_mid_canary_supersedes_the_candidate() -> None:
+    """Outside probe (apply, interrupted apply of a changed spec, apply of the first spec again):
+    the candidate read Candidate in history and CanaryPassed spoke of its deployment for ever."""
+    b, stable, deploying, candidate = _deploying_a_candidate()
     back = reconcile({**b, "status": deploying.status}, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=90))
     assert back.status["phase"] == "Ready" and back.status["revision"] == stable and back.status["canary"] == "Passed"
     history = [(h["revision"], h["state"]) for h in back.status["history"]]
@@ -96,14 +103,7 @@ def test_a_blocked_spec_mid_canary_supersedes_the_candidate() -> None:
     """Outside probe: a spec whose pool is too small replaced a deploying candidate; its
     Deployments went, but history read [blocked Blocked, candidate Candidate] for ever (the
     Blocked entry was recorded first, and only the newest entry was looked at)."""
-    b = promote(body())
-    stable = b["status"]["revision"]
-    changed = body()
-    changed["spec"]["contextLength"] = 512
-    changed["status"] = b["status"]
-    deploying = reconcile(changed, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=60))
-    candidate = deploying.status["targetRevision"]
-    assert candidate != stable and deploying.status["history"][0]["state"] == "Candidate"
+    _, stable, deploying, candidate = _deploying_a_candidate()
     blocked_spec = body()
     blocked_spec["spec"]["kvPoolTokens"] = 1024
     blocked = reconcile({**blocked_spec, "status": deploying.status}, ready(stable, serving=stable), now=NOW + dt.timedelta(seconds=90))
