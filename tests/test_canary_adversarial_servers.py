@@ -645,3 +645,12 @@ async def test_choices_that_all_lost_their_text_fail_isolation(server: RunningSe
     isolation = result(await run(server, spec(isolation={"tenants": 2}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert "choice 0: answered no text (finish_reason length)" in isolation.reason, isolation.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(empty_list_choice=True)], indirect=True)
+async def test_a_prompt_lists_lost_choice_fails_isolation(server: RunningServer) -> None:
+    """The prompt list's choices carry their own finish reasons too (review: built without them,
+    a lost choice there could never fail)."""
+    isolation = result(await run(server, spec(isolation={"tenants": 2}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert "prompt list, choice 0 (tenant 1's prompt): answered no text (finish_reason length" in isolation.reason, isolation.reason

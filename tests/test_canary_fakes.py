@@ -70,6 +70,7 @@ class Behaviour:
     # no text; usage and finish_reason stay (a proxy that loses bodies under load; outside probe).
     empty_when_busy: int | None = None
     empty_finish: str = "length"  # the finish_reason such an emptied answer says ("stop": as if it ended at once)
+    empty_list_choice: bool = False  # a prompt list's first choice carries no text (finish_reason length)
     empty_choices: bool = False  # a single prompt's `n` > 1 choices all carry no text (finish_reason length)
     empty_plain_chat: bool = False  # plain chat answers carry content "" (usage counts tokens); streamed chat has text
     model_id: str = "fake-model"
@@ -259,6 +260,8 @@ class FakeEngine:
             if self.b.crossed_list or (self.b.crossed_forks and fork):
                 answers[k] = answer[:1] + own[(i + 1) % len(own)][1:]
         choices = [{"index": i, "text": " ".join(a), "finish_reason": "length"} for i, a in enumerate(answers)]
+        if self.b.empty_list_choice:
+            choices[0]["text"] = ""
         if self.b.duplicate_list_choice and (nonce := self.foreign_nonce(" ".join(prompts))) is not None:
             choices.insert(0, {"index": 0, "text": f"{nonce} from another tenant", "finish_reason": "length"})
         usage = {"prompt_tokens": sum(len(p.split()) for p in prompts), "completion_tokens": sum(map(len, answers))}

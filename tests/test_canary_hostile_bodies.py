@@ -250,3 +250,22 @@ def test_a_metrics_page_with_nan_or_infinity_is_no_reading_not_a_crash(value: st
             f'vllm:cache_config_info{{kv_cache_size_tokens="{value.lower().lstrip("+")}"}} 1\n')  # fmt: skip
     snap = snapshot_from_text("http://w/metrics", text)
     assert (snap.engine, snap.pools, snap.context_length) == ("kvguard", [], None)
+    counter = snapshot_from_text("http://w/metrics", f"kvguard_tag_violations_total {value}\n").counter("kvguard_tag_violations_total")
+    assert counter is not None and (counter == float("inf") if value == "+Inf" else counter == 0)  # (review: +Inf read as 0)
+
+
+async def test_a_worker_whose_pool_size_is_not_a_number_fails_capacity() -> None:
+    """Not a router without a pool: a worker that reports one no one can read (outside probe: NaN
+    passed beside a healthy worker as "router?")."""
+    from kvguard.operator.canary import CanarySpec, ProbeName, ProbeStatus, run_suite
+
+    def metrics(pool: str) -> Handler:
+        text = f"kvguard_kv_pool_capacity_tokens {pool}\nkvguard_context_length_tokens 1024\n"
+        return answering(text.encode(), "text/plain")
+
+    models = answering(json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 1024}]}).encode())
+    async with serving(models) as url, serving(metrics("8192")) as good, serving(metrics("NaN")) as nan:
+        report = await run_suite(url, CanarySpec().only([ProbeName.CAPACITY]), metrics_urls=[f"{good}/metrics", f"{nan}/metrics"])
+    capacity = report.probe(ProbeName.CAPACITY)
+    assert capacity is not None and capacity.status == ProbeStatus.FAIL, capacity
+    assert "reports a KV pool size that is not a number (kvguard_kv_pool_capacity_tokens = nan)" in capacity.reason

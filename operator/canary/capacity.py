@@ -26,7 +26,7 @@ class CapacityProbe(Probe):
         if not any(s.reachable for s in snapshots):
             errors = "; ".join(f"{s.url}: {s.error}" for s in snapshots)
             raise ProbeSkipped(f"no metrics URL is reachable ({errors})")
-        if not any(s.pools for s in snapshots):
+        if not any(s.pools or s.unreadable_pools for s in snapshots):
             engines = sorted({s.engine for s in snapshots if s.reachable})
             raise ProbeSkipped(f"no worker reports a KV pool size (engines seen: {', '.join(engines)})")
         required = ctx.spec.capacity.min_ratio
@@ -51,8 +51,12 @@ class CapacityProbe(Probe):
             problems.append(f"{snap.url} did not report: {snap.error}")
             evidence.append(Note(message=f"{snap.url}: {snap.error}"))
             return
+        if snap.unreadable_pools:
+            problems.append(f"{snap.url}: reports a KV pool size that is not a number ({'; '.join(snap.unreadable_pools)}): "
+                            "S7 cannot be judged on it")  # fmt: skip
         if not snap.pools:
-            evidence.append(Note(message=f"{snap.url} ({snap.engine}) exposes no KV pool (router?)"))
+            if not snap.unreadable_pools:
+                evidence.append(Note(message=f"{snap.url} ({snap.engine}) exposes no KV pool (router?)"))
             return
         context = snap.context_length or fallback_context
         for pool in snap.pools:

@@ -365,7 +365,8 @@ class IsolationProbe(Probe):
             evidence.append(batch.evidence())
         for k in range(len(prompts) * n):
             i = k // n
-            answer = Completion(label=f"prompt list, choice {k} (tenant {i + 1}'s prompt)", status=200, text=texts.get(k, ""))
+            answer = Completion(label=f"prompt list, choice {k} (tenant {i + 1}'s prompt)", status=200, text=texts.get(k, ""),
+                                finish_reason=batch.choice_finishes.get(k))  # fmt: skip
             if k not in texts:
                 problems.append(f"{answer.label}: missing from the {len(texts)} choice(s) returned")
                 evidence.append(batch.evidence())

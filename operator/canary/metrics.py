@@ -76,6 +76,9 @@ class WorkerSnapshot:
     context_length: int | None = None
     samples: SampleIndex = field(default_factory=dict)
     error: str | None = None
+    unreadable_pools: list[str] = field(default_factory=list)
+    """Pool sizes it reports that are not finite numbers (NaN, Inf): a worker with a pool no one
+    can read, not a router without one (outside probe: it passed as "router?")."""
 
     @property
     def reachable(self) -> bool:
@@ -125,11 +128,13 @@ def _paired_pools(
     fraction_by_key = {_pool_key(labels): v for labels, v in index.get(usage_fraction_name or "", [])}
     pools = []
     for labels, capacity in index.get(capacity_name, []):
+        if not math.isfinite(capacity):  # no pool size (outside probe: NaN or +Inf crashed the CLI here)
+            continue
         key = _pool_key(labels)
         used = used_by_key.get(key)
         if used is None and key in fraction_by_key:
             used = fraction_by_key[key] * capacity
-        pools.append(PoolReading(key, int(capacity), used, capacity_name))
+        pools.append(PoolReading(key, int(capacity), used if used is None or math.isfinite(used) else None, capacity_name))
     return pools
 
 
@@ -151,6 +156,10 @@ def _vllm_pools(index: SampleIndex) -> list[PoolReading]:
     return pools
 
 
+def _non_finite(index: SampleIndex, name: str) -> list[str]:
+    return [f"{name}{dict(labels) or ''} = {value}" for labels, value in index.get(name, []) if not math.isfinite(value)]
+
+
 def _vllm_capacity(info: dict[str, str]) -> int | None:
     try:
         if info.get("kv_cache_size_tokens") not in (None, "", "None"):
@@ -166,21 +175,22 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
         index = index_samples(text)
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         return WorkerSnapshot(url=url, error=f"unparseable metrics: {exc}")
-    # A NaN or infinite sample is no reading of a pool, a context or a counter (outside probe: one
-    # crashed the CLI with a traceback, converting it to a token count).
-    index = {name: [(labels, v) for labels, v in samples if math.isfinite(v)] for name, samples in index.items()}
-    snap = WorkerSnapshot(url=url, samples=index)
+    snap = WorkerSnapshot(url=url, samples=index)  # (a counter gone infinite stays one: its probe fails on it)
     if any(name.startswith("kvguard_") for name in index):
         snap.engine = "kvguard"
         snap.pools = _paired_pools(index, KVGUARD_CAPACITY, KVGUARD_USED, None)
+        snap.unreadable_pools = _non_finite(index, KVGUARD_CAPACITY)
         context = _first_gauge(index, KVGUARD_CONTEXT)
-        snap.context_length = int(context) if context else None
+        snap.context_length = int(context) if context and math.isfinite(context) else None
     elif any(name.startswith("sglang:") for name in index):
         snap.engine = "sglang"
         snap.pools = _paired_pools(index, SGLANG_CAPACITY, SGLANG_USED, SGLANG_USAGE)
+        snap.unreadable_pools = _non_finite(index, SGLANG_CAPACITY)
     elif any(name.startswith("vllm:") for name in index):
         snap.engine = "vllm"
         snap.pools = _vllm_pools(index)
+        snap.unreadable_pools = [f"{VLLM_CACHE_INFO}{{{dict(labels)}}}" for labels, _ in index.get(VLLM_CACHE_INFO, [])
+                                 if _vllm_capacity(dict(labels)) is None and dict(labels).get("kv_cache_size_tokens") not in (None, "", "None")]
     return snap
 
 
