@@ -483,8 +483,8 @@ class Router:
         self._retiring: set[str] = set()
         """Workers no longer named (`--discovery dns`) whose token channel closes once idle."""
         self._departed: collections.OrderedDict[str, SignedFor] = collections.OrderedDict()
-        """URL -> instance id of workers that left the rotation's list, for the calls that end
-        their requests (aborts); the newest DEPARTED_REMEMBERED."""
+        """URL -> the instance (as last read) of workers that left the rotation's list, for the
+        calls that end their requests (aborts); the newest DEPARTED_REMEMBERED."""
         self._suspect: set[str] = set()
         """Workers whose connection failed mid-request: read again before the next signed call to
         them. Only listed workers, and a worker leaves it as it leaves the list: it stays bounded."""
