@@ -65,13 +65,13 @@ MAX_STREAM_LINES = 100_000
 """The most lines of one stream the suite reads (a probe's stream has a few per token). 16 MiB of
 empty lines, out of 2 MB of gzip, held the event loop for 30 s past the request's timeout
 (aiohttp's line iterator does not yield while it has data buffered; outside probe)."""
+RETRY_AFTER_CAP_S = 5.0
+"""The longest wait a server's Retry-After may ask for; without one the waits are 0.5 s, then 1 s."""
 
 
 class UnreadableAnswer(Exception):
     """An answer the suite will not read further: over MAX_RESPONSE_BYTES, not UTF-8, or a line
     past aiohttp's bound. Its message is the request's error."""
-RETRY_AFTER_CAP_S = 5.0
-"""The longest wait a server's Retry-After may ask for; without one the waits are 0.5 s, then 1 s."""
 
 
 @dataclass
