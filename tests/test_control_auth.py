@@ -77,7 +77,7 @@ def test_missing_malformed_and_foreign_headers_are_refused() -> None:
 
 def test_timestamps_outside_the_skew_bound_are_refused() -> None:
     clock = Clock()
-    verifier = _verifier(clock)
+    verifier = ControlVerifier(KEYS.control, instance=INSTANCE, clock=clock, started=clock.now - 3600)  # long running
     for offset in (-31.0, 31.0):
         header = sign(KEYS.control, "GET", "/internal/info", now=clock.now + offset)
         assert _reason(verifier, "GET", "/internal/info", b"", header) == "stale"
@@ -159,6 +159,26 @@ def test_a_call_signed_from_a_read_older_than_the_worker_counts_as_its_predecess
     assert backdated != replayed and _reason(verifier, "POST", "/internal/abort", BODY, backdated) == "bad_mac"
     verifier.verify("POST", "/internal/abort", BODY, sign(KEYS.control, "POST", "/internal/abort", BODY, target=INSTANCE,
                                                           read_at=started - 100, now=clock.now))  # its own id: read whenever
+
+
+def test_a_read_that_waited_in_the_backlog_while_the_worker_loaded_is_not_an_s9_refusal() -> None:
+    """The launcher holds a worker's socket across its restart: the router's signed reads queue in
+    the listen backlog while the model loads, and past the skew window each was refused as
+    `stale`, which fires the S9 alert (review). A key holder's read signed before this worker
+    started is `queued_before_start`; a call that acts, a forged read, or a read signed after the
+    start is still `stale`."""
+    clock = Clock()
+    started = clock.now
+    verifier = ControlVerifier(KEYS.control, instance=INSTANCE, clock=clock, started=started)
+    clock.now = started + 60  # it loaded for a minute
+    before = sign(KEYS.control, "GET", "/internal/info", now=started - 5)
+    assert _reason(verifier, "GET", "/internal/info", b"", before) == "queued_before_start"
+    acting = sign(KEYS.control, "POST", "/internal/abort", BODY, target="cd" * 16, read_at=started - 6, now=started - 5)
+    assert _reason(verifier, "POST", "/internal/abort", BODY, acting) == "stale"
+    forged = sign(b"not the key" * 3, "GET", "/internal/info", now=started - 5)
+    assert _reason(verifier, "GET", "/internal/info", b"", forged) == "stale"
+    after = sign(KEYS.control, "GET", "/internal/info", now=started + 1)
+    assert _reason(verifier, "GET", "/internal/info", b"", after) == "stale"
 
 
 def test_auth_headers_sign_the_path_and_query_on_the_request_line() -> None:
