@@ -314,6 +314,11 @@ def test_serve_the_launcher_and_the_router_take_the_workers_defaults() -> None:
         assert getattr(config, name if hasattr(config, name) else f"{name}_s") == defaults[name].default, name
     for name in ("request_timeout", "body_timeout", "write_timeout", "max_body_bytes", "max_inflight_choices"):
         assert getattr(router, name if hasattr(router, name) else f"{name}_s") == defaults[name].default, name
+    from kvguard.workers.splitter import SplitterConfig
+
+    splitter = SplitterConfig(table_path=Path("split.json"))
+    for name in ("body_timeout", "write_timeout", "max_body_bytes"):  # as the router it stands in front of
+        assert getattr(splitter, name if hasattr(splitter, name) else f"{name}_s") == defaults[name].default, name
 
 
 def test_a_stop_signal_sent_while_a_worker_initialises_python_ends_it_with_one_line() -> None:
