@@ -116,7 +116,6 @@ async def test_an_unreadable_body_is_an_error_not_an_exception(body: bytes, says
 
 @pytest.mark.parametrize("body", [b'{"data": [{"id": "m\xff"}]}', b"[" * 200_000])
 def test_the_cli_gives_a_verdict_line_not_a_traceback(body: bytes, capsys: pytest.CaptureFixture[str]) -> None:
-    import asyncio
     import threading
 
     started, stop = threading.Event(), threading.Event()
@@ -127,8 +126,7 @@ def test_the_cli_gives_a_verdict_line_not_a_traceback(body: bytes, capsys: pytes
             async with serving(answering(body)) as url:
                 found.append(url)
                 started.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(stop.wait)  # serving until the test is done with it
 
         asyncio.run(main())
 
@@ -211,17 +209,17 @@ async def test_a_stream_of_empty_lines_is_bounded_and_lets_the_loop_run() -> Non
         return response
 
     ticks = 0
+    loop = asyncio.get_running_loop()
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0)
-            ticks += 1
+    def tick() -> None:  # one per turn of the loop: another task's share while the stream is read
+        nonlocal ticks, pending
+        ticks += 1
+        pending = loop.call_soon(tick)
 
     async with serving(newlines) as url, aiohttp.ClientSession() as session:
-        beside = asyncio.create_task(ticker())
+        pending = loop.call_soon(tick)
         answer = await EngineClient(session, url, model="m").complete("p", stream=True)
-        beside.cancel()
+        pending.cancel()
     assert answer.error == f"the stream is over {canary_client.MAX_STREAM_LINES:,} lines: read that far, then stopped"
     assert ticks >= canary_client.MAX_STREAM_LINES // 256 // 2  # the loop ran other tasks while it read
 

@@ -216,11 +216,14 @@ def test_a_task_an_interrupt_left_pending_is_collected_without_a_message(interru
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(_InterruptReportedOnce(interrupted=interrupted))
 
+    started = asyncio.Event()
+
     async def waits() -> None:
+        started.set()
         await asyncio.Event().wait()
 
     task = loop.create_task(waits())
-    loop.run_until_complete(asyncio.sleep(0))  # it starts and suspends
+    loop.run_until_complete(started.wait())  # it started, and is suspended
     loop.close()  # as a runner interrupted before it knew of the task
     with caplog.at_level("ERROR", logger="asyncio"):
         del task
