@@ -172,10 +172,10 @@ class ControlVerifier:
     clock: Callable[[], float] = time.time
     started: float | None = None
     """Unix time this worker began (default: when the verifier was made, at its start)."""
+    _started_ms: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
-        if self.started is None:
-            self.started = self.clock()
+        self._started_ms = (self.clock() if self.started is None else self.started) * 1000
 
     def verify_head(self, method: str, path: str, header: str | None) -> SignedHead:
         """The head of a call from a key holder: header present, well formed, fresh, its MAC
@@ -191,9 +191,9 @@ class ControlVerifier:
         head = SignedHead(*match.groups())
         if abs(self.clock() - int(head.ts) / 1000) > self.max_skew_s:
             raise AuthError(self._stale(method, path, head), f"{AUTH_HEADER} timestamp is more than {self.max_skew_s:g}s from this worker's clock")
-        if not hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target, head.read), head.mac):
+        if not self._mac_verifies(method, path, head):
             raise AuthError("bad_mac", f"{AUTH_HEADER} does not verify for this method, path and body")
-        if head.target != self.instance and not (head.target == ANY_WORKER and (method.upper(), path.split("?", 1)[0]) in UNBOUND_CALLS):
+        if head.target != self.instance and not _unbound_read(method, path, head):
             if self._predecessors(head):
                 raise AuthError("previous_instance", "this call was signed for the worker that ran here before this one started")
             raise AuthError("wrong_target", "this call was signed for another worker (or for any, which only reads may be)")
@@ -204,18 +204,16 @@ class ControlVerifier:
         before this worker started: the router's reads of a worker that was loading wait in the
         listen backlog its launcher holds, and a load longer than the skew window fired the S9 alert
         with no attacker (review)."""
-        read = head.target == ANY_WORKER and (method.upper(), path.split("?", 1)[0]) in UNBOUND_CALLS
-        assert self.started is not None
-        if read and int(head.ts) < self.started * 1000 and \
-                hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target, head.read), head.mac):
-            return "queued_before_start"
-        return "stale"
+        before = int(head.ts) < self._started_ms
+        return "queued_before_start" if before and _unbound_read(method, path, head) and self._mac_verifies(method, path, head) else "stale"
+
+    def _mac_verifies(self, method: str, path: str, head: SignedHead) -> bool:
+        return hmac.compare_digest(_mac(self.key, method, path, head.digest, head.ts, head.nonce, head.target, head.read), head.mac)
 
     def _predecessors(self, head: SignedHead) -> bool:
         """Whether a call for another instance is the router's for the worker that ran here before:
         read before this one started, and signed within PREVIOUS_INSTANCE_WINDOW_S of that start."""
-        assert self.started is not None
-        started_ms = self.started * 1000
+        started_ms = self._started_ms
         return head.target != ANY_WORKER and int(head.read) < started_ms and int(head.ts) < started_ms + PREVIOUS_INSTANCE_WINDOW_S * 1000
 
     def verify_body(self, head: SignedHead, body: bytes) -> None:
@@ -226,6 +224,11 @@ class ControlVerifier:
     def verify(self, method: str, path: str, body: bytes, header: str | None) -> None:
         """Head and body together (a call whose body is already in hand)."""
         self.verify_body(self.verify_head(method, path, header), body)
+
+
+def _unbound_read(method: str, path: str, head: SignedHead) -> bool:
+    """A read signed for any worker, as the caller may make before it knows the worker's id."""
+    return head.target == ANY_WORKER and (method.upper(), path.split("?", 1)[0]) in UNBOUND_CALLS
 
 
 def auth_failures_counter(registry: CollectorRegistry) -> Counter:

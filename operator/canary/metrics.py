@@ -138,31 +138,37 @@ def _paired_pools(
     return pools
 
 
-def _vllm_pools(index: SampleIndex) -> list[PoolReading]:
+def _vllm_pools(index: SampleIndex) -> tuple[list[PoolReading], list[str]]:
+    """The pools vLLM's cache info reports, and the sizes it gives that are not numbers."""
     usage: dict[str, float] = {}
     for name in VLLM_USAGE_NAMES:
         for labels, value in index.get(name, []):
             usage.setdefault(_pool_key(labels), value)
-    pools = []
+    pools, unreadable = [], []
     for labels, _ in index.get(VLLM_CACHE_INFO, []):
         info = dict(labels)
         capacity = _vllm_capacity(info)
         if capacity is None:
+            if info.get("kv_cache_size_tokens") not in _NO_LABEL:  # a size, but not a number
+                unreadable.append(f'{VLLM_CACHE_INFO}{{kv_cache_size_tokens="{info["kv_cache_size_tokens"]}"}}')
             continue
         key = _pool_key(labels)
         used = usage[key] * capacity if key in usage else None
         source = f"{VLLM_CACHE_INFO}{{{'kv_cache_size_tokens' if 'kv_cache_size_tokens' in info else 'num_gpu_blocks x block_size'}}}"
         pools.append(PoolReading(key, capacity, used, source))
-    return pools
+    return pools, unreadable
 
 
 def _non_finite(index: SampleIndex, name: str) -> list[str]:
     return [f"{name}{dict(labels) or ''} = {value}" for labels, value in index.get(name, []) if not math.isfinite(value)]
 
 
+_NO_LABEL = (None, "", "None")
+
+
 def _vllm_capacity(info: dict[str, str]) -> int | None:
     try:
-        if info.get("kv_cache_size_tokens") not in (None, "", "None"):
+        if info.get("kv_cache_size_tokens") not in _NO_LABEL:
             return int(float(info["kv_cache_size_tokens"]))
         return int(info["num_gpu_blocks"]) * int(info["block_size"])
     except (KeyError, ValueError, OverflowError):  # absent, not a number, nan or inf
@@ -188,9 +194,7 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
         snap.unreadable_pools = _non_finite(index, SGLANG_CAPACITY)
     elif any(name.startswith("vllm:") for name in index):
         snap.engine = "vllm"
-        snap.pools = _vllm_pools(index)
-        snap.unreadable_pools = [f"{VLLM_CACHE_INFO}{{{dict(labels)}}}" for labels, _ in index.get(VLLM_CACHE_INFO, [])
-                                 if _vllm_capacity(dict(labels)) is None and dict(labels).get("kv_cache_size_tokens") not in (None, "", "None")]
+        snap.pools, snap.unreadable_pools = _vllm_pools(index)
     return snap
 
 
