@@ -162,7 +162,10 @@ async def test_an_event_whose_data_spans_lines_is_one_frame() -> None:
     assert (answer.error, answer.text, answer.frames_seen, answer.saw_done) == (None, "split event", 2, True)
 
 
-async def test_a_line_longer_than_aiohttp_reads_is_the_streams_error() -> None:
+async def test_a_line_of_megabytes_is_read_whole_and_judged_as_a_frame() -> None:
+    """Lines have no bound of their own but the stream's (MAX_RESPONSE_BYTES): a 4 MiB line is read
+    in many chunks, once, and is that frame's error (not JSON), not the reader's."""
+
     async def long_line(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -171,7 +174,28 @@ async def test_a_line_longer_than_aiohttp_reads_is_the_streams_error() -> None:
 
     async with serving(long_line) as url, aiohttp.ClientSession() as session:
         answer = await EngineClient(session, url, model="m").complete("p", stream=True)
-    assert answer.error is not None and answer.error.startswith("a stream line is longer than aiohttp reads")
+    assert answer.error is not None and "JSON" in answer.error and answer.frames_seen == 1, answer.error
+
+
+@pytest.mark.parametrize("line_end", [b"\r", b"\r\n"], ids=["bare-CR", "CRLF"])
+async def test_events_ended_by_cr_or_crlf_read_as_the_official_client_reads_them(line_end: bytes) -> None:
+    """The SSE standard ends a line with CR, LF or CRLF, and the official OpenAI client splits at
+    each: a server ending its events with bare CRs was one endless line to the canary (a stream
+    "cut short"). Written a byte at a time, a CRLF split between two reads ends one line."""
+    frames = [{"choices": [{"index": 0, "text": t, "finish_reason": f}]} for t, f in (("one ", None), ("two", "length"))]
+    body = b"".join(b"data: " + json.dumps(f).encode() + line_end * 2 for f in frames) + b"data: [DONE]" + line_end * 2
+
+    async def cr_events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(len(body)):
+            await response.write(body[i : i + 1])
+        return response
+
+    async with serving(cr_events) as url, aiohttp.ClientSession() as session:
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True, max_tokens=2)
+    assert (answer.error, answer.text, answer.frames_seen, answer.saw_done) == (None, "one two", 2, True)
+    assert answer.body == body.decode()
 
 
 async def test_a_stream_is_kept_whole_for_the_leak_search_and_must_be_utf8() -> None:

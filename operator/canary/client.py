@@ -2,7 +2,8 @@
 
 Every call returns a `Completion` and never raises for a server's misbehaviour: timeouts, refused
 connections, malformed bodies and error frames all become `Completion.error`, so that a probe can
-put the exchange into its evidence. Streams are read line by line so a probe can disconnect after a
+put the exchange into its evidence. Streams are read line by line (CR, LF or CRLF ending a line, as
+the SSE standard and the official clients say: `sse_lines.py`) so a probe can disconnect after a
 given number of chunks, or before the first one (mid-prefill).
 
 Streams are judged as the official OpenAI clients read them: a stream is complete once a choice
@@ -33,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp.http_exceptions import LineTooLong
 
 from kvguard.operator.canary.report import HttpExchange, clip
 from kvguard.operator.canary.responses import (
@@ -46,6 +46,7 @@ from kvguard.operator.canary.responses import (
     sse_data,
 )
 from kvguard.operator.canary.spec import ApiKind
+from kvguard.operator.canary.sse_lines import SseLines
 
 API_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -64,14 +65,14 @@ MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 MAX_STREAM_LINES = 100_000
 """The most lines of one stream the suite reads (a probe's stream has a few per token). 16 MiB of
 empty lines, out of 2 MB of gzip, held the event loop for 30 s past the request's timeout
-(aiohttp's line iterator does not yield while it has data buffered; outside probe)."""
+(one read can hold that many lines, read without a pause; outside probe)."""
 RETRY_AFTER_CAP_S = 5.0
 """The longest wait a server's Retry-After may ask for; without one the waits are 0.5 s, then 1 s."""
 
 
 class UnreadableAnswer(Exception):
-    """An answer the suite will not read further: over MAX_RESPONSE_BYTES, not UTF-8, or a line
-    past aiohttp's bound. Its message is the request's error."""
+    """An answer the suite will not read further: over MAX_RESPONSE_BYTES (or MAX_STREAM_LINES), or
+    not UTF-8. Its message is the request's error."""
 
 
 @dataclass
@@ -377,28 +378,31 @@ async def read_text(resp: aiohttp.ClientResponse, limit: int | None = None) -> s
 
 
 async def _sse_lines(resp: aiohttp.ClientResponse, raw: bytearray) -> AsyncGenerator[str, None]:
-    """A stream's lines, each UTF-8, to at most MAX_RESPONSE_BYTES in all, every byte also kept in
-    `raw` (where a leak is searched for: the whole stream, not only what a frame's text shows).
-    Kept as bytes: a server streaming empty frames for the whole timeout held 555 MB of them as
-    line strings (outside probe)."""
-    lines = 0
-    try:
-        async for raw_line in resp.content:
-            if len(raw) + len(raw_line) > MAX_RESPONSE_BYTES:
-                raise UnreadableAnswer(f"the stream is over {MAX_RESPONSE_BYTES:,} bytes: read that far, then stopped")
-            lines += 1
-            if lines > MAX_STREAM_LINES:
+    """A stream's lines (ended by CR, LF or CRLF, `SseLines`), each UTF-8, to at most
+    MAX_RESPONSE_BYTES in all, every byte also kept in `raw` (where a leak is searched for: the
+    whole stream, not only what a frame's text shows). Kept as bytes: a server streaming empty
+    frames for the whole timeout held 555 MB of them as line strings (outside probe)."""
+    splitter, count = SseLines(), 0
+    async for chunk in resp.content.iter_any():
+        if len(raw) + len(chunk) > MAX_RESPONSE_BYTES:
+            raise UnreadableAnswer(f"the stream is over {MAX_RESPONSE_BYTES:,} bytes: read that far, then stopped")
+        raw += chunk
+        for at, line in splitter.feed(chunk):
+            count += 1
+            if count > MAX_STREAM_LINES:
                 raise UnreadableAnswer(f"the stream is over {MAX_STREAM_LINES:,} lines: read that far, then stopped")
-            if lines % 256 == 0:
+            if count % 256 == 0:
                 await asyncio.sleep(0)  # the request's timeout, and every other task, get their turn
-            try:
-                line = raw_line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UnreadableAnswer(f"the stream is not UTF-8 (byte {len(raw) + exc.start})") from None
-            raw += raw_line
-            yield line.rstrip("\r\n")
-    except LineTooLong as exc:  # aiohttp's bound on one line
-        raise UnreadableAnswer(f"a stream line is longer than aiohttp reads ({exc.message})") from None
+            yield _utf8_line(at, line)
+    for at, line in splitter.finish():
+        yield _utf8_line(at, line)
+
+
+def _utf8_line(at: int, line: bytes) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableAnswer(f"the stream is not UTF-8 (byte {at + exc.start})") from None
 
 
 async def _data_frames(resp: aiohttp.ClientResponse, result: Completion, raw: bytearray) -> AsyncGenerator[str, None]:
