@@ -4,6 +4,7 @@ the asyncio loop and the metrics contract."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -390,6 +391,31 @@ async def test_async_engine_streams_aborts_and_rejects(tiny_model_dir: Path) -> 
     finally:
         await loop.stop()
     assert loop.integrity_error is None
+
+
+async def test_a_paced_engine_sleeps_after_every_step_and_still_stops_at_once(tiny_model_dir: Path) -> None:
+    """FAULT delay_step_ms: a generation of N tokens takes at least N x the delay (tests that need
+    one to outlast a timeout get it on any machine), the tokens are the unpaced ones, and stopping
+    does not wait the delay out."""
+    e = engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expected = e.generate([ids(e, "paced")], params)[0].output_ids
+    loop = AsyncEngine(e, step_delay_s=0.05)
+    try:
+        started = time.monotonic()
+        stream = await loop.generate("paced", ids(e, "paced"), params)
+        assert [t async for o in stream for t in o.token_ids] == expected
+        assert time.monotonic() - started >= 19 * 0.05  # every step after the first is behind a delay
+    finally:
+        await loop.stop()
+    stalled = AsyncEngine(e, step_delay_s=600.0)  # a stop, and an abort, must not wait this out
+    try:
+        stream = await stalled.generate("long", ids(e, "x"), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        assert (await stream.next_output()).token_ids  # the first step ran; the pause follows it
+        assert await asyncio.wait_for(stalled.abort("long"), timeout=60)
+    finally:
+        await asyncio.wait_for(stalled.stop(), timeout=60)
+    assert loop.integrity_error is None and stalled.integrity_error is None
 
 
 def test_idle_integrity_check_runs_only_after_the_pool_changed(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,11 +27,11 @@ def test_default_is_all_off() -> None:
 
 def test_every_switch_parses_to_a_typed_field() -> None:
     faults = parse_faults(
-        "corrupt_chunk=0.25, drop_chunk=1,delay_chunk_ms=30,delay_prefill_ms=40,crash_prefill_after_chunks=2,"
+        "corrupt_chunk=0.25, drop_chunk=1,delay_chunk_ms=30,delay_prefill_ms=40,delay_step_ms=3,crash_prefill_after_chunks=2,"
         "no_abort_propagation,no_checksum,no_tags,unsafe_reject_path,ignore_manifest,fail_proxied_requests,seed=9"
     )
     assert faults == Faults(
-        corrupt_chunk=0.25, drop_chunk=1.0, delay_chunk_ms=30, delay_prefill_ms=40, crash_prefill_after_chunks=2,
+        corrupt_chunk=0.25, drop_chunk=1.0, delay_chunk_ms=30, delay_prefill_ms=40, delay_step_ms=3, crash_prefill_after_chunks=2,
         no_abort_propagation=True, no_checksum=True, no_tags=True, unsafe_reject_path=True,
         ignore_manifest=True, fail_proxied_requests=True, seed=9,
     )

@@ -240,8 +240,10 @@ def test_choices_queued_behind_their_own_siblings_wait_while_the_request_produce
     first-token deadline, so a request streaming tokens the whole time got a 504 (n=8 after 1 s,
     with --request-timeout 1). The deadline now moves on while any choice produces: --request-timeout
     bounds waiting, not generating, for a request as for one generation."""
-    request_timeout = 2.0
-    with deployment(tiny_model_dir, kv_pool_tokens=2048, request_timeout_s=request_timeout) as d:
+    # Paced at 1 ms a step, the 4 rounds of 2 choices x 1000 tokens take longer than the timeout
+    # however fast the machine; 3 s keeps a gap on a loaded machine far inside it.
+    request_timeout = 3.0
+    with deployment(tiny_model_dir, "delay_step_ms=1", kv_pool_tokens=2048, request_timeout_s=request_timeout) as d:
         started = time.monotonic()
         answer = client(d).completions.create(model=served_model(d), prompt="a", max_tokens=1000, n=8, temperature=0,
                                               extra_body={"ignore_eos": True})  # fmt: skip
@@ -257,9 +259,10 @@ def test_a_generation_that_keeps_producing_outlives_the_request_timeout(tiny_mod
     """--request-timeout is not a cap on a generation's length: an outside probe found every
     generation longer than 120 s cut off with a 504 (max_tokens defaults to the rest of the context)."""
     # Each wait (first token, the gap between steps) is far inside the timeout even on a loaded
-    # machine, after a warm-up request; 3000 tokens take several times the timeout to generate.
-    request_timeout, tokens = 1.0, 3000
-    with deployment(tiny_model_dir, request_timeout_s=request_timeout, context_length=4096, kv_pool_tokens=8192) as d:
+    # machine (gaps of 0.8 s were seen there: a timeout of 1 s was too close), after a warm-up
+    # request; paced at 5 ms a step, 800 tokens take longer than the timeout however fast the machine.
+    request_timeout, tokens = 3.0, 800
+    with deployment(tiny_model_dir, "delay_step_ms=5", request_timeout_s=request_timeout, context_length=4096, kv_pool_tokens=8192) as d:
         assert complete(d, "warm-up", 4)
         started = time.monotonic()
         answer = client(d).completions.create(model=served_model(d), prompt="long", max_tokens=tokens, temperature=0,

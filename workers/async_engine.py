@@ -145,8 +145,9 @@ def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, integrity_interval: float = 1.0) -> None:
+    def __init__(self, engine: Engine, integrity_interval: float = 1.0, step_delay_s: float = 0.0) -> None:
         self.engine = engine
+        self._step_delay_s = step_delay_s  # FAULT delay_step_ms: a generation paced, whatever the machine's speed
         self._commands: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -231,6 +232,19 @@ class AsyncEngine:
                 self.engine.abort(request_id, "engine_error")
             outputs = self.engine.drain_outputs()
         self._dispatch(outputs)
+        if self._step_delay_s:
+            self._pause(self._step_delay_s)
+
+    def _pause(self, seconds: float) -> None:
+        """FAULT delay_step_ms: no step for `seconds`; commands (an abort, a new request, the stop's
+        own) still run meanwhile, so a paced engine answers, and stops, as soon as an unpaced one."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+            try:
+                fn, future = self._commands.get(timeout=min(left, 0.05))
+            except queue.Empty:
+                continue
+            self._execute(fn, future)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """One hand-off per consumer loop for all of these outputs."""

@@ -12,6 +12,7 @@ mechanism catches the failure it exists for. The value is a comma-separated list
 | ``delay_chunk_ms=N``            | transfer sender | sleep N ms before every chunk                         |
 | ``delay_prefill_ms=N``          | prefill server  | sleep N ms before computing each prompt (a long prefill)|
 | ``delay_prefill_reply_ms=N``    | prefill server  | sleep N ms before answering, once the KV was sent      |
+| ``delay_step_ms=N``             | engine thread   | sleep N ms after every engine step (a paced generation)|
 | ``crash_prefill_after_chunks=N``| transfer sender | the prefill process dies after sending N chunks       |
 | ``cut_decode_calls=N``          | decode server   | drop the connection of the first N decode legs unanswered|
 | ``no_abort_propagation``        | sender, servers | aborts are not propagated to the peer (no ABORT frame)|
@@ -55,6 +56,7 @@ class Faults(BaseModel):
     delay_chunk_ms: int = Field(0, ge=0, le=600_000)
     delay_prefill_ms: int = Field(0, ge=0, le=600_000)
     delay_prefill_reply_ms: int = Field(0, ge=0, le=600_000)
+    delay_step_ms: int = Field(0, ge=0, le=60_000)
     crash_prefill_after_chunks: int | None = Field(None, ge=0)
     cut_decode_calls: int = Field(0, ge=0, le=1_000_000)
     no_abort_propagation: bool = False

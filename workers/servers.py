@@ -294,7 +294,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
         max_running_requests=args.max_running_requests,
         tags=not faults.no_tags,
     )
-    engine = AsyncEngine(Engine(config, registry))
+    engine = AsyncEngine(Engine(config, registry), step_delay_s=faults.delay_step_ms / 1000)
     runtime = WorkerRuntime(
         role=Role(args.role),
         model_name=args.served_model_name(),
