@@ -185,7 +185,7 @@ class Operator:
     async def stop(self) -> None:
         self.stop_flag.set()
         assert self.thread is not None
-        await asyncio.to_thread(self.thread.join, 15)
+        await asyncio.to_thread(self.thread.join, 60)  # a loaded machine: kopf's graceful exit took over 15 s
         assert not self.thread.is_alive(), "kopf did not stop"
 
     async def restart(self, suite: Any = None) -> None:

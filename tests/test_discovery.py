@@ -167,8 +167,12 @@ def test_a_router_that_resolves_its_workers_uses_every_named_pod_and_follows_the
             return [r.json()["choices"][0]["text"] for r in replies]
 
         before = (_prefills_done(first), _prefills_done(second))
-        assert answers(6) == [expected] * 6  # each request's calls reached the one pod computing it
-        assert _prefills_done(first) > before[0] and _prefills_done(second) > before[1]  # both pods served
+
+        def both_served() -> bool:  # a pod whose first read failed (a loaded machine) joins a second later
+            assert answers(2) == [expected] * 2  # each request's calls reached the one pod computing it
+            return _prefills_done(first) > before[0] and _prefills_done(second) > before[1]
+
+        assert wait_for(both_served, "both pods to serve", timeout=60)
 
         _name(table, [SECOND_HOST])  # the first pod is no longer ready: its name goes
 
