@@ -239,7 +239,9 @@ class _Traffic:
         body = {"model": "kvguard/tiny-random", "prompt": "hello", "max_tokens": 4, "temperature": 0}
         while not self._stop.is_set():
             try:
-                answer = requests.post(f"{self.url}/completions", json=body, timeout=30)
+                # 120 s as e2e/progressive.Traffic: a 4-token answer beside a starting worker on a loaded
+                # machine is slow, and a client timeout here is recorded as a failed request.
+                answer = requests.post(f"{self.url}/completions", json=body, timeout=120)
                 self.answers.append((answer.status_code, answer.headers.get("x-kvguard-revision")))
             except requests.RequestException as exc:
                 self.answers.append((0, type(exc).__name__))

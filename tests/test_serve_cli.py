@@ -66,7 +66,7 @@ def test_workers_stop_by_themselves_when_serve_is_killed(tiny_model_dir: Path) -
         wait_for(lambda: not [pid for pid in workers if _running(pid)], "every orphaned worker stopped",
                  timeout=60, detail=lambda: [pid for pid in workers if _running(pid)])  # fmt: skip
         with pytest.raises(requests.ConnectionError):
-            requests.get(f"{urls['router']}/models", timeout=5)
+            requests.get(f"{urls['router']}/models", timeout=30)
 
 
 def test_serve_stopped_while_it_starts_prints_no_ready_line_and_leaves_nothing(tiny_model_dir: Path) -> None:
@@ -123,16 +123,16 @@ def _assert_one_audience_per_port(urls: dict) -> None:
     api = urls["router"].removesuffix("/v1")
     for role, metrics_url in urls["metrics"].items():
         metrics_base = metrics_url.removesuffix("/metrics")
-        assert requests.get(metrics_url, timeout=5).status_code == 200
-        assert requests.get(f"{metrics_base}/health", timeout=5).status_code == 200
+        assert requests.get(metrics_url, timeout=30).status_code == 200
+        assert requests.get(f"{metrics_base}/health", timeout=30).status_code == 200
         for path in ("/internal/info", "/internal/abort", "/internal/decode", "/internal/prefill", "/v1/models"):
-            assert requests.post(f"{metrics_base}{path}", json={}, timeout=5).status_code in (404, 405), (role, path)
+            assert requests.post(f"{metrics_base}{path}", json={}, timeout=30).status_code in (404, 405), (role, path)
     for internal in urls["internal"].values():
-        refused = requests.get(f"{internal}/internal/info", timeout=5)  # not signed by the router
+        refused = requests.get(f"{internal}/internal/info", timeout=30)  # not signed by the router
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthenticated"
-        assert requests.get(f"{internal}/metrics", timeout=5).status_code == 404
-    assert requests.get(f"{api}/metrics", timeout=5).status_code == 404
-    assert requests.get(f"{api}/internal/info", timeout=5).status_code == 404
+        assert requests.get(f"{internal}/metrics", timeout=30).status_code == 404
+    assert requests.get(f"{api}/metrics", timeout=30).status_code == 404
+    assert requests.get(f"{api}/internal/info", timeout=30).status_code == 404
 
 
 def _run_serve(*flags: str) -> subprocess.CompletedProcess[str]:

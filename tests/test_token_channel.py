@@ -108,10 +108,17 @@ def _lines(response: requests.Response) -> Iterator[dict]:
             yield json.loads(line)
 
 
-def test_a_channel_that_closes_ends_its_requests_and_frees_their_pages_s4(trio: LocalDeployment) -> None:
+def test_a_channel_that_closes_ends_its_requests_and_frees_their_pages_s4(tiny_model_dir: Path) -> None:
     """Playing the router: open a channel, send a long request on it, see its first tokens arrive
     on the channel (not on its own stream), then close the channel. Decode aborts the request (its
-    own stream ends without a finish) and frees its pages, as for a router that went away."""
+    own stream ends without a finish) and frees its pages, as for a router that went away. Paced at
+    20 ms a step, the request is still generating when the channel closes, however long this
+    process waits between reading its first token and closing (a loaded machine)."""
+    with deployment(tiny_model_dir, "delay_step_ms=20") as trio:
+        _close_a_channel_mid_request(trio)
+
+
+def _close_a_channel_mid_request(trio: LocalDeployment) -> None:
     before = metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect")
     rid = f"cmpl-{secrets.token_hex(16)}"
     leg = {"request_id": rid, "prompt_token_ids": [1, *range(40, 60)], "sampling": {"max_tokens": 900, "temperature": 0,

@@ -563,7 +563,9 @@ async def test_late_and_unknown_frames_are_dropped_and_counted_class_g() -> None
         peer.open(gone.ticket)
         peer.chunk("gone", 0, [1], [1])
         results = await peer.results("done", "gone")
-        assert not await asyncio.wait_for(_closed_soon(peer), 1)  # late frames do not close the connection
+        # _closed_soon bounds its own wait (0.3 s); an outer 1 s deadline around it raised TimeoutError
+        # whenever this process was stalled past both (a loaded machine), instead of answering False.
+        assert not await _closed_soon(peer)  # late frames do not close the connection
         peer.close()
     assert results["gone"].reason == FailureReason.UNKNOWN_REQUEST
     assert results["done"].ok is False and results["done"].reason == "complete"  # answered here only
