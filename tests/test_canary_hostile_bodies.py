@@ -224,7 +224,7 @@ async def test_a_stream_is_kept_whole_for_the_leak_search_and_must_be_utf8() -> 
 
 async def test_a_stream_of_empty_lines_is_bounded_and_lets_the_loop_run() -> None:
     """16 MiB of newlines (2 MB of gzip) held the event loop for 30 s past the request's timeout:
-    aiohttp's line iterator does not yield while it has data buffered (outside probe)."""
+    the reader did not yield while it had data buffered (outside probe)."""
     async def newlines(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -246,6 +246,50 @@ async def test_a_stream_of_empty_lines_is_bounded_and_lets_the_loop_run() -> Non
         pending.cancel()
     assert answer.error == f"the stream is over {canary_client.MAX_STREAM_LINES:,} lines: read that far, then stopped"
     assert ticks >= canary_client.MAX_STREAM_LINES // 256 // 2  # the loop ran other tasks while it read
+
+
+async def test_a_compressed_body_of_empty_lines_is_bounded_and_lets_the_loop_run() -> None:
+    """The same compressed: aiohttp hands the inflated body over in reads of up to 786 KiB, each
+    split a line at a time between the bound's checks and the loop's turns (review)."""
+    body = zlib.compress(b"\n" * (8 << 20), 9)
+
+    async def gzipped(request: web.Request) -> web.Response:
+        return web.Response(body=body, headers={"Content-Type": "text/event-stream", "Content-Encoding": "deflate"})
+
+    ticks = 0
+    loop = asyncio.get_running_loop()
+
+    def tick() -> None:
+        nonlocal ticks, pending
+        ticks += 1
+        pending = loop.call_soon(tick)
+
+    async with serving(gzipped) as url, aiohttp.ClientSession() as session:
+        pending = loop.call_soon(tick)
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True)
+        pending.cancel()
+    assert answer.error == f"the stream is over {canary_client.MAX_STREAM_LINES:,} lines: read that far, then stopped"
+    assert ticks >= canary_client.MAX_STREAM_LINES // 256 // 2
+
+
+@pytest.mark.parametrize("tail", [b"\xff", "\u00e9".encode()[:1]], ids=["bad-byte", "half-a-character"])
+async def test_bytes_received_after_the_reader_stopped_are_not_the_answers_error(tail: bytes) -> None:
+    """A reader that stops at [DONE] (or at a planned disconnect) may have received, in the same
+    read, bytes it never reads as lines: a healthy server's next chunk cut inside a character, or
+    junk after [DONE]. Decoding them strictly raised out of `complete` (review); they are kept as
+    U+FFFD in the body, and the answer is judged on what was read."""
+    frame = {"choices": [{"index": 0, "text": "done", "finish_reason": "length"}]}
+
+    async def trailing(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f"data: {json.dumps(frame)}\n\ndata: [DONE]\n\n".encode() + tail)
+        return response
+
+    async with serving(trailing) as url, aiohttp.ClientSession() as session:
+        answer = await EngineClient(session, url, model="m").complete("p", stream=True, max_tokens=1)
+    assert (answer.error, answer.text, answer.saw_done) == (None, "done", True)
+    assert answer.body.endswith("data: [DONE]\n\n\ufffd")
 
 
 async def test_a_last_event_without_its_blank_line_is_dropped_as_the_official_client_drops_it() -> None:

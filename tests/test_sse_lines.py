@@ -41,7 +41,7 @@ def test_every_split_point_of_cr_then_lf() -> None:
 
 def test_a_stream_ending_without_a_line_end_gives_its_last_line_once() -> None:
     splitter = SseLines()
-    assert splitter.feed(b"data: x") == []
+    assert list(splitter.feed(b"data: x")) == []
     assert splitter.finish() == [(0, b"data: x")]
     assert splitter.finish() == []
 
@@ -49,3 +49,11 @@ def test_a_stream_ending_without_a_line_end_gives_its_last_line_once() -> None:
 def test_a_long_line_in_many_chunks_is_joined_once() -> None:
     chunks = list(itertools.repeat(b"y" * 1000, 1000)) + [b"\n"]
     assert split(chunks) == [(0, b"y" * 1_000_000)]
+
+
+def test_a_chunk_is_split_one_line_at_a_time() -> None:
+    """One decompressed read can hold 786 KiB of line ends: split whole before the caller's line
+    bound or its yield to the loop ran, it held the canary's loop for 0.5 s (review). The caller
+    takes lines as they are split, and one that stops early splits no further."""
+    lines = SseLines().feed(b"a\n" * 1_000_000)
+    assert next(lines) == (0, b"a") and next(lines) == (2, b"a")

@@ -398,6 +398,14 @@ async def _sse_lines(resp: aiohttp.ClientResponse, raw: bytearray) -> AsyncGener
         yield _utf8_line(at, line)
 
 
+def _read_so_far(raw: bytearray) -> str:
+    """The stream as received, for the leak search and the evidence. Every line read was strict
+    UTF-8 (`_utf8_line`); a reader that stopped early ([DONE], an error frame, a planned
+    disconnect) has received bytes it never read as lines, perhaps ending inside a character:
+    those are not the answer's error, and show as U+FFFD."""
+    return raw.decode("utf-8", errors="replace")
+
+
 def _utf8_line(at: int, line: bytes) -> str:
     try:
         return line.decode("utf-8")
@@ -442,7 +450,7 @@ async def _read_stream(
                 resp.close()
                 break
     result.text = "".join(pieces)
-    result.body = raw.decode()
+    result.body = _read_so_far(raw)
     if result.error is None and result.finish_reason is None and not result.disconnected:
         result.error = stream_cut_short(result)
 
@@ -463,7 +471,7 @@ async def _read_choice_stream(resp: aiohttp.ClientResponse, result: Completion, 
                 texts[index] = texts.get(index, "") + text
             result.choice_finishes.update(choice_finishes(payload))
             result.finish_reason = parse_body(payload).finish_reason or result.finish_reason
-    result.body = raw.decode()
+    result.body = _read_so_far(raw)
     if result.error is None and (result.finish_reason is None or not set(result.choice_finishes) >= set(texts)):
         unfinished = sorted(set(texts) - set(result.choice_finishes))
         result.error = stream_cut_short(result) + (f" (choice(s) {unfinished} never finished)" if result.finish_reason else "")

@@ -8,6 +8,7 @@ bare CRs, which the standard allows, is read as they read it, not as one endless
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
@@ -24,25 +25,28 @@ class SseLines:
         self._fed = 0  # bytes fed so far
         self._after_cr = False  # the last chunk ended with a CR: an LF opening the next is its end
 
-    def feed(self, chunk: bytes) -> list[tuple[int, bytes]]:
-        lines: list[tuple[int, bytes]] = []
+    def feed(self, chunk: bytes) -> Iterator[tuple[int, bytes]]:
+        """The lines `chunk` ends, one at a time: a caller that counts lines, or yields to its
+        event loop between them, does so while the chunk is split (one decompressed read can be
+        786 KiB of line ends), and one that stops early splits no further. Consume it whole
+        before feeding the next chunk."""
         base, start = self._fed, 0
         self._fed += len(chunk)
         if not chunk:
-            return lines
+            return
         if self._after_cr and chunk[0] == 0x0A:
             start = 1
             self._partial_at = base + 1
         self._after_cr = False
         for end in _LINE_END.finditer(chunk, start):
             self._partial += chunk[start : end.start()]
-            lines.append((self._partial_at, bytes(self._partial)))
+            line = (self._partial_at, bytes(self._partial))
             self._partial.clear()
             start = end.end()
             self._partial_at = base + start
             self._after_cr = end.group() == b"\r" and start == len(chunk)
+            yield line
         self._partial += chunk[start:]
-        return lines
 
     def finish(self) -> list[tuple[int, bytes]]:
         """The last line, when the stream ended without ending it."""
