@@ -181,7 +181,8 @@ async def test_a_line_of_megabytes_is_read_whole_and_judged_as_a_frame() -> None
 async def test_events_ended_by_cr_or_crlf_read_as_the_official_client_reads_them(line_end: bytes) -> None:
     """The SSE standard ends a line with CR, LF or CRLF, and the official OpenAI client splits at
     each: a server ending its events with bare CRs was one endless line to the canary (a stream
-    "cut short"). Written a byte at a time, a CRLF split between two reads ends one line."""
+    "cut short"). Written a byte at a time (the client may read several at once: `test_sse_lines`
+    splits a CRLF at every point)."""
     frames = [{"choices": [{"index": 0, "text": t, "finish_reason": f}]} for t, f in (("one ", None), ("two", "length"))]
     body = b"".join(b"data: " + json.dumps(f).encode() + line_end * 2 for f in frames) + b"data: [DONE]" + line_end * 2
 
