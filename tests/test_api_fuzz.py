@@ -123,6 +123,6 @@ def test_public_api_fuzz_never_5xx_and_keeps_serving(trio: LocalDeployment) -> N
                                headers={"Content-Type": "application/json"}))
 
     one()
-    wait_pools_empty(trio, timeout_s=10)
+    wait_pools_empty(trio)
     answer = requests.post(f"{trio.api_base}/completions", json={"model": model, "prompt": "after", "max_tokens": 3}, timeout=30)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
