@@ -115,32 +115,28 @@ def test_a_channel_that_closes_ends_its_requests_and_frees_their_pages_s4(tiny_m
     20 ms a step, the request is still generating when the channel closes, however long this
     process waits between reading its first token and closing (a loaded machine)."""
     with deployment(tiny_model_dir, "delay_step_ms=20") as trio:
-        _close_a_channel_mid_request(trio)
-
-
-def _close_a_channel_mid_request(trio: LocalDeployment) -> None:
-    before = metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect")
-    rid = f"cmpl-{secrets.token_hex(16)}"
-    leg = {"request_id": rid, "prompt_token_ids": [1, *range(40, 60)], "sampling": {"max_tokens": 900, "temperature": 0,
-           "ignore_eos": True}}  # fmt: skip
-    with internal(trio, "decode", "/internal/stream", {}, stream=True, timeout=60) as channel:
-        channel_lines = _lines(channel)
-        opened = next(channel_lines)
-        assert opened["event"] == "channel"
-        with internal(trio, "decode", "/internal/decode", {**leg, "channel": opened["channel"]}, stream=True, timeout=60) as own:
-            own_lines = _lines(own)
-            bootstrap = next(own_lines)["bootstrap"]
-            sent = internal(trio, "prefill", "/internal/prefill", {**leg, "ticket": ticket_for(trio, rid, bootstrap)}, timeout=60)
-            assert sent.status_code == 200, sent.text
-            assert next(own_lines) == {"event": "handoff"}
-            first = next(channel_lines)
-            assert first["request_id"] == rid and first["event"]["event"] == "token"
-            channel.close()  # the router goes away (its channel with it)
-            rest = list(own_lines)  # decode ends the request's own stream too
-            assert all(event["event"] != "finish" for event in rest), rest
-    wait_pools_empty(trio)
-    wait_for(lambda: metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect") == before + 1,
-             "decode to count the request's abort")  # fmt: skip
+        before = metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect")
+        rid = f"cmpl-{secrets.token_hex(16)}"
+        leg = {"request_id": rid, "prompt_token_ids": [1, *range(40, 60)], "sampling": {"max_tokens": 900, "temperature": 0,
+               "ignore_eos": True}}  # fmt: skip
+        with internal(trio, "decode", "/internal/stream", {}, stream=True, timeout=60) as channel:
+            channel_lines = _lines(channel)
+            opened = next(channel_lines)
+            assert opened["event"] == "channel"
+            with internal(trio, "decode", "/internal/decode", {**leg, "channel": opened["channel"]}, stream=True, timeout=60) as own:
+                own_lines = _lines(own)
+                bootstrap = next(own_lines)["bootstrap"]
+                sent = internal(trio, "prefill", "/internal/prefill", {**leg, "ticket": ticket_for(trio, rid, bootstrap)}, timeout=60)
+                assert sent.status_code == 200, sent.text
+                assert next(own_lines) == {"event": "handoff"}
+                first = next(channel_lines)
+                assert first["request_id"] == rid and first["event"]["event"] == "token"
+                channel.close()  # the router goes away (its channel with it)
+                rest = list(own_lines)  # decode ends the request's own stream too
+                assert all(event["event"] != "finish" for event in rest), rest
+        wait_pools_empty(trio)
+        wait_for(lambda: metric(trio, "decode", "kvguard_aborts_total", cause="client_disconnect") == before + 1,
+                 "decode to count the request's abort")  # fmt: skip
 
 
 def test_an_event_over_aiohttps_line_bound_reaches_the_client_on_both_paths(tiny_model_dir: Path) -> None:
