@@ -123,19 +123,22 @@ def _first_gauge(index: SampleIndex, name: str) -> float | None:
 
 def _paired_pools(
     index: SampleIndex, capacity_name: str, used_name: str | None, usage_fraction_name: str | None
-) -> list[PoolReading]:
+) -> tuple[list[PoolReading], list[str]]:
+    """The pools `capacity_name` reports, each with its usage, and the sizes it gives that are not
+    finite numbers."""
     used_by_key = {_pool_key(labels): v for labels, v in index.get(used_name or "", [])}
     fraction_by_key = {_pool_key(labels): v for labels, v in index.get(usage_fraction_name or "", [])}
-    pools = []
+    pools, unreadable = [], []
     for labels, capacity in index.get(capacity_name, []):
         if not math.isfinite(capacity):  # no pool size (outside probe: NaN or +Inf crashed the CLI here)
+            unreadable.append(f"{capacity_name}{dict(labels) or ''} = {capacity}")
             continue
         key = _pool_key(labels)
         used = used_by_key.get(key)
         if used is None and key in fraction_by_key:
             used = fraction_by_key[key] * capacity
         pools.append(PoolReading(key, int(capacity), used if used is None or math.isfinite(used) else None, capacity_name))
-    return pools
+    return pools, unreadable
 
 
 def _vllm_pools(index: SampleIndex) -> tuple[list[PoolReading], list[str]]:
@@ -159,10 +162,6 @@ def _vllm_pools(index: SampleIndex) -> tuple[list[PoolReading], list[str]]:
     return pools, unreadable
 
 
-def _non_finite(index: SampleIndex, name: str) -> list[str]:
-    return [f"{name}{dict(labels) or ''} = {value}" for labels, value in index.get(name, []) if not math.isfinite(value)]
-
-
 _NO_LABEL = (None, "", "None")
 
 
@@ -184,14 +183,12 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
     snap = WorkerSnapshot(url=url, samples=index)  # (a counter gone infinite stays one: its probe fails on it)
     if any(name.startswith("kvguard_") for name in index):
         snap.engine = "kvguard"
-        snap.pools = _paired_pools(index, KVGUARD_CAPACITY, KVGUARD_USED, None)
-        snap.unreadable_pools = _non_finite(index, KVGUARD_CAPACITY)
+        snap.pools, snap.unreadable_pools = _paired_pools(index, KVGUARD_CAPACITY, KVGUARD_USED, None)
         context = _first_gauge(index, KVGUARD_CONTEXT)
         snap.context_length = int(context) if context and math.isfinite(context) else None
     elif any(name.startswith("sglang:") for name in index):
         snap.engine = "sglang"
-        snap.pools = _paired_pools(index, SGLANG_CAPACITY, SGLANG_USED, SGLANG_USAGE)
-        snap.unreadable_pools = _non_finite(index, SGLANG_CAPACITY)
+        snap.pools, snap.unreadable_pools = _paired_pools(index, SGLANG_CAPACITY, SGLANG_USED, SGLANG_USAGE)
     elif any(name.startswith("vllm:") for name in index):
         snap.engine = "vllm"
         snap.pools, snap.unreadable_pools = _vllm_pools(index)
