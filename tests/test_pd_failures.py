@@ -113,6 +113,7 @@ def test_partial_transfer_never_reaches_generation_s3(tiny_model_dir: Path) -> N
     arrived; decode fails the request instead of reading half-written pages."""
     with deployment(tiny_model_dir, "drop_chunk=0.5,seed=5") as d:
         _check_mixed_outcomes(d, tiny_model_dir, "kv_transfer_manifest_mismatch")
+        assert metric(d, "decode", "kvguard_tag_violations_total") == 0  # no half-written page was ever read
 
 
 STALL_TIMEOUT_S, CHUNK_DELAY_S = 1.5, 120
