@@ -187,6 +187,38 @@ async def test_s4_pages_held_after_disconnect_fail_abort_probe(server: RunningSe
     assert "did not free its pages" in result.reason
     usage = next(e for e in result.evidence if e.kind == "pool_usage")
     assert usage.final_tokens > usage.baseline_tokens == 0
+    # Held past the fixed timeout: failed at once, not cut again.
+    assert not any(e.kind == "note" and "cutting once more" in e.message for e in result.evidence)
+
+
+@pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=5.0, held_disconnects=1)], indirect=True)
+async def test_s4_one_late_recovery_is_cut_again_and_passes_when_the_second_is_in_time(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A healthy worker descheduled for a second after a cut misses a 1 s deadline once (third
+    flake audit: a healthy revision was failed). Here the first cut's pages come back 5 s after
+    it, past a 3 s deadline; the probe cuts again, and the second cut's come back at once."""
+    from kvguard.operator.canary import abort
+
+    monkeypatch.setattr(abort, "MIN_RECOVERY_SECONDS", 3.0)  # the deadline, with the fraction below
+    canary = spec(abort={"poolRecoveryFraction": 0.001, "poolRecoveryTimeoutSeconds": 30})
+    report = await run(server, canary.only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.PASS, report.to_json()
+    late = [e.message for e in result.evidence if e.kind == "note" and "cutting once more" in e.message]
+    assert len(late) == 1 and "back to its baseline only" in late[0] and "deadline 3.0 s" in late[0], late
+    assert "1 cut again after a late recovery" in result.reason
+
+
+@pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=2.0)], indirect=True)
+async def test_s4_pages_back_late_after_every_cut_fail_the_abort_probe(server: RunningServer) -> None:
+    """An engine that ignores the abort frees the pages when the generation ends on its own: within
+    the fixed timeout on a fast model, but after the deadline every time."""
+    canary = spec(abort={"poolRecoveryFraction": 0.001, "poolRecoveryTimeoutSeconds": 30})
+    report = await run(server, canary.only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.FAIL, report.to_json()
+    assert "back to its baseline only" in result.reason and "again: the abort did not free its pages" in result.reason
 
 
 async def test_s4_abort_probe_without_metrics_still_checks_isolation(server: RunningServer) -> None:

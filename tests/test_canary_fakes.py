@@ -42,6 +42,7 @@ class Behaviour:
     stream_dies_after: int | None = None
     nondeterministic: bool = False
     hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
+    held_disconnects: int | None = None  # only the first N disconnects hold them (None: every one)
     bump_tag_violations: bool = False
     fail_models: bool = False
     hang_models: bool = False  # GET /v1/models accepts the connection and never answers
@@ -134,6 +135,7 @@ class FakeEngine:
         self.nonces_seen: list[str] = []
         self.calls = 0
         self.serving = 0  # generations in flight (empty_when_busy)
+        self.disconnects = 0  # client disconnects seen by a generation (held_disconnects)
         self.tag_violations = 0
         self.in_flight: list[tuple[str, tuple[bool, bool]]] = []  # (prompt, its path: chat, stream)
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
@@ -324,10 +326,17 @@ class FakeEngine:
             raise
         finally:
             self.serving -= 1
-            if disconnected and self.b.hold_pages_after_disconnect:
+            if disconnected and self._holds_pages():
                 asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved)
             else:
                 self._release(reserved)
+
+    def _holds_pages(self) -> bool:
+        """Whether this disconnect's pages stay used for `hold_pages_after_disconnect` seconds."""
+        if not self.b.hold_pages_after_disconnect:
+            return False
+        self.disconnects += 1
+        return self.b.held_disconnects is None or self.disconnects <= self.b.held_disconnects
 
     def _kv_owner(self, prompt: str, prompt_tokens: int, max_tokens: int) -> str:
         """The prompt whose KV this request reads: its own, unless long_leak_tokens or
