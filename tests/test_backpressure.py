@@ -1,4 +1,5 @@
-"""backpressure.Slots: a request's generations take their slots together, first come first served."""
+"""backpressure.Slots: a request's generations take their slots together, first come first served;
+SlotLease: each slot goes back once, a generation's own as soon as it ended at the workers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvguard.workers.backpressure import Slots
+from kvguard.workers.backpressure import SlotLease, Slots
 
 
 async def until(condition: Callable[[], bool], what: str, turns: int = 100) -> None:
@@ -63,3 +64,18 @@ async def test_units_granted_to_a_waiter_cancelled_meanwhile_come_back() -> None
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert slots.free == 1 and slots.waiting == 0
+
+
+async def test_a_generation_that_ended_gives_its_slot_back_once_and_the_request_the_rest() -> None:
+    slots = Slots(4)
+    await slots.acquire(3)
+    lease = SlotLease(slots, 3)  # a request of three choices
+    next_one = await queued(slots, 2)  # another tenant's request of two
+    lease.release_one("choice-a")  # choice a ended at the workers; its client still reads it
+    await until(next_one.done, "the next request's grant")
+    lease.release_one("choice-a")  # decode's finish seen twice: no second slot
+    assert slots.free == 0 and lease.held == 2
+    lease.release_rest()  # the request ends: the two still held
+    lease.release_one("choice-b")  # a finish seen after the request ended: nothing left to give
+    lease.release_rest()
+    assert slots.free == 2 and lease.held == 0

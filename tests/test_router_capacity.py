@@ -79,32 +79,70 @@ def read_all(sock: socket.socket) -> bytes:
     return received
 
 
+def read_until_the_end(sock: socket.socket) -> bytes:
+    """A stream's whole answer: up to its last chunk (the connection stays open for the next request)."""
+    received = b""
+    sock.settimeout(30)
+    while not received.endswith(b"\r\n0\r\n\r\n") and (chunk := sock.recv(1 << 16)):
+        received += chunk
+    return received
+
+
 def slow_first_tokens(d: LocalDeployment) -> float:
     """How many of the router's TTFT observations took over 2.5 s."""
     ttft = "kvguard_router_time_to_first_token_seconds"
     return metric(d, "router", f"{ttft}_count") - metric(d, "router", f"{ttft}_bucket", le="2.5")
 
 
-def test_a_client_that_reads_nothing_loses_its_connection_and_its_slots(narrow: LocalDeployment) -> None:
-    slow_before = slow_first_tokens(narrow)
+def test_a_client_that_reads_nothing_loses_its_connection(narrow: LocalDeployment) -> None:
+    """Once a write to it has waited WRITE_TIMEOUT_S with nothing delivered, the connection is reset:
+    before, a client that stopped reading kept it, and the output buffered for it, for ever."""
     stalled = stalled_stream(narrow)
     try:
-        with cf.ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(completion, narrow, "the next tenant")
-            # Every slot is the stalled stream's: the next request waits in the router...
-            wait_for(lambda: metric(narrow, "router", "kvguard_router_waiting_choices") == 1, "the next request to wait for the slot")
-            # ...until the stalled client's write has waited WRITE_TIMEOUT_S: its connection is dropped, its generation aborted.
-            answer = waiting.result(timeout=60)
+        answer = completion(narrow, "the next tenant")
         assert answer.status_code == 200, answer.text
-        assert metric(narrow, "router", "kvguard_aborts_total", cause="client_disconnect") >= 1
-        # The next tenant waited WRITE_TIMEOUT_S for a slot: its TTFT, as its client saw it, counts
-        # that wait (it was measured from the slot, and a queueing candidate looked no slower).
-        assert slow_first_tokens(narrow) >= slow_before + 1
+        wait_for(lambda: metric(narrow, "router", "kvguard_aborts_total", cause="client_disconnect") >= 1,
+                 "the stalled client's connection to be reset")  # fmt: skip
         received = read_all(stalled)
         assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received  # cut off, not finished
     finally:
         stalled.close()
     wait_pools_empty(narrow)
+
+
+@pytest.fixture(scope="module")
+def paced(tiny_model_dir: Path) -> Iterator[LocalDeployment]:
+    """Four generations at a time, a write timeout longer than the test, and every engine step 5 ms
+    long: the stalled stream's 900 tokens take seconds to generate whatever the machine's speed."""
+    with deployment(tiny_model_dir, "delay_step_ms=5", max_inflight_choices=SLOTS, write_timeout_s=120.0) as running:
+        yield running
+
+
+def test_a_slow_readers_slots_go_back_when_its_generations_end_not_when_it_has_read_them(paced: LocalDeployment) -> None:
+    """Slots bound what the workers run. An outside probe: two sockets reading 400 B/s held every
+    slot for as long as they liked (each read a little every check, so no write ever stalled) while
+    decode sat idle, and every other tenant got a 504. Now a generation's slot comes back when decode
+    has finished it and prefill has answered; its client keeps its connection and its whole answer."""
+    slow_before = slow_first_tokens(paced)
+    stalled = stalled_stream(paced)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(completion, paced, "the next tenant")
+            # Every slot is the stalled stream's while decode generates it: the next request waits...
+            wait_for(lambda: metric(paced, "router", "kvguard_router_waiting_choices") == 1, "the next request to wait for the slot")
+            # ...until decode has finished those generations, long before the client reads them (or
+            # the 120 s write timeout would drop it: before, the next tenant waited for that).
+            answer = waiting.result(timeout=90)
+        assert answer.status_code == 200, answer.text
+        # Its TTFT, as its client saw it, counts the wait for the slot (it was measured from the
+        # slot, and a queueing candidate looked no slower).
+        assert slow_first_tokens(paced) >= slow_before + 1
+        received = read_until_the_end(stalled)
+    finally:
+        stalled.close()
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received, received[-200:]  # all of it
+    assert metric(paced, "router", "kvguard_aborts_total", cause="client_disconnect") == 0
+    wait_pools_empty(paced)
 
 
 def test_a_client_that_reads_slowly_is_not_a_client_that_reads_nothing(narrow: LocalDeployment) -> None:

@@ -448,7 +448,7 @@ def test_a_call_naming_a_channel_decode_no_longer_knows_is_made_again_on_a_new_o
             try:
                 async with contextlib.AsyncExitStack() as stack:
                     _, channel = await router._call_decode(request, base, Siblings(asyncio.get_running_loop().time() + 10, 10.0), stack,
-                                                              asyncio.Event())
+                                                              asyncio.Event(), lambda: None)
                     assert channel is not None and channel.id == calls[-1]
             except OpenAIError as err:
                 failure = f"{err.status} {err.code}: {err.message}"

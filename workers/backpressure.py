@@ -5,6 +5,13 @@ generations together, first come first served: taken one by one, a request of `n
 three free slots held three while its fourth waited for a slot that only its own three could
 free (a regression probe: a 504 mid-stream), and a big request could starve behind small ones.
 
+`SlotLease`: the slots one request took. A generation's slot goes back as soon as neither worker
+holds anything of it (decode has finished it, prefill has answered), even while its client is
+still reading what was generated: slots bound the workers' work, and a client that read slowly
+but steadily held them for as long as it liked while decode sat idle and every other tenant got
+a 504 (an outside probe: two sockets reading 400 B/s). What such a client still holds is its
+connection and its own answer, buffered here.
+
 `StallWatch`: a write to a client may take as long as it likes while the client reads;
 the client loses its connection only once it has read nothing for the timeout. A timeout around
 each write cut off steady slow readers (1-16 KB/s) after 30 s: one write of a chunk can wait that
@@ -63,6 +70,28 @@ class Slots:
             count, granted = self._queue.popleft()
             self.free -= count
             granted.set_result(None)
+
+
+class SlotLease:
+    """The `count` slots one request took from `slots`, each given back once: a generation's own
+    when it ends at the workers (`release_one`, keyed so a second call for it is a no-op), the rest
+    when the request ends (`release_rest`)."""
+
+    def __init__(self, slots: Slots, count: int) -> None:
+        self._slots = slots
+        self.held = count
+        self._released: set[str] = set()
+
+    def release_one(self, key: str) -> None:
+        if self.held and key not in self._released:
+            self._released.add(key)
+            self.held -= 1
+            self._slots.release(1)
+
+    def release_rest(self) -> None:
+        held, self.held = self.held, 0
+        if held:
+            self._slots.release(held)
 
 
 def unsent_bytes(transport: asyncio.BaseTransport) -> int:

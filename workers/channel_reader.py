@@ -71,19 +71,24 @@ class OpenChannel:
 
     id: str
     _inboxes: dict[str, Inbox] = field(default_factory=dict)
+    _on_finish: dict[str, Callable[[], None]] = field(default_factory=dict)
     _lost: ChannelLost | None = None
 
-    def subscribe(self, request_id: str) -> Inbox:
-        """The request's inbox (before its decode call, so no event can come first)."""
+    def subscribe(self, request_id: str, on_finish: Callable[[], None] | None = None) -> Inbox:
+        """The request's inbox (before its decode call, so no event can come first). `on_finish`
+        runs when decode's finish arrives, however far behind it the request's reader is."""
         inbox: Inbox = asyncio.Queue()
         if self._lost is not None:
             inbox.put_nowait(self._lost)
         else:
             self._inboxes[request_id] = inbox
+            if on_finish is not None:
+                self._on_finish[request_id] = on_finish
         return inbox
 
     def unsubscribe(self, request_id: str) -> None:
         self._inboxes.pop(request_id, None)
+        self._on_finish.pop(request_id, None)
 
     @property
     def subscribed(self) -> int:
@@ -93,12 +98,15 @@ class OpenChannel:
         routed = CHANNEL_EVENT.validate_json(line)
         if (inbox := self._inboxes.get(routed.request_id)) is not None:
             inbox.put_nowait(routed.event)
+            if type(routed.event) is FinishEvent and (on_finish := self._on_finish.pop(routed.request_id, None)):
+                on_finish()
 
     def lose(self, lost: ChannelLost) -> None:
         self._lost = lost
         for inbox in self._inboxes.values():
             inbox.put_nowait(lost)
         self._inboxes.clear()
+        self._on_finish.clear()
 
 
 @dataclass(eq=False)

@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, worker_default
-from kvguard.workers.backpressure import Slots, StallWatch, drop
+from kvguard.workers.backpressure import SlotLease, Slots, StallWatch, drop
 from kvguard.workers.channel_reader import (
     ChannelLost,
     ChannelPayload,
@@ -827,14 +827,15 @@ class Router:
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
             siblings = Siblings(await self._take_slots(len(choices), arrived), self.config.request_timeout_s)
+            lease = SlotLease(self._slots, len(choices))
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived)
+                generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived, lease=lease)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
             finally:
-                self._release_slots_after(len(choices), ending)
+                self._release_slots_after(lease, ending)
         except OpenAIError as err:
             return self._error_response(err)
 
@@ -863,14 +864,15 @@ class Router:
             self.metrics.waiting_choices.dec(count)
         return deadline
 
-    def _release_slots_after(self, count: int, ending: Sequence[asyncio.Task[None]]) -> None:
-        """The request's slots go back once every leg it aborted has ended: until a worker has
-        acknowledged an abort (or the wait for it timed out), the request still holds its pages
-        there, and the slots bound what the workers hold (`backpressure.Slots`)."""
+    def _release_slots_after(self, lease: SlotLease, ending: Sequence[asyncio.Task[None]]) -> None:
+        """The request's slots still held go back once every leg it aborted has ended: until a
+        worker has acknowledged an abort (or the wait for it timed out), the request still holds its
+        pages there, and the slots bound what the workers hold (`backpressure.Slots`). A generation
+        that ended at the workers gave its own back already (`_generate`, `SlotLease`)."""
         if pending := [task for task in ending if not task.done()]:
-            asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: self._slots.release(count))
+            asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: lease.release_rest())
         else:
-            self._slots.release(count)
+            lease.release_rest()
 
     def _watch(self, request: web.Request) -> StallWatch:
         """A client that reads none of its answer for write_timeout_s loses the connection: it would
@@ -1169,7 +1171,8 @@ class Router:
 
     # -- the two legs ----------------------------------------------------------------------
     async def _generate(
-        self, request: GenerateRequest, ending: list[asyncio.Task[None]], siblings: Siblings, arrived: float
+        self, request: GenerateRequest, ending: list[asyncio.Task[None]], siblings: Siblings, arrived: float,
+        lease: SlotLease,
     ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         """Drive decode and prefill for one request; yields verified tokens, raises OpenAIError.
 
@@ -1192,13 +1195,25 @@ class Router:
         prefill_task = asyncio.create_task(self._prefill(prefill.url, PrefillRequest(**request.model_dump()), ticket))
         stack = contextlib.AsyncExitStack()
         channel: OpenChannel | None = None
+
+        def over_at_the_workers() -> None:
+            """Decode's finish is in the inbox, perhaps behind what a slow client has not read yet:
+            once prefill has answered too, neither worker holds anything of this generation, and its
+            slot goes back now (backpressure.SlotLease)."""
+
+            def release(task: asyncio.Task[None]) -> None:
+                if not task.cancelled() and task.exception() is None:
+                    lease.release_one(request.request_id)
+
+            prefill_task.add_done_callback(release)
+
         try:
             given_up = asyncio.Event()  # the decode call is no longer wanted: never sent again
             # Bounded by the first-token deadline out here, not inside the call: a deadline that
             # cancelled the call itself closed it before the aborts went out (decode then counted a
             # client disconnect, not the router's timeout; an outside probe).
             events, channel = await siblings.within(_unless_prefill_fails(
-                lambda: self._call_decode(request, decode.url, siblings, stack, given_up),
+                lambda: self._call_decode(request, decode.url, siblings, stack, given_up, over_at_the_workers),
                 prefill_task, _after_the_aborts(stack, request.request_id, given_up)))  # fmt: skip
             # Until the first token, the request's whole wait (its slot included) is bounded by its
             # first-token deadline, which its other choices' tokens move on (Siblings).
@@ -1275,7 +1290,7 @@ class Router:
 
     async def _call_decode(
         self, request: GenerateRequest, url: str, siblings: Siblings, stack: contextlib.AsyncExitStack,
-        given_up: asyncio.Event,
+        given_up: asyncio.Event, on_finish: Callable[[], None],
     ) -> DecodeCall:
         """The decode leg's call, and its events: on its own stream, or after the handoff on the
         token channel to that worker (and that channel). Decode's answer stays open on `stack` until
@@ -1297,7 +1312,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
         for _ in range(2):
             channel = await siblings.within(_open(reader))
-            inbox = channel.subscribe(request.request_id)  # before the call: no event can come first
+            inbox = channel.subscribe(request.request_id, on_finish)  # before the call: no event can come first
             try:
                 body = DecodeRequest.model_construct(**dict(request), channel=channel.id)
                 resp = await self._post_decode(url, body, timeout, stack, given_up)
