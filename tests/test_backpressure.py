@@ -66,6 +66,20 @@ async def test_units_granted_to_a_waiter_cancelled_meanwhile_come_back() -> None
     assert slots.free == 1 and slots.waiting == 0
 
 
+async def test_a_waiter_cancelled_and_released_to_in_the_same_turn_loses_no_units() -> None:
+    """cancel() cancels the waiter's future at once, its clean-up runs a turn later: a release in
+    between handed it the units, set_result raised InvalidStateError, and the unit was gone."""
+    slots = Slots(1)
+    await slots.acquire(1)
+    waiter = await queued(slots, 1)
+    waiter.cancel()  # its request timed out, or its client left...
+    slots.release(1)  # ...as another generation ended, in the same turn
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert slots.free == 1 and slots.waiting == 0
+    await slots.acquire(1)  # and the unit can be taken again
+
+
 async def test_a_generation_that_ended_gives_its_slot_back_once_and_the_request_the_rest() -> None:
     slots = Slots(4)
     await slots.acquire(3)

@@ -57,7 +57,8 @@ class Slots:
             if granted.done() and not granted.cancelled():
                 self.release(count)  # granted just as the waiter was cancelled: give it back
             else:
-                self._queue.remove((count, granted))
+                with contextlib.suppress(ValueError):  # `_grant` already dropped it (cancelled)
+                    self._queue.remove((count, granted))
                 self._grant()  # the head may have been this waiter: the next ones may fit now
             raise
 
@@ -66,8 +67,16 @@ class Slots:
         self._grant()
 
     def _grant(self) -> None:
-        while self._queue and self._queue[0][0] <= self.free:
-            count, granted = self._queue.popleft()
+        while self._queue:
+            count, granted = self._queue[0]
+            if granted.done():
+                # Cancelled while it waited, its own clean-up not run yet: a release in between
+                # gave it the units, set_result raised, and they were lost for good (a review).
+                self._queue.popleft()
+                continue
+            if count > self.free:
+                return
+            self._queue.popleft()
             self.free -= count
             granted.set_result(None)
 
