@@ -208,6 +208,30 @@ async def test_s4_one_late_recovery_is_cut_again_and_passes_when_the_second_is_i
     late = [e.message for e in result.evidence if e.kind == "note" and "cutting once more" in e.message]
     assert len(late) == 1 and "back to its baseline only" in late[0] and "deadline 3.0 s" in late[0], late
     assert "1 cut again after a late recovery" in result.reason
+    assert result.reason.startswith("1 mid-decode and "), result.reason  # the cut made again is not a second planned one
+
+
+@pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=2.0)], indirect=True)
+async def test_s4_a_late_recovery_whose_second_cut_cannot_be_judged_fails(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: when the metrics could not be read for the cut made again, the first cut's late
+    recovery passed unjudged."""
+    from kvguard.operator.canary.abort import AbortProbe
+
+    used = AbortProbe._used
+    calls = 0
+
+    async def second_baseline_unreadable(self: AbortProbe, ctx: object) -> float | None:
+        nonlocal calls
+        calls += 1
+        return None if calls == 2 else await used(self, ctx)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AbortProbe, "_used", second_baseline_unreadable)
+    canary = spec(abort={"poolRecoveryFraction": 0.001, "poolRecoveryTimeoutSeconds": 30, "prefillDisconnectAfterSeconds": []})
+    result = (await run(server, canary.only([ProbeName.ABORT]))).probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.FAIL, result
+    assert "the cut made again could not be judged" in result.reason, result.reason
 
 
 @pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=2.0)], indirect=True)
