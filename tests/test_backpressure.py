@@ -1,5 +1,6 @@
 """backpressure.Slots: a request's generations take their slots together, first come first served;
-SlotLease: each slot goes back once, a generation's own as soon as it ended at the workers."""
+SlotLease: each slot goes back once, a generation's own as soon as it ended at the workers;
+Draining: those generations whose clients still read them are bounded as the slots are."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvguard.workers.backpressure import SlotLease, Slots
+from kvguard.workers.backpressure import Draining, SlotLease, Slots
 
 
 async def until(condition: Callable[[], bool], what: str, turns: int = 100) -> None:
@@ -83,7 +84,7 @@ async def test_a_waiter_cancelled_and_released_to_in_the_same_turn_loses_no_unit
 async def test_a_generation_that_ended_gives_its_slot_back_once_and_the_request_the_rest() -> None:
     slots = Slots(4)
     await slots.acquire(3)
-    lease = SlotLease(slots, 3)  # a request of three choices
+    lease = SlotLease(slots, 3, Draining(4, 30.0), lambda: None)  # a request of three choices
     next_one = await queued(slots, 2)  # another tenant's request of two
     lease.release_one("choice-a")  # choice a ended at the workers; its client still reads it
     await until(next_one.done, "the next request's grant")
@@ -93,3 +94,37 @@ async def test_a_generation_that_ended_gives_its_slot_back_once_and_the_request_
     lease.release_one("choice-b")  # a finish seen after the request ended: nothing left to give
     lease.release_rest()
     assert slots.free == 2 and lease.held == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_full_draining_room_gives_the_place_of_a_reader_past_the_grace_and_no_other() -> None:
+    clock, dropped = Clock(), []
+    draining = Draining(2, grace_s=30.0, clock=clock)
+    assert draining.enter("a", lambda: dropped.append("a")) and draining.enter("b", lambda: dropped.append("b"))
+    clock.now = 30.0  # "a" has drained for the grace, no longer
+    assert not draining.enter("c", lambda: dropped.append("c")) and dropped == []
+    clock.now = 30.5
+    assert draining.enter("c", lambda: dropped.append("c"))  # "a" loses its connection for "c"
+    assert dropped == ["a"] and len(draining) == 2
+    draining.leave("b")  # b's client read it all
+    assert draining.enter("d", lambda: dropped.append("d")) and dropped == ["a"]
+
+
+async def test_a_generation_with_no_draining_room_keeps_its_slot_until_its_request_ends() -> None:
+    slots = Slots(2)
+    await slots.acquire(2)
+    draining = Draining(1, grace_s=30.0)
+    first, second = SlotLease(slots, 1, draining, lambda: None), SlotLease(slots, 1, draining, lambda: None)
+    first.release_one("one")  # ended at the workers; its client still reads
+    second.release_one("two")  # ended too, but the room is full of a reader within its grace
+    assert slots.free == 1 and second.held == 1 and len(draining) == 1
+    first.release_rest()  # the first client read it all: it leaves the room
+    second.release_rest()
+    assert slots.free == 2 and len(draining) == 0

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 import requests
-from pd_harness import deployment, metric, served_model, wait_pools_empty
+from pd_harness import deployment, metric, pools_used, served_model, wait_pools_empty
 from waiting import until, wait_for
 
 from kvguard.workers.launcher import LocalDeployment
@@ -53,7 +53,7 @@ def test_a_burst_beyond_the_slots_waits_in_the_router_and_every_request_is_serve
     wait_pools_empty(narrow)
 
 
-def stalled_stream(d: LocalDeployment) -> socket.socket:
+def stalled_stream(d: LocalDeployment, max_tokens: int = 900) -> socket.socket:
     """A streaming request from a socket that reads nothing: a tiny receive window, so that the
     router's writes block once the kernel's and aiohttp's buffers are full."""
     url = urlsplit(d.router_url)
@@ -62,7 +62,7 @@ def stalled_stream(d: LocalDeployment) -> socket.socket:
     sock.connect((url.hostname, url.port))
     # 20 alternatives per token, 4 choices: ~5 MB in all, more than the kernel's send buffer (up to 4 MB
     # by default) and aiohttp's hold
-    body = json.dumps({"model": served_model(d), "messages": [{"role": "user", "content": "never read"}], "max_tokens": 900,
+    body = json.dumps({"model": served_model(d), "messages": [{"role": "user", "content": "never read"}], "max_tokens": max_tokens,
                        "temperature": 0, "logprobs": True, "top_logprobs": 20, "n": SLOTS, "stream": True}).encode()  # fmt: skip
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
@@ -108,6 +108,44 @@ def test_a_client_that_reads_nothing_loses_its_connection(narrow: LocalDeploymen
     finally:
         stalled.close()
     wait_pools_empty(narrow)
+
+
+def test_readers_of_finished_answers_are_as_many_as_the_slots_at_most(tiny_model_dir: Path) -> None:
+    """A review: once slots came back at a generation's end, the answers buffered for slow readers
+    were bounded by connections only (20,000 x up to ~20 MB). Now the generations whose clients
+    still read them are at most as many as the slots: here one slow reader's SLOTS generations fill
+    that room, and once it has read for longer than the grace (the write timeout), the generations
+    of the next slow reader take the places of the oldest, whose client loses its connection. (A
+    client that keeps up never needs a place, nor one whose whole answer is in the kernel's
+    buffers: its request ends with its generation, or with its last write.) Answers of ~10 MB, more
+    than the kernel and aiohttp hold, so the router still writes them while the clients read."""
+    with deployment(tiny_model_dir, context_length=4096, kv_pool_tokens=8192, max_inflight_choices=SLOTS,
+                    write_timeout_s=WRITE_TIMEOUT_S) as roomy:  # fmt: skip
+        slow = stalled_stream(roomy, max_tokens=2000)
+        received, ended_at = b"", None
+        try:
+            while ended_at is None or time.monotonic() - ended_at <= WRITE_TIMEOUT_S + 1.0:
+                received += slow.recv(8192)
+                time.sleep(0.2)  # the client's own pace (a slow reader, never a stalled one), not a wait for the server
+                if ended_at is None and not any(pools_used(roomy).values()):
+                    ended_at = time.monotonic()  # its generations ended at the workers: they fill the room
+            # A second slow reader: its generations end while it still reads, and need places.
+            newcomer = stalled_stream(roomy, max_tokens=2000)
+            reset, deadline = False, time.monotonic() + 120
+            try:
+                while not reset and time.monotonic() < deadline:
+                    try:
+                        received += slow.recv(8192)
+                    except ConnectionResetError:
+                        reset = True
+                    newcomer.recv(8192)
+                    time.sleep(0.2)  # both clients' own pace, not a wait for the server
+            finally:
+                newcomer.close()
+        finally:
+            slow.close()
+        assert reset and received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received  # cut off, not finished
+        wait_pools_empty(roomy)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,13 @@ but steadily held them for as long as it liked while decode sat idle and every o
 a 504 (an outside probe: two sockets reading 400 B/s). What such a client still holds is its
 connection and its own answer, buffered here.
 
+`Draining`: those generations, ended at the workers while their clients still read them, are
+at most as many as the slots, so the answers buffered for slow readers stay bounded as they were
+when slots held them. When it is full, a generation that ends takes the place of the one that
+has drained longest, if that one has for more than the grace (its client loses the connection);
+otherwise it keeps its slot until its request ends. A reader that keeps up is in it for
+moments; only slow readers age in it.
+
 `StallWatch`: a write to a client may take as long as it likes while the client reads;
 the client loses its connection only once it has read nothing for the timeout. A timeout around
 each write cut off steady slow readers (1-16 KB/s) after 30 s: one write of a chunk can wait that
@@ -28,6 +35,7 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 from collections.abc import Callable
 
 
@@ -81,23 +89,55 @@ class Slots:
             granted.set_result(None)
 
 
+class Draining:
+    """Generations that ended at the workers while their clients still read them (module doc)."""
+
+    def __init__(self, capacity: int, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.grace_s = grace_s
+        self._clock = clock
+        self._entries: collections.OrderedDict[str, tuple[float, Callable[[], None]]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def enter(self, key: str, drop: Callable[[], None]) -> bool:
+        """Room for `key` (whose client `drop` disconnects): False when there is none to make."""
+        now = self._clock()
+        if len(self._entries) >= self.capacity:
+            oldest, (since, drop_oldest) = next(iter(self._entries.items()))
+            if now - since <= self.grace_s:
+                return False
+            del self._entries[oldest]
+            drop_oldest()
+        self._entries[key] = (now, drop)
+        return True
+
+    def leave(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+
 class SlotLease:
     """The `count` slots one request took from `slots`, each given back once: a generation's own
-    when it ends at the workers (`release_one`, keyed so a second call for it is a no-op), the rest
-    when the request ends (`release_rest`)."""
+    when it ends at the workers and `draining` has room for it (`release_one`, keyed so a second
+    call for it is a no-op), the rest when the request ends (`release_rest`)."""
 
-    def __init__(self, slots: Slots, count: int) -> None:
+    def __init__(self, slots: Slots, count: int, draining: Draining, drop: Callable[[], None]) -> None:
         self._slots = slots
+        self._draining = draining
+        self._drop = drop  # disconnects this request's client (`Draining` made room)
         self.held = count
-        self._released: set[str] = set()
+        self._released: list[str] = []
 
     def release_one(self, key: str) -> None:
-        if self.held and key not in self._released:
-            self._released.add(key)
+        if self.held and key not in self._released and self._draining.enter(key, self._drop):
+            self._released.append(key)
             self.held -= 1
             self._slots.release(1)
 
     def release_rest(self) -> None:
+        for key in self._released:
+            self._draining.leave(key)
         held, self.held = self.held, 0
         if held:
             self._slots.release(held)

@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, worker_default
-from kvguard.workers.backpressure import SlotLease, Slots, StallWatch, drop
+from kvguard.workers.backpressure import Draining, SlotLease, Slots, StallWatch, drop
 from kvguard.workers.channel_reader import (
     ChannelLost,
     ChannelPayload,
@@ -478,6 +478,8 @@ class Router:
         aborts go out before the session closes, so the workers learn each request's cause."""
         self._slots = Slots(config.max_inflight_choices)
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
+        self._draining = Draining(config.max_inflight_choices, config.write_timeout_s)
+        """Generations that ended at the workers whose clients still read them (`SlotLease`)."""
         self._channels: dict[str, ChannelReader] = {}
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
         self._retiring: set[str] = set()
@@ -827,7 +829,7 @@ class Router:
             )
             prompt_tokens = sum(len(p.ids) for p in prompts)
             siblings = Siblings(await self._take_slots(len(choices), arrived), self.config.request_timeout_s)
-            lease = SlotLease(self._slots, len(choices))
+            lease = SlotLease(self._slots, len(choices), self._draining, functools.partial(self._evict, request))
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
                 generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived, lease=lease)
@@ -873,6 +875,14 @@ class Router:
             asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: lease.release_rest())
         else:
             lease.release_rest()
+
+    def _evict(self, request: web.Request) -> None:
+        """`Draining` gave this client's place to a generation that ended: every place is taken by
+        clients still reading answers the workers finished, and this one has been for longest,
+        over --write-timeout. With handler_cancellation its handler then ends (`_watch`)."""
+        log.warning("request %s: its client has read its finished answer for over %gs while the router "
+                    "is full of such readers; its connection is reset", request.get(_LABEL_KEY), self.config.write_timeout_s)  # fmt: skip
+        drop(request.transport)
 
     def _watch(self, request: web.Request) -> StallWatch:
         """A client that reads none of its answer for write_timeout_s loses the connection: it would
