@@ -286,3 +286,28 @@ def test_every_outcome_and_cause_is_exported_from_the_start(narrow: LocalDeploym
         outcomes = {s.labels["outcome"] for s in samples if s.name == "kvguard_requests_total"}
         causes = {s.labels["cause"] for s in samples if s.name == "kvguard_aborts_total"}
         assert outcomes == set(REQUEST_OUTCOMES) and causes == set(AbortCause), role
+
+
+def test_one_request_of_many_long_choices_leaves_room_for_another_tenant(tiny_model_dir: Path) -> None:
+    """An outside probe: one `n: 16` request of ~1,000 tokens per choice reserved the whole KV pool
+    (2x the context) at decode, and every other tenant waited for all of it (4 s on the tiny model,
+    minutes on a real one). Its choices now start as its earlier ones leave room for one whole
+    request of another tenant: here 2 of the 4 at a time, and the next tenant is served meanwhile.
+    Every step is 5 ms long, so the big request takes seconds whatever the machine's speed."""
+    with deployment(tiny_model_dir, "delay_step_ms=5", context_length=1024, kv_pool_tokens=2048) as d:
+        model = served_model(d)
+        big_body = {"model": model, "prompt": "many long choices", "max_tokens": 480, "n": 4, "temperature": 0, "ignore_eos": True}
+        with cf.ThreadPoolExecutor(1) as pool:
+            big = pool.submit(requests.post, f"{d.api_base}/completions", json=big_body, timeout=120)
+            wait_for(lambda: pools_used(d, ("decode",))["decode"] > 0, "the big request's first choices at decode")
+            peak = pools_used(d, ("decode",))["decode"]
+            small = completion(d, "the next tenant", max_tokens=8)
+            served_meanwhile = not big.done()
+            while not big.done():
+                peak = max(peak, pools_used(d, ("decode",))["decode"])
+            answer = big.result()
+        assert small.status_code == 200 and served_meanwhile, small.text
+        assert answer.status_code == 200, answer.text
+        assert [c["index"] for c in answer.json()["choices"]] == [0, 1, 2, 3] and answer.json()["usage"]["completion_tokens"] == 4 * 480
+        assert peak <= 2048 - 512, peak  # the big request (2 x ~500 at a time) never held more than leaves a whole request's room
+        wait_pools_empty(d)

@@ -832,7 +832,10 @@ class Router:
             lease = SlotLease(self._slots, len(choices), self._draining, functools.partial(self._evict, request))
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived, lease=lease)
+                generate_at = functools.partial(self._generate, ending=ending, siblings=siblings, lease=lease)
+                generate: Generate = functools.partial(generate_at, arrived=arrived)
+                if (pace := self._pace(choices)) is not None:
+                    generate = functools.partial(_paced, pace, generate_at)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
@@ -875,6 +878,21 @@ class Router:
             asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: lease.release_rest())
         else:
             lease.release_rest()
+
+    def _pace(self, choices: Sequence[Choice]) -> Slots | None:
+        """The KV pool tokens this request's choices may reserve at once, when together they would
+        reserve more than leaves room for one whole request of another tenant (None: no need).
+
+        Decode reserves every page a choice can need (prompt + max_tokens) when it admits it, and
+        admits in arrival order: one `n: 16` request of a thousand tokens each (an outside probe),
+        or two choices of a chat left without max_tokens (the rest of the context each), took the
+        whole pool, and every other tenant waited for all of it. Its choices now start as its
+        earlier ones leave room (`_paced`); one choice alone is always let in."""
+        if len(choices) < 2:
+            return None
+        needs = [_reserved_tokens(choice.generate) for choice in choices]
+        room = max(self.upstreams.smallest_pool - self.upstreams.request_limit, max(needs))
+        return Slots(room) if sum(needs) > room else None
 
     def _evict(self, request: web.Request) -> None:
         """`Draining` gave this client's place to a generation that ended: every place is taken by
@@ -1721,6 +1739,25 @@ class Siblings:
 
 
 Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
+
+
+def _reserved_tokens(request: GenerateRequest) -> int:
+    """What decode reserves for a generation when it admits it: every page it can need."""
+    return len(request.prompt_token_ids) + (request.sampling.max_tokens or 0)
+
+
+async def _paced(pace: Slots, generate_at: Callable[..., AsyncGenerator[TokenEvent | FinishEvent, None]],
+                 request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:  # fmt: skip
+    """One choice of a request paced by `Router._pace`: it starts once the choices ahead of it
+    leave room in `pace`, and its TTFT counts from then (the wait was for its own siblings)."""
+    tokens = _reserved_tokens(request)
+    await pace.acquire(tokens)
+    try:
+        async with contextlib.aclosing(generate_at(request, arrived=time.monotonic())) as events:
+            async for event in events:
+                yield event
+    finally:
+        pace.release(tokens)
 DecodeCall = tuple[AsyncIterator[DecodeEvent], "OpenChannel | None"]
 """The decode leg's events, and the token channel they come on (None: the call's own stream)."""
 
