@@ -125,6 +125,28 @@ async def test_a_generation_with_no_draining_room_keeps_its_slot_until_its_reque
     first.release_one("one")  # ended at the workers; its client still reads
     second.release_one("two")  # ended too, but the room is full of a reader within its grace
     assert slots.free == 1 and second.held == 1 and len(draining) == 1
-    first.release_rest()  # the first client read it all: it leaves the room
+    first.close()  # the first client read it all: it leaves the room
+    first.release_rest()
+    second.close()
     second.release_rest()
     assert slots.free == 2 and len(draining) == 0
+
+
+async def test_a_generation_leaves_the_draining_room_once_relayed_and_all_leave_when_the_request_ends() -> None:
+    """A review: an entry aged from its generation's end until the whole request ended, so a client
+    keeping up with a long sibling (or paced choices) looked like a slow reader and was evicted;
+    and an eviction after the handler ended reset the connection's next request."""
+    slots = Slots(3)
+    await slots.acquire(3)
+    draining = Draining(3, grace_s=30.0)
+    lease = SlotLease(slots, 3, draining, lambda: None)
+    lease.release_one("choice-0")  # ended at the workers
+    lease.release_one("choice-1")
+    assert len(draining) == 2 and slots.free == 2
+    lease.relayed("choice-0")  # its last event went out to the client: it no longer lags
+    assert len(draining) == 1
+    lease.close()  # the handler ended (its slots may still wait for aborts)
+    lease.release_one("choice-2")  # a finish seen after that: no place, no slot
+    assert len(draining) == 0 and lease.held == 1 and slots.free == 2
+    lease.release_rest()
+    assert slots.free == 3

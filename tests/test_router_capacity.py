@@ -311,3 +311,36 @@ def test_one_request_of_many_long_choices_leaves_room_for_another_tenant(tiny_mo
         assert [c["index"] for c in answer.json()["choices"]] == [0, 1, 2, 3] and answer.json()["usage"]["completion_tokens"] == 4 * 480
         assert peak <= 2048 - 512, peak  # the big request (2 x ~500 at a time) never held more than leaves a whole request's room
         wait_pools_empty(d)
+
+
+def paced_room(prefill_pool: int, decode_pool: int, page: int, choices: list[tuple[int, int]], context: int = 1024) -> int | None:
+    """`Router._pace` for workers reporting these pools and page size, and choices of (prompt
+    tokens, max_tokens): the room the choices share, or None when they are not paced."""
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.protocol import GenerateRequest, Role, SamplingParams, WorkerInfo
+    from kvguard.workers.router import Choice, Router, RouterConfig, Upstream, Upstreams
+
+    def worker(role: Role, pool: int) -> Upstream:
+        info = WorkerInfo(role=role, model="m", context_length=context, kv_pool_tokens=pool, page_size=page)
+        return Upstream(f"http://{role.value}", info)
+
+    config = RouterConfig(prefill_urls=("http://prefill",), decode_urls=("http://decode",), model_name="m")
+    router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
+    router._upstreams = Upstreams([worker(Role.PREFILL, prefill_pool)], [worker(Role.DECODE, decode_pool)])
+    requests_ = [Choice(i, GenerateRequest(request_id=f"r-{i}", prompt_token_ids=(1,) * prompt, sampling=SamplingParams(max_tokens=out)))
+                 for i, (prompt, out) in enumerate(choices)]  # fmt: skip
+    pace = router._pace(requests_)
+    return None if pace is None else pace.room.capacity
+
+
+def test_a_requests_choices_are_paced_by_the_pages_decode_reserves_and_its_own_pool() -> None:
+    """A review: the reservation left out page rounding (16 choices of 10 tokens on 256-token
+    pages reserve 4,096 tokens, not 160), the room was taken from the smallest pool of either role
+    (prefill holds only a prompt, briefly), and a pool under twice the context ran every `n: 2`
+    request one choice at a time."""
+    assert paced_room(2048, 2048, 16, [(10, 16)] * 4) is None  # small choices: all at once
+    assert paced_room(2048, 2048, 16, [(17, 480)] * 4) == 1024  # 4 x 512 of 2048: room for one whole other request
+    assert paced_room(2048, 2048, 256, [(4, 6)] * 5) == 1024  # 5 whole pages of 256 > 1024 (50 tokens unrounded)
+    assert paced_room(1024, 4096, 16, [(10, 690)] * 4) is None  # decode's 4096 has room; prefill's pool does not count
+    assert paced_room(512, 512, 16, [(10, 90)] * 2) is None  # a small pool (--allow-small-pool): half of it is the request's
+    assert paced_room(512, 512, 16, [(10, 200)] * 2) == 256

@@ -120,7 +120,13 @@ class Draining:
 class SlotLease:
     """The `count` slots one request took from `slots`, each given back once: a generation's own
     when it ends at the workers and `draining` has room for it (`release_one`, keyed so a second
-    call for it is a no-op), the rest when the request ends (`release_rest`)."""
+    call for it is a no-op), the rest when the request ends (`release_rest`).
+
+    A generation is in `draining` from its end at the workers until its last event has left it for
+    the client (`relayed`), so its age there is how long its client has lagged behind it, not how
+    long its siblings ran. `close` (the request's handler ended) takes them all out at once, even
+    while the slots wait for aborts to end: an eviction then would reset the connection's next
+    request (a review)."""
 
     def __init__(self, slots: Slots, count: int, draining: Draining, drop: Callable[[], None]) -> None:
         self._slots = slots
@@ -128,16 +134,24 @@ class SlotLease:
         self._drop = drop  # disconnects this request's client (`Draining` made room)
         self.held = count
         self._released: list[str] = []
+        self._closed = False
 
     def release_one(self, key: str) -> None:
-        if self.held and key not in self._released and self._draining.enter(key, self._drop):
-            self._released.append(key)
-            self.held -= 1
-            self._slots.release(1)
+        if self._closed or not self.held or key in self._released or not self._draining.enter(key, self._drop):
+            return
+        self._released.append(key)
+        self.held -= 1
+        self._slots.release(1)
 
-    def release_rest(self) -> None:
+    def relayed(self, key: str) -> None:
+        self._draining.leave(key)
+
+    def close(self) -> None:
+        self._closed = True
         for key in self._released:
             self._draining.leave(key)
+
+    def release_rest(self) -> None:
         held, self.held = self.held, 0
         if held:
             self._slots.release(held)

@@ -371,6 +371,10 @@ class Upstreams:
         return min(u.info.kv_pool_tokens for u in self._limits_of())
 
     @property
+    def smallest_decode_pool(self) -> int:
+        return min(u.info.kv_pool_tokens for u in self.serving(Role.DECODE) or self.decode)
+
+    @property
     def vocab_size(self) -> int | None:
         """The smallest vocabulary among the workers (None: none reports one)."""
         sizes = [u.info.vocab_size for u in self._limits_of() if u.info.vocab_size is not None]
@@ -832,10 +836,9 @@ class Router:
             lease = SlotLease(self._slots, len(choices), self._draining, functools.partial(self._evict, request))
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
-                generate_at = functools.partial(self._generate, ending=ending, siblings=siblings, lease=lease)
-                generate: Generate = functools.partial(generate_at, arrived=arrived)
+                generate: Generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived, lease=lease)
                 if (pace := self._pace(choices)) is not None:
-                    generate = functools.partial(_paced, pace, generate_at)
+                    generate = functools.partial(_paced, pace, siblings, generate)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
                 return await self._send(request, await self._whole(choices, builder, prompt_tokens, generate))
@@ -874,12 +877,13 @@ class Router:
         worker has acknowledged an abort (or the wait for it timed out), the request still holds its
         pages there, and the slots bound what the workers hold (`backpressure.Slots`). A generation
         that ended at the workers gave its own back already (`_generate`, `SlotLease`)."""
+        lease.close()
         if pending := [task for task in ending if not task.done()]:
             asyncio.gather(*pending, return_exceptions=True).add_done_callback(lambda _: lease.release_rest())
         else:
             lease.release_rest()
 
-    def _pace(self, choices: Sequence[Choice]) -> Slots | None:
+    def _pace(self, choices: Sequence[Choice]) -> ChoicePace | None:
         """The KV pool tokens this request's choices may reserve at once, when together they would
         reserve more than leaves room for one whole request of another tenant (None: no need).
 
@@ -887,12 +891,18 @@ class Router:
         admits in arrival order: one `n: 16` request of a thousand tokens each (an outside probe),
         or two choices of a chat left without max_tokens (the rest of the context each), took the
         whole pool, and every other tenant waited for all of it. Its choices now start as its
-        earlier ones leave room (`_paced`); one choice alone is always let in."""
+        earlier ones leave room (`_paced`); one choice alone is always let in. Half the pool is
+        always the request's to use (a pool under twice the context, --allow-small-pool, leaves no
+        whole request's room), and the smallest decode pool is what counts: prefill holds a
+        prompt only until it has sent it, and choices spread over several decode workers only
+        make the pacing cautious."""
         if len(choices) < 2:
             return None
-        needs = [_reserved_tokens(choice.generate) for choice in choices]
-        room = max(self.upstreams.smallest_pool - self.upstreams.request_limit, max(needs))
-        return Slots(room) if sum(needs) > room else None
+        upstreams = self.upstreams
+        page, pool = upstreams.page_size, upstreams.smallest_decode_pool
+        needs = [ChoicePace.need(choice.generate, page) for choice in choices]
+        room = max(pool - upstreams.request_limit, pool // 2, max(needs))
+        return ChoicePace(Slots(room), page) if sum(needs) > room else None
 
     def _evict(self, request: web.Request) -> None:
         """`Draining` gave this client's place to a generation that ended: every place is taken by
@@ -1303,6 +1313,7 @@ class Router:
             log.warning("request %s: decode sent an unreadable event: %s", request.request_id, exc)
             raise OpenAIError(502, "the decode worker sent an unreadable event", code="decode_failed") from None
         finally:
+            lease.relayed(request.request_id)  # its last event left (or it ended early): no client lags behind it
             if channel is not None:
                 channel.unsubscribe(request.request_id)
             self.metrics.request_duration.observe(time.monotonic() - started)
@@ -1741,23 +1752,36 @@ class Siblings:
 Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, None]]
 
 
-def _reserved_tokens(request: GenerateRequest) -> int:
-    """What decode reserves for a generation when it admits it: every page it can need."""
-    return len(request.prompt_token_ids) + (request.sampling.max_tokens or 0)
+@dataclass(frozen=True)
+class ChoicePace:
+    """The KV pool room a paced request's choices share (`Router._pace`), in decode's pages."""
+
+    room: Slots
+    page: int
+
+    @staticmethod
+    def need(request: GenerateRequest, page: int) -> int:
+        """What decode reserves for a generation when it admits it: every page it can need."""
+        return -(-(len(request.prompt_token_ids) + (request.sampling.max_tokens or 0)) // page) * page
 
 
-async def _paced(pace: Slots, generate_at: Callable[..., AsyncGenerator[TokenEvent | FinishEvent, None]],
-                 request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:  # fmt: skip
+async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, request: GenerateRequest,
+                 ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:  # fmt: skip
     """One choice of a request paced by `Router._pace`: it starts once the choices ahead of it
-    leave room in `pace`, and its TTFT counts from then (the wait was for its own siblings)."""
-    tokens = _reserved_tokens(request)
-    await pace.acquire(tokens)
+    leave room in `pace`. Its TTFT counts from the request's arrival, as a choice's that waited in
+    decode's queue behind its siblings does; its first-token deadline from its start (a sibling
+    ended: the request progressed)."""
+    tokens = ChoicePace.need(request, pace.page)
+    await pace.room.acquire(tokens)
     try:
-        async with contextlib.aclosing(generate_at(request, arrived=time.monotonic())) as events:
+        siblings.progressed()
+        async with contextlib.aclosing(generate(request)) as events:
             async for event in events:
                 yield event
     finally:
-        pace.release(tokens)
+        pace.room.release(tokens)
+
+
 DecodeCall = tuple[AsyncIterator[DecodeEvent], "OpenChannel | None"]
 """The decode leg's events, and the token channel they come on (None: the call's own stream)."""
 
