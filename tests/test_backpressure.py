@@ -136,17 +136,20 @@ async def test_a_generation_leaves_the_draining_room_once_relayed_and_all_leave_
     """A review: an entry aged from its generation's end until the whole request ended, so a client
     keeping up with a long sibling (or paced choices) looked like a slow reader and was evicted;
     and an eviction after the handler ended reset the connection's next request."""
-    slots = Slots(3)
-    await slots.acquire(3)
-    draining = Draining(3, grace_s=30.0)
-    lease = SlotLease(slots, 3, draining, lambda: None)
+    slots = Slots(4)
+    await slots.acquire(4)
+    draining = Draining(4, grace_s=30.0)
+    lease = SlotLease(slots, 4, draining, lambda: None)  # a request of four choices
     lease.release_one("choice-0")  # ended at the workers
     lease.release_one("choice-1")
     assert len(draining) == 2 and slots.free == 2
     lease.relayed("choice-0")  # its last event went out to the client: it no longer lags
     assert len(draining) == 1
-    lease.close()  # the handler ended (its slots may still wait for aborts)
-    lease.release_one("choice-2")  # a finish seen after that: no place, no slot
-    assert len(draining) == 0 and lease.held == 1 and slots.free == 2
+    lease.relayed("choice-2")  # relayed before its release ran (a client that keeps up)...
+    lease.release_one("choice-2")  # ...gives its slot back without taking a place
+    assert len(draining) == 1 and slots.free == 3
+    lease.close()  # the handler ended (its last slot may still wait for aborts)
+    lease.release_one("choice-3")  # a finish seen after that: no place, and the slot waits for release_rest
+    assert len(draining) == 0 and lease.held == 1 and slots.free == 3
     lease.release_rest()
-    assert slots.free == 3
+    assert slots.free == 4

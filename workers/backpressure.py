@@ -134,16 +134,22 @@ class SlotLease:
         self._drop = drop  # disconnects this request's client (`Draining` made room)
         self.held = count
         self._released: list[str] = []
+        self._relayed: set[str] = set()
         self._closed = False
 
     def release_one(self, key: str) -> None:
-        if self._closed or not self.held or key in self._released or not self._draining.enter(key, self._drop):
+        if self._closed or not self.held or key in self._released:
+            return
+        # Relayed already (the release runs a loop turn after decode's finish arrived, and a client
+        # that keeps up can have it by then): nothing waits on its client, so it needs no place.
+        if key not in self._relayed and not self._draining.enter(key, self._drop):
             return
         self._released.append(key)
         self.held -= 1
         self._slots.release(1)
 
     def relayed(self, key: str) -> None:
+        self._relayed.add(key)
         self._draining.leave(key)
 
     def close(self) -> None:
