@@ -253,6 +253,8 @@ def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -
     """Classes A/B (sglang#24159, vllm#41269): prefill refuses a request after decode allocated;
     decode must not wait for KV that will never come."""
     request = {"request_id": "prefill-fails", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4}}
+    peer_aborts = metric(trio, "decode", "kvguard_aborts_total", cause="peer_abort")
+    prefill_errors = metric(trio, "decode", "kvguard_aborts_total", cause="prefill_error")
     started = time.monotonic()
     with internal(trio, "decode", "/internal/decode", request, stream=True) as decode:
         events = (json.loads(line) for line in decode.iter_lines() if line)
@@ -265,6 +267,9 @@ def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -
     assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort"  # told by prefill, not by a timeout
     assert time.monotonic() - started < TRANSFER_TIMEOUT_S / 2
     wait_pools_empty(trio)
+    # Decode counts the cause prefill's abort named (as prefill counts it), not `peer_abort`.
+    wait_metric(trio, "decode", "kvguard_aborts_total", prefill_errors + 1, cause="prefill_error")
+    assert metric(trio, "decode", "kvguard_aborts_total", cause="peer_abort") == peer_aborts
 
 
 SAFETY_COUNTERS = ("kvguard_tag_violations_total", "kvguard_checksum_failures_total", "kvguard_hmac_failures_total",

@@ -49,7 +49,7 @@ from kvguard.workers.transfer import (
     Manifest,
     TransferConfig,
     WriteOutcome,
-    abort_cause,
+    failed_transfer_cause,
 )
 
 log = logging.getLogger("kvguard.decode")
@@ -201,7 +201,7 @@ class DecodeServer:
             await _send(response, BootstrapEvent(bootstrap=self._bootstrap(job, transfer)))
             outcome = await transfer.wait()
             if not outcome.ok:
-                cause = abort_cause(outcome.reason)
+                cause = failed_transfer_cause(outcome.reason, outcome.detail)
                 await _send(response, ErrorEvent(status=502, code=f"kv_transfer_{outcome.reason}", message=outcome.detail or "KV transfer failed"))
                 return response
             cause = AbortCause.DECODE_ERROR

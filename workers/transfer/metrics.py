@@ -50,6 +50,20 @@ def abort_cause(reason: FailureReason | str | None) -> AbortCause:
     return _CAUSE_OF_REASON.get(reason, AbortCause.TRANSFER_FAILED)  # type: ignore[arg-type]
 
 
+def failed_transfer_cause(reason: FailureReason | str | None, detail: str | None) -> AbortCause:
+    """The ``kvguard_aborts_total`` cause decode counts for a transfer that failed. A peer's abort
+    names why the peer aborted (prefill relays the router's cause, or its own): that cause is
+    counted, from the closed set only. The router tells both workers, so decode heard of a router's
+    timeout either from the router or first from prefill's frame, and counted `timeout` or
+    `peer_abort` by which arrived first (a CI run under load; for a client's disconnect, the second
+    would page on-call)."""
+    if reason == FailureReason.PEER_ABORT and detail in _ABORT_CAUSES:
+        return AbortCause(detail)
+    return abort_cause(reason)
+
+
+_ABORT_CAUSES = frozenset(cause.value for cause in AbortCause)
+
 _CAUSE_OF_CODE = {
     "kv_tag_violation": AbortCause.INTEGRITY,  # a stale read caught at read time (S1)
     "timeout": AbortCause.TIMEOUT,
