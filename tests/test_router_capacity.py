@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 import requests
-from pd_harness import deployment, metric, pools_used, served_model, wait_pools_empty
+from pd_harness import client, deployment, metric, pools_used, served_model, wait_pools_empty
 from waiting import until, wait_for
 
 from kvguard.workers.launcher import LocalDeployment
@@ -344,3 +344,23 @@ def test_a_requests_choices_are_paced_by_the_pages_decode_reserves_and_its_own_p
     assert paced_room(1024, 4096, 16, [(10, 690)] * 4) is None  # decode's 4096 has room; prefill's pool does not count
     assert paced_room(512, 512, 16, [(10, 90)] * 2) is None  # a small pool (--allow-small-pool): half of it is the request's
     assert paced_room(512, 512, 16, [(10, 200)] * 2) == 256
+
+
+def test_paced_requests_cut_mid_stream_give_every_slot_back(tiny_model_dir: Path) -> None:
+    """A paced request's choices hold router slots while they wait for room (`Router._pace`), and
+    its finished ones give theirs back early (`SlotLease`): after clients leave such requests mid
+    stream, a request of as many choices as the router has slots is still served."""
+    with deployment(tiny_model_dir, "delay_step_ms=2", context_length=1024, kv_pool_tokens=2048,
+                    max_inflight_choices=SLOTS, request_timeout_s=20.0) as d:  # fmt: skip
+        api = client(d, timeout=60)
+        model = served_model(d)
+        for cut in range(3):
+            stream = api.completions.create(model=model, prompt=f"cut {cut}", n=SLOTS, max_tokens=480, stream=True,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+            next(iter(stream))  # the first choices run, the others wait for room
+            stream.close()
+            wait_pools_empty(d)
+        whole = api.completions.create(model=model, prompt="whole", n=SLOTS, max_tokens=480, extra_body={"ignore_eos": True})
+        after = api.completions.create(model=model, prompt="after", n=SLOTS, max_tokens=8)
+        assert [c.finish_reason for c in whole.choices] == ["length"] * SLOTS and len(after.choices) == SLOTS
+        assert metric(d, "router", "kvguard_router_waiting_choices") == 0
