@@ -1133,12 +1133,13 @@ def test_frame_keys_are_bound_to_ticket_and_connection() -> None:
 def test_a_peers_abort_is_counted_under_the_cause_it_names_s4() -> None:
     """The router tells both workers why it ends a request; decode heard it first from the router
     or from prefill's abort frame, and counted `timeout` or `peer_abort` by which came first (a CI
-    run under load). The named cause is counted, from the closed set only: a peer's free text never
+    run under load), and prefill likewise `timeout` or `transfer_failed` from decode's cancelled
+    result. The named cause is counted, from the closed set only: a peer's free text never
     becomes a label value."""
-    from kvguard.workers.transfer import failed_transfer_cause
-
-    assert failed_transfer_cause(FailureReason.PEER_ABORT, "timeout") == AbortCause.TIMEOUT
-    assert failed_transfer_cause(FailureReason.PEER_ABORT, "client_disconnect") == AbortCause.CLIENT_DISCONNECT
-    assert failed_transfer_cause(FailureReason.PEER_ABORT, "anything else") == AbortCause.PEER_ABORT
-    assert failed_transfer_cause(FailureReason.PEER_ABORT, None) == AbortCause.PEER_ABORT
-    assert failed_transfer_cause(FailureReason.CHECKSUM, "timeout") == AbortCause.INTEGRITY  # only a peer's abort names a cause
+    assert abort_cause(FailureReason.PEER_ABORT, "timeout") == AbortCause.TIMEOUT
+    assert abort_cause(FailureReason.PEER_ABORT, "client_disconnect") == AbortCause.CLIENT_DISCONNECT
+    assert abort_cause(FailureReason.CANCELLED, "timeout") == AbortCause.TIMEOUT  # decode's cancel, at prefill
+    assert abort_cause(FailureReason.PEER_ABORT, "anything else") == AbortCause.PEER_ABORT
+    assert abort_cause(FailureReason.PEER_ABORT, None) == AbortCause.PEER_ABORT
+    assert abort_cause(FailureReason.CANCELLED, "receiver closed") == AbortCause.TRANSFER_FAILED
+    assert abort_cause(FailureReason.CHECKSUM, "timeout") == AbortCause.INTEGRITY  # only a peer's end names a cause

@@ -49,7 +49,7 @@ from kvguard.workers.transfer import (
     Manifest,
     TransferConfig,
     WriteOutcome,
-    failed_transfer_cause,
+    abort_cause,
 )
 
 log = logging.getLogger("kvguard.decode")
@@ -201,7 +201,7 @@ class DecodeServer:
             await _send(response, BootstrapEvent(bootstrap=self._bootstrap(job, transfer)))
             outcome = await transfer.wait()
             if not outcome.ok:
-                cause = failed_transfer_cause(outcome.reason, outcome.detail)
+                cause = abort_cause(outcome.reason, outcome.detail)
                 await _send(response, ErrorEvent(status=502, code=f"kv_transfer_{outcome.reason}", message=outcome.detail or "KV transfer failed"))
                 return response
             cause = AbortCause.DECODE_ERROR
@@ -274,7 +274,7 @@ class DecodeServer:
             log.warning("FAULT no_abort_propagation: leaving %s and its pages behind", job.request_id)
             return
         if job.transfer is not None:
-            job.transfer.cancel(f"decode ended the request: {cause}")
+            job.transfer.cancel(str(cause))  # the cause alone: prefill counts it (transfer.abort_cause)
         if await self.runtime.engine.abort(job.request_id, str(cause)):
             self.runtime.count_abort(cause)
 

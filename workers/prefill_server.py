@@ -232,7 +232,7 @@ class PrefillServer:
             outcome = await self._send(ticket, output.lease, len(prompt), first_token_record(output))
             if not outcome.ok:
                 cause = ""  # decode gave the verdict (or is unreachable): nothing to tell it
-                self.runtime.count_abort(abort_cause(outcome.reason))
+                self.runtime.count_abort(abort_cause(outcome.reason, outcome.detail))
                 await engine.abort(rid, str(outcome.reason))
                 # The detail names decode's address and configuration: for the operator's log, not
                 # for the client this error reaches through the router.

@@ -23,7 +23,7 @@ trusted closes its connection only. Modules: wire (format), tickets, crypto (AES
 
 from kvguard.workers.transfer.config import FailureReason, TransferConfig, TransferOutcome
 from kvguard.workers.transfer.lifecycle import TRANSITIONS, TransferState
-from kvguard.workers.transfer.metrics import AbortCause, TransferMetrics, abort_cause, failed_transfer_cause
+from kvguard.workers.transfer.metrics import AbortCause, TransferMetrics, abort_cause
 from kvguard.workers.transfer.receiver import (
     DuplicateRequestError,
     InboundTransfer,
@@ -40,5 +40,5 @@ __all__ = [
     "CRASH_EXIT_CODE", "TRANSITIONS", "AbortCause", "ByteCredit", "DuplicateRequestError", "Encryption",
     "FailureReason", "FirstToken", "FrameType", "InboundTransfer", "KVChunk", "KVReceiver", "KVSender", "KVSink",
     "Manifest", "OutboundTransfer", "PrefillCrashed", "Ticket", "TicketAuthority", "TicketError", "TransferConfig",
-    "TransferLookup", "TransferMetrics", "TransferOutcome", "TransferState", "WriteOutcome", "abort_cause", "failed_transfer_cause",
+    "TransferLookup", "TransferMetrics", "TransferOutcome", "TransferState", "WriteOutcome", "abort_cause",
 ]  # fmt: skip

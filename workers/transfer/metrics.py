@@ -45,23 +45,21 @@ _CAUSE_OF_REASON = {
 }
 
 
-def abort_cause(reason: FailureReason | str | None) -> AbortCause:
-    """The ``kvguard_aborts_total`` cause a server should count for a failed transfer."""
+def abort_cause(reason: FailureReason | str | None, detail: str | None = None) -> AbortCause:
+    """The ``kvguard_aborts_total`` cause a server should count for a failed transfer.
+
+    A peer that ended the transfer names why in its frame (prefill's ABORT, decode's cancelled
+    RESULT: the router's cause, or its own): that cause is counted, from the closed set only, so a
+    peer's text never becomes a label value. The router tells both workers why it ends a request,
+    so a worker heard it from the router or first from its peer, and counted the router's cause or
+    `peer_abort` / `transfer_failed` by which arrived first (a CI run under load; for a client's
+    disconnect the second would page on-call)."""
+    if reason in _ENDED_BY_PEER and detail in _ABORT_CAUSES:
+        return AbortCause(detail)
     return _CAUSE_OF_REASON.get(reason, AbortCause.TRANSFER_FAILED)  # type: ignore[arg-type]
 
 
-def failed_transfer_cause(reason: FailureReason | str | None, detail: str | None) -> AbortCause:
-    """The ``kvguard_aborts_total`` cause decode counts for a transfer that failed. A peer's abort
-    names why the peer aborted (prefill relays the router's cause, or its own): that cause is
-    counted, from the closed set only. The router tells both workers, so decode heard of a router's
-    timeout either from the router or first from prefill's frame, and counted `timeout` or
-    `peer_abort` by which arrived first (a CI run under load; for a client's disconnect, the second
-    would page on-call)."""
-    if reason == FailureReason.PEER_ABORT and detail in _ABORT_CAUSES:
-        return AbortCause(detail)
-    return abort_cause(reason)
-
-
+_ENDED_BY_PEER = frozenset({FailureReason.PEER_ABORT, FailureReason.CANCELLED})
 _ABORT_CAUSES = frozenset(cause.value for cause in AbortCause)
 
 _CAUSE_OF_CODE = {
