@@ -88,6 +88,20 @@ def read_until_the_end(sock: socket.socket) -> bytes:
     return received
 
 
+class SlowReader:
+    """A streaming client that takes 8 KB of its answer each time it is asked: the caller's poll
+    sets its pace. `reset` once the router has reset its connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.received, self.reset = sock, b"", False
+
+    def read_some(self) -> None:
+        try:
+            self.received += self.sock.recv(8192)
+        except ConnectionResetError:
+            self.reset = True
+
+
 def slow_first_tokens(d: LocalDeployment) -> float:
     """How many of the router's TTFT observations took over 2.5 s."""
     ttft = "kvguard_router_time_to_first_token_seconds"
@@ -121,30 +135,33 @@ def test_readers_of_finished_answers_are_as_many_as_the_slots_at_most(tiny_model
     than the kernel and aiohttp hold, so the router still writes them while the clients read."""
     with deployment(tiny_model_dir, context_length=4096, kv_pool_tokens=8192, max_inflight_choices=SLOTS,
                     write_timeout_s=WRITE_TIMEOUT_S) as roomy:  # fmt: skip
-        slow = stalled_stream(roomy, max_tokens=2000)
-        received, ended_at = b"", None
+        slow = SlowReader(stalled_stream(roomy, max_tokens=2000))
+        ended_at: list[float] = []
+
+        def ended_and_read_past_the_grace() -> bool:
+            slow.read_some()
+            if not ended_at and not any(pools_used(roomy).values()):
+                ended_at.append(time.monotonic())  # its generations ended at the workers: they fill the room
+            return bool(ended_at) and time.monotonic() - ended_at[0] > WRITE_TIMEOUT_S + 1.0
+
         try:
-            while ended_at is None or time.monotonic() - ended_at <= WRITE_TIMEOUT_S + 1.0:
-                received += slow.recv(8192)
-                time.sleep(0.2)  # the client's own pace (a slow reader, never a stalled one), not a wait for the server
-                if ended_at is None and not any(pools_used(roomy).values()):
-                    ended_at = time.monotonic()  # its generations ended at the workers: they fill the room
+            # The poll's interval is the client's pace: 8 KB every 0.2 s, a slow reader, never a stalled one.
+            wait_for(ended_and_read_past_the_grace, "the slow reader's generations to end and age past the grace", 120, 0.2)
             # A second slow reader: its generations end while it still reads, and need places.
-            newcomer = stalled_stream(roomy, max_tokens=2000)
-            reset, deadline = False, time.monotonic() + 120
+            newcomer = SlowReader(stalled_stream(roomy, max_tokens=2000))
+
+            def oldest_cut_off() -> bool:
+                newcomer.read_some()
+                slow.read_some()
+                return slow.reset
+
             try:
-                while not reset and time.monotonic() < deadline:
-                    try:
-                        received += slow.recv(8192)
-                    except ConnectionResetError:
-                        reset = True
-                    newcomer.recv(8192)
-                    time.sleep(0.2)  # both clients' own pace, not a wait for the server
+                wait_for(oldest_cut_off, "the oldest slow reader to lose its connection", 120, 0.2)
             finally:
-                newcomer.close()
+                newcomer.sock.close()
         finally:
-            slow.close()
-        assert reset and received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received  # cut off, not finished
+            slow.sock.close()
+        assert slow.reset and slow.received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in slow.received  # cut off
         wait_pools_empty(roomy)
 
 
