@@ -67,7 +67,12 @@ def complete(d: LocalDeployment, prompt: str, max_tokens: int = 16, **kwargs: ob
 
 def metric(d: LocalDeployment, role: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` (with these labels) on one process's /metrics."""
-    text = requests.get(d.metrics_urls[role], timeout=30).text
+    return metric_at(d.metrics_urls[role], name, **labels)
+
+
+def metric_at(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` (with these labels) on the /metrics at `url`."""
+    text = requests.get(url, timeout=30).text
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -181,13 +186,20 @@ def ticket_for(d: LocalDeployment, request_id: str, bootstrap: dict[str, Any], t
 def second_router(d: LocalDeployment, model_dir: Path, **flags: object) -> Iterator[str]:
     """Another router process in front of the same prefill and decode (as a second replica of the
     router Deployment would be), with any other WorkerArgs `flags`; yields its API base URL."""
+    with second_router_urls(d, model_dir, **flags) as (api_base, _):
+        yield api_base
+
+
+@contextlib.contextmanager
+def second_router_urls(d: LocalDeployment, model_dir: Path, **flags: object) -> Iterator[tuple[str, str]]:
+    """`second_router`, yielding its API base URL and its /metrics URL."""
     api, metrics = bind_listener("127.0.0.1", 0), bind_listener("127.0.0.1", 0)
-    port = api.getsockname()[1]
+    port, metrics_port = api.getsockname()[1], metrics.getsockname()[1]
     args = WorkerArgs(role="router", model=model_dir, port=f"fd:{api.fileno()}", metrics_port=f"fd:{metrics.fileno()}",  # type: ignore[arg-type]
                       prefill=(d.internal_urls["prefill"],), decode=(d.internal_urls["decode"],), **flags)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     with worker_process([sys.executable, "-P", "-m", "kvguard", "worker", *args.to_argv()], d.env, [api, metrics], base):
-        yield f"{base}/v1"
+        yield f"{base}/v1", f"http://127.0.0.1:{metrics_port}/metrics"
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ stream), and no request can stall another tenant -- each limit a 400 naming its 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_harness import deployment, second_router, served_model
+from pd_harness import deployment, metric_at, second_router, second_router_urls, served_model
+from waiting import wait_for
 
+from kvguard.workers.backpressure import FREE_BODY_BYTES
 from kvguard.workers.launcher import LocalDeployment
 
 DEEP = b"[" * 10_000 + b"]" * 10_000
@@ -406,3 +409,69 @@ def test_expect_100_continue_for_a_body_too_large_gets_the_413_not_an_invitation
                      b"Content-Length: 2\r\nExpect: foo\r\n\r\n")  # fmt: skip
         answer = sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 417") and b'"code": "expectation_failed"' in answer, answer
+
+
+# -------------------------------------- request bodies held at once (backpressure.BodyMemory)
+
+BODY_LIMIT = 1024 * 1024  # the memory-bound router's --max-body-bytes and --max-body-memory alike
+
+
+@pytest.fixture(scope="module")
+def memory_bound_router(trio: LocalDeployment, tiny_model_dir: Path) -> Iterator[tuple[str, str]]:
+    """A second router whose bodies together may hold 1 MiB past each one's first 64 KiB."""
+    with second_router_urls(trio, tiny_model_dir, max_body_bytes=BODY_LIMIT, max_body_memory=BODY_LIMIT) as urls:
+        yield urls
+
+
+def _padded(model: str, size: int) -> bytes:
+    """A valid completion request of exactly `size` bytes (JSON allows trailing whitespace)."""
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode()
+    return body + b" " * (size - len(body))
+
+
+def test_bodies_held_at_once_are_bounded_and_a_refused_one_is_a_retryable_503(
+    memory_bound_router: tuple[str, str], model: str
+) -> None:
+    """Each body is bounded (--max-body-bytes), and so are the bodies held at once: 300 connections
+    each holding an 8 MiB body one byte short took the router from 68 MB to 2.7 GB (a probe); a few
+    thousand would have had it killed. A body past the shared room is refused with a 503 the
+    client may retry; bodies under 64 KiB (almost every request) never wait on the others."""
+    api_base, metrics_url = memory_bound_router
+    held = _padded(model, BODY_LIMIT)
+    host, port = api_base.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as hog:
+        hog.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(held) + held[:-1])  # fmt: skip
+        # Charged for the bytes that arrived, past its own 64 KiB: nearly all of the shared room.
+        wait_for(lambda: metric_at(metrics_url, "kvguard_router_body_memory_bytes") == BODY_LIMIT - 1 - FREE_BODY_BYTES,
+                 "the held body's bytes to reach the router", detail=lambda: metric_at(metrics_url, "kvguard_router_body_memory_bytes"))  # fmt: skip
+        refused = requests.post(f"{api_base}/completions", data=_padded(model, 200_000), timeout=60,
+                                headers={"Content-Type": "application/json"})  # fmt: skip
+        error = assert_openai_error(refused, 503)
+        assert error["code"] == "server_busy" and refused.headers["Retry-After"] == "1", (error, refused.headers)
+        assert metric_at(metrics_url, "kvguard_router_bodies_refused_total") == 1
+        small = requests.post(f"{api_base}/completions", data=_padded(model, FREE_BODY_BYTES), timeout=60,
+                              headers={"Content-Type": "application/json"})  # fmt: skip
+        assert small.status_code == 200, small.text
+        hog.sendall(held[-1:])  # the held body ends: it is answered, and its bytes come back
+        assert hog.recv(4096).startswith(b"HTTP/1.1 200"), "the held body's own answer"
+    assert metric_at(metrics_url, "kvguard_router_body_memory_bytes") == 0
+    retried = requests.post(f"{api_base}/completions", data=_padded(model, 200_000), timeout=60,
+                            headers={"Content-Type": "application/json"})  # fmt: skip
+    assert retried.status_code == 200, retried.text
+
+
+def test_a_body_cut_off_mid_way_gives_its_bytes_back(memory_bound_router: tuple[str, str], model: str) -> None:
+    """A client that disconnects mid-body, or is refused, holds none of the room afterwards."""
+    api_base, metrics_url = memory_bound_router
+    host, port = api_base.removeprefix("http://").removesuffix("/v1").split(":")
+    body = _padded(model, BODY_LIMIT)
+    with socket.create_connection((host, int(port)), timeout=30) as quitter:
+        quitter.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body[:500_000])  # fmt: skip
+        wait_for(lambda: metric_at(metrics_url, "kvguard_router_body_memory_bytes") == 500_000 - FREE_BODY_BYTES,
+                 "the cut body's bytes to reach the router")
+    wait_for(lambda: metric_at(metrics_url, "kvguard_router_body_memory_bytes") == 0, "the cut body's bytes to come back",
+             detail=lambda: metric_at(metrics_url, "kvguard_router_body_memory_bytes"))  # fmt: skip
+    whole = requests.post(f"{api_base}/completions", data=body, timeout=60, headers={"Content-Type": "application/json"})
+    assert whole.status_code == 200, whole.text

@@ -1,6 +1,7 @@
 """backpressure.Slots: a request's generations take their slots together, first come first served;
 SlotLease: each slot goes back once, a generation's own as soon as it ended at the workers;
-Draining: those generations whose clients still read them are bounded as the slots are."""
+Draining: those generations whose clients still read them are bounded as the slots are;
+BodyMemory: the request bodies held at once are bounded in bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvguard.workers.backpressure import Draining, SlotLease, Slots
+from kvguard.workers.backpressure import BodyMemory, Draining, SlotLease, Slots
 
 
 async def until(condition: Callable[[], bool], what: str, turns: int = 100) -> None:
@@ -153,3 +154,27 @@ async def test_a_generation_leaves_the_draining_room_once_relayed_and_all_leave_
     assert len(draining) == 0 and lease.held == 1 and slots.free == 3
     lease.release_rest()
     assert slots.free == 4
+
+
+# -------------------------------------------------------------------------------- BodyMemory
+
+
+def test_bodies_are_charged_past_their_free_bytes_and_refused_past_the_room() -> None:
+    memory = BodyMemory(capacity=1000, free_bytes=100)
+    with memory.reading() as first, memory.reading() as second:
+        assert first.grow_to(100) and memory.held == 0  # within its own free bytes
+        assert first.grow_to(900) and memory.held == 800
+        assert second.grow_to(300) and memory.held == 1000  # exactly full
+        assert not second.grow_to(301) and memory.held == 1000 and second.charged == 200  # refused: nothing more charged
+        assert second.grow_to(300)  # growing to what it already holds costs nothing
+    assert memory.held == 0
+
+
+def test_a_body_that_ends_in_an_error_gives_its_bytes_back() -> None:
+    memory = BodyMemory(capacity=1000, free_bytes=0)
+    with pytest.raises(RuntimeError), memory.reading() as lease:
+        assert lease.grow_to(700)
+        raise RuntimeError("the client went away mid-body")
+    assert memory.held == 0
+    with memory.reading() as lease:
+        assert lease.grow_to(1000)

@@ -312,12 +312,12 @@ def test_serve_the_launcher_and_the_router_take_the_workers_defaults() -> None:
     for name in ("page_size", "device", "max_transfer_batch", "transfer_timeout", "transfer_encryption", "stream_interval",
                  "max_running_requests", "request_timeout", "max_inflight_choices", "write_timeout"):  # fmt: skip
         assert getattr(config, name if hasattr(config, name) else f"{name}_s") == defaults[name].default, name
-    for name in ("request_timeout", "body_timeout", "write_timeout", "max_body_bytes", "max_inflight_choices"):
+    for name in ("request_timeout", "body_timeout", "write_timeout", "max_body_bytes", "max_body_memory", "max_inflight_choices"):
         assert getattr(router, name if hasattr(router, name) else f"{name}_s") == defaults[name].default, name
     from kvguard.workers.splitter import SplitterConfig
 
     splitter = SplitterConfig(table_path=Path("split.json"))
-    for name in ("body_timeout", "write_timeout", "max_body_bytes"):  # as the router it stands in front of
+    for name in ("body_timeout", "write_timeout", "max_body_bytes", "max_body_memory"):  # as the router it stands in front of
         assert getattr(splitter, name if hasattr(splitter, name) else f"{name}_s") == defaults[name].default, name
 
 

@@ -16,6 +16,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -200,10 +201,11 @@ async def listening(app: web.Application) -> AsyncIterator[int]:
 
 
 @asynccontextmanager
-async def splitter_in_front(tmp_path: Path, write_timeout_s: float = 30.0) -> AsyncIterator[tuple[Splitter, int, int, dict[str, FakeRevisionRouter]]]:
+async def splitter_in_front(tmp_path: Path, write_timeout_s: float = 30.0, max_body_bytes: int = 1024,
+                            **config: Any) -> AsyncIterator[tuple[Splitter, int, int, dict[str, FakeRevisionRouter]]]:  # fmt: skip
     routers = {"stable": FakeRevisionRouter("stable"), "cand": FakeRevisionRouter("cand")}
-    splitter = Splitter(SplitterConfig(table_path=tmp_path / "split.json", max_body_bytes=1024, body_timeout_s=5,
-                                       write_timeout_s=write_timeout_s))  # fmt: skip
+    splitter = Splitter(SplitterConfig(table_path=tmp_path / "split.json", max_body_bytes=max_body_bytes, body_timeout_s=5,
+                                       write_timeout_s=write_timeout_s, **config))  # fmt: skip
     async with listening(routers["stable"].app()) as p1, listening(routers["cand"].app()) as p2:
         async with listening(splitter.app()) as api, listening(splitter.metrics_app()) as metrics:
             splitter.ports = {"stable": p1, "cand": p2}  # type: ignore[attr-defined]
@@ -254,6 +256,30 @@ async def test_streams_are_relayed_as_they_come_and_a_disconnect_reaches_the_rou
         assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
         resp.close()  # the client goes away mid-stream
         await until(lambda: routers["stable"].cancelled == 1, "the router's handler to be cancelled by the disconnect")
+
+
+async def test_bodies_held_at_once_are_bounded_as_at_the_router(tmp_path: Path) -> None:
+    """The splitter holds a body until its answer has been relayed (to send it on if a revision
+    refuses the connection): those bodies are bounded in bytes as the router's are, and a body past
+    the room is a 503 to retry while the streams holding it go on."""
+    limit, body = 200_000, b"x" * 150_000  # each body charges 150,000 - 64 KiB of the 200,000
+    async with splitter_in_front(tmp_path, max_body_bytes=limit, max_body_memory=limit) as (splitter, api, _, routers), \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        write_table(splitter.config.table_path, table(stable=(splitter.ports["stable"], 100)))  # type: ignore[attr-defined]
+        url, stream = f"http://127.0.0.1:{api}/v1/completions", {"x-stream": "1"}
+        first = await http.post(url, data=body, headers=stream)
+        second = await http.post(url, data=body, headers=stream)
+        for held in (first, second):  # both relayed, their bodies still held while they stream
+            assert await held.content.readuntil(b"\n\n") == b"data: first\n\n"
+        async with http.post(url, data=body) as refused:
+            assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+            assert (await refused.json())["error"]["code"] == "server_busy"
+        routers["stable"].release.set()
+        for held in (first, second):
+            assert await held.content.read() == b"data: [DONE]\n\n"
+            held.release()
+        async with http.post(url, data=body) as retried:  # their bytes came back with their answers
+            assert retried.status == 201
 
 
 async def test_a_client_that_reads_nothing_through_the_splitter_loses_its_connection(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encr
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
 DEFAULT_DRAIN_TIMEOUT_S = 15.0  # with the preStop sleep before it and the shutdown after it, inside the rendered pods' 35 s grace (servers.Drain, render.TERMINATION_GRACE_SECONDS)
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # router and splitter: a larger API request body is 413
+DEFAULT_MAX_BODY_MEMORY = 256 * 1024 * 1024  # router and splitter: request bodies held at once (backpressure.BodyMemory)
 DEFAULT_ABORT_TIMEOUT_S = 2.0  # router: a worker that takes longer to acknowledge an abort frees the pages by its own timers
 # A local launcher (workers/launcher.py) hands each worker the read end of a pipe whose write end
 # only the launcher holds, and names its descriptor here: EOF on it means the launcher is gone.
@@ -233,6 +234,9 @@ class WorkerArgs(BaseModel):
     write_timeout: float = Field(30.0, gt=0, le=86400, json_schema_extra=_flag(
         "router", "seconds a client may read none of its answer before its connection is closed (its generation aborted)"))
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, json_schema_extra=_flag("router", "largest request body (413)"))
+    max_body_memory: int = Field(DEFAULT_MAX_BODY_MEMORY, ge=1024, json_schema_extra=_flag(
+        "router", "bytes of request bodies held at once, past each body's first 64 KiB; a body that would need more is "
+                  "refused with 503 and Retry-After (at least --max-body-bytes)"))  # fmt: skip
     max_inflight_choices: int = Field(512, ge=1, le=100_000, json_schema_extra=_flag(
         "router", "generations with calls open to workers at once; more wait in the router, holding no KV, "
                   "within --request-timeout (504)"))  # fmt: skip
@@ -265,6 +269,8 @@ class WorkerArgs(BaseModel):
             raise ValueError("--prefill/--decode are router flags")
         if self.role != "decode" and self.transfer_port is not None:
             raise ValueError("--transfer-port is a decode flag")
+        if self.max_body_memory < self.max_body_bytes:
+            raise ValueError(f"--max-body-memory ({self.max_body_memory}) must be at least --max-body-bytes ({self.max_body_bytes})")
         if self.role != "router" and self.min_kv_ratio is not None:
             raise ValueError("--min-kv-ratio is a router flag")
         if self.role == "router" and self.bootstrap_timeout != DEFAULT_BOOTSTRAP_TIMEOUT_S:

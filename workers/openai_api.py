@@ -1,12 +1,14 @@
 """The OpenAI-compatible surface's errors: the error body, pydantic errors as field-level 400s, SSE
 framing, and the middleware that gives every failure -- unknown path (404), wrong method (405),
-oversized body (413), a bug (500) -- an OpenAI error body instead of aiohttp's plain text.
+oversized body (413), a bug (500) -- an OpenAI error body instead of aiohttp's plain text; and
+reading a request's body within its limits (router and splitter alike).
 
 Request bodies are in openai_requests.py, response bodies in openai_responses.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -15,6 +17,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 100-continue answer
 from pydantic import ValidationError
+
+from kvguard.workers.backpressure import BodyLease
 
 REVISION_HEADER = "x-kvguard-revision"
 """Names the revision that answered, on every response of the public API: set by the router
@@ -34,6 +38,7 @@ class OpenAIError(Exception):
         code: str | None = None,
         param: str | None = None,
         type_: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +46,11 @@ class OpenAIError(Exception):
         self.code = code
         self.param = param
         self.type = type_ or _error_type(status)
+        self.retry_after_s = retry_after_s  # sent as Retry-After: when the same request may succeed
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -167,7 +177,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except OpenAIError as err:
-        return web.json_response(err.body(), status=err.status)
+        return err.response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -183,6 +193,34 @@ def too_large_error(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
 
 
+def bodies_full_error(capacity: int) -> OpenAIError:
+    return OpenAIError(503, f"the server holds as many request body bytes as it may at once ({capacity}); retry the "
+                       "request", code="server_busy", retry_after_s=1)  # fmt: skip
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float, lease: BodyLease) -> bytes:
+    """The request's whole body, read as it arrives and charged to `lease` (backpressure.BodyMemory).
+    413 when it announces or reaches more than `max_bytes` (from its headers when it announces it:
+    not a byte is read), 408 when it has not arrived within `timeout_s`, 503 when the bodies held
+    at once would pass their limit."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large_error(max_bytes)
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise too_large_error(max_bytes)
+                if not lease.grow_to(size):
+                    raise bodies_full_error(lease.capacity)
+                parts.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
+    return b"".join(parts)
+
+
 async def answer_expect(request: web.Request, max_body_bytes: int) -> web.StreamResponse | None:
     """The `expect_handler` of a route taking bodies (router, splitter): `Expect: 100-continue`
     (curl's default for large bodies) gets the invitation to upload, unless its Content-Length is
@@ -195,7 +233,7 @@ async def answer_expect(request: web.Request, max_body_bytes: int) -> web.Stream
     else:
         await _default_expect_handler(request)
         return None
-    response = web.json_response(err.body(), status=err.status)
+    response = err.response()
     response.force_close()
     return response
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple, NoReturn, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, worker_default
-from kvguard.workers.backpressure import Draining, SlotLease, Slots, StallWatch, drop
+from kvguard.workers.backpressure import BodyMemory, Draining, SlotLease, Slots, StallWatch, drop
 from kvguard.workers.channel_reader import (
     ChannelLost,
     ChannelPayload,
@@ -66,8 +66,8 @@ from kvguard.workers.openai_api import (
     answer_expect,
     context_length_exceeded,
     error_middleware,
+    read_body,
     sse,
-    too_large_error,
     validation_error,
 )
 from kvguard.workers.openai_requests import APIRequest, ChatCompletionRequest, CompletionRequest, request_too_large
@@ -183,6 +183,7 @@ class RouterConfig:
     request_timeout_s: float = worker_default("request_timeout")
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S  # how long a worker may take to acknowledge an abort (the client does not wait for it)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies: 413
+    max_body_memory: int = worker_default("max_body_memory")  # bodies held at once (backpressure.BodyMemory): 503 past it
     body_timeout_s: float = worker_default("body_timeout")  # a body that takes longer to arrive: 408 (slow-body clients)
     write_timeout_s: float = worker_default("write_timeout")  # a client that reads none of its answer for this long loses the connection
     max_choices: int = 16  # n x prompts per request
@@ -235,6 +236,16 @@ class RouterMetrics:
         self.time_to_first_token = Histogram(
             "kvguard_router_time_to_first_token_seconds", "Request arrival to the generation's first verified token",
             buckets=ROUTER_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.body_memory = Gauge(
+            "kvguard_router_body_memory_bytes",
+            "Bytes of request bodies held at once, past each body's first 64 KiB (limit: --max-body-memory)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.bodies_refused = Counter(
+            "kvguard_router_bodies_refused_total",
+            "Requests refused with 503 (Retry-After) because the request bodies held at once reached --max-body-memory",
+            registry=self.registry,
         )  # fmt: skip
         self.kept_out = Gauge(
             "kvguard_router_workers_kept_out", "Workers out of rotation because their KV pool is below the ratio (S7)",
@@ -483,6 +494,8 @@ class Router:
         self._slots = Slots(config.max_inflight_choices)
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
         self._draining = Draining(config.max_inflight_choices, config.write_timeout_s)
+        self._bodies = BodyMemory(config.max_body_memory)
+        self.metrics.body_memory.set_function(lambda: self._bodies.held)
         """Generations that ended at the workers whose clients still read them (`SlotLease`)."""
         self._channels: dict[str, ChannelReader] = {}
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
@@ -946,12 +959,21 @@ class Router:
             raise OpenAIError(500, "injected fault: fail_proxied_requests", code="engine_error")
 
     async def _parse(self, request: web.Request, kind: type[RequestKind]) -> RequestKind:
-        """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter."""
-        raw = await self._read_body(request)
-        try:
-            body = await self._off_loop(len(raw), _shaped_and_validated, kind, raw)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter.
+        Its bytes count against --max-body-memory until it is parsed (`BodyMemory`)."""
+        with self._bodies.reading() as lease:
+            _check_body_headers(request.headers)
+            try:
+                raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
+            except OpenAIError as err:
+                if err.status == 503:
+                    self.metrics.bodies_refused.inc()
+                raise
+            try:
+                body = await self._off_loop(len(raw), _shaped_and_validated, kind, raw)
+            except ValidationError as exc:
+                raise validation_error(exc) from None
+            del raw  # the lease ends with the bytes: the parsed body is bounded by what it may hold
         body.check_supported()
         if body.model != self.config.model_name:
             raise _unknown_model(body.model)
@@ -959,22 +981,6 @@ class Router:
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         return await answer_expect(request, self.config.max_body_bytes)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
-            self._too_large()  # refused from its headers: not a byte of it is read
-        _check_body_headers(request.headers)
-        try:
-            async with asyncio.timeout(self.config.body_timeout_s):
-                return await request.read()
-        except TimeoutError:
-            raise OpenAIError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
-                              code="request_timeout") from None
-        except web.HTTPRequestEntityTooLarge:
-            self._too_large()
-
-    def _too_large(self) -> NoReturn:
-        raise too_large_error(self.config.max_body_bytes) from None
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""
@@ -1200,7 +1206,7 @@ class Router:
         return response
 
     def _error_response(self, err: OpenAIError) -> web.Response:
-        response = web.json_response(err.body(), status=err.status)
+        response = err.response()
         if err.status == 408:  # a client too slow to send its body loses the connection too
             response.force_close()
         # (a 413 is not force-closed: aiohttp reads and drops the rest of the body for up to its

@@ -246,6 +246,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> Served:
         body_timeout_s=args.body_timeout,
         write_timeout_s=args.write_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_body_memory=args.max_body_memory,
         max_inflight_choices=args.max_inflight_choices,
         propagate_aborts=not faults.no_abort_propagation,
         unsafe_reject_path=faults.unsafe_reject_path,

@@ -27,7 +27,8 @@ What it does and does not do:
 - A client that disconnects closes the splitter's connection to the router, which aborts the
   request on both prefill and decode (S4), exactly as a direct disconnect would.
 - Bounded work per request: the body is read in full (so that a refused connection can be
-  retried) up to `max_body_bytes` (413) within `body_timeout_s` (408), like the router's own limits.
+  retried) up to `max_body_bytes` (413) within `body_timeout_s` (408), and the bodies held at once
+  up to `max_body_memory` (503), like the router's own limits.
 - One audience per port: the API port serves `/v1/...` and `/health` (is anything routable); the
   metrics port serves `/metrics` (`kvguard_splitter_requests_total{revision,code}`) and `/health`.
 
@@ -37,7 +38,6 @@ without it (docs/threat-model.md).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import stat
@@ -51,8 +51,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES, worker_default
-from kvguard.workers.backpressure import StallWatch, drop
-from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, too_large_error
+from kvguard.workers.backpressure import BodyMemory, StallWatch, drop
+from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, read_body
 
 log = logging.getLogger("kvguard.splitter")
 
@@ -211,6 +211,7 @@ class TableSource:
 class SplitterConfig:
     table_path: Path
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # as the router's --max-body-bytes default
+    max_body_memory: int = worker_default("max_body_memory")  # as the router's: bodies held at once (503 past it)
     body_timeout_s: float = worker_default("body_timeout")  # as the router's
     connect_timeout_s: float = 5.0
     write_timeout_s: float = worker_default("write_timeout")  # as the router's: a client that reads nothing for this long is dropped
@@ -226,6 +227,7 @@ class Splitter:
         self.requests = Counter("kvguard_splitter_requests_total", "Requests forwarded, by revision and HTTP status",
                                 ["revision", "code"], registry=self.registry)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
+        self._bodies = BodyMemory(config.max_body_memory)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
@@ -262,7 +264,13 @@ class Splitter:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        # The body is held until the answer has been relayed (a refused connection sends it to the
+        # next revision): its bytes count against max_body_memory until then.
+        with self._bodies.reading() as lease:
+            body = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
+            return await self._forward(request, body)
+
+    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
         candidates = self.source.current().order()
         if not candidates:
             raise OpenAIError(503, "no revision of this model is serving", code="no_backend")
@@ -279,15 +287,6 @@ class Splitter:
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         return await answer_expect(request, self.config.max_body_bytes)
-
-    async def _body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
-            raise too_large_error(self.config.max_body_bytes)  # refused from its headers, as at the router
-        try:
-            return await asyncio.wait_for(request.read(), self.config.body_timeout_s)
-        except TimeoutError:
-            raise OpenAIError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
-                              code="request_timeout") from None  # fmt: skip
 
     async def _relay(self, request: web.Request, body: bytes, backend: SplitBackend) -> web.StreamResponse:
         assert self.session is not None, "the splitter has not started"
