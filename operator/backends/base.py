@@ -16,9 +16,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
-
 from kvguard.operator.api import TrafficRouter
+from kvguard.operator.canary.client import engine_session
 from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.report import CanaryReport
@@ -176,7 +175,7 @@ async def scrape_workers(endpoints: RevisionEndpoints, timeout: float = SCRAPE_T
     """Every worker's reported KV pool and context length, from its /metrics (S7)."""
     if not endpoints.workers:
         return []
-    async with aiohttp.ClientSession() as session:
+    async with engine_session() as session:
         snapshots = await fetch_all(session, [w.metrics_url for w in endpoints.workers], timeout)
     return [worker_report(w.name, w.role, s) for w, s in zip(endpoints.workers, snapshots, strict=True)]
 

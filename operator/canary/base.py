@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,27 +57,39 @@ def empty_answer(result: Completion) -> str:
 
 @dataclass(frozen=True)
 class Heard:
-    """One answer received while secret nonces were out, and the nonces its own prompt carried.
-    `raw` is the whole response as it came (the JSON body, or every line of the stream): a nonce
-    can leak into any field a client reads, not only the text the probes compare -- reasoning
-    content, tool-call arguments, logprob tokens, a choice the text's reader never picks (outside
-    probe: each passed while only the text was searched)."""
+    """One answer received while secret nonces were out: its text, the nonces its own prompt
+    carried, and every nonce out at the time that the whole response carried. The whole response
+    (the JSON body, or every line of the stream) is searched, not only the text the probes
+    compare: a nonce can leak into any field a client reads -- reasoning content, tool-call
+    arguments, logprob tokens, a choice the text's reader never picks (outside probe: each passed
+    while only the text was searched). It is searched once, when heard, and not kept: the suite
+    kept every response whole, and a candidate's 16 MB answers took the operator to 5.4 GB
+    (outside probe). A nonce handed out later cannot be in an answer heard before it."""
 
     label: str
     text: str
     owned: frozenset[str]
-    raw: str = ""
+    found: tuple[tuple[str, str], ...] = ()  # (nonce, what a report shows of the answer for it)
+
+    @classmethod
+    def of(cls, label: str, text: str, raw: str, owned: frozenset[str], nonces: Iterable[str]) -> Heard:
+        found = tuple((nonce, _showing(nonce, text, raw)) for nonce in nonces if nonce in text or nonce in raw)
+        return cls(label, text, owned, found)
 
     def carries(self, nonce: str) -> bool:
-        return nonce in self.text or nonce in self.raw
+        return any(nonce == seen for seen, _ in self.found)
 
     def showing(self, nonce: str) -> str:
-        """What a report shows of the answer: its text, or the part of the response around the
-        nonce when the nonce is outside the text."""
-        if nonce in self.text or nonce not in self.raw:
-            return self.text
-        at = self.raw.index(nonce)
-        return f"(outside the answer's text, in the response) ...{self.raw[max(0, at - 120):at + len(nonce) + 120]}..."
+        return next((shown for seen, shown in self.found if seen == nonce), self.text)
+
+
+def _showing(nonce: str, text: str, raw: str) -> str:
+    """What a report shows of an answer carrying `nonce`: its text, or the part of the response
+    around the nonce when the nonce is outside the text."""
+    if nonce in text:
+        return text
+    at = raw.index(nonce)
+    return f"(outside the answer's text, in the response) ...{raw[max(0, at - 120):at + len(nonce) + 120]}..."
 
 
 @dataclass
@@ -111,7 +123,7 @@ class RunContext:
         """EngineClient observer: keep answers while nonces are out (none can leak before)."""
         if self.nonce_owners and (result.text or result.body):
             owned = frozenset(n for n in self.nonce_owners if n in prompt)
-            self.heard.append(Heard(result.label, result.text, owned, result.body))
+            self.heard.append(Heard.of(result.label, result.text, result.body, owned, self.nonce_owners))
 
     def foreign_nonces(self, since: int = 0, reported: set[tuple[str, str]] | None = None) -> list[NonceLeak]:
         """Leaks in the answers heard from index `since` on, minus (nonce, request) pairs already reported."""

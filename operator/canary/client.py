@@ -70,6 +70,31 @@ RETRY_AFTER_CAP_S = 5.0
 """The longest wait a server's Retry-After may ask for; without one the waits are 0.5 s, then 1 s."""
 
 
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+
+
+class RedirectRefused(aiohttp.ClientError):
+    """An engine's endpoint answered with a redirect. The operator follows none: an engine (ours,
+    SGLang, vLLM, any image a user names) could otherwise point the operator's requests -- POST
+    bodies kept on a 307 -- at any address the operator can reach, such as a cloud metadata
+    service, and what came back there landed in the verdict, the report's evidence and a pod's
+    readiness condition (outside probe). Where it points is not repeated either."""
+
+
+async def _refuse_redirects(request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType) -> aiohttp.ClientResponse:
+    response = await handler(request)
+    if response.status in REDIRECT_STATUSES:
+        response.close()
+        raise RedirectRefused(f"answered HTTP {response.status}, a redirect; the operator follows none")
+    return response
+
+
+def engine_session(**kwargs: Any) -> aiohttp.ClientSession:
+    """The HTTP session for everything the operator asks an engine's pods (the canary's requests,
+    /metrics scrapes): redirects are refused (`RedirectRefused`), not followed."""
+    return aiohttp.ClientSession(middlewares=(_refuse_redirects,), **kwargs)
+
+
 class UnreadableAnswer(Exception):
     """An answer the suite will not read further: over MAX_RESPONSE_BYTES (or MAX_STREAM_LINES), or
     not UTF-8. Its message is the request's error."""
@@ -224,11 +249,12 @@ class EngineClient:
 
         result = await _with_retries(lambda: self._exchange(
             api, body, Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens), read))
+        over = clip_text_to_budget(result)
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         if result.error is None and result.status == 200:
-            result.error = (premature_length_finish(result, self.context_length) or over_budget(result)
-                            or (streamed_over_budget(result) if stream else None))  # fmt: skip
+            result.error = (over or premature_length_finish(result, self.context_length)
+                            or over_budget(result) or (streamed_over_budget(result) if stream else None))  # fmt: skip
         self._observe(prompt, result)
         return result
 
@@ -269,6 +295,9 @@ class EngineClient:
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         result.text = "".join(texts[k] for k in sorted(texts))
+        if (over := clip_text_to_budget(result)) is not None:
+            result.error = result.error or over
+            texts = {k: v[: MAX_TOKEN_CHARS * max_tokens] for k, v in texts.items()}
         self._observe(prompts if isinstance(prompts, str) else "\n".join(prompts), result)
         return result, texts
 
@@ -305,7 +334,7 @@ class EngineClient:
         """
         result = Completion(label=label, disconnected=True)
         connector = aiohttp.TCPConnector(force_close=True)
-        async with aiohttp.ClientSession(connector=connector) as private:
+        async with engine_session(connector=connector) as private:
             solo = EngineClient(
                 private, self.base_url, model=self.model, seed=self.seed,
                 timeout_seconds=self.timeout_seconds, context_length=self.context_length,
@@ -535,6 +564,25 @@ def over_budget(result: Completion) -> str | None:
             "the budget was not enforced, or usage counts tokens that are not this answer's")  # fmt: skip
 
 
+MAX_TOKEN_CHARS = 256
+"""More characters than any one token of a real vocabulary decodes to (the longest are runs of
+spaces or punctuation, and special tokens' names, well under this)."""
+
+
+def clip_text_to_budget(result: Completion) -> str | None:
+    """An answer with more text than max_tokens tokens can make carries text that is not its
+    tokens' (another request's, or a server's own): its error, and its text clipped to that budget
+    before anything keeps or compares it -- a candidate answering ~10 KB per request held the
+    operator's event loop for 27 s in one comparison of answers, quadratic in their length, and
+    16 MB answers took the operator to 5.4 GB (outside probe). None when within it."""
+    if result.max_tokens is None or len(result.text) <= (budget := result.max_tokens * MAX_TOKEN_CHARS):
+        return None
+    error = (f"the answer's text is {len(result.text):,} characters for max_tokens={result.max_tokens}: more than "
+             f"that many tokens make (at most {MAX_TOKEN_CHARS} characters each)")  # fmt: skip
+    result.text = result.text[:budget]
+    return error
+
+
 def streamed_over_budget(result: Completion) -> str | None:
     """A stream's own count, whatever usage says: every non-empty text chunk carries at least one
     token (engines send a chunk per token, or per few with a stream interval), so more such chunks
@@ -574,12 +622,12 @@ def _transport_error(exc: BaseException, timeout_seconds: float) -> str:
 
 
 async def get_text(
-    session: aiohttp.ClientSession, url: str, timeout_seconds: float
+    session: aiohttp.ClientSession, url: str, timeout_seconds: float, limit: int | None = None
 ) -> tuple[int | None, str, str | None]:
-    """GET any URL: (status, body, transport error or unreadable answer)."""
+    """GET any URL: (status, body read to at most `limit` bytes, transport error or unreadable answer)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
-            return resp.status, await read_text(resp), None
+            return resp.status, await read_text(resp, limit), None
     except UnreadableAnswer as exc:
         return None, "", str(exc)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:

@@ -491,10 +491,19 @@ def check_b(
         )
 
 
+LIKENESS_CHARS = 1000
+"""How much of two answers `likeness` compares: difflib's ratio is quadratic in their length, and
+a candidate's 10 KB answers held the operator's event loop 27 s in one comparison (outside
+probe). The canary's answers are a few dozen tokens; whose an answer is shows in its opening."""
+
+
 def likeness(a: str, b: str) -> float:
-    """How alike two answers are, 0-1 (difflib's ratio: matching characters over both lengths).
-    Answers are at most max_tokens long, so the quadratic worst case stays small."""
-    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+    """How alike two answers are, 0-1 (difflib's ratio: matching characters over both lengths), over
+    their first LIKENESS_CHARS characters; at most 0.5, an upper bound from their lengths alone."""
+    matcher = difflib.SequenceMatcher(None, a[:LIKENESS_CHARS], b[:LIKENESS_CHARS], autojunk=False)
+    if matcher.real_quick_ratio() <= 0.5:  # from the lengths alone: too unlike to be `whose_answer`'s pick
+        return matcher.real_quick_ratio()
+    return matcher.ratio()
 
 
 def whose_answer(text: str, solos: list[str | None]) -> int | None:

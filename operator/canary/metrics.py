@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvguard.operator.canary.client import get_text
+from kvguard.operator.canary.report import clip
 from kvguard.operator.canary.responses import parse_json_text
 
 Labels = tuple[tuple[str, str], ...]
@@ -100,6 +101,12 @@ class WorkerSnapshot:
         if not used or any(u is None for u in used):
             return None
         return float(sum(u for u in used if u is not None))
+
+
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+"""The most of one /metrics page the operator reads. vLLM's and SGLang's pages are tens to
+hundreds of KB; a hostile pod's 16 MB page held the operator's event loop 6.7 s per scrape, on
+every reconcile pass (outside probe)."""
 
 
 def index_samples(text: str) -> SampleIndex:
@@ -179,7 +186,8 @@ def snapshot_from_text(url: str, text: str) -> WorkerSnapshot:
     try:
         index = index_samples(text)
     except (ValueError, IndexError, KeyError, TypeError) as exc:
-        return WorkerSnapshot(url=url, error=f"unparseable metrics: {exc}")
+        # The parser's messages quote the offending text: clipped, one line of a pod condition.
+        return WorkerSnapshot(url=url, error=f"unparseable metrics: {clip(' '.join(str(exc).split()), 200)}")
     snap = WorkerSnapshot(url=url, samples=index)  # (a counter gone infinite stays one: its probe fails on it)
     if any(name.startswith("kvguard_") for name in index):
         snap.engine = "kvguard"
@@ -240,10 +248,12 @@ async def fetch_snapshot(
     session: aiohttp.ClientSession, url: str, timeout_seconds: float, *, server_info: bool = True
 ) -> WorkerSnapshot:
     """Scrape one metrics URL; for SGLang without a capacity gauge, fall back to /server_info."""
-    status, body, error = await get_text(session, url, timeout_seconds)
+    status, body, error = await get_text(session, url, timeout_seconds, limit=MAX_METRICS_BYTES)
     if error is not None or status != 200:
         return WorkerSnapshot(url=url, error=error or f"HTTP {status}")
-    snap = snapshot_from_text(url, body)
+    # prometheus_client's parser is pure Python (~0.4 s per MB here): on a thread, the operator's
+    # loop -- every model's reconciles and watches -- keeps its turns while a big page parses.
+    snap = await asyncio.to_thread(snapshot_from_text, url, body)
     if server_info and snap.engine == "sglang" and not snap.pools:
         await _add_server_info(session, snap, timeout_seconds)
     return snap

@@ -1,0 +1,154 @@
+"""What a hostile candidate engine may do to the operator, which runs the canary suite and scrapes
+every engine pod's /metrics in its own process and event loop: nothing but fail its own checks.
+
+An outside probe's hostile OpenAI-compatible server (a third-party image a user can name)
+redirected the operator's requests to a fake cloud metadata service and had its answer copied into
+the verdict, the report and a pod's condition; held the operator's loop 27 s with 10 KB answers
+(a quadratic comparison) and 6.7 s per scrape with a 16 MB metrics page; and took it to 5.4 GB
+with 16 MB answers kept for the leak search. Every server here is a real aiohttp server on
+loopback; the clients are the operator's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from kvguard.operator.canary import isolation
+from kvguard.operator.canary.base import Heard
+from kvguard.operator.canary.client import MAX_TOKEN_CHARS, EngineClient, engine_session, get_text
+from kvguard.operator.canary.metrics import MAX_METRICS_BYTES, fetch_all
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SECRET = "AKIA_SECRET_FROM_METADATA"
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    """`handler` answering every path on a loopback port; yields the base URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+def completion_of(text: str, completion_tokens: int = 8) -> dict:
+    return {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": completion_tokens, "total_tokens": 4 + completion_tokens}}  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_the_operator_follows_no_redirect_and_repeats_nothing_from_where_it_points(status: int) -> None:
+    metadata_hits: list[str] = []
+
+    async def metadata(request: web.Request) -> web.Response:
+        metadata_hits.append(request.path)
+        return web.Response(text=f'{{"AccessKeyId": "{SECRET}"}}\n', content_type="application/json")
+
+    async with serving(metadata) as secret_url:
+
+        async def redirecting(request: web.Request) -> web.Response:
+            return web.Response(status=status, headers={"Location": f"{secret_url}{request.path}"})
+
+        async with serving(redirecting) as engine, engine_session() as session:
+            answer = await EngineClient(session, engine, model="m").complete("p", max_tokens=8)
+            models, models_error, _ = await EngineClient(session, engine).list_models()
+            (scrape,) = await fetch_all(session, [f"{engine}/metrics"], 5)
+    assert metadata_hits == []
+    for error in (answer.error, models_error, scrape.error):
+        assert error is not None and f"answered HTTP {status}, a redirect; the operator follows none" in error, error
+        assert SECRET not in error and secret_url not in error
+    assert models is None and not answer.ok
+
+
+async def test_answers_longer_than_their_tokens_can_make_fail_and_are_clipped_before_anything_compares_them() -> None:
+    """10 KB of text for max_tokens 8: text that is not its tokens'. The answer is that request's
+    error, and its text is clipped to the budget, so the isolation checks' comparison (quadratic
+    in the answers' lengths) never sees it whole."""
+    async def verbose(_request: web.Request) -> web.Response:
+        return web.json_response(completion_of("ab c" * 2500))
+
+    async with serving(verbose) as engine, engine_session() as session:
+        answer = await EngineClient(session, engine, model="m").complete("p", max_tokens=8)
+        listed, _ = await EngineClient(session, engine, model="m").complete_list(["p", "q"], max_tokens=8, label="batch")
+    assert answer.error == (f"the answer's text is 10,000 characters for max_tokens=8: more than that many tokens make "
+                            f"(at most {MAX_TOKEN_CHARS} characters each)")  # fmt: skip
+    assert len(answer.text) == 8 * MAX_TOKEN_CHARS
+    assert listed.error is not None and "more than that many tokens make" in listed.error
+    assert len(listed.text) <= 16 * MAX_TOKEN_CHARS
+
+
+def test_likeness_of_long_answers_is_bounded_in_time_and_still_tells_whose_an_answer_is() -> None:
+    """One comparison of two different 10 KB texts took 5.8 s (difflib's ratio is quadratic)."""
+    import random
+
+    rng = random.Random(7)
+    texts = ["".join(rng.choices("abcdefgh ", k=10_000)) for _ in range(3)]
+    started = time.process_time()
+    scores = [isolation.likeness(texts[0], other) for other in texts]
+    assert time.process_time() - started < 2.0  # ~0.05 s per comparison of 1,000 characters here
+    assert scores[0] == 1.0 and max(scores[1:]) < 1.0
+    assert isolation.whose_answer(texts[1][:900] + "zz", texts) == 1
+    assert isolation.likeness("a" * 10, "a" * 40) <= 0.5  # from the lengths alone: too unlike to be anyone's
+
+
+def test_the_leak_search_reads_each_whole_response_once_and_keeps_only_what_it_found() -> None:
+    raw = json.dumps(completion_of("hello")) + " " * (4 << 20) + '{"reasoning": "0123456789abcdef"}'
+    tracemalloc.start()
+    try:
+        heard = Heard.of("tenant 2", "hello", raw, frozenset({"fedcba9876543210"}), ["0123456789abcdef", "fedcba9876543210"])
+        del raw
+        size, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert heard.carries("0123456789abcdef") and heard.carries("fedcba9876543210") is False
+    assert "in the response) ..." in heard.showing("0123456789abcdef") and "0123456789abcdef" in heard.showing("0123456789abcdef")
+    assert size < 64 * 1024, size  # the 4 MB response is not kept
+
+
+async def test_a_metrics_page_is_read_to_a_bound_and_parsed_without_holding_the_operators_loop() -> None:
+    """A 16 MB page held the operator's loop 6.7 s per scrape, on every reconcile pass."""
+    line = b"kvguard_kv_pool_capacity_tokens 4096\n"
+    big = line * (MAX_METRICS_BYTES // len(line) + 1)
+    fair = b"# TYPE kvguard_kv_pool_capacity_tokens gauge\n" + line * 40_000  # ~1.5 MB: parsed, on a thread
+
+    async def pages(request: web.Request) -> web.Response:
+        return web.Response(body=big if request.path == "/big/metrics" else fair, content_type="text/plain")
+
+    async with serving(pages) as engine, engine_session() as session:
+        status, _, error = await get_text(session, f"{engine}/big/metrics", 10, limit=MAX_METRICS_BYTES)
+        assert status is None and error == f"the answer is over {MAX_METRICS_BYTES:,} bytes: read that far, then stopped"
+        (too_big,) = await fetch_all(session, [f"{engine}/big/metrics"], 10)
+        assert too_big.error is not None and "over" in too_big.error
+
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            (parsed,) = await fetch_all(session, [f"{engine}/fair/metrics"], 30)
+        finally:
+            ticking.cancel()
+    assert parsed.error is None and parsed.engine == "kvguard"
+    assert len(gaps) > 5  # the loop kept its turns while the page parsed on a thread
