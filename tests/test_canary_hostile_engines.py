@@ -1,5 +1,6 @@
 """What a hostile candidate engine may do to the operator, which runs the canary suite and scrapes
 every engine pod's /metrics in its own process and event loop: nothing but fail its own checks.
+(And an InferenceModel's prometheusURL, named by whoever deploys the model, no more.)
 
 An outside probe's hostile OpenAI-compatible server (a third-party image a user can name)
 redirected the operator's requests to a fake cloud metadata service and had its answer copied into
@@ -21,9 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from aiohttp import web
 
+from kvguard.operator.api import PrometheusQuery
+from kvguard.operator.backends.analysis_io import query_values, scrape_series
 from kvguard.operator.canary import isolation
 from kvguard.operator.canary.base import Heard
-from kvguard.operator.canary.client import MAX_TOKEN_CHARS, EngineClient, engine_session, get_text
+from kvguard.operator.canary.client import MAX_TOKEN_CHARS, EngineClient, get_text, session_without_redirects
 from kvguard.operator.canary.metrics import MAX_METRICS_BYTES, fetch_all
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -64,7 +67,7 @@ async def test_the_operator_follows_no_redirect_and_repeats_nothing_from_where_i
         async def redirecting(request: web.Request) -> web.Response:
             return web.Response(status=status, headers={"Location": f"{secret_url}{request.path}"})
 
-        async with serving(redirecting) as engine, engine_session() as session:
+        async with serving(redirecting) as engine, session_without_redirects() as session:
             answer = await EngineClient(session, engine, model="m").complete("p", max_tokens=8)
             models, models_error, _ = await EngineClient(session, engine).list_models()
             (scrape,) = await fetch_all(session, [f"{engine}/metrics"], 5)
@@ -75,6 +78,28 @@ async def test_the_operator_follows_no_redirect_and_repeats_nothing_from_where_i
     assert models is None and not answer.ok
 
 
+async def test_analysis_scrapes_and_prometheus_queries_follow_no_redirect_either() -> None:
+    """The rollout analysis scrapes the revisions' routers and asks the InferenceModel's
+    prometheusURL (named by whoever deploys the model): neither follows a redirect."""
+    hits: list[str] = []
+
+    async def target(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.Response(text="kvguard_requests_total 1\n")
+
+    async with serving(target) as elsewhere:
+
+        async def redirecting(request: web.Request) -> web.Response:
+            return web.Response(status=307, headers={"Location": f"{elsewhere}{request.path}"})
+
+        async with serving(redirecting) as url:
+            _, errors = await scrape_series([("router", "r0", f"{url}/metrics")])
+            (found,) = await query_values(url, [PrometheusQuery(name="q", query="up", max=1)], {})
+    assert hits == []
+    assert errors == ["r0: RedirectRefused: answered HTTP 307, a redirect; the operator follows none"]
+    assert found == ("q", None, "Prometheus answered HTTP 307, a redirect; the operator follows none")
+
+
 async def test_answers_longer_than_their_tokens_can_make_fail_and_are_clipped_before_anything_compares_them() -> None:
     """10 KB of text for max_tokens 8: text that is not its tokens'. The answer is that request's
     error, and its text is clipped to the budget, so the isolation checks' comparison (quadratic
@@ -82,7 +107,7 @@ async def test_answers_longer_than_their_tokens_can_make_fail_and_are_clipped_be
     async def verbose(_request: web.Request) -> web.Response:
         return web.json_response(completion_of("ab c" * 2500))
 
-    async with serving(verbose) as engine, engine_session() as session:
+    async with serving(verbose) as engine, session_without_redirects() as session:
         answer = await EngineClient(session, engine, model="m").complete("p", max_tokens=8)
         listed, _ = await EngineClient(session, engine, model="m").complete_list(["p", "q"], max_tokens=8, label="batch")
     assert answer.error == (f"the answer's text is 10,000 characters for max_tokens=8: more than that many tokens make "
@@ -129,7 +154,7 @@ async def test_a_metrics_page_is_read_to_a_bound_and_parsed_without_holding_the_
     async def pages(request: web.Request) -> web.Response:
         return web.Response(body=big if request.path == "/big/metrics" else fair, content_type="text/plain")
 
-    async with serving(pages) as engine, engine_session() as session:
+    async with serving(pages) as engine, session_without_redirects() as session:
         status, _, error = await get_text(session, f"{engine}/big/metrics", 10, limit=MAX_METRICS_BYTES)
         assert status is None and error == f"the answer is over {MAX_METRICS_BYTES:,} bytes: read that far, then stopped"
         (too_big,) = await fetch_all(session, [f"{engine}/big/metrics"], 10)

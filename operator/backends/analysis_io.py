@@ -34,31 +34,31 @@ from kvguard.operator.analysis import (
     source_name,
 )
 from kvguard.operator.api import AnalysisSpec, PrometheusQuery
-from kvguard.operator.canary.client import UnreadableAnswer, get_text, read_text
+from kvguard.operator.canary.client import RedirectRefused, UnreadableAnswer, get_text, read_text, session_without_redirects
+from kvguard.operator.canary.metrics import MAX_METRICS_BYTES
+from kvguard.operator.canary.report import clip
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, rfc3339
 
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_SECONDS = 10.0
 QUERY_TIMEOUT_SECONDS = 10.0
-MAX_METRICS_BYTES = 8 * 1024 * 1024
-"""A /metrics body larger than this is refused, not parsed (bounded work per scrape)."""
 
 
 async def scrape_series(urls: Sequence[tuple[str, str, str]], timeout: float = SCRAPE_TIMEOUT_SECONDS) -> tuple[Series, list[str]]:
     """Every sample of (role, name, /metrics URL) triples; and the scrapes that failed, named."""
-    async with aiohttp.ClientSession() as session:
-        answers = await asyncio.gather(*(get_text(session, url, timeout) for _, _, url in urls))
+    async with session_without_redirects() as session:
+        answers = await asyncio.gather(*(get_text(session, url, timeout, limit=MAX_METRICS_BYTES) for _, _, url in urls))
     scrapes, errors = [], []
     for (role, name, _), (status, body, error) in zip(urls, answers, strict=True):
-        if error or status != 200 or len(body) > MAX_METRICS_BYTES:
-            why = error or (f"HTTP {status}" if status != 200 else "metrics too large")
-            errors.append(f"{name}: {why}")
+        if error or status != 200:
+            errors.append(f"{name}: {error or f'HTTP {status}'}")
             continue
         try:
-            scrapes.append(parse_exposition(source_name(role, name), body))
+            # Pure Python (~0.4 s per MB): on a thread, every other model's reconciles keep their turns.
+            scrapes.append(await asyncio.to_thread(parse_exposition, source_name(role, name), body))
         except ValueError as exc:
-            errors.append(f"{name}: unparseable metrics ({exc})")
+            errors.append(f"{name}: unparseable metrics ({clip(' '.join(str(exc).split()), 200)})")
     return merge(scrapes), errors
 
 
@@ -91,7 +91,7 @@ def scalar_of(answer: object) -> float | None:
 async def query_values(base_url: str, queries: Sequence[PrometheusQuery], values: Mapping[str, str]) -> list[tuple[str, float | None, str]]:
     """(name, value, error) of each query against `base_url`/api/v1/query."""
     found: list[tuple[str, float | None, str]] = []
-    async with aiohttp.ClientSession() as session:
+    async with session_without_redirects() as session:
         for query in queries:
             url = f"{base_url.rstrip('/')}/api/v1/query"
             try:
@@ -101,6 +101,9 @@ async def query_values(base_url: str, queries: Sequence[PrometheusQuery], values
                     status = resp.status
             except UnreadableAnswer as exc:
                 found.append((query.name, None, f"Prometheus answered what cannot be read: {exc}"))
+                continue
+            except RedirectRefused as exc:
+                found.append((query.name, None, f"Prometheus {exc}"))
                 continue
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 found.append((query.name, None, f"Prometheus unreachable: {type(exc).__name__}"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvguard.operator.api import TrafficRouter
-from kvguard.operator.canary.client import engine_session
+from kvguard.operator.canary.client import session_without_redirects
 from kvguard.operator.canary.engine_logs import EngineLog
 from kvguard.operator.canary.metrics import WorkerSnapshot, fetch_all
 from kvguard.operator.canary.report import CanaryReport
@@ -175,7 +175,7 @@ async def scrape_workers(endpoints: RevisionEndpoints, timeout: float = SCRAPE_T
     """Every worker's reported KV pool and context length, from its /metrics (S7)."""
     if not endpoints.workers:
         return []
-    async with engine_session() as session:
+    async with session_without_redirects() as session:
         snapshots = await fetch_all(session, [w.metrics_url for w in endpoints.workers], timeout)
     return [worker_report(w.name, w.role, s) for w, s in zip(endpoints.workers, snapshots, strict=True)]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.base import SCRAPE_TIMEOUT_SECONDS, worker_report
 from kvguard.operator.backends.local import LocalRevision, LocalState, LocalWorker, ProcessTable, healthy
-from kvguard.operator.canary.client import engine_session
+from kvguard.operator.canary.client import session_without_redirects
 from kvguard.operator.canary.metrics import fetch_all
 from kvguard.operator.pool_gate import PodFacts, PodPool, PoolRequirement, Verdict, judge, unverified
 
@@ -118,7 +118,7 @@ class LocalPoolGate:
     async def _judge(self, targets: Sequence[tuple[str, LocalWorker, PodFacts, PoolRequirement]], now: dt.datetime) -> None:
         if not targets:
             return
-        async with engine_session() as session:
+        async with session_without_redirects() as session:
             snapshots = await fetch_all(session, [w.metrics_url for _, w, _, _ in targets], SCRAPE_TIMEOUT_SECONDS)
         for (revision, worker, facts, requirement), snapshot in zip(targets, snapshots, strict=True):
             previous = self.verdicts.get((revision, worker.name))

@@ -30,7 +30,7 @@ from typing import Any
 from kvguard.operator.api import InferencePolicy
 from kvguard.operator.backends.base import SCRAPE_TIMEOUT_SECONDS, worker_report
 from kvguard.operator.backends.kubernetes import metrics_port
-from kvguard.operator.canary.client import engine_session
+from kvguard.operator.canary.client import session_without_redirects
 from kvguard.operator.canary.metrics import fetch_all
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.policy import policy_min_kv_ratio
@@ -162,7 +162,7 @@ class PodGate:
         url = facts.metrics_url
         if url is None:
             return judge(facts, requirement, None, None, "the pod has no IP", now, unreadable + 1)
-        async with engine_session() as session:
+        async with session_without_redirects() as session:
             (snapshot,) = await fetch_all(session, [url], SCRAPE_TIMEOUT_SECONDS)
         report = worker_report(facts.name, facts.role, snapshot)
         tries = unreadable + 1 if report.pool_tokens is None else 0

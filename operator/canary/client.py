@@ -74,7 +74,7 @@ REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 
 class RedirectRefused(aiohttp.ClientError):
-    """An engine's endpoint answered with a redirect. The operator follows none: an engine (ours,
+    """An endpoint answered with a redirect. The operator follows none: an engine (ours,
     SGLang, vLLM, any image a user names) could otherwise point the operator's requests -- POST
     bodies kept on a 307 -- at any address the operator can reach, such as a cloud metadata
     service, and what came back there landed in the verdict, the report's evidence and a pod's
@@ -89,9 +89,10 @@ async def _refuse_redirects(request: aiohttp.ClientRequest, handler: aiohttp.Cli
     return response
 
 
-def engine_session(**kwargs: Any) -> aiohttp.ClientSession:
-    """The HTTP session for everything the operator asks an engine's pods (the canary's requests,
-    /metrics scrapes): redirects are refused (`RedirectRefused`), not followed."""
+def session_without_redirects(**kwargs: Any) -> aiohttp.ClientSession:
+    """The HTTP session for everything the operator asks over HTTP -- an engine's pods (the
+    canary's requests, /metrics scrapes) and an InferenceModel's prometheusURL, both named by
+    whoever deploys a model: redirects are refused (`RedirectRefused`), not followed."""
     return aiohttp.ClientSession(middlewares=(_refuse_redirects,), **kwargs)
 
 
@@ -334,7 +335,7 @@ class EngineClient:
         """
         result = Completion(label=label, disconnected=True)
         connector = aiohttp.TCPConnector(force_close=True)
-        async with engine_session(connector=connector) as private:
+        async with session_without_redirects(connector=connector) as private:
             solo = EngineClient(
                 private, self.base_url, model=self.model, seed=self.seed,
                 timeout_seconds=self.timeout_seconds, context_length=self.context_length,

@@ -22,7 +22,7 @@ import aiohttp
 from kvguard.operator.canary.abort import AbortProbe
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext
 from kvguard.operator.canary.capacity import CapacityProbe
-from kvguard.operator.canary.client import API_PATHS, EngineClient, engine_session
+from kvguard.operator.canary.client import API_PATHS, EngineClient, session_without_redirects
 from kvguard.operator.canary.determinism import DeterminismProbe
 from kvguard.operator.canary.discovery import (
     ContextReading,
@@ -100,7 +100,7 @@ async def run_suite(
     info = TargetInfo(url=url, baseline_url=baseline_url, metrics_urls=list(metrics_urls))
     limit = timeout_seconds or spec.suite_timeout_seconds
     deadline = started + limit if limit else None
-    async with engine_session() as session:
+    async with session_without_redirects() as session:
         logs = [FileLog(log) if isinstance(log, Path) else log for log in engine_logs]
         await asyncio.gather(*(log.mark() for log in logs))  # before any request: every line after is this run's
         try:
