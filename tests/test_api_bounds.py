@@ -453,12 +453,27 @@ def test_bodies_held_at_once_are_bounded_and_a_refused_one_is_a_retryable_503(
         small = requests.post(f"{api_base}/completions", data=_padded(model, FREE_BODY_BYTES), timeout=60,
                               headers={"Content-Type": "application/json"})  # fmt: skip
         assert small.status_code == 200, small.text
+        # `Expect: 100-continue` for a body that would not fit: refused before its upload, not after.
+        with socket.create_connection((host, int(port)), timeout=30) as expecting:
+            expecting.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 200000\r\nExpect: 100-continue\r\n\r\n")  # fmt: skip
+            assert expecting.recv(4096).startswith(b"HTTP/1.1 503"), "a 503 instead of the invitation to upload"
+        assert metric_at(metrics_url, "kvguard_router_bodies_refused_total") == 2
         hog.sendall(held[-1:])  # the held body ends: it is answered, and its bytes come back
         assert hog.recv(4096).startswith(b"HTTP/1.1 200"), "the held body's own answer"
     assert metric_at(metrics_url, "kvguard_router_body_memory_bytes") == 0
     retried = requests.post(f"{api_base}/completions", data=_padded(model, 200_000), timeout=60,
                             headers={"Content-Type": "application/json"})  # fmt: skip
     assert retried.status_code == 200, retried.text
+
+
+def test_a_compressed_body_over_the_size_limit_is_refused_for_its_size_first(trio: LocalDeployment, model: str) -> None:
+    """From its headers, as before the bodies were bounded together (and as `Expect` answers it)."""
+    host, port = trio.router_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Encoding: gzip\r\nContent-Length: 10485760\r\n\r\n")  # fmt: skip
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
 
 
 def test_a_body_cut_off_mid_way_gives_its_bytes_back(memory_bound_router: tuple[str, str], model: str) -> None:

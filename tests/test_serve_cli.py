@@ -343,3 +343,12 @@ def test_a_stop_signal_sent_while_a_worker_initialises_python_ends_it_with_one_l
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     out, err = child.communicate(timeout=120)
     assert (child.returncode, out, err) == (130, "", "kvguard plan: interrupted\n")
+
+
+def test_the_router_holds_at_least_one_largest_body_at_once() -> None:
+    """--max-body-memory below --max-body-bytes would refuse every largest body; a router says so
+    at start. Prefill and decode take neither limit's meaning from the other."""
+    with pytest.raises(ValueError, match=r"--max-body-memory \(1048576\) must be at least --max-body-bytes \(2097152\)"):
+        WorkerArgs(role="router", model=Path("/m"), prefill=("http://p",), decode=("http://d",),
+                   max_body_bytes=2 * 1024 * 1024, max_body_memory=1024 * 1024)  # fmt: skip
+    assert WorkerArgs(role="prefill", model=Path("/m"), max_body_bytes=300_000_000).max_body_memory < 300_000_000

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from waiting import until
 
+from kvguard.workers.backpressure import FREE_BODY_BYTES
 from kvguard.workers.servers import app_runner
 from kvguard.workers.splitter import (
     REVISION_HEADER,
@@ -259,27 +260,44 @@ async def test_streams_are_relayed_as_they_come_and_a_disconnect_reaches_the_rou
 
 
 async def test_bodies_held_at_once_are_bounded_as_at_the_router(tmp_path: Path) -> None:
-    """The splitter holds a body until its answer has been relayed (to send it on if a revision
-    refuses the connection): those bodies are bounded in bytes as the router's are, and a body past
-    the room is a 503 to retry while the streams holding it go on."""
-    limit, body = 200_000, b"x" * 150_000  # each body charges 150,000 - 64 KiB of the 200,000
-    async with splitter_in_front(tmp_path, max_body_bytes=limit, max_body_memory=limit) as (splitter, api, _, routers), \
+    """The splitter holds a body until a router answers (a refused connection sends it to the next
+    revision): those bodies are bounded in bytes as the router's are. A body arriving past the room
+    is a 503 to retry (counted), an `Expect: 100-continue` that would not fit is refused before its
+    upload, and streams already answered hold none of the room however long they run (a review:
+    a few dozen slow streams of 7 MiB bodies filled it)."""
+    limit, body = 200_000, b"x" * 150_000  # a body charges 150,000 - 64 KiB of the 200,000
+    async with splitter_in_front(tmp_path, max_body_bytes=limit, max_body_memory=limit) as (splitter, api, metrics, routers), \
             aiohttp.ClientSession() as http:  # fmt: skip
         write_table(splitter.config.table_path, table(stable=(splitter.ports["stable"], 100)))  # type: ignore[attr-defined]
         url, stream = f"http://127.0.0.1:{api}/v1/completions", {"x-stream": "1"}
-        first = await http.post(url, data=body, headers=stream)
-        second = await http.post(url, data=body, headers=stream)
-        for held in (first, second):  # both relayed, their bodies still held while they stream
+        streams = [await http.post(url, data=body, headers=stream) for _ in range(3)]  # 3 x 84 KB > 200 KB, were they held
+        for held in streams:
             assert await held.content.readuntil(b"\n\n") == b"data: first\n\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", api)
+        largest = b"x" * limit  # held one byte short of its end: with it, no other 150,000 bytes fit
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % limit + largest[:-1])
+        await writer.drain()
+        await until(lambda: splitter._bodies.held == limit - 1 - FREE_BODY_BYTES, "the held body's bytes to arrive")
         async with http.post(url, data=body) as refused:
             assert refused.status == 503 and refused.headers["Retry-After"] == "1"
             assert (await refused.json())["error"]["code"] == "server_busy"
+        async with http.post(url, data=body, headers={"Expect": "100-continue"}) as uninvited:
+            assert uninvited.status == 503
+        writer.write(largest[-1:])  # the held body ends: relayed, answered, its bytes back
+        assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 201")
+        writer.close()
         routers["stable"].release.set()
-        for held in (first, second):
+        for held in streams:
             assert await held.content.read() == b"data: [DONE]\n\n"
             held.release()
-        async with http.post(url, data=body) as retried:  # their bytes came back with their answers
+        assert splitter._bodies.held == 0
+        async with http.post(url, data=body) as retried:
             assert retried.status == 201
+        async with http.get(f"http://127.0.0.1:{metrics}/metrics") as resp:
+            text = await resp.text()
+        refusals = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "kvguard_splitter_requests_total" and s.labels == {"revision": "none", "code": "503"}]  # fmt: skip
+        assert refusals == [2.0]
 
 
 async def test_a_client_that_reads_nothing_through_the_splitter_loses_its_connection(tmp_path: Path) -> None:

@@ -269,7 +269,7 @@ class WorkerArgs(BaseModel):
             raise ValueError("--prefill/--decode are router flags")
         if self.role != "decode" and self.transfer_port is not None:
             raise ValueError("--transfer-port is a decode flag")
-        if self.max_body_memory < self.max_body_bytes:
+        if self.role == "router" and self.max_body_memory < self.max_body_bytes:
             raise ValueError(f"--max-body-memory ({self.max_body_memory}) must be at least --max-body-bytes ({self.max_body_bytes})")
         if self.role != "router" and self.min_kv_ratio is not None:
             raise ValueError("--min-kv-ratio is a router flag")

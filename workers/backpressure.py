@@ -195,8 +195,11 @@ class BodyMemory:
         try:
             yield lease
         finally:
-            self.held -= lease.charged
-            lease.charged = 0
+            lease.release()
+
+    def has_room_for(self, size: int) -> bool:
+        """Whether a body of `size` bytes would fit now (an `Expect: 100-continue` is answered by it)."""
+        return max(0, size - self.free_bytes) <= self.capacity - self.held
 
 
 class BodyLease:
@@ -209,6 +212,11 @@ class BodyLease:
     @property
     def capacity(self) -> int:
         return self._memory.capacity
+
+    def release(self) -> None:
+        """The body is no longer held: its bytes come back now (once; at the lease's end, nothing more)."""
+        self._memory.held -= self.charged
+        self.charged = 0
 
     def grow_to(self, size: int) -> bool:
         """The body now holds `size` bytes: charge what lies past its free bytes. False, and

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 100-continue answer
 from pydantic import ValidationError
 
-from kvguard.workers.backpressure import BodyLease
+from kvguard.workers.backpressure import BodyLease, BodyMemory
 
 REVISION_HEADER = "x-kvguard-revision"
 """Names the revision that answered, on every response of the public API: set by the router
@@ -221,15 +221,18 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, leas
     return b"".join(parts)
 
 
-async def answer_expect(request: web.Request, max_body_bytes: int) -> web.StreamResponse | None:
+async def answer_expect(request: web.Request, max_body_bytes: int, bodies: BodyMemory) -> web.StreamResponse | None:
     """The `expect_handler` of a route taking bodies (router, splitter): `Expect: 100-continue`
     (curl's default for large bodies) gets the invitation to upload, unless its Content-Length is
-    already over the limit (413 instead); any other Expect gets a JSON 417 (aiohttp's own answer is
-    plain text). A refusal closes the connection: the client holds its body back."""
+    already over the limit (413 instead) or would not fit the bodies held at once now (503, as it
+    would get once uploaded); any other Expect gets a JSON 417 (aiohttp's own answer is plain
+    text). A refusal closes the connection: the client holds its body back."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         err = OpenAIError(417, "the only Expect this server meets is 100-continue", code="expectation_failed", param="Expect")
     elif request.content_length is not None and request.content_length > max_body_bytes:
         err = too_large_error(max_body_bytes)
+    elif request.content_length is not None and not bodies.has_room_for(request.content_length):
+        err = bodies_full_error(bodies.capacity)
     else:
         await _default_expect_handler(request)
         return None

@@ -68,6 +68,7 @@ from kvguard.workers.openai_api import (
     error_middleware,
     read_body,
     sse,
+    too_large_error,
     validation_error,
 )
 from kvguard.workers.openai_requests import APIRequest, ChatCompletionRequest, CompletionRequest, request_too_large
@@ -494,9 +495,10 @@ class Router:
         self._slots = Slots(config.max_inflight_choices)
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
         self._draining = Draining(config.max_inflight_choices, config.write_timeout_s)
-        self._bodies = BodyMemory(config.max_body_memory)
-        self.metrics.body_memory.set_function(lambda: self._bodies.held)
         """Generations that ended at the workers whose clients still read them (`SlotLease`)."""
+        self._bodies = BodyMemory(config.max_body_memory)
+        """Request bodies being read or parsed, in bytes (`_parse`)."""
+        self.metrics.body_memory.set_function(lambda: self._bodies.held)
         self._channels: dict[str, ChannelReader] = {}
         """Decode worker URL -> the token channel to it (with `token_channel`)."""
         self._retiring: set[str] = set()
@@ -962,6 +964,8 @@ class Router:
         """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter.
         Its bytes count against --max-body-memory until it is parsed (`BodyMemory`)."""
         with self._bodies.reading() as lease:
+            if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+                raise too_large_error(self.config.max_body_bytes)  # from its headers, before a 415 for its coding
             _check_body_headers(request.headers)
             try:
                 raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
@@ -980,7 +984,10 @@ class Router:
         return body
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        return await answer_expect(request, self.config.max_body_bytes)
+        answer = await answer_expect(request, self.config.max_body_bytes, self._bodies)
+        if answer is not None and answer.status == 503:
+            self.metrics.bodies_refused.inc()
+        return answer
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""

@@ -51,7 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES, worker_default
-from kvguard.workers.backpressure import BodyMemory, StallWatch, drop
+from kvguard.workers.backpressure import BodyLease, BodyMemory, StallWatch, drop
 from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, read_body
 
 log = logging.getLogger("kvguard.splitter")
@@ -217,6 +217,21 @@ class SplitterConfig:
     write_timeout_s: float = worker_default("write_timeout")  # as the router's: a client that reads nothing for this long is dropped
 
 
+@dataclass
+class HeldBody:
+    """A request's body, held until a router answers (a refused connection sends it to the next
+    revision) and counted against max_body_memory until then -- not while the answer streams: a
+    few dozen slow streams of 7 MiB bodies, mostly whitespace, filled the room for as long as
+    they ran (a review)."""
+
+    data: bytes | None
+    lease: BodyLease
+
+    def drop(self) -> None:
+        self.data = None
+        self.lease.release()
+
+
 class Splitter:
     """The aiohttp applications of `kvguard splitter`: the API port and the metrics port."""
 
@@ -264,13 +279,16 @@ class Splitter:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        # The body is held until the answer has been relayed (a refused connection sends it to the
-        # next revision): its bytes count against max_body_memory until then.
         with self._bodies.reading() as lease:
-            body = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
+            try:
+                body = HeldBody(await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease), lease)
+            except OpenAIError as err:
+                if err.status == 503:
+                    self.requests.labels(revision="none", code="503").inc()
+                raise
             return await self._forward(request, body)
 
-    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, body: HeldBody) -> web.StreamResponse:
         candidates = self.source.current().order()
         if not candidates:
             raise OpenAIError(503, "no revision of this model is serving", code="no_backend")
@@ -286,9 +304,12 @@ class Splitter:
         raise OpenAIError(503, "no revision of this model accepted the connection", code="no_backend")
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        return await answer_expect(request, self.config.max_body_bytes)
+        answer = await answer_expect(request, self.config.max_body_bytes, self._bodies)
+        if answer is not None and answer.status == 503:
+            self.requests.labels(revision="none", code="503").inc()
+        return answer
 
-    async def _relay(self, request: web.Request, body: bytes, backend: SplitBackend) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, body: HeldBody, backend: SplitBackend) -> web.StreamResponse:
         assert self.session is not None, "the splitter has not started"
         headers = forwarded_headers(request.headers.items())
         peer = request.remote or "unknown"
@@ -299,8 +320,9 @@ class Splitter:
                               code="request_header_fields_too_large")  # fmt: skip
         headers.append((FORWARDED_FOR, forwarded_for))
         async with self.session.request(request.method, backend.url + request.rel_url.raw_path_qs, headers=headers,
-                                        data=body if body else None, allow_redirects=False,
+                                        data=body.data or None, allow_redirects=False,
                                         skip_auto_headers=_NOT_ADDED) as upstream:  # fmt: skip
+            body.drop()  # a router answered: no retry sends it again, and a long stream holds no room
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.extend(forwarded_headers(upstream.headers.items()))
             response.headers[REVISION_HEADER] = backend.revision
