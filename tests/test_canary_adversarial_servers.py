@@ -7,12 +7,14 @@ table's lines, probes missing from the table, Ctrl-C.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_canary_fakes import Behaviour, RunningServer
+from aiohttp import web
+from test_canary_fakes import Behaviour, FakeEngine, RunningServer
 
 from kvguard.cli import main as cli_main
 from kvguard.commands import canary as canary_command
@@ -82,6 +84,23 @@ async def test_a_prompt_list_whose_choices_are_crossed_fails_isolation(server: R
     isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
     assert isolation.status == ProbeStatus.FAIL, isolation.reason
     assert isolation.reason.startswith("prompt list, choice 0 (tenant 1's prompt): the answer is tenant 2's, not its own")
+
+
+@pytest.mark.parametrize("server", [Behaviour(crossed_list=True)], indirect=True)
+async def test_a_crossed_prompt_list_padded_past_its_tokens_still_fails(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer with more text than its tokens make is an error, and the prompt list's check
+    took an errored batch as "not checked": padding a crossed list with spaces made it pass (a review)."""
+    answer_list = FakeEngine._prompt_list
+
+    def padded(engine: FakeEngine, prompts: list[str], max_tokens: int, n: int) -> web.Response:
+        body = json.loads(answer_list(engine, prompts, max_tokens, n).body)  # type: ignore[arg-type]
+        body["choices"][-1]["text"] += " " * 70_000
+        return web.json_response(body)
+
+    monkeypatch.setattr(FakeEngine, "_prompt_list", padded)
+    isolation = result(await run(server, spec(isolation={"tenants": 3}).only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("prompt list: the answer's text is 70,"), isolation.reason
 
 
 @pytest.mark.parametrize("server", [Behaviour(crossed_forks=True)], indirect=True)

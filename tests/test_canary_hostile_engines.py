@@ -26,7 +26,7 @@ from kvguard.operator.api import PrometheusQuery
 from kvguard.operator.backends.analysis_io import query_values, scrape_series
 from kvguard.operator.canary import isolation
 from kvguard.operator.canary.base import Heard
-from kvguard.operator.canary.client import MAX_TOKEN_CHARS, EngineClient, get_text, session_without_redirects
+from kvguard.operator.canary.client import MAX_TOKEN_CHARS, Completion, EngineClient, get_text, session_without_redirects
 from kvguard.operator.canary.metrics import MAX_METRICS_BYTES, fetch_all
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -177,3 +177,44 @@ async def test_a_metrics_page_is_read_to_a_bound_and_parsed_without_holding_the_
             ticking.cancel()
     assert parsed.error is None and parsed.engine == "kvguard"
     assert len(gaps) > 5  # the loop kept its turns while the page parsed on a thread
+
+
+def test_an_answer_crossed_past_the_compared_opening_is_still_another_tenants() -> None:
+    """`likeness` reads the first 1,000 characters: a 300-token answer that left its own for
+    tenant 2's after token 120 (character ~650) scored as its own and passed (a review). Rows
+    that crossed go on with the other's tokens to the end, so the end is judged too."""
+    import random
+
+    words = ["the", "a", "model", "of", "and", "inference", "cache", "to", "is", "request", "kernel", "batch",
+             "server", "token", "page", "it", "on", "which", "attention", "decode"]  # fmt: skip
+    tokens = [[" " + rng.choice(words) for _ in range(300)] for rng in (random.Random(seed) for seed in range(3))]
+    solos: list[str | None] = ["".join(t) for t in tokens]
+    crossed = "".join(tokens[0][:120] + tokens[1][120:])
+    problems: list[str] = []
+    isolation.check_own_answer(0, Completion(label="tenant 1", status=200, text=crossed), solos, problems, [])
+    assert problems == ["tenant 1: the answer is tenant 2's, not its own (outputs crossed between requests)"]
+    near_tie = "".join(tokens[0][:-1] + [" zebra"])  # its own but for the last token: noted, not failed
+    problems = []
+    isolation.check_own_answer(0, Completion(label="tenant 1", status=200, text=near_tie), solos, problems, [])
+    assert problems == []
+
+
+async def test_a_redirect_on_the_same_server_is_followed_and_a_refused_one_is_not_retried() -> None:
+    """Starlette's mounted /metrics answers 307 to /metrics/ (older vLLM): the same server, followed.
+    A redirect elsewhere is refused once, not asked again as if the connection had failed."""
+    paths: list[str] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        paths.append(request.path)
+        if request.path == "/metrics":
+            return web.Response(status=307, headers={"Location": "/metrics/"})
+        if request.path == "/v1/completions":
+            return web.Response(status=307, headers={"Location": "http://169.254.169.254/latest/meta-data/"})
+        return web.Response(text="# TYPE kvguard_kv_pool_capacity_tokens gauge\nkvguard_kv_pool_capacity_tokens 4096\n")
+
+    async with serving(metrics) as engine, session_without_redirects() as session:
+        (scraped,) = await fetch_all(session, [f"{engine}/metrics"], 10)
+        answer = await EngineClient(session, engine, model="m").complete("p", max_tokens=8)
+    assert scraped.error is None and scraped.engine == "kvguard"
+    assert answer.error is not None and "RedirectRefused" in answer.error and answer.retried == []
+    assert paths == ["/metrics", "/metrics/", "/v1/completions"]

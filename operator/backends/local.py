@@ -601,7 +601,7 @@ def _accepts(port: int, timeout_s: float, alive: Callable[[], bool]) -> bool:
 def _answers_as_splitter(port: int) -> bool:
     """Whether 127.0.0.1:port answers /health as `kvguard splitter` does (200 or 503, with its weights)."""
     try:
-        answer = requests.get(f"http://127.0.0.1:{port}/health", timeout=HEALTH_TIMEOUT_S)
+        answer = requests.get(f"http://127.0.0.1:{port}/health", timeout=HEALTH_TIMEOUT_S, allow_redirects=False)
         return answer.status_code in (200, 503) and "weights" in answer.json()
     except (requests.RequestException, ValueError, TypeError):
         return False
@@ -618,7 +618,7 @@ def _port_taken(port: int) -> str | None:
 
 def healthy(worker: LocalWorker) -> bool:
     try:
-        return requests.get(worker.metrics_url.removesuffix("/metrics") + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+        return requests.get(worker.metrics_url.removesuffix("/metrics") + "/health", timeout=HEALTH_TIMEOUT_S, allow_redirects=False).status_code == 200
     except requests.RequestException:
         return False
 

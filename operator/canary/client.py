@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from kvguard.operator.canary.report import HttpExchange, clip
 from kvguard.operator.canary.responses import (
@@ -84,6 +85,10 @@ class RedirectRefused(aiohttp.ClientError):
 async def _refuse_redirects(request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType) -> aiohttp.ClientResponse:
     response = await handler(request)
     if response.status in REDIRECT_STATUSES:
+        location = response.headers.get(aiohttp.hdrs.LOCATION)
+        with contextlib.suppress(ValueError):
+            if location and request.url.join(URL(location)).origin() == request.url.origin():
+                return response  # the same server (Starlette's /metrics -> /metrics/): followed, each hop checked here again
         response.close()
         raise RedirectRefused(f"answered HTTP {response.status}, a redirect; the operator follows none")
     return response
@@ -120,6 +125,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None  # when asked for and the server returned them
     choice_finishes: dict[int, str] = field(default_factory=dict)  # several choices (complete_list): index -> finish_reason
     disconnected: bool = False
+    clipped: bool = False  # more text than max_tokens x MAX_TOKEN_CHARS: its error, text cut (clip_text_to_budget)
     retried: list[str] = field(default_factory=list)  # what each earlier attempt got (RETRIED_STATUSES, no connection)
     retry_after_header: float | None = None  # the server's Retry-After, in seconds, when it sent one
     seconds: float = 0.0
@@ -146,7 +152,7 @@ class Completion:
         asked again, RETRIES times at most (`Retry-After`, capped, when the server sent one)."""
         if attempt >= RETRIES or self.disconnected:
             return None
-        if self.status is None and self.error is not None and not self.error.startswith("timed out"):
+        if self.status is None and self.error is not None and not self.error.startswith(("timed out", "RedirectRefused")):
             return 0.5 * 2**attempt
         if self.status not in RETRIED_STATUSES:
             return None
@@ -296,7 +302,10 @@ class EngineClient:
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         result.text = "".join(texts[k] for k in sorted(texts))
-        if (over := clip_text_to_budget(result)) is not None:
+        over = clip_text_to_budget(result)
+        if over is None and (long := next((k for k, v in sorted(texts.items()) if len(v) > MAX_TOKEN_CHARS * max_tokens), None)) is not None:
+            over, result.clipped = f"choice {long}'s text is {len(texts[long]):,} characters for max_tokens={max_tokens} (at most {MAX_TOKEN_CHARS} a token)", True
+        if over is not None:
             result.error = result.error or over
             texts = {k: v[: MAX_TOKEN_CHARS * max_tokens] for k, v in texts.items()}
         self._observe(prompts if isinstance(prompts, str) else "\n".join(prompts), result)
@@ -581,6 +590,7 @@ def clip_text_to_budget(result: Completion) -> str | None:
     error = (f"the answer's text is {len(result.text):,} characters for max_tokens={result.max_tokens}: more than "
              f"that many tokens make (at most {MAX_TOKEN_CHARS} characters each)")  # fmt: skip
     result.text = result.text[:budget]
+    result.clipped = True
     return error
 
 

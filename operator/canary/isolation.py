@@ -349,6 +349,10 @@ class IsolationProbe(Probe):
                             "the server fails them batched, each prompt's KV forked")  # fmt: skip
             evidence.append(batch.evidence())
             return
+        if batch.clipped:  # more text than its tokens make: not its tokens' text, a failure as on every other path
+            problems.append(f"prompt list: {batch.error}")
+            evidence.append(batch.evidence())
+            return
         if not batch.ok and batch.status is not None and 400 <= batch.status < 500:
             evidence.append(Note(message=f"n: {n} not checked: {batch.describe_failure()}"))
             n = 1
@@ -573,6 +577,10 @@ def check_own_answer(
         evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone", expected=own, actual=""))
         return
     owner = whose_answer(result.text, solos)
+    if owner in (None, index) and len(result.text) > LIKENESS_CHARS:
+        # `likeness` reads the opening only: an answer crossed later shows in its end (rows that
+        # crossed go on with the other's tokens to its last one).
+        owner = whose_answer(result.text[-LIKENESS_CHARS:], [s[-LIKENESS_CHARS:] if s else None for s in solos])
     if owner is not None and owner != index and solos[owner] != own:
         problems.append(f"{result.label}: the answer is tenant {owner + 1}'s, not its own (outputs crossed between requests)")
         evidence.append(OutputMismatch(request=result.label, expected_from=f"tenant {index + 1} alone",
