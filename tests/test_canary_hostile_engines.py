@@ -13,14 +13,13 @@ loopback; the clients are the operator's own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
+from test_canary_hostile_bodies import serving
 
 from kvguard.operator.api import PrometheusQuery
 from kvguard.operator.backends.analysis_io import query_values, scrape_series
@@ -29,23 +28,7 @@ from kvguard.operator.canary.base import Heard
 from kvguard.operator.canary.client import MAX_TOKEN_CHARS, Completion, EngineClient, get_text, session_without_redirects
 from kvguard.operator.canary.metrics import MAX_METRICS_BYTES, fetch_all
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SECRET = "AKIA_SECRET_FROM_METADATA"
-
-
-@contextlib.asynccontextmanager
-async def serving(handler: Handler) -> AsyncIterator[str]:
-    """`handler` answering every path on a loopback port; yields the base URL."""
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
 
 
 def completion_of(text: str, completion_tokens: int = 8) -> dict:
@@ -149,7 +132,7 @@ async def test_a_metrics_page_is_read_to_a_bound_and_parsed_without_holding_the_
     """A 16 MB page held the operator's loop 6.7 s per scrape, on every reconcile pass."""
     line = b"kvguard_kv_pool_capacity_tokens 4096\n"
     big = line * (MAX_METRICS_BYTES // len(line) + 1)
-    fair = b"# TYPE kvguard_kv_pool_capacity_tokens gauge\n" + line * 40_000  # ~1.5 MB: parsed, on a thread
+    fair = b"# TYPE kvguard_kv_pool_capacity_tokens gauge\n" + line * 80_000  # ~3 MB: parsed, on a thread
 
     async def pages(request: web.Request) -> web.Response:
         return web.Response(body=big if request.path == "/big/metrics" else fair, content_type="text/plain")
