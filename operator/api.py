@@ -211,6 +211,10 @@ Image = Annotated[str, Field(min_length=1, max_length=1024, json_schema_extra={"
 """A container image reference, as the kubelet parses it (the CRD holds the same pattern)."""
 ArgValue = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
 """One command-line argument, verbatim: anything but NUL, which no argv can carry."""
+MAX_EXTRA_ARGS = 256
+"""Arguments in one extraArgs list: more than any engine's command line needs. Unbounded, 170,000
+of them made each admission and each reconcile pass of that model hold the operator's event loop
+3-5 s, every other model's reconciles and the leader lease waiting behind it (outside probe)."""
 
 _DECIMAL_SUFFIXES = {suffix: Decimal(f"1e{power}") for suffix, power in
                      {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}.items()}  # fmt: skip
@@ -560,7 +564,7 @@ class EngineSpec(ApiModel):
     """Container image; defaults to the kvguard worker image for `kvguard`."""
     version: str | None = Field(default=None, max_length=256, pattern=rf"^[^{_CONTROL}]*$")
     """Engine version, recorded in status and used to pick version-specific defaults."""
-    extra_args: list[ArgValue] = Field(default_factory=list)
+    extra_args: list[ArgValue] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS)
     """Extra command-line arguments passed to every worker of the engine, verbatim."""
     router_image: Image | None = None
     """Image of the router. Default: the engine image (kvguard; SGLang images ship sglang_router);
@@ -745,7 +749,7 @@ class WorkerRole(PodPlacement):
     """Overrides spec.memoryFraction for this role."""
     kv_pool_tokens: PoolTokens | None = None
     """Overrides spec.kvPoolTokens for this role (`kvguard plan --kv-pool-tokens` replaces both)."""
-    extra_args: list[ArgValue] | None = None
+    extra_args: list[ArgValue] | None = Field(default=None, max_length=MAX_EXTRA_ARGS)
     """Arguments for this role only, after engine.extraArgs (sglang and vllm). Prefill and decode
     must still agree on everything their KV exchange depends on (P/D parity, sglang#19398): model
     revision, KV dtype, page size, transfer backend, KV checksum and engine build."""

@@ -157,7 +157,7 @@ class Controller:
         self._policies = policies
         self._waits: dict[ModelKey, int] = {}
         self._failures: dict[ModelKey, int] = {}
-        self._configmaps: dict[tuple[str, str], tuple[float, Mapping[str, Any] | None]] = {}
+        self._configmaps = ConfigMapCache(self.settings.configmap_ttl)
         self._tasks: list[asyncio.Task[None]] = []
         self.gate = PodGate(kube, lambda: list(self._policies()), self.enqueue)
         """S7 while pods serve: the readiness gate of every engine pod (backends/pod_gate.py)."""
@@ -348,14 +348,39 @@ class Controller:
             return None, None
         namespace = body["metadata"].get("namespace") or "default"
         name, key = str(ref["name"]), str(ref.get("key") or "config.json")
-        cached = self._configmaps.get((namespace, name))
-        if cached is None or time.monotonic() - cached[0] > self.settings.configmap_ttl:
+        cm = self._configmaps.get((namespace, name), time.monotonic())
+        if cm is None:
             cm = await self.kube.aget(ObjectRef("ConfigMap", name, namespace))
-            cached = (time.monotonic(), cm)
             if cm is not None:  # a missing one is asked for again at the next pass (reconcile's recheck timer)
-                self._configmaps[(namespace, name)] = cached
-        return parse_config_json(cached[1], name, key)
+                cm = self._configmaps.put((namespace, name), cm, time.monotonic())
+        return parse_config_json(cm, name, key)
 
+
+
+class ConfigMapCache:
+    """The ConfigMaps models name for their architecture, (namespace, name) -> its data, each for
+    `ttl` seconds from its read. Entries past it are dropped whenever one is added: they were only
+    ever replaced, so a tenant naming many ConfigMaps of up to 1 MiB (then deleting them) grew the
+    operator without bound (outside probe). Pure: the caller gives the time."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._entries: dict[tuple[str, str], tuple[float, Mapping[str, Any]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, ref: tuple[str, str], now: float) -> Mapping[str, Any] | None:
+        entry = self._entries.get(ref)
+        return entry[1] if entry is not None and now - entry[0] <= self.ttl else None
+
+    def put(self, ref: tuple[str, str], configmap: Mapping[str, Any], now: float) -> Mapping[str, Any]:
+        """Keep `configmap`'s data (not its metadata) from `now`; returns what is kept."""
+        for old in [r for r, (read_at, _) in self._entries.items() if now - read_at > self.ttl]:
+            del self._entries[old]
+        kept = {"data": configmap.get("data")}
+        self._entries[ref] = (now, kept)
+        return kept
 
 
 def parse_config_json(cm: Mapping[str, Any] | None, name: str, key: str) -> tuple[Mapping[str, Any] | None, str | None]:
@@ -366,7 +391,7 @@ def parse_config_json(cm: Mapping[str, Any] | None, name: str, key: str) -> tupl
         return None, f"ConfigMap {name} has no key {key}"
     try:
         config = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # nested deeper than Python parses: not a config either
         return None, f"{key} is not JSON: {exc}"
     return (config, None) if isinstance(config, dict) else (None, f"{key} is not a JSON object")
 

@@ -134,8 +134,8 @@ def owned_flag(name: str, owned: Mapping[str, str] | Sequence[str]) -> str | Non
     if name in owned:
         return name
     long = name.startswith("--")
-    if len(name) > (2 if long else 1):
-        return next((flag for flag in sorted(owned) if flag.startswith(name) and flag.startswith("--") == long), None)
+    if len(name) > (2 if long else 1):  # the first in sorted order, without sorting per token
+        return min((flag for flag in owned if flag.startswith(name) and flag.startswith("--") == long), default=None)
     return None
 
 

@@ -231,3 +231,26 @@ def test_a_waiting_rollout_says_when_its_deadline_falls() -> None:
     assert later.deadline_in == 20
     failed = reconcile(b, Observed(), now=NOW + dt.timedelta(seconds=121))
     assert failed.status["rollout"]["state"] in ("Failed", "RolledBack") and "progressDeadlineSeconds" in failed.status["rollout"]["message"]
+
+
+def test_the_architecture_configmap_cache_keeps_data_for_its_ttl_and_drops_what_expired() -> None:
+    """Entries were only ever replaced: a tenant naming many 1 MiB ConfigMaps (then deleting them)
+    grew the operator without bound (outside probe)."""
+    from kvguard.operator.controller import ConfigMapCache
+
+    cache = ConfigMapCache(ttl=300)
+    kept = cache.put(("ns", "a"), {"metadata": {"managedFields": ["x" * 1000]}, "data": {"config.json": "{}"}}, now=0)
+    assert kept == {"data": {"config.json": "{}"}} and cache.get(("ns", "a"), now=300) == kept
+    assert cache.get(("ns", "a"), now=301) is None
+    for i in range(100):
+        cache.put(("ns", f"m{i}"), {"data": {}}, now=1000 + i)
+    assert len(cache) == 100  # "a" expired: dropped when the first of these came
+    cache.put(("ns", "late"), {"data": {}}, now=1500)
+    assert len(cache) == 1 + sum(1 for i in range(100) if 1500 - (1000 + i) <= 300)
+
+
+def test_an_architecture_config_nested_deeper_than_python_parses_is_a_field_error_not_a_traceback() -> None:
+    from kvguard.operator.controller import parse_config_json
+
+    config, error = parse_config_json({"data": {"config.json": "[" * 100_000 + "]" * 100_000}}, "deep", "config.json")
+    assert config is None and error is not None and error.startswith("config.json is not JSON")

@@ -195,3 +195,23 @@ def test_heads_narrower_than_one_unit_are_refused_by_field_not_divided_by(
     assert main([command, "-f", str(file)]) == 2
     err = capsys.readouterr().err
     assert "hiddenSize must be at least numAttentionHeads when headDim is not set" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("path", ["spec.engine.extraArgs", "spec.roles.decode.extraArgs"])
+def test_an_extra_args_list_is_bounded(path: str) -> None:
+    """170,000 `-z` arguments were admitted in 3.4 s, all of it holding the operator's event loop
+    (each token sorted the engine's owned flags), and again on every reconcile pass (outside probe)."""
+    from kvguard.operator.api import MAX_EXTRA_ARGS
+
+    assert refused_at(with_spec(SGLANG, path, ["-z"] * (MAX_EXTRA_ARGS + 1))) == [path]
+    assert InferenceModel.model_validate(with_spec(SGLANG, path, ["-z"] * MAX_EXTRA_ARGS))
+
+
+def test_an_abbreviated_flag_stands_for_the_first_owned_flag_it_begins() -> None:
+    """Found without sorting the owned flags for every argument (`owned_flag`)."""
+    from kvguard.operator.engine_flags import owned_flag
+
+    owned = {"--tp-size": "", "--tp": "", "--trust-remote-code": "", "-t": ""}
+    assert owned_flag("--tp", owned) == "--tp" and owned_flag("--t", owned) == "--tp"
+    assert owned_flag("--tr", owned) == "--trust-remote-code" and owned_flag("-t", owned) == "-t"
+    assert owned_flag("-z", owned) is None and owned_flag("--x", owned) is None
