@@ -147,6 +147,9 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
     if namespace is not None and not (isinstance(namespace, str) and _NAMESPACE.fullmatch(namespace)):
         raise AdmissionDenied(f"metadata.namespace: {str(namespace)[:80]!r} must be a DNS-1123 label "
                               "(at most 63 lowercase letters, digits and '-')", INVALID)  # fmt: skip
+    if (size := len(json.dumps(body.get("spec"), default=str))) > MAX_SPEC_BYTES:
+        raise AdmissionDenied(f"spec: {size:,} bytes of JSON; at most {MAX_SPEC_BYTES:,}, so that an update's review, which "
+                              "carries the model twice, fits the webhook's 1 MiB (its finalizer could not be removed)", INVALID)  # fmt: skip
     spec = parse_spec(body.get("spec"))
     if operation == "UPDATE" and (before := _admitted_spec(old)) is not None and (problem := resplit_problem(before, spec)):
         raise AdmissionDenied(problem, INVALID)
@@ -265,10 +268,15 @@ async def webhook_off(fn: Any) -> AsyncIterator[Any]:
     yield {}  # pragma: no cover  (unreachable; makes this an async generator)
 
 
+MAX_SPEC_BYTES = 400 * 1024
+"""The largest spec admitted: an UPDATE's review carries the object twice and kopf's server reads
+at most 1 MiB, so a model of 256 arguments of 4 KiB each was admitted and then every update of it
+got a 413 -- with failurePolicy Fail, its finalizer could never be removed (a review)."""
 REVIEW_BODY_TIMEOUT_S = 10.0
 """The API server's own default timeout for a webhook call: a body slower than that is no review."""
 MAX_ID_CHARS = 253  # a uid (36 in practice), a name, a namespace: no longer than a DNS subdomain
 REVIEWED_OPERATIONS = ("CREATE", "UPDATE")  # the only ones the webhooks are registered for
+CLIENT_CA_FILE = "client-ca.crt"  # beside tls.crt: only clients with a certificate it signed are heard
 
 
 def review_problem(data: object) -> str | None:
@@ -311,6 +319,16 @@ class GuardedWebhookServer(kopf.WebhookServer):
     client holding a half-sent body was kept for good: 400 of them took the operator 0.7 GB up)
     and checked by `review_problem` before kopf sees it: 400, not 500, for anything else."""
 
+    def _build_ssl(self) -> tuple[bytes | None, ssl.SSLContext | None]:
+        """Whether clients must present a certificate is decided each time the context is built
+        (start, and every change of the serving certificate), from client-ca.crt as it is then:
+        decided once, a file removed later made the next build fail."""
+        client_ca = Path(self.certfile).parent / CLIENT_CA_FILE if self.certfile is not None else None
+        present = client_ca is not None and client_ca.is_file()
+        self.verify_mode = ssl.CERT_REQUIRED if present else None
+        self.verify_cafile = client_ca if present else None
+        return super()._build_ssl()
+
     @staticmethod
     async def _serve(fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
         try:
@@ -341,7 +359,7 @@ def webhook_server(env: Mapping[str, str]) -> Any:
     ca = folder / "ca.crt"
     # client-ca.crt: the CA of the certificate the API server presents to webhooks (its
     # AdmissionConfiguration's kubeConfigFile): then only the API server is heard.
-    client_ca = folder / "client-ca.crt"
+    client_ca = folder / CLIENT_CA_FILE
     return GuardedWebhookServer(
         addr=env.get("KVGUARD_WEBHOOK_ADDR", "0.0.0.0"),
         port=int(env.get("KVGUARD_WEBHOOK_PORT", str(DEFAULT_PORT))),

@@ -602,3 +602,17 @@ def test_a_client_ca_makes_the_webhook_hear_only_certificates_it_signed(tmp_path
     assert server.verify_mode == ssl.CERT_REQUIRED and Path(server.verify_cafile) == tmp_path / "client-ca.crt"
     _, context = server._build_ssl()
     assert context is not None and context.verify_mode == ssl.CERT_REQUIRED
+    (tmp_path / "client-ca.crt").unlink()  # removed while running: the next build (a renewed tls.crt) serves without it
+    _, context = server._build_ssl()
+    assert context is not None and context.verify_mode == ssl.CERT_NONE and server.verify_cafile is None
+
+
+def test_a_spec_too_large_for_an_update_review_is_denied_at_create() -> None:
+    """An UPDATE's review carries the model twice and the webhook reads at most 1 MiB: a model of
+    256 arguments of 4 KiB each was admitted, and then every update of it -- its finalizer's
+    removal too -- got a 413 (a review)."""
+    big = tiny_model()
+    big["spec"]["engine"] = {**big["spec"].get("engine", {}), "extraArgs": ["--x=" + "a" * 2000] * 256}
+    exc = denial(big, [])
+    assert exc is not None and str(exc).startswith("spec: ") and "bytes of JSON; at most 409,600" in str(exc)
+    assert denial(tiny_model(), []) is None
