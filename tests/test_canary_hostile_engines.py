@@ -148,7 +148,7 @@ async def test_a_metrics_page_is_read_to_a_bound_and_parsed_without_holding_the_
         async def ticker() -> None:
             last = time.monotonic()
             while True:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the ticker's pace: it counts the loop's turns, it waits on nothing
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now

@@ -25,7 +25,7 @@ each write cut off steady slow readers (1-16 KB/s) after 30 s: one write of a ch
 long while the buffers drain slowly. Progress is the bytes still to deliver -- the transport's
 buffer and, on Linux, the kernel's unsent queue (SIOCOUTQ) -- going down.
 
-`BodyMemory`: the request bodies the router holds at once, in bytes. Each body is bounded
+`BodyMemory`: the request bodies the router (and the local splitter) holds at once, in bytes. Each body is bounded
 (--max-body-bytes), their number was not: 300 connections each holding an 8 MiB body one byte
 short of its end took the router from 68 MB to 2.7 GB (a probe), so a few thousand would have it
 killed for memory, and every tenant with it. Bounded at the default 256 MiB: 0.39 GB with 300 such
@@ -181,7 +181,8 @@ class BodyMemory:
     clients retry) instead of waiting for room: bodies that each hold part of their bytes while
     waiting for the others' would wait on each other until the body timeout. A body is charged
     for bytes that arrived, not for the Content-Length it announced, so holding the room costs an
-    attacker the bytes it sends; none of it outlives the body's parse. The one owner of the count."""
+    attacker the bytes it sends; none of it outlives the body's use (at the router its parse, at the
+    splitter a router's answer). The one owner of the count."""
 
     def __init__(self, capacity: int, free_bytes: int = FREE_BODY_BYTES) -> None:
         self.capacity = capacity

@@ -498,12 +498,14 @@ def check_b(
 LIKENESS_CHARS = 1000
 """How much of two answers `likeness` compares: difflib's ratio is quadratic in their length, and
 a candidate's 10 KB answers held the operator's event loop 27 s in one comparison (outside
-probe). The canary's answers are a few dozen tokens; whose an answer is shows in its opening."""
+probe). The canary's answers are a few dozen tokens; whose an answer is shows in its opening, and
+an answer crossed later shows in its end (`check_own_answer` judges both)."""
 
 
 def likeness(a: str, b: str) -> float:
     """How alike two answers are, 0-1 (difflib's ratio: matching characters over both lengths), over
-    their first LIKENESS_CHARS characters; at most 0.5, an upper bound from their lengths alone."""
+    their first LIKENESS_CHARS characters; a value of 0.5 or less is an upper bound, from their
+    lengths alone (enough for `whose_answer`, which picks only above 0.5)."""
     matcher = difflib.SequenceMatcher(None, a[:LIKENESS_CHARS], b[:LIKENESS_CHARS], autojunk=False)
     if matcher.real_quick_ratio() <= 0.5:  # from the lengths alone: too unlike to be `whose_answer`'s pick
         return matcher.real_quick_ratio()
