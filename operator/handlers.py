@@ -76,7 +76,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     port = int(os.environ.get("KVGUARD_METRICS_PORT", "8080"))
     if port and port not in _METRICS_SERVED:
-        metrics.serve(port)
+        await metrics.serve(port)
         _METRICS_SERVED.append(port)
     controller_settings = memo.get("kvguard_settings") or ControllerSettings.from_env()
     resolver = memo.get("kvguard_resolver") or (ENDPOINT_RESOLVER[-1] if ENDPOINT_RESOLVER else None)

@@ -247,3 +247,31 @@ def test_every_outcome_cause_and_reason_counter_is_exported_at_0_from_the_start(
     worker, _ = engine_registries()
     assert worker.get_sample_value("kvguard_ticket_rejections_total", {"reason": "bad_mac"}) == 0
     assert worker.get_sample_value("kvguard_control_auth_failures_total", {"reason": "replay"}) == 0
+
+
+async def test_the_operators_metrics_port_spends_no_thread_on_a_connection() -> None:
+    """prometheus_client's threaded server started a thread per connection and kept it while the
+    client stayed silent: 3,000 idle connections made 3,000 threads (outside probe). Served from
+    the operator's loop, 300 idle connections cost none, and a scrape among them is answered."""
+    import asyncio
+    import threading
+
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvguard.operator import metrics as operator_metrics
+
+    runner = await operator_metrics.serve(0, addr="127.0.0.1")
+    try:
+        host, port = runner.addresses[0][:2]
+        threads = threading.active_count()
+        idle = [await asyncio.open_connection(host, port) for _ in range(300)]
+        async with aiohttp.ClientSession() as session, session.get(f"http://{host}:{port}/metrics") as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+            names = {f.name for f in text_string_to_metric_families(await resp.text())}
+        assert "kvguard_operator_reconciles" in names
+        assert threading.active_count() <= threads  # no thread per connection
+        for _, writer in idle:
+            writer.close()
+    finally:
+        await runner.cleanup()
