@@ -342,6 +342,8 @@ class GuardedWebhookServer(kopf.WebhookServer):
             problem = "not JSON a review can be"
         if problem is not None:
             raise aiohttp.web.HTTPBadRequest(reason=problem)
+        # kopf reads the cached body and parses it once more (at most 1 MiB, per admission): its own
+        # error mapping and handler call stay kopf's, not a copy of them here.
         return await kopf.WebhookServer._serve(fn, request)
 
 

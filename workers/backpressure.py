@@ -182,12 +182,14 @@ class BodyMemory:
     waiting for the others' would wait on each other until the body timeout. A body is charged
     for bytes that arrived, not for the Content-Length it announced, so holding the room costs an
     attacker the bytes it sends; none of it outlives the body's use (at the router its parse, at the
-    splitter a router's answer). The one owner of the count."""
+    splitter a router's answer). The one owner of the count, and of counting refusals
+    (`on_refused`, the server's metric)."""
 
-    def __init__(self, capacity: int, free_bytes: int = FREE_BODY_BYTES) -> None:
+    def __init__(self, capacity: int, free_bytes: int = FREE_BODY_BYTES, on_refused: Callable[[], None] = lambda: None) -> None:
         self.capacity = capacity
         self.free_bytes = free_bytes
         self.held = 0
+        self.on_refused = on_refused
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[BodyLease]:
@@ -198,9 +200,13 @@ class BodyMemory:
         finally:
             lease.release()
 
-    def has_room_for(self, size: int) -> bool:
-        """Whether a body of `size` bytes would fit now (an `Expect: 100-continue` is answered by it)."""
-        return max(0, size - self.free_bytes) <= self.capacity - self.held
+    def admits(self, size: int) -> bool:
+        """Whether a body of `size` bytes would fit now (an `Expect: 100-continue` is answered by
+        it); a refusal is counted."""
+        if max(0, size - self.free_bytes) <= self.capacity - self.held:
+            return True
+        self.on_refused()
+        return False
 
 
 class BodyLease:
@@ -226,6 +232,7 @@ class BodyLease:
         if need <= 0:
             return True
         if self._memory.held + need > self._memory.capacity:
+            self._memory.on_refused()
             return False
         self._memory.held += need
         self.charged += need

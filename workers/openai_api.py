@@ -231,7 +231,7 @@ async def answer_expect(request: web.Request, max_body_bytes: int, bodies: BodyM
         err = OpenAIError(417, "the only Expect this server meets is 100-continue", code="expectation_failed", param="Expect")
     elif request.content_length is not None and request.content_length > max_body_bytes:
         err = too_large_error(max_body_bytes)
-    elif request.content_length is not None and not bodies.has_room_for(request.content_length):
+    elif request.content_length is not None and not bodies.admits(request.content_length):
         err = bodies_full_error(bodies.capacity)
     else:
         await _default_expect_handler(request)

@@ -496,7 +496,7 @@ class Router:
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
         self._draining = Draining(config.max_inflight_choices, config.write_timeout_s)
         """Generations that ended at the workers whose clients still read them (`SlotLease`)."""
-        self._bodies = BodyMemory(config.max_body_memory)
+        self._bodies = BodyMemory(config.max_body_memory, on_refused=self.metrics.bodies_refused.inc)
         """Request bodies being read or parsed, in bytes (`_parse`)."""
         self.metrics.body_memory.set_function(lambda: self._bodies.held)
         self._channels: dict[str, ChannelReader] = {}
@@ -967,12 +967,7 @@ class Router:
             if request.content_length is not None and request.content_length > self.config.max_body_bytes:
                 raise too_large_error(self.config.max_body_bytes)  # from its headers, before a 415 for its coding
             _check_body_headers(request.headers)
-            try:
-                raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
-            except OpenAIError as err:
-                if err.status == 503:
-                    self.metrics.bodies_refused.inc()
-                raise
+            raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
             try:
                 body = await self._off_loop(len(raw), _shaped_and_validated, kind, raw)
             except ValidationError as exc:
@@ -984,10 +979,7 @@ class Router:
         return body
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        answer = await answer_expect(request, self.config.max_body_bytes, self._bodies)
-        if answer is not None and answer.status == 503:
-            self.metrics.bodies_refused.inc()
-        return answer
+        return await answer_expect(request, self.config.max_body_bytes, self._bodies)
 
     async def _off_loop(self, size: int, fn: Callable[..., T], *args: object) -> T:
         """fn(*args), on a tokenizer thread when the input is large, so the event loop keeps serving."""

@@ -242,7 +242,7 @@ class Splitter:
         self.requests = Counter("kvguard_splitter_requests_total", "Requests forwarded, by revision and HTTP status",
                                 ["revision", "code"], registry=self.registry)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
-        self._bodies = BodyMemory(config.max_body_memory)
+        self._bodies = BodyMemory(config.max_body_memory, on_refused=self.requests.labels(revision="none", code="503").inc)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware], client_max_size=self.config.max_body_bytes)
@@ -280,12 +280,7 @@ class Splitter:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         with self._bodies.reading() as lease:
-            try:
-                body = HeldBody(await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease), lease)
-            except OpenAIError as err:
-                if err.status == 503:
-                    self.requests.labels(revision="none", code="503").inc()
-                raise
+            body = HeldBody(await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease), lease)
             return await self._forward(request, body)
 
     async def _forward(self, request: web.Request, body: HeldBody) -> web.StreamResponse:
@@ -304,10 +299,7 @@ class Splitter:
         raise OpenAIError(503, "no revision of this model accepted the connection", code="no_backend")
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        answer = await answer_expect(request, self.config.max_body_bytes, self._bodies)
-        if answer is not None and answer.status == 503:
-            self.requests.labels(revision="none", code="503").inc()
-        return answer
+        return await answer_expect(request, self.config.max_body_bytes, self._bodies)
 
     async def _relay(self, request: web.Request, body: HeldBody, backend: SplitBackend) -> web.StreamResponse:
         assert self.session is not None, "the splitter has not started"

@@ -302,12 +302,14 @@ class EngineClient:
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
         result.text = "".join(texts[k] for k in sorted(texts))
+        budget = MAX_TOKEN_CHARS * max_tokens  # each choice's own, as the whole text's is all of theirs
         over = clip_text_to_budget(result)
-        if over is None and (long := next((k for k, v in sorted(texts.items()) if len(v) > MAX_TOKEN_CHARS * max_tokens), None)) is not None:
-            over, result.clipped = f"choice {long}'s text is {len(texts[long]):,} characters for max_tokens={max_tokens} (at most {MAX_TOKEN_CHARS} a token)", True
+        if over is None and (long := [k for k in sorted(texts) if len(texts[k]) > budget]):
+            over, result.clipped = (f"choice {long[0]}'s text is {len(texts[long[0]]):,} characters for "
+                                    f"max_tokens={max_tokens} (at most {MAX_TOKEN_CHARS} a token)"), True  # fmt: skip
         if over is not None:
             result.error = result.error or over
-            texts = {k: v[: MAX_TOKEN_CHARS * max_tokens] for k, v in texts.items()}
+            texts = {k: v[:budget] for k, v in texts.items()}
         self._observe(prompts if isinstance(prompts, str) else "\n".join(prompts), result)
         return result, texts
 
