@@ -469,6 +469,21 @@ async def _fetch_resolved_upstreams(session: aiohttp.ClientSession, config: Rout
         await asyncio.sleep(0.5)
 
 
+@dataclass
+class _Legs:
+    """One request's two legs while the router drives them (`Router._generate`), and how they end."""
+
+    prefill: Upstream
+    decode: Upstream
+    prefill_task: asyncio.Task[None]
+    ticket: asyncio.Future[str]  # decode's bootstrap, signed for prefill (S9)
+    stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)  # decode's answer, held open
+    channel: OpenChannel | None = None  # the token channel the request was handed to, if any
+    cause: str = AbortCause.CLIENT_DISCONNECT  # the abort cause; "" once it finished cleanly
+    outcome: str = "aborted"
+    unreachable: str | None = None  # a worker not to send the aborts to
+
+
 class Router:
     def __init__(
         self, config: RouterConfig, encoder: PromptEncoder, keys: RevisionKeys, metrics: RouterMetrics | None = None
@@ -1228,16 +1243,42 @@ class Router:
         except OpenAIError:  # no worker of a role to send it to: it ended, failed (the error ratio counts it)
             self.metrics.requests.labels("failed").inc()
             raise
-        cause, outcome = str(AbortCause.CLIENT_DISCONNECT), "aborted"
-        unreachable: str | None = None  # a worker not to send the aborts to
-        started, last_token = arrived, time.monotonic()
-        tokens = 0
         # Both legs start now: prefill computes while decode allocates, and gets the ticket (S9:
         # nothing is sent without it) once decode's bootstrap is here.
         ticket: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         prefill_task = asyncio.create_task(self._prefill(prefill.url, PrefillRequest(**request.model_dump()), ticket))
-        stack = contextlib.AsyncExitStack()
-        channel: OpenChannel | None = None
+        legs = _Legs(prefill, decode, prefill_task, ticket)
+        try:
+            async with contextlib.aclosing(self._follow_legs(request, legs, siblings, arrived, lease)) as events:
+                async for event in events:
+                    yield event
+        except (OpenAIError, TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            error = self._failure(request.request_id, legs, exc)
+            if error is exc:
+                raise
+            raise error from None
+        finally:
+            lease.relayed(request.request_id)  # its last event left (or it ended early): no client lags behind it
+            if legs.channel is not None:
+                legs.channel.unsubscribe(request.request_id)
+            self.metrics.request_duration.observe(time.monotonic() - arrived)
+            if legs.cause == AbortCause.CLIENT_DISCONNECT and siblings.failed:  # cancelled because another choice failed
+                legs.cause, legs.outcome = AbortCause.SIBLING_FAILED, "failed"
+            elif legs.cause and legs.cause != AbortCause.CLIENT_DISCONNECT:
+                siblings.failed = True  # before the error leaves: the siblings it cancels read it
+            if legs.cause:
+                urls = tuple(url for url in (prefill.url, decode.url) if url != legs.unreachable)
+                ending.append(self._end_legs(request.request_id, urls, prefill_task, legs.stack, legs.cause, legs.outcome))
+            else:
+                await legs.stack.aclose()
+
+    async def _follow_legs(
+        self, request: GenerateRequest, legs: _Legs, siblings: Siblings, started: float, lease: SlotLease,
+    ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        """Decode's events for one request up to its finish: the ticket goes to prefill when
+        decode's bootstrap comes, tokens as soon as decode verified the KV (S3). Clears
+        `legs.cause` once it finished cleanly; raises what ended it otherwise (`_failure`)."""
+        prefill_task, tokens, last_token = legs.prefill_task, 0, time.monotonic()
 
         def over_at_the_workers() -> None:
             """Decode's finish is in the inbox, perhaps behind what a slow client has not read yet:
@@ -1250,87 +1291,76 @@ class Router:
 
             prefill_task.add_done_callback(release)
 
-        try:
-            given_up = asyncio.Event()  # the decode call is no longer wanted: never sent again
-            # Bounded by the first-token deadline out here, not inside the call: a deadline that
-            # cancelled the call itself closed it before the aborts went out (decode then counted a
-            # client disconnect, not the router's timeout; an outside probe).
-            events, channel = await siblings.within(_unless_prefill_fails(
-                lambda: self._call_decode(request, decode.url, siblings, stack, given_up, over_at_the_workers),
-                prefill_task, _after_the_aborts(stack, request.request_id, given_up)))  # fmt: skip
-            # Until the first token, the request's whole wait (its slot included) is bounded by its
-            # first-token deadline, which its other choices' tokens move on (Siblings).
-            while (event := await (_next_event(events, prefill_task) if tokens else
-                                   siblings.within(_next_event(events, prefill_task)))) is not None:  # fmt: skip
-                if isinstance(event, BootstrapEvent):
-                    if ticket.done():
-                        raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
-                    ticket.set_result(self._ticket(request.request_id, event))
-                elif isinstance(event, HandoffEvent):  # only a request that names a channel is handed over
-                    raise OpenAIError(502, "decode handed the request to a token channel it did not name", code="decode_failed")
-                elif isinstance(event, ErrorEvent):
-                    # Before the ticket, prefill cannot have caused decode's failure.
-                    raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
-                        event.status, event.message, code=event.code
-                    )
-                else:
-                    # Tokens flow as soon as decode verified the KV (S3): prefill's own answer
-                    # (that it sent it all) is only awaited before the request ends cleanly.
-                    if isinstance(event, TokenEvent) and event.token_ids:
-                        tokens, last_token = self._observe_latency(event, tokens, started, last_token)
-                        siblings.progressed()
-                    if isinstance(event, FinishEvent):
-                        # Bounded as every wait of the request is: a prefill that hangs after the
-                        # transfer would otherwise hold the client and its slot for ever (S4).
-                        await _by(asyncio.get_running_loop().time() + self.config.request_timeout_s, asyncio.shield(prefill_task))
-                        # Settled before the yield: the consumer may close us right after it.
-                        self.metrics.requests.labels("finished").inc()
-                        cause = ""
-                    yield event
-                    if not cause:
-                        return
-            raise await _prefill_error_first(prefill_task, wait=ticket.done()) or OpenAIError(
-                502, "the decode worker closed the stream before finishing", code="decode_failed"
-            )
-        except OpenAIError as err:
-            from_prefill = prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is err
-            cause = router_abort_cause(err.code, err.status, from_prefill)
-            outcome = "rejected" if err.status == 400 else "failed"  # a worker refused the request itself
-            raise
-        except TimeoutError:
-            cause, outcome = AbortCause.TIMEOUT, "failed"
-            raise OpenAIError(504, "the request timed out", code="timeout") from None
-        except aiohttp.ClientError as exc:
-            cause, outcome = AbortCause.WORKER_DIED, "failed"
+        given_up = asyncio.Event()  # the decode call is no longer wanted: never sent again
+        # Bounded by the first-token deadline out here, not inside the call: a deadline that
+        # cancelled the call itself closed it before the aborts went out (decode then counted a
+        # client disconnect, not the router's timeout; an outside probe).
+        events, legs.channel = await siblings.within(_unless_prefill_fails(
+            lambda: self._call_decode(request, legs.decode.url, siblings, legs.stack, given_up, over_at_the_workers),
+            prefill_task, _after_the_aborts(legs.stack, request.request_id, given_up)))  # fmt: skip
+        # Until the first token, the request's whole wait (its slot included) is bounded by its
+        # first-token deadline, which its other choices' tokens move on (Siblings).
+        while (event := await (_next_event(events, prefill_task) if tokens else
+                               siblings.within(_next_event(events, prefill_task)))) is not None:  # fmt: skip
+            if isinstance(event, BootstrapEvent):
+                if legs.ticket.done():
+                    raise OpenAIError(502, "decode sent a second bootstrap", code="decode_failed")
+                legs.ticket.set_result(self._ticket(request.request_id, event))
+            elif isinstance(event, HandoffEvent):  # only a request that names a channel is handed over
+                raise OpenAIError(502, "decode handed the request to a token channel it did not name", code="decode_failed")
+            elif isinstance(event, ErrorEvent):
+                # Before the ticket, prefill cannot have caused decode's failure.
+                raise await _prefill_error_first(prefill_task, wait=legs.ticket.done()) or OpenAIError(
+                    event.status, event.message, code=event.code
+                )
+            else:
+                # Tokens flow as soon as decode verified the KV (S3): prefill's own answer
+                # (that it sent it all) is only awaited before the request ends cleanly.
+                if isinstance(event, TokenEvent) and event.token_ids:
+                    tokens, last_token = self._observe_latency(event, tokens, started, last_token)
+                    siblings.progressed()
+                if isinstance(event, FinishEvent):
+                    # Bounded as every wait of the request is: a prefill that hangs after the
+                    # transfer would otherwise hold the client and its slot for ever (S4).
+                    await _by(asyncio.get_running_loop().time() + self.config.request_timeout_s, asyncio.shield(prefill_task))
+                    # Settled before the yield: the consumer may close us right after it.
+                    self.metrics.requests.labels("finished").inc()
+                    legs.cause = ""
+                yield event
+                if not legs.cause:
+                    return
+        raise await _prefill_error_first(prefill_task, wait=legs.ticket.done()) or OpenAIError(
+            502, "the decode worker closed the stream before finishing", code="decode_failed"
+        )
+
+    def _failure(self, request_id: str, legs: _Legs, exc: Exception) -> OpenAIError:
+        """Why the legs end (set on `legs`), from what ended them; returns the error the client
+        hears: `exc` itself when it is one, else a 502 or 504 in the client's terms."""
+        task = legs.prefill_task
+        from_prefill = task.done() and not task.cancelled() and task.exception() is exc
+        if isinstance(exc, OpenAIError):
+            legs.cause = router_abort_cause(exc.code, exc.status, from_prefill)
+            legs.outcome = "rejected" if exc.status == 400 else "failed"  # a worker refused the request itself
+            return exc
+        legs.outcome = "failed"
+        if isinstance(exc, TimeoutError):  # (aiohttp's timeouts too: they are TimeoutErrors before ClientErrors)
+            legs.cause = AbortCause.TIMEOUT
+            return OpenAIError(504, "the request timed out", code="timeout")
+        if isinstance(exc, aiohttp.ClientError):
+            legs.cause = AbortCause.WORKER_DIED
             # No abort to the worker whose connection failed: its pages went with it (a live one whose
             # handler lost the connection released the request itself), and one restarted on the same
             # port refuses a call signed for the old instance, counting it as an S9 refusal (an
             # outside probe: every crash with requests in flight fired the trust-boundary alert).
-            from_prefill = prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is exc
-            unreachable = prefill.url if from_prefill else decode.url
-            if self._upstreams is not None and self._upstreams.at(unreachable) is not None:
-                self._suspect.add(unreachable)  # only workers still listed: `_depart` takes a departing one out
+            legs.unreachable = legs.prefill.url if from_prefill else legs.decode.url
+            if self._upstreams is not None and self._upstreams.at(legs.unreachable) is not None:
+                self._suspect.add(legs.unreachable)  # only workers still listed: `_depart` takes a departing one out
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
-            log.warning("request %s: a worker failed: %r", request.request_id, exc)
-            raise OpenAIError(502, _worker_failure(exc), code="worker_failed") from None
-        except ValueError as exc:  # an event line that does not parse, or is over its bound
-            cause, outcome = AbortCause.DECODE_ERROR, "failed"
-            log.warning("request %s: decode sent an unreadable event: %s", request.request_id, exc)
-            raise OpenAIError(502, "the decode worker sent an unreadable event", code="decode_failed") from None
-        finally:
-            lease.relayed(request.request_id)  # its last event left (or it ended early): no client lags behind it
-            if channel is not None:
-                channel.unsubscribe(request.request_id)
-            self.metrics.request_duration.observe(time.monotonic() - started)
-            if cause == AbortCause.CLIENT_DISCONNECT and siblings.failed:  # cancelled because another choice failed
-                cause, outcome = AbortCause.SIBLING_FAILED, "failed"
-            elif cause and cause != AbortCause.CLIENT_DISCONNECT:
-                siblings.failed = True  # before the error leaves: the siblings it cancels read it
-            if cause:
-                legs = tuple(url for url in (prefill.url, decode.url) if url != unreachable)
-                ending.append(self._end_legs(request.request_id, legs, prefill_task, stack, cause, outcome))
-            else:
-                await stack.aclose()
+            log.warning("request %s: a worker failed: %r", request_id, exc)
+            return OpenAIError(502, _worker_failure(exc), code="worker_failed")
+        legs.cause = AbortCause.DECODE_ERROR  # a ValueError: an event line that does not parse, or is over its bound
+        log.warning("request %s: decode sent an unreadable event: %s", request_id, exc)
+        return OpenAIError(502, "the decode worker sent an unreadable event", code="decode_failed")
 
     async def _call_decode(
         self, request: GenerateRequest, url: str, siblings: Siblings, stack: contextlib.AsyncExitStack,
