@@ -18,15 +18,18 @@ Checks (spec.rollout.analysis):
   kvguard_router_inter_token_latency_seconds of the candidate, at most maxRatioToStable times the
   stable's over the same window (no stable revision: not compared).
 - queries: PromQL values fetched by the driver from prometheusURL, within [min, max].
-A check that fails more than its failureLimit measurements in a rollout fails the analysis. Fewer
+A check that fails more than its failureLimit measurements in a rollout fails the analysis; one
+that errors (could not be measured: an unreachable Prometheus, unreadable metrics) more than
+consecutiveErrorLimit measurements in a row fails it too, as in Argo Rollouts. Fewer
 than minRequests candidate requests in the window make the router checks inconclusive: the step
 holds (a candidate nobody talks to is not evidence), and the window stays open
 (`needs_more_traffic`) until it holds enough, so a candidate at low traffic that fails every
 request is still judged. At 100% the stable gets no traffic: latencies are compared with its last
 window that had some (`Window.stable_reference`).
 
-A process whose counters went down restarted (a restarted pod): all of its series count from
-zero, not only those that went down (a restarted router's few failures hid behind the old count).
+Only counters and histograms are read. A process whose counters went down restarted (a restarted
+pod): all of its series count from zero, not only those that went down (a restarted router's few
+failures hid behind the old count).
 A stable window with fewer than minRequests first tokens is too small to compare with (one slow
 request made an equal candidate 2x): the last window that had enough is used instead.
 """
@@ -73,12 +76,23 @@ def source_name(role: str, name: str) -> str:
     return f"{role}/{name}"
 
 
+MONOTONIC_TYPES = frozenset({"counter", "histogram"})
+"""The families a window measures: counts that only grow while their process lives. Gauges are
+left out: one that went down (the router's body memory as a large body ends, its waiting
+choices as they get a slot) read as a restarted router, and the window counted its lifetime
+(an outside probe: a window of 20 failures in 20 passed as 20 in 1,020)."""
+
+
 def parse_exposition(source: str, text: str) -> Series:
-    """Every sample of one scrape, keyed by source, name and labels. ValueError on bad text."""
+    """The counter and histogram samples of one scrape (not their `_created` times), keyed by
+    source, name and labels. ValueError on bad text."""
     series: Series = {}
     for family in text_string_to_metric_families(text):
+        if family.type not in MONOTONIC_TYPES:
+            continue
         for sample in family.samples:
-            series[(source, sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+            if not sample.name.endswith("_created"):
+                series[(source, sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return series
 
 
@@ -201,9 +215,21 @@ their numbers (a summary when all passed). Defined in rollout.py, which consumes
 
 
 def _result(name: str, phase: AnalysisPhase, value: float | None, threshold: float | None, message: str,
-            failures: int, at: str, reference: float | None = None) -> AnalysisResult:  # fmt: skip
+            failures: int, at: str, reference: float | None = None, errors: int = 0) -> AnalysisResult:  # fmt: skip
     return AnalysisResult(name=name, phase=phase, value=None if value is None else round(value, 6), threshold=threshold,
-                          failures=failures, message=message, measured_at=at, reference=reference)  # fmt: skip
+                          failures=failures, message=message, measured_at=at, reference=reference, errors=errors)  # fmt: skip
+
+
+def errors_in_a_row(previous: Sequence[AnalysisResult], name: str) -> int:
+    """How many measurements in a row `name` has errored, counting this one."""
+    return next((r.errors for r in previous if r.name == name), 0) + 1
+
+
+def unmeasured(spec: AnalysisSpec, previous: Sequence[AnalysisResult], why: str, at: str) -> Measurement:
+    """A measurement that could not be made (the revisions' metrics could not all be read): it
+    holds the step, and fails the analysis once it has errored more than consecutiveErrorLimit
+    times in a row (a candidate nobody can measure is never promoted by waiting)."""
+    return _verdict(spec, [_result("scrape", "Error", None, None, why, 0, at, errors=errors_in_a_row(previous, "scrape"))])
 
 
 def measure(
@@ -222,7 +248,7 @@ def measure(
                                     recorded.get(name)))  # fmt: skip
     by_name = {q.name: q for q in queries}
     for query in spec.queries:
-        results.append(_query(query, by_name.get(query.name), failures.get(query.name, 0), at))
+        results.append(_query(query, by_name.get(query.name), failures.get(query.name, 0), at, previous))
     return _verdict(spec, results)
 
 
@@ -303,12 +329,14 @@ def _latency(name: str, histogram: str, check: LatencyCheck, min_requests: int, 
     return _result(name, "Successful", ratio, limit, text, failures, at, reference)
 
 
-def _query(query: PrometheusQuery, answer: QueryValue | None, failures: int, at: str) -> AnalysisResult:
+def _query(query: PrometheusQuery, answer: QueryValue | None, failures: int, at: str,
+           previous: Sequence[AnalysisResult] = ()) -> AnalysisResult:  # fmt: skip
     bound = query.max if query.max is not None else query.min
+    if answer is not None and answer.error:  # Prometheus unreachable, or answering an error
+        return _result(query.name, "Error", None, bound, f"{query.name}: {answer.error}", failures, at,
+                       errors=errors_in_a_row(previous, query.name))  # fmt: skip
     if answer is None or answer.value is None:
-        why = answer.error if answer and answer.error else "no data"
-        return _result(query.name, "Inconclusive" if not (answer and answer.error) else "Error", None, bound,
-                       f"{query.name}: {why}", failures, at)  # fmt: skip
+        return _result(query.name, "Inconclusive", None, bound, f"{query.name}: no data", failures, at)
     value = answer.value
     too_high = query.max is not None and value > query.max
     too_low = query.min is not None and value < query.min
@@ -330,10 +358,12 @@ def _limit(spec: AnalysisSpec, name: str) -> int:
 
 
 def _verdict(spec: AnalysisSpec, results: list[AnalysisResult]) -> Measurement:
-    over = [r for r in results if r.failures > _limit(spec, r.name)]
+    over = [f"{r.message} ({r.failures} failed measurement(s), limit {_limit(spec, r.name)})"
+            for r in results if r.failures > _limit(spec, r.name)]  # fmt: skip
+    over += [f"{r.message} ({r.errors} measurements in a row could not be made, limit {spec.consecutive_error_limit}: "
+             "spec.rollout.analysis.consecutiveErrorLimit)" for r in results if r.errors > spec.consecutive_error_limit]  # fmt: skip
     if over:
-        return Measurement("fail", tuple(results), "; ".join(f"{r.message} ({r.failures} failed measurement(s), "
-                                                             f"limit {_limit(spec, r.name)})" for r in over))  # fmt: skip
+        return Measurement("fail", tuple(results), "; ".join(over))
     open_ = [r for r in results if r.phase != "Successful"]
     if open_:
         return Measurement("inconclusive", tuple(results), "; ".join(dict.fromkeys(r.message for r in open_)))

@@ -1062,6 +1062,11 @@ class AnalysisSpec(ApiModel):
     """Base URL of a Prometheus (its /api/v1/query) for `queries`."""
     queries: list[PrometheusQuery] = Field(default_factory=list, max_length=16)
     """Extra checks: PromQL queries and the bounds their value must keep."""
+    consecutive_error_limit: NonNegativeInt = Field(default=4, le=1000)
+    """Measurements in a row that may error (the candidate's metrics unreadable, Prometheus
+    unreachable or answering an error) before the analysis fails, as Argo Rollouts'
+    consecutiveErrorLimit (also 4 by default). Else a Prometheus outage held the candidate at its
+    step, up to the whole bake at 100%, for ever."""
 
     @model_validator(mode="after")
     def _queries_are_answerable(self) -> AnalysisSpec:

@@ -194,6 +194,9 @@ class AnalysisResult(_StatusModel):
     """The bound the value was judged against."""
     failures: int = 0
     """Failed measurements so far in this rollout (the analysis fails past the check's failureLimit)."""
+    errors: int = 0
+    """Measurements in a row whose phase was Error (the analysis fails past
+    spec.rollout.analysis.consecutiveErrorLimit)."""
     message: str = ""
     """The numbers, for humans: e.g. `p95 TTFT 0.41 s vs stable 0.20 s = 2.05x > 1.5x`."""
     measured_at: str | None = None
@@ -598,11 +601,14 @@ class _Step:
         if old_state == RolloutState.PROMOTING and old is not None and self.world.serving == old:
             return  # traffic already moved: finish the promotion, then supersede
         if old is not None and old != self.stable and old_state not in (RolloutState.STABLE,):
-            if self.stable and (old_state == RolloutState.SHIFTING or self.r.weight):
+            served = old_state == RolloutState.SHIFTING or bool(self.r.weight)
+            if self.stable and served:
                 self.actions.append(RouteTraffic(self.stable))  # S8: its share goes back before it goes
             self._retire(old)
             if old_state in (*IN_FLIGHT, RolloutState.PROMOTING, RolloutState.SHIFTING):
-                self.event("Normal", "RolloutSuperseded", f"revision {old} superseded by {wanted} before promotion")
+                # The same words as its status.history entry (reconcile._supersede_replaced_candidate).
+                how = f"after serving a share of traffic, {NEVER_PROMOTED}" if served else NEVER_SERVED
+                self.event("Normal", "RolloutSuperseded", f"revision {old} superseded by {wanted} {how}")
         if old_state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):  # that failure is history now, not the target's
             self.condition("Degraded", "False", "RolloutStarted", f"rolling out revision {wanted}; revision {old} failed "
                            "before (status.history)")  # fmt: skip

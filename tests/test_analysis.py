@@ -196,6 +196,23 @@ def test_a_restarted_router_counts_all_its_series_from_zero() -> None:
     assert by_name(result)["errorRatio"].phase == "Failed" and by_name(result)["ttft"].phase == "Failed"
 
 
+def test_a_gauge_going_down_is_no_restart() -> None:
+    """Outside probe: the router's body-memory gauge fell (a large body ended) between two
+    scrapes, the router read as restarted, and a window of 20 failures in 20 requests was judged
+    as 20 in the router's lifetime of 1,020: a pass. Only counters and histograms are read."""
+    candidate = Revision()
+    candidate.serve(1000)
+    candidate.router.body_memory.set(70_000)
+    candidate.router.waiting_choices.set(3)
+    before = candidate.scrape()
+    candidate.serve(0, failed=20)
+    candidate.router.body_memory.set(0)
+    candidate.router.waiting_choices.set(0)
+    result = by_name(measured(candidate, None, before=(before, None)))["errorRatio"]
+    assert result.phase == "Failed" and "20 of 20" in result.message
+    assert not any("body_memory" in name or name.endswith("_created") for _, name, _ in before)
+
+
 def total_of(series: dict, name: str, role: str, **labels: str) -> float:
     from kvguard.operator.analysis import total
 
@@ -264,6 +281,41 @@ def test_queries_are_judged_against_their_bounds() -> None:
     assert high.verdict == "fail" and "gpu-util = 0.95 (must be <= 0.9)" in high.message
     missing = measured(candidate, stable, spec, queries=[QueryValue("gpu-util", None, "HTTP 503"), QueryValue("tokens", 5)])
     assert missing.verdict == "inconclusive" and by_name(missing)["gpu-util"].phase == "Error"
+
+
+def test_a_query_that_errors_more_than_the_limit_in_a_row_fails_the_analysis() -> None:
+    """Outside probe: an unreachable Prometheus made every measurement inconclusive, so the
+    candidate held its step (its whole bake at 100%) for ever. As Argo Rollouts'
+    consecutiveErrorLimit: more errors in a row than the limit fail it; a good answer resets them."""
+    spec = AnalysisSpec.model_validate({"minRequests": 10, "prometheusURL": "http://prom:9090", "consecutiveErrorLimit": 2,
+                                        "queries": [{"name": "gpu-util", "query": "x", "max": 0.9}]})  # fmt: skip
+    candidate, stable = Revision(), Revision()
+    candidate.serve(20)
+    stable.serve(20)
+    down, up = [QueryValue("gpu-util", None, "Prometheus unreachable: ClientConnectorError")], [QueryValue("gpu-util", 0.5)]
+    verdicts, previous = [], ()
+    for answer in (down, down, up, down, down, down):
+        result = measured(candidate, stable, spec, previous=previous, queries=answer)
+        verdicts.append((result.verdict, by_name(result)["gpu-util"].errors))
+        previous = result.results
+    assert verdicts == [("inconclusive", 1), ("inconclusive", 2), ("pass", 0), ("inconclusive", 1), ("inconclusive", 2), ("fail", 3)]
+    assert "3 measurements in a row could not be made, limit 2" in result.message and "consecutiveErrorLimit" in result.message
+    no_data = measured(candidate, stable, spec, previous=previous, queries=[QueryValue("gpu-util", None)])
+    assert no_data.verdict == "inconclusive" and by_name(no_data)["gpu-util"].errors == 0  # no data is no error: it holds
+
+
+def test_metrics_that_cannot_be_read_more_than_the_limit_in_a_row_fail_the_analysis() -> None:
+    from kvguard.operator.analysis import unmeasured
+    from kvguard.operator.rollout import carried_results
+
+    spec = AnalysisSpec()  # consecutiveErrorLimit 4, as Argo Rollouts
+    previous: list = []
+    for _ in range(4):
+        held = unmeasured(spec, previous, "candidate metrics incomplete: r2-router-0: HTTP 500", AT)
+        assert held.verdict == "inconclusive" and held.message == "candidate metrics incomplete: r2-router-0: HTTP 500"
+        previous = carried_results(previous, held.results)
+    failed = unmeasured(spec, previous, "candidate metrics incomplete: r2-router-0: HTTP 500", AT)
+    assert failed.verdict == "fail" and "5 measurements in a row could not be made, limit 4" in failed.message
 
 
 # --- the I/O half: real /metrics over loopback HTTP ---------------------------------------------

@@ -178,8 +178,10 @@ def test_a_spec_change_mid_shift_returns_traffic_to_stable_before_retiring() -> 
     assert_stable_untouched(d, "r1")
     kinds = [type(a).__name__ for a in d.actions if isinstance(a, RouteTraffic | ScaleRevision) or type(a).__name__ == "DeleteRevision"]
     assert kinds[0] == "RouteTraffic" and RouteTraffic("r1") in d.actions
-    # Announced as any superseded candidate is (outside probe: only those not yet serving were).
-    assert any(isinstance(a, RecordEvent) and a.reason == "RolloutSuperseded" for a in d.actions)
+    # Announced as any superseded candidate is (outside probe: only those not yet serving were),
+    # in the words of its history entry (another probe: the Event said it never served).
+    superseded = [a.message for a in d.actions if isinstance(a, RecordEvent) and a.reason == "RolloutSuperseded"]
+    assert superseded == ["revision r2 superseded by r3 after serving a share of traffic, before it was promoted"]
 
 
 def test_resume_from_status_alone_mid_shift_S8() -> None:
@@ -246,6 +248,27 @@ def test_progressing_says_why_the_last_measurement_could_not_judge_not_an_older_
     d = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=AnalysisOutcome("inconclusive", (scrape,), scrape.message)))
     progressing = [a for a in d.actions if isinstance(a, SetCondition) and a.type == "Progressing"][-1]
     assert progressing.message.endswith("holds at 10%: candidate metrics incomplete: r2-router-0: HTTP 500")
+
+
+def test_a_candidate_that_cannot_be_measured_is_rolled_back_after_the_error_limit_s8() -> None:
+    """Outside probe: with its metrics unreadable (or Prometheus down) every measurement held the
+    step, and the candidate kept its share, up to 100% while baking, for ever. Past
+    consecutiveErrorLimit errors in a row the analysis fails and traffic goes back (S8)."""
+    from kvguard.operator.analysis import unmeasured
+
+    sim = shifting_sim(analysis={"intervalSeconds": 30, "consecutiveErrorLimit": 2})
+    d = sim.run_until(S.SHIFTING)
+    analysis = sim.spec.rollout.analysis
+    weights = []
+    for _ in range(3):
+        sim.now += dt.timedelta(seconds=30)
+        unreadable = unmeasured(analysis, sim.rollout.analysis, "candidate metrics incomplete: r2-router-0: timed out", "t")
+        d = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=unreadable))
+        sim.apply(d)
+        weights.append(d.rollout.weight)
+    assert weights == [10, 10, 0] and sim.route == {"r1": 100}
+    assert conditions(d)["Degraded"] == ("True", "AnalysisFailed")
+    assert "3 measurements in a row could not be made, limit 2" in d.rollout.message
 
 
 def _at_last_step(sim: StepSim) -> Decision:

@@ -182,7 +182,7 @@ def test_status_carries_step_weight_analysis_and_scale_down() -> None:
     wire = status.model_dump(by_alias=True, exclude_none=True)
     assert wire["step"] == 1 and wire["weight"] == 50 and wire["scaleDownAt"] == "2026-01-01T00:05:00Z"
     assert wire["analysis"][0] == {"name": "ttft", "phase": "Failed", "value": 2.1, "threshold": 1.5, "failures": 2,
-                                   "message": "p95 2.1x stable", "measuredAt": "2026-01-01T00:00:00Z"}  # fmt: skip
+                                   "errors": 0, "message": "p95 2.1x stable", "measuredAt": "2026-01-01T00:00:00Z"}  # fmt: skip
     crd = inference_model_crd()
     version = crd["spec"]["versions"][0]
     rollout_schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["rollout"]["properties"]

@@ -432,6 +432,8 @@ def test_spec_change_supersedes_an_unfinished_rollout_cleanly(state: RolloutStat
     assert d.rollout.revision == "r3" and d.state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING)
     assert "r2" not in sim.revisions and CancelCanary("r2") in d.actions
     assert ("RolloutSuperseded" in events(d)) == (state in (S.CANARY_DEPLOYING, S.CANARY_VERIFYING))
+    superseded = [a.message for a in d.actions if isinstance(a, RecordEvent) and a.reason == "RolloutSuperseded"]
+    assert all(m == "revision r2 superseded by r3 before it served" for m in superseded)
     assert sim.serving == "r1" and sim.stable == "r1"
     assert d.rollout.workers == [] and d.rollout.canary is None or d.rollout.revision == "r3"
 

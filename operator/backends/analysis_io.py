@@ -32,6 +32,7 @@ from kvguard.operator.analysis import (
     parse_exposition,
     served_traffic,
     source_name,
+    unmeasured,
 )
 from kvguard.operator.api import AnalysisSpec, PrometheusQuery
 from kvguard.operator.canary.client import RedirectRefused, UnreadableAnswer, get_text, read_text, session_without_redirects
@@ -158,13 +159,12 @@ async def measure_live_traffic(
     stable_now, stable_errors = await scrape_series(stable_urls)
     at = now_text or rfc3339(dt.datetime.now(dt.UTC))
     if cand_errors:  # part of the candidate unseen: no evidence either way, and the window keeps its start
-        why = "candidate metrics incomplete: " + "; ".join(cand_errors)
-        return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
+        return unmeasured(spec, previous, "candidate metrics incomplete: " + "; ".join(cand_errors), at)
     cand_before, stable_before = memory.before(key, cand_rev, stable_rev)
     if stable_errors:
         why = "stable metrics incomplete: " + "; ".join(stable_errors)
         if cand_before is None or stable_before is None:  # no window starts half-seen
-            return AnalysisOutcome("inconclusive", (AnalysisResult(name="scrape", phase="Error", message=why, measured_at=at),), why)
+            return unmeasured(spec, previous, why, at)
         # The stable's part of this window unseen: its start is kept (the next window covers both
         # intervals), and this one is compared with its last window that had traffic. Taken as
         # the window's end, an empty scrape made the next window the stable's whole life, whose
