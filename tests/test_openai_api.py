@@ -123,6 +123,61 @@ def test_streamed_logprobs_equal_whole(api: openai.OpenAI, model: str, chat: boo
     assert streamed == whole.choices[0].logprobs.token_logprobs and offsets == whole.choices[0].logprobs.text_offset
 
 
+MID_CHARACTER = {"226": 100}  # byte 0xE2 (token 226 of the tiny byte vocabulary): a 3-byte character's first byte
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_a_token_that_ends_mid_character_sends_no_chunk_that_carries_nothing(trio: LocalDeployment, model: str, path: str,
+                                                                            logprobs: bool) -> None:
+    """Each forced token is a character's first byte, so the text holds it back: such a token sent
+    `content: ""` (`text: ""`) with nothing else. Without logprobs it sends no chunk (its bytes come
+    with a later one); with logprobs its chunk carries them. Text, logprobs and usage are the
+    whole answer's."""
+    body: dict = {"model": model, "max_tokens": 6, "temperature": 0, "logit_bias": MID_CHARACTER}
+    chat = path.startswith("chat")
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    if logprobs:
+        body.update({"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1})
+    whole = post(trio, path, body).json()
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(f"{trio.api_base}/{path}", json=stream, timeout=60, stream=True) as answer:
+        frames = [line.removeprefix("data: ") for line in answer.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    choices = [c["choices"][0] for c in chunks if c["choices"] and "role" not in c["choices"][0]["delta" if chat else "text"]]
+    texts = [c["delta"].get("content") if chat else c["text"] for c in choices]
+    assert all(text or c["logprobs"] or c["finish_reason"] for text, c in zip(texts, choices, strict=True)), chunks
+    assert "".join(t or "" for t in texts) == (whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"])
+    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 6
+    if logprobs:
+        key = "content" if chat else "token_logprobs"
+        streamed = [lp for c in choices if c["logprobs"] for lp in c["logprobs"][key]]
+        assert streamed == whole["choices"][0]["logprobs"][key] and len(streamed) == 6
+    else:
+        assert len(choices) < 6  # held-back tokens sent no chunk
+
+
+def test_an_assistant_turn_passed_back_as_the_client_dumps_it_is_accepted(trio: LocalDeployment, api: openai.OpenAI,
+                                                                          model: str) -> None:
+    """The multi-turn pattern: `message.model_dump()` has `annotations: None` (openai >= 1.x), which
+    was refused as an unknown argument. Null or [] is accepted; citations are refused by name."""
+    question = {"role": "user", "content": "hi"}
+    first = api.chat.completions.create(model=model, messages=[question], max_tokens=3, temperature=0)  # type: ignore[list-item]
+    dumped = first.choices[0].message.model_dump()
+    assert "annotations" in dumped, dumped  # the client's shape this test is about
+    turns = [question, dumped, {"role": "user", "content": "more"}]
+    again = api.chat.completions.create(model=model, messages=turns, max_tokens=3, temperature=0)  # type: ignore[arg-type]
+    assert again.usage is not None and first.usage is not None and again.usage.prompt_tokens > first.usage.prompt_tokens
+    empty = post(trio, "chat/completions", {"model": model, "max_tokens": 2, "messages": [question, {**dumped, "annotations": []}]})
+    assert empty.status_code == 200, empty.text
+    cited = {**dumped, "annotations": [{"type": "url_citation", "url_citation": {"url": "https://example.com"}}]}
+    refused = post(trio, "chat/completions", {"model": model, "max_tokens": 2, "messages": [question, cited]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("messages[1].annotations", "unsupported_parameter"), error
+
+
 # --------------------------------------------------------------------- n, batches, echo
 
 
@@ -393,9 +448,20 @@ CODED = [  # the `code` OpenAI's API answers for the same mistake, which clients
     ({"top_p": 0}, "decimal_below_min_value"),
     ({"n": 0}, "integer_below_min_value"),
     ({"logprobs": 6}, "integer_above_max_value"),
-    ({"stop": ["a"] * 5}, "invalid_value"),
+    ({"stop": [""]}, "invalid_value"),  # the right type, a value not allowed
     ({"n": 17}, "integer_above_max_value"),  # the router's max_choices (16), not the schema's 128
+    # a list over its length limit is array_above_max_length, whichever the list
     ({"prompt": ["p"] * 17}, "array_above_max_length"),
+    ({"stop": ["a"] * 5}, "array_above_max_length"),
+    ({"stop_token_ids": list(range(65))}, "array_above_max_length"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "array_above_max_length"),
+    # a value of the wrong JSON type is invalid_type, whichever validator reads it
+    ({"prompt": 5}, "invalid_type"),
+    ({"prompt": [[1], ["a"]]}, "invalid_type"),
+    ({"stop": 123}, "invalid_type"),
+    ({"stop": {"a": 1}}, "invalid_type"),
+    ({"logit_bias": []}, "invalid_type"),
+    ({"prompt": [-1]}, "invalid_value"),  # the right type, out of range
 ]
 
 
@@ -404,6 +470,23 @@ def test_invalid_parameters_carry_openais_error_code(api: openai.OpenAI, model: 
     with pytest.raises(openai.BadRequestError) as caught:
         api.completions.create(model=model, prompt="hi", max_tokens=2, extra_body=override)
     assert caught.value.code == code and caught.value.param == next(iter(override)), caught.value.body
+
+
+CHAT_CODED = [
+    ([{"role": "user", "content": 5}], "messages[0].content", "invalid_type"),
+    ([{"role": 5, "content": "x"}], "messages[0].role", "invalid_type"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role", "invalid_value"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content", "invalid_type"),
+    ([5], "messages[0]", "invalid_type"),
+    ([{"role": "user", "content": "x"}] * 4097, "messages", "array_above_max_length"),
+]
+
+
+@pytest.mark.parametrize("messages, param, code", CHAT_CODED, ids=[f"{p}-{c}" for _, p, c in CHAT_CODED])
+def test_invalid_messages_carry_openais_error_code(trio: LocalDeployment, model: str, messages: list, param: str, code: str) -> None:
+    answer = post(trio, "chat/completions", {"model": model, "messages": messages, "max_tokens": 2})
+    assert answer.status_code == 400, answer.text
+    assert (answer.json()["error"]["param"], answer.json()["error"]["code"]) == (param, code), answer.text
 
 
 @pytest.mark.parametrize(("path", "budget"), [("completions", "max_tokens"), ("chat/completions", "max_tokens"),
@@ -422,6 +505,36 @@ def test_a_missing_model_is_refused_as_openai_refuses_it(trio: LocalDeployment) 
     assert answer.status_code == 400
     assert answer.json()["error"] == {"message": "you must provide a model parameter", "type": "invalid_request_error",
                                       "param": "model", "code": "missing_required_parameter"}
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_an_empty_model_is_refused_as_openai_refuses_it(trio: LocalDeployment, path: str) -> None:
+    """`"model": ""` names no model: not a 404 for a model called ''."""
+    body: dict = {"model": "", "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    answer = post(trio, path, body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == {"message": "you must provide a model parameter", "type": "invalid_request_error",
+                                      "param": "model", "code": "invalid_value"}
+
+
+@pytest.mark.parametrize("charset", ["latin-1", "ISO-8859-1", "utf-16"])
+def test_a_body_in_a_charset_other_than_utf8_is_refused(trio: LocalDeployment, model: str, charset: str) -> None:
+    """The body is read as UTF-8, as JSON is: a body labelled otherwise would be misread, not refused."""
+    body = json.dumps({"model": model, "prompt": "caf\u00e9", "max_tokens": 2}, ensure_ascii=False).encode("latin-1")
+    answer = requests.post(f"{trio.api_base}/completions", data=body, timeout=60,
+                           headers={"Content-Type": f"application/json; charset={charset}"})
+    assert answer.status_code == 415, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "unsupported_media_type" and "UTF-8" in error["message"], error
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "application/json;charset=UTF-8",
+                                          'application/json; charset="utf-8"', "application/json"])
+def test_a_utf8_body_is_served_whatever_the_case_of_its_charset(trio: LocalDeployment, model: str, content_type: str) -> None:
+    body = json.dumps({"model": model, "prompt": "caf\u00e9", "max_tokens": 2}, ensure_ascii=False).encode()
+    answer = requests.post(f"{trio.api_base}/completions", data=body, timeout=60, headers={"Content-Type": content_type})
+    assert answer.status_code == 200, answer.text
 
 
 def test_nullable_parameters_take_their_defaults(trio: LocalDeployment, model: str) -> None:
@@ -463,6 +576,7 @@ def test_with_include_usage_every_chunk_carries_usage_null_and_the_last_the_tota
     chunks = [json.loads(f) for f in frames[:-1]]
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert list(chunks[-1]) == list(chunks[0]) and chunks[-1]["system_fingerprint"] is None  # as every other chunk
     plain = {k: v for k, v in body.items() if k != "stream_options"}
     with requests.post(f"{trio.api_base}/{path}", json=plain, timeout=60, stream=True) as answer:
         frames = [line.removeprefix("data: ") for line in answer.iter_lines(decode_unicode=True) if line.startswith("data: ")]

@@ -30,7 +30,11 @@ def test_text_chunk_is_byte_for_byte_the_model_built_chunk(chat: bool) -> None:
     for index in (0, 1):
         for first in (True, False):
             for text in TEXTS:
-                assert builder.text_chunk_sse(index, text, first=first) == sse(builder.chunk(index, text, first=first))
+                got = builder.text_chunk_sse(index, text, first=first)
+                if not text and not (first and not chat):  # carries nothing: not sent (the test below)
+                    assert got == b""
+                else:
+                    assert got == sse(builder.chunk(index, text, first=first))
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -41,6 +45,31 @@ def test_text_chunk_with_logprobs_keeps_its_records(chat: bool) -> None:
     for _ in range(2):  # the shaper's text offset advances the same way on both
         assert fast.text_chunk_sse(0, "a", records) == sse(slow.chunk(0, "a", records))
     assert fast.text_chunk_sse(0, "b") == sse(slow.chunk(0, "b"))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_chunk_that_would_carry_nothing_is_not_sent(chat: bool) -> None:
+    """No text (a token that ended mid-character), no logprobs, no echo: nothing to send. Logprobs
+    or a completions stream's echoed prompt are something; so is text."""
+    records = (TokenLogprob(token_id=0xE2, logprob=-0.5),)
+    plain = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=False, echo=["echoed "])
+    assert plain.text_chunk_sse(0, "") == b"" and plain.text_chunk_sse(0, "", records) == b""
+    assert plain.text_chunk_sse(1, "", first=True) == b""  # choice 1 has no echo
+    assert plain.text_chunk_sse(0, "a") == sse(plain.chunk(0, "a"))
+    echoed = plain.text_chunk_sse(0, "", first=True)
+    assert (echoed == b"") == chat  # chat has no echo; completions' first chunk shows the prompt
+    with_logprobs = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=True)
+    assert with_logprobs.text_chunk_sse(0, "") == b""
+    assert with_logprobs.text_chunk_sse(0, "", records) == sse(ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=True)
+                                                               .chunk(0, "", records))  # fmt: skip
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_usage_chunk_has_the_keys_every_other_chunk_has(chat: bool) -> None:
+    builder = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=False, include_usage=True)
+    usage = builder.usage_chunk(3, 4)
+    assert list(usage) == list(builder.chunk(0, "a")) and usage["system_fingerprint"] is None
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 
 def _lines(data: bytes) -> list[object]:

@@ -104,6 +104,8 @@ def validation_error(exc: ValidationError) -> OpenAIError:
         return OpenAIError(400, f"Unrecognized request argument supplied: {shown}", code="unknown_parameter", param=param)
     if kind == "missing" and param == "model":
         return OpenAIError(400, "you must provide a model parameter", code="missing_required_parameter", param="model")
+    if kind == "model_empty":  # `"model": ""`: present, so not missing, but naming no model
+        return OpenAIError(400, msg, code="invalid_value", param=param)
     msg = msg.removeprefix("Value error, ")
     return OpenAIError(400, f"{param}: {msg}" if param else msg, code=_validation_code(kind, first.get("ctx")), param=param)
 
@@ -112,6 +114,7 @@ def validation_error(exc: ValidationError) -> OpenAIError:
 # on it: `invalid_type`, `integer_above_max_value`, ...); anything else is `invalid_value`.
 _TYPE_CODES = {"missing": "missing_required_parameter", "unsupported_parameter": "unsupported_parameter",
                "empty_array": "empty_array", "too_long": "array_above_max_length",
+               "array_above_max_length": "array_above_max_length",  # openai_requests._too_many
                "too_short": "array_below_min_length", "string_too_long": "string_above_max_length",
                "string_too_short": "string_below_min_length"}  # fmt: skip
 _BOUND_CODES = {"greater_than": "below_min_value", "greater_than_equal": "below_min_value",

@@ -4,7 +4,7 @@ Every parameter of OpenAI's completions and chat completions APIs, and the vLLM 
 commonly send, is either implemented or refused with a 400 naming it; nothing is silently ignored.
 An unknown parameter is refused as OpenAI refuses it ("Unrecognized request argument supplied").
 Types are strict, as the schema has them: `"stream": "yes"`, `"max_tokens": "5"` or `true` are 400s,
-and `model` is required (OpenAI: "you must provide a model parameter"). The table of what is
+and `model` is required and not empty (OpenAI: "you must provide a model parameter"). The table of what is
 implemented and what is refused is in docs/openai-api.md.
 """
 
@@ -55,6 +55,20 @@ class PromptCacheOptions(_Strict):
     ttl: Annotated[str, Field(pattern=r"^[1-9][0-9]{0,3}[mh]$")] | None = None
 
 
+def _wrong_type(message: str) -> PydanticCustomError:
+    """A value of the wrong JSON type: its error kind ends in `_type`, so the 400's code is
+    `invalid_type` (openai_api._validation_code), as OpenAI answers it; a plain ValueError is
+    `invalid_value`, which is for a value of the right type that is not allowed."""
+    return PydanticCustomError("json_type", "{message}", {"message": message})
+
+
+def _too_many(what: str, limit: int, got: int) -> PydanticCustomError:
+    """An array (or an object's entries) over its length limit: `array_above_max_length`, as
+    pydantic's own max_length errors and OpenAI's answer for a too-long array."""
+    return PydanticCustomError("array_above_max_length", "at most {limit} {what}, got {got}",
+                               {"limit": limit, "what": what, "got": got})  # fmt: skip
+
+
 def _refuse(param: str, why: str) -> OpenAIError:
     return OpenAIError(400, f"{param} is not supported by this server: {why}", code="unsupported_parameter", param=param)
 
@@ -93,16 +107,25 @@ class _Request(_Strict):
 
     REFUSED: ClassVar[dict[str, Refusal]] = {}  # per endpoint: known parameters this server does not implement
 
+    @field_validator("model")
+    @classmethod
+    def _model_given(cls, model: str) -> str:
+        """`"model": ""` names no model: a 400 saying one is required (OpenAI's answer), not a 404
+        for a model called ''."""
+        if not model:
+            raise PydanticCustomError("model_empty", "you must provide a model parameter")
+        return model
+
     @field_validator("stop", mode="plain")
     @classmethod
     def _stops(cls, stop: Any) -> str | list[str] | None:
         if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)
         ):
-            raise ValueError("must be a string or a list of strings")
+            raise _wrong_type("must be a string or a list of strings")
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}")
+            raise _too_many("stop sequences", MAX_STOP_STRINGS, len(stops))
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -115,7 +138,7 @@ class _Request(_Strict):
         if bias is None:
             return None
         if len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+            raise _too_many("entries", MAX_LOGIT_BIAS, len(bias))
         for key, value in bias.items():
             if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= 2**31:
                 raise ValueError(f"keys are token ids (decimal strings without leading zeros), got {key[:40]!r}")
@@ -127,7 +150,7 @@ class _Request(_Strict):
     @classmethod
     def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(ids)}")
+            raise _too_many("stop token ids", MAX_STOP_TOKEN_IDS, len(ids))
         return ids
 
     # -- after validation ---------------------------------------------------------------------
@@ -214,7 +237,9 @@ class CompletionRequest(_Request):
         """A string, a token-id list, or a batch of either (OpenAI's four shapes), each non-empty."""
         if isinstance(prompt, str):
             return prompt
-        if not isinstance(prompt, list) or not prompt:
+        if not isinstance(prompt, list):
+            raise _wrong_type("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        if not prompt:
             raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
         if all(isinstance(p, str) for p in prompt):
             return prompt
@@ -225,9 +250,13 @@ class CompletionRequest(_Request):
                 if not ids:
                     raise ValueError(f"prompt {i} is an empty token list")
                 if not all(_is_token_id(t) for t in ids):
+                    if not all(type(t) is int for t in ids):
+                        raise _wrong_type(f"prompt {i}: token ids are integers")
                     raise ValueError(f"prompt {i}: token ids are integers in [0, 2**31)")
             return prompt
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        if all(type(t) is int for t in prompt):  # the right type, out of range
+            raise ValueError("token ids are integers in [0, 2**31)")
+        raise _wrong_type("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -269,6 +298,15 @@ class ChatMessage(_Strict):
     function_call: JsonValue = None
     refusal: JsonValue = None
     audio: JsonValue = None
+    annotations: JsonValue = None  # response-only (url citations); the official client's model_dump() sends it as null
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role_is_a_string(cls, role: Any) -> Any:
+        """`"role": 5` is a type error (invalid_type); a string that is no role is invalid_value."""
+        if not isinstance(role, str):
+            raise _wrong_type("must be a string")
+        return role
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -279,16 +317,18 @@ class ChatMessage(_Strict):
         if content is None or isinstance(content, str):
             return content
         if not isinstance(content, list):
-            raise ValueError("must be a string or a list of content parts")
+            raise _wrong_type("must be a string or a list of content parts")
         if not content:
             raise PydanticCustomError("empty_array", "empty array: expected at least one content part")
         for i, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise ValueError(f"part {i} must be an object with a type")
+                raise _wrong_type(f"part {i} must be an object with a string type")
             if part["type"] != "text":  # a feature this server lacks (images, audio), named as such
                 raise PydanticCustomError("unsupported_parameter", "part {i} is of type {kind}: only text parts are supported",
                                           {"i": i, "kind": repr(part["type"][:40])})  # fmt: skip
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            if "text" in part and not isinstance(part["text"], str):
+                raise _wrong_type(f"part {i}: text must be a string")
+            if set(part) != {"type", "text"}:
                 raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": string}}")
         return content
 
@@ -320,6 +360,8 @@ def _messages_supported(messages: list[ChatMessage]) -> None:
         for field in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
             if getattr(message, field) is not None:
                 raise _refuse(f"messages[{i}].{field}", "only text messages are supported")
+        if message.annotations not in (None, []):  # an assistant turn passed back as the client dumps it has null
+            raise _refuse(f"messages[{i}].annotations", "annotations (url citations) are response-only and not read back")
         if message.content is None:
             raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content", code="missing_required_parameter")
 

@@ -289,7 +289,13 @@ class ResponseBuilder:
         """`sse(chunk(index, text, records, first=first))`, byte for byte. Every chunk after a
         choice's first one that carries only text differs from the others in its text alone, so
         it is spliced into the choice's frame instead of building and dumping the models anew (the
-        router writes one per decode step per request)."""
+        router writes one per decode step per request).
+
+        b"" (nothing to send) for a chunk that would carry nothing: no text (a token that ended
+        partway through a UTF-8 character: its bytes go out with the character's last token), no
+        logprobs, no echo. OpenAI sends empty content only in a chat stream's opening chunk."""
+        if not text and not (self.logprobs and records) and not (first and not self.chat and self._echo(index)):
+            return b""
         if (first and not self.chat) or (self.logprobs and records):  # (a chat chunk's `first` changes nothing)
             return sse(self.chunk(index, text, records, first=first))
         frame = self._text_frames.get(index)
@@ -302,4 +308,5 @@ class ResponseBuilder:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
         usage = Usage.of(prompt_tokens, completion_tokens).model_dump()
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(), "object": kind, "choices": [], "usage": usage}
+        # system_fingerprint as every other chunk has it (null), in the same place (_Envelope's fields)
+        return {**self._envelope(), "system_fingerprint": None, "object": kind, "choices": [], "usage": usage}

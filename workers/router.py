@@ -1190,7 +1190,9 @@ class Router:
                 is_first = index not in started
                 started.add(index)
                 if isinstance(event, TokenEvent):
-                    await write(builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first))
+                    # b"": the event carried nothing to show (a character's first bytes); they come with its last
+                    if frame := builder.text_chunk_sse(index, event.text, event.logprobs or (), first=is_first):
+                        await write(frame)
                 else:
                     completion_tokens += event.completion_tokens
                     await write(sse(builder.chunk(index, "", finish_reason=event.finish_reason, first=is_first)))
@@ -1722,17 +1724,26 @@ def _check_body_headers(headers: CIMultiDictProxy[str]) -> None:
     """The body must be JSON as sent: uncompressed, and JSON or unlabelled (as FastAPI, and so vLLM,
     reads a body). No listener decompresses (`servers.app_runner`), so a compressed body is refused
     here by name -- not a JSON error or a 500 -- and no decompression bomb is ever inflated. A form
-    or text/plain body is what a browser may send cross-site without a preflight: refused too."""
+    or text/plain body is what a browser may send cross-site without a preflight: refused too. So
+    is a charset other than UTF-8 (case-insensitive; none at all is UTF-8)."""
     # Every coding of every Content-Encoding line: a second line (`identity`, then `gzip`) must not slip past.
     codings = [c.strip().lower() for line in headers.getall("Content-Encoding", []) for c in line.split(",") if c.strip()]
     if codings not in ([], ["identity"]):
         encoding = ", ".join(codings)
         raise OpenAIError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
                           code="unsupported_media_type")  # fmt: skip
-    media = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    media, *params = headers.get("Content-Type", "").split(";")
+    media = media.strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
         raise OpenAIError(415, f"Content-Type {media[:60]!r} is not accepted: send the body as application/json",
                           code="unsupported_media_type")  # fmt: skip
+    # JSON is UTF-8 (RFC 8259) and the body is read as such: a body labelled latin-1 would be misread, not refused.
+    for param in params:
+        name, _, value = param.partition("=")
+        charset = value.strip().strip('"').lower()
+        if name.strip().lower() == "charset" and charset != "utf-8":
+            raise OpenAIError(415, f"charset {charset[:40]!r} is not accepted: send the body as UTF-8 (charset=utf-8, "
+                              "or no charset)", code="unsupported_media_type")  # fmt: skip
 
 
 def _unknown_model(name: str) -> OpenAIError:
