@@ -253,6 +253,12 @@ def _label_value_problem(value: str) -> str | None:
     return None
 
 
+label_key_problem = _qualified_name_problem
+"""Why a label key is not one the API server takes (None: it is); for selectors checked elsewhere."""
+label_value_problem = _label_value_problem
+"""Why a label value is not one the API server takes (None: it is)."""
+
+
 def _gpu_product_label(value: str) -> str:
     # Rendered as the nodeSelector value of nvidia.com/gpu.product: the API server refuses a
     # Deployment whose selector value is not a label value, so the model could never run.

@@ -69,6 +69,30 @@ VLLM_OWNED: Mapping[str, str] = {
     "--hf-config-path": "spec.model.architecture", "--config": _ARGUMENT_FILE,
 }  # fmt: skip
 
+# Owned flags the renderer writes on both the prefill and the decode command line, for some spec,
+# spelled as it writes them (each with its value as the next argument). An InferencePolicy may
+# require these (requiredEngineFlags reads the rendered lines); any other owned flag, or another
+# spelling of one, is on neither line or on one only, and extraArgs may not add it: a requirement
+# no model of that engine could meet (policy.required_flag_problem). The renderer's command lines
+# are checked against these sets (tests/test_policy.py).
+RENDERED_ON_WORKERS: Mapping[EngineKind, frozenset[str]] = {
+    EngineKind.SGLANG: frozenset({
+        "--model-path", "--revision", "--host", "--port", "--disaggregation-mode", "--disaggregation-transfer-backend",
+        "--context-length", "--mem-fraction-static", "--tp-size", "--pp-size", "--dp-size", "--attn-dp-size",
+        "--enable-dp-attention", "--ep-size", "--page-size", "--kv-cache-dtype", "--max-total-tokens",
+    }),
+    EngineKind.VLLM: frozenset({
+        "--revision", "--host", "--port", "--max-model-len", "--gpu-memory-utilization", "--tensor-parallel-size",
+        "--pipeline-parallel-size", "--data-parallel-size", "--block-size", "--kv-cache-dtype", "--kv-transfer-config",
+        "--enable-expert-parallel",
+    }),
+    EngineKind.KVGUARD: frozenset({
+        "--role", "--model", "--model-name", "--host", "--port", "--metrics-port", "--context-length", "--kv-pool-tokens",
+        "--page-size", "--device", "--dtype", "--max-transfer-batch", "--transfer-timeout", "--transfer-encryption",
+        "--bootstrap-timeout",
+    }),
+}  # fmt: skip
+
 # Flags the plan itself reads from spec.engine.extraArgs (vLLM's profile run sizes the activation
 # reserve from them: estimates.vllm_batch_limits). In a role's extraArgs they would change one
 # role's reserve behind the plan's back, so they belong to the engine's list.

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from pydantic import BaseModel
 
+from kvguard.operator import engine_flags
 from kvguard.operator.api import (
     EngineKind,
     InferenceModelSpec,
@@ -37,6 +38,8 @@ from kvguard.operator.api import (
     KVPlan,
     LabelSelector,
     LabelSelectorRequirement,
+    label_key_problem,
+    label_value_problem,
 )
 from kvguard.operator.canary.spec import ProbeName
 from kvguard.operator.planner import PlanInputError, flag_check_plan, plan
@@ -195,9 +198,10 @@ def check_min_kv_ratio(spec: InferenceModelSpec, minimum: float, kv_plan: KVPlan
 
 
 def rule_problems(spec: InferencePolicySpec) -> list[str]:
-    """`field: why` for every rule of the policy that cannot be read. Each fails closed when a model
-    is judged (a blocking finding on every model it covers); this names them where the policy is
-    loaded, before anything runs."""
+    """`field: why` for every rule of the policy that cannot be read or met, and every scope entry
+    that matches nothing (`scope_problems`). Each rule fails closed when a model is judged (a
+    blocking finding on every model it covers); this names them where the policy is loaded, before
+    anything runs."""
     problems = []
     kinds = {kind.value for kind in EngineKind}
     for kind, minimum in spec.min_engine_versions.items():
@@ -213,7 +217,78 @@ def rule_problems(spec: InferencePolicySpec) -> list[str]:
             ProbeName.parse(name)
         except ValueError as exc:
             problems.append(f"spec.requiredCanaryProbes[{i}]: {exc}")
+    for i, requirement in enumerate(spec.required_engine_flags):
+        for j, flag in enumerate(requirement.flags):
+            if (problem := required_flag_problem(requirement.engine, flag)) is not None:
+                problems.append(f"spec.requiredEngineFlags[{i}].flags[{j}]: {problem}")
+    return problems + scope_problems(spec)
+
+
+_NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_WITH_VALUES = ("In", "NotIn")
+
+
+def scope_problems(spec: InferencePolicySpec) -> list[str]:
+    """`field: why` for a scope entry that can match no namespace, or that the API server's
+    LabelSelector validation refuses: with it, the policy's rules would apply to less than its author
+    wrote (an outside probe's `namespaces: [Default]` left `maxContextLength: 1` applying to nothing)."""
+    problems = []
+    for i, name in enumerate(spec.namespaces):
+        if not _NAMESPACE_NAME.fullmatch(name):
+            problems.append(f"spec.namespaces[{i}]: {name[:80]!r} is not a namespace name (a DNS-1123 label: at most 63 "
+                            "lowercase letters, digits and '-'), so it matches no namespace")  # fmt: skip
+    path = "spec.namespaceSelector"
+    for key, value in spec.namespace_selector.match_labels.items():
+        if (problem := label_key_problem(key) or label_value_problem(value)) is not None:
+            problems.append(f"{path}.matchLabels[{key}]: {problem}")
+    for i, req in enumerate(spec.namespace_selector.match_expressions):
+        where = f"{path}.matchExpressions[{i}]"
+        if (problem := label_key_problem(req.key)) is not None:
+            problems.append(f"{where}.key: {problem}")
+        if req.operator in _WITH_VALUES and not req.values:
+            problems.append(f"{where}.values: must be non-empty for operator {req.operator} (the API server's "
+                            "LabelSelector rule; an empty In matches no namespace)")  # fmt: skip
+        elif req.operator not in _WITH_VALUES and req.values:
+            problems.append(f"{where}.values: must be empty for operator {req.operator} (the API server's LabelSelector rule)")
+        for j, value in enumerate(req.values):
+            if (problem := label_value_problem(value)) is not None:
+                problems.append(f"{where}.values[{j}]: {problem}")
     return problems
+
+
+def required_flag_problem(engine: EngineKind, flag: str) -> str | None:
+    """Why no model of `engine` could ever carry `flag` on its rendered prefill and decode command
+    lines (`has_flag`), None where one can: it is not a flag; for the kvguard engine, not a flag of
+    `kvguard worker`; or a flag the spec owns (engine_flags.py: extraArgs may not set it) that the
+    renderer does not write on both lines in that spelling, or that is required with `=value` (the
+    renderer writes the value as the next argument). Admitted, every model of that engine in scope
+    would be refused, and adding the flag to extraArgs refused too: no way out (outside probe:
+    `--enable-metrics` for kvguard)."""
+    name = flag.split("=", 1)[0]
+    if engine_flags.flag_name(flag) is None or not name.strip("-") or any(c.isspace() for c in name):
+        return (f"{flag[:80]!r} is not a flag: write it as on the command line, with its dashes "
+                "(--enable-metrics, --schedule-policy=lpm)")  # fmt: skip
+    tunable = engine_flags.KVGUARD_TUNABLE_FLAGS
+    if engine is EngineKind.KVGUARD:
+        if name in tunable:
+            return None
+        if name not in engine_flags.KVGUARD_OWNED:
+            return (f"{flag} is not a kvguard worker flag; the worker would not start with it, and extraArgs may set only "
+                    f"{' and '.join(tunable)}, so no kvguard model could comply")  # fmt: skip
+        owner = engine_flags.KVGUARD_OWNED[name]
+    else:
+        owned = list(engine_flags.overrides([flag], engine_flags.OWNED[engine]))
+        if not owned:
+            return None  # extraArgs may add it
+        owner = owned[0][2]
+    rendered = engine_flags.RENDERED_ON_WORKERS[engine]
+    if name not in rendered:
+        return (f"{flag} is set by {owner}, so extraArgs may not add it, and the operator does not write {name} on both "
+                f"the prefill and decode command lines of {engine.value}: no {engine.value} model could comply")  # fmt: skip
+    if "=" in flag:
+        return (f"{flag} is set by {owner}, so extraArgs may not add it, and the operator writes {name} with its value "
+                f"as the next argument, never as {flag}: require {name} alone")  # fmt: skip
+    return None
 
 
 def check_engine_version(spec: InferenceModelSpec, minimums: Mapping[str, str]) -> Iterator[Finding]:

@@ -11,10 +11,12 @@ change is reported by reconcile, not locked or killed); only a `kvguard.io/pause
 update writes must be "true" or "false" (`rollout.annotation_problems`), as on CREATE.
 
 On CREATE and UPDATE of an InferencePolicy a policy whose spec does not parse, or one with a rule
-that cannot be read (an unknown engine kind or unreadable version in minEngineVersions, an unknown
-probe in requiredCanaryProbes: `policy.rule_problems`), is refused, naming the field. Admitted, such
-a rule would fail closed on every model it covers, a blocking finding on each, at the next
-reconcile: the author should hear it when writing the policy.
+that cannot be read or met (an unknown engine kind or unreadable version in minEngineVersions, an
+unknown probe in requiredCanaryProbes, a required engine flag no model of that engine can carry, a
+namespace name or selector entry that matches nothing: `policy.rule_problems`), is refused, naming
+the field. Admitted, such a rule would fail closed on every model it covers, a blocking finding on
+each, at the next reconcile, or silently apply to fewer namespaces than written: the author should
+hear it when writing the policy.
 
 TLS (docs/webhook.md): kopf's `WebhookServer` serves HTTPS with the certificate in
 KVGUARD_WEBHOOK_CERT_DIR (`tls.crt`, `tls.key`, optional `ca.crt`: a mounted Secret written by

@@ -10,15 +10,19 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvguard.operator.api import InferenceModel, InferenceModelSpec, InferencePolicy
+from kvguard.operator import engine_flags
+from kvguard.operator.api import EngineKind, InferenceModel, InferenceModelSpec, InferencePolicy
+from kvguard.operator.planner import flag_check_plan
 from kvguard.operator.policy import (
     PolicyVerdict,
     applies_to,
     describe_violations,
     evaluate,
+    required_flag_problem,
     version_at_least,
     version_key,
 )
+from kvguard.operator.render import ADAPTERS, Owner, RoleContext, with_stand_in_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -274,3 +278,81 @@ def test_version_order_agrees_with_pep440(r1: str, s1: str, r2: str, s2: str) ->
     a, b = r1 + s1, r2 + s2
     assert (version_key(a) < version_key(b)) == (Version(a) < Version(b))
     assert (version_key(a) == version_key(b)) == (Version(a) == Version(b))
+
+
+# --- requiredEngineFlags a model can meet --------------------------------------------------------
+
+
+def _owned_on_both_lines(data: dict[str, Any]) -> set[str]:
+    """The owned flags the renderer writes on both the prefill and the decode line of `data`."""
+    spec = with_stand_in_source(InferenceModelSpec.model_validate(data), "c")
+    kind = spec.engine.kind
+    owned = engine_flags.KVGUARD_OWNED if kind is EngineKind.KVGUARD else engine_flags.OWNED[kind]
+    found = []
+    for role in ("prefill", "decode"):
+        command = ADAPTERS[kind].command(RoleContext(spec, flag_check_plan(spec), Owner("m", "ns", "u"), "r1", role))  # type: ignore[arg-type]
+        found.append({arg for arg in command if arg in owned})
+    return found[0] & found[1]
+
+
+def _variants(kind: str) -> list[dict[str, Any]]:
+    """Specs of one engine that between them render every owned flag the renderer can write."""
+    if kind == "kvguard":
+        base = yaml.safe_load((ROOT / "manifests/samples/tiny-cpu.yaml").read_text())["spec"]
+        transfer = {"maxBatch": "1Mi", "timeoutSeconds": 7, "bootstrapTimeoutSeconds": 9, "encryption": "aes-gcm"}
+        return [base, {**base, "kvTransfer": transfer}]
+    base = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())["spec"]
+    base["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct", "revision": "r1"}
+    base["engine"] = {"kind": kind, "image": f"{kind}:1", "version": "0.5.23" if kind == "sglang" else "0.11.0"}
+    if kind == "vllm":
+        base["engine"]["routerImage"] = "vllm-router:1"
+    shaped = {"tensorParallel": 2, "dataParallel": 2, "expertParallel": 2}
+    dp_attention = {**shaped, "dataParallelAttention": True}
+    variants = [base, {**base, "kvPoolTokens": 100_000, "roles": {"prefill": shaped, "decode": shaped}}]
+    if kind == "sglang":
+        old = {**base["engine"], "version": "0.5.21"}
+        for engine in (base["engine"], old):
+            variants.append({**base, "engine": engine, "roles": {"prefill": dp_attention, "decode": dp_attention}})
+    for data in variants:
+        data["model"] = {**data["model"], "architecture": {**data["model"]["architecture"], "numExperts": 8,
+                                                          "expertParameters": 1_000_000}}  # fmt: skip
+    return variants
+
+
+@pytest.mark.parametrize("kind", ["kvguard", "sglang", "vllm"])
+def test_the_owned_flags_a_policy_may_require_are_those_rendered_on_both_worker_lines(kind: str) -> None:
+    """`policy.required_flag_problem` refuses a required owned flag outside RENDERED_ON_WORKERS: the
+    set must be exactly what the renderer writes on prefill and decode (a flag it writes that is
+    missing would refuse a policy models can meet; one it never writes, admit one they cannot)."""
+    rendered: set[str] = set()
+    for data in _variants(kind):
+        rendered |= _owned_on_both_lines(data)
+    assert rendered == set(engine_flags.RENDERED_ON_WORKERS[EngineKind(kind)])
+
+
+@pytest.mark.parametrize(("engine", "flag", "says"), [
+    ("kvguard", "--enable-metrics", "not a kvguard worker flag"),
+    ("kvguard", "--min-kv-ratio", "the operator does not write --min-kv-ratio on both"),
+    ("kvguard", "--stream-interval", "the operator does not write --stream-interval on both"),  # decode only
+    ("kvguard", "--page-size=16", "never as --page-size=16: require --page-size alone"),
+    ("sglang", "--tp", "is set by spec.roles.*.tensorParallel"),  # the renderer spells it --tp-size
+    ("sglang", "--dtype", "no sglang model could comply"),
+    ("vllm", "--model", "no vllm model could comply"),  # vllm serve takes the model as an argument
+    ("vllm", "--max-model-len=4096", "require --max-model-len alone"),
+    ("sglang", "", "'' is not a flag"),
+    ("sglang", "enable-metrics", "'enable-metrics' is not a flag"),
+    ("vllm", "--", "'--' is not a flag"),
+])  # fmt: skip
+def test_a_required_flag_no_model_could_carry_is_a_problem(engine: str, flag: str, says: str) -> None:
+    problem = required_flag_problem(EngineKind(engine), flag)
+    assert problem is not None and says in problem, problem
+
+
+@pytest.mark.parametrize(("engine", "flag"), [
+    ("kvguard", "--header-timeout"), ("kvguard", "--max-running-requests=8"), ("kvguard", "--page-size"),
+    ("sglang", "--enable-metrics"), ("sglang", "--schedule-policy=lpm"), ("sglang", "--tp-size"),
+    ("sglang", "--disaggregation-enable-kv-checksum"), ("vllm", "--enable-prefix-caching"), ("vllm", "--max-model-len"),
+    ("sglang", "--speculative-algorithm=EAGLE"),
+])  # fmt: skip
+def test_a_required_flag_a_model_can_carry_is_no_problem(engine: str, flag: str) -> None:
+    assert required_flag_problem(EngineKind(engine), flag) is None

@@ -279,7 +279,12 @@ def policy_denial(body: dict[str, Any], *, old: dict[str, Any] | None = None, op
 
 def test_a_readable_policy_is_admitted() -> None:
     body = policy_body("prod", minKVRatio=2.5, minEngineVersions={"sglang": "0.5.22", "vllm": "v0.11.0rc1"},
-                       requiredCanaryProbes=["isolation", "over-length", "overLength"], maxContextLength=4096)  # fmt: skip
+                       requiredCanaryProbes=["isolation", "over-length", "overLength"], maxContextLength=4096,
+                       requiredEngineFlags=[{"engine": "sglang", "flags": ["--enable-metrics", "--schedule-policy=lpm", "--tp-size"]},
+                                            {"engine": "kvguard", "flags": ["--header-timeout", "--page-size"]}],
+                       namespaces=["prod", "team-a"],
+                       namespaceSelector={"matchLabels": {"tier": "gpu"}, "matchExpressions": [
+                           {"key": "team", "operator": "In", "values": ["a"]}, {"key": "frozen", "operator": "DoesNotExist"}]})  # fmt: skip
     assert policy_denial(body) is None
     assert policy_denial(policy_body("empty")) is None
 
@@ -291,6 +296,22 @@ def test_a_readable_policy_is_admitted() -> None:
     ({"minKVRatio": 0.5}, "spec.minKVRatio:"),
     ({"maxContextLength": 0}, "spec.maxContextLength:"),
     ({"sglangKVCanary": "warn"}, "spec.sglangKVCanary:"),
+    # Outside probe: each admitted, then every kvguard model in scope got a 403 for the flag and a 422
+    # for adding it to extraArgs; or the scope matched nothing and maxContextLength applied to no one.
+    ({"requiredEngineFlags": [{"engine": "kvguard", "flags": ["--enable-metrics"]}]},
+     "spec.requiredEngineFlags[0].flags[0]: --enable-metrics is not a kvguard worker flag"),
+    ({"requiredEngineFlags": [{"engine": "sglang", "flags": ["--enable-metrics", ""]}]},
+     "spec.requiredEngineFlags[0].flags[1]: '' is not a flag"),
+    ({"requiredEngineFlags": [{"engine": "sglang", "flags": ["enable-metrics"]}]},
+     "spec.requiredEngineFlags[0].flags[0]: 'enable-metrics' is not a flag"),
+    ({"requiredEngineFlags": [{"engine": "sglang", "flags": ["--context-length=4096"]}]},
+     "spec.requiredEngineFlags[0].flags[0]: --context-length=4096 is set by spec.contextLength"),
+    ({"namespaces": ["prod", "Default"], "maxContextLength": 1}, "spec.namespaces[1]: 'Default' is not a namespace name"),
+    ({"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": []}]}},
+     "spec.namespaceSelector.matchExpressions[0].values: must be non-empty for operator In"),
+    ({"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "Exists", "values": ["a"]}]}},
+     "spec.namespaceSelector.matchExpressions[0].values: must be empty for operator Exists"),
+    ({"namespaceSelector": {"matchLabels": {"team": "a b"}}}, "spec.namespaceSelector.matchLabels[team]: 'a b' is not a label value"),
 ])  # fmt: skip
 def test_a_policy_with_a_rule_that_cannot_be_read_is_denied_naming_the_field(spec: dict[str, Any], says: str) -> None:
     """Admitted, such a rule would fail closed on every model it covers at the next reconcile."""
