@@ -66,12 +66,21 @@ def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | N
     `weights.measuredBytesPerDevice` stays and `measuredShards` is unset: the figure was measured
     at the old split and would be planned as-is at the new one (an outside probe moved TP4 to
     TP1: 7 GiB planned where 28 GiB sit, PASS). The brief's rule: re-check after every change of
-    parallelism. Said for the field that fixes it."""
+    parallelism. Said for the field that fixes it.
+
+    A role with dataParallelAttention whose dataParallel changes (or that turns it on or off with
+    more than one DP rank) is refused whatever measuredShards says: its attention weights are split
+    over tensorParallel / dataParallel GPUs, so every GPU holds a different share of them while the
+    split stays; no scaling by GPUs fixes the figure (`kvguard plan --dp` drops it in the same case)."""
     weights = new.weights
-    if weights.measured_bytes_per_device is None or weights.measured_shards is not None:
+    if weights.measured_bytes_per_device is None:
         return None
     if old.weights.measured_bytes_per_device != weights.measured_bytes_per_device:
         return None  # measured again with the change
+    if problem := _dp_attention_problem(old, new):
+        return problem
+    if weights.measured_shards is not None:
+        return None
     before, after = _splits(old), _splits(new)
     if old.weights.measured_shards is not None:
         # measuredShards dropped: the figure is still the one measured over that many GPUs, and
@@ -88,3 +97,19 @@ def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | N
 def _splits(spec: InferenceModelSpec) -> dict[str, int]:
     return {name: role.tensor_parallel * role.pipeline_parallel for name, role in spec.roles.worker_roles().items()}
 
+
+def _dp_attention_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | None:
+    before, after = _attention_ranks(old), _attention_ranks(new)
+    changed = {name: (before[name], after[name]) for name in before.keys() & after.keys() if before[name] != after[name]}
+    if not changed:
+        return None
+    moves = ", ".join(f"{name} {a} -> {b} DP ranks" for name, (a, b) in sorted(changed.items()))
+    return (f"spec.weights.measuredBytesPerDevice: the attention split changed ({moves} sharing attention) while "
+            "measuredBytesPerDevice stayed: with dataParallelAttention every DP rank holds the attention weights "
+            "of tensorParallel / dataParallel GPUs, so the weights per GPU changed and measuredShards cannot scale it: "
+            "measure it again, or remove it (weights are then counted from parameters)")
+
+
+def _attention_ranks(spec: InferenceModelSpec) -> dict[str, int]:
+    """DP ranks that split each worker role's TP group for attention (1 without dataParallelAttention)."""
+    return {name: role.data_parallel if role.data_parallel_attention else 1 for name, role in spec.roles.worker_roles().items()}

@@ -110,6 +110,36 @@ def test_an_update_that_changes_the_split_under_a_measured_weight_figure_is_deni
     assert dropped is not None and str(dropped).startswith("spec.weights.measuredShards: the split changed (decode 2 -> 1 GPUs"), dropped
 
 
+def _dp_attention_model(data_parallel: int, *, attention: bool = True, **weights: Any) -> dict[str, Any]:
+    body = _sglang_model(weights={"measuredBytesPerDevice": "6Gi", **weights})
+    body["spec"]["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
+    role = {"tensorParallel": 4, "dataParallel": data_parallel, "dataParallelAttention": attention}
+    body["spec"]["roles"] = {"prefill": {"tensorParallel": 4}, "decode": role}
+    return body
+
+
+@pytest.mark.parametrize("measured_shards", [None, 4])
+def test_an_update_that_changes_dp_attention_under_a_measured_weight_figure_is_denied_naming_it(measured_shards: int | None) -> None:
+    """With dataParallelAttention each rank holds the attention weights of TP / DP GPUs: DP 2 -> 4
+    changes the weights per GPU while TP x PP stays, so the split check let it through (outside
+    probe), and no measuredShards scales it. `kvguard plan --dp` drops the figure in this case."""
+    weights = {} if measured_shards is None else {"measuredShards": measured_shards}
+    old = _dp_attention_model(2, **weights)
+    assert denial(old, []) is None
+    exc = denial(_dp_attention_model(4, **weights), [], old=old, operation="UPDATE")
+    assert exc is not None and exc.code == INVALID, exc
+    assert str(exc).startswith("spec.weights.measuredBytesPerDevice: the attention split changed (decode 2 -> 4 DP ranks "
+                               "sharing attention) while measuredBytesPerDevice stayed"), exc  # fmt: skip
+    toggled = denial(_dp_attention_model(2, attention=False, **weights), [], old=old, operation="UPDATE")
+    assert toggled is not None and "(decode 2 -> 1 DP ranks sharing attention)" in str(toggled), toggled
+    remeasured = _dp_attention_model(4, **weights)
+    remeasured["spec"]["weights"]["measuredBytesPerDevice"] = "5Gi"
+    assert denial(remeasured, [], old=old, operation="UPDATE") is None
+    plain = _dp_attention_model(2, attention=False, **weights)  # DP without attention sharing: every rank holds it all
+    more = _dp_attention_model(4, attention=False, **weights)
+    assert denial(more, [], old=plain, operation="UPDATE") is None
+
+
 def test_an_unplannable_spec_is_denied_with_the_planner_field_even_without_policies() -> None:
     body = tiny_model()
     body["spec"]["roles"] = {"decode": {"tensorParallel": 3}}
