@@ -106,6 +106,10 @@ class Owner:
         }
 
 
+MISSING_SOURCE = ("spec.model.source", "required to deploy: set huggingFace or pvc")
+"""(field, message) for a spec deployed without a model source (render, and admission: spec_checks)."""
+
+
 def with_stand_in_source(spec: InferenceModelSpec, claim: str) -> InferenceModelSpec:
     """`spec`, with a stand-in model source (PVC `claim`) if it has none, for rendering only to
     read its flags and field checks (admission, policies, P/D parity): where the weights come from
@@ -221,7 +225,7 @@ class RoleContext:
         """A directory inside the pod (PVC source) or the Hugging Face id."""
         source = self.spec.model.source
         if source is None:
-            raise RenderError("spec.model.source", "required to deploy: set huggingFace or pvc")
+            raise RenderError(*MISSING_SOURCE)
         if source.pvc is not None:
             return f"{MODEL_MOUNT}/{source.pvc.path.strip('/')}".rstrip("/")
         assert source.hugging_face is not None

@@ -19,7 +19,14 @@ from kvguard.operator.api import InferenceModelSpec, KVPlan
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
-from kvguard.operator.render import Owner, RenderError, render_revision, with_stand_in_images, with_stand_in_source
+from kvguard.operator.render import (
+    MISSING_SOURCE,
+    Owner,
+    RenderError,
+    render_revision,
+    with_stand_in_images,
+    with_stand_in_source,
+)
 
 STAND_IN = "field-check"
 """The claim and image names a check renders with where the spec has none (nothing is applied)."""
@@ -37,9 +44,11 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
     """Raise SpecInvalid when the spec fails a field check; else its plan (None when the
     architecture is in a ConfigMap this caller cannot read: reconcile plans it, every check that
     needs no architecture ran on the flag-check plan). A spec without a model source is checked on
-    a stand-in one (it is valid for planning, refused where it is deployed). `deploying=False`
-    (`kvguard plan`, which deploys nothing) also stands in for images the spec does not name: an
-    image is needed to deploy, not to plan, and changes no flag a check reads."""
+    a stand-in one, then refused where it is deployed (`deploying`: admission; no backend runs one
+    without a source: the cluster renders none, `apply --local` takes it from `--model-dir` or
+    refuses). `deploying=False` (`kvguard plan`, which deploys nothing) plans it, and also stands in
+    for images the spec does not name: an image, like a source, is needed to deploy, not to plan,
+    and changes no flag a check reads."""
     problems = engine_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
     if problems:
         raise SpecInvalid(problems)
@@ -58,6 +67,8 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
         raise SpecInvalid([str(exc)]) from None
     if (mismatch := parity_problem(rendered, checked)) is not None:  # sglang#19398
         raise SpecInvalid([mismatch])
+    if deploying and spec.model.source is None:
+        raise SpecInvalid([f"{MISSING_SOURCE[0]}: {MISSING_SOURCE[1]}"])
     return kv_plan
 
 

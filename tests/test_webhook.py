@@ -213,6 +213,7 @@ def _sglang_model(**spec: Any) -> dict[str, Any]:
     body = yaml.safe_load((ROOT / "examples/llama-3.1-8b-sglang-h100.yaml").read_text())
     body["metadata"] = {"name": "llama", "namespace": NS, "uid": "uid-llama", "generation": 1}
     body["spec"]["engine"]["image"] = "lmsysorg/sglang:v0.5.22"
+    body["spec"]["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
     body["spec"].update(spec)
     return body
 
@@ -232,9 +233,17 @@ def test_render_checks_run_whatever_the_plan_and_source(shape: str) -> None:
         body["spec"]["minKVRatio"] = 50.0
     elif shape == "architecture in a ConfigMap":
         _in_a_configmap(body)
+    else:
+        del body["spec"]["model"]["source"]
     exc = denial(body, [])
     assert exc is not None and exc.code == INVALID and str(exc).startswith("spec.kvTransfer.encryption:"), exc
-    assert denial(_sglang_model(**({"minKVRatio": 50.0} if shape == "blocked plan" else {})), []) is None
+    fixed = _sglang_model(**({"minKVRatio": 50.0} if shape == "blocked plan" else {}))
+    if shape != "no source":
+        assert denial(fixed, []) is None
+        return
+    del fixed["spec"]["model"]["source"]  # then refused for the source itself: nothing could deploy it
+    exc = denial(fixed, [])
+    assert exc is not None and exc.code == INVALID and str(exc) == "spec.model.source: required to deploy: set huggingFace or pvc"
 
 
 def test_flag_and_parity_checks_need_no_architecture() -> None:
