@@ -45,6 +45,8 @@ _KV_ALIASES = {
     "fp16": {KVCacheDtype.FP16, KVCacheDtype.FLOAT16},
 }
 _ONE_DEVICE_FIELDS = ("tensor_parallel", "pipeline_parallel", "expert_parallel")
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The node label a GPU product is placed by (gpuType, hardware.gpuProduct: render.py)."""
 
 
 def engine_problems(spec: InferenceModelSpec) -> list[str]:
@@ -79,7 +81,7 @@ def gpus_per_worker_pod(spec: InferenceModelSpec, role: str) -> int:
 
 def _device_problems(spec: InferenceModelSpec) -> list[str]:
     if spec.hardware.device != DeviceKind.CPU:
-        return _gpu_count_problems(spec)
+        return _gpu_count_problems(spec) + _router_gpu_problems(spec) + _gpu_product_selector_problems(spec)
     problems = []
     for name, role in {**spec.roles.worker_roles(), "router": spec.roles.router}.items():
         if role.gpu_count:
@@ -102,6 +104,36 @@ def _gpu_count_problems(spec: InferenceModelSpec) -> list[str]:
             dp = "" if needed == role.tensor_parallel * role.pipeline_parallel else " x dataParallel"
             problems.append(f"spec.roles.{name}.gpuCount: {role.gpu_count} GPU(s) per pod, but one {name} pod's engine "
                             f"runs on tensorParallel x pipelineParallel{dp} = {needed}")  # fmt: skip
+    return problems
+
+
+def _router_gpu_problems(spec: InferenceModelSpec) -> list[str]:
+    """The router runs no engine (every engine's router is a CPU process: kvguard's, sglang_router,
+    vllm-router), yet its gpuCount was rendered as GPUs each router pod holds, and with it the GPU
+    product's nodeSelector: GPUs taken from the workers and never used."""
+    count = spec.roles.router.gpu_count
+    if not count:
+        return []
+    return [f"spec.roles.router.gpuCount: the router runs no engine and uses no GPU: each router pod would hold "
+            f"{count} GPU(s) it never uses (leave it unset or 0)"]  # fmt: skip
+
+
+def _gpu_product_selector_problems(spec: InferenceModelSpec) -> list[str]:
+    """A worker role's nodeSelector on nvidia.com/gpu.product that names another GPU than the one
+    the role is planned for (its gpuType, else hardware.gpuProduct): rendered, the selector's value
+    won, so the pods landed on that GPU while the plan used the other's memory (outside probe: an
+    A100-40GB selector under an H100-80GB plan)."""
+    problems = []
+    for name, role in spec.roles.worker_roles().items():
+        selected = role.node_selector.get(GPU_PRODUCT_LABEL)
+        planned, field = spec.hardware.gpu_product, "spec.hardware.gpuProduct"
+        if role.gpu_type is not None:
+            planned, field = role.gpu_type, f"spec.roles.{name}.gpuType"
+        if selected is not None and planned is not None and selected != planned:
+            problems.append(f"spec.roles.{name}.nodeSelector[{GPU_PRODUCT_LABEL}]: {selected} disagrees with {field} "
+                            f"{planned}: rendered, the selector wins, so the pods would land on {selected} while the spec, "
+                            f"and the plan's hardware.memoryPerDevice, are for {planned}; set {field} instead, or remove "
+                            "the selector")  # fmt: skip
     return problems
 
 

@@ -107,3 +107,41 @@ def test_enough_gpus_and_a_rank_per_pod_pass() -> None:
                           ("kvguard", {"roles.decode.dataParallel": 2, "roles.decode.gpuCount": 1})):  # fmt: skip
         b = body(**{"engine.kind": kind, "engine.image": "i", "hardware.device": "cuda", **changes})
         assert engine_problems(InferenceModelSpec.model_validate(b["spec"])) == [], (kind, changes)
+
+
+GPU_PLACEMENT = {
+    # Outside probe: the selector's A100 won in the rendered Deployment while the plan used the H100's memory.
+    "selector against gpuProduct": ({"hardware.gpuProduct": "NVIDIA-H100-80GB-HBM3",
+                                     "roles.decode.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}},
+                                    "spec.roles.decode.nodeSelector[nvidia.com/gpu.product]: NVIDIA-A100-SXM4-40GB disagrees "
+                                    "with spec.hardware.gpuProduct NVIDIA-H100-80GB-HBM3"),
+    "selector against gpuType": ({"roles.prefill.gpuType": "NVIDIA-H100-80GB-HBM3",
+                                  "roles.prefill.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
+                                 "spec.roles.prefill.nodeSelector[nvidia.com/gpu.product]: NVIDIA-H200 disagrees with "
+                                 "spec.roles.prefill.gpuType NVIDIA-H100-80GB-HBM3"),
+    # Outside probe: admitted, each router pod held 2 GPUs on the GPU product's nodes and used none.
+    "router gpus": ({"roles.router.gpuCount": 2}, "spec.roles.router.gpuCount: the router runs no engine and uses no GPU"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GPU_PLACEMENT))
+@pytest.mark.parametrize("kind", ["sglang", "kvguard"])
+def test_gpu_placement_that_contradicts_the_spec_is_refused_by_field(case: str, kind: str) -> None:
+    changes, says = GPU_PLACEMENT[case]
+    b = body(**{"engine.kind": kind, "engine.image": "i", "hardware.device": "cuda", **changes})
+    (problem,) = engine_problems(InferenceModelSpec.model_validate(b["spec"]))
+    assert problem.startswith(says), problem
+    with pytest.raises(AdmissionDenied) as denied:
+        check_admission(b, None, "CREATE", [])
+    assert denied.value.code == INVALID and says in str(denied.value)
+
+
+def test_gpu_placement_that_agrees_with_the_spec_passes() -> None:
+    for changes in ({"hardware.gpuProduct": "NVIDIA-H100-80GB-HBM3", "roles.decode.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+                    {"hardware.gpuProduct": "NVIDIA-H100-80GB-HBM3", "roles.decode.gpuType": "NVIDIA-H200",
+                     "roles.decode.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}},
+                    {"roles.decode.nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}},  # nothing to disagree with
+                    {"hardware.gpuProduct": "NVIDIA-H100-80GB-HBM3", "roles.router.nodeSelector": {"nvidia.com/gpu.product": "x"}},
+                    {"roles.router.gpuCount": 0}):  # fmt: skip
+        b = body(**{"engine.kind": "sglang", "engine.image": "i", "hardware.device": "cuda", **changes})
+        assert engine_problems(InferenceModelSpec.model_validate(b["spec"])) == [], changes
