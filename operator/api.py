@@ -715,12 +715,13 @@ class PodPlacement(ApiModel):
     gpu_count: Annotated[int, Field(ge=0, le=MAX_PARALLEL)] | None = None
     """GPUs per pod (nvidia.com/gpu). Default: tensorParallel x pipelineParallel (x dataParallel
     for vLLM and for SGLang without DP attention; the kvguard engine runs a pod per rank) for
-    workers, 0 for the router. Never fewer on a GPU spec. At most 65536, as every parallel size
+    workers, 0 for the router (which runs no engine: more is refused). Never fewer on a GPU spec. At most 65536, as every parallel size
     (a count of 2**70 rendered a pod no node could ever take)."""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     """CPU, memory and other resources of the engine container."""
     node_selector: dict[str, str] = Field(default_factory=dict)
-    """Node labels the pods require."""
+    """Node labels the pods require. On a worker role, nvidia.com/gpu.product must agree with
+    gpuType / spec.hardware.gpuProduct where those are set (set them instead)."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the pods tolerate (GPU nodes are often tainted)."""
 
