@@ -225,11 +225,14 @@ def errors_in_a_row(previous: Sequence[AnalysisResult], name: str) -> int:
     return next((r.errors for r in previous if r.name == name), 0) + 1
 
 
-def unmeasured(spec: AnalysisSpec, previous: Sequence[AnalysisResult], why: str, at: str) -> Measurement:
+def unmeasured(spec: AnalysisSpec, previous: Sequence[AnalysisResult], why: str, at: str, counted: bool = True) -> Measurement:
     """A measurement that could not be made (the revisions' metrics could not all be read): it
-    holds the step, and fails the analysis once it has errored more than consecutiveErrorLimit
-    times in a row (a candidate nobody can measure is never promoted by waiting)."""
-    return _verdict(spec, [_result("scrape", "Error", None, None, why, 0, at, errors=errors_in_a_row(previous, "scrape"))])
+    holds the step and, `counted` (the candidate's metrics), fails the analysis once it has
+    errored more than consecutiveErrorLimit times in a row (a candidate nobody can measure is
+    never promoted by waiting). The stable's alone are not counted: failing would send all the
+    traffic to the revision that cannot be read."""
+    errors = errors_in_a_row(previous, "scrape") if counted else 0
+    return _verdict(spec, [_result("scrape", "Error", None, None, why, 0, at, errors=errors)])
 
 
 def measure(

@@ -21,7 +21,7 @@ from kvguard.operator.analysis import (
     quantile,
     source_name,
 )
-from kvguard.operator.api import AnalysisSpec
+from kvguard.operator.api import AnalysisSpec, PrometheusQuery
 from kvguard.workers.metrics import EngineMetrics
 from kvguard.workers.router import RouterMetrics
 from kvguard.workers.transfer.metrics import TransferMetrics
@@ -372,6 +372,56 @@ async def test_measurements_scrape_real_metrics_and_start_with_a_baseline() -> N
         candidate.serve(0, failed=30)  # back in sight: the window still starts at the last good scrape
         fourth = await measure_live_traffic(key, SPEC, *urls, second.results, memory, now_text=AT)
         assert fourth.verdict == "fail" and "30 of 60 candidate requests failed" in fourth.message
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_prometheus_answer_that_is_no_success_is_an_error_not_no_data() -> None:
+    """Outside review: a proxy's HTML page (200) or Prometheus' own `"status": "error"` read as
+    "no data", which holds the step for ever and resets consecutiveErrorLimit's count."""
+    from aiohttp import web
+
+    from kvguard.operator.backends.analysis_io import query_values
+
+    answers = {"html": web.Response(text="<html>502 Bad Gateway</html>", content_type="text/html"),
+               "error": web.json_response({"status": "error", "errorType": "bad_data", "error": "parse error at char 3"}),
+               "empty": web.json_response({"status": "success", "data": {"resultType": "vector", "result": []}})}  # fmt: skip
+
+    async def handler(request: web.Request) -> web.Response:
+        return answers[request.query["query"]]
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        queries = [PrometheusQuery(name=n, query=n, max=1.0) for n in answers]
+        found = {name: (value, error) for name, value, error in await query_values(base, queries, {})}
+    finally:
+        await runner.cleanup()
+    assert found["html"][0] is None and "not JSON" in found["html"][1] and "502 Bad Gateway" in found["html"][1]
+    assert found["error"] == (None, "Prometheus answered without success: parse error at char 3")
+    assert found["empty"] == (None, "")  # a success without a number: no data, which only holds
+
+
+async def test_the_stables_unreadable_metrics_never_fail_the_candidate() -> None:
+    """Outside review: before a window started, the stable's unreadable /metrics counted toward
+    consecutiveErrorLimit, so a healthy candidate failed, and S8 sent all traffic to the revision
+    that could not be read."""
+    from kvguard.operator.backends.analysis_io import AnalysisMemory, measure_live_traffic
+
+    candidate, stable = Revision(), Revision()
+    runner, urls = await _serving(candidate, stable)
+    stable_gone = (urls[0], ("r1", [("router", "r1-router-0", urls[1][1][0][2].replace("/stable/", "/nowhere/"))]))
+    previous: tuple = ()
+    try:
+        for _ in range(SPEC.consecutive_error_limit + 2):
+            outcome = await measure_live_traffic(("models", "m"), SPEC, *stable_gone, previous, AnalysisMemory(), now_text=AT)
+            assert outcome.verdict == "inconclusive" and "stable metrics incomplete" in outcome.message
+            previous = outcome.results
     finally:
         await runner.cleanup()
 

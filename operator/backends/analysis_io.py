@@ -109,12 +109,24 @@ async def query_values(base_url: str, queries: Sequence[PrometheusQuery], values
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 found.append((query.name, None, f"Prometheus unreachable: {type(exc).__name__}"))
                 continue
-            try:
-                value = scalar_of(json.loads(body)) if status == 200 else None
-            except (ValueError, RecursionError):
-                value = None
-            found.append((query.name, value, "" if status == 200 else f"Prometheus answered HTTP {status}"))
+            found.append((query.name, *answer_of(status, body)))
     return found
+
+
+def answer_of(status: int, body: str) -> tuple[float | None, str]:
+    """(value, error) of a Prometheus answer. An answer that is no Prometheus success (another
+    status, a body that is not its JSON -- a proxy's HTML page -- or `"status": "error"`) is an
+    error, which consecutiveErrorLimit counts; only a success without one finite number is "no
+    data" (an outside review: a proxy's page held the step for ever as no data)."""
+    if status != 200:
+        return None, f"Prometheus answered HTTP {status}"
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):
+        return None, f"Prometheus answered what is not JSON: {clip(' '.join(body.split()), 80)!r}"
+    if not isinstance(answer, dict) or answer.get("status") != "success":
+        return None, "Prometheus answered without success: " + clip(str(answer.get("error") if isinstance(answer, dict) else answer), 120)
+    return scalar_of(answer), ""
 
 
 @dataclass
@@ -164,7 +176,9 @@ async def measure_live_traffic(
     if stable_errors:
         why = "stable metrics incomplete: " + "; ".join(stable_errors)
         if cand_before is None or stable_before is None:  # no window starts half-seen
-            return unmeasured(spec, previous, why, at)
+            # Not counted toward consecutiveErrorLimit: failing the analysis would send all
+            # traffic back to the revision that cannot be read (an outside review).
+            return unmeasured(spec, previous, why, at, counted=False)
         # The stable's part of this window unseen: its start is kept (the next window covers both
         # intervals), and this one is compared with its last window that had traffic. Taken as
         # the window's end, an empty scrape made the next window the stable's whole life, whose
