@@ -43,7 +43,7 @@ from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.json_numbers import numbers_only
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.rollout import RolloutStatus, Scale
-from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO
+from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO, MAX_KV_RATIO
 from kvguard.workers.protocol import MAX_EVENT_TOKENS
 
 API_GROUP: Final = "kvguard.io"
@@ -271,9 +271,6 @@ def _gpu_product_label(value: str) -> str:
 GPUProduct = Annotated[str, AfterValidator(_gpu_product_label)]
 """A GPU product as the node label nvidia.com/gpu.product spells it (a label value)."""
 
-MAX_KV_RATIO = 100.0
-"""The largest minKVRatio: 100 contexts per pool is far past any real need, and an unbounded
-ratio (1e308) makes minKVRatio x contextLength infinite, which the planner cannot round to tokens."""
 KVRatio = Annotated[float, Field(ge=1.0, le=MAX_KV_RATIO, allow_inf_nan=False)]
 """A pool-to-context ratio (spec.minKVRatio, InferencePolicy spec.minKVRatio)."""
 
@@ -1222,6 +1219,19 @@ class InferenceModelSpec(ApiModel):
         # validate again as it was dumped (`kvguard apply --local` re-reads its state folder).
         if self.canary.context_length is None and self.context_length >= MIN_CONTEXT_TOKENS:
             self.__dict__["canary"] = self.canary.model_copy(update={"context_length": self.context_length})
+        return self
+
+    @model_validator(mode="after")
+    def _canary_judges_the_planned_ratio(self) -> InferenceModelSpec:
+        # The canary's capacity probe judges the pools the planner sized to minKVRatio: by default
+        # by the same ratio (a fixed 2 failed, in the canary, every pool the planner had passed at
+        # minKVRatio 1.5, and rolled the revision back). An explicit minRatio above minKVRatio is
+        # refused by the webhook (spec_checks.canary_problems) and the CRD's rule, not here: the
+        # stored spec must validate again as it was dumped, whatever it holds.
+        capacity = self.canary.capacity
+        if capacity.min_ratio is None:
+            filled = capacity.model_copy(update={"min_ratio": self.min_kv_ratio})
+            self.__dict__["canary"] = self.canary.model_copy(update={"capacity": filled})
         return self
 
     def replicas_at(self, role: str, scale: Scale) -> int:

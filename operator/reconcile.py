@@ -610,10 +610,11 @@ def describe_fixes(kv_plan: KVPlan) -> str:
 
 
 def field_errors(exc: ValidationError) -> str:
-    """pydantic errors as `spec.a.b: message` (wire names, as the user wrote them)."""
+    """pydantic errors as `spec.a.b[0].c: message` (wire names, as the user wrote them; a list
+    index in brackets, as the API server and the CRD's rules write paths)."""
     parts = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in ("spec", *err["loc"]))
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
         parts.append(f"{path}: {err['msg']}")
     return "; ".join(parts)
 

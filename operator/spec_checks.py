@@ -16,6 +16,7 @@ Pure: no kopf, kubernetes or torch (`kvguard plan` runs without the operator's e
 from __future__ import annotations
 
 from kvguard.operator.api import InferenceModelSpec, KVPlan
+from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS
 from kvguard.operator.engine_support import engine_problems
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
@@ -50,6 +51,7 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
     for images the spec does not name: an image, like a source, is needed to deploy, not to plan,
     and changes no flag a check reads."""
     problems = engine_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
+    problems += canary_problems(spec)
     if problems:
         raise SpecInvalid(problems)
     rendered = with_stand_in_source(spec, STAND_IN)
@@ -70,6 +72,40 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
     if deploying and spec.model.source is None:
         raise SpecInvalid([f"{MISSING_SOURCE[0]}: {MISSING_SOURCE[1]}"])
     return kv_plan
+
+
+def canary_problems(spec: InferenceModelSpec) -> list[str]:
+    """The canary's fields that only fail against the rest of the spec: each makes a healthy
+    revision fail its canary (and roll back) where the planner passed it, so it is refused when
+    written, as `field: message` lines (outside probe: each was admitted and failed later)."""
+    canary, context = spec.canary, spec.context_length
+    problems = []
+    ratio = canary.capacity.min_ratio  # filled in with minKVRatio where unset (InferenceModelSpec)
+    if ratio is not None and ratio > spec.min_kv_ratio:
+        ours, theirs = f"{ratio:g}", f"{spec.min_kv_ratio:g}"
+        if ours == theirs:  # 2.0000001 above 2 must not read "2 is above 2"
+            ours, theirs = repr(ratio), repr(spec.min_kv_ratio)
+        problems.append(
+            f"spec.canary.capacity.minRatio: {ours} is above spec.minKVRatio {theirs}: the planner "
+            f"sizes pools to {theirs}x contextLength, so the canary would fail (and roll back) every revision "
+            "it passed; leave minRatio unset to judge by minKVRatio, or raise minKVRatio"
+        )
+    long_max = canary.isolation.long_request_max_tokens
+    # Whether or not a probe is enabled: the continuous canary runs the light probes, isolation
+    # included, when the spec enables none of them (CanarySpec.for_continuous).
+    if long_max > context - LONG_PROMPT_MIN_TOKENS:
+        problems.append(
+            f"spec.canary.isolation.longRequestMaxTokens: {long_max:,} leaves no room for a long request's prompt "
+            f"in contextLength {context:,}: at most contextLength - {LONG_PROMPT_MIN_TOKENS} "
+            f"({max(context - LONG_PROMPT_MIN_TOKENS, 0):,}); a healthy engine refuses a longer request"
+        )
+    for i, prompt in enumerate(canary.golden.prompts):
+        if prompt.max_tokens is not None and prompt.max_tokens >= context:
+            problems.append(
+                f"spec.canary.golden.prompts[{i}].maxTokens: {prompt.max_tokens:,} must be below contextLength "
+                f"{context:,} (the prompt needs room); a healthy engine refuses the request"
+            )
+    return problems
 
 
 def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | None:

@@ -123,7 +123,7 @@ REFUSED = [
     ("spec.roles.decode.tolerations", [{"operator": "Equal", "effect": "NoSchedule"}], "key is required when operator is Equal"),
     ("spec.roles.decode.tolerations", [{"key": "gpu", "value": "not a value"}], "value: 'not a value' is not a label value"),
     ("spec.roles.decode.tolerations", [{"key": "gpu", "operator": "Exists", "value": "x"}], "value must be empty"),
-    ("spec.roles.decode.tolerations", [{"key": "gpu", "effect": "Sometimes"}], "spec.roles.decode.tolerations.0.effect"),
+    ("spec.roles.decode.tolerations", [{"key": "gpu", "effect": "Sometimes"}], "spec.roles.decode.tolerations[0].effect"),
     ("spec.roles.decode.resources", {"requests": {"gpu": "1"}}, "resource name 'gpu' is not a standard container resource"),
     ("spec.roles.decode.resources", {"limits": {"cpu": "-1"}}, "limits.cpu: -1 must not be negative"),
     ("spec.roles.decode.resources", {"requests": {"example.com/foo": "500m"}, "limits": {"example.com/foo": "500m"}},

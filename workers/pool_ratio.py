@@ -14,6 +14,10 @@ from fractions import Fraction
 DEFAULT_MIN_KV_RATIO = 2.0
 """S7: a KV pool holds at least this many full contexts unless a spec or flag says more."""
 
+MAX_KV_RATIO = 100.0
+"""The largest minKVRatio: 100 contexts per pool is far past any real need, and an unbounded
+ratio (1e308) makes minKVRatio x contextLength infinite, which the planner cannot round to tokens."""
+
 
 def required_pool_tokens(min_ratio: float, context_length: int) -> int:
     """The fewest tokens that hold `min_ratio` x `context_length`, with the ratio read as written

@@ -29,7 +29,7 @@ class CapacityProbe(Probe):
         if not any(s.pools or s.unreadable_pools for s in snapshots):
             engines = sorted({s.engine for s in snapshots if s.reachable})
             raise ProbeSkipped(f"no worker reports a KV pool size (engines seen: {', '.join(engines)})")
-        required = ctx.spec.capacity.min_ratio
+        required = ctx.spec.capacity.required_ratio()  # the model's minKVRatio, filled in by InferenceModelSpec
         problems: list[str] = []
         evidence: list[Evidence] = []
         for snap in snapshots:

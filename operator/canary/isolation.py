@@ -54,6 +54,16 @@ CHOICES_PER_PROMPT = 2
 """`n` of the tenants' prompt list: a second choice makes the server fork each prompt's KV."""
 
 
+def long_request_words(estimate: TokenEstimate, budget: int, fraction: float) -> int:
+    """Filler words of a long request A: `fraction` of the admissible prompt length `budget`, at
+    least 16 tokens. The spec keeps fractions in (0, 1]; one outside (a spec built around its
+    checks) is read as 1 here, so that nothing it says sizes A beyond the admissible length: the
+    prompt is built synchronously on the operator's loop, and 1e300 built a word list without end
+    (outside probe)."""
+    share = fraction if 0.0 < fraction <= 1.0 else 1.0  # NaN too: every comparison with it is false
+    return estimate.words_at_most(max(16, int(budget * share)))
+
+
 @dataclass(frozen=True)
 class Channel:
     """One way an answer reaches a client, with B's solo answer on it. A leak may show on only one:
@@ -144,8 +154,7 @@ class IsolationProbe(Probe):
     ) -> tuple[int, str, Completion]:
         """One long request A carrying a fresh nonce, then B on every path: (A's words, prompt, answer)."""
         spec = ctx.spec.isolation
-        budget = ctx.admissible_tokens(spec.long_request_max_tokens)
-        words = ctx.estimate.words_at_most(max(16, int(budget * fraction)))
+        words = long_request_words(ctx.estimate, ctx.admissible_tokens(spec.long_request_max_tokens), fraction)
         nonce = ctx.issue_nonce(spec.nonce_length, f"A #{round_index + 1}")
         label_a = f"A #{round_index + 1} ({words} words, nonce {nonce})"
         prompt_a = filler_text(words, ctx.spec.seed + 1000 + round_index, nonce, spec.nonce_every_words)

@@ -30,7 +30,16 @@ def make_nonce(length: int) -> str:
     return secrets.token_hex((length + 1) // 2)[:length]
 
 
+MAX_FILLER_WORDS = MAX_CONTEXT_TOKENS * USAGE_MIN_WORDS_PER_TOKEN
+"""The most filler words any prompt is built of: the longest context the canary sizes prompts from,
+at the most words a tokenizer packs into a token. The list is built synchronously on the operator's
+event loop, where no timeout can stop it: a long-request fraction of 1e300 built one until memory
+ran out (outside probe), so a count above this is refused here whatever asked for it."""
+
+
 def filler_words(count: int, seed: int) -> list[str]:
+    if count > MAX_FILLER_WORDS:
+        raise ValueError(f"{count:,} filler words asked for; at most {MAX_FILLER_WORDS:,} (the longest context)")
     rng = random.Random(seed)
     return ["".join(rng.choices(WORD_LETTERS, k=WORD_LENGTH)) for _ in range(count)]
 

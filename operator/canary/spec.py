@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.json_numbers import numbers_only
+from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO, MAX_KV_RATIO
 
 
 class ProbeName(str, enum.Enum):
@@ -61,6 +62,25 @@ def context_within_bound(value: int) -> int:
 # A timeout beyond a day is a typo; aiohttp and asyncio overflow on huge or infinite ones.
 MAX_TIMEOUT_SECONDS = 86400.0
 
+MAX_GENERATED_TOKENS = 4096
+"""The most tokens one probe request asks for (maxTokens, a golden prompt's maxTokens,
+longRequestMaxTokens). The probes judge text equality and leaks, never length; a bigger number only
+makes a healthy engine refuse the request (longer than its context) or run past the request timeout."""
+
+LONG_PROMPT_MIN_TOKENS = 16
+"""The shortest prompt of a long request A (`admissible_prompt_tokens` never sizes one below 16
+tokens), so longRequestMaxTokens may take at most contextLength - 16: more, and A is longer than
+the context, which a healthy engine rightly refuses."""
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""The seeds every engine takes: vLLM's `seed` is a signed 64-bit integer (torch.long), the kvguard
+engine's -2^63 .. 2^64-1 (workers/openai_requests.py). The canary sends the seed as it is written,
+so one outside both answered 400 on every request and failed a healthy revision."""
+
+LongRequestFraction = Annotated[float, Field(gt=0.0, le=1.0)]
+"""A long request's share of the admissible prompt length: above 1 it is longer than the context
+(a healthy engine refuses it), at 0 or below it is a 16-token prompt that tests nothing."""
+
 
 class _SpecModel(BaseModel):
     # allow_inf_nan=False: `.inf` or `.nan` in YAML is bad input (it crashed the timers, or made
@@ -88,7 +108,9 @@ class GoldenPrompt(_SpecModel):
     )
     expect_regex: str | None = Field(None, description="The output must match this regex (search).")
     max_tokens: int | None = Field(
-        None, ge=1, description="Tokens to generate; defaults to the suite's maxTokens."
+        None, ge=1, le=MAX_GENERATED_TOKENS,
+        description="Tokens to generate; defaults to the suite's maxTokens. Below the InferenceModel's contextLength "
+        "(the prompt needs room too).",
     )
 
     @field_validator("expect_regex")
@@ -176,14 +198,16 @@ class IsolationSpec(_ProbeSpec):
         min_length=1,
         description="Request B: run alone, then after each long request A; outputs must be identical.",
     )
-    long_request_fractions: list[float] = Field(
+    long_request_fractions: list[LongRequestFraction] = Field(
         default_factory=lambda: [0.3, 0.7],
         min_length=1,
         description="Sizes of the long requests A, as fractions of the admissible prompt length "
-        "(context length, or the KV pool when smaller); varied to force page reuse.",
+        "(context length, or the KV pool when smaller), each in (0, 1]; varied to force page reuse.",
     )
     long_request_max_tokens: int = Field(
-        2, ge=1, description="Tokens generated for each long request A."
+        2, ge=1, le=MAX_GENERATED_TOKENS,
+        description="Tokens generated for each long request A; at most the InferenceModel's contextLength - "
+        f"{LONG_PROMPT_MIN_TOKENS} (A's prompt needs room).",
     )
     nonce_length: int = Field(
         16, ge=8, le=128, description="Length (hex characters) of the secret nonce in each A."
@@ -280,9 +304,30 @@ class AbortSpec(_ProbeSpec):
 
 class CapacitySpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the capacity probe (needs metrics).")
-    min_ratio: float = Field(
-        2.0, gt=0.0, description="Every worker's reported KV pool must be >= this x context length (S7)."
+    # No default in the schema: unset, the operator uses the model's own minKVRatio (a default of 2
+    # failed, in the canary, every pool the planner had passed at minKVRatio 1.5: outside probe).
+    # The bounds are written into the schema by hand so that the validator below gives the reason.
+    min_ratio: float | None = Field(
+        None,
+        json_schema_extra={"minimum": 1.0, "maximum": MAX_KV_RATIO},
+        description="Every worker's reported KV pool must be >= this x context length (S7). Unset: the "
+        f"InferenceModel's minKVRatio ({DEFAULT_MIN_KV_RATIO:g} for `kvguard canary` without one); set, between 1 "
+        "and the model's minKVRatio.",
     )
+
+    @field_validator("min_ratio")
+    @classmethod
+    def _ratio_bounded(cls, value: float | None) -> float | None:
+        if value is not None and value < 1.0:
+            raise ValueError("must be at least 1: a pool below one context length cannot hold a full-length request")
+        if value is not None and value > MAX_KV_RATIO:
+            raise ValueError(f"must be at most {MAX_KV_RATIO:g}, as minKVRatio")
+        return value
+
+    def required_ratio(self) -> float:
+        """The ratio the probe judges by: minRatio, or S7's default where nothing filled it in (a
+        bare `kvguard canary`; the operator fills in the model's minKVRatio)."""
+        return DEFAULT_MIN_KV_RATIO if self.min_ratio is None else self.min_ratio
 
 
 DEFAULT_SAFETY_COUNTERS: tuple[str, ...] = (
@@ -352,14 +397,18 @@ class CanarySpec(_SpecModel):
     api: ApiKind = Field(
         "completions", description="Endpoint the generation probes use (over-length tests its own list)."
     )
-    max_tokens: int = Field(8, ge=1, le=4096, description="Tokens generated per probe request.")
+    max_tokens: int = Field(8, ge=1, le=MAX_GENERATED_TOKENS, description="Tokens generated per probe request.")
     context_length: int | None = Field(
         None, ge=16,
         description="Context length of the target, for servers that do not advertise one (no max_model_len in "
         "/v1/models, no /server_info); it sizes isolation's long requests and the over-length cases. When unset, "
         "the operator uses the InferenceModel's contextLength.",
     )
-    seed: int = Field(1234, description="Sampling seed sent with every request (decoding is greedy).")
+    seed: int = Field(
+        1234, ge=SEED_MIN, le=SEED_MAX,
+        description="Sampling seed sent with every request (decoding is greedy); a signed 64-bit integer, the range "
+        "every engine accepts.",
+    )
     request_timeout_seconds: float = Field(
         20.0, gt=0.0, description="A request that takes longer fails (hangs are failures)."
     )

@@ -1,0 +1,191 @@
+"""spec.canary fields an outside probe found unbounded: each was admitted and then hung the operator
+(a long-request fraction of 1e300 built a word list on its event loop until memory ran out) or
+failed a healthy revision's canary (a fraction of 5, 2^62 long-request tokens, a seed past 64 bits,
+minRatio 1e6, a golden prompt's maxTokens beyond the context), and the capacity probe judged by 2
+the pools the planner had passed at minKVRatio 1.5, rolling back a spec it approved.
+
+Each is now refused when written, by field: by the webhook (pydantic's bounds and
+`spec_checks.canary_problems`) and, for clusters without it, by the CRD's schema and rules.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from crd_admission import admit
+from test_canary_fakes import Behaviour, RunningServer
+from test_spec_refusals import denial, tiny_model
+from test_webhook import set_path
+
+from kvguard.commands.canary import _load_spec
+from kvguard.operator.api import InferenceModelSpec
+from kvguard.operator.canary import ProbeName, ProbeStatus, run_suite
+from kvguard.operator.canary.isolation import long_request_words
+from kvguard.operator.canary.prompts import MAX_FILLER_WORDS, TokenEstimate, filler_words
+from kvguard.operator.crdgen import inference_model_crd
+from kvguard.operator.webhook import INVALID
+
+CRD = inference_model_crd()
+
+# The sample's contextLength is 1024 and its minKVRatio the default 2.
+REFUSED = [
+    ("spec.canary.isolation.longRequestFractions", [1.0e300],
+     "spec.canary.isolation.longRequestFractions[0]: Input should be less than or equal to 1"),
+    ("spec.canary.isolation.longRequestFractions", [0.3, 5.0],
+     "spec.canary.isolation.longRequestFractions[1]: Input should be less than or equal to 1"),
+    ("spec.canary.isolation.longRequestFractions", [-3.0],
+     "spec.canary.isolation.longRequestFractions[0]: Input should be greater than 0"),
+    ("spec.canary.isolation.longRequestFractions", [0.0],
+     "spec.canary.isolation.longRequestFractions[0]: Input should be greater than 0"),
+    ("spec.canary.isolation.longRequestMaxTokens", 4611686018427387904,
+     "spec.canary.isolation.longRequestMaxTokens: Input should be less than or equal to 4096"),
+    ("spec.canary.isolation.longRequestMaxTokens", 1009,
+     "spec.canary.isolation.longRequestMaxTokens: 1,009 leaves no room for a long request's prompt in contextLength "
+     "1,024: at most contextLength - 16 (1,008)"),
+    ("spec.canary.seed", 18446744073709551616, "spec.canary.seed: Input should be less than or equal to 9223372036854775807"),
+    ("spec.canary.seed", -(2**63) - 1, "spec.canary.seed: Input should be greater than or equal to -9223372036854775808"),
+    ("spec.canary.capacity.minRatio", 1e6, "spec.canary.capacity.minRatio: Value error, must be at most 100"),
+    ("spec.canary.capacity.minRatio", 0.5,
+     "spec.canary.capacity.minRatio: Value error, must be at least 1: a pool below one context length cannot hold"),
+    ("spec.canary.capacity.minRatio", 3.0,
+     "spec.canary.capacity.minRatio: 3 is above spec.minKVRatio 2: the planner sizes pools to 2x contextLength, so the "
+     "canary would fail (and roll back) every revision it passed"),
+    ("spec.canary.golden.prompts", [{"prompt": "x", "maxTokens": 10**9}],
+     "spec.canary.golden.prompts[0].maxTokens: Input should be less than or equal to 4096"),
+    ("spec.canary.golden.prompts", [{"prompt": "x"}, {"prompt": "y", "maxTokens": 2000}],
+     "spec.canary.golden.prompts[1].maxTokens: 2,000 must be below contextLength 1,024 (the prompt needs room)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "says"), REFUSED, ids=[f"{p.split('.')[-1]}={v!r}"[:50] for p, v, _ in REFUSED])
+def test_the_webhook_refuses_canary_fields_that_cannot_work_by_field(path: str, value: Any, says: str) -> None:
+    exc = denial(set_path(tiny_model(), path, value))
+    assert exc is not None and exc.code == INVALID
+    assert says in str(exc), exc
+
+
+EDGES = [
+    ("spec.canary.isolation.longRequestFractions", [1.0, 0.01], [1.000001],  # (0, 1]: the whole admissible length
+     "spec.canary.isolation.longRequestFractions[0]: Input should be less than or equal to 1"),
+    ("spec.canary.isolation.longRequestMaxTokens", 1008, 1009,  # contextLength - 16: A's shortest prompt still fits
+     "spec.canary.isolation.longRequestMaxTokens: 1,009 leaves no room"),
+    ("spec.canary.seed", 2**63 - 1, 2**63, "spec.canary.seed: Input should be less than or equal to"),
+    ("spec.canary.seed", -(2**63), -(2**63) - 1, "spec.canary.seed: Input should be greater than or equal to"),
+    ("spec.canary.capacity.minRatio", 2.0, 2.01, "spec.canary.capacity.minRatio: 2.01 is above spec.minKVRatio 2"),
+    ("spec.canary.capacity.minRatio", 1.0, 0.99, "spec.canary.capacity.minRatio: Value error, must be at least 1"),
+    ("spec.canary.golden.prompts", [{"prompt": "x", "maxTokens": 1023}], [{"prompt": "x", "maxTokens": 1024}],
+     "spec.canary.golden.prompts[0].maxTokens: 1,024 must be below contextLength 1,024"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "edge", "past", "says"), EDGES, ids=[f"{e[0].split('.')[-1]}={e[1]!r}"[:50] for e in EDGES])
+def test_each_bound_admits_its_edge_and_refuses_one_step_past_it(path: str, edge: Any, past: Any, says: str) -> None:
+    assert denial(set_path(tiny_model(), path, edge)) is None
+    exc = denial(set_path(tiny_model(), path, past))
+    assert exc is not None and exc.code == INVALID and says in str(exc), exc
+
+
+# --- the CRD says the same where the webhook is off ---------------------------------------------------
+
+
+def crd_rejections(body: dict[str, Any]) -> list[str]:
+    _, rejections = admit(copy.deepcopy(body), CRD)
+    return [f"{r.path}: {r.message}" for r in rejections]
+
+
+SCHEMA_REFUSED = [
+    ("spec.canary.isolation.longRequestFractions", [0.3, 5.0], "spec.canary.isolation.longRequestFractions.1: 5.0 is greater than the maximum of 1.0"),
+    ("spec.canary.isolation.longRequestFractions", [-3.0], "spec.canary.isolation.longRequestFractions.0: -3.0 is less than or equal to the minimum of 0.0"),
+    ("spec.canary.isolation.longRequestMaxTokens", 4611686018427387904,
+     "spec.canary.isolation.longRequestMaxTokens: 4611686018427387904 is greater than the maximum of 4096"),
+    ("spec.canary.seed", 18446744073709551616, "spec.canary.seed: 18446744073709551616 is greater than the maximum of 9223372036854775807"),
+    ("spec.canary.capacity.minRatio", 1e6, "spec.canary.capacity.minRatio: 1000000.0 is greater than the maximum of 100.0"),
+    ("spec.canary.capacity.minRatio", 0.5, "spec.canary.capacity.minRatio: 0.5 is less than the minimum of 1.0"),
+    ("spec.canary.golden.prompts", [{"prompt": "x", "maxTokens": 10**9}],
+     "spec.canary.golden.prompts.0.maxTokens: 1000000000 is greater than the maximum of 4096"),
+    # The rules that span fields (the path is the spec: the message names the field).
+    ("spec.canary.capacity.minRatio", 3.0, "spec: spec.canary.capacity.minRatio: must not exceed spec.minKVRatio"),
+    ("spec.canary.isolation.longRequestMaxTokens", 1009, "spec: spec.canary.isolation.longRequestMaxTokens: at most contextLength - 16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "says"), SCHEMA_REFUSED, ids=[f"{p.split('.')[-1]}={v!r}"[:50] for p, v, _ in SCHEMA_REFUSED])
+def test_the_crd_refuses_them_too(path: str, value: Any, says: str) -> None:
+    rejections = crd_rejections(set_path(tiny_model(), path, value))
+    assert any(r.startswith(says) for r in rejections), rejections
+
+
+def test_the_crd_leaves_min_ratio_unset_and_stores_a_model_below_the_default_ratio() -> None:
+    """A default of 2 in the schema would be written into every stored model, and then refused by
+    the minRatio <= minKVRatio rule for minKVRatio 1.5 (allowed: at least 1)."""
+    body = set_path(tiny_model(), "spec.minKVRatio", 1.5)
+    stored, rejections = admit(copy.deepcopy(body), CRD)
+    assert rejections == []
+    assert "minRatio" not in stored["spec"]["canary"]["capacity"]
+    assert crd_rejections(set_path(body, "spec.canary.capacity.minRatio", 1.5)) == []
+
+
+# --- the canary judges pools by the model's own minKVRatio ------------------------------------------
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    with RunningServer(request.param) as running:
+        yield running
+
+
+def model_at(ratio: float, pool_tokens: int) -> dict[str, Any]:
+    body = set_path(tiny_model(), "spec.minKVRatio", ratio)
+    return set_path(body, "spec.kvPoolTokens", pool_tokens)
+
+
+def test_the_canary_of_a_model_takes_its_min_kv_ratio() -> None:
+    assert InferenceModelSpec.model_validate(model_at(1.5, 1536)["spec"]).canary.capacity.required_ratio() == 1.5
+    assert InferenceModelSpec.model_validate(model_at(3.0, 4096)["spec"]).canary.capacity.required_ratio() == 3.0
+    explicit = set_path(model_at(3.0, 4096), "spec.canary.capacity.minRatio", 2.5)
+    assert InferenceModelSpec.model_validate(explicit["spec"]).canary.capacity.required_ratio() == 2.5
+    # Dumped and read again (kvguard apply --local keeps specs so), it is the same spec.
+    spec = InferenceModelSpec.model_validate(model_at(1.5, 1536)["spec"])
+    assert InferenceModelSpec.model_validate(spec.model_dump(by_alias=True)) == spec
+
+
+@pytest.mark.parametrize("server", [Behaviour(pool_tokens=768)], indirect=True)  # the fake's context is 512: 1.5x
+async def test_a_pool_the_planner_passed_at_min_kv_ratio_1_5_passes_the_canary(server: RunningServer) -> None:
+    body = model_at(1.5, 1536)  # 1.5 x contextLength 1024: the plan passes
+    assert denial(body) is None
+    canary = InferenceModelSpec.model_validate(body["spec"]).canary.only([ProbeName.CAPACITY])
+    report = await run_suite(server.url, canary, metrics_urls=[server.metrics_url])
+    result = report.probe(ProbeName.CAPACITY)
+    assert result is not None and result.status == ProbeStatus.PASS, report.to_json()
+    assert "768 tokens" not in result.reason and ">= 1.5 x context length" in result.reason
+
+
+def test_kvguard_canary_with_a_model_manifest_takes_its_min_kv_ratio(tmp_path: Path) -> None:
+    manifest = tmp_path / "model.yaml"
+    manifest.write_text(yaml.safe_dump(model_at(1.5, 1536)))
+    assert _load_spec(manifest, None).capacity.required_ratio() == 1.5
+    manifest.write_text(yaml.safe_dump({"capacity": {"enabled": True}}))  # a bare CanarySpec: S7's default
+    assert _load_spec(manifest, None).capacity.required_ratio() == 2.0
+
+
+# --- nothing the spec says makes the long requests' prompts unbounded ---------------------------------
+
+
+@pytest.mark.parametrize("fraction", [1.0e300, 5.0, float("inf"), float("nan"), -3.0])
+def test_a_long_request_is_never_sized_beyond_the_admissible_length(fraction: float) -> None:
+    """A spec built around its checks (model_copy does not validate) still sizes A within the
+    budget: the word list is built on the operator's loop, where no timeout stops it."""
+    estimate = TokenEstimate(None)  # worst case: a token per byte, 5 bytes a filler word
+    assert long_request_words(estimate, 1000, fraction) == long_request_words(estimate, 1000, 1.0) == 200
+    assert long_request_words(estimate, 1000, 0.5) == 100
+
+
+def test_filler_words_refuses_more_than_the_longest_context_holds() -> None:
+    with pytest.raises(ValueError, match="filler words asked for; at most"):
+        filler_words(MAX_FILLER_WORDS + 1, seed=0)
+    assert len(filler_words(3, seed=0)) == 3
