@@ -323,6 +323,27 @@ def test_prefill_sends_nowhere_without_a_ticket_the_router_issued_s9(trio: Local
     assert metric(trio, "prefill", "kvguard_ticket_rejections_total", reason="expired") >= 1
 
 
+def test_a_ticket_whose_plan_differs_from_prefills_kv_is_counted_as_a_prefill_error_s4(trio: LocalDeployment) -> None:
+    """A genuine ticket that plans other tokens than prefill computed (kv_plan_mismatch: page sizes
+    differ) fails in `_send`, before OPEN. The request was counted as a client disconnect, which
+    the paging alerts leave out; it is prefill's own failure, and its pages are freed (S4)."""
+    spy = Spy()
+    rid = "cmpl-plan-mismatch"
+    leg = {"request_id": rid, "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}
+    bootstrap = {"transfer_host": spy.address[0], "transfer_port": spy.address[1], "page_ids": [0], "generations": [1],
+                 "num_tokens": 5, "nonce": "22" * 16, "epoch": 7}  # fmt: skip
+    disconnects = metric(trio, "prefill", "kvguard_aborts_total", cause="client_disconnect")
+    errors = metric(trio, "prefill", "kvguard_aborts_total", cause="prefill_error")
+    try:
+        answer = internal(trio, "prefill", "/internal/prefill", {**leg, "ticket": ticket_for(trio, rid, bootstrap)}, timeout=TIMEOUT_S)
+        assert answer.status_code == 500 and answer.json()["error"]["code"] == "kv_plan_mismatch", answer.text
+    finally:
+        spy.close()
+    wait_pools_empty(trio, roles=("prefill",))
+    wait_metric(trio, "prefill", "kvguard_aborts_total", errors + 1, cause="prefill_error")
+    assert metric(trio, "prefill", "kvguard_aborts_total", cause="client_disconnect") == disconnects
+
+
 def test_prefill_computes_before_its_ticket_and_sends_nothing_until_one_verifies_s9(trio: LocalDeployment) -> None:
     """The router starts prefill with decode (issue 14: prefill computes while decode allocates),
     so the ticket follows in POST /internal/ticket. Computing needs the router's signed call;

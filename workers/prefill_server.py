@@ -34,7 +34,7 @@ from aiohttp import web
 
 from kvguard.workers.args import DEFAULT_BOOTSTRAP_TIMEOUT_S
 from kvguard.workers.keys import RevisionKeys
-from kvguard.workers.kv_pool import Lease
+from kvguard.workers.kv_pool import Lease, StaleLeaseError
 from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import PrefillRequest, PrefillResult, TicketDelivery
 from kvguard.workers.request import EngineError, RequestOutput, RequestState
@@ -194,7 +194,11 @@ class PrefillServer:
             # FAULT (the incident): the over-length prompt is "rejected" by swapping in a placeholder,
             # and its KV is still computed and sent.
             prompt = (PLACEHOLDER_TOKEN,)
-        cause: str = AbortCause.CLIENT_DISCONNECT
+        # Why the request ends, counted in kvguard_aborts_total: a failure the branches below do not
+        # name is prefill's own (e.g. `_send`'s kv_plan_mismatch); a client disconnect is only ever a
+        # cancellation (the `except` below). It started as CLIENT_DISCONNECT, so such a failure was
+        # counted as one, which the paging alerts leave out.
+        cause: str = AbortCause.PREFILL_ERROR
         tell_decode = True  # until the sender owns the transfer: it sends its own ABORT on failure
         offered = False  # the engine saw the request (it counts its own aborts and rejections from then on)
         early = self.pool.pages_for(len(prompt)) if job.ticket is None else 0
@@ -229,7 +233,11 @@ class PrefillServer:
                 self.early.give(early)
                 early = 0
             tell_decode = False
-            outcome = await self._send(ticket, output.lease, len(prompt), first_token_record(output))
+            try:
+                outcome = await self._send(ticket, output.lease, len(prompt), first_token_record(output))
+            except StaleLeaseError:  # S5: the engine freed the pages (a failed step) while they were exported
+                cause = AbortCause.STALE_LEASE
+                raise
             if not outcome.ok:
                 cause = ""  # decode gave the verdict (or is unreachable): nothing to tell it
                 self.runtime.count_abort(abort_cause(outcome.reason, outcome.detail))
