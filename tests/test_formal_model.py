@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import re
 import shutil
 import sys
@@ -50,12 +51,38 @@ check = _load("check")
 trail = _load("trail")
 
 
+def missing_tools_verdict(missing: list[str], ci: bool) -> tuple[str, str] | None:
+    """What the model-check tests do without spin or gcc: nothing when both are there; in CI (`CI`
+    is `true`) fail, since a CI run that skipped the model would pass without checking S1-S6; on a
+    developer's machine skip, saying why. Returns ("fail" | "skip", the reason) or None."""
+    if not missing:
+        return None
+    reason = (f"{' and '.join(missing)} not installed: `make spin` (run by `make test` and `make model-check`) installs "
+              "them with apt-get (Debian packages spin, gcc, libc6-dev); gcc compiles SPIN's verifier")  # fmt: skip
+    if ci:
+        return "fail", f"CI=true and the KV transfer model cannot be checked: {reason}"
+    return "skip", reason
+
+
 @pytest.fixture(scope="module")
 def spin() -> None:
-    missing = [tool for tool in ("spin", "gcc") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed: `make model-check` installs spin with apt-get "
-                    "(Debian package `spin`); gcc compiles SPIN's verifier")  # fmt: skip
+    verdict = missing_tools_verdict([tool for tool in ("spin", "gcc") if shutil.which(tool) is None],
+                                    os.environ.get("CI", "").lower() == "true")  # fmt: skip
+    if verdict is None:
+        return
+    action, reason = verdict
+    if action == "fail":
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
+def test_without_spin_or_gcc_ci_fails_and_a_developer_machine_skips() -> None:
+    assert missing_tools_verdict([], ci=True) is None
+    in_ci = missing_tools_verdict(["spin"], ci=True)
+    assert in_ci is not None and in_ci[0] == "fail" and "spin not installed" in in_ci[1] and "CI=true" in in_ci[1]
+    locally = missing_tools_verdict(["spin", "gcc"], ci=False)
+    assert locally is not None and locally[0] == "skip"
+    assert "spin and gcc not installed" in locally[1] and "make spin" in locally[1]
 
 
 # -- names --------------------------------------------------------------------------------------
