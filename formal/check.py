@@ -95,6 +95,9 @@ MUTANTS: dict[str, Run] = {
             "prefill computes ahead of every ticket: its pool waits on decode's, decode's on prefill (the first overlap)"),
         Run("no_conn_seq", ("-DMUTANT_NO_CONN_SEQ", "-DONPATH", "-DROW=8"), "S6",
             "wire v2: frames carry no connection number, so a frame injected back into its own connection verifies"),
+        Run("token_first", ("-DMUTANT_TOKEN_FIRST", "-DROW=12"), "S3",
+            "decode sends the first token when the transfer completes, before start_decode's checks: a request "
+            "the engine aborted (a failed step) still gives its client a token (the router's S3)"),
         # Single guards: each removes exactly one check of the code (formal/README.md lists the
         # guards whose removal alone another guard covers, which therefore have no mutant here).
         Run("no_generation_check", ("-DONLY_NO_GEN_CHECK", "-DROW=12"), "S5",
@@ -105,6 +108,9 @@ MUTANTS: dict[str, Run] = {
         Run("prefill_admits_overlength", ("-DMUTANT_PREFILL_ADMITS_OVERLEN", "-DNPP=4", "-DROW=11"), "S2",
             "the incident's shape: router and prefill let an over-length request through, decode rejects it, "
             "but prefill already computed it ahead of its ticket (needs the early budget: NPP=4)"),
+        Run("no_manifest_checksum", ("-DMUTANT_NO_MANIFEST_CHECKSUM", "-DROW=9"), "S3",
+            "decode takes the MANIFEST's first-token record without its checksum (wire v3's MANIFEST): a record "
+            "corrupted in flight becomes the client's first token (the router's S3)"),
         Run("early_takes_every_slot", ("-DMUTANT_EARLY_TAKES_EVERY_SLOT", *SLOTS), "S4",
             "EarlyBudget without limit_requests (only pages bounded): prefill computes ahead of tickets in every "
             "running slot, its slots wait on tickets, decode's on prefill (the 1,000-request burst deadlock)"),

@@ -8,10 +8,12 @@
  * bootstrap into a transfer ticket and delivers it to prefill (POST /internal/ticket), which sends
  * nothing and connects nowhere before it holds one; prefill connects
  * (HELLO/WELCOME: decode's boot epoch), OPENs the transfer with the ticket, sends one CHUNK per page
- * under a byte credit (S6) and a MANIFEST; decode answers ACK (credit) and RESULT. Aborts from every
- * side at every step, timeouts, connection resets, worker restarts, chunk loss and corruption, and
- * an adversary replaying captured frames and forging foreign ones. formal/README.md has the bounds,
- * the abstractions and what is (and is not) proven.
+ * under a byte credit (S6) and a MANIFEST, which carries the request's first token (wire v4,
+ * workers/transfer/wire.py: a first-token record under the MANIFEST's checksum); decode answers ACK
+ * (credit) and RESULT, and the first token it streams to the router is the MANIFEST's. Aborts from
+ * every side at every step, timeouts, connection resets, worker restarts, chunk loss, corruption of
+ * a CHUNK or of the MANIFEST, and an adversary replaying captured frames and forging foreign ones.
+ * formal/README.md has the bounds, the abstractions and what is (and is not) proven.
  *
  * Each worker is an asyncio event loop: an atomic block is the code between two awaits.
  * Names are the code's: RequestState (request_state), TransferState (transfer_state, prefixed T_
@@ -25,7 +27,8 @@
  *
  * Invariants are assertions on globals named after them (SPIN reports "assertion violated S1"):
  *   S1 S2 S3 S5 S6 NOREPLAY during the run, S4 in the quiescence monitor, plus SPIN's own check that
- *   no process ends stuck outside an end state.
+ *   no process ends stuck outside an end state. S3 is asserted where decode verifies and again where
+ *   the client sees it: the router's receipt of the first token (a ghost flag per request, dverified).
  */
 
 /* ------------------------------------------------------------------------------ configuration */
@@ -72,7 +75,7 @@
  *            its pages are freed while its transfer may still be writing into them
  *   reset    prefill's connection to decode is reset (RST)
  *   drop     prefill drops a chunk (the drop_chunk fault: a silent loss)
- *   corrupt  a chunk's payload is corrupted in flight
+ *   corrupt  a payload is corrupted in flight: a CHUNK's KV, or the MANIFEST's first-token record
  *   drest    the decode worker restarts: new boot epoch, empty pool, every connection reset
  *   prest    the prefill worker restarts
  *   replay   adversary actions: connect to decode's port, inject a replayed or forged frame
@@ -191,6 +194,14 @@
 #else
 #define BOUND 1
 #endif
+/* A seeded bug for S3 where the client sees it: decode emits the first token as soon as the
+ * transfer completes, before start_decode's checks (lease_written, the request's state) -- a token
+ * from KV that was never verified reaches the router even when those checks then refuse it. */
+#ifdef MUTANT_TOKEN_FIRST
+#define TOKEN_FIRST 1
+#else
+#define TOKEN_FIRST 0
+#endif
 #ifdef MUTANT_NO_EPOCH                   /* neither side compares the ticket's boot epoch */
 #define EPOCH_CHECK 0
 #else
@@ -226,6 +237,11 @@
 #define ACK_CLAMP 0
 #else
 #define ACK_CLAMP 1
+#endif
+#ifdef MUTANT_NO_MANIFEST_CHECKSUM     /* _on_manifest: the first-token record's checksum (wire v4, S3) */
+#define MANIFEST_CHECKSUM 0
+#else
+#define MANIFEST_CHECKSUM 1
 #endif
 #ifdef NO_START_STATE_CHECK              /* engine.start_decode's _get: the request is still PREALLOCATED
                                             or RECEIVING (not aborted by the engine meanwhile) */
@@ -321,6 +337,10 @@ byte drun;                               /* Scheduler.holding: requests holding 
 mtype:transfer_state xstate[NREQ];       /* InboundTransfer.state */
 byte xnonce[NREQ], xslot[NREQ], xplan[NREQ];
 byte xn[NREQ], xw[NREQ], xnext[NREQ];    /* PlanTracker: chunks, written pages (bits), next seq */
+byte xfirst[NREQ];                       /* the first-token record of the MANIFEST decode completed with
+                                            (wire v4): 0 intact, GARBAGE corrupted; it becomes EV_TOKEN's */
+bool dverified[NREQ];                    /* ghost (S3): start_decode's checks passed for r's transfer; set
+                                            once, in the step that enters VERIFIED; the router asserts it */
 byte rc_st[NSLOT], rc_cid[NSLOT], rc_open[NSLOT], rc_fin[NSLOT], rc_seq[NSLOT];
 byte rc_fnonce[NSLOT * NREQ];            /* the codec a connection remembers for an ended request */
 
@@ -580,8 +600,13 @@ inline on_manifest(c) {
      x_end(r, T_FAILED, true, MANIFEST_MISMATCH)
   :: else ->
      if
-     :: !djob[r] -> x_end(r, T_FAILED, true, UNKNOWN_REQUEST)
-     :: else -> NOREPLAY = !f_adv; assert(NOREPLAY); x_end(r, T_COMPLETE, true, T_COMPLETE)
+     :: MANIFEST_CHECKSUM && f_tag == GARBAGE ->        /* v4: the first-token record's checksum (S3) */
+        x_end(r, T_FAILED, true, CHECKSUM)
+     :: else ->
+        if
+        :: !djob[r] -> x_end(r, T_FAILED, true, UNKNOWN_REQUEST)
+        :: else -> NOREPLAY = !f_adv; assert(NOREPLAY); xfirst[r] = f_tag; x_end(r, T_COMPLETE, true, T_COMPLETE)
+        fi
      fi
   fi
 }
@@ -741,6 +766,8 @@ end_idle:
   /* handle.wait(): the transfer's outcome, or an abort */
   do
   :: atomic { d_epoch == boot && xstate[r] == T_COMPLETE ->
+       /* MUTANT_TOKEN_FIRST: the first token goes to the router before start_decode's checks */
+       if :: TOKEN_FIRST && ROUTER_THERE -> dstream[r]!EV_TOKEN, xfirst[r] :: else -> skip fi;
        /* engine.start_decode: the request is still PREALLOCATED/RECEIVING (_get; else
         * InvalidRequest), and S3 */
        lease_written(r, ok);
@@ -750,10 +777,11 @@ end_idle:
           if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0; d_release(r) :: else -> d_gone(r) fi;
           goto end
        :: else ->
-          d_state(r, VERIFIED);
+          d_state(r, VERIFIED); dverified[r] = true;       /* ghost (S3): checked at the router */
           holds_own_kv(r, ok); S3 = ok; assert(S3);             /* decode starts only on verified KV */
           if
-          :: ROUTER_THERE -> dstream[r]!EV_TOKEN, 0; d_state(r, DECODING)
+          :: ROUTER_THERE ->                            /* the first token: the MANIFEST's record */
+             if :: !TOKEN_FIRST -> dstream[r]!EV_TOKEN, xfirst[r] :: else -> skip fi; d_state(r, DECODING)
           :: else -> d_state(r, ABORTED); d_gone(r); goto end
           fi
        fi }; break
@@ -970,7 +998,13 @@ end_idle:
   seq = 0;
   do
   :: atomic { p_epoch == boot && seq == PNEED(r) && presult[r] == 0 ->
-       p_send(MANIFEST, seq, (1 << PNEED(r)) - 1, 0, 0); pxs[r] = T_SEALED }; break
+       /* the MANIFEST carries the first-token record (wire v4), checksummed: tag 0 is the intact
+        * record, GARBAGE one corrupted in flight (the corrupt budget: a CHUNK or the MANIFEST) */
+       if
+       :: b_corrupt > 0 -> b_corrupt--; p_send(MANIFEST, seq, (1 << PNEED(r)) - 1, 0, GARBAGE)
+       :: true -> p_send(MANIFEST, seq, (1 << PNEED(r)) - 1, 0, 0)
+       fi;
+       pxs[r] = T_SEALED }; break
   :: atomic { p_epoch == boot && presult[r] != 0 -> p_finish(r); goto end }  /* decode's verdict came first */
   :: atomic { p_epoch == boot && seq < PNEED(r) && presult[r] == 0 && (cred == 0 || cred + 1 <= CAP) ->
        cred++;                                           /* ByteCredit.acquire (S6) */
@@ -1107,8 +1141,10 @@ proctype router(byte r) {
   :: rphase[r] == R_ENDED -> break
   :: atomic { dstream[r]?EV_BOOTSTRAP, nn ->            /* issue the ticket, deliver it to prefill */
        tk[r] = nn; tq[r] = MSG_SENT; rphase[r] = R_STREAMING }
-  :: atomic { dstream[r]?EV_TOKEN, nn ->                /* decode verified the KV (S3) */
+  :: atomic { dstream[r]?EV_TOKEN, nn ->                /* the first token: forwarded to the client */
        S2 = !CHECK_S2 || !over[r]; assert(S2);          /* tokens reach the client at once */
+       S3 = dverified[r]; assert(S3);                   /* S3 where the client sees it: decode verified r's KV */
+       S3 = nn != GARBAGE; assert(S3);                  /* and the token is the intact MANIFEST's (wire v4) */
        rphase[r] = R_STREAMING }
   /* _generate: prefill's own answer is awaited only before the request ends cleanly */
   :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_OK -> r_end() }; break

@@ -28,7 +28,7 @@ _CHAN_TYPES = {"p2d": "frame", "d2p": "frame", "dstream": "decode_event"}
 _KEEP_VARS = (
     "ds", "ps", "xstate", "pxs", "rphase", "pres", "presult", "abort_d", "abort_p", "dq", "pq", "nst",
     "pc_st", "dfree", "pfree", "cred", "tokens_streamed", "rgone", "dbroken", "d_epoch", "p_epoch",
-    "dwgen", "dcont", "silent_fault", "b_disc", "b_perr", "b_derr", "b_reset", "b_drop", "b_corrupt",
+    "dwgen", "dcont", "dverified", "xfirst", "silent_fault", "b_disc", "b_perr", "b_derr", "b_reset", "b_drop", "b_corrupt",
     "b_drestart", "b_prestart", "b_replay", "b_expire", "b_tmo", "over",
 )
 _ROLES = ("router", "decode", "prefill")

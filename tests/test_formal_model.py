@@ -120,7 +120,8 @@ def test_mutant_of_a_real_bug_has_a_counterexample(spin: None, tmp_path: Path, n
 
 # Mutants that remove exactly one guard: one -D switch (besides the row and the bounds: requests,
 # pool size, running slots), and that switch turns off one check in the model.
-SINGLE_GUARD_MUTANTS = ("no_generation_check", "decode_admits_overlength", "prefill_admits_overlength", "early_takes_every_slot")
+SINGLE_GUARD_MUTANTS = ("no_generation_check", "decode_admits_overlength", "prefill_admits_overlength", "early_takes_every_slot",
+                        "no_manifest_checksum")
 BOUND_DEFINES = ("-DROW=", "-DNPP=", "-DNREQ=", "-DPRUN=", "-DDRUN=")
 
 
