@@ -110,6 +110,9 @@ class ContinuousDecision:
     """The verdict of a run recorded in this pass (the operator counts failures)."""
     rollback_to: str | None = None
     """The revision a failure recorded in this pass rolls back to (the next pass acts on the pin)."""
+    stop: bool = False
+    """A run is in flight that nobody will read: stop it (the rollout left rest, or the continuous
+    canary was turned off)."""
     events: list[ContinuousEvent] = field(default_factory=list)
 
 
@@ -136,11 +139,13 @@ def step(
     `kept`: previous stable revisions still kept (newest first); `target`: the spec's revision."""
     pinned = previous is not None and rollback_pin(previous, target) is not None
     if spec.interval_seconds is None or stable is None or not resting:
-        # Mid-rollout the rollout's own canary runs. The pin outlives the rollback's rollout, and
-        # the failed revisions outlive a spec change: the next stable's rollback must not go to one.
+        # Mid-rollout the rollout's own canary runs, and a periodic run still in flight is stopped
+        # (its result would be thrown away; an outside probe saw it probe the stable through the
+        # rollout). The pin outlives the rollback's rollout, and the failed revisions outlive a spec
+        # change: the next stable's rollback must not go to one.
         if spec.interval_seconds is None or previous is None or not (pinned or previous.failed_revisions):
-            return ContinuousDecision(None)
-        return ContinuousDecision(previous if pinned else previous.model_copy(update={"rollback": None}))  # a void pin goes
+            return ContinuousDecision(None, stop=running)
+        return ContinuousDecision(previous if pinned else previous.model_copy(update={"rollback": None}), stop=running)  # a void pin goes
     interval = spec.interval_seconds
     current = previous
     if current is None or current.revision != stable or current.interval_seconds != interval or current.action != spec.action:

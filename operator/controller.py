@@ -301,13 +301,15 @@ class Controller:
         async def canary_done() -> None:
             self.enqueue(key)
 
-        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done,
-                                continuous=self.continuous)  # fmt: skip
-        if result is not None:
-            _count(result.outcome, key)
-            if result.outcome.continuous_verdict not in (None, "pass"):
-                metrics.CONTINUOUS_FAILURES.labels(key[0], key[1], result.outcome.continuous_verdict).inc()
-        return result
+        def recorded(outcome: Outcome) -> None:
+            # Counted once the decision is in status, before an action can fail: a retried pass
+            # does not decide it again, so a failed run counted after the actions went uncounted.
+            _count(outcome, key)
+            if outcome.continuous_verdict not in (None, "pass"):
+                metrics.CONTINUOUS_FAILURES.labels(key[0], key[1], outcome.continuous_verdict).inc()
+
+        return await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done,
+                              continuous=self.continuous, on_recorded=recorded)  # fmt: skip
 
     def _schedule(self, key: ModelKey, result: PassResult) -> None:
         outcome = result.outcome

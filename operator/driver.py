@@ -90,12 +90,16 @@ class DriverMemory:
     """Candidate and stable whose live traffic to measure at the model's next pass."""
     analysis: AnalysisMemory = field(default_factory=AnalysisMemory)
     """The last scrape of each model's revisions (where the next measurement's window starts)."""
+    outbox: dict[ModelKey, list[EventSpec]] = field(default_factory=dict)
+    """Events of decisions already recorded in status but not yet posted: a failed post (or a
+    failed action before it) is retried at the next pass, which does not decide them again."""
 
     def forget(self, key: ModelKey) -> None:
         self.scrape.pop(key, None)
         self.foreign.pop(key, None)
         self.refused.pop(key, None)
         self.measure.pop(key, None)
+        self.outbox.pop(key, None)
         self.analysis.forget(key)
 
     def clear(self) -> None:
@@ -103,7 +107,13 @@ class DriverMemory:
         self.foreign.clear()
         self.refused.clear()
         self.measure.clear()
+        self.outbox.clear()
         self.analysis.last.clear()
+
+
+MAX_UNPOSTED_EVENTS = 64
+"""Events a model may have waiting for the API server; past it the oldest go (an Event API
+that stays down must not grow the operator without bound)."""
 
 
 @dataclass(frozen=True)
@@ -194,9 +204,11 @@ async def run_pass(
     clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     on_canary_done: Callable[[], Awaitable[None]] | None = None,
     continuous: CanaryRunner | None = None,
+    on_recorded: Callable[[Outcome], None] | None = None,
 ) -> PassResult | None:
     """Decide once on `observed`, record, act. None: the model is gone. Raises StatusConflict
-    after MAX_CONFLICTS stale writes, and whatever the backend raises (the caller backs off)."""
+    after MAX_CONFLICTS stale writes, and whatever the backend raises (the caller backs off).
+    `on_recorded` sees the decision once it is recorded, before any action can fail."""
     wrote = False
     for _ in range(MAX_CONFLICTS):
         now = clock()
@@ -215,10 +227,18 @@ async def run_pass(
     else:
         raise StatusConflict(f"{model_ref(body).key}: status stale {MAX_CONFLICTS} times in one pass")
     ref = model_ref(body)
+    if on_recorded is not None:
+        on_recorded(outcome)  # counted once: a retried pass does not decide this again
     if outcome.scrape is not None:
         memory.scrape[ref.key] = outcome.scrape
     if outcome.measure is not None:
         memory.measure[ref.key] = outcome.measure
+    # The decision is in status: its Events go out even if an action fails (a retried pass does not
+    # decide them again; an outside probe: one failed post lost the first continuous-canary
+    # failure's Event and count for good, and with it the alert).
+    outbox = memory.outbox.setdefault(ref.key, [])
+    outbox.extend(outcome.events)
+    del outbox[:-MAX_UNPOSTED_EVENTS]
     try:
         await _act(ref, outcome, backend, runner, on_canary_done)
     except ForeignObjectError as exc:
@@ -232,11 +252,25 @@ async def run_pass(
         if exc.status == 422:  # the spec renders an object the API server refuses: the next pass says so
             memory.refused[ref.key] = (spec_digest(body), str(exc))
         raise
+    finally:
+        await _post_events(store, body, outbox, now)
+    if continuous is not None and outcome.continuous_stop:
+        continuous.cancel(ref.key)
     if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
         await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
-    for event in outcome.events:
-        await store.record_event(body, event, now)
     return PassResult(outcome, body, wrote)
+
+
+async def _post_events(store: ModelStore, body: Mapping[str, Any], outbox: list[EventSpec], now: dt.datetime) -> None:
+    """Post the model's waiting Events in order; one that fails stays, with those after it, for
+    the next pass (Events are reports: a failure to post one fails no pass)."""
+    while outbox:
+        try:
+            await store.record_event(body, outbox[0], now)
+        except Exception as exc:  # noqa: BLE001 - whatever the API server or the connection did
+            log.warning("%s: event %s not posted (%s); retried at the next pass", model_ref(body).key, outbox[0].reason, exc)
+            return
+        outbox.pop(0)
 
 
 async def _start_continuous(

@@ -176,6 +176,8 @@ class Outcome:
     """(revision, attempt) of a continuous-canary run to start (continuous.py)."""
     continuous_verdict: str | None = None
     """The verdict of a continuous-canary run recorded by this pass."""
+    continuous_stop: bool = False
+    """Stop the model's continuous-canary run in flight (continuous.ContinuousDecision.stop)."""
 
 
 # --- reconcile ---------------------------------------------------------------------------------
@@ -497,7 +499,7 @@ def _roll_out(
         measure=next(iter(decision.of_type(MeasureAnalysis)), None),
         requeue_after=_sooner(decision.requeue_after, cont.requeue_after), plan=kv_plan,
         deadline_in=_sooner(decision.deadline_in, cont.requeue_after),  # the next run is due then: wake by then
-        continuous_start=cont.start, continuous_verdict=cont.recorded,
+        continuous_start=cont.start, continuous_verdict=cont.recorded, continuous_stop=cont.stop,
     )  # fmt: skip
 
 

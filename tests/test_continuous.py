@@ -137,3 +137,14 @@ def test_failed_revisions_outlive_a_spec_change_and_its_rollout() -> None:
     assert bad.rollback_to == "r1"  # not r2, newer but failed
     off = ContinuousSpec()
     assert step(off, failed, "r1", False, None, False, [], now, "r3").status is None  # switched off: nothing is kept
+
+
+def test_a_run_in_flight_is_stopped_once_nobody_will_read_it() -> None:
+    """Outside probe: a periodic run in flight when a rollout began (or the continuous canary was
+    turned off) kept probing the stable through the rollout, and its result was thrown away."""
+    schedule = step(ALERT, None, "r1", True, None, False, [], T0, "r1").status
+    later = T0 + dt.timedelta(seconds=61)
+    assert step(ALERT, schedule, "r1", True, None, True, [], later, "r1").stop is False  # resting: it runs on
+    assert step(ALERT, schedule, "r1", False, None, True, [], later, "r2").stop is True  # a rollout began
+    assert step(CanarySpec().continuous, schedule, "r1", True, None, True, [], later, "r1").stop is True  # turned off
+    assert step(ALERT, schedule, "r1", False, None, False, [], later, "r2").stop is False  # nothing in flight

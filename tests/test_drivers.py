@@ -15,6 +15,7 @@ from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionEndpoints, RevisionRequest, execute
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.driver import DriverMemory, StatusConflict, requeue_delay, run_pass
+from kvguard.operator.kube import KubeError
 from kvguard.operator.planner import plan
 from kvguard.operator.reconcile import Observed, Outcome
 from kvguard.operator.rollout import RunCanary
@@ -142,3 +143,57 @@ async def test_a_stale_status_write_is_re_read_and_decided_again_on_the_latest_m
     result = await run_pass(body, Observed(), store, NoWorkloads(), CanaryRunner(), DriverMemory())  # type: ignore[arg-type]
     assert result is not None and store.refused == 1 and len(store.writes) == 1
     assert store.writes[0]["rollout"]["state"] == "Paused"  # decided on what the other writer left, not on the stale read
+
+
+class FlakyEvents:
+    """A ModelStore that keeps every write and whose Event posts fail `failures` times first."""
+
+    def __init__(self, body: dict[str, Any], failures: int) -> None:
+        self.body, self.failures, self.events = body, failures, []
+
+    async def write_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        self.body = {**body, "status": status}
+        return self.body
+
+    async def reread(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.body
+
+    async def record_event(self, body: dict[str, Any], event: Any, now: Any) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise KubeError(500, "etcd timeout")
+        self.events.append(event.reason)
+
+
+class FailingWorkloads(NoWorkloads):
+    async def ensure_revision(self, *_: Any) -> None:
+        raise KubeError(500, "the API server is restarting")
+
+
+def _tiny_body() -> dict[str, Any]:
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    body["metadata"].update(namespace="models", uid="u", resourceVersion="1")
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "m", "path": "tiny"}}
+    return body
+
+
+async def test_a_recorded_decisions_events_and_counts_survive_a_failed_action_or_post() -> None:
+    """Outside probe: one failed Event post (or a failed action before it) lost the first
+    continuous-canary failure's Event and its count for good (the retried pass finds the run
+    already in status and does not decide it again), so the alert could miss it."""
+    body = _tiny_body()
+    memory, recorded = DriverMemory(), []
+    store = FlakyEvents(body, failures=0)
+    with pytest.raises(KubeError):  # the action fails after the decision was recorded ...
+        await run_pass(body, Observed(), store, FailingWorkloads(), CanaryRunner(), memory, on_recorded=recorded.append)  # type: ignore[arg-type]
+    decided = [e.reason for e in recorded[0].events]
+    assert decided and store.events == decided  # ... and its Events still went out, and it was counted
+    flaky = FlakyEvents(_tiny_body(), failures=1)
+    memory = DriverMemory()
+    with pytest.raises(KubeError):
+        await run_pass(_tiny_body(), Observed(), flaky, FailingWorkloads(), CanaryRunner(), memory)  # type: ignore[arg-type]
+    assert flaky.events == [] and [e.reason for e in memory.outbox[("models", "tiny-cpu")]] == decided
+    with pytest.raises(KubeError):  # the next pass (its action failing again) posts them, in order
+        await run_pass(flaky.body, Observed(), flaky, FailingWorkloads(), CanaryRunner(), memory)  # type: ignore[arg-type]
+    assert flaky.events[: len(decided)] == decided
+    assert memory.outbox[("models", "tiny-cpu")] == []
