@@ -157,6 +157,7 @@ class Controller:
         self._policies = policies
         self._waits: dict[ModelKey, int] = {}
         self._failures: dict[ModelKey, int] = {}
+        self._event_retries: dict[ModelKey, int] = {}  # passes in a row that left Events unposted
         self._configmaps = ConfigMapCache(self.settings.configmap_ttl)
         self._tasks: list[asyncio.Task[None]] = []
         self.gate = PodGate(kube, lambda: list(self._policies()), self.enqueue)
@@ -218,6 +219,7 @@ class Controller:
         self.backend.forget_everything()  # a later leader may re-apply, or delete or make Secrets: never trust this memory then
         self._waits.clear()
         self._failures.clear()
+        self._event_retries.clear()
 
     # --- what kopf tells us ---------------------------------------------------------------------
     def model_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
@@ -302,14 +304,19 @@ class Controller:
             self.enqueue(key)
 
         def recorded(outcome: Outcome) -> None:
-            # Counted once the decision is in status, before an action can fail: a retried pass
-            # does not decide it again, so a failed run counted after the actions went uncounted.
-            _count(outcome, key)
+            # What a decision counts once, taken once it is in status, before an action can fail:
+            # a retried pass does not decide it again (a failed run counted after the actions
+            # went uncounted; an outside probe).
+            if outcome.blocked_reason and outcome.events:
+                metrics.BLOCKED_PLANS.labels(outcome.blocked_reason).inc()
             if outcome.continuous_verdict not in (None, "pass"):
                 metrics.CONTINUOUS_FAILURES.labels(key[0], key[1], outcome.continuous_verdict).inc()
 
-        return await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done,
-                              continuous=self.continuous, on_recorded=recorded)  # fmt: skip
+        result = await run_pass(body, observed, self.store, self.backend, self.runner, self.memory, on_canary_done=canary_done,
+                                continuous=self.continuous, on_recorded=recorded)  # fmt: skip
+        if result is not None:
+            _count(result.outcome, key)  # one result per pass: a pass whose action failed counts `error` (_failed)
+        return result
 
     def _schedule(self, key: ModelKey, result: PassResult) -> None:
         outcome = result.outcome
@@ -317,6 +324,13 @@ class Controller:
         self._waits[key] = waits
         base, cap = self.settings.wait.base, self.settings.wait.cap
         delay = requeue_delay(outcome, waits, base=base, cap=cap, jitter=self.settings.wait.spread)
+        if self.memory.outbox.get(key):  # Events waiting for the API server: soon (backing off), not at the next resync
+            tries = self._event_retries.get(key, 0)
+            self._event_retries[key] = tries + 1
+            soon = self.settings.errors.delay(tries)
+            delay = soon if delay is None else min(delay, soon)
+        else:
+            self._event_retries.pop(key, None)
         self.queue.requeue(key, delay)
 
     def _failed(self, key: ModelKey, exc: BaseException) -> None:
@@ -338,6 +352,7 @@ class Controller:
         self.backend.forget_model(key)
         self.queue.forget(key)
         self._waits.pop(key, None)
+        self._event_retries.pop(key, None)
         self._failures.pop(key, None)
 
     async def _architecture_config(self, body: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str | None]:
@@ -401,8 +416,6 @@ def parse_config_json(cm: Mapping[str, Any] | None, name: str, key: str) -> tupl
 def _count(outcome: Outcome, key: ModelKey) -> None:
     result = "ok" if outcome.blocked_reason is None else ("blocked" if outcome.plan is not None else "invalid")
     metrics.RECONCILES.labels(result).inc()
-    if outcome.blocked_reason and outcome.events:
-        metrics.BLOCKED_PLANS.labels(outcome.blocked_reason).inc()
     metrics.record_plan(key[0], key[1], outcome.plan)
 
 

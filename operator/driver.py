@@ -90,7 +90,7 @@ class DriverMemory:
     """Candidate and stable whose live traffic to measure at the model's next pass."""
     analysis: AnalysisMemory = field(default_factory=AnalysisMemory)
     """The last scrape of each model's revisions (where the next measurement's window starts)."""
-    outbox: dict[ModelKey, list[EventSpec]] = field(default_factory=dict)
+    outbox: dict[ModelKey, list[UnpostedEvent]] = field(default_factory=dict)
     """Events of decisions already recorded in status but not yet posted: a failed post (or a
     failed action before it) is retried at the next pass, which does not decide them again."""
 
@@ -109,6 +109,15 @@ class DriverMemory:
         self.measure.clear()
         self.outbox.clear()
         self.analysis.last.clear()
+
+
+@dataclass(frozen=True)
+class UnpostedEvent:
+    """An Event as its pass decided it: about that object (its uid) at that time."""
+
+    body: Mapping[str, Any]
+    event: EventSpec
+    decided_at: dt.datetime
 
 
 MAX_UNPOSTED_EVENTS = 64
@@ -237,8 +246,10 @@ async def run_pass(
     # decide them again; an outside probe: one failed post lost the first continuous-canary
     # failure's Event and count for good, and with it the alert).
     outbox = memory.outbox.setdefault(ref.key, [])
-    outbox.extend(outcome.events)
+    outbox.extend(UnpostedEvent(body, event, now) for event in outcome.events)
     del outbox[:-MAX_UNPOSTED_EVENTS]
+    if continuous is not None and outcome.continuous_stop:
+        continuous.cancel(ref.key)  # before the actions: one that fails must not leave the run going
     try:
         await _act(ref, outcome, backend, runner, on_canary_done)
     except ForeignObjectError as exc:
@@ -253,23 +264,28 @@ async def run_pass(
             memory.refused[ref.key] = (spec_digest(body), str(exc))
         raise
     finally:
-        await _post_events(store, body, outbox, now)
-    if continuous is not None and outcome.continuous_stop:
-        continuous.cancel(ref.key)
+        await _post_events(store, outbox)
     if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
         await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
     return PassResult(outcome, body, wrote)
 
 
-async def _post_events(store: ModelStore, body: Mapping[str, Any], outbox: list[EventSpec], now: dt.datetime) -> None:
-    """Post the model's waiting Events in order; one that fails stays, with those after it, for
-    the next pass (Events are reports: a failure to post one fails no pass)."""
+async def _post_events(store: ModelStore, outbox: list[UnpostedEvent]) -> None:
+    """Post the model's waiting Events in order, each about the object and at the time its pass
+    decided. One that fails for a while (the API server unavailable, throttling, the connection)
+    stays, with those after it, for the next pass; one the API server refuses (another 4xx, or
+    not sent: this operator no longer leads) is dropped, so it cannot block the rest. Events are
+    reports: a failure to post one fails no pass."""
     while outbox:
+        waiting = outbox[0]
         try:
-            await store.record_event(body, outbox[0], now)
+            await store.record_event(waiting.body, waiting.event, waiting.decided_at)
         except Exception as exc:  # noqa: BLE001 - whatever the API server or the connection did
-            log.warning("%s: event %s not posted (%s); retried at the next pass", model_ref(body).key, outbox[0].reason, exc)
-            return
+            again = not isinstance(exc, KubeError) or exc.status == 429 or exc.status >= 500
+            log.warning("%s: event %s not posted (%s)%s", model_ref(waiting.body).key, waiting.event.reason, exc,
+                        "; retried at the next pass" if again else "; dropped")  # fmt: skip
+            if again:
+                return
         outbox.pop(0)
 
 

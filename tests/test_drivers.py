@@ -4,6 +4,7 @@ how a RunCanary decision becomes a canary run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,11 @@ async def test_a_stale_status_write_is_re_read_and_decided_again_on_the_latest_m
 
 
 class FlakyEvents:
-    """A ModelStore that keeps every write and whose Event posts fail `failures` times first."""
+    """A ModelStore that keeps every write and whose Event posts fail `failures` times first
+    (with `status`: 500 the API server unavailable, 422 refused)."""
 
-    def __init__(self, body: dict[str, Any], failures: int) -> None:
-        self.body, self.failures, self.events = body, failures, []
+    def __init__(self, body: dict[str, Any], failures: int, status: int = 500) -> None:
+        self.body, self.failures, self.status, self.events = body, failures, status, []
 
     async def write_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         self.body = {**body, "status": status}
@@ -161,7 +163,7 @@ class FlakyEvents:
     async def record_event(self, body: dict[str, Any], event: Any, now: Any) -> None:
         if self.failures:
             self.failures -= 1
-            raise KubeError(500, "etcd timeout")
+            raise KubeError(self.status, "etcd timeout" if self.status >= 500 else "refused")
         self.events.append(event.reason)
 
 
@@ -192,8 +194,44 @@ async def test_a_recorded_decisions_events_and_counts_survive_a_failed_action_or
     memory = DriverMemory()
     with pytest.raises(KubeError):
         await run_pass(_tiny_body(), Observed(), flaky, FailingWorkloads(), CanaryRunner(), memory)  # type: ignore[arg-type]
-    assert flaky.events == [] and [e.reason for e in memory.outbox[("models", "tiny-cpu")]] == decided
+    assert flaky.events == [] and [e.event.reason for e in memory.outbox[("models", "tiny-cpu")]] == decided
     with pytest.raises(KubeError):  # the next pass (its action failing again) posts them, in order
         await run_pass(flaky.body, Observed(), flaky, FailingWorkloads(), CanaryRunner(), memory)  # type: ignore[arg-type]
     assert flaky.events[: len(decided)] == decided
     assert memory.outbox[("models", "tiny-cpu")] == []
+
+
+async def test_an_event_the_api_server_refuses_is_dropped_not_retried_before_the_rest() -> None:
+    """Outside review: an Event refused every time (a 4xx) would block every later one of its model."""
+    refusing = FlakyEvents(_tiny_body(), failures=1, status=422)
+    memory, recorded = DriverMemory(), []
+    with pytest.raises(KubeError):
+        await run_pass(_tiny_body(), Observed(), refusing, FailingWorkloads(), CanaryRunner(), memory, on_recorded=recorded.append)  # type: ignore[arg-type]
+    decided = [e.reason for e in recorded[0].events]
+    assert memory.outbox[("models", "tiny-cpu")] == [] and refusing.events == decided[1:]  # the first dropped, the rest posted
+
+
+async def test_a_continuous_run_is_stopped_even_when_the_passes_action_fails() -> None:
+    """Outside review: the stop came after the actions, so the pass that left rest (the one that
+    deploys the new revision, likeliest to fail) left the run going, and no later pass stops it."""
+    from kvguard.operator import driver
+
+    stopped: list = []
+
+    class Continuous(CanaryRunner):
+        def cancel(self, model: Any, revision: Any = None) -> None:
+            stopped.append(model)
+
+    decide = driver.reconcile
+
+    def leaving_rest(*args: Any, **kwargs: Any) -> Outcome:
+        return dataclasses.replace(decide(*args, **kwargs), continuous_stop=True)
+
+    driver.reconcile = leaving_rest  # type: ignore[assignment]
+    try:
+        with pytest.raises(KubeError):
+            await run_pass(_tiny_body(), Observed(), FlakyEvents(_tiny_body(), 0), FailingWorkloads(), CanaryRunner(), DriverMemory(),  # type: ignore[arg-type]
+                           continuous=Continuous())  # fmt: skip
+    finally:
+        driver.reconcile = decide
+    assert stopped == [("models", "tiny-cpu")]

@@ -530,7 +530,10 @@ def test_a_body_in_a_charset_other_than_utf8_is_refused(trio: LocalDeployment, m
 
 
 @pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "application/json;charset=UTF-8",
-                                          'application/json; charset="utf-8"', "application/json"])
+                                          'application/json; charset="utf-8"', "application/json",
+                                          # a review: its other names, and ASCII (UTF-8 too), were refused
+                                          "application/json; charset=utf8", "application/json; charset='utf-8'",
+                                          "application/json; charset=us-ascii"])
 def test_a_utf8_body_is_served_whatever_the_case_of_its_charset(trio: LocalDeployment, model: str, content_type: str) -> None:
     body = json.dumps({"model": model, "prompt": "caf\u00e9", "max_tokens": 2}, ensure_ascii=False).encode()
     answer = requests.post(f"{trio.api_base}/completions", data=body, timeout=60, headers={"Content-Type": content_type})

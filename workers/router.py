@@ -23,6 +23,7 @@ error before the first token is always a proper HTTP error status, never a 200.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import contextlib
 import functools
@@ -1740,10 +1741,18 @@ def _check_body_headers(headers: CIMultiDictProxy[str]) -> None:
     # JSON is UTF-8 (RFC 8259) and the body is read as such: a body labelled latin-1 would be misread, not refused.
     for param in params:
         name, _, value = param.partition("=")
-        charset = value.strip().strip('"').lower()
-        if name.strip().lower() == "charset" and charset != "utf-8":
+        charset = value.strip().strip("\"'")
+        if name.strip().lower() == "charset" and not _reads_as_utf8(charset):
             raise OpenAIError(415, f"charset {charset[:40]!r} is not accepted: send the body as UTF-8 (charset=utf-8, "
                               "or no charset)", code="unsupported_media_type")  # fmt: skip
+
+
+def _reads_as_utf8(charset: str) -> bool:
+    """UTF-8 under any of its names (`utf8`, `UTF-8`), or ASCII, which is UTF-8 too."""
+    try:
+        return codecs.lookup(charset[:40]).name in ("utf-8", "ascii")
+    except LookupError:
+        return False
 
 
 def _unknown_model(name: str) -> OpenAIError:
