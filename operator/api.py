@@ -1234,6 +1234,16 @@ class InferenceModelSpec(ApiModel):
             self.__dict__["canary"] = self.canary.model_copy(update={"capacity": filled})
         return self
 
+    def canary_to_run(self) -> CanarySpec:
+        """spec.canary as the operator runs it: the capacity probe never asks more of a pool than
+        the planner sized it for (minKVRatio). A model stored under an older CRD holds minRatio 2,
+        that CRD's default, whatever its minKVRatio (an outside review: at 1.5 every revision
+        failed its canary)."""
+        capacity = self.canary.capacity
+        if capacity.min_ratio is None or capacity.min_ratio <= self.min_kv_ratio:
+            return self.canary
+        return self.canary.model_copy(update={"capacity": capacity.model_copy(update={"min_ratio": self.min_kv_ratio})})
+
     def replicas_at(self, role: str, scale: Scale) -> int:
         """Replicas of a role (prefill, decode, router) at canary or full scale."""
         full = self.roles.router.replicas if role == "router" else self.roles.worker_roles()[role].replicas

@@ -35,8 +35,6 @@ from kvguard.operator.api import (
     InferencePolicySpec,
     InferencePolicyStatus,
 )
-from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS
-from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO
 
 _DROP_KEYS = {"title", "$defs", "discriminator"}
 _SCHEMA_KEYS = {"items", "additionalProperties", "anyOf", "allOf", "oneOf", "not"}  # values that are schemas
@@ -59,17 +57,14 @@ _SPEC_RULES: list[dict[str, str]] = [
      "message": "spec.hardware.device: cpu runs only with engine kind kvguard"},
     {"rule": f"!has(self.model.source) || !has(self.model.source.huggingFace) || !{_KVGUARD_ENGINE}",
      "message": "spec.model.source: the kvguard engine loads weights from a directory; use pvc"},
-    # The canary's fields that only fail against the rest of the spec, as the webhook refuses them
-    # (spec_checks.canary_problems), for clusters without it. double(): a whole number written in a
-    # `number` field may reach CEL as an int, and int <= double has no overload.
-    {"rule": f"!has(self.canary) || !has(self.canary.capacity) || !has(self.canary.capacity.minRatio) || "
-             f"double(self.canary.capacity.minRatio) <= double(has(self.minKVRatio) ? self.minKVRatio : {DEFAULT_MIN_KV_RATIO})",
-     "message": "spec.canary.capacity.minRatio: must not exceed spec.minKVRatio: the planner sizes pools to minKVRatio x "
-                "contextLength, so the canary would fail every revision it passed; leave minRatio unset to judge by minKVRatio"},
+    # The canary's field that only fails against the rest of the spec, as the webhook refuses it
+    # (spec_checks.canary_problems), for clusters without it. (minRatio against minKVRatio is the
+    # webhook's only: an older CRD defaulted minRatio to 2 into stored models, which a rule at this
+    # level would lock out of every spec edit.)
     {"rule": "!has(self.canary) || !has(self.canary.isolation) || !has(self.canary.isolation.longRequestMaxTokens) || "
-             f"self.canary.isolation.longRequestMaxTokens <= self.contextLength - {LONG_PROMPT_MIN_TOKENS}",
-     "message": f"spec.canary.isolation.longRequestMaxTokens: at most contextLength - {LONG_PROMPT_MIN_TOKENS} (a long "
-                "request's prompt needs room; a healthy engine refuses a longer request)"},
+             "self.canary.isolation.longRequestMaxTokens < self.contextLength",
+     "message": "spec.canary.isolation.longRequestMaxTokens: must be below contextLength (a long request's prompt "
+                "needs room; a healthy engine refuses the request)"},
 ]  # fmt: skip
 
 

@@ -266,7 +266,7 @@ async def run_pass(
     finally:
         await _post_events(store, outbox)
     if continuous is not None and outcome.continuous_start is not None and outcome.spec is not None:
-        await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary, backend, continuous, on_canary_done)
+        await _start_continuous(ref, outcome.continuous_start, outcome.spec.canary_to_run(), backend, continuous, on_canary_done)
     return PassResult(outcome, body, wrote)
 
 
@@ -312,7 +312,7 @@ async def _act(
     request = None
     if outcome.plan is not None and outcome.revision is not None:
         request = RevisionRequest(ref, outcome.revision, outcome.spec, outcome.plan, outcome.faults, outcome.rendered)
-    await execute(backend, request, outcome.actions, runner, outcome.spec.canary, on_canary_done=on_canary_done)
+    await execute(backend, request, outcome.actions, runner, outcome.spec.canary_to_run(), on_canary_done=on_canary_done)
 
 
 def spec_digest(body: Mapping[str, Any]) -> str:

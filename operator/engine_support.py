@@ -81,7 +81,7 @@ def gpus_per_worker_pod(spec: InferenceModelSpec, role: str) -> int:
 
 def _device_problems(spec: InferenceModelSpec) -> list[str]:
     if spec.hardware.device != DeviceKind.CPU:
-        return _gpu_count_problems(spec) + _router_gpu_problems(spec) + _gpu_product_selector_problems(spec)
+        return _gpu_count_problems(spec)
     problems = []
     for name, role in {**spec.roles.worker_roles(), "router": spec.roles.router}.items():
         if role.gpu_count:
@@ -105,6 +105,14 @@ def _gpu_count_problems(spec: InferenceModelSpec) -> list[str]:
             problems.append(f"spec.roles.{name}.gpuCount: {role.gpu_count} GPU(s) per pod, but one {name} pod's engine "
                             f"runs on tensorParallel x pipelineParallel{dp} = {needed}")  # fmt: skip
     return problems
+
+
+def placement_problems(spec: InferenceModelSpec) -> list[str]:
+    """Where a GPU spec's pods would land, checked at admission only (spec_checks): a model
+    already running with such a spec is not made Degraded by an operator upgrade."""
+    if spec.hardware.device == DeviceKind.CPU:
+        return []
+    return _router_gpu_problems(spec) + _gpu_product_selector_problems(spec)
 
 
 def _router_gpu_problems(spec: InferenceModelSpec) -> list[str]:

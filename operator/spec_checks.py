@@ -16,8 +16,7 @@ Pure: no kopf, kubernetes or torch (`kvguard plan` runs without the operator's e
 from __future__ import annotations
 
 from kvguard.operator.api import InferenceModelSpec, KVPlan
-from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS
-from kvguard.operator.engine_support import engine_problems
+from kvguard.operator.engine_support import engine_problems, placement_problems
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
 from kvguard.operator.render import (
@@ -41,7 +40,8 @@ class SpecInvalid(ValueError):
         super().__init__("; ".join(problems))
 
 
-def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, deploying: bool = True) -> KVPlan | None:
+def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, deploying: bool = True,
+                      before: InferenceModelSpec | None = None) -> KVPlan | None:
     """Raise SpecInvalid when the spec fails a field check; else its plan (None when the
     architecture is in a ConfigMap this caller cannot read: reconcile plans it, every check that
     needs no architecture ran on the flag-check plan). A spec without a model source is checked on
@@ -49,9 +49,12 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
     without a source: the cluster renders none, `apply --local` takes it from `--model-dir` or
     refuses). `deploying=False` (`kvguard plan`, which deploys nothing) plans it, and also stands in
     for images the spec does not name: an image, like a source, is needed to deploy, not to plan,
-    and changes no flag a check reads."""
-    problems = engine_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
-    problems += canary_problems(spec)
+    and changes no flag a check reads. `before`: the spec an update replaces (`canary_problems`).
+
+    Checks added after models were stored under an older CRD run here, at admission, not in
+    reconcile (`placement_problems`): a model already running is not made Degraded by an upgrade."""
+    problems = engine_problems(spec) + placement_problems(spec) + [f"{path}: {message}" for path, message in extra_args_problems(spec)]
+    problems += canary_problems(spec, before)
     if problems:
         raise SpecInvalid(problems)
     rendered = with_stand_in_source(spec, STAND_IN)
@@ -74,14 +77,19 @@ def check_spec_fields(spec: InferenceModelSpec, *, name: str, namespace: str, de
     return kv_plan
 
 
-def canary_problems(spec: InferenceModelSpec) -> list[str]:
+def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None = None) -> list[str]:
     """The canary's fields that only fail against the rest of the spec: each makes a healthy
     revision fail its canary (and roll back) where the planner passed it, so it is refused when
-    written, as `field: message` lines (outside probe: each was admitted and failed later)."""
+    written, as `field: message` lines (outside probe: each was admitted and failed later).
+
+    minRatio against minKVRatio is judged only when either is written (`before`: the spec an update
+    replaces): an older CRD defaulted minRatio to 2 into every stored model, and one at minKVRatio
+    1.5 must stay editable (the operator runs its canary at 1.5: `InferenceModelSpec.canary_to_run`)."""
     canary, context = spec.canary, spec.context_length
     problems = []
     ratio = canary.capacity.min_ratio  # filled in with minKVRatio where unset (InferenceModelSpec)
-    if ratio is not None and ratio > spec.min_kv_ratio:
+    unchanged = before is not None and (before.canary.capacity.min_ratio, before.min_kv_ratio) == (ratio, spec.min_kv_ratio)
+    if ratio is not None and ratio > spec.min_kv_ratio and not unchanged:
         ours, theirs = f"{ratio:g}", f"{spec.min_kv_ratio:g}"
         if ours == theirs:  # 2.0000001 above 2 must not read "2 is above 2"
             ours, theirs = repr(ratio), repr(spec.min_kv_ratio)
@@ -93,11 +101,10 @@ def canary_problems(spec: InferenceModelSpec) -> list[str]:
     long_max = canary.isolation.long_request_max_tokens
     # Whether or not a probe is enabled: the continuous canary runs the light probes, isolation
     # included, when the spec enables none of them (CanarySpec.for_continuous).
-    if long_max > context - LONG_PROMPT_MIN_TOKENS:
+    if long_max >= context:
         problems.append(
-            f"spec.canary.isolation.longRequestMaxTokens: {long_max:,} leaves no room for a long request's prompt "
-            f"in contextLength {context:,}: at most contextLength - {LONG_PROMPT_MIN_TOKENS} "
-            f"({max(context - LONG_PROMPT_MIN_TOKENS, 0):,}); a healthy engine refuses a longer request"
+            f"spec.canary.isolation.longRequestMaxTokens: {long_max:,} must be below contextLength {context:,} (a long "
+            "request's prompt needs room); a healthy engine refuses the request"
         )
     for i, prompt in enumerate(canary.golden.prompts):
         if prompt.max_tokens is not None and prompt.max_tokens >= context:

@@ -153,9 +153,10 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
         raise AdmissionDenied(f"spec: {size:,} bytes of JSON; at most {MAX_SPEC_BYTES:,}, so that an update's review, which "
                               "carries the model twice, fits the webhook's 1 MiB (its finalizer could not be removed)", INVALID)  # fmt: skip
     spec = parse_spec(body.get("spec"))
-    if operation == "UPDATE" and (before := _admitted_spec(old)) is not None and (problem := resplit_problem(before, spec)):
+    before = _admitted_spec(old) if operation == "UPDATE" else None
+    if before is not None and (problem := resplit_problem(before, spec)):
         raise AdmissionDenied(problem, INVALID)
-    check_plannable(spec, name=str(name or "model"), namespace=str(meta.get("namespace") or ""))
+    check_plannable(spec, name=str(name or "model"), namespace=str(meta.get("namespace") or ""), before=before)
     verdict = evaluate(spec, str(meta.get("namespace") or ""), policies)
     if not verdict.compliant:
         raise AdmissionDenied(describe_violations(verdict.violations), FORBIDDEN)
@@ -180,7 +181,7 @@ def parse_spec(raw: Any) -> InferenceModelSpec:
         raise AdmissionDenied(field_errors(exc), INVALID) from None
 
 
-def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> None:
+def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str, before: InferenceModelSpec | None = None) -> None:
     """The planner's and the renderer's field-level errors (a blocked plan is not one: reconcile
     reports it as KVPoolSufficient=False), decided in one place for admission and `kvguard plan`
     (`spec_checks.check_spec_fields`). The plan itself is skipped when the architecture is in a
@@ -189,7 +190,7 @@ def check_plannable(spec: InferenceModelSpec, *, name: str, namespace: str) -> N
     plan where there is no passing one, and without a source on a stand-in one (outside probe: they
     ran only for a sourced, passing, inline spec)."""
     try:
-        check_spec_fields(spec, name=name, namespace=namespace)
+        check_spec_fields(spec, name=name, namespace=namespace, before=before)
     except SpecInvalid as exc:
         raise AdmissionDenied(str(exc), INVALID) from None
 

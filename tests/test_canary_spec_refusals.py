@@ -43,10 +43,9 @@ REFUSED = [
     ("spec.canary.isolation.longRequestFractions", [0.0],
      "spec.canary.isolation.longRequestFractions[0]: Input should be greater than 0"),
     ("spec.canary.isolation.longRequestMaxTokens", 4611686018427387904,
-     "spec.canary.isolation.longRequestMaxTokens: Input should be less than or equal to 4096"),
-    ("spec.canary.isolation.longRequestMaxTokens", 1009,
-     "spec.canary.isolation.longRequestMaxTokens: 1,009 leaves no room for a long request's prompt in contextLength "
-     "1,024: at most contextLength - 16 (1,008)"),
+     "spec.canary.isolation.longRequestMaxTokens: 4,611,686,018,427,387,904 must be below contextLength 1,024"),
+    ("spec.canary.isolation.longRequestMaxTokens", 1024,
+     "spec.canary.isolation.longRequestMaxTokens: 1,024 must be below contextLength 1,024 (a long request's prompt needs room)"),
     ("spec.canary.seed", 18446744073709551616, "spec.canary.seed: Input should be less than or equal to 9223372036854775807"),
     ("spec.canary.seed", -(2**63) - 1, "spec.canary.seed: Input should be greater than or equal to -9223372036854775808"),
     ("spec.canary.capacity.minRatio", 1e6, "spec.canary.capacity.minRatio: Value error, must be at most 100"),
@@ -56,7 +55,7 @@ REFUSED = [
      "spec.canary.capacity.minRatio: 3 is above spec.minKVRatio 2: the planner sizes pools to 2x contextLength, so the "
      "canary would fail (and roll back) every revision it passed"),
     ("spec.canary.golden.prompts", [{"prompt": "x", "maxTokens": 10**9}],
-     "spec.canary.golden.prompts[0].maxTokens: Input should be less than or equal to 4096"),
+     "spec.canary.golden.prompts[0].maxTokens: 1,000,000,000 must be below contextLength 1,024"),
     ("spec.canary.golden.prompts", [{"prompt": "x"}, {"prompt": "y", "maxTokens": 2000}],
      "spec.canary.golden.prompts[1].maxTokens: 2,000 must be below contextLength 1,024 (the prompt needs room)"),
 ]  # fmt: skip
@@ -72,8 +71,8 @@ def test_the_webhook_refuses_canary_fields_that_cannot_work_by_field(path: str, 
 EDGES = [
     ("spec.canary.isolation.longRequestFractions", [1.0, 0.01], [1.000001],  # (0, 1]: the whole admissible length
      "spec.canary.isolation.longRequestFractions[0]: Input should be less than or equal to 1"),
-    ("spec.canary.isolation.longRequestMaxTokens", 1008, 1009,  # contextLength - 16: A's shortest prompt still fits
-     "spec.canary.isolation.longRequestMaxTokens: 1,009 leaves no room"),
+    ("spec.canary.isolation.longRequestMaxTokens", 1023, 1024,  # below contextLength: A's prompt needs room
+     "spec.canary.isolation.longRequestMaxTokens: 1,024 must be below contextLength 1,024"),
     ("spec.canary.seed", 2**63 - 1, 2**63, "spec.canary.seed: Input should be less than or equal to"),
     ("spec.canary.seed", -(2**63), -(2**63) - 1, "spec.canary.seed: Input should be greater than or equal to"),
     ("spec.canary.capacity.minRatio", 2.0, 2.01, "spec.canary.capacity.minRatio: 2.01 is above spec.minKVRatio 2"),
@@ -101,16 +100,13 @@ def crd_rejections(body: dict[str, Any]) -> list[str]:
 SCHEMA_REFUSED = [
     ("spec.canary.isolation.longRequestFractions", [0.3, 5.0], "spec.canary.isolation.longRequestFractions.1: 5.0 is greater than the maximum of 1.0"),
     ("spec.canary.isolation.longRequestFractions", [-3.0], "spec.canary.isolation.longRequestFractions.0: -3.0 is less than or equal to the minimum of 0.0"),
-    ("spec.canary.isolation.longRequestMaxTokens", 4611686018427387904,
-     "spec.canary.isolation.longRequestMaxTokens: 4611686018427387904 is greater than the maximum of 4096"),
     ("spec.canary.seed", 18446744073709551616, "spec.canary.seed: 18446744073709551616 is greater than the maximum of 9223372036854775807"),
     ("spec.canary.capacity.minRatio", 1e6, "spec.canary.capacity.minRatio: 1000000.0 is greater than the maximum of 100.0"),
     ("spec.canary.capacity.minRatio", 0.5, "spec.canary.capacity.minRatio: 0.5 is less than the minimum of 1.0"),
-    ("spec.canary.golden.prompts", [{"prompt": "x", "maxTokens": 10**9}],
-     "spec.canary.golden.prompts.0.maxTokens: 1000000000 is greater than the maximum of 4096"),
-    # The rules that span fields (the path is the spec: the message names the field).
-    ("spec.canary.capacity.minRatio", 3.0, "spec: spec.canary.capacity.minRatio: must not exceed spec.minKVRatio"),
-    ("spec.canary.isolation.longRequestMaxTokens", 1009, "spec: spec.canary.isolation.longRequestMaxTokens: at most contextLength - 16"),
+    # The rule that spans fields (the path is the spec: the message names the field).
+    ("spec.canary.isolation.longRequestMaxTokens", 4611686018427387904,
+     "spec: spec.canary.isolation.longRequestMaxTokens: must be below contextLength"),
+    ("spec.canary.isolation.longRequestMaxTokens", 1024, "spec: spec.canary.isolation.longRequestMaxTokens: must be below contextLength"),
 ]  # fmt: skip
 
 
@@ -121,8 +117,9 @@ def test_the_crd_refuses_them_too(path: str, value: Any, says: str) -> None:
 
 
 def test_the_crd_leaves_min_ratio_unset_and_stores_a_model_below_the_default_ratio() -> None:
-    """A default of 2 in the schema would be written into every stored model, and then refused by
-    the minRatio <= minKVRatio rule for minKVRatio 1.5 (allowed: at least 1)."""
+    """A default of 2 in the schema would be written into every stored model (as an older CRD did),
+    which the webhook's minRatio <= minKVRatio check would refuse for minKVRatio 1.5 (allowed: at
+    least 1). The check is the webhook's only: the CRD has no rule that could lock such a model out."""
     body = set_path(tiny_model(), "spec.minKVRatio", 1.5)
     stored, rejections = admit(copy.deepcopy(body), CRD)
     assert rejections == []
@@ -189,3 +186,25 @@ def test_filler_words_refuses_more_than_the_longest_context_holds() -> None:
     with pytest.raises(ValueError, match="filler words asked for; at most"):
         filler_words(MAX_FILLER_WORDS + 1, seed=0)
     assert len(filler_words(3, seed=0)) == 3
+
+
+def test_a_model_stored_with_the_older_crds_default_stays_editable_and_is_judged_by_its_own_ratio() -> None:
+    """Outside review: the older CRD wrote minRatio 2 into every stored model; at minKVRatio 1.5
+    every later spec edit was refused (a field the user never wrote), and its canary still judged
+    pools by 2. Unchanged, it is admitted; the operator runs its canary at 1.5."""
+    from kvguard.operator.webhook import check_admission
+
+    stored = set_path(set_path(tiny_model(), "spec.minKVRatio", 1.5), "spec.canary.capacity.minRatio", 2.0)
+    edited = set_path(stored, "spec.contextLength", 512)
+    check_admission(edited, stored, "UPDATE", [])  # no AdmissionDenied
+    assert InferenceModelSpec.model_validate(edited["spec"]).canary_to_run().capacity.required_ratio() == 1.5
+    raised = set_path(stored, "spec.canary.capacity.minRatio", 3.0)  # written now: judged
+    assert "spec.canary.capacity.minRatio: 3 is above spec.minKVRatio 1.5" in str(denial(raised) or "")
+
+
+@pytest.mark.parametrize("context", [16, 17, 64])
+def test_a_short_context_with_the_default_canary_is_admitted(context: int) -> None:
+    """Outside review: the default longRequestMaxTokens (2) was refused at contextLength <= 17."""
+    body = set_path(tiny_model(), "spec.contextLength", context)
+    assert denial(body) is None
+    assert crd_rejections(body) == []

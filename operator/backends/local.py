@@ -60,6 +60,7 @@ from kvguard.operator.backends.restart_backoff import KUBELET, RestartBackoff
 from kvguard.operator.engine_support import engine_problems, kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.pool_gate import PoolRequirement
 from kvguard.operator.rollout import Scale
+from kvguard.operator.spec_checks import canary_problems
 from kvguard.operator.traffic import Share
 from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, INHERITED_LISTENERS_ENV, WorkerArgs, reserve_port
 from kvguard.workers.servers import SHUTDOWN_GRACE_S
@@ -338,7 +339,9 @@ def runnable_problems(spec: InferenceModelSpec) -> list[str]:
     """Field-level reasons this spec cannot run as local processes (empty: it can)."""
     if spec.engine.kind != EngineKind.KVGUARD:
         return [f"spec.engine.kind: the local backend runs the kvguard engine only, not {spec.engine.kind.value}"]
-    return engine_problems(spec) + _size_problems(spec)  # what the kvguard engine runs, on a cluster or here
+    # what the kvguard engine runs, on a cluster or here, and the canary numbers admission refuses
+    # (an outside review: a canary that fails every revision reached Stable locally)
+    return engine_problems(spec) + canary_problems(spec) + _size_problems(spec)
 
 
 def _size_problems(spec: InferenceModelSpec) -> list[str]:
