@@ -97,13 +97,16 @@ def test_stream_interval_reaches_the_local_decode_workers_only() -> None:
         # More worker processes than one machine is for (MAX_LOCAL_WORKERS): fine on a cluster
         (("roles", "decode", "dataParallel"), 65536, "spec.roles.decode.dataParallel"),
         (("roles", "prefill", "replicas"), 64, "spec.roles.prefill.replicas"),  # 65 with decode's one
+        # Canary numbers admission refuses (an outside review: such a spec reached Stable locally)
+        (("canary", "capacity"), {"minRatio": 3.0}, "spec.canary.capacity.minRatio"),
+        (("canary", "golden"), {"prompts": [{"prompt": "x", "maxTokens": 2000}]}, "spec.canary.golden.prompts[0].maxTokens"),
     ],
 )
 def test_specs_the_local_backend_cannot_run_are_refused_by_field(path: tuple[str, ...], value: Any, field: str) -> None:
     body = tiny_body()
     node = body["spec"]
     for key in path[:-1]:
-        node = node[key]
+        node = node.setdefault(key, {})
     node[path[-1]] = value
     problems = runnable_problems(spec_of(body))
     assert len(problems) == 1 and problems[0].startswith(field + ":")
