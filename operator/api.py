@@ -62,6 +62,13 @@ def _wire_name(field_name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])Kv(?=[A-Z]|$)", "KV", to_camel(field_name))
 
 
+
+def field_path(loc: tuple[int | str, ...] | list[int | str], root: str = "") -> str:
+    """A pydantic error location as the API server writes a field path: `spec.a[0].b` (a list
+    index in brackets), under `root` when given."""
+    path = root + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    return path.removeprefix(".")
+
 class ApiModel(BaseModel):
     """Base of every kvguard API shape: camelCase on the wire, typos rejected, docstrings documented."""
 

@@ -34,6 +34,7 @@ from kvguard.operator.api import (
     KVPlan,
     Phase,
     RevisionRecord,
+    field_path,
     model_name_problem,
 )
 from kvguard.operator.continuous import rollback_pin
@@ -616,7 +617,7 @@ def field_errors(exc: ValidationError) -> str:
     index in brackets, as the API server and the CRD's rules write paths)."""
     parts = []
     for err in exc.errors():
-        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        path = field_path(err["loc"], root="spec")
         parts.append(f"{path}: {err['msg']}")
     return "; ".join(parts)
 

@@ -392,4 +392,6 @@ def _check_faults(spec: str) -> None:
 
 
 def _describe(error: Any) -> str:
-    return (".".join(str(part) for part in error["loc"]) or "(manifest)") + f": {error['msg']}"
+    from kvguard.operator.api import field_path
+
+    return (field_path(error["loc"]) or "(manifest)") + f": {error['msg']}"

@@ -158,10 +158,12 @@ def _bad_input(*lines: str) -> int:
 def _describe_errors(errors: list[Any], set_by: dict[str, str]) -> list[str]:
     """One line per field error; a value a what-if flag wrote is named by the flag (once per flag and
     message, with every field it wrote), not as if the manifest held it."""
+    from kvguard.operator.api import field_path
+
     lines: list[str] = []
     by_flag: dict[str, list[str]] = {}  # "--flag value: message" -> the fields it wrote
     for error in errors:
-        location = ".".join(str(part) for part in error["loc"]) or "(manifest)"
+        location = field_path(error["loc"]) or "(manifest)"
         if (flag := set_by.get(location)) is not None:
             by_flag.setdefault(f"{flag}: {error['msg']}", []).append(location)
         else:
