@@ -35,7 +35,7 @@ from kvguard.operator.backends.base import (
     scrape_workers,
 )
 from kvguard.operator.canary.spec import CanarySpec
-from kvguard.operator.kube import KubeError
+from kvguard.operator.kube import KubeError, TransportError
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
 from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis, RunCanary
@@ -281,7 +281,10 @@ async def _post_events(store: ModelStore, outbox: list[UnpostedEvent]) -> None:
         try:
             await store.record_event(waiting.body, waiting.event, waiting.decided_at)
         except Exception as exc:  # noqa: BLE001 - whatever the API server or the connection did
-            again = not isinstance(exc, KubeError) or exc.status == 429 or exc.status >= 500
+            # Unreachable (no answer), unavailable or throttling: worth another try. Anything else
+            # (a refusal, a call not sent because this operator no longer leads, a bug) would fail
+            # the same way again and hold the model's later Events back.
+            again = isinstance(exc, TransportError) or (isinstance(exc, KubeError) and (exc.status == 429 or exc.status >= 500))
             log.warning("%s: event %s not posted (%s)%s", model_ref(waiting.body).key, waiting.event.reason, exc,
                         "; retried at the next pass" if again else "; dropped")  # fmt: skip
             if again:

@@ -16,6 +16,7 @@ Pure: no kopf, kubernetes or torch (`kvguard plan` runs without the operator's e
 from __future__ import annotations
 
 from kvguard.operator.api import InferenceModelSpec, KVPlan
+from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS, ProbeName
 from kvguard.operator.engine_support import engine_problems, placement_problems
 from kvguard.operator.pd_parity import parity_problem
 from kvguard.operator.planner import PlanInputError, extra_args_problems, plan, plan_to_render
@@ -82,13 +83,15 @@ def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None 
     revision fail its canary (and roll back) where the planner passed it, so it is refused when
     written, as `field: message` lines (outside probe: each was admitted and failed later).
 
-    minRatio against minKVRatio is judged only when either is written (`before`: the spec an update
-    replaces): an older CRD defaulted minRatio to 2 into every stored model, and one at minKVRatio
-    1.5 must stay editable (the operator runs its canary at 1.5: `InferenceModelSpec.canary_to_run`)."""
+    minRatio against minKVRatio is judged only when minRatio is written (`before`: the spec an
+    update replaces): an older CRD defaulted minRatio to 2 into every stored model, and one at
+    minKVRatio 1.5 must stay editable (the operator runs its canary at 1.5:
+    `InferenceModelSpec.canary_to_run`). longRequestMaxTokens is judged where isolation runs (on
+    its own, or in the continuous canary's light set)."""
     canary, context = spec.canary, spec.context_length
     problems = []
     ratio = canary.capacity.min_ratio  # filled in with minKVRatio where unset (InferenceModelSpec)
-    unchanged = before is not None and (before.canary.capacity.min_ratio, before.min_kv_ratio) == (ratio, spec.min_kv_ratio)
+    unchanged = before is not None and before.canary.capacity.min_ratio == ratio
     if ratio is not None and ratio > spec.min_kv_ratio and not unchanged:
         ours, theirs = f"{ratio:g}", f"{spec.min_kv_ratio:g}"
         if ours == theirs:  # 2.0000001 above 2 must not read "2 is above 2"
@@ -101,10 +104,14 @@ def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None 
     long_max = canary.isolation.long_request_max_tokens
     # Whether or not a probe is enabled: the continuous canary runs the light probes, isolation
     # included, when the spec enables none of them (CanarySpec.for_continuous).
-    if long_max >= context:
+    continuous = canary.continuous.interval_seconds is not None
+    isolation_runs = canary.isolation.enabled or (continuous and ProbeName.ISOLATION in canary.for_continuous().enabled_probes())
+    if isolation_runs and long_max > context - LONG_PROMPT_MIN_TOKENS:
         problems.append(
-            f"spec.canary.isolation.longRequestMaxTokens: {long_max:,} must be below contextLength {context:,} (a long "
-            "request's prompt needs room); a healthy engine refuses the request"
+            f"spec.canary.isolation.longRequestMaxTokens: {long_max:,} leaves no room for a long request's prompt "
+            f"in contextLength {context:,}: at most contextLength - {LONG_PROMPT_MIN_TOKENS} "
+            f"({max(context - LONG_PROMPT_MIN_TOKENS, 0):,}); a healthy engine refuses a longer request (or disable "
+            "spec.canary.isolation)"
         )
     for i, prompt in enumerate(canary.golden.prompts):
         if prompt.max_tokens is not None and prompt.max_tokens >= context:

@@ -16,7 +16,7 @@ from kvguard.operator.api import InferenceModelSpec
 from kvguard.operator.backends.base import CanaryRunner, ModelRef, RevisionEndpoints, RevisionRequest, execute
 from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.driver import DriverMemory, StatusConflict, requeue_delay, run_pass
-from kvguard.operator.kube import KubeError
+from kvguard.operator.kube import KubeError, TransportError
 from kvguard.operator.planner import plan
 from kvguard.operator.reconcile import Observed, Outcome
 from kvguard.operator.rollout import RunCanary
@@ -235,3 +235,21 @@ async def test_a_continuous_run_is_stopped_even_when_the_passes_action_fails() -
     finally:
         driver.reconcile = decide
     assert stopped == [("models", "tiny-cpu")]
+
+
+@pytest.mark.parametrize(("error", "kept"), [(KubeError(503, "unavailable"), True), (KubeError(429, "slow down"), True),
+                                             (TransportError("connection refused"), True), (KubeError(422, "refused"), False),
+                                             (KubeError(0, "not sent: not the leader"), False), (ValueError("a bug"), False)])  # fmt: skip
+async def test_an_event_is_kept_for_another_try_only_when_another_try_can_succeed(error: Exception, kept: bool) -> None:
+    """A review: an unreachable API server (TransportError, status 0) was read as a refusal and its
+    Events dropped, which the outbox exists to keep; a bug's exception was retried for ever."""
+    from kvguard.operator.driver import UnpostedEvent, _post_events
+    from kvguard.operator.reconcile import EventSpec
+
+    class Failing:
+        async def record_event(self, *_: Any) -> None:
+            raise error
+
+    outbox = [UnpostedEvent(_tiny_body(), EventSpec("Warning", "ContinuousCanaryFailed", "m"), None)]  # type: ignore[arg-type]
+    await _post_events(Failing(), outbox)  # type: ignore[arg-type]
+    assert (len(outbox) == 1) is kept

@@ -623,3 +623,11 @@ def test_min_tokens_above_the_rest_of_the_context_is_refused(trio: LocalDeployme
     error = answer.json()["error"]
     assert error["param"] == "min_tokens"
     assert re.fullmatch(rf"min_tokens \({CONTEXT}\) must be at most the \d+ tokens left in the context after the prompt", error["message"])
+
+
+def test_a_charset_no_codec_can_name_is_refused_not_a_500() -> None:
+    """A review: a NUL or a byte no codec name holds made codecs.lookup raise ValueError: a 500."""
+    from kvguard.workers.router import _reads_as_utf8
+
+    assert not _reads_as_utf8("utf-8\x00") and not _reads_as_utf8("utf-8\udcff")
+    assert _reads_as_utf8("UTF8") and _reads_as_utf8("us-ascii") and not _reads_as_utf8("latin-1")

@@ -1751,7 +1751,7 @@ def _reads_as_utf8(charset: str) -> bool:
     """UTF-8 under any of its names (`utf8`, `UTF-8`), or ASCII, which is UTF-8 too."""
     try:
         return codecs.lookup(charset[:40]).name in ("utf-8", "ascii")
-    except LookupError:
+    except (LookupError, ValueError):  # (a NUL, or bytes no codec name holds: a 500 before; a review)
         return False
 
 

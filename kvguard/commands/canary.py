@@ -169,6 +169,11 @@ def _model_canary(spec: Any) -> Any:
         return {**canary, "capacity": {"minRatio": ratio}}
     if isinstance(capacity, dict) and capacity.get("minRatio") is None:
         return {**canary, "capacity": {**capacity, "minRatio": ratio}}
+    written = capacity.get("minRatio") if isinstance(capacity, dict) else None
+    if isinstance(written, int | float) and isinstance(ratio, int | float) and written > ratio:
+        # As the operator runs it (InferenceModelSpec.canary_to_run): a manifest read back from a
+        # cluster holds an older CRD's default of 2, whatever its minKVRatio (a review).
+        return {**canary, "capacity": {**capacity, "minRatio": ratio}}
     return canary
 
 
