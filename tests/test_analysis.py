@@ -7,6 +7,7 @@ import math
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from test_canary_hostile_bodies import serving
 
 from kvguard.operator.analysis import (
     ITL,
@@ -390,18 +391,9 @@ async def test_a_prometheus_answer_that_is_no_success_is_an_error_not_no_data() 
     async def handler(request: web.Request) -> web.Response:
         return answers[request.query["query"]]
 
-    app = web.Application()
-    app.router.add_get("/api/v1/query", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    async with serving(handler) as base:  # every path answers: /api/v1/query among them
         queries = [PrometheusQuery(name=n, query=n, max=1.0) for n in answers]
         found = {name: (value, error) for name, value, error in await query_values(base, queries, {})}
-    finally:
-        await runner.cleanup()
     assert found["html"][0] is None and "not JSON" in found["html"][1] and "502 Bad Gateway" in found["html"][1]
     assert found["error"] == (None, "Prometheus answered without success: parse error at char 3")
     assert found["empty"] == (None, "")  # a success without a number: no data, which only holds
