@@ -62,12 +62,12 @@ def _wire_name(field_name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])Kv(?=[A-Z]|$)", "KV", to_camel(field_name))
 
 
-
 def field_path(loc: tuple[int | str, ...] | list[int | str], root: str = "") -> str:
     """A pydantic error location as the API server writes a field path: `spec.a[0].b` (a list
     index in brackets), under `root` when given."""
     path = root + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
     return path.removeprefix(".")
+
 
 class ApiModel(BaseModel):
     """Base of every kvguard API shape: camelCase on the wire, typos rejected, docstrings documented."""
@@ -247,29 +247,25 @@ _QUALIFIED_NAME = re.compile(rf"(({_DNS_SUBDOMAIN})/)?[A-Za-z0-9]([-A-Za-z0-9_.]
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 
 
-def _qualified_name_problem(key: str) -> str | None:
+def qualified_name_problem(key: str) -> str | None:
+    """Why `key` is not a qualified name (a label key, a taint key) the API server takes; None if it is."""
     prefix, _, name = key.rpartition("/")
     if not _QUALIFIED_NAME.fullmatch(key) or len(prefix) > 253 or len(name) > 63:
         return f"{key!r} is not a qualified name (an optional DNS prefix and '/', then 1-63 of [A-Za-z0-9-_.])"
     return None
 
 
-def _label_value_problem(value: str) -> str | None:
+def label_value_problem(value: str) -> str | None:
+    """Why `value` is not a label value the API server takes; None if it is."""
     if not _LABEL_VALUE.fullmatch(value):
         return f"{value!r} is not a label value (0-63 of [A-Za-z0-9-_.])"
     return None
 
 
-label_key_problem = _qualified_name_problem
-"""Why a label key is not one the API server takes (None: it is); for selectors checked elsewhere."""
-label_value_problem = _label_value_problem
-"""Why a label value is not one the API server takes (None: it is)."""
-
-
 def _gpu_product_label(value: str) -> str:
     # Rendered as the nodeSelector value of nvidia.com/gpu.product: the API server refuses a
     # Deployment whose selector value is not a label value, so the model could never run.
-    if (problem := _label_value_problem(value)) is not None:
+    if (problem := label_value_problem(value)) is not None:
         raise ValueError(f"{problem}: it is the node label nvidia.com/gpu.product, so use the label's form, "
                          "e.g. NVIDIA-H100-80GB-HBM3 (`kubectl get nodes -L nvidia.com/gpu.product`)")  # fmt: skip
     return value
@@ -635,9 +631,9 @@ class Toleration(ApiModel):
             return "key is required when operator is Equal (the default); an empty key with operator Exists tolerates every taint"
         if self.toleration_seconds is not None and self.effect != "NoExecute":
             return "tolerationSeconds applies only to effect NoExecute"
-        if self.key and (problem := _qualified_name_problem(self.key)) is not None:
+        if self.key and (problem := qualified_name_problem(self.key)) is not None:
             return f"key: {problem}"
-        if self.value and (problem := _label_value_problem(self.value)) is not None:
+        if self.value and (problem := label_value_problem(self.value)) is not None:
             return f"value: {problem}"
         return None
 
@@ -677,7 +673,7 @@ def _is_extended_resource(name: str) -> bool:
 
 def _resource_name_problem(name: str) -> str | None:
     """The API server's check of a container resource name (validateContainerResourceName)."""
-    if (problem := _qualified_name_problem(name)) is not None:
+    if (problem := qualified_name_problem(name)) is not None:
         return f"resource name {problem}"
     if "/" not in name and name not in _STANDARD_CONTAINER_RESOURCES and not name.startswith("hugepages-"):
         return (f"resource name {name!r} is not a standard container resource (cpu, memory, ephemeral-storage, "
@@ -732,9 +728,9 @@ class PodPlacement(ApiModel):
     @model_validator(mode="after")
     def _node_selector_is_labels(self) -> PodPlacement:
         for key, value in self.node_selector.items():
-            if (problem := _qualified_name_problem(key)) is not None:
+            if (problem := qualified_name_problem(key)) is not None:
                 raise ValueError(f"nodeSelector key {problem}")
-            if (problem := _label_value_problem(value)) is not None:
+            if (problem := label_value_problem(value)) is not None:
                 raise ValueError(f"nodeSelector[{key}]: {problem}")
         return self
 
@@ -1233,8 +1229,8 @@ class InferenceModelSpec(ApiModel):
         # The canary's capacity probe judges the pools the planner sized to minKVRatio: by default
         # by the same ratio (a fixed 2 failed, in the canary, every pool the planner had passed at
         # minKVRatio 1.5, and rolled the revision back). An explicit minRatio above minKVRatio is
-        # refused by the webhook (spec_checks.canary_problems) and the CRD's rule, not here: the
-        # stored spec must validate again as it was dumped, whatever it holds.
+        # refused by the webhook (spec_checks.canary_problems), not here: the stored spec must
+        # validate again as it was dumped, whatever it holds (`canary_to_run` clamps it).
         capacity = self.canary.capacity
         if capacity.min_ratio is None:
             filled = capacity.model_copy(update={"min_ratio": self.min_kv_ratio})

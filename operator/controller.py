@@ -373,7 +373,6 @@ class Controller:
         return parse_config_json(cm, name, key)
 
 
-
 class ConfigMapCache:
     """The ConfigMaps models name for their architecture, (namespace, name) -> its data, each for
     `ttl` seconds from its read. Entries past it are dropped whenever one is added: they were only

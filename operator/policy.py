@@ -38,8 +38,8 @@ from kvguard.operator.api import (
     KVPlan,
     LabelSelector,
     LabelSelectorRequirement,
-    label_key_problem,
     label_value_problem,
+    qualified_name_problem,
 )
 from kvguard.operator.canary.spec import ProbeName
 from kvguard.operator.planner import PlanInputError, flag_check_plan, plan
@@ -239,11 +239,11 @@ def scope_problems(spec: InferencePolicySpec) -> list[str]:
                             "lowercase letters, digits and '-'), so it matches no namespace")  # fmt: skip
     path = "spec.namespaceSelector"
     for key, value in spec.namespace_selector.match_labels.items():
-        if (problem := label_key_problem(key) or label_value_problem(value)) is not None:
+        if (problem := qualified_name_problem(key) or label_value_problem(value)) is not None:
             problems.append(f"{path}.matchLabels[{key}]: {problem}")
     for i, req in enumerate(spec.namespace_selector.match_expressions):
         where = f"{path}.matchExpressions[{i}]"
-        if (problem := label_key_problem(req.key)) is not None:
+        if (problem := qualified_name_problem(req.key)) is not None:
             problems.append(f"{where}.key: {problem}")
         if req.operator in _WITH_VALUES and not req.values:
             problems.append(f"{where}.values: must be non-empty for operator {req.operator} (the API server's "

@@ -102,8 +102,8 @@ def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None 
             "it passed; leave minRatio unset to judge by minKVRatio, or raise minKVRatio"
         )
     long_max = canary.isolation.long_request_max_tokens
-    # Whether or not a probe is enabled: the continuous canary runs the light probes, isolation
-    # included, when the spec enables none of them (CanarySpec.for_continuous).
+    # Isolation runs when enabled, and in the continuous canary's light set when the spec enables
+    # none of that set (CanarySpec.for_continuous).
     continuous = canary.continuous.interval_seconds is not None
     isolation_runs = canary.isolation.enabled or (continuous and ProbeName.ISOLATION in canary.for_continuous().enabled_probes())
     if isolation_runs and long_max > context - LONG_PROMPT_MIN_TOKENS:

@@ -48,7 +48,7 @@ from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContex
 from kvguard.operator.canary.client import Completion
 from kvguard.operator.canary.prompts import TokenEstimate, filler_text
 from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch, clip, one_line
-from kvguard.operator.canary.spec import ApiKind, ProbeName
+from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS, ApiKind, ProbeName
 
 CHOICES_PER_PROMPT = 2
 """`n` of the tenants' prompt list: a second choice makes the server fork each prompt's KV."""
@@ -61,7 +61,7 @@ def long_request_words(estimate: TokenEstimate, budget: int, fraction: float) ->
     prompt is built synchronously on the operator's loop, and 1e300 built a word list without end
     (outside probe)."""
     share = fraction if 0.0 < fraction <= 1.0 else 1.0  # NaN too: every comparison with it is false
-    return estimate.words_at_most(max(16, int(budget * share)))
+    return estimate.words_at_most(max(LONG_PROMPT_MIN_TOKENS, int(budget * share)))
 
 
 @dataclass(frozen=True)

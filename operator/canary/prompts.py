@@ -14,7 +14,7 @@ import random
 import secrets
 from dataclasses import dataclass
 
-from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS
+from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS, MAX_CONTEXT_TOKENS
 
 WORD_LETTERS = "bcdfghjklmnpqrstvwxz"  # no hex letters a-f: filler can never spell part of a nonce
 WORD_LENGTH = 4
@@ -100,4 +100,4 @@ def admissible_prompt_tokens(
     """
     limits = [int(x) for x in (context_length, min_pool_tokens) if x]
     limit = min(min(limits), MAX_CONTEXT_TOKENS) if limits else FALLBACK_PROMPT_TOKENS
-    return max(16, limit - reserve_tokens - 16)
+    return max(LONG_PROMPT_MIN_TOKENS, limit - reserve_tokens - 16)

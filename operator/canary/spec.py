@@ -63,9 +63,10 @@ def context_within_bound(value: int) -> int:
 MAX_TIMEOUT_SECONDS = 86400.0
 
 MAX_GENERATED_TOKENS = 4096
-"""The most tokens one probe request asks for (maxTokens, a golden prompt's maxTokens,
-longRequestMaxTokens). The probes judge text equality and leaks, never length; a bigger number only
-makes a healthy engine refuse the request (longer than its context) or run past the request timeout."""
+"""The most tokens a probe request asks for by default (`maxTokens`). The probes judge text
+equality and leaks, never length. A golden prompt's maxTokens and longRequestMaxTokens are bounded
+by the model's contextLength instead (spec_checks.canary_problems): a cap here would make specs
+stored before it fail to parse in reconcile."""
 
 LONG_PROMPT_MIN_TOKENS = 16
 """The shortest prompt of a long request A (`admissible_prompt_tokens` never sizes one below 16
