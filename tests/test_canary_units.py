@@ -170,3 +170,10 @@ def test_stream_chunk_timing() -> None:
     out = Completion(label="s", chunk_times=[0.5, 0.6, 0.7, 0.8])
     assert out.seconds_per_chunk() == pytest.approx(0.1)
     assert Completion(label="s", chunk_times=[0.5]).seconds_per_chunk() is None
+
+
+def test_s4_decode_speed_is_the_median_gap_so_one_slow_gap_does_not_stretch_the_abort_deadline() -> None:
+    # The first gap carries the KV hand-off (and here a descheduled moment): the mean, 0.034 s,
+    # put a tiny model's natural time at twice its real one, and a non-propagated abort passed.
+    out = Completion(label="s", chunk_times=[0.5, 0.6, 0.601, 0.602])
+    assert out.seconds_per_chunk() == pytest.approx(0.001)
