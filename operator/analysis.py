@@ -54,7 +54,6 @@ ABANDONED = "aborted"
 """The outcome of a request whose client disconnected: not judged either way."""
 TTFT = "kvguard_router_time_to_first_token_seconds"
 ITL = "kvguard_router_inter_token_latency_seconds"
-REQUEST_DURATION = "kvguard_router_request_duration_seconds"
 LIVE_SAFETY_COUNTERS = tuple(c for c in DEFAULT_SAFETY_COUNTERS if c not in DEFAULT_ABORT_TOLERANT_COUNTERS)
 """Counters that must never rise under live traffic: tag violations (S1), KV checksum and HMAC
 failures (S3). Dropped stale writes and the engines' transfer failures also follow a client that

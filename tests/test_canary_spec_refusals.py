@@ -223,3 +223,6 @@ def test_the_canary_cli_runs_a_manifests_canary_as_the_operator_does() -> None:
     read_back = {"minKVRatio": 1.5, "canary": {"capacity": {"enabled": True, "minRatio": 2.0}}}
     assert _model_canary(read_back)["capacity"] == {"enabled": True, "minRatio": 1.5}
     assert _model_canary({"minKVRatio": 3.0, "canary": {"capacity": {"minRatio": 2.5}}})["capacity"]["minRatio"] == 2.5
+    # No minKVRatio: the model's default (2) caps a written minRatio too, and fills a missing one.
+    assert _model_canary({"canary": {"capacity": {"minRatio": 3.0}}})["capacity"]["minRatio"] == 2.0
+    assert _model_canary({"canary": {}})["capacity"] == {"minRatio": 2.0}

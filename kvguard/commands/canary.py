@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvguard.interrupts import run_interruptible, stop_signals_as_one_interrupt
+from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -159,11 +160,12 @@ def _load_spec(path: Path | None, probes: str | None) -> Any:
 def _model_canary(spec: Any) -> Any:
     """An InferenceModel's spec.canary, with capacity.minRatio defaulting to the model's minKVRatio
     as the operator runs it (InferenceModelSpec): judged by 2, a pool the planner passed at
-    minKVRatio 1.5 failed here."""
+    minKVRatio 1.5 failed here. A manifest without minKVRatio has the model's default, which caps
+    a written minRatio as well (a docs review: minRatio 3 ran at 3 where the operator runs 2)."""
     canary = (spec.get("canary") or {}) if isinstance(spec, dict) else {}
-    ratio = spec.get("minKVRatio") if isinstance(spec, dict) else None
+    ratio = spec.get("minKVRatio", DEFAULT_MIN_KV_RATIO) if isinstance(spec, dict) else None
     if ratio is None or not isinstance(canary, dict):
-        return canary  # the model's default ratio is the canary's default; a bad shape is refused by field
+        return canary  # a bad shape is refused by field
     capacity = canary.get("capacity")
     if capacity is None:
         return {**canary, "capacity": {"minRatio": ratio}}
