@@ -9,6 +9,7 @@ the baseline URL, as in a rollout. The fault list and the expectations are share
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -40,6 +41,18 @@ def stable(tiny_model: Path) -> Iterator[object]:
         yield serve
 
 
+# no_abort_propagation: the generation an ignored abort leaves running must outlast the abort
+# probe's fixed 5 s timeout on any machine. Unpaced, the tiny model's ~1960 remaining tokens took
+# 3.5-5 s, about the timeout, so the verdict hung on the speed deadline (half the natural time the
+# probe estimates from the cut stream's first three chunk gaps, measured through router and client):
+# on a loaded machine that estimate came out up to 3x the real time (11.2 s for 3.9 s), the deadline
+# was capped at 5 s, the pages came back at 3.9 s "in time", and the mid-decode cut passed (1 in ~10
+# cuts under two busy loops); a prefill cut that lands before decode allocates passes too. Paced at
+# 4 ms a step, the pages stay held past the timeout (>= 7.8 s) however fast or loaded the machine,
+# and the probe fails whatever its estimate. The deadline's arithmetic is tested alone
+# (test_canary_units.py) and against fake servers that hold pages for a set time (test_canary.py).
+ABANDONED_STEP_MS = 4
+
 # `ignore_manifest` alone is left out: while every chunk arrives, decode's output is byte-identical
 # to a correct engine's, so no black-box probe can tell (the bench reports it, uncounted).
 OBSERVABLE_MODES = [m for m in detection.FAULT_MODES if m.observable]
@@ -53,12 +66,14 @@ def test_suite_detects_each_fault_with_the_right_probe(
     if not mode.faults:  # type: ignore[attr-defined]
         # The abort probe's recovery deadline is max(1 s, half the request's natural time), capped
         # at 5 s: the healthy engine's router, prefill or decode descheduled for a second on a
-        # loaded machine missed it. The healthy run shows no fault is reported; the deadline's
-        # sharpness is shown by no_abort_propagation, which keeps the default.
+        # loaded machine missed it. The healthy run shows no fault is reported; no_abort_propagation
+        # keeps the default deadline and timeout (its sharpness is tested against fake servers).
         from kvguard.operator.canary import abort
 
         monkeypatch.setattr(abort, "MIN_RECOVERY_SECONDS", 60.0)
         spec = CanarySpec.model_validate({"abort": {"poolRecoveryTimeoutSeconds": 60.0}})
+    if mode.faults == "no_abort_propagation":  # type: ignore[attr-defined]
+        mode = dataclasses.replace(mode, faults=f"{mode.faults},delay_step_ms={ABANDONED_STEP_MS}")  # type: ignore[call-overload]
     report = asyncio.run(
         detection.run_mode(mode, tiny_model, stable.url, spec, CONTEXT_LENGTH, POOL_TOKENS)  # type: ignore[attr-defined]
     )
