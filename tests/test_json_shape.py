@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from kvguard.workers.json_shape import MAX_JSON_ITEMS, MAX_JSON_STRINGS, json_shape_problem
+from kvguard.workers.json_shape import MAX_JSON_ITEMS, MAX_JSON_STRINGS, MAX_NUMBER_DIGITS
+from kvguard.workers.json_shape import json_shape_problem as shape_problem
+
+MILLION_CONTEXT_VALUES = MAX_JSON_ITEMS + 16 * 1_048_576  # the router's bound: 16 choices at a 1M context
+SMALL_CONTEXT_VALUES = MAX_JSON_ITEMS + 16 * 1024
+
+
+def json_shape_problem(raw: bytes, max_values: int = MILLION_CONTEXT_VALUES) -> str | None:
+    return shape_problem(raw, max_values=max_values)
 
 
 def _body(**fields: object) -> bytes:
@@ -15,7 +23,7 @@ def _body(**fields: object) -> bytes:
 
 
 @pytest.mark.parametrize("body", [
-    _body(prompt=[7] * 1_000_000),  # a million-token prompt: numbers are cheap and not counted
+    _body(prompt=[7] * 1_000_000),  # a million-token prompt, at a context of a million
     _body(prompt=[[1, 2]] * 128),
     _body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}] * 9}] * 4096),
     _body(prompt="[{:" * 2_000_000),  # brackets and colons inside a string are text
@@ -42,8 +50,7 @@ def test_many_strings_are_counted_only_beside_many_items() -> None:
     end); they bound only the regex that tells a bracket in a string from one outside."""
     assert json_shape_problem(_body(stop=["a"] * 1_000_000)) is None
     problem = json_shape_problem(_body(stop=["["] * MAX_JSON_STRINGS))  # and "model", "m", "stop"
-    assert problem == (f"the request body has {MAX_JSON_STRINGS + 3} JSON strings beside over {MAX_JSON_ITEMS} brackets "
-                       f"and colons, more than the {MAX_JSON_STRINGS} the router parses with that many")  # fmt: skip
+    assert problem == f"the request body has {MAX_JSON_STRINGS + 3} JSON strings, more than the {MAX_JSON_STRINGS} the router parses"
     assert json_shape_problem(_body(stop=["["] * (MAX_JSON_STRINGS - 3))) is None
 
 
@@ -61,3 +68,27 @@ def test_an_escaped_backslash_before_a_quote_closes_the_string() -> None:
 def test_a_body_that_is_not_json_is_left_to_the_parser() -> None:
     assert json_shape_problem(b"not json [") is None
     assert json_shape_problem(b"") is None
+
+
+def test_numbers_are_bounded_by_what_the_routers_context_allows() -> None:
+    """An outside probe: 8 MB of one-digit token ids (4 million values) passed the bracket count and
+    held the GIL 0.4 s per body; 2-6 connections sending them made another tenant 15-60x slower.
+    A router at context 1024 allows 16 choices of 1024 ids beside the items' bound, no more."""
+    ids = b'{"model": "m", "prompt": [' + b",".join([b"1"] * 4_000_000) + b"]}"
+    assert json_shape_problem(ids, SMALL_CONTEXT_VALUES) == (
+        f"the request body has 4000001 JSON values, more than the {SMALL_CONTEXT_VALUES} any request to this router "
+        "holds (its token-id prompts at the context length, for every choice)")  # fmt: skip
+    assert json_shape_problem(_body(prompt=[[5] * 1024] * 16), SMALL_CONTEXT_VALUES) is None  # the most it takes
+    floats = b'{"model": "m", "stop_token_ids": [' + b",".join([b"0.125"] * 1_300_000) + b"]}"
+    assert "JSON values" in (json_shape_problem(floats, SMALL_CONTEXT_VALUES) or "")
+    # Commas and digits inside strings are text: a CSV pasted as the prompt is not counted.
+    assert json_shape_problem(_body(prompt="12345678901234567890," * 300_000), SMALL_CONTEXT_VALUES) is None
+
+
+def test_numbers_longer_than_any_parameter_takes_are_refused() -> None:
+    """2,000 integers of 4,000 digits: few values, 8 MB of digits (0.45 s to build as a prompt)."""
+    big = b'{"model": "m", "prompt": [' + b",".join([b"1" * 4000] * 2000) + b"]}"
+    assert json_shape_problem(big) == (
+        f"the request body's numbers have 8000000 digits, more than {MAX_NUMBER_DIGITS} per value; no parameter takes "
+        "a number that long")  # fmt: skip
+    assert json_shape_problem(_body(prompt="x", seed=2**64 - 1, stop_token_ids=[2**31 - 1] * 64)) is None

@@ -56,7 +56,7 @@ from kvguard.workers.channel_reader import (
 )
 from kvguard.workers.control_auth import ANY_WORKER, auth_headers
 from kvguard.workers.discovery import Discovery, NoAnswer, membership_change, resolve
-from kvguard.workers.json_shape import json_shape_problem
+from kvguard.workers.json_shape import MAX_JSON_ITEMS, json_shape_problem
 from kvguard.workers.keys import RevisionKeys
 from kvguard.workers.metrics import REJECT_REASONS, REQUEST_OUTCOMES, ROUTER_LATENCY_BUCKETS, zeroed
 from kvguard.workers.openai_api import (
@@ -850,7 +850,7 @@ class Router:
             return self._error_response(err)
         try:
             request_id = self._claim_id(request, chat)
-            body = await self._parse(request, kind)
+            body = await self._parse(request, kind, upstreams)
             self._check_choices(body)  # before any tokenizing: a million one-word prompts is refused for free
             prompts = await self._tokenize(body, upstreams)
         except OpenAIError as err:
@@ -976,7 +976,7 @@ class Router:
             self.metrics.requests.labels("failed").inc()
             raise OpenAIError(500, "injected fault: fail_proxied_requests", code="engine_error")
 
-    async def _parse(self, request: web.Request, kind: type[RequestKind]) -> RequestKind:
+    async def _parse(self, request: web.Request, kind: type[RequestKind], upstreams: Upstreams) -> RequestKind:
         """The body, validated strictly (openai_requests.py): every limit is a 4xx naming its parameter.
         Its bytes count against --max-body-memory until it is parsed (`BodyMemory`)."""
         with self._bodies.reading() as lease:
@@ -985,7 +985,8 @@ class Router:
             _check_body_headers(request.headers)
             raw = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease)
             try:
-                body = await self._off_loop(len(raw), _shaped_and_validated, kind, raw)
+                most = MAX_JSON_ITEMS + self.config.max_choices * upstreams.context_length  # token-id prompts
+                body = await self._off_loop(len(raw), _shaped_and_validated, kind, raw, most)
             except ValidationError as exc:
                 raise validation_error(exc) from None
             del raw  # the lease ends with the bytes: the parsed body is bounded by what it may hold
@@ -1713,10 +1714,10 @@ def _encoded_whole(builder: ResponseBuilder, results: Sequence[ChoiceResult], pr
     return json.dumps(builder.whole(results, prompt_tokens)).encode()
 
 
-def _shaped_and_validated(kind: type[RequestKind], raw: bytes) -> RequestKind:
+def _shaped_and_validated(kind: type[RequestKind], raw: bytes, max_values: int) -> RequestKind:
     """The body as `kind`, once its bytes show no more JSON structure than a request needs (the
     parse holds the GIL wherever it runs: json_shape.py)."""
-    if (problem := json_shape_problem(raw)) is not None:
+    if (problem := json_shape_problem(raw, max_values=max_values)) is not None:
         raise OpenAIError(413, problem, code="request_too_large")  # too large in structure, not in bytes
     return kind.model_validate_json(raw)
 
