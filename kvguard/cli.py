@@ -14,7 +14,8 @@ import importlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 # Module names under kvguard.commands, in the order `--help` lists them. A module that is not
 # present yet is skipped, so the command list grows as the parts land.
@@ -47,10 +48,26 @@ def version() -> str:
         return __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """kvguard's parser: an argument no command knows is refused by that command's parser, with
+    its usage (`kvguard serve: error: unrecognized arguments: --kv-pool-tokns 4096`), as a bad
+    value is; argparse's own top-level refusal named neither (a new user's report)."""
+
+    command_parsers: Mapping[str, argparse.ArgumentParser] = {}  # set by build_parser
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            owner = self.command_parsers.get(getattr(parsed, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvguard", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="kvguard", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvguard {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.command_parsers = subparsers.choices
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"kvguard.commands.{name}")

@@ -93,15 +93,13 @@ def run(step: str, title: str, argv: list[str]) -> int:
         print(f"== setup {step}: cannot run {argv[0]}: {exc}", flush=True)
         return 127
     assert child.stdout is not None
-    last = ""
-    for line in lines_with_heartbeats(child.stdout, HEARTBEAT_S):
-        if line is None:
-            print(f"   ... {time.monotonic() - began:.0f} s so far{f' (last: {last})' if last else ''}", flush=True)
-            continue
-        shown = condensed(line)
-        if shown is not None:
-            print(f"   {shown}", flush=True)
-            last = shown[:80]
+    try:
+        _follow(child.stdout, began)
+    except KeyboardInterrupt:  # Ctrl-C: one line and 130, as the kvguard commands end (not a traceback)
+        child.terminate()  # the terminal's SIGINT reached it too; a `kill -INT` of this script did not
+        child.wait()
+        print(f"== setup {step}: interrupted", flush=True)
+        return 130
     code = child.wait()
     took = time.monotonic() - began
     verdict = "done" if code == 0 else f"FAILED (exit {code})"
@@ -109,11 +107,28 @@ def run(step: str, title: str, argv: list[str]) -> int:
     return code
 
 
+def _follow(stream: Iterator[str], began: float) -> None:
+    """Print the step's output condensed, with a heartbeat line while it is silent."""
+    last = ""
+    for line in lines_with_heartbeats(stream, HEARTBEAT_S):
+        if line is None:
+            print(f"   ... {time.monotonic() - began:.0f} s so far{f' (last: {last})' if last else ''}", flush=True)
+            continue
+        shown = condensed(line)
+        if shown is not None:
+            print(f"   {shown}", flush=True)
+            last = shown[:80]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
         print(__doc__, file=sys.stderr)
         return 2
-    return run(argv[0], argv[1], argv[3:])
+    try:
+        return run(argv[0], argv[1], argv[3:])
+    except KeyboardInterrupt:  # before the step's command started, or while it was being started
+        print(f"== setup {argv[0]}: interrupted", flush=True)
+        return 130
 
 
 if __name__ == "__main__":

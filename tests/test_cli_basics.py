@@ -198,3 +198,23 @@ def test_crds_with_an_empty_output_folder_writes_nothing(tmp_path: Path) -> None
                           timeout=120)  # fmt: skip
     assert done.returncode == 2 and "name the folder to write" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["serve", "--model", "m", "--kv-pool-tokns", "4096"], "serve"),
+    (["plan", "-f", "examples/tiny-cpu.yaml", "--contxt-length", "5"], "plan"),
+    (["canary", "--url", "http://127.0.0.1:1", "--metric-url", "x"], "canary"),
+])
+def test_a_mistyped_flag_is_refused_by_its_command_with_that_commands_usage(
+    argv: list[str], command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's report: argparse's top-level parser refused it as `kvguard: error:` with the
+    top-level usage, naming no command, where a bad value names the command."""
+    from kvguard.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert f"kvguard {command}: error: unrecognized arguments: {' '.join(argv[-2:])}" in err, err
+    assert err.startswith(f"usage: kvguard {command} "), err

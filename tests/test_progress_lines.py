@@ -3,11 +3,15 @@ the test drives) and `make`'s setup steps (scripts/setup_step.py, as real proces
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from kvguard.operator.backends.local_progress import WaitReporter
 
@@ -100,6 +104,23 @@ def test_a_failed_setup_step_exits_with_its_command_status() -> None:
     missing = run_step("1/6", "venv", "--", "/nonexistent/python3", "-m", "venv")
     assert missing.returncode == 127 and "cannot run /nonexistent/python3" in missing.stdout
     assert run_step("1/6", "no separator").returncode == 2
+
+
+def test_ctrl_c_during_a_setup_step_is_one_line_and_130_and_stops_its_command(tmp_path: Path) -> None:
+    """A new user's report: Ctrl-C during `make demo`'s install printed a KeyboardInterrupt traceback."""
+    started = tmp_path / "started"
+    child = (f"import os, pathlib, time; pathlib.Path({str(started)!r}).write_text(str(os.getpid()));"
+             "print('working', flush=True); time.sleep(600)")
+    step = subprocess.Popen([sys.executable, str(SETUP_STEP), "4/7", "pip", "--", sys.executable, "-c", child],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert step.stdout is not None
+    assert [step.stdout.readline() for _ in range(3)][2].strip() == "working"  # the command runs
+    step.send_signal(signal.SIGINT)  # only to the script: it must stop its command itself
+    out, err = step.communicate(timeout=60)
+    assert step.returncode == 130 and err == "", err
+    assert out.strip().splitlines()[-1] == "== setup 4/7: interrupted"
+    with pytest.raises(ProcessLookupError):  # stopped and reaped, not left sleeping
+        os.kill(int(started.read_text()), 0)
 
 
 def test_silence_becomes_a_line_with_the_time_so_far() -> None:
