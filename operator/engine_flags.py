@@ -103,7 +103,7 @@ PLANNER_READ: Mapping[EngineKind, tuple[str, ...]] = {
 
 # `kvguard worker`: every flag but these few tunables is written by the renderer from the spec, or
 # is a safety setting (`--min-kv-ratio` is S7's own bar; `--transfer-encryption` the spec's choice).
-_KVGUARD_TUNABLE = {"header_timeout", "max_running_requests"}
+_KVGUARD_TUNABLE = {"header_timeout", "max_connections", "max_running_requests"}
 KVGUARD_TUNABLE_FLAGS = tuple(sorted("--" + name.replace("_", "-") for name in _KVGUARD_TUNABLE))
 _KVGUARD_FIELDS = {
     "context_length": "spec.contextLength", "kv_pool_tokens": "spec.kvPoolTokens", "page_size": "spec.pageSize",

@@ -494,3 +494,36 @@ def test_a_body_cut_off_mid_way_gives_its_bytes_back(memory_bound_router: tuple[
              detail=lambda: metric_at(metrics_url, "kvguard_router_body_memory_bytes"))  # fmt: skip
     whole = requests.post(f"{api_base}/completions", data=body, timeout=60, headers={"Content-Type": "application/json"})
     assert whole.status_code == 200, whole.text
+
+
+def test_connections_over_max_connections_get_a_503_and_the_router_keeps_serving(
+    trio: LocalDeployment, tiny_model_dir: Path, model: str
+) -> None:
+    """An outside probe: 19,990 slow-header connections filled the router's descriptors (EMFILE in
+    its accept loop; another tenant waited 5-10 s). A router with --max-connections 3: three
+    half-sent requests hold its places, a fourth connection is told 503 and closed, and once one of
+    them goes a request is served again."""
+    with second_router(trio, tiny_model_dir, max_connections=3) as api_base:
+        base = api_base.removesuffix("/v1")
+        holders = [_connect(base) for _ in range(3)]
+        try:
+            for sock in holders:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+
+            def refused() -> dict | None:
+                answer = requests.post(f"{api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
+                return answer.json()["error"] if answer.status_code == 503 else None
+
+            error = wait_for(refused, "a fourth connection refused", ignoring=(requests.ConnectionError,))
+            assert error["code"] == "too_many_connections", error
+        finally:
+            for sock in holders[1:]:
+                sock.close()
+        try:
+            body = {"model": model, "prompt": "served again", "max_tokens": 2, "temperature": 0}
+            served = wait_for(lambda: requests.post(f"{api_base}/completions", json=body, timeout=30).status_code == 200,
+                              "a request served once places are free", ignoring=(requests.ConnectionError,))  # fmt: skip
+            assert served
+        finally:
+            holders[0].close()
+    still_serving(trio, model)

@@ -42,6 +42,7 @@ WorkerRoleName = Literal["prefill", "decode", "router"]
 TransferEncryption = Literal["none", "aes-gcm"]  # kvguard.workers.transfer.Encryption
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 300.0  # as SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
 DEFAULT_DRAIN_TIMEOUT_S = 15.0  # with the preStop sleep before it and the shutdown after it, inside the rendered pods' 35 s grace (servers.Drain, render.TERMINATION_GRACE_SECONDS)
+DEFAULT_MAX_CONNECTIONS = 4096  # per listener: a slow-header flood is bounded in number, not only in time
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # router and splitter: a larger API request body is 413
 DEFAULT_MAX_BODY_MEMORY = 256 * 1024 * 1024  # router and splitter: request bodies held at once (backpressure.BodyMemory)
 DEFAULT_ABORT_TIMEOUT_S = 2.0  # router: a worker that takes longer to acknowledge an abort frees the pages by its own timers
@@ -178,6 +179,11 @@ class WorkerArgs(BaseModel):
         30.0, gt=0, json_schema_extra=_flag("common", "seconds a connection may take to send a request's headers, and "
                                             "may sit idle between requests (slow-header clients are cut off)")
     )
+    max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS, ge=1, le=1_000_000, json_schema_extra=_flag(
+            "common", "open connections per listener; one more is answered 503 too_many_connections and closed. "
+            "Fewer if the open-file limit less 256 (the process's own calls) cannot hold them on every listener")
+    )  # fmt: skip
 
     drain_timeout: float = Field(
         DEFAULT_DRAIN_TIMEOUT_S, gt=0, le=3600, json_schema_extra=_flag(

@@ -9,8 +9,10 @@ loaded, so a busy port is reported in a second, not after the weights are in mem
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -22,7 +24,7 @@ from typing import NamedTuple
 
 from aiohttp import hdrs, web
 
-from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, LIFELINE_FD_ENV, WorkerArgs
+from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, LIFELINE_FD_ENV, WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
 from kvguard.workers.keys import RevisionKeys
 
@@ -72,7 +74,7 @@ def run_worker(args: WorkerArgs) -> int:
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve([(served.main, listeners.main), (served.metrics, listeners.metrics)], header_timeout_s=args.header_timeout,
-                      drain=served.drain))  # fmt: skip
+                      drain=served.drain, max_connections=args.max_connections))  # fmt: skip
     return 0
 
 
@@ -168,9 +170,11 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
 
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0,
-                drain: Drain | None = None) -> None:  # fmt: skip
+                drain: Drain | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:  # fmt: skip
     """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
-    On SIGTERM, `drain` (if any) runs first: the requests held are finished (see Drain)."""
+    On SIGTERM, `drain` (if any) runs first: the requests held are finished (see Drain). Each
+    listener keeps at most `max_connections` open (CappedSockSite), fewer if the open-file limit
+    would not hold them all."""
     quiet_malformed_requests()
     stop = asyncio.Event()
     received: list[int] = []
@@ -185,12 +189,13 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     watch_lifeline(loop, stop)
     runners: list[web.AppRunner] = []
     main_site: web.BaseSite | None = None
+    cap = connection_cap(max_connections, len(sites))
     try:
         for app, sock in sites:
             runner = app_runner(app, header_timeout_s)
             await runner.setup()
             runners.append(runner)
-            site = web.SockSite(runner, sock)
+            site = CappedSockSite(runner, sock, cap)
             await site.start()
             main_site = main_site or site
             log.info("listening on %s:%s", *sock.getsockname()[:2])
@@ -201,6 +206,60 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+RESERVED_FDS = 256
+"""File descriptors kept out of every listener's cap: the process's own calls (the router's to its
+workers, the transfer's connections, the model's files) need them when clients hold the rest."""
+_REFUSED_BODY = json.dumps({"error": {"message": "too many open connections to this server; retry", "type": "server_error",
+                                      "param": None, "code": "too_many_connections"}}).encode()  # fmt: skip
+REFUSED_CONNECTION = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                      b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))  # fmt: skip
+"""What a connection over the cap gets, before any of its request is read (an OpenAI-shaped error)."""
+
+
+def connection_cap(requested: int, listeners: int) -> int:
+    """`requested` connections per listener, fewer if the soft open-file limit cannot hold them all
+    beside RESERVED_FDS. Why: an outside probe's 19,990 slow-header connections filled the router's
+    20,000 descriptors; its accept loop failed with EMFILE, and every tenant waited 5-10 s."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return requested
+    return max(1, min(requested, (soft - RESERVED_FDS) // max(1, listeners)))
+
+
+class CappedSockSite(web.SockSite):
+    """A listener that keeps at most `cap` connections open: one more is answered 503 (code
+    `too_many_connections`, Retry-After: 1) and closed before any of it is read, so a flood of idle
+    or slow connections (bounded in time by --header-timeout) is bounded in number too. Connections
+    already open keep being served."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: int) -> None:
+        super().__init__(runner, sock)
+        self.cap = cap
+        self.refused = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner; SockSite.start would serve uncapped
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: self._protocol(server), sock=self._sock, backlog=self._backlog)
+
+    def _protocol(self, server: web.Server) -> asyncio.BaseProtocol:
+        if len(server.connections) < self.cap:
+            return server()
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a flood is told, not logged per connection
+            log.warning("%d connection(s) refused: %d open, the cap (--max-connections or the open-file limit)", self.refused, self.cap)
+        return _RefusedConnection()
+
+
+class _RefusedConnection(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(REFUSED_CONNECTION)
+        transport.close()  # after the write is flushed
 
 
 def watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:

@@ -1,0 +1,91 @@
+"""Connections per listener are bounded in number (`servers.CappedSockSite`): an outside probe's
+19,990 slow-header connections filled the router's 20,000 descriptors, its accept loop failed with
+EMFILE and another tenant waited 5-10 s. Real listener, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import socket
+
+import pytest
+from aiohttp import web
+
+from kvguard.workers.servers import RESERVED_FDS, CappedSockSite, app_runner, connection_cap
+
+
+async def _until(condition: object, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def _get(port: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=30)
+    writer.close()
+    return answer
+
+
+async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_served() -> None:
+    app = web.Application()
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/", ok)
+    runner = app_runner(app, 30.0)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    site = CappedSockSite(runner, sock, cap=2)
+    await site.start()
+    try:
+        # Two slow-header clients take both places (they have sent half a request line).
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _reader, writer in idle:
+            writer.write(b"GET / HT")
+            await writer.drain()
+        await _until(lambda: len(runner.server.connections) == 2)  # type: ignore[union-attr]
+        refused = await _get(port)
+        head, body = refused.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in head, head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        assert site.refused == 1
+        # An open connection is still served: one of the two finishes its request.
+        reader, writer = idle[0]
+        writer.write(b"TP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        # Its place is free again once it has closed.
+        await _until(lambda: len(runner.server.connections) == 1)  # type: ignore[union-attr]
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")
+        idle[1][1].close()
+    finally:
+        await runner.cleanup()
+
+
+def test_the_cap_leaves_the_processs_own_descriptors_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    assert connection_cap(4096, 2) == (1024 - RESERVED_FDS) // 2  # 384 per listener on a 1024 limit
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1_048_576, 1_048_576))
+    assert connection_cap(4096, 2) == 4096
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (100, 100))
+    assert connection_cap(4096, 2) == 1  # a tiny limit still serves one
+
+
+def test_max_connections_is_a_worker_flag_with_its_bounds() -> None:
+    from pydantic import ValidationError
+
+    from kvguard.workers.args import parse_argv
+
+    router = ["--role", "router", "--model", "/m", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert parse_argv(router).max_connections == 4096
+    assert parse_argv([*router, "--max-connections", "10"]).max_connections == 10
+    with pytest.raises(ValidationError, match="max_connections"):
+        parse_argv([*router, "--max-connections", "0"])
