@@ -92,3 +92,14 @@ def test_numbers_longer_than_any_parameter_takes_are_refused() -> None:
         f"the request body's numbers have 8000000 digits, more than {MAX_NUMBER_DIGITS} per value; no parameter takes "
         "a number that long")  # fmt: skip
     assert json_shape_problem(_body(prompt="x", seed=2**64 - 1, stop_token_ids=[2**31 - 1] * 64)) is None
+
+
+def test_commas_inside_strings_do_not_excuse_long_numbers() -> None:
+    """The rough count takes a string's commas for values, so 400,000 of them in `user` let 1,850
+    integers of 4,000 digits (400 digits per value counted outside strings) pass the digits' bound
+    unstripped. Digits are judged against the values outside strings."""
+    big = b'{"model": "m", "prompt": [' + b",".join([b"1" * 4000] * 1850) + b'], "user": "' + b"," * 400_000 + b'"}'
+    assert json_shape_problem(big) == (
+        f"the request body's numbers have 7400000 digits, more than {MAX_NUMBER_DIGITS} per value; no parameter takes "
+        "a number that long")  # fmt: skip
+    assert json_shape_problem(_body(prompt="1, 2, 3, " * 100_000, max_tokens=16, seed=12345)) is None
