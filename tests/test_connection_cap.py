@@ -89,3 +89,29 @@ def test_max_connections_is_a_worker_flag_with_its_bounds() -> None:
     assert parse_argv([*router, "--max-connections", "10"]).max_connections == 10
     with pytest.raises(ValidationError, match="max_connections"):
         parse_argv([*router, "--max-connections", "0"])
+
+
+async def test_a_burst_of_connections_accepted_at_once_stays_within_the_cap() -> None:
+    """The event loop accepts up to the backlog (128) connections in one pass and creates each one's
+    handler before any of them is counted in `server.connections` (connection_made comes a pass
+    later): a burst of 60 at a cap of 5 had all 60 open (an outside review)."""
+    app = web.Application()
+    runner = app_runner(app, 30.0)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+    port = sock.getsockname()[1]
+    site = CappedSockSite(runner, sock, cap=5)
+    await site.start()
+    clients = []
+    try:
+        for _ in range(60):  # connected by the kernel before the loop accepts any of them
+            client = socket.socket()
+            client.setblocking(False)
+            assert client.connect_ex(("127.0.0.1", port)) in (0, 115)  # EINPROGRESS
+            clients.append(client)
+        await _until(lambda: site.refused == 55, timeout=10)
+        assert len(runner.server.connections) == 5  # type: ignore[union-attr]
+    finally:
+        for client in clients:
+            client.close()
+        await runner.cleanup()
