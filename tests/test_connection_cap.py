@@ -5,9 +5,11 @@ EMFILE and another tenant waited 5-10 s. Real listener, real sockets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
 import socket
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -31,7 +33,9 @@ async def _get(port: int) -> bytes:
     return answer
 
 
-async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_served() -> None:
+@contextlib.asynccontextmanager
+async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.AppRunner, int]]:
+    """A listener of at most `cap` connections answering GET / with "ok": (site, runner, port)."""
     app = web.Application()
 
     async def ok(_: web.Request) -> web.Response:
@@ -40,11 +44,17 @@ async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_ser
     app.router.add_get("/", ok)
     runner = app_runner(app, 30.0)
     await runner.setup()
-    sock = socket.create_server(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    site = CappedSockSite(runner, sock, cap=2)
+    sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+    site = CappedSockSite(runner, sock, cap=cap)
     await site.start()
     try:
+        yield site, runner, sock.getsockname()[1]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_served() -> None:
+    async with capped_listener(2) as (site, runner, port):
         # Two slow-header clients take both places (they have sent half a request line).
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for _reader, writer in idle:
@@ -66,8 +76,6 @@ async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_ser
         await _until(lambda: len(runner.server.connections) == 1)  # type: ignore[union-attr]
         assert (await _get(port)).startswith(b"HTTP/1.1 200")
         idle[1][1].close()
-    finally:
-        await runner.cleanup()
 
 
 def test_the_cap_leaves_the_processs_own_descriptors_free(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,23 +103,16 @@ async def test_a_burst_of_connections_accepted_at_once_stays_within_the_cap() ->
     """The event loop accepts up to the backlog (128) connections in one pass and creates each one's
     handler before any of them is counted in `server.connections` (connection_made comes a pass
     later): a burst of 60 at a cap of 5 had all 60 open (an outside review)."""
-    app = web.Application()
-    runner = app_runner(app, 30.0)
-    await runner.setup()
-    sock = socket.create_server(("127.0.0.1", 0), backlog=128)
-    port = sock.getsockname()[1]
-    site = CappedSockSite(runner, sock, cap=5)
-    await site.start()
     clients = []
-    try:
+    async with capped_listener(5) as (site, runner, port):
         for _ in range(60):  # connected by the kernel before the loop accepts any of them
             client = socket.socket()
             client.setblocking(False)
             assert client.connect_ex(("127.0.0.1", port)) in (0, 115)  # EINPROGRESS
             clients.append(client)
-        await _until(lambda: site.refused == 55, timeout=10)
-        assert len(runner.server.connections) == 5  # type: ignore[union-attr]
-    finally:
-        for client in clients:
-            client.close()
-        await runner.cleanup()
+        try:
+            await _until(lambda: site.refused == 55)
+            assert len(runner.server.connections) == 5  # type: ignore[union-attr]
+        finally:
+            for client in clients:
+                client.close()
