@@ -278,8 +278,8 @@ class AbortSpec(_ProbeSpec):
         description="...and within this fraction of the time the aborted request would have needed "
         "to finish on its own (estimated from its streamed chunks), never less than 1 s; an "
         "engine that ignores the abort frees the pages only when the generation ends. A cut whose "
-        "pages come back only after this deadline (but within the timeout) is made once more, and "
-        "fails the probe if that one is late too.",
+        "pages come back only after this deadline (but within the timeout), or in time but after "
+        "1 s, is made once more, and fails the probe if that one is late too.",
     )
     pool_usage_tolerance_tokens: int = Field(
         0, ge=0, description="Used tokens above the baseline still counted as recovered."
