@@ -106,7 +106,14 @@ def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None 
     # none of that set (CanarySpec.for_continuous).
     continuous = canary.continuous.interval_seconds is not None
     isolation_runs = canary.isolation.enabled or (continuous and ProbeName.ISOLATION in canary.for_continuous().enabled_probes())
-    if isolation_runs and long_max > context - LONG_PROMPT_MIN_TOKENS:
+    if isolation_runs and context <= LONG_PROMPT_MIN_TOKENS:
+        # No longRequestMaxTokens fits: naming it (a default the user never wrote) misled a new user.
+        problems.append(
+            f"spec.contextLength: {context:,} leaves no room for the isolation probe's long request (a prompt of "
+            f"at least {LONG_PROMPT_MIN_TOKENS} tokens and one to generate): raise contextLength above "
+            f"{LONG_PROMPT_MIN_TOKENS} or disable spec.canary.isolation"
+        )
+    elif isolation_runs and long_max > context - LONG_PROMPT_MIN_TOKENS:
         problems.append(
             f"spec.canary.isolation.longRequestMaxTokens: {long_max:,} leaves no room for a long request's prompt "
             f"in contextLength {context:,}: at most contextLength - {LONG_PROMPT_MIN_TOKENS} "

@@ -203,14 +203,18 @@ def test_a_model_stored_with_the_older_crds_default_stays_editable_and_is_judged
     assert "spec.canary.capacity.minRatio: 3 is above spec.minKVRatio 1.5" in str(denial(raised) or "")
 
 
-@pytest.mark.parametrize("context", [16, 17])
+@pytest.mark.parametrize("context", [5, 16, 17])
 def test_a_context_too_short_for_the_isolation_probe_is_admitted_only_without_it(context: int) -> None:
     """Its long request needs 16 prompt tokens and its own: at contextLength <= 17 the probe fails a
     healthy engine (a review: a looser `< contextLength` admitted 500 of 512, which failed), so
     the refusal says to turn it off, and off it is admitted. The CRD keeps the looser rule, which
-    every stored model passes."""
+    every stored model passes. At 16 or less no longRequestMaxTokens fits, so the refusal names
+    contextLength, not the default the user never wrote (a new user's report)."""
     body = set_path(tiny_model(), "spec.contextLength", context)
-    assert "or disable spec.canary.isolation" in str(denial(body) or "")
+    refusal = str(denial(body) or "")
+    assert "or disable spec.canary.isolation" in refusal
+    named = "spec.contextLength: " if context <= 16 else "spec.canary.isolation.longRequestMaxTokens: "
+    assert named in refusal and ("longRequestMaxTokens" in refusal) == (context > 16), refusal
     assert crd_rejections(body) == []
     assert denial(set_path(body, "spec.canary.isolation", {"enabled": False})) is None
 
