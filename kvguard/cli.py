@@ -51,23 +51,33 @@ def version() -> str:
 class _Parser(argparse.ArgumentParser):
     """kvguard's parser: an argument no command knows is refused by that command's parser, with
     its usage (`kvguard serve: error: unrecognized arguments: --kv-pool-tokns 4096`), as a bad
-    value is; argparse's own top-level refusal named neither (a new user's report)."""
+    value is; argparse's own top-level refusal named neither (a new user's report). Commands of
+    commands (`kvguard model tiny`) are followed down to the innermost one named."""
 
-    command_parsers: Mapping[str, argparse.ArgumentParser] = {}  # set by build_parser
+    command_parsers: Mapping[str, argparse.ArgumentParser] = {}
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        action = super().add_subparsers(**kwargs)
+        self.command_parsers = action.choices
+        return action
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
-            owner = self.command_parsers.get(getattr(parsed, "command", None) or "", self)
-            owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+            self._named_by(sys.argv[1:] if args is None else args).error(f"unrecognized arguments: {' '.join(unknown)}")
         return parsed
+
+    def _named_by(self, words: Sequence[str]) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self
+        for word in words:
+            parser = getattr(parser, "command_parsers", {}).get(word, parser)
+        return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvguard", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvguard {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    parser.command_parsers = subparsers.choices
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"kvguard.commands.{name}")

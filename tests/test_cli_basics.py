@@ -204,6 +204,7 @@ def test_crds_with_an_empty_output_folder_writes_nothing(tmp_path: Path) -> None
     (["serve", "--model", "m", "--kv-pool-tokns", "4096"], "serve"),
     (["plan", "-f", "examples/tiny-cpu.yaml", "--contxt-length", "5"], "plan"),
     (["canary", "--url", "http://127.0.0.1:1", "--metric-url", "x"], "canary"),
+    (["model", "tiny", "/tmp/unused", "--bogus", "1"], "model tiny"),  # a command's command: the innermost
 ])
 def test_a_mistyped_flag_is_refused_by_its_command_with_that_commands_usage(
     argv: list[str], command: str, capsys: pytest.CaptureFixture[str]
