@@ -503,7 +503,7 @@ def test_connections_over_max_connections_get_a_503_and_the_router_keeps_serving
     its accept loop; another tenant waited 5-10 s). A router with --max-connections 3: three
     half-sent requests hold its places, a fourth connection is told 503 and closed, and once one of
     them goes a request is served again."""
-    with second_router(trio, tiny_model_dir, max_connections=3) as api_base:
+    with second_router(trio, tiny_model_dir, max_connections=3, header_timeout=600) as api_base:  # holders outlive the test
         base = api_base.removesuffix("/v1")
         holders = [_connect(base) for _ in range(3)]
         try:

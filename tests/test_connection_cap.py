@@ -78,6 +78,27 @@ async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_ser
         idle[1][1].close()
 
 
+async def test_a_refused_client_whose_request_arrived_first_still_reads_the_503() -> None:
+    """A CI run under load: closed with the client's request unread, the kernel reset the
+    connection and the client lost the 503 (requests raised ConnectionError). The request here is
+    in the server's socket before the loop accepts the connection."""
+    async with capped_listener(1) as (site, runner, port):
+        _reader, holder = await asyncio.open_connection("127.0.0.1", port)
+        holder.write(b"GET / HT")
+        await _until(lambda: len(runner.server.connections) == 1)  # type: ignore[union-attr]
+        client = socket.create_connection(("127.0.0.1", port))  # the kernel accepts; the loop has not
+        client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n" + b"x" * 65536)
+        client.setblocking(False)
+        answer = b""
+        loop = asyncio.get_running_loop()
+        while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), timeout=30):
+            answer += chunk
+        client.close()
+        holder.close()
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer, answer[:200]
+        assert site.refused == 1
+
+
 def test_the_cap_leaves_the_processs_own_descriptors_free(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
     assert connection_cap(4096, 2) == (1024 - RESERVED_FDS) // 2  # 384 per listener on a 1024 limit

@@ -111,8 +111,12 @@ def test_ctrl_c_during_a_setup_step_is_one_line_and_130_and_stops_its_command(tm
     started = tmp_path / "started"
     child = (f"import os, pathlib, time; pathlib.Path({str(started)!r}).write_text(str(os.getpid()));"
              "print('working', flush=True); time.sleep(600)")
+    # SIGINT as a terminal's foreground job has it: an xdist worker in which a command ran
+    # in-process and was interrupted ignores it from then on (interrupts.stop_signals_as_one_interrupt),
+    # and children inherit an ignored signal (CI: the step slept on through the SIGINT).
     step = subprocess.Popen([sys.executable, str(SETUP_STEP), "4/7", "pip", "--", sys.executable, "-c", child],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert step.stdout is not None
     assert [step.stdout.readline() for _ in range(3)][2].strip() == "working"  # the command runs
     step.send_signal(signal.SIGINT)  # only to the script: it must stop its command itself

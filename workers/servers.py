@@ -239,6 +239,7 @@ class CappedSockSite(web.SockSite):
         self.cap = cap
         self.refused = 0
         self._unmade = 0  # handed out since the loop last ran its callbacks: not yet in server.connections
+        self.lingering = 0  # refused connections reading what their clients still send (_RefusedConnection)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner; SockSite.start would serve uncapped
@@ -259,17 +260,53 @@ class CappedSockSite(web.SockSite):
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a flood is told, not logged per connection
             log.warning("%d connection(s) refused: %d open, the cap (--max-connections or the open-file limit)", self.refused, self.cap)
-        return _RefusedConnection()
+        return _RefusedConnection(self)
 
     def _made(self) -> None:
         self._unmade = 0  # their connection_made callbacks come right after this one
 
 
+REFUSED_LINGER_S = 1.0
+"""How long a refused connection is kept to read what its client sends after the 503."""
+MAX_LINGERING = 32
+"""Refused connections lingering at once per listener: taken from RESERVED_FDS, so a flood of
+them cannot take the descriptors the process needs for its own calls."""
+
+
 class _RefusedConnection(asyncio.Protocol):
+    """Writes the 503, shuts its side, and reads (discarding) until the client closes, for at most
+    REFUSED_LINGER_S: closed at once with the request unread, the kernel resets the connection,
+    and a client whose request arrived before the 503 lost it to the reset (a CI run under load).
+    Past MAX_LINGERING of them at once on the listener, one is closed at once."""
+
+    def __init__(self, site: CappedSockSite) -> None:
+        self.site = site
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
         transport.write(REFUSED_CONNECTION)
-        transport.close()  # after the write is flushed
+        if self.site.lingering >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()  # after the write is flushed
+            return
+        self.site.lingering += 1
+        transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # read and dropped: the client learns from the 503 it already has
+
+    def eof_received(self) -> bool:
+        assert self.transport is not None
+        self.transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.site.lingering -= 1
 
 
 def watch_lifeline(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
