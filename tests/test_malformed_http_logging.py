@@ -9,9 +9,9 @@ import contextlib
 import logging
 
 import pytest
-from aiohttp import web
+from test_connection_cap import capped_listener
 
-from kvguard.workers.servers import app_runner, quiet_malformed_requests
+from kvguard.workers.servers import quiet_malformed_requests
 
 MALFORMED = [
     b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",  # a header over aiohttp's 8190 bytes
@@ -31,25 +31,13 @@ async def _answer(port: int, raw: bytes) -> bytes:
 
 async def test_malformed_requests_get_a_400_and_leave_no_error_log(caplog: pytest.LogCaptureFixture) -> None:
     quiet_malformed_requests()
-    app = web.Application()
-    async def ok(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app.router.add_get("/", ok)
-    runner = app_runner(app, 30.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with capped_listener(64) as (_site, _runner, port):  # the listener every worker serves on
         with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
             for raw in MALFORMED:
                 answer = await _answer(port, raw)
                 assert b" 400 " in answer.split(b"\r\n", 1)[0], (raw[:40], answer[:80])
             assert (await _answer(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200")
         assert not [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_client_gone_while_a_chunk_is_written_is_a_disconnect_not_a_logged_bug(caplog: pytest.LogCaptureFixture) -> None:
