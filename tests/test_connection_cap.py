@@ -13,15 +13,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from waiting import until
 
 from kvguard.workers.servers import RESERVED_FDS, CappedSockSite, app_runner, connection_cap
-
-
-async def _until(condition: object, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def _get(port: int) -> bytes:
@@ -60,7 +54,7 @@ async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_ser
         for _reader, writer in idle:
             writer.write(b"GET / HT")
             await writer.drain()
-        await _until(lambda: len(runner.server.connections) == 2)  # type: ignore[union-attr]
+        await until(lambda: len(runner.server.connections) == 2, "both slow clients held")  # type: ignore[union-attr]
         refused = await _get(port)
         head, body = refused.split(b"\r\n\r\n", 1)
         assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in head, head
@@ -73,7 +67,7 @@ async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_ser
         assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
         writer.close()
         # Its place is free again once it has closed.
-        await _until(lambda: len(runner.server.connections) == 1)  # type: ignore[union-attr]
+        await until(lambda: len(runner.server.connections) == 1, "one connection held")  # type: ignore[union-attr]
         assert (await _get(port)).startswith(b"HTTP/1.1 200")
         idle[1][1].close()
 
@@ -85,7 +79,7 @@ async def test_a_refused_client_whose_request_arrived_first_still_reads_the_503(
     async with capped_listener(1) as (site, runner, port):
         _reader, holder = await asyncio.open_connection("127.0.0.1", port)
         holder.write(b"GET / HT")
-        await _until(lambda: len(runner.server.connections) == 1)  # type: ignore[union-attr]
+        await until(lambda: len(runner.server.connections) == 1, "one connection held")  # type: ignore[union-attr]
         client = socket.create_connection(("127.0.0.1", port))  # the kernel accepts; the loop has not
         client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n" + b"x" * 65536)
         client.setblocking(False)
@@ -132,7 +126,7 @@ async def test_a_burst_of_connections_accepted_at_once_stays_within_the_cap() ->
             assert client.connect_ex(("127.0.0.1", port)) in (0, 115)  # EINPROGRESS
             clients.append(client)
         try:
-            await _until(lambda: site.refused == 55)
+            await until(lambda: site.refused == 55, "55 of the burst refused")
             assert len(runner.server.connections) == 5  # type: ignore[union-attr]
         finally:
             for client in clients:

@@ -109,8 +109,8 @@ def test_a_failed_setup_step_exits_with_its_command_status() -> None:
 def test_ctrl_c_during_a_setup_step_is_one_line_and_130_and_stops_its_command(tmp_path: Path) -> None:
     """A new user's report: Ctrl-C during `make demo`'s install printed a KeyboardInterrupt traceback."""
     started = tmp_path / "started"
-    child = (f"import os, pathlib, time; pathlib.Path({str(started)!r}).write_text(str(os.getpid()));"
-             "print('working', flush=True); time.sleep(600)")
+    child = (f"import os, pathlib, signal; pathlib.Path({str(started)!r}).write_text(str(os.getpid()));"
+             "print('working', flush=True); signal.pause()")
     # SIGINT as a terminal's foreground job has it: an xdist worker in which a command ran
     # in-process and was interrupted ignores it from then on (interrupts.stop_signals_as_one_interrupt),
     # and children inherit an ignored signal (CI: the step slept on through the SIGINT).

@@ -296,7 +296,7 @@ class _RefusedConnection(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.abort)
 
     def data_received(self, data: bytes) -> None:
-        pass  # read and dropped: the client learns from the 503 it already has
+        del data  # read and dropped: the client learns from the 503 it already has
 
     def eof_received(self) -> bool:
         assert self.transport is not None
