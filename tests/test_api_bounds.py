@@ -502,9 +502,10 @@ def test_connections_over_max_connections_get_a_503_and_the_router_keeps_serving
 ) -> None:
     """An outside probe: 19,990 slow-header connections filled the router's descriptors (EMFILE in
     its accept loop; another tenant waited 5-10 s). A router with --max-connections 3: three
-    kept-alive connections hold its places, a fourth connection is told 503, and once one of them
-    goes a request is served again."""
-    with second_router(trio, tiny_model_dir, max_connections=3, header_timeout=600) as api_base:  # holders outlive the test
+    kept-alive connections hold its places, a fourth connection is told 503 and counted in
+    `kvguard_refused_connections_total` (the listener's open connections beside it), and once one
+    of them goes a request is served again."""
+    with second_router_urls(trio, tiny_model_dir, max_connections=3, header_timeout=600) as (api_base, metrics_url):
         host, port = api_base.removesuffix("/v1").removeprefix("http://").split(":")
 
         def holder() -> http.client.HTTPConnection | None:
@@ -524,6 +525,9 @@ def test_connections_over_max_connections_get_a_503_and_the_router_keeps_serving
         try:
             refused = requests.post(f"{api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections", refused.text
+            assert metric_at(metrics_url, "kvguard_refused_connections_total", listener="main") >= 1
+            assert metric_at(metrics_url, "kvguard_open_connections", listener="main") == 3
+            assert metric_at(metrics_url, "kvguard_refused_connections_total", listener="metrics") == 0
         finally:
             for connection in holders[1:]:
                 connection.close()

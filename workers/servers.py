@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from aiohttp import hdrs, web
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, LIFELINE_FD_ENV, WorkerArgs
 from kvguard.workers.faults import Faults, FaultSpecError, active_faults
@@ -74,7 +77,7 @@ def run_worker(args: WorkerArgs) -> int:
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve([(served.main, listeners.main), (served.metrics, listeners.metrics)], header_timeout_s=args.header_timeout,
-                      drain=served.drain, max_connections=args.max_connections))  # fmt: skip
+                      drain=served.drain, max_connections=args.max_connections, registry=served.registry))  # fmt: skip
     return 0
 
 
@@ -84,6 +87,7 @@ class Served(NamedTuple):
     main: web.Application
     metrics: web.Application
     drain: Drain
+    registry: CollectorRegistry  # what /metrics serves: the listeners' connection counts join it (ListenerMetrics)
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -170,11 +174,13 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
 
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0,
-                drain: Drain | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:  # fmt: skip
+                drain: Drain | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                registry: CollectorRegistry | None = None) -> None:  # fmt: skip
     """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
     On SIGTERM, `drain` (if any) runs first: the requests held are finished (see Drain). Each
     listener keeps at most `max_connections` open (CappedSockSite), fewer if the open-file limit
-    would not hold them all."""
+    would not hold them all. With a `registry`, the listeners' open and refused connections are
+    in it (ListenerMetrics; the first pair is the `main` listener, the second `metrics`)."""
     quiet_malformed_requests()
     stop = asyncio.Event()
     received: list[int] = []
@@ -190,6 +196,10 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     runners: list[web.AppRunner] = []
     main_site: web.BaseSite | None = None
     cap = connection_cap(max_connections, len(sites))
+    capped: list[CappedSockSite] = []
+    listener_metrics = ListenerMetrics(capped)
+    if registry is not None:
+        registry.register(listener_metrics)
     try:
         for app, sock in sites:
             runner = app_runner(app, header_timeout_s)
@@ -197,6 +207,7 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
             runners.append(runner)
             site = CappedSockSite(runner, sock, cap)
             await site.start()
+            capped.append(site)
             main_site = main_site or site
             log.info("listening on %s:%s", *sock.getsockname()[:2])
         await stop.wait()
@@ -206,6 +217,8 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+        if registry is not None:
+            registry.unregister(listener_metrics)
 
 
 RESERVED_FDS = 256
@@ -264,6 +277,33 @@ class CappedSockSite(web.SockSite):
 
     def _made(self) -> None:
         self._unmade = 0  # their connection_made callbacks come right after this one
+
+    def open_connections(self) -> int:
+        server = self._runner.server
+        return 0 if server is None else len(server.connections)
+
+
+LISTENER_NAMES = ("main", "metrics")
+
+
+class ListenerMetrics(Collector):
+    """Each listener's open connections and the connections it refused at its cap, read from the
+    sites when scraped. Why metered, not only logged: the log says so at 1, 2, 4, ... refusals, and
+    an operator's alert needs the rate (a cap too low for the traffic, or a flood of idle clients)."""
+
+    def __init__(self, sites: Sequence[CappedSockSite]) -> None:
+        self.sites = sites
+
+    def collect(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        refused = CounterMetricFamily("kvguard_refused_connections", "Connections answered 503 too_many_connections and "
+                                      "closed, because the listener held its cap (--max-connections or the open-file limit)",
+                                      labels=["listener"])  # fmt: skip
+        open_now = GaugeMetricFamily("kvguard_open_connections", "Connections the listener holds open now",
+                                     labels=["listener"])  # fmt: skip
+        for name, site in zip(LISTENER_NAMES, self.sites, strict=False):
+            refused.add_metric([name], site.refused)
+            open_now.add_metric([name], site.open_connections())
+        return [refused, open_now]
 
 
 REFUSED_LINGER_S = 1.0
@@ -365,7 +405,7 @@ def build_router(args: WorkerArgs, faults: Faults) -> Served:
     router = Router(config, tokenizer, RevisionKeys.from_env())
     drain = Drain(idle=lambda: router.in_flight == 0, stop_accepting=True, begin=router.start_draining,
                   expire=router.end_in_flight, grace_s=args.drain_timeout)  # fmt: skip
-    return Served(router.app(), router.metrics_app(), drain)
+    return Served(router.app(), router.metrics_app(), drain, router.metrics.registry)
 
 
 def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) -> Served:
@@ -448,7 +488,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
     drain = Drain(idle=lambda: not runtime.jobs.by_id, begin=close_connections_once_draining(app), grace_s=args.drain_timeout)
-    return Served(app, runtime.metrics_app(), drain)
+    return Served(app, runtime.metrics_app(), drain, runtime.registry)
 
 
 def close_connections_once_draining(app: web.Application) -> Callable[[], None]:

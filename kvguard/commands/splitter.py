@@ -47,5 +47,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvguard splitter: {flag} {port}: cannot listen on {args.host}:{port}: {exc.strerror or exc}", file=sys.stderr)
             return 2
     splitter = Splitter(SplitterConfig(table_path=args.table))
-    asyncio.run(serve([(splitter.app(), sockets[0]), (splitter.metrics_app(), sockets[1])]))
+    asyncio.run(serve([(splitter.app(), sockets[0]), (splitter.metrics_app(), sockets[1])], registry=splitter.registry))
     return 0
