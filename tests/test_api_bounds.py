@@ -386,6 +386,21 @@ def test_an_assistant_turn_with_tool_calls_and_null_content_names_the_tool_calls
     assert error["code"] == "unsupported_parameter"
 
 
+def test_an_assistant_turn_without_content_is_rendered_empty_and_a_users_is_required(trio: LocalDeployment, model: str) -> None:
+    """An outside probe: OpenAI's schema makes an assistant message's content optional (vLLM renders
+    it empty); it was refused, so a hand-built or imported conversation failed. A user's is required."""
+    for assistant in ({"role": "assistant", "content": None}, {"role": "assistant"}):
+        messages = [{"role": "user", "content": "hi"}, assistant, {"role": "user", "content": "x"}]
+        answer = post(trio, {"model": model, "messages": messages, "max_tokens": 2}, "chat/completions")
+        assert answer.status_code == 200, answer.text
+    empty = post(trio, {"model": model, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                                                     {"role": "user", "content": "x"}], "max_tokens": 2}, "chat/completions")  # fmt: skip
+    assert answer.json()["usage"]["prompt_tokens"] == empty.json()["usage"]["prompt_tokens"]  # the same rendering as ""
+    error = assert_openai_error(post(trio, {"model": model, "messages": [{"role": "user", "content": None}], "max_tokens": 2},
+                                     "chat/completions"), 400, "messages[0].content")  # fmt: skip
+    assert error["code"] == "missing_required_parameter"
+
+
 def test_an_empty_list_of_content_parts_is_an_empty_array(trio: LocalDeployment, model: str) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": []}], "max_tokens": 2}
     assert assert_openai_error(post(trio, body, "chat/completions"), 400, "messages[0].content")["code"] == "empty_array"

@@ -333,6 +333,8 @@ class ChatMessage(_Strict):
         return content
 
     def text(self) -> str:
+        if self.content is None:  # an assistant turn without content (OpenAI's schema allows it): rendered empty
+            return ""
         if isinstance(self.content, str):
             return self.content
         assert isinstance(self.content, list)
@@ -362,7 +364,7 @@ def _messages_supported(messages: list[ChatMessage]) -> None:
                 raise _refuse(f"messages[{i}].{field}", "only text messages are supported")
         if message.annotations not in (None, []):  # an assistant turn passed back as the client dumps it has null
             raise _refuse(f"messages[{i}].annotations", "annotations (url citations) are response-only and not read back")
-        if message.content is None:
+        if message.content is None and message.role != "assistant":  # an assistant's may be null (vLLM: empty)
             raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content", code="missing_required_parameter")
 
 
