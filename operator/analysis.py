@@ -265,7 +265,8 @@ def _safety(window: Window, failures: int, at: str) -> AnalysisResult:
 
 def _too_few(requests: float, min_requests: int) -> str:
     """One text for every router check short of requests (the hold message names it once)."""
-    return f"{requests:g} candidate requests ended, {min_requests} needed (spec.rollout.analysis.minRequests)"
+    return (f"{requests:g} candidate requests ended, {min_requests} needed (spec.rollout.analysis.minRequests): "
+            "the step is judged on live traffic and waits for it")  # a rollout with no clients holds here (outside probe)
 
 
 def _error_ratio(spec: AnalysisSpec, window: Window, requests: float, failures: int, at: str) -> AnalysisResult:

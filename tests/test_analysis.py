@@ -132,7 +132,8 @@ def test_too_few_requests_are_inconclusive() -> None:
     stable.serve(100)
     m = measured(candidate, stable)
     assert m.verdict == "inconclusive" and by_name(m)["errorRatio"].phase == "Inconclusive"
-    assert m.message == "3 candidate requests ended, 10 needed (spec.rollout.analysis.minRequests)"  # said once, not per check
+    assert m.message == ("3 candidate requests ended, 10 needed (spec.rollout.analysis.minRequests): "
+                         "the step is judged on live traffic and waits for it")  # said once, not per check
 
 
 def test_a_request_counts_once_though_router_and_engines_all_count_it() -> None:

@@ -24,7 +24,7 @@ import pytest
 import requests
 import yaml
 
-from kvguard.commands.apply import EXIT_CODES
+from kvguard.commands.apply import EXIT_CODES, _print_result
 from kvguard.operator.canary.report import CanaryReport
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +60,28 @@ def test_the_exit_codes_are_one_table_in_code_help_and_readme() -> None:
         {apply.EXIT_OK, apply.EXIT_ERROR, apply.EXIT_BAD_INPUT, apply.EXIT_BLOCKED, apply.EXIT_ROLLED_BACK,
          apply.EXIT_PAUSED, apply.EXIT_INTERRUPTED}
     )  # fmt: skip
+
+
+def test_a_rollback_after_a_passed_canary_says_the_canary_passed_without_its_probe_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside probe: a candidate rolled back by the live analysis printed "canary of X: PASS"
+    and the whole probe table, read as a contradiction. The table is for a canary that failed."""
+    from types import SimpleNamespace
+
+    from kvguard.operator.rollout import RolloutState
+
+    passed = CanaryReport.model_validate({"verdict": "pass", "reason": "7 probe(s) passed", "target": {"url": "http://x"},
+                                          "started_at": "2026-12-07T00:00:00Z"})  # fmt: skip
+    result = SimpleNamespace(state=RolloutState.ROLLED_BACK, revision="cand", stable="old", roles_out_of_rotation=(),
+                             status=SimpleNamespace(message="analysis failed at 10%: errorRatio 5 of 5"),
+                             canary_reports={"cand": passed}, front_door_problem=None, serving_url="http://old")  # fmt: skip
+    _print_result(result, tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert "message: analysis failed at 10%: errorRatio 5 of 5" in out
+    assert "canary of cand: PASS; the rollback came after it (message above)" in out
+    assert not any(line.split()[:1] == ["PROBE"] for line in out), out
+    assert out[-1] == "serving: http://old"
 
 
 def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:

@@ -172,6 +172,7 @@ def exit_code(result: Any) -> int:
 
 
 def _print_result(result: Any, state_dir: Path) -> None:
+    from kvguard.operator.canary.report import Verdict
     from kvguard.operator.rollout import RolloutState
 
     print(f"state: {result.state.value}  revision: {result.revision}  stable: {result.stable or '-'}")
@@ -185,6 +186,8 @@ def _print_result(result: Any, state_dir: Path) -> None:
     if result.state == RolloutState.ROLLED_BACK:
         if report is None:
             print(f"canary: no report for {result.revision}: the rollout failed before the canary ran")
+        elif report.verdict == Verdict.PASS:  # the rollback came later (analysis, readiness): the message says why
+            print(f"canary of {result.revision}: PASS; the rollback came after it (message above)")
         else:
             from kvguard.commands.canary import print_probe_table
 
