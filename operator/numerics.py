@@ -33,7 +33,10 @@ class NumericsChange:
     fields: tuple[str, ...]
     """The spec fields that changed, for people (e.g. `spec.kvCacheDtype: auto -> fp8`)."""
     other_model: bool
-    """The model itself changed (or cannot be told apart): the baseline is no reference at all."""
+    """The model itself changed (or cannot be told apart): the baseline's outputs are no reference."""
+    opaque: bool = False
+    """It cannot be told apart: one fingerprint is an older operator's opaque hash. The baseline may
+    still serve the same model, so the isolation probe keeps judging by it (rollout._run_canary)."""
 
 
 def numerics_change(candidate: str | None, baseline: str | None) -> NumericsChange | None:
@@ -42,7 +45,7 @@ def numerics_change(candidate: str | None, baseline: str | None) -> NumericsChan
         return None
     new, old = parse_numerics(candidate), parse_numerics(baseline)
     if new is None or old is None:  # an opaque fingerprint from before the parts existed
-        return NumericsChange(("the output fingerprint (recorded by an older operator)",), other_model=True)
+        return NumericsChange(("the output fingerprint (recorded by an older operator)",), other_model=True, opaque=True)
     fields = []
     for part in sorted(new.keys() | old.keys()):
         if new.get(part) != old.get(part):

@@ -130,7 +130,12 @@ REQUEUE_SECONDS = 5.0
 IN_FLIGHT = (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING, RolloutState.CANARY_VERIFYING)
 
 Scale = Literal["canary", "full"]
-BaselineMatch = Literal["exact", "tolerant", "none"]
+BaselineMatch = Literal["exact", "tolerant", "none", "unknown"]
+"""How the canary may use the stable's outputs (backends.base._start_canary): `exact` the same
+model and numerics; `tolerant` the same model, other numerics (logprobs); `none` another model (no
+reference at all); `unknown` an older operator's fingerprint, so the model may be the same: no
+golden comparison (it could be another model), but the isolation probe still judges two tenants'
+identical answers by it (a leak shipped is worse than a healthy revision retried)."""
 """Replicas a revision runs at: canary while verified, full once it is (or is about to be) serving."""
 
 
@@ -907,7 +912,7 @@ class _Step:
         if baseline is not None and change is not None:
             fields = "; ".join(change.fields)
             if change.other_model:
-                match = "none"
+                match = "unknown" if change.opaque else "none"
                 self.event("Normal", "BaselineOutputsNotCompared",
                            f"revision {self.candidate} serves another model than {baseline} ({fields}): the golden probe "
                            f"checks expected text, not {baseline}'s outputs")  # fmt: skip

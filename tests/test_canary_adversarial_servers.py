@@ -397,13 +397,12 @@ async def test_tenants_served_each_others_cached_answer_fail_against_a_baseline(
         other = result(await run_suite(leaky.url, tolerant, baseline_url=healthy.url, metrics_urls=[leaky.metrics_url]),
                        ProbeName.ISOLATION)  # fmt: skip
         assert any("same numerics (baselineMatch exact)" in getattr(e, "message", "") for e in other.evidence), other.reason
-        # Another model (compareBaseline off, as the operator runs a weights change) answers differently
-        # too: a new model that answers two tenants alike by chance was rolled back (e2e, under load).
-        another = spec(isolation={"tenants": 3}, golden={"compareBaseline": False}).only([ProbeName.ISOLATION])
-        other_model = result(await run_suite(leaky.url, another, baseline_url=healthy.url, metrics_urls=[leaky.metrics_url]),
-                             ProbeName.ISOLATION)  # fmt: skip
-        assert other_model.status != ProbeStatus.FAIL or "baseline answers differently" not in other_model.reason, other_model.reason
-        assert any("same model (compareBaseline)" in getattr(e, "message", "") for e in other_model.evidence), other_model.reason
+        # compareBaseline is golden's: turned off (by a user, or by the operator for an older operator's
+        # fingerprint), the leak still fails here (a review: judged it a note, this leak passed the canary).
+        unused = spec(isolation={"tenants": 3}, golden={"compareBaseline": False}).only([ProbeName.ISOLATION])
+        still = result(await run_suite(leaky.url, unused, baseline_url=healthy.url, metrics_urls=[leaky.metrics_url]),
+                       ProbeName.ISOLATION)  # fmt: skip
+        assert still.status == ProbeStatus.FAIL and "which the baseline answers differently" in still.reason, still.reason
 
 
 async def test_a_collision_on_one_endpoint_only_fails_against_a_baseline() -> None:

@@ -320,10 +320,14 @@ async def _start_canary(
 ) -> None:
     if run.baseline_match == "tolerant":  # the same model, other numerics: by logprobs, not text
         spec = spec.for_changed_numerics()
-    elif run.baseline_match == "none":  # another model: the stable's outputs are no reference
+    elif run.baseline_match in ("none", "unknown"):  # (perhaps) another model: its text is no golden reference
         spec = spec.model_copy(update={"golden": spec.golden.model_copy(update={"compare_baseline": False})})
     target = await backend.endpoints(model, run.revision)
-    baseline = await backend.endpoints(model, run.baseline) if run.baseline else None
+    # Another model for sure: no baseline at all. The isolation probe would otherwise judge two
+    # tenants who got the same answer alone by the old model's answers (e2e: a healthy weights
+    # change rolled back); without one it notes them. `unknown` keeps it (RolloutState docs).
+    compared = run.baseline is not None and run.baseline_match != "none"
+    baseline = await backend.endpoints(model, run.baseline) if compared and run.baseline else None
     if target.router_url is None:
         log.warning("canary of %s/%s revision %s: no router URL yet", *model.key, run.revision)
         return

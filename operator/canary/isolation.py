@@ -307,13 +307,12 @@ class IsolationProbe(Probe):
                 if solos[i].ok and solos[j].ok and solos[i].text and solos[i].text == solos[j].text]  # fmt: skip
         if not same:
             return
-        golden = ctx.spec.golden
-        # Another model (compareBaseline off: the operator's choice when the weights change) or other
-        # numerics (baselineMatch tolerant) answers differently anyway: its answers tell nothing here
-        # (e2e: a weights change rolled back when the new model answered two tenants alike by chance).
-        if ctx.baseline is None or not golden.compare_baseline or golden.baseline_match != "exact":
-            why = ("a baseline" if ctx.baseline is None else "a baseline serving the same model (compareBaseline)"
-                   if not golden.compare_baseline else "a baseline with the same numerics (baselineMatch exact)")  # fmt: skip
+        # A baseline with other numerics answers differently anyway. One that serves another model is
+        # not given at all (the operator drops it: backends.base._start_canary). `compareBaseline`
+        # is golden's alone: off, this check still judges by the baseline, as a leak must not pass
+        # because a user (or an older operator's fingerprint) turned golden's comparison off.
+        if ctx.baseline is None or ctx.spec.golden.baseline_match != "exact":
+            why = "a baseline" if ctx.baseline is None else "a baseline with the same numerics (baselineMatch exact)"
             pairs = ", ".join(f"{i + 1} and {j + 1}" for i, j in same)
             if any(f"tenants {pairs} got the same answer alone" in getattr(e, "message", "") for e in evidence):
                 return  # said once (the answers alone are cached: each round sees the same ones)
