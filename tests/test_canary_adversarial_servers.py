@@ -275,6 +275,23 @@ async def test_a_huge_advertised_context_is_ignored_with_a_note(server: RunningS
     assert any("99999999999" in note and "ignored" in note for note in report.target.context_notes)
 
 
+async def test_a_server_that_silently_cuts_prompts_below_its_advertised_context_fails_isolation() -> None:
+    """An outside probe: a server that advertised 4096 tokens, kept 2048 of a longer prompt and
+    answered 200 passed every probe (over-length tests just past 4096, which it refused; every
+    answer was its own). Its usage said so: the longer long request's prompt_tokens stopped
+    growing. An honest server, the same in all else, passes."""
+    canary = spec().only([ProbeName.ISOLATION, ProbeName.OVER_LENGTH])
+    with RunningServer(Behaviour(context_length=1024, truncate_prompts_at=400, metrics_style="none")) as cutting, \
+            RunningServer(Behaviour(context_length=1024, metrics_style="none")) as honest:  # fmt: skip
+        report = await run_suite(cutting.url, canary)
+        isolation = result(report, ProbeName.ISOLATION)
+        assert isolation.status == ProbeStatus.FAIL, isolation.reason
+        assert "usage.prompt_tokens is 400" in isolation.reason and "the server cut the prompt" in isolation.reason
+        assert result(report, ProbeName.OVER_LENGTH).status == ProbeStatus.PASS  # it refuses past what it advertises
+        fair = await run_suite(honest.url, canary)
+        assert fair.verdict == Verdict.PASS, fair.reason
+
+
 async def test_run_suite_refuses_a_huge_configured_context(server: RunningServer) -> None:
     report = await run_suite(server.url, spec(), context_length=99_999_999_999)
     assert report.verdict == Verdict.CANNOT_RUN and "outside" in report.reason

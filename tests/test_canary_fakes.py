@@ -85,6 +85,9 @@ class Behaviour:
     # (None: only the first token, as a crossed decode batch after prefill).
     cross_after: float | None = None
     constant_text: str | None = None  # every prompt gets this answer (a server ignoring its prompt)
+    # Prompts over this many tokens keep only their last ones, answered 200 with usage counting what
+    # was kept (a server serving less context than it advertises, truncating silently).
+    truncate_prompts_at: int | None = None
     # Answers cached by the prompt's first N characters: prompts sharing them get the first one's
     # answer (a prefix-cache hash collision).
     prefix_cache_chars: int | None = None
@@ -236,6 +239,9 @@ class FakeEngine:
             if stream and self.b.stream_error_frame_over_length:
                 return await self._stream_error_frame(request, message)
             return self.error_response(400, message, "context_length_exceeded")
+        if self.b.truncate_prompts_at is not None and prompt_tokens > self.b.truncate_prompts_at:
+            prompt = " ".join(prompt.split()[-self.b.truncate_prompts_at:])
+            prompt_tokens = self.b.truncate_prompts_at
         if self.b.bump_tag_violations:
             self._violations.inc()
         sampled = body.get("temperature") is None or float(body["temperature"]) > 0

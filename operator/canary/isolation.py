@@ -97,13 +97,16 @@ class IsolationProbe(Probe):
         evidence: list[Evidence] = []
         channels = await self._channels(ctx, Channel(ctx.spec.api, False, reference, main=True), evidence)
         sizes: list[int] = []
+        longs: list[tuple[int, Completion]] = []
         first_long: tuple[str, Completion] | None = None
         for round_index, fraction in enumerate(spec.long_request_fractions):
             if problems and ctx.spec.stop_on_failure:
                 break
             words, prompt_a, a = await self._long_round(ctx, round_index, fraction, channels, problems, evidence)
             sizes.append(words)
+            longs.append((words, a))
             first_long = first_long or (prompt_a, a)
+        check_prompts_counted(longs, problems, evidence)
         if first_long is not None and not (problems and ctx.spec.stop_on_failure):
             await self._long_again(ctx, *first_long, problems, evidence)
         if spec.tenants and not (problems and ctx.spec.stop_on_failure):
@@ -568,6 +571,36 @@ def check_choice(choice: Completion, alone: str, others: Sequence[str], problems
         return
     evidence.append(Note(message=f"{choice.label}: differs from the prompt's answer alone after {kept} characters, and is "
                                  "no other prompt's answer heard (a batch of n may break a near tie differently)"))  # fmt: skip
+
+
+PROMPT_GROWTH_MIN = 0.8
+"""How much of the growth in usage.prompt_tokens that two long requests' word counts predict must
+be reported: filler text tokenizes about linearly, so the difference of two counts is the template's
+tokens apart and stays within a few percent of the prediction on any tokenizer."""
+PROMPT_GROWTH_MIN_WORDS = 200
+"""Long requests closer than this in words are not compared: over fewer words, a byte-level
+tokenizer's count varies with the words drawn (and a nonce's share) by more than the margin."""
+
+
+def check_prompts_counted(longs: Sequence[tuple[int, Completion]], problems: list[str], evidence: list[Evidence]) -> None:
+    """The longest long request's usage.prompt_tokens must have grown from the shortest's as their
+    words predict. A server that advertises more context than it serves and cuts a longer prompt to
+    what it holds, answering 200, reports a count that stops growing at its real limit; every
+    answer is then its own, so nothing else here sees it (an outside probe: a server that said 4096
+    tokens and kept 2048 passed every probe)."""
+    counted = sorted(((w, a) for w, a in longs if a.ok and a.prompt_tokens), key=lambda pair: pair[0])
+    if len(counted) < 2 or counted[-1][0] - counted[0][0] < PROMPT_GROWTH_MIN_WORDS:
+        return
+    (short_words, short), (long_words, long) = counted[0], counted[-1]
+    assert short.prompt_tokens is not None and long.prompt_tokens is not None
+    predicted = (long_words - short_words) * short.prompt_tokens / short_words
+    if long.prompt_tokens - short.prompt_tokens >= PROMPT_GROWTH_MIN * predicted:
+        return
+    expected = short.prompt_tokens + round(predicted)
+    problems.append(f"{long.label}: usage.prompt_tokens is {long.prompt_tokens}, about {expected} expected from "
+                    f"{short.prompt_tokens} for {short_words} words: the server cut the prompt (it serves less context "
+                    "than it advertises, and answered 200)")  # fmt: skip
+    evidence.append(long.evidence())
 
 
 def check_own_usage(result: Completion, alone: Completion, problems: list[str], evidence: list[Evidence]) -> None:
