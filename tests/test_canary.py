@@ -459,6 +459,17 @@ def test_cli_exit_0_with_table_and_1_with_evidence(server: RunningServer, capsys
     assert "verdict: FAIL" in out and "HTTP 200" in out  # the evidence row under the failing probe
 
 
+def test_the_table_shows_a_passing_probes_notes_on_cases_it_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """An outside probe: a server without usage passed over_length with its calibrated cases left
+    out, which docs/engines.md calls an incomplete run; the table said only "pass"."""
+    with RunningServer(Behaviour(usage_mode="none")) as quiet:
+        code = cli_main(["canary", "--url", quiet.url, "--probes", "over_length"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0, out
+    row = next(i for i, line in enumerate(out) if line.split()[:2] == ["over_length", "pass"])
+    assert out[row + 1].startswith(" " * 16) and " not checked" in out[row + 1], out  # the note, under its row
+
+
 def test_cli_json_report(server: RunningServer, tmp_path: Path) -> None:
     spec_file = tmp_path / "canary.yaml"
     spec_file.write_text("isolation:\n  tenants: 2\n  longRequestFractions: [0.5]\n")

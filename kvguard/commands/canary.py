@@ -31,7 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--url", required=True, help="API base URL of the deployment under test")
-    parser.add_argument("--baseline-url", help="API base URL of the stable revision (golden equality)")
+    parser.add_argument("--baseline-url", help="API base URL of the stable revision serving the same model: golden "
+                        "equality, and the only way the isolation probe tells a prefix-cache collision (tenants given "
+                        "one answer even alone) from a model that answers them alike; without it, that is a note")  # fmt: skip
     parser.add_argument(
         "--metrics-url", action="extend", nargs="+", default=[], metavar="URL",
         help="a worker's Prometheus /metrics URL (repeatable); enables capacity, pool and counter checks",
@@ -196,12 +198,20 @@ def probe_row(result: Any) -> str:
     return f"{result.name.value:<16} {result.status.value:<8} {result.duration_seconds:>6.1f}s  {result.reason}"
 
 
+LEFT_OUT = " not checked"
+"""How every probe words a note on a case it left out (a path the server does not serve, cases it
+could not size): such notes make a passing probe's verdict narrower than its row says."""
+
+
 def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
-    """The evidence lines under a failed probe's row (the first EVIDENCE_ROWS pieces)."""
-    from kvguard.operator.canary.report import one_line
+    """The evidence lines under a failed probe's row (the first EVIDENCE_ROWS pieces); under any
+    other row, its notes on cases left out (an outside probe: a run the docs call incomplete,
+    usage missing, read as a plain pass in the table, the notes only in -o json)."""
+    from kvguard.operator.canary.report import Note, one_line
 
     if result.status.value != "fail":
-        return []
+        left_out = [e.message for e in result.evidence if isinstance(e, Note) and LEFT_OUT in e.message]
+        return [f"{'':<16} {one_line(message)}" for message in left_out[:EVIDENCE_ROWS]]
     # one_line: evidence quotes server text (error messages, notes); each row stays one clean line.
     rows = [
         f"{'':<16} {one_line(text)}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)
