@@ -16,7 +16,7 @@ from kvguard.operator.canary.metrics import (
 )
 from kvguard.operator.canary.over_length import judge_rejection
 from kvguard.operator.canary.prompts import TokenEstimate, filler_text, make_nonce
-from kvguard.operator.canary.responses import error_message, parse_body
+from kvguard.operator.canary.responses import error_message, parse_body, parse_json_text
 
 
 def test_error_shapes_of_every_engine_are_errors() -> None:
@@ -177,3 +177,14 @@ def test_s4_decode_speed_is_the_median_gap_so_one_slow_gap_does_not_stretch_the_
     # put a tiny model's natural time at twice its real one, and a non-propagated abort passed.
     out = Completion(label="s", chunk_times=[0.5, 0.6, 0.601, 0.602])
     assert out.seconds_per_chunk() == pytest.approx(0.001)
+
+
+def test_a_body_that_is_no_json_is_named_by_its_first_characters() -> None:
+    """An outside probe: a proxy's HTML error page read only "malformed JSON body (Expecting value
+    at position 0)"; what came instead is now quoted, one clean line, ANSI escapes gone."""
+    payload, error = parse_json_text("<html>\n<h1>\x1b[31m502 Bad Gateway</h1></html>")
+    assert payload is None and error is not None
+    assert error.startswith("malformed JSON body (Expecting value at position 0): it begins '<html> <h1>502 Bad Gateway")
+    assert "\x1b" not in error and "\n" not in error
+    assert parse_json_text("  ")[1] == "malformed JSON body (Expecting value at position 2): it is empty"
+    assert parse_json_text('{"ok": 1}') == ({"ok": 1}, None)

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvguard.operator.canary.report import one_line
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -233,7 +235,10 @@ def parse_json_text(raw: str) -> tuple[Any, str | None]:
     try:
         return json.loads(raw), None
     except json.JSONDecodeError as exc:
-        return None, f"malformed JSON body ({exc.msg} at position {exc.pos})"
+        # Its first characters name what came instead (an HTML error page from a proxy, a plain-text
+        # panic); one_line keeps them one clean line (outside probe: only the parse error was shown).
+        start = f": it begins {one_line(raw[:60])!r}" if raw.strip() else ": it is empty"
+        return None, f"malformed JSON body ({exc.msg} at position {exc.pos}){start}"
     except (ValueError, RecursionError) as exc:  # an integer past Python's digit limit; nesting past its stack
         return None, f"a JSON body Python will not hold ({type(exc).__name__}: {str(exc)[:120]})"
 
