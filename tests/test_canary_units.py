@@ -188,3 +188,24 @@ def test_a_body_that_is_no_json_is_named_by_its_first_characters() -> None:
     assert "\x1b" not in error and "\n" not in error
     assert parse_json_text("  ")[1] == "malformed JSON body (Expecting value at position 2): it is empty"
     assert parse_json_text('{"ok": 1}') == ({"ok": 1}, None)
+
+
+def test_prompt_growth_is_judged_without_the_chat_template() -> None:
+    """A review: the shorter long request's tokens per word held the chat template too, so an honest
+    server with a 150-token template (a default system prompt) at 2.5 tokens per word, its long
+    requests 150 and 350 words, was failed as one that cut its prompt. The calibration prompt's
+    count (64 words, the same endpoint) takes the template out; a cut prompt still fails."""
+    from kvguard.operator.canary.isolation import check_prompts_counted
+
+    template, per_word = 150, 2.5
+    calibration = TokenEstimate.from_usage(round(template + 64 * per_word))
+
+    def answer(words: int, cut_at: int | None = None) -> Completion:
+        tokens = round(template + words * per_word)
+        return Completion(label=f"A ({words} words)", status=200, text="x", prompt_tokens=min(tokens, cut_at or tokens))
+
+    problems: list[str] = []
+    check_prompts_counted([(150, answer(150)), (350, answer(350))], problems, [], calibration)
+    assert problems == []
+    check_prompts_counted([(150, answer(150)), (350, answer(350, cut_at=800))], problems, [], calibration)
+    assert len(problems) == 1 and "the server cut the prompt" in problems[0]

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
-from kvguard.operator.canary.prompts import TokenEstimate, filler_text
+from kvguard.operator.canary.prompts import CALIBRATION_WORDS, TokenEstimate, filler_text
 from kvguard.operator.canary.report import Evidence, NonceLeak, Note, OutputMismatch, clip, one_line
 from kvguard.operator.canary.spec import LONG_PROMPT_MIN_TOKENS, ApiKind, ProbeName
 
@@ -106,7 +106,7 @@ class IsolationProbe(Probe):
             sizes.append(words)
             longs.append((words, a))
             first_long = first_long or (prompt_a, a)
-        check_prompts_counted(longs, problems, evidence)
+        check_prompts_counted(longs, problems, evidence, ctx.estimate)
         if first_long is not None and not (problems and ctx.spec.stop_on_failure):
             await self._long_again(ctx, *first_long, problems, evidence)
         if spec.tenants and not (problems and ctx.spec.stop_on_failure):
@@ -582,18 +582,31 @@ PROMPT_GROWTH_MIN_WORDS = 200
 tokenizer's count varies with the words drawn (and a nonce's share) by more than the margin."""
 
 
-def check_prompts_counted(longs: Sequence[tuple[int, Completion]], problems: list[str], evidence: list[Evidence]) -> None:
+def check_prompts_counted(
+    longs: Sequence[tuple[int, Completion]], problems: list[str], evidence: list[Evidence],
+    estimate: TokenEstimate | None = None,
+) -> None:  # fmt: skip
     """The longest long request's usage.prompt_tokens must have grown from the shortest's as their
     words predict. A server that advertises more context than it serves and cuts a longer prompt to
     what it holds, answering 200, reports a count that stops growing at its real limit; every
     answer is then its own, so nothing else here sees it (an outside probe: a server that said 4096
-    tokens and kept 2048 passed every probe)."""
+    tokens and kept 2048 passed every probe).
+
+    Tokens per word are the growth from the calibration prompt (CALIBRATION_WORDS words, the same
+    endpoint) to the shorter one, where that was measured: the shorter one's count alone holds the
+    chat template and BOS too, and divided by its words it overstated the growth of an honest
+    server whose template (a default system prompt, one a gateway adds) is more than a quarter of
+    the shorter prompt's tokens -- a false fail (a review)."""
     counted = sorted(((w, a) for w, a in longs if a.ok and a.prompt_tokens), key=lambda pair: pair[0])
     if len(counted) < 2 or counted[-1][0] - counted[0][0] < PROMPT_GROWTH_MIN_WORDS:
         return
     (short_words, short), (long_words, long) = counted[0], counted[-1]
     assert short.prompt_tokens is not None and long.prompt_tokens is not None
-    predicted = (long_words - short_words) * short.prompt_tokens / short_words
+    per_word = short.prompt_tokens / short_words
+    if estimate is not None and estimate.tokens_per_word and short_words > CALIBRATION_WORDS:
+        calibrated = round(estimate.tokens_per_word * CALIBRATION_WORDS)
+        per_word = min(per_word, (short.prompt_tokens - calibrated) / (short_words - CALIBRATION_WORDS))
+    predicted = (long_words - short_words) * per_word
     if long.prompt_tokens - short.prompt_tokens >= PROMPT_GROWTH_MIN * predicted:
         return
     expected = short.prompt_tokens + round(predicted)
