@@ -209,3 +209,21 @@ def test_prompt_growth_is_judged_without_the_chat_template() -> None:
     assert problems == []
     check_prompts_counted([(150, answer(150)), (350, answer(350, cut_at=800))], problems, [], calibration)
     assert len(problems) == 1 and "the server cut the prompt" in problems[0]
+
+
+def test_the_table_shows_a_prefix_cache_collision_left_unjudged() -> None:
+    """A review: the note that two tenants got one answer alone (no baseline to judge it: the README
+    says it is only noted) was the one left-out case the table did not print under a passing row."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvguard.commands.canary import evidence_rows
+    from kvguard.operator.canary.isolation import IsolationProbe
+    from kvguard.operator.canary.report import ProbeResult, ProbeStatus
+
+    solos = [Completion(label=f"tenant {i}", status=200, text="same") for i in (1, 2)]
+    ctx = SimpleNamespace(baseline=None, spec=CanarySpec())
+    evidence: list = []
+    asyncio.run(IsolationProbe()._same_answers_alone(ctx, ["a", "b"], [("completions", False)] * 2, solos, [], evidence))  # type: ignore[arg-type]
+    result = ProbeResult(name=ProbeName.ISOLATION, status=ProbeStatus.PASS, reason="ok", evidence=evidence)
+    assert any("tenants 1 and 2 got the same answer alone" in row for row in evidence_rows(result))

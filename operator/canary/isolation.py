@@ -319,8 +319,10 @@ class IsolationProbe(Probe):
             pairs = ", ".join(f"{i + 1} and {j + 1}" for i, j in same)
             if any(f"tenants {pairs} got the same answer alone" in getattr(e, "message", "") for e in evidence):
                 return  # said once (the answers alone are cached: each round sees the same ones)
-            evidence.append(Note(message=f"tenants {pairs} got the same answer alone to different prompts; without {why} "
-                                         "this cannot tell a prefix-cache collision from the model's own answer"))  # fmt: skip
+            # " not checked": the table prints it under a passing row (kvguard.commands.canary.LEFT_OUT).
+            evidence.append(Note(message=f"tenants {pairs} got the same answer alone to different prompts; a prefix-cache "
+                                         f"collision not checked: without {why} this cannot tell one from the model's own "
+                                         "answer"))  # fmt: skip
             return
         for i, j in same:
             collision = f"tenants {i + 1} and {j + 1} got the same answer alone to different prompts"
