@@ -130,13 +130,9 @@ REQUEUE_SECONDS = 5.0
 IN_FLIGHT = (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING, RolloutState.CANARY_VERIFYING)
 
 Scale = Literal["canary", "full"]
-BaselineMatch = Literal["exact", "tolerant", "none", "unknown"]
-"""How the canary may use the stable's outputs (backends.base._start_canary): `exact` the same
-model and numerics; `tolerant` the same model, other numerics (logprobs); `none` another model (no
-reference at all); `unknown` an older operator's fingerprint, so the model may be the same: no
-golden comparison (it could be another model), but the isolation probe still judges two tenants'
-identical answers by it (a leak shipped is worse than a healthy revision retried)."""
 """Replicas a revision runs at: canary while verified, full once it is (or is about to be) serving."""
+BaselineMatch = Literal["exact", "tolerant", "none", "unknown"]
+"""How the canary may use the stable's outputs (RunCanary.baseline_match)."""
 
 
 # --- the record kept in status.rollout ----------------------------------------------------------
@@ -423,7 +419,12 @@ class RunCanary:
     """How the golden probe compares the candidate's outputs with the baseline's
     (`revision.numerics_change`): `exact` text when the numerics match; `tolerant` (per-token
     logprobs) when the same model runs with other numerics (quantization, KV dtype, device, engine,
-    sharding); `none` when the model itself changed -- the stable's outputs are no reference."""
+    sharding); `none` when the model itself changed -- the stable's outputs are no reference, and
+    the canary runs with no baseline at all (backends.base._start_canary); `unknown` when an older
+    operator recorded the stable's fingerprint, so the model may be the same: golden does not
+    compare text (it could be another model), but the isolation probe still judges two tenants'
+    identical answers alone by the stable's (a leak shipped costs more than a revision rolled
+    back, and retried once the stable is fingerprinted anew)."""
 
 
 @dataclass(frozen=True)
@@ -911,8 +912,13 @@ class _Step:
         match: BaselineMatch = "exact"
         if baseline is not None and change is not None:
             fields = "; ".join(change.fields)
-            if change.other_model:
-                match = "unknown" if change.opaque else "none"
+            if change.other_model and change.opaque:
+                match = "unknown"
+                self.event("Normal", "BaselineOutputsNotCompared",
+                           f"revision {self.candidate} may serve another model than {baseline} ({fields}): the golden "
+                           f"probe checks expected text, not {baseline}'s outputs; isolation still reads them")  # fmt: skip
+            elif change.other_model:
+                match = "none"
                 self.event("Normal", "BaselineOutputsNotCompared",
                            f"revision {self.candidate} serves another model than {baseline} ({fields}): the golden probe "
                            f"checks expected text, not {baseline}'s outputs")  # fmt: skip

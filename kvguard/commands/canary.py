@@ -199,8 +199,10 @@ def probe_row(result: Any) -> str:
 
 
 LEFT_OUT = " not checked"
-"""How every probe words a note on a case it left out (a path the server does not serve, cases it
-could not size): such notes make a passing probe's verdict narrower than its row says."""
+"""How a note words a check the probe could not make (a path the server does not serve, cases it
+could not size, a collision without a baseline): such notes make a passing row narrower than it
+reads, so the table shows them. Notes on cases skipped by the spec's own limits (maxPromptBytes)
+or on a server's missing extras (logprobs, a KV pool metric) stay in -o json."""
 
 
 def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
@@ -211,7 +213,10 @@ def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
 
     if result.status.value != "fail":
         left_out = [e.message for e in result.evidence if isinstance(e, Note) and LEFT_OUT in e.message]
-        return [f"{'':<16} {one_line(message)}" for message in left_out[:EVIDENCE_ROWS]]
+        rows = [f"{'':<16} {one_line(message)}" for message in left_out[:EVIDENCE_ROWS]]
+        if len(left_out) > EVIDENCE_ROWS:
+            rows.append(f"{'':<16} ... {len(left_out) - EVIDENCE_ROWS} more note(s) of checks left out ({where_more})")
+        return rows
     # one_line: evidence quotes server text (error messages, notes); each row stays one clean line.
     rows = [
         f"{'':<16} {one_line(text)}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)
