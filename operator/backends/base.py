@@ -326,8 +326,7 @@ async def _start_canary(
     # Another model for sure: no baseline at all. The isolation probe would otherwise judge two
     # tenants who got the same answer alone by the old model's answers (e2e: a healthy weights
     # change rolled back); without one it notes them. `unknown` keeps it (RolloutState docs).
-    compared = run.baseline is not None and run.baseline_match != "none"
-    baseline = await backend.endpoints(model, run.baseline) if compared and run.baseline else None
+    baseline = await backend.endpoints(model, run.baseline) if run.baseline and run.baseline_match != "none" else None
     if target.router_url is None:
         log.warning("canary of %s/%s revision %s: no router URL yet", *model.key, run.revision)
         return
