@@ -912,16 +912,12 @@ class _Step:
         match: BaselineMatch = "exact"
         if baseline is not None and change is not None:
             fields = "; ".join(change.fields)
-            if change.other_model and change.opaque:
-                match = "unknown"
+            if change.other_model:
+                match = "unknown" if change.opaque else "none"  # unknown: the model may be the same (RunCanary)
+                serves, still = ("may serve", "; isolation still reads them") if change.opaque else ("serves", "")
                 self.event("Normal", "BaselineOutputsNotCompared",
-                           f"revision {self.candidate} may serve another model than {baseline} ({fields}): the golden "
-                           f"probe checks expected text, not {baseline}'s outputs; isolation still reads them")  # fmt: skip
-            elif change.other_model:
-                match = "none"
-                self.event("Normal", "BaselineOutputsNotCompared",
-                           f"revision {self.candidate} serves another model than {baseline} ({fields}): the golden probe "
-                           f"checks expected text, not {baseline}'s outputs")  # fmt: skip
+                           f"revision {self.candidate} {serves} another model than {baseline} ({fields}): the golden "
+                           f"probe checks expected text, not {baseline}'s outputs{still}")  # fmt: skip
             else:
                 match = "tolerant"
                 self.event("Normal", "BaselineComparedByLogprobs",

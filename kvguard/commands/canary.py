@@ -211,18 +211,14 @@ def evidence_rows(result: Any, where_more: str = "see -o json") -> list[str]:
     usage missing, read as a plain pass in the table, the notes only in -o json)."""
     from kvguard.operator.canary.report import Note, one_line
 
-    if result.status.value != "fail":
-        left_out = [e.message for e in result.evidence if isinstance(e, Note) and LEFT_OUT in e.message]
-        rows = [f"{'':<16} {one_line(message)}" for message in left_out[:EVIDENCE_ROWS]]
-        if len(left_out) > EVIDENCE_ROWS:
-            rows.append(f"{'':<16} ... {len(left_out) - EVIDENCE_ROWS} more note(s) of checks left out ({where_more})")
-        return rows
+    if result.status.value == "fail":
+        shown, what = list(result.evidence), "piece(s) of evidence"
+    else:
+        shown, what = [e for e in result.evidence if isinstance(e, Note) and LEFT_OUT in e.message], "note(s) of checks left out"
     # one_line: evidence quotes server text (error messages, notes); each row stays one clean line.
-    rows = [
-        f"{'':<16} {one_line(text)}" for evidence in result.evidence[:EVIDENCE_ROWS] for text in describe_evidence(evidence)
-    ]
-    if len(result.evidence) > EVIDENCE_ROWS:
-        rows.append(f"{'':<16} ... {len(result.evidence) - EVIDENCE_ROWS} more piece(s) of evidence ({where_more})")
+    rows = [f"{'':<16} {one_line(text)}" for evidence in shown[:EVIDENCE_ROWS] for text in describe_evidence(evidence)]
+    if len(shown) > EVIDENCE_ROWS:
+        rows.append(f"{'':<16} ... {len(shown) - EVIDENCE_ROWS} more {what} ({where_more})")
     return rows
 
 

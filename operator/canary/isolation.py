@@ -585,8 +585,7 @@ tokenizer's count varies with the words drawn (and a nonce's share) by more than
 
 
 def check_prompts_counted(
-    longs: Sequence[tuple[int, Completion]], problems: list[str], evidence: list[Evidence],
-    estimate: TokenEstimate | None = None,
+    longs: Sequence[tuple[int, Completion]], problems: list[str], evidence: list[Evidence], estimate: TokenEstimate,
 ) -> None:  # fmt: skip
     """The longest long request's usage.prompt_tokens must have grown from the shortest's as their
     words predict. A server that advertises more context than it serves and cuts a longer prompt to
@@ -605,7 +604,7 @@ def check_prompts_counted(
     (short_words, short), (long_words, long) = counted[0], counted[-1]
     assert short.prompt_tokens is not None and long.prompt_tokens is not None
     per_word = short.prompt_tokens / short_words
-    if estimate is not None and estimate.tokens_per_word and short_words > CALIBRATION_WORDS:
+    if estimate.tokens_per_word and short_words > CALIBRATION_WORDS:
         calibrated = round(estimate.tokens_per_word * CALIBRATION_WORDS)
         per_word = min(per_word, (short.prompt_tokens - calibrated) / (short_words - CALIBRATION_WORDS))
     predicted = (long_words - short_words) * per_word
