@@ -272,6 +272,27 @@ def test_prefill_failure_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -
     assert metric(trio, "decode", "kvguard_aborts_total", cause="peer_abort") == peer_aborts
 
 
+def test_a_kv_plan_mismatch_at_prefill_ends_the_decode_leg_at_once_s4(trio: LocalDeployment) -> None:
+    """Prefill's KV does not fill the pages decode planned (kv_plan_mismatch: here prefill computed
+    one token more than decode allocated for; in the field, page sizes that differ). Prefill fails
+    the request before its sender opens, so it must tell decode itself: no router is in this call
+    to abort decode's leg, which would otherwise wait out its transfer timeout holding its pages."""
+    request = {"request_id": "plan-mismatch", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4}}
+    prefill_errors = metric(trio, "decode", "kvguard_aborts_total", cause="prefill_error")
+    started = time.monotonic()
+    with internal(trio, "decode", "/internal/decode", request, stream=True) as decode:
+        events = (json.loads(line) for line in decode.iter_lines() if line)
+        ticket = ticket_for(trio, "plan-mismatch", next(events)["bootstrap"])
+        longer = {**request, "prompt_token_ids": [1, 2, 3, 4], "ticket": ticket}
+        refused = internal(trio, "prefill", "/internal/prefill", longer)
+        assert refused.status_code == 500 and refused.json()["error"]["code"] == "kv_plan_mismatch", refused.text
+        final = next(events)
+    assert final["event"] == "error" and final["code"] == "kv_transfer_peer_abort", final  # told by prefill
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S / 2
+    wait_pools_empty(trio)
+    wait_metric(trio, "decode", "kvguard_aborts_total", prefill_errors + 1, cause="prefill_error")
+
+
 SAFETY_COUNTERS = ("kvguard_tag_violations_total", "kvguard_checksum_failures_total", "kvguard_hmac_failures_total",
                    "kvguard_stale_writes_dropped_total")
 

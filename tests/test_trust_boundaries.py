@@ -325,8 +325,9 @@ def test_prefill_sends_nowhere_without_a_ticket_the_router_issued_s9(trio: Local
 
 def test_a_ticket_whose_plan_differs_from_prefills_kv_is_counted_as_a_prefill_error_s4(trio: LocalDeployment) -> None:
     """A genuine ticket that plans other tokens than prefill computed (kv_plan_mismatch: page sizes
-    differ) fails in `_send`, before OPEN. The request was counted as a client disconnect, which
-    the paging alerts leave out; it is prefill's own failure, and its pages are freed (S4)."""
+    differ) fails before OPEN (`_check_plan`). The request was counted as a client disconnect, which
+    the paging alerts leave out; it is prefill's own failure, and its pages are freed (S4). (Prefill
+    then tries to tell decode, here the spy: test_pd_serving's plan-mismatch test.)"""
     spy = Spy()
     rid = "cmpl-plan-mismatch"
     leg = {"request_id": rid, "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 2}}

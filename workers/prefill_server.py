@@ -232,9 +232,10 @@ class PrefillServer:
             if early:
                 self.early.give(early)
                 early = 0
+            self._check_plan(ticket, len(prompt))  # before the sender owns the transfer: decode is told (S4)
             tell_decode = False
             try:
-                outcome = await self._send(ticket, output.lease, len(prompt), first_token_record(output))
+                outcome = await self._send(ticket, output.lease, first_token_record(output))
             except StaleLeaseError:  # S5: the engine freed the pages (a failed step) while they were exported
                 cause = AbortCause.STALE_LEASE
                 raise
@@ -277,7 +278,10 @@ class PrefillServer:
             raise OpenAIError(504, f"no transfer ticket within {self.bootstrap_timeout_s:g} s of the request "
                               "(decode's pages never came)", code="bootstrap_timeout") from None
 
-    async def _send(self, ticket: Ticket, lease: Lease, kv_tokens: int, first: FirstToken) -> TransferOutcome:
+    def _check_plan(self, ticket: Ticket, kv_tokens: int) -> None:
+        """Decode planned the pages this KV fills (its bootstrap, in the ticket): anything else is a
+        500 kv_plan_mismatch, prefill's own failure. Checked before the sender opens, so the abort
+        that follows tells decode at once (S4) rather than leaving it to the router."""
         pages = self.pool.pages_for(kv_tokens)
         if pages != len(ticket.page_ids) or kv_tokens != ticket.num_tokens:
             raise OpenAIError(
@@ -286,6 +290,9 @@ class PrefillServer:
                 f"{kv_tokens} tokens in {pages} pages (page sizes differ?)",
                 code="kv_plan_mismatch",
             )
+
+    async def _send(self, ticket: Ticket, lease: Lease, first: FirstToken) -> TransferOutcome:
+        pages = len(ticket.page_ids)  # as many as prefill's own (_check_plan)
         chunks = self._chunks(lease, lease.page_ids[:pages], ticket.page_ids)
         return await self.sender.send(ticket, chunks, first)
 
