@@ -13,7 +13,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,7 +23,10 @@ import requests
 from pd_harness import client, deployment, metric, pools_used, served_model, wait_pools_empty
 from waiting import until, wait_for
 
+from kvguard.workers.backpressure import Slots
 from kvguard.workers.launcher import LocalDeployment
+from kvguard.workers.protocol import FinishEvent, GenerateRequest, SamplingParams, TokenEvent
+from kvguard.workers.router import ChoicePace, Siblings, _paced
 
 WRITE_TIMEOUT_S = 3.0
 SLOTS = 4
@@ -350,17 +353,88 @@ def paced_room(prefill_pool: int, decode_pool: int, page: int, choices: list[tup
     return None if pace is None else pace.room.capacity
 
 
-def test_a_requests_choices_are_paced_by_the_pages_decode_reserves_and_its_own_pool() -> None:
-    """A review: the reservation left out page rounding (16 choices of 10 tokens on 256-token
-    pages reserve 4,096 tokens, not 160), the room was taken from the smallest pool of either role
-    (prefill holds only a prompt, briefly), and a pool under twice the context ran every `n: 2`
-    request one choice at a time."""
-    assert paced_room(2048, 2048, 16, [(10, 16)] * 4) is None  # small choices: all at once
-    assert paced_room(2048, 2048, 16, [(17, 480)] * 4) == 1024  # 4 x 512 of 2048: room for one whole other request
-    assert paced_room(2048, 2048, 256, [(4, 6)] * 5) == 1024  # 5 whole pages of 256 > 1024 (50 tokens unrounded)
-    assert paced_room(1024, 4096, 16, [(10, 690)] * 4) is None  # decode's 4096 has room; prefill's pool does not count
-    assert paced_room(512, 512, 16, [(10, 90)] * 2) is None  # a small pool (--allow-small-pool): half of it is the request's
+def test_requests_of_several_choices_share_a_room_that_leaves_one_whole_request_of_decodes_pool() -> None:
+    """The room is decode's smallest pool less one whole request (prefill holds only a prompt,
+    briefly, so its pool does not count), or half of it when the pool is under twice the context
+    (--allow-small-pool: a review found every `n: 2` request run one choice at a time there)."""
+    assert paced_room(2048, 2048, 16, [(10, 16)] * 4) == 1024
+    assert paced_room(2048, 2048, 16, [(17, 480)] * 4) == 1024
+    assert paced_room(1024, 4096, 16, [(10, 690)] * 4) == 3072
     assert paced_room(512, 512, 16, [(10, 200)] * 2) == 256
+    assert paced_room(2048, 2048, 16, [(10, 16)]) is None  # one choice: never paced
+
+
+def _choice(rid: str, prompt: int, max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=(1,) * prompt, sampling=SamplingParams(max_tokens=max_tokens))
+
+
+async def test_paced_choices_reserve_whole_pages_and_requests_take_turns_in_the_shared_room() -> None:
+    """`_paced` against a shared room of 1,024 tokens on 16-token pages: a choice reserves every
+    page it can need (17 + 480 tokens take 512: page rounding was left out once, a review), a
+    small request of two choices gets its turn between a large one's choices instead of waiting
+    for all of them to start, and one choice larger than the room still runs, alone."""
+    room = Slots(1024)
+    big, small = ChoicePace(room, 16, asyncio.Lock()), ChoicePace(room, 16, asyncio.Lock())
+    started: list[str] = []
+    finish: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        started.append(request.request_id)
+        await finish[request.request_id].wait()
+        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
+
+    async def run(pace: ChoicePace, request: GenerateRequest) -> None:
+        async with contextlib.aclosing(_paced(pace, Siblings(0.0, 60.0), generate, request)) as events:
+            async for _ in events:
+                pass
+
+    tasks = [asyncio.create_task(run(big, _choice(f"big-{i}", 17, 480))) for i in range(4)]
+    await until(lambda: started == ["big-0", "big-1"] and room.waiting == 512, "two of big's choices to fill the room")
+    tasks += [asyncio.create_task(run(small, _choice(f"small-{i}", 10, 6))) for i in range(2)]
+    await until(lambda: room.waiting == 512 + 16, "small's first choice to queue behind big's third")
+    finish["big-0"].set()
+    await until(lambda: len(started) == 3, "big's third choice")
+    assert started[2] == "big-2"
+    finish["big-1"].set()
+    await until(lambda: len(started) == 4, "small's first choice")
+    assert started[3] == "small-0" and room.free == 512 - 16  # small's turn came before big's last choice
+    finish["small-0"].set()
+    await until(lambda: len(started) == 5, "big's last choice")
+    assert started[4] == "big-3"
+    for rid in ("big-2", "big-3", "small-1"):
+        finish[rid].set()
+    await asyncio.gather(*tasks)
+    assert started[5] == "small-1" and room.free == 1024
+    alone = ChoicePace(Slots(256), 16, asyncio.Lock())  # a small pool: the choice needs more than the room
+    finish["alone"].set()
+    await run(alone, _choice("alone", 10, 500))
+    assert started[-1] == "alone" and alone.room.free == 256
+
+
+def test_requests_of_many_long_choices_together_leave_room_for_another_tenant(tiny_model_dir: Path) -> None:
+    """An outside probe: two `n: 4` requests of ~500 tokens per choice, each paced alone to half
+    the pool, together reserved all of it at decode, and a one-choice tenant waited 2-4 s for a
+    choice to end. The room is now the router's, shared: the two requests hold at most half the
+    pool between them, and the other tenant is served while both still run."""
+    with deployment(tiny_model_dir, "delay_step_ms=5", context_length=1024, kv_pool_tokens=2048) as d:
+        model = served_model(d)
+        body = {"model": model, "max_tokens": 480, "n": 4, "temperature": 0, "ignore_eos": True}
+        with cf.ThreadPoolExecutor(2) as pool:
+            bigs = [pool.submit(requests.post, f"{d.api_base}/completions", json={**body, "prompt": f"many long choices {i}"},
+                                timeout=120) for i in range(2)]  # fmt: skip
+            wait_for(lambda: pools_used(d, ("decode",))["decode"] >= 1024, "two long choices running at decode")
+            peak = pools_used(d, ("decode",))["decode"]
+            small = completion(d, "the next tenant", max_tokens=8)
+            served_meanwhile = not any(big.done() for big in bigs)
+            while not all(big.done() for big in bigs):
+                peak = max(peak, pools_used(d, ("decode",))["decode"])
+            answers = [big.result() for big in bigs]
+        assert small.status_code == 200 and served_meanwhile, small.text
+        for answer in answers:
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] == 4 * 480
+        assert peak < 1024 + 512, peak  # never a third choice of 512 at once (the small request's few pages may overlap)
+        wait_pools_empty(d)
 
 
 def test_paced_requests_cut_mid_stream_give_every_slot_back(tiny_model_dir: Path) -> None:

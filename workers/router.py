@@ -510,6 +510,8 @@ class Router:
         aborts go out before the session closes, so the workers learn each request's cause."""
         self._slots = Slots(config.max_inflight_choices)
         """One per generation with calls open to workers, taken per request (`_take_slots`)."""
+        self._shared_room: Slots | None = None
+        """Decode pool tokens every request of several choices shares, router-wide (`_pace`)."""
         self._draining = Draining(config.max_inflight_choices, config.write_timeout_s)
         """Generations that ended at the workers whose clients still read them (`SlotLease`)."""
         self._bodies = BodyMemory(config.max_body_memory, on_refused=self.metrics.bodies_refused.inc)
@@ -915,25 +917,32 @@ class Router:
             lease.release_rest()
 
     def _pace(self, choices: Sequence[Choice]) -> ChoicePace | None:
-        """The KV pool tokens this request's choices may reserve at once, when together they would
-        reserve more than leaves room for one whole request of another tenant (None: no need).
+        """The room in decode's KV pool that a request of several choices takes turns in (None: one
+        choice, not paced).
 
         Decode reserves every page a choice can need (prompt + max_tokens) when it admits it, and
         admits in arrival order: one `n: 16` request of a thousand tokens each (an outside probe),
         or two choices of a chat left without max_tokens (the rest of the context each), took the
-        whole pool, and every other tenant waited for all of it. Its choices now start as its
-        earlier ones leave room (`_paced`); one choice alone is always let in. Half the pool is
-        always the request's to use (a pool under twice the context, --allow-small-pool, leaves no
-        whole request's room), and the smallest decode pool is what counts: prefill holds a
-        prompt only until it has sent it, and choices spread over several decode workers only
-        make the pacing cautious."""
+        whole pool, and every other tenant waited for all of it. A request's choices now start as
+        earlier ones leave room (`_paced`) for one whole request of another tenant; one choice
+        alone is always let in. The room is shared by every request of several choices on this
+        router: two such requests, each paced alone, still took the whole pool together, and a
+        one-choice tenant waited 2-4 s for them (an outside probe). Requests take turns in it, a
+        choice each (`ChoicePace.turn`), so a small request of two choices does not wait for all
+        of a large one's to start. Half the pool is always theirs
+        (a pool under twice the context, --allow-small-pool, leaves no whole request's room), and
+        the smallest decode pool is what counts: prefill holds a prompt only until it has sent it,
+        and choices spread over several decode workers only make the pacing cautious."""
         if len(choices) < 2:
             return None
         upstreams = self.upstreams
-        page, pool = upstreams.page_size, upstreams.smallest_decode_pool
-        needs = [ChoicePace.need(choice.generate, page) for choice in choices]
-        room = max(pool - upstreams.request_limit, pool // 2, max(needs))
-        return ChoicePace(Slots(room), page) if sum(needs) > room else None
+        pool = upstreams.smallest_decode_pool
+        room = max(pool - upstreams.request_limit, pool // 2)
+        if self._shared_room is None or self._shared_room.capacity != room:
+            # The workers' pools changed (a worker joined or left): choices started before give
+            # their tokens back to the room they took them from; for a while both rooms admit.
+            self._shared_room = Slots(room)
+        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock())
 
     def _evict(self, request: web.Request) -> None:
         """`Draining` gave this client's place to a generation that ended: every place is taken by
@@ -1810,10 +1819,14 @@ Generate = Callable[[GenerateRequest], AsyncGenerator[TokenEvent | FinishEvent, 
 
 @dataclass(frozen=True)
 class ChoicePace:
-    """The KV pool room a paced request's choices share (`Router._pace`), in decode's pages."""
+    """The room in decode's KV pool, router-wide, that requests of several choices take turns in
+    (`Router._pace`), and decode's page size (a choice reserves whole pages)."""
 
     room: Slots
     page: int
+    turn: asyncio.Lock
+    """Held by the one choice of the request that waits for the room: the room grants in arrival
+    order, so with one choice each in its queue, requests take turns."""
 
     @staticmethod
     def need(request: GenerateRequest, page: int) -> int:
@@ -1823,19 +1836,21 @@ class ChoicePace:
 
 async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, request: GenerateRequest,
                  ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:  # fmt: skip
-    """One choice of a request paced by `Router._pace`: it starts once the choices ahead of it
-    leave room in `pace`. Its TTFT counts from the request's arrival, as a choice's that waited in
+    """One choice of a request paced by `Router._pace`: it starts once the choices ahead of it, its
+    request's and other requests' of several choices, leave room in `pace`. Its TTFT counts from the request's arrival, as a choice's that waited in
     decode's queue behind its siblings does; its first-token deadline from its start (a sibling
     ended: the request progressed)."""
-    tokens = ChoicePace.need(request, pace.page)
-    await pace.room.acquire(tokens)
+    room = pace.room
+    tokens = min(ChoicePace.need(request, pace.page), room.capacity)  # one choice alone always fits (a small pool)
+    async with pace.turn:
+        await room.acquire(tokens)
     try:
         siblings.progressed()
         async with contextlib.aclosing(generate(request)) as events:
             async for event in events:
                 yield event
     finally:
-        pace.room.release(tokens)
+        room.release(tokens)
 
 
 DecodeCall = tuple[AsyncIterator[DecodeEvent], "OpenChannel | None"]
