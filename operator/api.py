@@ -37,7 +37,13 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, CanarySpec, context_within_bound
+from kvguard.operator.canary.spec import (
+    CONTEXT_BOUND,
+    MAX_CONTEXT_TOKENS,
+    MIN_CONTEXT_TOKENS,
+    CanarySpec,
+    context_within_bound,
+)
 from kvguard.operator.conditions import Condition
 from kvguard.operator.continuous import ContinuousStatus
 from kvguard.operator.json_numbers import numbers_only
@@ -182,9 +188,11 @@ ParallelSize = Annotated[int, Field(gt=0, le=MAX_PARALLEL)]
 _CONTROL = r"\x00-\x1f\x7f"
 _HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
 _PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_TAG = r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+_DIGEST = r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
 IMAGE_REFERENCE = (
     rf"^(?:(?:{_HOST_PART}(?:\.{_HOST_PART})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?/)?{_PATH_PART}(?:/{_PATH_PART})*"
-    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+    rf"{_TAG}{_DIGEST}$"
 )
 """The container image reference grammar (github.com/distribution/reference): [registry[:port]/]
 lowercase path components [:tag] [@algorithm:hex]. One expression for RE2 (the API server) and
@@ -194,6 +202,21 @@ Python; no component can match what its neighbour does, so neither backtracks fa
 MAX_IMAGE_NAME = 255
 """The longest repository name (registry and path, no tag or digest) a reference may have
 (distribution/reference's NameTotalLengthMax); the kubelet refuses longer ones."""
+IMAGE_NAME_RULE = {
+    # The name's length for the API server, where no webhook runs. The schema's pattern cannot count
+    # across the grammar's parts, and `maxLength` bounds the whole reference (a 256-character name
+    # with a short tag is within any bound that admits a 255-character one with a long tag and a
+    # digest). So a rule needing only `matches` (no string extension: the tests' CEL evaluator,
+    # cel-python, runs it as the API server does): at most 255 characters of anything, then the tag
+    # and the digest. On a reference the pattern admits, that first part cannot end inside the name
+    # (a port's `:` is followed by `/`, which no tag holds; `@` opens only the digest), so the rule
+    # holds exactly when the name is at most 255 characters (tests/test_schema_bounds.py compares
+    # it with `_image_name`). A longer name never ran (InvalidImageName): no stored model the rule
+    # refuses was serving.
+    "rule": f"self.matches('^.{{0,{MAX_IMAGE_NAME}}}{_TAG}{_DIGEST}$')",
+    "message": f"the repository name (registry and path, without tag and digest) must be at most {MAX_IMAGE_NAME} "
+               "characters: the kubelet refuses a longer one (InvalidImageName)",
+}  # fmt: skip
 
 
 def _image_name(reference: str) -> str:
@@ -213,7 +236,8 @@ def _image_reference(value: str) -> str:
     return value
 
 
-Image = Annotated[str, Field(min_length=1, max_length=1024, json_schema_extra={"pattern": IMAGE_REFERENCE}),
+Image = Annotated[str, Field(min_length=1, max_length=1024, json_schema_extra={"pattern": IMAGE_REFERENCE,
+                                                                              "x-kubernetes-validations": [IMAGE_NAME_RULE]}),
                   AfterValidator(_image_reference)]  # fmt: skip
 """A container image reference, as the kubelet parses it (the CRD holds the same pattern)."""
 ArgValue = Annotated[str, Field(max_length=4096, pattern=r"^[^\x00]*$")]
@@ -736,8 +760,25 @@ class PodPlacement(ApiModel):
 
 
 
+def _or_one(field: str) -> str:
+    return f"(has(self.{field}) ? self.{field} : 1)"
+
+
+# `_fits_its_pods` for the API server (no product overflows CEL's int64: 2^31 x 2^16 x 2^16 at most).
+# A stored role breaking either has not parsed since the check came (reconcile: InvalidSpec).
+_WORKER_ROLE_RULES: list[dict[str, str]] = [
+    {"rule": f"{_or_one('replicas')} * {_or_one('dataParallel')} <= {MAX_INT32}",
+     "message": f"replicas x dataParallel is more pods than a Deployment holds ({MAX_INT32})"},
+    {"rule": f"!has(self.gpuCount) || self.gpuCount == 0 || "
+             f"self.gpuCount >= {_or_one('tensorParallel')} * {_or_one('pipelineParallel')}",
+     "message": "gpuCount is below tensorParallel x pipelineParallel: one engine instance needs that many GPUs in its pod"},
+]  # fmt: skip
+
+
 class WorkerRole(PodPlacement):
     """One disaggregated role (prefill or decode): how many engine instances, how each is split."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{**rule} for rule in _WORKER_ROLE_RULES]})
 
     replicas: Replicas = 1
     """Engine instances of this role. Each has its own KV pool."""
@@ -805,6 +846,12 @@ WORKER_PORTS = {8000: "API port", 8001: "metrics port"}
 class KVTransferSpec(ApiModel):
     """How prefill sends KV to decode. Rendered as worker flags (kvguard), environment (SGLang's
     PD and Mooncake variables) or the KV-transfer config (vLLM)."""
+
+    # `_port_is_free_on_decode` for the API server; a stored port it refuses has not parsed since it came.
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.port) || !(self.port in [" + ", ".join(map(str, WORKER_PORTS)) + "])",
+         "message": "port: " + " and ".join(f"{port} is decode's {what}" for port, what in WORKER_PORTS.items())
+                    + " already; pick another (default 9000)"}]})  # fmt: skip
 
     max_batch: ByteQuantity = Field(default=64 * 1024**2, gt=0, json_schema_extra={"minimum": 1})
     """Bytes in flight per prefill->decode pair before back-pressure (S6; kvguard
@@ -1049,6 +1096,11 @@ class AnalysisSpec(ApiModel):
             "x-kubernetes-validations": [
                 {"rule": "!has(self.queries) || size(self.queries) == 0 || has(self.prometheusURL)",
                  "message": "spec.rollout.analysis.queries need spec.rollout.analysis.prometheusURL"},
+                # The names' check of `_queries_are_answerable` (at most 16 queries: 256 comparisons).
+                {"rule": "!has(self.queries) || self.queries.all(q, !(q.name in ["
+                         + ", ".join(f"'{n}'" for n in ANALYSIS_BUILTIN_CHECKS)
+                         + "]) && self.queries.exists_one(o, o.name == q.name))",
+                 "message": f"query names must be unique and not one of {', '.join(ANALYSIS_BUILTIN_CHECKS)}"},
             ]
         }
     )
@@ -1176,8 +1228,8 @@ class InferenceModelSpec(ApiModel):
     """KV cache element type (SGLang/vLLM `--kv-cache-dtype`)."""
     page_size: PageTokens = 1
     """Tokens per KV page (SGLang `--page-size`, vLLM `--block-size`). Pools are whole pages."""
-    context_length: PositiveInt
-    """Longest request (prompt + completion) the service accepts, in tokens."""
+    context_length: PositiveInt = Field(json_schema_extra=CONTEXT_BOUND)
+    """Longest request (prompt + completion) the service accepts, in tokens (at most 16,777,216)."""
     min_kv_ratio: KVRatio = DEFAULT_MIN_KV_RATIO
     """Every role's KV pool must hold at least this many times contextLength tokens (S7)."""
     kv_pool_tokens: PoolTokens | None = None

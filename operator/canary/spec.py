@@ -50,10 +50,28 @@ MAX_CONTEXT_TOKENS = 16 * 1024 * 1024
 MIN_CONTEXT_TOKENS = 16
 
 
+MAX_PROMPT_BYTES = MAX_CONTEXT_TOKENS * 4 * 5
+"""Bound of overLength.maxPromptBytes: the longest prompt the canary can build at all, 320 MiB
+(prompts.MAX_FILLER_WORDS, 16Mi tokens x 4 words per token, x BYTES_PER_WORD, 5; spelled out here,
+where prompts.py cannot be imported). Every honest value is at most it: the default is 16 MiB, and a
+10M-token context's over-length prompt (contextFactor 1.25) is ~63 MB, ~295 MB at the densest count
+of words per token the estimate believes. Above the bound the limit no longer keeps a
+case from being built: a case over the filler cap (a 16Mi context at contextFactor 4 and more, or a
+large reported pool) went to `filler_words`, which refuses it, and the probe failed with a probe
+error, failing a healthy revision, where it should have skipped the case with a note. As `le=` it is
+in the CRD's schema too (`maximum`): an API server without the webhook refuses a larger value too."""
+
+
+CONTEXT_BOUND: dict[str, Any] = {"maximum": MAX_CONTEXT_TOKENS}
+"""The bound of `context_within_bound` in the CRD's schema (json_schema_extra), so that an API
+server without the webhook refuses the value too. A stored value above it has not parsed since the
+bound came (reconcile: InvalidSpec, the rollout halted), so the schema's copy stops nothing that ran."""
+
+
 def context_within_bound(value: int) -> int:
     """A context length the canary can size its requests from (this model's and the
-    InferenceModel's contextLength). A validator, not `le=`: the bound stays out of the CRD schema
-    (generated from these models)."""
+    InferenceModel's contextLength). A validator, not `le=`, for this message; the schema holds the
+    same bound (`CONTEXT_BOUND`)."""
     if value > MAX_CONTEXT_TOKENS:
         raise ValueError(f"must be at most {MAX_CONTEXT_TOKENS:,} tokens")
     return value
@@ -61,6 +79,11 @@ def context_within_bound(value: int) -> int:
 
 # A timeout beyond a day is a typo; aiohttp and asyncio overflow on huge or infinite ones.
 MAX_TIMEOUT_SECONDS = 86400.0
+TIMEOUT_BOUND: dict[str, Any] = {"maximum": MAX_TIMEOUT_SECONDS}
+"""The validators' bound of a timeout, in the CRD's schema too (as `CONTEXT_BOUND`)."""
+Delay = Annotated[float, Field(json_schema_extra={"minimum": 0.0, **TIMEOUT_BOUND})]
+"""A delay in seconds, 0 .. MAX_TIMEOUT_SECONDS: the validator refuses the list with its message, the
+schema each item."""
 
 MAX_GENERATED_TOKENS = 4096
 """The most tokens a probe request asks for by default (`maxTokens`). The probes judge text
@@ -248,7 +271,9 @@ class OverLengthSpec(_ProbeSpec):
     max_prompt_bytes: int = Field(
         16 * 1024 * 1024,
         ge=1024,
-        description="Cases whose prompt would be larger than this are skipped (with a note).",
+        le=MAX_PROMPT_BYTES,
+        description="Cases whose prompt would be larger than this are skipped (with a note). At most 320 MiB, the "
+        "longest filler prompt the canary builds.",
     )
 
 
@@ -258,7 +283,7 @@ class AbortSpec(_ProbeSpec):
         default_factory=lambda: [4],
         description="Disconnect a streaming request after this many content chunks (one run each).",
     )
-    prefill_disconnect_after_seconds: list[float] = Field(
+    prefill_disconnect_after_seconds: list[Delay] = Field(
         default_factory=lambda: [0.01, 0.05],
         description="Disconnect a long-prompt request this long after sending it (queued, prefill or "
         "transfer phase; one run each).",
@@ -269,6 +294,7 @@ class AbortSpec(_ProbeSpec):
     pool_recovery_timeout_seconds: float = Field(
         5.0,
         gt=0.0,
+        json_schema_extra=TIMEOUT_BOUND,
         description="KV pool usage must return to its baseline within this time after an abort (S4).",
     )
     pool_recovery_fraction: float = Field(
@@ -389,8 +415,19 @@ class ContinuousSpec(_SpecModel):
     )
 
 
+ANY_PROBE_ENABLED = {
+    # `_something_enabled` for the API server. A section left out is enabled (its default), as is one
+    # without `enabled`; a stored canary with every probe off has not parsed since that check came.
+    "rule": " || ".join(f"!has(self.{to_camel(p.value)}) || !has(self.{to_camel(p.value)}.enabled) || "
+                        f"self.{to_camel(p.value)}.enabled" for p in ProbeName),
+    "message": "every probe is disabled; enable at least one",
+}  # fmt: skip
+
+
 class CanarySpec(_SpecModel):
     """Configuration of the canary coherence suite (part of the InferenceModel CRD)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{**ANY_PROBE_ENABLED}]})
 
     model: str | None = Field(
         None, description="Model name sent in requests; default: the first of /v1/models."
@@ -400,7 +437,7 @@ class CanarySpec(_SpecModel):
     )
     max_tokens: int = Field(8, ge=1, le=MAX_GENERATED_TOKENS, description="Tokens generated per probe request.")
     context_length: int | None = Field(
-        None, ge=16,
+        None, ge=16, json_schema_extra=CONTEXT_BOUND,
         description="Context length of the target, for servers that do not advertise one (no max_model_len in "
         "/v1/models, no /server_info); it sizes isolation's long requests and the over-length cases. When unset, "
         "the operator uses the InferenceModel's contextLength.",
@@ -411,10 +448,10 @@ class CanarySpec(_SpecModel):
         "every engine accepts.",
     )
     request_timeout_seconds: float = Field(
-        20.0, gt=0.0, description="A request that takes longer fails (hangs are failures)."
+        20.0, gt=0.0, json_schema_extra=TIMEOUT_BOUND, description="A request that takes longer fails (hangs are failures)."
     )
     suite_timeout_seconds: float | None = Field(
-        300.0, gt=0.0, description="Time limit for the whole suite; probes not finished by then fail."
+        300.0, gt=0.0, json_schema_extra=TIMEOUT_BOUND, description="Time limit for the whole suite; probes not finished by then fail."
     )
     stop_on_failure: bool = Field(
         False, description="Stop at the first failing probe (faster verdict, less evidence)."
