@@ -101,15 +101,21 @@ not installed says which extra to install instead of printing a traceback."""
 
 
 def _stop_signals_from_the_start(command: str, argv: Sequence[str]) -> contextlib.AbstractContextManager[None]:
-    """For the commands that promise exit 130 on SIGTERM too (`canary`, `apply --local`, `demo`):
-    the stop signals as one KeyboardInterrupt from here on, before the parser imports every command
-    module and the command its dependencies (pydantic, aiohttp, torch). Installed only in the
-    command, it left the first ~0.4 s to the default action: a SIGTERM then ended `kvguard
-    canary` by the signal, -15, not 130 (outside probe). The command's own handler nests inside."""
+    """For the commands that promise exit 130 on SIGTERM too (`canary`, `apply --local`, `demo`),
+    and `serve`, which promises exit 0 on SIGINT, SIGTERM or SIGHUP during start-up too: the stop
+    signals as one KeyboardInterrupt from here on, before the parser imports every command module
+    and the command its dependencies (pydantic, aiohttp, torch). Installed only in the command, it
+    left the first ~0.4 s to the default action: a SIGTERM then ended `kvguard canary` by the
+    signal, -15, not 130, and `kvguard serve` with 143 (outside probes). The command's own
+    handler nests inside (serve's replaces it before it starts any worker)."""
     if command in ("canary", "demo") or (command == "apply" and "--local" in argv):
         from kvguard.interrupts import stop_signals_as_one_interrupt
 
         return stop_signals_as_one_interrupt()
+    if command == "serve":
+        from kvguard.interrupts import stop_signals_as_one_interrupt
+
+        return stop_signals_as_one_interrupt(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
     return contextlib.nullcontext()
 
 
@@ -129,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # stdout on a full disk fails here, in the handlers below, not at exit
             return code
     except KeyboardInterrupt:
+        if command == "serve":  # before its own handlers, so before any worker started
+            print("kvguard serve: stopped during start-up", file=sys.stderr)
+            return 0
         print(f"kvguard {command}: interrupted" if command else "kvguard: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ModuleNotFoundError as exc:

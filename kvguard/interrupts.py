@@ -2,7 +2,9 @@
 `--delete`, `kvguard demo`, `kvguard canary`): the same cleanup either way, one line and exit 130,
 not death by the signal and not a traceback. `kvguard.cli.main` takes them up for those commands
 before it imports any command module, so a signal during the imports is exit 130 too (only the
-interpreter's own start, before any of kvguard runs, is left to the default action)."""
+interpreter's own start, before any of kvguard runs, is left to the default action). It does the
+same for `kvguard serve` until serve's own handlers are in place, with SIGHUP too, and there the
+interrupt is exit 0 ("stopped during start-up"), as serve promises."""
 
 from __future__ import annotations
 
@@ -21,16 +23,17 @@ T = TypeVar("T")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _heeded_stop_signals() -> list[signal.Signals]:
+def _heeded_stop_signals(signals: tuple[signal.Signals, ...] = _STOP_SIGNALS) -> list[signal.Signals]:
     """The stop signals this process does not ignore. A shell starts a background job (`cmd &` in
     a script, nohup) with SIGINT ignored, and Python then leaves it ignored; so do these handlers
     (a suite run as such a job saw SIGINT as SIG_IGN)."""
-    return [number for number in _STOP_SIGNALS if signal.getsignal(number) is not signal.SIG_IGN]
+    return [number for number in signals if signal.getsignal(number) is not signal.SIG_IGN]
 
 
 @contextlib.contextmanager
-def stop_signals_as_one_interrupt(ending_the_process: bool = True) -> Iterator[None]:
-    """Inside, the first SIGINT or SIGTERM raises KeyboardInterrupt, so the Ctrl-C path runs
+def stop_signals_as_one_interrupt(ending_the_process: bool = True,
+                                  signals: tuple[signal.Signals, ...] = _STOP_SIGNALS) -> Iterator[None]:  # fmt: skip
+    """Inside, the first SIGINT or SIGTERM (or any of `signals`) raises KeyboardInterrupt, so the Ctrl-C path runs
     either way; later ones are ignored while that path cleans up (a second signal 0.2 s after the
     first killed `apply` mid-cleanup with 143, an outside probe found). Wrap the whole command,
     its `except KeyboardInterrupt` included. The cleanup is bounded; SIGKILL still ends it.
@@ -47,7 +50,7 @@ def stop_signals_as_one_interrupt(ending_the_process: bool = True) -> Iterator[N
             stopping = True
             raise KeyboardInterrupt
 
-    previous = {number: signal.signal(number, handler) for number in _heeded_stop_signals()}
+    previous = {number: signal.signal(number, handler) for number in _heeded_stop_signals(signals)}
     try:
         yield
     finally:
