@@ -298,7 +298,7 @@ def describe_target(target: Any) -> list[str]:
     lines = [f"target: model {model}; context {context}; smallest KV pool {pool}; engine {engines}"]
     if target.metrics_without_engine:
         lines.append(f"  metrics without engine series (router?): {', '.join(target.metrics_without_engine)}")
-    lines += [f"  note: {one_line(note)}" for note in target.context_notes]
+    lines += [f"  note: {one_line(note)}" for note in [*target.context_notes, *target.notes]]
     return lines
 
 

@@ -21,6 +21,12 @@ stopped at max_tokens (or at the context length). An answer that says so with fe
 tokens than that is an aborted request reported as finished (sglang#33507) and is an error. So is
 usage claiming more completion tokens than max_tokens allowed, and a stream with more non-empty
 text chunks than max_tokens or than its usage counts (each chunk carries at least one token).
+
+A server that refuses the `seed` field (a 400 or 422 about it: `responses.seed_refusal`; an
+OpenAI-compatible server that does not support it) is asked once more without it, and the client
+remembers that (`EngineClient.seed_refused`): its later requests go without a seed, at no extra
+round trip. Every answer a probe compares is greedy (temperature 0), which a seed does not change,
+and the sampled requests never carry one, so no check is lost; the report says it was left out.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from kvguard.operator.canary.responses import (
     choice_texts,
     parse_body,
     parse_json_text,
+    seed_refusal,
     sse_data,
 )
 from kvguard.operator.canary.spec import ApiKind
@@ -177,7 +184,8 @@ class Completion:
 
 
 class EngineClient:
-    """Requests against one base URL; greedy decoding and a fixed seed on every generation."""
+    """Requests against one base URL; greedy decoding and a fixed seed on every generation (none
+    once the server has refused it: `seed_refused`)."""
 
     def __init__(
         self,
@@ -196,6 +204,9 @@ class EngineClient:
         self.timeout_seconds = timeout_seconds
         self.context_length = context_length  # for the finish_reason "length" check; None: unknown
         self.observer: Observer | None = None
+        self.seed_refused: str | None = None
+        """What the server said when it refused `seed` (its first such answer, one line); from then
+        on this client sends none. None while it takes the seed (or has not been asked)."""
 
     def request_body(
         self, api: ApiKind, prompt: str, max_tokens: int, stream: bool, top_logprobs: int | None = None
@@ -204,9 +215,10 @@ class EngineClient:
             "model": self.model,
             "max_tokens": max_tokens,
             "temperature": 0,
-            "seed": self.seed,
             "stream": stream,
         }
+        if self.seed_refused is None:
+            body["seed"] = self.seed
         if api == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -252,7 +264,8 @@ class EngineClient:
         production traffic runs (no temperature, no seed)."""
         body = self.request_body(api, prompt, max_tokens, stream, top_logprobs)
         if sampled:
-            del body["temperature"], body["seed"]
+            del body["temperature"]
+            body.pop("seed", None)
 
         async def read(resp: aiohttp.ClientResponse, result: Completion, started: float) -> None:
             if stream and resp.status == 200 and _is_event_stream(resp):
@@ -260,8 +273,7 @@ class EngineClient:
             else:
                 _read_json(await read_text(resp), result)
 
-        result = await _with_retries(lambda: self._exchange(
-            api, body, Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens), read))
+        result = await self._send(api, body, lambda: Completion(label=label or f"{api} stream={stream}", max_tokens=max_tokens), read)
         over = clip_text_to_budget(result)
         if result.error is None and result.status != 200:
             result.error = f"HTTP {result.status}"
@@ -299,7 +311,7 @@ class EngineClient:
             else:
                 result.body = await read_text(resp)
 
-        result = await _with_retries(lambda: self._exchange(api, body, Completion(label=label, max_tokens=max_tokens * count * n), read))
+        result = await self._send(api, body, lambda: Completion(label=label, max_tokens=max_tokens * count * n), read)
         if result.error is None and not streamed:
             payload, result.error = parse_json_text(result.body)
             if result.error is None:
@@ -318,6 +330,24 @@ class EngineClient:
             texts = {k: v[:budget] for k, v in texts.items()}
         self._observe(prompts if isinstance(prompts, str) else "\n".join(prompts), result)
         return result, texts
+
+    async def _send(
+        self, api: ApiKind, body: dict[str, Any], fresh: Callable[[], Completion],
+        read: Callable[[aiohttp.ClientResponse, Completion, float], Awaitable[None]],
+    ) -> Completion:  # fmt: skip
+        """`body` POSTed, asked again while its answer says "not now" (`_with_retries`), and once
+        more without `seed` when the answer refuses that field (`seed_refusal`): the client then
+        sends no seed again (`seed_refused`). The outcome kept lists the refused attempt among its
+        retries. `fresh` makes each attempt's empty outcome."""
+        result = await _with_retries(lambda: self._exchange(api, body, fresh(), read))
+        if "seed" not in body or (words := seed_refusal(result.status, result.body)) is None:
+            return result
+        self.seed_refused = self.seed_refused or words
+        earlier = [*result.retried, f"HTTP {result.status}: the server refuses `seed`; sent again without it"]
+        unseeded = {key: value for key, value in body.items() if key != "seed"}
+        result = await _with_retries(lambda: self._exchange(api, unseeded, fresh(), read))
+        result.retried = earlier + result.retried
+        return result
 
     async def _exchange(
         self, api: ApiKind, body: dict[str, Any], result: Completion,
@@ -357,8 +387,10 @@ class EngineClient:
                 private, self.base_url, model=self.model, seed=self.seed,
                 timeout_seconds=self.timeout_seconds, context_length=self.context_length,
             )
+            solo.seed_refused = self.seed_refused
             task = asyncio.create_task(solo.complete(prompt, api=api, max_tokens=max_tokens, stream=True))
             done, _ = await asyncio.wait({task}, timeout=after_seconds)
+            self.seed_refused = self.seed_refused or solo.seed_refused
             if done:
                 finished = task.result()
                 finished.label, finished.disconnected = label, False

@@ -158,6 +158,14 @@ class TargetInfo(_ReportModel):
     metrics_without_engine: list[str] = Field(
         default_factory=list, description="Metrics URLs that answered without any engine's metrics (a router?)."
     )
+    seed_refused_by: list[str] = Field(
+        default_factory=list, description="The servers (target, baseline URL) that refused the `seed` field: each was "
+        "asked once more without it, and sent none from then on."
+    )
+    notes: list[str] = Field(
+        default_factory=list, description="Notes on the run as a whole: what was sent differently to suit a server "
+        "(a refused `seed`), and what that leaves unchecked."
+    )
 
 
 class CanaryReport(_ReportModel):

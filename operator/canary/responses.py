@@ -9,6 +9,7 @@ canary must never read "HTTP 200" as "it worked".
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +242,73 @@ def parse_json_text(raw: str) -> tuple[Any, str | None]:
         return None, f"malformed JSON body ({exc.msg} at position {exc.pos}){start}"
     except (ValueError, RecursionError) as exc:  # an integer past Python's digit limit; nesting past its stack
         return None, f"a JSON body Python will not hold ({type(exc).__name__}: {str(exc)[:120]})"
+
+
+SEED_REFUSAL_STATUSES = frozenset({400, 422})
+"""How a server says a request is malformed: 400 (OpenAI, vLLM, SGLang, ours) or 422 (a FastAPI
+server validating the body with pydantic)."""
+_SEED = r"['\"`]?\bseed\b['\"`]?"
+_NAMES_SEED = re.compile(
+    "|".join([
+        # "Unrecognized request argument supplied: seed", "Unsupported parameter: 'seed'", "unknown field `seed`"
+        r"\b(?:parameter|argument|field|param|property|key|option)s?\b[\w ]{0,24}?[:\s]\s*" + _SEED,
+        # "seed is not supported", "'seed' is not a supported parameter", "seed parameter not allowed"
+        _SEED + r"\s*(?:(?:parameter|argument|field|param|option)\s+)?(?:is\s+|are\s+)?(?:not\s+(?:a\s+)?|un)"
+        r"(?:supported|recognized|recognised|allowed|permitted|known|expected)",
+        r"\b(?:does\s+not|doesn't|do\s+not|cannot|can't)\s+(?:support|accept)\s+(?:the\s+)?" + _SEED,
+        # pydantic, as a string: "seed\n  Extra inputs are not permitted", "'loc': ('body', 'seed')"
+        _SEED + r"\W{0,4}\s*extra\s+(?:inputs|fields)\s+(?:are\s+)?not\s+permitted",
+        r"['\"]body['\"]\s*,\s*['\"]seed['\"]",
+        # its value refused: "seed must be between 0 and 2^32 - 1", "invalid value for 'seed'"
+        _SEED + r"\s+(?:must|should|is\s+out\s+of\s+range|out\s+of\s+range)\b",
+        r"\binvalid\s+(?:value\s+for\s+)?" + _SEED,
+    ]),
+    re.IGNORECASE,
+)
+
+
+def seed_refusal(status: int | None, raw: str) -> str | None:
+    """What the server said, one line, when its answer refuses the request's `seed` field (the field
+    itself, or its value); None for any other answer. A refusal is a 400 or 422 that says so in the
+    shapes servers use: an error whose `param` is "seed" (OpenAI's shape); one without a `param`
+    whose message names seed as the parameter refused ("Unrecognized request argument supplied:
+    seed", "'seed' is not supported", pydantic's "Extra inputs are not permitted" at ('body',
+    'seed')); or a FastAPI `detail` list every entry of which is located at the seed field. An error
+    whose `param` names another field, a message that mentions the word in passing, and the input a
+    validation error echoes back (which carries the request's seed whatever was wrong) are not."""
+    if status not in SEED_REFUSAL_STATUSES:
+        return None
+    payload, error = parse_json_text(raw)
+    if error is not None or not isinstance(payload, dict):
+        return None
+    detail = payload.get("detail")
+    if "error" in payload or payload.get("object") == "error":
+        nested = payload.get("error", payload)
+        if isinstance(nested, str):
+            return _naming_seed(nested)
+        if not isinstance(nested, dict):
+            return None
+        message = nested.get("message")
+        message = message if isinstance(message, str) else ""
+        param = nested.get("param")
+        if isinstance(param, str) and param.strip():
+            return one_line(message or "param: seed", 300) if param.strip().lower() == "seed" else None
+        return _naming_seed(message)
+    if isinstance(detail, str):
+        return _naming_seed(detail)
+    if isinstance(detail, list) and detail and all(_located_at_seed(entry) for entry in detail):
+        return one_line("; ".join(f"{'.'.join(map(str, e['loc']))}: {e.get('msg', '')}" for e in detail), 300)
+    return None
+
+
+def _naming_seed(message: str) -> str | None:
+    return one_line(message, 300) if _NAMES_SEED.search(message) else None
+
+
+def _located_at_seed(entry: Any) -> bool:
+    """A FastAPI validation error entry (`{"loc": ["body", "seed"], "msg": ..., "input": ...}`) about the seed field."""
+    loc = entry.get("loc") if isinstance(entry, dict) else None
+    return isinstance(loc, list | tuple) and bool(loc) and loc[-1] == "seed"
 
 
 def sse_data(line: str) -> str | None:

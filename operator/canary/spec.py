@@ -445,7 +445,7 @@ class CanarySpec(_SpecModel):
     seed: int = Field(
         1234, ge=SEED_MIN, le=SEED_MAX,
         description="Sampling seed sent with every request (decoding is greedy); a signed 64-bit integer, the range "
-        "every engine accepts.",
+        "every engine accepts. A server that refuses the field is sent none from then on (the report notes it).",
     )
     request_timeout_seconds: float = Field(
         20.0, gt=0.0, json_schema_extra=TIMEOUT_BOUND, description="A request that takes longer fails (hangs are failures)."

@@ -114,6 +114,7 @@ async def run_suite(
                 duration_seconds=took, time_to_verdict_seconds=took,
             )
         results, first_failure = await _run_probes(ctx, started, deadline, progress)
+        note_seed_refusals(ctx)
     duration = time.monotonic() - started
     verdict, reason = _verdict(results)
     return CanaryReport(
@@ -308,6 +309,24 @@ async def _run_one(probe: Probe, ctx: RunContext, deadline: float | None) -> Pro
 def _notify(progress: ProgressCallback | None, event: ProgressEvent) -> None:
     if progress is not None:
         progress(event)
+
+
+SEED_LEAVES_NOTHING_UNCHECKED = (
+    "nothing is left unchecked: every answer the probes compare is greedy (temperature 0), which a seed does not "
+    "change, and the sampled requests carry none"
+)
+"""What sending no seed costs the probes. A probe that compares sampled answers across runs would
+need the seed; none does (isolation judges its sampled answers by their nonces alone), and one
+that comes to must say here what is then not checked."""
+
+
+def note_seed_refusals(ctx: RunContext) -> None:
+    """Into the report: each server that refused `seed` (target, baseline), and what that leaves."""
+    for role, client in (("target", ctx.target), ("baseline", ctx.baseline)):
+        if client is not None and client.seed_refused is not None:
+            ctx.info.seed_refused_by.append(client.base_url)
+            ctx.info.notes.append(f"the {role} {client.base_url} refuses `seed` ({client.seed_refused}): its requests "
+                                  f"were sent without it; {SEED_LEAVES_NOTHING_UNCHECKED}")  # fmt: skip
 
 
 CONTENT_PROBES = frozenset({ProbeName.GOLDEN, ProbeName.DETERMINISM, ProbeName.ISOLATION})
