@@ -5,7 +5,7 @@ hash of the prompt), counts a prompt's tokens as its words, keeps a KV-pool usag
 exposes `/metrics` in kvguard, SGLang or vLLM style. Switches make it misbehave the ways a broken
 engine does: leak the previous request's content, accept over-length prompts, hang, send
 malformed bodies, send a 200 that carries an error, die mid-stream, hold pages after a disconnect,
-bump safety counters.
+bump safety counters, refuse the `seed` field.
 """
 
 from __future__ import annotations
@@ -128,6 +128,10 @@ class Behaviour:
     # connection closed ("close"); every other request is served as usual.
     transient_at: int | None = None
     transient: str = "503"
+    # A generation request carrying `seed` is refused, as by a server that does not support it:
+    # "param" (400, OpenAI's shape: the error's param is "seed"), "message" (400, param null, the
+    # message naming it; flat_errors respected) or "detail" (422, FastAPI's validation list).
+    refuse_seed: str | None = None
 
 
 class FakeEngine:
@@ -147,6 +151,7 @@ class FakeEngine:
         self.prefilled: set[tuple[str, bool, bool, int]] = set()  # cached_repeat_tokens: requests seen
         self.largest_prompt_bytes = 0  # of the prompts received (one prompt per request)
         self.generation_requests = 0  # transient_at counts them
+        self.seeded_requests = 0  # generation requests whose body carried `seed`
         self.ring_cursor = 0  # wrap_ring_tokens: the next free slot
         self.ring_start_owner: str | None = None  # ...and the prompt that wrote slot 0 last
         self.registry = CollectorRegistry()
@@ -214,6 +219,10 @@ class FakeEngine:
         self.generation_requests += 1
         if self.generation_requests == self.b.transient_at:
             return self._transient(request)
+        if "seed" in body:
+            self.seeded_requests += 1
+            if self.b.refuse_seed is not None:
+                return self._refuse_seed(body["seed"])
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if isinstance(prompt, list):
@@ -246,6 +255,16 @@ class FakeEngine:
             self._violations.inc()
         sampled = body.get("temperature") is None or float(body["temperature"]) > 0
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat, int(body.get("n") or 1), sampled)
+
+    def _refuse_seed(self, seed: object) -> web.Response:
+        if self.b.refuse_seed == "detail":
+            entry = {"type": "extra_forbidden", "loc": ["body", "seed"], "msg": "Extra inputs are not permitted", "input": seed}
+            return web.json_response({"detail": [entry]}, status=422)
+        if self.b.refuse_seed == "message":
+            return self.error_response(400, "Unrecognized request argument supplied: seed", "invalid_request_error")
+        body = {"error": {"message": "Unsupported parameter: 'seed' is not supported with this model.",
+                          "type": "invalid_request_error", "param": "seed", "code": "unsupported_parameter"}}  # fmt: skip
+        return web.json_response(body, status=400)
 
     def _transient(self, request: web.Request) -> web.Response:
         if self.b.transient == "close":
