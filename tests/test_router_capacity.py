@@ -25,6 +25,7 @@ from waiting import until, wait_for
 
 from kvguard.workers.backpressure import Slots
 from kvguard.workers.launcher import LocalDeployment
+from kvguard.workers.openai_api import OpenAIError
 from kvguard.workers.protocol import FinishEvent, GenerateRequest, SamplingParams, TokenEvent
 from kvguard.workers.router import ChoicePace, Siblings, _paced
 
@@ -384,7 +385,7 @@ async def test_paced_choices_reserve_whole_pages_and_requests_take_turns_in_the_
         yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
 
     async def run(pace: ChoicePace, request: GenerateRequest) -> None:
-        async with contextlib.aclosing(_paced(pace, Siblings(0.0, 60.0), generate, request)) as events:
+        async with contextlib.aclosing(_paced(pace, Siblings(asyncio.get_running_loop().time() + 60, 60.0), generate, request)) as events:
             async for _ in events:
                 pass
 
@@ -409,6 +410,61 @@ async def test_paced_choices_reserve_whole_pages_and_requests_take_turns_in_the_
     finish["alone"].set()
     await run(alone, _choice("alone", 10, 500))
     assert started[-1] == "alone" and alone.room.free == 256
+
+
+async def test_a_choice_waits_for_the_shared_room_only_until_its_first_token_deadline() -> None:
+    """The room is shared with other tenants' requests, so waiting in it is waiting for a first
+    token: bounded by the request's deadline (a 504), not by how long the others generate. A review:
+    a request of two 4-token choices waited 13 s behind another tenant's at --request-timeout 2."""
+    room = Slots(1024)
+    hold = asyncio.Event()
+    timed_out: list[str] = []
+
+    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        await hold.wait()
+        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
+
+    async def run(pace: ChoicePace, siblings: Siblings, request: GenerateRequest) -> None:
+        async with contextlib.aclosing(_paced(pace, siblings, generate, request)) as events:
+            async for _ in events:
+                pass
+
+    loop = asyncio.get_running_loop()
+    other = ChoicePace(room, 16, asyncio.Lock())
+    holding = asyncio.create_task(run(other, Siblings(loop.time() + 60, 60.0), _choice("other", 24, 1000)))
+    await until(lambda: room.free == 0, "another tenant's choice to fill the room")
+    late = ChoicePace(room, 16, asyncio.Lock(), lambda: timed_out.append("late"))
+    siblings = Siblings(loop.time() + 0.3, 60.0)
+    started = loop.time()
+    with pytest.raises(OpenAIError) as refused:
+        await asyncio.wait_for(run(late, siblings, _choice("late", 10, 6)), 5)
+    assert refused.value.status == 504 and loop.time() - started < 2, refused.value
+    assert siblings.failed and timed_out == ["late"] and room.waiting == 0 and room.free == 0
+    hold.set()
+    await holding
+    assert room.free == 1024
+
+
+def test_a_request_of_several_choices_behind_another_tenants_gets_its_504_at_its_deadline(tiny_model_dir: Path) -> None:
+    """End to end: another tenant's two long choices fill the shared room for ~10 s; a request of
+    two short choices answers at its --request-timeout (2 s), not when the others end."""
+    with deployment(tiny_model_dir, "delay_step_ms=20", context_length=1024, kv_pool_tokens=2048, request_timeout_s=2.0) as d:
+        model = served_model(d)
+        usage = requests.post(f"{d.api_base}/completions", json={"model": model, "max_tokens": 1, "prompt": "long"}, timeout=60)
+        prompt_tokens = usage.json()["usage"]["prompt_tokens"]
+        big = {"model": model, "prompt": "long", "max_tokens": 512 - prompt_tokens, "n": 2, "temperature": 0, "ignore_eos": True}
+        with cf.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(requests.post, f"{d.api_base}/completions", json=big, timeout=120)
+            wait_for(lambda: pools_used(d, ("decode",))["decode"] >= 1024, "the other tenant's choices filling the room")
+            started = time.monotonic()
+            late = requests.post(f"{d.api_base}/completions", json={"model": model, "prompt": "short", "max_tokens": 4, "n": 2},
+                                 timeout=120)  # fmt: skip
+            took = time.monotonic() - started
+            still_running = not other.done()
+            assert other.result().status_code == 200
+        assert late.status_code == 504 and late.json()["error"]["code"] == "timeout", late.text
+        assert took < 5 and still_running, took
+        wait_pools_empty(d)
 
 
 def test_requests_of_many_long_choices_together_leave_room_for_another_tenant(tiny_model_dir: Path) -> None:

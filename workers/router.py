@@ -870,7 +870,7 @@ class Router:
             ending: list[asyncio.Task[None]] = []  # the legs of generations that ended early, being aborted
             try:
                 generate: Generate = functools.partial(self._generate, ending=ending, siblings=siblings, arrived=arrived, lease=lease)
-                if (pace := self._pace(choices)) is not None:
+                if (pace := self._pace(choices, arrived)) is not None:
                     generate = functools.partial(_paced, pace, siblings, generate)
                 if body.streaming:
                     return await self._stream(request, choices, builder, body, prompt_tokens, generate)
@@ -916,7 +916,7 @@ class Router:
         else:
             lease.release_rest()
 
-    def _pace(self, choices: Sequence[Choice]) -> ChoicePace | None:
+    def _pace(self, choices: Sequence[Choice], arrived: float | None = None) -> ChoicePace | None:
         """The room in decode's KV pool that a request of several choices takes turns in (None: one
         choice, not paced).
 
@@ -942,7 +942,13 @@ class Router:
             # The workers' pools changed (a worker joined or left): choices started before give
             # their tokens back to the room they took them from; for a while both rooms admit.
             self._shared_room = Slots(room)
-        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock())
+        started = time.monotonic() if arrived is None else arrived
+
+        def timed_out() -> None:  # as a choice that waited out its deadline for a router slot counts
+            self.metrics.requests.labels("failed").inc()
+            self.metrics.request_duration.observe(time.monotonic() - started)
+
+        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock(), timed_out)
 
     def _evict(self, request: web.Request) -> None:
         """`Draining` gave this client's place to a generation that ended: every place is taken by
@@ -1827,6 +1833,8 @@ class ChoicePace:
     turn: asyncio.Lock
     """Held by the one choice of the request that waits for the room: the room grants in arrival
     order, so with one choice each in its queue, requests take turns."""
+    timed_out: Callable[[], None] = lambda: None
+    """Counts a choice that waited out its first-token deadline for the room (the router's metrics)."""
 
     @staticmethod
     def need(request: GenerateRequest, page: int) -> int:
@@ -1842,8 +1850,20 @@ async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, reque
     ended: the request progressed)."""
     room = pace.room
     tokens = min(ChoicePace.need(request, pace.page), room.capacity)  # one choice alone always fits (a small pool)
-    async with pace.turn:
-        await room.acquire(tokens)
+
+    async def take_turn() -> None:
+        async with pace.turn:
+            await room.acquire(tokens)
+
+    try:
+        # The room is shared with other tenants' requests: waiting in it is waiting for a first token,
+        # bounded as every such wait is (Siblings). Unbounded, a request of two choices waited behind
+        # another tenant's long generations for all of them (13 s at --request-timeout 2, a review).
+        await siblings.within(take_turn())
+    except TimeoutError:
+        siblings.failed = True  # its siblings, cancelled for it, end as `sibling_failed`
+        pace.timed_out()
+        raise OpenAIError(504, "the request timed out waiting for room in decode's KV pool", code="timeout") from None
     try:
         siblings.progressed()
         async with contextlib.aclosing(generate(request)) as events:
