@@ -365,6 +365,59 @@ def test_requests_of_several_choices_share_a_room_that_leaves_one_whole_request_
     assert paced_room(2048, 2048, 16, [(10, 16)]) is None  # one choice: never paced
 
 
+async def test_the_shared_room_keeps_what_its_choices_hold_when_decodes_pool_changes() -> None:
+    """A worker joining or leaving (or its health flapping) changes the smallest decode pool, and
+    with it the room. A new room at each change admitted a whole room more each time, the choices
+    already running uncounted (a review: pools 2048 -> 4096 -> 2048 let 2048 tokens into a room of
+    1024). The one room is resized instead, and what its choices hold comes back to it."""
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.protocol import Role, WorkerInfo
+    from kvguard.workers.router import Choice, Router, RouterConfig, Upstream, Upstreams
+
+    def set_pool(router: Router, pool: int) -> None:
+        def worker(role: Role) -> Upstream:
+            info = WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=pool, page_size=16)
+            return Upstream(f"http://{role.value}", info)
+
+        router._upstreams = Upstreams([worker(Role.PREFILL)], [worker(Role.DECODE)])
+
+    config = RouterConfig(prefill_urls=("http://prefill",), decode_urls=("http://decode",), model_name="m")
+    router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
+    choices = [Choice(i, _choice(f"r-{i}", 12, 500)) for i in range(2)]  # 512 tokens each
+    set_pool(router, 2048)
+    first = router._pace(choices)
+    assert first is not None and first.room.capacity == 1024
+    await first.room.acquire(1024)  # two choices of 512 running
+    set_pool(router, 4096)  # a larger decode pool for a while: room 3072
+    grown = router._pace(choices)
+    assert grown is not None and grown.room.capacity == 3072 and grown.room.free == 2048
+    await grown.room.acquire(1024)
+    set_pool(router, 2048)  # back: room 1024, and 2048 held in it
+    shrunk = router._pace(choices)
+    assert shrunk is not None and shrunk.room.capacity == 1024 and shrunk.room.free == -1024
+    waiter = asyncio.create_task(shrunk.room.acquire(512))
+    await asyncio.sleep(0)
+    assert not waiter.done()  # nothing more starts before the held tokens come back
+    first.room.release(1024)  # the first choices end: into the one room
+    await asyncio.sleep(0)
+    assert not waiter.done() and shrunk.room.free == 0
+    grown.room.release(1024)
+    await waiter
+    assert shrunk.room.free == 512
+    shrunk.room.release(512)
+    # A waiter queued for more than a shrunk room is let in alone, once all of it is free.
+    room = Slots(1024)
+    await room.acquire(16)
+    big = asyncio.create_task(room.acquire(1024))
+    await asyncio.sleep(0)
+    room.resize(512)
+    room.release(16)
+    await big
+    assert room.free == 512 - 1024
+    room.release(1024)
+    assert room.free == 512
+
+
 def _choice(rid: str, prompt: int, max_tokens: int) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=(1,) * prompt, sampling=SamplingParams(max_tokens=max_tokens))
 

@@ -80,6 +80,14 @@ class Slots:
         self.free += count
         self._grant()
 
+    def resize(self, capacity: int) -> None:
+        """A new capacity, the units held kept: they come back as they are released (`free` is below 0
+        until enough have, when it shrank). A holder still waiting for more than the new capacity is
+        granted once every unit is free (one holder alone is always let in)."""
+        self.free += capacity - self.capacity
+        self.capacity = capacity
+        self._grant()
+
     def _grant(self) -> None:
         while self._queue:
             count, granted = self._queue[0]
@@ -88,7 +96,7 @@ class Slots:
                 # gave it the units, set_result raised, and they were lost for good (a review).
                 self._queue.popleft()
                 continue
-            if count > self.free:
+            if count > self.free and self.free < self.capacity:  # (more than all of it: alone, `resize`)
                 return
             self._queue.popleft()
             self.free -= count

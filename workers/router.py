@@ -938,10 +938,13 @@ class Router:
         upstreams = self.upstreams
         pool = upstreams.smallest_decode_pool
         room = max(pool - upstreams.request_limit, pool // 2)
-        if self._shared_room is None or self._shared_room.capacity != room:
-            # The workers' pools changed (a worker joined or left): choices started before give
-            # their tokens back to the room they took them from; for a while both rooms admit.
+        if self._shared_room is None:
             self._shared_room = Slots(room)
+        elif self._shared_room.capacity != room:
+            # The workers' pools changed (a worker joined or left, or its health flapped): the one
+            # room takes the new size, the choices started before still counted in it. A new room
+            # each time admitted a whole room more at every change (a review: a flapping worker).
+            self._shared_room.resize(room)
         started = time.monotonic() if arrived is None else arrived
 
         def timed_out() -> None:  # as a choice that waited out its deadline for a router slot counts
