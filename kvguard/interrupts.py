@@ -55,7 +55,13 @@ def stop_signals_as_one_interrupt(ending_the_process: bool = True,
         yield
     finally:
         for number, former in previous.items():
-            signal.signal(number, signal.SIG_IGN if stopping and ending_the_process else former)
+            if stopping and ending_the_process:
+                signal.signal(number, signal.SIG_IGN)
+            elif signal.getsignal(number) is handler:
+                signal.signal(number, former)
+            # else the command put its own in place (`serve`'s, which stop it with 0): it stays until the
+            # process ends, as it did before this handler came first; putting the default back let a
+            # second signal, after serve had stopped its workers, end it with 143 or a traceback
 
 
 @contextlib.contextmanager

@@ -367,6 +367,25 @@ def test_kvguard_serve_stopped_in_its_first_moments_exits_0(signum: signal.Signa
     assert err.strip().splitlines()[-1] == "kvguard serve: stopped during start-up", err
 
 
+def test_a_commands_own_stop_handlers_stay_in_place_after_the_early_ones() -> None:
+    """`kvguard serve` puts its own handlers (stop, exit 0) over the early ones once its imports are
+    done. Leaving the block put the defaults back over them: a second Ctrl-C or SIGTERM after serve
+    had stopped its workers, while the interpreter finalized, ended it with a traceback or 143
+    (a review of 7678377). The command's own stay; the early ones go back to what was before."""
+    before = signal.getsignal(signal.SIGTERM)
+
+    def own(_number: int, _frame: object) -> None:
+        pass
+
+    try:
+        with stop_signals_as_one_interrupt(signals=(signal.SIGTERM, signal.SIGHUP)):
+            signal.signal(signal.SIGTERM, own)
+        assert signal.getsignal(signal.SIGTERM) is own
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # not replaced: restored
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_an_interrupted_apply_names_a_delete_command_that_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """Its hint said `kvguard apply --delete --state-dir DIR`, which answers "only --local is
