@@ -57,7 +57,7 @@ def test_a_burst_beyond_the_slots_waits_in_the_router_and_every_request_is_serve
     wait_pools_empty(narrow)
 
 
-def stalled_stream(d: LocalDeployment, max_tokens: int = 900) -> socket.socket:
+def stalled_stream(d: LocalDeployment, max_tokens: int = 900, n: int = SLOTS) -> socket.socket:
     """A streaming request from a socket that reads nothing: a tiny receive window, so that the
     router's writes block once the kernel's and aiohttp's buffers are full."""
     url = urlsplit(d.router_url)
@@ -67,7 +67,7 @@ def stalled_stream(d: LocalDeployment, max_tokens: int = 900) -> socket.socket:
     # 20 alternatives per token, 4 choices: ~5 MB in all, more than the kernel's send buffer (up to 4 MB
     # by default) and aiohttp's hold
     body = json.dumps({"model": served_model(d), "messages": [{"role": "user", "content": "never read"}], "max_tokens": max_tokens,
-                       "temperature": 0, "logprobs": True, "top_logprobs": 20, "n": SLOTS, "stream": True}).encode()  # fmt: skip
+                       "temperature": 0, "logprobs": True, "top_logprobs": 20, "n": n, "stream": True}).encode()  # fmt: skip
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
     assert sock.recv(1, socket.MSG_PEEK) == b"H"  # the answer has begun: its choices hold the slots
@@ -202,6 +202,26 @@ def test_a_slow_readers_slots_go_back_when_its_generations_end_not_when_it_has_r
     assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received, received[-200:]  # all of it
     assert metric(paced, "router", "kvguard_aborts_total", cause="client_disconnect") == 0
     wait_pools_empty(paced)
+
+
+def test_a_slow_reader_gives_the_shared_room_back_when_its_generations_end_at_the_workers(tiny_model_dir: Path) -> None:
+    """Requests of several choices share one room in decode's pool (`Router._pace`). A review: a
+    choice gave its part back only when its client had read its last event, so one client that
+    reads nothing kept the room full long after decode had freed the pages, and every other
+    tenant's request of several choices waited for it (here: a 504). It comes back when the
+    generation has ended at both workers, as its router slot does."""
+    with deployment(tiny_model_dir, "delay_step_ms=5", context_length=1024, kv_pool_tokens=4096,
+                    write_timeout_s=120.0, request_timeout_s=10.0) as d:  # fmt: skip
+        stalled = stalled_stream(d, n=3)  # 3 x ~920 tokens of a room of 3072, ~5 MB of answer unread
+        try:
+            wait_pools_empty(d, roles=("decode",))  # decode has finished all three; their client read ~none
+            answer = completion(d, "another tenant", n=2, max_tokens=300)  # 2 x 320: more than the 312 left
+            assert answer.status_code == 200, answer.text
+            received = read_until_the_end(stalled)
+        finally:
+            stalled.close()
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received, received[-200:]  # all of it
+        wait_pools_empty(d)
 
 
 def test_a_client_that_reads_slowly_is_not_a_client_that_reads_nothing(narrow: LocalDeployment) -> None:

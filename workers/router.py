@@ -1310,6 +1310,7 @@ class Router:
             def release(task: asyncio.Task[None]) -> None:
                 if not task.cancelled() and task.exception() is None:
                     lease.release_one(request.request_id)
+                    siblings.done_at_the_workers(request.request_id)
 
             prefill_task.add_done_callback(release)
 
@@ -1804,6 +1805,7 @@ class Siblings:
     request_timeout_s: float
     failed: bool = False
     _waiting: set[asyncio.Timeout] = field(default_factory=set)
+    _at_workers_end: dict[str, Callable[[], None]] = field(default_factory=dict)
 
     async def within(self, waiting: Awaitable[T]) -> T:
         """`waiting`, or TimeoutError at the first-token deadline (which may move on meanwhile)."""
@@ -1813,6 +1815,18 @@ class Siblings:
                 return await waiting
             finally:
                 self._waiting.discard(timer)
+
+    def when_done_at_the_workers(self, request_id: str, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once generation `request_id` has ended cleanly at both workers (None:
+        forget it): what it holds of theirs can be given back before its client has read it all."""
+        if callback is None:
+            self._at_workers_end.pop(request_id, None)
+        else:
+            self._at_workers_end[request_id] = callback
+
+    def done_at_the_workers(self, request_id: str) -> None:
+        if (callback := self._at_workers_end.pop(request_id, None)) is not None:
+            callback()
 
     def progressed(self) -> None:
         """A choice produced tokens: the others' deadline is --request-timeout from now."""
@@ -1848,9 +1862,12 @@ class ChoicePace:
 async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, request: GenerateRequest,
                  ) -> AsyncGenerator[TokenEvent | FinishEvent, None]:  # fmt: skip
     """One choice of a request paced by `Router._pace`: it starts once the choices ahead of it, its
-    request's and other requests' of several choices, leave room in `pace`. Its TTFT counts from the request's arrival, as a choice's that waited in
-    decode's queue behind its siblings does; its first-token deadline from its start (a sibling
-    ended: the request progressed)."""
+    request's and other requests' of several choices, leave room in `pace`. Its TTFT counts from
+    the request's arrival, as a choice's that waited in decode's queue behind its siblings does;
+    its first-token deadline from its start (a sibling ended: the request progressed). Its tokens
+    go back to the room once neither worker holds anything of it (`Siblings.done_at_the_workers`),
+    not when its client has read the last event: a slow reader held the room every tenant's
+    requests of several choices share (a review)."""
     room = pace.room
     tokens = min(ChoicePace.need(request, pace.page), room.capacity)  # one choice alone always fits (a small pool)
 
@@ -1867,13 +1884,23 @@ async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, reque
         siblings.failed = True  # its siblings, cancelled for it, end as `sibling_failed`
         pace.timed_out()
         raise OpenAIError(504, "the request timed out waiting for room in decode's KV pool", code="timeout") from None
+    given_back = False
+
+    def give_back() -> None:
+        nonlocal given_back
+        if not given_back:
+            given_back = True
+            room.release(tokens)
+
+    siblings.when_done_at_the_workers(request.request_id, give_back)
     try:
         siblings.progressed()
         async with contextlib.aclosing(generate(request)) as events:
             async for event in events:
                 yield event
     finally:
-        room.release(tokens)
+        siblings.when_done_at_the_workers(request.request_id, None)
+        give_back()
 
 
 DecodeCall = tuple[AsyncIterator[DecodeEvent], "OpenChannel | None"]

@@ -240,7 +240,8 @@ class KVSender:
         self._abort(opened, transfer, reason)
         opened.sending.pop(transfer.request_id, None)
         self._end(transfer, self._failed(transfer, FailureReason.CANCELLED, reason))
-        await opened.writer.drain()
+        async with asyncio.timeout(self._config.stall_timeout_s):  # a decode that reads nothing: TimeoutError
+            await opened.writer.drain()
 
     # -- internals ----------------------------------------------------------------------------
 
