@@ -245,6 +245,7 @@ def test_choices_queued_behind_their_own_siblings_wait_while_the_request_produce
     # however fast the machine; 3 s keeps a gap on a loaded machine far inside it.
     request_timeout = 3.0
     with deployment(tiny_model_dir, "delay_step_ms=1", kv_pool_tokens=2048, request_timeout_s=request_timeout) as d:
+        assert complete(d, "warm-up", 4)  # a fresh deployment's first request is its slowest (a load audit)
         started = time.monotonic()
         # 8,000 paced steps' tokens: the client waits as long as a loaded machine needs (the 504 it
         # guards against comes from the router, not from this timeout).

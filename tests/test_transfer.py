@@ -443,12 +443,17 @@ async def test_a_prefill_slower_than_a_stall_still_delivers_s4() -> None:
     Decode's stall timer governs from OPEN on; before it, the (much longer) open timeout does. A
     stall timer armed at bootstrap failed every request whose prefill outlasted one stall."""
     ids, gens = plan(3)
+    # A stall of its own, longer than STALL_S: after OPEN it must not fire, and sender and receiver
+    # share this event loop, so a pause of the process (GC, a starved core) as long as the stall
+    # would fire it with the chunk already in the socket (a load audit: 0.3 s was the suite's
+    # tightest must-not-fire bound).
+    stall_s = 1.0
     async with make_pair() as p:
-        e = p.expect("r", ids, gens, stall_timeout_s=STALL_S, open_timeout_s=PATIENT_S)
+        e = p.expect("r", ids, gens, stall_timeout_s=stall_s, open_timeout_s=PATIENT_S)
         loop = asyncio.get_running_loop()
-        late = loop.time() + 4 * STALL_S
-        while loop.time() < late:  # prefill still computing: four stalls pass without a frame
-            await asyncio.sleep(STALL_S / 4)
+        late = loop.time() + 2 * stall_s
+        while loop.time() < late:  # prefill still computing: two stalls pass without a frame
+            await asyncio.sleep(stall_s / 4)
         assert not e.transfer.done() and e.transfer.state is TransferState.EXPECTED
         assert (await p.sender.send(e.ticket, chunks_of("r", ids))).ok
         assert (await e.wait()).ok
