@@ -204,14 +204,19 @@ def test_a_slow_readers_slots_go_back_when_its_generations_end_not_when_it_has_r
     wait_pools_empty(paced)
 
 
-def test_a_slow_reader_gives_the_shared_room_back_when_its_generations_end_at_the_workers(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("token_channel", [True, False])
+def test_a_slow_reader_gives_the_shared_room_back_when_its_generations_end_at_the_workers(
+    tiny_model_dir: Path, token_channel: bool,
+) -> None:
     """Requests of several choices share one room in decode's pool (`Router._pace`). A review: a
     choice gave its part back only when its client had read its last event, so one client that
     reads nothing kept the room full long after decode had freed the pages, and every other
     tenant's request of several choices waited for it (here: a 504). It comes back when the
-    generation has ended at both workers, as its router slot does."""
+    generation has ended at both workers, as its router slot does. With --token-channel off too:
+    decode's engine frees the pages whatever its handler has written, and the router read decode's
+    own stream only as fast as the client read (a review: the same 504 with decode's pool empty)."""
     with deployment(tiny_model_dir, "delay_step_ms=5", context_length=1024, kv_pool_tokens=4096,
-                    write_timeout_s=120.0, request_timeout_s=10.0) as d:  # fmt: skip
+                    write_timeout_s=120.0, request_timeout_s=10.0, token_channel=token_channel) as d:  # fmt: skip
         stalled = stalled_stream(d, n=3)  # 3 x ~920 tokens of a room of 3072, ~5 MB of answer unread
         try:
             wait_pools_empty(d, roles=("decode",))  # decode has finished all three; their client read ~none
@@ -438,6 +443,80 @@ async def test_the_shared_room_keeps_what_its_choices_hold_when_decodes_pool_cha
     assert room.free == 512
 
 
+async def test_a_choice_that_ends_waiting_for_the_shared_room_is_counted_once() -> None:
+    """The router counts every generation once (kvguard_requests_total, kvguard_aborts_total). A
+    review: a paced choice whose client left, or whose sibling failed, while it waited for the room
+    was counted nowhere (`Router._generate` never ran for it): a cut `n: 4` request counted 2."""
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.protocol import Role, WorkerInfo
+    from kvguard.workers.router import Choice, Router, RouterConfig, Upstream, Upstreams
+
+    config = RouterConfig(prefill_urls=("http://prefill",), decode_urls=("http://decode",), model_name="m")
+    router = Router(config, encoder=None, keys=RevisionKeys.derive(b"k" * 32))  # type: ignore[arg-type]
+    info = {role: WorkerInfo(role=role, model="m", context_length=1024, kv_pool_tokens=2048, page_size=16) for role in Role}
+    router._upstreams = Upstreams([Upstream("http://prefill", info[Role.PREFILL])], [Upstream("http://decode", info[Role.DECODE])])
+    pace = router._pace([Choice(i, _choice(f"r-{i}", 12, 500)) for i in range(2)])
+    assert pace is not None
+    await pace.room.acquire(1024)  # another tenant's choices fill the room
+
+    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
+
+    async def wait_and_cancel(siblings: Siblings) -> None:
+        async def run() -> None:
+            async with contextlib.aclosing(_paced(pace, siblings, generate, _choice("waiting", 12, 500))) as events:
+                async for _ in events:
+                    pass
+
+        task = asyncio.create_task(run())
+        await until(lambda: pace.room.waiting == 512, "the choice to wait for the room")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    def counted(name: str, **labels: str) -> float:
+        return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    loop = asyncio.get_running_loop()
+    await wait_and_cancel(Siblings(loop.time() + 60, 60.0))  # its client left
+    assert counted("kvguard_requests_total", outcome="aborted") == 1
+    assert counted("kvguard_aborts_total", cause="client_disconnect") == 1
+    failed = Siblings(loop.time() + 60, 60.0)
+    failed.failed = True  # a sibling failed: it is cancelled for it
+    await wait_and_cancel(failed)
+    assert counted("kvguard_requests_total", outcome="failed") == 1
+    assert counted("kvguard_aborts_total", cause="sibling_failed") == 1
+    assert counted("kvguard_router_request_duration_seconds_count") == 2 and pace.room.waiting == 0
+
+
+async def test_a_choice_sized_for_the_room_before_it_shrank_still_gets_its_turn() -> None:
+    """A choice is sized against the room when its turn comes, not before: a choice that waited for
+    its sibling's turn while the room shrank (decode's smallest pool changed) asked for more than
+    the whole room and failed an assertion (a review)."""
+    room = Slots(1024)
+    finish: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        await finish[request.request_id].wait()
+        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
+
+    async def run(pace: ChoicePace, request: GenerateRequest) -> None:
+        async with contextlib.aclosing(_paced(pace, Siblings(asyncio.get_running_loop().time() + 60, 60.0), generate, request)) as events:
+            async for _ in events:
+                pass
+
+    other = asyncio.create_task(run(ChoicePace(room, 16, asyncio.Lock()), _choice("other", 10, 1000)))
+    await until(lambda: room.free == 0, "another request's choice to fill the room")
+    mine = ChoicePace(room, 16, asyncio.Lock())
+    tasks = [asyncio.create_task(run(mine, _choice(f"mine-{i}", 10, 1000))) for i in range(2)]
+    await until(lambda: room.waiting == 1024, "one of its choices to wait in the room, the other for its turn")
+    room.resize(512)
+    for rid in ("other", "mine-0", "mine-1"):
+        finish[rid].set()
+    await asyncio.wait_for(asyncio.gather(other, *tasks), 5)
+    assert room.free == 512
+
+
 def _choice(rid: str, prompt: int, max_tokens: int) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=(1,) * prompt, sampling=SamplingParams(max_tokens=max_tokens))
 
@@ -491,7 +570,7 @@ async def test_a_choice_waits_for_the_shared_room_only_until_its_first_token_dea
     a request of two 4-token choices waited 13 s behind another tenant's at --request-timeout 2."""
     room = Slots(1024)
     hold = asyncio.Event()
-    timed_out: list[str] = []
+    timed_out: list[tuple[str, str]] = []
 
     async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
         await hold.wait()
@@ -506,13 +585,13 @@ async def test_a_choice_waits_for_the_shared_room_only_until_its_first_token_dea
     other = ChoicePace(room, 16, asyncio.Lock())
     holding = asyncio.create_task(run(other, Siblings(loop.time() + 60, 60.0), _choice("other", 24, 1000)))
     await until(lambda: room.free == 0, "another tenant's choice to fill the room")
-    late = ChoicePace(room, 16, asyncio.Lock(), lambda: timed_out.append("late"))
+    late = ChoicePace(room, 16, asyncio.Lock(), lambda cause, outcome: timed_out.append((cause, outcome)))
     siblings = Siblings(loop.time() + 0.3, 60.0)
     started = loop.time()
     with pytest.raises(OpenAIError) as refused:
         await asyncio.wait_for(run(late, siblings, _choice("late", 10, 6)), 5)
     assert refused.value.status == 504 and loop.time() - started < 2, refused.value
-    assert siblings.failed and timed_out == ["late"] and room.waiting == 0 and room.free == 0
+    assert siblings.failed and timed_out == [("timeout", "failed")] and room.waiting == 0 and room.free == 0
     hold.set()
     await holding
     assert room.free == 1024
@@ -584,3 +663,7 @@ def test_paced_requests_cut_mid_stream_give_every_slot_back(tiny_model_dir: Path
         after = api.completions.create(model=model, prompt="after", n=SLOTS, max_tokens=8)
         assert [c.finish_reason for c in whole.choices] == ["length"] * SLOTS and len(after.choices) == SLOTS
         assert metric(d, "router", "kvguard_router_waiting_choices") == 0
+        # Every generation of the cut requests counted once, those still waiting for room too (they
+        # were not counted at all: 6 of 12, a review).
+        assert metric(d, "router", "kvguard_requests_total", outcome="aborted") == 3 * SLOTS
+        assert metric(d, "router", "kvguard_aborts_total", cause="client_disconnect") == 3 * SLOTS

@@ -947,11 +947,13 @@ class Router:
             self._shared_room.resize(room)
         started = time.monotonic() if arrived is None else arrived
 
-        def timed_out() -> None:  # as a choice that waited out its deadline for a router slot counts
-            self.metrics.requests.labels("failed").inc()
+        def ended(cause: str, outcome: str) -> None:  # as a choice that ended waiting for a router slot counts
+            if cause != AbortCause.TIMEOUT:  # (a timeout here is counted as one for a router slot: no abort)
+                self.metrics.aborts.labels(cause).inc()
+            self.metrics.requests.labels(outcome).inc()
             self.metrics.request_duration.observe(time.monotonic() - started)
 
-        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock(), timed_out)
+        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock(), ended)
 
     def _evict(self, request: web.Request) -> None:
         """`Draining` gave this client's place to a generation that ended: every place is taken by
@@ -1403,7 +1405,12 @@ class Router:
             resp = await self._post_decode(url, request, timeout, stack, given_up)
             if resp.status != 200:
                 raise await _upstream_error(resp)
-            return _decode_events(resp), None
+            # Read as decode sends it, not as the client reads it: decode's engine finishes and frees
+            # the pages whatever its handler has written, and only the finish read here tells the
+            # router so (`on_finish`), as the token channel's inbox does. Read as the client read,
+            # a stalled reader held the shared room and its slots long after decode had freed the
+            # pages (a review: another tenant's n=2 request got a 504 with decode's pool empty).
+            return _read_ahead(_decode_events(resp), on_finish), None
         # The request's own stream is read only until the handoff; after it, the bound between two
         # events applies to its inbox (_channel_events).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
@@ -1585,6 +1592,34 @@ async def _decode_events(resp: aiohttp.ClientResponse) -> AsyncIterator[DecodeEv
 
 
 DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent | HandoffEvent
+
+
+async def _read_ahead(events: AsyncIterator[DecodeEvent], on_finish: Callable[[], None]) -> AsyncIterator[DecodeEvent]:
+    """`events`, read by a task of their own as they come (held here for a reader that lags, as a
+    token channel's inbox holds them), `on_finish` called once decode's finish is read; what ends
+    the reading (an error, a timeout) comes after the events before it. Closing this ends the reading."""
+    held: asyncio.Queue[DecodeEvent | BaseException | None] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async with contextlib.aclosing(events) as reading:  # type: ignore[type-var]
+                async for event in reading:
+                    held.put_nowait(event)
+                    if type(event) is FinishEvent:
+                        on_finish()
+            held.put_nowait(None)
+        except Exception as exc:  # the consumer raises it in its turn
+            held.put_nowait(exc)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (item := await held.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 async def _open(reader: ChannelReader) -> OpenChannel:
@@ -1850,8 +1885,10 @@ class ChoicePace:
     turn: asyncio.Lock
     """Held by the one choice of the request that waits for the room: the room grants in arrival
     order, so with one choice each in its queue, requests take turns."""
-    timed_out: Callable[[], None] = lambda: None
-    """Counts a choice that waited out its first-token deadline for the room (the router's metrics)."""
+    ended: Callable[[str, str], None] = lambda cause, outcome: None
+    """Counts a choice that ended while it waited for the room (abort cause, outcome), as the
+    router's metrics count every generation once: its first-token deadline passed, its client
+    left, or a sibling failed (none of these reach `Router._generate`, which counts the others)."""
 
     @staticmethod
     def need(request: GenerateRequest, page: int) -> int:
@@ -1869,10 +1906,14 @@ async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, reque
     not when its client has read the last event: a slow reader held the room every tenant's
     requests of several choices share (a review)."""
     room = pace.room
-    tokens = min(ChoicePace.need(request, pace.page), room.capacity)  # one choice alone always fits (a small pool)
+    tokens = 0
 
     async def take_turn() -> None:
+        nonlocal tokens
         async with pace.turn:
+            # Sized once it is this choice's turn: the room may have shrunk while it waited for it
+            # (`Slots.resize`), and one choice alone always fits (a small pool).
+            tokens = min(ChoicePace.need(request, pace.page), room.capacity)
             await room.acquire(tokens)
 
     try:
@@ -1882,8 +1923,14 @@ async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, reque
         await siblings.within(take_turn())
     except TimeoutError:
         siblings.failed = True  # its siblings, cancelled for it, end as `sibling_failed`
-        pace.timed_out()
+        pace.ended(AbortCause.TIMEOUT, "failed")
         raise OpenAIError(504, "the request timed out waiting for room in decode's KV pool", code="timeout") from None
+    except asyncio.CancelledError:  # it never started: counted here, or not at all (a review)
+        if siblings.failed:
+            pace.ended(AbortCause.SIBLING_FAILED, "failed")
+        else:
+            pace.ended(AbortCause.CLIENT_DISCONNECT, "aborted")
+        raise
     given_back = False
 
     def give_back() -> None:
