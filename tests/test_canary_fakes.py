@@ -130,7 +130,8 @@ class Behaviour:
     transient: str = "503"
     # A generation request carrying `seed` is refused, as by a server that does not support it:
     # "param" (400, OpenAI's shape: the error's param is "seed"), "message" (400, param null, the
-    # message naming it; flat_errors respected) or "detail" (422, FastAPI's validation list).
+    # message naming it; flat_errors respected) or "detail" (422, FastAPI's validation list);
+    # "leaky": as "param", but the refusal names the newest nonce of another request's prompt.
     refuse_seed: str | None = None
 
 
@@ -222,7 +223,8 @@ class FakeEngine:
         if "seed" in body:
             self.seeded_requests += 1
             if self.b.refuse_seed is not None:
-                return self._refuse_seed(body["seed"])
+                words = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
+                return self._refuse_seed(body["seed"], words if isinstance(words, str) else " ".join(words))
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if isinstance(prompt, list):
@@ -256,7 +258,11 @@ class FakeEngine:
         sampled = body.get("temperature") is None or float(body["temperature"]) > 0
         return await self._serve(request, prompt, prompt_tokens, max_tokens, stream, chat, int(body.get("n") or 1), sampled)
 
-    def _refuse_seed(self, seed: object) -> web.Response:
+    def _refuse_seed(self, seed: object, prompt: str) -> web.Response:
+        if self.b.refuse_seed == "leaky" and (foreign := self.foreign_nonce(prompt)) is not None:
+            # Another tenant's words in the refusal itself (an error path that echoes a shared buffer).
+            return self.error_response(400, f"Unrecognized request argument supplied: seed (last input: {foreign})",
+                                       "invalid_request_error")  # fmt: skip
         if self.b.refuse_seed == "detail":
             entry = {"type": "extra_forbidden", "loc": ["body", "seed"], "msg": "Extra inputs are not permitted", "input": seed}
             return web.json_response({"detail": [entry]}, status=422)

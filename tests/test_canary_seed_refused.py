@@ -163,6 +163,23 @@ async def test_a_seed_refusing_server_that_leaks_fails_isolation(server: Running
     assert server.engine.seeded_requests == 1
 
 
+@pytest.mark.parametrize("server", [Behaviour(refuse_seed="leaky")], indirect=True)
+async def test_the_answer_that_refused_seed_is_observed_too(server: RunningServer) -> None:
+    """Every answer is searched for other tenants' nonces (the suite's observer), the refused
+    attempt's too (a review: only the attempt sent again without `seed` was). Here a server that
+    echoes another tenant's input in its refusal: a client still sending seeds meets it."""
+    heard: list[str] = []
+    tenant_a, tenant_b = "tenant a writes 0123456789abcdef", "tenant b writes fedcba9876543210"
+    async with aiohttp.ClientSession() as session:
+        first = EngineClient(session, server.url, model="fake-model")
+        assert (await first.complete(tenant_a, max_tokens=4)).ok  # refused, then served without seed
+        second = EngineClient(session, server.url, model="fake-model")
+        second.observer = lambda prompt, result: heard.append(result.body)
+        answer = await second.complete(tenant_b, max_tokens=4)
+    assert answer.ok and second.seed_refused is not None
+    assert any("0123456789abcdef" in body for body in heard), heard  # tenant A's nonce, in B's refusal
+
+
 @pytest.mark.parametrize("server", [Behaviour(refuse_seed="message", nondeterministic=True)], indirect=True)
 async def test_a_seed_refusing_server_whose_greedy_output_varies_fails_determinism(server: RunningServer) -> None:
     report = await run(server, spec().only([ProbeName.DETERMINISM]))

@@ -135,6 +135,7 @@ class Completion:
     disconnected: bool = False
     clipped: bool = False  # more text than max_tokens x MAX_TOKEN_CHARS: its error, text cut (clip_text_to_budget)
     retried: list[str] = field(default_factory=list)  # what each earlier attempt got (RETRIED_STATUSES, no connection)
+    seed_refused_by: Completion | None = None  # the attempt whose answer refused `seed` (EngineClient._send)
     retry_after_header: float | None = None  # the server's Retry-After, in seconds, when it sent one
     seconds: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # seconds after sending, per text chunk
@@ -345,8 +346,10 @@ class EngineClient:
         self.seed_refused = self.seed_refused or words
         earlier = [*result.retried, f"HTTP {result.status}: the server refuses `seed`; sent again without it"]
         unseeded = {key: value for key, value in body.items() if key != "seed"}
+        refused = result
         result = await _with_retries(lambda: self._exchange(api, unseeded, fresh(), read))
         result.retried = earlier + result.retried
+        result.seed_refused_by = refused  # observed too: a leak can hide in an error's words
         return result
 
     async def _exchange(
@@ -370,6 +373,8 @@ class EngineClient:
 
     def _observe(self, prompt: str, result: Completion) -> None:
         if self.observer is not None:
+            if result.seed_refused_by is not None:
+                self.observer(prompt, result.seed_refused_by)
             self.observer(prompt, result)
 
     async def disconnect_during_prefill(
