@@ -491,22 +491,36 @@ async def test_a_choice_that_ends_waiting_for_the_shared_room_is_counted_once() 
     assert counted("kvguard_router_request_duration_seconds_count") == 2 and pace.room.waiting == 0
 
 
+def _choice(rid: str, prompt: int, max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=(1,) * prompt, sampling=SamplingParams(max_tokens=max_tokens))
+
+
+class PacedChoices:
+    """Choices run through `_paced` with a stand-in for the workers: each generation starts (in
+    `started`) and ends when the test sets its `finish` event."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.finish: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
+        self.started.append(request.request_id)
+        await self.finish[request.request_id].wait()
+        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
+
+    async def run(self, pace: ChoicePace, request: GenerateRequest, siblings: Siblings | None = None) -> None:
+        siblings = siblings or Siblings(asyncio.get_running_loop().time() + 60, 60.0)
+        async with contextlib.aclosing(_paced(pace, siblings, self.generate, request)) as events:
+            async for _ in events:
+                pass
+
+
 async def test_a_choice_sized_for_the_room_before_it_shrank_still_gets_its_turn() -> None:
     """A choice is sized against the room when its turn comes, not before: a choice that waited for
     its sibling's turn while the room shrank (decode's smallest pool changed) asked for more than
     the whole room and failed an assertion (a review)."""
-    room = Slots(1024)
-    finish: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
-
-    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
-        await finish[request.request_id].wait()
-        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
-
-    async def run(pace: ChoicePace, request: GenerateRequest) -> None:
-        async with contextlib.aclosing(_paced(pace, Siblings(asyncio.get_running_loop().time() + 60, 60.0), generate, request)) as events:
-            async for _ in events:
-                pass
-
+    room, choices = Slots(1024), PacedChoices()
+    run, finish = choices.run, choices.finish
     other = asyncio.create_task(run(ChoicePace(room, 16, asyncio.Lock()), _choice("other", 10, 1000)))
     await until(lambda: room.free == 0, "another request's choice to fill the room")
     mine = ChoicePace(room, 16, asyncio.Lock())
@@ -519,8 +533,6 @@ async def test_a_choice_sized_for_the_room_before_it_shrank_still_gets_its_turn(
     assert room.free == 512
 
 
-def _choice(rid: str, prompt: int, max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_token_ids=(1,) * prompt, sampling=SamplingParams(max_tokens=max_tokens))
 
 
 async def test_paced_choices_reserve_whole_pages_and_requests_take_turns_in_the_shared_room() -> None:
@@ -528,21 +540,9 @@ async def test_paced_choices_reserve_whole_pages_and_requests_take_turns_in_the_
     page it can need (17 + 480 tokens take 512: page rounding was left out once, a review), a
     small request of two choices gets its turn between a large one's choices instead of waiting
     for all of them to start, and one choice larger than the room still runs, alone."""
-    room = Slots(1024)
+    room, choices = Slots(1024), PacedChoices()
     big, small = ChoicePace(room, 16, asyncio.Lock()), ChoicePace(room, 16, asyncio.Lock())
-    started: list[str] = []
-    finish: collections.defaultdict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
-
-    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
-        started.append(request.request_id)
-        await finish[request.request_id].wait()
-        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
-
-    async def run(pace: ChoicePace, request: GenerateRequest) -> None:
-        async with contextlib.aclosing(_paced(pace, Siblings(asyncio.get_running_loop().time() + 60, 60.0), generate, request)) as events:
-            async for _ in events:
-                pass
-
+    run, started, finish = choices.run, choices.started, choices.finish
     tasks = [asyncio.create_task(run(big, _choice(f"big-{i}", 17, 480))) for i in range(4)]
     await until(lambda: started == ["big-0", "big-1"] and room.waiting == 512, "two of big's choices to fill the room")
     tasks += [asyncio.create_task(run(small, _choice(f"small-{i}", 10, 6))) for i in range(2)]
@@ -570,31 +570,20 @@ async def test_a_choice_waits_for_the_shared_room_only_until_its_first_token_dea
     """The room is shared with other tenants' requests, so waiting in it is waiting for a first
     token: bounded by the request's deadline (a 504), not by how long the others generate. A review:
     a request of two 4-token choices waited 13 s behind another tenant's at --request-timeout 2."""
-    room = Slots(1024)
-    hold = asyncio.Event()
+    room, choices = Slots(1024), PacedChoices()
     timed_out: list[tuple[str, str]] = []
-
-    async def generate(request: GenerateRequest) -> AsyncGenerator[TokenEvent | FinishEvent, None]:
-        await hold.wait()
-        yield FinishEvent(finish_reason="length", prompt_tokens=1, completion_tokens=1)
-
-    async def run(pace: ChoicePace, siblings: Siblings, request: GenerateRequest) -> None:
-        async with contextlib.aclosing(_paced(pace, siblings, generate, request)) as events:
-            async for _ in events:
-                pass
-
     loop = asyncio.get_running_loop()
     other = ChoicePace(room, 16, asyncio.Lock())
-    holding = asyncio.create_task(run(other, Siblings(loop.time() + 60, 60.0), _choice("other", 24, 1000)))
+    holding = asyncio.create_task(choices.run(other, _choice("other", 24, 1000)))
     await until(lambda: room.free == 0, "another tenant's choice to fill the room")
     late = ChoicePace(room, 16, asyncio.Lock(), lambda cause, outcome: timed_out.append((cause, outcome)))
     siblings = Siblings(loop.time() + 0.3, 60.0)
     started = loop.time()
     with pytest.raises(OpenAIError) as refused:
-        await asyncio.wait_for(run(late, siblings, _choice("late", 10, 6)), 5)
+        await asyncio.wait_for(choices.run(late, _choice("late", 10, 6), siblings), 5)
     assert refused.value.status == 504 and loop.time() - started < 2, refused.value
     assert siblings.failed and timed_out == [("timeout", "failed")] and room.waiting == 0 and room.free == 0
-    hold.set()
+    choices.finish["other"].set()
     await holding
     assert room.free == 1024
 
