@@ -58,6 +58,7 @@ class Behaviour:
     # prompt's tokens (a fork that copied another sequence's KV); refuse_n: 400 for `n` > 1.
     crossed_forks: bool = False
     refuse_n: bool = False
+    refuse_n_message: str = "n must be 1 when using greedy sampling"
     fail_forks: bool = False  # 500 kv_tag_violation for a prompt list with `n` > 1 (a fork read a stale page)
     prompt_tokens_drift: bool = False  # usage.prompt_tokens grows by one per request (counted from others)
     advertise_context: bool = True  # max_model_len in /v1/models (transformers serve sends none)
@@ -229,7 +230,7 @@ class FakeEngine:
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if isinstance(prompt, list):
             if int(body.get("n") or 1) > 1 and self.b.refuse_n:
-                return self.error_response(400, "n must be 1 when using greedy sampling", "invalid_value")
+                return self.error_response(400, self.b.refuse_n_message, "invalid_value")
             if int(body.get("n") or 1) > 1 and self.b.fail_forks:
                 return self.error_response(500, "request r-1: KV page lease is stale (S1); request failed", "kv_tag_violation")
             return self._prompt_list(prompt, int(body.get("max_tokens") or 16), int(body.get("n") or 1))

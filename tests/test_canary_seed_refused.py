@@ -191,6 +191,20 @@ async def test_a_seed_refusing_server_whose_greedy_output_varies_fails_determini
 # Other refusals are not retried ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("server", [Behaviour(refuse_n=True, refuse_n_message="param n must be 1 when seed is set")],
+                         indirect=True)  # fmt: skip
+async def test_a_refusal_that_names_seed_in_passing_is_not_taken_for_a_seed_refusal(server: RunningServer) -> None:
+    """A review: words that name seed in passing read as a seed refusal, so the client dropped the
+    seed for the run and the report said the server refused it. The answer without `seed` is the
+    same refusal: that answer stands, and later requests still carry the seed."""
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(session, server.url, model="fake-model")
+        answer, _ = await client.complete_list(["one", "two"], max_tokens=4, label="prompt list", n=2)
+        assert answer.status == 400 and client.seed_refused is None and answer.seed_refused_by is None
+        again = await client.complete("three", max_tokens=4)
+        assert again.ok and server.engine.seeded_requests == 2  # the first request's and this one's
+
+
 @pytest.mark.parametrize("server", [Behaviour(refuse_n=True)], indirect=True)
 async def test_a_refusal_of_another_field_is_not_retried_without_the_seed(server: RunningServer) -> None:
     async with aiohttp.ClientSession() as session:

@@ -339,16 +339,20 @@ class EngineClient:
         """`body` POSTed, asked again while its answer says "not now" (`_with_retries`), and once
         more without `seed` when the answer refuses that field (`seed_refusal`): the client then
         sends no seed again (`seed_refused`). The outcome kept lists the refused attempt among its
-        retries. `fresh` makes each attempt's empty outcome."""
+        retries. An answer refused the same way without `seed` was not about it (a message that
+        names seed in passing, a review): that answer stands, and the seed is still sent. `fresh`
+        makes each attempt's empty outcome."""
         result = await _with_retries(lambda: self._exchange(api, body, fresh(), read))
         if "seed" not in body or (words := seed_refusal(result.status, result.body)) is None:
             return result
-        self.seed_refused = self.seed_refused or words
-        earlier = [*result.retried, f"HTTP {result.status}: the server refuses `seed`; sent again without it"]
-        unseeded = {key: value for key, value in body.items() if key != "seed"}
         refused = result
+        unseeded = {key: value for key, value in body.items() if key != "seed"}
         result = await _with_retries(lambda: self._exchange(api, unseeded, fresh(), read))
-        result.retried = earlier + result.retried
+        if (result.status, result.body) == (refused.status, refused.body):
+            return refused
+        self.seed_refused = self.seed_refused or words
+        result.retried = [*refused.retried, f"HTTP {refused.status}: the server refuses `seed`; sent again without it",
+                          *result.retried]  # fmt: skip
         result.seed_refused_by = refused  # observed too: a leak can hide in an error's words
         return result
 
