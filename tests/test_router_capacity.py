@@ -137,17 +137,19 @@ def test_readers_of_finished_answers_are_as_many_as_the_slots_at_most(tiny_model
     client that keeps up never needs a place, nor one whose whole answer is in the kernel's
     buffers: its request ends with its generation, or with its last write.) Answers of ~10 MB, more
     than the kernel and aiohttp hold, so the router still writes them while the clients read."""
-    with deployment(tiny_model_dir, context_length=4096, kv_pool_tokens=8192, max_inflight_choices=SLOTS,
+    # A pool of 4 contexts: the room that requests of several choices share (`Router._pace`: the
+    # pool less one context) holds all SLOTS choices of 2,000 tokens at once, so they end at the
+    # workers together. (In a pool of 2 contexts they ran two and two, the second two only once
+    # the first had ended, and under load the test did not see the room fill.)
+    with deployment(tiny_model_dir, context_length=4096, kv_pool_tokens=16384, max_inflight_choices=SLOTS,
                     write_timeout_s=WRITE_TIMEOUT_S) as roomy:  # fmt: skip
         slow = SlowReader(stalled_stream(roomy, max_tokens=2000))
         ended_at: list[float] = []
 
         def ended_and_read_past_the_grace() -> bool:
             slow.read_some()
-            # All SLOTS of its generations ended at the workers (they run two at a time: the pools
-            # are empty for a moment between the two, which a poll could take for the end).
             if not ended_at and metric(roomy, "decode", "kvguard_requests_total", outcome="finished") >= SLOTS:
-                ended_at.append(time.monotonic())  # they fill the room
+                ended_at.append(time.monotonic())  # all its generations ended at the workers: they fill the room
             return bool(ended_at) and time.monotonic() - ended_at[0] > WRITE_TIMEOUT_S + 1.0
 
         try:

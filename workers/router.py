@@ -929,10 +929,10 @@ class Router:
         router: two such requests, each paced alone, still took the whole pool together, and a
         one-choice tenant waited 2-4 s for them (an outside probe). Requests take turns in it, a
         choice each (`ChoicePace.turn`), so a small request of two choices does not wait for all
-        of a large one's to start. Half the pool is always theirs
-        (a pool under twice the context, --allow-small-pool, leaves no whole request's room), and
-        the smallest decode pool is what counts: prefill holds a prompt only until it has sent it,
-        and choices spread over several decode workers only make the pacing cautious."""
+        of a large one's to start. Half the pool is always theirs (a pool under twice the context,
+        --allow-small-pool, leaves no whole request's room), and the smallest decode pool is what
+        counts: prefill holds a prompt only until it has sent it, and choices spread over several
+        decode workers only make the pacing cautious."""
         if len(choices) < 2:
             return None
         upstreams = self.upstreams
@@ -1596,8 +1596,10 @@ DecodeEvent = BootstrapEvent | TokenEvent | FinishEvent | ErrorEvent | HandoffEv
 
 async def _read_ahead(events: AsyncIterator[DecodeEvent], on_finish: Callable[[], None]) -> AsyncIterator[DecodeEvent]:
     """`events`, read by a task of their own as they come (held here for a reader that lags, as a
-    token channel's inbox holds them), `on_finish` called once decode's finish is read; what ends
-    the reading (an error, a timeout) comes after the events before it. Closing this ends the reading."""
+    token channel's inbox holds them: at most one generation's events, bounded by its max_tokens,
+    which decode's engine would otherwise hold), `on_finish` called once decode's finish is read;
+    what ends the reading (an error, a timeout) comes after the events before it. Closing this
+    ends the reading."""
     held: asyncio.Queue[DecodeEvent | BaseException | None] = asyncio.Queue()
 
     async def read() -> None:
@@ -1905,39 +1907,14 @@ async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, reque
     go back to the room once neither worker holds anything of it (`Siblings.done_at_the_workers`),
     not when its client has read the last event: a slow reader held the room every tenant's
     requests of several choices share (a review)."""
-    room = pace.room
-    tokens = 0
-
-    async def take_turn() -> None:
-        nonlocal tokens
-        async with pace.turn:
-            # Sized once it is this choice's turn: the room may have shrunk while it waited for it
-            # (`Slots.resize`), and one choice alone always fits (a small pool).
-            tokens = min(ChoicePace.need(request, pace.page), room.capacity)
-            await room.acquire(tokens)
-
-    try:
-        # The room is shared with other tenants' requests: waiting in it is waiting for a first token,
-        # bounded as every such wait is (Siblings). Unbounded, a request of two choices waited behind
-        # another tenant's long generations for all of them (13 s at --request-timeout 2, a review).
-        await siblings.within(take_turn())
-    except TimeoutError:
-        siblings.failed = True  # its siblings, cancelled for it, end as `sibling_failed`
-        pace.ended(AbortCause.TIMEOUT, "failed")
-        raise OpenAIError(504, "the request timed out waiting for room in decode's KV pool", code="timeout") from None
-    except asyncio.CancelledError:  # it never started: counted here, or not at all (a review)
-        if siblings.failed:
-            pace.ended(AbortCause.SIBLING_FAILED, "failed")
-        else:
-            pace.ended(AbortCause.CLIENT_DISCONNECT, "aborted")
-        raise
+    tokens = await _take_room(pace, siblings, request)
     given_back = False
 
     def give_back() -> None:
         nonlocal given_back
         if not given_back:
             given_back = True
-            room.release(tokens)
+            pace.room.release(tokens)
 
     siblings.when_done_at_the_workers(request.request_id, give_back)
     try:
@@ -1948,6 +1925,35 @@ async def _paced(pace: ChoicePace, siblings: Siblings, generate: Generate, reque
     finally:
         siblings.when_done_at_the_workers(request.request_id, None)
         give_back()
+
+
+async def _take_room(pace: ChoicePace, siblings: Siblings, request: GenerateRequest) -> int:
+    """This choice's tokens taken in the room, once its turn came and they fit (returns them).
+
+    Waiting in the room, shared with other tenants' requests, is waiting for a first token, bounded
+    as every such wait is (Siblings): unbounded, a request of two choices waited behind another
+    tenant's long generations for all of them (13 s at --request-timeout 2, a review). A choice
+    that ends here never reaches `Router._generate`, so it is counted here (`ChoicePace.ended`)."""
+    room, tokens = pace.room, 0
+
+    async def take_turn() -> None:
+        nonlocal tokens
+        async with pace.turn:
+            # Sized once it is this choice's turn: the room may have shrunk while it waited for it
+            # (`Slots.resize`), and one choice alone always fits (a small pool).
+            tokens = min(ChoicePace.need(request, pace.page), room.capacity)
+            await room.acquire(tokens)
+
+    try:
+        await siblings.within(take_turn())
+    except TimeoutError:
+        siblings.failed = True  # its siblings, cancelled for it, end as `sibling_failed`
+        pace.ended(AbortCause.TIMEOUT, "failed")
+        raise OpenAIError(504, "the request timed out waiting for room in decode's KV pool", code="timeout") from None
+    except asyncio.CancelledError:  # its client left, or a sibling failed
+        pace.ended(*((AbortCause.SIBLING_FAILED, "failed") if siblings.failed else (AbortCause.CLIENT_DISCONNECT, "aborted")))
+        raise
+    return tokens
 
 
 DecodeCall = tuple[AsyncIterator[DecodeEvent], "OpenChannel | None"]
