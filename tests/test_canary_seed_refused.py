@@ -13,29 +13,21 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from test_canary_adversarial_servers import run, spec
 from test_canary_fakes import Behaviour, RunningServer
 
 from kvguard.cli import main as cli_main
-from kvguard.operator.canary import CanaryReport, CanarySpec, ProbeName, ProbeStatus, Verdict, responses, run_suite
+from kvguard.operator.canary import CanaryReport, ProbeName, ProbeStatus, Verdict, responses, run_suite
 from kvguard.operator.canary.client import EngineClient
 
-FAST = {"abort": {"poolRecoveryTimeoutSeconds": 1.0}, "requestTimeoutSeconds": 60}
 SEED_NOTE = "refuses `seed`"
 NOTHING_LEFT = "nothing is left unchecked"
-
-
-def spec(**overrides: object) -> CanarySpec:
-    return CanarySpec.model_validate({**FAST, **overrides})
 
 
 @pytest.fixture
 def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     with RunningServer(getattr(request, "param", Behaviour())) as running:
         yield running
-
-
-async def run(server: RunningServer, canary: CanarySpec, **kwargs: object) -> CanaryReport:
-    return await run_suite(server.url, canary, metrics_urls=[server.metrics_url], **kwargs)  # type: ignore[arg-type]
 
 
 def probe(report: CanaryReport, name: ProbeName):  # type: ignore[no-untyped-def]

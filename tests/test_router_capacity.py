@@ -425,11 +425,10 @@ async def test_the_shared_room_keeps_what_its_choices_hold_when_decodes_pool_cha
     shrunk = router._pace(choices)
     assert shrunk is not None and shrunk.room.capacity == 1024 and shrunk.room.free == -1024
     waiter = asyncio.create_task(shrunk.room.acquire(512))
-    await asyncio.sleep(0)
+    await until(lambda: shrunk.room.waiting == 512, "the choice to queue in the shrunk room")
     assert not waiter.done()  # nothing more starts before the held tokens come back
     first.room.release(1024)  # the first choices end: into the one room
-    await asyncio.sleep(0)
-    assert not waiter.done() and shrunk.room.free == 0
+    assert shrunk.room.waiting == 512 and shrunk.room.free == 0  # still queued: the room is only back to full
     grown.room.release(1024)
     await waiter
     assert shrunk.room.free == 512
@@ -438,7 +437,7 @@ async def test_the_shared_room_keeps_what_its_choices_hold_when_decodes_pool_cha
     room = Slots(1024)
     await room.acquire(16)
     big = asyncio.create_task(room.acquire(1024))
-    await asyncio.sleep(0)
+    await until(lambda: room.waiting == 1024, "the large choice to queue in the room")
     room.resize(512)
     room.release(16)
     await big
