@@ -108,14 +108,11 @@ def _stop_signals_from_the_start(command: str, argv: Sequence[str]) -> contextli
     left the first ~0.4 s to the default action: a SIGTERM then ended `kvguard canary` by the
     signal, -15, not 130, and `kvguard serve` with 143 (outside probes). The command's own
     handler nests inside (serve's replaces it before it starts any worker)."""
-    if command in ("canary", "demo") or (command == "apply" and "--local" in argv):
+    if command in ("canary", "demo", "serve") or (command == "apply" and "--local" in argv):
         from kvguard.interrupts import stop_signals_as_one_interrupt
 
-        return stop_signals_as_one_interrupt()
-    if command == "serve":
-        from kvguard.interrupts import stop_signals_as_one_interrupt
-
-        return stop_signals_as_one_interrupt(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+        hangup = (signal.SIGHUP,) if command == "serve" else ()  # serve's promise covers a closed terminal too
+        return stop_signals_as_one_interrupt(signals=(signal.SIGINT, signal.SIGTERM, *hangup))
     return contextlib.nullcontext()
 
 
