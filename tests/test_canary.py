@@ -265,6 +265,32 @@ async def test_s4_pages_back_late_after_every_cut_fail_the_abort_probe(server: R
     assert "back to its baseline only" in result.reason and "again: the abort did not free its pages" in result.reason
 
 
+@pytest.mark.parametrize(
+    "server", [Behaviour(hold_pages_after_disconnect=0.3, runs_on_after_disconnect=True)], indirect=True
+)
+async def test_s4_a_cut_request_that_generates_on_fails_whatever_the_timing(server: RunningServer) -> None:
+    """CI: an engine that ignores aborts (its router never told decode) passed the abort probe once
+    on an idle machine, its generation on the tiny model being shorter than the timing rules could
+    tell from a correct engine's. A cut whose request went on to generate what it had left before
+    its pages came back ran on: here in 0.3 s, under every deadline, and it fails at once."""
+    report = await run(server, spec().only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.FAIL, report.to_json()
+    assert "the generation ran on" in result.reason and "the abort was not propagated" in result.reason, result.reason
+    usage = next(e for e in result.evidence if e.kind == "pool_usage")
+    assert usage.generated_tokens is not None and usage.generated_tokens > 0
+    assert not any(e.kind == "note" and "cutting once more" in e.message for e in result.evidence)
+
+
+@pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=0.3)], indirect=True)
+async def test_s4_pages_back_soon_with_nothing_generated_after_the_cut_pass(server: RunningServer) -> None:
+    """The same pages held as long, with no tokens generated after the cut: not a run-on."""
+    report = await run(server, spec().only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.PASS, report.to_json()
+    assert all(e.generated_tokens == 0 for e in result.evidence if e.kind == "pool_usage")
+
+
 async def test_s4_abort_probe_without_metrics_still_checks_isolation(server: RunningServer) -> None:
     report = await run_suite(server.url, spec().only([ProbeName.ABORT]))
     result = report.probe(ProbeName.ABORT)

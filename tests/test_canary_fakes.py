@@ -43,6 +43,9 @@ class Behaviour:
     nondeterministic: bool = False
     hold_pages_after_disconnect: float = 0.0  # seconds pages stay used after a client disconnect
     held_disconnects: int | None = None  # only the first N disconnects hold them (None: every one)
+    # An engine that ignores aborts: a held generation runs on to max_tokens, counted as generated
+    # (kvguard_generation_tokens_total) when its pages come back, as SGLang counts a finished request.
+    runs_on_after_disconnect: bool = False
     bump_tag_violations: bool = False
     fail_models: bool = False
     hang_models: bool = False  # GET /v1/models accepts the connection and never answers
@@ -163,6 +166,7 @@ class FakeEngine:
         self._violations = Counter("kvguard_tag_violations_total", "tags", registry=self.registry)
         self._checksum = Counter("kvguard_checksum_failures_total", "crc", registry=self.registry)
         self._stale = Counter("kvguard_stale_writes_dropped_total", "stale", registry=self.registry)
+        self._generated = Counter("kvguard_generation_tokens_total", "tokens", registry=self.registry)
 
     # --- app -------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -359,7 +363,8 @@ class FakeEngine:
         finally:
             self.serving -= 1
             if disconnected and self._holds_pages():
-                asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved)
+                ran_on = max_tokens if self.b.runs_on_after_disconnect else 0
+                asyncio.get_running_loop().call_later(self.b.hold_pages_after_disconnect, self._release, reserved, ran_on)
             else:
                 self._release(reserved)
 
@@ -411,8 +416,9 @@ class FakeEngine:
         """The requests in flight a swap may pair this one with."""
         return [f for f in self.in_flight if not self.b.swap_same_path or f[1] == path]
 
-    def _release(self, tokens: int) -> None:
+    def _release(self, tokens: int, generated: int = 0) -> None:
         self.used_tokens -= tokens
+        self._generated.inc(generated)
 
     def _body(
         self, chat: bool, text: str, prompt_tokens: int, completion_tokens: int, finish: str = "length", max_tokens: int = 0

@@ -49,8 +49,12 @@ def stable(tiny_model: Path) -> Iterator[object]:
 # was capped at 5 s, the pages came back at 3.9 s "in time", and the mid-decode cut passed (1 in ~10
 # cuts under two busy loops); a prefill cut that lands before decode allocates passes too. Paced at
 # 4 ms a step, the pages stay held past the timeout (>= 7.8 s) however fast or loaded the machine,
-# and the probe fails whatever its estimate. The deadline's arithmetic is tested alone
-# (test_canary_units.py) and against fake servers that hold pages for a set time (test_canary.py).
+# and the probe fails whatever its estimate. Since then the probe also reads the workers' generation
+# counters and fails a cut request that generated on (unpaced, here: "1804 tokens generated after the
+# disconnect ... (it had 1804 left)", 3 of 3 runs); the pacing keeps the timing rules' verdict sure
+# as well, for a first scrape after the cut that load delays past most of the generation. The
+# deadline's arithmetic is tested alone (test_canary_units.py) and against fake servers that hold
+# pages for a set time, with and without generating on (test_canary.py).
 ABANDONED_STEP_MS = 4
 
 # `ignore_manifest` alone is left out: while every chunk arrives, decode's output is byte-identical

@@ -166,6 +166,41 @@ def test_s4_recovery_deadline_tracks_the_aborted_requests_natural_duration() -> 
     assert recovery_deadline(5.0, 0.5, 0.1) == MIN_RECOVERY_SECONDS
 
 
+def test_s4_tokens_generated_after_a_cut_are_counted_by_worker() -> None:
+    """A worker missing from one scrape must not read as a jump (its whole count) in the sum, and
+    each engine's generation counter is read under its own name."""
+    from kvguard.operator.canary.abort import Recovery, TokensGenerated
+    from kvguard.operator.canary.metrics import WorkerSnapshot, snapshot_from_text
+    from kvguard.operator.canary.report import PoolUsage
+
+    def scrape(url: str, name: str, count: float) -> WorkerSnapshot:
+        return snapshot_from_text(url, f"# TYPE {name} counter\n{name}_total {count}\n")
+
+    prefill, decode = "http://p/metrics", "http://d/metrics"
+    counted = TokensGenerated()
+    assert counted.total() is None  # nothing read yet: no verdict from counters
+    counted.read([scrape(decode, "kvguard_generation_tokens", 5000)])  # prefill's scrape failed
+    counted.read([scrape(decode, "kvguard_generation_tokens", 5010), scrape(prefill, "kvguard_generation_tokens", 900)])
+    assert counted.total() == 10  # prefill's 900 are its count at the cut, not tokens since
+    counted.read([scrape(decode, "kvguard_generation_tokens", 5400), scrape(prefill, "kvguard_generation_tokens", 901)])
+    counted.read([scrape(prefill, "kvguard_generation_tokens", 901)])  # decode missing: its 400 stand
+    assert counted.total() == 401
+    for name in ("sglang:generation_tokens", "vllm:generation_tokens"):
+        other = TokensGenerated()
+        other.read([scrape(decode, name, 1.0)])
+        other.read([scrape(decode, name, 3.0)])
+        assert other.total() == 2, name
+
+    def recovery(generated: int | None) -> Recovery:
+        usage = PoolUsage(baseline_tokens=0, final_tokens=0, waited_seconds=0.4, generated_tokens=generated)
+        return Recovery(deadline=1.0, back=True, in_time=True, waited_seconds=0.4, held_tokens=0, usage=usage)
+
+    assert "ran on: 500 tokens" in recovery(500).ran_on(1000) and "(it had 1000 left)" in recovery(500).ran_on(1000)
+    assert recovery(499).ran_on(1000) == ""  # under half of what it had left: a correct engine's last steps
+    assert recovery(None).ran_on(1000) == ""  # no counter: the timing rules judge it
+    assert recovery(20).ran_on(20) == ""  # too few tokens left to tell a run-on from the steps in flight
+
+
 def test_stream_chunk_timing() -> None:
     out = Completion(label="s", chunk_times=[0.5, 0.6, 0.7, 0.8])
     assert out.seconds_per_chunk() == pytest.approx(0.1)

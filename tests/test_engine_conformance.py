@@ -139,7 +139,7 @@ def test_sglang_metrics_the_canary_reads_are_exported_with_the_labels_assumed(ve
     src = source("sglang", version)
     exported = src.metric_names("sglang:")
     read = {canary_metrics.SGLANG_CAPACITY, canary_metrics.SGLANG_USED, canary_metrics.SGLANG_USAGE}
-    read |= {c for c in DEFAULT_SAFETY_COUNTERS if c.startswith("sglang:")}
+    read |= {c for c in DEFAULT_SAFETY_COUNTERS + canary_metrics.GENERATION_COUNTERS if c.startswith("sglang:")}
     assert read <= set(exported), f"sglang {version} exports none of {sorted(read - set(exported))}"
     labels = sglang_metric_labels(src)
     rank_labels = {"tp_rank", "pp_rank", "moe_ep_rank", "dp_rank"}
@@ -222,7 +222,7 @@ def test_vllm_metrics_and_routes_the_canary_reads(version: str) -> None:
     assert canary_metrics.VLLM_CACHE_INFO in exported
     usage = [n for n in canary_metrics.VLLM_USAGE_NAMES if n in exported]
     assert usage, f"vllm {version} exports neither of {canary_metrics.VLLM_USAGE_NAMES}"
-    counters = {c for c in DEFAULT_SAFETY_COUNTERS if c.startswith("vllm:")}
+    counters = {c for c in DEFAULT_SAFETY_COUNTERS + canary_metrics.GENERATION_COUNTERS if c.startswith("vllm:")}
     assert counters <= set(exported)
     loggers = src.text("vllm/v1/metrics/loggers.py")
     assert 'labelnames = ["model_name", "engine"]' in loggers and "engine" in canary_metrics._POOL_KEY_LABELS

@@ -12,7 +12,10 @@ pages come back late (after the deadline, before the timeout) is made once more,
 taken after they came back, and fails the probe only if it is late again: a healthy worker
 descheduled once passes, an engine that ignores aborts is late every time. A cut whose pages come
 back in time but after the 1 s floor is made once more too, and that one must be in time: the
-deadline rests on an estimate of the engine's speed that load can stretch. Finally request B must still give its solo
+deadline rests on an estimate of the engine's speed that load can stretch. Where the workers count
+the tokens they generate, no estimate is needed for the plainest failure: a cut request that went
+on to generate at least half of what it had left before its pages came back ran on, and fails the
+probe at once (the counters assume a quiet target, as the pool baseline does). Finally request B must still give its solo
 output (an aborted request's pages were reused safely, S5), and no answer heard during the probe
 (the cut streams included) may carry another request's nonce.
 
@@ -32,13 +35,18 @@ from functools import partial
 from kvguard.operator.canary.base import Outcome, Probe, ProbeSkipped, RunContext, empty_answer, failed, passed
 from kvguard.operator.canary.client import Completion
 from kvguard.operator.canary.isolation import check_b, report_leaks
-from kvguard.operator.canary.metrics import counter_totals, total_used_tokens
+from kvguard.operator.canary.metrics import WorkerSnapshot, counter_totals, generated_tokens, total_used_tokens
 from kvguard.operator.canary.prompts import filler_text
 from kvguard.operator.canary.report import Evidence, NonceLeak, Note, PoolUsage
 from kvguard.operator.canary.spec import ProbeName
 
 POLL_INTERVAL_SECONDS = 0.05
 MIN_RECOVERY_SECONDS = 1.0  # a correct engine frees within one scheduler step; scrapes add a little
+# A cut request that went on to generate this share of the tokens it had left, before its pages came
+# back, ran on: its abort was not propagated, whatever the timing says. A correct engine stops
+# within a step or two; the least share the check is made on keeps those few tokens from counting.
+RAN_ON_FRACTION = 0.5
+MIN_TOKENS_LEFT = 32
 SHORT_PROMPT_WORDS = 32
 
 
@@ -129,7 +137,8 @@ class AbortProbe(Probe):
 
         for after in ctx.spec.abort.stream_disconnect_after_tokens:
             await self._judge_cut(
-                ctx, cuts, partial(cut_after, after), lambda out: _natural_remaining_seconds(out, max_tokens), problems, evidence
+                ctx, cuts, partial(cut_after, after), lambda out: _natural_remaining_seconds(out, max_tokens),
+                lambda out: max(0, max_tokens - out.chunks), problems, evidence,
             )
         return seconds_per_token
 
@@ -160,7 +169,9 @@ class AbortProbe(Probe):
             return out
 
         for delay in spec.prefill_disconnect_after_seconds:
-            await self._judge_cut(ctx, cuts, partial(cut_after, delay), lambda _: natural, problems, evidence)
+            await self._judge_cut(
+                ctx, cuts, partial(cut_after, delay), lambda _: natural, lambda _: max_tokens, problems, evidence
+            )
 
     async def _judge_cut(
         self,
@@ -168,10 +179,17 @@ class AbortProbe(Probe):
         cuts: Cuts,
         cut: Callable[[bool], Awaitable[Completion | None]],
         natural_seconds: Callable[[Completion], float | None],
+        tokens_left: Callable[[Completion], int],
         problems: list[str],
         evidence: list[Evidence],
     ) -> None:
         """Cut once, and once more if the pages came back only after MIN_RECOVERY_SECONDS.
+
+        Where the workers count generated tokens, a cut request that generated most of what it had
+        left before its pages came back fails at once: the generation ran on, so the abort was not
+        propagated. That verdict needs no estimate of the engine's speed (an estimate stretched by
+        load once let an engine that ignores aborts pass in CI); the timing rules below judge the
+        engines that count nothing, and the ones that free pages late without generating on.
 
         The deadline can be a second on a fast model, and a healthy worker descheduled for a second
         on a loaded node misses it once; an engine that ignores the abort misses it every time. So
@@ -192,6 +210,11 @@ class AbortProbe(Probe):
                 break
             natural = natural_seconds(out)
             recovery = await self._await_recovery(ctx, baseline, natural)
+            ran_on = recovery.ran_on(tokens_left(out))
+            if ran_on:
+                evidence.append(recovery.usage)
+                problems.append(f"{out.label}: {ran_on}: the abort was not propagated")
+                return
             if recovery.in_time and (again or recovery.waited_seconds <= MIN_RECOVERY_SECONDS):
                 evidence.append(recovery.usage)
                 return
@@ -241,9 +264,12 @@ class AbortProbe(Probe):
         started = time.monotonic()
         samples: list[tuple[float, float]] = []
         used, back, late = baseline, False, False
+        generated = TokensGenerated()
         while True:
-            used_now = total_used_tokens(await ctx.snapshots())
+            snapshots = await ctx.snapshots()
+            used_now = total_used_tokens(snapshots)
             elapsed = time.monotonic() - started
+            generated.read(snapshots)
             if used_now is not None:
                 used = used_now
                 samples.append((round(elapsed, 3), used))
@@ -259,9 +285,29 @@ class AbortProbe(Probe):
         usage = PoolUsage(
             baseline_tokens=round(baseline), final_tokens=round(used),
             waited_seconds=round(elapsed, 3), samples=[(t, round(u)) for t, u in samples[-40:]],
+            generated_tokens=generated.total(),
         )
         return Recovery(deadline=deadline, back=back, in_time=back and not late, waited_seconds=elapsed,
                         held_tokens=used - baseline, usage=usage)  # fmt: skip
+
+
+@dataclass
+class TokensGenerated:
+    """Tokens the workers generated after a cut, counted from the first scrape after it.
+
+    Kept by worker: a worker missing from one scrape must not read as a jump in the sum."""
+
+    at_cut: dict[str, float] = field(default_factory=dict)  # from the first scrape that read each worker
+    since_cut: dict[str, float] = field(default_factory=dict)  # at each worker's latest scrape
+
+    def read(self, snapshots: list[WorkerSnapshot]) -> None:
+        now = generated_tokens(snapshots)
+        self.at_cut = now | self.at_cut
+        self.since_cut |= {url: max(0.0, count - self.at_cut[url]) for url, count in now.items()}
+
+    def total(self) -> int | None:
+        """None when no worker counts generated tokens."""
+        return round(sum(self.since_cut.values())) if self.since_cut else None
 
 
 @dataclass(frozen=True)
@@ -275,6 +321,15 @@ class Recovery:
     waited_seconds: float
     held_tokens: float  # above the baseline at the end of the wait (when `back`, within tolerance)
     usage: PoolUsage
+
+    def ran_on(self, tokens_left: int) -> str:
+        """Why the cut request went on generating after the disconnect; "" when it did not (or
+        the workers count no generated tokens, or it had too few left to tell)."""
+        generated = self.usage.generated_tokens
+        if generated is None or tokens_left < MIN_TOKENS_LEFT or generated < RAN_ON_FRACTION * tokens_left:
+            return ""
+        when = "before its pages came back" if self.back else f"in the {self.waited_seconds:.1f} s it was watched"
+        return f"the generation ran on: {generated} tokens generated after the disconnect {when} (it had {tokens_left} left)"
 
     def describe(self, natural_seconds: float | None) -> str:
         natural = f"; it would have finished on its own in ~{natural_seconds:.1f} s" if natural_seconds else ""

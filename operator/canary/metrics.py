@@ -8,6 +8,7 @@ Prometheus text is parsed with `prometheus_client.parser`; each engine's names a
 | pool capacity (tokens) | `kvguard_kv_pool_capacity_tokens` | `sglang:max_total_num_tokens`; older builds: `GET /server_info` -> `internal_states[].memory_usage.token_capacity`, else `max_total_num_tokens` | `vllm:cache_config_info` labels: `kv_cache_size_tokens`, else `num_gpu_blocks` x `block_size` (one pool per `engine` label) |
 | pool used (tokens) | `kvguard_kv_pool_used_tokens` | `sglang:num_used_tokens`, else `sglang:token_usage` x capacity | `vllm:kv_cache_usage_perc` (or deprecated `vllm:gpu_cache_usage_perc`) x capacity |
 | context length | `kvguard_context_length_tokens` | `/server_info` `context_length`; `/v1/models` `max_model_len` | `/v1/models` `max_model_len` |
+| tokens generated | `kvguard_generation_tokens_total` | `sglang:generation_tokens_total` (counted when a request ends) | `vllm:generation_tokens_total` |
 | safety counters | `kvguard_tag_violations_total`, `kvguard_checksum_failures_total`, `kvguard_hmac_failures_total`, `kvguard_stale_writes_dropped_total` | `sglang:num_transfer_failed_reqs_total`, `sglang:num_bootstrap_failed_reqs_total` (no KV-checksum counter exists) | `vllm:nixl_num_failed_transfers`, `vllm:nixl_num_failed_notifications` |
 
 Series are matched per label set (a pool's `used` pairs with the `capacity` that has the same
@@ -55,6 +56,9 @@ SGLANG_CAPACITY = "sglang:max_total_num_tokens"
 SGLANG_USED = "sglang:num_used_tokens"
 SGLANG_USAGE = "sglang:token_usage"
 VLLM_CACHE_INFO = "vllm:cache_config_info"
+GENERATION_COUNTERS = ("kvguard_generation_tokens_total", "sglang:generation_tokens_total", "vllm:generation_tokens")
+"""Tokens generated, per engine. kvguard and vLLM count them step by step, SGLang when a request
+ends; either way a generation that ran to its end is counted by the time its pages are free."""
 VLLM_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 # Labels that tell pools apart; anything else (model_name, help-only labels) is ignored when
 # pairing a usage series with its capacity.
@@ -290,6 +294,17 @@ def total_used_tokens(snapshots: list[WorkerSnapshot]) -> float | None:
     values = [s.used_tokens() for s in snapshots if s.reachable]
     known = [v for v in values if v is not None]
     return float(sum(known)) if known else None
+
+
+def generated_tokens(snapshots: list[WorkerSnapshot]) -> dict[str, float]:
+    """Tokens generated so far, by worker URL, for the reachable workers that expose a counter.
+    By worker, so that a worker missing from one scrape does not read as a jump in the sum."""
+    generated: dict[str, float] = {}
+    for snap in snapshots:
+        counts = [c for c in (snap.counter(n) for n in GENERATION_COUNTERS) if c is not None] if snap.reachable else []
+        if counts:
+            generated[snap.url] = sum(counts)
+    return generated
 
 
 def counter_totals(snapshots: list[WorkerSnapshot], names: list[str]) -> dict[str, float]:

@@ -101,6 +101,10 @@ class PoolUsage(_ReportModel):
     samples: list[tuple[float, int]] = Field(
         default_factory=list, description="(seconds since the aborts, used tokens) pairs."
     )
+    generated_tokens: int | None = Field(
+        None, description="Tokens the workers counted as generated while the pages were held (None: no worker "
+        "exposes a generation counter).",
+    )
 
 
 class CapacityReading(_ReportModel):

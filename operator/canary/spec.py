@@ -305,7 +305,9 @@ class AbortSpec(_ProbeSpec):
         "to finish on its own (estimated from its streamed chunks), never less than 1 s; an "
         "engine that ignores the abort frees the pages only when the generation ends. A cut whose "
         "pages come back only after this deadline (but within the timeout), or in time but after "
-        "1 s, is made once more, and fails the probe if that one is late too.",
+        "1 s, is made once more, and fails the probe if that one is late too. Where the workers count generated "
+        "tokens, a cut request that generated half or more of the tokens it had left before its pages came back "
+        "fails at once, whatever the timing.",
     )
     pool_usage_tolerance_tokens: int = Field(
         0, ge=0, description="Used tokens above the baseline still counted as recovered."
