@@ -577,12 +577,15 @@ async def test_a_choice_waits_for_the_shared_room_only_until_its_first_token_dea
     other = ChoicePace(room, 16, asyncio.Lock())
     holding = asyncio.create_task(choices.run(other, _choice("other", 24, 1000)))
     await until(lambda: room.free == 0, "another tenant's choice to fill the room")
-    late = ChoicePace(room, 16, asyncio.Lock(), lambda cause, outcome: timed_out.append((cause, outcome)))
+    waiting: list[int] = []  # kvguard_router_room_waiting_choices, as it moves
+    late = ChoicePace(room, 16, asyncio.Lock(), lambda cause, outcome: timed_out.append((cause, outcome)),
+                      lambda change: waiting.append(sum(waiting[-1:]) + change))  # fmt: skip
     siblings = Siblings(loop.time() + 0.3, 60.0)
     started = loop.time()
     with pytest.raises(OpenAIError) as refused:
         await asyncio.wait_for(choices.run(late, _choice("late", 10, 6), siblings), 5)
     assert refused.value.status == 504 and loop.time() - started < 2, refused.value
+    assert waiting == [1, 0]  # counted while it waited, and not after its 504
     assert siblings.failed and timed_out == [("timeout", "failed")] and room.waiting == 0 and room.free == 0
     choices.finish["other"].set()
     await holding
@@ -649,12 +652,14 @@ def test_paced_requests_cut_mid_stream_give_every_slot_back(tiny_model_dir: Path
             stream = api.completions.create(model=model, prompt=f"cut {cut}", n=SLOTS, max_tokens=480, stream=True,
                                             extra_body={"ignore_eos": True})  # fmt: skip
             next(iter(stream))  # the first choices run, the others wait for room
+            wait_for(lambda: metric(d, "router", "kvguard_router_room_waiting_choices") > 0, "choices waiting for room")
             stream.close()
             wait_pools_empty(d)
         whole = api.completions.create(model=model, prompt="whole", n=SLOTS, max_tokens=480, extra_body={"ignore_eos": True})
         after = api.completions.create(model=model, prompt="after", n=SLOTS, max_tokens=8)
         assert [c.finish_reason for c in whole.choices] == ["length"] * SLOTS and len(after.choices) == SLOTS
         assert metric(d, "router", "kvguard_router_waiting_choices") == 0
+        assert metric(d, "router", "kvguard_router_room_waiting_choices") == 0
         # Every generation of the cut requests counted once, those still waiting for room too (they
         # were not counted at all: 6 of 12, a review).
         assert metric(d, "router", "kvguard_requests_total", outcome="aborted") == 3 * SLOTS

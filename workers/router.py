@@ -226,6 +226,12 @@ class RouterMetrics:
             "Generations waiting for one of the router's max_inflight_choices slots (nothing allocated on workers yet)",
             registry=self.registry,
         )
+        self.room_waiting_choices = Gauge(
+            "kvguard_router_room_waiting_choices",
+            "Choices of requests of several choices waiting for their turn in the room they share in decode's KV "
+            "pool (each holds a router slot; nothing allocated on workers yet)",
+            registry=self.registry,
+        )
         # What a progressive rollout's analysis compares between the candidate's and the stable's
         # routers (operator/analysis.py): measured per generation (one per choice), as a client sees it.
         # Both from the request's arrival, its wait for a slot included: a candidate that queues
@@ -953,7 +959,7 @@ class Router:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.request_duration.observe(time.monotonic() - started)
 
-        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock(), ended)
+        return ChoicePace(self._shared_room, upstreams.page_size, asyncio.Lock(), ended, self.metrics.room_waiting_choices.inc)
 
     def _evict(self, request: web.Request) -> None:
         """`Draining` gave this client's place to a generation that ended: every place is taken by
@@ -1891,6 +1897,8 @@ class ChoicePace:
     """Counts a choice that ended while it waited for the room (abort cause, outcome), as the
     router's metrics count every generation once: its first-token deadline passed, its client
     left, or a sibling failed (none of these reach `Router._generate`, which counts the others)."""
+    waiting: Callable[[int], None] = lambda change: None
+    """Adds to the choices waiting for the room (kvguard_router_room_waiting_choices)."""
 
     @staticmethod
     def need(request: GenerateRequest, page: int) -> int:
@@ -1935,6 +1943,7 @@ async def _take_room(pace: ChoicePace, siblings: Siblings, request: GenerateRequ
     tenant's long generations for all of them (13 s at --request-timeout 2, a review). A choice
     that ends here never reaches `Router._generate`, so it is counted here (`ChoicePace.ended`)."""
     room, tokens = pace.room, 0
+    pace.waiting(1)
 
     async def take_turn() -> None:
         nonlocal tokens
@@ -1953,6 +1962,8 @@ async def _take_room(pace: ChoicePace, siblings: Siblings, request: GenerateRequ
     except asyncio.CancelledError:  # its client left, or a sibling failed
         pace.ended(*((AbortCause.SIBLING_FAILED, "failed") if siblings.failed else (AbortCause.CLIENT_DISCONNECT, "aborted")))
         raise
+    finally:
+        pace.waiting(-1)
     return tokens
 
 
