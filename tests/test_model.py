@@ -453,6 +453,26 @@ def test_a_chat_template_gets_transformers_jinja_extras(tiny_model_dir: Path, tm
     assert "<b> & '\u00e9'" in rendered and "skipped" not in rendered
 
 
+THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+            "<think></think>{% endif %}{% endif %}")  # fmt: skip
+
+
+def test_a_chat_template_gets_the_requests_variables_as_transformers_passes_them(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) and add_generation_prompt: rendered as
+    transformers' apply_chat_template renders them with the same keyword arguments."""
+    from kvguard.workers.tokenizer import ChatTemplateOptions
+
+    ours, theirs, _ = _with_template(tiny_model_dir, tmp_path / "thinking", THINKING)
+    messages = [{"role": "user", "content": "a"}]
+    for generation_prompt in (True, False):
+        for variables in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+            options = ChatTemplateOptions(add_generation_prompt=generation_prompt, variables=variables)
+            assert ours.render_chat(messages, options) == theirs.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **variables)
+    assert ours.render_chat(messages, ChatTemplateOptions(variables={"enable_thinking": False})).endswith("<think></think>")
+
+
 def test_length_groups_split_only_where_padding_costs_more_than_a_group() -> None:
     assert length_groups([10, 10, 9, 9], overhead_pages=8) == [(0, 4, 10)]  # padding saved is small
     assert length_groups([40, 38, 5, 4, 3], overhead_pages=8) == [(0, 2, 40), (2, 5, 5)]

@@ -339,7 +339,35 @@ REFUSED = [
     ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ("completions", {"guided_json": {}}, "guided_json"),  # an engine extension this server lacks
     ("completions", {"frobnicate": 1}, "frobnicate"),
+    # vLLM's extensions asking for more than vLLM's default
+    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+    ("completions", {"priority": 5}, "priority"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("completions", {"bad_words": ["x"]}, "bad_words"),
+    ("completions", {"add_special_tokens": None, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("completions", {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ("chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("chat/completions", {"add_special_tokens": True}, "add_special_tokens"),
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("chat/completions", {"echo": True}, "echo"),
+    ("chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("chat/completions", {"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
 ]
+
+# vLLM's extensions at vLLM's defaults, as clients send them explicitly: served as if left out (an
+# outside probe: every one of these was a 400 unknown_parameter).
+VLLM_DEFAULTS = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+                 "truncate_prompt_tokens": None, "prompt_logprobs": None, "priority": 0, "return_tokens_as_token_ids": False,
+                 "return_token_ids": False, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
+                 "bad_words": [], "structured_outputs": None, "guided_json": None, "guided_regex": None,
+                 "logits_processors": None, "kv_transfer_params": None, "mm_processor_kwargs": None, "vllm_xargs": None,
+                 "cache_salt": "tenant-a"}  # fmt: skip
+VLLM_CHAT_DEFAULTS = {"add_generation_prompt": True, "chat_template_kwargs": {}, "continue_final_message": False,
+                      "add_special_tokens": False, "chat_template": None, "documents": None, "echo": False}  # fmt: skip
 
 
 @pytest.mark.parametrize("path, extra, param", REFUSED, ids=[f"{p}-{param}" for p, _, param in REFUSED])
@@ -351,6 +379,52 @@ def test_what_is_not_implemented_is_refused_naming_it(trio: LocalDeployment, mod
     error = answer.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and param.split("[")[0] in error["message"]
     assert error["code"] in ("unsupported_parameter", "unknown_parameter", "invalid_value"), error  # never null
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_vllm_extensions_at_their_defaults_are_served_as_if_left_out(trio: LocalDeployment, model: str, path: str) -> None:
+    base: dict = {"model": model, "max_tokens": 6, "temperature": 0}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    defaults = {**VLLM_DEFAULTS, **(VLLM_CHAT_DEFAULTS if path.startswith("chat") else {"add_special_tokens": True})}
+    plain, explicit = post(trio, path, base), post(trio, path, {**base, **defaults})
+    assert plain.status_code == explicit.status_code == 200, explicit.text
+    assert plain.json()["choices"] == explicit.json()["choices"] and plain.json()["usage"] == explicit.json()["usage"]
+
+
+def test_the_chat_templates_own_switches_are_passed_to_it(trio: LocalDeployment, model: str) -> None:
+    """vLLM's add_generation_prompt and chat_template_kwargs reach the template (the tiny model's
+    opens the assistant's turn only when asked; a variable it does not read changes nothing, as in
+    vLLM); a name the server sets itself is refused, naming the field. Completions' add_special_tokens
+    false leaves the tokenizer's BOS out, as vLLM does."""
+    base = {"model": model, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+
+    def prompt_tokens(**extra: object) -> int:
+        answer = post(trio, "chat/completions", {**base, **extra})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens"]
+
+    opened = prompt_tokens()
+    with_bos = post(trio, "completions", {"model": model, "max_tokens": 2, "prompt": "hi"}).json()["usage"]["prompt_tokens"]
+    without = post(trio, "completions", {"model": model, "max_tokens": 2, "prompt": "hi", "add_special_tokens": False})
+    assert without.json()["usage"]["prompt_tokens"] == with_bos - 1, without.text  # the tiny tokenizer's BOS
+    assert prompt_tokens(add_generation_prompt=False) < opened
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == opened
+    refused = post(trio, "chat/completions", {**base, "chat_template_kwargs": {"bos_token": "x"}}).json()["error"]
+    assert (refused["param"], refused["code"]) == ("chat_template_kwargs", "invalid_value") and "bos_token" in refused["message"]
+
+
+def test_a_text_part_with_a_caching_hint_and_a_body_after_a_byte_order_mark_are_served(trio: LocalDeployment,
+                                                                                        model: str) -> None:
+    """Both were 400s (an outside probe): LiteLLM-style clients send `cache_control` in text parts,
+    and Python's json, so FastAPI and vLLM, skips a UTF-8 BOM (RFC 8259 allows it)."""
+    plain = {"model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    hinted = {**plain, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                                  "cache_control": {"type": "ephemeral"}}]}]}  # fmt: skip
+    expected = post(trio, "chat/completions", plain).json()["choices"]
+    assert post(trio, "chat/completions", hinted).json()["choices"] == expected
+    with_bom = requests.post(f"{trio.api_base}/chat/completions", data=b"\xef\xbb\xbf" + json.dumps(plain).encode(),
+                             headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+    assert with_bom.status_code == 200 and with_bom.json()["choices"] == expected, with_bom.text
 
 
 def test_parallel_tool_calls_is_a_boolean(trio: LocalDeployment, model: str) -> None:

@@ -10,6 +10,7 @@ implemented and what is refused is in docs/openai-api.md.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
@@ -25,12 +26,22 @@ from kvguard.workers.protocol import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from kvguard.workers.tokenizer import ChatTemplateOptions
 
 MAX_N = 128  # OpenAI's schema; the router's own max_choices is usually lower
 MAX_MESSAGES = 4096  # a conversation longer than this is refused: each message is template work, even empty
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's schema for the completions API
 MAX_CHAT_TOP_LOGPROBS = 20
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical ASCII decimal: "03" and "٣" would alias "3"
+MAX_TEMPLATE_KWARGS = 32
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# What the server passes the chat template itself (tokenizer.render_chat), and the names vLLM's
+# own arguments take: chat_template_kwargs may not shadow them.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "raise_exception", "strftime_now",
+})  # fmt: skip
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default (OpenAI, vLLM, SGLang); chat's is the rest of the context
 
 # fail_fast: the first bad id names the field; a million bad ones must not each be itemized.
@@ -81,6 +92,36 @@ def _unset(value: Any) -> bool:
     return value is None
 
 
+def _is(*asking_nothing: object) -> Callable[[Any], bool]:
+    """Fine when unset or one of `asking_nothing` (compared by type too: `1` is not `True`)."""
+    return lambda value: value is None or any(type(value) is type(v) and value == v for v in asking_nothing)
+
+
+# vLLM's extensions that this server does not implement, or implements only as vLLM's default:
+# accepted with the value that asks for nothing (clients send vLLM's defaults explicitly, and were
+# refused as unknown: an outside probe), refused naming them otherwise.
+VLLM_REFUSED: dict[str, Refusal] = {
+    "skip_special_tokens": (_is(True), "special tokens' text is always left out of the output"),
+    "include_stop_str_in_output": (_is(False), "the text ends before the stop string"),
+    "truncate_prompt_tokens": (_unset, "prompts are refused, not truncated, when they do not fit"),
+    "prompt_logprobs": (_unset, "the prompt's logprobs are not computed"),
+    "priority": (_is(0), "requests are served in arrival order"),
+    "return_tokens_as_token_ids": (_is(False), "logprobs name tokens by their text"),
+    "return_token_ids": (_is(False), "answers carry text, not token ids"),
+    "use_beam_search": (_is(False), "beam search is not implemented"),
+    "length_penalty": (_is(1.0), "beam search is not implemented"),
+    "allowed_token_ids": (_unset, "not implemented: use logit_bias"),
+    "bad_words": (lambda v: not v, "not implemented: use logit_bias"),
+    "logits_processors": (_unset, "custom logits processors are not implemented"),
+    **{name: (_unset, "structured outputs are not implemented") for name in (
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern")},
+    "kv_transfer_params": (_unset, "the router runs prefill and decode itself"),
+    "mm_processor_kwargs": (_unset, "the model reads text only"),
+    "vllm_xargs": (_unset, "no extra engine arguments are read"),
+}
+
+
 class _Request(_Strict):
     """What completions and chat completions share."""
 
@@ -104,6 +145,31 @@ class _Request(_Strict):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: TokenIds | None = None
+    # vLLM's extensions accepted with their defaults only (VLLM_REFUSED); typed as vLLM types them.
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None  # either: it matters only when special tokens are output
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    priority: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    logits_processors: JsonValue = None
+    structured_outputs: JsonValue = None
+    guided_json: JsonValue = None
+    guided_regex: JsonValue = None
+    guided_choice: JsonValue = None
+    guided_grammar: JsonValue = None
+    guided_decoding_backend: JsonValue = None
+    guided_whitespace_pattern: JsonValue = None
+    kv_transfer_params: JsonValue = None
+    mm_processor_kwargs: JsonValue = None
+    vllm_xargs: JsonValue = None
+    cache_salt: str | None = None  # vLLM's prefix-cache salt: accepted, no KV is shared between requests here
 
     REFUSED: ClassVar[dict[str, Refusal]] = {}  # per endpoint: known parameters this server does not implement
 
@@ -227,8 +293,11 @@ class CompletionRequest(_Request):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
+    add_special_tokens: bool | None = None  # vLLM: the tokenizer's BOS before a text prompt (default true)
+
     REFUSED: ClassVar[dict[str, Refusal]] = {
         "suffix": (lambda v: not v, "insertion (fill-in-the-middle) is not implemented"),
+        **VLLM_REFUSED,
     }
 
     @field_validator("prompt", mode="plain")
@@ -328,7 +397,9 @@ class ChatMessage(_Strict):
                                           {"i": i, "kind": repr(part["type"][:40])})  # fmt: skip
             if "text" in part and not isinstance(part["text"], str):
                 raise _wrong_type(f"part {i}: text must be a string")
-            if set(part) != {"type", "text"}:
+            # cache_control: a caching hint (Anthropic's, sent through LiteLLM-style clients) that
+            # changes no output, accepted as prompt_cache_key is.
+            if set(part) - {"cache_control"} != {"type", "text"}:
                 raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": string}}")
         return content
 
@@ -400,6 +471,31 @@ class ChatCompletionRequest(_Request):
     prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None  # an end-user label, like `user`
     moderation: JsonValue = None  # asks the server to score or block content: refused, never silently skipped
+    # vLLM's chat extensions. The template's own switches are implemented (add_generation_prompt,
+    # chat_template_kwargs such as Qwen3's enable_thinking); the rest only with vLLM's default.
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None  # vLLM: false for chat (the template places them)
+    chat_template: str | None = None
+    documents: JsonValue = None
+    echo: bool | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
+        """Variables for the model's chat template: named as a template names them, never one the
+        server sets itself (the messages, the generation prompt switch, special tokens, helpers)."""
+        if kwargs is None:
+            return None
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise _too_many("chat template variables", MAX_TEMPLATE_KWARGS, len(kwargs))
+        for name in kwargs:
+            if not _TEMPLATE_NAME.fullmatch(name):
+                raise ValueError(f"{name[:64]!r} is not a template variable name (letters, digits, _; at most 64)")
+            if name in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"{name!r} is set by the server, not by chat_template_kwargs")
+        return kwargs
 
     @field_validator("tool_choice", "function_call", mode="plain")
     @classmethod
@@ -426,6 +522,12 @@ class ChatCompletionRequest(_Request):
         "metadata": (_unset, "completions are not stored"),
         "service_tier": (lambda v: v in (None, "auto", "default"), "there is one service tier"),
         "moderation": (_unset, "moderation is not implemented"),
+        **VLLM_REFUSED,
+        "continue_final_message": (_is(False), "the reply starts a new assistant turn"),
+        "add_special_tokens": (_is(False), "the chat template places the special tokens"),
+        "chat_template": (_unset, "the model's own chat template is used"),
+        "documents": (_unset, "the model's own chat template is used, without documents"),
+        "echo": (_is(False), "the reply does not repeat the conversation"),
     }
 
     def check_supported(self) -> None:
@@ -445,6 +547,16 @@ class ChatCompletionRequest(_Request):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.template_fields() for m in self.messages]
+
+    def template_variables_bytes(self) -> int:
+        """The size of chat_template_kwargs, which a template may render: work to count when
+        deciding whether to render off the event loop."""
+        return len(json.dumps(self.chat_template_kwargs)) if self.chat_template_kwargs else 0
+
+    def template_options(self) -> ChatTemplateOptions:
+        return ChatTemplateOptions(
+            add_generation_prompt=self.add_generation_prompt is not False, variables=self.chat_template_kwargs or {}
+        )
 
 
 APIRequest = CompletionRequest | ChatCompletionRequest

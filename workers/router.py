@@ -93,6 +93,7 @@ from kvguard.workers.protocol import (
     WorkerInfo,
 )
 from kvguard.workers.seeding import choice_seed
+from kvguard.workers.tokenizer import ChatTemplateOptions
 from kvguard.workers.transfer.metrics import AbortCause, router_abort_cause
 from kvguard.workers.transfer.tickets import MAX_TICKET_TTL_S, TicketAuthority
 
@@ -149,9 +150,9 @@ class ControlClient:
 
 
 class PromptEncoder(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, str]], options: ChatTemplateOptions | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -1042,7 +1043,7 @@ class Router:
                 raise self._rejected_for_length(request_too_large("messages", size, limit, upstreams.context_length))
             # The template adds text per message: an empty message still costs a render, so the
             # off-loop decision counts it (the limit above stays on what the client sent).
-            work = size + CHAT_MESSAGE_RENDER_BYTES * len(body.messages)
+            work = size + CHAT_MESSAGE_RENDER_BYTES * len(body.messages) + body.template_variables_bytes()
             return [Prompt(await self._encode_chat(body, work))]
         prompts = []
         for prompt in body.prompts():
@@ -1054,7 +1055,7 @@ class Router:
             size = len(prompt.encode())
             if size > limit:
                 raise self._rejected_for_length(request_too_large("prompt", size, limit, upstreams.context_length))
-            ids = await self._off_loop(size, self.encoder.encode, prompt)
+            ids = await self._off_loop(size, self.encoder.encode, prompt, body.add_special_tokens is not False)
             if not ids:
                 raise OpenAIError(400, "prompt: the prompt is empty", param="prompt", code="invalid_value")
             prompts.append(Prompt(ids, prompt if body.echo else ""))
@@ -1074,7 +1075,7 @@ class Router:
         from jinja2 import TemplateError
 
         try:
-            ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages())
+            ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages(), body.template_options())
         except (TemplateError, ValueError) as exc:  # the model's template refused these messages
             raise OpenAIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
         if not ids:
@@ -1778,7 +1779,9 @@ def _encoded_whole(builder: ResponseBuilder, results: Sequence[ChoiceResult], pr
 
 def _shaped_and_validated(kind: type[RequestKind], raw: bytes, max_values: int) -> RequestKind:
     """The body as `kind`, once its bytes show no more JSON structure than a request needs (the
-    parse holds the GIL wherever it runs: json_shape.py)."""
+    parse holds the GIL wherever it runs: json_shape.py). A UTF-8 byte order mark before it is
+    skipped, as RFC 8259 allows and Python's json (so FastAPI, so vLLM) does."""
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
     if (problem := json_shape_problem(raw, max_values=max_values)) is not None:
         raise OpenAIError(413, problem, code="request_too_large")  # too large in structure, not in bytes
     return kind.model_validate_json(raw)

@@ -10,7 +10,8 @@ import datetime
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
@@ -92,9 +93,15 @@ class Tokenizer:
         context_length times this cannot fit the context, so it is refused before tokenizing."""
         return max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1) or 1
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, str]], options: ChatTemplateOptions | None = None) -> str:
         """The prompt text for chat `messages` ([{role, content}]) under the model's template."""
-        return self._chat_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens)
+        options = options or ChatTemplateOptions()
+        # The request's variables first, so that the server's own names win (the request model
+        # refuses those names already: openai_requests.RESERVED_TEMPLATE_NAMES).
+        return self._chat_template.render({
+            **options.variables, **self._template_tokens, "messages": messages,
+            "add_generation_prompt": options.add_generation_prompt,
+        })  # fmt: skip
 
     @cached_property
     def _chat_template(self) -> Any:
@@ -114,9 +121,18 @@ class Tokenizer:
         env.globals.update(raise_exception=_raise_template_error, strftime_now=_strftime_now)
         return env.from_string(self.chat_template)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], options: ChatTemplateOptions | None = None) -> list[int]:
         """Token ids of the rendered chat prompt (the template places special tokens itself)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, options), add_special_tokens=False)
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """What a chat request sets of its template's rendering (vLLM's extensions): whether the
+    template opens the assistant's turn, and variables a template reads (Qwen3's enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    variables: Mapping[str, Any] = field(default_factory=dict)
 
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
