@@ -279,7 +279,24 @@ async def test_s4_a_cut_request_that_generates_on_fails_whatever_the_timing(serv
     assert "the generation ran on" in result.reason and "the abort was not propagated" in result.reason, result.reason
     usage = next(e for e in result.evidence if e.kind == "pool_usage")
     assert usage.generated_tokens is not None and usage.generated_tokens > 0
-    assert not any(e.kind == "note" and "cutting once more" in e.message for e in result.evidence)
+    # confirmed by a second cut, as a late recovery is: a correct decode whose router was
+    # descheduled for a second runs on once, an engine that ignores aborts after every cut
+    assert "again: the abort was not propagated" in result.reason, result.reason
+    assert any(e.kind == "note" and "ran on" in e.message and "cutting once more" in e.message for e in result.evidence)
+
+
+@pytest.mark.parametrize(
+    "server",
+    [Behaviour(hold_pages_after_disconnect=0.3, held_disconnects=1, runs_on_after_disconnect=True)],
+    indirect=True,
+)
+async def test_s4_a_cut_request_that_generates_on_once_is_cut_again_and_passes(server: RunningServer) -> None:
+    """A correct decode whose router was descheduled for a second runs on after one cut, not after
+    the next: confirmed by a second cut as a late recovery is, it passes."""
+    report = await run(server, spec().only([ProbeName.ABORT]))
+    result = report.probe(ProbeName.ABORT)
+    assert result is not None and result.status == ProbeStatus.PASS, report.to_json()
+    assert any(e.kind == "note" and "ran on" in e.message and "cutting once more" in e.message for e in result.evidence)
 
 
 @pytest.mark.parametrize("server", [Behaviour(hold_pages_after_disconnect=0.3)], indirect=True)
