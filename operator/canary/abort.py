@@ -14,8 +14,10 @@ descheduled once passes, an engine that ignores aborts is late every time. A cut
 back in time but after the 1 s floor is made once more too, and that one must be in time: the
 deadline rests on an estimate of the engine's speed that load can stretch. Where the workers count
 the tokens they generate, no estimate is needed for the plainest failure: a cut request that went
-on to generate at least half of what it had left before its pages came back ran on, and fails the
-probe at once (the counters assume a quiet target, as the pool baseline does). Finally request B must still give its solo
+on to generate at least half of what it had left before its pages came back ran on; it is cut once
+more, as a late one is (a correct decode whose router was descheduled runs on once, an engine that
+ignores aborts after every cut), and fails the probe if that one runs on too (the counters assume a
+quiet target, as the pool baseline does). Finally request B must still give its solo
 output (an aborted request's pages were reused safely, S5), and no answer heard during the probe
 (the cut streams included) may carry another request's nonce.
 
@@ -186,8 +188,9 @@ class AbortProbe(Probe):
         """Cut once, and once more if the pages came back only after MIN_RECOVERY_SECONDS.
 
         Where the workers count generated tokens, a cut request that generated most of what it had
-        left before its pages came back fails at once: the generation ran on, so the abort was not
-        propagated. That verdict needs no estimate of the engine's speed (an estimate stretched by
+        left before its pages came back ran on: the abort was not propagated. It is cut again, and
+        fails the probe if that cut runs on too (or cannot be judged, or its pages are still held
+        at the timeout). That verdict needs no estimate of the engine's speed (an estimate stretched by
         load once let an engine that ignores aborts pass in CI); the timing rules below judge the
         engines that count nothing, and the ones that free pages late without generating on.
 

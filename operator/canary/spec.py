@@ -307,7 +307,7 @@ class AbortSpec(_ProbeSpec):
         "pages come back only after this deadline (but within the timeout), or in time but after "
         "1 s, is made once more, and fails the probe if that one is late too. Where the workers count generated "
         "tokens, a cut request that generated half or more of the tokens it had left before its pages came back "
-        "fails at once, whatever the timing.",
+        "ran on, whatever the timing: it is cut once more, and fails the probe if that one runs on too.",
     )
     pool_usage_tolerance_tokens: int = Field(
         0, ge=0, description="Used tokens above the baseline still counted as recovered."
