@@ -252,6 +252,10 @@ class EngineAdapter(Protocol):
 
     def health_path(self, role: Role) -> str: ...
 
+    def liveness_path(self, role: Role) -> str:
+        """What the liveness probe asks: the health path, unless that also judges other pods."""
+        ...
+
     def probe_port(self) -> str:
         """The named container port probes and scrapers use (kvguard: `metrics`; others: `http`)."""
         ...
@@ -326,6 +330,11 @@ class KvguardAdapter:
 
     def health_path(self, role: Role) -> str:
         return "/health"
+
+    def liveness_path(self, role: Role) -> str:
+        # The router's /health is ready only while its workers answer: as liveness, a worker down
+        # for a minute restarted every router, which came back to the same worker (an outside probe).
+        return "/livez" if role == "router" else "/health"
 
     def probe_port(self) -> str:
         return "metrics"
@@ -481,6 +490,9 @@ class SGLangAdapter:
     def health_path(self, role: Role) -> str:
         return "/health"
 
+    def liveness_path(self, role: Role) -> str:
+        return "/health"
+
     def probe_port(self) -> str:
         return "http"
 
@@ -540,6 +552,9 @@ class VLLMAdapter:
         return None  # NIXL side channel plus UCX's run-time ports
 
     def health_path(self, role: Role) -> str:
+        return "/health"
+
+    def liveness_path(self, role: Role) -> str:
         return "/health"
 
     def probe_port(self) -> str:
@@ -629,15 +644,16 @@ TERMINATION_GRACE_SECONDS = PRESTOP_SLEEP_SECONDS + int(DEFAULT_DRAIN_TIMEOUT_S)
 _LIFECYCLE = {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}}
 
 
-def _probes(path: str, port: str) -> dict[str, Any]:
-    get = {"httpGet": {"path": path, "port": port}}
+def _probes(path: str, live_path: str, port: str) -> dict[str, Any]:
+    """Readiness asks `path`; liveness, and the startup probe that holds it off, ask `live_path`."""
+    ready, live = {"httpGet": {"path": path, "port": port}}, {"httpGet": {"path": live_path, "port": port}}
     startup_failures = STARTUP_PROBE_SECONDS // _STARTUP_PERIOD_SECONDS
     return {
         # Weight loading can take many minutes; the startup probe holds liveness off until then
         # (spec.rollout.progressDeadlineSeconds defaults to this budget plus scheduling time).
-        "startupProbe": {**get, "periodSeconds": _STARTUP_PERIOD_SECONDS, "failureThreshold": startup_failures, "timeoutSeconds": 5},
-        "readinessProbe": {**get, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
-        "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
+        "startupProbe": {**live, "periodSeconds": _STARTUP_PERIOD_SECONDS, "failureThreshold": startup_failures, "timeoutSeconds": 5},
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {**live, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": 10},
     }
 
 
@@ -685,7 +701,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         "volumeMounts": mounts,
         "securityContext": RESTRICTED_CONTAINER_SECURITY,
         "lifecycle": _LIFECYCLE,
-        **_probes(adapter.health_path(ctx.role), adapter.probe_port()),
+        **_probes(adapter.health_path(ctx.role), adapter.liveness_path(ctx.role), adapter.probe_port()),
     }
     resources = _resources(spec, ctx.role)
     if resources:

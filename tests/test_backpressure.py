@@ -1,7 +1,8 @@
 """backpressure.Slots: a request's generations take their slots together, first come first served;
 SlotLease: each slot goes back once, a generation's own as soon as it ended at the workers;
 Draining: those generations whose clients still read them are bounded as the slots are;
-BodyMemory: the request bodies held at once are bounded in bytes."""
+BodyMemory: the request bodies held at once are bounded in bytes;
+SharedCheck: an answer that costs calls to other processes is made once for every caller."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvguard.workers.backpressure import BodyMemory, Draining, SlotLease, Slots
+from kvguard.workers.backpressure import BodyMemory, Draining, SharedCheck, SlotLease, Slots
 
 
 async def until(condition: Callable[[], bool], what: str, turns: int = 100) -> None:
@@ -178,3 +179,35 @@ def test_a_body_that_ends_in_an_error_gives_its_bytes_back() -> None:
     assert memory.held == 0
     with memory.reading() as lease:
         assert lease.grow_to(1000)
+
+
+async def test_a_shared_check_runs_once_for_every_caller_and_is_reused_while_fresh() -> None:
+    """The router's /health asked every worker once per call: a flood of the public endpoint was
+    a flood of signed internal calls (an outside probe). Callers now share one run, a caller that
+    leaves does not cancel it for the others, and a fresh answer is reused."""
+    runs: list[asyncio.Event] = []
+
+    async def check() -> int:
+        runs.append(asyncio.Event())
+        await runs[-1].wait()
+        return len(runs)
+
+    shared = SharedCheck(check, fresh_s=3600.0)
+    callers = [asyncio.ensure_future(shared.get()) for _ in range(50)]
+    await until(lambda: len(runs) == 1, "the one run to start")
+    callers[0].cancel()  # its client left
+    runs[0].set()
+    answers = await asyncio.gather(*callers[1:])
+    assert answers == [1] * 49 and len(runs) == 1
+    assert await shared.get() == 1 and len(runs) == 1  # fresh: reused, no new run
+
+    stale = SharedCheck(check, fresh_s=0.0)  # every answer stale at once: a new run once the last ended
+    first = asyncio.ensure_future(stale.get())
+    await until(lambda: len(runs) == 2, "the second check's run")
+    runs[1].set()
+    assert await first == 2
+    second = asyncio.ensure_future(stale.get())
+    await until(lambda: len(runs) == 3, "a run again once the answer is stale")
+    runs[2].set()
+    assert await second == 3
+

@@ -566,6 +566,10 @@ def test_a_hung_decode_leaves_the_rotation_and_comes_back_when_it_answers(tiny_m
             wait_for(refused_at_once, "the router to take the hung decode out of rotation", 120)
             health = requests.get(f"{d.router_url}/health", timeout=30)
             assert (health.status_code, health.json()) == (503, {"status": "unreachable", "role": "decode"})
+            # Not ready, but alive: the router's liveness probe asks /livez, which does not judge
+            # its workers (as liveness, /health had every router restarted for a worker down).
+            live = requests.get(f"{d.url(d.ports['router-metrics'])}/livez", timeout=30)
+            assert (live.status_code, live.json()) == (200, {"status": "ok"})
         finally:
             decode.send_signal(signal.SIGCONT)
         wait_for(lambda: _outcome(d, "after")[0] == "ok", "the decode worker back in rotation", 60, 0.5)

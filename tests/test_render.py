@@ -334,6 +334,11 @@ def test_kvguard_network_policies_admit_exactly_each_ports_audience_s9() -> None
         container = objs["Deployment", f"m-r1-{role}"]["spec"]["template"]["spec"]["containers"][0]
         assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
         assert flag(container["command"], "--metrics-port") == "8001"
+        # The router is ready while its workers answer, and alive while it answers itself: a
+        # worker down must not have every router restarted (an outside probe).
+        live = "/livez" if role == "router" else "/health"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["livenessProbe"]["httpGet"]["path"] == container["startupProbe"]["httpGet"]["path"] == live
 
 
 def test_every_kvguard_role_gets_the_revision_key_and_encryption_reaches_both_workers_s9() -> None:

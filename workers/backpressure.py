@@ -30,6 +30,12 @@ buffer and, on Linux, the kernel's unsent queue (SIOCOUTQ) -- going down.
 short of its end took the router from 68 MB to 2.7 GB (a probe), so a few thousand would have it
 killed for memory, and every tenant with it. Bounded at the default 256 MiB: 0.39 GB with 300 such
 connections, 0.51 GB with 1,000.
+
+`SharedCheck`: an answer that costs calls to other processes (the workers' health behind the
+router's public /health), made at most once at a time for every caller, and reused while fresh.
+Each /health used to send a signed call to every worker: 1,500 clients flooding it made a flood
+of internal calls (and of entries in the workers' replay caches), and another tenant's requests
+stalled for 10 s (an outside probe).
 """
 
 from __future__ import annotations
@@ -42,7 +48,10 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class Slots:
@@ -306,3 +315,31 @@ def drop(transport: asyncio.Transport | None) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
+
+
+class SharedCheck(Generic[T]):
+    """`check()`'s latest answer, younger than `fresh_s` seconds; else one run of it that every
+    caller waits on (a caller that leaves does not cancel it for the others)."""
+
+    def __init__(self, check: Callable[[], Awaitable[T]], fresh_s: float) -> None:
+        self._check, self._fresh_s = check, fresh_s
+        self._last: tuple[float, T] | None = None  # (loop time it was made, answer)
+        self._running: asyncio.Task[T] | None = None
+
+    async def get(self) -> T:
+        loop = asyncio.get_running_loop()
+        if self._last is not None and loop.time() - self._last[0] < self._fresh_s:
+            return self._last[1]
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._running)
+
+    async def _run(self) -> T:
+        answer = await self._check()
+        self._last = (asyncio.get_running_loop().time(), answer)
+        return answer
+
+    def cancel(self) -> None:
+        if self._running is not None:
+            self._running.cancel()
+

@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ValidationError
 
 from kvguard.workers.args import DEFAULT_ABORT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, worker_default
-from kvguard.workers.backpressure import BodyMemory, Draining, SlotLease, Slots, StallWatch, drop
+from kvguard.workers.backpressure import BodyMemory, Draining, SharedCheck, SlotLease, Slots, StallWatch, drop
 from kvguard.workers.channel_reader import (
     ChannelLost,
     ChannelPayload,
@@ -117,6 +117,7 @@ _LABEL_KEY = web.RequestKey("kvguard_correlation_label", str)
 CONNECTIONS_PER_CHOICE = 5
 SPARE_CONNECTIONS = 64  # discovery, the limits refresher, one token channel per decode worker
 CHAT_MESSAGE_RENDER_BYTES = 64  # the template work one message costs, counted when choosing to render off the loop
+WORKERS_HEALTH_FRESH_S = 1.0  # /health's answer from the workers is shared this long (probes come every 5 s)
 
 
 STREAMING = web.RequestKey("kvguard_streaming", bool)
@@ -540,6 +541,8 @@ class Router:
         """The tasks answering requests: what a draining router finishes (servers.Drain waits for
         none), and `end_in_flight` ends when the drain's grace is over."""
         self._cut: set[asyncio.Task[web.StreamResponse]] = set()
+        self._workers_health = SharedCheck(self._check_workers, WORKERS_HEALTH_FRESH_S)
+        """What /health says of the workers: one check at a time for every caller (`SharedCheck`)."""
 
     @property
     def upstreams(self) -> Upstreams:
@@ -573,6 +576,7 @@ class Router:
         app = web.Application(middlewares=[error_middleware])
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/livez", self.live)
         return app
 
     async def _start(self, _: web.Application) -> None:
@@ -753,6 +757,7 @@ class Router:
         for task in (self._discovery, self._refresher, self._namer, *self._rereading.values()):
             if task is not None:
                 task.cancel()
+        self._workers_health.cancel()
         if self._aborts_in_flight:  # the handlers cancelled by the shutdown have just sent theirs
             await asyncio.wait(set(self._aborts_in_flight), timeout=self.config.abort_timeout_s)
         for reader in self._channels.values():
@@ -774,26 +779,42 @@ class Router:
             raise _unknown_model(request.match_info["model_id"])
         return web.json_response(card.model_dump(mode="json"))
 
-    async def health(self, _: web.Request) -> web.Response:
+    async def health(self, _request: web.Request) -> web.Response:
         """Ready when every worker in rotation answers its internal health check, and each role
         has one (workers kept out for S7 do not count). Says which role failed, never where the
-        worker lives (this answer reaches the public)."""
+        worker lives (this answer reaches the public). The rotation is read as it is now; the
+        workers' answers are shared by every caller for up to WORKERS_HEALTH_FRESH_S (`SharedCheck`)."""
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
+        upstreams = self.upstreams
         for role in (Role.PREFILL, Role.DECODE):
-            serving = self.upstreams.serving(role)
-            if not serving:  # out of rotation: for its pool (S7) if any answers, else because none does
-                workers = self.upstreams.prefill if role is Role.PREFILL else self.upstreams.decode
+            if not upstreams.serving(role):  # out of rotation: for its pool (S7) if any answers, else because none does
+                workers = upstreams.prefill if role is Role.PREFILL else upstreams.decode
                 why = "kv_pool_too_small" if any(u.reachable for u in workers) else "unreachable"
                 return web.json_response({"status": why, "role": role.value}, status=503)
-            for upstream in serving:
-                try:
-                    async with self.control.get(self.http, f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status != 200:
-                            return web.json_response({"status": "unhealthy", "role": role.value}, status=503)
-                except (TimeoutError, aiohttp.ClientError):
-                    return web.json_response({"status": "unreachable", "role": role.value}, status=503)
+        answer = await self._workers_health.get()
+        return web.json_response(answer, status=200 if answer["status"] == "ok" else 503)
+
+    async def live(self, _request: web.Request) -> web.Response:
+        """Liveness: this process answers. Not the workers' health, which /health (readiness) says:
+        a router restarted because a worker is down comes back to the same worker."""
         return web.json_response({"status": "ok"})
+
+    async def _check_workers(self) -> dict[str, str]:
+        """{"status": "ok"}, or why and which role is not: every worker in rotation asked at once."""
+        checks = [(role, self._worker_health(u)) for role in (Role.PREFILL, Role.DECODE) for u in self.upstreams.serving(role)]
+        answers = await asyncio.gather(*(check for _, check in checks))
+        for (role, _), status in zip(checks, answers, strict=True):
+            if status != "ok":
+                return {"status": status, "role": role.value}
+        return {"status": "ok"}
+
+    async def _worker_health(self, upstream: Upstream) -> str:
+        try:
+            async with self.control.get(self.http, f"{upstream.url}/internal/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return "ok" if r.status == 200 else "unhealthy"
+        except (TimeoutError, aiohttp.ClientError):
+            return "unreachable"
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
