@@ -111,3 +111,29 @@ def test_an_abort_ends_the_stream_with_its_error() -> None:
     assert isinstance(token, TokenEvent) and isinstance(end, ErrorEvent)
     assert (end.status, end.code) == (error.status, error.code)
     assert json.loads(data.splitlines()[1])["message"] == error.message
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_whole_answer_is_encoded_a_slice_at_a_time_and_reads_as_json_dumps_writes_it(
+    chat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside probe: a 16 MB answer of logprobs encoded by one json.dumps call held the GIL,
+    so the event loop every tenant shares, for 1.07 s at a stretch. Each call now encodes at most
+    a slice of a long list, and the bytes are json.dumps's."""
+    from kvguard.workers import router
+    from kvguard.workers.openai_responses import ChoiceResult
+
+    builder = ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=True)
+    top = tuple((t, -float(t)) for t in range(5))
+    results = [
+        ChoiceResult(index=i, text="x" * tokens, finish_reason="length", completion_tokens=tokens,
+                     logprobs=[TokenLogprob(token_id=t % 250, logprob=-0.5, top=top) for t in range(tokens)])
+        for i, tokens in enumerate((1000, 3, 0, router.JSON_SLICE_ITEMS + 1))
+    ]  # fmt: skip
+    body = builder.whole(results, 7)
+    expected = json.dumps(body)
+    encoded: list[int] = []  # items of the list each json.dumps call was given (0: not a list)
+    dumps = json.dumps
+    monkeypatch.setattr(json, "dumps", lambda value, **kw: encoded.append(len(value) if isinstance(value, list) else 0) or dumps(value, **kw))
+    assert router.dumps_in_slices(body) == expected
+    assert max(encoded) <= router.JSON_SLICE_ITEMS and len(encoded) > 8, encoded

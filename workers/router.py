@@ -1062,6 +1062,11 @@ class Router:
             size = sum(m.template_bytes() for m in body.messages)
             if size > limit:
                 raise self._rejected_for_length(request_too_large("messages", size, limit, upstreams.context_length))
+            if len(body.messages) > upstreams.context_length:  # a template writes a role token or more per message
+                raise self._rejected_for_length(OpenAIError(
+                    400, f"messages: {len(body.messages)} messages cannot fit this model's context of "
+                    f"{upstreams.context_length} tokens. Please reduce the number of messages.",
+                    code="context_length_exceeded", param="messages"))  # fmt: skip
             # The template adds text per message: an empty message still costs a render, so the
             # off-loop decision counts it (the limit above stays on what the client sent).
             work = size + CHAT_MESSAGE_RENDER_BYTES * len(body.messages) + body.template_variables_bytes()
@@ -1192,7 +1197,8 @@ class Router:
                 raise _first_openai_error(failed) from None
             results = [t.result() for t in tasks]
         # A body of logprobs can be tens of MB (n: 16, top_logprobs: 20, a thousand tokens each: 19.5 MB):
-        # built and encoded on a thread then, so the loop every tenant shares keeps turning.
+        # built and encoded on a thread then, a slice at a time (`dumps_in_slices`: one json.dumps
+        # call holds the GIL throughout, 1.07 s here), so the loop every tenant shares keeps turning.
         size = sum(len(r.text) + LOGPROB_ENTRY_BYTES * sum(1 + len(t.top) for t in r.logprobs) for r in results)
         body = await self._off_loop(size, _encoded_whole, builder, results, prompt_tokens)
         return web.Response(body=body, content_type="application/json")
@@ -1795,7 +1801,29 @@ LOGPROB_ENTRY_BYTES = 48
 
 
 def _encoded_whole(builder: ResponseBuilder, results: Sequence[ChoiceResult], prompt_tokens: int) -> bytes:
-    return json.dumps(builder.whole(results, prompt_tokens)).encode()
+    return dumps_in_slices(builder.whole(results, prompt_tokens)).encode()
+
+
+JSON_SLICE_ITEMS = 256
+"""Items of a long list encoded by one json.dumps call (a token's logprob entry with its 20
+alternatives is ~1 KB: a slice is ~0.25 MB, a few ms)."""
+
+
+def dumps_in_slices(value: object, depth: int = 0) -> str:
+    """json.dumps(value), a long list a slice at a time. One json.dumps call holds the GIL from
+    start to end, so a 16 MB answer of logprobs (n: 16, top_logprobs: 20, 1,000 tokens) encoded
+    on a thread held the event loop every tenant shares for 1.07 s at a stretch (an outside probe);
+    in slices, the loop gets the GIL between them. The answer's own containers (the body, its
+    choices, a choice, its logprobs) are walked; what lies deeper is encoded whole or in slices."""
+    if isinstance(value, dict):
+        fields = (f"{json.dumps(key)}: {dumps_in_slices(item, depth + 1)}" for key, item in value.items())
+        return "{" + ", ".join(fields) + "}"
+    if isinstance(value, list) and len(value) > JSON_SLICE_ITEMS:
+        slices = (json.dumps(value[start:start + JSON_SLICE_ITEMS])[1:-1] for start in range(0, len(value), JSON_SLICE_ITEMS))
+        return "[" + ", ".join(slices) + "]"
+    if isinstance(value, list) and depth < 2:  # the choices
+        return "[" + ", ".join(dumps_in_slices(item, depth + 1) for item in value) + "]"
+    return json.dumps(value)
 
 
 def _shaped_and_validated(kind: type[RequestKind], raw: bytes, max_values: int) -> RequestKind:
