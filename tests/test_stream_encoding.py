@@ -137,3 +137,31 @@ def test_a_whole_answer_is_encoded_a_slice_at_a_time_and_reads_as_json_dumps_wri
     monkeypatch.setattr(json, "dumps", lambda value, **kw: encoded.append(len(value) if isinstance(value, list) else 0) or dumps(value, **kw))
     assert router.dumps_in_slices(body) == expected
     assert max(encoded) <= router.JSON_SLICE_ITEMS and len(encoded) > 8, encoded
+
+
+def test_text_offsets_put_a_token_after_the_replacement_an_unfinished_character_before_it_became() -> None:
+    """An outside probe: a token of one stray byte (0xC6), then '*': both had offset 4, while the
+    text had U+FFFD at 4 and '*' at 5. Each offset is where the token's own text starts; a
+    character split across tokens starts where its first byte's token is."""
+    from kvguard.workers.openai_responses import LogprobShaper
+
+    class Vocab:
+        def __init__(self, pieces: list[bytes]) -> None:
+            self.pieces = pieces
+
+        def token_bytes(self, token_id: int) -> bytes:
+            return self.pieces[token_id]
+
+        def text_bytes(self, token_id: int) -> bytes:
+            return self.pieces[token_id]
+
+    cases = {
+        (b"ab", b"\xc6", b"*", b"c"): [0, 2, 3, 4],  # 'ab\ufffd*c'
+        (b"ab", b"\xc3", b"\xa9", b"x"): [0, 2, 2, 3],  # 'ab\xe9x': the split character starts at 2
+        (b"\xc6", b"\xc6", b"*"): [0, 1, 2],  # '\ufffd\ufffd*'
+        (b"\x80", b"a"): [0, 1],  # '\ufffda'
+    }
+    for pieces, offsets in cases.items():
+        shaper = LogprobShaper(Vocab(list(pieces)))
+        got = shaper.completion([TokenLogprob(token_id=i, logprob=-1.0) for i in range(len(pieces))]).text_offset
+        assert got == offsets, (pieces, got, b"".join(pieces).decode("utf-8", errors="replace"))

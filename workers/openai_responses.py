@@ -179,9 +179,28 @@ class LogprobShaper:
             if record.logprob is not None:
                 top.setdefault(token, record.logprob)
             out.top_logprobs.append(top)
+            text = self.vocab.text_bytes(record.token_id)
+            self.offset += self._abandoned_before(text)
             out.text_offset.append(self.offset)
-            self.offset += len(self._utf8.decode(self.vocab.text_bytes(record.token_id)))  # as the text has it
+            self.offset += len(self._utf8.decode(text))  # as the text has it
         return out
+
+    def _abandoned_before(self, text: bytes) -> int:
+        """The U+FFFD characters that an earlier token's unfinished UTF-8 bytes become, in front of
+        this token's text, when this token does not continue them: they are that token's text, so
+        this one starts after them (an outside probe: a stray byte, then '*', both at offset 4,
+        while '*' was at 5). Taken off the count this token's decode adds."""
+        pending, flag = self._utf8.getstate()
+        if not pending or not text:
+            return 0
+        try:  # the pending bytes are a valid start of a character: does this token's first byte go on with it?
+            codecs.getincrementaldecoder("utf-8")().decode(pending + text[:1])
+            return 0
+        except UnicodeDecodeError:
+            pass
+        abandoned = len(pending.decode("utf-8", errors="replace"))
+        self._utf8.setstate((b"", flag))  # those characters are counted here, not in this token's decode
+        return abandoned
 
     def chat(self, records: Sequence[TokenLogprob]) -> ChatLogprobs:
         token_bytes = self.vocab.token_bytes
