@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -569,3 +570,47 @@ def test_connections_over_max_connections_get_a_503_and_the_router_keeps_serving
         finally:
             holders[0].close()
     still_serving(trio, model)
+
+
+async def test_template_variables_a_template_writes_larger_stop_rendering_at_the_byte_limit(tiny_model_dir: Path,
+                                                                                           tmp_path: Path) -> None:
+    """A review: chat_template_kwargs are outside the messages' byte limit, and a template may
+    write one at many times its size (Llama 3.1's writes custom_tools with tojson(indent=4): 0.3 MB
+    of nested lists became 52 MB of prompt text, rendered, then tokenized for minutes on the tiny
+    tokenizer, before the context refused it). Rendering stops at the limit, and the request is
+    refused as any text too long for the context is, before a token is made."""
+    import shutil
+
+    from kvguard.workers.keys import RevisionKeys
+    from kvguard.workers.openai_api import OpenAIError
+    from kvguard.workers.openai_requests import ChatCompletionRequest
+    from kvguard.workers.router import Router, RouterConfig
+    from kvguard.workers.tokenizer import Tokenizer
+
+    template = ("{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}"
+                "{% for t in tools or [] %}{{ t | tojson(indent=4) }}{% endfor %}"
+                "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")  # fmt: skip
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config_path = tmp_path / "model" / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": template}))
+    tokenizer = Tokenizer.from_dir(tmp_path / "model")
+    assert tokenizer is not None
+    tokenized: list[int] = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, add_special_tokens=True: tokenized.append(len(text)) or encode(text, add_special_tokens)  # type: ignore[method-assign]
+    config = RouterConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:1",), model_name="m")
+    router = Router(config, tokenizer, RevisionKeys.derive(b"k" * 32))
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "chat_template_kwargs": {"custom_tools": [json.loads("[" * 60 + "]" * 60)] * 50}})  # fmt: skip
+    upstreams = SimpleNamespace(context_length=1024)  # all _tokenize reads of the workers
+    limit = router._prompt_byte_limit(upstreams)  # type: ignore[arg-type]
+    with pytest.raises(OpenAIError) as refused:
+        await router._tokenize(body, upstreams)  # type: ignore[arg-type]
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "messages"), refused.value
+    assert tokenized == [] and router.metrics.requests.labels("rejected")._value.get() == 1
+    assert f"more than the {limit} bytes" in refused.value.message, refused.value
+    small = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                  "chat_template_kwargs": {"custom_tools": [[1]]}})  # fmt: skip
+    [prompt] = await router._tokenize(small, upstreams)  # type: ignore[arg-type]
+    assert prompt.ids == tokenizer.encode_chat(small.template_messages(), small.template_options())
+    router._threads.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -502,3 +503,30 @@ def test_tiny_model_refuses_an_empty_dir_or_a_file(tmp_path: Path, monkeypatch: 
     assert main(["model", "tiny", "a-file"]) == 2 and (tmp_path / "a-file").read_text() == "x"
     err = capsys.readouterr().err
     assert "DIR is empty" in err and "a-file is not a folder" in err
+
+
+# Llama 3.1's template writes a variable of the request's with tojson(indent=4), so at many times
+# the size it was sent at (nested lists: indentation grows with depth).
+WRITES_TOOLS = ("{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}"
+                "{% for t in tools or [] %}{{ t | tojson(indent=4) }}{% endfor %}"
+                "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")  # fmt: skip
+
+
+def test_a_bounded_chat_render_stops_once_past_its_bound_and_is_render_below_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A review: 0.3 MB of chat_template_kwargs rendered to 52 MB of prompt text under such a
+    template. With `max_chars`, rendering stops once past it; below it, the text is render()'s."""
+    from kvguard.workers.tokenizer import ChatTemplateOptions, PromptTooLong
+
+    ours, _, _ = _with_template(tiny_model_dir, tmp_path / "tools", WRITES_TOOLS)
+    messages = [{"role": "user", "content": "a"}]
+    tools = [json.loads("[" * 60 + "]" * 60)] * 50
+    pieces: list[int] = []
+    template = ours._chat_template
+    generate = template.generate
+    template.generate = lambda *a, **kw: (pieces.append(len(p)) or p for p in generate(*a, **kw))  # type: ignore[method-assign]
+    with pytest.raises(PromptTooLong) as refused:
+        ours.render_chat(messages, ChatTemplateOptions(variables={"custom_tools": tools}, max_chars=4096))
+    unbounded = ours.render_chat(messages, ChatTemplateOptions(variables={"custom_tools": tools}))
+    assert refused.value.at_least > 4096 and len(unbounded) > 100 * 4096 and len(pieces) < 5, pieces
+    small = ChatTemplateOptions(variables={"custom_tools": [[1]]})
+    assert ours.render_chat(messages, replace(small, max_chars=10_000)) == ours.render_chat(messages, small)

@@ -34,7 +34,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypeVar
 
 import aiohttp
@@ -93,7 +93,7 @@ from kvguard.workers.protocol import (
     WorkerInfo,
 )
 from kvguard.workers.seeding import choice_seed
-from kvguard.workers.tokenizer import ChatTemplateOptions
+from kvguard.workers.tokenizer import ChatTemplateOptions, PromptTooLong
 from kvguard.workers.transfer.metrics import AbortCause, router_abort_cause
 from kvguard.workers.transfer.tickets import MAX_TICKET_TTL_S, TicketAuthority
 
@@ -1070,7 +1070,7 @@ class Router:
             # The template adds text per message: an empty message still costs a render, so the
             # off-loop decision counts it (the limit above stays on what the client sent).
             work = size + CHAT_MESSAGE_RENDER_BYTES * len(body.messages) + body.template_variables_bytes()
-            return [Prompt(await self._encode_chat(body, work))]
+            return [Prompt(await self._encode_chat(body, work, limit, upstreams.context_length))]
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, list):
@@ -1097,11 +1097,17 @@ class Router:
             self.metrics.requests.labels("rejected").inc()
             raise OpenAIError(400, f"{param}: token ids must be in [0, {vocab})", param=param, code="invalid_value")
 
-    async def _encode_chat(self, body: ChatCompletionRequest, size: int) -> list[int]:
+    async def _encode_chat(self, body: ChatCompletionRequest, size: int, limit: int, context_length: int) -> list[int]:
+        """The rendered prompt's ids. Rendering stops at `limit` characters, the byte limit the
+        messages were held to: chat_template_kwargs reach the template unbounded by it, and a
+        template may write them at many times their size (tojson with indent)."""
         from jinja2 import TemplateError
 
+        options = replace(body.template_options(), max_chars=limit)
         try:
-            ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages(), body.template_options())
+            ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages(), options)
+        except PromptTooLong as exc:
+            raise self._rejected_for_length(request_too_large("messages", exc.at_least, limit, context_length)) from None
         except (TemplateError, ValueError) as exc:  # the model's template refused these messages
             raise OpenAIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
         if not ids:

@@ -10,7 +10,7 @@ import datetime
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -98,10 +98,13 @@ class Tokenizer:
         options = options or ChatTemplateOptions()
         # The request's variables first, so that the server's own names win (the request model
         # refuses those names already: openai_requests.RESERVED_TEMPLATE_NAMES).
-        return self._chat_template.render({
+        variables = {
             **options.variables, **self._template_tokens, "messages": messages,
             "add_generation_prompt": options.add_generation_prompt,
-        })  # fmt: skip
+        }  # fmt: skip
+        if options.max_chars is None:
+            return self._chat_template.render(variables)
+        return _joined_within(self._chat_template.generate(variables), options.max_chars)
 
     @cached_property
     def _chat_template(self) -> Any:
@@ -133,6 +136,31 @@ class ChatTemplateOptions:
 
     add_generation_prompt: bool = True
     variables: Mapping[str, Any] = field(default_factory=dict)
+    max_chars: int | None = None
+    """Rendering stops with PromptTooLong past this many characters (None: no bound). The request's
+    variables are rendered as the template writes them, not as sent: Llama 3.1's template writes
+    its `custom_tools` with tojson(indent=4), and 0.3 MB of nested lists became 52 MB of prompt
+    text, rendered and then tokenized before the context refused it (a review)."""
+
+
+class PromptTooLong(ValueError):
+    """The rendered chat prompt passed `ChatTemplateOptions.max_chars`: it cannot fit the context."""
+
+    def __init__(self, at_least: int, max_chars: int) -> None:
+        super().__init__(f"the rendered prompt is over {max_chars} characters")
+        self.at_least, self.max_chars = at_least, max_chars
+
+
+def _joined_within(pieces: Iterator[str], max_chars: int) -> str:
+    """The template's output pieces joined, or PromptTooLong once they pass `max_chars` (the rest is
+    never rendered)."""
+    kept, total = [], 0
+    for piece in pieces:
+        total += len(piece)
+        if total > max_chars:
+            raise PromptTooLong(total, max_chars)
+        kept.append(piece)
+    return "".join(kept)
 
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
