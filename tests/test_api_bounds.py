@@ -601,7 +601,8 @@ async def test_template_variables_a_template_writes_larger_stop_rendering_at_the
     config = RouterConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:1",), model_name="m")
     router = Router(config, tokenizer, RevisionKeys.derive(b"k" * 32))
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 "chat_template_kwargs": {"custom_tools": [json.loads("[" * 60 + "]" * 60)] * 50}})  # fmt: skip
+                                                 "chat_template_kwargs": {"custom_tools": [json.loads("[" * 6 + "1" + "]" * 6)] * 2000}})  # fmt: skip
+    assert len(json.dumps(body.chat_template_kwargs)) < 32_000  # within the variables' own bounds (size, depth 8)
     upstreams = SimpleNamespace(context_length=1024)  # all _tokenize reads of the workers
     limit = router._prompt_byte_limit(upstreams)  # type: ignore[arg-type]
     with pytest.raises(OpenAIError) as refused:

@@ -356,6 +356,12 @@ REFUSED = [
     ("chat/completions", {"echo": True}, "echo"),
     ("chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+    ("chat/completions", {"chat_template_kwargs": {"range": 1}}, "chat_template_kwargs"),  # jinja's own
+    ("chat/completions", {"chat_template_kwargs": {"custom_tools": [[[[[[[[[1]]]]]]]]]}}, "chat_template_kwargs"),  # 9 deep
+    ("chat/completions", {"chat_template_kwargs": {"custom_tools": "x" * 70_000}}, "chat_template_kwargs"),
+    ("chat/completions", {"structural_tag": {"type": "structural_tag"}}, "structural_tag"),
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
 ]
 
 # vLLM's extensions at vLLM's defaults, as clients send them explicitly: served as if left out (an
@@ -365,9 +371,10 @@ VLLM_DEFAULTS = {"skip_special_tokens": True, "spaces_between_special_tokens": T
                  "return_token_ids": False, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
                  "bad_words": [], "structured_outputs": None, "guided_json": None, "guided_regex": None,
                  "logits_processors": None, "kv_transfer_params": None, "mm_processor_kwargs": None, "vllm_xargs": None,
-                 "cache_salt": "tenant-a"}  # fmt: skip
+                 "cache_salt": "tenant-a", "request_id": "my-own-id"}  # fmt: skip
 VLLM_CHAT_DEFAULTS = {"add_generation_prompt": True, "chat_template_kwargs": {}, "continue_final_message": False,
-                      "add_special_tokens": False, "chat_template": None, "documents": None, "echo": False}  # fmt: skip
+                      "add_special_tokens": False, "chat_template": None, "documents": None, "echo": False,
+                      "structural_tag": None, "include_reasoning": True}  # fmt: skip
 
 
 @pytest.mark.parametrize("path, extra, param", REFUSED, ids=[f"{p}-{param}" for p, _, param in REFUSED])
@@ -385,10 +392,12 @@ def test_what_is_not_implemented_is_refused_naming_it(trio: LocalDeployment, mod
 def test_vllm_extensions_at_their_defaults_are_served_as_if_left_out(trio: LocalDeployment, model: str, path: str) -> None:
     base: dict = {"model": model, "max_tokens": 6, "temperature": 0}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
-    defaults = {**VLLM_DEFAULTS, **(VLLM_CHAT_DEFAULTS if path.startswith("chat") else {"add_special_tokens": True})}
+    completions = {"add_special_tokens": True, "response_format": None, "prompt_embeds": None}
+    defaults = {**VLLM_DEFAULTS, **(VLLM_CHAT_DEFAULTS if path.startswith("chat") else completions)}
     plain, explicit = post(trio, path, base), post(trio, path, {**base, **defaults})
     assert plain.status_code == explicit.status_code == 200, explicit.text
     assert plain.json()["choices"] == explicit.json()["choices"] and plain.json()["usage"] == explicit.json()["usage"]
+    assert explicit.json()["id"] != "my-own-id" and "my-own-id" not in explicit.json()["id"]  # a label, never the id (S9)
 
 
 def test_the_chat_templates_own_switches_are_passed_to_it(trio: LocalDeployment, model: str) -> None:

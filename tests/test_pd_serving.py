@@ -325,6 +325,24 @@ def test_health(trio: LocalDeployment) -> None:
     assert requests.get(f"{trio.router_url}/health", timeout=30).json() == {"status": "ok"}
 
 
+async def test_a_worker_health_check_that_fails_unexpectedly_reads_unreachable() -> None:
+    """The router's /health shares one check among its callers: an error other than a timeout or a
+    connection error (a closed session at shutdown) made every caller's answer a 500, and every
+    next caller start a new check (a review)."""
+    from types import SimpleNamespace
+
+    from kvguard.workers.protocol import Role, WorkerInfo
+    from kvguard.workers.router import Router, Upstream
+
+    class ClosedSession:
+        def get(self, *_: object, **__: object) -> None:
+            raise RuntimeError("Session is closed")
+
+    router = SimpleNamespace(control=ClosedSession(), http=None)
+    decode = Upstream("http://decode", WorkerInfo(role=Role.DECODE, model="m", context_length=1024, kv_pool_tokens=4096, page_size=16))
+    assert await Router._worker_health(router, decode) == "unreachable"  # type: ignore[arg-type]
+
+
 def test_router_refuses_workers_whose_page_sizes_differ() -> None:
     from kvguard.workers.protocol import Role, WorkerInfo
     from kvguard.workers.router import Upstream, Upstreams

@@ -137,6 +137,8 @@ def test_a_whole_answer_is_encoded_a_slice_at_a_time_and_reads_as_json_dumps_wri
     monkeypatch.setattr(json, "dumps", lambda value, **kw: encoded.append(len(value) if isinstance(value, list) else 0) or dumps(value, **kw))
     assert router.dumps_in_slices(body) == expected
     assert max(encoded) <= router.JSON_SLICE_ITEMS and len(encoded) > 8, encoded
+    odd = {"a": {1: [2.5, None], None: "x", "s": float("nan")}, "b": list(range(3 * router.JSON_SLICE_ITEMS))}
+    assert router.dumps_in_slices(odd) == dumps(odd)  # keys json.dumps names its own way (a review)
 
 
 def test_text_offsets_put_a_token_after_the_replacement_an_unfinished_character_before_it_became() -> None:

@@ -41,7 +41,13 @@ RESERVED_TEMPLATE_NAMES = frozenset({
     "messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template",
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
     "additional_special_tokens", "raise_exception", "strftime_now",
+    # jinja's own globals and loop variable: shadowed, a template using them breaks (a review)
+    "range", "dict", "namespace", "cycler", "joiner", "lipsum", "loop",
 })  # fmt: skip
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+MAX_TEMPLATE_KWARGS_DEPTH = 8
+"""A template may write a variable far larger than it was sent (tojson with indent: 0.3 MB of
+nested lists became 52 MB of prompt, a review); template switches and tool lists are small and flat."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default (OpenAI, vLLM, SGLang); chat's is the rest of the context
 
 # fail_fast: the first bad id names the field; a million bad ones must not each be itemized.
@@ -95,6 +101,10 @@ def _unset(value: Any) -> bool:
 def _is(*asking_nothing: object) -> Callable[[Any], bool]:
     """Fine when unset or one of `asking_nothing` (compared by type too: `1` is not `True`)."""
     return lambda value: value is None or any(type(value) is type(v) and value == v for v in asking_nothing)
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
 
 
 # vLLM's extensions that this server does not implement, or implements only as vLLM's default:
@@ -170,6 +180,8 @@ class _Request(_Strict):
     mm_processor_kwargs: JsonValue = None
     vllm_xargs: JsonValue = None
     cache_salt: str | None = None  # vLLM's prefix-cache salt: accepted, no KV is shared between requests here
+    # vLLM's request id: a label (as X-Request-Id is), never the router's id for the request (S9).
+    request_id: str | None = Field(None, max_length=128)
 
     REFUSED: ClassVar[dict[str, Refusal]] = {}  # per endpoint: known parameters this server does not implement
 
@@ -294,10 +306,14 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
     add_special_tokens: bool | None = None  # vLLM: the tokenizer's BOS before a text prompt (default true)
+    response_format: JsonValue = None  # vLLM's completions take it too
+    prompt_embeds: JsonValue = None  # vLLM: embeddings in place of a prompt
 
     REFUSED: ClassVar[dict[str, Refusal]] = {
         "suffix": (lambda v: not v, "insertion (fill-in-the-middle) is not implemented"),
         **VLLM_REFUSED,
+        "response_format": (_text_format, "only {\"type\": \"text\"}: JSON mode and structured outputs are not implemented"),
+        "prompt_embeds": (_unset, "prompts are text or token ids"),
     }
 
     @field_validator("prompt", mode="plain")
@@ -352,6 +368,15 @@ class CompletionRequest(_Request):
         It used to be the rest of the context, as chat's: a client that left max_tokens out got
         thousands of tokens per choice where every other server gives 16."""
         return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def _depth(value: JsonValue) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
 
 
 def _is_token_id(value: Any) -> bool:
@@ -439,10 +464,6 @@ def _messages_supported(messages: list[ChatMessage]) -> None:
             raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages[{i}].content", code="missing_required_parameter")
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -480,6 +501,8 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
     documents: JsonValue = None
     echo: bool | None = None
+    structural_tag: JsonValue = None
+    include_reasoning: bool | None = None  # either: this server has no reasoning parser, so nothing to include or leave out
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -495,6 +518,10 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"{name[:64]!r} is not a template variable name (letters, digits, _; at most 64)")
             if name in RESERVED_TEMPLATE_NAMES:
                 raise ValueError(f"{name!r} is set by the server, not by chat_template_kwargs")
+        if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON")
+        if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise ValueError(f"nested at most {MAX_TEMPLATE_KWARGS_DEPTH} deep")
         return kwargs
 
     @field_validator("tool_choice", "function_call", mode="plain")
@@ -528,6 +555,7 @@ class ChatCompletionRequest(_Request):
         "chat_template": (_unset, "the model's own chat template is used"),
         "documents": (_unset, "the model's own chat template is used, without documents"),
         "echo": (_is(False), "the reply does not repeat the conversation"),
+        "structural_tag": (_unset, "structured outputs are not implemented"),
     }
 
     def check_supported(self) -> None:

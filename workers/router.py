@@ -815,6 +815,9 @@ class Router:
                 return "ok" if r.status == 200 else "unhealthy"
         except (TimeoutError, aiohttp.ClientError):
             return "unreachable"
+        except Exception:  # noqa: BLE001 -- an answer for every caller of the shared check, never a 500 (a review)
+            log.exception("health check of a %s worker failed", upstream.info.role.value)
+            return "unreachable"
 
     async def metrics_endpoint(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -1821,7 +1824,7 @@ def dumps_in_slices(value: object, depth: int = 0) -> str:
     on a thread held the event loop every tenant shares for 1.07 s at a stretch (an outside probe);
     in slices, the loop gets the GIL between them. The answer's own containers (the body, its
     choices, a choice, its logprobs) are walked; what lies deeper is encoded whole or in slices."""
-    if isinstance(value, dict):
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):  # (json.dumps names other keys its own way)
         fields = (f"{json.dumps(key)}: {dumps_in_slices(item, depth + 1)}" for key, item in value.items())
         return "{" + ", ".join(fields) + "}"
     if isinstance(value, list) and len(value) > JSON_SLICE_ITEMS:
