@@ -2,7 +2,7 @@
 
     tiny  (namespace models)  Ready  stable 3f2a9c  target 3f2a9c
     ├── conditions  KVPoolSufficient=True  Ready=True  Degraded=False
-    ├── rollout  Stable  RolloutComplete: revision 3f2a9c is serving
+    ├── rollout  Stable  (revision 3f2a9c)  RolloutComplete: revision 3f2a9c is serving
     │   ├── step 2/3  weight 50%                        (when the status has steps)
     │   ├── analysis error-ratio  Successful  value=0.01 threshold=0.05
     │   └── canary pass  12.3 s  capacity, golden, over_length: pass
@@ -84,14 +84,20 @@ def _analysis(entry: Mapping[str, Any]) -> Node:
     return Node(text + (f"  {entry['message']}" if entry.get("message") else ""))
 
 
-def _rollout(rollout: Mapping[str, Any], steps: int | None) -> Node:
-    text = f"rollout  {rollout.get('state', '?')}"
+def _rollout(rollout: Mapping[str, Any], steps: int | None, target: Any = None) -> Node:
+    """The rollout in status, which names its own revision: while a new target has not started
+    (paused before it), what it shows is an earlier revision's (an outside probe: its steps and
+    canary read as the target's)."""
+    revision = rollout.get("revision")
+    text = f"rollout  {rollout.get('state', '?')}" + (f"  (revision {revision})" if revision else "")
     if rollout.get("reason") or rollout.get("message"):
         text += f"  {rollout.get('reason') or ''}: {rollout.get('message') or ''}"
     children: list[Node] = []
+    if revision and target and revision != target:
+        children.append(Node(f"of revision {revision}, not the target {target}: the target's rollout has not started"))
     if rollout.get("step") is not None or rollout.get("weight") is not None:
         index = rollout.get("step")  # from 0 in the status; counted from 1 here, as the events say it
-        of = f"/{steps}" if steps else ""
+        of = f"/{steps}" if steps and (not target or revision == target) else ""  # the spec's steps are the target's
         step = f"step {index + 1}{of}  " if isinstance(index, int) else ""
         weight = f"weight {rollout['weight']}%" if rollout.get("weight") is not None else ""
         children.append(Node(f"{step}{weight}".strip()))
@@ -197,7 +203,7 @@ def status_tree(name: str, namespace: str, status: Mapping[str, Any], pools: Seq
         head += f"  - {status['message']}"
     children = [_section("conditions", lambda: _conditions(status))]
     if "rollout" in status:
-        children.append(_section("rollout", lambda: _rollout(status["rollout"], steps)))
+        children.append(_section("rollout", lambda: _rollout(status["rollout"], steps, status.get("targetRevision"))))
     if "continuous" in status:
         children.append(_section("continuous canary", lambda: _continuous(status["continuous"])))
     serving = serving or status.get("revision")

@@ -666,6 +666,12 @@ class _Step:
             self.event("Normal", "RolloutPaused", self.r.message or "")
         if pause:
             self.condition("Progressing", "False", "Paused", self.r.message or "paused")
+            wanted, _ = self._wanted()
+            if wanted != self.r.revision:  # the rollout paused is an earlier revision's
+                # The conditions speak of the target revision: an earlier revision's pass must not
+                # read as this one's (an outside probe: CanaryPassed=True for a target never started).
+                self.condition("CanaryPassed", "Unknown", "CanaryNotRun",
+                               f"revision {wanted} is paused before its rollout starts ({PAUSE_ANNOTATION})")  # fmt: skip
             return True
         if self.r.state == RolloutState.PAUSED:
             resume = self.r.paused_from or RolloutState.PLANNING

@@ -509,6 +509,18 @@ def test_pause_freezes_everything_and_resume_continues_in_the_same_state(state: 
     assert d.state == state or (state, d.state) in ((S.CANARY_DEPLOYING, S.CANARY_DEPLOYING), (S.CANARY_VERIFYING, S.STABLE))
 
 
+def test_a_new_target_paused_before_its_rollout_does_not_read_as_canaried() -> None:
+    """An outside probe: a spec changed while paused showed CanaryPassed=True, the previous
+    revision's pass, for a target whose canary never ran; the conditions speak of the target."""
+    sim = stable_sim()
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    assert "CanaryPassed" not in conditions(sim.tick())  # nothing new to roll out: the stable's pass stands
+    sim.target = "r2"
+    d = sim.tick()
+    assert d.state == S.PAUSED and d.rollout.revision == "r1" and not d.of_type(RunCanary)
+    assert conditions(d)["CanaryPassed"] == ("Unknown", "CanaryNotRun")
+
+
 def test_retry_annotation_reruns_a_failed_rollout_once_per_new_value() -> None:
     sim = _sim_in(S.ROLLED_BACK)
     sim.canary = None

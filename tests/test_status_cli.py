@@ -66,7 +66,7 @@ def test_the_tree_shows_revisions_step_weight_analysis_canary_and_every_pods_poo
     assert "├── conditions  Progressing=True  Ready=True  Degraded=True" in lines
     assert "│   ├── Progressing: AnalysisInconclusive: 3 candidate requests ended" in lines  # why the step holds
     assert "│   └── Degraded: PodKVPoolTooSmall: pod tiny-aaa111-decode-b too small" in lines
-    assert any("rollout  CanaryVerifying  AnalysisRunning: step 2 of 3" in line for line in lines)
+    assert any("rollout  CanaryVerifying  (revision bbb222)  AnalysisRunning: step 2 of 3" in line for line in lines)
     assert "│   ├── step 2/3  weight 50%" in lines
     assert "│   ├── analysis errorRatio  Successful  value=0.01  threshold=0.05" in lines
     assert "│   └── canary fail  3.5 s  failed: isolation" in lines and "│       └── probe isolation: fail" in lines
@@ -80,6 +80,16 @@ def test_the_tree_shows_revisions_step_weight_analysis_canary_and_every_pods_poo
     assert lines[stable + 2].startswith("│   └── pod tiny-aaa111-decode-b  decode  node node-40gb  pool 1536 / 2048 tokens (1.50x vs 2x)"
                                         "  TOO SMALL: out of rotation")  # fmt: skip
     assert lines[stable + 3] == "│       └── pod tiny-aaa111-decode-b on node node-40gb: 1536 < 2048"
+
+
+def test_a_rollout_of_an_earlier_revision_is_not_shown_as_the_targets() -> None:
+    """An outside probe: a new target paused before its rollout started showed the previous
+    revision's step (with the new spec's step count), analyses and canary pass as if they were
+    the target's."""
+    earlier = {**STATUS, "targetRevision": "ccc333"}
+    lines = render("tiny", "models", earlier, [], steps=3).splitlines()
+    assert "│   ├── of revision bbb222, not the target ccc333: the target's rollout has not started" in lines, lines
+    assert "│   ├── step 2  weight 50%" in lines  # not "2/3": the 3 steps are the target's spec's
 
 
 @pytest.mark.kmock(cls=ApiServer)
