@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -100,11 +101,20 @@ def annotation_problems(annotations: Mapping[str, object] | None) -> list[str]:
     Why: a pause written `"True"`, `"yes"` or `"1"` was read as no pause at all, so a user who
     meant to hold a rollout watched it go on. The admission webhook and `kvguard apply --local`
     refuse such a value, naming the field; the reconciler still reads only `"true"` as a pause."""
+    problems = []
     value = (annotations or {}).get(PAUSE_ANNOTATION)
-    if value is None or (isinstance(value, str) and value.strip() in PAUSE_VALUES):
-        return []
-    return [f"metadata.annotations[{PAUSE_ANNOTATION}]: {str(value)[:40]!r} is not \"true\" (hold the rollout) "
-            "or \"false\""]
+    if not (value is None or (isinstance(value, str) and value.strip() in PAUSE_VALUES)):
+        problems.append(f"metadata.annotations[{PAUSE_ANNOTATION}]: {str(value)[:40]!r} is not \"true\" (hold the "
+                        "rollout) or \"false\"")  # fmt: skip
+    # A rollback to something no revision can be named was applied as "not a kept revision": the
+    # spec rolled out instead, silently for `kvguard apply --local` (an outside probe).
+    from kvguard.operator.revision import REVISION_LENGTH  # (revision imports api, which imports this module)
+
+    rollback = (annotations or {}).get(ROLLBACK_ANNOTATION)
+    if rollback is not None and not (isinstance(rollback, str) and re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", rollback)):
+        problems.append(f"metadata.annotations[{ROLLBACK_ANNOTATION}]: {str(rollback)[:40]!r} is not a revision "
+                        f"({REVISION_LENGTH} lowercase hex digits, as `kvguard status` lists them)")  # fmt: skip
+    return problems
 
 
 NOT_A_CHECK = frozenset({"scrape", "window"})

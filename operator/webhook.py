@@ -65,7 +65,7 @@ from kvguard.operator.api import (
 from kvguard.operator.kube import Kube, KubeError
 from kvguard.operator.policy import describe_violations, evaluate, rule_problems
 from kvguard.operator.reconcile import field_errors
-from kvguard.operator.rollout import PAUSE_ANNOTATION, annotation_problems
+from kvguard.operator.rollout import PAUSE_ANNOTATION, ROLLBACK_ANNOTATION, annotation_problems
 from kvguard.operator.spec_checks import SpecInvalid, check_spec_fields, resplit_problem
 
 log = logging.getLogger(__name__)
@@ -97,14 +97,14 @@ def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -
     return old is None or new is None or old.get("spec") != new.get("spec")
 
 
-def _pause_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
-    """Whether an update writes the pause annotation (checked then only: an unrelated update of a
-    model admitted before this check existed is not refused for it)."""
-    def pause(body: Mapping[str, Any] | None) -> object:
+def _control_annotations_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether an update writes the pause or rollback-to annotation (checked then only: an
+    unrelated update of a model admitted before this check existed is not refused for it)."""
+    def control(body: Mapping[str, Any] | None) -> tuple[object, object]:
         annotations = _object_at(_object_at(body, "metadata"), "annotations")
-        return annotations.get(PAUSE_ANNOTATION)
+        return annotations.get(PAUSE_ANNOTATION), annotations.get(ROLLBACK_ANNOTATION)
 
-    return pause(old) != pause(new)
+    return control(old) != control(new)
 
 
 def _object_at(body: Mapping[str, Any] | None, key: str) -> Mapping[str, Any]:
@@ -135,7 +135,7 @@ def check_admission(body: Mapping[str, Any], old: Mapping[str, Any] | None, oper
     if (problem := _metadata_problem(body)) is not None:
         raise AdmissionDenied(problem, INVALID)
     meta = _object_at(body, "metadata")
-    if operation == "CREATE" or _pause_changed(old, body):
+    if operation == "CREATE" or _control_annotations_changed(old, body):
         if problems := annotation_problems(meta.get("annotations")):
             raise AdmissionDenied("; ".join(problems), INVALID)
     if operation == "UPDATE" and not spec_changed(old, body):

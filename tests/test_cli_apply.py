@@ -74,7 +74,7 @@ def test_a_rollback_after_a_passed_canary_says_the_canary_passed_without_its_pro
     passed = CanaryReport.model_validate({"verdict": "pass", "reason": "7 probe(s) passed", "target": {"url": "http://x"},
                                           "started_at": "2026-12-07T00:00:00Z"})  # fmt: skip
     result = SimpleNamespace(state=RolloutState.ROLLED_BACK, revision="cand", stable="old", roles_out_of_rotation=(),
-                             status=SimpleNamespace(message="analysis failed at 10%: errorRatio 5 of 5"),
+                             status=SimpleNamespace(message="analysis failed at 10%: errorRatio 5 of 5", conditions=[]),
                              canary_reports={"cand": passed}, front_door_problem=None, serving_url="http://old")  # fmt: skip
     _print_result(result, tmp_path)
     out = capsys.readouterr().out.splitlines()
@@ -82,6 +82,23 @@ def test_a_rollback_after_a_passed_canary_says_the_canary_passed_without_its_pro
     assert "canary of cand: PASS; the rollback came after it (message above)" in out
     assert not any(line.split()[:1] == ["PROBE"] for line in out), out
     assert out[-1] == "serving: http://old"
+
+
+def test_what_the_rollout_says_beside_its_state_is_printed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An outside probe: a rollback-to naming no kept revision rolled the spec out, and apply
+    printed only "revision ... is serving"; why was in `kvguard status` alone."""
+    from types import SimpleNamespace
+
+    from kvguard.operator.rollout import RolloutState
+
+    said = "kvguard.io/rollback-to=deadbeef00: not a kept previous revision (kept: none); rolling out the spec"
+    status = SimpleNamespace(message="revision r2 is serving", conditions=[
+        SimpleNamespace(type="Ready", message="serving"), SimpleNamespace(type="Progressing", message=said)])  # fmt: skip
+    result = SimpleNamespace(state=RolloutState.STABLE, revision="r2", stable="r2", roles_out_of_rotation=(), status=status,
+                             canary_reports={}, front_door_problem=None, serving_url="http://r2", promoted=True)  # fmt: skip
+    _print_result(result, tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert f"progressing: {said}" in out and "message: revision r2 is serving" in out, out
 
 
 def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:
@@ -188,6 +205,19 @@ def test_a_pause_that_would_not_pause_is_bad_input(tmp_path: Path) -> None:
     done = kvguard("apply", "-f", str(path), "--local", "--state-dir", str(tmp_path / "s"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "metadata.annotations[kvguard.io/pause]: 'yes' is not \"true\"" in done.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_rollback_to_that_names_no_revision_is_bad_input(tmp_path: Path) -> None:
+    """`kvguard.io/rollback-to: XYZ` rolled the spec out with exit 0, saying nothing of the
+    annotation (an outside probe); refused as the admission webhook refuses it."""
+    manifest = yaml.safe_load((REPO / "examples" / "incident.yaml").read_text())
+    manifest["metadata"]["annotations"] = {"kvguard.io/rollback-to": "XYZ"}
+    path = tmp_path / "rollback.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    done = kvguard("apply", "-f", str(path), "--local", "--state-dir", str(tmp_path / "s"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "metadata.annotations[kvguard.io/rollback-to]: 'XYZ' is not a revision" in done.stderr
     assert not (tmp_path / "s").exists()
 
 

@@ -286,6 +286,22 @@ def test_metadata_only_updates_and_deletions_are_admitted_even_when_non_complian
     assert exc is not None and "spec.contextLength" in str(exc) and "rule maxContextLength" in str(exc)
 
 
+@pytest.mark.parametrize("value", ["XYZ", "542C16A180", "542c16a18", "542c16a180 ", ""])
+def test_a_rollback_annotation_that_names_no_revision_is_refused_by_field(value: str) -> None:
+    """An outside probe: `kvguard.io/rollback-to: XYZ` rolled the spec out, as a rollback to a
+    revision that is not kept does, and `kvguard apply --local` said nothing of it. A value no
+    revision can have is refused where it is written, as a pause that would not pause is."""
+    body = tiny_model()
+    body["metadata"]["annotations"] = {"kvguard.io/rollback-to": value}
+    exc = denial(body, [])
+    assert exc is not None and exc.code == INVALID and "metadata.annotations[kvguard.io/rollback-to]" in str(exc)
+    relabelled = copy.deepcopy(body)
+    relabelled["metadata"]["labels"] = {"team": "a"}
+    assert denial(relabelled, [], old=body, operation="UPDATE") is None  # already stored: not locked out
+    body["metadata"]["annotations"] = {"kvguard.io/rollback-to": "542c16a180"}  # a revision (kept or not)
+    assert denial(body, []) is None
+
+
 @pytest.mark.parametrize("value", ["True", "yes", "1", "on", ""])
 def test_a_pause_annotation_that_would_not_pause_is_refused_by_field(value: str) -> None:
     """Only "true" pauses (rollout.py); any other value was read as no pause at all, so a rollout

@@ -178,6 +178,11 @@ def _print_result(result: Any, state_dir: Path) -> None:
     print(f"state: {result.state.value}  revision: {result.revision}  stable: {result.stable or '-'}")
     if result.status.message:
         print(f"message: {result.status.message}")
+    # What the rollout says beside its state, e.g. a kvguard.io/rollback-to that names no kept
+    # revision (the spec rolled out instead): it was only in `kvguard status` (an outside probe).
+    progressing = next((c for c in result.status.conditions if c.type == "Progressing"), None)
+    if progressing is not None and progressing.message and progressing.message != result.status.message:
+        print(f"progressing: {progressing.message}")
     if missing := result.roles_out_of_rotation:
         print(f"not serving: revision {result.revision} has no {' or '.join(missing)} worker in rotation (requests get 503); "
               "`kvguard status` names each worker and why")  # fmt: skip
