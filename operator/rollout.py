@@ -677,18 +677,51 @@ class _Step:
         if pause:
             self.condition("Progressing", "False", "Paused", self.r.message or "paused")
             wanted, _ = self._wanted()
-            if wanted != self.r.revision:  # the rollout paused is an earlier revision's
+            if wanted == self.stable and wanted != self.r.revision:  # the spec went back to the stable revision
+                self._stable_passed(wanted)
+            elif wanted != self.r.revision:  # the rollout paused is an earlier revision's
                 # The conditions speak of the target revision: an earlier revision's pass must not
                 # read as this one's (an outside probe: CanaryPassed=True for a target never started).
                 self.condition("CanaryPassed", "Unknown", "CanaryNotRun",
                                f"revision {wanted} is paused before its rollout starts ({PAUSE_ANNOTATION})")  # fmt: skip
+            else:  # the target is the paused rollout's again: an earlier pass may have spoken of another
+                self._restate_canary_passed()
             return True
         if self.r.state == RolloutState.PAUSED:
             resume = self.r.paused_from or RolloutState.PLANNING
             self.r.paused_from = None
             self.move(resume, "Resumed", f"resumed in {resume.value}")
             self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
+            self._restate_canary_passed()  # a state that wrote it before the pause does not write it again
         return False
+
+    def _stable_passed(self, revision: str) -> None:
+        self.condition("CanaryPassed", "True", "StableRevision",
+                       f"revision {revision} is the stable revision: it passed its canary before it served")  # fmt: skip
+
+    def _restate_canary_passed(self) -> None:
+        """CanaryPassed as the rollout in status stands: a pass while paused may have written it for
+        another target (CanaryNotRun) since its state last wrote it, and a state past its canary
+        (Promoting, Shifting, Stable) never writes it again (a review: a spec changed and changed
+        back while paused left CanaryNotRun for a revision no longer wanted, for good)."""
+        c, state = self.candidate, (self.r.paused_from or self.r.state) if self.r.state == RolloutState.PAUSED else self.r.state
+        canary = self.r.canary
+        if state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
+            self.condition("CanaryPassed", "False", self.r.reason or "CanaryFailed", self.r.message or f"revision {c} failed")
+        elif state == RolloutState.BLOCKED:
+            self.condition("CanaryPassed", "Unknown", "CanaryNotRun", f"revision {c} is blocked before its canary: {self.r.reason}")
+        elif state in (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING):
+            self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {c} is being deployed")
+        elif state == RolloutState.CANARY_VERIFYING and (canary is None or canary.revision != c):
+            if not self.r.rollback:
+                self.condition("CanaryPassed", "Unknown", "CanaryRunning", f"revision {c}: canary suite running")
+        elif self.r.rollback and state != RolloutState.CANARY_VERIFYING:
+            self.condition("CanaryPassed", "True", "RollbackToVerifiedRevision",
+                           f"revision {c} passed its canary when it was first promoted")  # fmt: skip
+        elif canary is not None and canary.revision == c and canary.verdict == "pass":
+            self.condition("CanaryPassed", "True", "CanaryPassed", f"revision {c}: canary passed ({canary.reason})")
+        elif state == RolloutState.STABLE and c == self.stable:
+            self._stable_passed(c)
 
     def _keep_traffic(self) -> None:
         """While paused, the split in force is applied again as it stands (as Argo Rollouts keeps
@@ -779,8 +812,7 @@ class _Step:
         """The spec names the stable revision again (a candidate was superseded, or blocked): the
         conditions speak of it now, not of the candidate that was being deployed."""
         self.move(RolloutState.STABLE, "RolloutComplete", f"revision {self.candidate} is serving")
-        self.condition("CanaryPassed", "True", "StableRevision",
-                       f"revision {self.candidate} is the stable revision: it passed its canary before it served")  # fmt: skip
+        self._stable_passed(self.candidate)
 
     def _deploy(self, scale: Scale) -> None:
         if self.r.rollback:  # a kept revision comes back at the replicas it served with

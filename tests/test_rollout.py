@@ -514,11 +514,51 @@ def test_a_new_target_paused_before_its_rollout_does_not_read_as_canaried() -> N
     revision's pass, for a target whose canary never ran; the conditions speak of the target."""
     sim = stable_sim()
     sim.annotations[PAUSE_ANNOTATION] = "true"
-    assert "CanaryPassed" not in conditions(sim.tick())  # nothing new to roll out: the stable's pass stands
+    assert conditions(sim.tick())["CanaryPassed"][0] == "True"  # nothing new to roll out: the stable's pass stands
     sim.target = "r2"
     d = sim.tick()
     assert d.state == S.PAUSED and d.rollout.revision == "r1" and not d.of_type(RunCanary)
     assert conditions(d)["CanaryPassed"] == ("Unknown", "CanaryNotRun")
+
+
+def _last_canary_passed(sim: Sim) -> tuple[str, str, str]:
+    written = [(a.status, a.reason, a.message) for d in sim.decisions for a in d.actions
+               if isinstance(a, SetCondition) and a.type == "CanaryPassed"]  # fmt: skip
+    return written[-1]
+
+
+@pytest.mark.parametrize("state", [S.STABLE, S.PROMOTING, S.CANARY_DEPLOYING])
+def test_a_target_changed_and_changed_back_while_paused_leaves_no_stale_canary_passed(state: RolloutState) -> None:
+    """A review: the spec changed to r9 and back while paused wrote CanaryNotRun for r9, and no
+    state past the canary writes CanaryPassed again: it read 'r9 is paused' after the resume, for good."""
+    sim = _sim_in(state) if state == S.PROMOTING else stable_sim()
+    if state == S.CANARY_DEPLOYING:
+        sim.target = "r2"
+        sim.run_until(S.CANARY_DEPLOYING)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.tick()
+    wanted = sim.target
+    sim.target = "r9"
+    sim.tick()
+    assert _last_canary_passed(sim)[:2] == ("Unknown", "CanaryNotRun")
+    sim.target = wanted
+    sim.tick()
+    assert "r9" not in _last_canary_passed(sim)[2]  # while still paused
+    del sim.annotations[PAUSE_ANNOTATION]
+    d = sim.run_until(S.STABLE)
+    assert d.stable == wanted and _last_canary_passed(sim)[0] == "True", _last_canary_passed(sim)
+
+
+def test_a_spec_back_at_the_stable_while_paused_reads_as_the_stables_pass() -> None:
+    """A review: paused mid-canary, the spec set back to the stable r1 read 'revision r1 is paused
+    before its rollout starts' (CanaryNotRun), though r1 passed its canary and serves."""
+    sim = _sim_in(S.PLANNING)
+    sim.run_until(S.CANARY_DEPLOYING)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.tick()
+    sim.target = "r1"
+    sim.tick()
+    assert _last_canary_passed(sim)[:2] == ("True", "StableRevision")
 
 
 def test_retry_annotation_reruns_a_failed_rollout_once_per_new_value() -> None:
