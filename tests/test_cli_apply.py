@@ -105,7 +105,9 @@ def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:
     done = kvguard("apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(tmp_path / "s"))
     assert done.returncode == 3, done.stdout + done.stderr
     out = lines(done.stdout)
-    assert "state: Blocked" in out[-3] and "KVPoolTooSmall" in done.stdout
+    # the state, what the rollout says, then what serves (d63a4fc added the Progressing line between)
+    assert out[-4].startswith("state: Blocked") and out[-3].startswith("message: ") and "KVPoolTooSmall" in done.stdout
+    assert out[-2].startswith("progressing: ") and "Suggested fixes" in out[-2]
     assert any(line.startswith("plan (the same report: kvguard plan -f ") for line in out)  # the planner's whole report
     assert "verdict: BLOCKED" in out and "changes that pass (any one; each is complete, re-planned to check):" in out
     assert out[-1] == "serving: nothing" and "canary report" not in done.stdout  # no canary ran
