@@ -94,7 +94,10 @@ def _rollout(rollout: Mapping[str, Any], steps: int | None, target: Any = None) 
         text += f"  {rollout.get('reason') or ''}: {rollout.get('message') or ''}"
     children: list[Node] = []
     if revision and target and revision != target:
-        children.append(Node(f"of revision {revision}, not the target {target}: the target's rollout has not started"))
+        if rollout.get("rollback"):  # a person's (or the continuous canary's) rollback-to pins it, not a pause
+            children.append(Node(f"a rollback to revision {revision} (kvguard.io/rollback-to): the target {target} waits"))
+        else:
+            children.append(Node(f"of revision {revision}, not the target {target}: the target's rollout has not started"))
     if rollout.get("step") is not None or rollout.get("weight") is not None:
         index = rollout.get("step")  # from 0 in the status; counted from 1 here, as the events say it
         of = f"/{steps}" if steps and (not target or revision == target) else ""  # the spec's steps are the target's

@@ -92,6 +92,16 @@ def test_a_rollout_of_an_earlier_revision_is_not_shown_as_the_targets() -> None:
     assert "│   ├── step 2  weight 50%" in lines  # not "2/3": the 3 steps are the target's spec's
 
 
+def test_a_rollback_is_not_shown_as_a_target_not_yet_started() -> None:
+    """A review: a kvguard.io/rollback-to pins the rollout to a kept revision, which is not the
+    spec's target for as long as it stays: that read 'the target's rollout has not started'."""
+    rolled_back = {**STATUS, "targetRevision": "ccc333",
+                   "rollout": {"state": "Stable", "revision": "aaa111", "rollback": True, "reason": "RolloutComplete"}}  # fmt: skip
+    text = render("tiny", "models", rolled_back, [], steps=3)
+    assert "a rollback to revision aaa111 (kvguard.io/rollback-to): the target ccc333 waits" in text, text
+    assert "has not started" not in text
+
+
 @pytest.mark.kmock(cls=ApiServer)
 async def test_status_reads_the_model_from_the_cluster(kmock: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
