@@ -482,7 +482,7 @@ def _roll_out(
     if rollout.state == RolloutState.PAUSED and decision.stable:
         run.status.phase = Phase.READY
     run.status.message = rollout.message
-    run.status.canary = _canary_summary(rollout)
+    run.status.canary = _canary_summary(rollout, revision, decision.stable)
     _set_ready(run, decision.stable)
     workload = [a for a in decision.actions if not isinstance(a, SetCondition | RecordEvent | ScrapeMetrics | MeasureAnalysis)]
     events = [EventSpec(e.type, e.reason, e.message) for e in decision.of_type(RecordEvent)]
@@ -554,7 +554,10 @@ def _supersede_replaced_candidate(run: _Run, revision: str, served: bool) -> boo
     return True
 
 
-def _canary_summary(rollout: RolloutStatus) -> str:
+def _canary_summary(rollout: RolloutStatus, target: str, stable: str | None) -> str:
+    """The printer column's word for the target revision's canary (as CanaryPassed says it)."""
+    if rollout.revision not in (None, target) and not rollout.rollback:  # paused before the target's rollout
+        return "Passed" if target == stable else "NotRun"  # (a review: the earlier revision's "Passed")
     if rollout.canary is not None:
         return {"pass": "Passed", "fail": "Failed"}.get(rollout.canary.verdict, "CannotRun")
     if rollout.rollback:

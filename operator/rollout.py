@@ -111,7 +111,8 @@ def annotation_problems(annotations: Mapping[str, object] | None) -> list[str]:
     from kvguard.operator.revision import REVISION_LENGTH  # (revision imports api, which imports this module)
 
     rollback = (annotations or {}).get(ROLLBACK_ANNOTATION)
-    if rollback is not None and not (isinstance(rollback, str) and re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", rollback)):
+    # Read as the reconciler reads it: stripped, and "" is no rollback (a YAML block adds a newline).
+    if rollback is not None and not (isinstance(rollback, str) and re.fullmatch(f"([0-9a-f]{{{REVISION_LENGTH}}})?", rollback.strip())):
         problems.append(f"metadata.annotations[{ROLLBACK_ANNOTATION}]: {str(rollback)[:40]!r} is not a revision "
                         f"({REVISION_LENGTH} lowercase hex digits, as `kvguard status` lists them)")  # fmt: skip
     return problems

@@ -609,7 +609,7 @@ async def test_template_variables_a_template_writes_larger_stop_rendering_at_the
         await router._tokenize(body, upstreams)  # type: ignore[arg-type]
     assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "messages"), refused.value
     assert tokenized == [] and router.metrics.requests.labels("rejected")._value.get() == 1
-    assert f"more than the {limit} bytes" in refused.value.message, refused.value
+    assert f"the rendered prompt is over {limit} characters" in refused.value.message, refused.value
     small = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                   "chat_template_kwargs": {"custom_tools": [[1]]}})  # fmt: skip
     [prompt] = await router._tokenize(small, upstreams)  # type: ignore[arg-type]

@@ -254,3 +254,17 @@ def test_an_architecture_config_nested_deeper_than_python_parses_is_a_field_erro
 
     config, error = parse_config_json({"data": {"config.json": "[" * 100_000 + "]" * 100_000}}, "deep", "config.json")
     assert config is None and error is not None and error.startswith("config.json is not JSON")
+
+
+def test_the_canary_column_speaks_of_a_target_paused_before_its_rollout() -> None:
+    """A review: with a new spec paused before its rollout started, the printer column's
+    `status.canary` said the earlier revision's "Passed" while CanaryPassed said Unknown."""
+    b = promote(body())
+    rev = b["status"]["revision"]
+    b["metadata"]["annotations"] = {"kvguard.io/pause": "true"}
+    b["spec"]["contextLength"] = 512  # a new revision
+    paused = reconcile(b, ready(rev, serving=rev), now=NOW + dt.timedelta(seconds=60))
+    assert paused.status["targetRevision"] != rev and paused.status["rollout"]["revision"] == rev
+    assert paused.status["canary"] == "NotRun"
+    canary = next(c for c in paused.status["conditions"] if c["type"] == "CanaryPassed")
+    assert (canary["status"], canary["reason"]) == ("Unknown", "CanaryNotRun")

@@ -180,7 +180,7 @@ class _Request(_Strict):
     mm_processor_kwargs: JsonValue = None
     vllm_xargs: JsonValue = None
     cache_salt: str | None = None  # vLLM's prefix-cache salt: accepted, no KV is shared between requests here
-    # vLLM's request id: a label (as X-Request-Id is), never the router's id for the request (S9).
+    # vLLM's request id: accepted and not used, never the router's id for the request (S9).
     request_id: str | None = Field(None, max_length=128)
 
     REFUSED: ClassVar[dict[str, Refusal]] = {}  # per endpoint: known parameters this server does not implement
@@ -518,7 +518,7 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"{name[:64]!r} is not a template variable name (letters, digits, _; at most 64)")
             if name in RESERVED_TEMPLATE_NAMES:
                 raise ValueError(f"{name!r} is set by the server, not by chat_template_kwargs")
-        if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        if len(json.dumps(kwargs, ensure_ascii=False).encode()) > MAX_TEMPLATE_KWARGS_BYTES:  # UTF-8, not \u escapes
             raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON")
         if _depth(kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
             raise ValueError(f"nested at most {MAX_TEMPLATE_KWARGS_DEPTH} deep")

@@ -1109,8 +1109,11 @@ class Router:
         options = replace(body.template_options(), max_chars=limit)
         try:
             ids = await self._off_loop(size, self.encoder.encode_chat, body.template_messages(), options)
-        except PromptTooLong as exc:
-            raise self._rejected_for_length(request_too_large("messages", exc.at_least, limit, context_length)) from None
+        except PromptTooLong:
+            raise self._rejected_for_length(OpenAIError(
+                400, f"messages: the rendered prompt is over {limit} characters, more than can fit this model's context "
+                f"of {context_length} tokens (messages and chat_template_kwargs as the chat template writes them)",
+                code="context_length_exceeded", param="messages")) from None  # fmt: skip
         except (TemplateError, ValueError) as exc:  # the model's template refused these messages
             raise OpenAIError(400, f"messages: {exc}", param="messages", code="invalid_value") from None
         if not ids:
