@@ -167,3 +167,30 @@ def test_text_offsets_put_a_token_after_the_replacement_an_unfinished_character_
         shaper = LogprobShaper(Vocab(list(pieces)))
         got = shaper.completion([TokenLogprob(token_id=i, logprob=-1.0) for i in range(len(pieces))]).text_offset
         assert got == offsets, (pieces, got, b"".join(pieces).decode("utf-8", errors="replace"))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_whole_answer_is_built_and_encoded_a_choice_at_a_time_as_json_dumps_writes_it(chat: bool) -> None:
+    """An outside probe: a whole answer of logprobs built at once is a million small objects, and
+    every full pass of the garbage collector walked them holding the GIL (0.1-0.4 s of every
+    tenant's event loop). Each choice is now encoded before the next is built, and the text is
+    the one json.dumps writes of the whole answer."""
+    from kvguard.workers import router
+    from kvguard.workers.openai_responses import ChoiceResult
+
+    top = tuple((t, -float(t)) for t in range(3))
+    results = [ChoiceResult(index=i, text=f"t{i}", finish_reason="length", completion_tokens=5,
+                            logprobs=[TokenLogprob(token_id=97 + t, logprob=-0.5, top=top) for t in range(5)])
+               for i in (2, 0, 1)]  # fmt: skip
+    one, other = (ResponseBuilder("cmpl-x", "tiny", chat, _Bytes(), logprobs=True, echo=["e0 ", "e1 ", "e2 "]) for _ in range(2))
+    other.created = one.created
+    steps: list[str] = []
+    build = other._whole_choice
+    other._whole_choice = lambda c: steps.append(f"build {c.index}") or build(c)  # type: ignore[method-assign]
+
+    def encode(value: object) -> str:
+        steps.append("encode")
+        return router.dumps_in_slices(value)
+
+    assert other.whole_json(results, 7, encode) == json.dumps(one.whole(results, 7))
+    assert steps == ["build 0", "encode", "build 1", "encode", "build 2", "encode", "encode"], steps  # the last: the head

@@ -27,6 +27,7 @@ import codecs
 import collections
 import contextlib
 import functools
+import gc
 import json
 import logging
 import re
@@ -608,6 +609,11 @@ class Router:
             self._refresher = asyncio.create_task(self._keep_fresh(upstreams))
             if self.config.discovery == "dns":
                 self._namer = asyncio.create_task(self._follow_names_forever(upstreams))
+            # What the router holds for good from here (modules, the tokenizer, its vocabulary's
+            # bytes) leaves the garbage collector's full passes: each walked it all holding the
+            # GIL, ~40 ms of every tenant's event loop, many times a second under container-heavy
+            # bodies (an outside probe). Objects made later are collected as before.
+            gc.freeze()
             return
 
     async def _keep_fresh(self, upstreams: Upstreams) -> None:
@@ -1813,7 +1819,7 @@ LOGPROB_ENTRY_BYTES = 48
 
 
 def _encoded_whole(builder: ResponseBuilder, results: Sequence[ChoiceResult], prompt_tokens: int) -> bytes:
-    return dumps_in_slices(builder.whole(results, prompt_tokens)).encode()
+    return builder.whole_json(results, prompt_tokens, dumps_in_slices).encode()
 
 
 JSON_SLICE_ITEMS = 256
