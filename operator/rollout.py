@@ -250,6 +250,10 @@ class RolloutStatus(_StatusModel):
     """What happened last, for humans."""
     paused_from: RolloutState | None = None
     """The state to resume when the pause annotation is removed."""
+    paused_reason: str | None = None
+    """The reason of the state paused in, given back on resume (with `pausedMessage`): a failed
+    rollout's cause became "Paused", then "Resumed", for good (a review)."""
+    paused_message: str | None = None
     scrape_attempts: int = 0
     """Scrapes in which some worker did not report (fails at MAX_SCRAPE_ATTEMPTS)."""
     workers: list[WorkerPool] = Field(default_factory=list)
@@ -671,7 +675,7 @@ class _Step:
     def _paused(self) -> bool:
         pause = self.annotation(PAUSE_ANNOTATION) == "true"
         if pause and self.r.state != RolloutState.PAUSED:
-            self.r.paused_from = self.r.state
+            self.r.paused_from, self.r.paused_reason, self.r.paused_message = self.r.state, self.r.reason, self.r.message
             self.move(RolloutState.PAUSED, "Paused", f"paused by {PAUSE_ANNOTATION}; nothing changes until it is removed "
                       "(the traffic in force stays applied)")
             self.event("Normal", "RolloutPaused", self.r.message or "")
@@ -690,8 +694,9 @@ class _Step:
             return True
         if self.r.state == RolloutState.PAUSED:
             resume = self.r.paused_from or RolloutState.PLANNING
-            self.r.paused_from = None
-            self.move(resume, "Resumed", f"resumed in {resume.value}")
+            reason, message = self.r.paused_reason or "Resumed", self.r.paused_message or f"resumed in {resume.value}"
+            self.r.paused_from = self.r.paused_reason = self.r.paused_message = None
+            self.move(resume, reason, message)
             self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
             self._restate_canary_passed()  # a state that wrote it before the pause does not write it again
         return False
@@ -705,20 +710,21 @@ class _Step:
         another target (CanaryNotRun) since its state last wrote it, and a state past its canary
         (Promoting, Shifting, Stable) never writes it again (a review: a spec changed and changed
         back while paused left CanaryNotRun for a revision no longer wanted, for good)."""
-        c, state = self.candidate, (self.r.paused_from or self.r.state) if self.r.state == RolloutState.PAUSED else self.r.state
-        canary = self.r.canary
+        paused = self.r.state == RolloutState.PAUSED
+        state = (self.r.paused_from or self.r.state) if paused else self.r.state
+        reason, message = (self.r.paused_reason, self.r.paused_message) if paused else (self.r.reason, self.r.message)
+        c, canary = self.candidate, self.r.canary
         if state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
-            self.condition("CanaryPassed", "False", self.r.reason or "CanaryFailed", self.r.message or f"revision {c} failed")
+            self.condition("CanaryPassed", "False", reason or "RolloutFailed", message or f"revision {c} failed")
         elif state == RolloutState.BLOCKED:
-            self.condition("CanaryPassed", "Unknown", "CanaryNotRun", f"revision {c} is blocked before its canary: {self.r.reason}")
+            self.condition("CanaryPassed", "Unknown", "CanaryNotRun", f"revision {c} is blocked before its canary: {reason}")
         elif state in (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING):
             self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {c} is being deployed")
-        elif state == RolloutState.CANARY_VERIFYING and (canary is None or canary.revision != c):
-            if not self.r.rollback:
-                self.condition("CanaryPassed", "Unknown", "CanaryRunning", f"revision {c}: canary suite running")
-        elif self.r.rollback and state != RolloutState.CANARY_VERIFYING:
+        elif self.r.rollback:  # a kept revision: no canary runs again
             self.condition("CanaryPassed", "True", "RollbackToVerifiedRevision",
                            f"revision {c} passed its canary when it was first promoted")  # fmt: skip
+        elif state == RolloutState.CANARY_VERIFYING and (canary is None or canary.revision != c):
+            self.condition("CanaryPassed", "Unknown", "CanaryRunning", f"revision {c}: canary suite running")
         elif canary is not None and canary.revision == c and canary.verdict == "pass":
             self.condition("CanaryPassed", "True", "CanaryPassed", f"revision {c}: canary passed ({canary.reason})")
         elif state == RolloutState.STABLE and c == self.stable:

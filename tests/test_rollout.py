@@ -509,6 +509,23 @@ def test_pause_freezes_everything_and_resume_continues_in_the_same_state(state: 
     assert d.state == state or (state, d.state) in ((S.CANARY_DEPLOYING, S.CANARY_DEPLOYING), (S.CANARY_VERIFYING, S.STABLE))
 
 
+@pytest.mark.parametrize("state", [S.ROLLED_BACK, S.FAILED, S.BLOCKED])
+def test_a_pause_and_resume_keep_a_failed_or_blocked_rollouts_cause(state: RolloutState) -> None:
+    """A review: the restated CanaryPassed read the rollout's reason after the pause had made it
+    "Paused" (then "Resumed"), and a failed rollout's cause was lost for good."""
+    sim = _sim_in(state)
+    before = sim.tick()
+    cause = (before.rollout.reason, before.rollout.message)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    paused = sim.tick()
+    assert "Paused" not in conditions(paused).get("CanaryPassed", ("", ""))[1]
+    del sim.annotations[PAUSE_ANNOTATION]
+    resumed = sim.tick()
+    assert resumed.state in (state, S.ROLLED_BACK) and (resumed.rollout.reason, resumed.rollout.message) == cause  # (Failed goes on)
+    assert conditions(resumed)["CanaryPassed"][1] not in ("Paused", "Resumed")
+    assert "Resumed" not in str(conditions(resumed).get("Degraded", ""))
+
+
 def test_a_new_target_paused_before_its_rollout_does_not_read_as_canaried() -> None:
     """An outside probe: a spec changed while paused showed CanaryPassed=True, the previous
     revision's pass, for a target whose canary never ran; the conditions speak of the target."""

@@ -266,7 +266,8 @@ class ResponseBuilder:
         encoded = [encode(self._whole_choice(c)) for c in sorted(choices, key=lambda c: c.index)]
         head = encode({**self._whole_head(choices, prompt_tokens), "choices": []})
         # The one top-level key: inside a JSON string a quote is escaped, so this text is that key.
-        return head.replace('"choices": []', '"choices": [' + ", ".join(encoded) + "]", 1)
+        cut = head.index('"choices": []') + len('"choices": [')
+        return "".join((head[:cut], ", ".join(encoded), head[cut:]))
 
     def _whole_head(self, choices: Sequence[ChoiceResult], prompt_tokens: int) -> dict[str, object]:
         """The whole answer's fields but its choices, in their order."""

@@ -612,7 +612,9 @@ class Router:
             # What the router holds for good from here (modules, the tokenizer, its vocabulary's
             # bytes) leaves the garbage collector's full passes: each walked it all holding the
             # GIL, ~40 ms of every tenant's event loop, many times a second under container-heavy
-            # bodies (an outside probe). Objects made later are collected as before.
+            # bodies (an outside probe). Objects made later are collected as before; start-up's
+            # own cyclic garbage is collected first, not kept for good (a review).
+            gc.collect()
             gc.freeze()
             return
 
