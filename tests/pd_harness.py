@@ -100,7 +100,13 @@ def wait_pools_empty(d: LocalDeployment, timeout_s: float = POOLS_EMPTY_S, roles
 
 
 def wait_healthy(d: LocalDeployment, timeout_s: float = 120.0) -> None:
-    """The router and both workers answer /health again (a restarted worker loads its model first)."""
+    """The router and both workers answer /health again (a restarted worker loads its model first).
+    Each worker is asked itself: the router's answer about them may be a second old (it shares one
+    check among its callers), and a test went on before a crashed prefill was restarted."""
+    for role in ("prefill", "decode"):
+        health = d.metrics_urls[role].removesuffix("/metrics") + "/health"
+        wait_for(lambda health=health: requests.get(health, timeout=30).status_code == 200, f"{role} to be healthy again",
+                 timeout_s, 0.2, ignoring=(requests.RequestException,))  # fmt: skip
     wait_for(lambda: requests.get(f"{d.router_url}/health", timeout=30).status_code == 200, "the deployment to be healthy again",
              timeout_s, 0.2, ignoring=(requests.RequestException,))  # fmt: skip
 

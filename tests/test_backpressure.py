@@ -201,6 +201,13 @@ async def test_a_shared_check_runs_once_for_every_caller_and_is_reused_while_fre
     assert answers == [1] * 49 and len(runs) == 1
     assert await shared.get() == 1 and len(runs) == 1  # fresh: reused, no new run
 
+    shared.forget()  # what it judged changed (a worker failed a request): the next caller runs it again
+    again = asyncio.ensure_future(shared.get())
+    await until(lambda: len(runs) == 2, "a run again after forget")
+    runs[1].set()
+    assert await again == 2
+    runs.pop()  # (the fresh_s=0 check below counts its runs from here)
+
     stale = SharedCheck(check, fresh_s=0.0)  # every answer stale at once: a new run once the last ended
     first = asyncio.ensure_future(stale.get())
     await until(lambda: len(runs) == 2, "the second check's run")

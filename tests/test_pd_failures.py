@@ -284,6 +284,7 @@ def test_prefill_dying_mid_transfer_fails_the_client_and_frees_decode_s4(tiny_mo
         kind, _ = _outcome(d, "second request crashes prefill")
         assert kind == "error"
         wait_pools_empty(d, roles=("decode",))
+        wait_for(lambda: d.processes["prefill"].restarts == 1, "the launcher to restart the crashed prefill")
         wait_healthy(d)
         assert d.processes["prefill"].restarts == 1
         assert _outcome(d, "third request") == ("ok", reference_text(tiny_model_dir, "third request", 12))

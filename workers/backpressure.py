@@ -339,6 +339,11 @@ class SharedCheck(Generic[T]):
         self._last = (asyncio.get_running_loop().time(), answer)
         return answer
 
+    def forget(self) -> None:
+        """The last answer is not to be reused: what it judged has changed (a check in flight still
+        answers its callers)."""
+        self._last = None
+
     def cancel(self) -> None:
         if self._running is not None:
             self._running.cancel()

@@ -1434,6 +1434,7 @@ class Router:
             legs.unreachable = legs.prefill.url if from_prefill else legs.decode.url
             if self._upstreams is not None and self._upstreams.at(legs.unreachable) is not None:
                 self._suspect.add(legs.unreachable)  # only workers still listed: `_depart` takes a departing one out
+            self._workers_health.forget()  # /health must not say "ok" from before this failure
             # The client hears what happened, not aiohttp's wording (a "400" inside a 502); the log has it.
             log.warning("request %s: a worker failed: %r", request_id, exc)
             return OpenAIError(502, _worker_failure(exc), code="worker_failed")
