@@ -197,29 +197,22 @@ def test_delete_with_a_manifest_stops_only_the_model_it_names(tmp_path: Path) ->
     assert done.returncode == 0 and not state.exists(), done.stdout + done.stderr
 
 
-def test_a_pause_that_would_not_pause_is_bad_input(tmp_path: Path) -> None:
-    """`kvguard.io/pause: "yes"` was read as no pause and the rollout went on; refused as the
-    admission webhook refuses it (rollout.annotation_problems), before anything starts."""
+@pytest.mark.parametrize("annotation, value, said", [
+    ("kvguard.io/pause", "yes", "'yes' is not \"true\""),
+    ("kvguard.io/rollback-to", "XYZ", "'XYZ' is not a revision"),
+])  # fmt: skip
+def test_a_control_annotation_that_would_not_do_what_it_says_is_bad_input(tmp_path: Path, annotation: str, value: str,
+                                                                           said: str) -> None:  # fmt: skip
+    """`kvguard.io/pause: "yes"` was read as no pause and the rollout went on; `kvguard.io/rollback-to:
+    XYZ` rolled the spec out with exit 0, saying nothing of it (outside probes). Both are refused as
+    the admission webhook refuses them (rollout.annotation_problems), before anything starts."""
     manifest = yaml.safe_load((REPO / "examples" / "incident.yaml").read_text())
-    manifest["metadata"]["annotations"] = {"kvguard.io/pause": "yes"}
-    path = tmp_path / "paused.yaml"
+    manifest["metadata"]["annotations"] = {annotation: value}
+    path = tmp_path / "annotated.yaml"
     path.write_text(yaml.safe_dump(manifest))
     done = kvguard("apply", "-f", str(path), "--local", "--state-dir", str(tmp_path / "s"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "metadata.annotations[kvguard.io/pause]: 'yes' is not \"true\"" in done.stderr
-    assert not (tmp_path / "s").exists()
-
-
-def test_a_rollback_to_that_names_no_revision_is_bad_input(tmp_path: Path) -> None:
-    """`kvguard.io/rollback-to: XYZ` rolled the spec out with exit 0, saying nothing of the
-    annotation (an outside probe); refused as the admission webhook refuses it."""
-    manifest = yaml.safe_load((REPO / "examples" / "incident.yaml").read_text())
-    manifest["metadata"]["annotations"] = {"kvguard.io/rollback-to": "XYZ"}
-    path = tmp_path / "rollback.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    done = kvguard("apply", "-f", str(path), "--local", "--state-dir", str(tmp_path / "s"))
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "metadata.annotations[kvguard.io/rollback-to]: 'XYZ' is not a revision" in done.stderr
+    assert f"metadata.annotations[{annotation}]: {said}" in done.stderr
     assert not (tmp_path / "s").exists()
 
 
