@@ -695,6 +695,10 @@ class _Step:
         if self.r.state == RolloutState.PAUSED:
             resume = self.r.paused_from or RolloutState.PLANNING
             reason, message = self.r.paused_reason or "Resumed", self.r.paused_message or f"resumed in {resume.value}"
+            if self.r.paused_reason is None and resume in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
+                # A status paused before pausedReason kept no cause: "Resumed" must not read as one
+                # in CanaryPassed, Degraded and Progressing for good.
+                reason, message = "RolloutFailed", f"revision {self.candidate} failed before it was paused (status.history)"
             self.r.paused_from = self.r.paused_reason = self.r.paused_message = None
             self.move(resume, reason, message)
             self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
@@ -807,9 +811,14 @@ class _Step:
         if self.candidate == self.stable:
             self._back_to_stable()
             return
-        if self._gate_problem() is None:
+        problem = self._gate_problem()
+        if problem is None:
             self.move(RolloutState.PLANNING, "GatesPass", f"revision {self.candidate} is no longer blocked")
             return
+        if (self.r.reason, self.r.message) != (problem[0], f"revision {self.candidate} blocked: {problem[1]}"):
+            # The gate that blocks it now: another one than at first (a policy fixed, a plan now too
+            # small), or a status resumed from a pause that kept no reason (before pausedReason).
+            self._block_if_gates_fail()
         if self.candidate in self.world.revisions:
             self.actions.append(CancelCanary(self.candidate))
             self.actions.append(DeleteRevision(self.candidate))

@@ -526,6 +526,35 @@ def test_a_pause_and_resume_keep_a_failed_or_blocked_rollouts_cause(state: Rollo
     assert "Resumed" not in str(conditions(resumed).get("Degraded", ""))
 
 
+@pytest.mark.parametrize("state", [S.ROLLED_BACK, S.BLOCKED])
+def test_a_status_paused_before_paused_reason_resumes_without_resumed_as_its_cause(state: RolloutState) -> None:
+    """A review: a status paused by the operator before pausedReason existed resumed with reason
+    "Resumed", and a failed or blocked rollout said so in CanaryPassed, Degraded and Progressing for good."""
+    sim = _sim_in(state)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.tick()
+    assert sim.rollout is not None
+    sim.rollout = sim.rollout.model_copy(update={"paused_reason": None, "paused_message": None})  # the older status
+    del sim.annotations[PAUSE_ANNOTATION]
+    resumed = sim.tick()
+    assert resumed.state == state and resumed.rollout.reason != "Resumed"
+    assert all(reason != "Resumed" and "Resumed" not in message for _, reason, message in
+               [(a.type, a.reason, a.message) for a in resumed.actions if isinstance(a, SetCondition)])
+    if state == S.BLOCKED:
+        assert conditions(resumed)["Progressing"] == ("False", "PolicyViolation")
+
+
+def test_a_blocked_rollout_says_the_gate_that_blocks_it_now() -> None:
+    """A review: blocked by policy, then the policy fixed and the plan too small, it still read
+    PolicyViolation (Progressing, and CanaryPassed restated after a pause) beside PolicyCompliant=True."""
+    sim = _sim_in(S.BLOCKED)
+    sim.policy, sim.plan_ok = PolicyGate(), False
+    d = sim.tick()
+    assert d.state == S.BLOCKED and d.rollout.reason == "KVPoolTooSmall"
+    assert conditions(d)["Progressing"] == ("False", "KVPoolTooSmall") and conditions(d)["CanaryPassed"] == ("Unknown", "CanaryNotRun")
+    assert sim.tick().of_type(RecordEvent) == [], "said once, not on every pass"
+
+
 def test_a_new_target_paused_before_its_rollout_does_not_read_as_canaried() -> None:
     """An outside probe: a spec changed while paused showed CanaryPassed=True, the previous
     revision's pass, for a target whose canary never ran; the conditions speak of the target."""
