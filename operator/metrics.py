@@ -2,9 +2,10 @@
 
 Names: `kvguard_operator_reconciles_total{result}`, `kvguard_operator_blocked_plans_total{reason}`,
 `kvguard_operator_kv_ratio{namespace,model,role}` (planned pool / context length of the target
-revision, S7; removed with the model), `kvguard_operator_reconcile_seconds`,
-`kvguard_operator_leader` (1 on the replica holding the Lease) and
-`kvguard_operator_api_requests_total{verb,code}` (kube.py). A private registry keeps them apart from
+revision, S7; removed with the model), `kvguard_operator_continuous_canary_failures_total`,
+`kvguard_operator_reconcile_seconds`, `kvguard_operator_leader` (1 on the replica holding the
+Lease), and `kvguard_operator_api_requests_total{verb,code}` with
+`kvguard_operator_api_request_seconds` (kube.py). A private registry keeps them apart from
 anything else imported into the process.
 """
 
