@@ -721,7 +721,7 @@ class _Step:
         if state in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
             self.condition("CanaryPassed", "False", reason or "RolloutFailed", message or f"revision {c} failed")
         elif state == RolloutState.BLOCKED:
-            self.condition("CanaryPassed", "Unknown", "CanaryNotRun", f"revision {c} is blocked before its canary: {reason}")
+            self.condition("CanaryPassed", "Unknown", "CanaryNotRun", f"revision {c} is blocked before its canary: {reason or 'a rollout gate'}")
         elif state in (RolloutState.PLANNING, RolloutState.CANARY_DEPLOYING):
             self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {c} is being deployed")
         elif self.r.rollback:  # a kept revision: no canary runs again
@@ -819,9 +819,9 @@ class _Step:
             # The gate that blocks it now: another one than at first (a policy fixed, a plan now too
             # small), or a status resumed from a pause that kept no reason (before pausedReason).
             self._block_if_gates_fail()
-        if self.candidate in self.world.revisions:
-            self.actions.append(CancelCanary(self.candidate))
-            self.actions.append(DeleteRevision(self.candidate))
+        # Parked, not deleted, when it is a revision kept for rollback (a spec back to an older
+        # revision that a policy now refuses): `rollback-to` must still find it (a review).
+        self._retire(self.candidate)
         self.condition("Progressing", "False", self.r.reason or "Blocked", self.r.message or "")
 
     def _back_to_stable(self) -> None:

@@ -854,3 +854,27 @@ def test_S7_a_candidate_pod_the_readiness_gate_keeps_out_fails_now_not_at_the_de
     # A stable pod kept out is the gate's business (Degraded), never a rollout failure (S8).
     sim = stable_sim()
     assert sim.tick(gate_refusals={"r1": (refusal,)}).state == S.STABLE
+
+
+def test_a_blocked_return_to_a_kept_revision_parks_it_rather_than_deleting_it() -> None:
+    """A review: the spec back to a revision kept for rollback, which a policy now refuses, was
+    deleted while Blocked, so `rollback-to` could no longer name it."""
+    sim = stable_sim()
+    sim.target = "r2"
+    sim.run_until(S.STABLE)
+    assert "r1" in sim.revisions
+    sim.target, sim.policy = "r1", PolicyGate(False, "no")
+    d = sim.tick()
+    assert d.state == S.BLOCKED and "r1" in sim.revisions
+    assert not [a for a in d.actions if isinstance(a, DeleteRevision)]
+
+
+def test_a_blocked_status_paused_before_paused_reason_names_no_none() -> None:
+    """A review: an older Blocked status (no pausedReason) paused said CanaryPassed '...: None'."""
+    sim = _sim_in(S.BLOCKED)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.tick()
+    assert sim.rollout is not None
+    sim.rollout = sim.rollout.model_copy(update={"paused_reason": None, "paused_message": None})
+    d = sim.tick()
+    assert "None" not in str([a.message for a in d.actions if isinstance(a, SetCondition) and a.type == "CanaryPassed"])
