@@ -533,6 +533,7 @@ CODED = [  # the `code` OpenAI's API answers for the same mistake, which clients
     ({"logprobs": 6}, "integer_above_max_value"),
     ({"stop": [""]}, "invalid_value"),  # the right type, a value not allowed
     ({"n": 17}, "integer_above_max_value"),  # the router's max_choices (16), not the schema's 128
+    ({"n": 129}, "integer_above_max_value"),  # said as the router's 16 too (an outside probe: "<= 128")
     # a list over its length limit is array_above_max_length, whichever the list
     ({"prompt": ["p"] * 17}, "array_above_max_length"),
     ({"stop": ["a"] * 5}, "array_above_max_length"),
@@ -562,6 +563,7 @@ CHAT_CODED = [
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content", "invalid_type"),
     ([5], "messages[0]", "invalid_type"),
     ([{"role": "user", "content": "x"}] * 4097, "messages", "array_above_max_length"),
+    ([], "messages", "empty_array"),  # an outside probe: array_below_min_length, which docs/openai-api.md does not list
 ]
 
 
@@ -570,6 +572,20 @@ def test_invalid_messages_carry_openais_error_code(trio: LocalDeployment, model:
     answer = post(trio, "chat/completions", {"model": model, "messages": messages, "max_tokens": 2})
     assert answer.status_code == 400, answer.text
     assert (answer.json()["error"]["param"], answer.json()["error"]["code"]) == (param, code), answer.text
+
+
+def test_limits_are_said_as_the_server_holds_them(api: openai.OpenAI, trio: LocalDeployment, model: str) -> None:
+    """An outside probe: n=129 said "<= 128" (the schema's) where 16 holds, and a role that is no
+    role listed 'tool' and 'function', which are then refused."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=model, prompt="hi", max_tokens=2, n=10**6)
+    assert "more than 16 choices per request" in caught.value.message and "128" not in caught.value.message
+    answer = post(trio, "chat/completions", {"model": model, "messages": [{"role": "robot", "content": "x"}], "max_tokens": 2})
+    message = answer.json()["error"]["message"]
+    assert message.startswith("messages[0].role: must be 'system', 'developer', 'user' or 'assistant'"), message
+    assert "not implemented" in message and "Input should" not in message
+    empty = post(trio, "chat/completions", {"model": model, "messages": [], "max_tokens": 2}).json()["error"]
+    assert empty["message"] == "messages: empty array: expected at least one message", empty
 
 
 @pytest.mark.parametrize(("path", "budget"), [("completions", "max_tokens"), ("chat/completions", "max_tokens"),

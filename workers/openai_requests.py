@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
@@ -28,7 +28,6 @@ from kvguard.workers.protocol import (
 )
 from kvguard.workers.tokenizer import ChatTemplateOptions
 
-MAX_N = 128  # OpenAI's schema; the router's own max_choices is usually lower
 MAX_MESSAGES = 4096  # a conversation longer than this is refused: each message is template work, even empty
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's schema for the completions API
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -139,7 +138,7 @@ class _Request(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=MAX_N)
+    n: int | None = Field(None, ge=1)  # at most the router's max_choices (prompts x n), which it says
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -302,7 +301,7 @@ class CompletionRequest(_Request):
     prompt: JsonValue
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1)  # only = n (below)
     suffix: str | None = None
 
     add_special_tokens: bool | None = None  # vLLM: the tokenizer's BOS before a text prompt (default true)
@@ -383,8 +382,11 @@ def _is_token_id(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**31
 
 
+MessageRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: MessageRole
     content: JsonValue = None
     name: str | None = None
     tool_calls: JsonValue = None
@@ -400,6 +402,10 @@ class ChatMessage(_Strict):
         """`"role": 5` is a type error (invalid_type); a string that is no role is invalid_value."""
         if not isinstance(role, str):
             raise _wrong_type("must be a string")
+        if role not in get_args(MessageRole):  # pydantic's own message listed 'tool' and 'function' as
+            # choices, which are then refused (unsupported_parameter): name the roles served
+            raise PydanticCustomError("literal_error", "must be 'system', 'developer', 'user' or 'assistant' "
+                                      "('tool' and 'function' turns need tool calling, which is not implemented)")
         return role
 
     @field_validator("content", mode="plain")
@@ -465,7 +471,7 @@ def _messages_supported(messages: list[ChatMessage]) -> None:
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
@@ -503,6 +509,13 @@ class ChatCompletionRequest(_Request):
     echo: bool | None = None
     structural_tag: JsonValue = None
     include_reasoning: bool | None = None  # either: this server has no reasoning parser, so nothing to include or leave out
+
+    @field_validator("messages")
+    @classmethod
+    def _at_least_one(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:  # OpenAI's code for it (pydantic's min_length said array_below_min_length)
+            raise PydanticCustomError("empty_array", "empty array: expected at least one message")
+        return messages
 
     @field_validator("chat_template_kwargs")
     @classmethod
