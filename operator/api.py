@@ -106,6 +106,11 @@ BYTE_QUANTITY_PATTERN = r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([KMGT
 """What `parse_byte_quantity` accepts as a string; the CRD carries the same pattern, so the API
 server refuses `"lots"` before the operator ever sees it."""
 _QUANTITY_RE = re.compile(BYTE_QUANTITY_PATTERN)
+POSITIVE_BYTE_QUANTITY_PATTERN = (r"^\s*((?:[0-9]*[1-9][0-9]*(?:\.[0-9]*)?|[0-9]+\.[0-9]*[1-9][0-9]*)(?:[eE][+-]?[0-9]+)?)"
+                                  r"\s*([KMGTPE]i|[kKMGTPE])?\s*$")
+"""The same, with a digit other than 0: a field that must be above 0 bytes (`"0Gi"` was stored by the
+API server and refused only by the webhook, while the integer 0 failed the schema's minimum)."""
+POSITIVE_BYTES_SCHEMA: dict[str, Any] = {"minimum": 1, "pattern": POSITIVE_BYTE_QUANTITY_PATTERN}
 K8S_QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 """A Kubernetes resource.Quantity (`500m`, `8`, `64Gi`), as controller-gen writes it into CRDs."""
 
@@ -613,7 +618,7 @@ class HardwareSpec(ApiModel):
 
     device: DeviceKind = DeviceKind.CUDA
     """`cuda` for GPUs; `cpu` runs the kvguard engine on host memory."""
-    memory_per_device: ByteQuantity = Field(gt=0, json_schema_extra={"minimum": 1})  # the CRD's bound on an integer
+    memory_per_device: ByteQuantity = Field(gt=0, json_schema_extra=POSITIVE_BYTES_SCHEMA)  # the CRD's bounds, both forms
     """Memory of one device as the driver reports it (torch `mem_get_info` total: 79.18Gi for an
     H100 80GB). On CPU: the memory budget for weights and KV of one worker."""
     device_overhead: ByteQuantity | None = None
@@ -853,7 +858,7 @@ class KVTransferSpec(ApiModel):
          "message": "port: " + " and ".join(f"{port} is decode's {what}" for port, what in WORKER_PORTS.items())
                     + " already; pick another (default 9000)"}]})  # fmt: skip
 
-    max_batch: ByteQuantity = Field(default=64 * 1024**2, gt=0, json_schema_extra={"minimum": 1})
+    max_batch: ByteQuantity = Field(default=64 * 1024**2, gt=0, json_schema_extra=POSITIVE_BYTES_SCHEMA)
     """Bytes in flight per prefill->decode pair before back-pressure (S6; kvguard
     `--max-transfer-batch`)."""
     timeout_seconds: PositiveInt = 30

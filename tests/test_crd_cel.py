@@ -176,6 +176,26 @@ def test_byte_quantities_given_as_integers_keep_their_bounds_in_the_schema(where
         InferenceModel.model_validate(body)
 
 
+@pytest.mark.parametrize("where", [("hardware", "memoryPerDevice"), ("kvTransfer", "maxBatch")])
+@pytest.mark.parametrize("text", ["0", "0Gi", "00.000Ki", "0e9", " 0 "])
+def test_a_zero_quantity_written_as_a_string_fails_the_schema_too(where: tuple[str, ...], text: str) -> None:
+    """Outside probe: `memoryPerDevice: "0Gi"` was stored by the API server (only the integer 0
+    failed its minimum) and refused by the webhook alone."""
+    body = minimal()
+    body["spec"].setdefault(where[0], {})[where[1]] = text
+    (rejection,) = rejected(copy.deepcopy(body))
+    assert rejection.path == "spec." + ".".join(where) and "does not match" in rejection.message
+    with pytest.raises(ValidationError, match="greater than 0"):
+        InferenceModel.model_validate(body)
+
+
+@pytest.mark.parametrize("text", ["1", "0.5Ki", "80Gi", "10.0", "0001G", "0.25e3k"])
+def test_a_positive_quantity_passes_both_ways(text: str) -> None:
+    body = minimal(hardware={"memoryPerDevice": text}, kvTransfer={"maxBatch": text})
+    admitted(copy.deepcopy(body))
+    InferenceModel.model_validate(body)
+
+
 def test_a_number_of_bytes_with_a_fraction_is_refused_both_ways() -> None:
     body = minimal(hardware={"memoryPerDevice": 1.5})
     (rejection,) = rejected(copy.deepcopy(body))
