@@ -68,6 +68,45 @@ _SPEC_RULES: list[dict[str, str]] = [
 ]  # fmt: skip
 
 
+
+
+def _role_value(obj: str, role: str, field: str, default: str) -> str:
+    path = f"{obj}.roles.{role}"
+    return f"((has({obj}.roles) && has({path}) && has({path}.{field})) ? {path}.{field} : {default})"
+
+
+def _split(obj: str, role: str) -> str:
+    """A role's GPUs per instance (tensorParallel x pipelineParallel), as spec_checks._splits."""
+    return f"{_role_value(obj, role, 'tensorParallel', '1')} * {_role_value(obj, role, 'pipelineParallel', '1')}"
+
+
+def _attention_ranks(obj: str, role: str) -> str:
+    """As spec_checks._attention_ranks: dataParallel with dataParallelAttention, else 1."""
+    return f"({_role_value(obj, role, 'dataParallelAttention', 'false')} ? {_role_value(obj, role, 'dataParallel', '1')} : 1)"
+
+
+_WORKER_ROLES = ("prefill", "decode")
+# An update that keeps weights.measuredBytesPerDevice (the text as stored) while the split it was
+# measured at changes: spec_checks.resplit_problem, which the webhook runs, as transition rules for
+# clusters without it (an outside probe stored TP4 -> TP1 there, and reconcile planned the TP4 figure).
+# Evaluated on updates only (oldSelf); every field read is guarded, as above.
+_MEASURED_KEPT = ("has(self.weights) && has(self.weights.measuredBytesPerDevice) && has(oldSelf.weights) && "
+                  "has(oldSelf.weights.measuredBytesPerDevice) && "
+                  "string(self.weights.measuredBytesPerDevice) == string(oldSelf.weights.measuredBytesPerDevice)")
+_SHARDS_BEFORE = "oldSelf.weights.measuredShards"
+_RESPLIT_RULES: list[dict[str, str]] = [
+    {"rule": f"!({_MEASURED_KEPT}) || " + " && ".join(
+        f"{_attention_ranks('self', r)} == {_attention_ranks('oldSelf', r)}" for r in _WORKER_ROLES),
+     "message": "spec.weights.measuredBytesPerDevice: the attention split (dataParallel with dataParallelAttention) "
+                "changed while measuredBytesPerDevice stayed: measure it again, or remove it"},
+    {"rule": f"!({_MEASURED_KEPT}) || has(self.weights.measuredShards) || (has({_SHARDS_BEFORE}) ? ("
+             + " && ".join(f"{_split('self', r)} == {_SHARDS_BEFORE}" for r in _WORKER_ROLES) + ") : ("
+             + " && ".join(f"{_split('self', r)} == {_split('oldSelf', r)}" for r in _WORKER_ROLES) + "))",
+     "message": "spec.weights.measuredShards: the split (tensorParallel x pipelineParallel) changed while "
+                "measuredBytesPerDevice stayed: set measuredShards to the split it was measured at, or measure it again"},
+]  # fmt: skip
+
+
 class _KubernetesDefaults(GenerateJsonSchema):
     """`default: {}` for an object field that defaults to a model of its own defaults: the API
     server then fills the nested defaults in, as pydantic does (pydantic omits such defaults)."""
@@ -197,7 +236,7 @@ def inference_model_crd() -> dict[str, Any]:
          "description": "Percent of user traffic the candidate revision gets"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
-    version = _version(InferenceModelSpec, InferenceModelStatus, columns, _MODEL_RULES, _SPEC_RULES, True)
+    version = _version(InferenceModelSpec, InferenceModelStatus, columns, _MODEL_RULES, _SPEC_RULES + _RESPLIT_RULES, True)
     return _crd("InferenceModel", "inferencemodels", "Namespaced", ["infm"], version)
 
 

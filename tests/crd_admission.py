@@ -3,7 +3,7 @@
 Order (apiextensions-apiserver): prune unknown fields, apply structural defaults (top-down: a
 defaulted object gets its own nested defaults too), validate the OpenAPI schema, then evaluate
 every `x-kubernetes-validations` CEL rule at each schema node whose value is present, with `self`
-bound to that value. CEL runs on `cel-python`, the same language kube-apiserver evaluates (it
+bound to that value (and, for a transition rule on an update, `oldSelf` to the stored one). CEL runs on `cel-python`, the same language kube-apiserver evaluates (it
 does not type-check rules against the schema the way the API server does at CRD creation, so
 `rule_paths_exist` checks that every `self.a.b` a rule reads is declared).
 """
@@ -109,10 +109,18 @@ def _nodes(value: Any, schema: dict[str, Any], path: str) -> Iterator[tuple[str,
 _ENV = celpy.Environment()
 
 
-def evaluate_rule(rule: str, value: Any) -> bool | str:
-    """True/False, or the evaluation error's text (the API server refuses the object then too)."""
+def is_transition_rule(rule: str) -> bool:
+    return re.search(r"\boldSelf\b", rule) is not None
+
+
+def evaluate_rule(rule: str, value: Any, old: Any = None) -> bool | str:
+    """True/False, or the evaluation error's text (the API server refuses the object then too).
+    `old`: the stored value at the same node, for a transition rule (one that reads oldSelf)."""
+    bindings = {"self": json_to_cel(value)}
+    if old is not None:
+        bindings["oldSelf"] = json_to_cel(old)
     try:
-        result = _ENV.program(_ENV.compile(rule)).evaluate({"self": json_to_cel(value)})
+        result = _ENV.program(_ENV.compile(rule)).evaluate(bindings)
     except Exception as exc:  # celpy raises CELEvalError for "no such key" and type errors
         return f"{type(exc).__name__}: {exc}"
     if isinstance(result, Exception):
@@ -120,19 +128,36 @@ def evaluate_rule(rule: str, value: Any) -> bool | str:
     return bool(result)
 
 
-def _rule_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[Rejection]:
+def _stored_at(old: dict[str, Any] | None, path: str) -> Any:
+    """The stored object's value at `path` (fields only: no rule here sits under a list)."""
+    value: Any = old
+    for name in path.split(".") if path else []:
+        if not isinstance(value, dict) or "[" in name:
+            return None
+        value = value.get(name)
+    return value
+
+
+def _rule_errors(obj: dict[str, Any], schema: dict[str, Any], old: dict[str, Any] | None = None) -> list[Rejection]:
     errors = []
     for path, value, node in _nodes(obj, schema, ""):
         for validation in node.get("x-kubernetes-validations") or []:
-            verdict = evaluate_rule(validation["rule"], value)
+            stored = None
+            if is_transition_rule(validation["rule"]):
+                # Evaluated only on an update where the node was stored before too (transition rules).
+                stored = _stored_at(old, path)
+                if stored is None:
+                    continue
+            verdict = evaluate_rule(validation["rule"], value, stored)
             if verdict is not True:
                 detail = "" if verdict is False else f" (rule error: {verdict})"
                 errors.append(Rejection(path, validation.get("message", validation["rule"]) + detail))
     return errors
 
 
-def admit(obj: dict[str, Any], crd: dict[str, Any]) -> tuple[dict[str, Any], list[Rejection]]:
-    """(the object as stored, every rejection). Empty rejections: the API server stores it."""
+def admit(obj: dict[str, Any], crd: dict[str, Any], old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[Rejection]]:
+    """(the object as stored, every rejection). Empty rejections: the API server stores it.
+    `old`: the object as stored before, for an update (transition rules read it as oldSelf)."""
     schema = openapi_schema(crd)
     stored = copy.deepcopy(obj)
     prune_unknown(stored, schema)
@@ -140,7 +165,12 @@ def admit(obj: dict[str, Any], crd: dict[str, Any]) -> tuple[dict[str, Any], lis
     schema_errors = _schema_errors(stored, schema)
     if schema_errors:
         return stored, schema_errors  # CEL runs only on objects that pass the schema
-    return stored, _rule_errors(stored, schema)
+    before = None
+    if old is not None:  # as stored: pruned and defaulted when it was written, and again when read
+        before = copy.deepcopy(old)
+        prune_unknown(before, schema)
+        before = apply_defaults(before, schema)
+    return stored, _rule_errors(stored, schema, before)
 
 
 def all_rules(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -154,7 +184,7 @@ def all_rules(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dic
             yield from all_rules(schema[key], f"{path}[*]")
 
 
-_SELF_PATH = re.compile(r"\bself((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
+_SELF_PATH = re.compile(r"\b(?:self|oldSelf)((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
 def rule_paths_exist(rule: str, node: dict[str, Any]) -> list[str]:

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kvguard.operator.api import InferenceModel, parse_byte_quantity
 from kvguard.operator.crdgen import _SPEC_RULES, all_files, inference_model_crd, inference_policy_crd
+from kvguard.operator.spec_checks import resplit_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -277,3 +278,48 @@ def test_control_characters_bound_for_a_command_line_are_refused_by_field_both_w
     assert ".".join(str(p) for p in refused.value.errors()[0]["loc"]).startswith("spec." + ".".join(where))
     _, rejections = admit(copy.deepcopy(body), CRDS["InferenceModel"])
     assert any(r.path.startswith("spec." + ".".join(where)) for r in rejections), rejections
+
+
+def _split_spec(prefill: dict[str, Any], decode: dict[str, Any], **weights: Any) -> dict[str, Any]:
+    return minimal(engine={"kind": "sglang", "image": "i"}, weights=weights, roles={"prefill": prefill, "decode": decode})
+
+
+TP2, TP1, TP4 = {"tensorParallel": 2}, {"tensorParallel": 1}, {"tensorParallel": 4}
+DPA2 = {"tensorParallel": 4, "dataParallel": 2, "dataParallelAttention": True}
+DPA4 = {"tensorParallel": 4, "dataParallel": 4, "dataParallelAttention": True}
+RESPLITS = {  # name: (stored, update)
+    "tp2 -> tp1, figure kept": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"), _split_spec(TP1, TP1, measuredBytesPerDevice="1Mi")),
+    "decode only, figure kept": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"), _split_spec(TP2, TP4, measuredBytesPerDevice="1Mi")),
+    "pp instead of tp": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"),
+                         _split_spec(TP2, {"pipelineParallel": 2}, measuredBytesPerDevice="1Mi")),  # same GPUs
+    "measuredShards set": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"),
+                           _split_spec(TP1, TP1, measuredBytesPerDevice="1Mi", measuredShards=2)),
+    "measured again": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"), _split_spec(TP1, TP1, measuredBytesPerDevice="2Mi")),
+    "measuredShards dropped": (_split_spec(TP1, TP1, measuredBytesPerDevice="1Mi", measuredShards=2),
+                               _split_spec(TP1, TP1, measuredBytesPerDevice="1Mi")),
+    "measuredShards dropped, at its split": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi", measuredShards=2),
+                                             _split_spec(TP2, TP2, measuredBytesPerDevice="1Mi")),
+    "no figure": (_split_spec(TP2, TP2), _split_spec(TP1, TP1)),
+    "figure added with the change": (_split_spec(TP2, TP2), _split_spec(TP1, TP1, measuredBytesPerDevice="1Mi")),
+    "dp attention 2 -> 4": (_split_spec(TP4, DPA2, measuredBytesPerDevice="6Gi"), _split_spec(TP4, DPA4, measuredBytesPerDevice="6Gi")),
+    "dp attention 2 -> 4, shards set": (_split_spec(TP4, DPA2, measuredBytesPerDevice="6Gi", measuredShards=4),
+                                        _split_spec(TP4, DPA4, measuredBytesPerDevice="6Gi", measuredShards=4)),
+    "dp attention turned off": (_split_spec(TP4, DPA2, measuredBytesPerDevice="6Gi"),
+                                _split_spec(TP4, {**DPA2, "dataParallelAttention": False}, measuredBytesPerDevice="6Gi")),
+    "dp without attention 2 -> 4": (_split_spec(TP4, {**DPA2, "dataParallelAttention": False}, measuredBytesPerDevice="6Gi"),
+                                    _split_spec(TP4, {**DPA4, "dataParallelAttention": False}, measuredBytesPerDevice="6Gi")),
+}
+
+
+@pytest.mark.parametrize("name", list(RESPLITS))
+def test_the_crd_refuses_a_resplit_under_a_measured_figure_as_the_webhook_does(name: str) -> None:
+    """An outside probe: TP4 -> TP1 with measuredBytesPerDevice kept was refused by the webhook alone
+    (spec_checks.resplit_problem); without it the API server stored it and reconcile planned the
+    TP4 figure at TP1. The CRD's transition rules refuse what the webhook refuses, by the same field."""
+    stored, update = (copy.deepcopy(body) for body in RESPLITS[name])
+    webhook = resplit_problem(InferenceModel.model_validate(stored).spec, InferenceModel.model_validate(update).spec)
+    _, created = admit(copy.deepcopy(update), CRDS["InferenceModel"])
+    assert created == [], "a transition rule holds on updates only"
+    _, rejections = admit(update, CRDS["InferenceModel"], old=stored)
+    assert [r.message.split(":")[0] for r in rejections] == ([webhook.split(":")[0]] if webhook else []), (webhook, rejections)
+    assert all(r.path == "spec" for r in rejections)
