@@ -819,9 +819,10 @@ class _Step:
             # The gate that blocks it now: another one than at first (a policy fixed, a plan now too
             # small), or a status resumed from a pause that kept no reason (before pausedReason).
             self._block_if_gates_fail()
-        # Parked, not deleted, when it is a revision kept for rollback (a spec back to an older
-        # revision that a policy now refuses): `rollback-to` must still find it (a review).
-        self._retire(self.candidate)
+        if self.candidate in self.world.revisions:
+            # Parked, not deleted, when it is a revision kept for rollback (a spec back to an older
+            # revision that a policy now refuses): `rollback-to` must still find it (a review).
+            self._retire(self.candidate)
         self.condition("Progressing", "False", self.r.reason or "Blocked", self.r.message or "")
 
     def _back_to_stable(self) -> None:
