@@ -6,7 +6,9 @@ Pydantic's lax mode reads `true` (YAML's `yes`, `on`) as 1 and `"32"` as 32: an 
 configuration, and `minKVRatio: true` lowered S7's bar to 1. Strict mode goes too far the other way:
 it refuses `2.0` and `1e10` for integers, which the API server accepts. So the models stay lax and a
 before-validator on every field (`numbers_only`) refuses booleans and text where a number belongs.
-Fields with their own parser (byte quantities such as `80Gi`) are left to it.
+Fields with their own parser (byte quantities such as `80Gi`) are left to it. Booleans likewise:
+only `true` and `false` (lax mode read `1`, `"true"` and `"no"`, which the API server's schema
+refuses, so `kvguard plan`, `render` and `apply --local` accepted manifests a cluster rejects).
 """
 
 from __future__ import annotations
@@ -21,21 +23,29 @@ from pydantic.functional_validators import AfterValidator, BeforeValidator, Plai
 from pydantic_core import PydanticKnownError
 
 _PARSERS = (BeforeValidator, PlainValidator, WrapValidator, AfterValidator)
-_ERROR_TYPES = {int: "int_type", float: "float_type"}
+_ERROR_TYPES = {int: "int_type", float: "float_type", bool: "bool_type"}
 
 
 def numbers_only(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-    """`value` for field `info.field_name` of `model`, or the error pydantic gives a non-number
-    (`Input should be a valid integer`) when it is a boolean or text and the field holds numbers."""
-    if info.field_name is None or not isinstance(value, (bool, str, bytes, list, tuple)):
+    """`value` for field `info.field_name` of `model`, or the error pydantic gives a value of
+    another JSON type (`Input should be a valid integer`, `... a valid boolean`): a boolean or text
+    where the field holds numbers, anything but `true`/`false` where it holds a boolean."""
+    if info.field_name is None or value is None:
         return value
     kind, in_list = _field_number_kind(model, info.field_name)
     if kind is None:
         return value
     items = value if in_list and isinstance(value, (list, tuple)) else [] if in_list else [value]
-    if any(isinstance(item, (bool, str, bytes)) for item in items):
+    if not all(_is_json(kind, item) for item in items):
         raise PydanticKnownError(_ERROR_TYPES[kind])  # type: ignore[arg-type]
     return value
+
+
+def _is_json(kind: type, item: Any) -> bool:
+    """Whether `item` is what a JSON value of a `kind` field may be."""
+    if kind is bool:
+        return type(item) is bool
+    return not isinstance(item, (bool, str, bytes))
 
 
 @functools.cache

@@ -142,6 +142,10 @@ REFUSED = [
     ("spec.minKVRatio", True, "spec.minKVRatio: Input should be a valid number"),
     ("spec.roles.decode.replicas", "2", "spec.roles.decode.replicas: Input should be a valid integer"),
     ("spec.canary.isolation.longRequestFractions", [0.5, True], "spec.canary.isolation.longRequestFractions: Input should be"),
+    # Booleans likewise (an outside probe: `enabled: 1` or "false" was read as one; the schema refuses them).
+    ("spec.canary.isolation.enabled", 1, "spec.canary.isolation.enabled: Input should be a valid boolean"),
+    ("spec.canary.isolation.enabled", "false", "spec.canary.isolation.enabled: Input should be a valid boolean"),
+    ("spec.roles.decode.dataParallelAttention", "yes", "spec.roles.decode.dataParallelAttention: Input should be a valid boolean"),
     # No PVC can have this name: pods referencing it wait for a claim forever.
     ("spec.model.source.pvc.claimName", "Bad_Name", "spec.model.source.pvc.claimName: String should match pattern"),
 ]  # fmt: skip
@@ -161,6 +165,7 @@ ADMITTED = [
     ("spec.roles.decode.resources", {"limits": {"example.com/foo": "1"}}),  # a limit alone: the request defaults to it
     ("spec.roles.decode.replicas", 2.0),  # a whole JSON number is an integer to the API server too
     ("spec.minKVRatio", 3),
+    ("spec.canary.isolation.enabled", False),
 ]  # fmt: skip
 
 
