@@ -403,6 +403,17 @@ class ModelArchitecture(ApiModel):
             "x-kubernetes-validations": [
                 {"rule": "has(self.headDim) || !has(self.hiddenSize) || self.hiddenSize >= self.numAttentionHeads",
                  "message": _NARROW_HEADS},
+                # The planner's own checks (planner._architecture_problems), for clusters without the
+                # webhook: stored, the model went Degraded instead of being refused at apply (outside probe).
+                {"rule": "has(self.mla) || self.numKVHeads <= self.numAttentionHeads",
+                 "message": "numKVHeads: must not exceed numAttentionHeads"},
+                {"rule": "has(self.mla) || self.numKVHeads > self.numAttentionHeads || self.numAttentionHeads % self.numKVHeads == 0",
+                 "message": "numKVHeads: must divide numAttentionHeads"},
+                {"rule": "!has(self.totalParameters) || self.totalParameters >= "
+                         "(has(self.embeddingParameters) ? self.embeddingParameters : 0) + "
+                         "(has(self.attentionParameters) ? self.attentionParameters : 0) + "
+                         "(has(self.expertParameters) ? self.expertParameters : 0)",
+                 "message": "totalParameters: must be at least embedding + attention + expert parameters"},
             ]
         }
     )

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kvguard.operator.api import InferenceModel, parse_byte_quantity
 from kvguard.operator.crdgen import _SPEC_RULES, all_files, inference_model_crd, inference_policy_crd
+from kvguard.operator.planner import check_spec
 from kvguard.operator.spec_checks import resplit_problem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +130,17 @@ INVALID = {
     "heads without width": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 4,
                                                                           "hiddenSize": 3}}),
                             "spec.model.architecture", NARROW_HEADS),
+    # Outside probe: the planner's checks were the webhook's and reconcile's alone.
+    "more kv heads than heads": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 8,
+                                                                               "headDim": 64}}),
+                                 "spec.model.architecture", "numKVHeads: must not exceed numAttentionHeads"),
+    "kv heads that do not divide": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 6, "numKVHeads": 4,
+                                                                                  "headDim": 64}}),
+                                    "spec.model.architecture", "numKVHeads: must divide numAttentionHeads"),
+    "parts above the total": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 4,
+                                                                            "headDim": 64, "totalParameters": 100,
+                                                                            "embeddingParameters": 60, "attentionParameters": 50}}),
+                              "spec.model.architecture", "totalParameters: must be at least embedding + attention + expert parameters"),
 }  # fmt: skip
 
 
@@ -323,3 +335,13 @@ def test_the_crd_refuses_a_resplit_under_a_measured_figure_as_the_webhook_does(n
     _, rejections = admit(update, CRDS["InferenceModel"], old=stored)
     assert [r.message.split(":")[0] for r in rejections] == ([webhook.split(":")[0]] if webhook else []), (webhook, rejections)
     assert all(r.path == "spec" for r in rejections)
+
+
+@pytest.mark.parametrize("name", ["more kv heads than heads", "kv heads that do not divide", "parts above the total"])
+def test_the_planner_refuses_what_the_architecture_rules_refuse(name: str) -> None:
+    """The architecture rules mirror planner._architecture_problems (the webhook's and reconcile's
+    check): the same spec, the same field."""
+    body, _, message = INVALID[name]
+    field = message.split(":")[0]
+    with pytest.raises(ValueError, match=re.escape(f"spec.model.architecture.{field}")):
+        check_spec(InferenceModel.model_validate(body).spec)
