@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         return 1
     except OSError as exc:
-        # A file or folder the command was told to write that cannot be (`crds -o /etc/passwd/x`,
+        # A file the command was told to write that cannot be (`crds -o` into a read-only folder,
         # `plan > /dev/full`): one line naming it, not a traceback.
         try:
             sys.stdout.flush()  # what was printed before the failure, unless stdout is what failed

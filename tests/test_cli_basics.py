@@ -219,3 +219,56 @@ def test_a_mistyped_flag_is_refused_by_its_command_with_that_commands_usage(
     assert exited.value.code == 2
     assert f"kvguard {command}: error: unrecognized arguments: {' '.join(argv[-2:])}" in err, err
     assert err.startswith(f"usage: kvguard {command} "), err
+
+
+def test_a_workers_own_refusal_carries_no_pydantic_prefix(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: "kvguard worker: Value error, the router needs ..."."""
+    from kvguard.cli import main
+
+    assert main(["worker", "--role", "router", "--model", str(tiny_model_dir)]) == 2
+    assert capsys.readouterr().err == "kvguard worker: the router needs at least one --prefill and one --decode URL\n"
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--url", "notaurl"], "--url 'notaurl'"),
+    (["--url", "ftp://127.0.0.1:1/v1"], "--url 'ftp://127.0.0.1:1/v1'"),
+    (["--url", "http:///v1"], "--url 'http:///v1'"),
+    (["--url", "http://127.0.0.1:99999/v1"], "--url 'http://127.0.0.1:99999/v1'"),
+    (["--url", "http://127.0.0.1:1/v1", "--baseline-url", "localhost:8000"], "--baseline-url 'localhost:8000'"),
+    (["--url", "http://127.0.0.1:1/v1", "--metrics-url", "http://127.0.0.1:1/metrics", "x"], "--metrics-url 'x'"),
+])  # fmt: skip
+def test_a_canary_url_that_is_not_http_with_a_host_is_refused_up_front(capsys: pytest.CaptureFixture[str], flags: list[str],
+                                                                       named: str) -> None:  # fmt: skip
+    """Outside probe: `--url notaurl` ran and failed as "InvalidUrlClientError: notaurl/v1/models"."""
+    from kvguard.cli import main
+
+    assert main(["canary", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"kvguard canary: cannot run: {named} is not an http:// or https:// URL with a host (e.g. http://127.0.0.1:8000/v1)\n"
+    assert captured.out == ""  # refused before the run's header
+
+
+def test_an_unreachable_canary_target_is_one_plain_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: "ClientConnectorError: Cannot connect to host 127.0.0.1:9 ssl:default [Connect
+    call failed ('127.0.0.1', 9)]". A bound socket that does not listen refuses every connection."""
+    import socket
+
+    from kvguard.cli import main
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        assert main(["canary", "--url", f"http://127.0.0.1:{port}/v1", "-o", "json"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvguard canary: cannot run: target http://127.0.0.1:{port}: GET /v1/models: cannot connect to 127.0.0.1:{port}: connection refused\n"
+
+
+def test_apply_delete_without_local_says_what_deletes_on_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: `apply --delete` without --local said to `kubectl apply -f` the manifest."""
+    from kvguard.cli import main
+
+    assert main(["apply", "--delete", "--state-dir", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err == "kvguard apply: --delete needs --local; on a cluster, `kubectl delete inferencemodel NAME`\n"
+    with pytest.raises(SystemExit):
+        main(["apply", "--help"])
+    assert "--delete (needs --local) stop every process" in " ".join(capsys.readouterr().out.split())

@@ -118,9 +118,26 @@ def test_crds_validate_as_kubernetes_objects() -> None:
         assert kubernetes_validate.validate(yaml.safe_load(text), "1.30", strict=True).startswith("1.30")
 
 
-def test_an_output_folder_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["crds", "-o", "/etc/passwd/x"]) == 1
-    assert capsys.readouterr().err == "kvguard crds: Not a directory: /etc/passwd/x\n"
+def test_an_output_folder_that_cannot_be_created_is_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crds", "-o", "/etc/passwd/x"]) == 2
+    assert capsys.readouterr().err == "kvguard crds: -o /etc/passwd/x: cannot create the folder: Not a directory; nothing was written\n"
+
+
+def test_an_output_path_that_is_a_file_is_bad_input_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: `crds -o /etc/passwd` was exit 1 with "File exists: /etc/passwd"."""
+    existing = tmp_path / "a-file"
+    existing.write_text("mine")
+    assert main(["crds", "-o", str(existing)]) == 2
+    assert capsys.readouterr().err == f"kvguard crds: -o {existing} is not a folder; nothing was written\n"
+    assert existing.read_text() == "mine"
+
+
+def test_an_output_file_that_cannot_be_written_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Writing a file into the folder fails (here: a folder stands where a CRD file goes): the
+    general one-line OSError of the command line, exit 1."""
+    (tmp_path / next(iter(all_files()))).mkdir()
+    assert main(["crds", "-o", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("kvguard crds: Is a directory: ")
 
 
 def test_stdout_on_a_full_disk_is_one_line_not_a_traceback() -> None:

@@ -256,11 +256,14 @@ def test_tiny_model_keeps_what_a_folder_already_holds_unless_forced(tmp_path: Pa
     assert "model.safetensors" in capsys.readouterr().err
 
 
-def test_an_unwritable_folder_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("folder", "why"), [("/etc/passwd/x", "Not a directory"), ("/proc/x", "No such file or directory")])
+def test_a_folder_that_cannot_be_created_is_bad_input_in_one_line(capsys: pytest.CaptureFixture[str], folder: str, why: str) -> None:
+    """Outside probe: `model tiny /proc/x` was exit 1 with "No such file or directory: /proc/x"
+    (bad input, exit 2, as a DIR that is a file is)."""
     from kvguard.cli import main
 
-    assert main(["model", "tiny", "/etc/passwd/x"]) == 1
-    assert capsys.readouterr().err == "kvguard model: Not a directory: /etc/passwd/x\n"
+    assert main(["model", "tiny", folder]) == 2
+    assert capsys.readouterr().err == f"kvguard model: cannot create the folder {folder}: {why}; nothing was written\n"
 
 
 def test_tiny_model_loads_in_transformers_with_same_logits(tiny_model_dir: Path) -> None:

@@ -200,6 +200,56 @@ def test_a_bad_flag_value_is_named_by_its_flag_once(capsys: pytest.CaptureFixtur
     ]
 
 
+def _manifest(tmp_path: Path, edit: Any) -> str:
+    """tiny-cpu.yaml with `edit` applied to its parsed body, written to a file."""
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    edit(body)
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return str(path)
+
+
+@pytest.mark.parametrize(("edit", "flags", "said"), [
+    (lambda b: b["metadata"].update(name="Bad_Name!!"), [],
+     "kvguard plan: metadata.name: 'Bad_Name!!' must be lowercase letters, digits and '-', start with a letter"),
+    (lambda b: None, ["--context-length", "99999999999999999999"],
+     "kvguard plan: --context-length 99999999999999999999: must be at most 16,777,216 tokens (sets spec.contextLength)"),
+    (lambda b: b.update(metadata=None), [], "kvguard plan: metadata: must be a mapping\n"),
+    (lambda b: b.update(spec=None), [], "kvguard plan: spec: must be a mapping\n"),
+    (lambda b: b["spec"].update(model=[1]), [], "kvguard plan: spec.model: must be a mapping\n"),
+])  # fmt: skip
+def test_refusals_carry_neither_pydantics_prefix_nor_class_names(tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any,
+                                                                 flags: list[str], said: str) -> None:  # fmt: skip
+    """Outside probe: "(manifest): Value error, metadata.name: ...", "--context-length ...: Value
+    error, must be at most ..." and "Input should be a valid dictionary or instance of ObjectMeta"."""
+    assert main(["plan", "-f", _manifest(tmp_path, edit), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+    assert "Value error" not in err and "instance of" not in err and "(manifest)" not in err
+
+
+@pytest.mark.parametrize("flag", ["--reserve", "--gpu-memory"])
+@pytest.mark.parametrize("form", ["separate", "joined"])
+def test_a_negative_byte_size_is_refused_by_its_flag(capsys: pytest.CaptureFixture[str], flag: str, form: str) -> None:
+    """Outside probe: `--reserve -4Gi` was "expected one argument" (argparse took -4Gi for an option)."""
+    args = [flag, "-4Gi"] if form == "separate" else [f"{flag}=-4Gi"]
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "-f", str(EXAMPLES / "incident.yaml"), *args])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kvguard plan: error: argument {flag}: must not be negative, got -4Gi"
+
+
+def test_help_lists_the_values_validation_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: --help listed --quantization without fp32, which the refusal then offered."""
+    from kvguard.operator.api import EngineKind, KVCacheDtype, Quantization
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    for flag, values in (("--quantization Q", Quantization), ("--kv-cache-dtype D", KVCacheDtype), ("--engine KIND", EngineKind)):
+        assert f"{flag} {', '.join(v.value for v in values)}" in flat
+
+
 def test_yaml_mistakes_are_one_line_naming_file_line_and_column(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """PyYAML keeps the last of two equal keys silently and words errors over several lines naming
     "<unicode string>": here a repeated key is refused and every error is one line."""

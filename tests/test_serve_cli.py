@@ -161,8 +161,9 @@ def test_serve_pool_advice_counts_whole_pages_and_never_rounds_up_to_the_ratio(t
         (["--transfer-port", "-1"], "--transfer-port: must be a TCP port 0..65535"),
         (["--kv-pool-tokens", "-5", "--context-length", "10"], "--kv-pool-tokens: must be at least 1"),
         (["--context-length", "8192"], "--context-length 8192 exceeds the model's maximum 4096"),
-        (["--device", "foo"], "--device: String should match pattern"),
-        (["--transfer-timeout", "nan"], "--transfer-timeout: Input should be greater than 0"),
+        (["--device", "tpu"], "kvguard serve: --device: must be auto, cpu, cuda or cuda:N, got 'tpu'\n"),
+        (["--transfer-timeout", "nan"], "kvguard serve: --transfer-timeout: must be a finite number > 0, got nan\n"),
+        (["--request-timeout", "inf"], "kvguard serve: --request-timeout: must be a finite number > 0 and <= 86400, got inf\n"),
         (["--port", "23999", "--metrics-port", "23999"], "--port and --metrics-port both ask for port 23999"),
         (["--model-name", ""], "--model-name: String should have at least 1 character"),
     ],
@@ -171,6 +172,16 @@ def test_serve_bad_flags_exit_2_with_one_line_before_any_worker_starts(tiny_mode
     done = _run_serve("--model", str(tiny_model_dir), *flags)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr and "listening on" not in done.stderr
+
+
+@pytest.mark.parametrize(("model", "said"), [("{tmp}/nonexistent", "does not exist"), ("{tmp}/a-file", "is not a folder"),
+                                            ("{tmp}", "has no config.json")])  # fmt: skip
+def test_serve_says_what_is_wrong_with_the_model_folder(tmp_path: Path, model: str, said: str) -> None:
+    """Outside probe: `--model /nonexistent` said the folder "has no config.json"."""
+    (tmp_path / "a-file").write_text("")
+    model = model.format(tmp=tmp_path)
+    done = _run_serve("--model", model)
+    assert done.returncode == 2 and done.stderr == f"kvguard serve: --model {model} {said}\n"
 
 
 def test_serve_reports_a_busy_port_at_once_naming_its_flag(tiny_model_dir: Path) -> None:

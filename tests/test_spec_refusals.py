@@ -222,7 +222,7 @@ def test_kvguard_apply_refuses_an_over_long_context_before_creating_a_state_fold
     manifest.write_text(yaml.safe_dump(body))
     state = tmp_path / "state"
     assert cli_main(["apply", "--local", "-f", str(manifest), "--state-dir", str(state)]) == 2
-    assert "spec.contextLength: Value error, must be at most 16,777,216 tokens" in capsys.readouterr().err
+    assert "kvguard apply: spec.contextLength: must be at most 16,777,216 tokens\n" == capsys.readouterr().err
     assert not state.exists()
 
 

@@ -27,15 +27,27 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticUndefined
 
+from kvguard.workers.field_messages import field_message
 from kvguard.workers.protocol import MAX_EVENT_TOKENS
 
 WorkerRoleName = Literal["prefill", "decode", "router"]
@@ -158,10 +170,19 @@ def _flag(group: str, help_: str, **extra: Any) -> Any:
     return {"group": group, "help": help_, **extra}
 
 
+_ALLOWED: dict[str, tuple[re.Pattern[str], str]] = {
+    "device": (re.compile(r"auto|cpu|cuda(:[0-9]+)?"), "auto, cpu, cuda or cuda:N"),
+    "dtype": (re.compile(r"auto|float32|bfloat16|float16"), "auto, float32, bfloat16 or float16"),
+}
+"""What --device and --dtype take, and how a refusal says it."""
+
+
 class WorkerArgs(BaseModel):
     """Flags of `kvguard worker`. Field `foo_bar` is flag `--foo-bar`; lists repeat the flag."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # nan passed `gt=0` as "Input should be greater than 0" and inf was no limit at all: a number
+    # flag is a finite number (outside probe: `kvguard serve --transfer-timeout nan`).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     role: WorkerRoleName = Field(json_schema_extra=_flag("common", "which process to run"))
     model: Path = Field(json_schema_extra=_flag("common", "Hugging Face model folder"))
@@ -193,10 +214,9 @@ class WorkerArgs(BaseModel):
 
     # Checked here as well as where torch resolves them (workers/device.py), so a typo fails at once,
     # not after the other processes have started.
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
-                        json_schema_extra=_flag("prefill and decode", "auto, cpu, cuda or cuda:N"))  # fmt: skip
-    dtype: str = Field("auto", pattern=r"^(auto|float32|bfloat16|float16)$",
-                       json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))  # fmt: skip
+    # Its allowed values in its refusal (_known_values), not pydantic's "should match pattern '^(...)$'".
+    device: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, cpu, cuda or cuda:N"))
+    dtype: str = Field("auto", json_schema_extra=_flag("prefill and decode", "auto, float32, bfloat16 or float16"))
     kv_pool_tokens: int | None = Field(None, ge=1, json_schema_extra=_flag("prefill and decode", "KV pool size; default: from memory"))
     kv_memory_fraction: float = Field(0.85, gt=0, le=1, json_schema_extra=_flag("prefill and decode", "share of device memory for weights + KV"))
     device_share: float = Field(
@@ -266,6 +286,14 @@ class WorkerArgs(BaseModel):
         json_schema_extra=_flag("router", "the revision this router serves, named in every API response's x-kvguard-revision "
                                 "header (so a client behind a Gateway or splitter can tell which revision answered)"),
     )  # fmt: skip
+
+    @field_validator("device", "dtype")
+    @classmethod
+    def _known_values(cls, value: str, info: ValidationInfo) -> str:
+        allowed, words = _ALLOWED[str(info.field_name)]
+        if not allowed.fullmatch(value):
+            raise ValueError(f"must be {words}, got {value[:40]!r}")
+        return value
 
     @model_validator(mode="after")
     def _fits_the_role(self) -> WorkerArgs:
@@ -362,8 +390,20 @@ def flag_errors(exc: ValidationError) -> list[str]:
     lines = []
     for error in exc.errors():
         where = ".".join(str(p) for p in error["loc"])
-        lines.append(f"{'--' + where.replace('_', '-') + ': ' if where else ''}{error['msg']}")
+        field = WorkerArgs.model_fields.get(where)
+        if error["type"] == "finite_number" and field is not None and (bounds := _bounds(field.metadata)):
+            message = f"must be a finite number {bounds}, got {error['input']}"  # `nan`: as the range says, not just "finite"
+        else:
+            message = field_message(error)
+        lines.append(f"{'--' + where.replace('_', '-') + ': ' if where else ''}{message}")
     return lines
+
+
+def _bounds(metadata: Sequence[Any]) -> str:
+    """A field's range as `> 0 and <= 3600` (its annotated_types constraints), or ""."""
+    signs = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    return " and ".join(f"{sign} {getattr(m, name):g}" for m in metadata for name, sign in signs.items()
+                        if getattr(m, name, None) is not None)  # fmt: skip
 
 
 def from_namespace(namespace: argparse.Namespace) -> WorkerArgs:

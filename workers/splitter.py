@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES, worker_default
 from kvguard.workers.backpressure import BodyLease, BodyMemory, StallWatch, drop
+from kvguard.workers.field_messages import field_message
 from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, read_body
 
 log = logging.getLogger("kvguard.splitter")
@@ -146,7 +147,27 @@ def parse_table(path: Path, raw: bytes) -> SplitTable:
     try:
         return SplitTable.model_validate_json(raw)
     except ValidationError as exc:
-        raise ValueError(f"{path}: {exc.errors()[0]['msg']}") from None
+        raise ValueError(f"{path}: {field_message(exc.errors()[0])}") from None
+
+
+def table_problem(path: Path) -> str | None:
+    """Why the table at `path` cannot be followed now (missing, unreadable, empty, not a table),
+    or None: what `kvguard splitter` says once when it starts. The local backend starts the
+    splitter before it writes the first table, so a missing one is not refused: until a table is
+    written every request is answered 503 no_backend."""
+    try:
+        raw = _read_own_file(path)
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as exc:  # PermissionError included: a table someone else could write
+        return f"cannot be read ({exc.strerror if exc.filename else exc})"
+    if not raw:
+        return "is empty"
+    try:
+        parse_table(path, raw)
+    except ValueError as exc:
+        return f"is not a split table ({str(exc).removeprefix(f'{path}: ')})"
+    return None
 
 
 def _read_own_file(path: Path) -> bytes:

@@ -76,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--faults", default="", metavar="SPEC",
                         help="TEST/DEMO ONLY: KVGUARD_FAULTS for the new revision's processes")  # fmt: skip
     parser.add_argument("--timeout", type=_seconds, default=900.0, metavar="S", help="give up after S seconds (checked between reconcile passes: one that is starting workers ends first)")
-    parser.add_argument("--delete", action="store_true", help="stop every process of the state folder and remove it (with an unreadable state.json: every kvguard worker logging into the folder; none found: nothing is removed); with -f, only a folder holding that model (else exit 2)")
+    parser.add_argument("--delete", action="store_true", help="(needs --local) stop every process of the state folder and remove it (with an unreadable state.json: every kvguard worker logging into the folder; none found: nothing is removed); with -f, only a folder holding that model (else exit 2)")
     parser.set_defaults(func=run)
 
 
@@ -89,6 +89,8 @@ def _seconds(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    if not args.local and args.delete:
+        return _bad_input("--delete needs --local; on a cluster, `kubectl delete inferencemodel NAME`")
     if not args.local:
         return _bad_input("only --local is implemented here; on a cluster, `kubectl apply -f` the manifest")
     try:
@@ -401,5 +403,6 @@ def _check_faults(spec: str) -> None:
 
 def _describe(error: Any) -> str:
     from kvguard.operator.api import field_path
+    from kvguard.workers.field_messages import field_line
 
-    return (field_path(error["loc"]) or "(manifest)") + f": {error['msg']}"
+    return field_line(field_path(error["loc"]), error)

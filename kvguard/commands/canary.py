@@ -1,9 +1,10 @@
 """`kvguard canary`: run the canary coherence suite against an OpenAI-compatible deployment.
 
 Exit status: 0 every enabled probe passed (or was skipped with a reason), 1 a probe failed,
-2 the suite cannot run (unreachable target, baseline or metrics URLs, an --engine-log that is not a
-readable file, bad spec file, unknown probe, a --timeout or --context-length out of range, or every
-probe skipped) - with the reason on stderr; 130 interrupted (Ctrl-C or SIGTERM).
+2 the suite cannot run (unreachable target, baseline or metrics URLs, a URL that is not http://
+or https:// with a host, an --engine-log that is not a readable file, bad spec file, unknown
+probe, a --timeout or --context-length out of range, or every probe skipped) - with the reason on
+stderr; 130 interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvguard canary: cannot run: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    if (problem := _bad_numbers(args) or _unreadable_log(args.engine_log)) is not None:
+    if (problem := _bad_urls(args) or _bad_numbers(args) or _unreadable_log(args.engine_log)) is not None:
         print(f"kvguard canary: cannot run: {problem}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     if args.baseline_match:
@@ -102,6 +103,23 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvguard canary: cannot run: {report.reason}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     return EXIT_PASS if report.verdict == Verdict.PASS else EXIT_FAIL
+
+
+def _bad_urls(args: argparse.Namespace) -> str | None:
+    """Why --url, --baseline-url or a --metrics-url is not an http(s) URL with a host, or None
+    (`--url notaurl` was run, and failed as "InvalidUrlClientError: notaurl/v1/models")."""
+    from urllib.parse import urlsplit
+
+    named = [("--url", args.url)] + ([("--baseline-url", args.baseline_url)] if args.baseline_url is not None else [])
+    for flag, url in named + [("--metrics-url", url) for url in args.metrics_url]:
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not one (`:99999`, `:x`)
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            return f"{flag} {url[:200]!r} is not an http:// or https:// URL with a host (e.g. http://127.0.0.1:8000/v1)"
+    return None
 
 
 def _bad_numbers(args: argparse.Namespace) -> str | None:
@@ -182,11 +200,13 @@ def _model_canary(spec: Any) -> Any:
 
 
 def _field_errors(exc: Any) -> str:
+    from kvguard.workers.field_messages import field_line
+
     parts = []
     for err in exc.errors():
         # A list index in brackets, as the operator's webhook writes paths (reconcile.field_errors).
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".") or "spec"
-        parts.append(f"{loc}: {err['msg']}")
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        parts.append(field_line(loc, err, whole="spec"))
     return "; ".join(parts)
 
 

@@ -3,6 +3,8 @@
     kvguard crds                 # both CRDs on stdout, as one multi-document YAML stream
     kvguard crds -o crds/        # one file per CRD (what the repository ships)
     kvguard crds --check crds/   # exit 1 when the files differ from the models (2: no such folder)
+
+Exit 2 when -o names something that is not a folder, or a folder that cannot be created.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return 1 if problems else 0
     if args.output_dir:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
+        if args.output_dir.exists() and not args.output_dir.is_dir():
+            print(f"kvguard crds: -o {args.output_dir} is not a folder; nothing was written", file=sys.stderr)
+            return 2
+        try:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"kvguard crds: -o {args.output_dir}: cannot create the folder: {exc.strerror or exc}; nothing was written",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         for name, text in files.items():
             (args.output_dir / name).write_text(text)
             print(args.output_dir / name)

@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvguard model: {folder} already holds {', '.join(differing)} with other content; "
               "nothing was written (--force replaces them)", file=sys.stderr)  # fmt: skip
         return EXIT_EXISTS
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # `/proc/x`, a parent that is a file, no permission: bad input, as a path that is a file
+        print(f"kvguard model: cannot create the folder {folder}: {exc.strerror or exc}; nothing was written", file=sys.stderr)
+        return EXIT_BAD_INPUT
     write_files(folder, files)
     print(json.dumps({"model_dir": str(folder), "seed": args.seed}))
     return 0

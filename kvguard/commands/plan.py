@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,13 +62,41 @@ class BadInput(Exception):
     """Input `kvguard plan` cannot use; the message names the file, flag or field."""
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """--help lists the values of --engine, --quantization and --kv-cache-dtype from the API's own
+    enumerations, the ones validation checks (a list written here left fp32 out while the refusal
+    offered it). Read only when help is printed: the API module is not imported to parse flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.dest in _VALUES_FROM:
+            from kvguard.operator import api
+
+            return ", ".join(v.value for v in getattr(api, _VALUES_FROM[action.dest]))
+        return super()._get_help_string(action)
+
+
+_VALUES_FROM = {"engine": "EngineKind", "quantization": "Quantization", "kv_cache_dtype": "KVCacheDtype"}
+"""flag dest -> the api enumeration its values come from."""
+
+
+def _bytes(text: str) -> str:
+    """A byte-size flag's value: checked as the manifest field it sets, except that a negative one
+    is refused here, by the flag (argparse took `-4Gi` for an option: "expected one argument")."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return text
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="check that every role's KV pool holds minKVRatio x contextLength (exit 0 pass, 3 blocked, 2 bad input)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Help,
     )
+    # A value that starts with a minus and a digit is a value, never an option (`--reserve -4Gi`):
+    # what Python 3.13's argparse does; 3.11's took only plain numbers (-4, -1.5) for values.
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.add_argument("-f", "--file", required=True, help="InferenceModel manifest (YAML)")
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
     parser.add_argument("--hf-config", metavar="PATH", help="fill spec.model.architecture from a HF config.json (file or model dir)")
@@ -82,17 +111,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     what_if.add_argument("--decode-tp", type=int, metavar="N")
     what_if.add_argument("--dp", type=int, metavar="N", help="data parallelism of prefill and decode")
     what_if.add_argument("--pp", type=int, metavar="N", help="pipeline parallelism of prefill and decode")
-    what_if.add_argument("--kv-cache-dtype", metavar="D", help="auto, bf16, fp16, fp32, fp8, fp8_e4m3, fp8_e5m2, fp4_e2m1")
+    what_if.add_argument("--kv-cache-dtype", metavar="D", help="(the API's KVCacheDtype values)")
     what_if.add_argument("--page-size", type=int, metavar="N")
     what_if.add_argument("--min-ratio", type=float, metavar="R")
     what_if.add_argument(
         "--kv-pool-tokens", type=int, metavar="N",
         help="explicit pool cap (SGLang --max-total-tokens) for every role: replaces spec.kvPoolTokens and per-role kvPoolTokens",
     )  # fmt: skip
-    what_if.add_argument("--reserve", metavar="BYTES", help="memory kept out of the pool besides weights, e.g. 4Gi (vLLM: its activation peak)")
-    what_if.add_argument("--engine", metavar="KIND", help="kvguard, sglang or vllm")
-    what_if.add_argument("--quantization", metavar="Q", help="bf16, fp16, fp8, int8, int4, awq, gptq, mxfp4, nvfp4")
-    what_if.add_argument("--gpu-memory", metavar="BYTES", help="memory per device, e.g. 80Gi")
+    what_if.add_argument("--reserve", type=_bytes, metavar="BYTES", help="memory kept out of the pool besides weights, e.g. 4Gi (vLLM: its activation peak)")
+    what_if.add_argument("--engine", metavar="KIND", help="(the API's EngineKind values)")
+    what_if.add_argument("--quantization", metavar="Q", help="(the API's Quantization values)")
+    what_if.add_argument("--gpu-memory", type=_bytes, metavar="BYTES", help="memory per device, e.g. 80Gi")
     parser.set_defaults(func=run)
 
 
@@ -159,15 +188,16 @@ def _describe_errors(errors: list[Any], set_by: dict[str, str]) -> list[str]:
     """One line per field error; a value a what-if flag wrote is named by the flag (once per flag and
     message, with every field it wrote), not as if the manifest held it."""
     from kvguard.operator.api import field_path
+    from kvguard.workers.field_messages import field_line
 
     lines: list[str] = []
     by_flag: dict[str, list[str]] = {}  # "--flag value: message" -> the fields it wrote
     for error in errors:
-        location = field_path(error["loc"]) or "(manifest)"
+        location = field_path(error["loc"])
         if (flag := set_by.get(location)) is not None:
-            by_flag.setdefault(f"{flag}: {error['msg']}", []).append(location)
+            by_flag.setdefault(field_line(flag, error), []).append(location)
         else:
-            lines.append(f"{location}: {error['msg']}")
+            lines.append(field_line(location, error))
     return [f"{head} (sets {', '.join(fields)})" for head, fields in by_flag.items()] + lines
 
 

@@ -86,6 +86,18 @@ def _stream_interval(text: str) -> int:
     return value
 
 
+def _model_folder_problem(folder: Path) -> str | None:
+    """Why --model is not a model folder, or None (a mistyped path is "does not exist", not a
+    folder missing its config.json)."""
+    if not folder.exists():
+        return "does not exist"
+    if not folder.is_dir():
+        return "is not a folder"
+    if not (folder / "config.json").is_file():
+        return "has no config.json"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -93,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.workers.launcher import LocalDeployment, LocalServeConfig, SmallPoolError, StartStopped
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not (args.model / "config.json").is_file():
-        print(f"kvguard serve: --model {args.model} has no config.json", file=sys.stderr)
+    if (problem := _model_folder_problem(args.model)) is not None:
+        print(f"kvguard serve: --model {args.model} {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         deployment = LocalDeployment(

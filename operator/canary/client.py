@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import socket
 import statistics
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -43,7 +45,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from kvguard.operator.canary.report import HttpExchange, clip
+from kvguard.operator.canary.report import HttpExchange, clip, one_line
 from kvguard.operator.canary.responses import (
     ModelList,
     TokenLogprob,
@@ -677,8 +679,22 @@ def _read_json(raw: str, result: Completion) -> None:
 def _transport_error(exc: BaseException, timeout_seconds: float) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return f"timed out after {timeout_seconds:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return _connect_error(exc)
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"
+
+
+def _connect_error(exc: aiohttp.ClientConnectorError) -> str:
+    """No connection at all, in plain words on one line: `cannot connect to 127.0.0.1:9: connection
+    refused` (aiohttp's own text named its class, `ssl:default` and the call that failed)."""
+    cause = exc.os_error
+    if isinstance(cause, socket.gaierror) or not isinstance(cause.errno, int) or cause.errno <= 0:
+        reason = cause.strerror or str(cause) or type(cause).__name__  # a name that does not resolve; TLS
+    else:
+        reason = os.strerror(cause.errno)  # its strerror is asyncio's "Connect call failed ('127.0.0.1', 9)"
+    reason = reason[:1].lower() + reason[1:] if reason[1:2].islower() else reason
+    return one_line(f"cannot connect to {exc.host}:{exc.port}: {reason}")
 
 
 async def get_text(
