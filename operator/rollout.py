@@ -681,6 +681,8 @@ class _Step:
             self.event("Normal", "RolloutPaused", self.r.message or "")
         if pause:
             self.condition("Progressing", "False", "Paused", self.r.message or "paused")
+            if self.r.paused_from == RolloutState.SHIFTING:
+                self._watch_paused_step()
             wanted, _ = self._wanted()
             if wanted == self.stable and wanted != self.r.revision:  # the spec went back to the stable revision
                 self._stable_passed(wanted)
@@ -700,10 +702,44 @@ class _Step:
                 # in CanaryPassed, Degraded and Progressing for good.
                 reason, message = "RolloutFailed", f"revision {self.candidate} failed before it was paused (status.history)"
             self.r.paused_from = self.r.paused_reason = self.r.paused_message = None
+            if resume == RolloutState.SHIFTING:
+                # The step holds its pause (and bake) again and ends only on a measurement taken after
+                # the resume: the paused time and the verdict from before it judged nothing since (an
+                # outside probe: a resume promoted at once on a pass from an hour before).
+                self.r.step_since = self.r.analysis_at = rfc3339(self.world.now)
+                self.r.analysis_verdict = None
             self.move(resume, reason, message)
             self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
             self._restate_canary_passed()  # a state that wrote it before the pause does not write it again
         return False
+
+    def _watch_paused_step(self) -> None:
+        """S8 while paused: a candidate keeps its share of traffic, so it is still watched (the
+        readiness gate, readiness, the analysis at its interval), and one that fails loses the share
+        at once; the rollout then resumes into its failure. The step itself does not move (an
+        outside probe: paused, a candidate with no ready router kept 10% of the users)."""
+        problem = self._unsafe_at_weight()
+        measured = self.world.analysis
+        if problem is None and measured is not None:
+            self.r.analysis = carried_results(self.r.analysis or [], measured.results)
+            self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)
+            if measured.verdict == "fail":
+                problem = "AnalysisFailed", f"revision {self.candidate} failed its analysis at {self.r.weight}% of traffic: {measured.message}"
+        if problem is not None:
+            reason, message = problem
+            self.r.weight = 0
+            self.actions.append(SetTrafficWeight(self._stable_revision(), self.candidate, 0))
+            self.r.paused_from, self.r.paused_reason, self.r.paused_message = RolloutState.FAILED, reason, message
+            self.event("Warning", reason, f"{message}; revision {self.stable} keeps serving (paused: the rollback follows the resume)")
+            self.condition("Degraded", "True", reason, message)
+            return
+        since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
+        interval = float(self.spec.rollout.analysis.interval_seconds)
+        if since_measured >= interval:
+            self.actions.append(MeasureAnalysis(self.candidate, self._stable_revision()))
+            self.wait(0.0)
+        else:
+            self.wait(max(1.0, interval - since_measured))
 
     def _stable_passed(self, revision: str) -> None:
         self.condition("CanaryPassed", "True", "StableRevision",
@@ -804,6 +840,9 @@ class _Step:
         else:
             self.move(RolloutState.CANARY_DEPLOYING, "CanaryDeploying", f"deploying revision {self.candidate}{beside}")
             self.event("Normal", "CanaryDeploying", self.r.message or "")
+            # A new rollout of the revision: a verdict from an earlier one (the same revision and
+            # retry value) must not stand for this one's canary (an outside probe).
+            self.actions.append(CancelCanary(self.candidate))
         self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {self.candidate} is being deployed")
 
     def _on_blocked(self) -> None:
@@ -1062,15 +1101,21 @@ class _Step:
         assert self.stable is not None
         return self.stable
 
-    def _on_shifting(self) -> None:
-        stable, weight = self._stable_revision(), self.r.weight or 0
+    def _unsafe_at_weight(self) -> tuple[str, str] | None:
+        """(reason, message) when the candidate must lose its share of traffic now (S7/S8), else None."""
+        weight = self.r.weight or 0
         refused = self.world.gate_refusals.get(self.candidate)
         if refused:  # S7: a candidate pod the readiness gate keeps out, found while it takes traffic
-            self._abort("ReportedPoolTooSmall", f"revision {self.candidate} at {weight}% of traffic: " + "; ".join(refused))
-            return
+            return "ReportedPoolTooSmall", f"revision {self.candidate} at {weight}% of traffic: " + "; ".join(refused)
         view = self.view(self.candidate)
         if view is None or not view.ready:
-            self._abort("CandidateNotReady", f"revision {self.candidate} lost readiness at {weight}% of traffic")
+            return "CandidateNotReady", f"revision {self.candidate} lost readiness at {weight}% of traffic"
+        return None
+
+    def _on_shifting(self) -> None:
+        stable, weight = self._stable_revision(), self.r.weight or 0
+        if (problem := self._unsafe_at_weight()) is not None:
+            self._abort(*problem)
             return
         if self._steps_changed():  # after the checks above: a switch to service promotes only a sound candidate
             return

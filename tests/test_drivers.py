@@ -262,3 +262,21 @@ async def test_an_event_is_kept_for_another_try_only_when_another_try_can_succee
     outbox = [UnpostedEvent(_tiny_body(), EventSpec("Warning", "ContinuousCanaryFailed", "m"), None)]  # type: ignore[arg-type]
     await _post_events(Failing(), outbox)  # type: ignore[arg-type]
     assert (len(outbox) == 1) is kept
+
+
+async def test_a_cancelled_revisions_canary_result_is_dropped_with_its_run() -> None:
+    """An outside probe: the runner kept a model's last result until the model was deleted, so a
+    revision rolled out again was judged by its earlier verdict (CanaryFailed at once, or promoted on
+    an old pass after a rollback-to) without a canary. The rollout cancels the revision's canary when
+    it starts one (rollout._on_planning), and a cancel drops that revision's result too."""
+
+    async def suite(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no target here")  # a finished run with a result (cannot_run)
+
+    runner, model = CanaryRunner(suite=suite), ("models", "tiny")
+    runner.start(model, RunCanary("r2", "r1", ""), "http://r2.test:8000", spec=CanarySpec(), baseline_url=None, metrics_urls=[])
+    await until(lambda: runner.result(model) is not None, "the run finished")
+    runner.cancel(model, "r3")
+    assert runner.result(model) is not None and runner.result(model).revision == "r2"  # another revision's cancel
+    runner.cancel(model, "r2")
+    assert runner.result(model) is None

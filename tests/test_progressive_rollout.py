@@ -352,3 +352,63 @@ def test_policy_compliance_is_said_again_on_every_pass_of_a_shift() -> None:
     sim.run_until(S.SHIFTING)
     d = sim.later(30)
     assert conditions(d)["PolicyCompliant"] == ("True", "Compliant")
+
+
+def test_a_resumed_step_holds_again_and_ends_on_a_measurement_taken_after_the_resume() -> None:
+    """An outside probe: the step's clock ran through a pause, so a resume ended the step (or, in
+    the bake, promoted) at once on a passing verdict from before the pause, judging nothing since."""
+    sim = shifting_sim(steps=[{"weight": 10, "pause": 600}, {"weight": 50, "pause": 600}, {"weight": 100}])
+    sim.run_until(S.SHIFTING)
+    assert sim.later(30).rollout.analysis_verdict == "pass"
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.later(1)
+    sim.later(3600)
+    del sim.annotations[PAUSE_ANNOTATION]
+    resumed = sim.later(1)
+    assert resumed.state == S.SHIFTING and resumed.rollout.step == 0 and sim.route == {"r1": 90, "r2": 10}
+    assert resumed.rollout.analysis_verdict is None
+    d = sim.later(30)  # a fresh pass, but the step's pause holds again from the resume
+    assert d.rollout.step == 0 and d.rollout.analysis_verdict == "pass"
+    assert sim.later(600).rollout.step == 1
+
+
+def test_a_resume_in_the_bake_does_not_promote_on_a_verdict_from_before_the_pause() -> None:
+    sim = shifting_sim(steps=[{"weight": 50}, {"weight": 100}], bakeSeconds=300)
+    sim.run_until(S.SHIFTING)
+    while sim.later(30).rollout.step != 1:
+        pass
+    sim.later(30)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.later(1)
+    sim.later(3600)
+    del sim.annotations[PAUSE_ANNOTATION]
+    measured = sim.measured
+    resumed = sim.later(1)
+    assert resumed.state == S.SHIFTING and resumed.stable == "r1" and sim.measured == measured
+    assert not [e for e in events(resumed) if "RevisionPromoted" in e]
+
+
+def test_a_paused_step_is_still_watched_and_a_failing_candidate_loses_its_share_at_once() -> None:
+    """An outside probe: paused at 10%, a candidate whose routers were no longer ready, or whose
+    analysis failed, kept its share of traffic until someone resumed it (S8)."""
+    for cause in ("not ready", "analysis", "gate"):
+        sim = shifting_sim(analysis={"intervalSeconds": 30})
+        sim.run_until(S.SHIFTING)
+        sim.annotations[PAUSE_ANNOTATION] = "true"
+        sim.later(1)
+        overrides: dict[str, Any] = {}
+        if cause == "not ready":
+            sim.revisions["r2"] = dataclasses.replace(sim.revisions["r2"], ready=False)
+        elif cause == "analysis":
+            sim.verdicts = ["fail"]
+        else:
+            overrides["gate_refusals"] = {"r2": ("pod r2-decode-0: KV pool too small",)}
+        sim.now += dt.timedelta(seconds=60)
+        d = sim.tick(**overrides)
+        assert d.state == S.PAUSED and sim.route.get("r2", 0) == 0 and sim.route["r1"] == 100, (cause, sim.route)
+        assert conditions(d)["Degraded"][0] == "True" and conditions(d)["CanaryPassed"][0] == "False", cause
+        assert sim.tick(**overrides).of_type(RecordEvent) == [], "said once"
+        del sim.annotations[PAUSE_ANNOTATION]
+        for _ in range(5):
+            d = sim.later(30)
+        assert d.state in (S.FAILED, S.ROLLED_BACK) and sim.serving == "r1", cause

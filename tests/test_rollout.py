@@ -116,8 +116,10 @@ class Sim:
                 self.serving = action.revision
             elif isinstance(action, RunCanary):
                 self.canary_running = True
-            elif isinstance(action, CancelCanary):
+            elif isinstance(action, CancelCanary):  # as CanaryRunner.cancel: the run and its result
                 self.canary_running = False
+                if self.canary is not None and self.canary.revision == action.revision:
+                    self.canary = None
         if decision.promoted_from:
             self.history.insert(0, decision.promoted_from)
         if self.canary_running and decision.state == S.CANARY_VERIFYING and self.rollout and self.rollout.canary is None:
@@ -878,3 +880,29 @@ def test_a_blocked_status_paused_before_paused_reason_names_no_none() -> None:
     sim.rollout = sim.rollout.model_copy(update={"paused_reason": None, "paused_message": None})
     d = sim.tick()
     assert "None" not in str([a.message for a in d.actions if isinstance(a, SetCondition) and a.type == "CanaryPassed"])
+
+
+def test_a_revision_rolled_out_again_runs_its_canary_again() -> None:
+    """An outside probe: the operator kept a revision's last canary result, so a spec changed back to
+    a revision that failed failed again at once without a canary, and one that passed before a
+    rollback-to was promoted on its old pass."""
+    sim = stable_sim()
+    sim.verdict, sim.target = "fail", "r2"
+    sim.run_until(S.ROLLED_BACK)
+    sim.auto_ready, sim.target = False, "r3"
+    sim.tick()
+    sim.target, sim.auto_ready, sim.verdict = "r2", True, "pass"
+    ran = []
+    for _ in range(12):
+        d = sim.tick()
+        ran += d.of_type(RunCanary)
+        if d.state in (S.STABLE, S.FAILED, S.ROLLED_BACK) and d.rollout.revision == "r2":
+            break
+    assert ran and d.state == S.STABLE and d.stable == "r2", (d.state, ran)
+
+
+def test_a_new_rollout_cancels_any_earlier_canary_of_its_revision() -> None:
+    sim = stable_sim()
+    sim.target = "r2"
+    d = sim.run_until(S.CANARY_DEPLOYING)
+    assert CancelCanary("r2") in d.actions

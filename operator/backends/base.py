@@ -251,10 +251,16 @@ class CanaryRunner:
         return self._results.get(model)
 
     def cancel(self, model: tuple[str, str], revision: str | None = None) -> None:
+        """Stop the run (of `revision`, or any) and drop its result: a result outlives neither the
+        rollout that asked for it nor a new rollout of the same revision (an outside probe: a revision
+        rolled out again went by its earlier verdict, pass or fail, without a canary)."""
         current = self._tasks.get(model)
         if current is not None and (revision is None or current[0] == revision):
             current[2].cancel()
             del self._tasks[model]
+        result = self._results.get(model)
+        if result is not None and (revision is None or result.revision == revision):
+            del self._results[model]
 
     def forget(self, model: tuple[str, str]) -> None:
         self.cancel(model)
