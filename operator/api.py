@@ -1155,6 +1155,7 @@ class AnalysisSpec(ApiModel):
 
 
 _SPLITTING_ROUTERS = "(has(self.trafficRouter) && self.trafficRouter != 'service')"
+MAX_ROLLOUT_STEPS = 20
 _ROLLOUT_RULES: list[dict[str, str]] = [
     {"rule": f"!{_SPLITTING_ROUTERS} || has(self.gateway)",
      "message": "spec.rollout.gateway: required with trafficRouter gatewayAPI or inferencePool (the HTTPRoute's parentRefs)"},
@@ -1167,6 +1168,12 @@ _ROLLOUT_RULES: list[dict[str, str]] = [
              f"&& (!has(self.steps) || self.steps.all(s, !has(s.pause) || {_ZERO_DURATION_CEL.format('s.pause')})))",
      "message": "spec.rollout.bakeSeconds / steps[].pause: the analysis runs on the candidate's share of live traffic, "
                 "which trafficRouter service cannot give it; use trafficRouter gatewayAPI or inferencePool"},
+    # check_steps' last rule (an outside probe: the CRD stored [50, 10, 100]); CEL has no index
+    # range, so each neighbouring pair of the at most MAX_ROLLOUT_STEPS is written out.
+    {"rule": "!has(self.steps) || (" + " && ".join(
+        f"(size(self.steps) <= {i + 1} || self.steps[{i}].weight < self.steps[{i + 1}].weight)"
+        for i in range(MAX_ROLLOUT_STEPS - 1)) + ")",
+     "message": "spec.rollout.steps: weights must increase from step to step"},
 ]  # fmt: skip
 
 
@@ -1200,7 +1207,7 @@ class RolloutSpec(ApiModel):
     traffic_router: TrafficRouter = TrafficRouter.SERVICE
     """`service` (the model Service's selector: all traffic at once), `gatewayAPI` (a weighted
     HTTPRoute) or `inferencePool` (an InferencePool per revision, weighted by the HTTPRoute)."""
-    steps: list[RolloutStep] = Field(default_factory=lambda: [RolloutStep(weight=100)], min_length=1, max_length=20)
+    steps: list[RolloutStep] = Field(default_factory=lambda: [RolloutStep(weight=100)], min_length=1, max_length=MAX_ROLLOUT_STEPS)
     """Traffic steps once the candidate passed its canary at full scale, e.g. 5% for 2m, 25%,
     50%, 100%. Default: one step of 100% (all traffic at once). Weights increase and the last is
     100; trafficRouter service takes only one step of 100."""

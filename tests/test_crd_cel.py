@@ -71,6 +71,8 @@ VALID = {
     "hugging face with sglang": minimal(engine={"kind": "sglang", "image": "i"}, model={"name": "m", "source": {"huggingFace": "org/m"}}),
     "pvc with kvguard, engine left out": minimal(model={"name": "m", "source": {"pvc": {"claimName": "c"}}}),
     "full": full(),
+    "twenty rising steps": minimal(rollout={"trafficRouter": "gatewayAPI", "gateway": {"parentRefs": [{"name": "gw"}]},
+                                            "steps": [{"weight": w} for w in range(5, 100, 5)] + [{"weight": 100}]}),
     **{f"example {p.name}": yaml.safe_load(p.read_text()) for p in EXAMPLES},
 }
 
@@ -130,6 +132,13 @@ INVALID = {
     "heads without width": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 4,
                                                                           "hiddenSize": 3}}),
                             "spec.model.architecture", NARROW_HEADS),
+    # Outside probe: stored by the CRD, refused by the webhook (check_steps) alone.
+    "weights that fall": (minimal(rollout={"trafficRouter": "gatewayAPI", "gateway": {"parentRefs": [{"name": "gw"}]},
+                                           "steps": [{"weight": 50}, {"weight": 10}, {"weight": 100}]}),
+                          "spec.rollout", "spec.rollout.steps: weights must increase from step to step"),
+    "a weight twice": (minimal(rollout={"trafficRouter": "gatewayAPI", "gateway": {"parentRefs": [{"name": "gw"}]},
+                                        "steps": [{"weight": 10}] * 19 + [{"weight": 100}] * 1}),
+                       "spec.rollout", "spec.rollout.steps: weights must increase from step to step"),
     # Outside probe: the planner's checks were the webhook's and reconcile's alone.
     "more kv heads than heads": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 8,
                                                                                "headDim": 64}}),
@@ -257,7 +266,8 @@ def test_unknown_fields_are_pruned_as_the_api_server_prunes_them() -> None:
     assert stored["metadata"]["labels"] == {"kept": "yes"}  # ObjectMeta is not the CRD schema's to prune
 
 
-@pytest.mark.parametrize("name", ["another model's object", "both sources", "no source kind", "heads without width"])
+@pytest.mark.parametrize("name", ["another model's object", "both sources", "no source kind", "heads without width",
+                                  "weights that fall", "a weight twice"])
 def test_the_models_refuse_what_these_rules_refuse_where_no_api_server_runs_them(name: str) -> None:
     """kvguard plan/render/apply --local and the webhook read the pydantic models, not the CEL."""
     body, _, message = INVALID[name]
