@@ -32,7 +32,7 @@ BUILD = HERE / "build"
 # pan's compile flags: safety properties only, state-vector compression, room for the vector.
 PAN_CFLAGS = ["-O0", "-DSAFETY", "-DCOLLAPSE", "-DVECTORSZ=4096"]
 MAX_DEPTH = 100_000  # the model's runs are ~500 steps deep: truncation would show as an error
-HASH_BITS = 24  # 16M hash slots: the bounds store ~6M states
+HASH_BITS = 25  # 32M hash slots: the bounds store ~15M states (1.8 GB with COLLAPSE)
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,8 @@ MUTANTS: dict[str, Run] = {
             "frames accepted without their ticket nonce, on any connection (the protocol before #11)"),
         Run("router_ignores_prefill", ("-DWATCH_PREFILL=0", "-DROW=5"), "S4",
             "the router before this model: a prefill dead before OPEN leaves decode waiting for its stall timer"),
+        Run("decode_ignores_close", ("-DNO_D_GONE", "-DROW=14"), "S4",
+            "decode not ending a request whose router closed its call: a lost abort call leaves the pages held"),
         Run("unbounded_early", ("-DMUTANT_UNBOUNDED_EARLY", "-DROW=3"), "S4",
             "prefill computes ahead of every ticket: its pool waits on decode's, decode's on prefill (the first overlap)"),
         Run("no_conn_seq", ("-DMUTANT_NO_CONN_SEQ", "-DONPATH", "-DROW=8"), "S6",

@@ -107,7 +107,9 @@
  * unspent fault that is enabled in a waiting state keeps the model from quiescence, so it would
  * hide a deadlock of the waiting states (the unbounded_early mutant's, row 3) until it fires.
  * Row 13 is row 1 with no timers: any wait that nothing ends is a deadlock (S4). model_slots runs it
- * with 3 requests and few running slots (PRUN, DRUN), the early_takes_every_slot mutant too. */
+ * with 3 requests and few running slots (PRUN, DRUN), the early_takes_every_slot mutant too.
+ * Row 14 is a disconnect whose abort call to one worker is lost (b_lose): with no timers, the worker
+ * must end the request because the router closed its call (D_GONE, P_GONE), not by the abort. */
 #define BOUNDS \
   BOUNDS_ROW( 1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 2,    1,    1,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0); \
@@ -121,7 +123,8 @@
   BOUNDS_ROW(10,    0,    0,    0,    0,    0,    1,    0,    0,    0,    0,    0,    1); \
   BOUNDS_ROW(11,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); router_intake = false; \
   BOUNDS_ROW(12,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0,    0); derr_any = true; \
-  BOUNDS_ROW(13,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0)
+  BOUNDS_ROW(13,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
+  BOUNDS_ROW(14,    1,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); b_lose = 1
 
 #define TIMERS_OK (!prompt || silent_fault)
 #define TIMER (b_tmo > 0 || (timeout && TIMERS_OK))
@@ -152,6 +155,14 @@
  * timer fires: S4 holds only through the timer, and the `prompt` rows fail. */
 #ifndef WATCH_PREFILL
 #define WATCH_PREFILL 1
+#endif
+
+/* D_GONE (below): decode ends a request whose router closed the call. -DNO_D_GONE: the handler
+ * waits on (aiohttp without handler_cancellation), and row 14 leaves decode's pages held. */
+#ifdef NO_D_GONE
+#define D_GONE_WATCH 0
+#else
+#define D_GONE_WATCH 1
 #endif
 
 /* Mutants: each re-creates a real bug class (../shared/reference/pd-bug-classes.md); each must fail. */
@@ -393,6 +404,8 @@ bool prompt;                             /* this row's timers: see Bounds */
 bool router_intake = true;               /* the router rejects over-length requests (row 11: it does not) */
 bool derr_any;                           /* derr also while waiting for pages, PREALLOCATED, RECEIVING (row 12) */
 byte b_disc, b_perr, b_derr, b_reset, b_drop, b_corrupt, b_drestart, b_prestart, b_replay, b_expire, b_tmo;
+byte b_lose;                             /* row 14: the router's abort call to a worker fails (Router._send_aborts
+                                            logs a timeout or a connection error and goes on) */
 
 inline spend_timer() {
   if
@@ -711,6 +724,11 @@ inline d_release(r) {
  * Under MUTANT_NO_ABORT_PROPAGATION (the no_abort_propagation fault) that release leaves the request
  * and its pages behind. */
 #define ROUTER_THERE (!rgone[r])
+/* D_GONE: a router that ended the request closes its decode call (Router._end_legs, after its
+ * aborts, sent or failed), which cancels this handler while it waits (aiohttp's
+ * handler_cancellation): its finally releases the request (DecodeServer._release) -- the way out
+ * when the abort call was lost (row 14) or overtook the call. Under the no_abort_propagation fault
+ * that release, a client disconnect's, leaves the pages behind (d_gone). */
 inline d_gone(r) {
   if
   :: PROPAGATE -> d_release(r)
@@ -758,6 +776,7 @@ end_idle:
      break
   :: atomic { d_epoch == boot && abort_d[r] == MSG_SENT && PROPAGATE ->
        abort_d[r] = MSG_TAKEN; d_state(r, ABORTED); goto end }
+  :: atomic { d_epoch == boot && rgone[r] && D_GONE_WATCH && PROPAGATE -> d_state(r, ABORTED); goto end }   /* D_GONE */
   :: atomic { d_epoch == boot && derr_any && b_derr > 0 -> b_derr--;   /* AsyncEngine._step fails: engine.abort */
        d_state(r, ABORTED);                              /* preallocate returns no lease: 503 aborted */
        if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0 :: else -> skip fi; goto end }
@@ -795,6 +814,7 @@ end_idle:
        :: else -> d_release(r); goto end
        fi };
      atomic { djob[r] = false; x_end(r, T_FAILED, true, CANCELLED); goto end }   /* (mutant) the cancel, later */
+  :: atomic { d_epoch == boot && rgone[r] && D_GONE_WATCH -> d_state(r, ABORTED); d_gone(r); goto end }   /* D_GONE */
   :: atomic { d_epoch == boot && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN) && TIMER ->
        spend_timer(); x_end(r, T_FAILED, true, TIMEOUT) }          /* the open timer (EXPECTED), the stall timer (OPEN) */
   :: atomic { d_epoch == boot && derr_any && b_derr > 0 && ds[r] != ABORTED -> b_derr--;
@@ -818,6 +838,7 @@ end_idle:
        if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0 :: else -> skip fi; goto end }
   :: atomic { d_epoch == boot && abort_d[r] == MSG_SENT && PROPAGATE ->
        abort_d[r] = MSG_TAKEN; djob[r] = false; d_free(r); d_state(r, ABORTED); goto end }
+  :: atomic { d_epoch == boot && rgone[r] && D_GONE_WATCH -> d_state(r, ABORTED); d_gone(r); goto end }   /* D_GONE */
   :: d_epoch != boot -> goto end
   od;
 end:
@@ -1121,7 +1142,15 @@ inline abort_both() {
   :: else -> skip
   fi;
   if
-  :: PROPAGATE -> abort_p[r] = MSG_SENT; abort_d[r] = MSG_SENT
+  :: PROPAGATE ->
+     if
+     :: abort_p[r] = MSG_SENT
+     :: b_lose > 0 -> b_lose--; printf("MSC: r%d the abort to prefill is lost\n", r)
+     fi;
+     if
+     :: abort_d[r] = MSG_SENT
+     :: b_lose > 0 -> b_lose--; printf("MSC: r%d the abort to decode is lost\n", r)
+     fi
   :: else -> skip
   fi
 }
