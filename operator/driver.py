@@ -38,7 +38,7 @@ from kvguard.operator.canary.spec import CanarySpec
 from kvguard.operator.kube import KubeError, TransportError
 from kvguard.operator.pool_gate import PodPool
 from kvguard.operator.reconcile import EventSpec, Observed, Outcome, reconcile, status_differs
-from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis, RunCanary
+from kvguard.operator.rollout import AnalysisOutcome, AnalysisResult, MeasureAnalysis, RunCanary, canary_run_key
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,8 @@ async def observe(
         revisions=seen.revisions, serving=seen.serving, policies=tuple(policies),
         architecture_config=architecture_config[0], architecture_config_error=architecture_config[1],
         worker_reports=reports, canary=runner.result(ref.key),
-        canary_running=runner.running(ref.key, str(rollout.get("revision")), str(rollout.get("attempt") or "")),
+        canary_running=runner.running(ref.key, str(rollout.get("revision")),
+                                      canary_run_key(str(rollout.get("attempt") or ""), rollout.get("canaryRun"))),
         fault_injection_allowed=fault_injection_allowed, foreign_objects=tuple(f.description for f in foreign),
         refused_object=refused[1] if refused is not None else None,
         pools=tuple(pools), continuous=continuous.result(ref.key) if continuous is not None else None,

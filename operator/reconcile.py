@@ -532,12 +532,16 @@ def _record_transition(run: _Run, decision: Decision, previous: RolloutStatus | 
     elif rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and previous_state not in (
         RolloutState.FAILED, RolloutState.ROLLED_BACK
     ):
-        run.record(rollout.revision or "", "Failed", rollout.message)
+        run.record(rollout.revision or "", "Failed", rollout.message)  # (not again after a failure paused: record)
+    elif rollout.state == RolloutState.PAUSED and rollout.paused_from in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
+        # Failed while paused (a watched step, rollout._watch_paused_step): history says so now, not
+        # at a resume that a spec change may replace (a review: it read Superseded "before it served").
+        run.record(rollout.revision or "", "Failed", rollout.paused_message)
 
 
 def _served_traffic(rollout: RolloutStatus | None) -> bool:
     """A candidate shifting traffic (or given a weight) served a share of it before it was replaced."""
-    return rollout is not None and (rollout.state == RolloutState.SHIFTING or bool(rollout.weight))
+    return rollout is not None and (rollout.state == RolloutState.SHIFTING or bool(rollout.weight) or rollout.step is not None)
 
 
 def _supersede_replaced_candidate(run: _Run, revision: str, served: bool) -> bool:

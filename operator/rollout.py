@@ -240,6 +240,9 @@ class RolloutStatus(_StatusModel):
     """The baseline's fingerprint, carried from its own rollout record (None: unknown)."""
     attempt: str = ""
     """Value of kvguard.io/retry this attempt runs under."""
+    canary_run: str | None = None
+    """RFC 3339 time this rollout deployed its candidate for a canary: with `attempt`, the key its
+    canary run and verdict go by (`canary_run_key`)."""
     rollback: bool = False
     """True when the candidate is a previous revision named by kvguard.io/rollback-to."""
     since: str | None = None
@@ -535,6 +538,14 @@ def step(
     return run.go()
 
 
+def canary_run_key(attempt: str, canary_run: str | None) -> str:
+    """What a rollout's canary run is known by (RunCanary.attempt, CanaryResult.attempt): the retry
+    value and the rollout's own `canary_run`, so a verdict from an earlier rollout of the same
+    revision under the same retry value is not this one's (an outside probe: a revision rolled out
+    again went by its old verdict, pass or fail). A status from before `canary_run`: the retry value."""
+    return f"{attempt}@{canary_run}" if canary_run else attempt
+
+
 @dataclass
 class _Step:
     spec: InferenceModelSpec
@@ -545,6 +556,8 @@ class _Step:
     requeue: float | None = None
     promoted_from: str | None = None
     deadline_in: float | None = None
+    resumed: bool = False
+    """This pass resumed a paused traffic step (its measurement was asked for while paused)."""
 
     # --- plumbing ---------------------------------------------------------------------------------
     def go(self) -> Decision:
@@ -708,6 +721,7 @@ class _Step:
                 # outside probe: a resume promoted at once on a pass from an hour before).
                 self.r.step_since = self.r.analysis_at = rfc3339(self.world.now)
                 self.r.analysis_verdict = None
+                self.resumed = True
             self.move(resume, reason, message)
             self.event("Normal", "RolloutResumed", f"revision {self.candidate}: resumed in {resume.value}")
             self._restate_canary_passed()  # a state that wrote it before the pause does not write it again
@@ -840,8 +854,9 @@ class _Step:
         else:
             self.move(RolloutState.CANARY_DEPLOYING, "CanaryDeploying", f"deploying revision {self.candidate}{beside}")
             self.event("Normal", "CanaryDeploying", self.r.message or "")
-            # A new rollout of the revision: a verdict from an earlier one (the same revision and
-            # retry value) must not stand for this one's canary (an outside probe).
+            # A new rollout of the revision: its canary run has a key of its own, and an earlier
+            # rollout's run of it stops (an outside probe: its verdict stood for this one's).
+            self.r.canary_run = rfc3339(self.world.now)
             self.actions.append(CancelCanary(self.candidate))
         self.condition("CanaryPassed", "Unknown", "CanaryPending", f"revision {self.candidate} is being deployed")
 
@@ -985,7 +1000,7 @@ class _Step:
 
     def _verify_canary(self) -> None:
         result = self.world.canary
-        if result is not None and result.revision == self.candidate and result.attempt == self.r.attempt:
+        if result is not None and result.revision == self.candidate and result.attempt == self._canary_key():
             self.r.canary = CanarySummary(
                 revision=result.revision, attempt=result.attempt, verdict=result.verdict, reason=result.reason,
                 failed_probes=list(result.failed_probes), duration_seconds=result.duration_seconds,
@@ -1005,6 +1020,9 @@ class _Step:
         self.condition("CanaryPassed", "True", "CanaryPassed", message)
         self.event("Normal", "CanaryPassed", message)
         self._start_promoting("CanaryPassed", f"promoting revision {self.candidate}")
+
+    def _canary_key(self) -> str:
+        return canary_run_key(self.r.attempt, self.r.canary_run)
 
     def _start_promoting(self, reason: str, message: str) -> None:
         self.r.scrape_attempts = 0
@@ -1027,7 +1045,7 @@ class _Step:
                 self.event("Normal", "BaselineComparedByLogprobs",
                            f"revision {self.candidate} runs the same model as {baseline} with other numerics ({fields}): "
                            f"the golden probe compares per-token logprobs with {baseline}'s, not exact text")  # fmt: skip
-        self.actions.append(RunCanary(self.candidate, baseline, self.r.attempt, baseline_match=match))
+        self.actions.append(RunCanary(self.candidate, baseline, self._canary_key(), baseline_match=match))
 
     def _baseline(self) -> str | None:
         stable = self.stable
@@ -1145,9 +1163,10 @@ class _Step:
         return True
 
     def _record_measurement(self) -> bool:
-        """Take in a fresh measurement; True when it failed the rollout."""
+        """Take in a fresh measurement; True when it failed the rollout. On the pass that resumes,
+        one was asked for while paused: a failure counts, a pass does not end the step (a review)."""
         measured = self.world.analysis
-        if measured is None:
+        if measured is None or (self.resumed and measured.verdict != "fail"):
             return False
         self.r.analysis = carried_results(self.r.analysis or [], measured.results)
         self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)

@@ -412,3 +412,32 @@ def test_a_paused_step_is_still_watched_and_a_failing_candidate_loses_its_share_
         for _ in range(5):
             d = sim.later(30)
         assert d.state in (S.FAILED, S.ROLLED_BACK) and sim.serving == "r1", cause
+
+
+def test_a_measurement_asked_for_while_paused_does_not_end_the_resumed_step() -> None:
+    """A review: a paused pass asks for a measurement at once; resumed before the next pass, that
+    measurement (of the paused time) ended the step with none taken after the resume."""
+    sim = shifting_sim(steps=[{"weight": 10, "pause": 60}, {"weight": 50, "pause": 60}, {"weight": 100}],
+                       analysis={"intervalSeconds": 300})
+    sim.run_until(S.SHIFTING)
+    sim.annotations[PAUSE_ANNOTATION] = "true"
+    sim.later(1)
+    sim.now += dt.timedelta(seconds=3600)
+    asked = step(sim.spec, sim.rollout, sim.stable, sim.world())
+    assert asked.of_type(MeasureAnalysis)
+    sim.rollout = asked.rollout
+    del sim.annotations[PAUSE_ANNOTATION]  # resumed before the pass that reads the measurement
+    sim.now += dt.timedelta(seconds=1)
+    resumed = step(sim.spec, sim.rollout, sim.stable, sim.world(analysis=outcome("pass")))
+    sim.apply(resumed)
+    assert resumed.rollout.analysis_verdict is None
+    before = sim.measured
+    d = sim.later(resumed.requeue_after or 60)
+    assert d.rollout.step == 0 or sim.measured > before, "the step ended on the paused window's measurement"
+    failing = shifting_sim(analysis={"intervalSeconds": 300})  # a failure in that measurement still counts
+    failing.run_until(S.SHIFTING)
+    failing.annotations[PAUSE_ANNOTATION] = "true"
+    failing.later(1)
+    del failing.annotations[PAUSE_ANNOTATION]
+    failing.now += dt.timedelta(seconds=1)
+    assert step(failing.spec, failing.rollout, failing.stable, failing.world(analysis=outcome("fail"))).state == S.FAILED

@@ -14,7 +14,7 @@ from kvguard.operator.api import InferenceModelSpec, InferencePolicy
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, DeploymentState, Observed, deployment_state, reconcile, revision_views
 from kvguard.operator.render import SCALE_ANNOTATION
 from kvguard.operator.revision import revision_of
-from kvguard.operator.rollout import CanaryResult, DeployRevision, RouteTraffic, WorkerReport
+from kvguard.operator.rollout import CanaryResult, DeployRevision, RouteTraffic, RunCanary, WorkerReport
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -46,7 +46,8 @@ def promote(b: dict[str, Any]) -> dict[str, Any]:
     verifying = reconcile(b, ready(rev, worker_reports=POOLS), now=NOW)
     assert verifying.status["canary"] == "Running" and verifying.status["revision"] is None
     b["status"] = verifying.status
-    second = reconcile(b, ready(rev, canary=CanaryResult(rev, "", "pass", "7 probe(s) passed")), now=NOW + dt.timedelta(seconds=5))
+    (run,) = [a for a in verifying.actions if isinstance(a, RunCanary)]  # the runner's result carries its key
+    second = reconcile(b, ready(rev, canary=CanaryResult(rev, run.attempt, "pass", "7 probe(s) passed")), now=NOW + dt.timedelta(seconds=5))
     assert second.status["revision"] == rev and second.status["phase"] == "Ready" and second.status["canary"] == "Passed"
     assert RouteTraffic(rev) in second.actions
     b["status"] = second.status
@@ -268,3 +269,34 @@ def test_the_canary_column_speaks_of_a_target_paused_before_its_rollout() -> Non
     assert paused.status["canary"] == "NotRun"
     canary = next(c for c in paused.status["conditions"] if c["type"] == "CanaryPassed")
     assert (canary["status"], canary["reason"]) == ("Unknown", "CanaryNotRun")
+
+
+def test_a_step_failed_while_paused_is_history_at_once_and_stays_so_through_a_spec_change() -> None:
+    """A review: a candidate that failed while its traffic step was paused was written to history
+    only at the resume, and a spec set back to the stable revision first recorded it Superseded
+    "before it served" (it had served 10%, and failed)."""
+    from kvguard.operator.rollout import CanarySummary, RolloutState, RolloutStatus
+
+    _, stable, deploying, candidate = _deploying_a_candidate()
+    paused = body()
+    paused["spec"]["contextLength"] = 512
+    paused["spec"]["rollout"] = {"trafficRouter": "gatewayAPI", "gateway": {"parentRefs": [{"name": "gw"}]},
+                                 "steps": [{"weight": 10, "pause": 600}, {"weight": 100}]}
+    paused["metadata"].setdefault("annotations", {})["kvguard.io/pause"] = "true"
+    at = "2026-01-01T00:05:00Z"
+    rollout = RolloutStatus(state=RolloutState.PAUSED, paused_from=RolloutState.SHIFTING, paused_reason="TrafficStep",
+                            paused_message="m", revision=candidate, baseline=stable, step=0, weight=10, step_since=at,
+                            analysis_at=at, canary=CanarySummary(revision=candidate, attempt="", verdict="pass", reason="ok"))
+    paused["status"] = {**deploying.status, "rollout": rollout.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    deployments = [DeploymentState(f"tiny-cpu-{stable}-{r}", stable, r, 1, 1) for r in ("prefill", "decode", "router")]
+    deployments += [DeploymentState(f"tiny-cpu-{candidate}-{r}", candidate, r, 1, 0) for r in ("prefill", "decode", "router")]
+    seen = Observed(revisions=revision_views(deployments), serving=stable)
+    failed = reconcile(paused, seen, now=NOW + dt.timedelta(seconds=400))
+    assert "CandidateNotReady" in [e.reason for e in failed.events]
+    assert (failed.status["history"][0]["revision"], failed.status["history"][0]["state"]) == (candidate, "Failed")
+    back = body()  # the first spec again (the stable revision), the pause removed
+    back["status"] = failed.status
+    resumed = reconcile(back, seen, now=NOW + dt.timedelta(seconds=500))
+    entries = [(h["revision"], h["state"], h.get("message") or "") for h in resumed.status["history"]]
+    assert (candidate, "Failed") in [(r, s) for r, s, _ in entries]
+    assert not any(r == candidate and "before it served" in m for r, s, m in entries), entries

@@ -40,6 +40,7 @@ from kvguard.operator.rollout import (
     SetCondition,
     WorkerReport,
     World,
+    canary_run_key,
     previous_stables,
     step,
 )
@@ -124,7 +125,8 @@ class Sim:
             self.history.insert(0, decision.promoted_from)
         if self.canary_running and decision.state == S.CANARY_VERIFYING and self.rollout and self.rollout.canary is None:
             # the suite finishes between reconciles
-            self.canary = CanaryResult(decision.rollout.revision or "", decision.rollout.attempt, self.verdict,  # type: ignore[arg-type]
+            key = canary_run_key(decision.rollout.attempt, decision.rollout.canary_run)  # as the run was asked for
+            self.canary = CanaryResult(decision.rollout.revision or "", key, self.verdict,  # type: ignore[arg-type]
                                        "7 probe(s) passed" if self.verdict == "pass" else "failed: isolation",
                                        () if self.verdict == "pass" else ("isolation",))  # fmt: skip
             self.canary_running = False
@@ -136,6 +138,11 @@ class Sim:
             if decision.state == state:
                 return decision
         raise AssertionError(f"never reached {state}; at {self.rollout.state if self.rollout else None}")
+
+
+def run_key(decision: Decision) -> str:
+    """The key the decision's canary run goes by (the retry value and the rollout's canary_run)."""
+    return canary_run_key(decision.rollout.attempt, decision.rollout.canary_run)
 
 
 def assert_stable_untouched(decision: Decision, stable: str | None) -> None:
@@ -182,7 +189,7 @@ def test_first_rollout_walks_every_state_and_promotes_only_after_all_gates() -> 
     assert d.state == S.CANARY_DEPLOYING  # not ready yet: wait
     sim.revisions["r1"] = READY
     d = sim.tick()
-    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r1", None, "")]
+    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r1", None, run_key(d))]
     assert [w.pool_tokens for w in d.rollout.workers] == [4096, 4096] and "PoolsVerified" in events(d)
     assert conditions(d)["CanaryPassed"] == ("Unknown", "CanaryRunning") and d.of_type(RouteTraffic) == []
     d = sim.tick()
@@ -199,7 +206,7 @@ def test_second_rollout_uses_stable_as_baseline_and_scales_it_down_after_promoti
     sim.target = "r2"
     assert sim.tick().state == S.CANARY_DEPLOYING
     d = sim.tick()
-    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r2", "r1", "")]
+    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r2", "r1", run_key(d))]
     assert sim.serving == "r1"
     d = sim.tick()
     assert d.state == S.STABLE and d.promoted_from == "r1"
@@ -335,7 +342,7 @@ def test_canary_result_of_another_attempt_or_revision_is_ignored() -> None:
     sim.run_until(S.CANARY_VERIFYING)
     stale = CanaryResult("r1", "old-attempt", "pass", "ok")
     d = sim.decide(canary=stale, canary_running=False)
-    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r1", None, "")]
+    assert d.state == S.CANARY_VERIFYING and d.of_type(RunCanary) == [RunCanary("r1", None, run_key(d))]
 
 
 def test_progress_deadline_fails_a_canary_that_never_gets_ready() -> None:
@@ -822,7 +829,7 @@ def test_outputs_are_compared_with_the_baseline_as_their_numerics_allow(first: s
     sim.target, sim.numerics = "r2", second
     sim.run_until(S.CANARY_VERIFYING)
     (run,) = [a for d in sim.decisions for a in d.of_type(RunCanary) if a.revision == "r2"]
-    assert run == RunCanary("r2", "r1", "", baseline_match=match)
+    assert run == RunCanary("r2", "r1", run_key(sim.decisions[-1]), baseline_match=match)
     recorded = [e for d in sim.decisions for e in d.of_type(RecordEvent) if e.reason.startswith("Baseline")]
     assert [e.reason for e in recorded] == ([event] if event else [])
     if match == "tolerant":
@@ -906,3 +913,21 @@ def test_a_new_rollout_cancels_any_earlier_canary_of_its_revision() -> None:
     sim.target = "r2"
     d = sim.run_until(S.CANARY_DEPLOYING)
     assert CancelCanary("r2") in d.actions
+
+
+def test_an_earlier_rollouts_verdict_is_not_used_even_if_the_cancel_never_ran() -> None:
+    """A review: the cancel at planning is said once; if that pass's actions failed, a result of an
+    earlier rollout of the same revision (same retry value) promoted it without a canary. The run
+    goes by a key of this rollout's own (canary_run)."""
+    sim = stable_sim()
+    sim.canary = CanaryResult("r2", "", "pass", "from an earlier rollout of r2", ())
+    sim.target = "r2"
+    d = sim.decide()
+    sim.rollout, sim.stable = d.rollout, d.stable  # the pass's actions never ran
+    ran = []
+    for _ in range(10):
+        d = sim.tick()
+        ran += d.of_type(RunCanary)
+        if d.state == S.STABLE:
+            break
+    assert ran and ran[0].attempt == run_key(d) != "", "promoted on a stale verdict"

@@ -40,7 +40,7 @@ from kvguard.operator.planner import plan
 from kvguard.operator.pool_gate import MAX_UNREADABLE_ATTEMPTS, kept_out
 from kvguard.operator.reconcile import FAULTS_ANNOTATION, SPEC_DEGRADED_REASONS, EventSpec, Observed, roles_out_of_rotation
 from kvguard.operator.revision import revision_of
-from kvguard.operator.rollout import RecordEvent, RolloutState
+from kvguard.operator.rollout import RecordEvent, RolloutState, canary_run_key
 
 POLL_SECONDS = 0.3
 ENGINE_ROLES = ("prefill", "decode")
@@ -318,7 +318,8 @@ async def roll_out(
         if state != previous_state:
             say(f"rollout: {previous_state.value if previous_state else '-'} -> {state.value}")
             previous_state = state
-        busy = rollout is not None and runner.running((namespace, name), rollout.revision or "", rollout.attempt)
+        busy = rollout is not None and runner.running((namespace, name), rollout.revision or "",
+                                                     canary_run_key(rollout.attempt, rollout.canary_run))
         settling = (unsettled(observed, status, spec) or unjudged(observed, status)) if state == RolloutState.STABLE else None
         if state in RESTING and not busy and result.outcome.scrape is None and settling is None:
             reporter.waiting(None)
