@@ -263,6 +263,35 @@ def test_an_unreachable_canary_target_is_one_plain_line(capsys: pytest.CaptureFi
     assert err == f"kvguard canary: cannot run: target http://127.0.0.1:{port}: GET /v1/models: cannot connect to 127.0.0.1:{port}: connection refused\n"
 
 
+def test_a_tls_failure_is_said_as_tls_not_as_an_os_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A review: OpenSSL's errno (1) was read as the OS's: "operation not permitted" for an https
+    URL at a server that speaks plain HTTP (or whose certificate does not verify)."""
+    import socket
+    import threading
+
+    from kvguard.cli import main
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def answer_in_plain_text() -> None:  # what an HTTP server says to a TLS hello
+            for _ in range(4):  # the canary's client retries a connection
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(4096)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+        threading.Thread(target=answer_in_plain_text, daemon=True).start()
+        assert main(["canary", "--url", f"https://127.0.0.1:{port}/v1", "-o", "json", "--timeout", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot connect to 127.0.0.1:{port}: TLS: " in err and "operation not permitted" not in err, err
+
+
 def test_apply_delete_without_local_says_what_deletes_on_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Outside probe: `apply --delete` without --local said to `kubectl apply -f` the manifest."""
     from kvguard.cli import main

@@ -36,6 +36,7 @@ import contextlib
 import itertools
 import os
 import socket
+import ssl
 import statistics
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -689,12 +690,15 @@ def _connect_error(exc: aiohttp.ClientConnectorError) -> str:
     """No connection at all, in plain words on one line: `cannot connect to 127.0.0.1:9: connection
     refused` (aiohttp's own text named its class, `ssl:default` and the call that failed)."""
     cause = exc.os_error
-    if isinstance(cause, socket.gaierror) or not isinstance(cause.errno, int) or cause.errno <= 0:
-        reason = cause.strerror or str(cause) or type(cause).__name__  # a name that does not resolve; TLS
+    if isinstance(cause, ssl.SSLError):  # its errno is OpenSSL's (1), not an OS error's (a review)
+        reason = f"TLS: {getattr(cause, 'verify_message', None) or cause.reason or str(cause)}"
+    elif isinstance(cause, socket.gaierror) or not isinstance(cause.errno, int) or cause.errno <= 0:
+        reason = cause.strerror or str(cause) or type(cause).__name__  # a name that does not resolve
     else:
         reason = os.strerror(cause.errno)  # its strerror is asyncio's "Connect call failed ('127.0.0.1', 9)"
     reason = reason[:1].lower() + reason[1:] if reason[1:2].islower() else reason
-    return one_line(f"cannot connect to {exc.host}:{exc.port}: {reason}")
+    host = f"[{exc.host}]" if ":" in (exc.host or "") else exc.host  # an IPv6 address
+    return one_line(f"cannot connect to {host}:{exc.port}: {reason}")
 
 
 async def get_text(
