@@ -693,9 +693,9 @@ class _Step:
                       "(the traffic in force stays applied)")
             self.event("Normal", "RolloutPaused", self.r.message or "")
         if pause:
-            self.condition("Progressing", "False", "Paused", self.r.message or "paused")
             if self.r.paused_from == RolloutState.SHIFTING:
                 self._watch_paused_step()
+            self.condition("Progressing", "False", "Paused", self.r.message or "paused")
             wanted, _ = self._wanted()
             if wanted == self.stable and wanted != self.r.revision:  # the spec went back to the stable revision
                 self._stable_passed(wanted)
@@ -744,6 +744,8 @@ class _Step:
             self.r.weight = 0
             self.actions.append(SetTrafficWeight(self._stable_revision(), self.candidate, 0))
             self.r.paused_from, self.r.paused_reason, self.r.paused_message = RolloutState.FAILED, reason, message
+            self.r.message = (f"paused by {PAUSE_ANNOTATION}: {message}; all traffic is back on revision {self.stable}, "
+                              "and the rollback follows the resume")  # no longer "nothing changes" (a review)
             self.event("Warning", reason, f"{message}; revision {self.stable} keeps serving (paused: the rollback follows the resume)")
             self.condition("Degraded", "True", reason, message)
             return

@@ -407,7 +407,11 @@ def test_a_paused_step_is_still_watched_and_a_failing_candidate_loses_its_share_
         d = sim.tick(**overrides)
         assert d.state == S.PAUSED and sim.route.get("r2", 0) == 0 and sim.route["r1"] == 100, (cause, sim.route)
         assert conditions(d)["Degraded"][0] == "True" and conditions(d)["CanaryPassed"][0] == "False", cause
-        assert sim.tick(**overrides).of_type(RecordEvent) == [], "said once"
+        progressing = [a.message for a in d.actions if isinstance(a, SetCondition) and a.type == "Progressing"]
+        assert progressing and "rollback follows the resume" in progressing[-1], "said in the pass that failed it"
+        again = sim.tick(**overrides)
+        assert again.of_type(RecordEvent) == [], "said once"
+        assert "nothing changes" not in (again.rollout.message or "") and "rollback follows the resume" in (again.rollout.message or "")
         del sim.annotations[PAUSE_ANNOTATION]
         for _ in range(5):
             d = sim.later(30)
