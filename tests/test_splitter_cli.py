@@ -38,6 +38,7 @@ def test_a_port_out_of_range_is_bad_input_naming_its_flag(tmp_path: Path, capsys
     ("bad.json", "is not a split table (Invalid JSON: "),
     ("zero.json", "is not a split table (every weight is 0: nothing would receive traffic)"),
     ("empty.json", "is empty"),
+    ("extra.json", "is not a split table (backends.0.color: Extra inputs are not permitted)"),  # named (a review)
 ])  # fmt: skip
 def test_a_table_it_cannot_follow_yet_is_a_warning_at_start_not_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                           caplog: pytest.LogCaptureFixture, table: str, said: str) -> None:  # fmt: skip
@@ -50,6 +51,7 @@ def test_a_table_it_cannot_follow_yet_is_a_warning_at_start_not_a_refusal(tmp_pa
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "zero.json").write_text('{"backends": [{"revision": "a", "url": "http://127.0.0.1:1", "weight": 0}]}')
     (tmp_path / "empty.json").write_text("")
+    (tmp_path / "extra.json").write_text('{"backends": [{"revision": "a", "url": "http://127.0.0.1:1", "weight": 1, "color": "red"}]}')
     for made in tmp_path.iterdir():
         made.chmod(0o600)
     served: list[object] = []

@@ -147,7 +147,9 @@ def parse_table(path: Path, raw: bytes) -> SplitTable:
     try:
         return SplitTable.model_validate_json(raw)
     except ValidationError as exc:
-        raise ValueError(f"{path}: {field_message(exc.errors()[0])}") from None
+        error = exc.errors()[0]  # named by its field: "Extra inputs are not permitted" said of which?
+        where = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"{path}: {f'{where}: ' if where else ''}{field_message(error)}") from None
 
 
 def table_problem(path: Path) -> str | None:
