@@ -68,8 +68,6 @@ _SPEC_RULES: list[dict[str, str]] = [
 ]  # fmt: skip
 
 
-
-
 def _role_value(obj: str, role: str, field: str, default: str) -> str:
     path = f"{obj}.roles.{role}"
     return f"((has({obj}.roles) && has({path}) && has({path}.{field})) ? {path}.{field} : {default})"

@@ -532,7 +532,7 @@ def _record_transition(run: _Run, decision: Decision, previous: RolloutStatus | 
     elif rollout.state in (RolloutState.FAILED, RolloutState.ROLLED_BACK) and previous_state not in (
         RolloutState.FAILED, RolloutState.ROLLED_BACK
     ):
-        run.record(rollout.revision or "", "Failed", rollout.message)  # (not again after a failure paused: record)
+        run.record(rollout.revision or "", "Failed", rollout.message)  # a no-op if recorded while paused (below)
     elif rollout.state == RolloutState.PAUSED and rollout.paused_from in (RolloutState.FAILED, RolloutState.ROLLED_BACK):
         # Failed while paused (a watched step, rollout._watch_paused_step): history says so now, not
         # at a resume that a spec change may replace (a review: it read Superseded "before it served").
