@@ -733,12 +733,8 @@ class _Step:
         at once; the rollout then resumes into its failure. The step itself does not move (an
         outside probe: paused, a candidate with no ready router kept 10% of the users)."""
         problem = self._unsafe_at_weight()
-        measured = self.world.analysis
-        if problem is None and measured is not None:
-            self.r.analysis = carried_results(self.r.analysis or [], measured.results)
-            self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)
-            if measured.verdict == "fail":
-                problem = "AnalysisFailed", f"revision {self.candidate} failed its analysis at {self.r.weight}% of traffic: {measured.message}"
+        if problem is None and self.world.analysis is not None:
+            problem = self._take_measurement(self.world.analysis)
         if problem is not None:
             reason, message = problem
             self.r.weight = 0
@@ -749,13 +745,8 @@ class _Step:
             self.event("Warning", reason, f"{message}; revision {self.stable} keeps serving (paused: the rollback follows the resume)")
             self.condition("Degraded", "True", reason, message)
             return
-        since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
-        interval = float(self.spec.rollout.analysis.interval_seconds)
-        if since_measured >= interval:
-            self.actions.append(MeasureAnalysis(self.candidate, self._stable_revision()))
-            self.wait(0.0)
-        else:
-            self.wait(max(1.0, interval - since_measured))
+        if due_in := self._measure_when_due():
+            self.wait(max(1.0, due_in))
 
     def _stable_passed(self, revision: str) -> None:
         self.condition("CanaryPassed", "True", "StableRevision",
@@ -1170,12 +1161,29 @@ class _Step:
         measured = self.world.analysis
         if measured is None or (self.resumed and measured.verdict != "fail"):
             return False
-        self.r.analysis = carried_results(self.r.analysis or [], measured.results)
-        self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)
-        if measured.verdict == "fail":
-            self._abort("AnalysisFailed", f"revision {self.candidate} failed its analysis at {self.r.weight}% of traffic: {measured.message}")
+        if (failed := self._take_measurement(measured)) is not None:
+            self._abort(*failed)
             return True
         return False
+
+    def _take_measurement(self, measured: AnalysisOutcome) -> tuple[str, str] | None:
+        """Record a measurement in status; (reason, message) when it failed the candidate."""
+        self.r.analysis = carried_results(self.r.analysis or [], measured.results)
+        self.r.analysis_verdict, self.r.analysis_at = measured.verdict, rfc3339(self.world.now)
+        if measured.verdict != "fail":
+            return None
+        return "AnalysisFailed", f"revision {self.candidate} failed its analysis at {self.r.weight}% of traffic: {measured.message}"
+
+    def _measure_when_due(self) -> float:
+        """Ask for a measurement once the analysis interval has passed since the last one (0.0: asked,
+        and it is the next observation); else the seconds until it is due."""
+        since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
+        due_in = float(self.spec.rollout.analysis.interval_seconds) - since_measured
+        if due_in > 0:
+            return due_in
+        self.actions.append(MeasureAnalysis(self.candidate, self._stable_revision()))
+        self.wait(0.0)
+        return 0.0
 
     def _hold(self) -> tuple[float, float]:
         """(seconds the current step must hold, seconds it has held): its pause, plus bakeSeconds at the last."""
@@ -1197,9 +1205,6 @@ class _Step:
         return True
 
     def _wait_for_analysis(self) -> None:
-        hold, held = self._hold()
-        since_measured = (self.world.now - _parse_time(self.r.analysis_at, self.world.now)).total_seconds()
-        interval = float(self.spec.rollout.analysis.interval_seconds)
         if self.r.analysis_verdict == "inconclusive":
             # Why the last measurement could not judge: its own entry when it judged nothing (the
             # checks' kept entries are older: `carried_results`), else its open checks, each once.
@@ -1208,11 +1213,9 @@ class _Step:
             self.condition("Progressing", "True", "AnalysisInconclusive", f"revision {self.candidate} holds at {self.r.weight}%: {open_}")
         else:
             self.condition("Progressing", "True", "TrafficStep", self.r.message or "")
-        if since_measured >= interval:
-            self.actions.append(MeasureAnalysis(self.candidate, self._stable_revision()))
-            self.wait(0.0)  # the measurement is the next observation
-            return
-        self.wait(max(1.0, min(interval - since_measured, hold - held if held < hold else interval)))
+        if due_in := self._measure_when_due():
+            hold, held = self._hold()
+            self.wait(max(1.0, min(due_in, hold - held if held < hold else float(self.spec.rollout.analysis.interval_seconds))))
 
     def _abort(self, reason: str, message: str) -> None:
         """S8: all traffic back to the stable revision at once, then the usual failure path."""
