@@ -540,8 +540,9 @@ def _record_transition(run: _Run, decision: Decision, previous: RolloutStatus | 
 
 
 def _served_traffic(rollout: RolloutStatus | None) -> bool:
-    """A candidate shifting traffic (or given a weight) served a share of it before it was replaced."""
-    return rollout is not None and (rollout.state == RolloutState.SHIFTING or bool(rollout.weight) or rollout.step is not None)
+    """A candidate that entered a traffic step (or was given a weight) served a share of it before
+    it was replaced: Shifting is entered only with a step set, and a pause keeps it."""
+    return rollout is not None and (rollout.step is not None or bool(rollout.weight))
 
 
 def _supersede_replaced_candidate(run: _Run, revision: str, served: bool) -> bool:
