@@ -75,6 +75,7 @@ from kvguard.operator.rollout import (
 )
 from kvguard.operator.suggestions import change_summary
 from kvguard.operator.workloads import DeploymentState, deployment_state, owned_by, revision_views
+from kvguard.workers.field_messages import field_message
 from kvguard.workers.pool_ratio import ratio_text
 
 __all__ = ["DeploymentState", "Observed", "Outcome", "deployment_state", "owned_by", "pool_gate_degraded", "reconcile",
@@ -622,11 +623,12 @@ def describe_fixes(kv_plan: KVPlan) -> str:
 
 def field_errors(exc: ValidationError) -> str:
     """pydantic errors as `spec.a.b[0].c: message` (wire names, as the user wrote them; a list
-    index in brackets, as the API server and the CRD's rules write paths)."""
+    index in brackets, as the API server and the CRD's rules write paths). Each message is worded
+    as the command line words it: no pydantic "Value error, " prefix, no class names."""
     parts = []
     for err in exc.errors():
         path = field_path(err["loc"], root="spec")
-        parts.append(f"{path}: {err['msg']}")
+        parts.append(f"{path}: {field_message(err)}")
     return "; ".join(parts)
 
 

@@ -49,9 +49,9 @@ REFUSED = [
      "1,024: at most contextLength - 16 (1,008)"),
     ("spec.canary.seed", 18446744073709551616, "spec.canary.seed: Input should be less than or equal to 9223372036854775807"),
     ("spec.canary.seed", -(2**63) - 1, "spec.canary.seed: Input should be greater than or equal to -9223372036854775808"),
-    ("spec.canary.capacity.minRatio", 1e6, "spec.canary.capacity.minRatio: Value error, must be at most 100"),
+    ("spec.canary.capacity.minRatio", 1e6, "spec.canary.capacity.minRatio: must be at most 100"),
     ("spec.canary.capacity.minRatio", 0.5,
-     "spec.canary.capacity.minRatio: Value error, must be at least 1: a pool below one context length cannot hold"),
+     "spec.canary.capacity.minRatio: must be at least 1: a pool below one context length cannot hold"),
     ("spec.canary.capacity.minRatio", 3.0,
      "spec.canary.capacity.minRatio: 3 is above spec.minKVRatio 2: the planner sizes pools to 2x contextLength, so the "
      "canary would fail (and roll back) every revision it passed"),
@@ -77,7 +77,7 @@ EDGES = [
     ("spec.canary.seed", 2**63 - 1, 2**63, "spec.canary.seed: Input should be less than or equal to"),
     ("spec.canary.seed", -(2**63), -(2**63) - 1, "spec.canary.seed: Input should be greater than or equal to"),
     ("spec.canary.capacity.minRatio", 2.0, 2.01, "spec.canary.capacity.minRatio: 2.01 is above spec.minKVRatio 2"),
-    ("spec.canary.capacity.minRatio", 1.0, 0.99, "spec.canary.capacity.minRatio: Value error, must be at least 1"),
+    ("spec.canary.capacity.minRatio", 1.0, 0.99, "spec.canary.capacity.minRatio: must be at least 1"),
     ("spec.canary.golden.prompts", [{"prompt": "x", "maxTokens": 1023}], [{"prompt": "x", "maxTokens": 1024}],
      "spec.canary.golden.prompts[0].maxTokens: 1,024 must be below contextLength 1,024"),
 ]  # fmt: skip

@@ -184,8 +184,8 @@ REFUSED_FIELDS = [
      "tolerationSeconds applies only to effect NoExecute"),
     ("spec.engine.image", " img:1 ", "spec.engine.image"),
     # Outside probe: the kubelet cannot parse these; the pods sat in InvalidImageName until the deadline.
-    ("spec.engine.image", "Foo/Bar:latest", "spec.engine.image: Value error, 'Foo/Bar:latest' is not an image reference"),
-    ("spec.engine.routerImage", "foo@sha256:abc", "spec.engine.routerImage: Value error, 'foo@sha256:abc' is not an image reference"),
+    ("spec.engine.image", "Foo/Bar:latest", "spec.engine.image: 'Foo/Bar:latest' is not an image reference"),
+    ("spec.engine.routerImage", "foo@sha256:abc", "spec.engine.routerImage: 'foo@sha256:abc' is not an image reference"),
     ("spec.engine.image", "foo::1", "is not an image reference"),
     ("spec.roles.decode.resources", {"limits": {"not a resource!": "1"}}, "resource name 'not a resource!' is not a qualified name"),
     ("spec.roles.decode.resources", {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}},

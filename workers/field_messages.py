@@ -1,11 +1,12 @@
 """pydantic's error messages as the command line says them: the one place every `kvguard` command
-turns a ValidationError's entries into words (plan, render, apply, canary, serve, worker).
+turns a ValidationError's entries into words (plan, render, apply, canary, serve, worker), and
+the operator's admission webhook and status messages (operator/reconcile.py `field_errors`).
 
 pydantic words some errors for Python programmers: a validator's own message comes prefixed with
 "Value error, ", and a section that is not a mapping is "Input should be a valid dictionary or
 instance of ObjectMeta" (a class name the manifest never shows). What a user reads is the
-validator's message alone, and "must be a mapping". The admission webhook and the openai API
-word their answers themselves (operator/reconcile.py, workers/openai_api.py).
+validator's message alone, and "must be a mapping". The openai API words its answers itself
+(workers/openai_api.py), in OpenAI's error shape.
 """
 
 from __future__ import annotations
