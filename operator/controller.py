@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from kvguard.commands.operator import watched_namespaces
 from kvguard.operator import metrics
 from kvguard.operator.api import InferencePolicy
 from kvguard.operator.backends.base import CanaryRunner, ForeignObjectError
@@ -264,8 +265,29 @@ class Controller:
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.settings.wait.spread(self.settings.resync_seconds))
+            await self._drop_vanished()
             for key in list(self.models):
                 self.queue.add(key)
+
+    async def _drop_vanished(self) -> None:
+        """Forget the models the API server no longer has. A DELETED lost to a relist (a watch
+        answered 410 Gone after a long disconnect) never comes: kopf does not synthesize one as
+        client-go's informers do, and the model stayed cached, passed at every resync and kept
+        its metrics for good (an outside probe). One LIST per watched namespace per resync; a
+        model cached (or replaced) after the LIST was sent is kept."""
+        before = dict(self.models)
+        present: set[str] = set()
+        namespaces: list[str | None] = [*watched_namespaces([], os.environ)] or [None]
+        try:
+            for namespace in namespaces:
+                present |= {str((m.get("metadata") or {}).get("uid")) for m in await self.kube.alist("InferenceModel", namespace)}
+        except KubeError as exc:
+            log.warning("resync: could not list InferenceModels (%s); nothing forgotten", exc)
+            return
+        for key, body in before.items():
+            if self.models.get(key) is body and body is not None and str((body.get("metadata") or {}).get("uid")) not in present:
+                log.warning("%s/%s: gone from the API server without a DELETED event; forgotten", *key)
+                self.model_event("DELETED", body)
 
     async def process(self, key: ModelKey) -> None:
         """One pass for one model, and when to look at it again."""

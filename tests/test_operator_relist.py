@@ -1,0 +1,41 @@
+"""A model deleted while the operator's watch was down (its DELETED lost to a relist, as after a
+410 Gone) is forgotten at the next resync, metrics included."""
+
+from __future__ import annotations
+
+import kopf
+import pytest
+from kmock_api import ApiServer
+from operator_harness import IM, NS, SECRETS, Operator, apply_model, fast_settings, objects_of, status_of, tiny_model, until
+
+from kvguard.operator import metrics
+
+pytestmark = [pytest.mark.kmock(cls=ApiServer)]
+
+
+async def test_a_model_deleted_while_the_watch_was_down_is_forgotten(operator: Operator, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = operator.kmock
+    await operator.stop()
+    make = kopf.OperatorSettings
+
+    def settings() -> kopf.OperatorSettings:
+        made = make()
+        made.watching.client_timeout = 3  # kmock ignores timeoutSeconds: the client ends each watch
+        return made
+
+    monkeypatch.setattr(kopf, "OperatorSettings", settings)
+    await operator.start(settings=fast_settings(resync_seconds=2.0))
+    await apply_model(tiny_model())
+    await until(lambda: status_of(cluster).get("targetRevision"), "status")
+    await until(lambda: objects_of(cluster, SECRETS), "the transfer Secret")
+    # Deleted while the watch was down: the relist no longer shows it, no DELETED ever comes
+    # (kopf does not synthesize one; a real API server answers 410 to the old resourceVersion).
+    cluster.objects[IM, NS, "tiny"].delete()
+    for key in [k for k in list(cluster.objects.keys()) if k[0] == SECRETS]:
+        cluster.objects[key].delete()  # the garbage collector follows the owner
+    seen = len(list(cluster))
+    await until(lambda: sum("watch" in str(r.url) and "inferencemodels" in str(r.url) for r in list(cluster)[seen:]) >= 2,
+                "the model watch to reconnect (relist)")
+    await until(lambda: (NS, "tiny") not in operator.controller.models, "the vanished model to be forgotten", 20)
+    assert not [s for s in metrics.REGISTRY.collect() for x in s.samples if x.labels.get("model") == "tiny"
+                and x.labels.get("namespace") == NS], "its metrics"
