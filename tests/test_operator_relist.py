@@ -36,6 +36,6 @@ async def test_a_model_deleted_while_the_watch_was_down_is_forgotten(operator: O
     seen = len(list(cluster))
     await until(lambda: sum("watch" in str(r.url) and "inferencemodels" in str(r.url) for r in list(cluster)[seen:]) >= 2,
                 "the model watch to reconnect (relist)")
-    await until(lambda: (NS, "tiny") not in operator.controller.models, "the vanished model to be forgotten", 20)
+    await until(lambda: (NS, "tiny") not in operator.controller.models, "the vanished model to be forgotten")
     assert not [s for s in metrics.REGISTRY.collect() for x in s.samples if x.labels.get("model") == "tiny"
                 and x.labels.get("namespace") == NS], "its metrics"
