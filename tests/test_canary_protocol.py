@@ -277,3 +277,19 @@ async def test_tolerant_golden_without_logprobs_says_it_could_not_compare() -> N
     result = checked.probe(ProbeName.GOLDEN)
     assert result is not None and result.status == ProbeStatus.PASS
     assert result.reason == "1 prompt(s): 1 expectation(s) met; 1 not compared with the baseline (no logprobs returned)"
+
+
+def test_tolerant_matching_fails_an_answer_that_ends_where_the_baseline_goes_on() -> None:
+    """A candidate whose tokens all agree but stop after 2 of the baseline's 8 (an end-of-sequence
+    after a corrupted read, or an abort reported as a stop) did not give the baseline's answer;
+    compared only up to the shorter, it agreed 1.00 and passed (outside probe)."""
+    spec = CanarySpec().golden.logprob_tolerance
+    tokens = [TokenLogprob(token=f" t{i}", logprob=-0.1, top={f" t{i}": -0.1, " zz": -3.0}) for i in range(8)]
+    short = compare(tokens[:2], tokens, spec.max_logprob_divergence)
+    problem = judge(short, spec.min_token_agreement, spec.max_logprob_divergence)
+    assert problem is not None and "token agreement 0.25" in problem, short.describe()
+    assert "the candidate's answer ends after 2 tokens, the other's after 8" in problem
+    longer = compare(tokens, tokens[:2], spec.max_logprob_divergence)  # the candidate ran past the baseline's end
+    assert judge(longer, spec.min_token_agreement, spec.max_logprob_divergence) is not None
+    one_short = compare(tokens[:7], tokens, spec.max_logprob_divergence)  # a near end, as a numerics change may give
+    assert judge(one_short, spec.min_token_agreement, spec.max_logprob_divergence) is None, one_short.describe()

@@ -46,6 +46,7 @@ class LogprobAgreement:
     mean_logprob_divergence: float | None  # None when no agreed position carried both logprobs
     max_logprob_divergence: float | None
     divergence: Divergence | None
+    ended_early: str | None = None  # "candidate" or "baseline": its answer has fewer tokens, all agreeing
 
     def describe(self) -> str:
         mean = "n/a" if self.mean_logprob_divergence is None else f"{self.mean_logprob_divergence:.3f}"
@@ -55,6 +56,8 @@ class LogprobAgreement:
             gap = "not in the baseline's top alternatives" if d.baseline_gap is None else f"baseline gap {d.baseline_gap:.3f} nats"
             kind = "near-tie" if d.near_tie else "not a near-tie"
             text += f"; first divergence at token {d.position}: {d.candidate_token!r} vs {d.baseline_token!r} ({gap}, {kind})"
+        if self.ended_early is not None:
+            text += f"; the {self.ended_early}'s answer ends after {self.agreed_prefix} tokens, the other's after {self.compared}"
         return text
 
 
@@ -70,12 +73,20 @@ def compare(candidate: list[TokenLogprob], baseline: list[TokenLogprob], tie_thr
         if c.logprob is not None and b.logprob is not None:
             diffs.append(abs(c.logprob - b.logprob))
     agreed = divergence.position if divergence else compared
-    if divergence is None or divergence.near_tie:
+    ended_early = None
+    if divergence is None and len(candidate) != len(baseline):
+        # One answer ended (its end-of-sequence, a stop, an abort reported as one) where the other
+        # went on: a divergence whose near-tie nobody can show, so the positions past the shorter
+        # answer disagree. Compared up to the shorter only, a candidate that stopped after 2 of the
+        # baseline's 8 tokens agreed 1.00 and passed (outside probe).
+        ended_early = "candidate" if len(candidate) < len(baseline) else "baseline"
+        compared = max(len(candidate), len(baseline))
+    if (divergence is None and ended_early is None) or (divergence is not None and divergence.near_tie):
         agreement = 1.0
     else:
         agreement = agreed / compared if compared else 1.0
     return LogprobAgreement(
-        compared=compared, agreed_prefix=agreed, token_agreement=agreement,
+        compared=compared, agreed_prefix=agreed, token_agreement=agreement, ended_early=ended_early,
         mean_logprob_divergence=sum(diffs) / len(diffs) if diffs else None,
         max_logprob_divergence=max(diffs) if diffs else None, divergence=divergence,
     )
