@@ -553,3 +553,34 @@ def test_cli_reads_canary_section_of_an_inference_model(server: RunningServer, t
     )
     assert cli_main(["canary", "--url", server.url, "--spec", str(manifest)]) == 0
     assert "3 identical runs" in capsys.readouterr().out
+
+
+async def test_a_404_for_the_model_names_the_model_not_the_api() -> None:
+    """vLLM answers a model it does not serve with 404 "The model `x` does not exist." (param
+    "model"): the API is served, so the reason says the model, not `spec.canary.api: chat?`
+    (outside probe: /v1/models listed a LoRA adapter first, whose requests the server 404'd)."""
+    from aiohttp import web
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "my-lora", "object": "model", "max_model_len": 2048}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        model = (await request.json()).get("model")
+        error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+        return web.json_response({"error": error}, status=404)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        report = await run_suite(f"http://127.0.0.1:{port}", spec().only([ProbeName.DETERMINISM]))
+    finally:
+        await runner.cleanup()
+    assert report.verdict == Verdict.CANNOT_RUN, report.reason
+    assert "for model 'my-lora'" in report.reason and "does not exist" in report.reason, report.reason
+    assert "spec.canary.api" not in report.reason

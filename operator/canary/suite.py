@@ -43,6 +43,7 @@ from kvguard.operator.canary.report import (
     ProbeStatus,
     TargetInfo,
     Verdict,
+    one_line,
 )
 from kvguard.operator.canary.safety_counters import SafetyCountersProbe
 from kvguard.operator.canary.spec import MAX_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS, ApiKind, CanarySpec, ProbeName
@@ -250,6 +251,12 @@ async def _calibrate(target: EngineClient, api: ApiKind, deadline: float | None)
     except TimeoutError:
         return TokenEstimate()
     if probe.status in (404, 405):
+        said = one_line(probe.error or "", 200)
+        if target.model and target.model in said:
+            # vLLM's 404 for a model it does not serve ("The model `x` does not exist.", param
+            # "model"): the API is there, the name is wrong (outside probe: the hint named the API).
+            raise CannotRun(f"target {target.base_url}: POST {API_PATHS[api]} answers HTTP {probe.status} for model "
+                            f"{target.model!r}: {said} (set spec.canary.model)")  # fmt: skip
         other = "chat" if api == "completions" else "completions"
         raise CannotRun(
             f"target {target.base_url}: POST {API_PATHS[api]} answers HTTP {probe.status}: the server does not serve "
