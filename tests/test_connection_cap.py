@@ -131,3 +131,33 @@ async def test_a_burst_of_connections_accepted_at_once_stays_within_the_cap() ->
         finally:
             for client in clients:
                 client.close()
+
+
+async def _raw(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=30)
+    writer.close()
+    return answer
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Request-Id: a\x01b\r\n\r\n",  # a control character in a header
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Foo: " + b"a" * 9000 + b"\r\n\r\n",  # a header line over aiohttp's 8190
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",  # both framings
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Type: a\r\nContent-Type: b\r\n\r\n",  # a duplicated singleton header
+])  # fmt: skip
+async def test_a_request_http_cannot_parse_gets_an_openai_shaped_400(request_bytes: bytes) -> None:
+    """An outside probe: these were answered by aiohttp's parser with a plain-text `HTTP/1.0 400`
+    that quoted the client's bytes back, not an OpenAI error body (issue 11: every client input
+    gets a 4xx OpenAI error)."""
+    async with capped_listener(8) as (_site, _runner, port):
+        head, body = (await _raw(port, request_bytes)).split(b"\r\n\r\n", 1)
+        assert head.split(b" ", 2)[1] == b"400", head  # HTTP/1.0: aiohttp answers a request it could not read so
+        assert b"application/json" in head, head
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "malformed_http", error
+        assert len(error["message"]) <= 300, error
+        # The listener keeps serving.
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from aiohttp import hdrs, web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -241,6 +242,34 @@ def connection_cap(requested: int, listeners: int) -> int:
     return max(1, min(requested, (soft - RESERVED_FDS) // max(1, listeners)))
 
 
+MALFORMED_MESSAGE_CHARS = 200
+"""How much of the HTTP parser's complaint a malformed request's 400 quotes (its first line only)."""
+
+
+class OpenAIErrorsRequestHandler(RequestHandler):
+    """aiohttp's connection handler, but a request its HTTP parser refuses (a control character in
+    a header, a header line over 8 KiB, Content-Length with Transfer-Encoding, a duplicated
+    Content-Type) is answered with an OpenAI-shaped error body, as every other client error is.
+    aiohttp answered these with plain text quoting the client's bytes (an outside probe; issue 11:
+    every client input gets a 4xx OpenAI error). Status and logging stay aiohttp's."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:  # fmt: skip
+        plain = super().handle_error(request, status, exc, message)  # logs; raises if a response began
+        if status >= 500:
+            error = {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}
+        else:
+            said = getattr(exc, "message", None) or message or ""
+            first = (str(said).strip().splitlines() or [""])[0].rstrip(":")[:MALFORMED_MESSAGE_CHARS]
+            error = {"message": f"malformed HTTP request: {first}" if first else "malformed HTTP request",
+                     "type": "invalid_request_error", "param": None, "code": "malformed_http"}  # fmt: skip
+        response = web.json_response({"error": error}, status=plain.status)
+        response.force_close()
+        return response
+
+
 class CappedSockSite(web.SockSite):
     """A listener that keeps at most `cap` connections open: one more is answered 503 (code
     `too_many_connections`, Retry-After: 1) and closed before any of it is read, so a flood of idle
@@ -269,7 +298,8 @@ class CappedSockSite(web.SockSite):
             if not self._unmade:
                 asyncio.get_running_loop().call_soon(self._made)
             self._unmade += 1
-            return server()
+            # What server() makes (the runner's handler arguments), with OpenAI-shaped parse errors
+            return OpenAIErrorsRequestHandler(server, loop=asyncio.get_running_loop(), **server._kwargs)
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a flood is told, not logged per connection
             log.warning("%d connection(s) refused: %d open, the cap (--max-connections or the open-file limit)", self.refused, self.cap)
