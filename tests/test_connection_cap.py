@@ -27,6 +27,21 @@ async def _get(port: int) -> bytes:
     return answer
 
 
+HELD: list[None] = []  # a request of GET /hold being handled, one entry each
+RELEASE: list[asyncio.Event] = []  # set: every GET /hold answers
+
+
+async def _in_hand(port: int, count: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """`count` connections, each with a GET /hold being handled (a request in hand)."""
+    held = len(HELD)
+    clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(count)]
+    for _reader, writer in clients:
+        writer.write(b"GET /hold HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+    await until(lambda: len(HELD) == held + count, f"{count} requests in hand")
+    return clients
+
+
 @contextlib.asynccontextmanager
 async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.AppRunner, int]]:
     """A listener of at most `cap` connections answering GET / with "ok": (site, runner, port)."""
@@ -35,7 +50,15 @@ async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.A
     async def ok(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def hold(_: web.Request) -> web.Response:
+        HELD.append(None)
+        await RELEASE[0].wait()
+        return web.Response(text="held")
+
+    HELD.clear()
+    RELEASE[:] = [asyncio.Event()]
     app.router.add_get("/", ok)
+    app.router.add_get("/hold", hold)
     runner = app_runner(app, 30.0)
     await runner.setup()
     sock = socket.create_server(("127.0.0.1", 0), backlog=128)
@@ -47,29 +70,64 @@ async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.A
         await runner.cleanup()
 
 
-async def test_a_connection_over_the_cap_gets_a_503_and_open_ones_keep_being_served() -> None:
+async def test_a_connection_over_the_cap_takes_the_place_of_the_oldest_one_waiting_for_a_request() -> None:
+    """An outside probe: 4,200 connections that each sent half a request line held all 4,096
+    places, and every other tenant was refused for as long as their sender reconnected. A
+    connection that waits for a request now makes room for a new one; one with a request in hand
+    is never closed for it."""
     async with capped_listener(2) as (site, runner, port):
-        # Two slow-header clients take both places (they have sent half a request line).
-        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        for _reader, writer in idle:
-            writer.write(b"GET / HT")
+        slow = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _reader, writer in slow:
+            writer.write(b"GET / HT")  # half a request line
             await writer.drain()
         await until(lambda: len(runner.server.connections) == 2, "both slow clients held")  # type: ignore[union-attr]
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")
+        assert (site.evicted, site.refused) == (1, 0)
+        assert await asyncio.wait_for(slow[0][0].read(), timeout=30) == b""  # the oldest was closed
+        # The other one is still served.
+        reader, writer = slow[1]
+        writer.write(b"TP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+        for _reader, writer in slow:
+            writer.close()
+
+
+async def test_a_client_that_never_sent_a_request_makes_room_before_an_idle_keep_alive_one() -> None:
+    async with capped_listener(2) as (site, runner, port):
+        kept_reader, kept = await asyncio.open_connection("127.0.0.1", port)
+        kept.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive: idle once answered
+        await kept.drain()
+        assert (await asyncio.wait_for(kept_reader.readuntil(b"ok"), timeout=30)).startswith(b"HTTP/1.1 200")
+        slow_reader, slow = await asyncio.open_connection("127.0.0.1", port)
+        slow.write(b"GET / HT")
+        await slow.drain()
+        await until(lambda: len(runner.server.connections) == 2, "both held")  # type: ignore[union-attr]
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")
+        assert await asyncio.wait_for(slow_reader.read(), timeout=30) == b""  # the younger, but it never asked
+        kept.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # the older one still serves
+        await kept.drain()
+        assert (await asyncio.wait_for(kept_reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+        assert site.evicted == 1
+        kept.close()
+        slow.close()
+
+
+async def test_a_connection_over_the_cap_gets_a_503_when_every_one_has_a_request_in_hand() -> None:
+    async with capped_listener(2) as (site, runner, port):
+        held = await _in_hand(port, 2)
         refused = await _get(port)
         head, body = refused.split(b"\r\n\r\n", 1)
         assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in head, head
         assert json.loads(body)["error"]["code"] == "too_many_connections"
-        assert site.refused == 1
-        # An open connection is still served: one of the two finishes its request.
-        reader, writer = idle[0]
-        writer.write(b"TP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        await writer.drain()
-        assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
-        writer.close()
-        # Its place is free again once it has closed.
-        await until(lambda: len(runner.server.connections) == 1, "one connection held")  # type: ignore[union-attr]
+        assert (site.refused, site.evicted) == (1, 0)
+        # The requests in hand are answered, and their places are free again once they have closed.
+        RELEASE[0].set()
+        for reader, writer in held:
+            assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+            writer.close()
+        await until(lambda: not runner.server.connections, "the held connections closed")  # type: ignore[union-attr]
         assert (await _get(port)).startswith(b"HTTP/1.1 200")
-        idle[1][1].close()
 
 
 async def test_a_refused_client_whose_request_arrived_first_still_reads_the_503() -> None:
@@ -77,9 +135,7 @@ async def test_a_refused_client_whose_request_arrived_first_still_reads_the_503(
     connection and the client lost the 503 (requests raised ConnectionError). The request here is
     in the server's socket before the loop accepts the connection."""
     async with capped_listener(1) as (site, runner, port):
-        _reader, holder = await asyncio.open_connection("127.0.0.1", port)
-        holder.write(b"GET / HT")
-        await until(lambda: len(runner.server.connections) == 1, "one connection held")  # type: ignore[union-attr]
+        [(_reader, holder)] = await _in_hand(port, 1)
         client = socket.create_connection(("127.0.0.1", port))  # the kernel accepts; the loop has not
         client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n" + b"x" * 65536)
         client.setblocking(False)
@@ -88,6 +144,7 @@ async def test_a_refused_client_whose_request_arrived_first_still_reads_the_503(
         while chunk := await asyncio.wait_for(loop.sock_recv(client, 65536), timeout=30):
             answer += chunk
         client.close()
+        RELEASE[0].set()
         holder.close()
         assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer, answer[:200]
         assert site.refused == 1
@@ -117,20 +174,25 @@ def test_max_connections_is_a_worker_flag_with_its_bounds() -> None:
 async def test_a_burst_of_connections_accepted_at_once_stays_within_the_cap() -> None:
     """The event loop accepts up to the backlog (128) connections in one pass and creates each one's
     handler before any of them is counted in `server.connections` (connection_made comes a pass
-    later): a burst of 60 at a cap of 5 had all 60 open (an outside review)."""
+    later): a burst of 60 at a cap of 5 had all 60 open (an outside review). Here every place is
+    taken by a request in hand, so none can be made room for."""
     clients = []
     async with capped_listener(5) as (site, runner, port):
+        held = await _in_hand(port, 5)
         for _ in range(60):  # connected by the kernel before the loop accepts any of them
             client = socket.socket()
             client.setblocking(False)
             assert client.connect_ex(("127.0.0.1", port)) in (0, 115)  # EINPROGRESS
             clients.append(client)
         try:
-            await until(lambda: site.refused == 55, "55 of the burst refused")
-            assert len(runner.server.connections) == 5  # type: ignore[union-attr]
+            await until(lambda: site.refused == 60, "the burst refused")
+            assert len(runner.server.connections) == 5 and site.evicted == 0  # type: ignore[union-attr]
         finally:
+            RELEASE[0].set()
             for client in clients:
                 client.close()
+            for _reader, writer in held:
+                writer.close()
 
 
 async def _raw(port: int, request: bytes) -> bytes:
@@ -161,3 +223,22 @@ async def test_a_request_http_cannot_parse_gets_an_openai_shaped_400(request_byt
         assert len(error["message"]) <= 300, error
         # The listener keeps serving.
         assert (await _get(port)).startswith(b"HTTP/1.1 200")
+
+
+async def test_a_burst_of_idle_connections_keeps_the_listener_within_its_cap() -> None:
+    """The same burst with every place taken by a connection that has sent nothing: each newcomer
+    either takes the place of one (closed) or is refused, and the listener ends at its cap."""
+    clients = []
+    async with capped_listener(5) as (site, runner, port):
+        for _ in range(60):
+            client = socket.socket()
+            client.setblocking(False)
+            assert client.connect_ex(("127.0.0.1", port)) in (0, 115)  # EINPROGRESS
+            clients.append(client)
+        try:
+            await until(lambda: site.refused + site.evicted == 55, "each of the burst past the cap placed or refused")
+            await until(lambda: len(runner.server.connections) == 5, "the closed ones gone")  # type: ignore[union-attr]
+            assert (await _get(port)).startswith(b"HTTP/1.1 200")  # and it still serves
+        finally:
+            for client in clients:
+                client.close()

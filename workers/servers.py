@@ -246,14 +246,31 @@ MALFORMED_MESSAGE_CHARS = 200
 """How much of the HTTP parser's complaint a malformed request's 400 quotes (its first line only)."""
 
 
-class OpenAIErrorsRequestHandler(RequestHandler):
-    """aiohttp's connection handler, but a request its HTTP parser refuses (a control character in
-    a header, a header line over 8 KiB, Content-Length with Transfer-Encoding, a duplicated
-    Content-Type) is answered with an OpenAI-shaped error body, as every other client error is.
-    aiohttp answered these with plain text quoting the client's bytes (an outside probe; issue 11:
-    every client input gets a 4xx OpenAI error). Status and logging stay aiohttp's."""
+class ListenerConnection(RequestHandler):
+    """aiohttp's connection handler, with two things a capped listener needs of it:
+    - a request its HTTP parser refuses (a control character in a header, a header line over 8 KiB,
+      Content-Length with Transfer-Encoding, a duplicated Content-Type) is answered with an
+      OpenAI-shaped error body, as every other client error is. aiohttp answered these with plain
+      text quoting the client's bytes (an outside probe; issue 11: every client input gets a 4xx
+      OpenAI error). Status and logging stay aiohttp's;
+    - it says whether it waits for a request (`waiting`): such a connection is what CappedSockSite
+      closes to make room at its cap."""
 
     __slots__ = ()
+
+    @property
+    def waiting(self) -> bool:
+        """No request of this connection is being handled or queued: it is idle between requests,
+        or still reading a request's head. Read the way aiohttp's own keep-alive timer reads it (its
+        loop awaits `_waiter` for the next message); a request whose head has arrived is in
+        `_messages`, and one being handled (its body read included) holds no waiter."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._messages and not self._force_close
+
+    @property
+    def served(self) -> int:
+        """Requests whose head this connection has read (0: a client that never sent one)."""
+        return self._request_count
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:  # fmt: skip
@@ -271,16 +288,22 @@ class OpenAIErrorsRequestHandler(RequestHandler):
 
 
 class CappedSockSite(web.SockSite):
-    """A listener that keeps at most `cap` connections open: one more is answered 503 (code
-    `too_many_connections`, Retry-After: 1) and closed before any of it is read, so a flood of idle
-    or slow connections (bounded in time by --header-timeout) is bounded in number too. Connections
-    already open keep being served."""
+    """A listener that keeps at most `cap` connections open. At the cap, a new connection takes the
+    place of the oldest one that waits for a request (`ListenerConnection.waiting`: one that never
+    sent a whole request head first, then an idle keep-alive one), which is closed. Only when every
+    connection has a request in hand is the new one answered 503 (code `too_many_connections`,
+    Retry-After: 1) and closed before any of it is read. So a flood of idle or slow-header
+    connections is bounded in number and cannot lock other clients out: refusing the newcomer
+    instead, 4,096 half-sent request lines held every other tenant off for as long as their sender
+    kept reconnecting (an outside probe, issue 11). Requests in hand keep being served."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: int) -> None:
         super().__init__(runner, sock)
         self.cap = cap
         self.refused = 0
+        self.evicted = 0  # connections closed, waiting for a request, to make room for a new one
         self._unmade = 0  # handed out since the loop last ran its callbacks: not yet in server.connections
+        self._closing = 0  # closed to make room since then: still in server.connections, their sockets still open
         self.lingering = 0  # refused connections reading what their clients still send (_RefusedConnection)
 
     async def start(self) -> None:
@@ -294,19 +317,48 @@ class CappedSockSite(web.SockSite):
         # The loop accepts up to the backlog at once and makes each one's protocol before any
         # connection_made (the next pass, after the `_made` scheduled here): without the ones handed
         # out meanwhile, a burst of 60 at a cap of 5 had all 60 open (an outside review).
-        if len(server.connections) + self._unmade < self.cap:
-            if not self._unmade:
+        if len(server.connections) - self._closing + self._unmade < self.cap or self._make_room(server):
+            if not self._unmade and not self._closing:
                 asyncio.get_running_loop().call_soon(self._made)
             self._unmade += 1
-            # What server() makes (the runner's handler arguments), with OpenAI-shaped parse errors
-            return OpenAIErrorsRequestHandler(server, loop=asyncio.get_running_loop(), **server._kwargs)
+            # What server() makes (the runner's handler arguments), as a ListenerConnection
+            return ListenerConnection(server, loop=asyncio.get_running_loop(), **server._kwargs)
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a flood is told, not logged per connection
-            log.warning("%d connection(s) refused: %d open, the cap (--max-connections or the open-file limit)", self.refused, self.cap)
+            log.warning("%d connection(s) refused: %d open, every one with a request in hand, the cap "
+                        "(--max-connections or the open-file limit)", self.refused, self.cap)  # fmt: skip
         return _RefusedConnection(self)
 
+    def _make_room(self, server: web.Server) -> bool:
+        """Close the oldest connection that waits for a request, preferring one that never sent a
+        whole request head (a slow or idle client) to an idle keep-alive one; False if none does.
+        At most MAX_CLOSING per loop pass: a closed socket is released on the next pass, and what
+        is still open then comes out of RESERVED_FDS."""
+        if self._closing >= MAX_CLOSING:
+            return False
+        idle: ListenerConnection | None = None
+        for connection in server.connections:  # oldest first
+            if isinstance(connection, ListenerConnection) and connection.waiting:
+                if not connection.served:
+                    idle = connection
+                    break
+                idle = idle or connection
+        if idle is None:
+            return False
+        idle.force_close()
+        if not self._unmade and not self._closing:
+            asyncio.get_running_loop().call_soon(self._made)  # after the close's connection_lost
+        self._closing += 1
+        self.evicted += 1
+        if self.evicted & (self.evicted - 1) == 0:  # 1, 2, 4, ...
+            log.warning("%d connection(s) waiting for a request closed to make room at the cap of %d "
+                        "(--max-connections or the open-file limit)", self.evicted, self.cap)  # fmt: skip
+        return True
+
     def _made(self) -> None:
-        self._unmade = 0  # their connection_made callbacks come right after this one
+        # Their connection_made and connection_lost callbacks come right after this one.
+        self._unmade = 0
+        self._closing = 0
 
     def open_connections(self) -> int:
         server = self._runner.server
@@ -328,12 +380,16 @@ class ListenerMetrics(Collector):
         refused = CounterMetricFamily("kvguard_refused_connections", "Connections answered 503 too_many_connections and "
                                       "closed, because the listener held its cap (--max-connections or the open-file limit)",
                                       labels=["listener"])  # fmt: skip
+        evicted = CounterMetricFamily("kvguard_evicted_connections", "Connections waiting for a request (idle, or a "
+                                      "request head not yet whole) closed to make room for a new one at the "
+                                      "listener's cap", labels=["listener"])  # fmt: skip
         open_now = GaugeMetricFamily("kvguard_open_connections", "Connections the listener holds open now",
                                      labels=["listener"])  # fmt: skip
         for name, site in zip(LISTENER_NAMES, self.sites, strict=False):
             refused.add_metric([name], site.refused)
+            evicted.add_metric([name], site.evicted)
             open_now.add_metric([name], site.open_connections())
-        return [refused, open_now]
+        return [refused, evicted, open_now]
 
 
 REFUSED_LINGER_S = 1.0
@@ -341,6 +397,9 @@ REFUSED_LINGER_S = 1.0
 MAX_LINGERING = 32
 """Refused connections lingering at once per listener: taken from RESERVED_FDS, so a flood of
 them cannot take the descriptors the process needs for its own calls."""
+MAX_CLOSING = 32
+"""Connections closed to make room at a listener's cap in one loop pass (their sockets are released
+on the next), likewise taken from RESERVED_FDS."""
 
 
 class _RefusedConnection(asyncio.Protocol):
