@@ -15,6 +15,8 @@ import pytest
 from aiohttp import web
 from waiting import until
 
+from kvguard.workers.backpressure import BodyMemory
+from kvguard.workers.openai_api import read_body
 from kvguard.workers.servers import RESERVED_FDS, CappedSockSite, app_runner, connection_cap
 
 
@@ -55,10 +57,18 @@ async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.A
         await RELEASE[0].wait()
         return web.Response(text="held")
 
+    bodies = BodyMemory(1 << 20)
+
+    async def body(request: web.Request) -> web.Response:
+        """Reads its body as the router does (openai_api.read_body)."""
+        with bodies.reading() as lease:
+            return web.Response(text=f"read {len(await read_body(request, 1 << 20, 600.0, lease))}")
+
     HELD.clear()
     RELEASE[:] = [asyncio.Event()]
     app.router.add_get("/", ok)
     app.router.add_get("/hold", hold)
+    app.router.add_post("/body", body)
     runner = app_runner(app, 30.0)
     await runner.setup()
     sock = socket.create_server(("127.0.0.1", 0), backlog=128)
@@ -111,6 +121,33 @@ async def test_a_client_that_never_sent_a_request_makes_room_before_an_idle_keep
         assert site.evicted == 1
         kept.close()
         slow.close()
+
+
+async def test_a_body_sent_slowly_makes_room_after_idle_connections_and_the_longest_arriving_first() -> None:
+    """The same probe's other flood: connections that send a request head and then its body a byte
+    at a time hold their places for as long as the body timeout. A request whose body has not
+    arrived is not yet taken on: at the cap it makes room (the one reading longest first), after
+    any connection waiting for a request, and a request in hand is never closed for it."""
+    async with capped_listener(3) as (site, runner, port):
+        in_hand = await _in_hand(port, 1)
+        slow = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /body HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nConnection: close\r\n\r\nx")
+            await writer.drain()
+            slow.append((reader, writer))
+            await until(lambda: sum(getattr(c, "body_since", None) is not None for c in runner.server.connections) == len(slow),  # type: ignore[union-attr]
+                        "the body being read")  # fmt: skip
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")
+        assert (site.evicted, site.refused) == (1, 0)
+        assert await asyncio.wait_for(slow[0][0].read(), timeout=30) == b""  # reading longest: closed
+        slow[1][1].write(b"y" * 99)  # the other one's body ends: it is answered
+        await slow[1][1].drain()
+        assert (await asyncio.wait_for(slow[1][0].read(), timeout=30)).endswith(b"read 100")
+        RELEASE[0].set()
+        assert (await asyncio.wait_for(in_hand[0][0].read(), timeout=30)).startswith(b"HTTP/1.1 200")
+        for _reader, writer in [*slow, *in_hand]:
+            writer.close()
 
 
 async def test_a_connection_over_the_cap_gets_a_503_when_every_one_has_a_request_in_hand() -> None:

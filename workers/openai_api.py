@@ -19,6 +19,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 1
 from pydantic import ValidationError
 
 from kvguard.workers.backpressure import BodyLease, BodyMemory
+from kvguard.workers.servers import reading_body
 
 REVISION_HEADER = "x-kvguard-revision"
 """Names the revision that answered, on every response of the public API: set by the router
@@ -211,14 +212,15 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, leas
     parts: list[bytes] = []
     size = 0
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise too_large_error(max_bytes)
-                if not lease.grow_to(size):
-                    raise bodies_full_error(lease.capacity)
-                parts.append(chunk)
+        with reading_body(request):  # a flood of slow bodies cannot hold every connection: servers.py
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.content.iter_any():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise too_large_error(max_bytes)
+                    if not lease.grow_to(size):
+                        raise bodies_full_error(lease.capacity)
+                    parts.append(chunk)
     except TimeoutError:
         raise OpenAIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
     return b"".join(parts)

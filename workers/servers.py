@@ -9,8 +9,10 @@ loaded, so a busy port is reported in a second, not after the weights are in mem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import os
 import resource
 import signal
@@ -18,9 +20,9 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestHandler
@@ -256,7 +258,12 @@ class ListenerConnection(RequestHandler):
     - it says whether it waits for a request (`waiting`): such a connection is what CappedSockSite
       closes to make room at its cap."""
 
-    __slots__ = ()
+    __slots__ = ("body_since",)
+
+    def __init__(self, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.body_since: float | None = None
+        """Event-loop time its request began reading its body (`reading_body`), None if it does not."""
 
     @property
     def waiting(self) -> bool:
@@ -289,19 +296,20 @@ class ListenerConnection(RequestHandler):
 
 class CappedSockSite(web.SockSite):
     """A listener that keeps at most `cap` connections open. At the cap, a new connection takes the
-    place of the oldest one that waits for a request (`ListenerConnection.waiting`: one that never
-    sent a whole request head first, then an idle keep-alive one), which is closed. Only when every
-    connection has a request in hand is the new one answered 503 (code `too_many_connections`,
-    Retry-After: 1) and closed before any of it is read. So a flood of idle or slow-header
-    connections is bounded in number and cannot lock other clients out: refusing the newcomer
-    instead, 4,096 half-sent request lines held every other tenant off for as long as their sender
-    kept reconnecting (an outside probe, issue 11). Requests in hand keep being served."""
+    place of one that has no whole request in hand (`_room_to_make`: one that never sent a request
+    head, an idle keep-alive one, or one whose body is still arriving), which is closed. Only when
+    every connection has a whole request in hand is the new one answered 503 (code
+    `too_many_connections`, Retry-After: 1) and closed before any of it is read. So a flood of
+    idle, slow-header or slow-body connections is bounded in number and cannot lock other clients
+    out: refusing the newcomer instead, 4,096 half-sent request lines (or bodies sent a byte at a
+    time) held every other tenant off for as long as their sender kept reconnecting (an outside
+    probe, issue 11). Requests in hand keep being served."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: int) -> None:
         super().__init__(runner, sock)
         self.cap = cap
         self.refused = 0
-        self.evicted = 0  # connections closed, waiting for a request, to make room for a new one
+        self.evicted = 0  # connections without a whole request in hand closed to make room for a new one
         self._unmade = 0  # handed out since the loop last ran its callbacks: not yet in server.connections
         self._closing = 0  # closed to make room since then: still in server.connections, their sockets still open
         self.lingering = 0  # refused connections reading what their clients still send (_RefusedConnection)
@@ -330,29 +338,23 @@ class CappedSockSite(web.SockSite):
         return _RefusedConnection(self)
 
     def _make_room(self, server: web.Server) -> bool:
-        """Close the oldest connection that waits for a request, preferring one that never sent a
-        whole request head (a slow or idle client) to an idle keep-alive one; False if none does.
-        At most MAX_CLOSING per loop pass: a closed socket is released on the next pass, and what
-        is still open then comes out of RESERVED_FDS."""
+        """Close the connection `_room_to_make` names; False if it names none. At most MAX_CLOSING
+        per loop pass: a closed socket is released on the next pass, and what is still open then
+        comes out of RESERVED_FDS."""
         if self._closing >= MAX_CLOSING:
             return False
-        idle: ListenerConnection | None = None
-        for connection in server.connections:  # oldest first
-            if isinstance(connection, ListenerConnection) and connection.waiting:
-                if not connection.served:
-                    idle = connection
-                    break
-                idle = idle or connection
-        if idle is None:
+        chosen = _room_to_make(server.connections)
+        if chosen is None:
             return False
-        idle.force_close()
+        chosen.force_close()
         if not self._unmade and not self._closing:
             asyncio.get_running_loop().call_soon(self._made)  # after the close's connection_lost
         self._closing += 1
         self.evicted += 1
         if self.evicted & (self.evicted - 1) == 0:  # 1, 2, 4, ...
-            log.warning("%d connection(s) waiting for a request closed to make room at the cap of %d "
-                        "(--max-connections or the open-file limit)", self.evicted, self.cap)  # fmt: skip
+            log.warning("%d connection(s) without a whole request in hand (idle, or a request head or body still "
+                        "arriving) closed to make room at the cap of %d (--max-connections or the open-file limit)",
+                        self.evicted, self.cap)  # fmt: skip
         return True
 
     def _made(self) -> None:
@@ -363,6 +365,42 @@ class CappedSockSite(web.SockSite):
     def open_connections(self) -> int:
         server = self._runner.server
         return 0 if server is None else len(server.connections)
+
+
+def _room_to_make(connections: Iterable[RequestHandler]) -> ListenerConnection | None:
+    """Which connection a new one takes the place of at a listener's cap: the oldest one that never
+    sent a whole request head (a slow or idle client); else the oldest idle keep-alive one; else the
+    one whose request has read its body longest (a body sent slowly, as a flood of them would: a
+    request whose body has not arrived is not yet taken on). None when every connection has a
+    whole request in hand: the new one is refused."""
+    idle: ListenerConnection | None = None
+    slow_body: ListenerConnection | None = None
+    slow_since = math.inf
+    for connection in connections:  # oldest first
+        if not isinstance(connection, ListenerConnection) or connection._force_close:
+            continue
+        if connection.waiting:
+            if not connection.served:
+                return connection
+            idle = idle or connection
+        elif connection.body_since is not None and connection.body_since < slow_since:
+            slow_body, slow_since = connection, connection.body_since
+    return idle or slow_body
+
+
+@contextlib.contextmanager
+def reading_body(request: web.BaseRequest) -> Iterator[None]:
+    """While a request's body is read (openai_api.read_body): its connection is one a new one may
+    take the place of at the listener's cap (`_room_to_make`)."""
+    connection = request.protocol
+    if not isinstance(connection, ListenerConnection):
+        yield
+        return
+    connection.body_since = asyncio.get_running_loop().time()
+    try:
+        yield
+    finally:
+        connection.body_since = None
 
 
 LISTENER_NAMES = ("main", "metrics")
@@ -380,9 +418,9 @@ class ListenerMetrics(Collector):
         refused = CounterMetricFamily("kvguard_refused_connections", "Connections answered 503 too_many_connections and "
                                       "closed, because the listener held its cap (--max-connections or the open-file limit)",
                                       labels=["listener"])  # fmt: skip
-        evicted = CounterMetricFamily("kvguard_evicted_connections", "Connections waiting for a request (idle, or a "
-                                      "request head not yet whole) closed to make room for a new one at the "
-                                      "listener's cap", labels=["listener"])  # fmt: skip
+        evicted = CounterMetricFamily("kvguard_evicted_connections", "Connections without a whole request in hand "
+                                      "(idle, or a request head or body still arriving) closed to make room for a "
+                                      "new one at the listener's cap", labels=["listener"])  # fmt: skip
         open_now = GaugeMetricFamily("kvguard_open_connections", "Connections the listener holds open now",
                                      labels=["listener"])  # fmt: skip
         for name, site in zip(LISTENER_NAMES, self.sites, strict=False):
