@@ -584,3 +584,14 @@ async def test_a_404_for_the_model_names_the_model_not_the_api() -> None:
     assert report.verdict == Verdict.CANNOT_RUN, report.reason
     assert "for model 'my-lora'" in report.reason and "does not exist" in report.reason, report.reason
     assert "spec.canary.api" not in report.reason
+
+
+def test_a_404_names_the_model_only_as_a_whole_word() -> None:
+    """A review: a substring match took a short model name inside an unrelated 404's words."""
+    from kvguard.operator.canary.suite import _names
+
+    assert _names("The model `my-lora` does not exist.", "my-lora")
+    assert _names("The model `org/m-1` does not exist.", "org/m-1")
+    assert not _names("Not Found: /v1/completions", "v1")
+    assert not _names("no route for this path", "at")
+    assert not _names("The model `my-lora-2` does not exist.", "my-lora")

@@ -73,6 +73,7 @@ async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.A
     await runner.setup()
     sock = socket.create_server(("127.0.0.1", 0), backlog=128)
     site = CappedSockSite(runner, sock, cap=cap)
+    site.min_age_s = site.rescan_s = 0.0  # the tests below that need them set their own
     await site.start()
     try:
         yield site, runner, sock.getsockname()[1]
@@ -279,3 +280,65 @@ async def test_a_burst_of_idle_connections_keeps_the_listener_within_its_cap() -
         finally:
             for client in clients:
                 client.close()
+
+
+async def test_a_young_connection_is_not_closed_to_make_room() -> None:
+    """A review: a newcomer counts as waiting for a request until the loop reads what it sent, so a
+    flood could close a client whose request was already in the socket. A connection is left alone
+    for its first MIN_AGE_S (here an hour): the newcomer is refused instead."""
+    async with capped_listener(2) as (site, runner, port):
+        site.min_age_s = 3600.0
+        slow = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _reader, writer in slow:
+            writer.write(b"GET / HT")
+            await writer.drain()
+        await until(lambda: len(runner.server.connections) == 2, "both slow clients held")  # type: ignore[union-attr]
+        assert (await _get(port)).startswith(b"HTTP/1.1 503 ")
+        assert (site.evicted, site.refused) == (0, 1)
+        for _reader, writer in slow:
+            writer.close()
+
+
+async def test_refusing_at_the_cap_does_not_search_the_connections_for_each_newcomer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: with every place holding a request in hand, each newcomer searched all `cap`
+    connections before its 503 (0.45 ms of the loop per refusal at 4,096 places, 4x the refusal
+    itself), so a modest flood stalled every stream. A search that found nothing holds for
+    `rescan_s` (here an hour)."""
+    from kvguard.workers.servers import ListenerConnection
+
+    reads: list[None] = []
+    waiting = ListenerConnection.waiting
+    monkeypatch.setattr(ListenerConnection, "waiting", property(lambda self: reads.append(None) or waiting.fget(self)))
+    async with capped_listener(40) as (site, _runner, port):
+        site.rescan_s = 3600.0
+        held = await _in_hand(port, 40)
+        for _ in range(20):
+            assert (await _get(port)).startswith(b"HTTP/1.1 503 ")
+        assert site.refused == 20 and len(reads) == 40, len(reads)  # one search
+        RELEASE[0].set()
+        for _reader, writer in held:
+            writer.close()
+
+
+async def test_a_connection_that_becomes_idle_after_a_refusal_makes_room_again() -> None:
+    async with capped_listener(2) as (site, _runner, port):
+        [(_held_reader, held)] = await _in_hand(port, 1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # Answered before its body has arrived: aiohttp reads the rest, a request in hand.
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"ok"), timeout=30)).startswith(b"HTTP/1.1 200")
+        assert (await _get(port)).startswith(b"HTTP/1.1 503 ")
+        writer.write(b"cd")  # the body is whole: the connection waits for its next request
+        await writer.drain()
+        served = b""
+        for _ in range(600):  # until the loop has read the rest of the body
+            served = await _get(port)
+            if served.startswith(b"HTTP/1.1 200"):
+                break
+            await asyncio.sleep(0.05)
+        assert served.startswith(b"HTTP/1.1 200") and site.evicted == 1, served[:100]
+        assert await asyncio.wait_for(reader.read(), timeout=30) == b""
+        RELEASE[0].set()
+        held.close()
+        writer.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -232,6 +233,12 @@ def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot], engine_fr
     info.min_pool_tokens = int(min(capacities)) if capacities else None
 
 
+def _names(text: str, model: str) -> bool:
+    """`text` names `model` as a whole word (quoted or not): a short name such as "a" inside an
+    unrelated 404's wording is not it (a review)."""
+    return re.search(rf"(?<![\w./:-]){re.escape(model)}(?![\w./:-])", text) is not None
+
+
 async def _calibrate(target: EngineClient, api: ApiKind, deadline: float | None) -> TokenEstimate:
     """Tokens per filler word from usage.prompt_tokens, when the server reports usage.
 
@@ -252,7 +259,7 @@ async def _calibrate(target: EngineClient, api: ApiKind, deadline: float | None)
         return TokenEstimate()
     if probe.status in (404, 405):
         said = one_line(probe.error or "", 200)
-        if target.model and target.model in said:
+        if target.model and _names(said, target.model):
             # vLLM's 404 for a model it does not serve ("The model `x` does not exist.", param
             # "model"): the API is there, the name is wrong (outside probe: the hint named the API).
             raise CannotRun(f"target {target.base_url}: POST {API_PATHS[api]} answers HTTP {probe.status} for model "
