@@ -226,4 +226,6 @@ def worker_process(argv: list[str], env: dict[str, str], sockets: list[socket.so
         yield
     finally:
         process.terminate()
-        process.wait(20)
+        # A worker drains for up to --drain-timeout (15 s), then SHUTDOWN_GRACE_S (5 s): 20 s would
+        # leave no room for a loaded machine's slower exit.
+        process.wait(60)
