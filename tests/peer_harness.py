@@ -181,7 +181,7 @@ class FaultProxy:
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()
-        if not self._ready.wait(10):
+        if not self._ready.wait(60):  # a thread's server: under a second idle, far more on a loaded machine
             raise RuntimeError("fault proxy did not start")
         return self
 
