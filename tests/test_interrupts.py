@@ -24,10 +24,13 @@ from kvguard.interrupts import run_interruptible, stop_signals_as_one_interrupt
 @pytest.fixture(autouse=True)
 def foreground_handlers() -> Iterator[None]:
     """The stop signals' handlers of a command run in the foreground, whatever this test process
-    inherited (run as a background job, it starts with SIGINT ignored); put back afterwards."""
-    inherited = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    inherited (run as a background job, it starts with SIGINT ignored; under nohup, SIGHUP too, and
+    the SIGHUP tests then failed: the `kvguard serve` they start inherits it ignored); put back
+    afterwards."""
+    inherited = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
         yield
     finally:
