@@ -101,6 +101,13 @@ def test_model_names_equal_the_codes_enums() -> None:
 # -- the model and its mutants ------------------------------------------------------------------
 
 
+# pan's bounded searches (memory-bound, ~15M states) cannot hang, and they slow down more than
+# anything else on a loaded machine: the main model took 552 s of pytest's 900 s per-test limit on
+# two loaded cores (35 s idle). The limit stays a guard against hangs, with room for that.
+SEARCH_TIMEOUT_S = 2700
+
+
+@pytest.mark.timeout(SEARCH_TIMEOUT_S)
 @pytest.mark.parametrize("name", sorted(check.MODEL_RUNS))
 def test_model_verifies_exhaustively_at_its_bounds_s1_to_s6(spin: None, tmp_path: Path, name: str) -> None:
     result = check.check(check.MODEL_RUNS[name], tmp_path)
@@ -109,6 +116,7 @@ def test_model_verifies_exhaustively_at_its_bounds_s1_to_s6(spin: None, tmp_path
     assert result.states > check.MODEL_RUNS[name].min_states  # the rows ran (row 1 alone is ~3,500 states)
 
 
+@pytest.mark.timeout(SEARCH_TIMEOUT_S)
 @pytest.mark.parametrize("name", sorted(check.MUTANTS))
 def test_mutant_of_a_real_bug_has_a_counterexample(spin: None, tmp_path: Path, name: str) -> None:
     run = check.MUTANTS[name]
