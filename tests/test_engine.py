@@ -559,3 +559,13 @@ def test_a_failed_prefill_step_leaves_the_sender_nothing_to_export(tiny_model_di
     assert set(e.requests["b"].lease.page_ids) & set(lease.page_ids)  # b's KV is in a's pages
     with pytest.raises(StaleLeaseError):
         e.pool.export_pages(lease, lease.page_ids)
+
+
+def test_generate_raises_rather_than_returning_a_request_that_cannot_finish(tiny_model_dir: Path) -> None:
+    """An outside probe: a decode request awaiting its KV held the pool; `generate` returned the new
+    request unfinished (ADMITTED, no tokens) as if it had run."""
+    e = engine(tiny_model_dir, kv_pool_tokens=64)
+    e.add_decode_request("held", [1] * 20, SamplingParams(max_tokens=20, temperature=0))  # 5 of 8 pages
+    e.step()
+    with pytest.raises(RuntimeError, match="cannot finish"):
+        e.generate([[2] * 20], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))

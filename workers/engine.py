@@ -34,6 +34,7 @@ from kvguard.workers.kv_pool import KVPool
 from kvguard.workers.metrics import EngineMetrics
 from kvguard.workers.model import AttentionBatch, CausalLM, ModelArgs, generation_eos_ids, length_groups, load_model
 from kvguard.workers.request import (
+    TERMINAL,
     ContextLengthExceeded,
     DuplicateRequestId,
     EngineError,
@@ -545,12 +546,18 @@ class Engine:
     # ------------------------------------------------------------------------------ helpers
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
-        """Run prompts to completion (tests, benchmarks). Returns the finished requests in order."""
+        """Run prompts to completion (tests, benchmarks). Returns the finished requests in order;
+        raises if one cannot finish: its pages are held by requests that take no step (a decode
+        request awaiting its KV), where it returned it unfinished (an outside probe)."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         base = f"gen-{time.monotonic_ns()}"
         requests = [self.add_request(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
         while self.has_work():
             self.step()
+        ended = TERMINAL | {RequestState.TRANSFERRING}  # a prefill request ends handing its KV over
+        if stuck := [r.request_id for r in requests if r.state not in ended]:
+            raise RuntimeError(f"generate: {len(stuck)} request(s) cannot finish ({stuck[0]}, ...): the pool is held by "
+                               "requests that take no step")  # fmt: skip
         return requests
 
     def drain_outputs(self) -> list[RequestOutput]:
