@@ -255,14 +255,16 @@ class ListenerConnection(RequestHandler):
       OpenAI-shaped error body, as every other client error is. aiohttp answered these with plain
       text quoting the client's bytes (an outside probe; issue 11: every client input gets a 4xx
       OpenAI error). Status and logging stay aiohttp's;
-    - it says whether it waits for a request (`waiting`): such a connection is what CappedSockSite
-      closes to make room at its cap."""
+    - it says whether it has a request in hand (`waiting`, `served`, `answered`, `body_since`):
+      one without is what CappedSockSite closes to make room at its cap."""
 
-    __slots__ = ("answered_at", "body_since", "made_at")
+    __slots__ = ("answered", "answered_at", "body_since", "made_at")
 
     def __init__(self, manager: web.Server, *, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
         self.made_at = loop.time()
+        self.answered = 0
+        """Requests it has answered: as many as it has read (`served`), none is in hand."""
         self.answered_at = self.made_at
         """Event-loop time its last answer was sent (when it was made, before its first)."""
         self.body_since: float | None = None
@@ -273,6 +275,7 @@ class ListenerConnection(RequestHandler):
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
+            self.answered += 1
             self.answered_at = self._loop.time()
 
     @property
@@ -387,7 +390,9 @@ class CappedSockSite(web.SockSite):
 
 def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> ListenerConnection | None:
     """Which connection a new one takes the place of at a listener's cap: the oldest one that never
-    sent a whole request head (a slow or idle client); else the keep-alive one idle longest; else
+    sent a whole request head (a slow or idle client); else the one answered longest ago with no
+    request since (idle keep-alive, or aiohttp reading and dropping, for up to 10 s, the rest of a
+    body its handler answered without reading: a 401, 404, or 413 by its Content-Length); else
     the one whose request has read its body longest (a body sent slowly, as a flood of them would:
     a request whose body has not arrived is not yet taken on). A connection made, answered, or
     whose body began after `old_since` is left alone: a client whose request is already in the
@@ -402,10 +407,11 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> Li
     for connection in connections:  # oldest first
         if not isinstance(connection, ListenerConnection) or connection._force_close:
             continue
-        if connection.waiting:
-            if not connection.served and connection.made_at <= old_since:
+        if not connection.served:
+            if connection.waiting and connection.made_at <= old_since:
                 return connection
-            if connection.served and connection.answered_at <= idle_since:
+        elif connection.answered == connection.served:
+            if connection.answered_at <= idle_since:
                 idle, idle_since = connection, connection.answered_at
         elif connection.body_since is not None and connection.body_since <= slow_since:
             slow_body, slow_since = connection, connection.body_since
