@@ -255,7 +255,7 @@ class ListenerConnection(RequestHandler):
       OpenAI-shaped error body, as every other client error is. aiohttp answered these with plain
       text quoting the client's bytes (an outside probe; issue 11: every client input gets a 4xx
       OpenAI error). Status and logging stay aiohttp's;
-    - it says whether it has a request in hand (`waiting`, `served`, `answered`, `body_since`):
+    - it says whether it has a request in hand (`waiting`, `requests_read`, `answered`, `body_since`):
       one without is what CappedSockSite closes to make room at its cap."""
 
     __slots__ = ("answered", "answered_at", "body_since", "made_at")
@@ -264,7 +264,7 @@ class ListenerConnection(RequestHandler):
         super().__init__(manager, loop=loop, **kwargs)
         self.made_at = loop.time()
         self.answered = 0
-        """Requests it has answered: as many as it has read (`served`), none is in hand."""
+        """Requests it has answered: as many as it has read (`requests_read`), none is in hand."""
         self.answered_at = self.made_at
         """Event-loop time its last answer was sent (when it was made, before its first)."""
         self.body_since: float | None = None
@@ -288,7 +288,7 @@ class ListenerConnection(RequestHandler):
         return waiter is not None and not waiter.done() and not self._messages and not self._force_close
 
     @property
-    def served(self) -> int:
+    def requests_read(self) -> int:
         """Requests whose head this connection has read (0: a client that never sent one)."""
         return self._request_count
 
@@ -407,10 +407,10 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> Li
     for connection in connections:  # oldest first
         if not isinstance(connection, ListenerConnection) or connection._force_close:
             continue
-        if not connection.served:
+        if not connection.requests_read:
             if connection.waiting and connection.made_at <= old_since:
                 return connection
-        elif connection.answered == connection.served:
+        elif connection.answered == connection.requests_read:
             if connection.answered_at <= idle_since:
                 idle, idle_since = connection, connection.answered_at
         elif connection.body_since is not None and connection.body_since <= slow_since:
