@@ -128,6 +128,10 @@ class LeaderElector:
 
     async def attempt(self) -> None:
         """One look at the Lease, and the move it calls for."""
+        # A renewal counts from when it was sent, not from when its answer came: the API server
+        # may have recorded it long before (a slow answer, up to the client's timeout), and a
+        # standby's clock starts at that record.
+        sent = self._clock()
         try:
             held = await self._try()
         except KubeError as exc:
@@ -135,7 +139,7 @@ class LeaderElector:
             held = None  # unknown: keep leading until the renew deadline
         now = self._clock()
         if held:
-            self._last_renewal = now
+            self._last_renewal = sent
             if not self.leading:
                 self.leading = True
                 log.info("leader election: %s now leads (Lease %s)", self.identity, self._ref)

@@ -430,3 +430,37 @@ async def test_deletions_leave_nothing_behind_in_the_leader_or_a_standby_and_cos
         assert not [r for r in list(cluster)[seen:] if r.method == "GET" and f"-{rev1}-" in str(r.url)]
     finally:
         await b.stop()
+
+
+async def test_a_renewal_answered_late_counts_from_when_it_was_sent(kmock: Any) -> None:
+    """Outside probe: the holder counted its renew deadline from when a renewal's answer came
+    back, not from when it was sent. The API server may have recorded the renewal long before (a
+    slow answer, up to the client's 30 s timeout); a standby's clock starts at that record, so the
+    holder went on writing past the point where a standby may already have taken over."""
+    from kmock_api import declare_kvguard_resources
+
+    url = declare_kvguard_resources(kmock)
+    config = LeaseConfig(duration=15, renew_deadline=10, retry_period=2)
+    clock = Clock()
+
+    async def nothing() -> None:
+        return None
+
+    kube = Kube(kubernetes.client.ApiClient(client_configuration(url)))
+    elector = LeaderElector(kube, "a", config, nothing, nothing, clock)
+    await elector.attempt()
+    assert elector.leading and elector.holds_lease()
+    sent = kube.amerge_patch
+
+    async def answered_late(*args: Any, **kwargs: Any) -> Any:
+        written = await sent(*args, **kwargs)
+        clock.now += 12  # the renewal was recorded at once; its answer took longer than the renew deadline
+        return written
+
+    kube.amerge_patch = answered_late  # type: ignore[method-assign]
+    await elector.attempt()
+    assert not elector.holds_lease(), "a renewal sent 12 s ago keeps no Lease with a 10 s renew deadline"
+    kube.amerge_patch = sent  # type: ignore[method-assign]
+    await elector.attempt()  # a prompt renewal holds it again
+    assert elector.holds_lease()
+
