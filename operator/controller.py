@@ -359,6 +359,9 @@ class Controller:
         failures = self._failures.get(key, 0)
         self._failures[key] = failures + 1
         delay = self.settings.errors.delay(failures)
+        asked = exc.retry_after if isinstance(exc, KubeError) else None
+        if asked is not None:  # throttled (429) or unavailable (503): no sooner than the API server asked
+            delay = max(delay, min(asked, self.settings.errors.cap))
         self.retries.append((key, failures, delay, f"{type(exc).__name__}: {exc}"))
         metrics.RECONCILES.labels("error").inc()
         level = logging.WARNING if isinstance(exc, KubeError | StatusConflict) else logging.ERROR

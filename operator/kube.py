@@ -54,6 +54,8 @@ SCALE_FIELD_MANAGER = "kvguard-scale"
 rendered fields, so the next apply of a rendered manifest takes replicas back on purpose (force)."""
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 REQUEST_TIMEOUT_SECONDS = 30
+RETRY_AFTER_HEADER = "x-kvguard-retry-after"
+"""Where `_call` leaves the API server's Retry-After for `_expect` (never sent, never stored)."""
 DEFAULT_CONCURRENCY = 16
 """API requests in flight at once per client (threads and pooled connections)."""
 T = TypeVar("T")
@@ -124,9 +126,11 @@ def ref_of(manifest: Mapping[str, Any]) -> ObjectRef:
 class KubeError(RuntimeError):
     """An API call failed with a status the caller did not expect."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+        self.retry_after = retry_after
+        """Seconds the API server asked the client to wait (429/503: Retry-After), if it did."""
 
     @property
     def retriable(self) -> bool:
@@ -377,11 +381,15 @@ class Kube:
     ) -> tuple[int, Any]:
         if method != "GET" and self.write_guard is not None and (why := self.write_guard(method, path)) is not None:
             raise KubeError(0, f"{method} {path} not sent: {why}")
-        status, raw = self._transport(method, path, body, content_type=content_type, accept=accept, query=query)
+        status, raw, retry_after = self._transport_with_headers(method, path, body, content_type=content_type, accept=accept,
+                                                                query=query)  # fmt: skip
         try:
-            return status, json.loads(raw) if raw else {}
+            decoded = json.loads(raw) if raw else {}
         except ValueError:
-            return status, {"message": raw[:200].decode(errors="replace")}
+            decoded = {"message": raw[:200].decode(errors="replace")}
+        if retry_after is not None and isinstance(decoded, dict):
+            decoded[RETRY_AFTER_HEADER] = retry_after
+        return status, decoded
 
     def _transport(
         self,
@@ -394,6 +402,20 @@ class Kube:
         query: builtins.list[tuple[str, str]] | None,
     ) -> tuple[int, bytes]:
         """One request: its status and raw body (TransportError when no answer came)."""
+        status, raw, _ = self._transport_with_headers(method, path, body, content_type=content_type, accept=accept, query=query)
+        return status, raw
+
+    def _transport_with_headers(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | str | None,
+        *,
+        content_type: str,
+        accept: str,
+        query: builtins.list[tuple[str, str]] | None,
+    ) -> tuple[int, bytes, float | None]:
+        """`_transport`, and the seconds of the answer's Retry-After header when it has one."""
         headers = {"Accept": accept, "Content-Type": content_type}
         method, url, headers, body, _ = self._api.param_serialize(
             method=method, resource_path=path, query_params=query, header_params=headers, body=body,
@@ -405,9 +427,11 @@ class Kube:
             response.read()
             raw = response.data or b""
             status = int(response.status)
+            answer_headers = response.headers
         except k8s.ApiException as exc:  # the rest client raises for some statuses (TLS: status 0)
             raw = (exc.body or "").encode() if isinstance(exc.body, str) else (exc.body or b"")
             status = int(exc.status or 0)
+            answer_headers = exc.headers
         except (urllib3.exceptions.HTTPError, OSError) as exc:  # timeouts, resets, refused connections
             API_REQUESTS.labels(method, "0").inc()
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
@@ -416,11 +440,26 @@ class Kube:
         log.debug("%s %s -> %s", method, path, status)  # never the body
         if status == 0:
             raise TransportError(f"{method} {path}: {raw[:200].decode(errors='replace')}")
-        return status, raw
+        return status, raw, _seconds((answer_headers or {}).get("Retry-After")) if status in (429, 503) else None
 
     @staticmethod
     def _expect(status: int, body: Any, ref: ObjectRef) -> dict[str, Any]:
         if 200 <= status < 300:
             return body if isinstance(body, dict) else {}
         message = body.get("message", "") if isinstance(body, dict) else str(body)[:200]
-        raise KubeError(status, f"{ref}: {message}")
+        retry_after = None
+        if isinstance(body, dict) and status in (429, 503):  # the header, else the Status's details (kube-apiserver sends both)
+            details = body.get("details")
+            retry_after = body.get(RETRY_AFTER_HEADER)
+            if retry_after is None and isinstance(details, dict):
+                retry_after = _seconds(details.get("retryAfterSeconds"))
+        raise KubeError(status, f"{ref}: {message}", retry_after=retry_after)
+
+
+def _seconds(value: Any) -> float | None:
+    """A Retry-After in seconds (kube-apiserver sends integers; the HTTP-date form is not used)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if 0 <= seconds < float("inf") else None

@@ -38,6 +38,7 @@ from operator_harness import (
     apply_model,
     condition,
     events_of,
+    fast_settings,
     http,
     mark_ready,
     never_finishes,
@@ -53,7 +54,8 @@ from operator_harness import (
 
 from kvguard.operator import metrics, reconcile
 from kvguard.operator.api import InferenceModelSpec
-from kvguard.operator.kube import Kube
+from kvguard.operator.controller import Controller
+from kvguard.operator.kube import Kube, KubeError, ObjectRef
 from kvguard.operator.leader import LeaderElector, LeaseConfig, LeaseRecord, Move, decide
 from kvguard.operator.render import transfer_secret_of
 from kvguard.operator.revision import revision_of
@@ -464,3 +466,39 @@ async def test_a_renewal_answered_late_counts_from_when_it_was_sent(kmock: Any) 
     await elector.attempt()  # a prompt renewal holds it again
     assert elector.holds_lease()
 
+
+@pytest.mark.parametrize(("headers", "details", "asked"), [({"Retry-After": "3"}, None, 3.0), ({}, {"retryAfterSeconds": 4}, 4.0),
+                                                            ({}, None, None)])  # fmt: skip
+async def test_throttling_waits_at_least_as_long_as_the_api_server_asks(headers: dict[str, str], details: Any, asked: float | None) -> None:
+    """Outside probe: a 429 (API Priority and Fairness) with Retry-After: 3 was retried after
+    1 s, then 2 s: the backoff ignored what the API server asked. The wait is now no shorter
+    than the header (or the Status's details.retryAfterSeconds), within the error cap."""
+    async def throttled(_request: web.Request) -> web.Response:
+        body = {"kind": "Status", "code": 429, "reason": "TooManyRequests", "message": "too many requests", **({"details": details} if details else {})}
+        return web.json_response(body, status=429, headers=headers)
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", throttled)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        cfg = client_configuration(f"http://127.0.0.1:{port}")
+        cfg.retries = 0
+        kube = Kube(kubernetes.client.ApiClient(cfg))
+        with pytest.raises(KubeError) as raised:
+            await kube.apatch_status(ObjectRef("InferenceModel", "tiny", NS), {"phase": "Ready"}, "1")
+        assert raised.value.status == 429 and raised.value.retry_after == asked
+        controller = Controller(kube, None, list, fast_settings())  # type: ignore[arg-type]
+        controller._failed((NS, "tiny"), raised.value)
+        (_, attempt, delay, _) = controller.retries[-1]
+        assert attempt == 0
+        if asked is not None:
+            assert delay >= asked
+        else:
+            assert delay < 1.0  # the error backoff's first step (base 0.2 s, jittered)
+        controller.queue.clear()
+    finally:
+        await runner.cleanup()
