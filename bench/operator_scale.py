@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -115,6 +116,18 @@ async def pass_stats(session_url: str) -> tuple[float, float, float]:
             samples.get("kvguard_operator_api_request_seconds_sum", 0.0) / requests if requests else 0.0)  # fmt: skip
 
 
+async def passes_at_least(metrics_url: str, count: int, timeout: float) -> None:
+    """Until the operator at `metrics_url` has run `count` passes (its /metrics may not answer yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError):
+            if (await pass_stats(metrics_url))[0] >= count:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the restarted operator's {count} passes")
+        await asyncio.sleep(0.5)
+
+
 def rss_mb(pid: int) -> tuple[float, float]:
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
@@ -185,6 +198,10 @@ async def run_one(models: int, idle: float, settle: float, timeout: float, log_d
             before, began = model_traffic(emulator), time.monotonic()
             operator = start_operator(env, log_dir, log)
             await until(lambda: model_traffic(emulator) > before, timeout, "the restarted operator's first request")
+            # Every model passed once before the quiet window: read from requests alone, a restarted
+            # operator still working through its first listing (no request for 10 s at 200 models,
+            # on a loaded machine) looked at rest, and the figure left most of its work out.
+            await passes_at_least(f"http://127.0.0.1:{metrics_port}/metrics", models, timeout)
             await quiet(emulator, settle, timeout)
             restart_requests, restart_seconds = model_traffic(emulator) - before, time.monotonic() - began - settle
         finally:
