@@ -101,6 +101,27 @@ def test_what_the_rollout_says_beside_its_state_is_printed(tmp_path: Path, capsy
     assert f"progressing: {said}" in out and "message: revision r2 is serving" in out, out
 
 
+def test_a_serving_revision_a_policy_no_longer_allows_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An outside probe: `apply --policy` with a policy the serving spec breaks printed only
+    "revision ... is serving" (exit 0); PolicyCompliant=False was in `kvguard status` alone."""
+    from types import SimpleNamespace
+
+    from kvguard.operator.rollout import RolloutState
+
+    said = "spec.contextLength: 1,024 exceeds the policy's maximum 512 (policy strict, rule maxContextLength)"
+    status = SimpleNamespace(message="revision r2 is serving", conditions=[
+        SimpleNamespace(type="PolicyCompliant", status="False", message=said),
+        SimpleNamespace(type="Progressing", status="False", message="revision r2 is serving")])  # fmt: skip
+    result = SimpleNamespace(state=RolloutState.STABLE, revision="r2", stable="r2", roles_out_of_rotation=(), status=status,
+                             canary_reports={}, front_door_problem=None, serving_url="http://r2", promoted=True)  # fmt: skip
+    _print_result(result, tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert f"policy: not compliant (serving, but the next rollout is blocked): {said}" in out, out
+    status.conditions[0] = SimpleNamespace(type="PolicyCompliant", status="True", message="")
+    _print_result(result, tmp_path)
+    assert not any(line.startswith("policy:") for line in capsys.readouterr().out.splitlines())
+
+
 def test_a_blocked_plan_says_why_and_exits_3(tmp_path: Path) -> None:
     done = kvguard("apply", "-f", str(REPO / "examples" / "incident.yaml"), "--local", "--state-dir", str(tmp_path / "s"))
     assert done.returncode == 3, done.stdout + done.stderr

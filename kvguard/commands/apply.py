@@ -185,6 +185,13 @@ def _print_result(result: Any, state_dir: Path) -> None:
     progressing = next((c for c in result.status.conditions if c.type == "Progressing"), None)
     if progressing is not None and progressing.message and progressing.message != result.status.message:
         print(f"progressing: {progressing.message}")
+    # A serving revision that an InferencePolicy no longer allows keeps serving (reported, not
+    # killed), but the next rollout is blocked: say so here, not only in `kvguard status` (an
+    # outside probe: apply printed "revision ... is serving" and exit 0 with nothing else).
+    policy = next((c for c in result.status.conditions if c.type == "PolicyCompliant"), None)
+    if (policy is not None and getattr(policy, "status", None) == "False" and policy.message
+            and policy.message not in (result.status.message or "")):  # fmt: skip
+        print(f"policy: not compliant (serving, but the next rollout is blocked): {policy.message}")
     if missing := result.roles_out_of_rotation:
         print(f"not serving: revision {result.revision} has no {' or '.join(missing)} worker in rotation (requests get 503); "
               "`kvguard status` names each worker and why")  # fmt: skip
