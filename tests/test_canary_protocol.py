@@ -293,3 +293,18 @@ def test_tolerant_matching_fails_an_answer_that_ends_where_the_baseline_goes_on(
     assert judge(longer, spec.min_token_agreement, spec.max_logprob_divergence) is not None
     one_short = compare(tokens[:7], tokens, spec.max_logprob_divergence)  # a near end, as a numerics change may give
     assert judge(one_short, spec.min_token_agreement, spec.max_logprob_divergence) is None, one_short.describe()
+
+
+def test_a_divergence_that_is_not_a_near_tie_counts_to_the_longer_answer() -> None:
+    """A review of the length rule: a candidate that stopped after 3 of the baseline's 8 agreeing
+    tokens fails (3/8), but one that added a wrong 4th token (not a near-tie) and stopped was
+    compared up to its own 4 only: 3/4 = 0.75, which passed the default. One wrong token more must
+    not pass where its absence fails."""
+    spec = CanarySpec().golden.logprob_tolerance
+    tokens = [TokenLogprob(token=f" t{i}", logprob=-0.1, top={f" t{i}": -0.1, " zz": -3.0}) for i in range(8)]
+    wrong = TokenLogprob(token=" X", logprob=-0.1, top={" X": -0.1})
+    diverged = compare([*tokens[:3], wrong], tokens, spec.max_logprob_divergence)
+    assert diverged.token_agreement == 3 / 8 and diverged.compared == 8, diverged.describe()
+    assert judge(diverged, spec.min_token_agreement, spec.max_logprob_divergence) is not None
+    longer = compare([*tokens[:3], wrong, *tokens[4:]], tokens[:4], spec.max_logprob_divergence)
+    assert longer.token_agreement == 3 / 8, longer.describe()  # the candidate ran on past a wrong token too

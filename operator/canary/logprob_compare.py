@@ -81,6 +81,11 @@ def compare(candidate: list[TokenLogprob], baseline: list[TokenLogprob], tie_thr
         # baseline's 8 tokens agreed 1.00 and passed (outside probe).
         ended_early = "candidate" if len(candidate) < len(baseline) else "baseline"
         compared = max(len(candidate), len(baseline))
+    elif divergence is not None and not divergence.near_tie:
+        # Every position from a divergence on disagrees, up to the end of the longer answer: counted
+        # up to the shorter, a wrong token before a stop (3/4 = 0.75) passed where the stop alone,
+        # one token sooner, failed (3/8).
+        compared = max(len(candidate), len(baseline))
     if (divergence is None and ended_early is None) or (divergence is not None and divergence.near_tie):
         agreement = 1.0
     else:
