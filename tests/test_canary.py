@@ -595,3 +595,16 @@ def test_a_404_names_the_model_only_as_a_whole_word() -> None:
     assert not _names("Not Found: /v1/completions", "v1")
     assert not _names("no route for this path", "at")
     assert not _names("The model `my-lora-2` does not exist.", "my-lora")
+
+
+def test_a_404_names_the_model_at_the_end_of_a_sentence() -> None:
+    """A review of the whole-word match: a name followed by a sentence's period or a colon was not
+    a whole word ("model=my-lora. Call /v1/models", LiteLLM's wording), so the 404 was blamed on
+    spec.canary.api; the name inside a longer one (my-lora.gguf, llama3:8b) still is not it."""
+    from kvguard.operator.canary.suite import _names
+
+    assert _names("Invalid model name passed in model=my-lora. Call `/v1/models` to view available models.", "my-lora")
+    assert _names("model not found: my-lora.", "my-lora")
+    assert _names("model my-lora: not found", "my-lora")
+    assert not _names("model my-lora.gguf not found", "my-lora")
+    assert not _names("model llama3:8b not found", "llama3")

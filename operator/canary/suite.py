@@ -235,8 +235,9 @@ def _absorb_metrics(info: TargetInfo, snapshots: list[WorkerSnapshot], engine_fr
 
 def _names(text: str, model: str) -> bool:
     """`text` names `model` as a whole word (quoted or not): a short name such as "a" inside an
-    unrelated 404's wording is not it (a review)."""
-    return re.search(rf"(?<![\w./:-]){re.escape(model)}(?![\w./:-])", text) is not None
+    unrelated 404's wording is not it (a review). A period or colon after it ends the word unless
+    the name goes on (`my-lora.` ends a sentence; `my-lora.gguf`, `llama3:8b` are other names)."""
+    return re.search(rf"(?<![\w./:-]){re.escape(model)}(?![\w/-]|[.:][\w/-])", text) is not None
 
 
 async def _calibrate(target: EngineClient, api: ApiKind, deadline: float | None) -> TokenEstimate:
