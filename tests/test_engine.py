@@ -569,3 +569,8 @@ def test_generate_raises_rather_than_returning_a_request_that_cannot_finish(tiny
     e.step()
     with pytest.raises(RuntimeError, match="cannot finish"):
         e.generate([[2] * 20], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    # A review: the request generate gave up on stayed queued, and ran for nobody once the pool freed.
+    assert list(e.requests) == ["held"] and not e.scheduler.waiting
+    e.abort("held")
+    e.step()  # hands out the aborted outputs
+    assert not e.has_work() and not e.requests

@@ -556,6 +556,8 @@ class Engine:
             self.step()
         ended = TERMINAL | {RequestState.TRANSFERRING}  # a prefill request ends handing its KV over
         if stuck := [r.request_id for r in requests if r.state not in ended]:
+            for request_id in stuck:  # not left queued, to run for nobody once the pool frees
+                self.abort(request_id, "generate gave up")
             raise RuntimeError(f"generate: {len(stuck)} request(s) cannot finish ({stuck[0]}, ...): the pool is held by "
                                "requests that take no step")  # fmt: skip
         return requests
