@@ -181,7 +181,14 @@ class Kube:
         if user_agent:
             self._api.user_agent = user_agent
         # urllib3's pool must hold as many connections as there are threads, or they queue on it.
-        self._api.rest_client.pool_manager.connection_pool_kw["maxsize"] = concurrency
+        pool_kw = self._api.rest_client.pool_manager.connection_pool_kw
+        pool_kw["maxsize"] = concurrency
+        # urllib3 would answer a GET's or DELETE's 429/503 with Retry-After itself: sleep what it
+        # asks, uncapped, three times, in a request thread, before the caller's own wait (the
+        # controller's backoff, the elector's deadline) even began. The answer goes to the caller.
+        retries = pool_kw.get("retries")
+        retries = retries if isinstance(retries, urllib3.util.Retry) else urllib3.util.Retry.from_int(retries)
+        pool_kw["retries"] = retries.new(respect_retry_after_header=False)
         self._executor = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="kube")
         self.write_guard: Callable[[str, str], str | None] | None = None
         """Asked before every write with (method, path): a reason to refuse it, or None. The

@@ -576,3 +576,43 @@ async def test_a_workers_service_made_with_a_virtual_ip_is_replaced_by_its_headl
     live = await kube.aget(ObjectRef("Service", "m-r1-prefill", "ns")) or {}
     assert live["spec"]["clusterIP"] == "None" and live["metadata"]["uid"] != uid  # a new object
     assert live["metadata"]["ownerReferences"][0]["uid"] == "u"
+
+
+def test_a_throttled_get_is_not_retried_inside_the_client() -> None:
+    """A review of Retry-After (95783af): urllib3's default retries answered a GET's (or a DELETE's)
+    429 with Retry-After by sleeping what it asked and sending it again, three times, uncapped,
+    in a request thread, before the caller's own wait began: 4 requests and 3 s for Retry-After:
+    1. The answer goes to the caller at once, which waits as the API server asked."""
+    import http.server
+    import json
+    import time
+
+    import kubernetes
+
+    hits: list[str] = []
+
+    class Throttling(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.command)
+            body = json.dumps({"kind": "Status", "code": 429, "message": "too many requests"}).encode()
+            self.send_response(429)
+            for name, value in (("Retry-After", "1"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))):
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Throttling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        kube = Kube(kubernetes.client.ApiClient(client_configuration(f"http://127.0.0.1:{server.server_port}")))
+        started = time.monotonic()
+        with pytest.raises(KubeError) as raised:
+            kube.list("InferenceModel", "ns")
+        assert (raised.value.status, raised.value.retry_after, hits) == (429, 1.0, ["GET"])
+        assert time.monotonic() - started < 0.9
+    finally:
+        server.shutdown()
+        server.server_close()
