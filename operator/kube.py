@@ -230,7 +230,7 @@ class Kube:
         A pod that is gone or not started yet has no log: ''."""
         query = [("container", container), ("sinceSeconds", str(since_seconds)), ("limitBytes", str(limit_bytes))]
         path = f"{KINDS['Pod'].collection_path(namespace)}/{name}/log"
-        status, raw = self._transport("GET", path, None, content_type="application/json", accept="text/plain", query=query)
+        status, raw, _ = self._transport("GET", path, None, content_type="application/json", accept="text/plain", query=query)
         if status in (400, 404):  # 400: the container is waiting to start
             return ""
         if not 200 <= status < 300:
@@ -388,7 +388,7 @@ class Kube:
     ) -> tuple[int, Any]:
         if method != "GET" and self.write_guard is not None and (why := self.write_guard(method, path)) is not None:
             raise KubeError(0, f"{method} {path} not sent: {why}")
-        status, raw, retry_after = self._transport_with_headers(method, path, body, content_type=content_type, accept=accept,
+        status, raw, retry_after = self._transport(method, path, body, content_type=content_type, accept=accept,
                                                                 query=query)  # fmt: skip
         try:
             decoded = json.loads(raw) if raw else {}
@@ -407,22 +407,9 @@ class Kube:
         content_type: str,
         accept: str,
         query: builtins.list[tuple[str, str]] | None,
-    ) -> tuple[int, bytes]:
-        """One request: its status and raw body (TransportError when no answer came)."""
-        status, raw, _ = self._transport_with_headers(method, path, body, content_type=content_type, accept=accept, query=query)
-        return status, raw
-
-    def _transport_with_headers(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | str | None,
-        *,
-        content_type: str,
-        accept: str,
-        query: builtins.list[tuple[str, str]] | None,
     ) -> tuple[int, bytes, float | None]:
-        """`_transport`, and the seconds of the answer's Retry-After header when it has one."""
+        """One request: its status, raw body, and the seconds of its Retry-After header when a 429 or
+        503 has one (TransportError when no answer came)."""
         headers = {"Accept": accept, "Content-Type": content_type}
         method, url, headers, body, _ = self._api.param_serialize(
             method=method, resource_path=path, query_params=query, header_params=headers, body=body,
