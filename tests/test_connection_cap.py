@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import resource
 import socket
 from collections.abc import AsyncIterator
@@ -393,4 +394,39 @@ async def test_a_connection_that_becomes_idle_after_a_refusal_makes_room_again()
         assert await asyncio.wait_for(reader.read(), timeout=30) == b""
         RELEASE[0].set()
         held.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("head", [b"POST /body", b"GET /"])
+async def test_a_connection_closed_to_make_room_as_its_body_arrives_ends_as_a_hang_up_does(
+    head: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A review (a slow-body flood against `kvguard serve`'s router): a connection closed to make
+    room in the loop pass that delivered a piece of its body lost its transport at once, so the
+    body's next read raised RuntimeError("Connection closed."), logged with its traceback as an
+    unexpected error (the router's 500 path; aiohttp's "Unhandled exception" for a body it was
+    dropping after an early answer) -- six a second in a flood. It ends as a client's hang-up:
+    nothing is logged as an error. POST /body reads its body; GET / answers without reading it."""
+    async with capped_listener(1) as (site, runner, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nx")
+        await writer.drain()
+        server = runner.server
+        assert server is not None
+        if head == b"POST /body":
+            await until(lambda: server.connections and server.connections[0].body_since is not None, "the body being read")
+        else:
+            assert (await asyncio.wait_for(reader.readuntil(b"ok"), timeout=30)).startswith(b"HTTP/1.1 200")
+        [connection] = server.connections
+        caplog.clear()
+
+        def more_body_and_a_newcomer() -> None:  # one loop pass: a piece of its body arrives, then a newcomer
+            connection.data_received(b"y")
+            assert site._make_room(server)
+
+        asyncio.get_running_loop().call_soon(more_body_and_a_newcomer)
+        await asyncio.wait_for(reader.read(), timeout=30)  # closed
+        await until(lambda: not server.connections, "the closed connection gone")
+        await asyncio.sleep(0.1)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
         writer.close()

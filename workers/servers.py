@@ -288,6 +288,11 @@ class ListenerConnection(RequestHandler):
         return waiter is not None and not waiter.done() and not self._messages and not self._force_close
 
     @property
+    def closing(self) -> bool:
+        """Its transport is closed (CappedSockSite made room with it): it ends next loop pass."""
+        return self.transport is None or self.transport.is_closing()
+
+    @property
     def requests_read(self) -> int:
         """Requests whose head this connection has read (0: a client that never sent one)."""
         return self._request_count
@@ -367,7 +372,12 @@ class CappedSockSite(web.SockSite):
         if chosen is None:
             self._no_room_until = now + self.rescan_s
             return False
-        chosen.force_close()
+        # Its transport only: aiohttp's force_close would also drop the handler's hold on it at once,
+        # and a body read woken in this pass (or aiohttp dropping the rest of an unread one) then
+        # raised RuntimeError("Connection closed."), logged as an unexpected error with its
+        # traceback (a review). connection_lost, next pass, ends it as a client's hang-up does.
+        assert chosen.transport is not None
+        chosen.transport.close()
         if not self._unmade and not self._closing:
             asyncio.get_running_loop().call_soon(self._made)  # after the close's connection_lost
         self._closing += 1
@@ -405,7 +415,7 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> Li
     slow_body: ListenerConnection | None = None
     slow_since = old_since
     for connection in connections:  # oldest first
-        if not isinstance(connection, ListenerConnection) or connection._force_close:
+        if not isinstance(connection, ListenerConnection) or connection._force_close or connection.closing:
             continue
         if not connection.requests_read:
             if connection.waiting and connection.made_at <= old_since:
