@@ -314,20 +314,20 @@ class ListenerConnection(RequestHandler):
 
 class CappedSockSite(web.SockSite):
     """A listener that keeps at most `cap` connections open. At the cap, a new connection takes the
-    place of one that has no whole request in hand (`_room_to_make`: one that never sent a request
-    head, an idle keep-alive one, or one whose body is still arriving), which is closed. Only when
-    every connection has a whole request in hand is the new one answered 503 (code
-    `too_many_connections`, Retry-After: 1) and closed before any of it is read. So a flood of
-    idle, slow-header or slow-body connections is bounded in number and cannot lock other clients
-    out: refusing the newcomer instead, 4,096 half-sent request lines (or bodies sent a byte at a
-    time) held every other tenant off for as long as their sender kept reconnecting (an outside
-    probe, issue 11). Requests in hand keep being served."""
+    place of one that has no request in hand and is not a client's kept-alive connection
+    (`_room_to_make`: one that never sent a request head, or whose body is still arriving, for at
+    least MIN_AGE_S), which is closed; else it is answered 503 (code `too_many_connections`,
+    Retry-After: 1) and closed before any of it is read. Refusing every newcomer instead, 4,096
+    half-sent request lines (or bodies sent a byte at a time) held every other tenant off for as
+    long as their sender kept reconnecting (an outside probe, issue 11); now such a flood holds
+    the places only while it opens more than `cap` connections every MIN_AGE_S. Requests in hand
+    and kept-alive connections keep being served."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: int) -> None:
         super().__init__(runner, sock)
         self.cap = cap
         self.refused = 0
-        self.evicted = 0  # connections without a whole request in hand closed to make room for a new one
+        self.evicted = 0  # connections without a request in hand closed to make room for a new one
         self._unmade = 0  # handed out since the loop last ran its callbacks: not yet in server.connections
         self._closing = 0  # closed to make room since then: still in server.connections, their sockets still open
         self._no_room_until = -math.inf  # event-loop time until which a newcomer is refused without a search
@@ -354,8 +354,9 @@ class CappedSockSite(web.SockSite):
             return ListenerConnection(server, loop=asyncio.get_running_loop(), **server._kwargs)
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a flood is told, not logged per connection
-            log.warning("%d connection(s) refused: %d open, every one with a request in hand, the cap "
-                        "(--max-connections or the open-file limit)", self.refused, self.cap)  # fmt: skip
+            log.warning("%d connection(s) refused: %d open, none to close (requests in hand, kept-alive, or younger "
+                        "than %g s), the cap (--max-connections or the open-file limit)", self.refused, self.cap,
+                        self.min_age_s)  # fmt: skip
         return _RefusedConnection(self)
 
     def _make_room(self, server: web.Server) -> bool:
@@ -383,8 +384,8 @@ class CappedSockSite(web.SockSite):
         self._closing += 1
         self.evicted += 1
         if self.evicted & (self.evicted - 1) == 0:  # 1, 2, 4, ...
-            log.warning("%d connection(s) without a whole request in hand (idle, or a request head or body still "
-                        "arriving) closed to make room at the cap of %d (--max-connections or the open-file limit)",
+            log.warning("%d connection(s) without a request in hand (a request head or body still arriving) closed "
+                        "to make room at the cap of %d (--max-connections or the open-file limit)",
                         self.evicted, self.cap)  # fmt: skip
         return True
 
@@ -400,18 +401,22 @@ class CappedSockSite(web.SockSite):
 
 def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> ListenerConnection | None:
     """Which connection a new one takes the place of at a listener's cap: the oldest one that never
-    sent a whole request head (a slow or idle client); else the one answered longest ago with no
-    request since (idle keep-alive, or aiohttp reading and dropping, for up to 10 s, the rest of a
-    body its handler answered without reading: a 401, 404, or 413 by its Content-Length); else
-    the one whose request has read its body longest (a body sent slowly, as a flood of them would:
-    a request whose body has not arrived is not yet taken on). A connection made, answered, or
-    whose body began after `old_since` is left alone: a client whose request is already in the
-    socket, not yet read by the loop, would otherwise lose it to a flood of newcomers (a review;
-    a keep-alive client sends its next request on the heels of an answer: picked by age, not by
-    idle time, 13% of five such clients' requests were lost to a flood of one-request
-    connections). None when no connection is to be closed: the new one is refused."""
-    idle: ListenerConnection | None = None
-    idle_since = old_since
+    sent a whole request head (a slow or idle client); else the one answered longest ago whose
+    answer aiohttp is still following by reading and dropping, for up to 10 s, the rest of a body
+    its handler did not read (a 401, 404, or 413 by its Content-Length); else the one whose
+    request has read its body longest (a body sent slowly, as a flood of them would: a request
+    whose body has not arrived is not yet taken on). None when no connection is to be closed: the
+    new one is refused.
+
+    Left alone: a connection made, answered, or whose body began after `old_since`, since a
+    client whose request is already in the socket, not yet read by the loop, would otherwise lose
+    it to a flood of newcomers; and an idle keep-alive connection, however long idle. Closed to
+    make room, a keep-alive client reconnected into a full listener and was refused: under a flood
+    of connections faster than the cap in MIN_AGE_S, clients that had kept their connections before
+    got 503s instead (three reviews). So a flood of one request then idleness per connection holds
+    its places for the keep-alive timeout (30 s), as before."""
+    draining: ListenerConnection | None = None
+    drained_since = old_since
     slow_body: ListenerConnection | None = None
     slow_since = old_since
     for connection in connections:  # oldest first
@@ -421,11 +426,11 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> Li
             if connection.waiting and connection.made_at <= old_since:
                 return connection
         elif connection.answered == connection.requests_read:
-            if connection.answered_at <= idle_since:
-                idle, idle_since = connection, connection.answered_at
+            if not connection.waiting and connection.answered_at <= drained_since:
+                draining, drained_since = connection, connection.answered_at
         elif connection.body_since is not None and connection.body_since <= slow_since:
             slow_body, slow_since = connection, connection.body_since
-    return idle or slow_body
+    return draining or slow_body
 
 
 @contextlib.contextmanager
@@ -458,9 +463,9 @@ class ListenerMetrics(Collector):
         refused = CounterMetricFamily("kvguard_refused_connections", "Connections answered 503 too_many_connections and "
                                       "closed, because the listener held its cap (--max-connections or the open-file limit)",
                                       labels=["listener"])  # fmt: skip
-        evicted = CounterMetricFamily("kvguard_evicted_connections", "Connections without a whole request in hand "
-                                      "(idle, or a request head or body still arriving) closed to make room for a "
-                                      "new one at the listener's cap", labels=["listener"])  # fmt: skip
+        evicted = CounterMetricFamily("kvguard_evicted_connections", "Connections without a request in hand (a "
+                                      "request head or body still arriving) closed to make room for a new one at "
+                                      "the listener's cap", labels=["listener"])  # fmt: skip
         open_now = GaugeMetricFamily("kvguard_open_connections", "Connections the listener holds open now",
                                      labels=["listener"])  # fmt: skip
         for name, site in zip(LISTENER_NAMES, self.sites, strict=False):
@@ -479,9 +484,9 @@ MAX_CLOSING = 32
 """Connections closed to make room at a listener's cap in one loop pass (their sockets are released
 on the next), likewise taken from RESERVED_FDS."""
 MIN_AGE_S = 1.0
-"""How long a connection that has not sent a request head, a keep-alive one since its last answer,
-or a request whose body is arriving, is left alone at a listener's cap: a flood of newcomers cannot
-close a client whose request the loop has not read yet."""
+"""How long a connection that has not sent a request head, a request whose body is arriving, or an
+answer whose unread body aiohttp is dropping, is left alone at a listener's cap: a flood of
+newcomers cannot close a client whose request the loop has not read yet."""
 RESCAN_S = 0.05
 """How long a listener at its cap refuses newcomers without a search after one found nothing to
 close: at most 20 searches a second, whatever the rate of connections."""
