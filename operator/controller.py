@@ -274,18 +274,26 @@ class Controller:
         answered 410 Gone after a long disconnect) never comes: kopf does not synthesize one as
         client-go's informers do, and the model stayed cached, passed at every resync and kept
         its metrics for good (an outside probe). One LIST per watched namespace per resync; a
-        model cached (or replaced) after the LIST was sent is kept."""
+        model cached (or replaced) after the LIST was sent is kept, and so is every model of a
+        namespace whose LIST failed. Whatever the failure, the resync goes on (a review: only a
+        KubeError was caught, and anything else would have ended the resync task for good)."""
         before = dict(self.models)
         present: set[str] = set()
+        unlisted: set[str] = set()  # namespaces whose LIST failed ("" for all of them)
         namespaces: list[str | None] = [*watched_namespaces([], os.environ)] or [None]
-        try:
-            for namespace in namespaces:
+        for namespace in namespaces:
+            try:
                 present |= {str((m.get("metadata") or {}).get("uid")) for m in await self.kube.alist("InferenceModel", namespace)}
-        except KubeError as exc:
-            log.warning("resync: could not list InferenceModels (%s); nothing forgotten", exc)
+            except Exception as exc:  # noqa: BLE001 - a resync must outlive any one failed LIST
+                log.warning("resync: could not list InferenceModels%s (%s); none of them forgotten",
+                            f" in {namespace}" if namespace else "", exc)  # fmt: skip
+                unlisted.add(namespace or "")
+        if "" in unlisted:
             return
         for key, body in before.items():
-            if self.models.get(key) is body and body is not None and str((body.get("metadata") or {}).get("uid")) not in present:
+            if key[0] in unlisted or self.models.get(key) is not body or body is None:
+                continue
+            if str((body.get("metadata") or {}).get("uid")) not in present:
                 log.warning("%s/%s: gone from the API server without a DELETED event; forgotten", *key)
                 self.model_event("DELETED", body)
 

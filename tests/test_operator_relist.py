@@ -9,6 +9,7 @@ from kmock_api import ApiServer
 from operator_harness import IM, NS, SECRETS, Operator, apply_model, fast_settings, objects_of, status_of, tiny_model, until
 
 from kvguard.operator import metrics
+from kvguard.operator.kube import KubeError
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer)]
 
@@ -39,3 +40,23 @@ async def test_a_model_deleted_while_the_watch_was_down_is_forgotten(operator: O
     await until(lambda: (NS, "tiny") not in operator.controller.models, "the vanished model to be forgotten")
     assert not [s for s in metrics.REGISTRY.collect() for x in s.samples if x.labels.get("model") == "tiny"
                 and x.labels.get("namespace") == NS], "its metrics"
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("not a KubeError"), KubeError(403, "forbidden")])
+async def test_a_resync_whose_list_fails_forgets_nothing_and_goes_on(failure: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: only a KubeError was caught, and any other failure of the LIST would have ended
+    the resync task for good (no model passed again until a restart)."""
+    from typing import Any
+
+    from kvguard.operator.controller import Controller
+
+    class FailingKube:
+        async def alist(self, *_: Any, **__: Any) -> list[dict[str, Any]]:
+            raise failure
+
+    monkeypatch.setenv("WATCH_NAMESPACES", "")
+    controller = Controller.__new__(Controller)  # only what _drop_vanished reads
+    controller.kube = FailingKube()  # type: ignore[assignment]
+    controller.models = {(NS, "tiny"): {"metadata": {"name": "tiny", "namespace": NS, "uid": "u1"}}}
+    await controller._drop_vanished()
+    assert (NS, "tiny") in controller.models
