@@ -560,27 +560,19 @@ async def test_a_404_for_the_model_names_the_model_not_the_api() -> None:
     "model"): the API is served, so the reason says the model, not `spec.canary.api: chat?`
     (outside probe: /v1/models listed a LoRA adapter first, whose requests the server 404'd)."""
     from aiohttp import web
+    from loopback import serving
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "my-lora", "object": "model", "max_model_len": 2048}]})
+    async def vllm(request: web.Request) -> web.Response:
+        if request.method == "GET" and request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "my-lora", "object": "model", "max_model_len": 2048}]})
+        if request.method == "POST" and request.path == "/v1/completions":
+            model = (await request.json()).get("model")
+            error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+            return web.json_response({"error": error}, status=404)
+        raise web.HTTPNotFound()
 
-    async def completions(request: web.Request) -> web.Response:
-        model = (await request.json()).get("model")
-        error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
-        return web.json_response({"error": error}, status=404)
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        report = await run_suite(f"http://127.0.0.1:{port}", spec().only([ProbeName.DETERMINISM]))
-    finally:
-        await runner.cleanup()
+    async with serving(vllm) as url:
+        report = await run_suite(url, spec().only([ProbeName.DETERMINISM]))
     assert report.verdict == Verdict.CANNOT_RUN, report.reason
     assert "for model 'my-lora'" in report.reason and "does not exist" in report.reason, report.reason
     assert "spec.canary.api" not in report.reason

@@ -10,36 +10,18 @@ is a real aiohttp server on loopback; the client is the suite's own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import tracemalloc
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
+from loopback import Handler, serving
 
 from kvguard.cli import main as cli_main
 from kvguard.operator.canary import client as canary_client
 from kvguard.operator.canary.client import EngineClient, get_text
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@contextlib.asynccontextmanager
-async def serving(handler: Handler) -> AsyncIterator[str]:
-    """`handler` answering every path on a loopback port; yields the base URL."""
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
 
 
 def answering(body: bytes, content_type: str = "application/json") -> Handler:

@@ -26,6 +26,7 @@ import kubernetes
 import pytest
 from aiohttp import web
 from kmock_api import ApiServer, client_configuration
+from loopback import serving
 from operator_harness import (
     CANARY_WAIT,
     DEPLOYMENTS,
@@ -477,15 +478,8 @@ async def test_throttling_waits_at_least_as_long_as_the_api_server_asks(headers:
         body = {"kind": "Status", "code": 429, "reason": "TooManyRequests", "message": "too many requests", **({"details": details} if details else {})}
         return web.json_response(body, status=429, headers=headers)
 
-    app = web.Application()
-    app.router.add_route("*", "/{path:.*}", throttled)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        cfg = client_configuration(f"http://127.0.0.1:{port}")
+    async with serving(throttled) as url:
+        cfg = client_configuration(url)
         cfg.retries = 0
         kube = Kube(kubernetes.client.ApiClient(cfg))
         with pytest.raises(KubeError) as raised:
@@ -500,5 +494,3 @@ async def test_throttling_waits_at_least_as_long_as_the_api_server_asks(headers:
         else:
             assert delay < 1.0  # the error backoff's first step (base 0.2 s, jittered)
         controller.queue.clear()
-    finally:
-        await runner.cleanup()
