@@ -200,8 +200,6 @@ class Controller:
         self._tasks = [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
         self._tasks.append(loop.create_task(self._resync(), name="kvguard resync"))
         self.gate.start()
-        for key in list(self.models):
-            self.queue.add(key)
 
     async def _stopped_leading(self) -> None:
         metrics.LEADER.set(0)
@@ -263,11 +261,15 @@ class Controller:
                 self.queue.done(key)
 
     async def _resync(self) -> None:
+        """Every model passed as this replica starts leading, then once per resync period. The
+        first pass comes after a LIST, too: a standby's cache may hold models deleted while its
+        watch was down, and a new leader passed them (reads and writes of a model that is gone)
+        until its first resync, 10 minutes on (a review)."""
         while True:
-            await asyncio.sleep(self.settings.wait.spread(self.settings.resync_seconds))
             await self._drop_vanished()
             for key in list(self.models):
                 self.queue.add(key)
+            await asyncio.sleep(self.settings.wait.spread(self.settings.resync_seconds))
 
     async def _drop_vanished(self) -> None:
         """Forget the models the API server no longer has. A DELETED lost to a relist (a watch

@@ -1,12 +1,27 @@
 """A model deleted while the operator's watch was down (its DELETED lost to a relist, as after a
-410 Gone) is forgotten at the next resync, metrics included."""
+410 Gone) is forgotten at the next resync, metrics included, and by a standby before its first pass
+as leader."""
 
 from __future__ import annotations
+
+import datetime as dt
 
 import kopf
 import pytest
 from kmock_api import ApiServer
-from operator_harness import IM, NS, SECRETS, Operator, apply_model, fast_settings, objects_of, status_of, tiny_model, until
+from operator_harness import (
+    IM,
+    NS,
+    SECRETS,
+    Operator,
+    apply_model,
+    fast_settings,
+    http,
+    objects_of,
+    status_of,
+    tiny_model,
+    until,
+)
 
 from kvguard.operator import metrics
 from kvguard.operator.kube import KubeError
@@ -60,3 +75,31 @@ async def test_a_resync_whose_list_fails_forgets_nothing_and_goes_on(failure: Ex
     controller.models = {(NS, "tiny"): {"metadata": {"name": "tiny", "namespace": NS, "uid": "u1"}}}
     await controller._drop_vanished()
     assert (NS, "tiny") in controller.models
+
+
+async def test_a_new_leader_forgets_models_gone_from_the_api_server_before_passing_any(operator: Operator) -> None:
+    """A review: a standby's cache may hold a model deleted while its watch was down; as leader it
+    passed that model (reads and writes of an object that is gone) until its first resync, 10
+    minutes on. It now LISTs before its first passes."""
+    cluster = operator.kmock
+    b = Operator(cluster)
+    await b.start()
+    try:
+        await until(lambda: operator.controller.leading and not b.controller.leading, "A leading, B standing by")
+        await apply_model(tiny_model())
+        await until(lambda: status_of(cluster).get("targetRevision"), "status")
+        await until(lambda: (NS, "tiny") in b.controller.models, "B's watch to see the model")
+        ghost = tiny_model("ghost", uid="uid-ghost")  # in B's cache only: its DELETED lost to a relist
+        ghost["metadata"]["resourceVersion"] = "1"
+        b.controller.models[(NS, "ghost")] = ghost
+        seen = len(list(cluster))
+        lease_path = "/apis/coordination.k8s.io/v1/namespaces/kvguard-system/leases/kvguard-operator"
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        await http("PATCH", lease_path, {"spec": {"holderIdentity": b.controller.settings.identity, "renewTime": stamp}},
+                   "application/merge-patch+json")  # fmt: skip
+        await until(lambda: b.controller.leading and b.controller.passes > 0, "B leads and passes")
+        await until(lambda: b.controller.queue.pending == 0, "B's first passes done")
+        assert (NS, "ghost") not in b.controller.models
+        assert not [str(r.url) for r in list(cluster)[seen:] if "ghost" in str(r.url)], "B read or wrote the gone model"
+    finally:
+        await b.stop()
