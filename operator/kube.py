@@ -54,8 +54,6 @@ SCALE_FIELD_MANAGER = "kvguard-scale"
 rendered fields, so the next apply of a rendered manifest takes replicas back on purpose (force)."""
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 REQUEST_TIMEOUT_SECONDS = 30
-RETRY_AFTER_HEADER = "x-kvguard-retry-after"
-"""Where `_call` leaves the API server's Retry-After for `_expect` (never sent, never stored)."""
 DEFAULT_CONCURRENCY = 16
 """API requests in flight at once per client (threads and pooled connections)."""
 T = TypeVar("T")
@@ -121,6 +119,16 @@ class ObjectRef:
 def ref_of(manifest: Mapping[str, Any]) -> ObjectRef:
     meta = manifest["metadata"]
     return ObjectRef(manifest["kind"], meta["name"], meta.get("namespace"))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The API server's answer to one call: its status, decoded body, and the seconds of its
+    Retry-After header (429/503 only)."""
+
+    status: int
+    body: Any
+    retry_after: float | None = None
 
 
 class KubeError(RuntimeError):
@@ -198,18 +206,18 @@ class Kube:
 
     # --- the verbs ------------------------------------------------------------------------------
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
-        status, body = self._call("GET", ref.path)
-        if status == 404:
+        answer = self._call("GET", ref.path)
+        if answer.status == 404:
             return None
-        return self._expect(status, body, ref)
+        return self._expect(answer, ref)
 
     def get_metadata(self, ref: ObjectRef) -> dict[str, Any] | None:
         """Only `metadata` of the object (a Secret's data never reaches this process on a real
         API server, which answers PartialObjectMetadata; anything else is dropped here too)."""
-        status, body = self._call("GET", ref.path, accept=METADATA_ONLY)
-        if status == 404:
+        answer = self._call("GET", ref.path, accept=METADATA_ONLY)
+        if answer.status == 404:
             return None
-        found = self._expect(status, body, ref)
+        found = self._expect(answer, ref)
         return {"apiVersion": found.get("apiVersion"), "kind": ref.kind, "metadata": found.get("metadata") or {}}
 
     def list(self, kind: str, namespace: str | None, labels: Mapping[str, str] | str | None = None) -> list[dict[str, Any]]:
@@ -217,8 +225,8 @@ class Kube:
         (kmock ignores selectors: callers that must not touch foreign objects filter again.)"""
         selector = selector_string(labels)
         query = [("labelSelector", selector)] if selector else None
-        status, body = self._call("GET", KINDS[kind].collection_path(namespace), query=query)
-        result = self._expect(status, body, ObjectRef(kind, "*", namespace))
+        answer = self._call("GET", KINDS[kind].collection_path(namespace), query=query)
+        result = self._expect(answer, ObjectRef(kind, "*", namespace))
         items: list[dict[str, Any]] = result.get("items") or []
         for item in items:  # list items carry no kind/apiVersion on a real API server
             item.setdefault("kind", kind)
@@ -243,10 +251,10 @@ class Kube:
         Secrets but not read them, learns whether one is there."""
         ref = ref_of(manifest)
         query = [("dryRun", "All")] if dry_run else None
-        status, body = self._call("POST", KINDS[ref.kind].collection_path(ref.namespace), dict(manifest), query=query)
-        if status == 409:
+        answer = self._call("POST", KINDS[ref.kind].collection_path(ref.namespace), dict(manifest), query=query)
+        if answer.status == 409:
             return None
-        return self._expect(status, body, ref)
+        return self._expect(answer, ref)
 
     def apply(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
         """Server-side apply: create or update so that the fields this manager owns are exactly
@@ -254,32 +262,32 @@ class Kube:
         of what it renders, so a conflict with another manager is resolved in its favour."""
         ref = ref_of(manifest)
         query = [("fieldManager", field_manager), ("force", "true")]
-        status, body = self._call("PATCH", ref.path, json.dumps(dict(manifest)), content_type=APPLY_PATCH, query=query)
-        return self._expect(status, body, ref)
+        answer = self._call("PATCH", ref.path, json.dumps(dict(manifest)), content_type=APPLY_PATCH, query=query)
+        return self._expect(answer, ref)
 
     def merge_patch(
         self, ref: ObjectRef, patch: Mapping[str, Any], *, subresource: str = "", field_manager: str | None = None
     ) -> dict[str, Any]:
         path = f"{ref.path}/{subresource}" if subresource else ref.path
         query = [("fieldManager", field_manager)] if field_manager else None
-        status, body = self._call("PATCH", path, dict(patch), content_type=MERGE_PATCH, query=query)
-        return self._expect(status, body, ref)
+        answer = self._call("PATCH", path, dict(patch), content_type=MERGE_PATCH, query=query)
+        return self._expect(answer, ref)
 
     def patch_pod_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         """Strategic-merge patch of a pod's status (the readiness gate, pool_gate.py): the list of
         conditions merges by type, unlike a JSON merge patch, which would replace the kubelet's."""
         ref = ObjectRef("Pod", name, namespace)
-        status, body = self._call("PATCH", f"{ref.path}/status", dict(patch), content_type=STRATEGIC_MERGE_PATCH,
-                                  query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
-        return self._expect(status, body, ref)
+        answer = self._call("PATCH", f"{ref.path}/status", dict(patch), content_type=STRATEGIC_MERGE_PATCH,
+                            query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
+        return self._expect(answer, ref)
 
     def delete(self, ref: ObjectRef) -> bool:
         """Delete with background propagation; False when it was already gone."""
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
-        status, resp = self._call("DELETE", ref.path, body)
-        if status == 404:
+        answer = self._call("DELETE", ref.path, body)
+        if answer.status == 404:
             return False
-        self._expect(status, resp, ref)
+        self._expect(answer, ref)
         return True
 
     # --- helpers built on them ----------------------------------------------------------------
@@ -385,18 +393,16 @@ class Kube:
         content_type: str = "application/json",
         accept: str = "application/json",
         query: builtins.list[tuple[str, str]] | None = None,
-    ) -> tuple[int, Any]:
+    ) -> Answer:
         if method != "GET" and self.write_guard is not None and (why := self.write_guard(method, path)) is not None:
             raise KubeError(0, f"{method} {path} not sent: {why}")
         status, raw, retry_after = self._transport(method, path, body, content_type=content_type, accept=accept,
-                                                                query=query)  # fmt: skip
+                                                   query=query)  # fmt: skip
         try:
             decoded = json.loads(raw) if raw else {}
         except ValueError:
             decoded = {"message": raw[:200].decode(errors="replace")}
-        if retry_after is not None and isinstance(decoded, dict):
-            decoded[RETRY_AFTER_HEADER] = retry_after
-        return status, decoded
+        return Answer(status, decoded, retry_after)
 
     def _transport(
         self,
@@ -437,17 +443,18 @@ class Kube:
         return status, raw, _seconds((answer_headers or {}).get("Retry-After")) if status in (429, 503) else None
 
     @staticmethod
-    def _expect(status: int, body: Any, ref: ObjectRef) -> dict[str, Any]:
-        if 200 <= status < 300:
+    def _expect(answer: Answer, ref: ObjectRef) -> dict[str, Any]:
+        body = answer.body
+        if 200 <= answer.status < 300:
             return body if isinstance(body, dict) else {}
         message = body.get("message", "") if isinstance(body, dict) else str(body)[:200]
-        retry_after = None
-        if isinstance(body, dict) and status in (429, 503):  # the header, else the Status's details (kube-apiserver sends both)
+        retry_after = answer.retry_after
+        if retry_after is None and isinstance(body, dict) and answer.status in (429, 503):
+            # the header, else the Status's details (kube-apiserver sends both)
             details = body.get("details")
-            retry_after = body.get(RETRY_AFTER_HEADER)
-            if retry_after is None and isinstance(details, dict):
+            if isinstance(details, dict):
                 retry_after = _seconds(details.get("retryAfterSeconds"))
-        raise KubeError(status, f"{ref}: {message}", retry_after=retry_after)
+        raise KubeError(answer.status, f"{ref}: {message}", retry_after=retry_after)
 
 
 def _seconds(value: Any) -> float | None:
