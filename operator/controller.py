@@ -12,7 +12,7 @@ children and policies; everything else is here:
   jitter while nothing changes, never past the awaited thing's deadline; failures of any kind
   (HTTP, transport, a stale status, a bug) back off exponentially per model too. A periodic
   resync is a safety net that costs a model at rest one request (its transfer Secret created
-  again: 409 while it exists).
+  again: 409 while it exists), and one LIST of InferenceModels per watched namespace.
 - Leadership (leader.py): every replica keeps its caches warm; only the Lease holder runs
   passes. Losing the Lease stops everything it runs in the background at once: the workers, the
   requeue timers, every canary run and scrape request. Status writes are conditional on the
