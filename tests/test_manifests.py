@@ -195,11 +195,14 @@ def test_fault_injection_is_off_in_the_install_and_on_only_in_the_e2e_overlay(
     assert fault_injection_allowed()
 
 
-def test_the_base_install_applies_in_one_pass(rendered: list[dict[str, Any]]) -> None:
-    """Outside probe: the base held the default InferencePolicy beside its CRD. On a fresh cluster
-    kubectl cannot map a kind whose CRD the same apply creates, and the webhook refuses policy
-    writes until its TLS exists: the apply failed and the policy never existed. It is its own step
-    (`kubectl apply -k manifests/samples`), after TLS."""
+@pytest.mark.parametrize("install", ["manifests", "manifests/namespaced"])
+def test_each_install_applies_in_one_pass(install: str) -> None:
+    """Outside probes: the base, then the namespaced install, held the default InferencePolicy
+    beside its CRD. On a fresh cluster kubectl cannot map a kind whose CRD the same apply creates,
+    and the webhook refuses policy writes until its TLS exists: the apply failed and the policy
+    never existed. It is its own step (`kubectl apply -k manifests/samples`), after TLS."""
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / install)], check=True, capture_output=True, text=True)
+    rendered = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
     custom = [f"{o['kind']}/{o['metadata']['name']}" for o in rendered if o["apiVersion"].startswith("kvguard.io/")]
     assert custom == [] and len(by_kind(rendered, "CustomResourceDefinition")) == 2
     samples = subprocess.run([kubectl(), "kustomize", str(ROOT / "manifests" / "samples")], check=True, capture_output=True, text=True)
