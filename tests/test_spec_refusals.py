@@ -98,6 +98,29 @@ def test_kvguard_render_refuses_an_infinite_min_kv_ratio_by_field(tmp_path: Path
     assert "minKVRatio" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("path", "value"), [
+    ("spec.canary.isolation.longRequestMaxTokens", 1024),  # the context length: the CRD's CEL refuses it too
+    ("spec.canary.isolation.longRequestMaxTokens", 1010),
+    ("spec.canary.golden.prompts", [{"prompt": "hello", "maxTokens": 1024}]),
+    ("spec.canary.capacity.minRatio", 3),
+])
+def test_kvguard_render_refuses_what_the_webhook_and_plan_refuse(path: str, value: Any, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: `render` printed every object, exit 0, for canary settings that admission
+    and `kvguard plan` refuse by field. It runs their checks now (spec_checks.py), with their words."""
+    body = yaml.safe_load((ROOT / "manifests" / "samples" / "tiny-cpu.yaml").read_text())
+    set_path(body, path, value)
+    manifest = tmp_path / "model.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    with pytest.raises(AdmissionDenied):
+        check_admission(body, None, "CREATE", [])
+    assert cli_main(["plan", "-f", str(manifest)]) == 2
+    said = capsys.readouterr().err.replace("kvguard plan: ", "")
+    assert cli_main(["render", "-f", str(manifest)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.replace("kvguard render: ", "") == said
+
+
 def test_a_policy_min_kv_ratio_above_the_maximum_is_refused() -> None:
     raw: dict[str, Any] = {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferencePolicy", "metadata": {"name": "p"}}
     raw["spec"] = {"minKVRatio": 1e308}

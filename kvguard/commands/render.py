@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kvguard.operator.render import Owner, RenderError
     from kvguard.operator.revision import REVISION_LENGTH
     from kvguard.operator.rollout import annotation_problems
+    from kvguard.operator.spec_checks import SpecInvalid, check_spec_fields
     from kvguard.operator.traffic import desired_objects
 
     if args.weight is not None and not 0 <= args.weight <= 100:
@@ -63,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
         if problems := annotation_problems(model.metadata.annotations):  # as admission, plan and apply read them
             raise BadInput("; ".join(problems))
         namespace = effective_namespace(model.metadata.namespace, args.namespace)
+        # The field checks of admission and `kvguard plan` (spec_checks.py): a spec the webhook
+        # refuses is not one the operator would render (an outside probe: a canary's
+        # longRequestMaxTokens at the context length rendered, exit 0). As in `plan`, a missing
+        # source or image is not refused here: the objects say what they would run.
+        check_spec_fields(model.spec, name=model.metadata.name, namespace=namespace, deploying=False)
         # The API server assigns the uid; rendered ownerReferences carry a placeholder that says so.
         owner = Owner(name=model.metadata.name, namespace=namespace, uid="<assigned-by-the-api-server>")
         desired = desired_objects(model.spec, owner, faults=args.faults, stable=args.revision, weight=args.weight)
@@ -72,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         return _bad_input(*_describe_errors(exc.errors(), {}))
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
+    except SpecInvalid as exc:
+        return _bad_input(*exc.problems)
     except (RenderError, ValueError) as exc:
         return _bad_input(str(exc))
     if desired.plan.verdict != "pass":
