@@ -161,7 +161,8 @@ def test_a_token_that_ends_mid_character_sends_no_chunk_that_carries_nothing(tri
 def test_an_assistant_turn_passed_back_as_the_client_dumps_it_is_accepted(trio: LocalDeployment, api: openai.OpenAI,
                                                                           model: str) -> None:
     """The multi-turn pattern: `message.model_dump()` has `annotations: None` (openai >= 1.x), which
-    was refused as an unknown argument. Null or [] is accepted; citations are refused by name."""
+    was refused as an unknown argument. Null or [] is accepted (`annotations`, `tool_calls`: an
+    outside probe, some clients replay `tool_calls: []`); citations and tool calls are refused by name."""
     question = {"role": "user", "content": "hi"}
     first = api.chat.completions.create(model=model, messages=[question], max_tokens=3, temperature=0)  # type: ignore[list-item]
     dumped = first.choices[0].message.model_dump()
@@ -171,6 +172,11 @@ def test_an_assistant_turn_passed_back_as_the_client_dumps_it_is_accepted(trio: 
     assert again.usage is not None and first.usage is not None and again.usage.prompt_tokens > first.usage.prompt_tokens
     empty = post(trio, "chat/completions", {"model": model, "max_tokens": 2, "messages": [question, {**dumped, "annotations": []}]})
     assert empty.status_code == 200, empty.text
+    no_calls = post(trio, "chat/completions", {"model": model, "max_tokens": 2, "messages": [question, {**dumped, "tool_calls": []}]})
+    assert no_calls.status_code == 200, no_calls.text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = post(trio, "chat/completions", {"model": model, "max_tokens": 2, "messages": [question, {**dumped, "tool_calls": [call]}]})
+    assert called.status_code == 400 and called.json()["error"]["param"] == "messages[1].tool_calls", called.text
     cited = {**dumped, "annotations": [{"type": "url_citation", "url_citation": {"url": "https://example.com"}}]}
     refused = post(trio, "chat/completions", {"model": model, "max_tokens": 2, "messages": [question, cited]})
     assert refused.status_code == 400, refused.text

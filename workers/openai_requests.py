@@ -462,7 +462,8 @@ def _messages_supported(messages: list[ChatMessage]) -> None:
         if message.role in ("tool", "function"):
             raise _refuse(f"messages[{i}].role", "tools and function calling are not implemented")
         for field in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
-            if getattr(message, field) is not None:
+            # `tool_calls: []` is no tool call (clients replaying a conversation send it; vLLM accepts it)
+            if getattr(message, field) not in (None, [] if field == "tool_calls" else None):
                 raise _refuse(f"messages[{i}].{field}", "only text messages are supported")
         if message.annotations not in (None, []):  # an assistant turn passed back as the client dumps it has null
             raise _refuse(f"messages[{i}].annotations", "annotations (url citations) are response-only and not read back")
