@@ -196,6 +196,25 @@ def test_fault_injection_is_off_in_the_install_and_on_only_in_the_e2e_overlay(
 
 
 @pytest.mark.parametrize("install", ["manifests", "manifests/namespaced"])
+def test_an_operator_pod_is_ready_only_once_its_webhook_listens(install: str) -> None:
+    """Outside probe: the operator had no readiness probe, so a pod whose webhook was off (no TLS
+    Secret yet) or not yet listening (a rolling restart) was an endpoint of the webhook Service,
+    and with failurePolicy Fail every model write it was sent was refused."""
+    from kvguard.operator.webhook import DEFAULT_PORT
+
+    out = subprocess.run([kubectl(), "kustomize", str(ROOT / install)], check=True, capture_output=True, text=True)
+    objects = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    (deployment,) = by_kind(objects, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container["readinessProbe"]["tcpSocket"]["port"] == "webhook" and ports["webhook"] == DEFAULT_PORT
+    (service,) = [s for s in by_kind(objects, "Service") if s["metadata"]["name"] == "kvguard-operator-webhook"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["webhook"]
+    (configuration,) = by_kind(objects, "ValidatingWebhookConfiguration")
+    assert {w["failurePolicy"] for w in configuration["webhooks"]} == {"Fail"}  # why readiness matters
+
+
+@pytest.mark.parametrize("install", ["manifests", "manifests/namespaced"])
 def test_each_install_applies_in_one_pass(install: str) -> None:
     """Outside probes: the base, then the namespaced install, held the default InferencePolicy
     beside its CRD. On a fresh cluster kubectl cannot map a kind whose CRD the same apply creates,
