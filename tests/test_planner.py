@@ -134,6 +134,19 @@ def test_draft_layers_share_the_pool_and_pipeline_splits_layers() -> None:
     assert kv_bytes_per_token(make_spec(), api.WorkerRole(pipeline_parallel=2)) == 16 * 2 * 8 * 128 * 2
 
 
+@pytest.mark.parametrize(("layers", "pp", "heaviest"), [(32, 1, 32), (32, 2, 16), (80, 3, 27), (61, 4, 16)])
+def test_pipeline_weights_are_the_heaviest_stages(layers: int, pp: int, heaviest: int) -> None:
+    """Outside probe: weights were split evenly over the stages, but SGLang and vLLM give the
+    remainder of the layers to some stages, and the first and last stage each hold a vocabulary
+    matrix: 80 layers over 3 stages passed at 2.01x what the heaviest stage leaves at 1.98x."""
+    arch = llama_arch(num_layers=layers, vocab_size=128_256, embedding_parameters=2 * 128_256 * 4096)  # untied
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=arch))
+    per_layer = (arch.total_parameters or 0) - arch.embedding_parameters
+    matrices = 2 if pp == 1 else 1  # without PP one GPU holds the embedding and the LM head
+    expected = (matrices * 128_256 * 4096 + per_layer * heaviest / layers) * 2  # bf16
+    assert counted_weight_bytes(spec, api.WorkerRole(pipeline_parallel=pp)) == pytest.approx(expected, rel=1e-9)
+
+
 def test_head_dim_defaults_to_hidden_over_heads_but_explicit_head_dim_wins() -> None:
     implicit = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(head_dim=None)))
     explicit = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(hidden_size=5120)))
