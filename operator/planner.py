@@ -546,7 +546,7 @@ def _warnings(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[
     if limit is not None and spec.context_length > limit:
         yield (
             f"contextLength {spec.context_length:,} exceeds the model's max_position_embeddings {limit:,}: positions "
-            "beyond it were never trained, and SGLang and vLLM refuse it unless told to "
+            "beyond it were never trained; SGLang and vLLM refuse it unless told to, and the operator tells them "
             "(SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)"
         )
     if spec.engine.kind is EngineKind.VLLM and spec.reserve == 0:

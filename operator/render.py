@@ -476,7 +476,7 @@ class SGLangAdapter:
             {"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": str(transfer.bootstrap_timeout_seconds)},
             {"name": "MC_TRANSFER_TIMEOUT", "value": str(transfer.timeout_seconds)},
             {"name": "MC_TCP_ENABLE_CONNECTION_POOL", "value": "1"},
-        ]
+        ] + _longer_context_env(ctx.spec, "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
 
     def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
         ports = [_http_port()]
@@ -537,10 +537,11 @@ class VLLMAdapter:
     def env(self, ctx: RoleContext) -> list[dict[str, Any]]:
         if ctx.role == "router":
             return []
-        return [
+        nixl: list[dict[str, Any]] = [
             {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(VLLM_NIXL_PORT)},
             {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ]
+        return nixl + _longer_context_env(ctx.spec, "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
 
     def container_ports(self, ctx: RoleContext) -> list[dict[str, Any]]:
         ports = [_http_port()]
@@ -572,6 +573,15 @@ ADAPTERS: dict[EngineKind, EngineAdapter] = {
 
 
 POD_IP_ENV = "KVGUARD_POD_IP"  # expanded by the kubelet in `$(KVGUARD_POD_IP)` args
+
+
+def _longer_context_env(spec: InferenceModelSpec, name: str) -> list[dict[str, Any]]:
+    """The engine's switch for a context longer than the model's max_position_embeddings, when the
+    spec asks for one (the plan warns of it): without it SGLang and vLLM exit at start, and a spec
+    that planned PASS rendered pods that never served (an outside probe)."""
+    arch = spec.model.architecture
+    limit = arch.max_position_embeddings if arch is not None else None
+    return [{"name": name, "value": "1"}] if limit is not None and spec.context_length > limit else []
 
 
 def _secret_env(name: str, secret: str) -> dict[str, Any]:

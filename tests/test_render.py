@@ -404,3 +404,26 @@ def test_every_object_the_operator_creates_passes_the_api_servers_own_schemas() 
                     render_transfer_secret(OWNER, "r1", b"\x01" * 32, "m-r1-kv-transfer-0a1b2c3d")]  # fmt: skip
         for obj in objects_:
             kubernetes_validate.validate(obj, "1.30", strict=True)  # raises on the first field the schema refuses
+
+
+@pytest.mark.parametrize(("engine", "switch"), [("sglang", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"),
+                                                 ("vllm", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")])
+def test_a_context_beyond_the_models_positions_is_allowed_on_the_engine_it_is_asked_of(engine: str, switch: str) -> None:
+    """Outside probe: examples/incident-fixed.yaml (1,048,576 tokens of context for a model built
+    for 1,010,000) planned PASS with a warning that SGLang refuses it "unless told to", and the
+    pods rendered never told it: they would exit at start. The plan's warning stands."""
+    example = "llama-3.1-8b-sglang-h100.yaml"
+    body = yaml.safe_load((EXAMPLES / example).read_text())["spec"]
+    engine_spec = {**body["engine"], "kind": engine, "image": "img:1", **({"routerImage": "router:1"} if engine == "vllm" else {})}
+    source = {**body["model"], "source": {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}}
+
+    def env(m: InferenceModel, role: str) -> dict[str, Any]:
+        container = objects(m)["Deployment", f"m-r1-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value") for e in container.get("env") or []}
+
+    longer = model(example, engine=engine_spec, model=source, contextLength=140_000)
+    assert longer.spec.model.architecture is not None and longer.spec.model.architecture.max_position_embeddings == 131_072
+    assert all(env(longer, role)[switch] == "1" for role in ("prefill", "decode"))
+    assert any("max_position_embeddings" in warning for warning in plan(longer.spec).warnings)
+    within = model(example, engine=engine_spec, model=source)
+    assert all(switch not in env(within, role) for role in ("prefill", "decode"))
