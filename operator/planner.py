@@ -50,7 +50,7 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.estimates import Figure, GiB
-from kvguard.workers.pool_ratio import ratio_down, ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import ratio_down, ratio_number, ratio_text, required_pool_tokens
 
 # What the renderer writes on the command line when the spec sets no fraction (so these are facts,
 # not guesses at the engines' own auto values).
@@ -536,7 +536,7 @@ def _reasons(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[s
             capped = f" (capped by kvPoolTokens; memory allows {r.memory_pool_tokens:,})" if r.capped_by == "kvPoolTokens" else ""
             yield (
                 f"{name}: pool {r.pool_tokens:,} tokens = {ratio_text(r.pool_tokens, spec.context_length)} contextLength {spec.context_length:,}, "
-                f"below minKVRatio {spec.min_kv_ratio:g}{capped}"
+                f"below minKVRatio {ratio_number(spec.min_kv_ratio)}{capped}"
             )
 
 

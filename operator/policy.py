@@ -44,6 +44,7 @@ from kvguard.operator.api import (
 from kvguard.operator.canary.spec import ProbeName
 from kvguard.operator.planner import PlanInputError, flag_check_plan, plan
 from kvguard.operator.render import ADAPTERS, Owner, RenderError, RoleContext, with_stand_in_source
+from kvguard.workers.pool_ratio import ratio_number
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 """The label Kubernetes puts on every namespace: the one label known from a namespace's name."""
@@ -180,9 +181,7 @@ def _plan_or_problem(spec: InferenceModelSpec) -> tuple[KVPlan | None, Finding |
 def check_min_kv_ratio(spec: InferenceModelSpec, minimum: float, kv_plan: KVPlan | None) -> Iterator[Finding]:
     """S7: the declared ratio and the planned pool of every worker role reach the policy's ratio."""
     if spec.min_kv_ratio < minimum:
-        ours, theirs = f"{spec.min_kv_ratio:g}", f"{minimum:g}"
-        if ours == theirs:  # 1.9999999999999998 below 2: shown as "2 is below 2" at :g
-            ours, theirs = repr(spec.min_kv_ratio), repr(minimum)
+        ours, theirs = ratio_number(spec.min_kv_ratio), ratio_number(minimum)  # 1.9999999999999998: not "2 is below 2"
         yield "minKVRatio", "spec.minKVRatio", f"{ours} is below the policy's minimum {theirs}"
     if kv_plan is None:
         return

@@ -76,7 +76,7 @@ from kvguard.operator.rollout import (
 from kvguard.operator.suggestions import change_summary
 from kvguard.operator.workloads import DeploymentState, deployment_state, owned_by, revision_views
 from kvguard.workers.field_messages import field_message
-from kvguard.workers.pool_ratio import ratio_text
+from kvguard.workers.pool_ratio import ratio_number, ratio_text
 
 __all__ = ["DeploymentState", "Observed", "Outcome", "deployment_state", "owned_by", "pool_gate_degraded", "reconcile",
            "revision_views", "with_pool_gate"]
@@ -609,7 +609,7 @@ def resolve_architecture(spec: InferenceModelSpec, observed: Observed) -> tuple[
 def describe_pools(kv_plan: KVPlan) -> str:
     parts = [
         f"{name}: {r.pool_tokens:,} tokens = {ratio_text(r.pool_tokens, kv_plan.context_length)} context {kv_plan.context_length:,}"
-        + ("" if r.sufficient else f" < {kv_plan.min_ratio:g}x required")
+        + ("" if r.sufficient else f" < {ratio_number(kv_plan.min_ratio)}x required")
         for name, r in kv_plan.roles.items()
     ]
     return "KV pool per instance: " + "; ".join(parts)

@@ -43,6 +43,7 @@ from kvguard.operator.planner import memory_fraction
 from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
 from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, WorkerArgs
+from kvguard.workers.pool_ratio import ratio_number
 
 Role = Literal["prefill", "decode", "router"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "router")
@@ -736,7 +737,7 @@ def render_deployment(ctx: RoleContext) -> Manifest:
         pod_spec["tolerations"] = [t.to_wire() for t in placement.tolerations]
     pod_annotations = {"kvguard.io/revision": ctx.revision}
     if ctx.role in GATED_ROLES:  # what the gate requires of this revision's pools (pool_gate.py)
-        pod_annotations |= {RATIO_ANNOTATION: f"{spec.min_kv_ratio:g}", CONTEXT_ANNOTATION: str(spec.context_length)}
+        pod_annotations |= {RATIO_ANNOTATION: ratio_number(spec.min_kv_ratio), CONTEXT_ANNOTATION: str(spec.context_length)}
     if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
         pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
     pod_labels = {**labels(ctx.owner.name, ctx.revision, ctx.role), LABEL_ENGINE: spec.engine.kind.value}

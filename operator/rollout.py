@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from kvguard.operator.numerics import numerics_change
-from kvguard.workers.pool_ratio import ratio_down, ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import ratio_down, ratio_number, ratio_text, required_pool_tokens
 
 if TYPE_CHECKING:  # api.py embeds RolloutStatus, so importing it here at runtime would be a cycle
     from kvguard.operator.api import InferenceModelSpec
@@ -971,10 +971,10 @@ class _Step:
             detail = "; ".join(f"{p.worker} ({p.role}) reports {math.floor(p.pool_tokens)} tokens = "
                                f"{ratio_text(p.pool_tokens, p.context_length)} context {p.context_length}"
                                for p in small if p.pool_tokens is not None and p.context_length)  # fmt: skip
-            self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: {detail} < {self.spec.min_kv_ratio:g}x required")
+            self._fail("ReportedPoolTooSmall", f"revision {self.candidate}: {detail} < {ratio_number(self.spec.min_kv_ratio)}x required")
             return False
         self.event("Normal", "PoolsVerified", f"revision {self.candidate}: {len(pools)} worker(s) at {view.scale} "
-                   f"scale report >= {self.spec.min_kv_ratio:g}x context")  # fmt: skip
+                   f"scale report >= {ratio_number(self.spec.min_kv_ratio)}x context")  # fmt: skip
         return True
 
     def _judge(self, report: WorkerReport) -> WorkerPool:

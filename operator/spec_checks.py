@@ -28,6 +28,7 @@ from kvguard.operator.render import (
     with_stand_in_images,
     with_stand_in_source,
 )
+from kvguard.workers.pool_ratio import ratio_number
 
 STAND_IN = "field-check"
 """The claim and image names a check renders with where the spec has none (nothing is applied)."""
@@ -93,9 +94,7 @@ def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None 
     ratio = canary.capacity.min_ratio  # filled in with minKVRatio where unset (InferenceModelSpec)
     unchanged = before is not None and before.canary.capacity.min_ratio == ratio
     if ratio is not None and ratio > spec.min_kv_ratio and not unchanged:
-        ours, theirs = f"{ratio:g}", f"{spec.min_kv_ratio:g}"
-        if ours == theirs:  # 2.0000001 above 2 must not read "2 is above 2"
-            ours, theirs = repr(ratio), repr(spec.min_kv_ratio)
+        ours, theirs = ratio_number(ratio), ratio_number(spec.min_kv_ratio)  # 2.0000001 above 2: not "2 is above 2"
         problems.append(
             f"spec.canary.capacity.minRatio: {ours} is above spec.minKVRatio {theirs}: the planner "
             f"sizes pools to {theirs}x contextLength, so the canary would fail (and roll back) every revision "

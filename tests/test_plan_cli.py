@@ -458,3 +458,24 @@ def test_plan_needs_no_image_though_admission_and_render_do(engine: str, capsys:
     assert status == 0 and body["verdict"] == "pass"
     assert main(["render", "-f", str(EXAMPLES / "llama-3.1-8b-sglang-h100.yaml")]) == 2
     assert "spec.engine.image: required for engine sglang" in capsys.readouterr().err
+
+
+def test_a_minimum_just_above_the_pool_is_written_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: a minKVRatio of 4.0000001 was written "4" (`:g`) beside a 4.00x pool refused
+    as below it; the pods' min-kv-ratio annotation was written the same way and read back as 4."""
+    from kvguard.operator.api import InferenceModel
+    from kvguard.operator.planner import plan
+    from kvguard.operator.pool_gate import RATIO_ANNOTATION
+    from kvguard.operator.render import Owner, render_revision
+    from kvguard.workers.pool_ratio import ratio_number
+
+    assert [ratio_number(x) for x in (2.0, 2.5, 4.0000001, 1.9999999999999998)] == ["2", "2.5", "4.0000001", "1.9999999999999998"]
+    assert main(["plan", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--min-ratio", "4.0000001"]) == 3
+    out = capsys.readouterr().out
+    assert "min ratio 4.0000001," in out and "below minKVRatio 4.0000001 " in out
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    body["spec"] |= {"minKVRatio": 2.0000001, "model": {**body["spec"]["model"], "source": {"pvc": {"claimName": "m", "path": "t"}}}}
+    spec = InferenceModel.model_validate(body).spec
+    pods = [o["spec"]["template"]["metadata"] for o in render_revision(spec, plan(spec), Owner("m", "ns", "u"), "r1")
+            if o["kind"] == "Deployment" and RATIO_ANNOTATION in o["spec"]["template"]["metadata"].get("annotations", {})]
+    assert pods and all(float(p["annotations"][RATIO_ANNOTATION]) == 2.0000001 for p in pods)

@@ -169,7 +169,7 @@ def test_architecture_from_a_configmap_defers_the_pool_check_to_reconcile() -> N
 def test_a_ratio_just_below_the_minimum_does_not_read_as_equal_to_it() -> None:
     """Outside probe: 1.9999999999999998 under a minimum of 2 read "2 is below the policy's minimum 2"."""
     (violation,) = evaluate(tiny_spec(minKVRatio=1.9999999999999998), "ns", [policy(minKVRatio=2.0)]).violations
-    assert violation.message.startswith("1.9999999999999998 is below the policy's minimum 2.0")
+    assert violation.message.startswith("1.9999999999999998 is below the policy's minimum 2")
 
 
 def _from_a_configmap(spec: InferenceModelSpec) -> InferenceModelSpec:

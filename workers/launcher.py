@@ -47,7 +47,7 @@ from kvguard.workers.args import (
 )
 from kvguard.workers.control_auth import auth_headers
 from kvguard.workers.keys import TRANSFER_KEY_ENV, RevisionKeys, load_revision_key
-from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO, ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import DEFAULT_MIN_KV_RATIO, ratio_number, ratio_text, required_pool_tokens
 
 log = logging.getLogger("kvguard.launcher")
 
@@ -127,7 +127,7 @@ class LocalServeConfig:
         at_least = math.ceil(needed / self.page_size) * self.page_size
         return (
             f"the KV pool ({pool_tokens} tokens) is {ratio_text(pool_tokens, context_length)} the context length ({context_length} tokens), "
-            f"below the safe ratio {self.min_kv_ratio:g}x: raise --kv-pool-tokens to at least {at_least} "
+            f"below the safe ratio {ratio_number(self.min_kv_ratio)}x: raise --kv-pool-tokens to at least {at_least} "
             f"(whole pages of {self.page_size}) or lower --context-length (--allow-small-pool serves it anyway)"
         )
 

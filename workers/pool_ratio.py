@@ -33,6 +33,14 @@ def ratio_down(pool_tokens: float, context_length: float, decimals: int = 4) -> 
     return math.floor(Fraction(pool_tokens) * scale / Fraction(context_length)) / scale
 
 
+def ratio_number(value: float) -> str:
+    """A ratio as people write it (`2`, `2.5`), never as another value: `:g` keeps six digits, so a
+    minimum of 4.0000001 read "4" beside a 4.00x pool refused as below it (an outside probe), and a
+    pod annotation written so (`render`) was read back by the pool gate as 4."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
+
+
 def ratio_text(pool_tokens: float, context_length: float) -> str:
     """`pool / context` to two decimals, rounded down (`ratio_down`)."""
     return f"{ratio_down(pool_tokens, context_length, 2):.2f}x"

@@ -75,7 +75,7 @@ from kvguard.workers.openai_api import (
 )
 from kvguard.workers.openai_requests import APIRequest, ChatCompletionRequest, CompletionRequest, request_too_large
 from kvguard.workers.openai_responses import ChoiceResult, ModelCard, ModelList, ResponseBuilder
-from kvguard.workers.pool_ratio import ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import ratio_number, ratio_text, required_pool_tokens
 from kvguard.workers.protocol import (
     DECODE_EVENT,
     AbortRequest,
@@ -296,7 +296,7 @@ def pool_problem(info: WorkerInfo, min_kv_ratio: float | None) -> str | None:
     if info.kv_pool_tokens >= required:
         return None
     return (f"reports a KV pool of {info.kv_pool_tokens} tokens = {ratio_text(info.kv_pool_tokens, info.context_length)} context "
-            f"{info.context_length} < {min_kv_ratio:g}x required ({required} tokens)")  # fmt: skip
+            f"{info.context_length} < {ratio_number(min_kv_ratio)}x required ({required} tokens)")  # fmt: skip
 
 
 class Upstreams:

@@ -357,11 +357,11 @@ def _gib(value: int) -> str:
 def render_table(name: str, result: Any) -> str:
     """A readable report of a KVPlan."""
     from kvguard.operator.suggestions import change_summary
-    from kvguard.workers.pool_ratio import ratio_text
+    from kvguard.workers.pool_ratio import ratio_number, ratio_text
 
     header = (
         f"InferenceModel {name}: engine {result.engine.value}, context {result.context_length:,} tokens, "
-        f"min ratio {result.min_ratio:g}, page {result.page_size}, KV {result.kv_cache_dtype}"
+        f"min ratio {ratio_number(result.min_ratio)}, page {result.page_size}, KV {result.kv_cache_dtype}"
     )
     columns = ("role", "pools", "gpus/pool", "weights/gpu", "kv/gpu", "bytes/token", "pool tokens", "ratio", "ok")
     rows = [columns]
