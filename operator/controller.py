@@ -196,9 +196,7 @@ class Controller:
     async def _started_leading(self) -> None:
         metrics.LEADER.set(1)
         self.backend.forget_everything()  # what this replica knew before (if it led before) may be stale
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
-        self._tasks.append(loop.create_task(self._resync(), name="kvguard resync"))
+        self._tasks = [asyncio.get_running_loop().create_task(self._lead(), name="kvguard resync")]
         self.gate.start()
 
     async def _stopped_leading(self) -> None:
@@ -260,16 +258,21 @@ class Controller:
             finally:
                 self.queue.done(key)
 
-    async def _resync(self) -> None:
-        """Every model passed as this replica starts leading, then once per resync period. The
-        first pass comes after a LIST, too: a standby's cache may hold models deleted while its
-        watch was down, and a new leader passed them (reads and writes of a model that is gone)
-        until its first resync, 10 minutes on (a review)."""
+    async def _lead(self) -> None:
+        """The passes of a leader: its workers start after a first LIST, then every model is passed,
+        and again once per resync period. A standby's cache may hold models deleted while its watch
+        was down, and a new leader passed them (reads and writes of a model that is gone) until its
+        first resync, 10 minutes on (a review). Keys enqueued meanwhile (a policy, pod or child
+        event) wait in the queue: a review saw a pass of such a model during the LIST when the
+        workers ran from the start."""
+        await self._drop_vanished()
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(self._worker(), name=f"kvguard worker {i}") for i in range(self.settings.workers)]
         while True:
-            await self._drop_vanished()
             for key in list(self.models):
                 self.queue.add(key)
             await asyncio.sleep(self.settings.wait.spread(self.settings.resync_seconds))
+            await self._drop_vanished()
 
     async def _drop_vanished(self) -> None:
         """Forget the models the API server no longer has. A DELETED lost to a relist (a watch
@@ -280,17 +283,11 @@ class Controller:
         namespace whose LIST failed. Whatever the failure, the resync goes on (a review: only a
         KubeError was caught, and anything else would have ended the resync task for good)."""
         before = dict(self.models)
-        present: set[str] = set()
-        unlisted: set[str] = set()  # namespaces whose LIST failed ("" for all of them)
         namespaces: list[str | None] = [*watched_namespaces([], os.environ)] or [None]
-        for namespace in namespaces:
-            try:
-                present |= {str((m.get("metadata") or {}).get("uid")) for m in await self.kube.alist("InferenceModel", namespace)}
-            except Exception as exc:  # noqa: BLE001 - a resync must outlive any one failed LIST
-                log.warning("resync: could not list InferenceModels%s (%s); none of them forgotten",
-                            f" in {namespace}" if namespace else "", exc)  # fmt: skip
-                unlisted.add(namespace or "")
-        if "" in unlisted:
+        listed = await asyncio.gather(*(self._uids_in(namespace) for namespace in namespaces))  # at once: each may take 30 s
+        present = {uid for uids in listed if uids is not None for uid in uids}
+        unlisted = {namespace or "" for namespace, uids in zip(namespaces, listed, strict=True) if uids is None}
+        if "" in unlisted:  # ("" for all of them)
             return
         for key, body in before.items():
             if key[0] in unlisted or self.models.get(key) is not body or body is None:
@@ -298,6 +295,16 @@ class Controller:
             if str((body.get("metadata") or {}).get("uid")) not in present:
                 log.warning("%s/%s: gone from the API server without a DELETED event; forgotten", *key)
                 self.model_event("DELETED", body)
+
+    async def _uids_in(self, namespace: str | None) -> set[str] | None:
+        """The uids of the InferenceModels in `namespace` (every one when None); None when the
+        LIST failed, whatever the failure."""
+        try:
+            return {str((m.get("metadata") or {}).get("uid")) for m in await self.kube.alist("InferenceModel", namespace)}
+        except Exception as exc:  # noqa: BLE001 - a resync must outlive any one failed LIST
+            log.warning("resync: could not list InferenceModels%s (%s); none of them forgotten",
+                        f" in {namespace}" if namespace else "", exc)  # fmt: skip
+            return None
 
     async def process(self, key: ModelKey) -> None:
         """One pass for one model, and when to look at it again."""

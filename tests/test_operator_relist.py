@@ -4,7 +4,10 @@ as leader."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
+from typing import Any
 
 import kopf
 import pytest
@@ -61,7 +64,6 @@ async def test_a_model_deleted_while_the_watch_was_down_is_forgotten(operator: O
 async def test_a_resync_whose_list_fails_forgets_nothing_and_goes_on(failure: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
     """A review: only a KubeError was caught, and any other failure of the LIST would have ended
     the resync task for good (no model passed again until a restart)."""
-    from typing import Any
 
     from kvguard.operator.controller import Controller
 
@@ -84,6 +86,7 @@ async def test_a_new_leader_forgets_models_gone_from_the_api_server_before_passi
     cluster = operator.kmock
     b = Operator(cluster)
     await b.start()
+    listing, release = threading.Event(), threading.Event()
     try:
         await until(lambda: operator.controller.leading and not b.controller.leading, "A leading, B standing by")
         await apply_model(tiny_model())
@@ -92,14 +95,31 @@ async def test_a_new_leader_forgets_models_gone_from_the_api_server_before_passi
         ghost = tiny_model("ghost", uid="uid-ghost")  # in B's cache only: its DELETED lost to a relist
         ghost["metadata"]["resourceVersion"] = "1"
         b.controller.models[(NS, "ghost")] = ghost
+        # B's first LIST is held until an event has enqueued every model (a policy changed): a
+        # review saw the ghost passed in that window when B's workers ran before the LIST.
+        alist = b.controller.kube.alist
+
+        async def held(kind: str, *args: Any, **kwargs: Any) -> Any:
+            if kind == "InferenceModel" and not release.is_set():
+                listing.set()
+                await asyncio.to_thread(release.wait, 120)
+            return await alist(kind, *args, **kwargs)
+
+        b.controller.kube.alist = held  # type: ignore[method-assign]
         seen = len(list(cluster))
         lease_path = "/apis/coordination.k8s.io/v1/namespaces/kvguard-system/leases/kvguard-operator"
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         await http("PATCH", lease_path, {"spec": {"holderIdentity": b.controller.settings.identity, "renewTime": stamp}},
                    "application/merge-patch+json")  # fmt: skip
+        await until(listing.is_set, "B's first LIST as leader")
+        assert b.controller._elector_task is not None
+        b.controller._elector_task.get_loop().call_soon_threadsafe(b.controller.policies_changed)
+        await until(lambda: b.controller.queue.pending >= 2, "both models enqueued by the policy event")
+        release.set()
         await until(lambda: b.controller.leading and b.controller.passes > 0, "B leads and passes")
         await until(lambda: b.controller.queue.pending == 0, "B's first passes done")
         assert (NS, "ghost") not in b.controller.models
         assert not [str(r.url) for r in list(cluster)[seen:] if "ghost" in str(r.url)], "B read or wrote the gone model"
     finally:
+        release.set()
         await b.stop()
