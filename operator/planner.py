@@ -507,7 +507,12 @@ def needed_tokens(spec: InferenceModelSpec) -> int:
 
 
 def gib(value: int | float) -> str:
-    return f"{value / GiB:,.2f} GiB"
+    """Bytes in the largest binary unit that keeps the number >= 1 (a tiny CPU model's weights
+    read "0.00 GiB" in a refusal, beside the table's KiB)."""
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} B"
 
 
 _NOT_STARTING: dict[EngineKind, str] = {

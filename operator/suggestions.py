@@ -23,7 +23,7 @@ Pure: no torch, kopf or kubernetes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -63,11 +63,17 @@ def suggest(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> list[PlanSu
     """Complete changes, any one of which makes every role of `spec` pass."""
     failing = [name for name, r in roles.items() if not r.sufficient]
     found: list[PlanSuggestion] = []
-    for family in (_raise_caps, _memory_fraction, _fp8_kv, _tensor_parallel, _pipeline_parallel, _context_length):
+    for family in (_raise_caps, _memory_fraction, _fp8_kv, _tensor_parallel, _pipeline_parallel, _both_splits, _context_length):
+        if family is _both_splits and any(_splits(s.changes) for s in found):
+            continue  # one of the two alone passes: no need of both
         suggestion = family(spec, roles, failing)
         if suggestion is not None and all(s.changes != suggestion.changes for s in found):
             found.append(suggestion)
     return found
+
+
+def _splits(changes: Changes) -> bool:
+    return any(c.field.endswith((".tensorParallel", ".pipelineParallel")) for c in changes)
 
 
 def apply_changes(spec: InferenceModelSpec, changes: Changes) -> InferenceModelSpec:
@@ -155,6 +161,21 @@ def _pipeline_parallel(spec: InferenceModelSpec, roles: dict[str, RolePlan], fai
     return _verified(spec, changes, message + ": each GPU holds only its stage's layers of KV and weights")
 
 
+def _both_splits(spec: InferenceModelSpec, roles: dict[str, RolePlan], failing: list[str]) -> PlanSuggestion | None:
+    """Tensor and pipeline parallelism raised together, when neither alone passes (an outside
+    probe: Llama-3.3-70B at 1M context on 22 GiB GPUs was offered nothing, though TP8 x PP4 passes)."""
+    changes = _per_role(spec, failing, _chain(_cap_only, _both_splits_fix))
+    if changes is None or not _splits(changes):
+        return None
+    parts = []
+    for name in dict.fromkeys(n for c in changes if _splits([c]) and (n := _role_of(c)) is not None):
+        role, new = _role(spec, name), {c.field.rsplit(".", 1)[-1]: c.value for c in changes if _role_of(c) == name}
+        tp, pp = new.get("tensorParallel", role.tensor_parallel), new.get("pipelineParallel", role.pipeline_parallel)
+        parts.append(f"{name} TP {tp} x PP {pp} (now {role.tensor_parallel} x {role.pipeline_parallel}, {tp * pp} GPUs per instance)")
+    message = "tensor parallelism and pipeline stages together: " + ", ".join(parts) + _cap_note(changes)
+    return _verified(spec, changes, message + ": neither alone leaves room for the pool")
+
+
 def _context_length(spec: InferenceModelSpec, roles: dict[str, RolePlan], failing: list[str]) -> PlanSuggestion | None:
     longest = math.floor(min(r.pool_tokens for r in roles.values()) / spec.min_kv_ratio)
     for _ in range(3):  # a shorter context can change an estimate (vLLM without chunked prefill)
@@ -239,18 +260,33 @@ def _fraction_fix(spec: InferenceModelSpec, name: str) -> Changes | None:
 
 def _tensor_parallel_fix(spec: InferenceModelSpec, name: str) -> Changes | None:
     role = _role(spec, name)
-    sizes = range(role.tensor_parallel + 1, MAX_TENSOR_PARALLEL + 1)
-    return _split_fix(spec, name, "tensor_parallel", "tensorParallel", sizes)
+    return _split_fix(spec, name, [{"tensor_parallel": tp} for tp in range(role.tensor_parallel + 1, MAX_TENSOR_PARALLEL + 1)])
 
 
 def _pipeline_parallel_fix(spec: InferenceModelSpec, name: str) -> Changes | None:
-    role, arch = _role(spec, name), spec.model.architecture
-    most = min(MAX_PIPELINE_PARALLEL, arch.num_layers if arch is not None else 1)
-    return _split_fix(spec, name, "pipeline_parallel", "pipelineParallel", range(role.pipeline_parallel + 1, most + 1))
+    role = _role(spec, name)
+    return _split_fix(spec, name, [{"pipeline_parallel": pp} for pp in range(role.pipeline_parallel + 1, _most_stages(spec) + 1)])
 
 
-def _split_fix(spec: InferenceModelSpec, name: str, attr: str, wire: str, sizes: range) -> Changes | None:
-    """The smallest valid split in `sizes` that passes, with a measured weight figure scaled to it."""
+def _both_splits_fix(spec: InferenceModelSpec, name: str) -> Changes | None:
+    """Both splits raised, the fewest GPUs per instance first (then the fewer stages)."""
+    role = _role(spec, name)
+    pairs = [(tp, pp) for tp in range(role.tensor_parallel + 1, MAX_TENSOR_PARALLEL + 1)
+             for pp in range(role.pipeline_parallel + 1, _most_stages(spec) + 1)]  # fmt: skip
+    pairs.sort(key=lambda pair: (pair[0] * pair[1], pair[1]))
+    return _split_fix(spec, name, [{"tensor_parallel": tp, "pipeline_parallel": pp} for tp, pp in pairs])
+
+
+def _most_stages(spec: InferenceModelSpec) -> int:
+    arch = spec.model.architecture
+    return min(MAX_PIPELINE_PARALLEL, arch.num_layers if arch is not None else 1)
+
+
+_WIRE = {"tensor_parallel": "tensorParallel", "pipeline_parallel": "pipelineParallel"}
+
+
+def _split_fix(spec: InferenceModelSpec, name: str, splits: Sequence[dict[str, int]]) -> Changes | None:
+    """The first valid split of `splits` that passes, with a measured weight figure scaled to it."""
     arch, role = spec.model.architecture, _uncapped(spec, name)
     record = _shards_to_record(spec)
     if arch is None or record is None:
@@ -259,12 +295,13 @@ def _split_fix(spec: InferenceModelSpec, name: str, attr: str, wire: str, sizes:
     if record:
         weights = spec.weights.model_copy(update={"measured_shards": record[0].value})
         scaled = spec.model_copy(update={"weights": weights})
-    for size in sizes:
-        candidate = role.model_copy(update={attr: size})
+    for split in splits:
+        candidate = role.model_copy(update=split)
         if any(True for _ in _role_problems("", candidate, arch)):
             continue
         if plan_role(scaled, candidate).sufficient:
-            return [FieldChange(field=f"spec.roles.{name}.{wire}", value=size), *record, *_cap_change(spec, name)]
+            changes = [FieldChange(field=f"spec.roles.{name}.{_WIRE[attr]}", value=size) for attr, size in split.items()]
+            return [*changes, *record, *_cap_change(spec, name)]
     return None
 
 

@@ -479,3 +479,16 @@ def test_a_minimum_just_above_the_pool_is_written_so(capsys: pytest.CaptureFixtu
     pods = [o["spec"]["template"]["metadata"] for o in render_revision(spec, plan(spec), Owner("m", "ns", "u"), "r1")
             if o["kind"] == "Deployment" and RATIO_ANNOTATION in o["spec"]["template"]["metadata"].get("annotations", {})]
     assert pods and all(float(p["annotations"][RATIO_ANNOTATION]) == 2.0000001 for p in pods)
+
+
+def test_a_block_with_no_change_that_passes_says_so_in_the_units_of_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside probe: a blocked plan with no suggestion printed nothing after its reasons, and the
+    reasons of a tiny model read "weights (0.00 GiB per GPU) ... by 0.00 GiB"."""
+    body = yaml.safe_load((EXAMPLES / "tiny-cpu.yaml").read_text())
+    body["spec"]["hardware"]["memoryPerDevice"] = "300Ki"
+    manifest = tmp_path / "model.yaml"
+    manifest.write_text(yaml.safe_dump(body))
+    assert main(["plan", "-f", str(manifest)]) == 3
+    out = capsys.readouterr().out
+    assert "weights (449.25 KiB per GPU)" in out and "by 179.25 KiB" in out and "0.00 GiB" not in out
+    assert "changes that pass" not in out and "no change found that passes" in out

@@ -581,3 +581,21 @@ def test_status_message_lists_every_field_of_each_fix_including_the_raised_cap()
     message = describe_fixes(plan(example_spec("incident.yaml")))
     assert "spec.kvCacheDtype=fp8_e4m3, spec.roles.prefill.kvPoolTokens=2097152" in message
     assert "spec.roles.prefill.tensorParallel=8, spec.roles.prefill.kvPoolTokens=2097152, spec.roles.decode.tensorParallel=8" in message
+
+
+def test_when_neither_split_alone_passes_both_together_are_suggested() -> None:
+    """Outside probe: a plan blocked where only tensor and pipeline parallelism together pass was
+    offered no change at all (the search raised one of them at a time)."""
+    from kvguard.operator.hf_config import architecture_from_file
+
+    arch = architecture_from_file(Path(__file__).resolve().parent / "data" / "hf_configs" / "llama-3.3-70b-instruct.json")
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=arch), context_length=1_048_576, kv_cache_dtype="fp8_e4m3",
+                     hardware=api.HardwareSpec(memory_per_device="22Gi", device_overhead="0.37Gi"),
+                     roles=api.RolesSpec(prefill=api.WorkerRole(), decode=api.WorkerRole(pipeline_parallel=4)))  # fmt: skip
+    result = plan(spec)
+    assert result.verdict == "blocked"
+    (both,) = [s for s in result.suggestions if {c.field.rsplit(".", 1)[-1] for c in s.changes} >= {"tensorParallel", "pipelineParallel"}]
+    assert "neither alone" in both.message
+    assert plan(apply_suggestion(spec, both)).verdict == "pass"
+    splits = {(c.field.split(".")[2], c.field.rsplit(".", 1)[-1]): c.value for c in both.changes}
+    assert splits[("decode", "tensorParallel")] * splits[("decode", "pipelineParallel")] <= 32  # the fewest GPUs first

@@ -347,11 +347,9 @@ def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
 
 
 def _gib(value: int) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 (tiny CPU models show KiB)."""
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if value >= size:
-            return f"{value / size:,.2f} {unit}"
-    return f"{value} B"
+    from kvguard.operator.planner import gib
+
+    return gib(value)
 
 
 def render_table(name: str, result: Any) -> str:
@@ -379,6 +377,10 @@ def render_table(name: str, result: Any) -> str:
         lines.append("changes that pass (any one; each is complete, re-planned to check):")
         for s in result.suggestions:
             lines += [f"  - {change_summary(s)}", f"      {s.message}"]
+    elif result.verdict != "pass":
+        lines.append("no change found that passes: caps, memory fraction, fp8 KV, tensor and pipeline parallelism "
+                     "(each, and the two together) and a shorter context were tried; give each GPU more memory, "
+                     "or write measured figures (spec.weights.measuredBytesPerDevice, deviceOverhead) to plan exactly")
     lines += [f"note: {w}" for w in result.warnings]
     return "\n".join(lines)
 
