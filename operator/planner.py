@@ -440,7 +440,7 @@ def plan_role(spec: InferenceModelSpec, role: WorkerRole) -> RolePlan:
         pool_tokens=pool,
         capped_by="kvPoolTokens" if capped else "memory",
         ratio=ratio_down(pool, spec.context_length),  # down: a shortfall never reads as the minimum
-        sufficient=pool >= required_pool_tokens(spec.min_kv_ratio, spec.context_length),
+        sufficient=pool >= required_pool_tokens(spec.min_kv_ratio, spec.context_length, spec.page_size),
         kv_budget_bytes=safe,
         optimistic_pool_tokens=optimistic,
         estimates=memory.estimates,
@@ -502,8 +502,7 @@ def plan_to_render(spec: InferenceModelSpec, kv_plan: KVPlan | None) -> KVPlan:
 
 def needed_tokens(spec: InferenceModelSpec) -> int:
     """The smallest pool that passes: minKVRatio x contextLength, in whole pages."""
-    needed = required_pool_tokens(spec.min_kv_ratio, spec.context_length)
-    return math.ceil(needed / spec.page_size) * spec.page_size
+    return required_pool_tokens(spec.min_kv_ratio, spec.context_length, spec.page_size)
 
 
 def gib(value: int | float) -> str:
@@ -539,9 +538,12 @@ def _reasons(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[s
             )
         else:
             capped = f" (capped by kvPoolTokens; memory allows {r.memory_pool_tokens:,})" if r.capped_by == "kvPoolTokens" else ""
+            pages = -(-spec.context_length // spec.page_size)
+            paged = (f" (a full-length request takes {pages:,} pages of {spec.page_size:,}: "
+                     f"{ratio_number(spec.min_kv_ratio)}x is {needed_tokens(spec):,} tokens)") if spec.context_length % spec.page_size else ""  # fmt: skip
             yield (
                 f"{name}: pool {r.pool_tokens:,} tokens = {ratio_text(r.pool_tokens, spec.context_length)} contextLength {spec.context_length:,}, "
-                f"below minKVRatio {ratio_number(spec.min_kv_ratio)}{capped}"
+                f"below minKVRatio {ratio_number(spec.min_kv_ratio)}{capped}{paged}"
             )
 
 

@@ -988,7 +988,7 @@ class _Step:
         ratio = ratio_down(pool, context)
         return WorkerPool(
             worker=report.worker, role=report.role, pool_tokens=pool, context_length=context,
-            ratio=ratio, sufficient=pool >= required_pool_tokens(self.spec.min_kv_ratio, context),
+            ratio=ratio, sufficient=pool >= required_pool_tokens(self.spec.min_kv_ratio, context, self.spec.page_size),
         )  # fmt: skip
 
     def _verify_canary(self) -> None:

@@ -49,7 +49,7 @@ from kvguard.operator.planner import (
     plan_roles,
     pool_cap,
 )
-from kvguard.workers.pool_ratio import ratio_text
+from kvguard.workers.pool_ratio import longest_context, ratio_text
 
 MAX_SUGGESTED_FRACTION = 0.95
 MAX_TENSOR_PARALLEL = 64
@@ -177,7 +177,7 @@ def _both_splits(spec: InferenceModelSpec, roles: dict[str, RolePlan], failing: 
 
 
 def _context_length(spec: InferenceModelSpec, roles: dict[str, RolePlan], failing: list[str]) -> PlanSuggestion | None:
-    longest = math.floor(min(r.pool_tokens for r in roles.values()) / spec.min_kv_ratio)
+    longest = longest_context(min(r.pool_tokens for r in roles.values()), spec.min_kv_ratio, spec.page_size)
     for _ in range(3):  # a shorter context can change an estimate (vLLM without chunked prefill)
         if longest <= 0:
             return None
@@ -187,7 +187,7 @@ def _context_length(spec: InferenceModelSpec, roles: dict[str, RolePlan], failin
         pools = plan_roles(candidate)
         if all(r.sufficient for r in pools.values()):
             break
-        longest = math.floor(min(r.pool_tokens for r in pools.values()) / spec.min_kv_ratio)
+        longest = longest_context(min(r.pool_tokens for r in pools.values()), spec.min_kv_ratio, spec.page_size)
     message = f"the longest safe context with these pools is {longest:,} tokens (now {spec.context_length:,})"
     trained = spec.model.architecture.max_position_embeddings if spec.model.architecture else None
     if trained is not None and longest > trained:  # the pools allow more than the model was built for

@@ -599,3 +599,16 @@ def test_when_neither_split_alone_passes_both_together_are_suggested() -> None:
     assert plan(apply_suggestion(spec, both)).verdict == "pass"
     splits = {(c.field.split(".")[2], c.field.rsplit(".", 1)[-1]): c.value for c in both.changes}
     assert splits[("decode", "tensorParallel")] * splits[("decode", "pipelineParallel")] <= 32  # the fewest GPUs first
+
+
+def test_the_ratio_counts_whole_pages_of_whole_contexts() -> None:
+    """Outside probe: a pool of 3 pages of 700 (2,100 tokens) passed at 2.10x a 1,000-token
+    context, but a full-length request takes 2 pages: the pool holds one, not two. Where the page
+    divides the context nothing changes."""
+    spec = make_spec(context_length=1000, page_size=700, kv_pool_tokens=2100)
+    result = plan(spec)
+    assert result.verdict == "blocked"
+    assert "takes 2 pages of 700: 2x is 2,800 tokens" in result.reasons[0]
+    assert all(plan(apply_suggestion(spec, s)).verdict == "pass" for s in result.suggestions) and result.suggestions
+    assert plan(make_spec(context_length=1024, page_size=16, kv_pool_tokens=2048)).verdict == "pass"
+    assert plan(make_spec(context_length=1000, page_size=700, kv_pool_tokens=2800)).verdict == "pass"

@@ -149,9 +149,10 @@ def test_serve_refuses_a_pool_below_twice_the_context_before_starting_anything(t
 def test_serve_pool_advice_counts_whole_pages_and_never_rounds_up_to_the_ratio(tiny_model_dir: Path) -> None:
     done = _run_serve("--model", str(tiny_model_dir), "--kv-pool-tokens", "2047", "--context-length", "1024", "--page-size", "1")
     assert done.returncode == 3 and "1.99x the context length" in done.stderr
-    # 2048 tokens in pages of 1000 is a pool of 2000: the advice names the whole pages that pass.
+    # 2048 tokens in pages of 1000 is a pool of 2000, and a 1024-token request takes 2 pages: the
+    # advice names the whole pages that hold two such requests (4, not the 3 that 2,048 tokens fill).
     done = _run_serve("--model", str(tiny_model_dir), "--kv-pool-tokens", "2048", "--context-length", "1024", "--page-size", "1000")
-    assert done.returncode == 3 and "pool (2000 tokens)" in done.stderr and "at least 3000" in done.stderr
+    assert done.returncode == 3 and "pool (2000 tokens)" in done.stderr and "at least 4000" in done.stderr
 
 
 @pytest.mark.parametrize(

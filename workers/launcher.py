@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import signal
@@ -120,11 +119,9 @@ class LocalServeConfig:
         }
 
     def small_pool_problem(self, pool_tokens: int, context_length: int) -> str | None:
-        needed = required_pool_tokens(self.min_kv_ratio, context_length)
-        if pool_tokens >= needed:
+        at_least = required_pool_tokens(self.min_kv_ratio, context_length, self.page_size)  # whole pages
+        if pool_tokens >= at_least:
             return None
-        # The pool is whole pages (a request for 2048 tokens in pages of 1000 holds 2000).
-        at_least = math.ceil(needed / self.page_size) * self.page_size
         return (
             f"the KV pool ({pool_tokens} tokens) is {ratio_text(pool_tokens, context_length)} the context length ({context_length} tokens), "
             f"below the safe ratio {ratio_number(self.min_kv_ratio)}x: raise --kv-pool-tokens to at least {at_least} "

@@ -19,10 +19,21 @@ MAX_KV_RATIO = 100.0
 ratio (1e308) makes minKVRatio x contextLength infinite, which the planner cannot round to tokens."""
 
 
-def required_pool_tokens(min_ratio: float, context_length: int) -> int:
+def required_pool_tokens(min_ratio: float, context_length: int, page_size: int = 1) -> int:
     """The fewest tokens that hold `min_ratio` x `context_length`, with the ratio read as written
-    (its shortest decimal form: 1.1 is 11/10, not the binary float just above it)."""
-    return math.ceil(Fraction(repr(float(min_ratio))) * context_length)
+    (its shortest decimal form: 1.1 is 11/10, not the binary float just above it). With pages, in
+    whole pages of whole-page contexts: a request takes ceil(context / page) pages, so a pool of 3
+    pages of 700 (2,100 tokens, 2.1 x a 1,000 context) holds one full-length request, not two (an
+    outside probe). Where the page divides the context, this is the token count rounded up to pages."""
+    pages_per_context = -(-context_length // page_size)
+    return math.ceil(Fraction(repr(float(min_ratio))) * pages_per_context) * page_size
+
+
+def longest_context(pool_tokens: int, min_ratio: float, page_size: int = 1) -> int:
+    """The longest context a pool of `pool_tokens` holds `min_ratio` times (`required_pool_tokens`
+    inverted): whole pages of it."""
+    pages = math.floor(Fraction(pool_tokens // page_size) / Fraction(repr(float(min_ratio))))
+    return pages * page_size
 
 
 def ratio_down(pool_tokens: float, context_length: float, decimals: int = 4) -> float:

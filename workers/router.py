@@ -292,7 +292,7 @@ def pool_problem(info: WorkerInfo, min_kv_ratio: float | None) -> str | None:
     """Why a worker may not serve (S7: its own pool below min_kv_ratio x its context), else None."""
     if min_kv_ratio is None:
         return None
-    required = required_pool_tokens(min_kv_ratio, info.context_length)
+    required = required_pool_tokens(min_kv_ratio, info.context_length, info.page_size)
     if info.kv_pool_tokens >= required:
         return None
     return (f"reports a KV pool of {info.kv_pool_tokens} tokens = {ratio_text(info.kv_pool_tokens, info.context_length)} context "
