@@ -68,6 +68,9 @@ MODEL_RUNS: dict[str, Run] = {
             min_states=5_000),
         Run("model_onpath", ("-DONPATH", "-DROW=8"), None,
             "an on-path adversary that injects captured frames into prefill's own connection; row 8 (replays)"),
+        Run("model_early_hang", ("-DNPP=4", "-DROW=15"), None,
+            "a prefill pool of two contexts behind a router that hangs (row 15): prefill computed ahead of a "
+            "ticket that never comes, and only its bootstrap timer frees its pages", min_states=5_000),
         Run("model_slots", SLOTS, None,
             "3 requests, 2 running slots on prefill and 1 on decode, prefill pool of two contexts (pages never "
             "the bound); row 13 (no faults, no timers): a request with a ticket always finds a prefill slot"),
@@ -116,6 +119,17 @@ MUTANTS: dict[str, Run] = {
         Run("early_takes_every_slot", ("-DMUTANT_EARLY_TAKES_EVERY_SLOT", *SLOTS), "S4",
             "EarlyBudget without limit_requests (only pages bounded): prefill computes ahead of tickets in every "
             "running slot, its slots wait on tickets, decode's on prefill (the 1,000-request burst deadlock)"),
+        # The workers' own timers: each mutant turns one off behind a router that hangs (row 15), and
+        # verifies with it on (tests/test_formal_model.py runs each without its switch).
+        Run("no_decode_timers", ("-DNO_D_TIMER", "-DROW=15"), "S4",
+            "decode without its open and stall timers (KVReceiver._arm/_on_timer): a router that hangs before "
+            "delivering the ticket leaves decode's pages held for a transfer that never opens"),
+        Run("no_bootstrap_timer", ("-DNO_P_TIMER", "-DNPP=4", "-DROW=15"), "S4",
+            "prefill without its bootstrap timer (--bootstrap-timeout, PrefillServer._ticket_of): a request "
+            "computed ahead of its ticket keeps prefill's pages when the router hangs before delivering it"),
+        Run("error_as_finish", ("-DMUTANT_ERROR_AS_FINISH", "-DROW=12"), "OUTCOME",
+            "the router takes decode's error event as its finish (awaits prefill, ends cleanly): the client "
+            "hears a finished request that decode aborted"),
     )
 }
 

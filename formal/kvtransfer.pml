@@ -11,7 +11,7 @@
  * under a byte credit (S6) and a MANIFEST, which carries the request's first token (wire v4,
  * workers/transfer/wire.py: a first-token record under the MANIFEST's checksum); decode answers ACK
  * (credit) and RESULT, and the first token it streams to the router is the MANIFEST's. Aborts from
- * every side at every step, timeouts, connection resets, worker restarts, chunk loss, corruption of
+ * every side at every step, timeouts, a router that hangs, connection resets, worker restarts, chunk loss, corruption of
  * a CHUNK or of the MANIFEST, and an adversary replaying captured frames and forging foreign ones.
  * formal/README.md has the bounds, the abstractions and what is (and is not) proven.
  *
@@ -26,7 +26,7 @@
  * checks below.
  *
  * Invariants are assertions on globals named after them (SPIN reports "assertion violated S1"):
- *   S1 S2 S3 S5 S6 NOREPLAY during the run, S4 in the quiescence monitor, plus SPIN's own check that
+ *   S1 S2 S3 S5 S6 NOREPLAY OUTCOME during the run, S4 in the quiescence monitor, plus SPIN's own check that
  *   no process ends stuck outside an end state. S3 is asserted where decode verifies and again where
  *   the client sees it: the router's receipt of the first token (a ghost flag per request, dverified).
  */
@@ -109,7 +109,12 @@
  * Row 13 is row 1 with no timers: any wait that nothing ends is a deadlock (S4). model_slots runs it
  * with 3 requests and few running slots (PRUN, DRUN), the early_takes_every_slot mutant too.
  * Row 14 is a disconnect whose abort call to one worker is lost (b_lose): with no timers, the worker
- * must end the request because the router closed its call (D_GONE, P_GONE), not by the abort. */
+ * must end the request because the router closed its call (D_GONE, P_GONE), not by the abort.
+ * Rows 15, 9 and 10: the router may hang (b_rhang: R_HUNG) -- partitioned from the workers, or its
+ * process stuck: from then on nothing of it reaches them, no abort, no close of its calls (so no
+ * D_GONE, P_GONE), no request timer. Only the workers' own timers can end both halves: decode's
+ * open and stall timers, prefill's bootstrap timer (NO_D_TIMER, NO_P_TIMER: each then fails S4).
+ * Row 15 is row 1 with the hang; rows 9 and 10 add it to their faults. */
 #define BOUNDS \
   BOUNDS_ROW( 1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 2,    1,    1,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0); \
@@ -119,12 +124,13 @@
   BOUNDS_ROW( 6,    1,    2,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 7,    1,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0); \
   BOUNDS_ROW( 8,    0,    0,    0,    0,    0,    0,    0,    0,    0,    2,    0,    0); \
-  BOUNDS_ROW( 9,    0,    0,    0,    0,    0,    0,    1,    0,    0,    0,    1,    0); \
-  BOUNDS_ROW(10,    0,    0,    0,    0,    0,    1,    0,    0,    0,    0,    0,    1); \
+  BOUNDS_ROW( 9,    0,    0,    0,    0,    0,    0,    1,    0,    0,    0,    1,    0); b_rhang = 1; \
+  BOUNDS_ROW(10,    0,    0,    0,    0,    0,    1,    0,    0,    0,    0,    0,    1); b_rhang = 1; \
   BOUNDS_ROW(11,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); router_intake = false; \
   BOUNDS_ROW(12,    1,    0,    0,    1,    0,    0,    0,    0,    0,    0,    0,    0); derr_any = true; \
   BOUNDS_ROW(13,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); \
-  BOUNDS_ROW(14,    1,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); b_lose = 1
+  BOUNDS_ROW(14,    1,    1,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); b_lose = 1; \
+  BOUNDS_ROW(15,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0,    0); b_rhang = 1
 
 #define TIMERS_OK (!prompt || silent_fault)
 #define TIMER (b_tmo > 0 || (timeout && TIMERS_OK))
@@ -163,6 +169,29 @@
 #define D_GONE_WATCH 0
 #else
 #define D_GONE_WATCH 1
+#endif
+
+/* The workers' own timers (S4 when the router hangs: R_HUNG, rows 9, 10 and 15). Each switch turns
+ * one off; each is a mutant whose counterexample needs the router's hang (formal/README.md).
+ * NO_D_TIMER: decode's transfer timers, the open timer (EXPECTED: open_timeout_s) and the stall
+ * timer (OPEN: stall_timeout_s) -- KVReceiver._arm/_on_timer. NO_P_TIMER: prefill's bootstrap timer
+ * (--bootstrap-timeout: PrefillServer._ticket_of's 504). NO_P_SEND_TIMERS: the sender's connect,
+ * credit and RESULT timers (KVSender: connect_timeout_s, stall_timeout_s), which decode's RESULT
+ * covers (a switch of the table of guards whose removal alone verifies). */
+#ifdef NO_D_TIMER
+#define D_TIMER 0
+#else
+#define D_TIMER 1
+#endif
+#ifdef NO_P_TIMER
+#define P_TIMER 0
+#else
+#define P_TIMER 1
+#endif
+#ifdef NO_P_SEND_TIMERS
+#define P_SEND_TIMER 0
+#else
+#define P_SEND_TIMER 1
 #endif
 
 /* Mutants: each re-creates a real bug class (../shared/reference/pd-bug-classes.md); each must fail. */
@@ -212,6 +241,13 @@
 #define TOKEN_FIRST 1
 #else
 #define TOKEN_FIRST 0
+#endif
+/* The router takes decode's error event as its finish (awaits prefill, then ends cleanly): the
+ * client hears a finished request that decode aborted (OUTCOME). */
+#ifdef MUTANT_ERROR_AS_FINISH
+#define ERROR_AS_FINISH 1
+#else
+#define ERROR_AS_FINISH 0
 #endif
 #ifdef MUTANT_NO_EPOCH                   /* neither side compares the ticket's boot epoch */
 #define EPOCH_CHECK 0
@@ -281,7 +317,7 @@ mtype:failure_reason = { CHECKSUM, PLAN_MISMATCH, MANIFEST_MISMATCH, STALE, UNKN
 /* the decode leg's event stream to the router (workers/protocol.py: BootstrapEvent, ...) */
 mtype:decode_event = { EV_BOOTSTRAP, EV_TOKEN, EV_FINISH, EV_ERROR };
 /* the router's view of one request (Router._generate has no enum) */
-mtype:router_phase = { R_INTAKE, R_DECODE_LEG, R_STREAMING, R_WAIT_PREFILL, R_ENDED };
+mtype:router_phase = { R_INTAKE, R_DECODE_LEG, R_STREAMING, R_WAIT_PREFILL, R_ENDED, R_HUNG };
 
 /* HTTP control messages (router -> workers): 0 not sent, then */
 #define MSG_SENT 1
@@ -318,6 +354,7 @@ mtype:router_phase = { R_INTAKE, R_DECODE_LEG, R_STREAMING, R_WAIT_PREFILL, R_EN
 
 /* invariants: each assertion prints its name */
 bool S1 = true, S2 = true, S3 = true, S4 = true, S5 = true, S6 = true, NOREPLAY = true;
+bool OUTCOME = true;                     /* a clean end at the router: decode FINISHED, prefill DONE */
 bool QSIZE = true;                       /* a model bound: a channel never fills */
 
 /* client and router */
@@ -339,7 +376,7 @@ byte nonces;
 /* decode worker */
 byte d_epoch = 1;
 mtype:request_state ds[NREQ];
-bool djob[NREQ];                         /* DecodeServer.jobs[rid] */
+bool djob[NREQ];                         /* WorkerRuntime.jobs[rid], a DecodeJob */
 bool dlease[NREQ];
 byte lpage[NREQ * MAXNEED], lgen[NREQ * MAXNEED];      /* the lease: page ids, granted generations */
 byte dgen[NDP], dwgen[NDP], downer[NDP], dcont[NDP];   /* generation, written_generation, owner, ghost bytes */
@@ -406,6 +443,9 @@ bool derr_any;                           /* derr also while waiting for pages, P
 byte b_disc, b_perr, b_derr, b_reset, b_drop, b_corrupt, b_drestart, b_prestart, b_replay, b_expire, b_tmo;
 byte b_lose;                             /* row 14: the router's abort call to a worker fails (Router._send_aborts
                                             logs a timeout or a connection error and goes on) */
+byte b_rhang;                            /* rows 9, 10, 15: the router hangs (R_HUNG) */
+bool pwait[NREQ];                        /* ghost: prefill awaits r's ticket (p_await_ticket): its bootstrap
+                                            timer is armed (ARMED) */
 
 inline spend_timer() {
   if
@@ -577,7 +617,7 @@ inline on_chunk(c) {
      if
      :: f_tag == GARBAGE -> x_end(r, T_FAILED, true, CHECKSUM)
      :: else ->
-        /* DecodeServer.write_pages -> KVPool.import_pages (S5). write_pages' own `lease.released`
+        /* DecodeJob.write_pages -> KVPool.import_pages (S5). write_pages' own `lease.released`
          * test is not a guard here: the engine thread (AsyncEngine._step's abort, or the abort the
          * handler awaits) may free the lease between it and import_pages, whose check under the
          * pool's lock is the one that holds; the model takes that order (a refused write fails the
@@ -712,8 +752,9 @@ end_rx:
 
 /* ------------------------------------------------------------------------------ decode: the handler */
 
-/* The handler's finally: DecodeServer.jobs.pop, _release: handle.cancel (RESULT tells prefill) and
- * engine.abort (the pages are freed, S4). */
+/* The handler's finally (DecodeServer.decode, _decode): WorkerRuntime.jobs.release, and
+ * DecodeServer._release: job.transfer.cancel (RESULT tells prefill) and engine.abort (the pages are
+ * freed, S4). */
 inline d_release(r) {
   djob[r] = false;
   x_end(r, T_FAILED, true, CANCELLED);
@@ -782,7 +823,7 @@ end_idle:
        if :: ROUTER_THERE -> dstream[r]!EV_ERROR, 0 :: else -> skip fi; goto end }
   :: d_epoch != boot -> goto end
   od;
-  /* handle.wait(): the transfer's outcome, or an abort */
+  /* job.transfer.wait() (InboundTransfer.wait): the transfer's outcome, or an abort */
   do
   :: atomic { d_epoch == boot && xstate[r] == T_COMPLETE ->
        /* MUTANT_TOKEN_FIRST: the first token goes to the router before start_decode's checks */
@@ -815,7 +856,7 @@ end_idle:
        fi };
      atomic { djob[r] = false; x_end(r, T_FAILED, true, CANCELLED); goto end }   /* (mutant) the cancel, later */
   :: atomic { d_epoch == boot && rgone[r] && D_GONE_WATCH -> d_state(r, ABORTED); d_gone(r); goto end }   /* D_GONE */
-  :: atomic { d_epoch == boot && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN) && TIMER ->
+  :: atomic { D_TIMER && d_epoch == boot && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN) && TIMER ->
        spend_timer(); x_end(r, T_FAILED, true, TIMEOUT) }          /* the open timer (EXPECTED), the stall timer (OPEN) */
   :: atomic { d_epoch == boot && derr_any && b_derr > 0 && ds[r] != ABORTED -> b_derr--;
        /* AsyncEngine._step fails outside a forward pass: engine.abort of every live request, this
@@ -908,7 +949,7 @@ inline p_open() {
           fi }; break
      :: atomic { p_epoch == boot && nst[pc_slot] != NET_UP && empty(d2p[pc_slot]) ->
           pc_st = PC_NONE; pxs[r] = T_FAILED }; break                           /* connection lost */
-     :: atomic { p_epoch == boot && QUIET_TIMER ->
+     :: atomic { P_SEND_TIMER && p_epoch == boot && QUIET_TIMER ->
           pc_st = PC_NONE; nst[pc_slot] = NET_GONE; pxs[r] = T_FAILED }; break   /* connect_timeout_s */
      :: p_epoch != boot -> break
      od;
@@ -935,18 +976,23 @@ inline early_give() {
  * router's abort overtook the call and was a no-op (found by this model when the legs were first
  * started together). A router that hangs without closing is prefill's own bootstrap timer's
  * (`--bootstrap-timeout`). The ticket ends an early request's claim on the budget. */
+/* The ghost pwait[r] is set in the step before the wait (the intake for a request that waits first,
+ * the computing step for one computed ahead) and cleared in every step that leaves it: a function of
+ * the handler's place, so it adds no state; ARMED reads it. */
 inline p_await_ticket() {
   do
-  :: atomic { p_epoch == boot && tq[r] == MSG_SENT -> tq[r] = MSG_TAKEN; n = tk[r];
+  :: atomic { p_epoch == boot && tq[r] == MSG_SENT -> tq[r] = MSG_TAKEN; n = tk[r]; pwait[r] = false;
        if
        :: b_expire > 0 -> b_expire--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end  /* 403 invalid_ticket */
        :: true -> early_give()
        fi }; break
-  :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN;
+  :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; pwait[r] = false;
        p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
-  :: atomic { p_epoch == boot && rgone[r] -> p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* P_GONE */
-  :: atomic { p_epoch == boot && QUIET_TIMER -> p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* --bootstrap-timeout: 504 */
-  :: p_epoch != boot -> goto end
+  :: atomic { p_epoch == boot && rgone[r] -> pwait[r] = false;   /* P_GONE */
+       p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
+  :: atomic { P_TIMER && p_epoch == boot && QUIET_TIMER -> pwait[r] = false;   /* --bootstrap-timeout: 504 */
+       p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
+  :: atomic { p_epoch != boot -> pwait[r] = false; goto end }
   od
 }
 inline p_state(r, st) {
@@ -986,7 +1032,7 @@ end_idle:
        if
        :: pearly + PNEED(r) <= EARLY_LIMIT && pearly_n + 1 <= EARLY_REQS ->
           pearly = pearly + PNEED(r); pearly_n++; early = PNEED(r)
-       :: else -> early = 0
+       :: else -> early = 0; pwait[r] = true          /* the ticket first: p_await_ticket */
        fi }; break
   od;
   if :: early == 0 -> p_await_ticket() :: else -> skip fi;
@@ -1003,7 +1049,7 @@ end_idle:
        :: b_perr > 0 && early > 0 && tq[r] == MSG_SENT -> b_perr--; tq[r] = MSG_TAKEN; n = tk[r];
           p_free(r); p_state(r, ABORTED); goto tell_decode
        :: b_perr > 0 && early > 0 && tq[r] != MSG_SENT -> b_perr--; p_free(r); p_state(r, ABORTED); pres[r] = PRES_ERR; goto end
-       :: true -> p_state(r, TRANSFERRING)
+       :: true -> p_state(r, TRANSFERRING); pwait[r] = (early > 0)   /* then p_await_ticket */
        fi }; break
   :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }
   :: atomic { p_epoch == boot && rgone[r] -> p_state(r, ABORTED); pres[r] = PRES_ERR; goto end }   /* P_GONE */
@@ -1043,7 +1089,7 @@ end_idle:
        fi;
        S6 = inflight <= CAP && cred <= CAP; assert(S6);
        seq++ }
-  :: atomic { p_epoch == boot && seq < PNEED(r) && presult[r] == 0 && !(cred == 0 || cred + 1 <= CAP) && TIMER ->
+  :: atomic { P_SEND_TIMER && p_epoch == boot && seq < PNEED(r) && presult[r] == 0 && !(cred == 0 || cred + 1 <= CAP) && TIMER ->
        spend_timer(); p_abort_frame() }; goto failed           /* the credit wait timed out: TIMEOUT */
   :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; p_abort_frame() }; goto failed
   :: atomic { p_epoch == boot && b_perr > 0 -> b_perr--; p_abort_frame() }; goto failed   /* chunks raised */
@@ -1052,7 +1098,7 @@ end_idle:
   /* wait for decode's RESULT */
   do
   :: atomic { p_epoch == boot && presult[r] != 0 -> p_finish(r); goto end }
-  :: atomic { p_epoch == boot && presult[r] == 0 && TIMER -> spend_timer(); p_abort_frame() }; goto failed  /* TIMEOUT */
+  :: atomic { P_SEND_TIMER && p_epoch == boot && presult[r] == 0 && TIMER -> spend_timer(); p_abort_frame() }; goto failed  /* TIMEOUT */
   :: atomic { p_epoch == boot && abort_p[r] == MSG_SENT -> abort_p[r] = MSG_TAKEN; p_abort_frame() }; goto failed
   :: p_epoch != boot -> goto end
   od;
@@ -1120,8 +1166,9 @@ end_pr:
 
 /* ------------------------------------------------------------------------------ router */
 
-/* Router._abort_both: the decode stream is closed, the prefill call cancelled (it may or may not
- * have reached prefill) and both workers get POST /internal/abort (S4). */
+/* Router._end_legs (a task of its own, from _generate's finally): both workers get POST
+ * /internal/abort (Router._send_aborts; a call may fail: row 14), then the prefill call is cancelled
+ * (it may or may not have reached prefill) and the decode stream closed (S4). */
 inline abort_both() {
   printf("MSC: r%d router aborts both legs\n", r);
   rgone[r] = true;
@@ -1157,6 +1204,12 @@ inline abort_both() {
 inline r_end() {
   rgone[r] = true; rphase[r] = R_ENDED
 }
+/* The clean end (_follow_legs: decode's FinishEvent, then prefill's answer, legs.cause cleared): the
+ * client hears a finished request only if decode finished it and prefill's transfer was verified. */
+inline r_clean_end() {
+  OUTCOME = ds[r] == FINISHED && ps[r] == DONE; assert(OUTCOME);
+  r_end()
+}
 
 proctype router(byte r) {
   byte nn;
@@ -1176,19 +1229,30 @@ proctype router(byte r) {
        S3 = nn != GARBAGE; assert(S3);                  /* and the token is the intact MANIFEST's (wire v4) */
        rphase[r] = R_STREAMING }
   /* _generate: prefill's own answer is awaited only before the request ends cleanly */
-  :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_OK -> r_end() }; break
+  :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_OK -> r_clean_end() }; break
   :: atomic { rphase[r] == R_WAIT_PREFILL && pres[r] == PRES_ERR -> abort_both(); r_end() }; break
   :: atomic { WATCH_PREFILL && (rphase[r] == R_DECODE_LEG || rphase[r] == R_STREAMING) && pres[r] == PRES_ERR ->   /* _next_event */
        abort_both(); r_end() }; break
   :: atomic { rphase[r] != R_WAIT_PREFILL && rphase[r] != R_ENDED && dstream[r]?[EV_FINISH, 0] ->
        dstream[r]?EV_FINISH, nn; rphase[r] = R_WAIT_PREFILL }   /* then `await prefill_task` */
+#if ERROR_AS_FINISH
+  :: atomic { rphase[r] != R_WAIT_PREFILL && rphase[r] != R_ENDED && dstream[r]?[EV_ERROR, 0] ->
+       dstream[r]?EV_ERROR, nn; rphase[r] = R_WAIT_PREFILL }   /* mutant: decode's error read as its finish */
+#else
   :: atomic { rphase[r] != R_WAIT_PREFILL && rphase[r] != R_ENDED && dstream[r]?[EV_ERROR, 0] ->
        dstream[r]?EV_ERROR, nn; abort_both(); r_end() }; break
+#endif
   :: atomic { rphase[r] != R_ENDED && rphase[r] != R_WAIT_PREFILL && dbroken[r] && empty(dstream[r]) ->
        abort_both(); r_end() }; break                   /* (after FINISH decode's stream is not read) */
   :: atomic { rphase[r] != R_ENDED && b_disc > 0 -> b_disc--;
        printf("MSC: r%d the client disconnects\n", r); abort_both(); r_end() }; break
   :: atomic { rphase[r] != R_ENDED && QUIET_TIMER -> abort_both(); r_end() }; break   /* request_timeout_s */
+  /* The router hangs (rows 9, 10, 15): partitioned from the workers, or its process stuck. Nothing
+   * of it reaches them any more: no abort, no close of its calls (rgone stays false: no D_GONE,
+   * P_GONE), no request timer; the calls already on their way arrive. Only the workers' own timers
+   * end the request there (decode's open/stall timers, prefill's bootstrap timer: S4). */
+  :: atomic { rphase[r] != R_ENDED && b_rhang > 0 -> b_rhang--; rphase[r] = R_HUNG;
+       printf("MSC: r%d the router hangs (no abort, no close, no timer)\n", r) }; break
   od
 }
 
@@ -1287,10 +1351,13 @@ end_adv:
 
 /* ------------------------------------------------------------------------------ S4 at quiescence */
 
-/* Timers still armed: the router's request timer, decode's stall timers, prefill's send timers. */
-#define ARMED(r) (rphase[r] != R_ENDED || (djob[r] && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN)) || \
-                  pxs[r] == T_CONNECTING || pxs[r] == T_OPEN || pxs[r] == T_SEALED)
-#define TIMERS_PENDING (TIMERS_OK && (ARMED(0) || ARMED(1) || ARMED(NREQ - 1) || pc_st == PC_HELLO))
+/* Timers still armed: the router's request timer (not a hung router's), decode's open and stall
+ * timers, prefill's bootstrap timer (its wait for the ticket) and its send timers. */
+#define ARMED(r) ((rphase[r] != R_ENDED && rphase[r] != R_HUNG) || \
+                  (D_TIMER && djob[r] && (xstate[r] == T_EXPECTED || xstate[r] == T_OPEN)) || \
+                  (P_TIMER && pwait[r]) || \
+                  (P_SEND_TIMER && (pxs[r] == T_CONNECTING || pxs[r] == T_OPEN || pxs[r] == T_SEALED)))
+#define TIMERS_PENDING (TIMERS_OK && (ARMED(0) || ARMED(1) || ARMED(NREQ - 1) || (P_SEND_TIMER && pc_st == PC_HELLO)))
 
 /* When nothing can happen any more: every request ended on every side, every page on both sides is
  * free, no credit is held, no transfer is live (S4). */
@@ -1303,7 +1370,7 @@ end_mon:
     do
     :: r == NREQ -> break
     :: else ->
-       S4 = S4 && rphase[r] == R_ENDED && !djob[r] && !dlease[r] && plen[r] == 0 &&
+       S4 = S4 && (rphase[r] == R_ENDED || rphase[r] == R_HUNG) && !djob[r] && !dlease[r] && plen[r] == 0 &&
             xstate[r] != T_EXPECTED && xstate[r] != T_OPEN &&
             !(pxs[r] == T_CONNECTING || pxs[r] == T_OPEN || pxs[r] == T_SEALED);
        r++

@@ -129,7 +129,10 @@ def test_mutant_of_a_real_bug_has_a_counterexample(spin: None, tmp_path: Path, n
 # Mutants that remove exactly one guard: one -D switch (besides the row and the bounds: requests,
 # pool size, running slots), and that switch turns off one check in the model.
 SINGLE_GUARD_MUTANTS = ("no_generation_check", "decode_admits_overlength", "prefill_admits_overlength", "early_takes_every_slot",
-                        "no_manifest_checksum")
+                        "no_manifest_checksum", "no_decode_timers", "no_bootstrap_timer")
+# Mutants whose counterexample must be the removed guard's alone: with the switch removed (the same
+# row and bounds), the run verifies -- the timers are what catches the router's hang.
+TIMER_MUTANTS = ("no_decode_timers", "no_bootstrap_timer")
 BOUND_DEFINES = ("-DROW=", "-DNPP=", "-DNREQ=", "-DPRUN=", "-DDRUN=")
 
 
@@ -141,6 +144,17 @@ def test_single_guard_mutant_removes_exactly_one_guard(name: str) -> None:
     conditionals = [line for line in MODEL.read_text().splitlines()
                     if line.startswith("#if") and re.search(rf"\b{macro}\b", line)]  # fmt: skip
     assert len(conditionals) == 1, conditionals  # it sets one guard's switch, nothing else
+
+
+@pytest.mark.timeout(SEARCH_TIMEOUT_S)
+@pytest.mark.parametrize("name", TIMER_MUTANTS)
+def test_timer_mutant_verifies_with_its_timer_back(spin: None, tmp_path: Path, name: str) -> None:
+    mutant = check.MUTANTS[name]
+    bounds = tuple(d for d in mutant.defines if d.startswith(BOUND_DEFINES))
+    assert len(bounds) == len(mutant.defines) - 1  # one switch: the timer
+    result = check.check(check.Run(f"{name}_fixed", bounds, None, "the same row with the timer"), tmp_path)
+    assert result.errors == 0 and result.complete, result.output[-3000:]
+    assert result.states > 5_000  # the hang's row ran
 
 
 def test_guards_listed_as_redundant_exist_in_the_model() -> None:
