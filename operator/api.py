@@ -445,6 +445,10 @@ class ModelArchitecture(ApiModel):
     """Parameters of routed MoE experts (sharded by expert/tensor parallelism); 0 for dense models."""
     num_experts: NonNegativeInt = 0
     """Routed experts per MoE layer; 0 for dense models. Informational."""
+    moe_layers: NonNegativeInt | None = None
+    """Layers that carry the routed experts, when not all do (DeepSeek's and GLM's first dense
+    layers, Qwen's `mlp_only_layers`); unset: every layer. With pipeline parallelism a stage of MoE
+    layers only is the heaviest, and the plan is that stage's."""
     max_position_embeddings: PositiveInt | None = None
     """Longest sequence the model was built for (config.json `max_position_embeddings`); the
     planner warns when contextLength exceeds it."""

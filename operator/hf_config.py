@@ -95,6 +95,7 @@ def architecture_from_hf_config(config: Mapping[str, Any]) -> ModelArchitecture:
         attention_parameters=attention.parameters * layers,
         expert_parameters=mlp.routed_experts,
         num_experts=mlp.num_experts,
+        moe_layers=mlp.moe_layers if mlp.num_experts and mlp.moe_layers != layers else None,
         max_position_embeddings=cfg.int("max_position_embeddings", 0) or None,
         mla=attention.mla,
     )
@@ -177,6 +178,7 @@ class _MLP:
     total: int  # all layers, including routed experts
     routed_experts: int  # all layers
     num_experts: int
+    moe_layers: int = 0  # layers with routed experts
 
 
 def _mlp_shape(cfg: _Config) -> _MLP:
@@ -195,7 +197,7 @@ def _mlp_shape(cfg: _Config) -> _MLP:
     router = hidden * num_experts + num_experts  # gate weight (+ bias / correction bias)
     shared = moe_layers * (3 * hidden * shared_width + router)
     dense = dense_layers * 3 * hidden * cfg.int("intermediate_size")
-    return _MLP(total=routed + shared + dense, routed_experts=routed, num_experts=num_experts)
+    return _MLP(total=routed + shared + dense, routed_experts=routed, num_experts=num_experts, moe_layers=moe_layers)
 
 
 def _num_routed_experts(cfg: _Config) -> int:

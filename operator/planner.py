@@ -205,6 +205,8 @@ def _architecture_problems(arch: ModelArchitecture, needs_parameters: bool) -> I
             yield f"{path}.headDim", "is required when hiddenSize is not given"
     if needs_parameters and arch.total_parameters is None:
         yield f"{path}.totalParameters", "is required unless spec.weights.measuredBytesPerDevice is given"
+    if arch.moe_layers is not None and arch.moe_layers > arch.num_layers:
+        yield f"{path}.moeLayers", f"{arch.moe_layers} exceeds numLayers={arch.num_layers}"
     parts = arch.embedding_parameters + arch.attention_parameters + arch.expert_parameters
     if arch.total_parameters is not None and parts > arch.total_parameters:
         yield f"{path}.totalParameters", (
@@ -297,8 +299,9 @@ def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
     Embeddings are vocab-parallel over TP; attention is sharded over the attention TP group
     (replicated per rank with DP attention); routed experts over max(TP, EP) GPUs; other dense
     weights over TP. Pipeline stages split the layers, and the plan is the heaviest stage's:
-    ceil(layers / PP) of them (SGLang and vLLM give the remainder to some stages, not all), plus
-    one vocabulary matrix (the first stage holds the input embedding, the last the LM head; a tied
+    ceil(layers / PP) of them (SGLang and vLLM give the remainder to some stages, not all), as many
+    of them MoE layers as there are (`moeLayers`: DeepSeek-V3's 3 dense layers put 21 MoE layers,
+    not an average 20.7, on a stage of 3; a review), plus one vocabulary matrix (the first stage holds the input embedding, the last the LM head; a tied
     one is on both). An even split undercounted 80 layers over 3 stages by 0.7% of the GPU, and a
     plan passed at 2.01x that a stage's own weights put at 1.98x (an outside probe). Speculative
     draft layers (EAGLE, MTP) are one decoder layer each, sharded over TP, on top."""
@@ -311,13 +314,11 @@ def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
     other = arch.total_parameters - arch.embedding_parameters - arch.attention_parameters - arch.expert_parameters
     tp = role.tensor_parallel
     expert_shards = max(tp, role.expert_parallel)
-    layers = (
-        arch.attention_parameters * linear_bytes / _attention_tp(role)
-        + other * linear_bytes / tp
-        + arch.expert_parameters * expert_bytes / expert_shards
-    )
-    stage = Fraction(math.ceil(arch.num_layers / role.pipeline_parallel), arch.num_layers)
-    per_gpu = _stage_embedding_parameters(arch, role.pipeline_parallel) * dense_bytes / tp + layers * stage
+    stage_layers = math.ceil(arch.num_layers / role.pipeline_parallel)
+    moe_layers = arch.moe_layers or arch.num_layers  # a stage of MoE layers only, where it can be
+    layers = (arch.attention_parameters * linear_bytes / _attention_tp(role) + other * linear_bytes / tp) * Fraction(stage_layers, arch.num_layers)
+    experts = arch.expert_parameters * expert_bytes / expert_shards * Fraction(min(stage_layers, moe_layers), moe_layers)
+    per_gpu = _stage_embedding_parameters(arch, role.pipeline_parallel) * dense_bytes / tp + layers + experts
     per_layer = (arch.total_parameters - arch.embedding_parameters) / arch.num_layers
     draft = spec.model.extra_draft_layers * per_layer * linear_bytes / tp
     return math.ceil(per_gpu + draft)

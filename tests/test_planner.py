@@ -612,3 +612,26 @@ def test_the_ratio_counts_whole_pages_of_whole_contexts() -> None:
     assert all(plan(apply_suggestion(spec, s)).verdict == "pass" for s in result.suggestions) and result.suggestions
     assert plan(make_spec(context_length=1024, page_size=16, kv_pool_tokens=2048)).verdict == "pass"
     assert plan(make_spec(context_length=1000, page_size=700, kv_pool_tokens=2800)).verdict == "pass"
+
+
+def test_a_pipeline_stage_of_moe_layers_only_is_planned_for_dense_first_models() -> None:
+    """A review: DeepSeek-V3's first 3 of 61 layers are dense; over 3 stages the engines put 21
+    layers on one, all of them MoE, 4.5% more weight than 21 average layers."""
+    from fractions import Fraction
+
+    from kvguard.operator.hf_config import architecture_from_file
+    from kvguard.operator.planner import _MODEL_DTYPE_BYTES
+
+    arch = architecture_from_file(Path(__file__).resolve().parent / "data" / "hf_configs" / "deepseek-v3.json")
+    assert (arch.num_layers, arch.moe_layers) == (61, 58)
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=arch))
+    width = _MODEL_DTYPE_BYTES[arch.dtype]
+    total = arch.total_parameters or 0
+    other = total - arch.embedding_parameters - arch.attention_parameters - arch.expert_parameters
+    vocab = (arch.vocab_size or 0) * (arch.hidden_size or 0)
+    expected = (vocab + (arch.attention_parameters + other) * Fraction(21, 61) + arch.expert_parameters * Fraction(21, 58)) * width / 8
+    assert counted_weight_bytes(spec, api.WorkerRole(tensor_parallel=8, pipeline_parallel=3)) == pytest.approx(float(expected), rel=1e-9)
+    average = (vocab + (total - arch.embedding_parameters) * Fraction(21, 61)) * width / 8
+    assert float(expected) > float(average) * 1.03
+    with pytest.raises(PlanInputError, match="moeLayers"):
+        plan(make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(moe_layers=40))))
