@@ -39,8 +39,12 @@ GATE_CONDITION = "kvguard.io/kv-pool-verified"
 """The pod condition (and readiness gate) type."""
 RATIO_ANNOTATION = "kvguard.io/min-kv-ratio"
 CONTEXT_ANNOTATION = "kvguard.io/context-length"
+PAGE_ANNOTATION = "kvguard.io/page-size"
 """Pod annotations (render.py) with the requirement of the pod's own revision: a stable pod is
-judged by its revision's contextLength and minKVRatio, not by a newer spec still rolling out."""
+judged by its revision's contextLength and minKVRatio, not by a newer spec still rolling out. The
+page size is written only where it does not divide the context (S7 counts whole pages of whole
+contexts, `pool_ratio.required_pool_tokens`; elsewhere it changes nothing, and a pod template left
+as it was restarts no pod on an operator upgrade)."""
 GATED_ROLES = ("prefill", "decode")
 """Roles that own a KV pool; the router has none to verify and carries no gate."""
 MAX_UNREADABLE_ATTEMPTS = 5
@@ -93,6 +97,7 @@ class PoolRequirement:
 
     ratio: float
     context_length: int
+    page_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -161,9 +166,11 @@ def pod_facts(pod: Mapping[str, Any], labels: tuple[str, str, str], metrics_port
 def declared_requirement(annotations: Mapping[str, Any]) -> PoolRequirement | None:
     try:
         ratio, context = float(annotations[RATIO_ANNOTATION]), int(annotations[CONTEXT_ANNOTATION])
+        page = int(annotations.get(PAGE_ANNOTATION, 1))
     except (KeyError, TypeError, ValueError):
         return None
-    return PoolRequirement(ratio, context) if math.isfinite(ratio) and ratio >= 1.0 and context > 0 else None
+    valid = math.isfinite(ratio) and ratio >= 1.0 and context > 0 and page > 0
+    return PoolRequirement(ratio, context, page) if valid else None
 
 
 def requirement_for(facts: PodFacts, policy_ratio: float | None) -> PoolRequirement | None:
@@ -174,7 +181,8 @@ def requirement_for(facts: PodFacts, policy_ratio: float | None) -> PoolRequirem
     (The local gate does not raise it: its router keeps the ratio it started with.)"""
     if facts.declared is None:
         return None
-    return PoolRequirement(max(facts.declared.ratio, policy_ratio or 0.0), facts.declared.context_length)
+    declared = facts.declared
+    return PoolRequirement(max(declared.ratio, policy_ratio or 0.0), declared.context_length, declared.page_size)
 
 
 @dataclass(frozen=True)
@@ -225,7 +233,7 @@ def judge(
 ) -> PodPool:  # fmt: skip
     """The verdict on one scrape: the smallest pool the pod reports against ratio x context."""
     context = max(requirement.context_length, context_length or 0)
-    required = required_pool_tokens(requirement.ratio, context)
+    required = required_pool_tokens(requirement.ratio, context, requirement.page_size)
     base = {"pod": facts.name, "node": facts.node, "revision": facts.revision, "role": facts.role, "context_length": context,
             "required_ratio": requirement.ratio, "required": required, "checked_at": rfc3339(now)}  # fmt: skip
     where = f"pod {facts.name} ({facts.role}, revision {facts.revision}) on node {facts.node or 'unknown'}"
@@ -288,7 +296,7 @@ def describe_kept_out(pools: Sequence[PodPool]) -> str:
 
 
 __all__ = [
-    "CONTEXT_ANNOTATION", "GATED_ROLES", "GATE_CONDITION", "RATIO_ANNOTATION", "Move", "PodFacts", "PodPool", "PoolRequirement",
+    "CONTEXT_ANNOTATION", "GATED_ROLES", "PAGE_ANNOTATION", "GATE_CONDITION", "RATIO_ANNOTATION", "Move", "PodFacts", "PodPool", "PoolRequirement",
     "Verdict", "condition_matches", "condition_patch", "declared_requirement", "describe_kept_out", "judge", "kept_out",
     "next_move", "pod_facts", "requirement_for", "status_pools", "unverified",
 ]  # fmt: skip

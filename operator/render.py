@@ -40,7 +40,7 @@ from kvguard.operator.api import (
 )
 from kvguard.operator.engine_support import gpus_per_worker_pod, kvguard_dtype_flag, kvguard_role_options
 from kvguard.operator.planner import memory_fraction
-from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, RATIO_ANNOTATION
+from kvguard.operator.pool_gate import CONTEXT_ANNOTATION, GATE_CONDITION, GATED_ROLES, PAGE_ANNOTATION, RATIO_ANNOTATION
 from kvguard.operator.rollout import Scale
 from kvguard.workers.args import DEFAULT_DRAIN_TIMEOUT_S, WorkerArgs
 from kvguard.workers.pool_ratio import ratio_number
@@ -738,6 +738,8 @@ def render_deployment(ctx: RoleContext) -> Manifest:
     pod_annotations = {"kvguard.io/revision": ctx.revision}
     if ctx.role in GATED_ROLES:  # what the gate requires of this revision's pools (pool_gate.py)
         pod_annotations |= {RATIO_ANNOTATION: ratio_number(spec.min_kv_ratio), CONTEXT_ANNOTATION: str(spec.context_length)}
+        if spec.context_length % spec.page_size:
+            pod_annotations[PAGE_ANNOTATION] = str(spec.page_size)
     if spec.engine.kind == EngineKind.SGLANG and ctx.role == "prefill":
         pod_annotations["sglang.ai/bootstrap-port"] = str(SGLANG_BOOTSTRAP_PORT)
     pod_labels = {**labels(ctx.owner.name, ctx.revision, ctx.role), LABEL_ENGINE: spec.engine.kind.value}

@@ -8,6 +8,7 @@ from typing import Any
 from kvguard.operator.pool_gate import (
     CONTEXT_ANNOTATION,
     GATE_CONDITION,
+    PAGE_ANNOTATION,
     RATIO_ANNOTATION,
     Move,
     PoolRequirement,
@@ -79,6 +80,36 @@ def test_S7_a_restarted_container_is_unverified_then_verified_again() -> None:
     assert next_move(pod_facts(pod(gate="False"), LABELS, 8001), verdict, REQ) is Move.PATCH
     # A tighter policy is a new requirement: verify again.
     assert next_move(pod_facts(pod(gate="True"), LABELS, 8001), verdict, PoolRequirement(4.0, 1024)) is Move.VERIFY
+
+
+def test_S7_the_gate_counts_whole_pages_where_the_page_does_not_divide_the_context() -> None:
+    """A review: the gate judged in tokens where the planner and the router count whole pages of
+    whole contexts, so a pod between the two passed the gate that the router kept out. The page
+    size reaches the gate by annotation, written only where it matters (no template changes, so no
+    restarts, for the rest), and on pods of the same spec rendered by the operator."""
+    from kvguard.operator.api import InferenceModel
+    from kvguard.operator.planner import plan
+    from kvguard.operator.render import Owner, render_revision
+
+    paged = pod(annotations={RATIO_ANNOTATION: "2", CONTEXT_ANNOTATION: "1000", PAGE_ANNOTATION: "700"})
+    facts = pod_facts(paged, LABELS, 8001)
+    assert facts.declared == PoolRequirement(2.0, 1000, 700) and requirement_for(facts, 3.0) == PoolRequirement(3.0, 1000, 700)
+    assert not judge(facts, requirement_for(facts, None), 2100, 1000, None, NOW).verified  # 3 pages hold one request of 2
+    assert judge(facts, requirement_for(facts, None), 2800, 1000, None, NOW).verified
+
+    def annotations(context: int, page: int) -> dict[str, str]:
+        body = {"apiVersion": "kvguard.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m"}, "spec": {
+            "model": {"name": "m", "source": {"pvc": {"claimName": "c", "path": "p"}},
+                      "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 2, "headDim": 16, "hiddenSize": 64,
+                                       "vocabSize": 320, "dtype": "fp32", "totalParameters": 115008}},
+            "pageSize": page, "contextLength": context, "kvPoolTokens": 8 * context, "engine": {"kind": "kvguard"},
+            "hardware": {"device": "cpu", "memoryPerDevice": "256Mi"}}}  # fmt: skip
+        spec = InferenceModel.model_validate(body).spec
+        (decode,) = [o for o in render_revision(spec, plan(spec), Owner("m", "ns", "u"), "r1")
+                     if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-decode")]
+        return decode["spec"]["template"]["metadata"]["annotations"]
+
+    assert annotations(1000, 16)[PAGE_ANNOTATION] == "16" and PAGE_ANNOTATION not in annotations(1024, 16)
 
 
 def test_condition_patch_moves_the_transition_time_only_when_the_status_does() -> None:

@@ -159,9 +159,10 @@ class LocalRevision(_StateModel):
     workers: list[LocalWorker] = Field(default_factory=list)
     context_length: int | None = None
     min_kv_ratio: float | None = None
-    """The revision's own pool requirement (spec.contextLength, spec.minKVRatio when it was
-    created): its workers are judged by it, as a pod by its annotations (local_gate.py). None in
-    folders written before it was recorded."""
+    page_size: int = 1
+    """The revision's own pool requirement (spec.contextLength, spec.minKVRatio, spec.pageSize when
+    it was created): its workers are judged by it, as a pod by its annotations (local_gate.py). None
+    (page size 1) in folders written before it was recorded."""
     retiring: list[LocalWorker] = Field(default_factory=list)
     """After a resize: the router the split still names and the workers only it relays to. They
     serve until the new router is ready, then drain and stop (`LocalBackend._hand_over`), as a
@@ -172,7 +173,7 @@ class LocalRevision(_StateModel):
     def requirement(self) -> PoolRequirement | None:
         if self.context_length is None or self.min_kv_ratio is None:
             return None
-        return PoolRequirement(self.min_kv_ratio, self.context_length)
+        return PoolRequirement(self.min_kv_ratio, self.context_length, self.page_size)
 
     def worker(self, name: str) -> LocalWorker:
         return next(w for w in self.workers if w.name == name)
@@ -725,7 +726,7 @@ class LocalBackend:
         record = LocalRevision(
             revision=revision, model_dir=str(model_dir), faults=faults, scale=scale, created_at=now_rfc3339(),
             workers=worker_argvs(spec, kv_plan, model_dir, ports, scale, revision),
-            context_length=spec.context_length, min_kv_ratio=spec.min_kv_ratio,
+            context_length=spec.context_length, min_kv_ratio=spec.min_kv_ratio, page_size=spec.page_size,
         )  # fmt: skip
         if faults:
             log.warning("FAULT INJECTION: revision %s runs with %s=%s (test/demo use only)", revision, FAULTS_ENV, faults)

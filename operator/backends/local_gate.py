@@ -72,7 +72,7 @@ def applied_requirement(state: LocalState) -> PoolRequirement | None:
     if not state.spec:
         return None
     spec = InferenceModelSpec.model_validate(state.spec)  # as `kvguard apply --local` stored it
-    return PoolRequirement(spec.min_kv_ratio, spec.context_length)
+    return PoolRequirement(spec.min_kv_ratio, spec.context_length, spec.page_size)
 
 
 @dataclass
