@@ -10,8 +10,9 @@ spec.rollout.trafficRouter decides what carries the split:
 - `inferencePool`: one InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1)
   per revision, selecting that revision's router pods, and the same HTTPRoute weighting the pools.
 
-S8: the split always names the stable revision while it serves; a weight of 0 leaves its
-backendRef in the route at weight 0, so traffic returns to stable without the route changing shape.
+S8: the split always names the stable revision while it serves. A candidate taken back to weight
+0 (a failed analysis) is at weight 0 in the route for as long as it is the candidate; once it is
+retired the route names the stable revision alone (an outside probe saw the two writes).
 The model Service keeps selecting the stable routers in every mode: in-cluster clients that use
 `<model>.<namespace>.svc` are not split.
 """
