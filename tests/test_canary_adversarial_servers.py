@@ -499,6 +499,15 @@ async def test_a_one_token_answer_shared_by_many_prompts_is_not_a_failure(server
     assert result(report, ProbeName.GOLDEN).status == ProbeStatus.SKIPPED
 
 
+@pytest.mark.parametrize("server", [Behaviour(previous_answer_tokens=250)], indirect=True)
+async def test_a_leak_only_the_longest_request_shows_fails_isolation(server: RunningServer) -> None:
+    """Outside probe: a leak on prompts over ~0.6 of the context (the answer of the request before)
+    hit only A #2; A #1 alone was asked again, so the suite passed. Every long request is asked again."""
+    isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
+    assert isolation.status == ProbeStatus.FAIL, isolation.reason
+    assert isolation.reason.startswith("A #2 ("), isolation.reason
+
+
 @pytest.mark.parametrize("server", [Behaviour(long_leak_tokens=100), Behaviour(wrap_ring_tokens=750)], indirect=True)
 async def test_a_leak_only_long_requests_show_fails_isolation(server: RunningServer) -> None:
     """A long prompt served the previous long prompt's KV (or a long request whose KV wrapped the

@@ -112,6 +112,9 @@ class Behaviour:
     # Prompts of at least this many tokens are answered from the previous long prompt's KV (a leak
     # only long prompts show: B, short, never sees it).
     long_leak_tokens: int | None = None
+    # Prompts of at least this many tokens get the answer of the request before them, whatever it
+    # was (an outside probe's leaking proxy: only the longer long request showed it).
+    previous_answer_tokens: int | None = None
     # A KV ring of this many token slots, filled in request order: a request whose prompt plus
     # max_tokens crosses its end reads the stale slots there, and gets the answer of the prompt
     # that wrote the ring's first slot last.
@@ -153,6 +156,7 @@ class FakeEngine:
         self.arrivals = asyncio.Condition()  # swap_concurrent: a request waits here for a second one
         self.cached_prompts: dict[str, str] = {}  # prefix_cache_chars: start -> the prompt cached for it
         self.last_long_prompt: str | None = None  # long_leak_tokens
+        self.previous_prompt: str | None = None  # previous_answer_tokens
         self.prefilled: set[tuple[str, bool, bool, int]] = set()  # cached_repeat_tokens: requests seen
         self.largest_prompt_bytes = 0  # of the prompts received (one prompt per request)
         self.generation_requests = 0  # transient_at counts them
@@ -379,6 +383,9 @@ class FakeEngine:
         """The prompt whose KV this request reads: its own, unless long_leak_tokens or
         wrap_ring_tokens hand it another's."""
         owner = prompt
+        if self.b.previous_answer_tokens is not None and prompt_tokens >= self.b.previous_answer_tokens:
+            owner = self.previous_prompt or prompt
+        self.previous_prompt = prompt
         if self.b.long_leak_tokens is not None and prompt_tokens >= self.b.long_leak_tokens:
             owner = self.last_long_prompt or prompt
             self.last_long_prompt = prompt

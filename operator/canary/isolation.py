@@ -98,17 +98,19 @@ class IsolationProbe(Probe):
         channels = await self._channels(ctx, Channel(ctx.spec.api, False, reference, main=True), evidence)
         sizes: list[int] = []
         longs: list[tuple[int, Completion]] = []
-        first_long: tuple[str, Completion] | None = None
+        asked: list[tuple[str, Completion]] = []
         for round_index, fraction in enumerate(spec.long_request_fractions):
             if problems and ctx.spec.stop_on_failure:
                 break
             words, prompt_a, a = await self._long_round(ctx, round_index, fraction, channels, problems, evidence)
             sizes.append(words)
             longs.append((words, a))
-            first_long = first_long or (prompt_a, a)
+            asked.append((prompt_a, a))
         check_prompts_counted(longs, problems, evidence, ctx.estimate)
-        if first_long is not None and not (problems and ctx.spec.stop_on_failure):
-            await self._long_again(ctx, *first_long, problems, evidence)
+        for prompt_a, a in asked:  # each long request again, after all of them
+            if problems and ctx.spec.stop_on_failure:
+                break
+            await self._long_again(ctx, prompt_a, a, problems, evidence)
         if spec.tenants and not (problems and ctx.spec.stop_on_failure):
             await self._tenants(ctx, channels, problems, evidence)
         report_leaks(ctx, mark, problems, evidence)
@@ -173,10 +175,11 @@ class IsolationProbe(Probe):
     async def _long_again(
         self, ctx: RunContext, prompt_a: str, first: Completion, problems: list[str], evidence: list[Evidence]
     ) -> None:
-        """A #1 once more after every other long request: greedy, a batch of one, the same server,
-        so the same answer, as B's after A. B is short: a leak that only hits long prompts (a long
-        prompt served the previous long prompt's KV) changed no B and passed (outside probe). Its
-        nonce is its own, so the nonce checks see no foreign one in it."""
+        """A long request once more after every long request: greedy, a batch of one, the same
+        server, so the same answer, as B's after A. B is short: a leak that only hits long prompts
+        (a long prompt served the previous long prompt's KV) changed no B and passed (outside probe);
+        and one that only hit prompts over ~0.6 of the context changed only A #2, when A #1 alone was
+        asked again (another). Its nonce is its own, so the nonce checks see no foreign one in it."""
         if not first.ok:
             return  # already failed, in its round
         def ask(label: str) -> Awaitable[Completion]:
