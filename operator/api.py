@@ -414,6 +414,8 @@ class ModelArchitecture(ApiModel):
                          "(has(self.attentionParameters) ? self.attentionParameters : 0) + "
                          "(has(self.expertParameters) ? self.expertParameters : 0)",
                  "message": "totalParameters: must be at least embedding + attention + expert parameters"},
+                {"rule": "!has(self.moeLayers) || self.moeLayers <= self.numLayers",
+                 "message": "moeLayers: must not exceed numLayers"},
             ]
         }
     )
@@ -445,10 +447,11 @@ class ModelArchitecture(ApiModel):
     """Parameters of routed MoE experts (sharded by expert/tensor parallelism); 0 for dense models."""
     num_experts: NonNegativeInt = 0
     """Routed experts per MoE layer; 0 for dense models. Informational."""
-    moe_layers: NonNegativeInt | None = None
+    moe_layers: PositiveInt | None = None
     """Layers that carry the routed experts, when not all do (DeepSeek's and GLM's first dense
     layers, Qwen's `mlp_only_layers`); unset: every layer. With pipeline parallelism a stage of MoE
-    layers only is the heaviest, and the plan is that stage's."""
+    layers only is the heaviest, and the plan is that stage's. The planner's alone: it changes no
+    rendered flag, so it is not part of a revision (revision.py)."""
     max_position_embeddings: PositiveInt | None = None
     """Longest sequence the model was built for (config.json `max_position_embeddings`); the
     planner warns when contextLength exceeds it."""

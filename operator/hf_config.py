@@ -197,7 +197,17 @@ def _mlp_shape(cfg: _Config) -> _MLP:
     router = hidden * num_experts + num_experts  # gate weight (+ bias / correction bias)
     shared = moe_layers * (3 * hidden * shared_width + router)
     dense = dense_layers * 3 * hidden * cfg.int("intermediate_size")
-    return _MLP(total=routed + shared + dense, routed_experts=routed, num_experts=num_experts, moe_layers=moe_layers)
+    return _MLP(total=routed + shared + dense, routed_experts=routed, num_experts=num_experts,
+                moe_layers=moe_layers if _moe_layers_contiguous(cfg) else layers)
+
+
+def _moe_layers_contiguous(cfg: _Config) -> bool:
+    """Whether the MoE layers can fill a pipeline stage (ModelArchitecture.moe_layers): dense
+    layers first, then MoE only (DeepSeek, GLM), or a few dense ones listed. MoE every other layer
+    (`moe_layer_freq`, `decoder_sparse_step` > 1) never does: the stage's share of the experts is
+    its share of the layers there, which the field left unset gives (a review: counted as a stage of
+    MoE layers only, Qwen3 with a sparse step of 2 over 2 stages was planned at 31 GB for 17)."""
+    return max(1, cfg.int("moe_layer_freq", 1)) == 1 and max(1, cfg.int("decoder_sparse_step", 1)) == 1
 
 
 def _num_routed_experts(cfg: _Config) -> int:

@@ -50,15 +50,24 @@ def kv_relevant(spec: InferenceModelSpec) -> dict[str, Any]:
     """The subset of the spec a revision is made of, as a canonical JSON-ready dict."""
     wire = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
     picked: dict[str, Any] = {key: wire[key] for key in _SPEC_FIELDS if key in wire}
-    model = dict(picked.get("model", {}))
-    model.pop("architectureConfigMap", None)  # the architecture it resolves to is in `model` already
-    picked["model"] = model
+    picked["model"] = _without_plan_only(picked.get("model", {}))
     roles = wire.get("roles", {})
     picked["roles"] = {
         role: {key: roles[role][key] for key in _ROLE_FIELDS if key in roles.get(role, {})}
         for role in ("prefill", "decode")
     }
     return picked
+
+
+def _without_plan_only(model: dict[str, Any]) -> dict[str, Any]:
+    """spec.model less what makes no revision: the ConfigMap name (the architecture it resolves to
+    is in `model` already) and `architecture.moeLayers`, which only the planner reads (a review:
+    read from a ConfigMap's config.json by a new operator, it changed the revision of every
+    DeepSeek and GLM model, a rollout that ran nothing new)."""
+    model = {k: v for k, v in model.items() if k != "architectureConfigMap"}
+    if isinstance(arch := model.get("architecture"), dict) and "moeLayers" in arch:
+        model["architecture"] = {k: v for k, v in arch.items() if k != "moeLayers"}
+    return model
 
 
 # Fields of spec.roles.<prefill|decode> that change the order of floating-point reductions.
@@ -77,7 +86,7 @@ def numerics_parts(spec: InferenceModelSpec) -> dict[str, str]:
     only replicates). The engine's version and image are left out on purpose: a new build of the
     same engine must still match (that is how the canary catches a build that corrupts KV)."""
     wire = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
-    model = {k: v for k, v in wire["model"].items() if k not in ("architectureConfigMap", "name")}  # the served name is a label
+    model = {k: v for k, v in _without_plan_only(wire["model"]).items() if k != "name"}  # the served name is a label
     roles = wire.get("roles", {})
     sharding = {r: {k: roles.get(r, {}).get(k) for k in _NUMERICS_ROLE_FIELDS} for r in ("prefill", "decode")}
     return {

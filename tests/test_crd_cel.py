@@ -150,6 +150,10 @@ INVALID = {
                                                                             "headDim": 64, "totalParameters": 100,
                                                                             "embeddingParameters": 60, "attentionParameters": 50}}),
                               "spec.model.architecture", "totalParameters: must be at least embedding + attention + expert parameters"),
+    # A review: checked by the planner alone.
+    "more moe layers than layers": (minimal(model={"name": "m", "architecture": {"numLayers": 2, "numAttentionHeads": 4, "numKVHeads": 4,
+                                                                                  "headDim": 64, "moeLayers": 3}}),
+                                    "spec.model.architecture", "moeLayers: must not exceed numLayers"),
 }  # fmt: skip
 
 
@@ -349,7 +353,8 @@ def test_the_crd_refuses_a_resplit_under_a_measured_figure_as_the_webhook_does(n
     assert all(r.path == "spec" for r in rejections)
 
 
-@pytest.mark.parametrize("name", ["more kv heads than heads", "kv heads that do not divide", "parts above the total"])
+@pytest.mark.parametrize("name", ["more kv heads than heads", "kv heads that do not divide", "parts above the total",
+                                  "more moe layers than layers"])
 def test_the_planner_refuses_what_the_architecture_rules_refuse(name: str) -> None:
     """The architecture rules mirror planner._architecture_problems (the webhook's and reconcile's
     check): the same spec, the same field."""

@@ -211,3 +211,14 @@ def test_apply_does_not_exit_0_for_a_promoted_revision_that_answers_503() -> Non
     # ... nor while nothing of ours answers at the model's URL (the splitter down, its port taken).
     door_shut = dataclasses.replace(result(fine, verified), front_door_problem="port 1, the model's URL, is taken")
     assert exit_code(door_shut) == EXIT_ERROR
+
+
+def test_a_local_revision_is_judged_in_its_own_pages() -> None:
+    """S7 counts whole pages of whole contexts: a local revision records its page size with its
+    requirement (a review: no test covered it), and one recorded before reads as page 1."""
+    from kvguard.operator.backends.local_gate import revision_requirement
+    from kvguard.operator.pool_gate import PoolRequirement
+
+    made = {"revision": "aaa111", "model_dir": "m", "created_at": "2026-01-01T00:00:00Z", "context_length": 1000, "min_kv_ratio": 2.0}
+    assert revision_requirement(LocalRevision(**made, page_size=700), None) == PoolRequirement(2.0, 1000, 700)
+    assert LocalRevision.model_validate(made).requirement() == PoolRequirement(2.0, 1000, 1)
