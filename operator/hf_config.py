@@ -95,7 +95,7 @@ def architecture_from_hf_config(config: Mapping[str, Any]) -> ModelArchitecture:
         attention_parameters=attention.parameters * layers,
         expert_parameters=mlp.routed_experts,
         num_experts=mlp.num_experts,
-        moe_layers=mlp.moe_layers if mlp.num_experts and mlp.moe_layers != layers else None,
+        moe_layers=mlp.moe_layers if mlp.num_experts and 0 < mlp.moe_layers < layers else None,
         max_position_embeddings=cfg.int("max_position_embeddings", 0) or None,
         mla=attention.mla,
     )
@@ -197,17 +197,12 @@ def _mlp_shape(cfg: _Config) -> _MLP:
     router = hidden * num_experts + num_experts  # gate weight (+ bias / correction bias)
     shared = moe_layers * (3 * hidden * shared_width + router)
     dense = dense_layers * 3 * hidden * cfg.int("intermediate_size")
-    return _MLP(total=routed + shared + dense, routed_experts=routed, num_experts=num_experts,
-                moe_layers=moe_layers if _moe_layers_contiguous(cfg) else layers)
-
-
-def _moe_layers_contiguous(cfg: _Config) -> bool:
-    """Whether the MoE layers can fill a pipeline stage (ModelArchitecture.moe_layers): dense
-    layers first, then MoE only (DeepSeek, GLM), or a few dense ones listed. MoE every other layer
-    (`moe_layer_freq`, `decoder_sparse_step` > 1) never does: the stage's share of the experts is
-    its share of the layers there, which the field left unset gives (a review: counted as a stage of
-    MoE layers only, Qwen3 with a sparse step of 2 over 2 stages was planned at 31 GB for 17)."""
-    return max(1, cfg.int("moe_layer_freq", 1)) == 1 and max(1, cfg.int("decoder_sparse_step", 1)) == 1
+    # moe_layers counts them, not where they are: with MoE every other layer (`moe_layer_freq`,
+    # `decoder_sparse_step` > 1) the plan still takes a stage of MoE layers only, more than such a
+    # stage holds (Qwen3 with a sparse step of 2 over 2 stages: 31 GB for 17). The safe side: a
+    # stage's share of the layers was too little with dense layers first (61 layers, 10 dense, MoE
+    # every other one, over 2 stages: 13.2 MoE layers for 15, two reviews).
+    return _MLP(total=routed + shared + dense, routed_experts=routed, num_experts=num_experts, moe_layers=moe_layers)
 
 
 def _num_routed_experts(cfg: _Config) -> int:

@@ -640,7 +640,9 @@ def test_a_pipeline_stage_of_moe_layers_only_is_planned_for_dense_first_models()
 def test_moe_layers_is_the_planners_alone_and_only_where_they_can_fill_a_stage() -> None:
     """A review: read from a ConfigMap's config.json by a new operator, moeLayers changed the
     revision of every DeepSeek and GLM model (a rollout that ran nothing new); and MoE layers every
-    other layer were planned as a stage of MoE layers only (31 GB for 17)."""
+    other layer are still planned as a stage of MoE layers only (more than it holds: the safe side,
+    where a stage's share of the layers was too little with dense layers first); a config with
+    experts but no MoE layer sets none."""
     import json
 
     from kvguard.operator.hf_config import architecture_from_file, architecture_from_hf_config
@@ -652,5 +654,6 @@ def test_moe_layers_is_the_planners_alone_and_only_where_they_can_fill_a_stage()
     without = make_spec(model=api.ModelSpec(name="m", architecture=arch.model_copy(update={"moe_layers": None})))
     assert (revision_of(with_field), numerics_of(with_field)) == (revision_of(without), numerics_of(without))
     qwen = json.loads((configs / "qwen3-30b-a3b.json").read_text())
-    assert architecture_from_hf_config({**qwen, "decoder_sparse_step": 2}).moe_layers is None
+    assert architecture_from_hf_config({**qwen, "decoder_sparse_step": 2}).moe_layers == 24
     assert architecture_from_hf_config({**qwen, "mlp_only_layers": [0, 1]}).moe_layers == 46
+    assert architecture_from_hf_config({**qwen, "mlp_only_layers": list(range(48))}).moe_layers is None
