@@ -298,13 +298,17 @@ def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
 
     Embeddings are vocab-parallel over TP; attention is sharded over the attention TP group
     (replicated per rank with DP attention); routed experts over max(TP, EP) GPUs; other dense
-    weights over TP. Pipeline stages split the layers, and the plan is the heaviest stage's:
-    ceil(layers / PP) of them (SGLang and vLLM give the remainder to some stages, not all), as many
-    of them MoE layers as there are (`moeLayers`: DeepSeek-V3's 3 dense layers put 21 MoE layers,
-    not an average 20.7, on a stage of 3; a review), plus one vocabulary matrix (the first stage holds the input embedding, the last the LM head; a tied
-    one is on both). An even split undercounted 80 layers over 3 stages by 0.7% of the GPU, and a
-    plan passed at 2.01x that a stage's own weights put at 1.98x (an outside probe). Speculative
-    draft layers (EAGLE, MTP) are one decoder layer each, sharded over TP, on top."""
+    weights over TP. Speculative draft layers (EAGLE, MTP) are one decoder layer each, sharded over
+    TP, on top.
+
+    Pipeline stages split the layers, and the plan is the heaviest stage's:
+    - ceil(layers / PP) layers: SGLang and vLLM give the remainder to some stages, not all;
+    - as many of them MoE layers as there are (`moeLayers`): DeepSeek-V3's 3 dense layers of 61
+      leave 21 MoE layers, not an average 20.7, on a stage of 3 (a review);
+    - one vocabulary matrix: the first stage holds the input embedding, the last the LM head (a
+      tied one is on both).
+    An even split undercounted 80 layers over 3 stages by 0.7% of the GPU: a plan passed at 2.01x
+    that the stage's own weights put at 1.98x (an outside probe)."""
     arch = _require_arch(spec)
     assert arch.total_parameters is not None  # check_spec guarantees it
     dense_bytes, quant_bytes = _weight_byte_widths(spec)
@@ -316,7 +320,8 @@ def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
     expert_shards = max(tp, role.expert_parallel)
     stage_layers = math.ceil(arch.num_layers / role.pipeline_parallel)
     moe_layers = arch.moe_layers or arch.num_layers  # a stage of MoE layers only, where it can be
-    layers = (arch.attention_parameters * linear_bytes / _attention_tp(role) + other * linear_bytes / tp) * Fraction(stage_layers, arch.num_layers)
+    non_expert = arch.attention_parameters * linear_bytes / _attention_tp(role) + other * linear_bytes / tp
+    layers = non_expert * Fraction(stage_layers, arch.num_layers)
     experts = arch.expert_parameters * expert_bytes / expert_shards * Fraction(min(stage_layers, moe_layers), moe_layers)
     per_gpu = _stage_embedding_parameters(arch, role.pipeline_parallel) * dense_bytes / tp + layers + experts
     per_layer = (arch.total_parameters - arch.embedding_parameters) / arch.num_layers
