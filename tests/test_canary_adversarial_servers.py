@@ -520,7 +520,7 @@ async def test_a_leak_only_long_requests_show_fails_isolation(server: RunningSer
     assert again and again[0].expected != again[0].actual
 
 
-@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=3644)], indirect=True)
+@pytest.mark.parametrize("server", [Behaviour(wrap_ring_tokens=3946)], indirect=True)
 async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: RunningServer) -> None:
     """The request of a tenant's answer alone wrapped the KV ring and read stale slots: every later
     check of that tenant compared against the leak, and the concurrent answers that differed from
@@ -528,8 +528,8 @@ async def test_a_tenant_whose_answer_alone_was_the_leak_fails_isolation(server: 
 
     The ring is filled in arrival order, and the probe's concurrent requests arrive in any order,
     so the ring's size is chosen for the wrap to land on a request sent alone: the suite's
-    requests before tenant 1's "alone again" fill 3,621 slots whatever their order, and that one
-    ends at 3,693 (the streamed `n` = 2 requests added 144). (At 1800 the wrap landed in a concurrent batch: in one run of eight under load
+    requests before tenant 1's "alone again" fill 3,923 slots whatever their order, and that one
+    ends at 3,995 (the streamed `n` = 2 requests added 144, and A #2 asked again 302). (At 1800 the wrap landed in a concurrent batch: in one run of eight under load
     the tenant that wrapped it was the one whose "alone again" wrapped next, read its own KV, and
     the probe honestly saw no leak; a loop under two busy loops found it.)"""
     isolation = result(await run(server, spec().only([ProbeName.ISOLATION])), ProbeName.ISOLATION)
