@@ -50,7 +50,7 @@ from kvguard.operator.api import (
     WorkerRole,
 )
 from kvguard.operator.estimates import Figure, GiB
-from kvguard.workers.pool_ratio import ratio_down, ratio_number, ratio_text, required_pool_tokens
+from kvguard.workers.pool_ratio import pages_per_context, ratio_down, ratio_number, ratio_text, required_pool_tokens
 
 # What the renderer writes on the command line when the spec sets no fraction (so these are facts,
 # not guesses at the engines' own auto values).
@@ -544,7 +544,7 @@ def _reasons(spec: InferenceModelSpec, roles: dict[str, RolePlan]) -> Iterator[s
             )
         else:
             capped = f" (capped by kvPoolTokens; memory allows {r.memory_pool_tokens:,})" if r.capped_by == "kvPoolTokens" else ""
-            pages = -(-spec.context_length // spec.page_size)
+            pages = pages_per_context(spec.context_length, spec.page_size)
             paged = (f" (a full-length request takes {pages:,} pages of {spec.page_size:,}: "
                      f"{ratio_number(spec.min_kv_ratio)}x is {needed_tokens(spec):,} tokens)") if spec.context_length % spec.page_size else ""  # fmt: skip
             yield (

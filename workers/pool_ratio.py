@@ -25,8 +25,12 @@ def required_pool_tokens(min_ratio: float, context_length: int, page_size: int =
     whole pages of whole-page contexts: a request takes ceil(context / page) pages, so a pool of 3
     pages of 700 (2,100 tokens, 2.1 x a 1,000 context) holds one full-length request, not two (an
     outside probe). Where the page divides the context, this is the token count rounded up to pages."""
-    pages_per_context = -(-context_length // page_size)
-    return math.ceil(Fraction(repr(float(min_ratio))) * pages_per_context) * page_size
+    return math.ceil(Fraction(repr(float(min_ratio))) * pages_per_context(context_length, page_size)) * page_size
+
+
+def pages_per_context(context_length: int, page_size: int) -> int:
+    """Pages a full-length request takes."""
+    return -(-context_length // page_size)
 
 
 def longest_context(pool_tokens: int, min_ratio: float, page_size: int = 1) -> int:

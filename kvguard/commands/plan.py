@@ -346,14 +346,9 @@ def _fill_from_hf_config(spec: dict[str, Any], path: Path) -> None:
 # --- Table ---------------------------------------------------------------------------------------
 
 
-def _gib(value: int) -> str:
-    from kvguard.operator.planner import gib
-
-    return gib(value)
-
-
 def render_table(name: str, result: Any) -> str:
     """A readable report of a KVPlan."""
+    from kvguard.operator.planner import gib
     from kvguard.operator.suggestions import change_summary
     from kvguard.workers.pool_ratio import ratio_number, ratio_text
 
@@ -365,7 +360,7 @@ def render_table(name: str, result: Any) -> str:
     rows = [columns]
     for role, r in result.roles.items():
         rows.append((
-            role, str(r.instances), str(r.gpus_per_instance), _gib(r.weights_bytes_per_gpu), _gib(r.kv_bytes_per_gpu),
+            role, str(r.instances), str(r.gpus_per_instance), gib(r.weights_bytes_per_gpu), gib(r.kv_bytes_per_gpu),
             f"{r.bytes_per_token:,}", _pool_cell(r), ratio_text(r.pool_tokens, result.context_length)[:-1], "yes" if r.sufficient else "NO",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
@@ -388,7 +383,9 @@ def render_table(name: str, result: Any) -> str:
 def _pool_cell(r: Any) -> str:
     """Pool tokens, marked when a cap set them, or when weights and overheads do not fit at all."""
     if r.kv_budget_bytes < 0:
-        return f"none ({_gib(-r.kv_budget_bytes)} short)"
+        from kvguard.operator.planner import gib
+
+        return f"none ({gib(-r.kv_budget_bytes)} short)"
     pool = f"{r.pool_tokens:,}" + (" (cap)" if r.capped_by == "kvPoolTokens" else "")
     if r.optimistic_pool_tokens is not None and r.optimistic_pool_tokens != r.pool_tokens:
         pool += f" (up to {r.optimistic_pool_tokens:,})"
