@@ -567,9 +567,10 @@ class WeightsSpec(ApiModel):
     """Weight memory per GPU as measured (e.g. SGLang's `Load weight end ... mem usage`). Overrides
     the estimate from parameters and quantization."""
     measured_shards: PositiveInt | None = None
-    """GPUs the weights were split over when measuredBytesPerDevice was measured (tensorParallel x
-    pipelineParallel of that run). When set, the planner scales the figure to each role's own
-    split, and says it did. When omitted the figure is used as-is where every role has one split;
+    """GPUs the weights were split over when measuredBytesPerDevice was measured, taken as tensor
+    parallelism alone (leave it unset for a figure measured at the roles' own split). When set, the
+    planner scales the figure to each role's own split, a role with pipeline stages to its heaviest
+    stage (ceil(numLayers / PP) layers and a whole vocabulary matrix), and says it did. When omitted the figure is used as-is where every role has one split;
     where the roles' splits differ it is taken as measured over the widest (the safe end), and
     admission refuses an update that changes a role's split while the figure stays."""
 

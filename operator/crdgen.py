@@ -73,9 +73,16 @@ def _role_value(obj: str, role: str, field: str, default: str) -> str:
     return f"((has({obj}.roles) && has({path}) && has({path}.{field})) ? {path}.{field} : {default})"
 
 
-def _split(obj: str, role: str) -> str:
-    """A role's GPUs per instance (tensorParallel x pipelineParallel), as spec_checks._splits."""
-    return f"{_role_value(obj, role, 'tensorParallel', '1')} * {_role_value(obj, role, 'pipelineParallel', '1')}"
+def _same_split(role: str) -> str:
+    """The role's (tensorParallel, pipelineParallel) unchanged, as spec_checks._splits compares them."""
+    return " && ".join(f"{_role_value('self', role, field, '1')} == {_role_value('oldSelf', role, field, '1')}"
+                       for field in ("tensorParallel", "pipelineParallel"))
+
+
+def _split_of_shards(role: str, shards: str) -> str:
+    """The role split as a figure measured over `shards` GPUs is taken: tensor parallelism alone."""
+    return (f"{_role_value('self', role, 'tensorParallel', '1')} == {shards} && "
+            f"{_role_value('self', role, 'pipelineParallel', '1')} == 1")
 
 
 def _attention_ranks(obj: str, role: str) -> str:
@@ -98,9 +105,9 @@ _RESPLIT_RULES: list[dict[str, str]] = [
      "message": "spec.weights.measuredBytesPerDevice: the attention split (dataParallel with dataParallelAttention) "
                 "changed while measuredBytesPerDevice stayed: measure it again, or remove it"},
     {"rule": f"!({_MEASURED_KEPT}) || has(self.weights.measuredShards) || (has({_SHARDS_BEFORE}) ? ("
-             + " && ".join(f"{_split('self', r)} == {_SHARDS_BEFORE}" for r in _WORKER_ROLES) + ") : ("
-             + " && ".join(f"{_split('self', r)} == {_split('oldSelf', r)}" for r in _WORKER_ROLES) + "))",
-     "message": "spec.weights.measuredShards: the split (tensorParallel x pipelineParallel) changed while "
+             + " && ".join(_split_of_shards(r, _SHARDS_BEFORE) for r in _WORKER_ROLES) + ") : ("
+             + " && ".join(_same_split(r) for r in _WORKER_ROLES) + "))",
+     "message": "spec.weights.measuredShards: the split (tensorParallel, pipelineParallel) changed while "
                 "measuredBytesPerDevice stayed: set measuredShards to the split it was measured at, or measure it again"},
 ]  # fmt: skip
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from kvguard.operator.api import DeviceKind, EngineKind, EstimatedInput, InferenceModelSpec, WorkerRole
 from kvguard.operator.engine_flags import canonical
@@ -252,8 +253,30 @@ def estimated_weights(spec: InferenceModelSpec, counted: int) -> Figure:
     return Figure(safe, counted, estimate)
 
 
-def scaled_weights(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
-    """measuredBytesPerDevice, scaled to the role's split when measuredShards says where it came from."""
+@dataclass(frozen=True)
+class PipelineStage:
+    """What the heaviest pipeline stage of a role holds beyond an even 1/PP of the weights (the
+    planner works it out from the architecture: `planner.heaviest_stage`)."""
+
+    layer_share: Fraction
+    """The stage's share of the layers' weights over an even 1/PP: PP x ceil(layers / PP) / layers,
+    or its share of the MoE layers' where fewer layers carry experts (never below the dense one)."""
+    figure_embedding_bytes: int
+    """The model's embedding bytes (input embedding and LM head; 0 when unknown): a figure measured
+    with TP alone holds 1/TP of them, taken out before its layers are scaled."""
+    vocab_matrix_bytes: int
+    """One vocabulary matrix (embedding or LM head), which the first and the last stage each hold."""
+
+
+def scaled_weights(spec: InferenceModelSpec, role: WorkerRole, stage: PipelineStage | None = None) -> Figure:
+    """measuredBytesPerDevice, scaled to the role's split when measuredShards says where it came from.
+
+    A scaled figure is taken as measured with tensor parallelism alone. For a role with pipeline
+    stages (`stage`) the GPU count is not enough: the heaviest stage holds ceil(layers / PP)
+    layers and a whole vocabulary matrix (split over TP), where an even split gives it 1/PP of
+    each. Llama-3.1-8B measured at TP1 and planned at PP4 read 3.89 GiB, where its stage holds
+    4.23 GiB (a review). The figure's own embeddings are taken out before the layers are scaled,
+    and the stage's matrix added."""
     measured, shards = spec.weights.measured_bytes_per_device, spec.weights.measured_shards
     assert measured is not None
     devices = _devices(role)
@@ -264,22 +287,31 @@ def scaled_weights(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
         # role moved to TP1 on a TP4 figure, 7 GiB where 28 sit): taken as measured over the
         # widest split, which charges every narrower role the most.
         shards = max(splits)
-    if shards is None or shards == devices:
+    staged = stage is not None and shards is not None
+    if shards is None or (shards == devices and not staged):
         return Figure.given(measured)
     scaled = measured * shards // devices
+    basis = (f"{_gib(measured)} taken as measured over {shards} GPUs, the roles' widest split (measuredShards "
+             f"unset), scaled to {devices}" if assumed else f"{_gib(measured)} measured over {shards} GPUs, scaled to {devices}")
+    if staged:
+        assert stage is not None
+        layers = max(0, scaled - stage.figure_embedding_bytes // devices) * stage.layer_share
+        scaled = math.ceil(layers + Fraction(stage.vocab_matrix_bytes, role.tensor_parallel))
+        basis += (f", on the heaviest of {role.pipeline_parallel} pipeline stages ({float(stage.layer_share):.3g}x an even "
+                  f"share of the layers, and a whole vocabulary matrix over {role.tensor_parallel} GPUs)")
     safe = math.ceil(scaled * (1 + SCALED_WEIGHTS_MARGIN)) if devices > shards else scaled
+    if devices > shards:
+        basis += f" (+{SCALED_WEIGHTS_MARGIN:.0%}: replicated parts do not shrink)"
     estimate = EstimatedInput(
         field="spec.weights.measuredShards" if assumed else "spec.weights.measuredBytesPerDevice",
-        description="weight memory per GPU", safe_bytes=safe, optimistic_bytes=scaled,
-        basis=(f"{_gib(measured)} taken as measured over {shards} GPUs, the roles' widest split (measuredShards "
-               f"unset), scaled to {devices}" if assumed else f"{_gib(measured)} measured over {shards} GPUs, scaled to {devices}")
-        + (f" (+{SCALED_WEIGHTS_MARGIN:.0%}: replicated parts do not shrink)" if devices > shards else ""),
-    )  # fmt: skip
+        description="weight memory per GPU", safe_bytes=safe, optimistic_bytes=scaled, basis=basis,
+    )
     return Figure(safe, scaled, estimate)
 
 
 __all__ = [
     "Figure",
+    "PipelineStage",
     "VLLM_V1_SINCE",
     "device_overhead",
     "engine_flag",

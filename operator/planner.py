@@ -230,6 +230,13 @@ def _role_problems(path: str, role: WorkerRole, arch: ModelArchitecture) -> Iter
         )
     if role.pipeline_parallel > arch.num_layers:
         yield f"{path}.pipelineParallel", f"{role.pipeline_parallel} exceeds numLayers={arch.num_layers}"
+    elif role.pipeline_parallel > 1 and not _stage_embedding_parameters(arch, role.pipeline_parallel):
+        # The first and last stage each hold a whole vocabulary matrix, which a stage's weights
+        # cannot leave out (heaviest_stage, counted_weight_bytes).
+        yield "spec.model.architecture.vocabSize", (
+            f"is needed with hiddenSize (or embeddingParameters) to plan {path}.pipelineParallel "
+            f"{role.pipeline_parallel}: the first and last stage each hold a vocabulary matrix"
+        )
     if role.expert_parallel > 1:
         moe_group = tp * (1 if role.data_parallel_attention else dp)
         if arch.expert_parameters == 0 and arch.num_experts == 0:
@@ -289,8 +296,26 @@ def weights_bytes_per_gpu(spec: InferenceModelSpec, role: WorkerRole) -> int:
 def weights_figure(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
     """Weights per GPU: the measured figure, or the parameter count's estimate with its range."""
     if spec.weights.measured_bytes_per_device is not None:
-        return estimates.scaled_weights(spec, role)
+        return estimates.scaled_weights(spec, role, heaviest_stage(spec, role))
     return estimates.estimated_weights(spec, counted_weight_bytes(spec, role))
+
+
+def heaviest_stage(spec: InferenceModelSpec, role: WorkerRole) -> estimates.PipelineStage | None:
+    """What a measured figure scaled to `role`'s pipeline stages must add (None without PP): as
+    `counted_weight_bytes` plans a stage, ceil(layers / PP) layers, as many of them MoE layers as
+    there are, and one vocabulary matrix."""
+    pp = role.pipeline_parallel
+    arch = spec.model.architecture
+    if pp == 1 or arch is None:
+        return None
+    stage_layers = math.ceil(arch.num_layers / pp)
+    moe_layers = arch.moe_layers or arch.num_layers
+    dense_bytes, _ = _weight_byte_widths(spec)
+    return estimates.PipelineStage(
+        layer_share=Fraction(pp * min(stage_layers, moe_layers), moe_layers),
+        figure_embedding_bytes=math.floor(arch.embedding_parameters * dense_bytes),
+        vocab_matrix_bytes=math.ceil(_stage_embedding_parameters(arch, pp) * dense_bytes),
+    )
 
 
 def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
@@ -332,11 +357,14 @@ def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
 def _stage_embedding_parameters(arch: ModelArchitecture, pipeline_parallel: int) -> int:
     """Embedding parameters on the heaviest pipeline stage: all of them without PP; else one
     vocabulary matrix (vocab x hidden when both are known, else all of them: a tied matrix sits
-    on the first and last stage alike)."""
+    on the first and last stage alike). Where embeddingParameters is not given (0) the matrix is
+    vocab x hidden on top of the other weights, which already count it spread over the layers
+    (the safe side); `_architecture_problems` asks for one of the two with PP."""
     if pipeline_parallel == 1:
         return arch.embedding_parameters
     if arch.vocab_size is not None and arch.hidden_size is not None:
-        return min(arch.embedding_parameters, arch.vocab_size * arch.hidden_size)
+        matrix = arch.vocab_size * arch.hidden_size
+        return min(arch.embedding_parameters, matrix) if arch.embedding_parameters else matrix
     return arch.embedding_parameters
 
 

@@ -129,7 +129,7 @@ def canary_problems(spec: InferenceModelSpec, before: InferenceModelSpec | None 
 
 
 def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | None:
-    """An update that changes a worker role's split (tensorParallel x pipelineParallel) while
+    """An update that changes a worker role's split (tensorParallel, pipelineParallel) while
     `weights.measuredBytesPerDevice` stays and `measuredShards` is unset: the figure was measured
     at the old split and would be planned as-is at the new one (an outside probe moved TP4 to
     TP1: 7 GiB planned where 28 GiB sit, PASS). The brief's rule: re-check after every change of
@@ -150,19 +150,29 @@ def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | N
         return None
     before, after = _splits(old), _splits(new)
     if old.weights.measured_shards is not None:
-        # measuredShards dropped: the figure is still the one measured over that many GPUs, and
-        # planned as-is wherever a role's split is not that (a review: the rule above, bypassed).
-        before = dict.fromkeys(after, old.weights.measured_shards)
+        # measuredShards dropped: the figure is still the one measured over that many GPUs (with
+        # TP alone, as the planner takes it), and planned as-is wherever a role's split is not
+        # that (a review: the rule above, bypassed).
+        before = dict.fromkeys(after, (old.weights.measured_shards, 1))
     changed = {name: (before[name], after[name]) for name in before.keys() & after.keys() if before[name] != after[name]}
     if not changed:
         return None
-    moves = ", ".join(f"{name} {a} -> {b} GPUs" for name, (a, b) in sorted(changed.items()))
+    moves = ", ".join(f"{name} {_split_text(a, b)}" for name, (a, b) in sorted(changed.items()))
     return (f"spec.weights.measuredShards: the split changed ({moves}) while measuredBytesPerDevice stayed: set "
             "measuredShards to the split it was measured at (the planner scales it), or measure it again")
 
 
-def _splits(spec: InferenceModelSpec) -> dict[str, int]:
-    return {name: role.tensor_parallel * role.pipeline_parallel for name, role in spec.roles.worker_roles().items()}
+def _splits(spec: InferenceModelSpec) -> dict[str, tuple[int, int]]:
+    """(tensorParallel, pipelineParallel) per worker role. The shape, not the GPU count: TP8 and
+    TP2 x PP4 hold different weights per GPU (each end stage holds a whole vocabulary matrix)."""
+    return {name: (role.tensor_parallel, role.pipeline_parallel) for name, role in spec.roles.worker_roles().items()}
+
+
+def _split_text(before: tuple[int, int], after: tuple[int, int]) -> str:
+    (tp, pp), (new_tp, new_pp) = before, after
+    if tp * pp != new_tp * new_pp:
+        return f"{tp * pp} -> {new_tp * new_pp} GPUs"
+    return f"TP{tp} x PP{pp} -> TP{new_tp} x PP{new_pp}"
 
 
 def _dp_attention_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | None:

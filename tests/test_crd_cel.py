@@ -312,7 +312,8 @@ def _split_spec(prefill: dict[str, Any], decode: dict[str, Any], **weights: Any)
     return minimal(engine={"kind": "sglang", "image": "i"}, weights=weights, roles={"prefill": prefill, "decode": decode})
 
 
-TP2, TP1, TP4 = {"tensorParallel": 2}, {"tensorParallel": 1}, {"tensorParallel": 4}
+TP2, TP1, TP4, TP8 = {"tensorParallel": 2}, {"tensorParallel": 1}, {"tensorParallel": 4}, {"tensorParallel": 8}
+TP2_PP4 = {"tensorParallel": 2, "pipelineParallel": 4}
 DPA2 = {"tensorParallel": 4, "dataParallel": 2, "dataParallelAttention": True}
 DPA4 = {"tensorParallel": 4, "dataParallel": 4, "dataParallelAttention": True}
 RESPLITS = {  # name: (stored, update)
@@ -320,6 +321,14 @@ RESPLITS = {  # name: (stored, update)
     "decode only, figure kept": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"), _split_spec(TP2, TP4, measuredBytesPerDevice="1Mi")),
     "pp instead of tp": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"),
                          _split_spec(TP2, {"pipelineParallel": 2}, measuredBytesPerDevice="1Mi")),  # same GPUs
+    # The same GPUs in another shape: each end stage of TP2 x PP4 holds a whole vocabulary matrix
+    # over 2 GPUs, where TP8 spreads two over 8 (a review: admitted while only counts compared).
+    "tp8 -> tp2 x pp4, figure kept": (_split_spec(TP8, TP8, measuredBytesPerDevice="1Mi"),
+                                      _split_spec(TP8, TP2_PP4, measuredBytesPerDevice="1Mi")),
+    "tp8 -> tp2 x pp4, measuredShards set": (_split_spec(TP8, TP8, measuredBytesPerDevice="1Mi"),
+                                             _split_spec(TP8, TP2_PP4, measuredBytesPerDevice="1Mi", measuredShards=8)),
+    "measuredShards dropped, its GPUs in stages": (_split_spec(TP8, TP8, measuredBytesPerDevice="1Mi", measuredShards=8),
+                                                   _split_spec(TP2_PP4, TP8, measuredBytesPerDevice="1Mi")),
     "measuredShards set": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"),
                            _split_spec(TP1, TP1, measuredBytesPerDevice="1Mi", measuredShards=2)),
     "measured again": (_split_spec(TP2, TP2, measuredBytesPerDevice="1Mi"), _split_spec(TP1, TP1, measuredBytesPerDevice="2Mi")),

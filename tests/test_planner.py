@@ -353,6 +353,47 @@ def test_measured_weights_scale_to_another_split_only_when_measured_shards_is_se
     assert plan_role(scaled, api.WorkerRole()).weights_bytes_per_gpu == 40 * GiB  # its own split: exact
 
 
+LLAMA_UNTIED = dict(vocab_size=128_256, embedding_parameters=2 * 128_256 * 4096)
+DEEPSEEK_STAGES = dict(vocab_size=129_280, moe_layers=58)  # 3 dense layers first
+
+
+@pytest.mark.parametrize(("truth", "given"), [
+    (llama_arch(**LLAMA_UNTIED), llama_arch(**LLAMA_UNTIED)),
+    (llama_arch(**LLAMA_UNTIED), llama_arch(vocab_size=128_256, embedding_parameters=0)),  # embeddings not given
+    (llama_arch(num_layers=30, **LLAMA_UNTIED), llama_arch(num_layers=30, **LLAMA_UNTIED)),  # layers left over
+    (deepseek_v3_arch().model_copy(update=DEEPSEEK_STAGES), deepseek_v3_arch().model_copy(update=DEEPSEEK_STAGES)),
+], ids=["llama", "llama-embeddings-unknown", "llama-uneven", "deepseek-moe-stages"])
+@pytest.mark.parametrize(("shards", "tp", "pp"), [(1, 1, 2), (1, 1, 4), (8, 2, 4), (8, 1, 8), (4, 4, 2), (8, 4, 1)])
+def test_measured_weights_scaled_to_pipeline_stages_cover_the_heaviest_stage(
+        truth: api.ModelArchitecture, given: api.ModelArchitecture, shards: int, tp: int, pp: int) -> None:
+    """S7: a figure measured with TP alone and scaled by GPU count gave a stage 1/PP of everything;
+    the heaviest stage holds ceil(layers / PP) layers and a whole vocabulary matrix. Llama-3.1-8B
+    measured at TP1 and planned at PP4 read 3.89 GiB where the stage holds 4.23 GiB; TP8 ->
+    TP2 x PP4, the same GPUs, was taken as measured (a review). Measured = the planner's own count
+    of the true model at TP=shards; planned with the spec's architecture: never below the truth."""
+    measured = counted_weight_bytes(make_spec(model=api.ModelSpec(name="m", architecture=truth)), api.WorkerRole(tensor_parallel=shards))
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=given),
+                     weights=api.WeightsSpec(measured_bytes_per_device=measured, measured_shards=shards))  # fmt: skip
+    role = api.WorkerRole(tensor_parallel=tp, pipeline_parallel=pp)
+    stage = counted_weight_bytes(make_spec(model=api.ModelSpec(name="m", architecture=truth)), role)
+    planned = weights_bytes_per_gpu(spec, role)
+    assert stage <= planned <= stage * 1.35 + 2**20, (planned / stage, planned - stage)
+    if pp == 1:
+        assert planned == measured * shards // (tp * pp)  # without stages: the GPU count alone, as before
+
+
+def test_pipeline_stages_need_the_vocabulary_matrix_to_plan() -> None:
+    """Neither embeddingParameters nor vocabSize x hiddenSize: the stage's vocabulary matrix is
+    unknown, so no figure bounds the heaviest stage. Refused for the field that fixes it."""
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=llama_arch(embedding_parameters=0)),
+                     roles=api.RolesSpec(prefill=api.WorkerRole(pipeline_parallel=2), decode=api.WorkerRole()))  # fmt: skip
+    with pytest.raises(PlanInputError) as refused:
+        plan(spec)
+    assert "spec.model.architecture.vocabSize: is needed with hiddenSize (or embeddingParameters) to plan " \
+           "spec.roles.prefill.pipelineParallel 2" in str(refused.value), refused.value
+    plan(spec.model_copy(update={"roles": api.RolesSpec(prefill=api.WorkerRole(), decode=api.WorkerRole())}))  # without PP: plans
+
+
 def test_measured_weights_without_shards_are_charged_at_the_widest_split_when_the_roles_differ() -> None:
     """One figure cannot be every role's when their splits differ; used as-is, a TP1 decode beside a
     TP4 prefill planned 7 GiB of weights where 28 sit (outside probe: PASS). Taken as measured over

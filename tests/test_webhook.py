@@ -110,6 +110,23 @@ def test_an_update_that_changes_the_split_under_a_measured_weight_figure_is_deni
     assert dropped is not None and str(dropped).startswith("spec.weights.measuredShards: the split changed (decode 2 -> 1 GPUs"), dropped
 
 
+def test_an_update_that_reshapes_the_same_gpus_under_a_measured_weight_figure_is_denied() -> None:
+    """TP8 -> TP2 x PP4 keeps 8 GPUs, so a check of GPU counts admitted it and the figure was planned
+    as-is, but each end stage holds a whole vocabulary matrix over 2 GPUs where TP8 spread two over
+    8 (a review). With measuredShards the planner scales it to the stage (heaviest_stage)."""
+    old = tiny_model()
+    old["spec"]["weights"] = {"measuredBytesPerDevice": "1Mi"}
+    old["spec"]["roles"] = {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 8}}
+    new = copy.deepcopy(old)
+    new["spec"]["roles"]["decode"] = {"tensorParallel": 2, "pipelineParallel": 4}
+    exc = denial(new, [], old=old, operation="UPDATE")
+    assert exc is not None and str(exc).startswith(
+        "spec.weights.measuredShards: the split changed (decode TP8 x PP1 -> TP2 x PP4)"), exc
+    new["spec"]["weights"]["measuredShards"] = 8
+    found = denial(new, [], old=old, operation="UPDATE")
+    assert found is None or not str(found).startswith("spec.weights.measuredShards"), found
+
+
 def _dp_attention_model(data_parallel: int, *, attention: bool = True, **weights: Any) -> dict[str, Any]:
     body = _sglang_model(weights={"measuredBytesPerDevice": "6Gi", **weights})
     body["spec"]["model"]["source"] = {"huggingFace": "meta-llama/Llama-3.1-8B-Instruct"}
