@@ -258,3 +258,42 @@ async def test_a_signed_body_that_never_arrives_is_cut_off_and_a_swapped_one_ref
         assert (await _exchange(port, head, b"1" * 10)).startswith(b"HTTP/1.1 401")  # not the body that was signed
     finally:
         await runner.cleanup()
+
+
+async def _answers_then_eof(port: int, request: bytes, eof_within_s: float = 20.0) -> tuple[bytes, bool]:
+    """One request on a fresh connection: (the answer, whether the server closed it within
+    `eof_within_s` of answering; aiohttp's keep-alive timer here is 75 s)."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=20)
+        length = int(next(line.split(b":")[1] for line in answer.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        await asyncio.wait_for(reader.readexactly(length), timeout=20)
+        rest = await asyncio.wait_for(reader.read(1), timeout=eof_within_s)
+        return answer, rest == b""
+    except TimeoutError:
+        return answer, False
+    finally:
+        writer.close()
+
+
+async def test_a_connection_without_the_key_is_closed_once_answered_and_the_routers_kept() -> None:
+    """S9 / connection caps: kept alive after their 401, 8,164 connections of one refused health
+    check each (repeated every 20 s, which re-arms the keep-alive timer) held both workers' caps
+    with no reconnecting, and 15 of 16 public requests got 503 (an outside probe). A caller
+    without the key is closed after every refusal; a signed call keeps its connection."""
+    runner, port, key = await _internal_app()
+    try:
+        answer, closed = await _answers_then_eof(port, b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 401") and closed, answer
+        answer, closed = await _answers_then_eof(port, b"GET /elsewhere HTTP/1.1\r\nHost: x\r\n\r\n")  # no route here
+        assert answer.startswith(b"HTTP/1.1 404") and closed, answer
+        signed = sign(key, "POST", "/internal/abort", b"{}", target=INSTANCE).encode()
+        call = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n{}"
+        answer, closed = await _answers_then_eof(port, call, eof_within_s=1.0)  # a close would come at once
+        assert answer.startswith(b"HTTP/1.1 200") and not closed, answer
+    finally:
+        await runner.cleanup()
