@@ -193,6 +193,35 @@ def test_only_uncompressed_json_bodies_are_read(trio: LocalDeployment) -> None:
     with socket.create_connection((host, int(port)), timeout=30) as conn:
         conn.sendall(raw)
         assert conn.recv(64).startswith(b"HTTP/1.1 415")
+    # A transfer coding other than chunked was de-chunked and the gzip read as JSON (400 invalid_json,
+    # an outside probe): not implemented, said so (RFC 9112: 501).
+    zipped = gzip.compress(body)
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+           b"Transfer-Encoding: gzip, chunked\r\n\r\n%x\r\n" % len(zipped)) + zipped + b"\r\n0\r\n\r\n"  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(raw)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 501") and json.loads(error)["error"]["code"] == "not_implemented", answer
+
+
+def test_an_http_1_0_stream_ends_with_its_connection(trio: LocalDeployment) -> None:
+    """A streamed answer to HTTP/1.0 has no length and no chunks: only the close ends it. Kept
+    alive (a client asking for keep-alive), the client saw [DONE] at once and the end of the body
+    30 s later, the connection's place at the cap held meanwhile (an outside probe)."""
+    body = json.dumps({"model": served_model(trio), "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
+    host, port = trio.api_base.removeprefix("http://").split("/", 1)[0].split(":")
+    raw = (b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=20) as conn:  # the keep-alive timer is 30 s
+        conn.sendall(raw)
+        answer = b""
+        while chunk := conn.recv(65536):  # to the server's close
+            answer += chunk
+    head, _, events = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and events.rstrip().endswith(b"data: [DONE]"), answer
 
 
 def test_a_lone_surrogate_is_named_in_the_json_error(trio: LocalDeployment) -> None:

@@ -193,6 +193,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return web.json_response(OpenAIError(500, "internal error", code="internal_error").body(), status=500)
 
 
+async def prepare_stream(request: web.Request, response: web.StreamResponse) -> None:
+    """Send a streamed answer's head. An HTTP/1.0 client's answer without a Content-Length ends
+    only when the connection closes, and aiohttp (3.14) decides so for the head it writes but not
+    for the connection: kept alive, the client saw [DONE] at once and the end of the body 30 s
+    later, its place at the connection cap held meanwhile (an outside probe)."""
+    if request.version < (1, 1) and response.content_length is None:
+        response.force_close()
+    await response.prepare(request)
+
+
 def too_large_error(limit: int) -> OpenAIError:
     return OpenAIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
 

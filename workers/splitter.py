@@ -53,7 +53,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvguard.workers.args import DEFAULT_MAX_BODY_BYTES, worker_default
 from kvguard.workers.backpressure import BodyLease, BodyMemory, StallWatch, drop
 from kvguard.workers.field_messages import field_message
-from kvguard.workers.openai_api import REVISION_HEADER, OpenAIError, answer_expect, error_middleware, read_body
+from kvguard.workers.openai_api import (
+    REVISION_HEADER,
+    OpenAIError,
+    answer_expect,
+    error_middleware,
+    prepare_stream,
+    read_body,
+)
 
 log = logging.getLogger("kvguard.splitter")
 
@@ -344,7 +351,7 @@ class Splitter:
             if upstream.headers.get("content-length") is not None:
                 response.content_length = int(upstream.headers["content-length"])
             self.requests.labels(revision=backend.revision, code=str(upstream.status)).inc()
-            await response.prepare(request)
+            await prepare_stream(request, response)
             # A client that reads nothing loses its connection, as at the router (whose own watch
             # sees the splitter reading): otherwise it held the splitter's buffers for ever.
             watch = StallWatch(request.transport, self.config.write_timeout_s, lambda: drop(request.transport))
