@@ -261,11 +261,14 @@ class PipelineStage:
     layer_share: Fraction
     """The stage's share of the layers' weights over an even 1/PP: PP x ceil(layers / PP) / layers,
     or its share of the MoE layers' where fewer layers carry experts (never below the dense one)."""
-    figure_embedding_bytes: int
-    """The model's embedding bytes (input embedding and LM head; 0 when unknown): a figure measured
-    with TP alone holds 1/TP of them, taken out before its layers are scaled."""
-    vocab_matrix_bytes: int
-    """One vocabulary matrix (embedding or LM head), which the first and the last stage each hold."""
+    unstaged_bytes: int
+    """Weights the stages do not split layer by layer (the embeddings and the speculative draft
+    layers; 0 where unknown): a figure measured with TP alone holds 1/TP of them, taken out
+    before its layers are scaled."""
+    stage_unstaged_bytes: int
+    """What the heaviest stage holds of those, whole before TP: one vocabulary matrix (the first
+    and the last stage each hold one) and the draft layers (SGLang and vLLM run them beside the
+    last stage)."""
 
 
 def scaled_weights(spec: InferenceModelSpec, role: WorkerRole, stage: PipelineStage | None = None) -> Figure:
@@ -273,20 +276,21 @@ def scaled_weights(spec: InferenceModelSpec, role: WorkerRole, stage: PipelineSt
 
     A scaled figure is taken as measured with tensor parallelism alone. For a role with pipeline
     stages (`stage`) the GPU count is not enough: the heaviest stage holds ceil(layers / PP)
-    layers and a whole vocabulary matrix (split over TP), where an even split gives it 1/PP of
-    each. Llama-3.1-8B measured at TP1 and planned at PP4 read 3.89 GiB, where its stage holds
-    4.23 GiB (a review). The figure's own embeddings are taken out before the layers are scaled,
-    and the stage's matrix added."""
+    layers, a whole vocabulary matrix and the draft layers (split over TP), where an even split
+    gives it 1/PP of each. Llama-3.1-8B measured at TP1 and planned at PP4 read 3.89 GiB, where its
+    stage holds 4.23 GiB (a review). The figure's own share of those is taken out before the
+    layers are scaled, and the stage's added."""
     measured, shards = spec.weights.measured_bytes_per_device, spec.weights.measured_shards
     assert measured is not None
     devices = _devices(role)
-    splits = {_devices(r) for r in spec.roles.worker_roles().values()}
-    assumed = shards is None and len(splits) > 1
+    shapes = {(r.tensor_parallel, r.pipeline_parallel) for r in spec.roles.worker_roles().values()}
+    assumed = shards is None and len(shapes) > 1
     if assumed:
         # One figure cannot be every role's when their splits differ (an outside probe planned a
-        # role moved to TP1 on a TP4 figure, 7 GiB where 28 sit): taken as measured over the
-        # widest split, which charges every narrower role the most.
-        shards = max(splits)
+        # role moved to TP1 on a TP4 figure, 7 GiB where 28 sit; a review, TP8 beside TP2 x PP4):
+        # taken as measured over the widest split with TP alone, which charges every other role
+        # the most.
+        shards = max(tp * pp for tp, pp in shapes)
     staged = stage is not None and shards is not None
     if shards is None or (shards == devices and not staged):
         return Figure.given(measured)
@@ -295,10 +299,10 @@ def scaled_weights(spec: InferenceModelSpec, role: WorkerRole, stage: PipelineSt
              f"unset), scaled to {devices}" if assumed else f"{_gib(measured)} measured over {shards} GPUs, scaled to {devices}")
     if staged:
         assert stage is not None
-        layers = max(0, scaled - stage.figure_embedding_bytes // devices) * stage.layer_share
-        scaled = math.ceil(layers + Fraction(stage.vocab_matrix_bytes, role.tensor_parallel))
+        layers = max(0, scaled - stage.unstaged_bytes // devices) * stage.layer_share
+        scaled = math.ceil(layers + Fraction(stage.stage_unstaged_bytes, role.tensor_parallel))
         basis += (f", on the heaviest of {role.pipeline_parallel} pipeline stages ({float(stage.layer_share):.3g}x an even "
-                  f"share of the layers, and a whole vocabulary matrix over {role.tensor_parallel} GPUs)")
+                  f"share of the layers, a whole vocabulary matrix and any draft layers over {role.tensor_parallel} GPUs)")
     safe = math.ceil(scaled * (1 + SCALED_WEIGHTS_MARGIN)) if devices > shards else scaled
     if devices > shards:
         basis += f" (+{SCALED_WEIGHTS_MARGIN:.0%}: replicated parts do not shrink)"

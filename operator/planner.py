@@ -233,8 +233,9 @@ def _role_problems(path: str, role: WorkerRole, arch: ModelArchitecture) -> Iter
     elif role.pipeline_parallel > 1 and not _stage_embedding_parameters(arch, role.pipeline_parallel):
         # The first and last stage each hold a whole vocabulary matrix, which a stage's weights
         # cannot leave out (heaviest_stage, counted_weight_bytes).
-        yield "spec.model.architecture.vocabSize", (
-            f"is needed with hiddenSize (or embeddingParameters) to plan {path}.pipelineParallel "
+        missing, other = ("hiddenSize", "vocabSize") if arch.vocab_size is not None else ("vocabSize", "hiddenSize")
+        yield f"spec.model.architecture.{missing}", (
+            f"is needed with {other} (or embeddingParameters) to plan {path}.pipelineParallel "
             f"{role.pipeline_parallel}: the first and last stage each hold a vocabulary matrix"
         )
     if role.expert_parallel > 1:
@@ -303,7 +304,7 @@ def weights_figure(spec: InferenceModelSpec, role: WorkerRole) -> Figure:
 def heaviest_stage(spec: InferenceModelSpec, role: WorkerRole) -> estimates.PipelineStage | None:
     """What a measured figure scaled to `role`'s pipeline stages must add (None without PP): as
     `counted_weight_bytes` plans a stage, ceil(layers / PP) layers, as many of them MoE layers as
-    there are, and one vocabulary matrix."""
+    there are, one vocabulary matrix and the draft layers."""
     pp = role.pipeline_parallel
     arch = spec.model.architecture
     if pp == 1 or arch is None:
@@ -311,10 +312,11 @@ def heaviest_stage(spec: InferenceModelSpec, role: WorkerRole) -> estimates.Pipe
     stage_layers = math.ceil(arch.num_layers / pp)
     moe_layers = arch.moe_layers or arch.num_layers
     dense_bytes, _ = _weight_byte_widths(spec)
+    draft = _draft_bytes(spec, role) * role.tensor_parallel  # whole, before TP
     return estimates.PipelineStage(
         layer_share=Fraction(pp * min(stage_layers, moe_layers), moe_layers),
-        figure_embedding_bytes=math.floor(arch.embedding_parameters * dense_bytes),
-        vocab_matrix_bytes=math.ceil(_stage_embedding_parameters(arch, pp) * dense_bytes),
+        unstaged_bytes=math.floor(arch.embedding_parameters * dense_bytes + draft),
+        stage_unstaged_bytes=math.ceil(_stage_embedding_parameters(arch, pp) * dense_bytes + draft),
     )
 
 
@@ -349,9 +351,19 @@ def counted_weight_bytes(spec: InferenceModelSpec, role: WorkerRole) -> int:
     layers = non_expert * Fraction(stage_layers, arch.num_layers)
     experts = arch.expert_parameters * expert_bytes / expert_shards * Fraction(min(stage_layers, moe_layers), moe_layers)
     per_gpu = _stage_embedding_parameters(arch, role.pipeline_parallel) * dense_bytes / tp + layers + experts
-    per_layer = (arch.total_parameters - arch.embedding_parameters) / arch.num_layers
-    draft = spec.model.extra_draft_layers * per_layer * linear_bytes / tp
-    return math.ceil(per_gpu + draft)
+    return math.ceil(per_gpu + _draft_bytes(spec, role))
+
+
+def _draft_bytes(spec: InferenceModelSpec, role: WorkerRole) -> Fraction:
+    """Speculative draft layers (EAGLE, MTP) on one GPU of `role`: one decoder layer each, sharded
+    over TP, 0 without them or without a parameter count (a measured figure then holds them)."""
+    arch = _require_arch(spec)
+    if not spec.model.extra_draft_layers or arch.total_parameters is None:
+        return Fraction(0)
+    dense_bytes, quant_bytes = _weight_byte_widths(spec)
+    linear_bytes = dense_bytes if _quantizes_experts_only(spec) else quant_bytes
+    per_layer = Fraction(arch.total_parameters - arch.embedding_parameters, arch.num_layers)
+    return spec.model.extra_draft_layers * per_layer * linear_bytes / role.tensor_parallel
 
 
 def _stage_embedding_parameters(arch: ModelArchitecture, pipeline_parallel: int) -> int:
@@ -359,7 +371,7 @@ def _stage_embedding_parameters(arch: ModelArchitecture, pipeline_parallel: int)
     vocabulary matrix (vocab x hidden when both are known, else all of them: a tied matrix sits
     on the first and last stage alike). Where embeddingParameters is not given (0) the matrix is
     vocab x hidden on top of the other weights, which already count it spread over the layers
-    (the safe side); `_architecture_problems` asks for one of the two with PP."""
+    (the safe side); `_role_problems` asks for one of the two with PP."""
     if pipeline_parallel == 1:
         return arch.embedding_parameters
     if arch.vocab_size is not None and arch.hidden_size is not None:

@@ -149,15 +149,20 @@ def resplit_problem(old: InferenceModelSpec, new: InferenceModelSpec) -> str | N
     if weights.measured_shards is not None:
         return None
     before, after = _splits(old), _splits(new)
-    if old.weights.measured_shards is not None:
+    dropped = old.weights.measured_shards
+    if dropped is not None:
         # measuredShards dropped: the figure is still the one measured over that many GPUs (with
         # TP alone, as the planner takes it), and planned as-is wherever a role's split is not
         # that (a review: the rule above, bypassed).
-        before = dict.fromkeys(after, (old.weights.measured_shards, 1))
+        before = dict.fromkeys(after, (dropped, 1))
     changed = {name: (before[name], after[name]) for name in before.keys() & after.keys() if before[name] != after[name]}
     if not changed:
         return None
-    moves = ", ".join(f"{name} {_split_text(a, b)}" for name, (a, b) in sorted(changed.items()))
+    if dropped is not None:
+        moves = ", ".join(f"{name} at TP{tp} x PP{pp}" for name, (_, (tp, pp)) in sorted(changed.items()))
+        moves = f"measuredShards {dropped} dropped, {moves}"
+    else:
+        moves = ", ".join(f"{name} {_split_text(a, b)}" for name, (a, b) in sorted(changed.items()))
     return (f"spec.weights.measuredShards: the split changed ({moves}) while measuredBytesPerDevice stayed: set "
             "measuredShards to the split it was measured at (the planner scales it), or measure it again")
 

@@ -105,6 +105,21 @@ def test_tp_what_if_with_measured_weights_and_unequal_roles_asks_for_measured_sh
     assert "spec.weights.measuredShards" in capsys.readouterr().err
 
 
+def test_a_split_what_if_that_changes_no_shape_keeps_the_measured_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A figure measured at PP4 with `--pp 4` (nothing changes) was recorded as measured over 4 GPUs
+    with TP alone, and the stage re-planned from it: 4.23 -> 4.72 GiB for a no-op (a review)."""
+    manifest = tmp_path / "pp4.yaml"
+    text = (EXAMPLES / "llama-3.1-8b-sglang-h100.yaml").read_text().replace("  weights: {}", "  weights: {measuredBytesPerDevice: 4Gi}", 1)
+    for role in ("prefill", "decode"):
+        text = text.replace(f"{role}: {{replicas: 1, tensorParallel: 1}}", f"{role}: {{replicas: 1, tensorParallel: 1, pipelineParallel: 4}}")
+    manifest.write_text(text)
+    _, as_given = plan_json(capsys, "-f", str(manifest))
+    _, same = plan_json(capsys, "-f", str(manifest), "--pp", "4", "--tp", "1")
+    assert as_given["roles"]["decode"]["weightsBytesPerGpu"] == same["roles"]["decode"]["weightsBytesPerGpu"] == 4 * 1024**3
+    _, moved = plan_json(capsys, "-f", str(manifest), "--pp", "2")  # a new shape: taken as 4 GPUs of TP, scaled
+    assert moved["roles"]["decode"]["weightsBytesPerGpu"] > 2 * 4 * 1024**3 // 2
+
+
 def test_quantization_what_if_drops_the_measured_weights(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["plan", "-f", str(EXAMPLES / "sglang-30233.yaml"), "--quantization", "nvfp4", "-o", "json"])
     captured = capsys.readouterr()

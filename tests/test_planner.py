@@ -357,29 +357,47 @@ LLAMA_UNTIED = dict(vocab_size=128_256, embedding_parameters=2 * 128_256 * 4096)
 DEEPSEEK_STAGES = dict(vocab_size=129_280, moe_layers=58)  # 3 dense layers first
 
 
-@pytest.mark.parametrize(("truth", "given"), [
-    (llama_arch(**LLAMA_UNTIED), llama_arch(**LLAMA_UNTIED)),
-    (llama_arch(**LLAMA_UNTIED), llama_arch(vocab_size=128_256, embedding_parameters=0)),  # embeddings not given
-    (llama_arch(num_layers=30, **LLAMA_UNTIED), llama_arch(num_layers=30, **LLAMA_UNTIED)),  # layers left over
-    (deepseek_v3_arch().model_copy(update=DEEPSEEK_STAGES), deepseek_v3_arch().model_copy(update=DEEPSEEK_STAGES)),
-], ids=["llama", "llama-embeddings-unknown", "llama-uneven", "deepseek-moe-stages"])
+@pytest.mark.parametrize(("truth", "given", "draft"), [
+    (llama_arch(**LLAMA_UNTIED), llama_arch(**LLAMA_UNTIED), 0),
+    (llama_arch(**LLAMA_UNTIED), llama_arch(vocab_size=128_256, embedding_parameters=0), 0),  # embeddings not given
+    (llama_arch(num_layers=30, **LLAMA_UNTIED), llama_arch(num_layers=30, **LLAMA_UNTIED), 0),  # layers left over
+    (llama_arch(**LLAMA_UNTIED), llama_arch(**LLAMA_UNTIED), 1),  # an EAGLE layer, beside the last stage
+    (deepseek_v3_arch().model_copy(update=DEEPSEEK_STAGES), deepseek_v3_arch().model_copy(update=DEEPSEEK_STAGES), 1),
+], ids=["llama", "llama-embeddings-unknown", "llama-uneven", "llama-draft", "deepseek-moe-stages-mtp"])
 @pytest.mark.parametrize(("shards", "tp", "pp"), [(1, 1, 2), (1, 1, 4), (8, 2, 4), (8, 1, 8), (4, 4, 2), (8, 4, 1)])
 def test_measured_weights_scaled_to_pipeline_stages_cover_the_heaviest_stage(
-        truth: api.ModelArchitecture, given: api.ModelArchitecture, shards: int, tp: int, pp: int) -> None:
+        truth: api.ModelArchitecture, given: api.ModelArchitecture, draft: int, shards: int, tp: int, pp: int) -> None:
     """S7: a figure measured with TP alone and scaled by GPU count gave a stage 1/PP of everything;
-    the heaviest stage holds ceil(layers / PP) layers and a whole vocabulary matrix. Llama-3.1-8B
-    measured at TP1 and planned at PP4 read 3.89 GiB where the stage holds 4.23 GiB; TP8 ->
-    TP2 x PP4, the same GPUs, was taken as measured (a review). Measured = the planner's own count
-    of the true model at TP=shards; planned with the spec's architecture: never below the truth."""
-    measured = counted_weight_bytes(make_spec(model=api.ModelSpec(name="m", architecture=truth)), api.WorkerRole(tensor_parallel=shards))
-    spec = make_spec(model=api.ModelSpec(name="m", architecture=given),
-                     weights=api.WeightsSpec(measured_bytes_per_device=measured, measured_shards=shards))  # fmt: skip
+    the heaviest stage holds ceil(layers / PP) layers, a whole vocabulary matrix and the draft
+    layers. Llama-3.1-8B measured at TP1 and planned at PP4 read 3.89 GiB where the stage holds
+    4.23 GiB; TP8 -> TP2 x PP4, the same GPUs, was taken as measured (reviews). Measured = the
+    planner's own count of the true model at TP=shards; planned with the spec's architecture:
+    never below the truth."""
+    def model(arch: api.ModelArchitecture) -> api.ModelSpec:
+        return api.ModelSpec(name="m", architecture=arch, extra_draft_layers=draft)
+
+    measured = counted_weight_bytes(make_spec(model=model(truth)), api.WorkerRole(tensor_parallel=shards))
+    spec = make_spec(model=model(given), weights=api.WeightsSpec(measured_bytes_per_device=measured, measured_shards=shards))
     role = api.WorkerRole(tensor_parallel=tp, pipeline_parallel=pp)
-    stage = counted_weight_bytes(make_spec(model=api.ModelSpec(name="m", architecture=truth)), role)
+    stage = counted_weight_bytes(make_spec(model=model(truth)), role)
     planned = weights_bytes_per_gpu(spec, role)
     assert stage <= planned <= stage * 1.35 + 2**20, (planned / stage, planned - stage)
     if pp == 1:
         assert planned == measured * shards // (tp * pp)  # without stages: the GPU count alone, as before
+
+
+def test_a_measured_figure_beside_roles_of_one_gpu_count_in_two_shapes_is_charged_as_tp_alone() -> None:
+    """Prefill TP8 and decode TP2 x PP4 hold 8 GPUs each, so one figure (measuredShards unset) was
+    taken as measured at both, and decode planned 1.87 GiB where its stage holds 2.11 GiB (a
+    review). Two shapes are two splits: the figure is taken as measured over 8 GPUs with TP alone."""
+    arch = llama_arch(**LLAMA_UNTIED)
+    measured = counted_weight_bytes(make_spec(model=api.ModelSpec(name="m", architecture=arch)), api.WorkerRole(tensor_parallel=8))
+    staged = api.WorkerRole(tensor_parallel=2, pipeline_parallel=4)
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=arch),
+                     weights=api.WeightsSpec(measured_bytes_per_device=measured),
+                     roles=api.RolesSpec(prefill=api.WorkerRole(tensor_parallel=8), decode=staged))  # fmt: skip
+    assert weights_bytes_per_gpu(spec, staged) >= counted_weight_bytes(spec, staged)
+    assert weights_bytes_per_gpu(spec, api.WorkerRole(tensor_parallel=8)) == measured
 
 
 def test_pipeline_stages_need_the_vocabulary_matrix_to_plan() -> None:
@@ -391,6 +409,10 @@ def test_pipeline_stages_need_the_vocabulary_matrix_to_plan() -> None:
         plan(spec)
     assert "spec.model.architecture.vocabSize: is needed with hiddenSize (or embeddingParameters) to plan " \
            "spec.roles.prefill.pipelineParallel 2" in str(refused.value), refused.value
+    headless = llama_arch(embedding_parameters=0, vocab_size=128_256, hidden_size=None)  # headDim gives the KV width
+    with pytest.raises(PlanInputError) as refused:
+        plan(spec.model_copy(update={"model": api.ModelSpec(name="m", architecture=headless)}))
+    assert "spec.model.architecture.hiddenSize: is needed with vocabSize" in str(refused.value), refused.value
     plan(spec.model_copy(update={"roles": api.RolesSpec(prefill=api.WorkerRole(), decode=api.WorkerRole())}))  # without PP: plans
 
 

@@ -107,7 +107,7 @@ def test_an_update_that_changes_the_split_under_a_measured_weight_figure_is_deni
         found = denial(fixed, [], old=old, operation="UPDATE")
         assert found is None or not str(found).startswith("spec.weights.measuredShards"), found
     dropped = denial(new, [], old=recorded, operation="UPDATE")  # measuredShards removed, the figure kept: the same mistake
-    assert dropped is not None and str(dropped).startswith("spec.weights.measuredShards: the split changed (decode 2 -> 1 GPUs"), dropped
+    assert dropped is not None and str(dropped).startswith("spec.weights.measuredShards: the split changed (measuredShards 2 dropped, decode at TP1 x PP1"), dropped
 
 
 def test_an_update_that_reshapes_the_same_gpus_under_a_measured_weight_figure_is_denied() -> None:

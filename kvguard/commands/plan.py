@@ -55,7 +55,6 @@ _ROLE_OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
     "kv_pool_tokens": (("prefill", "decode"), "kvPoolTokens"),
     "mem_fraction": (("prefill", "decode"), "memoryFraction"),
 }
-_SPLIT_FLAGS = ("tp", "prefill_tp", "decode_tp", "pp")
 
 
 class BadInput(Exception):
@@ -272,15 +271,16 @@ def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, 
                      "group, so the measured weight figure (taken at the manifest's dataParallel) does not hold; "
                      "weights are counted from parameters instead")  # fmt: skip
         return
-    if weights.get("measuredShards") is not None or not any(getattr(args, f, None) for f in _SPLIT_FLAGS):
-        return
-    splits = {_split_of(spec, role) for role in ("prefill", "decode")}
-    if len(splits) != 1:
+    if weights.get("measuredShards") is not None or not _reshaped(spec, args):
+        return  # a role's shape unchanged: the figure is still measured at it, taken as it is
+    shapes = {_shape_of(spec, role) for role in ("prefill", "decode")}
+    if len(shapes) != 1:
         raise BadInput(
             "--tp/--pp with spec.weights.measuredBytesPerDevice: prefill and decode are split differently in the "
             "manifest, so set spec.weights.measuredShards (the GPUs the figure was measured over)"
         )
-    weights["measuredShards"] = shards = splits.pop()
+    tp, pp = shapes.pop()
+    weights["measuredShards"] = shards = tp * pp
     set_by["spec.weights.measuredShards"] = "the manifest's split"
     notes.append(f"measuredBytesPerDevice taken as measured over {shards} GPUs (the manifest's split) and scaled to the new one")
 
@@ -301,11 +301,25 @@ def _mapping(value: object) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _split_of(spec: dict[str, Any], role: str) -> int:
-    roles = _mapping(spec.get("roles"))
-    shape = _mapping(roles.get(role))
+def _shape_of(spec: dict[str, Any], role: str) -> tuple[int, int]:
+    """The role's (tensorParallel, pipelineParallel) in the manifest ((0, 0) where not numbers:
+    validation reports them)."""
+    shape = _mapping(_mapping(spec.get("roles")).get(role))
     tp, pp = shape.get("tensorParallel", 1), shape.get("pipelineParallel", 1)
-    return tp * pp if isinstance(tp, int) and isinstance(pp, int) else 0
+    return (tp, pp) if isinstance(tp, int) and isinstance(pp, int) else (0, 0)
+
+
+def _reshaped(spec: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Whether the split flags change a role's shape, as _apply_overrides writes them (a role's own
+    --prefill-tp / --decode-tp after --tp). `--pp 4` on a manifest at PP4 changes nothing: the
+    figure stays the one measured there, not a TP-alone figure scaled to it (a review)."""
+    for role in ("prefill", "decode"):
+        tp, pp = _shape_of(spec, role)
+        new_tp = next((v for v in (getattr(args, f"{role}_tp", None), getattr(args, "tp", None)) if v is not None), tp)
+        new_pp = getattr(args, "pp", None) or pp
+        if (new_tp, new_pp) != (tp, pp):
+            return True
+    return False
 
 
 def _set_path(root: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
