@@ -925,16 +925,24 @@ DURATION_PATTERN = r"^([0-9]+|[0-9]+h([0-9]+m)?([0-9]+s)?|[0-9]+m([0-9]+s)?|[0-9
 part, no spaces (the CRD carries the same pattern, and the webhook parses no more than it admits)."""
 _DURATION_RE = re.compile(r"(?:([0-9]+)h)?(?:([0-9]+)m)?(?:([0-9]+)s)?")
 MAX_DURATION_SECONDS = 7 * 24 * 3600
-_DURATION_MAX_LENGTH = 32  # bounds the CEL rules' cost (an unbounded string is costed at the request's size)
+_DURATION_MAX_LENGTH = 32  # bounds the CEL rules' cost from Kubernetes 1.34 (before: see _UNIT_ENDED)
 # The API server's side of parse_duration_seconds' range (the pattern checks the form). Go's
 # duration() reads every form the pattern admits but the bare number of seconds.
+#
+# No rule calls matches() (or any function whose cost grows with the string) on a duration: an API
+# server before 1.34 costs an int-or-string field at the request's size whatever its maxLength
+# (kubernetes#132837), and a matches() per rollout step came to ~19M, over the 10M a rule may
+# cost, so the CRD would not install there (an outside probe). endsWith() costs its argument's
+# length, and the conversions a constant. The pattern has held: a string that ends in h, m or s is
+# a Go duration, any other is digits.
+_UNIT_ENDED = "({0}.endsWith('h') || {0}.endsWith('m') || {0}.endsWith('s'))"
 _DURATION_RANGE_RULE = {
-    "rule": f"type(self) == int ? (self >= 0 && self <= {MAX_DURATION_SECONDS}) : (self.matches('^[0-9]+$') ? "
-            f"int(self) <= {MAX_DURATION_SECONDS} : duration(self) <= duration('{MAX_DURATION_SECONDS}s'))",
+    "rule": f"type(self) == int ? (self >= 0 && self <= {MAX_DURATION_SECONDS}) : ({_UNIT_ENDED.format('self')} ? "
+            f"duration(self) <= duration('{MAX_DURATION_SECONDS}s') : int(self) <= {MAX_DURATION_SECONDS})",
     "message": f"must be between 0 and {MAX_DURATION_SECONDS} seconds (7 days)",
 }  # fmt: skip
 # A zero duration in any form: `0`, `"00"`, `"0m"`, `"0h0m0s"` (the pattern holds already).
-_ZERO_DURATION_CEL = "(type({0}) == int ? {0} == 0 : {0}.matches('^[0hms]+$'))"
+_ZERO_DURATION_CEL = f"(type({{0}}) == int ? {{0}} == 0 : ({_UNIT_ENDED} ? duration({{0}}) == duration('0s') : int({{0}}) == 0))"
 
 
 def parse_duration_seconds(value: Any) -> int:

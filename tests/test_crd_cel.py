@@ -371,3 +371,45 @@ def test_the_planner_refuses_what_the_architecture_rules_refuse(name: str) -> No
     field = message.split(":")[0]
     with pytest.raises(ValueError, match=re.escape(f"spec.model.architecture.{field}")):
         check_spec(InferenceModel.model_validate(body).spec)
+
+
+_STRING_SIZED = ("matches", "contains", "find", "findAll", "split", "replace", "lowerAscii", "upperAscii", "trim", "indexOf")
+
+
+def _rules_and_int_or_strings(node: object, name: str = "") -> tuple[list[tuple[str, str]], set[str]]:
+    """Every (field name, CEL rule) in a schema, and the names of its int-or-string fields."""
+    rules: list[tuple[str, str]] = []
+    int_or_string: set[str] = set()
+    if isinstance(node, list):
+        for item in node:
+            more, names = _rules_and_int_or_strings(item, name)
+            rules += more
+            int_or_string |= names
+    elif isinstance(node, dict):
+        if node.get("x-kubernetes-int-or-string"):
+            int_or_string.add(name)
+        rules += [(name, rule["rule"]) for rule in node.get("x-kubernetes-validations", [])]
+        for key, child in node.items():
+            children = child.items() if key == "properties" else [(name, child)] if key in ("items", "additionalProperties") else []
+            for child_name, grandchild in children:
+                more, names = _rules_and_int_or_strings(grandchild, child_name)
+                rules += more
+                int_or_string |= names
+    return rules, int_or_string
+
+
+def test_no_rule_runs_a_string_sized_function_on_an_int_or_string_field() -> None:
+    """Before 1.34 an API server costs an int-or-string field at the request's size whatever its
+    maxLength (kubernetes#132837): a matches() on each of 20 rollout steps' pause came to ~19M,
+    over the 10M one rule may cost, so the CRD would not have installed there (an outside probe).
+    No rule calls a function whose cost grows with such a field's length, on it or through it."""
+    rules, int_or_string = _rules_and_int_or_strings([crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+                                                      for crd in CRDS.values()])
+    assert {"pause", "memoryPerDevice"} <= int_or_string, int_or_string  # the walk finds them
+    for field, rule in rules:
+        receivers = {f"self.{name}" for name in int_or_string} | {f".{name}" for name in int_or_string}
+        if field in int_or_string:
+            receivers.add("self")
+        for receiver in receivers:
+            for function in _STRING_SIZED:
+                assert f"{receiver}.{function}(" not in rule, (field, rule)
