@@ -61,7 +61,11 @@ _SPEC_RULES: list[dict[str, str]] = [
     # (spec_checks.canary_problems), for clusters without it. (minRatio against minKVRatio is the
     # webhook's only: an older CRD defaulted minRatio to 2 into stored models, which a rule at this
     # level would lock out of every spec edit.)
+    # Not where isolation is disabled: the webhook then admits any value (an outside probe: the
+    # CRD refused a disabled probe's leftover longRequestMaxTokens the webhook admitted). Where
+    # only the continuous canary's light set runs it, the webhook alone refuses (looser here).
     {"rule": "!has(self.canary) || !has(self.canary.isolation) || !has(self.canary.isolation.longRequestMaxTokens) || "
+             "(has(self.canary.isolation.enabled) && !self.canary.isolation.enabled) || "
              "self.canary.isolation.longRequestMaxTokens < self.contextLength",
      "message": "spec.canary.isolation.longRequestMaxTokens: must be below contextLength (a long request's prompt "
                 "needs room; a healthy engine refuses the request)"},

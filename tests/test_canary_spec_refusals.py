@@ -117,6 +117,14 @@ def test_the_crd_refuses_them_too(path: str, value: Any, says: str) -> None:
     assert any(r.startswith(says) for r in rejections), rejections
 
 
+def test_a_disabled_isolation_probes_leftover_long_request_is_admitted_by_both() -> None:
+    """The CRD refused longRequestMaxTokens 5000 at contextLength 1024 with isolation disabled,
+    which the webhook admits: the probe does not run (an outside probe's differential fuzz)."""
+    body = set_path(set_path(tiny_model(), "spec.canary.isolation.longRequestMaxTokens", 5000), "spec.canary.isolation.enabled", False)
+    assert crd_rejections(body) == [] and denial(body) is None
+    assert crd_rejections(set_path(body, "spec.canary.isolation.enabled", True)) != []
+
+
 def test_the_crd_leaves_min_ratio_unset_and_stores_a_model_below_the_default_ratio() -> None:
     """A default of 2 in the schema would be written into every stored model (as an older CRD did),
     which the webhook's minRatio <= minKVRatio check would refuse for minKVRatio 1.5 (allowed: at
