@@ -175,11 +175,19 @@ def test_serve_bad_flags_exit_2_with_one_line_before_any_worker_starts(tiny_mode
     assert message in done.stderr and "Traceback" not in done.stderr and "listening on" not in done.stderr
 
 
-@pytest.mark.parametrize(("model", "said"), [("{tmp}/nonexistent", "does not exist"), ("{tmp}/a-file", "is not a folder"),
-                                            ("{tmp}", "has no config.json")])  # fmt: skip
+@pytest.mark.parametrize(("model", "said"), [
+    ("{tmp}/nonexistent", "does not exist"), ("{tmp}/a-file", "is not a folder"), ("{tmp}", "has no config.json"),
+    ("{tmp}/broken", "has a config.json that is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("{tmp}/listed", "has a config.json that is not a JSON object (a list)"), ("{tmp}/unweighted", "has no *.safetensors weights"),
+])  # fmt: skip
 def test_serve_says_what_is_wrong_with_the_model_folder(tmp_path: Path, model: str, said: str) -> None:
-    """Outside probe: `--model /nonexistent` said the folder "has no config.json"."""
+    """Outside probe: `--model /nonexistent` said the folder "has no config.json". A new user's
+    report: a config.json that is not JSON, or no weights, was a worker failing to start (exit 1,
+    the error printed by each worker), not bad input."""
     (tmp_path / "a-file").write_text("")
+    for folder, config in (("broken", "{bad"), ("listed", "[]"), ("unweighted", "{}")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(config)
     model = model.format(tmp=tmp_path)
     done = _run_serve("--model", model)
     assert done.returncode == 2 and done.stderr == f"kvguard serve: --model {model} {said}\n"

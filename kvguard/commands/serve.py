@@ -88,13 +88,26 @@ def _stream_interval(text: str) -> int:
 
 def _model_folder_problem(folder: Path) -> str | None:
     """Why --model is not a model folder, or None (a mistyped path is "does not exist", not a
-    folder missing its config.json)."""
+    folder missing its config.json). Said here, as bad input (exit 2): found by the three workers,
+    a config.json that is not JSON, or no weights, was a worker failing to start (exit 1), each
+    worker printing it (a new user's report). The fields themselves are the workers' to judge."""
     if not folder.exists():
         return "does not exist"
     if not folder.is_dir():
         return "is not a folder"
-    if not (folder / "config.json").is_file():
+    config = folder / "config.json"
+    if not config.is_file():
         return "has no config.json"
+    try:
+        parsed = json.loads(config.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"has a config.json that is not JSON ({exc})"
+    except OSError as exc:
+        return f"has a config.json that cannot be read ({exc.strerror})"
+    if not isinstance(parsed, dict):
+        return f"has a config.json that is not a JSON object (a {type(parsed).__name__})"
+    if not any(folder.glob("*.safetensors")):
+        return "has no *.safetensors weights"
     return None
 
 
