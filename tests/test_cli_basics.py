@@ -301,3 +301,26 @@ def test_apply_delete_without_local_says_what_deletes_on_a_cluster(tmp_path: Pat
     with pytest.raises(SystemExit):
         main(["apply", "--help"])
     assert "--delete (needs --local) stop every process" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (("kind", "InferenceModle"), "kind: 'InferenceModle', expected InferenceModel (or a CanarySpec, which has no kind)"),
+    (("contextLenght", 4096), "spec.contextLenght: Extra inputs are not permitted"),
+])  # fmt: skip
+def test_a_canary_spec_manifest_is_refused_as_plan_refuses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             change: tuple[str, object], said: str) -> None:  # fmt: skip
+    """A new user's report: a manifest of another kind was read as a CanarySpec ("apiVersion: Extra
+    inputs are not permitted; ..."), and one misspelling spec.contextLength ran the canary and
+    passed, where `plan`, `render` and `apply` refuse both."""
+    import yaml
+
+    from kvguard.cli import main
+
+    manifest = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "tiny-cpu.yaml").read_text())
+    key, value = change
+    (manifest if key == "kind" else manifest["spec"])[key] = value
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    assert main(["canary", "--url", "http://127.0.0.1:9/v1", "--spec", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err

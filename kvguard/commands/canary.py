@@ -162,8 +162,8 @@ def _load_spec(path: Path | None, probes: str | None) -> Any:
         if len(documents) > 1:
             raise ValueError(f"{path}: {len(documents)} YAML documents; a canary spec is one")
         data = documents[0] if documents else {}
-        if isinstance(data, dict) and data.get("kind") == "InferenceModel":
-            data = _model_canary(data.get("spec") or {})
+        if isinstance(data, dict) and "kind" in data:
+            data = _model_canary(_model_spec(path, data))
     try:
         spec = CanarySpec.model_validate(data)
         if probes is not None:
@@ -174,6 +174,29 @@ def _load_spec(path: Path | None, probes: str | None) -> Any:
     except ValidationError as exc:
         where = f"{path}: " if path else ""
         raise ValueError(where + _field_errors(exc)) from None
+    return spec
+
+
+def _model_spec(path: Path, manifest: dict[str, Any]) -> Any:
+    """An InferenceModel manifest's spec, refused by field as `plan` and `apply` refuse it: another
+    kind was read as a CanarySpec ("apiVersion: Extra inputs are not permitted; ..."), and a
+    misspelled field outside spec.canary (`contextLenght`) ran the canary anyway (a new user's
+    report). Only the spec: a manifest read back from a cluster carries status and server fields;
+    and a field left out is no error here: a manifest holding only spec.canary is a canary spec."""
+    from pydantic import ValidationError
+
+    from kvguard.operator.api import InferenceModelSpec
+
+    kind = manifest.get("kind")
+    if kind != "InferenceModel":
+        raise ValueError(f"{path}: kind: {str(kind)[:60]!r}, expected InferenceModel (or a CanarySpec, which has no kind)")
+    spec = manifest.get("spec") or {}
+    try:
+        InferenceModelSpec.model_validate(spec)
+    except ValidationError as exc:
+        wrong = [err for err in exc.errors() if err["type"] != "missing"]
+        if wrong:
+            raise ValueError(f"{path}: " + _field_errors(wrong, prefix="spec.")) from None
     return spec
 
 
@@ -199,14 +222,15 @@ def _model_canary(spec: Any) -> Any:
     return canary
 
 
-def _field_errors(exc: Any) -> str:
+def _field_errors(exc: Any, prefix: str = "") -> str:
+    """`field: message; ...` for a ValidationError (or a list of its errors)."""
     from kvguard.workers.field_messages import field_line
 
     parts = []
-    for err in exc.errors():
+    for err in exc if isinstance(exc, list) else exc.errors():
         # A list index in brackets, as the operator's webhook writes paths (reconcile.field_errors).
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
-        parts.append(field_line(loc, err, whole="spec"))
+        parts.append(field_line(prefix + loc if loc else prefix.rstrip("."), err, whole="spec"))
     return "; ".join(parts)
 
 
