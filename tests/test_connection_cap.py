@@ -75,6 +75,7 @@ async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.A
     sock = socket.create_server(("127.0.0.1", 0), backlog=128)
     site = CappedSockSite(runner, sock, cap=cap)
     site.min_age_s = site.rescan_s = 0.0  # the tests below that need them set their own
+    site.kept_idle_s = 3600.0  # idle keep-alive connections stay, but where a test says otherwise
     await site.start()
     try:
         yield site, runner, sock.getsockname()[1]
@@ -125,23 +126,55 @@ async def test_a_client_that_never_sent_a_request_makes_room_before_an_idle_keep
         slow.close()
 
 
-async def test_an_idle_keep_alive_connection_is_never_closed_to_make_room() -> None:
+async def test_a_kept_alive_connection_answered_lately_is_not_closed_to_make_room() -> None:
     """Three reviews: closed to make room (by age, then by idle time), a keep-alive client lost a
-    request sent on the heels of an answer, or reconnected into a full listener and got a 503 that
-    it never got before (a flood faster than the cap every MIN_AGE_S, all of it too young to
-    close). A client's kept-alive connection keeps its place, however long idle."""
+    request sent on the heels of an answer. One answered within KEPT_IDLE_S keeps its place."""
     async with capped_listener(2) as (site, _runner, port):
         kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for reader, writer in kept:
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             await writer.drain()
             await asyncio.wait_for(reader.readuntil(b"ok"), timeout=30)
-        assert (await _get(port)).startswith(b"HTTP/1.1 503 ")  # min_age_s is 0: idle long enough
+        assert (await _get(port)).startswith(b"HTTP/1.1 503 ")  # kept_idle_s is an hour: both in use
         assert (site.evicted, site.refused) == (0, 1)
         for reader, writer in kept:  # both still served
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             await writer.drain()
             assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+            writer.close()
+
+
+async def test_a_kept_alive_connection_idle_long_makes_room_last_and_its_client_reconnects() -> None:
+    """An outside probe: each request re-arms the keep-alive timer, so one GET per connection every
+    20 s (~205 a second, no new connection) held all 4,096 places while it ran, and every new tenant
+    got 503. A connection idle for KEPT_IDLE_S since its answer now makes room, after every other
+    kind (here: a slow body first), the one idle longest first; its client reconnects."""
+    async with capped_listener(3) as (site, runner, port):
+        site.kept_idle_s = 0.0
+        kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for reader, writer in kept:  # the first answered first: idle longest
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            await asyncio.wait_for(reader.readuntil(b"ok"), timeout=30)
+        slow_reader, slow = await asyncio.open_connection("127.0.0.1", port)
+        slow.write(b"POST /body HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        await slow.drain()
+        await until(lambda: any(getattr(c, "body_since", None) is not None for c in runner.server.connections),  # type: ignore[union-attr]
+                    "the body being read")  # fmt: skip
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")
+        assert await asyncio.wait_for(slow_reader.read(), timeout=30) == b""  # the slow body went first
+        in_hand = await _in_hand(port, 1)  # the cap again: two kept alive, one request in hand
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")
+        assert await asyncio.wait_for(kept[0][0].read(), timeout=30) == b""  # then the one idle longest
+        reader, writer = kept[1]  # the other still serves
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")  # the closed client, on a new connection
+        assert (site.evicted, site.refused) == (2, 0)
+        RELEASE[0].set()
+        assert (await asyncio.wait_for(in_hand[0][0].read(), timeout=30)).startswith(b"HTTP/1.1 200")  # never closed
+        for _reader, writer in (*kept, (slow_reader, slow), *in_hand):
             writer.close()
 
 

@@ -314,14 +314,14 @@ class ListenerConnection(RequestHandler):
 
 class CappedSockSite(web.SockSite):
     """A listener that keeps at most `cap` connections open. At the cap, a new connection takes the
-    place of one that has no request in hand and is not a client's kept-alive connection
-    (`_room_to_make`: one that never sent a request head, or whose body is still arriving, for at
-    least MIN_AGE_S), which is closed; else it is answered 503 (code `too_many_connections`,
+    place of one that has no request in hand (`_room_to_make`: one that never sent a request head,
+    or whose body is still arriving, for at least MIN_AGE_S; last, a kept-alive one idle for at
+    least KEPT_IDLE_S), which is closed; else it is answered 503 (code `too_many_connections`,
     Retry-After: 1) and closed before any of it is read. Refusing every newcomer instead, 4,096
     half-sent request lines (or bodies sent a byte at a time) held every other tenant off for as
     long as their sender kept reconnecting (an outside probe, issue 11); now such a flood holds
-    the places only while it opens more than `cap` connections every MIN_AGE_S. Requests in hand
-    and kept-alive connections keep being served."""
+    the places only while it opens more than `cap` connections every MIN_AGE_S. Requests in hand,
+    and kept-alive connections in use, keep being served."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, cap: int) -> None:
         super().__init__(runner, sock)
@@ -332,6 +332,7 @@ class CappedSockSite(web.SockSite):
         self._closing = 0  # closed to make room since then: still in server.connections, their sockets still open
         self._no_room_until = -math.inf  # event-loop time until which a newcomer is refused without a search
         self.min_age_s = MIN_AGE_S
+        self.kept_idle_s = KEPT_IDLE_S
         self.rescan_s = RESCAN_S
         self.lingering = 0  # refused connections reading what their clients still send (_RefusedConnection)
 
@@ -354,8 +355,8 @@ class CappedSockSite(web.SockSite):
             return ListenerConnection(server, loop=asyncio.get_running_loop(), **server._kwargs)
         self.refused += 1
         if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a flood is told, not logged per connection
-            log.warning("%d connection(s) refused: %d open, none to close (requests in hand, kept-alive, or younger "
-                        "than %g s), the cap (--max-connections or the open-file limit)", self.refused, self.cap,
+            log.warning("%d connection(s) refused: %d open, none to close (requests in hand, kept-alive in use, or "
+                        "younger than %g s), the cap (--max-connections or the open-file limit)", self.refused, self.cap,
                         self.min_age_s)  # fmt: skip
         return _RefusedConnection(self)
 
@@ -369,7 +370,7 @@ class CappedSockSite(web.SockSite):
         now = asyncio.get_running_loop().time()
         if self._closing >= MAX_CLOSING or now < self._no_room_until:
             return False
-        chosen = _room_to_make(server.connections, now - self.min_age_s)
+        chosen = _room_to_make(server.connections, now - self.min_age_s, now - self.kept_idle_s)
         if chosen is None:
             self._no_room_until = now + self.rescan_s
             return False
@@ -384,8 +385,8 @@ class CappedSockSite(web.SockSite):
         self._closing += 1
         self.evicted += 1
         if self.evicted & (self.evicted - 1) == 0:  # 1, 2, 4, ...
-            log.warning("%d connection(s) without a request in hand (a request head or body still arriving) closed "
-                        "to make room at the cap of %d (--max-connections or the open-file limit)",
+            log.warning("%d connection(s) without a request in hand (a request head or body still arriving, or idle "
+                        "kept alive) closed to make room at the cap of %d (--max-connections or the open-file limit)",
                         self.evicted, self.cap)  # fmt: skip
         return True
 
@@ -399,26 +400,32 @@ class CappedSockSite(web.SockSite):
         return 0 if server is None else len(server.connections)
 
 
-def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> ListenerConnection | None:
+def _room_to_make(connections: Iterable[RequestHandler], old_since: float,
+                  idle_since: float) -> ListenerConnection | None:  # fmt: skip
     """Which connection a new one takes the place of at a listener's cap: the oldest one that never
     sent a whole request head (a slow or idle client); else the one answered longest ago whose
     answer aiohttp is still following by reading and dropping, for up to 10 s, the rest of a body
     its handler did not read (a 401, 404, or 413 by its Content-Length); else the one whose
     request has read its body longest (a body sent slowly, as a flood of them would: a request
-    whose body has not arrived is not yet taken on). None when no connection is to be closed: the
-    new one is refused.
+    whose body has not arrived is not yet taken on); last, the kept-alive connection idle longest,
+    if since `idle_since`. None when no connection is to be closed: the new one is refused.
 
     Left alone: a connection made, answered, or whose body began after `old_since`, since a
     client whose request is already in the socket, not yet read by the loop, would otherwise lose
-    it to a flood of newcomers; and an idle keep-alive connection, however long idle. Closed to
-    make room, a keep-alive client reconnected into a full listener and was refused: under a flood
-    of connections faster than the cap in MIN_AGE_S, clients that had kept their connections before
-    got 503s instead (three reviews). So a flood of one request then idleness per connection holds
-    its places for the keep-alive timeout (30 s), as before."""
+    it to a flood of newcomers; and a kept-alive connection answered after `idle_since`, whose
+    client may be sending its next request on the heels of the answer (three reviews). Never
+    closed at all, idle keep-alive connections were the cheapest flood: each request re-arms the
+    keep-alive timer, so one GET /v1/models per connection every 20 s (~205 a second, no new
+    connection) held all 4,096 places for as long as it ran, and every new tenant got 503 (an
+    outside probe). Now it must use each connection every KEPT_IDLE_S. A kept-alive client closed
+    while idle opens a new connection for its next request, as HTTP clients do (a flood of more
+    than the cap in MIN_AGE_S may then refuse it)."""
     draining: ListenerConnection | None = None
     drained_since = old_since
     slow_body: ListenerConnection | None = None
     slow_since = old_since
+    kept: ListenerConnection | None = None
+    kept_since = idle_since
     for connection in connections:  # oldest first
         if not isinstance(connection, ListenerConnection) or connection._force_close or connection.closing:
             continue
@@ -428,9 +435,11 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float) -> Li
         elif connection.answered == connection.requests_read:
             if not connection.waiting and connection.answered_at <= drained_since:
                 draining, drained_since = connection, connection.answered_at
+            elif connection.waiting and connection.answered_at <= kept_since:
+                kept, kept_since = connection, connection.answered_at
         elif connection.body_since is not None and connection.body_since <= slow_since:
             slow_body, slow_since = connection, connection.body_since
-    return draining or slow_body
+    return draining or slow_body or kept
 
 
 @contextlib.contextmanager
@@ -487,6 +496,10 @@ MIN_AGE_S = 1.0
 """How long a connection that has not sent a request head, a request whose body is arriving, or an
 answer whose unread body aiohttp is dropping, is left alone at a listener's cap: a flood of
 newcomers cannot close a client whose request the loop has not read yet."""
+KEPT_IDLE_S = 2.0
+"""How long a kept-alive connection must have been idle since its last answer before a newcomer at
+a listener's cap may take its place (`_room_to_make`, last of all): a client sends its next
+request on the heels of an answer, or leaves the connection idle."""
 RESCAN_S = 0.05
 """How long a listener at its cap refuses newcomers without a search after one found nothing to
 close: at most 20 searches a second, whatever the rate of connections."""
