@@ -288,12 +288,18 @@ async def test_a_connection_without_the_key_is_closed_once_answered_and_the_rout
     runner, port, key = await _internal_app()
     try:
         answer, closed = await _answers_then_eof(port, b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 401") and closed, answer
+        assert answer.startswith(b"HTTP/1.1 401") and b"Connection: close" in answer and closed, answer
         answer, closed = await _answers_then_eof(port, b"GET /elsewhere HTTP/1.1\r\nHost: x\r\n\r\n")  # no route here
-        assert answer.startswith(b"HTTP/1.1 404") and closed, answer
-        signed = sign(key, "POST", "/internal/abort", b"{}", target=INSTANCE).encode()
-        call = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n{}"
-        answer, closed = await _answers_then_eof(port, call, eof_within_s=1.0)  # a close would come at once
+        assert answer.startswith(b"HTTP/1.1 404") and b"Connection: close" in answer and closed, answer
+
+        def call(target: str) -> bytes:
+            signed = sign(key, "POST", "/internal/abort", b"{}", target=target).encode()
+            return b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n{}"
+
+        answer, closed = await _answers_then_eof(port, call(INSTANCE), eof_within_s=1.0)  # a close would come at once
         assert answer.startswith(b"HTTP/1.1 200") and not closed, answer
+        # A key holder's call for another worker is refused, its connection kept (the router's pool).
+        answer, closed = await _answers_then_eof(port, call("cd" * 16), eof_within_s=1.0)
+        assert answer.startswith(b"HTTP/1.1 401") and not closed, answer
     finally:
         await runner.cleanup()

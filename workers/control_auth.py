@@ -247,6 +247,14 @@ INTERNAL_MAX_BODY_BYTES = 32 * 1024 * 1024
 INTERNAL_BODY_TIMEOUT_S = 30.0
 
 
+KEYLESS_FAILURES: frozenset[str] = frozenset({"missing", "malformed", "stale", "bad_mac"})
+"""Refusals whose caller has not shown the key (a stale header's MAC is never checked): its
+connection is closed once answered. Kept alive, 8,164 such connections (one refused health check
+each, repeated every 20 s to outlast the keep-alive timer) held both workers' connection caps
+without a reconnect, and 15 of 16 public requests got 503 (an outside probe). A key holder's
+refused call (another worker's, a replay) keeps its connection: the router's pool reuses it."""
+
+
 def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_timeout_s: float = INTERNAL_BODY_TIMEOUT_S,
                             max_body_bytes: int = INTERNAL_MAX_BODY_BYTES) -> Middleware:  # fmt: skip
     """aiohttp middleware: every ``/internal/*`` call must carry a valid header (see module doc).
@@ -257,45 +265,34 @@ def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_t
     a body without Content-Length) and match its digest. Must sit inside
     ``error_middleware`` so the refusal is an OpenAI-shaped 401."""
 
-    def refuse(request: web.Request, exc: AuthError) -> OpenAIError:
+    def refuse(exc: AuthError) -> OpenAIError:
         failures.labels(reason=exc.reason).inc()
         if exc.reason == "replay_cache_full":  # the worker's state, not the caller's fault
             return OpenAIError(503, str(exc), code="unauthenticated")
-        _close_after_answer(request)
-        return OpenAIError(401, str(exc), code="unauthenticated")
+        return OpenAIError(401, str(exc), code="unauthenticated", close_connection=exc.reason in KEYLESS_FAILURES)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith(INTERNAL_PREFIX):
-            _close_after_answer(request)  # nothing else is served here: a 404 to a caller without a key
-        else:
-            try:
-                head = verifier.verify_head(request.method, request.raw_path, request.headers.get(AUTH_HEADER))
-            except AuthError as exc:
-                raise refuse(request, exc) from None
-            if request.content_length is not None and request.content_length > max_body_bytes:
-                raise OpenAIError(413, f"the request body is larger than the limit of {max_body_bytes} bytes",
-                                  code="request_too_large")  # fmt: skip
-            try:
-                async with asyncio.timeout(body_timeout_s):
-                    body = await request.read()  # aiohttp caches it: the handler reads the same bytes
-            except TimeoutError:
-                raise OpenAIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
-                                  code="request_timeout") from None  # fmt: skip
-            try:
-                verifier.verify_body(head, body)
-            except AuthError as exc:
-                raise refuse(request, exc) from None
+        if not request.path.startswith(INTERNAL_PREFIX):  # nothing else is served here
+            raise OpenAIError(404, f"Invalid URL ({request.method} {request.path[:200]})", code="not_found",
+                              close_connection=True)  # fmt: skip
+        try:
+            head = verifier.verify_head(request.method, request.raw_path, request.headers.get(AUTH_HEADER))
+        except AuthError as exc:
+            raise refuse(exc) from None
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            raise OpenAIError(413, f"the request body is larger than the limit of {max_body_bytes} bytes",
+                              code="request_too_large")  # fmt: skip
+        try:
+            async with asyncio.timeout(body_timeout_s):
+                body = await request.read()  # aiohttp caches it: the handler reads the same bytes
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
+                              code="request_timeout") from None  # fmt: skip
+        try:
+            verifier.verify_body(head, body)
+        except AuthError as exc:
+            raise refuse(exc) from None
         return await handler(request)
 
     return middleware
-
-
-def _close_after_answer(request: web.Request) -> None:
-    """A connection that has not shown the key is closed once it is answered. Kept alive, 8,164
-    such connections (one refused health check each, repeated every 20 s to outlast the keep-alive
-    timer) held both workers' connection caps without a single reconnect, and 15 of 16 public
-    requests got 503 (an outside probe): a caller without the key must now reconnect for every
-    refusal, and a connection that has not sent its head is one the cap closes to make room."""
-    if request.protocol is not None:
-        request.protocol.close()  # aiohttp: no further request is read; closed after this answer

@@ -40,6 +40,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         type_: str | None = None,
         retry_after_s: int | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,10 +49,14 @@ class OpenAIError(Exception):
         self.param = param
         self.type = type_ or _error_type(status)
         self.retry_after_s = retry_after_s  # sent as Retry-After: when the same request may succeed
+        self.close_connection = close_connection  # Connection: close, and closed once answered
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        response = web.json_response(self.body(), status=self.status, headers=headers)
+        if self.close_connection:
+            response.force_close()
+        return response
 
     def body(self) -> dict[str, Any]:
         return {
