@@ -442,3 +442,19 @@ async def test_the_router_names_its_revision_on_every_api_response(revision: str
     assert argv[argv.index("--revision-id") + 1] == "abc123"
     with pytest.raises(ValidationError, match="router flag"):
         WorkerArgs(role="decode", model=Path("/m"), revision_id="abc123")
+
+
+async def test_a_transfer_coding_other_than_chunked_is_a_501_at_the_splitter_too(tmp_path: Path) -> None:
+    """A review: the splitter de-chunked `Transfer-Encoding: gzip, chunked` and forwarded the gzip
+    without the header, so the router read it as JSON (400), and `identity, chunked` was served,
+    where the router answers both 501. The splitter now answers as the router does."""
+    async with splitter_in_front(tmp_path) as (splitter, api, _, _routers):
+        write_table(splitter.config.table_path, table(stable=(splitter.ports["stable"], 100)))  # type: ignore[attr-defined]
+        for coding in (b"gzip, chunked", b"identity, chunked"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", api)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                         b"Transfer-Encoding: " + coding + b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n")  # fmt: skip
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), timeout=30)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 501") and b'"not_implemented"' in answer, (coding, answer)

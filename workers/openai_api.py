@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's own 100-continue answer
+from multidict import CIMultiDictProxy
 from pydantic import ValidationError
 
 from kvguard.workers.backpressure import BodyLease, BodyMemory
@@ -196,6 +197,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         logging.getLogger("kvguard.http").exception("unexpected error serving %s", request.path)
         return web.json_response(OpenAIError(500, "internal error", code="internal_error").body(), status=500)
+
+
+def check_transfer_codings(headers: CIMultiDictProxy[str]) -> None:
+    """501 for a Transfer-Encoding other than chunked (RFC 9112 6.1). aiohttp's parser de-chunks
+    and hands on the rest as it came: a gzip body was read as JSON (a 400 invalid_json), and the
+    splitter forwarded it without the header, where the router then took it (an outside probe,
+    a review). Every listener that reads a client's body checks it first."""
+    codings = [c.strip().lower() for line in headers.getall("Transfer-Encoding", []) for c in line.split(",") if c.strip()]
+    if any(coding != "chunked" for coding in codings):
+        raise OpenAIError(501, f"Transfer-Encoding {', '.join(codings)[:40]!r} is not implemented: send the body "
+                          "uncompressed, chunked or with a Content-Length", code="not_implemented")  # fmt: skip
 
 
 async def prepare_stream(request: web.Request, response: web.StreamResponse) -> None:

@@ -66,6 +66,7 @@ from kvguard.workers.openai_api import (
     Handler,
     OpenAIError,
     answer_expect,
+    check_transfer_codings,
     context_length_exceeded,
     error_middleware,
     prepare_stream,
@@ -1870,12 +1871,7 @@ def _check_body_headers(headers: CIMultiDictProxy[str]) -> None:
         encoding = ", ".join(codings)
         raise OpenAIError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
                           code="unsupported_media_type")  # fmt: skip
-    # A transfer coding other than chunked: aiohttp's parser de-chunks and hands on the rest as it
-    # came (a gzip body read as JSON: a 400 invalid_json, an outside probe); RFC 9112 6.1: 501.
-    transfer = [c.strip().lower() for line in headers.getall("Transfer-Encoding", []) for c in line.split(",") if c.strip()]
-    if any(coding != "chunked" for coding in transfer):
-        raise OpenAIError(501, f"Transfer-Encoding {', '.join(transfer)[:40]!r} is not implemented: send the body "
-                          "uncompressed, chunked or with a Content-Length", code="not_implemented")  # fmt: skip
+    check_transfer_codings(headers)
     media, *params = headers.get("Content-Type", "").split(";")
     media = media.strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):

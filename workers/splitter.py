@@ -57,6 +57,7 @@ from kvguard.workers.openai_api import (
     REVISION_HEADER,
     OpenAIError,
     answer_expect,
+    check_transfer_codings,
     error_middleware,
     prepare_stream,
     read_body,
@@ -309,6 +310,7 @@ class Splitter:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        check_transfer_codings(request.headers)  # the router's check too: forwarded de-chunked, it would not see it
         with self._bodies.reading() as lease:
             body = HeldBody(await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s, lease), lease)
             return await self._forward(request, body)
