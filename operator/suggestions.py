@@ -308,16 +308,15 @@ def _split_fix(spec: InferenceModelSpec, name: str, splits: Sequence[dict[str, i
 def _shards_to_record(spec: InferenceModelSpec) -> Changes | None:
     """The measuredShards change a new split needs, so the measured weight figure is scaled to it:
     none when there is no measured figure or its split is recorded; None (no split suggestion) when
-    the roles differ in split (TP, PP): the plan then takes the figure as measured over the widest (the safe
+    the roles differ in split: the plan then takes the figure as measured over the widest (the safe
     end, `estimates.scaled_weights`), a guess a what-if should not build on, so measuredShards must say it."""
     weights = spec.weights
     if weights.measured_bytes_per_device is None or weights.measured_shards is not None:
         return []
-    shapes = {(r.tensor_parallel, r.pipeline_parallel) for r in spec.roles.worker_roles().values()}
-    if len(shapes) != 1:
+    splits = {r.tensor_parallel * r.pipeline_parallel for r in spec.roles.worker_roles().values()}
+    if len(splits) != 1:
         return None
-    tp, pp = shapes.pop()
-    return [FieldChange(field="spec.weights.measuredShards", value=tp * pp)]
+    return [FieldChange(field="spec.weights.measuredShards", value=splits.pop())]  # taken as TP alone, as the plan takes it
 
 
 def _merge_shards(changes: Changes) -> Changes:

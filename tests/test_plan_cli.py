@@ -118,6 +118,12 @@ def test_a_split_what_if_that_changes_no_shape_keeps_the_measured_figure(tmp_pat
     assert as_given["roles"]["decode"]["weightsBytesPerGpu"] == same["roles"]["decode"]["weightsBytesPerGpu"] == 4 * 1024**3
     _, moved = plan_json(capsys, "-f", str(manifest), "--pp", "2")  # a new shape: taken as 4 GPUs of TP, scaled
     assert moved["roles"]["decode"]["weightsBytesPerGpu"] > 2 * 4 * 1024**3 // 2
+    # One GPU count in two shapes: recorded as that count (TP alone), as the planner takes it (a
+    # review: refused as "split differently", where it planned before).
+    manifest.write_text(text.replace("prefill: {replicas: 1, tensorParallel: 1, pipelineParallel: 4}",
+                                     "prefill: {replicas: 1, tensorParallel: 4}"))  # fmt: skip
+    status, mixed = plan_json(capsys, "-f", str(manifest), "--pp", "2")
+    assert status in (0, 3) and mixed["roles"]["decode"]["weightsBytesPerGpu"] > 2 * 1024**3
 
 
 def test_quantization_what_if_drops_the_measured_weights(capsys: pytest.CaptureFixture[str]) -> None:

@@ -400,6 +400,20 @@ def test_a_measured_figure_beside_roles_of_one_gpu_count_in_two_shapes_is_charge
     assert weights_bytes_per_gpu(spec, api.WorkerRole(tensor_parallel=8)) == measured
 
 
+def test_draft_layers_on_pipeline_stages_need_the_parameter_count_under_a_measured_figure() -> None:
+    """A review: with a measured figure and no totalParameters a draft layer's size is unknown, so
+    it was spread over the stages like any layer: 4.46 GiB planned where the last stage holds 4.64."""
+    arch = llama_arch(**LLAMA_UNTIED).model_copy(update={"total_parameters": None})
+    staged = api.RolesSpec(prefill=api.WorkerRole(pipeline_parallel=4), decode=api.WorkerRole())
+    spec = make_spec(model=api.ModelSpec(name="m", architecture=arch, extra_draft_layers=1), roles=staged,
+                     weights=api.WeightsSpec(measured_bytes_per_device="15Gi", measured_shards=1))  # fmt: skip
+    with pytest.raises(PlanInputError) as refused:
+        plan(spec)
+    assert "spec.model.architecture.totalParameters: is needed to plan spec.model.extraDraftLayers over " \
+           "spec.roles.prefill.pipelineParallel 4" in str(refused.value), refused.value
+    plan(spec.model_copy(update={"roles": api.RolesSpec(prefill=api.WorkerRole(), decode=api.WorkerRole())}))  # without PP: plans
+
+
 def test_pipeline_stages_need_the_vocabulary_matrix_to_plan() -> None:
     """Neither embeddingParameters nor vocabSize x hiddenSize: the stage's vocabulary matrix is
     unknown, so no figure bounds the heaviest stage. Refused for the field that fixes it."""

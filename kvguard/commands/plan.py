@@ -273,14 +273,15 @@ def _keep_measured_weights_true(spec: dict[str, Any], args: argparse.Namespace, 
         return
     if weights.get("measuredShards") is not None or not _reshaped(spec, args):
         return  # a role's shape unchanged: the figure is still measured at it, taken as it is
-    shapes = {_shape_of(spec, role) for role in ("prefill", "decode")}
-    if len(shapes) != 1:
+    splits = {tp * pp for tp, pp in (_shape_of(spec, role) for role in ("prefill", "decode"))}
+    if len(splits) != 1:
         raise BadInput(
             "--tp/--pp with spec.weights.measuredBytesPerDevice: prefill and decode are split differently in the "
             "manifest, so set spec.weights.measuredShards (the GPUs the figure was measured over)"
         )
-    tp, pp = shapes.pop()
-    weights["measuredShards"] = shards = tp * pp
+    # One GPU count in two shapes (TP8 beside TP2 x PP4): the planner takes the figure as measured
+    # over those GPUs with TP alone, and so does the what-if (a review: refused, where it planned before).
+    weights["measuredShards"] = shards = splits.pop()
     set_by["spec.weights.measuredShards"] = "the manifest's split"
     notes.append(f"measuredBytesPerDevice taken as measured over {shards} GPUs (the manifest's split) and scaled to the new one")
 
