@@ -178,14 +178,16 @@ def test_serve_bad_flags_exit_2_with_one_line_before_any_worker_starts(tiny_mode
 @pytest.mark.parametrize(("model", "said"), [
     ("{tmp}/nonexistent", "does not exist"), ("{tmp}/a-file", "is not a folder"), ("{tmp}", "has no config.json"),
     ("{tmp}/broken", "has a config.json that is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
-    ("{tmp}/listed", "has a config.json that is not a JSON object (a list)"), ("{tmp}/unweighted", "has no *.safetensors weights"),
+    ("{tmp}/listed", "has a config.json that is not a JSON object (a list)"),
+    ("{tmp}/unweighted", "has no *.safetensors weights (nor a model.safetensors.index.json naming them)"),
+    ("{tmp}/bom", "has a config.json that is not JSON (Unexpected UTF-8 BOM (decode using utf-8-sig): line 1 column 1 (char 0))"),
 ])  # fmt: skip
 def test_serve_says_what_is_wrong_with_the_model_folder(tmp_path: Path, model: str, said: str) -> None:
     """Outside probe: `--model /nonexistent` said the folder "has no config.json". A new user's
     report: a config.json that is not JSON, or no weights, was a worker failing to start (exit 1,
     the error printed by each worker), not bad input."""
     (tmp_path / "a-file").write_text("")
-    for folder, config in (("broken", "{bad"), ("listed", "[]"), ("unweighted", "{}")):
+    for folder, config in (("broken", "{bad"), ("listed", "[]"), ("unweighted", "{}"), ("bom", "\ufeff{}")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "config.json").write_text(config)
     model = model.format(tmp=tmp_path)
@@ -372,3 +374,13 @@ def test_the_router_holds_at_least_one_largest_body_at_once() -> None:
         WorkerArgs(role="router", model=Path("/m"), prefill=("http://p",), decode=("http://d",),
                    max_body_bytes=2 * 1024 * 1024, max_body_memory=1024 * 1024)  # fmt: skip
     assert WorkerArgs(role="prefill", model=Path("/m"), max_body_bytes=300_000_000).max_body_memory < 300_000_000
+
+
+def test_weights_named_by_an_index_pass_serves_folder_check(tmp_path: Path) -> None:
+    """A review: weights sharded into a subfolder, named by model.safetensors.index.json, load in
+    the engine (`model._read_state_dict`) but serve refused the folder for having no *.safetensors."""
+    from kvguard.commands.serve import _model_folder_problem
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "shards/part-1.safetensors"}}')
+    assert _model_folder_problem(tmp_path) is None

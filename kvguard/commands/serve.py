@@ -99,15 +99,15 @@ def _model_folder_problem(folder: Path) -> str | None:
     if not config.is_file():
         return "has no config.json"
     try:
-        parsed = json.loads(config.read_bytes())
+        parsed = json.loads(config.read_text(encoding="utf-8"))  # as the workers read it (and Hugging Face)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return f"has a config.json that is not JSON ({exc})"
     except OSError as exc:
         return f"has a config.json that cannot be read ({exc.strerror})"
     if not isinstance(parsed, dict):
         return f"has a config.json that is not a JSON object (a {type(parsed).__name__})"
-    if not any(folder.glob("*.safetensors")):
-        return "has no *.safetensors weights"
+    if not (folder / "model.safetensors.index.json").is_file() and not any(folder.glob("*.safetensors")):
+        return "has no *.safetensors weights (nor a model.safetensors.index.json naming them)"
     return None
 
 
