@@ -306,6 +306,7 @@ def test_apply_delete_without_local_says_what_deletes_on_a_cluster(tmp_path: Pat
 @pytest.mark.parametrize(("change", "said"), [
     (("kind", "InferenceModle"), "kind: 'InferenceModle', expected InferenceModel (or a CanarySpec, which has no kind)"),
     (("contextLenght", 4096), "spec.contextLenght: Extra inputs are not permitted"),
+    (("canary", {"isolation": {"longRequestMaxTokens": 1_000_000}}), "spec.canary.isolation.longRequestMaxTokens: 1,000,000 leaves no room"),
 ])  # fmt: skip
 def test_a_canary_spec_manifest_is_refused_as_plan_refuses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                              change: tuple[str, object], said: str) -> None:  # fmt: skip

@@ -192,11 +192,18 @@ def _model_spec(path: Path, manifest: dict[str, Any]) -> Any:
         raise ValueError(f"{path}: kind: {str(kind)[:60]!r}, expected InferenceModel (or a CanarySpec, which has no kind)")
     spec = manifest.get("spec") or {}
     try:
-        InferenceModelSpec.model_validate(spec)
+        whole = InferenceModelSpec.model_validate(spec)
     except ValidationError as exc:
         wrong = [err for err in exc.errors() if err["type"] != "missing"]
         if wrong:
             raise ValueError(f"{path}: " + _field_errors(wrong, prefix="spec.")) from None
+        return spec
+    # A whole spec: the canary's fields against the rest, as admission judges them (a review: a
+    # longRequestMaxTokens over contextLength ran here, where plan refuses the file).
+    from kvguard.operator.spec_checks import canary_problems
+
+    if problems := canary_problems(whole):
+        raise ValueError(f"{path}: " + "; ".join(problems))
     return spec
 
 
