@@ -321,7 +321,7 @@ async def test_s1_tag_violation_counter_increase_fails_with_deltas(server: Runni
     result = report.probe(ProbeName.SAFETY_COUNTERS)
     assert result is not None and result.status == ProbeStatus.FAIL
     deltas = next(e for e in result.evidence if e.kind == "counters").deltas
-    assert deltas["kvguard_tag_violations_total"] == 6  # calibration, two runs, one streamed run, chat plain and streamed
+    assert deltas["kvguard_tag_violations_total"] == 34  # calibration, 30 runs, one streamed run, chat plain and streamed
     assert deltas["kvguard_checksum_failures_total"] == 0
 
 
