@@ -347,6 +347,37 @@ def test_the_router_hands_events_to_their_requests_and_fails_them_all_when_the_c
     asyncio.run(scenario())
 
 
+def test_a_channel_whose_connection_closes_before_decode_answers_is_opened_once_more() -> None:
+    """An outside probe: after a decode worker was killed and restarted, the router's channel call
+    went out on a pooled connection to the dead process, was reset, and every request waiting for
+    the channel failed with a 502 for about a second. Nothing was opened: it is opened once more.
+    Twice in a row is the worker's failure, told as before."""
+
+    async def scenario() -> None:
+        calls = 0
+
+        async def stream(request: web.Request) -> web.StreamResponse:
+            nonlocal calls
+            calls += 1
+            if calls in (1, 3, 4):  # gone before answering, as a killed process's connection
+                assert request.transport is not None
+                request.transport.abort()
+                await asyncio.Event().wait()
+            return await _opened_channel(request, calls)
+
+        async with _serving({"/internal/stream": stream}) as base, aiohttp.ClientSession() as session:
+            reader = ChannelReader(lambda: session.post(f"{base}/internal/stream", json={}))
+            assert (await reader.channel()).id == f"{2:032x}" and calls == 2  # the second call opened it
+            await reader.close()
+            again = ChannelReader(lambda: session.post(f"{base}/internal/stream", json={}))
+            with pytest.raises(ChannelLost, match="no token channel to the decode worker"):
+                await again.channel()
+            assert calls == 4
+            await again.close()
+
+    asyncio.run(scenario())
+
+
 def _token(token_id: int, text: str, logprob: float | None = None) -> TokenEvent:
     record = None if logprob is None else (TokenLogprob(token_id=token_id, logprob=logprob, top=((token_id, logprob),)),)
     return TokenEvent(token_ids=(token_id,), text=text, logprobs=record)

@@ -155,15 +155,26 @@ class ChannelReader:
         reason = "the decode worker ended it"
         channel: OpenChannel | None = None
         try:
-            async with self.open_stream() as resp:
-                if resp.status != 200:
-                    raise ChannelLost(f"the decode worker refused it (HTTP {resp.status})")
-                lines = read_lines(resp.content)
-                first = await anext(lines, b"")
-                channel = OpenChannel(ChannelOpened.model_validate_json(first).channel)
-                opened.set_result(channel)
-                async for line in lines:
-                    channel.hand_over(line)
+            for last in (False, True):
+                try:
+                    async with self.open_stream() as resp:
+                        if resp.status != 200:
+                            raise ChannelLost(f"the decode worker refused it (HTTP {resp.status})")
+                        lines = read_lines(resp.content)
+                        first = await anext(lines, b"")
+                        channel = OpenChannel(ChannelOpened.model_validate_json(first).channel)
+                        opened.set_result(channel)
+                        async for line in lines:
+                            channel.hand_over(line)
+                    break
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    if last or opened.done() or isinstance(exc, aiohttp.ClientConnectorError):
+                        raise
+                    # Closed before decode answered: a pooled connection to the process a restart
+                    # replaced. Every request waiting for the channel failed with a 502 for about a
+                    # second after a decode worker was killed (an outside probe). Opening it again
+                    # is safe: nothing was opened.
+                    log.info("token channel: the connection closed before decode answered (%r); opening it once more", exc)
         except asyncio.CancelledError:
             reason = "the router is shutting down, or the decode worker restarted"
             raise
