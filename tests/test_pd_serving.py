@@ -423,6 +423,7 @@ def test_the_router_keeps_a_worker_with_a_too_small_pool_out_of_rotation_s7() ->
     with pytest.raises(OpenAIError) as refused:
         upstreams.pair()
     assert refused.value.status == 503 and refused.value.code == "not_ready"
+    assert refused.value.response().headers["Retry-After"] == "1"  # as every other 503 (an outside probe)
     assert "in rotation again" in (upstreams.refresh(decode[1], info(Role.DECODE, 2048)) or "")
     assert upstreams.pair()[1].url == "http://d1"
     assert "did not answer" in (upstreams.refresh(decode[1], None) or "")  # down or restarting: out until it answers
@@ -465,6 +466,7 @@ def test_a_router_without_its_workers_is_not_ready_and_says_so(tiny_model_dir: P
         assert health.status_code == 503 and health.json()["error"]["code"] == "not_ready"
         answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready"
+        assert answer.headers["Retry-After"] == "1"
         # An ended request, failed: the analysis' error ratio sees an outage of a role (outside
         # probe: 98% of clients failed while the router's counters said 29%).
         text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text

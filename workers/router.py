@@ -376,8 +376,10 @@ class Upstreams:
         for role in (Role.PREFILL, Role.DECODE):
             serving = self.serving(role)
             if not serving:
+                # Retry-After as every other 503 here says it: a worker is read again every second
+                # (refresh_interval_s), and one that answers comes back then (an outside probe).
                 raise OpenAIError(503, f"no {role.value} worker is serving: none answers, or none passes its KV pool "
-                                  "check (S7); the model is not serving", code="not_ready")  # fmt: skip
+                                  "check (S7); the model is not serving", code="not_ready", retry_after_s=1)  # fmt: skip
             chosen.append(serving[self._turns[role] % len(serving)])
             self._turns[role] += 1
         return chosen[0], chosen[1]
@@ -551,7 +553,8 @@ class Router:
     def upstreams(self) -> Upstreams:
         """The workers, once discovered; until then every endpoint answers 503 (not ready)."""
         if self._upstreams is None:
-            raise OpenAIError(503, "the router is still waiting for its prefill and decode workers", code="not_ready")
+            raise OpenAIError(503, "the router is still waiting for its prefill and decode workers", code="not_ready",
+                              retry_after_s=1)  # fmt: skip
         return self._upstreams
 
     @property
