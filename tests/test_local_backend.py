@@ -166,6 +166,34 @@ def test_one_model_per_state_folder(tmp_path: Path) -> None:
         assert backend.state.namespace == "default"
 
 
+def test_an_interrupted_rollout_says_so_in_its_status(tmp_path: Path) -> None:
+    """An outside probe: after Ctrl-C, `kvguard status` said "CanaryRunning: canary suite running"
+    with Progressing True, with nothing running. `kvguard apply` marks the conditions the last
+    pass left unfinished; the next apply writes its own."""
+    from kvguard.operator.backends.local_rollout import mark_interrupted
+
+    running = "revision abc: canary suite running"
+    conditions = [
+        {"type": "Progressing", "status": "True", "reason": "CanaryRunning", "message": running,
+         "lastTransitionTime": "2026-12-07T00:00:00Z", "observedGeneration": 2},
+        {"type": "CanaryPassed", "status": "Unknown", "reason": "CanaryRunning", "message": running,
+         "lastTransitionTime": "2026-12-07T00:00:00Z", "observedGeneration": 2},
+        {"type": "KVPoolSufficient", "status": "True", "reason": "PoolsMeetRatio", "message": "ok",
+         "lastTransitionTime": "2026-12-07T00:00:00Z"},
+    ]  # fmt: skip
+    with LocalBackend(tmp_path) as backend:
+        backend.state.status = {"phase": "CanaryVerifying", "conditions": conditions}
+        version = backend.state.status_version
+        mark_interrupted(backend)
+        after = {c["type"]: c for c in backend.state.status["conditions"]}
+        assert after["Progressing"]["status"] == "False" and after["Progressing"]["reason"] == "Interrupted"
+        assert after["Progressing"]["message"] == f"kvguard apply was interrupted (CanaryRunning: {running}); run it again to resume"
+        assert after["CanaryPassed"]["status"] == "Unknown" and after["CanaryPassed"]["reason"] == "Interrupted"
+        assert after["KVPoolSufficient"] == conditions[2] and backend.state.status_version == version + 1
+        mark_interrupted(backend)  # nothing unfinished left: nothing written
+        assert backend.state.status_version == version + 1
+
+
 def test_process_table_signals_only_the_recorded_command_line(tmp_path: Path) -> None:
     table = ProcessTable()
     worker = LocalWorker(name="w", role="router", port=1, metrics_port=2, argv=[sys.executable, "-c", "import time; time.sleep(60)"])

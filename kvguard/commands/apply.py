@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir: Path) -> int:
     from kvguard.operator.backends.local import FrontDoorDown, LocalBackend, LocalBackendError
-    from kvguard.operator.backends.local_rollout import roll_out
+    from kvguard.operator.backends.local_rollout import mark_interrupted, roll_out
     from kvguard.operator.planner import PlanInputError
     from kvguard.operator.rollout import RolloutState
 
@@ -132,14 +132,18 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
     try:
         print(f"kvguard apply --local: {model.metadata.name} (state: {state_dir})", flush=True)
         with LocalBackend(state_dir, models_root=args.models_root) as backend:
-            result = run_interruptible(
-                lambda: roll_out(
-                    backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
-                    annotations=model.metadata.annotations, faults=args.faults,
-                    say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
-                    generation=model.metadata.generation, max_seconds=args.timeout,
-                )
-            )  # fmt: skip
+            try:
+                result = run_interruptible(
+                    lambda: roll_out(
+                        backend, model.metadata.name, model.spec, policies=policies, namespace=args.namespace,
+                        annotations=model.metadata.annotations, faults=args.faults,
+                        say=lambda line: print(f"  {line}", flush=True), on_canary_progress=probes.on_event,
+                        generation=model.metadata.generation, max_seconds=args.timeout,
+                    )
+                )  # fmt: skip
+            except KeyboardInterrupt:
+                mark_interrupted(backend)  # the status says nothing drives it now (`kvguard status`)
+                raise
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except FrontDoorDown as exc:  # mid-rollout, writing the split: as when the rollout rests, exit 1

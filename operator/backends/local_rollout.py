@@ -34,6 +34,7 @@ from kvguard.operator.backends.local_gate import LocalPoolGate
 from kvguard.operator.backends.local_progress import WaitReporter
 from kvguard.operator.canary.report import CanaryReport
 from kvguard.operator.canary.suite import ProgressEvent, run_suite
+from kvguard.operator.conditions import Condition, ConditionStatus, find_condition, make_condition, set_condition
 from kvguard.operator.driver import DriverMemory, StatusConflict, observe, run_pass
 from kvguard.operator.hf_config import HFConfigError, architecture_from_file
 from kvguard.operator.planner import plan
@@ -247,6 +248,32 @@ def _with_faults(annotations: Mapping[str, str] | None, faults: str) -> dict[str
     if faults:
         wanted[FAULTS_ANNOTATION] = faults
     return wanted
+
+
+def mark_interrupted(backend: LocalBackend) -> None:
+    """What the status says once `kvguard apply` was interrupted mid-rollout: nothing drives it
+    any more, so a Progressing (or CanaryPassed) condition left True / Unknown by the last pass
+    says so. It said "CanaryRunning: canary suite running" with Progressing True after Ctrl-C,
+    with no canary running (an outside probe). The next apply resumes and writes its own."""
+    status = dict(backend.state.status or {})
+    conditions = [Condition.model_validate(c) for c in status.get("conditions") or ()]
+    now = dt.datetime.now(dt.UTC)
+    changed = False
+    stops: tuple[tuple[str, ConditionStatus, ConditionStatus], ...] = (
+        ("Progressing", "True", "False"), ("CanaryPassed", "Unknown", "Unknown"))  # type, unfinished, now
+    for type_, unfinished, status_now in stops:
+        current = find_condition(conditions, type_)
+        if current is None or current.status != unfinished or current.reason == "Interrupted":
+            continue
+        message = f"kvguard apply was interrupted ({current.reason}: {current.message}); run it again to resume"
+        conditions = set_condition(conditions, make_condition(type_, status_now, "Interrupted", message, now=now,
+                                                              generation=current.observed_generation))  # fmt: skip
+        changed = True
+    if changed:
+        status["conditions"] = [c.model_dump(by_alias=True, exclude_none=True) for c in conditions]
+        backend.state.status = status
+        backend.state.status_version += 1
+        backend.save()
 
 
 async def roll_out(
