@@ -447,3 +447,28 @@ async def test_a_connection_closed_to_make_room_as_its_body_arrives_ends_as_a_ha
         await until(lambda: not server.connections, "the closed connection gone")
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
         writer.close()
+
+
+def test_a_workers_internal_listener_never_closes_the_routers_kept_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: a worker's internal control API is served by the same capped listener, so the
+    router's pooled connections were closed once idle 2 s under a flood, and its next call opened a
+    new connection into the full listener and got 503 (only two of its calls are sent again). A
+    caller without the key is closed once answered there anyway (control_auth.KEYLESS_FAILURES).
+    The internal listener keeps kept-alive connections; the public and metrics ones do not."""
+    import math
+
+    from kvguard.workers import servers
+
+    started: list[CappedSockSite] = []
+    real_start = CappedSockSite.start
+
+    async def start(self: CappedSockSite) -> None:
+        started.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(CappedSockSite, "start", start)
+    monkeypatch.setattr(servers, "watch_lifeline", lambda _loop, stop: stop.set())  # serve returns once up
+    for internal in (True, False):
+        listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+        asyncio.run(servers.serve([(web.Application(), sock) for sock in listeners], internal_main=internal))
+    assert [site.kept_idle_s for site in started] == [math.inf, servers.KEPT_IDLE_S, servers.KEPT_IDLE_S, servers.KEPT_IDLE_S]

@@ -80,7 +80,8 @@ def run_worker(args: WorkerArgs) -> int:
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve([(served.main, listeners.main), (served.metrics, listeners.metrics)], header_timeout_s=args.header_timeout,
-                      drain=served.drain, max_connections=args.max_connections, registry=served.registry))  # fmt: skip
+                      drain=served.drain, max_connections=args.max_connections, registry=served.registry,
+                      internal_main=served.internal))  # fmt: skip
     return 0
 
 
@@ -91,6 +92,7 @@ class Served(NamedTuple):
     metrics: web.Application
     drain: Drain
     registry: CollectorRegistry  # what /metrics serves: the listeners' connection counts join it (ListenerMetrics)
+    internal: bool = False  # `main` is an internal control API, which only the router calls (serve's internal_main)
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -178,12 +180,17 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0,
                 drain: Drain | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+                registry: CollectorRegistry | None = None, internal_main: bool = False) -> None:  # fmt: skip
     """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
     On SIGTERM, `drain` (if any) runs first: the requests held are finished (see Drain). Each
     listener keeps at most `max_connections` open (CappedSockSite), fewer if the open-file limit
     would not hold them all. With a `registry`, the listeners' open and refused connections are
-    in it (ListenerMetrics; the first pair is the `main` listener, the second `metrics`)."""
+    in it (ListenerMetrics; the first pair is the `main` listener, the second `metrics`).
+
+    `internal_main`: the first listener is a worker's internal control API. Its kept-alive
+    connections are the router's pool (a caller without the key is closed once answered), never
+    closed to make room: closed there, the router's next call opened a new connection into a
+    full listener and got 503, and only two of its calls are sent again (a review)."""
     quiet_malformed_requests()
     stop = asyncio.Event()
     received: list[int] = []
@@ -209,6 +216,8 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
             await runner.setup()
             runners.append(runner)
             site = CappedSockSite(runner, sock, cap)
+            if internal_main and not capped:
+                site.kept_idle_s = math.inf
             await site.start()
             capped.append(site)
             main_site = main_site or site
@@ -680,7 +689,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
     drain = Drain(idle=lambda: not runtime.jobs.by_id, begin=close_connections_once_draining(app), grace_s=args.drain_timeout)
-    return Served(app, runtime.metrics_app(), drain, runtime.registry)
+    return Served(app, runtime.metrics_app(), drain, runtime.registry, internal=True)
 
 
 def close_connections_once_draining(app: web.Application) -> Callable[[], None]:
