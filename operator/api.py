@@ -39,6 +39,7 @@ from pydantic.alias_generators import to_camel
 
 from kvguard.operator.canary.spec import (
     CONTEXT_BOUND,
+    GATE_REPETITIONS,
     MAX_CONTEXT_TOKENS,
     MIN_CONTEXT_TOKENS,
     CanarySpec,
@@ -1329,14 +1330,22 @@ class InferenceModelSpec(ApiModel):
         return self
 
     def canary_to_run(self) -> CanarySpec:
-        """spec.canary as the operator runs it: the capacity probe never asks more of a pool than
-        the planner sized it for (minKVRatio). A model stored under an older CRD holds minRatio 2,
-        that CRD's default, whatever its minKVRatio (an outside review: at 1.5 every revision
-        failed its canary)."""
-        capacity = self.canary.capacity
-        if capacity.min_ratio is None or capacity.min_ratio <= self.min_kv_ratio:
-            return self.canary
-        return self.canary.model_copy(update={"capacity": capacity.model_copy(update={"min_ratio": self.min_kv_ratio})})
+        """spec.canary as the operator runs it:
+        - the capacity probe never asks more of a pool than the planner sized it for (minKVRatio).
+          A model stored under an older CRD holds minRatio 2, that CRD's default, whatever its
+          minKVRatio (an outside review: at 1.5 every revision failed its canary);
+        - the determinism probe repeats its request at least GATE_REPETITIONS times. An older CRD
+          stored its default of 2 into every model, and 2 let a build that corrupted 1 transfer
+          in 10 ship (an outside probe); the stored number cannot tell a choice from that default
+          (a review), and the gate is not to be weakened by either."""
+        canary = self.canary
+        capacity = canary.capacity
+        if capacity.min_ratio is not None and capacity.min_ratio > self.min_kv_ratio:
+            canary = canary.model_copy(update={"capacity": capacity.model_copy(update={"min_ratio": self.min_kv_ratio})})
+        if canary.determinism.repetitions < GATE_REPETITIONS:
+            determinism = canary.determinism.model_copy(update={"repetitions": GATE_REPETITIONS})
+            canary = canary.model_copy(update={"determinism": determinism})
+        return canary
 
     def replicas_at(self, role: str, scale: Scale) -> int:
         """Replicas of a role (prefill, decode, router) at canary or full scale."""

@@ -238,3 +238,13 @@ def test_the_canary_cli_runs_a_manifests_canary_as_the_operator_does() -> None:
     # No minKVRatio: the model's default (2) caps a written minRatio too, and fills a missing one.
     assert _model_canary({"canary": {"capacity": {"minRatio": 3.0}}})["capacity"]["minRatio"] == 2.0
     assert _model_canary({"canary": {}})["capacity"] == {"minRatio": 2.0}
+
+
+@pytest.mark.parametrize(("stored", "run"), [(2, 30), (29, 30), (30, 30), (64, 64)])
+def test_a_rollouts_gate_repeats_the_determinism_request_at_least_30_times(stored: int, run: int) -> None:
+    """A review: the older CRD stored its default of 2 repeats into every model, and 2 let a build
+    that corrupted 1 transfer chunk in 10 ship (an outside probe). The stored number cannot tell a
+    choice from that default: the gate runs at least 30, more where written."""
+    spec = set_path(tiny_model(), "spec.canary.determinism.repetitions", stored)["spec"]
+    assert InferenceModelSpec.model_validate(spec).canary_to_run().determinism.repetitions == run
+    assert InferenceModelSpec.model_validate(tiny_model()["spec"]).canary_to_run().determinism.repetitions == 30

@@ -202,6 +202,11 @@ class GoldenSpec(_ProbeSpec):
     )
 
 
+GATE_REPETITIONS = 30
+"""The determinism probe's repeats in a rollout's gate, whatever a model stores (an older CRD stored
+2 into every model: InferenceModelSpec.canary_to_run)."""
+
+
 class DeterminismSpec(_ProbeSpec):
     enabled: bool = Field(True, description="Run the determinism probe.")
     prompt: str = Field(
@@ -210,9 +215,10 @@ class DeterminismSpec(_ProbeSpec):
         description="The prompt sent repeatedly.",
     )
     repetitions: int = Field(
-        30, ge=2, le=100,
+        GATE_REPETITIONS, ge=2, le=100,
         description="How many times the request is sent, one after another (never batched together: a batch's "
-        "numerics may differ). 30 catch a fault that changes 1 request in 10 with 95% probability (0.9^29 = 4.7%).",
+        f"numerics may differ). {GATE_REPETITIONS} catch a fault that changes 1 request in 10 with 95% probability "
+        f"(0.9^29 = 4.7%); a rollout's gate runs at least {GATE_REPETITIONS} (kvguard canary runs what is written).",
     )  # 2 let a build whose transfers corrupted 1 chunk in 10, unchecked, pass and ship (an outside probe)
     compare_streaming: bool = Field(
         True, description="A streamed run must give the same text as the non-streamed runs."
