@@ -139,7 +139,8 @@ def _spec_problems(spec: InferenceModelSpec) -> Iterator[tuple[str, str]]:
     yield from _engine_problems(spec)
     for name, role in spec.roles.worker_roles().items():
         yield from _role_problems(f"spec.roles.{name}", role, arch)
-        if role.pipeline_parallel > 1 and spec.model.extra_draft_layers and arch.total_parameters is None:
+        measured = spec.weights.measured_bytes_per_device is not None  # (without one it is required anyway)
+        if measured and role.pipeline_parallel > 1 and spec.model.extra_draft_layers and arch.total_parameters is None:
             # The last stage holds the draft layers whole, which a measured figure spreads over every
             # stage unless their size is known: planned 4.46 GiB where the stage held 4.64 (a review).
             yield "spec.model.architecture.totalParameters", (

@@ -182,7 +182,7 @@ def test_an_interrupted_rollout_says_so_in_its_status(tmp_path: Path) -> None:
          "lastTransitionTime": "2026-12-07T00:00:00Z"},
     ]  # fmt: skip
     with LocalBackend(tmp_path) as backend:
-        backend.state.status = {"phase": "CanaryVerifying", "conditions": conditions}
+        backend.state.status = {"phase": "CanaryVerifying", "message": running, "conditions": conditions}
         version = backend.state.status_version
         mark_interrupted(backend)
         after = {c["type"]: c for c in backend.state.status["conditions"]}
@@ -190,6 +190,8 @@ def test_an_interrupted_rollout_says_so_in_its_status(tmp_path: Path) -> None:
         assert after["Progressing"]["message"] == f"kvguard apply was interrupted (CanaryRunning: {running}); run it again to resume"
         assert after["CanaryPassed"]["status"] == "Unknown" and after["CanaryPassed"]["reason"] == "Interrupted"
         assert after["KVPoolSufficient"] == conditions[2] and backend.state.status_version == version + 1
+        assert backend.state.status["message"] == f"kvguard apply was interrupted ({running}); run it again to resume"
+        assert backend.state.status["phase"] == "CanaryVerifying"  # where it stopped
         mark_interrupted(backend)  # nothing unfinished left: nothing written
         assert backend.state.status_version == version + 1
 

@@ -533,6 +533,7 @@ def test_a_draining_router_refuses_requests_on_open_connections_and_ends_streams
                  ignoring=(requests.RequestException,))  # a busy router's slow answer: asked again  # fmt: skip
         refused = kept.post(f"{d.api_base}/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert refused.headers["Retry-After"] == "1"  # as every 503 of the router's (a review)
         assert refused.headers.get("Connection", "").lower() == "close"
         listed = polling.get(f"{d.api_base}/models", timeout=30)  # any other answer closes its connection too
         assert listed.ok and listed.headers.get("Connection", "").lower() == "close"

@@ -382,5 +382,12 @@ def test_weights_named_by_an_index_pass_serves_folder_check(tmp_path: Path) -> N
     from kvguard.commands.serve import _model_folder_problem
 
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "shards/part-1.safetensors"}}')
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "shards/part-1.safetensors", "v": "shards/part-2.safetensors"}}')
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "part-1.safetensors").write_bytes(b"")
+    # A half-downloaded snapshot: a file its index names is not there (a review).
+    assert _model_folder_problem(tmp_path) == "lacks 1 weight file(s) its index names, e.g. shards/part-2.safetensors"
+    (tmp_path / "shards" / "part-2.safetensors").write_bytes(b"")
     assert _model_folder_problem(tmp_path) is None
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    assert (_model_folder_problem(tmp_path) or "").startswith("has a model.safetensors.index.json that is not an index of weights")

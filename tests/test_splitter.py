@@ -354,6 +354,7 @@ async def test_a_refused_connection_goes_to_the_next_revision_and_limits_hold(tm
             write_table(splitter.config.table_path, table(gone=(dead_port, 100)))
             async with http.post(f"http://127.0.0.1:{api}/v1/completions", json={}) as resp:
                 assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_backend"
+                assert resp.headers["Retry-After"] == "1"  # as every 503 of the router's (a review)
         finally:
             dead.close()
         write_table(splitter.config.table_path, table(cand=(ports["cand"], 100)))

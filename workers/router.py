@@ -125,7 +125,7 @@ WORKERS_HEALTH_FRESH_S = 1.0  # /health's answer from the workers is shared this
 
 STREAMING = web.RequestKey("kvguard_streaming", bool)
 """Set on a request once its event stream has started (its status and headers are sent)."""
-_SHUTTING_DOWN = OpenAIError(503, "this router is shutting down; retry the request", code="shutting_down")
+_SHUTTING_DOWN = OpenAIError(503, "this router is shutting down; retry the request", code="shutting_down", retry_after_s=1)
 
 
 class SignedFor(NamedTuple):

@@ -318,7 +318,7 @@ class Splitter:
     async def _forward(self, request: web.Request, body: HeldBody) -> web.StreamResponse:
         candidates = self.source.current().order()
         if not candidates:
-            raise OpenAIError(503, "no revision of this model is serving", code="no_backend")
+            raise OpenAIError(503, "no revision of this model is serving", code="no_backend", retry_after_s=1)
         for backend in candidates:
             try:
                 return await self._relay(request, body, backend)
@@ -328,7 +328,7 @@ class Splitter:
                 self.requests.labels(revision=backend.revision, code="502").inc()
                 raise OpenAIError(502, f"revision {backend.revision} did not answer ({type(exc).__name__})", code="bad_gateway") from None
         self.requests.labels(revision="none", code="503").inc()
-        raise OpenAIError(503, "no revision of this model accepted the connection", code="no_backend")
+        raise OpenAIError(503, "no revision of this model accepted the connection", code="no_backend", retry_after_s=1)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         return await answer_expect(request, self.config.max_body_bytes, self._bodies)

@@ -106,9 +106,22 @@ def _model_folder_problem(folder: Path) -> str | None:
         return f"has a config.json that cannot be read ({exc.strerror})"
     if not isinstance(parsed, dict):
         return f"has a config.json that is not a JSON object (a {type(parsed).__name__})"
-    if not (folder / "model.safetensors.index.json").is_file() and not any(folder.glob("*.safetensors")):
-        return "has no *.safetensors weights (nor a model.safetensors.index.json naming them)"
-    return None
+    return _weights_problem(folder)
+
+
+def _weights_problem(folder: Path) -> str | None:
+    """Why the folder's weights cannot load, as the engine finds them (`model._read_state_dict`):
+    the files model.safetensors.index.json names (a half-downloaded snapshot names some that are
+    not there: a review), else every *.safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None if any(folder.glob("*.safetensors")) else "has no *.safetensors weights (nor a model.safetensors.index.json naming them)"
+    try:
+        named = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+        missing = sorted({str(name) for name in named if not (folder / str(name)).is_file()})
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, OSError) as exc:
+        return f"has a model.safetensors.index.json that is not an index of weights ({type(exc).__name__}: {exc})"
+    return f"lacks {len(missing)} weight file(s) its index names, e.g. {missing[0]}" if missing else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -271,6 +271,10 @@ def mark_interrupted(backend: LocalBackend) -> None:
         changed = True
     if changed:
         status["conditions"] = [c.model_dump(by_alias=True, exclude_none=True) for c in conditions]
+        # The phase stays: it is where the rollout stopped. The message, which `kvguard status`
+        # prints under it, says that nothing drives it (a review: it still said the suite ran).
+        stopped_at = f" ({status['message']})" if status.get("message") else ""
+        status["message"] = f"kvguard apply was interrupted{stopped_at}; run it again to resume"
         backend.state.status = status
         backend.state.status_version += 1
         backend.save()
