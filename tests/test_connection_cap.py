@@ -69,6 +69,7 @@ async def capped_listener(cap: int) -> AsyncIterator[tuple[CappedSockSite, web.A
     RELEASE[:] = [asyncio.Event()]
     app.router.add_get("/", ok)
     app.router.add_get("/hold", hold)
+    app.router.add_get("/keyed", _keyed)
     app.router.add_post("/body", body)
     runner = app_runner(app, 30.0)
     await runner.setup()
@@ -449,26 +450,34 @@ async def test_a_connection_closed_to_make_room_as_its_body_arrives_ends_as_a_ha
         writer.close()
 
 
-def test_a_workers_internal_listener_never_closes_the_routers_kept_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A review: a worker's internal control API is served by the same capped listener, so the
-    router's pooled connections were closed once idle 2 s under a flood, and its next call opened a
-    new connection into the full listener and got 503 (only two of its calls are sent again). A
-    caller without the key is closed once answered there anyway (control_auth.KEYLESS_FAILURES).
-    The internal listener keeps kept-alive connections; the public and metrics ones do not."""
-    import math
+async def test_a_kept_alive_connection_that_showed_the_control_key_is_never_closed_to_make_room() -> None:
+    """Reviews: a worker's internal listener closed the router's pooled connections once idle 2 s
+    under a flood, and the router's next call met a full listener and got 503; exempting the whole
+    listener let a client without the key hold it (aiohttp answers `Expect: x` with 417 before any
+    check, keeping the connection). A connection that carried a whole, fresh signed call
+    (`mark_keyed`, from control_auth) keeps its place; any other idle one makes room."""
+    async with capped_listener(2) as (site, runner, port):
+        site.kept_idle_s = 0.0
+        keyed_reader, keyed = await asyncio.open_connection("127.0.0.1", port)
+        keyed.write(b"GET /keyed HTTP/1.1\r\nHost: x\r\n\r\n")
+        await keyed.drain()
+        await asyncio.wait_for(keyed_reader.readuntil(b"keyed"), timeout=30)
+        other_reader, other = await asyncio.open_connection("127.0.0.1", port)
+        other.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await other.drain()
+        await asyncio.wait_for(other_reader.readuntil(b"ok"), timeout=30)
+        assert (await _get(port)).startswith(b"HTTP/1.1 200")  # the unkeyed one made room
+        assert await asyncio.wait_for(other_reader.read(), timeout=30) == b""
+        keyed.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # the keyed one still serves
+        await keyed.drain()
+        assert (await asyncio.wait_for(keyed_reader.read(), timeout=30)).startswith(b"HTTP/1.1 200")
+        assert site.evicted == 1
+        other.close()
+        keyed.close()
 
-    from kvguard.workers import servers
 
-    started: list[CappedSockSite] = []
-    real_start = CappedSockSite.start
+async def _keyed(request: web.Request) -> web.Response:
+    from kvguard.workers.servers import mark_keyed
 
-    async def start(self: CappedSockSite) -> None:
-        started.append(self)
-        await real_start(self)
-
-    monkeypatch.setattr(CappedSockSite, "start", start)
-    monkeypatch.setattr(servers, "watch_lifeline", lambda _loop, stop: stop.set())  # serve returns once up
-    for internal in (True, False):
-        listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
-        asyncio.run(servers.serve([(web.Application(), sock) for sock in listeners], internal_main=internal))
-    assert [site.kept_idle_s for site in started] == [math.inf, servers.KEPT_IDLE_S, servers.KEPT_IDLE_S, servers.KEPT_IDLE_S]
+    mark_keyed(request)
+    return web.Response(text="keyed")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
+from waiting import until
 
 from kvguard.workers.control_auth import ANY_WORKER, AUTH_HEADER, AuthError, ControlVerifier, ReplayCache, auth_headers, sign
 from kvguard.workers.keys import RevisionKeys
+from kvguard.workers.servers import CappedSockSite
 
 KEYS = RevisionKeys.derive(b"control-test-key-0123456789abcdef")
 BODY = b'{"request_id": "cmpl-1", "cause": "client_disconnect"}'
@@ -210,9 +214,9 @@ async def _internal_app(body_timeout_s: float = 30.0):  # noqa: ANN202
     app.router.add_post("/internal/abort", echo)
     runner = web.AppRunner(app, shutdown_timeout=0.5)  # the refused uploads' connections need no grace
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = CappedSockSite(runner, socket.create_server(("127.0.0.1", 0)), cap=64)  # the workers' listener
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1], key  # type: ignore[union-attr]
+    return runner, site._sock.getsockname()[1], key  # type: ignore[union-attr]
 
 
 async def _exchange(port: int, head: bytes, body: bytes = b"") -> bytes:
@@ -278,6 +282,31 @@ async def _answers_then_eof(port: int, request: bytes, eof_within_s: float = 20.
         return answer, False
     finally:
         writer.close()
+
+
+async def test_only_a_whole_fresh_signed_call_marks_its_connection_as_the_routers() -> None:
+    """A kept-alive connection that carried a signed call is never closed to make room
+    (servers.mark_keyed). A replayed header (its nonce used) or a refused one marks nothing: one
+    captured header would otherwise mark every connection of a flood."""
+    import asyncio
+
+    runner, port, key = await _internal_app()
+    try:
+        signed = sign(key, "POST", "/internal/abort", b"{}", target=INSTANCE).encode()
+        call = b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n" + AUTH_HEADER.encode() + b": " + signed + b"\r\n\r\n{}"
+        statuses = []
+        for request in (call, call, b"POST /internal/abort HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            await writer.drain()
+            statuses.append((await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=20)).split(b" ")[1])
+            connections = list(runner.server.connections)  # type: ignore[union-attr]
+            statuses.append([c.keyed for c in connections if not c.closing])  # type: ignore[attr-defined]
+            writer.close()
+            await until(lambda: all(c.closing for c in runner.server.connections), "the connection closed")  # type: ignore[union-attr]
+        assert statuses == [b"200", [True], b"401", [False], b"401", []], statuses  # a replay; no key (closed)
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_connection_without_the_key_is_closed_once_answered_and_the_routers_kept() -> None:

@@ -59,6 +59,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvguard.workers.keys import MAX_CLOCK_SKEW_S
 from kvguard.workers.metrics import zeroed
 from kvguard.workers.openai_api import OpenAIError
+from kvguard.workers.servers import mark_keyed
 
 AUTH_HEADER = "X-Kvguard-Auth"
 REPLAY_CACHE_ENTRIES = 1 << 20
@@ -293,6 +294,7 @@ def control_auth_middleware(verifier: ControlVerifier, failures: Counter, body_t
             verifier.verify_body(head, body)
         except AuthError as exc:
             raise refuse(exc) from None
+        mark_keyed(request)
         return await handler(request)
 
     return middleware

@@ -80,8 +80,7 @@ def run_worker(args: WorkerArgs) -> int:
         print(f"kvguard worker: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve([(served.main, listeners.main), (served.metrics, listeners.metrics)], header_timeout_s=args.header_timeout,
-                      drain=served.drain, max_connections=args.max_connections, registry=served.registry,
-                      internal_main=served.internal))  # fmt: skip
+                      drain=served.drain, max_connections=args.max_connections, registry=served.registry))  # fmt: skip
     return 0
 
 
@@ -92,7 +91,6 @@ class Served(NamedTuple):
     metrics: web.Application
     drain: Drain
     registry: CollectorRegistry  # what /metrics serves: the listeners' connection counts join it (ListenerMetrics)
-    internal: bool = False  # `main` is an internal control API, which only the router calls (serve's internal_main)
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -180,17 +178,12 @@ def app_runner(app: web.Application, header_timeout_s: float) -> web.AppRunner:
 
 async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_timeout_s: float = 30.0,
                 drain: Drain | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                registry: CollectorRegistry | None = None, internal_main: bool = False) -> None:  # fmt: skip
+                registry: CollectorRegistry | None = None) -> None:  # fmt: skip
     """Run every (application, socket) pair until SIGTERM or SIGINT, then clean up in reverse.
     On SIGTERM, `drain` (if any) runs first: the requests held are finished (see Drain). Each
     listener keeps at most `max_connections` open (CappedSockSite), fewer if the open-file limit
     would not hold them all. With a `registry`, the listeners' open and refused connections are
-    in it (ListenerMetrics; the first pair is the `main` listener, the second `metrics`).
-
-    `internal_main`: the first listener is a worker's internal control API. Its kept-alive
-    connections are the router's pool (a caller without the key is closed once answered), never
-    closed to make room: closed there, the router's next call opened a new connection into a
-    full listener and got 503, and only two of its calls are sent again (a review)."""
+    in it (ListenerMetrics; the first pair is the `main` listener, the second `metrics`)."""
     quiet_malformed_requests()
     stop = asyncio.Event()
     received: list[int] = []
@@ -216,8 +209,6 @@ async def serve(sites: Sequence[tuple[web.Application, socket.socket]], header_t
             await runner.setup()
             runners.append(runner)
             site = CappedSockSite(runner, sock, cap)
-            if internal_main and not capped:
-                site.kept_idle_s = math.inf
             await site.start()
             capped.append(site)
             main_site = main_site or site
@@ -267,7 +258,7 @@ class ListenerConnection(RequestHandler):
     - it says whether it has a request in hand (`waiting`, `requests_read`, `answered`, `body_since`):
       one without is what CappedSockSite closes to make room at its cap."""
 
-    __slots__ = ("answered", "answered_at", "body_since", "made_at")
+    __slots__ = ("answered", "answered_at", "body_since", "keyed", "made_at")
 
     def __init__(self, manager: web.Server, *, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -278,6 +269,8 @@ class ListenerConnection(RequestHandler):
         """Event-loop time its last answer was sent (when it was made, before its first)."""
         self.body_since: float | None = None
         """Event-loop time its request began reading its body (`reading_body`), None if it does not."""
+        self.keyed = False
+        """It carried a call signed with the control key, whole and fresh (`mark_keyed`): the router's."""
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:  # fmt: skip
@@ -444,11 +437,22 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float,
         elif connection.answered == connection.requests_read:
             if not connection.waiting and connection.answered_at <= drained_since:
                 draining, drained_since = connection, connection.answered_at
-            elif connection.waiting and connection.answered_at <= kept_since:
+            elif connection.waiting and not connection.keyed and connection.answered_at <= kept_since:
                 kept, kept_since = connection, connection.answered_at
         elif connection.body_since is not None and connection.body_since <= slow_since:
             slow_body, slow_since = connection, connection.body_since
     return draining or slow_body or kept
+
+
+def mark_keyed(request: web.BaseRequest) -> None:
+    """The request's connection carried a call signed with the control key, verified whole (its
+    nonce fresh: a replayed header marks nothing). Kept alive, it is the router's pool to a worker:
+    never closed to make room (`_room_to_make`). Closed there, the router's next call met a full
+    listener and got 503, and only two of its calls are sent again (a review); exempting the whole
+    internal listener instead let a client without the key hold it with kept-alive connections
+    that aiohttp answers before any check (`Expect: x`, 417: a review)."""
+    if isinstance(connection := request.protocol, ListenerConnection):
+        connection.keyed = True
 
 
 @contextlib.contextmanager
@@ -689,7 +693,7 @@ def build_engine_worker(args: WorkerArgs, faults: Faults, listeners: Listeners) 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(lambda _: engine.stop())
     drain = Drain(idle=lambda: not runtime.jobs.by_id, begin=close_connections_once_draining(app), grace_s=args.drain_timeout)
-    return Served(app, runtime.metrics_app(), drain, runtime.registry, internal=True)
+    return Served(app, runtime.metrics_app(), drain, runtime.registry)
 
 
 def close_connections_once_draining(app: web.Application) -> Callable[[], None]:
