@@ -247,4 +247,7 @@ def test_a_rollouts_gate_repeats_the_determinism_request_at_least_30_times(store
     choice from that default: the gate runs at least 30, more where written."""
     spec = set_path(tiny_model(), "spec.canary.determinism.repetitions", stored)["spec"]
     assert InferenceModelSpec.model_validate(spec).canary_to_run().determinism.repetitions == run
+    from kvguard.commands.canary import _gate_repetitions  # kvguard canary -f on the manifest, alike
+
+    assert _gate_repetitions(spec["canary"])["determinism"]["repetitions"] == run
     assert InferenceModelSpec.model_validate(tiny_model()["spec"]).canary_to_run().determinism.repetitions == 30

@@ -391,3 +391,6 @@ def test_weights_named_by_an_index_pass_serves_folder_check(tmp_path: Path) -> N
     assert _model_folder_problem(tmp_path) is None
     (tmp_path / "model.safetensors.index.json").write_text("[]")
     assert (_model_folder_problem(tmp_path) or "").startswith("has a model.safetensors.index.json that is not an index of weights")
+    for weight_map in ({}, {"w": None}):  # names nothing: the engine found no weights (a review)
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        assert _model_folder_problem(tmp_path) == "has a model.safetensors.index.json whose weight_map names no file, or not by name"

@@ -144,6 +144,9 @@ def _apply(args: argparse.Namespace, model: Any, policies: list[Any], state_dir:
             except KeyboardInterrupt:
                 mark_interrupted(backend)  # the status says nothing drives it now (`kvguard status`)
                 raise
+            except TimeoutError:
+                mark_interrupted(backend, f"stopped at its --timeout of {args.timeout:g} s")
+                raise
     except PlanInputError as exc:
         return _bad_input(*(f"{field}: {message}" for field, message in exc.problems))
     except FrontDoorDown as exc:  # mid-rollout, writing the split: as when the rollout rests, exit 1

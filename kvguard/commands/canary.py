@@ -163,7 +163,7 @@ def _load_spec(path: Path | None, probes: str | None) -> Any:
             raise ValueError(f"{path}: {len(documents)} YAML documents; a canary spec is one")
         data = documents[0] if documents else {}
         if isinstance(data, dict) and "kind" in data:
-            data = _model_canary(_model_spec(path, data))
+            data = _gate_repetitions(_model_canary(_model_spec(path, data)))
     try:
         spec = CanarySpec.model_validate(data)
         if probes is not None:
@@ -227,6 +227,21 @@ def _model_canary(spec: Any) -> Any:
         # cluster holds an older CRD's default of 2, whatever its minKVRatio (a review).
         return {**canary, "capacity": {**capacity, "minRatio": ratio}}
     return canary
+
+
+def _gate_repetitions(canary: Any) -> Any:
+    """A manifest's determinism repeats as the operator's gate runs them: at least GATE_REPETITIONS
+    (InferenceModelSpec.canary_to_run). A model read back from a cluster holds an older CRD's 2,
+    which ran here where the gate runs 30 (a review). A CanarySpec file runs what it says."""
+    from kvguard.operator.canary.spec import GATE_REPETITIONS
+
+    determinism = canary.get("determinism") if isinstance(canary, dict) else None
+    if not isinstance(determinism, dict):
+        return canary  # the default, or a bad value refused by field
+    repetitions = determinism.get("repetitions")
+    if not isinstance(repetitions, int) or isinstance(repetitions, bool) or repetitions >= GATE_REPETITIONS:
+        return canary
+    return {**canary, "determinism": {**determinism, "repetitions": GATE_REPETITIONS}}
 
 
 def _field_errors(exc: Any, prefix: str = "") -> str:

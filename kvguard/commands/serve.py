@@ -117,10 +117,12 @@ def _weights_problem(folder: Path) -> str | None:
     if not index.is_file():
         return None if any(folder.glob("*.safetensors")) else "has no *.safetensors weights (nor a model.safetensors.index.json naming them)"
     try:
-        named = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
-        missing = sorted({str(name) for name in named if not (folder / str(name)).is_file()})
+        named = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, OSError) as exc:
         return f"has a model.safetensors.index.json that is not an index of weights ({type(exc).__name__}: {exc})"
+    if not named or not all(isinstance(name, str) and name for name in named):
+        return "has a model.safetensors.index.json whose weight_map names no file, or not by name"
+    missing = sorted({name for name in named if not (folder / name).is_file()})
     return f"lacks {len(missing)} weight file(s) its index names, e.g. {missing[0]}" if missing else None
 
 

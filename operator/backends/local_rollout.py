@@ -250,7 +250,7 @@ def _with_faults(annotations: Mapping[str, str] | None, faults: str) -> dict[str
     return wanted
 
 
-def mark_interrupted(backend: LocalBackend) -> None:
+def mark_interrupted(backend: LocalBackend, why: str = "was interrupted") -> None:
     """What the status says once `kvguard apply` was interrupted mid-rollout: nothing drives it
     any more, so a Progressing (or CanaryPassed) condition left True / Unknown by the last pass
     says so. It said "CanaryRunning: canary suite running" with Progressing True after Ctrl-C,
@@ -265,7 +265,7 @@ def mark_interrupted(backend: LocalBackend) -> None:
         current = find_condition(conditions, type_)
         if current is None or current.status != unfinished or current.reason == "Interrupted":
             continue
-        message = f"kvguard apply was interrupted ({current.reason}: {current.message}); run it again to resume"
+        message = f"kvguard apply {why} ({current.reason}: {current.message}); run it again to resume"
         conditions = set_condition(conditions, make_condition(type_, status_now, "Interrupted", message, now=now,
                                                               generation=current.observed_generation))  # fmt: skip
         changed = True
@@ -274,7 +274,7 @@ def mark_interrupted(backend: LocalBackend) -> None:
         # The phase stays: it is where the rollout stopped. The message, which `kvguard status`
         # prints under it, says that nothing drives it (a review: it still said the suite ran).
         stopped_at = f" ({status['message']})" if status.get("message") else ""
-        status["message"] = f"kvguard apply was interrupted{stopped_at}; run it again to resume"
+        status["message"] = f"kvguard apply {why}{stopped_at}; run it again to resume"
         backend.state.status = status
         backend.state.status_version += 1
         backend.save()
