@@ -421,7 +421,8 @@ def _room_to_make(connections: Iterable[RequestHandler], old_since: float,
     connection) held all 4,096 places for as long as it ran, and every new tenant got 503 (an
     outside probe). Now it must use each connection every KEPT_IDLE_S. A kept-alive client closed
     while idle opens a new connection for its next request, as HTTP clients do (a flood of more
-    than the cap in MIN_AGE_S may then refuse it)."""
+    than the cap in MIN_AGE_S may then refuse it). Never closed for a newcomer: a `keyed`
+    connection, the router's pool to a worker (`mark_keyed`)."""
     draining: ListenerConnection | None = None
     drained_since = old_since
     slow_body: ListenerConnection | None = None
