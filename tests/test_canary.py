@@ -548,11 +548,15 @@ def test_cli_reads_canary_section_of_an_inference_model(server: RunningServer, t
     manifest = tmp_path / "model.yaml"
     manifest.write_text(
         "apiVersion: kvguard.io/v1alpha1\nkind: InferenceModel\nmetadata: {name: m}\n"
-        "spec:\n  canary:\n    golden: {enabled: false}\n    determinism: {repetitions: 3}\n"
+        "spec:\n  canary:\n    golden: {enabled: false}\n    determinism: {repetitions: 40}\n"
         "    isolation: {enabled: false}\n    overLength: {enabled: false}\n    abort: {enabled: false}\n"
     )
     assert cli_main(["canary", "--url", server.url, "--spec", str(manifest)]) == 0
-    assert "3 identical runs" in capsys.readouterr().out
+    assert "40 identical runs" in capsys.readouterr().out
+    # Fewer than the gate's 30 run as 30 on a manifest, as the operator runs them (canary_to_run).
+    manifest.write_text(manifest.read_text().replace("repetitions: 40", "repetitions: 3"))
+    assert cli_main(["canary", "--url", server.url, "--spec", str(manifest)]) == 0
+    assert "30 identical runs" in capsys.readouterr().out
 
 
 async def test_a_404_for_the_model_names_the_model_not_the_api() -> None:
