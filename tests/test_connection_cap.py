@@ -30,6 +30,15 @@ async def _get(port: int) -> bytes:
     return answer
 
 
+async def _kept_alive(port: int, path: bytes = b"/", answer: bytes = b"ok") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose one request (GET `path`) was answered and which is kept alive: idle."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    await asyncio.wait_for(reader.readuntil(answer), timeout=30)
+    return reader, writer
+
+
 HELD: list[None] = []  # a request of GET /hold being handled, one entry each
 RELEASE: list[asyncio.Event] = []  # set: every GET /hold answers
 
@@ -131,11 +140,7 @@ async def test_a_kept_alive_connection_answered_lately_is_not_closed_to_make_roo
     """Three reviews: closed to make room (by age, then by idle time), a keep-alive client lost a
     request sent on the heels of an answer. One answered within KEPT_IDLE_S keeps its place."""
     async with capped_listener(2) as (site, _runner, port):
-        kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        for reader, writer in kept:
-            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            await writer.drain()
-            await asyncio.wait_for(reader.readuntil(b"ok"), timeout=30)
+        kept = [await _kept_alive(port) for _ in range(2)]
         assert (await _get(port)).startswith(b"HTTP/1.1 503 ")  # kept_idle_s is an hour: both in use
         assert (site.evicted, site.refused) == (0, 1)
         for reader, writer in kept:  # both still served
@@ -152,11 +157,7 @@ async def test_a_kept_alive_connection_idle_long_makes_room_last_and_its_client_
     kind (here: a slow body first), the one idle longest first; its client reconnects."""
     async with capped_listener(3) as (site, runner, port):
         site.kept_idle_s = 0.0
-        kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-        for reader, writer in kept:  # the first answered first: idle longest
-            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            await writer.drain()
-            await asyncio.wait_for(reader.readuntil(b"ok"), timeout=30)
+        kept = [await _kept_alive(port) for _ in range(2)]  # the first answered first: idle longest
         slow_reader, slow = await asyncio.open_connection("127.0.0.1", port)
         slow.write(b"POST /body HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
         await slow.drain()
@@ -458,14 +459,8 @@ async def test_a_kept_alive_connection_that_showed_the_control_key_is_never_clos
     (`mark_keyed`, from control_auth) keeps its place; any other idle one makes room."""
     async with capped_listener(2) as (site, runner, port):
         site.kept_idle_s = 0.0
-        keyed_reader, keyed = await asyncio.open_connection("127.0.0.1", port)
-        keyed.write(b"GET /keyed HTTP/1.1\r\nHost: x\r\n\r\n")
-        await keyed.drain()
-        await asyncio.wait_for(keyed_reader.readuntil(b"keyed"), timeout=30)
-        other_reader, other = await asyncio.open_connection("127.0.0.1", port)
-        other.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await other.drain()
-        await asyncio.wait_for(other_reader.readuntil(b"ok"), timeout=30)
+        keyed_reader, keyed = await _kept_alive(port, b"/keyed", b"keyed")
+        other_reader, other = await _kept_alive(port)
         assert (await _get(port)).startswith(b"HTTP/1.1 200")  # the unkeyed one made room
         assert await asyncio.wait_for(other_reader.read(), timeout=30) == b""
         keyed.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # the keyed one still serves
