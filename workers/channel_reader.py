@@ -153,28 +153,8 @@ class ChannelReader:
     async def _run(self, opened: asyncio.Future[OpenChannel]) -> None:
         # What the clients hear is what happened, in words; the log has aiohttp's.
         reason = "the decode worker ended it"
-        channel: OpenChannel | None = None
         try:
-            for last in (False, True):
-                try:
-                    async with self.open_stream() as resp:
-                        if resp.status != 200:
-                            raise ChannelLost(f"the decode worker refused it (HTTP {resp.status})")
-                        lines = read_lines(resp.content)
-                        first = await anext(lines, b"")
-                        channel = OpenChannel(ChannelOpened.model_validate_json(first).channel)
-                        opened.set_result(channel)
-                        async for line in lines:
-                            channel.hand_over(line)
-                    break
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                    if last or opened.done() or isinstance(exc, aiohttp.ClientConnectorError):
-                        raise
-                    # Closed before decode answered: a pooled connection to the process a restart
-                    # replaced. Every request waiting for the channel failed with a 502 for about a
-                    # second after a decode worker was killed (an outside probe). Opening it again
-                    # is safe: nothing was opened.
-                    log.info("token channel: the connection closed before decode answered (%r); opening it once more", exc)
+            await self._read_again_if_unanswered(opened)
         except asyncio.CancelledError:
             reason = "the router is shutting down, or the decode worker restarted"
             raise
@@ -190,12 +170,40 @@ class ChannelReader:
             reason = "the router failed reading it"
             log.exception("token channel: reading failed")
         finally:
+            # `opened` is shielded from its waiters' cancellation: done means opened or refused.
+            channel = opened.result() if opened.done() and opened.exception() is None else None
             if not opened.done():
                 opened.set_exception(ChannelLost(f"no token channel to the decode worker: {reason}; try again"))
             if self._opened is opened:
                 self._opened = None
             if channel is not None:
                 channel.lose(ChannelLost(f"the decode worker's token channel closed: {reason}; try again"))
+
+    async def _read_again_if_unanswered(self, opened: asyncio.Future[OpenChannel]) -> None:
+        """`_read`, and once more if its connection closed before decode answered: a pooled
+        connection to the process a restart replaced. Every request waiting for the channel failed
+        with a 502 for about a second after a decode worker was killed (an outside probe). Opening
+        it again is safe: nothing was opened."""
+        try:
+            await self._read(opened)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if opened.done() or isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            log.info("token channel: the connection closed before decode answered (%r); opening it once more", exc)
+            await self._read(opened)
+
+    async def _read(self, opened: asyncio.Future[OpenChannel]) -> None:
+        """One opening: decode's answer names the channel (`opened`), then each event goes to its
+        request's inbox until the stream ends."""
+        async with self.open_stream() as resp:
+            if resp.status != 200:
+                raise ChannelLost(f"the decode worker refused it (HTTP {resp.status})")
+            lines = read_lines(resp.content)
+            first = await anext(lines, b"")
+            channel = OpenChannel(ChannelOpened.model_validate_json(first).channel)
+            opened.set_result(channel)
+            async for line in lines:
+                channel.hand_over(line)
 
 
 class LineTooLong(ValueError):
